@@ -1,0 +1,145 @@
+#include "client/client.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/str_cat.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+
+namespace optimd {
+
+absl::Status FromGrpcStatus(const grpc::Status& s) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                      s.error_message());
+}
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Create(
+    const std::string& target, const ClientOptions& options) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);
+  args.SetMaxSendMessageSize(-1);
+  auto channel = grpc::CreateCustomChannel(
+      target, grpc::InsecureChannelCredentials(), args);
+  if (!channel->WaitForConnected(absl::ToChronoTime(
+          absl::Now() + options.connect_timeout))) {
+    return absl::UnavailableError(absl::StrCat(
+        "no optimd daemon answers at ", target, " (waited ",
+        absl::FormatDuration(options.connect_timeout),
+        "); start it with bazel-bin/server/optimd --listen=", target));
+  }
+  return std::unique_ptr<Client>(new Client(std::move(channel), options));
+}
+
+Client::Client(std::shared_ptr<grpc::Channel> channel,
+               const ClientOptions& options)
+    : options_(options),
+      channel_(std::move(channel)),
+      stub_(v1::Optimizer::NewStub(channel_)) {}
+
+void Client::Prepare(grpc::ClientContext* context) const {
+  context->set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+  if (!token_.empty()) context->AddMetadata("x-optimd-session", token_);
+}
+
+absl::StatusOr<v1::CreateSessionResponse> Client::CreateSession(
+    const v1::CreateSessionRequest& request) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+  v1::CreateSessionResponse response;
+  absl::Status s =
+      FromGrpcStatus(stub_->CreateSession(&context, request, &response));
+  if (!s.ok()) return s;
+  token_ = response.session_token();
+  return response;
+}
+
+absl::Status Client::CloseSession() {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::CloseSessionResponse response;
+  absl::Status s = FromGrpcStatus(
+      stub_->CloseSession(&context, v1::CloseSessionRequest(), &response));
+  if (s.ok()) token_.clear();
+  return s;
+}
+
+absl::StatusOr<v1::RegisterGroupResponse> Client::RegisterGroup(
+    const v1::RegisterGroupRequest& request) {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::RegisterGroupResponse response;
+  absl::Status s =
+      FromGrpcStatus(stub_->RegisterGroup(&context, request, &response));
+  if (!s.ok()) return s;
+  return response;
+}
+
+absl::Status Client::UnregisterGroup(const std::string& group_id) {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::UnregisterGroupRequest request;
+  request.set_group_id(group_id);
+  v1::UnregisterGroupResponse response;
+  return FromGrpcStatus(stub_->UnregisterGroup(&context, request, &response));
+}
+
+absl::Status Client::UpdateBuffers(const v1::UpdateBuffersRequest& request) {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::UpdateBuffersResponse response;
+  return FromGrpcStatus(stub_->UpdateBuffers(&context, request, &response));
+}
+
+absl::StatusOr<v1::StepResponse> Client::Step(const v1::StepRequest& request) {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::StepResponse response;
+  absl::Status s = FromGrpcStatus(stub_->Step(&context, request, &response));
+  if (!s.ok()) return s;
+  return response;
+}
+
+absl::StatusOr<v1::GetParamsResponse> Client::GetParams(
+    const v1::GetParamsRequest& request) {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::GetParamsResponse response;
+  absl::Status s =
+      FromGrpcStatus(stub_->GetParams(&context, request, &response));
+  if (!s.ok()) return s;
+  return response;
+}
+
+absl::StatusOr<v1::ListSessionsResponse> Client::ListSessions() {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::ListSessionsResponse response;
+  absl::Status s = FromGrpcStatus(
+      stub_->ListSessions(&context, v1::ListSessionsRequest(), &response));
+  if (!s.ok()) return s;
+  return response;
+}
+
+absl::StatusOr<v1::GetMetricsResponse> Client::GetMetrics() {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::GetMetricsResponse response;
+  absl::Status s = FromGrpcStatus(
+      stub_->GetMetrics(&context, v1::GetMetricsRequest(), &response));
+  if (!s.ok()) return s;
+  return response;
+}
+
+absl::StatusOr<std::string> Client::Health() {
+  auto stub = grpc::health::v1::Health::NewStub(channel_);
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+  grpc::health::v1::HealthCheckResponse response;
+  absl::Status s = FromGrpcStatus(stub->Check(
+      &context, grpc::health::v1::HealthCheckRequest(), &response));
+  if (!s.ok()) return s;
+  return grpc::health::v1::HealthCheckResponse::ServingStatus_Name(
+      response.status());
+}
+
+}  // namespace optimd

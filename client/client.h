@@ -1,0 +1,69 @@
+// The optimd C++ client: one channel to a daemon and, after CreateSession,
+// one session. Every call carries a deadline. Not thread-safe for
+// CreateSession/CloseSession; other calls may run concurrently.
+#ifndef OPTIMD_CLIENT_CLIENT_H_
+#define OPTIMD_CLIENT_CLIENT_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "optimd/v1/optimd.grpc.pb.h"
+
+namespace optimd {
+
+struct ClientOptions {
+  // Deadline of every call.
+  absl::Duration timeout = absl::Seconds(60);
+  // How long Create waits for the channel to connect.
+  absl::Duration connect_timeout = absl::Seconds(10);
+};
+
+class Client {
+ public:
+  // Connects to `target` ("unix:/path" or "host:port"); UNAVAILABLE if no
+  // daemon answers within options.connect_timeout.
+  static absl::StatusOr<std::unique_ptr<Client>> Create(
+      const std::string& target, const ClientOptions& options = {});
+
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  // Opens a session; later calls carry its token.
+  absl::StatusOr<v1::CreateSessionResponse> CreateSession(
+      const v1::CreateSessionRequest& request);
+  absl::Status CloseSession();
+  absl::StatusOr<v1::RegisterGroupResponse> RegisterGroup(
+      const v1::RegisterGroupRequest& request);
+  absl::Status UnregisterGroup(const std::string& group_id);
+  absl::Status UpdateBuffers(const v1::UpdateBuffersRequest& request);
+  absl::StatusOr<v1::StepResponse> Step(const v1::StepRequest& request);
+  absl::StatusOr<v1::GetParamsResponse> GetParams(
+      const v1::GetParamsRequest& request);
+  absl::StatusOr<v1::ListSessionsResponse> ListSessions();
+  absl::StatusOr<v1::GetMetricsResponse> GetMetrics();
+  // The grpc.health.v1 status of the daemon: "SERVING", "NOT_SERVING", ...
+  absl::StatusOr<std::string> Health();
+
+  const std::string& session_token() const { return token_; }
+  // Uses another session's token (tests; tools).
+  void set_session_token(std::string token) { token_ = std::move(token); }
+
+ private:
+  Client(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options);
+  void Prepare(grpc::ClientContext* context) const;
+
+  const ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Optimizer::Stub> stub_;
+  std::string token_;
+};
+
+// gRPC status to absl::Status (same code table), keeping the message.
+absl::Status FromGrpcStatus(const grpc::Status& s);
+
+}  // namespace optimd
+
+#endif  // OPTIMD_CLIENT_CLIENT_H_

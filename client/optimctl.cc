@@ -1,0 +1,79 @@
+// optimctl: the operator's command line for a running optimd daemon.
+//
+//   optimctl [--target=unix:/path] health     grpc.health.v1 status
+//   optimctl [--target=unix:/path] metrics    Prometheus text
+//   optimctl [--target=unix:/path] sessions   open sessions, one per line
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_join.h"
+#include "client/client.h"
+#include "client/default_address.h"
+
+ABSL_FLAG(std::string, target, "",
+          "Daemon address; default: the daemon's default socket "
+          "($OPTIMD_ADDRESS, $XDG_RUNTIME_DIR/optimd.sock or "
+          "/tmp/optimd-<uid>.sock).");
+ABSL_FLAG(int, timeout_s, 10, "Deadline of each call, in seconds.");
+
+namespace {
+
+int Fail(const absl::Status& s) {
+  std::fprintf(stderr, "optimctl: %s\n", s.ToString().c_str());
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "optimctl [--target=ADDR] health|metrics|sessions");
+  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  if (args.size() != 2) {
+    std::fprintf(stderr, "usage: %s\n", absl::ProgramUsageMessage().data());
+    return 2;
+  }
+  const std::string command = args[1];
+  if (command != "health" && command != "metrics" && command != "sessions") {
+    std::fprintf(stderr, "optimctl: unknown command '%s'; use health, "
+                 "metrics or sessions\n", command.c_str());
+    return 2;
+  }
+  std::string target = absl::GetFlag(FLAGS_target);
+  if (target.empty()) target = optimd::DefaultAddress();
+  optimd::ClientOptions options;
+  options.timeout = absl::Seconds(absl::GetFlag(FLAGS_timeout_s));
+  options.connect_timeout = options.timeout;
+  auto client = optimd::Client::Create(target, options);
+  if (!client.ok()) return Fail(client.status());
+
+  if (command == "health") {
+    auto status = (*client)->Health();
+    if (!status.ok()) return Fail(status.status());
+    std::printf("%s\n", status->c_str());
+    return *status == "SERVING" ? 0 : 1;
+  }
+  if (command == "metrics") {
+    auto metrics = (*client)->GetMetrics();
+    if (!metrics.ok()) return Fail(metrics.status());
+    std::fputs(metrics->prometheus_text().c_str(), stdout);
+    return 0;
+  }
+  auto sessions = (*client)->ListSessions();
+  if (!sessions.ok()) return Fail(sessions.status());
+  std::printf("%-24s %5s %5s %6s %10s %10s %14s  %s\n", "JOB", "RANK", "WORLD",
+              "DEVICE", "STEPS", "SKIPPED", "STATE_BYTES", "GROUPS");
+  for (const auto& s : sessions->sessions()) {
+    std::printf("%-24s %5u %5u %6d %10llu %10llu %14llu  %s\n",
+                s.job_id().c_str(), s.rank(), s.world_size(), s.device(),
+                static_cast<unsigned long long>(s.steps()),
+                static_cast<unsigned long long>(s.skipped_steps()),
+                static_cast<unsigned long long>(s.state_bytes()),
+                absl::StrJoin(s.group_ids(), ",").c_str());
+  }
+  return 0;
+}

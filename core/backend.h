@@ -1,0 +1,91 @@
+// The interface between sessions (core) and the memory and kernels of one
+// backend (CPU reference or CUDA). A session calls it only from the device
+// worker that owns the backend, so implementations need not be thread-safe
+// except where a method says so.
+#ifndef OPTIMD_CORE_BACKEND_H_
+#define OPTIMD_CORE_BACKEND_H_
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "core/buffer.h"
+#include "core/group.h"
+
+namespace optimd {
+
+enum class BackendKind { kCpu, kCuda };
+
+absl::string_view BackendKindName(BackendKind k);
+
+// Counters shared by the backend and the sessions; read by metrics.
+struct Counters {
+  std::atomic<uint64_t> plan_builds{0};
+  std::atomic<uint64_t> plan_entry_updates{0};
+  std::atomic<uint64_t> steps{0};
+  std::atomic<uint64_t> skipped_steps{0};
+};
+
+struct StepOptions {
+  // Gradients are divided by this (1 when <= 0).
+  double grad_scale = 1.0;
+  // Clip the global gradient norm to this; <= 0 disables clipping.
+  double max_grad_norm = 0.0;
+};
+
+struct StepOutcome {
+  bool skipped = false;
+  // L2 norm of the unscaled gradients (before clipping); computed every step.
+  double grad_norm = 0.0;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual BackendKind kind() const = 0;
+
+  // Maps (or finds cached) a trainer buffer region; checks it against the
+  // real segment or allocation. `what` names the tensor in errors.
+  // Thread-safe.
+  virtual absl::StatusOr<BufferRef> ResolveBuffer(const BufferHandle& handle,
+                                                  uint64_t alignment,
+                                                  const std::string& what) = 0;
+
+  // Allocates zeroed state memory. Thread-safe.
+  virtual absl::StatusOr<StateStorage> AllocateState(uint64_t bytes) = 0;
+
+  // Initializes a new group's master weights from its parameters (moments
+  // are already zero) and builds its plan.
+  virtual absl::Status PrepareGroup(Group& group) = 0;
+
+  // Points plan entry `entry` of `group` at the tensor's current buffers.
+  virtual void UpdatePlanEntry(Group& group, uint32_t entry) = 0;
+
+  // One optimizer step over all `groups` of a session: gradient statistics
+  // over every group first, then, unless skipped, the update of each group
+  // with t = group->step + 1. Does not change step counters.
+  virtual absl::StatusOr<StepOutcome> Step(const std::vector<Group*>& groups,
+                                           const StepOptions& options) = 0;
+
+  // Writes master weights into the trainer's parameter buffers.
+  virtual absl::Status WriteParams(Group& group) = 0;
+
+  // Checks that the distinct mappings (BufferRef::mapping) a session uses are
+  // still valid, e.g. that no shared-memory segment was shrunk under them.
+  // Cheap, allocation-free; called before every step.
+  virtual absl::Status CheckMappings(
+      const std::vector<std::shared_ptr<const void>>& mappings) = 0;
+
+  Counters& counters() { return counters_; }
+
+ private:
+  Counters counters_;
+};
+
+}  // namespace optimd
+
+#endif  // OPTIMD_CORE_BACKEND_H_

@@ -1,0 +1,126 @@
+#include "core/cpu_backend.h"
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace optimd {
+
+absl::string_view BackendKindName(BackendKind k) {
+  return k == BackendKind::kCpu ? "cpu" : "cuda";
+}
+
+CpuBackend::CpuBackend(const Options& options)
+    : options_(options), pool_(options.threads) {
+  partial_sums_.assign(static_cast<size_t>(pool_.size()) * 8, 0.0);
+}
+
+absl::StatusOr<BufferRef> CpuBackend::ResolveBuffer(const BufferHandle& handle,
+                                                    uint64_t alignment,
+                                                    const std::string& what) {
+  return segments_.Resolve(handle, alignment, what);
+}
+
+absl::StatusOr<StateStorage> CpuBackend::AllocateState(uint64_t bytes) {
+  if (bytes == 0) return StateStorage();
+  constexpr uint64_t kAlign = 64;
+  const uint64_t rounded = (bytes + kAlign - 1) / kAlign * kAlign;
+  void* p = std::aligned_alloc(kAlign, rounded);
+  if (p == nullptr) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot allocate ", bytes, " bytes of optimizer state"));
+  }
+  std::memset(p, 0, rounded);
+  return StateStorage(static_cast<uint8_t*>(p), bytes,
+                      [](uint8_t* q) { std::free(q); });
+}
+
+absl::Status CpuBackend::PrepareGroup(Group& group) {
+  BuildPlan(group, options_.chunk_elements);
+  counters().plan_builds.fetch_add(1, std::memory_order_relaxed);
+  const Plan& plan = group.plan;
+  pool_.ParallelFor(plan.items.size(), [&](uint64_t i, int) {
+    const PlanItem& item = plan.items[i];
+    InitMasterRange(plan.layouts[item.entry], plan.entries[item.entry],
+                    item.begin, item.end);
+  });
+  // Frozen tensors are never stepped but keep a master copy for GetParams and
+  // checkpoints.
+  for (TensorEntry& t : group.tensors) {
+    if (t.frozen && t.numel > 0) {
+      InitMasterRange(t.layout, t.Pointers(), 0, t.numel);
+    }
+  }
+  return absl::OkStatus();
+}
+
+void CpuBackend::UpdatePlanEntry(Group& group, uint32_t entry) {
+  group.plan.entries[entry] =
+      group.tensors[group.plan.tensor_index[entry]].Pointers();
+  counters().plan_entry_updates.fetch_add(1, std::memory_order_relaxed);
+}
+
+absl::StatusOr<StepOutcome> CpuBackend::Step(const std::vector<Group*>& groups,
+                                             const StepOptions& options) {
+  StepOutcome out;
+  // Pass 1: the sum of squares of every gradient of the session. A
+  // non-finite element makes the sum non-finite.
+  double sumsq = 0.0;
+  for (Group* g : groups) {
+    const Plan& plan = g->plan;
+    if (plan.items.empty()) continue;
+    std::fill(partial_sums_.begin(), partial_sums_.end(), 0.0);
+    pool_.ParallelFor(plan.items.size(), [&](uint64_t i, int worker) {
+      const PlanItem& item = plan.items[i];
+      partial_sums_[static_cast<size_t>(worker) * 8] += GradSumSquaresRange(
+          plan.layouts[item.entry].grad_dtype, plan.entries[item.entry].grad,
+          item.begin, item.end);
+    });
+    for (int w = 0; w < pool_.size(); ++w) sumsq += partial_sums_[w * 8];
+  }
+  const double scale = options.grad_scale > 0 ? options.grad_scale : 1.0;
+  if (!std::isfinite(sumsq)) {
+    out.skipped = true;
+    out.grad_norm = std::numeric_limits<double>::quiet_NaN();
+    return out;
+  }
+  out.grad_norm = std::sqrt(sumsq) / scale;
+  double clip = 1.0;
+  if (options.max_grad_norm > 0) {
+    // torch.nn.utils.clip_grad_norm_: coef = max / (norm + 1e-6), at most 1.
+    clip = std::min(1.0, options.max_grad_norm / (out.grad_norm + 1e-6));
+  }
+  // Pass 2: the update, one parallel loop per group.
+  for (Group* g : groups) {
+    const Plan& plan = g->plan;
+    if (plan.items.empty()) continue;
+    const StepScalars s = MakeStepScalars(g->hyper, g->step + 1, scale, clip);
+    pool_.ParallelFor(plan.items.size(), [&](uint64_t i, int) {
+      const PlanItem& item = plan.items[i];
+      AdamWStepRange(plan.layouts[item.entry], plan.entries[item.entry],
+                     item.begin, item.end, s);
+    });
+  }
+  return out;
+}
+
+absl::Status CpuBackend::WriteParams(Group& group) {
+  for (TensorEntry& t : group.tensors) {
+    if (t.numel > 0) WriteParamFromMasterRange(t.layout, t.Pointers(), 0, t.numel);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::CheckMappings(
+    const std::vector<std::shared_ptr<const void>>& mappings) {
+  for (const auto& m : mappings) {
+    absl::Status s =
+        static_cast<const SharedMemorySegment*>(m.get())->CheckStillMapped();
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace optimd

@@ -1,0 +1,52 @@
+// The CPU backend: trainer buffers are POSIX shared-memory segments, state
+// lives in the daemon's heap, and steps run the reference kernels of
+// kernels/adamw_cpu.h over a thread pool. The embedded default, and the
+// reference every other backend is checked against.
+#ifndef OPTIMD_CORE_CPU_BACKEND_H_
+#define OPTIMD_CORE_CPU_BACKEND_H_
+
+#include <memory>
+
+#include "core/backend.h"
+#include "core/shm_segment.h"
+#include "core/thread_pool.h"
+
+namespace optimd {
+
+class CpuBackend final : public Backend {
+ public:
+  struct Options {
+    // Worker threads for steps; 0 means one per hardware thread.
+    int threads = 0;
+    // Elements per work item of a plan.
+    uint64_t chunk_elements = 1 << 16;
+  };
+
+  explicit CpuBackend(const Options& options);
+
+  BackendKind kind() const override { return BackendKind::kCpu; }
+  absl::StatusOr<BufferRef> ResolveBuffer(const BufferHandle& handle,
+                                          uint64_t alignment,
+                                          const std::string& what) override;
+  absl::StatusOr<StateStorage> AllocateState(uint64_t bytes) override;
+  absl::Status PrepareGroup(Group& group) override;
+  void UpdatePlanEntry(Group& group, uint32_t entry) override;
+  absl::StatusOr<StepOutcome> Step(const std::vector<Group*>& groups,
+                                   const StepOptions& options) override;
+  absl::Status WriteParams(Group& group) override;
+  absl::Status CheckMappings(
+      const std::vector<std::shared_ptr<const void>>& mappings) override;
+
+  const SegmentCache& segments() const { return segments_; }
+
+ private:
+  const Options options_;
+  SegmentCache segments_;
+  ThreadPool pool_;
+  // Per-worker partial sums, reused across steps (no allocation per step).
+  std::vector<double> partial_sums_;
+};
+
+}  // namespace optimd
+
+#endif  // OPTIMD_CORE_CPU_BACKEND_H_

@@ -1,0 +1,17 @@
+#include "core/dtype.h"
+
+namespace optimd {
+
+absl::string_view DTypeName(DType t) {
+  switch (t) {
+    case DType::kFloat32:
+      return "float32";
+    case DType::kBFloat16:
+      return "bfloat16";
+    case DType::kFloat16:
+      return "float16";
+  }
+  return "unknown";
+}
+
+}  // namespace optimd

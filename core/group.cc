@@ -1,0 +1,24 @@
+#include "core/group.h"
+
+#include <algorithm>
+
+namespace optimd {
+
+void BuildPlan(Group& group, uint64_t chunk_elements) {
+  Plan plan;
+  for (uint32_t i = 0; i < group.tensors.size(); ++i) {
+    const TensorEntry& t = group.tensors[i];
+    if (!t.Steppable()) continue;
+    const uint32_t entry = static_cast<uint32_t>(plan.entries.size());
+    plan.tensor_index.push_back(i);
+    plan.entries.push_back(t.Pointers());
+    plan.layouts.push_back(t.layout);
+    for (uint64_t b = 0; b < t.numel; b += chunk_elements) {
+      plan.items.push_back({entry, b, std::min(t.numel, b + chunk_elements)});
+    }
+    plan.elements += t.numel;
+  }
+  group.plan = std::move(plan);
+}
+
+}  // namespace optimd

@@ -1,0 +1,112 @@
+// A registered parameter group: hyperparameters, tensors with their resolved
+// buffers and daemon-owned state, the step counter, and the cached plan.
+#ifndef OPTIMD_CORE_GROUP_H_
+#define OPTIMD_CORE_GROUP_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/buffer.h"
+#include "core/layout.h"
+#include "kernels/adamw_cpu.h"
+
+namespace optimd {
+
+// A tensor as a client describes it, before validation.
+struct TensorSpec {
+  std::string name;
+  uint64_t numel = 0;
+  DType param_dtype = DType::kFloat32;
+  bool param_dtype_set = false;
+  BufferHandle param;
+  DType grad_dtype = DType::kFloat32;
+  bool grad_dtype_set = false;
+  BufferHandle grad;
+  bool keep_fp32 = false;
+  bool frozen = false;
+};
+
+// A group as a client describes it, before validation.
+struct GroupSpec {
+  std::string id;
+  AdamWHyper hyper;
+  MasterRequest master = MasterRequest::kDefault;
+  DType moment_dtype = DType::kFloat32;
+  std::vector<TensorSpec> tensors;
+};
+
+// One registered tensor. Owned by its Group.
+struct TensorEntry {
+  std::string name;
+  uint64_t numel = 0;
+  Layout layout;
+  bool keep_fp32 = false;
+  bool frozen = false;
+  BufferRef param;  // null data for zero-element tensors
+  BufferRef grad;   // null for frozen and zero-element tensors
+  StateStorage master;
+  StateStorage exp_avg;
+  StateStorage exp_avg_sq;
+  StateStorage max_exp_avg_sq;
+
+  // True when the tensor takes part in steps.
+  bool Steppable() const { return numel > 0 && !frozen; }
+  TensorPointers Pointers() const {
+    TensorPointers p;
+    p.param = param.data;
+    p.grad = grad.data;
+    p.master = master.data();
+    p.exp_avg = exp_avg.data();
+    p.exp_avg_sq = exp_avg_sq.data();
+    p.max_exp_avg_sq = max_exp_avg_sq.data();
+    return p;
+  }
+  uint64_t StateBytes() const {
+    return master.size() + exp_avg.size() + exp_avg_sq.size() +
+           max_exp_avg_sq.size();
+  }
+};
+
+// One unit of work: a contiguous element range of one plan entry.
+struct PlanItem {
+  uint32_t entry = 0;
+  uint64_t begin = 0;
+  uint64_t end = 0;
+};
+
+// The launch description of a group's step, built once at registration and
+// reused every step. Entries hold resolved pointers of steppable tensors
+// only; zero-element and frozen tensors never enter a plan.
+struct Plan {
+  std::vector<uint32_t> tensor_index;  // entry -> index into Group::tensors
+  std::vector<TensorPointers> entries;
+  std::vector<Layout> layouts;
+  std::vector<PlanItem> items;
+  uint64_t elements = 0;
+};
+
+struct Group {
+  std::string id;
+  AdamWHyper hyper;
+  MasterRequest master_request = MasterRequest::kDefault;
+  DType moment_dtype = DType::kFloat32;
+  // Applied steps; the next step runs with t = step + 1.
+  uint64_t step = 0;
+  std::vector<TensorEntry> tensors;
+  Plan plan;
+
+  uint64_t StateBytes() const {
+    uint64_t n = 0;
+    for (const auto& t : tensors) n += t.StateBytes();
+    return n;
+  }
+};
+
+// Builds `group.plan` from its tensors, splitting each steppable tensor into
+// items of at most `chunk_elements`.
+void BuildPlan(Group& group, uint64_t chunk_elements);
+
+}  // namespace optimd
+
+#endif  // OPTIMD_CORE_GROUP_H_

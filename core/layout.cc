@@ -1,0 +1,104 @@
+#include "core/layout.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace optimd {
+
+absl::string_view MasterKindName(MasterKind k) {
+  switch (k) {
+    case MasterKind::kNone:
+      return "none";
+    case MasterKind::kFp32:
+      return "fp32";
+    case MasterKind::kRemainder:
+      return "remainder";
+  }
+  return "unknown";
+}
+
+uint64_t Layout::MasterBytesPerElement() const {
+  switch (master) {
+    case MasterKind::kNone:
+      return 0;
+    case MasterKind::kFp32:
+      return 4;
+    case MasterKind::kRemainder:
+      return 2;
+  }
+  return 0;
+}
+
+uint64_t Layout::StateBytesPerElement() const {
+  return MasterBytesPerElement() +
+         MomentBytesPerElement() * (amsgrad ? 3 : 2);
+}
+
+std::string Layout::DebugString() const {
+  return absl::StrCat("param=", DTypeName(param_dtype),
+                      " grad=", DTypeName(grad_dtype),
+                      " moments=", DTypeName(moment_dtype),
+                      " master=", MasterKindName(master),
+                      amsgrad ? " amsgrad" : "");
+}
+
+absl::StatusOr<Layout> ResolveLayout(const std::string& tensor,
+                                     DType param_dtype, DType grad_dtype,
+                                     DType moment_dtype, MasterRequest master,
+                                     bool keep_fp32, bool amsgrad) {
+  Layout layout;
+  layout.param_dtype = param_dtype;
+  layout.grad_dtype = grad_dtype;
+  layout.amsgrad = amsgrad;
+  if (moment_dtype != DType::kFloat32 && moment_dtype != DType::kBFloat16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor '", tensor, "': moments can be float32 or "
+                     "bfloat16, not ", DTypeName(moment_dtype)));
+  }
+  layout.moment_dtype = moment_dtype;
+  if (keep_fp32) {
+    if (param_dtype != DType::kFloat32) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor '", tensor, "' is marked keep_fp32 but its parameter is ",
+          DTypeName(param_dtype), "; keep_fp32 is for fp32 parameters"));
+    }
+    // Updated in fp32, in place, whatever the group asks for; a remainder is
+    // meaningless for it.
+    if (master == MasterRequest::kRemainder) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor '", tensor, "': keep_fp32 tensors cannot use remainder "
+          "master weights (they have no bf16 half)"));
+    }
+    layout.master =
+        master == MasterRequest::kFp32 ? MasterKind::kFp32 : MasterKind::kNone;
+    return layout;
+  }
+  switch (master) {
+    case MasterRequest::kDefault:
+      layout.master = param_dtype == DType::kFloat32 ? MasterKind::kNone
+                                                     : MasterKind::kFp32;
+      break;
+    case MasterRequest::kNone:
+      if (param_dtype != DType::kFloat32) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "tensor '", tensor, "': a ", DTypeName(param_dtype),
+            " parameter needs master weights (fp32 or remainder); "
+            "master_weights=none is only for float32 parameters"));
+      }
+      layout.master = MasterKind::kNone;
+      break;
+    case MasterRequest::kFp32:
+      layout.master = MasterKind::kFp32;
+      break;
+    case MasterRequest::kRemainder:
+      if (param_dtype != DType::kBFloat16) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "tensor '", tensor, "': remainder master weights need a bfloat16 "
+            "parameter, not ", DTypeName(param_dtype)));
+      }
+      layout.master = MasterKind::kRemainder;
+      break;
+  }
+  return layout;
+}
+
+}  // namespace optimd

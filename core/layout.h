@@ -1,0 +1,64 @@
+// How the daemon stores one tensor's optimizer state (its Layout), and the
+// rules that decide which layouts are valid. Layout decides bytes per
+// parameter, so it is resolved once at registration.
+#ifndef OPTIMD_CORE_LAYOUT_H_
+#define OPTIMD_CORE_LAYOUT_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "core/dtype.h"
+
+namespace optimd {
+
+// Where a tensor's fp32 master weights live.
+enum class MasterKind : uint8_t {
+  // None: the parameter is fp32 and updated in place.
+  kNone = 0,
+  // A daemon-side fp32 copy.
+  kFp32 = 1,
+  // An int16 remainder beside a bf16 parameter: the fp32 master's bits are
+  // (bf16 bits, minus one if the remainder is negative) << 16 | remainder.
+  kRemainder = 2,
+};
+
+absl::string_view MasterKindName(MasterKind k);
+
+// The group-level request, before per-tensor resolution.
+enum class MasterRequest : uint8_t { kDefault, kNone, kFp32, kRemainder };
+
+struct Layout {
+  DType param_dtype = DType::kFloat32;
+  DType grad_dtype = DType::kFloat32;
+  DType moment_dtype = DType::kFloat32;
+  MasterKind master = MasterKind::kNone;
+  bool amsgrad = false;
+
+  // Bytes of daemon-held state per element: master + moments (+ max moment).
+  uint64_t StateBytesPerElement() const;
+  // Bytes per element of each state buffer (0 when absent).
+  uint64_t MasterBytesPerElement() const;
+  uint64_t MomentBytesPerElement() const { return DTypeSize(moment_dtype); }
+
+  bool operator==(const Layout& o) const {
+    return param_dtype == o.param_dtype && grad_dtype == o.grad_dtype &&
+           moment_dtype == o.moment_dtype && master == o.master &&
+           amsgrad == o.amsgrad;
+  }
+  std::string DebugString() const;
+};
+
+// Resolves and checks one tensor's layout. `tensor` names it in errors.
+//  - keep_fp32 needs an fp32 parameter and always means no master copy.
+//  - kRemainder needs a bf16 parameter.
+//  - kNone needs an fp32 parameter.
+//  - moments are fp32 or bf16.
+absl::StatusOr<Layout> ResolveLayout(const std::string& tensor,
+                                     DType param_dtype, DType grad_dtype,
+                                     DType moment_dtype, MasterRequest master,
+                                     bool keep_fp32, bool amsgrad);
+
+}  // namespace optimd
+
+#endif  // OPTIMD_CORE_LAYOUT_H_

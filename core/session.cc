@@ -1,0 +1,409 @@
+#include "core/session.h"
+
+#include <cmath>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
+
+namespace optimd {
+namespace {
+
+// Largest element count accepted: keeps numel * 4 * 4 far from overflow.
+constexpr uint64_t kMaxNumel = uint64_t{1} << 48;
+
+absl::Status CheckHyper(const GroupSpec& spec) {
+  const AdamWHyper& h = spec.hyper;
+  auto bad = [&](absl::string_view what, double v) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("group '", spec.id, "': invalid ", what, " ", v));
+  };
+  if (!std::isfinite(h.lr) || h.lr < 0) return bad("learning rate", h.lr);
+  if (!(h.beta1 >= 0 && h.beta1 < 1)) return bad("beta1 (need 0 <= beta1 < 1)", h.beta1);
+  if (!(h.beta2 >= 0 && h.beta2 < 1)) return bad("beta2 (need 0 <= beta2 < 1)", h.beta2);
+  if (!std::isfinite(h.eps) || h.eps < 0) return bad("eps", h.eps);
+  if (!std::isfinite(h.weight_decay) || h.weight_decay < 0) {
+    return bad("weight_decay", h.weight_decay);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckRegion(const std::string& tensor, const char* which,
+                         const BufferHandle& h, uint64_t want_bytes) {
+  if (h.kind == BufferHandle::Kind::kNone) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor '", tensor, "': missing ", which, " buffer"));
+  }
+  if (h.size != want_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor '", tensor, "': ", which, " buffer is ", h.size,
+        " bytes but numel x element size is ", want_bytes));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+Session::Session(SessionIdentity identity, Backend* backend,
+                 StateBudget* budget)
+    : identity_(std::move(identity)), backend_(backend), budget_(budget) {
+  absl::MutexLock lock(&mu_);
+  PublishInfo();
+}
+
+Session::~Session() { budget_->Release(state_bytes_); }
+
+Group* Session::FindGroup(const std::string& id) {
+  for (auto& g : groups_) {
+    if (g->id == id) return g.get();
+  }
+  return nullptr;
+}
+
+absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
+    const GroupSpec& spec, uint64_t* state_bytes) {
+  if (spec.id.empty()) {
+    return absl::InvalidArgumentError("group_id must not be empty");
+  }
+  if (FindGroup(spec.id) != nullptr) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        "group '", spec.id, "' is already registered in this session"));
+  }
+  OPTIMD_RETURN_IF_ERROR(CheckHyper(spec));
+  auto group = std::make_unique<Group>();
+  group->id = spec.id;
+  group->hyper = spec.hyper;
+  group->master_request = spec.master;
+  group->moment_dtype = spec.moment_dtype;
+
+  // Pass 1: everything that needs no memory.
+  std::set<std::string> names;
+  uint64_t bytes = 0;
+  std::vector<Layout> layouts;
+  for (const TensorSpec& t : spec.tensors) {
+    if (t.name.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("group '", spec.id, "': a tensor has an empty name"));
+    }
+    if (!names.insert(t.name).second || tensor_names_.count(t.name) > 0) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          "tensor '", t.name, "' is already registered in this session"));
+    }
+    if (!t.param_dtype_set) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor '", t.name, "': param_dtype is unspecified"));
+    }
+    if (!t.frozen && !t.grad_dtype_set) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor '", t.name, "': grad_dtype is unspecified"));
+    }
+    if (t.numel > kMaxNumel) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor '", t.name, "': numel ", t.numel, " exceeds the limit ",
+          kMaxNumel));
+    }
+    OPTIMD_ASSIGN_OR_RETURN(
+        Layout layout,
+        ResolveLayout(t.name, t.param_dtype, t.grad_dtype, spec.moment_dtype,
+                      spec.master, t.keep_fp32, spec.hyper.amsgrad));
+    if (t.numel > 0) {
+      OPTIMD_RETURN_IF_ERROR(CheckRegion(t.name, "param", t.param,
+                                         t.numel * DTypeSize(t.param_dtype)));
+      if (!t.frozen) {
+        OPTIMD_RETURN_IF_ERROR(CheckRegion(t.name, "grad", t.grad,
+                                           t.numel * DTypeSize(t.grad_dtype)));
+      }
+      bytes += t.numel * (t.frozen ? layout.MasterBytesPerElement()
+                                   : layout.StateBytesPerElement());
+    } else if (t.param.size != 0 || t.grad.size != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor '", t.name, "' has numel 0 but a non-empty buffer"));
+    }
+    layouts.push_back(layout);
+  }
+
+  // Pass 2: map buffers (cached per segment or allocation).
+  for (size_t i = 0; i < spec.tensors.size(); ++i) {
+    const TensorSpec& t = spec.tensors[i];
+    TensorEntry e;
+    e.name = t.name;
+    e.numel = t.numel;
+    e.layout = layouts[i];
+    e.keep_fp32 = t.keep_fp32;
+    e.frozen = t.frozen;
+    if (t.numel > 0) {
+      const std::string what = absl::StrCat("tensor '", t.name, "' param");
+      OPTIMD_ASSIGN_OR_RETURN(
+          e.param, backend_->ResolveBuffer(t.param, DTypeSize(t.param_dtype),
+                                           what));
+      if (!t.frozen) {
+        const std::string gwhat = absl::StrCat("tensor '", t.name, "' grad");
+        OPTIMD_ASSIGN_OR_RETURN(
+            e.grad, backend_->ResolveBuffer(t.grad, DTypeSize(t.grad_dtype),
+                                            gwhat));
+      }
+    }
+    group->tensors.push_back(std::move(e));
+  }
+
+  // Pass 3: state memory, within the daemon's budget.
+  OPTIMD_RETURN_IF_ERROR(
+      budget_->Reserve(bytes, absl::StrCat("group '", spec.id, "'")));
+  auto release = [&] { budget_->Release(bytes); };
+  for (TensorEntry& e : group->tensors) {
+    if (e.numel == 0) continue;
+    auto alloc = [&](uint64_t per_element, StateStorage* out) -> absl::Status {
+      if (per_element == 0) return absl::OkStatus();
+      OPTIMD_ASSIGN_OR_RETURN(*out,
+                              backend_->AllocateState(e.numel * per_element));
+      return absl::OkStatus();
+    };
+    absl::Status s = alloc(e.layout.MasterBytesPerElement(), &e.master);
+    if (s.ok() && !e.frozen) {
+      const uint64_t mb = e.layout.MomentBytesPerElement();
+      s = alloc(mb, &e.exp_avg);
+      if (s.ok()) s = alloc(mb, &e.exp_avg_sq);
+      if (s.ok() && e.layout.amsgrad) s = alloc(mb, &e.max_exp_avg_sq);
+    }
+    if (!s.ok()) {
+      release();
+      return s;
+    }
+  }
+  absl::Status s = backend_->PrepareGroup(*group);
+  if (!s.ok()) {
+    release();
+    return s;
+  }
+  *state_bytes = bytes;
+  return group;
+}
+
+absl::StatusOr<RegisterResult> Session::RegisterGroup(const GroupSpec& spec) {
+  absl::MutexLock lock(&mu_);
+  uint64_t bytes = 0;
+  OPTIMD_ASSIGN_OR_RETURN(std::unique_ptr<Group> group,
+                          BuildGroup(spec, &bytes));
+  RegisterResult result;
+  result.state_bytes = bytes;
+  result.plan_items = group->plan.items.size();
+  for (const TensorEntry& t : group->tensors) tensor_names_.insert(t.name);
+  state_bytes_ += bytes;
+  groups_.push_back(std::move(group));
+  RefreshMappings();
+  PublishInfo();
+  return result;
+}
+
+absl::Status Session::UnregisterGroup(const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  for (auto it = groups_.begin(); it != groups_.end(); ++it) {
+    if ((*it)->id != id) continue;
+    const uint64_t bytes = (*it)->StateBytes();
+    for (const TensorEntry& t : (*it)->tensors) tensor_names_.erase(t.name);
+    groups_.erase(it);
+    state_bytes_ -= bytes;
+    budget_->Release(bytes);
+    RefreshMappings();
+    PublishInfo();
+    return absl::OkStatus();
+  }
+  return absl::NotFoundError(
+      absl::StrCat("group '", id, "' is not registered in this session"));
+}
+
+absl::Status Session::UpdateBuffers(const std::string& group_id,
+                                    const std::vector<BufferUpdate>& updates) {
+  absl::MutexLock lock(&mu_);
+  Group* group = FindGroup(group_id);
+  if (group == nullptr) {
+    return absl::NotFoundError(absl::StrCat(
+        "group '", group_id, "' is not registered in this session"));
+  }
+  // Resolve everything first; apply only when all are valid.
+  struct Resolved {
+    size_t tensor;
+    BufferRef param, grad;
+    bool has_param = false, has_grad = false;
+  };
+  std::vector<Resolved> resolved;
+  std::set<std::string> seen;
+  for (const BufferUpdate& u : updates) {
+    size_t idx = group->tensors.size();
+    for (size_t i = 0; i < group->tensors.size(); ++i) {
+      if (group->tensors[i].name == u.tensor) idx = i;
+    }
+    if (idx == group->tensors.size()) {
+      return absl::NotFoundError(absl::StrCat(
+          "tensor '", u.tensor, "' is not in group '", group_id, "'"));
+    }
+    if (!seen.insert(u.tensor).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor '", u.tensor, "' is updated twice"));
+    }
+    const TensorEntry& e = group->tensors[idx];
+    Resolved r;
+    r.tensor = idx;
+    if (u.param.kind != BufferHandle::Kind::kNone && e.numel > 0) {
+      const uint64_t want = e.numel * DTypeSize(e.layout.param_dtype);
+      OPTIMD_RETURN_IF_ERROR(CheckRegion(e.name, "param", u.param, want));
+      OPTIMD_ASSIGN_OR_RETURN(
+          r.param, backend_->ResolveBuffer(
+                       u.param, DTypeSize(e.layout.param_dtype),
+                       absl::StrCat("tensor '", e.name, "' param")));
+      r.has_param = true;
+    }
+    if (u.grad.kind != BufferHandle::Kind::kNone && e.Steppable()) {
+      const uint64_t want = e.numel * DTypeSize(e.layout.grad_dtype);
+      OPTIMD_RETURN_IF_ERROR(CheckRegion(e.name, "grad", u.grad, want));
+      OPTIMD_ASSIGN_OR_RETURN(
+          r.grad, backend_->ResolveBuffer(
+                      u.grad, DTypeSize(e.layout.grad_dtype),
+                      absl::StrCat("tensor '", e.name, "' grad")));
+      r.has_grad = true;
+    }
+    resolved.push_back(std::move(r));
+  }
+  for (Resolved& r : resolved) {
+    TensorEntry& e = group->tensors[r.tensor];
+    if (r.has_param) e.param = std::move(r.param);
+    if (r.has_grad) e.grad = std::move(r.grad);
+    for (uint32_t k = 0; k < group->plan.tensor_index.size(); ++k) {
+      if (group->plan.tensor_index[k] == r.tensor) {
+        backend_->UpdatePlanEntry(*group, k);
+      }
+    }
+  }
+  RefreshMappings();
+  return absl::OkStatus();
+}
+
+void Session::RefreshMappings() {
+  std::set<const void*> seen;
+  mappings_.clear();
+  for (const auto& g : groups_) {
+    for (const TensorEntry& t : g->tensors) {
+      for (const BufferRef* r : {&t.param, &t.grad}) {
+        if (r->mapping != nullptr && seen.insert(r->mapping.get()).second) {
+          mappings_.push_back(r->mapping);
+        }
+      }
+    }
+  }
+  step_groups_.clear();
+  step_groups_.reserve(groups_.size());
+  for (const auto& g : groups_) step_groups_.push_back(g.get());
+}
+
+absl::StatusOr<StepResult> Session::Step(const StepRequestSpec& request) {
+  absl::MutexLock lock(&mu_);
+  const StepOptions& o = request.options;
+  if (!std::isfinite(o.grad_scale) || o.grad_scale < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "grad_scale must be a positive finite number (or 0 for none), got ",
+        o.grad_scale));
+  }
+  if (!std::isfinite(o.max_grad_norm) || o.max_grad_norm < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_grad_norm must be >= 0 (0 disables clipping), got ",
+        o.max_grad_norm));
+  }
+  for (const auto& [id, lr] : request.lr_overrides) {
+    if (FindGroup(id) == nullptr) {
+      return absl::NotFoundError(absl::StrCat(
+          "lr override names group '", id,
+          "', which is not registered in this session"));
+    }
+    if (!std::isfinite(lr) || lr < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "lr override for group '", id, "' must be >= 0, got ", lr));
+    }
+  }
+  OPTIMD_RETURN_IF_ERROR(backend_->CheckMappings(mappings_));
+  for (const auto& [id, lr] : request.lr_overrides) FindGroup(id)->hyper.lr = lr;
+
+  OPTIMD_ASSIGN_OR_RETURN(StepOutcome outcome,
+                          backend_->Step(step_groups_, request.options));
+  StepResult result;
+  result.outcome = outcome;
+  if (outcome.skipped) {
+    ++skipped_steps_;
+    backend_->counters().skipped_steps.fetch_add(1, std::memory_order_relaxed);
+  } else {
+    ++steps_;
+    backend_->counters().steps.fetch_add(1, std::memory_order_relaxed);
+    for (Group* g : step_groups_) ++g->step;
+  }
+  {
+    // Counters only: no allocation on the step path.
+    absl::MutexLock info_lock(&info_mu_);
+    info_.steps = steps_;
+    info_.skipped_steps = skipped_steps_;
+  }
+  result.group_steps.reserve(groups_.size());
+  for (const auto& g : groups_) result.group_steps.emplace_back(g->id, g->step);
+  return result;
+}
+
+absl::StatusOr<uint64_t> Session::GetParams(
+    const std::vector<std::string>& group_ids) {
+  absl::MutexLock lock(&mu_);
+  std::vector<Group*> targets;
+  if (group_ids.empty()) {
+    targets = step_groups_;
+  } else {
+    for (const std::string& id : group_ids) {
+      Group* g = FindGroup(id);
+      if (g == nullptr) {
+        return absl::NotFoundError(absl::StrCat(
+            "group '", id, "' is not registered in this session"));
+      }
+      targets.push_back(g);
+    }
+  }
+  for (Group* g : targets) {
+    for (const TensorEntry& t : g->tensors) {
+      if (t.numel > 0 && t.layout.master == MasterKind::kRemainder) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "tensor '", t.name, "' of group '", g->id,
+            "' keeps remainder master weights: its bf16 half lives only in "
+            "the trainer, so the daemon cannot restore it; load a checkpoint "
+            "(LoadState) instead, or register with fp32 master weights"));
+      }
+    }
+  }
+  OPTIMD_RETURN_IF_ERROR(backend_->CheckMappings(mappings_));
+  uint64_t written = 0;
+  for (Group* g : targets) {
+    OPTIMD_RETURN_IF_ERROR(backend_->WriteParams(*g));
+    for (const TensorEntry& t : g->tensors) {
+      if (t.numel > 0 && t.layout.master == MasterKind::kFp32) ++written;
+    }
+  }
+  return written;
+}
+
+void Session::PublishInfo() {
+  SessionInfo info;
+  info.identity = identity_;
+  for (const auto& g : groups_) info.group_ids.push_back(g->id);
+  info.state_bytes = state_bytes_;
+  info.steps = steps_;
+  info.skipped_steps = skipped_steps_;
+  absl::MutexLock lock(&info_mu_);
+  info_ = std::move(info);
+}
+
+SessionInfo Session::Info() const {
+  absl::MutexLock lock(&info_mu_);
+  return info_;
+}
+
+std::vector<std::string> Session::GroupIds() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::string> ids;
+  for (const auto& g : groups_) ids.push_back(g->id);
+  return ids;
+}
+
+}  // namespace optimd

@@ -1,0 +1,138 @@
+// A session: one trainer rank's registered groups and their state.
+//
+// Thread-safe: every method takes the session's mutex, so a session's calls
+// are serialized (and its steps ordered) whatever thread runs them. Slow
+// work (buffer mapping, state allocation, steps) runs on the caller's thread;
+// the server calls these methods from the device worker, never from gRPC
+// threads.
+#ifndef OPTIMD_CORE_SESSION_H_
+#define OPTIMD_CORE_SESSION_H_
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "core/backend.h"
+#include "core/group.h"
+#include "core/state_budget.h"
+
+namespace optimd {
+
+struct SessionIdentity {
+  std::string job_id;
+  uint32_t rank = 0;
+  uint32_t world_size = 1;
+  int device = -1;
+};
+
+struct RegisterResult {
+  uint64_t state_bytes = 0;
+  uint64_t plan_items = 0;
+};
+
+struct StepRequestSpec {
+  uint64_t step = 0;
+  // (group id, lr) overrides.
+  std::vector<std::pair<std::string, double>> lr_overrides;
+  StepOptions options;
+};
+
+struct StepResult {
+  StepOutcome outcome;
+  // (group id, step counter) for every group, in registration order.
+  std::vector<std::pair<std::string, uint64_t>> group_steps;
+};
+
+// A new buffer for one tensor of a group (UpdateBuffers).
+struct BufferUpdate {
+  std::string tensor;
+  BufferHandle param;  // kind kNone: unchanged
+  BufferHandle grad;   // kind kNone: unchanged
+};
+
+struct SessionInfo {
+  SessionIdentity identity;
+  std::vector<std::string> group_ids;
+  uint64_t state_bytes = 0;
+  uint64_t steps = 0;
+  uint64_t skipped_steps = 0;
+};
+
+class Session {
+ public:
+  Session(SessionIdentity identity, Backend* backend, StateBudget* budget);
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+  ~Session();
+
+  const SessionIdentity& identity() const { return identity_; }
+
+  // Validates the whole group first; on any error nothing is registered.
+  absl::StatusOr<RegisterResult> RegisterGroup(const GroupSpec& spec)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status UnregisterGroup(const std::string& id) ABSL_LOCKS_EXCLUDED(mu_);
+  // Points tensors of a group at new buffers (a restarted trainer, or a
+  // gradient buffer the allocator moved). Only the changed plan entries are
+  // updated. All or nothing.
+  absl::Status UpdateBuffers(const std::string& group_id,
+                             const std::vector<BufferUpdate>& updates)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<StepResult> Step(const StepRequestSpec& request)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Writes master weights into the trainer's buffers; returns the number of
+  // tensors written. Empty `group_ids` means all.
+  absl::StatusOr<uint64_t> GetParams(const std::vector<std::string>& group_ids)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Never waits for a running step.
+  SessionInfo Info() const ABSL_LOCKS_EXCLUDED(info_mu_);
+  std::vector<std::string> GroupIds() const ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Runs `fn` with the session's groups locked (checkpoints, tests).
+  template <typename Fn>
+  auto WithGroups(Fn fn) const ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    return fn(groups_);
+  }
+
+ private:
+  absl::StatusOr<std::unique_ptr<Group>> BuildGroup(const GroupSpec& spec,
+                                                    uint64_t* state_bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Group* FindGroup(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RefreshMappings() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Publishes the admin view (Info) after a change.
+  void PublishInfo() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Constant after construction.
+  const SessionIdentity identity_;
+  Backend* const backend_;
+  StateBudget* const budget_;
+
+  mutable absl::Mutex mu_;
+  // In registration order.
+  std::vector<std::unique_ptr<Group>> groups_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> tensor_names_ ABSL_GUARDED_BY(mu_);
+  // Distinct buffer mappings the groups use, checked before each step.
+  std::vector<std::shared_ptr<const void>> mappings_ ABSL_GUARDED_BY(mu_);
+  // Reused by Step so that a step allocates nothing.
+  std::vector<Group*> step_groups_ ABSL_GUARDED_BY(mu_);
+  uint64_t state_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t steps_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t skipped_steps_ ABSL_GUARDED_BY(mu_) = 0;
+
+  // The admin view, behind its own mutex so that ListSessions and
+  // GetMetrics never wait for a running step.
+  mutable absl::Mutex info_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  SessionInfo info_ ABSL_GUARDED_BY(info_mu_);
+};
+
+}  // namespace optimd
+
+#endif  // OPTIMD_CORE_SESSION_H_

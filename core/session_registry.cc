@@ -1,0 +1,105 @@
+#include "core/session_registry.h"
+
+#include <random>
+
+#include "absl/strings/str_cat.h"
+
+namespace optimd {
+
+std::string NewSessionToken() {
+  std::random_device rd;
+  std::string token;
+  static const char kHex[] = "0123456789abcdef";
+  for (int i = 0; i < 4; ++i) {
+    uint32_t r = rd();
+    for (int k = 0; k < 8; ++k) {
+      token.push_back(kHex[r & 0xf]);
+      r >>= 4;
+    }
+  }
+  return token;
+}
+
+absl::StatusOr<SessionRegistry::Created> SessionRegistry::Create(
+    const SessionIdentity& identity, bool resume) {
+  if (identity.job_id.empty()) {
+    return absl::InvalidArgumentError("job_id must not be empty");
+  }
+  if (identity.world_size == 0 || identity.rank >= identity.world_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", identity.rank, " is not below world_size ",
+                     identity.world_size));
+  }
+  if (identity.device < -1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("device must be -1 (CPU) or a CUDA ordinal, got ",
+                     identity.device));
+  }
+  if (backend_->kind() == BackendKind::kCpu && identity.device != -1) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "this daemon runs the CPU backend; it cannot hold state for CUDA "
+        "device ", identity.device, " (start optimd with --backend=cuda on a "
+        "GPU machine, or keep parameters on the CPU)"));
+  }
+  absl::MutexLock lock(&mu_);
+  const auto key = std::make_pair(identity.job_id, identity.rank);
+  Created created;
+  created.token = NewSessionToken();
+  auto it = token_by_rank_.find(key);
+  if (it != token_by_rank_.end()) {
+    if (!resume) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          "job '", identity.job_id, "' rank ", identity.rank,
+          " already has a session; pass resume=true to take it over after a "
+          "trainer restart, or close it first"));
+    }
+    auto old = by_token_.find(it->second);
+    created.session = old->second;
+    created.resumed = true;
+    by_token_.erase(old);
+  } else {
+    created.session =
+        std::make_shared<Session>(identity, backend_, budget_);
+  }
+  by_token_[created.token] = created.session;
+  token_by_rank_[key] = created.token;
+  return created;
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Find(
+    const std::string& token) const {
+  if (token.empty()) {
+    return absl::UnauthenticatedError(
+        "missing session token: send the token from CreateSession in the "
+        "'x-optimd-session' metadata");
+  }
+  absl::MutexLock lock(&mu_);
+  auto it = by_token_.find(token);
+  if (it == by_token_.end()) {
+    return absl::UnauthenticatedError(
+        "unknown session token (closed, taken over by a resumed session, or "
+        "from another daemon)");
+  }
+  return it->second;
+}
+
+absl::Status SessionRegistry::Close(const std::string& token) {
+  absl::MutexLock lock(&mu_);
+  auto it = by_token_.find(token);
+  if (it == by_token_.end()) {
+    return absl::UnauthenticatedError("unknown session token");
+  }
+  const SessionIdentity& id = it->second->identity();
+  token_by_rank_.erase(std::make_pair(id.job_id, id.rank));
+  by_token_.erase(it);
+  return absl::OkStatus();
+}
+
+std::vector<std::shared_ptr<Session>> SessionRegistry::List() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::shared_ptr<Session>> out;
+  for (const auto& [token, s] : by_token_) out.push_back(s);
+  return out;
+}
+
+}  // namespace optimd

@@ -1,0 +1,69 @@
+// All open sessions of the daemon, by token and by (job id, rank).
+// Thread-safe.
+#ifndef OPTIMD_CORE_SESSION_REGISTRY_H_
+#define OPTIMD_CORE_SESSION_REGISTRY_H_
+
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "core/backend.h"
+#include "core/session.h"
+#include "core/state_budget.h"
+
+namespace optimd {
+
+class SessionRegistry {
+ public:
+  struct Created {
+    std::string token;
+    std::shared_ptr<Session> session;
+    bool resumed = false;
+  };
+
+  SessionRegistry(Backend* backend, StateBudget* budget)
+      : backend_(backend), budget_(budget) {}
+  SessionRegistry(const SessionRegistry&) = delete;
+  SessionRegistry& operator=(const SessionRegistry&) = delete;
+
+  // Opens a session. With `resume`, an existing session of the same job id
+  // and rank is handed over under a fresh token (the old token stops
+  // working); without it, such a session is ALREADY_EXISTS.
+  absl::StatusOr<Created> Create(const SessionIdentity& identity, bool resume)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // UNAUTHENTICATED for a missing or unknown token.
+  absl::StatusOr<std::shared_ptr<Session>> Find(const std::string& token) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Removes the session; its state is freed when the last in-flight call
+  // holding it ends.
+  absl::Status Close(const std::string& token) ABSL_LOCKS_EXCLUDED(mu_);
+
+  std::vector<std::shared_ptr<Session>> List() const ABSL_LOCKS_EXCLUDED(mu_);
+
+  Backend* backend() const { return backend_; }
+  StateBudget* budget() const { return budget_; }
+
+ private:
+  Backend* const backend_;
+  StateBudget* const budget_;
+
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::shared_ptr<Session>> by_token_
+      ABSL_GUARDED_BY(mu_);
+  std::map<std::pair<std::string, uint32_t>, std::string> token_by_rank_
+      ABSL_GUARDED_BY(mu_);
+};
+
+// 128 random bits as 32 hex characters, from the OS's entropy source.
+std::string NewSessionToken();
+
+}  // namespace optimd
+
+#endif  // OPTIMD_CORE_SESSION_REGISTRY_H_

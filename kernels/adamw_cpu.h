@@ -1,0 +1,120 @@
+// The CPU reference AdamW step: the math every backend must reproduce.
+//
+// torch.optim.AdamW semantics (torch 1.13's single-tensor form), per element,
+// all in fp32:
+//   g  = grad * grad_mul           (grad_mul folds 1/grad_scale, the clip
+//                                   coefficient and the sign for maximize)
+//   p  = master or param
+//   AdamW: p *= 1 - lr*wd          Adam: g += wd*p
+//   m  = m*beta1 + (1-beta1)*g
+//   v  = v*beta2 + (1-beta2)*g*g
+//   vmax = max(vmax, v)            (amsgrad; the denominator then uses vmax)
+//   p += -step_size * (m / (sqrt(v) / bc2_sqrt + eps))
+// with step_size = lr / (1 - beta1^t), bc2_sqrt = sqrt(1 - beta2^t), computed
+// in double and rounded to fp32 once per step (1 and 1 without bias
+// correction). Low-precision values are widened exactly and rounded back to
+// nearest-even, except a bf16 parameter with remainder, which is rounded so
+// that the remainder rebuilds the master exactly (see core/layout.h).
+//
+// Functions here are pure and thread-compatible: callers split a tensor into
+// disjoint element ranges and may run ranges on different threads.
+#ifndef OPTIMD_KERNELS_ADAMW_CPU_H_
+#define OPTIMD_KERNELS_ADAMW_CPU_H_
+
+#include <cstdint>
+
+#include "core/layout.h"
+
+namespace optimd {
+
+// Per-step scalars of one group, already folded.
+struct StepScalars {
+  float lr = 0;
+  float beta1 = 0;
+  float beta2 = 0;
+  float one_minus_beta1 = 0;
+  float one_minus_beta2 = 0;
+  float eps = 0;
+  float weight_decay = 0;
+  // 1 - lr * weight_decay (AdamW mode), else 1.
+  float decay = 1;
+  bool adamw = true;
+  // lr / (1 - beta1^t).
+  float step_size = 0;
+  // sqrt(1 - beta2^t).
+  float bc2_sqrt = 1;
+  // (maximize ? -1 : 1) * clip_coef / grad_scale.
+  float grad_mul = 1;
+};
+
+// Hyperparameters needed to fold StepScalars.
+struct AdamWHyper {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 1e-2;
+  bool adamw = true;
+  bool bias_correction = true;
+  bool maximize = false;
+  bool amsgrad = false;
+};
+
+// Folds hyperparameters, the step number t (>= 1), the loss scale and the
+// clip coefficient into StepScalars.
+StepScalars MakeStepScalars(const AdamWHyper& h, uint64_t t, double grad_scale,
+                            double clip_coef);
+
+// Raw pointers to one tensor's buffers. Unused ones are null.
+struct TensorPointers {
+  void* param = nullptr;
+  const void* grad = nullptr;
+  void* master = nullptr;  // float* (kFp32) or int16_t* (kRemainder)
+  void* exp_avg = nullptr;
+  void* exp_avg_sq = nullptr;
+  void* max_exp_avg_sq = nullptr;
+};
+
+// Applies one AdamW step to elements [begin, end) of a tensor.
+void AdamWStepRange(const Layout& layout, const TensorPointers& t,
+                    uint64_t begin, uint64_t end, const StepScalars& s);
+
+// Sum of squares (in double) of gradient elements [begin, end). The result
+// is non-finite exactly when some element is non-finite.
+double GradSumSquaresRange(DType grad_dtype, const void* grad, uint64_t begin,
+                           uint64_t end);
+
+// Sets the master copy of elements [begin, end) from the parameter (at
+// registration): exact widening for kFp32, zero remainders for kRemainder.
+void InitMasterRange(const Layout& layout, const TensorPointers& t,
+                     uint64_t begin, uint64_t end);
+
+// Writes the parameter of elements [begin, end) from the master copy
+// (GetParams). No-op for kNone.
+void WriteParamFromMasterRange(const Layout& layout, const TensorPointers& t,
+                               uint64_t begin, uint64_t end);
+
+// The fp32 master value of element i (reconstructed for kRemainder, the
+// parameter itself for kNone).
+float MasterValue(const Layout& layout, const TensorPointers& t, uint64_t i);
+
+// Remainder encoding, exposed for tests and checkpoints.
+inline float ReconstructFromRemainder(uint16_t bf16_bits, int16_t remainder) {
+  uint32_t hi = bf16_bits;
+  if (remainder < 0) hi = (hi - 1u) & 0xffffu;
+  return BitsToFloat((hi << 16) | static_cast<uint16_t>(remainder));
+}
+
+inline void SplitToRemainder(float master, uint16_t* bf16_bits,
+                             int16_t* remainder) {
+  const uint32_t u = FloatBits(master);
+  const int16_t r = static_cast<int16_t>(static_cast<uint16_t>(u & 0xffffu));
+  uint32_t hi = u >> 16;
+  if (r < 0) hi = (hi + 1u) & 0xffffu;
+  *bf16_bits = static_cast<uint16_t>(hi);
+  *remainder = r;
+}
+
+}  // namespace optimd
+
+#endif  // OPTIMD_KERNELS_ADAMW_CPU_H_

@@ -1,0 +1,176 @@
+#include "server/convert.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace optimd {
+
+grpc::Status ToGrpcStatus(const absl::Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()),
+                      std::string(s.message()));
+}
+
+absl::StatusOr<DType> DTypeFromProto(v1::DType d, const std::string& what) {
+  switch (d) {
+    case v1::DTYPE_FLOAT32:
+      return DType::kFloat32;
+    case v1::DTYPE_BFLOAT16:
+      return DType::kBFloat16;
+    case v1::DTYPE_FLOAT16:
+      return DType::kFloat16;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": unsupported dtype ", static_cast<int>(d),
+          " (use DTYPE_FLOAT32, DTYPE_BFLOAT16 or DTYPE_FLOAT16)"));
+  }
+}
+
+v1::DType DTypeToProto(DType d) {
+  switch (d) {
+    case DType::kFloat32:
+      return v1::DTYPE_FLOAT32;
+    case DType::kBFloat16:
+      return v1::DTYPE_BFLOAT16;
+    case DType::kFloat16:
+      return v1::DTYPE_FLOAT16;
+  }
+  return v1::DTYPE_UNSPECIFIED;
+}
+
+BufferHandle BufferHandleFromProto(const v1::BufferHandle& h) {
+  BufferHandle out;
+  switch (h.location_case()) {
+    case v1::BufferHandle::kSharedMemory:
+      out.kind = BufferHandle::Kind::kSharedMemory;
+      out.segment_name = h.shared_memory().segment_name();
+      out.offset = h.shared_memory().offset();
+      out.size = h.shared_memory().size();
+      break;
+    case v1::BufferHandle::kCudaIpc:
+      out.kind = BufferHandle::Kind::kCudaIpc;
+      out.ipc_handle = h.cuda_ipc().ipc_handle();
+      out.device = h.cuda_ipc().device();
+      out.offset = h.cuda_ipc().offset();
+      out.size = h.cuda_ipc().size();
+      break;
+    default:
+      break;
+  }
+  return out;
+}
+
+absl::StatusOr<GroupSpec> GroupSpecFromProto(
+    const v1::RegisterGroupRequest& request) {
+  GroupSpec spec;
+  spec.id = request.group_id();
+  const v1::Hyperparameters& h = request.hyperparameters();
+  spec.hyper.lr = h.lr();
+  spec.hyper.beta1 = h.beta1();
+  spec.hyper.beta2 = h.beta2();
+  spec.hyper.eps = h.eps();
+  spec.hyper.weight_decay = h.weight_decay();
+  switch (h.mode()) {
+    case v1::ADAM_MODE_UNSPECIFIED:
+    case v1::ADAM_MODE_ADAMW:
+      spec.hyper.adamw = true;
+      break;
+    case v1::ADAM_MODE_ADAM:
+      spec.hyper.adamw = false;
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "group '", spec.id, "': unknown adam mode ", h.mode()));
+  }
+  spec.hyper.bias_correction = h.has_bias_correction() ? h.bias_correction()
+                                                       : true;
+  spec.hyper.maximize = h.maximize();
+  spec.hyper.amsgrad = h.amsgrad();
+  switch (request.layout().master_weights()) {
+    case v1::MASTER_WEIGHTS_UNSPECIFIED:
+      spec.master = MasterRequest::kDefault;
+      break;
+    case v1::MASTER_WEIGHTS_NONE:
+      spec.master = MasterRequest::kNone;
+      break;
+    case v1::MASTER_WEIGHTS_FP32:
+      spec.master = MasterRequest::kFp32;
+      break;
+    case v1::MASTER_WEIGHTS_REMAINDER:
+      spec.master = MasterRequest::kRemainder;
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("group '", spec.id, "': unknown master_weights ",
+                       request.layout().master_weights()));
+  }
+  if (request.layout().moment_dtype() == v1::DTYPE_UNSPECIFIED) {
+    spec.moment_dtype = DType::kFloat32;
+  } else {
+    auto d = DTypeFromProto(request.layout().moment_dtype(),
+                            absl::StrCat("group '", spec.id, "' moments"));
+    if (!d.ok()) return d.status();
+    spec.moment_dtype = *d;
+  }
+  for (const v1::TensorSpec& t : request.tensors()) {
+    TensorSpec ts;
+    ts.name = t.name();
+    ts.numel = t.numel();
+    const std::string what = absl::StrCat("tensor '", t.name(), "'");
+    if (t.param_dtype() != v1::DTYPE_UNSPECIFIED) {
+      auto d = DTypeFromProto(t.param_dtype(), what + " param");
+      if (!d.ok()) return d.status();
+      ts.param_dtype = *d;
+      ts.param_dtype_set = true;
+    }
+    if (t.grad_dtype() != v1::DTYPE_UNSPECIFIED) {
+      auto d = DTypeFromProto(t.grad_dtype(), what + " grad");
+      if (!d.ok()) return d.status();
+      ts.grad_dtype = *d;
+      ts.grad_dtype_set = true;
+    }
+    ts.param = BufferHandleFromProto(t.param());
+    ts.grad = BufferHandleFromProto(t.grad());
+    ts.keep_fp32 = t.keep_fp32();
+    ts.frozen = t.frozen();
+    spec.tensors.push_back(std::move(ts));
+  }
+  return spec;
+}
+
+absl::StatusOr<std::vector<BufferUpdate>> BufferUpdatesFromProto(
+    const v1::UpdateBuffersRequest& request) {
+  std::vector<BufferUpdate> out;
+  for (const v1::TensorBuffers& t : request.tensors()) {
+    BufferUpdate u;
+    u.tensor = t.name();
+    u.param = BufferHandleFromProto(t.param());
+    u.grad = BufferHandleFromProto(t.grad());
+    out.push_back(std::move(u));
+  }
+  return out;
+}
+
+StepRequestSpec StepSpecFromProto(const v1::StepRequest& request) {
+  StepRequestSpec spec;
+  spec.step = request.step();
+  for (const auto& o : request.overrides()) {
+    spec.lr_overrides.emplace_back(o.group_id(), o.lr());
+  }
+  spec.options.grad_scale = request.grad_scale() == 0 ? 1.0
+                                                      : request.grad_scale();
+  spec.options.max_grad_norm = request.max_grad_norm();
+  return spec;
+}
+
+void SessionInfoToProto(const SessionInfo& info, v1::SessionInfo* out) {
+  out->set_job_id(info.identity.job_id);
+  out->set_rank(info.identity.rank);
+  out->set_world_size(info.identity.world_size);
+  out->set_device(info.identity.device);
+  for (const auto& id : info.group_ids) out->add_group_ids(id);
+  out->set_state_bytes(info.state_bytes);
+  out->set_steps(info.steps);
+  out->set_skipped_steps(info.skipped_steps);
+}
+
+}  // namespace optimd

@@ -1,0 +1,35 @@
+// Conversions between the v1 API messages and core's plain structs, and from
+// absl::Status to grpc::Status at the service boundary.
+#ifndef OPTIMD_SERVER_CONVERT_H_
+#define OPTIMD_SERVER_CONVERT_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/session.h"
+#include "optimd/v1/optimd.pb.h"
+
+namespace optimd {
+
+grpc::Status ToGrpcStatus(const absl::Status& s);
+
+// INVALID_ARGUMENT for unknown enum values; `what` names the field.
+absl::StatusOr<DType> DTypeFromProto(v1::DType d, const std::string& what);
+v1::DType DTypeToProto(DType d);
+
+BufferHandle BufferHandleFromProto(const v1::BufferHandle& h);
+
+absl::StatusOr<GroupSpec> GroupSpecFromProto(
+    const v1::RegisterGroupRequest& request);
+
+absl::StatusOr<std::vector<BufferUpdate>> BufferUpdatesFromProto(
+    const v1::UpdateBuffersRequest& request);
+
+StepRequestSpec StepSpecFromProto(const v1::StepRequest& request);
+
+void SessionInfoToProto(const SessionInfo& info, v1::SessionInfo* out);
+
+}  // namespace optimd
+
+#endif  // OPTIMD_SERVER_CONVERT_H_

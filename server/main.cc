@@ -1,0 +1,175 @@
+// optimd: the optimizer-step daemon.
+//
+// Serves optimd.v1.Optimizer, grpc.health.v1 and server reflection on a Unix
+// domain socket (default) or TCP. Shuts down cleanly on SIGINT/SIGTERM:
+// in-flight calls finish, the socket file is removed.
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "client/default_address.h"
+#include "core/cpu_backend.h"
+#include "core/session_registry.h"
+#include "server/device_worker.h"
+#include "server/optimizer_service.h"
+
+ABSL_FLAG(std::string, listen, "",
+          "Address to serve on: unix:/path/to/socket (created 0600) or "
+          "host:port. Default: unix:$XDG_RUNTIME_DIR/optimd.sock, else "
+          "unix:/tmp/optimd-<uid>.sock ($OPTIMD_ADDRESS overrides).");
+ABSL_FLAG(std::string, backend, "auto",
+          "auto|cpu|cuda. auto picks cuda when a GPU is usable, else cpu.");
+ABSL_FLAG(uint64_t, max_state_bytes, 0,
+          "Upper bound on optimizer state held for all sessions, in bytes; "
+          "0 means no limit. Registrations past it fail with "
+          "RESOURCE_EXHAUSTED.");
+ABSL_FLAG(int, cpu_threads, 0,
+          "Threads for the CPU backend's steps; 0 means one per hardware "
+          "thread.");
+ABSL_FLAG(int, shutdown_grace_s, 30,
+          "On SIGINT/SIGTERM, how long in-flight calls may run before they "
+          "are cancelled.");
+
+namespace {
+
+void Log(const std::string& line) {
+  std::fprintf(stderr, "optimd: %s\n", line.c_str());
+  std::fflush(stderr);
+}
+
+// Removes a stale socket file left by a daemon that died; refuses to start
+// over a live one.
+bool PrepareSocketPath(const std::string& path) {
+  struct stat st;
+  if (lstat(path.c_str(), &st) != 0) return true;
+  if (!S_ISSOCK(st.st_mode)) {
+    Log(absl::StrCat(path, " exists and is not a socket; refusing to replace "
+                           "it"));
+    return false;
+  }
+  const int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  const bool live =
+      connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  close(fd);
+  if (live) {
+    Log(absl::StrCat("another daemon is listening on ", path,
+                     "; stop it or pass another --listen"));
+    return false;
+  }
+  unlink(path.c_str());
+  return true;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "optimd [--listen=unix:/path] [--backend=auto|cpu|cuda] "
+      "[--max_state_bytes=N]");
+  absl::ParseCommandLine(argc, argv);
+
+  // Block the shutdown signals in every thread; one thread waits for them.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  // A client closing its connection mid-write must not kill the daemon.
+  signal(SIGPIPE, SIG_IGN);
+
+  const std::string backend_flag = absl::GetFlag(FLAGS_backend);
+  if (backend_flag != "auto" && backend_flag != "cpu" &&
+      backend_flag != "cuda") {
+    Log(absl::StrCat("--backend must be auto, cpu or cuda, not '",
+                     backend_flag, "'"));
+    return 2;
+  }
+  if (backend_flag == "cuda") {
+    Log("--backend=cuda: this build of optimd has no CUDA backend; use "
+        "--backend=cpu or auto");
+    return 2;
+  }
+  std::unique_ptr<optimd::Backend> backend;
+  {
+    optimd::CpuBackend::Options options;
+    options.threads = absl::GetFlag(FLAGS_cpu_threads);
+    backend = std::make_unique<optimd::CpuBackend>(options);
+    Log(absl::StrCat("backend: cpu (", backend_flag == "auto"
+                                           ? "auto: no CUDA backend in this "
+                                             "build"
+                                           : "requested",
+                     ")"));
+  }
+
+  std::string listen = absl::GetFlag(FLAGS_listen);
+  if (listen.empty()) listen = optimd::DefaultAddress();
+  std::string socket_path;
+  if (absl::StartsWith(listen, "unix:")) {
+    socket_path = listen.substr(5);
+    if (absl::StartsWith(socket_path, "//")) socket_path = socket_path.substr(2);
+    if (!PrepareSocketPath(socket_path)) return 1;
+  }
+
+  optimd::StateBudget budget(absl::GetFlag(FLAGS_max_state_bytes));
+  optimd::SessionRegistry registry(backend.get(), &budget);
+  auto worker = std::make_unique<optimd::DeviceWorker>("optimd-cpu");
+  optimd::OptimizerServiceImpl service(&registry, worker.get());
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(),
+                           socket_path.empty() ? &port : nullptr);
+  builder.SetMaxReceiveMessageSize(1 << 30);
+  builder.SetMaxSendMessageSize(1 << 30);
+  builder.RegisterService(&service);
+  // The socket file is created by BuildAndStart: only its owner may connect.
+  const mode_t old_umask = umask(0177);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  umask(old_umask);
+  if (server == nullptr) {
+    Log(absl::StrCat("cannot listen on ", listen));
+    return 1;
+  }
+  if (!socket_path.empty()) chmod(socket_path.c_str(), 0600);
+  Log(absl::StrCat("listening on ", listen, "; max_state_bytes=",
+                   budget.limit() == 0 ? std::string("unlimited")
+                                       : absl::StrCat(budget.limit())));
+
+  std::thread waiter([&] {
+    int sig = 0;
+    sigwait(&signals, &sig);
+    Log(absl::StrCat("received ", sig == SIGINT ? "SIGINT" : "SIGTERM",
+                     "; finishing in-flight calls"));
+    server->Shutdown(absl::ToChronoTime(
+        absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_shutdown_grace_s))));
+  });
+  server->Wait();
+  waiter.join();
+  worker.reset();  // runs what is still queued
+  if (!socket_path.empty()) unlink(socket_path.c_str());
+  Log("stopped");
+  return 0;
+}

@@ -1,0 +1,191 @@
+#include "server/optimizer_service.h"
+
+#include "absl/time/clock.h"
+#include "server/convert.h"
+
+namespace optimd {
+
+OptimizerServiceImpl::OptimizerServiceImpl(SessionRegistry* registry,
+                                           DeviceWorker* worker)
+    : registry_(registry), worker_(worker) {}
+
+std::string OptimizerServiceImpl::TokenOf(
+    grpc::CallbackServerContext* context) const {
+  const auto& md = context->client_metadata();
+  auto it = md.find(kSessionMetadataKey);
+  if (it == md.end()) return "";
+  return std::string(it->second.data(), it->second.size());
+}
+
+absl::StatusOr<std::shared_ptr<Session>> OptimizerServiceImpl::SessionOf(
+    grpc::CallbackServerContext* context) const {
+  return registry_->Find(TokenOf(context));
+}
+
+template <typename Work>
+grpc::ServerUnaryReactor* OptimizerServiceImpl::OnWorker(
+    grpc::CallbackServerContext* context, Work work) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto session = SessionOf(context);
+  if (!session.ok()) {
+    reactor->Finish(ToGrpcStatus(session.status()));
+    return reactor;
+  }
+  worker_->Post([reactor, work = std::move(work),
+                 session = *std::move(session)]() mutable {
+    reactor->Finish(ToGrpcStatus(work(*session)));
+  });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* OptimizerServiceImpl::CreateSession(
+    grpc::CallbackServerContext* context,
+    const v1::CreateSessionRequest* request,
+    v1::CreateSessionResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  SessionIdentity id;
+  id.job_id = request->job_id();
+  id.rank = request->rank();
+  id.world_size = request->world_size();
+  id.device = request->device();
+  auto created = registry_->Create(id, request->resume());
+  if (!created.ok()) {
+    reactor->Finish(ToGrpcStatus(created.status()));
+    return reactor;
+  }
+  response->set_session_token(created->token);
+  response->set_backend(registry_->backend()->kind() == BackendKind::kCpu
+                            ? v1::BACKEND_CPU
+                            : v1::BACKEND_CUDA);
+  response->set_resumed(created->resumed);
+  for (const auto& gid : created->session->GroupIds()) {
+    response->add_group_ids(gid);
+  }
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* OptimizerServiceImpl::CloseSession(
+    grpc::CallbackServerContext* context, const v1::CloseSessionRequest*,
+    v1::CloseSessionResponse*) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  const std::string token = TokenOf(context);
+  auto session = registry_->Find(token);
+  if (!session.ok()) {
+    reactor->Finish(ToGrpcStatus(session.status()));
+    return reactor;
+  }
+  absl::Status closed = registry_->Close(token);
+  if (!closed.ok()) {
+    reactor->Finish(ToGrpcStatus(closed));
+    return reactor;
+  }
+  // Freeing the state can take a while; the worker drops the last reference
+  // after any step of this session already queued.
+  worker_->Post([reactor, s = *std::move(session)]() mutable {
+    s.reset();
+    reactor->Finish(grpc::Status::OK);
+  });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* OptimizerServiceImpl::RegisterGroup(
+    grpc::CallbackServerContext* context,
+    const v1::RegisterGroupRequest* request,
+    v1::RegisterGroupResponse* response) {
+  return OnWorker(context, [request, response](Session& s) -> absl::Status {
+    auto spec = GroupSpecFromProto(*request);
+    if (!spec.ok()) return spec.status();
+    auto result = s.RegisterGroup(*spec);
+    if (!result.ok()) return result.status();
+    response->set_state_bytes(result->state_bytes);
+    response->set_plan_items(result->plan_items);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* OptimizerServiceImpl::UnregisterGroup(
+    grpc::CallbackServerContext* context,
+    const v1::UnregisterGroupRequest* request,
+    v1::UnregisterGroupResponse*) {
+  return OnWorker(context, [request](Session& s) {
+    return s.UnregisterGroup(request->group_id());
+  });
+}
+
+grpc::ServerUnaryReactor* OptimizerServiceImpl::UpdateBuffers(
+    grpc::CallbackServerContext* context,
+    const v1::UpdateBuffersRequest* request, v1::UpdateBuffersResponse*) {
+  return OnWorker(context, [request](Session& s) -> absl::Status {
+    auto updates = BufferUpdatesFromProto(*request);
+    if (!updates.ok()) return updates.status();
+    return s.UpdateBuffers(request->group_id(), *updates);
+  });
+}
+
+grpc::ServerUnaryReactor* OptimizerServiceImpl::Step(
+    grpc::CallbackServerContext* context, const v1::StepRequest* request,
+    v1::StepResponse* response) {
+  const absl::Time start = absl::Now();
+  return OnWorker(context, [this, request, response,
+                            start](Session& s) -> absl::Status {
+    auto result = s.Step(StepSpecFromProto(*request));
+    if (!result.ok()) return result.status();
+    response->set_skipped(result->outcome.skipped);
+    response->set_grad_norm(result->outcome.grad_norm);
+    for (const auto& [id, step] : result->group_steps) {
+      auto* g = response->add_groups();
+      g->set_group_id(id);
+      g->set_step(step);
+    }
+    step_latency_.Observe(absl::ToDoubleSeconds(absl::Now() - start));
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* OptimizerServiceImpl::GetParams(
+    grpc::CallbackServerContext* context, const v1::GetParamsRequest* request,
+    v1::GetParamsResponse* response) {
+  return OnWorker(context, [request, response](Session& s) -> absl::Status {
+    std::vector<std::string> ids(request->group_ids().begin(),
+                                 request->group_ids().end());
+    auto written = s.GetParams(ids);
+    if (!written.ok()) return written.status();
+    response->set_tensors_written(*written);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* OptimizerServiceImpl::ListSessions(
+    grpc::CallbackServerContext* context, const v1::ListSessionsRequest*,
+    v1::ListSessionsResponse* response) {
+  for (const auto& s : registry_->List()) {
+    SessionInfoToProto(s->Info(), response->add_sessions());
+  }
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* OptimizerServiceImpl::GetMetrics(
+    grpc::CallbackServerContext* context, const v1::GetMetricsRequest*,
+    v1::GetMetricsResponse* response) {
+  const Counters& c = registry_->backend()->counters();
+  response->set_steps(c.steps.load());
+  response->set_skipped_steps(c.skipped_steps.load());
+  response->set_plan_builds(c.plan_builds.load());
+  response->set_plan_entry_updates(c.plan_entry_updates.load());
+  const auto sessions = registry_->List();
+  response->set_sessions(sessions.size());
+  response->set_state_bytes(registry_->budget()->used());
+  step_latency_.ToProto(response->mutable_step_latency());
+  for (const auto& s : sessions) {
+    SessionInfoToProto(s->Info(), response->add_session_infos());
+  }
+  response->set_prometheus_text(RenderPrometheus(*response));
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+}  // namespace optimd

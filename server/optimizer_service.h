@@ -1,0 +1,80 @@
+// The optimd.v1.Optimizer gRPC service (callback API). Handlers are thin:
+// they find the session, convert the request, and hand slow work to the
+// device worker, which finishes the call. Thread-safe.
+#ifndef OPTIMD_SERVER_OPTIMIZER_SERVICE_H_
+#define OPTIMD_SERVER_OPTIMIZER_SERVICE_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <memory>
+
+#include "core/session_registry.h"
+#include "optimd/v1/optimd.grpc.pb.h"
+#include "server/device_worker.h"
+#include "server/metrics.h"
+
+namespace optimd {
+
+// The metadata key that carries the session token.
+inline constexpr char kSessionMetadataKey[] = "x-optimd-session";
+
+class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
+ public:
+  // `registry` and `worker` must outlive the service.
+  OptimizerServiceImpl(SessionRegistry* registry, DeviceWorker* worker);
+
+  grpc::ServerUnaryReactor* CreateSession(
+      grpc::CallbackServerContext* context,
+      const v1::CreateSessionRequest* request,
+      v1::CreateSessionResponse* response) override;
+  grpc::ServerUnaryReactor* CloseSession(
+      grpc::CallbackServerContext* context,
+      const v1::CloseSessionRequest* request,
+      v1::CloseSessionResponse* response) override;
+  grpc::ServerUnaryReactor* RegisterGroup(
+      grpc::CallbackServerContext* context,
+      const v1::RegisterGroupRequest* request,
+      v1::RegisterGroupResponse* response) override;
+  grpc::ServerUnaryReactor* UnregisterGroup(
+      grpc::CallbackServerContext* context,
+      const v1::UnregisterGroupRequest* request,
+      v1::UnregisterGroupResponse* response) override;
+  grpc::ServerUnaryReactor* UpdateBuffers(
+      grpc::CallbackServerContext* context,
+      const v1::UpdateBuffersRequest* request,
+      v1::UpdateBuffersResponse* response) override;
+  grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* context,
+                                 const v1::StepRequest* request,
+                                 v1::StepResponse* response) override;
+  grpc::ServerUnaryReactor* GetParams(grpc::CallbackServerContext* context,
+                                      const v1::GetParamsRequest* request,
+                                      v1::GetParamsResponse* response) override;
+  grpc::ServerUnaryReactor* ListSessions(
+      grpc::CallbackServerContext* context,
+      const v1::ListSessionsRequest* request,
+      v1::ListSessionsResponse* response) override;
+  grpc::ServerUnaryReactor* GetMetrics(
+      grpc::CallbackServerContext* context,
+      const v1::GetMetricsRequest* request,
+      v1::GetMetricsResponse* response) override;
+
+ private:
+  // The session named by the call's metadata, or UNAUTHENTICATED.
+  absl::StatusOr<std::shared_ptr<Session>> SessionOf(
+      grpc::CallbackServerContext* context) const;
+  std::string TokenOf(grpc::CallbackServerContext* context) const;
+
+  // Runs `work` on the device worker for the call's session and finishes the
+  // call with its status.
+  template <typename Work>
+  grpc::ServerUnaryReactor* OnWorker(grpc::CallbackServerContext* context,
+                                     Work work);
+
+  SessionRegistry* const registry_;
+  DeviceWorker* const worker_;
+  LatencyHistogram step_latency_;
+};
+
+}  // namespace optimd
+
+#endif  // OPTIMD_SERVER_OPTIMIZER_SERVICE_H_
