@@ -51,7 +51,11 @@ ABSL_FLAG(int, shutdown_grace_s, 30,
 namespace {
 
 void Log(const std::string& line) {
-  std::fprintf(stderr, "optimd: %s\n", line.c_str());
+  std::fprintf(stderr, "optimd %s: %s\n",
+               absl::FormatTime("%H:%M:%E3S", absl::Now(),
+                                absl::LocalTimeZone())
+                   .c_str(),
+               line.c_str());
   std::fflush(stderr);
 }
 
@@ -163,8 +167,20 @@ int main(int argc, char** argv) {
     sigwait(&signals, &sig);
     Log(absl::StrCat("received ", sig == SIGINT ? "SIGINT" : "SIGTERM",
                      "; finishing in-flight calls"));
-    server->Shutdown(absl::ToChronoTime(
-        absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_shutdown_grace_s))));
+    // Every slow call runs on the device worker, so in-flight work is what
+    // the worker still holds. New calls are refused while it drains; gRPC's
+    // own Shutdown then has nothing left to wait for (given a deadline, it
+    // would also wait on idle client connections).
+    service.StartDraining();
+    const absl::Time deadline =
+        absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_shutdown_grace_s));
+    while (worker->pending() > 0 && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    if (worker->pending() > 0) {
+      Log("grace period over; cancelling the calls still running");
+    }
+    server->Shutdown(absl::ToChronoTime(absl::Now()));
   });
   server->Wait();
   waiter.join();

@@ -26,6 +26,11 @@ template <typename Work>
 grpc::ServerUnaryReactor* OptimizerServiceImpl::OnWorker(
     grpc::CallbackServerContext* context, Work work) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (draining_.load()) {
+    reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                 "optimd is shutting down"));
+    return reactor;
+  }
   auto session = SessionOf(context);
   if (!session.ok()) {
     reactor->Finish(ToGrpcStatus(session.status()));

@@ -6,6 +6,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
 #include <memory>
 
 #include "core/session_registry.h"
@@ -22,6 +23,10 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
  public:
   // `registry` and `worker` must outlive the service.
   OptimizerServiceImpl(SessionRegistry* registry, DeviceWorker* worker);
+
+  // From now on, session calls fail with UNAVAILABLE (the daemon is
+  // stopping); calls already queued still run.
+  void StartDraining() { draining_.store(true); }
 
   grpc::ServerUnaryReactor* CreateSession(
       grpc::CallbackServerContext* context,
@@ -73,6 +78,7 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
   SessionRegistry* const registry_;
   DeviceWorker* const worker_;
   LatencyHistogram step_latency_;
+  std::atomic<bool> draining_{false};
 };
 
 }  // namespace optimd

@@ -1,0 +1,65 @@
+#include "core/layout.h"
+
+#include "gtest/gtest.h"
+
+namespace optimd {
+namespace {
+
+using F = DType;
+
+TEST(LayoutTest, DefaultsFollowParamDtype) {
+  auto fp32 = ResolveLayout("w", F::kFloat32, F::kFloat32, F::kFloat32,
+                            MasterRequest::kDefault, false, false);
+  ASSERT_TRUE(fp32.ok());
+  EXPECT_EQ(fp32->master, MasterKind::kNone);
+  EXPECT_EQ(fp32->StateBytesPerElement(), 8u);
+  auto bf16 = ResolveLayout("w", F::kBFloat16, F::kBFloat16, F::kFloat32,
+                            MasterRequest::kDefault, false, true);
+  ASSERT_TRUE(bf16.ok());
+  EXPECT_EQ(bf16->master, MasterKind::kFp32);
+  EXPECT_EQ(bf16->StateBytesPerElement(), 16u);  // master + 3 moments
+}
+
+TEST(LayoutTest, RemainderBytes) {
+  auto l = ResolveLayout("w", F::kBFloat16, F::kFloat32, F::kFloat32,
+                         MasterRequest::kRemainder, false, false);
+  ASSERT_TRUE(l.ok());
+  EXPECT_EQ(l->StateBytesPerElement(), 10u);
+  auto l16 = ResolveLayout("w", F::kBFloat16, F::kFloat32, F::kBFloat16,
+                           MasterRequest::kRemainder, false, false);
+  ASSERT_TRUE(l16.ok());
+  EXPECT_EQ(l16->StateBytesPerElement(), 6u);
+}
+
+TEST(LayoutTest, RefusesInvalidCombinationsNamingTheTensor) {
+  struct Case {
+    DType param, moment;
+    MasterRequest master;
+    bool keep_fp32;
+  } cases[] = {
+      {F::kFloat32, F::kFloat32, MasterRequest::kRemainder, false},
+      {F::kFloat16, F::kFloat32, MasterRequest::kRemainder, false},
+      {F::kBFloat16, F::kFloat32, MasterRequest::kNone, false},
+      {F::kFloat32, F::kFloat16, MasterRequest::kDefault, false},
+      {F::kBFloat16, F::kFloat32, MasterRequest::kDefault, true},
+      {F::kFloat32, F::kFloat32, MasterRequest::kRemainder, true},
+  };
+  for (const Case& c : cases) {
+    auto l = ResolveLayout("layer.7.w", c.param, F::kFloat32, c.moment,
+                           c.master, c.keep_fp32, false);
+    ASSERT_FALSE(l.ok());
+    EXPECT_EQ(l.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(l.status().message().find("layer.7.w"), absl::string_view::npos)
+        << l.status();
+  }
+}
+
+TEST(LayoutTest, KeepFp32StaysInPlaceEvenWhenGroupWantsMaster) {
+  auto l = ResolveLayout("norm", F::kFloat32, F::kBFloat16, F::kBFloat16,
+                         MasterRequest::kDefault, true, false);
+  ASSERT_TRUE(l.ok());
+  EXPECT_EQ(l->master, MasterKind::kNone);
+}
+
+}  // namespace
+}  // namespace optimd

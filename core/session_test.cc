@@ -1,0 +1,199 @@
+#include "core/session.h"
+
+#include <cstring>
+#include <random>
+
+#include "client/shm_tensor.h"
+#include "core/cpu_backend.h"
+#include "core/session_registry.h"
+#include "gtest/gtest.h"
+
+namespace optimd {
+namespace {
+
+BufferHandle Handle(const SharedMemoryRegion& r, uint64_t off, uint64_t size) {
+  BufferHandle h;
+  h.kind = BufferHandle::Kind::kSharedMemory;
+  h.segment_name = r.name();
+  h.offset = off;
+  h.size = size;
+  return h;
+}
+
+class SessionTest : public ::testing::Test {
+ protected:
+  SessionTest()
+      : backend_(CpuBackend::Options{2, 64}),
+        budget_(1 << 20),
+        session_(SessionIdentity{"job", 0, 1, -1}, &backend_, &budget_) {
+    params_ = *SharedMemoryRegion::Create(4096);
+    grads_ = *SharedMemoryRegion::Create(4096);
+  }
+
+  TensorSpec Fp32Tensor(const std::string& name, uint64_t numel,
+                        uint64_t offset) {
+    TensorSpec t;
+    t.name = name;
+    t.numel = numel;
+    t.param_dtype_set = t.grad_dtype_set = true;
+    t.param = Handle(*params_, offset, numel * 4);
+    t.grad = Handle(*grads_, offset, numel * 4);
+    return t;
+  }
+
+  CpuBackend backend_;
+  StateBudget budget_;
+  Session session_;
+  std::unique_ptr<SharedMemoryRegion> params_, grads_;
+};
+
+TEST_F(SessionTest, RegisterStepAndCountPlans) {
+  GroupSpec spec;
+  spec.id = "g";
+  spec.tensors = {Fp32Tensor("a", 100, 0), Fp32Tensor("empty", 0, 0),
+                  Fp32Tensor("b", 3, 512)};
+  spec.tensors[1].param = spec.tensors[1].grad = BufferHandle();
+  auto r = session_.RegisterGroup(spec);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->state_bytes, 103u * 8);
+  EXPECT_EQ(r->plan_items, 3u);  // 100 elements in chunks of 64, plus b
+  EXPECT_EQ(backend_.counters().plan_builds.load(), 1u);
+  for (int i = 0; i < 100; ++i) grads_->as<float>()[i] = 1.0f;
+  for (int step = 1; step <= 3; ++step) {
+    auto s = session_.Step({});
+    ASSERT_TRUE(s.ok()) << s.status();
+    EXPECT_FALSE(s->outcome.skipped);
+    EXPECT_EQ(s->group_steps[0].second, static_cast<uint64_t>(step));
+  }
+  EXPECT_EQ(backend_.counters().plan_builds.load(), 1u);  // never rebuilt
+  EXPECT_LT(params_->as<float>()[0], 0.0f);
+  EXPECT_EQ(session_.Info().steps, 3u);
+}
+
+TEST_F(SessionTest, NonFiniteGradientSkipsEverything) {
+  GroupSpec g1;
+  g1.id = "g1";
+  g1.tensors = {Fp32Tensor("a", 4, 0)};
+  GroupSpec g2;
+  g2.id = "g2";
+  g2.tensors = {Fp32Tensor("b", 4, 64)};
+  ASSERT_TRUE(session_.RegisterGroup(g1).ok());
+  ASSERT_TRUE(session_.RegisterGroup(g2).ok());
+  for (int i = 0; i < 4; ++i) {
+    params_->as<float>()[i] = params_->as<float>()[16 + i] = 1.0f;
+    grads_->as<float>()[i] = grads_->as<float>()[16 + i] = 0.5f;
+  }
+  grads_->as<float>()[17] = std::numeric_limits<float>::infinity();
+  std::vector<uint8_t> before(params_->data(), params_->data() + 4096);
+  auto s = session_.Step({});
+  ASSERT_TRUE(s.ok());
+  EXPECT_TRUE(s->outcome.skipped);
+  EXPECT_EQ(s->group_steps[0].second, 0u);
+  EXPECT_EQ(s->group_steps[1].second, 0u);
+  EXPECT_EQ(std::memcmp(before.data(), params_->data(), 4096), 0);
+  EXPECT_EQ(session_.Info().skipped_steps, 1u);
+  grads_->as<float>()[17] = 0.5f;
+  s = session_.Step({});
+  ASSERT_TRUE(s.ok());
+  EXPECT_FALSE(s->outcome.skipped);
+  EXPECT_EQ(s->group_steps[1].second, 1u);
+}
+
+TEST_F(SessionTest, FailedRegistrationChangesNothing) {
+  GroupSpec spec;
+  spec.id = "g";
+  spec.tensors = {Fp32Tensor("a", 4, 0), Fp32Tensor("b", 4, 4090)};
+  auto r = session_.RegisterGroup(spec);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("'b'"), absl::string_view::npos);
+  EXPECT_TRUE(session_.Info().group_ids.empty());
+  EXPECT_EQ(budget_.used(), 0u);
+  EXPECT_EQ(backend_.segments().OpenSegments(), 0);
+  // The same names are free to use afterwards.
+  spec.tensors[1] = Fp32Tensor("b", 4, 16);
+  EXPECT_TRUE(session_.RegisterGroup(spec).ok());
+}
+
+TEST_F(SessionTest, BudgetIsEnforcedAndReleased) {
+  StateBudget small(100);
+  Session s(SessionIdentity{"j", 0, 1, -1}, &backend_, &small);
+  GroupSpec spec;
+  spec.id = "big";
+  spec.tensors = {Fp32Tensor("a", 20, 0)};  // 160 bytes of state
+  EXPECT_EQ(s.RegisterGroup(spec).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  spec.tensors = {Fp32Tensor("a", 10, 0)};  // 80 bytes
+  ASSERT_TRUE(s.RegisterGroup(spec).ok());
+  EXPECT_EQ(small.used(), 80u);
+  ASSERT_TRUE(s.UnregisterGroup("big").ok());
+  EXPECT_EQ(small.used(), 0u);
+  EXPECT_EQ(s.UnregisterGroup("big").code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(SessionTest, UpdateBuffersTouchesOnlyThatEntry) {
+  GroupSpec spec;
+  spec.id = "g";
+  spec.tensors = {Fp32Tensor("a", 8, 0), Fp32Tensor("b", 8, 64)};
+  ASSERT_TRUE(session_.RegisterGroup(spec).ok());
+  auto other = *SharedMemoryRegion::Create(64);
+  BufferUpdate u;
+  u.tensor = "b";
+  u.grad = Handle(*other, 0, 32);
+  ASSERT_TRUE(session_.UpdateBuffers("g", {u}).ok());
+  EXPECT_EQ(backend_.counters().plan_entry_updates.load(), 1u);
+  EXPECT_EQ(backend_.counters().plan_builds.load(), 1u);
+  u.grad = Handle(*other, 0, 16);  // wrong size
+  EXPECT_EQ(session_.UpdateBuffers("g", {u}).code(),
+            absl::StatusCode::kInvalidArgument);
+  u.tensor = "zzz";
+  EXPECT_EQ(session_.UpdateBuffers("g", {u}).code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(session_.UpdateBuffers("nope", {}).code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(backend_.counters().plan_entry_updates.load(), 1u);
+}
+
+TEST_F(SessionTest, ShrunkSegmentFailsTheStepNotTheDaemon) {
+  auto seg = *SharedMemoryRegion::Create(8192);
+  GroupSpec spec;
+  spec.id = "g";
+  TensorSpec t = Fp32Tensor("a", 1024, 0);
+  t.grad = Handle(*seg, 4096, 4096);
+  spec.tensors = {t};
+  ASSERT_TRUE(session_.RegisterGroup(spec).ok());
+  ASSERT_EQ(truncate((std::string("/dev/shm") + seg->name()).c_str(), 100), 0);
+  EXPECT_EQ(session_.Step({}).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(SessionRegistryTest, TokensResumeAndClose) {
+  CpuBackend backend(CpuBackend::Options{1, 64});
+  StateBudget budget(0);
+  SessionRegistry registry(&backend, &budget);
+  auto a = registry.Create({"job", 1, 2, -1}, false);
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(a->token.size(), 32u);
+  EXPECT_EQ(registry.Create({"job", 1, 2, -1}, false).status().code(),
+            absl::StatusCode::kAlreadyExists);
+  auto b = registry.Create({"job", 1, 2, -1}, true);
+  ASSERT_TRUE(b.ok());
+  EXPECT_TRUE(b->resumed);
+  EXPECT_EQ(b->session, a->session);
+  EXPECT_EQ(registry.Find(a->token).status().code(),
+            absl::StatusCode::kUnauthenticated);
+  EXPECT_TRUE(registry.Find(b->token).ok());
+  EXPECT_EQ(registry.Find("").status().code(),
+            absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(registry.Create({"job", 2, 2, -1}, false).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(registry.Create({"", 0, 1, -1}, false).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(registry.Create({"job", 0, 2, 0}, false).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(registry.Close(b->token).ok());
+  EXPECT_TRUE(registry.List().empty());
+  EXPECT_TRUE(registry.Create({"job", 1, 2, -1}, false).ok());
+}
+
+}  // namespace
+}  // namespace optimd

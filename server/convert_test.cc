@@ -1,0 +1,59 @@
+#include "server/convert.h"
+
+#include "gtest/gtest.h"
+
+namespace optimd {
+namespace {
+
+TEST(ConvertTest, StatusCodesSurviveTheBoundary) {
+  grpc::Status s = ToGrpcStatus(absl::NotFoundError("group 'x'"));
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(s.error_message(), "group 'x'");
+  EXPECT_TRUE(ToGrpcStatus(absl::OkStatus()).ok());
+  EXPECT_EQ(ToGrpcStatus(absl::UnauthenticatedError("")).error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
+}
+
+TEST(ConvertTest, GroupSpecDefaultsAndErrors) {
+  v1::RegisterGroupRequest r;
+  r.set_group_id("g");
+  r.mutable_hyperparameters()->set_lr(0.5);
+  auto* t = r.add_tensors();
+  t->set_name("w");
+  t->set_numel(4);
+  t->set_param_dtype(v1::DTYPE_BFLOAT16);
+  t->mutable_param()->mutable_shared_memory()->set_segment_name("/s");
+  t->mutable_param()->mutable_shared_memory()->set_size(8);
+  auto spec = GroupSpecFromProto(r);
+  ASSERT_TRUE(spec.ok());
+  EXPECT_TRUE(spec->hyper.adamw);
+  EXPECT_TRUE(spec->hyper.bias_correction);
+  EXPECT_EQ(spec->hyper.lr, 0.5);
+  EXPECT_EQ(spec->tensors[0].param_dtype, DType::kBFloat16);
+  EXPECT_TRUE(spec->tensors[0].param_dtype_set);
+  EXPECT_FALSE(spec->tensors[0].grad_dtype_set);
+  EXPECT_EQ(spec->tensors[0].param.kind, BufferHandle::Kind::kSharedMemory);
+  EXPECT_EQ(spec->tensors[0].grad.kind, BufferHandle::Kind::kNone);
+
+  r.mutable_hyperparameters()->set_bias_correction(false);
+  EXPECT_FALSE(GroupSpecFromProto(r)->hyper.bias_correction);
+
+  t->set_param_dtype(static_cast<v1::DType>(42));
+  auto bad = GroupSpecFromProto(r);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("'w'"), absl::string_view::npos);
+}
+
+TEST(ConvertTest, StepDefaults) {
+  v1::StepRequest r;
+  r.add_overrides()->set_group_id("g");
+  r.mutable_overrides(0)->set_lr(0.1);
+  StepRequestSpec s = StepSpecFromProto(r);
+  EXPECT_EQ(s.options.grad_scale, 1.0);
+  EXPECT_EQ(s.options.max_grad_norm, 0.0);
+  ASSERT_EQ(s.lr_overrides.size(), 1u);
+  EXPECT_EQ(s.lr_overrides[0].second, 0.1);
+}
+
+}  // namespace
+}  // namespace optimd

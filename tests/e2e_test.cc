@@ -1,0 +1,473 @@
+// End-to-end tests: the real optimd binary on a real Unix socket, the real
+// C++ client, real POSIX shared memory.
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "client/client.h"
+#include "client/shm_tensor.h"
+#include "gtest/gtest.h"
+#include "kernels/adamw_cpu.h"
+#include "tests/daemon_process.h"
+
+namespace optimd {
+namespace {
+
+using absl::StatusCode;
+
+class E2eTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto d = DaemonProcess::Start();
+    ASSERT_TRUE(d.ok()) << d.status();
+    daemon_ = *std::move(d);
+    client_ = Connect();
+    params_ = *SharedMemoryRegion::Create(1 << 16);
+    grads_ = *SharedMemoryRegion::Create(1 << 16);
+  }
+
+  void TearDown() override {
+    if (daemon_ != nullptr) {
+      // Whatever the test sent, the daemon is still healthy and stops cleanly.
+      ASSERT_TRUE(daemon_->Alive());
+      auto c = Connect();
+      auto h = c->Health();
+      ASSERT_TRUE(h.ok()) << h.status();
+      EXPECT_EQ(*h, "SERVING");
+      EXPECT_EQ(daemon_->Stop(), 0);
+      struct stat st;
+      EXPECT_NE(stat(daemon_->socket_path().c_str(), &st), 0)
+          << "socket left behind";
+    }
+  }
+
+  std::unique_ptr<Client> Connect() {
+    auto c = daemon_->Connect();
+    EXPECT_TRUE(c.ok()) << c.status();
+    return *std::move(c);
+  }
+
+  void OpenSession(Client* c, const std::string& job = "job", int rank = 0) {
+    v1::CreateSessionRequest r;
+    r.set_job_id(job);
+    r.set_rank(rank);
+    r.set_world_size(rank + 1);
+    r.set_device(-1);
+    auto s = c->CreateSession(r);
+    ASSERT_TRUE(s.ok()) << s.status();
+    EXPECT_EQ(s->backend(), v1::BACKEND_CPU);
+    EXPECT_EQ(s->session_token().size(), 32u);
+  }
+
+  // An fp32 tensor whose param and grad sit at `offset` in the two regions.
+  v1::TensorSpec Tensor(const std::string& name, uint64_t numel,
+                        uint64_t offset) {
+    v1::TensorSpec t;
+    t.set_name(name);
+    t.set_numel(numel);
+    t.set_param_dtype(v1::DTYPE_FLOAT32);
+    t.set_grad_dtype(v1::DTYPE_FLOAT32);
+    *t.mutable_param() = params_->Handle(offset, numel * 4);
+    *t.mutable_grad() = grads_->Handle(offset, numel * 4);
+    return t;
+  }
+
+  v1::RegisterGroupRequest Group(const std::string& id,
+                                 std::vector<v1::TensorSpec> tensors) {
+    v1::RegisterGroupRequest r;
+    r.set_group_id(id);
+    auto* h = r.mutable_hyperparameters();
+    h->set_lr(1e-2);
+    h->set_beta1(0.9);
+    h->set_beta2(0.999);
+    h->set_eps(1e-8);
+    h->set_weight_decay(0.01);
+    for (auto& t : tensors) *r.add_tensors() = t;
+    return r;
+  }
+
+  uint64_t PlanBuilds() { return client_->GetMetrics()->plan_builds(); }
+
+  std::unique_ptr<DaemonProcess> daemon_;
+  std::unique_ptr<Client> client_;
+  std::unique_ptr<SharedMemoryRegion> params_, grads_;
+};
+
+TEST_F(E2eTest, TrainsAndMatchesTheReference) {
+  OpenSession(client_.get());
+  const uint32_t seed = std::random_device{}();
+  std::printf("seed %u\n", seed);
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  constexpr int kN = 1000;
+  float* p = params_->as<float>();
+  float* g = grads_->as<float>();
+  for (int i = 0; i < kN; ++i) p[i] = normal(rng);
+  std::vector<float> ref_p(p, p + kN), ref_m(kN), ref_v(kN);
+  auto reg = client_->RegisterGroup(
+      Group("g", {Tensor("a", 700, 0), Tensor("b", 300, 700 * 4)}));
+  ASSERT_TRUE(reg.ok()) << reg.status();
+  EXPECT_EQ(reg->state_bytes(), kN * 8u);
+  AdamWHyper h;
+  h.lr = 1e-2;
+  h.weight_decay = 0.01;
+  for (int step = 1; step <= 50; ++step) {
+    for (int i = 0; i < kN; ++i) g[i] = normal(rng);
+    v1::StepRequest sr;
+    sr.set_step(step);
+    auto reply = client_->Step(sr);
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    ASSERT_EQ(reply->groups_size(), 1);
+    EXPECT_EQ(reply->groups(0).step(), static_cast<uint64_t>(step));
+    double sumsq = 0;
+    for (int i = 0; i < kN; ++i) sumsq += double(g[i]) * g[i];
+    EXPECT_NEAR(reply->grad_norm(), std::sqrt(sumsq), 1e-9 * std::sqrt(sumsq));
+    TensorPointers t{ref_p.data(), g, nullptr, ref_m.data(), ref_v.data(),
+                     nullptr};
+    AdamWStepRange(Layout(), t, 0, kN, MakeStepScalars(h, step, 1, 1));
+    for (int i = 0; i < kN; ++i) ASSERT_EQ(p[i], ref_p[i]) << i;
+  }
+  auto m = client_->GetMetrics();
+  ASSERT_TRUE(m.ok());
+  EXPECT_EQ(m->steps(), 50u);
+  EXPECT_EQ(m->plan_builds(), 1u);
+  EXPECT_EQ(m->step_latency().count(), 50u);
+  EXPECT_EQ(m->state_bytes(), kN * 8u);
+  EXPECT_NE(m->prometheus_text().find("optimd_steps_total 50"),
+            std::string::npos);
+  auto sessions = client_->ListSessions();
+  ASSERT_EQ(sessions->sessions_size(), 1);
+  EXPECT_EQ(sessions->sessions(0).steps(), 50u);
+  EXPECT_EQ(sessions->sessions(0).group_ids(0), "g");
+  ASSERT_TRUE(client_->CloseSession().ok());
+  EXPECT_EQ(client_->ListSessions()->sessions_size(), 0);
+  EXPECT_EQ(client_->GetMetrics()->state_bytes(), 0u);
+}
+
+TEST_F(E2eTest, LrOverrideAndGetParams) {
+  OpenSession(client_.get());
+  auto r = Group("g", {Tensor("w", 16, 0)});
+  r.mutable_layout()->set_master_weights(v1::MASTER_WEIGHTS_FP32);
+  float* p = params_->as<float>();
+  for (int i = 0; i < 16; ++i) {
+    p[i] = 1.0f + i;
+    grads_->as<float>()[i] = 0.5f;
+  }
+  ASSERT_TRUE(client_->RegisterGroup(r).ok());
+  v1::StepRequest sr;
+  auto* o = sr.add_overrides();
+  o->set_group_id("g");
+  o->set_lr(0.1);
+  ASSERT_TRUE(client_->Step(sr).ok());
+  // Same hand-computed step as the kernel test: p * (1 - 0.1 * 0.01) - 0.1.
+  EXPECT_NEAR(p[0], 0.899, 1e-6);
+  std::vector<float> after(p, p + 16);
+  // A restarted trainer lost its weights; the daemon writes them back.
+  std::memset(p, 0, 64);
+  auto gp = client_->GetParams(v1::GetParamsRequest());
+  ASSERT_TRUE(gp.ok()) << gp.status();
+  EXPECT_EQ(gp->tensors_written(), 1u);
+  for (int i = 0; i < 16; ++i) EXPECT_EQ(p[i], after[i]);
+}
+
+TEST_F(E2eTest, ResumeKeepsState) {
+  OpenSession(client_.get(), "job", 0);
+  ASSERT_TRUE(client_->RegisterGroup(Group("g", {Tensor("w", 4, 0)})).ok());
+  ASSERT_TRUE(client_->Step(v1::StepRequest()).ok());
+  const std::string old_token = client_->session_token();
+  auto restarted = Connect();
+  v1::CreateSessionRequest cs;
+  cs.set_job_id("job");
+  cs.set_world_size(1);
+  cs.set_device(-1);
+  EXPECT_EQ(restarted->CreateSession(cs).status().code(),
+            StatusCode::kAlreadyExists);
+  cs.set_resume(true);
+  auto s = restarted->CreateSession(cs);
+  ASSERT_TRUE(s.ok());
+  EXPECT_TRUE(s->resumed());
+  ASSERT_EQ(s->group_ids_size(), 1);
+  auto step = restarted->Step(v1::StepRequest());
+  ASSERT_TRUE(step.ok());
+  EXPECT_EQ(step->groups(0).step(), 2u);
+  // The old token no longer works.
+  EXPECT_EQ(client_->Step(v1::StepRequest()).status().code(),
+            StatusCode::kUnauthenticated);
+}
+
+TEST_F(E2eTest, SessionTokenIsRequired) {
+  // No session yet: every session call is refused.
+  EXPECT_EQ(client_->RegisterGroup(Group("g", {})).status().code(),
+            StatusCode::kUnauthenticated);
+  EXPECT_EQ(client_->Step(v1::StepRequest()).status().code(),
+            StatusCode::kUnauthenticated);
+  EXPECT_EQ(client_->UnregisterGroup("g").code(), StatusCode::kUnauthenticated);
+  EXPECT_EQ(client_->GetParams(v1::GetParamsRequest()).status().code(),
+            StatusCode::kUnauthenticated);
+  EXPECT_EQ(client_->UpdateBuffers(v1::UpdateBuffersRequest()).code(),
+            StatusCode::kUnauthenticated);
+  EXPECT_EQ(client_->CloseSession().code(), StatusCode::kUnauthenticated);
+  client_->set_session_token("0123456789abcdef0123456789abcdef");
+  EXPECT_EQ(client_->Step(v1::StepRequest()).status().code(),
+            StatusCode::kUnauthenticated);
+  // Admin calls need none.
+  EXPECT_TRUE(client_->ListSessions().ok());
+  EXPECT_TRUE(client_->GetMetrics().ok());
+}
+
+TEST_F(E2eTest, UnknownAndDuplicateNames) {
+  OpenSession(client_.get());
+  ASSERT_TRUE(client_->RegisterGroup(Group("g", {Tensor("w", 4, 0)})).ok());
+  EXPECT_EQ(client_->UnregisterGroup("nope").code(), StatusCode::kNotFound);
+  v1::StepRequest sr;
+  sr.add_overrides()->set_group_id("nope");
+  EXPECT_EQ(client_->Step(sr).status().code(), StatusCode::kNotFound);
+  v1::GetParamsRequest gp;
+  gp.add_group_ids("nope");
+  EXPECT_EQ(client_->GetParams(gp).status().code(), StatusCode::kNotFound);
+  v1::UpdateBuffersRequest ub;
+  ub.set_group_id("nope");
+  EXPECT_EQ(client_->UpdateBuffers(ub).code(), StatusCode::kNotFound);
+  // Duplicate group id, duplicate tensor names within and across groups.
+  EXPECT_EQ(client_->RegisterGroup(Group("g", {Tensor("x", 4, 64)}))
+                .status().code(),
+            StatusCode::kAlreadyExists);
+  EXPECT_EQ(client_->RegisterGroup(
+                    Group("h", {Tensor("x", 4, 64), Tensor("x", 4, 128)}))
+                .status().code(),
+            StatusCode::kAlreadyExists);
+  auto dup = client_->RegisterGroup(Group("h", {Tensor("w", 4, 64)}));
+  EXPECT_EQ(dup.status().code(), StatusCode::kAlreadyExists);
+  EXPECT_NE(dup.status().message().find("'w'"), std::string::npos);
+  // Nothing of the refused calls stuck.
+  auto s = client_->ListSessions();
+  ASSERT_EQ(s->sessions(0).group_ids_size(), 1);
+  EXPECT_EQ(PlanBuilds(), 1u);
+  ASSERT_TRUE(client_->UnregisterGroup("g").ok());
+  EXPECT_EQ(client_->UnregisterGroup("g").code(), StatusCode::kNotFound);
+}
+
+TEST_F(E2eTest, BadBuffersAreInvalidArgumentNamingTheTensor) {
+  OpenSession(client_.get());
+  struct Case {
+    const char* what;
+    std::function<void(v1::TensorSpec*)> spoil;
+  };
+  const Case cases[] = {
+      {"size not numel x dtype",
+       [](v1::TensorSpec* t) {
+         t->mutable_grad()->mutable_shared_memory()->set_size(12);
+       }},
+      {"offset past the segment",
+       [](v1::TensorSpec* t) {
+         t->mutable_param()->mutable_shared_memory()->set_offset(1 << 20);
+       }},
+      {"region past the segment end",
+       [](v1::TensorSpec* t) {
+         t->mutable_param()->mutable_shared_memory()->set_offset((1 << 16) - 8);
+       }},
+      {"missing segment",
+       [](v1::TensorSpec* t) {
+         t->mutable_grad()->mutable_shared_memory()->set_segment_name(
+             "/optimd-does-not-exist");
+       }},
+      {"segment name with a slash",
+       [](v1::TensorSpec* t) {
+         t->mutable_grad()->mutable_shared_memory()->set_segment_name(
+             "/../etc/passwd");
+       }},
+      {"unaligned offset",
+       [](v1::TensorSpec* t) {
+         t->mutable_param()->mutable_shared_memory()->set_offset(66);
+       }},
+      {"unsupported dtype",
+       [](v1::TensorSpec* t) { t->set_grad_dtype(static_cast<v1::DType>(9)); }},
+      {"unspecified dtype",
+       [](v1::TensorSpec* t) { t->set_param_dtype(v1::DTYPE_UNSPECIFIED); }},
+      {"missing grad buffer", [](v1::TensorSpec* t) { t->clear_grad(); }},
+      {"CUDA handle on the CPU backend",
+       [](v1::TensorSpec* t) {
+         t->mutable_param()->mutable_cuda_ipc()->set_size(16);
+       }},
+      {"zero elements with a buffer",
+       [](v1::TensorSpec* t) { t->set_numel(0); }},
+      {"remainder with an fp32 parameter", nullptr},
+  };
+  for (const Case& c : cases) {
+    auto r = Group("g", {Tensor("ok", 4, 0), Tensor("bad.tensor", 4, 64)});
+    if (c.spoil) {
+      c.spoil(r.mutable_tensors(1));
+    } else {
+      r.mutable_layout()->set_master_weights(v1::MASTER_WEIGHTS_REMAINDER);
+    }
+    auto s = client_->RegisterGroup(r);
+    EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument) << c.what;
+    EXPECT_NE(s.status().message().find("tensor"), std::string::npos)
+        << c.what << ": " << s.status();
+    if (c.spoil) {
+      EXPECT_NE(s.status().message().find("bad.tensor"), std::string::npos)
+          << c.what << ": " << s.status();
+    }
+  }
+  // Bad hyperparameters.
+  auto r = Group("g", {Tensor("w", 4, 0)});
+  r.mutable_hyperparameters()->set_beta1(1.0);
+  EXPECT_EQ(client_->RegisterGroup(r).status().code(),
+            StatusCode::kInvalidArgument);
+  r = Group("g", {Tensor("w", 4, 0)});
+  r.mutable_hyperparameters()->set_lr(-1);
+  EXPECT_EQ(client_->RegisterGroup(r).status().code(),
+            StatusCode::kInvalidArgument);
+  r = Group("", {Tensor("w", 4, 0)});
+  EXPECT_EQ(client_->RegisterGroup(r).status().code(),
+            StatusCode::kInvalidArgument);
+  // Bad step arguments.
+  ASSERT_TRUE(client_->RegisterGroup(Group("g", {Tensor("w", 4, 0)})).ok());
+  v1::StepRequest sr;
+  sr.set_grad_scale(-2);
+  EXPECT_EQ(client_->Step(sr).status().code(), StatusCode::kInvalidArgument);
+  sr.set_grad_scale(NAN);
+  EXPECT_EQ(client_->Step(sr).status().code(), StatusCode::kInvalidArgument);
+  sr.set_grad_scale(1);
+  sr.set_max_grad_norm(-1);
+  EXPECT_EQ(client_->Step(sr).status().code(), StatusCode::kInvalidArgument);
+  sr.set_max_grad_norm(0);
+  auto* o = sr.add_overrides();
+  o->set_group_id("g");
+  o->set_lr(INFINITY);
+  EXPECT_EQ(client_->Step(sr).status().code(), StatusCode::kInvalidArgument);
+  // None of the refused calls built a plan or took a step.
+  EXPECT_EQ(PlanBuilds(), 1u);
+  EXPECT_EQ(client_->GetMetrics()->steps(), 0u);
+  EXPECT_EQ(client_->GetMetrics()->state_bytes(), 32u);
+}
+
+TEST_F(E2eTest, InvalidSessionRequests) {
+  v1::CreateSessionRequest r;
+  r.set_job_id("j");
+  r.set_world_size(1);
+  r.set_device(0);
+  EXPECT_EQ(client_->CreateSession(r).status().code(),
+            StatusCode::kFailedPrecondition);
+  r.set_device(-1);
+  r.set_rank(3);
+  EXPECT_EQ(client_->CreateSession(r).status().code(),
+            StatusCode::kInvalidArgument);
+  r.set_rank(0);
+  r.set_job_id("");
+  EXPECT_EQ(client_->CreateSession(r).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST_F(E2eTest, ZeroElementAndFrozenTensors) {
+  OpenSession(client_.get());
+  auto empty = Tensor("empty", 0, 0);
+  empty.clear_param();
+  empty.clear_grad();
+  auto frozen = Tensor("frozen", 4, 64);
+  frozen.set_frozen(true);
+  frozen.clear_grad();
+  frozen.clear_grad_dtype();
+  for (int i = 0; i < 32; ++i) {
+    params_->as<float>()[i] = 1.0f;
+    grads_->as<float>()[i] = 1.0f;
+  }
+  auto reg = client_->RegisterGroup(
+      Group("g", {empty, frozen, Tensor("live", 4, 0)}));
+  ASSERT_TRUE(reg.ok()) << reg.status();
+  EXPECT_EQ(reg->plan_items(), 1u);
+  ASSERT_TRUE(client_->Step(v1::StepRequest()).ok());
+  EXPECT_NE(params_->as<float>()[0], 1.0f);
+  EXPECT_EQ(params_->as<float>()[16], 1.0f);  // frozen: untouched
+  // A group with only an empty tensor still counts steps.
+  auto only_empty = Tensor("empty2", 0, 0);
+  only_empty.clear_param();
+  only_empty.clear_grad();
+  ASSERT_TRUE(client_->RegisterGroup(Group("e", {only_empty})).ok());
+  auto s = client_->Step(v1::StepRequest());
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(s->groups(1).step(), 1u);
+}
+
+TEST_F(E2eTest, NonFiniteGradientSkipsTheStep) {
+  OpenSession(client_.get());
+  ASSERT_TRUE(client_->RegisterGroup(Group("g", {Tensor("w", 8, 0)})).ok());
+  for (int i = 0; i < 8; ++i) grads_->as<float>()[i] = 0.1f * i;
+  grads_->as<float>()[5] = NAN;
+  std::vector<float> before(params_->as<float>(), params_->as<float>() + 8);
+  auto s = client_->Step(v1::StepRequest());
+  ASSERT_TRUE(s.ok());
+  EXPECT_TRUE(s->skipped());
+  EXPECT_EQ(s->groups(0).step(), 0u);
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(params_->as<float>()[i], before[i]);
+  EXPECT_EQ(client_->GetMetrics()->skipped_steps(), 1u);
+}
+
+TEST_F(E2eTest, SegmentShrunkAfterRegistration) {
+  OpenSession(client_.get());
+  auto seg = *SharedMemoryRegion::Create(4096);
+  auto t = Tensor("w", 512, 0);
+  *t.mutable_grad() = seg->Handle(2048, 2048);
+  ASSERT_TRUE(client_->RegisterGroup(Group("g", {t})).ok());
+  ASSERT_EQ(truncate(("/dev/shm" + seg->name()).c_str(), 16), 0);
+  EXPECT_EQ(client_->Step(v1::StepRequest()).status().code(),
+            StatusCode::kFailedPrecondition);
+}
+
+TEST(E2eBudgetTest, RegistrationPastMaxStateBytes) {
+  auto d = DaemonProcess::Start({"--max_state_bytes=100"});
+  ASSERT_TRUE(d.ok()) << d.status();
+  auto c = *(*d)->Connect();
+  v1::CreateSessionRequest cs;
+  cs.set_job_id("j");
+  cs.set_world_size(1);
+  cs.set_device(-1);
+  ASSERT_TRUE(c->CreateSession(cs).ok());
+  auto params = *SharedMemoryRegion::Create(4096);
+  auto grads = *SharedMemoryRegion::Create(4096);
+  v1::RegisterGroupRequest r;
+  r.set_group_id("g");
+  r.mutable_hyperparameters()->set_lr(1e-3);
+  auto* t = r.add_tensors();
+  t->set_name("w");
+  t->set_numel(16);  // 128 bytes of fp32 moments
+  t->set_param_dtype(v1::DTYPE_FLOAT32);
+  t->set_grad_dtype(v1::DTYPE_FLOAT32);
+  *t->mutable_param() = params->Handle(0, 64);
+  *t->mutable_grad() = grads->Handle(0, 64);
+  auto s = c->RegisterGroup(r);
+  EXPECT_EQ(s.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(s.status().message().find("max_state_bytes"), std::string::npos);
+  t->set_numel(8);
+  *t->mutable_param() = params->Handle(0, 32);
+  *t->mutable_grad() = grads->Handle(0, 32);
+  EXPECT_TRUE(c->RegisterGroup(r).ok());
+  EXPECT_EQ((*d)->Stop(), 0);
+}
+
+TEST(E2eStartupTest, RefusesALiveSocketAndBadFlags) {
+  auto d = DaemonProcess::Start();
+  ASSERT_TRUE(d.ok());
+  // A second daemon on the same socket exits instead of stealing it.
+  const pid_t pid = fork();
+  if (pid == 0) {
+    std::string listen = "--listen=" + (*d)->address();
+    execl("server/optimd", "server/optimd", listen.c_str(), "--backend=cpu",
+          static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 1);
+  EXPECT_TRUE((*d)->Alive());
+  EXPECT_EQ((*d)->Stop(), 0);
+  auto bad = DaemonProcess::Start({"--backend=tpu"});
+  EXPECT_FALSE(bad.ok());
+}
+
+}  // namespace
+}  // namespace optimd
