@@ -80,6 +80,13 @@ class Backend {
   virtual absl::Status CheckMappings(
       const std::vector<std::shared_ptr<const void>>& mappings) = 0;
 
+  // Copies between backend memory (state or trainer buffers) and host
+  // memory. Synchronous. Used by state reads and writes, never per step.
+  virtual absl::Status CopyToHost(const uint8_t* src, uint8_t* dst,
+                                  uint64_t bytes) = 0;
+  virtual absl::Status CopyFromHost(const uint8_t* src, uint8_t* dst,
+                                    uint64_t bytes) = 0;
+
   Counters& counters() { return counters_; }
 
  private:

@@ -113,6 +113,18 @@ absl::Status CpuBackend::WriteParams(Group& group) {
   return absl::OkStatus();
 }
 
+absl::Status CpuBackend::CopyToHost(const uint8_t* src, uint8_t* dst,
+                                    uint64_t bytes) {
+  if (bytes > 0) std::memcpy(dst, src, bytes);
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::CopyFromHost(const uint8_t* src, uint8_t* dst,
+                                      uint64_t bytes) {
+  if (bytes > 0) std::memcpy(dst, src, bytes);
+  return absl::OkStatus();
+}
+
 absl::Status CpuBackend::CheckMappings(
     const std::vector<std::shared_ptr<const void>>& mappings) {
   for (const auto& m : mappings) {

@@ -37,6 +37,11 @@ class CpuBackend final : public Backend {
   absl::Status CheckMappings(
       const std::vector<std::shared_ptr<const void>>& mappings) override;
 
+  absl::Status CopyToHost(const uint8_t* src, uint8_t* dst,
+                          uint64_t bytes) override;
+  absl::Status CopyFromHost(const uint8_t* src, uint8_t* dst,
+                            uint64_t bytes) override;
+
   const SegmentCache& segments() const { return segments_; }
 
  private:

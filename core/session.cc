@@ -1,6 +1,7 @@
 #include "core/session.h"
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
@@ -93,7 +94,7 @@ absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
       return absl::InvalidArgumentError(
           absl::StrCat("tensor '", t.name, "': param_dtype is unspecified"));
     }
-    if (!t.frozen && !t.grad_dtype_set) {
+    if (!t.frozen && t.numel > 0 && !t.grad_dtype_set) {
       return absl::InvalidArgumentError(
           absl::StrCat("tensor '", t.name, "': grad_dtype is unspecified"));
     }
@@ -381,6 +382,209 @@ absl::StatusOr<uint64_t> Session::GetParams(
     }
   }
   return written;
+}
+
+namespace {
+
+void ToFloat(DType d, const void* src, uint64_t n, float* out) {
+  switch (d) {
+    case DType::kFloat32:
+      std::memcpy(out, src, n * 4);
+      return;
+    case DType::kBFloat16:
+      for (uint64_t i = 0; i < n; ++i) {
+        out[i] = BFloat16ToFloat(static_cast<const uint16_t*>(src)[i]);
+      }
+      return;
+    case DType::kFloat16:
+      for (uint64_t i = 0; i < n; ++i) {
+        out[i] = HalfToFloat(static_cast<const uint16_t*>(src)[i]);
+      }
+      return;
+  }
+}
+
+void FromFloat(DType d, const float* src, uint64_t n, void* out) {
+  switch (d) {
+    case DType::kFloat32:
+      std::memcpy(out, src, n * 4);
+      return;
+    case DType::kBFloat16:
+      for (uint64_t i = 0; i < n; ++i) {
+        static_cast<uint16_t*>(out)[i] = FloatToBFloat16(src[i]);
+      }
+      return;
+    case DType::kFloat16:
+      for (uint64_t i = 0; i < n; ++i) {
+        static_cast<uint16_t*>(out)[i] = FloatToHalf(src[i]);
+      }
+      return;
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<GroupState>> Session::ReadState(
+    const std::vector<std::string>& group_ids) {
+  absl::MutexLock lock(&mu_);
+  std::vector<Group*> targets;
+  if (group_ids.empty()) {
+    targets = step_groups_;
+  } else {
+    for (const std::string& id : group_ids) {
+      Group* g = FindGroup(id);
+      if (g == nullptr) {
+        return absl::NotFoundError(absl::StrCat(
+            "group '", id, "' is not registered in this session"));
+      }
+      targets.push_back(g);
+    }
+  }
+  OPTIMD_RETURN_IF_ERROR(backend_->CheckMappings(mappings_));
+  std::vector<GroupState> out;
+  for (Group* g : targets) {
+    GroupState gs;
+    gs.id = g->id;
+    gs.step = g->step;
+    gs.hyper = g->hyper;
+    for (const TensorEntry& t : g->tensors) {
+      const uint64_t n = t.numel;
+      auto raw = [&](const uint8_t* src, uint64_t bytes,
+                     std::string* dst) -> absl::Status {
+        dst->resize(bytes);
+        return backend_->CopyToHost(src, reinterpret_cast<uint8_t*>(dst->data()),
+                                    bytes);
+      };
+      // The fp32 master, for every layout.
+      StateBlob master{t.name, "master", DType::kFloat32, n, std::string()};
+      if (n > 0) {
+        master.data.resize(n * 4);
+        float* mf = reinterpret_cast<float*>(master.data.data());
+        std::string param;
+        OPTIMD_RETURN_IF_ERROR(raw(t.param.data, t.param.size, &param));
+        if (t.layout.master == MasterKind::kFp32) {
+          OPTIMD_RETURN_IF_ERROR(raw(t.master.data(), n * 4, &master.data));
+        } else if (t.layout.master == MasterKind::kRemainder) {
+          std::string rem;
+          OPTIMD_RETURN_IF_ERROR(raw(t.master.data(), n * 2, &rem));
+          const auto* pb = reinterpret_cast<const uint16_t*>(param.data());
+          const auto* rb = reinterpret_cast<const int16_t*>(rem.data());
+          for (uint64_t i = 0; i < n; ++i) {
+            mf[i] = ReconstructFromRemainder(pb[i], rb[i]);
+          }
+        } else {
+          ToFloat(t.layout.param_dtype, param.data(), n, mf);
+        }
+      }
+      gs.tensors.push_back(std::move(master));
+      if (t.frozen) continue;
+      const DType md = t.layout.moment_dtype;
+      const uint64_t mb = n * DTypeSize(md);
+      const std::pair<const char*, const StateStorage*> moments[] = {
+          {"exp_avg", &t.exp_avg},
+          {"exp_avg_sq", &t.exp_avg_sq},
+          {"max_exp_avg_sq", &t.max_exp_avg_sq}};
+      for (const auto& [kind, storage] : moments) {
+        if (std::string(kind) == "max_exp_avg_sq" && !t.layout.amsgrad) break;
+        StateBlob b{t.name, kind, md, n, std::string()};
+        if (n > 0) OPTIMD_RETURN_IF_ERROR(raw(storage->data(), mb, &b.data));
+        gs.tensors.push_back(std::move(b));
+      }
+    }
+    out.push_back(std::move(gs));
+  }
+  return out;
+}
+
+absl::Status Session::WriteState(const std::string& group_id, uint64_t step,
+                                 const std::vector<StateBlob>& blobs) {
+  absl::MutexLock lock(&mu_);
+  Group* g = FindGroup(group_id);
+  if (g == nullptr) {
+    return absl::NotFoundError(absl::StrCat(
+        "group '", group_id, "' is not registered in this session"));
+  }
+  // Check everything first.
+  std::vector<std::pair<const StateBlob*, TensorEntry*>> work;
+  std::set<std::pair<std::string, std::string>> seen;
+  for (const StateBlob& b : blobs) {
+    TensorEntry* t = nullptr;
+    for (TensorEntry& e : g->tensors) {
+      if (e.name == b.tensor) t = &e;
+    }
+    if (t == nullptr) {
+      return absl::NotFoundError(absl::StrCat(
+          "tensor '", b.tensor, "' is not in group '", group_id, "'"));
+    }
+    const bool moment = b.kind == "exp_avg" || b.kind == "exp_avg_sq" ||
+                        b.kind == "max_exp_avg_sq";
+    if (!moment && b.kind != "master") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor '", b.tensor, "': unknown state kind '", b.kind,
+          "' (use exp_avg, exp_avg_sq, max_exp_avg_sq or master)"));
+    }
+    if (moment && t->frozen) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor '", b.tensor, "' is frozen and holds no ", b.kind));
+    }
+    if (b.kind == "max_exp_avg_sq" && !t->layout.amsgrad) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor '", b.tensor, "': max_exp_avg_sq needs amsgrad=true"));
+    }
+    if (b.numel != t->numel) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor '", b.tensor, "' ", b.kind, ": ", b.numel,
+          " elements given, the tensor has ", t->numel));
+    }
+    if (b.data.size() != b.numel * DTypeSize(b.dtype)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor '", b.tensor, "' ", b.kind, ": ", b.data.size(),
+          " bytes of data for ", b.numel, " ", DTypeName(b.dtype),
+          " elements"));
+    }
+    if (!seen.insert({b.tensor, b.kind}).second) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor '", b.tensor, "' ", b.kind, " is given twice"));
+    }
+    work.emplace_back(&b, t);
+  }
+  OPTIMD_RETURN_IF_ERROR(backend_->CheckMappings(mappings_));
+  for (const auto& [b, t] : work) {
+    const uint64_t n = t->numel;
+    if (n == 0) continue;
+    std::vector<float> values(n);
+    ToFloat(b->dtype, b->data.data(), n, values.data());
+    auto put = [&](DType d, uint8_t* dst) -> absl::Status {
+      std::string bytes(n * DTypeSize(d), '\0');
+      FromFloat(d, values.data(), n, bytes.data());
+      return backend_->CopyFromHost(
+          reinterpret_cast<const uint8_t*>(bytes.data()), dst, bytes.size());
+    };
+    if (b->kind == "exp_avg") {
+      OPTIMD_RETURN_IF_ERROR(put(t->layout.moment_dtype, t->exp_avg.data()));
+    } else if (b->kind == "exp_avg_sq") {
+      OPTIMD_RETURN_IF_ERROR(put(t->layout.moment_dtype, t->exp_avg_sq.data()));
+    } else if (b->kind == "max_exp_avg_sq") {
+      OPTIMD_RETURN_IF_ERROR(
+          put(t->layout.moment_dtype, t->max_exp_avg_sq.data()));
+    } else if (t->layout.master == MasterKind::kRemainder) {
+      std::vector<uint16_t> hi(n);
+      std::vector<int16_t> rem(n);
+      for (uint64_t i = 0; i < n; ++i) SplitToRemainder(values[i], &hi[i], &rem[i]);
+      OPTIMD_RETURN_IF_ERROR(backend_->CopyFromHost(
+          reinterpret_cast<const uint8_t*>(hi.data()), t->param.data, n * 2));
+      OPTIMD_RETURN_IF_ERROR(backend_->CopyFromHost(
+          reinterpret_cast<const uint8_t*>(rem.data()), t->master.data(),
+          n * 2));
+    } else {
+      if (t->layout.master == MasterKind::kFp32) {
+        OPTIMD_RETURN_IF_ERROR(put(DType::kFloat32, t->master.data()));
+      }
+      OPTIMD_RETURN_IF_ERROR(put(t->layout.param_dtype, t->param.data));
+    }
+  }
+  g->step = step;
+  return absl::OkStatus();
 }
 
 void Session::PublishInfo() {

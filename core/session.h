@@ -56,6 +56,23 @@ struct BufferUpdate {
   BufferHandle grad;   // kind kNone: unchanged
 };
 
+// One state buffer of one tensor, in host memory.
+struct StateBlob {
+  std::string tensor;
+  // "exp_avg", "exp_avg_sq", "max_exp_avg_sq" or "master".
+  std::string kind;
+  DType dtype = DType::kFloat32;
+  uint64_t numel = 0;
+  std::string data;
+};
+
+struct GroupState {
+  std::string id;
+  uint64_t step = 0;
+  AdamWHyper hyper;
+  std::vector<StateBlob> tensors;
+};
+
 struct SessionInfo {
   SessionIdentity identity;
   std::vector<std::string> group_ids;
@@ -91,6 +108,15 @@ class Session {
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // Never waits for a running step.
+  // Copies the state of groups to host memory (empty `group_ids`: all).
+  absl::StatusOr<std::vector<GroupState>> ReadState(
+      const std::vector<std::string>& group_ids) ABSL_LOCKS_EXCLUDED(mu_);
+  // Overwrites a group's step counter and the given state buffers. Every
+  // blob is checked before anything is written.
+  absl::Status WriteState(const std::string& group_id, uint64_t step,
+                          const std::vector<StateBlob>& blobs)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
   SessionInfo Info() const ABSL_LOCKS_EXCLUDED(info_mu_);
   std::vector<std::string> GroupIds() const ABSL_LOCKS_EXCLUDED(mu_);
 

@@ -162,6 +162,50 @@ StepRequestSpec StepSpecFromProto(const v1::StepRequest& request) {
   return spec;
 }
 
+void HyperToProto(const AdamWHyper& h, v1::Hyperparameters* out) {
+  out->set_lr(h.lr);
+  out->set_beta1(h.beta1);
+  out->set_beta2(h.beta2);
+  out->set_eps(h.eps);
+  out->set_weight_decay(h.weight_decay);
+  out->set_mode(h.adamw ? v1::ADAM_MODE_ADAMW : v1::ADAM_MODE_ADAM);
+  out->set_bias_correction(h.bias_correction);
+  out->set_maximize(h.maximize);
+  out->set_amsgrad(h.amsgrad);
+}
+
+void GroupStateToProto(const GroupState& g, v1::GroupState* out) {
+  out->set_group_id(g.id);
+  out->set_step(g.step);
+  HyperToProto(g.hyper, out->mutable_hyperparameters());
+  for (const StateBlob& b : g.tensors) {
+    auto* t = out->add_tensors();
+    t->set_tensor(b.tensor);
+    t->set_kind(b.kind);
+    t->set_dtype(DTypeToProto(b.dtype));
+    t->set_numel(b.numel);
+    t->set_data(b.data);
+  }
+}
+
+absl::StatusOr<std::vector<StateBlob>> StateBlobsFromProto(
+    const v1::SetStateRequest& request) {
+  std::vector<StateBlob> out;
+  for (const v1::StateTensor& t : request.tensors()) {
+    StateBlob b;
+    b.tensor = t.tensor();
+    b.kind = t.kind();
+    auto d = DTypeFromProto(t.dtype(), absl::StrCat("tensor '", t.tensor(),
+                                                    "' ", t.kind()));
+    if (!d.ok()) return d.status();
+    b.dtype = *d;
+    b.numel = t.numel();
+    b.data = t.data();
+    out.push_back(std::move(b));
+  }
+  return out;
+}
+
 void SessionInfoToProto(const SessionInfo& info, v1::SessionInfo* out) {
   out->set_job_id(info.identity.job_id);
   out->set_rank(info.identity.rank);

@@ -28,6 +28,11 @@ absl::StatusOr<std::vector<BufferUpdate>> BufferUpdatesFromProto(
 
 StepRequestSpec StepSpecFromProto(const v1::StepRequest& request);
 
+void HyperToProto(const AdamWHyper& h, v1::Hyperparameters* out);
+void GroupStateToProto(const GroupState& g, v1::GroupState* out);
+absl::StatusOr<std::vector<StateBlob>> StateBlobsFromProto(
+    const v1::SetStateRequest& request);
+
 void SessionInfoToProto(const SessionInfo& info, v1::SessionInfo* out);
 
 }  // namespace optimd

@@ -161,6 +161,31 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::GetParams(
   });
 }
 
+grpc::ServerUnaryReactor* OptimizerServiceImpl::GetState(
+    grpc::CallbackServerContext* context, const v1::GetStateRequest* request,
+    v1::GetStateResponse* response) {
+  return OnWorker(context, [request, response](Session& s) -> absl::Status {
+    std::vector<std::string> ids(request->group_ids().begin(),
+                                 request->group_ids().end());
+    auto state = s.ReadState(ids);
+    if (!state.ok()) return state.status();
+    for (const GroupState& g : *state) {
+      GroupStateToProto(g, response->add_groups());
+    }
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* OptimizerServiceImpl::SetState(
+    grpc::CallbackServerContext* context, const v1::SetStateRequest* request,
+    v1::SetStateResponse*) {
+  return OnWorker(context, [request](Session& s) -> absl::Status {
+    auto blobs = StateBlobsFromProto(*request);
+    if (!blobs.ok()) return blobs.status();
+    return s.WriteState(request->group_id(), request->step(), *blobs);
+  });
+}
+
 grpc::ServerUnaryReactor* OptimizerServiceImpl::ListSessions(
     grpc::CallbackServerContext* context, const v1::ListSessionsRequest*,
     v1::ListSessionsResponse* response) {

@@ -54,6 +54,12 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
   grpc::ServerUnaryReactor* GetParams(grpc::CallbackServerContext* context,
                                       const v1::GetParamsRequest* request,
                                       v1::GetParamsResponse* response) override;
+  grpc::ServerUnaryReactor* GetState(grpc::CallbackServerContext* context,
+                                     const v1::GetStateRequest* request,
+                                     v1::GetStateResponse* response) override;
+  grpc::ServerUnaryReactor* SetState(grpc::CallbackServerContext* context,
+                                     const v1::SetStateRequest* request,
+                                     v1::SetStateResponse* response) override;
   grpc::ServerUnaryReactor* ListSessions(
       grpc::CallbackServerContext* context,
       const v1::ListSessionsRequest* request,

@@ -1,0 +1,23 @@
+"""optimd: the Python client of the optimd optimizer-step daemon.
+
+    import optimd
+    client = optimd.Client()            # the daemon's default socket
+    from optimd.torch import AdamW      # a drop-in torch.optim.AdamW
+"""
+import pkgutil
+
+# Generated stubs may live under another sys.path root (Bazel, pip builds).
+__path__ = pkgutil.extend_path(__path__, __name__)
+
+from optimd.errors import (AlreadyExistsError, DaemonUnavailableError,  # noqa: E402
+                           FailedPreconditionError, InvalidArgumentError,
+                           NotFoundError, OptimdError, ResourceExhaustedError,
+                           SessionError)
+from optimd.client import Client, default_address  # noqa: E402
+
+__all__ = [
+    "Client", "default_address", "OptimdError", "DaemonUnavailableError",
+    "SessionError", "NotFoundError", "AlreadyExistsError",
+    "InvalidArgumentError", "ResourceExhaustedError",
+    "FailedPreconditionError",
+]

@@ -1,0 +1,120 @@
+"""optimd.Client: the low-level Python client of the optimd daemon.
+
+One Client holds one channel and, after create_session, one session whose
+token travels in the `x-optimd-session` metadata of every call. Every call
+has a deadline. Failures raise optimd.errors.OptimdError subclasses.
+"""
+import os
+
+import grpc
+
+from optimd import errors
+from optimd.v1 import optimd_pb2 as pb
+from optimd.v1 import optimd_pb2_grpc as pb_grpc
+
+SESSION_METADATA_KEY = "x-optimd-session"
+
+
+def default_address():
+    """The daemon's default address, as the daemon computes it."""
+    env = os.environ.get("OPTIMD_ADDRESS")
+    if env:
+        return env
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return "unix:%s/optimd.sock" % runtime
+    return "unix:/tmp/optimd-%d.sock" % os.getuid()
+
+
+class Client:
+    """A connection to one optimd daemon. Not thread-safe."""
+
+    def __init__(self, address=None, timeout=60.0, connect_timeout=10.0):
+        self.address = address or default_address()
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(
+            self.address,
+            options=[("grpc.max_send_message_length", -1),
+                     ("grpc.max_receive_message_length", -1)])
+        try:
+            grpc.channel_ready_future(self._channel).result(
+                timeout=connect_timeout)
+        except grpc.FutureTimeoutError:
+            self._channel.close()
+            raise errors.DaemonUnavailableError(
+                "no optimd daemon answers at %s (waited %.0f s); start one "
+                "with `bazel-bin/server/optimd --listen=%s`" %
+                (self.address, connect_timeout, self.address)) from None
+        self._stub = pb_grpc.OptimizerStub(self._channel)
+        self.token = None
+        self.backend = None
+
+    def close(self):
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _call(self, method, request):
+        metadata = ((SESSION_METADATA_KEY, self.token),) if self.token else ()
+        try:
+            return getattr(self._stub, method)(
+                request, timeout=self.timeout, metadata=metadata)
+        except grpc.RpcError as err:
+            raise errors.from_rpc_error(err, self.address) from None
+
+    # Sessions.
+    def create_session(self, job_id, rank=0, world_size=1, device=-1,
+                       resume=False):
+        reply = self._call("CreateSession", pb.CreateSessionRequest(
+            job_id=job_id, rank=rank, world_size=world_size, device=device,
+            resume=resume))
+        self.token = reply.session_token
+        self.backend = reply.backend
+        return reply
+
+    def close_session(self):
+        reply = self._call("CloseSession", pb.CloseSessionRequest())
+        self.token = None
+        return reply
+
+    # Groups.
+    def register_group(self, request):
+        return self._call("RegisterGroup", request)
+
+    def unregister_group(self, group_id):
+        return self._call("UnregisterGroup",
+                          pb.UnregisterGroupRequest(group_id=group_id))
+
+    def update_buffers(self, request):
+        return self._call("UpdateBuffers", request)
+
+    # Steps and state.
+    def step(self, step=0, lr_overrides=None, grad_scale=0.0,
+             max_grad_norm=0.0):
+        request = pb.StepRequest(step=step, grad_scale=grad_scale,
+                                 max_grad_norm=max_grad_norm)
+        for group_id, lr in (lr_overrides or {}).items():
+            request.overrides.add(group_id=group_id, lr=lr)
+        return self._call("Step", request)
+
+    def get_params(self, group_ids=()):
+        return self._call("GetParams",
+                          pb.GetParamsRequest(group_ids=list(group_ids)))
+
+    def get_state(self, group_ids=()):
+        return self._call("GetState",
+                          pb.GetStateRequest(group_ids=list(group_ids)))
+
+    def set_state(self, request):
+        return self._call("SetState", request)
+
+    # Admin.
+    def list_sessions(self):
+        return self._call("ListSessions", pb.ListSessionsRequest())
+
+    def get_metrics(self):
+        return self._call("GetMetrics", pb.GetMetricsRequest())

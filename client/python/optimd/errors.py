@@ -1,0 +1,86 @@
+"""Exceptions of the optimd client: one class per daemon status code.
+
+Every RPC failure surfaces as an OptimdError subclass carrying the daemon's
+message, never as a raw gRPC traceback.
+"""
+import grpc
+
+
+class OptimdError(Exception):
+    """A call to the optimd daemon failed."""
+
+    code = None
+
+    def __init__(self, message, code=None):
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class DaemonUnavailableError(OptimdError):
+    """No daemon answers at the address (not running, wrong socket)."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class SessionError(OptimdError):
+    """The session token is missing, unknown, or was taken over."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class NotFoundError(OptimdError, KeyError):
+    """An unknown group or tensor."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+    def __str__(self):
+        return Exception.__str__(self)
+
+
+class AlreadyExistsError(OptimdError):
+    """A duplicate group id, tensor name, or session."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class InvalidArgumentError(OptimdError, ValueError):
+    """The daemon refused a request's contents (sizes, dtypes, layouts...)."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class ResourceExhaustedError(OptimdError):
+    """The daemon's --max_state_bytes (or memory) would be exceeded."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class FailedPreconditionError(OptimdError):
+    """The request cannot be served in the current state."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+_BY_CODE = {
+    c.code: c
+    for c in (DaemonUnavailableError, SessionError, NotFoundError,
+              AlreadyExistsError, InvalidArgumentError,
+              ResourceExhaustedError, FailedPreconditionError)
+}
+
+
+def from_rpc_error(err, address=None):
+    """Turns a grpc.RpcError into the matching OptimdError."""
+    code = err.code() if hasattr(err, "code") else None
+    details = err.details() if hasattr(err, "details") else str(err)
+    cls = _BY_CODE.get(code, OptimdError)
+    if cls is DaemonUnavailableError:
+        where = " at %s" % address if address else ""
+        message = ("no optimd daemon answers%s (%s); start one with "
+                   "`bazel-bin/server/optimd --listen=%s`" %
+                   (where, details, address or "unix:/path/to.sock"))
+    else:
+        name = code.name if code is not None else "UNKNOWN"
+        message = "%s: %s" % (name, details)
+    return cls(message, code)

@@ -1,0 +1,77 @@
+"""Starting a private optimd daemon, for tests and examples.
+
+    with optimd.testing.Daemon() as d:
+        opt = AdamW(model.parameters(), address=d.address)
+"""
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+
+from optimd import errors
+from optimd.client import Client
+
+
+def find_binary():
+    """$OPTIMD_BINARY, else bazel-bin/server/optimd of the source tree."""
+    env = os.environ.get("OPTIMD_BINARY")
+    if env:
+        return env
+    here = os.path.dirname(os.path.abspath(__file__))
+    candidate = os.path.join(here, "..", "..", "..", "bazel-bin", "server",
+                             "optimd")
+    if os.path.exists(candidate):
+        return os.path.abspath(candidate)
+    found = shutil.which("optimd")
+    if found:
+        return found
+    raise FileNotFoundError(
+        "cannot find the optimd binary: build it with `bazel build "
+        "//server:optimd` or set OPTIMD_BINARY")
+
+
+class Daemon:
+    """An optimd process on a private Unix socket; stopped on exit."""
+
+    def __init__(self, flags=(), binary=None, backend="cpu"):
+        self._dir = tempfile.mkdtemp(prefix="optimd-", dir="/tmp")
+        self.socket_path = os.path.join(self._dir, "optimd.sock")
+        self.address = "unix:" + self.socket_path
+        cmd = [binary or find_binary(), "--listen=" + self.address,
+               "--backend=" + backend] + list(flags)
+        self.process = subprocess.Popen(cmd)
+        deadline = time.time() + 30
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError("optimd exited with status %d during "
+                                   "start-up" % self.process.returncode)
+            if os.path.exists(self.socket_path):
+                try:
+                    Client(self.address, connect_timeout=1).close()
+                    break
+                except errors.DaemonUnavailableError:
+                    pass
+            if time.time() > deadline:
+                self.stop()
+                raise RuntimeError("optimd did not start within 30 s")
+            time.sleep(0.02)
+
+    def stop(self):
+        """SIGTERM and wait; returns the exit status."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)
+        return self.process.returncode
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()

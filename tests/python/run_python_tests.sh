@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Runs Python test modules against the real daemon, under Debian's python3
+# (which has torch). Arguments: test module file names under tests/python.
+set -euo pipefail
+root="$PWD"
+export PYTHONPATH="$root/client/python:$root/proto/pygen"
+export OPTIMD_BINARY="$root/server/optimd"
+export PYTHONUNBUFFERED=1
+cd "$root/tests/python"
+for module in "$@"; do
+  /usr/bin/python3 -m unittest -v "${module%.py}"
+done

@@ -1,0 +1,221 @@
+"""optimd.torch.AdamW as a drop-in torch optimizer: training a model,
+several groups, state dicts both ways with torch.optim.AdamW, resume after a
+trainer crash, and clear Python errors."""
+import os
+import random
+import unittest
+
+import torch
+
+import optimd
+from optimd.testing import Daemon
+from optimd.torch import AdamW
+
+SEED = int(os.environ.get("OPTIMD_TEST_SEED", random.randrange(1 << 30)))
+print("seed", SEED)
+
+
+def mlp():
+    return torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Tanh(),
+                               torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                               torch.nn.Linear(32, 1))
+
+
+def scale_err(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+class TorchClientTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.daemon = Daemon()
+
+    @classmethod
+    def tearDownClass(cls):
+        assert cls.daemon.stop() == 0
+
+    def setUp(self):
+        torch.manual_seed(SEED)
+        self.x = torch.randn(256, 12)
+        self.y = torch.sin(self.x.sum(1, keepdim=True))
+
+    def make(self, params, **kw):
+        kw.setdefault("address", self.daemon.address)
+        kw.setdefault("job_id", self.id())
+        return AdamW(params, **kw)
+
+    def train_step(self, model, opt):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(self.x), self.y)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    def test_mlp_matches_torch_every_step(self):
+        """Side by side from one seed. The torch twin takes the gradients of
+        the model that optimd trains, so the comparison measures the
+        optimizers alone: 1e-6 of each tensor's scale at every step."""
+        torch.manual_seed(SEED)
+        ours = mlp()
+        theirs = mlp()
+        theirs.load_state_dict(ours.state_dict())
+        opt = self.make(ours.parameters(), lr=3e-3, weight_decay=0.01)
+        ref = torch.optim.AdamW(theirs.parameters(), lr=3e-3,
+                                weight_decay=0.01)
+        first = last = None
+        for step in range(100):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(ours(self.x), self.y)
+            loss.backward()
+            for p, q in zip(ours.parameters(), theirs.parameters()):
+                q.grad = p.grad.clone()
+            opt.step()
+            ref.step()
+            first = first if first is not None else loss.item()
+            last = loss.item()
+            for p, q in zip(ours.parameters(), theirs.parameters()):
+                self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6,
+                                     "step %d" % step)
+        self.assertLess(last, first / 5)
+        opt.close()
+
+    def test_mlp_trains_like_torch_independently(self):
+        """Two independent training runs: ulp-level differences of the two
+        optimizers feed back through forward and backward, so the runs drift
+        apart slowly; after 100 steps they still agree to 1e-4."""
+        torch.manual_seed(SEED)
+        ours = mlp()
+        theirs = mlp()
+        theirs.load_state_dict(ours.state_dict())
+        opt = self.make(ours.parameters(), lr=3e-3, weight_decay=0.01)
+        ref = torch.optim.AdamW(theirs.parameters(), lr=3e-3,
+                                weight_decay=0.01)
+        for _ in range(100):
+            loss = self.train_step(ours, opt)
+            ref.zero_grad()
+            ref_loss = torch.nn.functional.mse_loss(theirs(self.x), self.y)
+            ref_loss.backward()
+            ref.step()
+            self.assertLessEqual(abs(loss - ref_loss.item()),
+                                 1e-4 * ref_loss.item())
+        for p, q in zip(ours.parameters(), theirs.parameters()):
+            self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-4)
+        opt.close()
+
+    def test_parameters_keep_identity_and_grads_live_in_shared_memory(self):
+        model = mlp()
+        before = [id(p) for p in model.parameters()]
+        opt = self.make(model.parameters())
+        self.assertEqual(before, [id(p) for p in model.parameters()])
+        self.train_step(model, opt)
+        for p in model.parameters():
+            ptr = p.grad.data_ptr()
+            opt.zero_grad(set_to_none=True)
+            self.assertEqual(p.grad.data_ptr(), ptr)
+            self.assertEqual(p.grad.abs().sum().item(), 0.0)
+        opt.close()
+
+    def test_several_groups_and_add_param_group(self):
+        model = mlp()
+        layers = [m for m in model if isinstance(m, torch.nn.Linear)]
+        opt = self.make([{"params": layers[0].parameters(), "lr": 1e-2},
+                         {"params": layers[1].parameters(),
+                          "weight_decay": 0.0}], lr=1e-3)
+        opt.add_param_group({"params": layers[2].parameters(), "lr": 5e-3})
+        self.train_step(model, opt)
+        groups = opt.client.get_state().groups
+        self.assertEqual([g.group_id for g in groups], ["0", "1", "2"])
+        self.assertEqual([round(g.hyperparameters.lr, 6) for g in groups],
+                         [1e-2, 1e-3, 5e-3])
+        self.assertEqual(groups[1].hyperparameters.weight_decay, 0.0)
+        self.assertTrue(all(g.step == 1 for g in groups))
+        opt.close()
+
+    def test_state_dict_moves_both_ways_with_torch(self):
+        torch.manual_seed(SEED)
+        a = mlp()
+        b = mlp()
+        b.load_state_dict(a.state_dict())
+        ref = torch.optim.AdamW(b.parameters(), lr=1e-3, amsgrad=True)
+        for _ in range(5):
+            ref.zero_grad()
+            torch.nn.functional.mse_loss(b(self.x), self.y).backward()
+            ref.step()
+        a.load_state_dict(b.state_dict())
+        # torch -> optimd.
+        opt = self.make(a.parameters(), lr=1e-3, amsgrad=True)
+        opt.load_state_dict(ref.state_dict())
+        for _ in range(5):
+            self.train_step(a, opt)
+            ref.zero_grad()
+            torch.nn.functional.mse_loss(b(self.x), self.y).backward()
+            ref.step()
+        for p, q in zip(a.parameters(), b.parameters()):
+            self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6)
+        # optimd -> torch.
+        sd = opt.state_dict()
+        self.assertEqual(int(sd["state"][0]["step"]), 10)
+        c = mlp()
+        c.load_state_dict(a.state_dict())
+        ref2 = torch.optim.AdamW(c.parameters(), lr=1e-3, amsgrad=True)
+        ref2.load_state_dict(sd)
+        for _ in range(3):
+            self.train_step(a, opt)
+            ref2.zero_grad()
+            torch.nn.functional.mse_loss(c(self.x), self.y).backward()
+            ref2.step()
+        for p, q in zip(a.parameters(), c.parameters()):
+            self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6)
+        opt.close()
+
+    def test_resume_after_trainer_crash_restores_weights(self):
+        model = mlp()
+        opt = self.make(model.parameters(), master_weights=True,
+                        job_id="crashy")
+        for _ in range(3):
+            self.train_step(model, opt)
+        trained = [p.detach().clone() for p in model.parameters()]
+        # The trainer dies without closing; a new one starts from scratch.
+        fresh = mlp()
+        opt2 = self.make(fresh.parameters(), master_weights=True,
+                         job_id="crashy", resume=True)
+        self.assertTrue(opt2.resumed)
+        for p, t in zip(fresh.parameters(), trained):
+            self.assertTrue(torch.equal(p.detach(), t))
+        self.assertEqual(int(opt2.state[next(fresh.parameters())]["step"]), 3)
+        opt2.close()
+
+    def test_clear_errors(self):
+        p = torch.nn.Parameter(torch.randn(3))
+        with self.assertRaises(optimd.DaemonUnavailableError) as cm:
+            AdamW([p], address="unix:/tmp/optimd-nobody-here.sock")
+        self.assertIn("no optimd daemon", str(cm.exception))
+        with self.assertRaises(TypeError) as cm:
+            self.make([torch.nn.Parameter(torch.randn(3, dtype=torch.float64))])
+        self.assertIn("float64", str(cm.exception))
+        if torch.cuda.is_available():
+            with self.assertRaises(ValueError):
+                self.make([torch.nn.Parameter(torch.randn(2)),
+                           torch.nn.Parameter(torch.randn(2).cuda())])
+        emb = torch.nn.Embedding(10, 4, sparse=True)
+        opt = self.make(emb.parameters(), job_id="sparse")
+        # Accumulated into the dense shared buffer a sparse gradient is just
+        # a gradient; one that replaced it is refused.
+        emb.weight.grad = None
+        emb(torch.tensor([1, 2])).sum().backward()
+        self.assertTrue(emb.weight.grad.is_sparse)
+        with self.assertRaises(TypeError) as cm:
+            opt.step()
+        self.assertIn("sparse", str(cm.exception))
+        opt.close()
+        q = torch.nn.Parameter(torch.randn(3))
+        opt = self.make([q], job_id="betas")
+        opt.param_groups[0]["betas"] = (0.8, 0.9)
+        with self.assertRaises(ValueError) as cm:
+            opt.step()
+        self.assertIn("betas", str(cm.exception))
+        opt.close()
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,304 @@
+"""The optimizer's numerics against PyTorch's own AdamW and Adam.
+
+Every test drives the real daemon (CPU backend) over its socket through
+optimd.torch.AdamW, side by side with torch.optim on the same data. Inputs
+are fresh random values each run; the seed is printed.
+"""
+import itertools
+import os
+import random
+import struct
+import unittest
+
+import torch
+
+import optimd
+from optimd.testing import Daemon
+from optimd.torch import AdamW
+
+SEED = int(os.environ.get("OPTIMD_TEST_SEED", random.randrange(1 << 30)))
+print("seed", SEED)
+
+SHAPES = [(37,), (16, 33), (5,), (3, 4, 7)]
+
+
+def rel_err(a, b):
+    """max_i |a_i - b_i| / max_i |b_i|: the largest element error relative to
+    the tensor's scale.
+
+    An element-by-element ratio is meaningless where a parameter crosses zero
+    (a one-ulp difference in the operands of p - update is then an arbitrary
+    multiple of the tiny result), and torch's own CPU kernels are not
+    consistent to the ulp within one tensor: ATen's vectorized
+    add_(alpha=...) is a fused multiply-add while its scalar tail is not.
+    """
+    a = a.double()
+    b = b.double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def bits(t):
+    return t.contiguous().view(torch.int32 if t.dtype == torch.float32
+                               else torch.int16)
+
+
+class DaemonTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.daemon = Daemon()
+
+    @classmethod
+    def tearDownClass(cls):
+        assert cls.daemon.stop() == 0
+
+    def setUp(self):
+        self.gen = torch.Generator().manual_seed(SEED + hash(self.id()) % 1000)
+        self.opts = []
+
+    def tearDown(self):
+        for o in self.opts:
+            o.close()
+
+    def randn(self, *shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=self.gen).to(dtype)
+
+    def optimd(self, params, **kw):
+        opt = AdamW(params, address=self.daemon.address,
+                    job_id="t%d" % len(self.opts) + self.id(), **kw)
+        self.opts.append(opt)
+        return opt
+
+
+class ParityWithTorch(DaemonTest):
+    def run_pair(self, mode, weight_decay, amsgrad, maximize, schedule,
+                 steps=200):
+        torch_cls = torch.optim.AdamW if mode == "adamw" else torch.optim.Adam
+        ours = [torch.nn.Parameter(self.randn(*s)) for s in SHAPES]
+        theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+        kw = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8,
+                  weight_decay=weight_decay, amsgrad=amsgrad,
+                  maximize=maximize)
+        opt = self.optimd(ours, adam_w_mode=(mode == "adamw"), **kw)
+        ref = torch_cls(theirs, **kw)
+        scheds = []
+        if schedule:
+            scheds = [torch.optim.lr_scheduler.StepLR(o, 7, gamma=0.8)
+                      for o in (opt, ref)]
+        worst = 0.0
+        for step in range(steps):
+            for p, q in zip(ours, theirs):
+                g = self.randn(*p.shape)
+                p.grad.copy_(g)
+                q.grad = g.clone()
+            opt.step()
+            ref.step()
+            for s in scheds:
+                s.step()
+            self.assertFalse(opt.skipped)
+            for p, q in zip(ours, theirs):
+                err = rel_err(p.detach(), q.detach())
+                worst = max(worst, err)
+                self.assertLessEqual(
+                    err, 1e-6, "step %d %s wd=%g amsgrad=%s maximize=%s" %
+                    (step, mode, weight_decay, amsgrad, maximize))
+        # The moments agree too.
+        for p, q in zip(ours, theirs):
+            for k in ("exp_avg", "exp_avg_sq") + (
+                    ("max_exp_avg_sq",) if amsgrad else ()):
+                self.assertLessEqual(
+                    rel_err(opt.state[p][k], ref.state[q][k]), 1e-5, k)
+            self.assertEqual(int(opt.state[p]["step"]), steps)
+        return worst
+
+    def test_every_combination(self):
+        for mode, wd, ams, maxi in itertools.product(
+                ("adamw", "adam"), (0.0, 0.05), (False, True), (False, True)):
+            with self.subTest(mode=mode, wd=wd, amsgrad=ams, maximize=maxi):
+                worst = self.run_pair(mode, wd, ams, maxi, schedule=False)
+                print("%s wd=%g amsgrad=%d maximize=%d: worst relative "
+                      "error %.2e" % (mode, wd, ams, maxi, worst))
+
+    def test_lr_scheduler_drives_the_daemon(self):
+        for mode in ("adamw", "adam"):
+            with self.subTest(mode=mode):
+                self.run_pair(mode, 0.01, False, False, schedule=True)
+
+
+class Precisions(DaemonTest):
+    def test_low_precision_params_with_fp32_master(self):
+        for dtype in (torch.bfloat16, torch.float16):
+            with self.subTest(dtype=dtype):
+                start = [self.randn(*s).to(dtype) for s in SHAPES]
+                ours = [torch.nn.Parameter(t.clone()) for t in start]
+                theirs = [torch.nn.Parameter(t.float()) for t in start]
+                opt = self.optimd(ours, lr=1e-2)
+                ref = torch.optim.AdamW(theirs, lr=1e-2)
+                for step in range(200):
+                    for p, q in zip(ours, theirs):
+                        g = self.randn(*p.shape, dtype=dtype)
+                        p.grad.copy_(g)
+                        q.grad = g.float()
+                    opt.step()
+                    ref.step()
+                    for p, q in zip(ours, theirs):
+                        master = opt.state[p]["master"]
+                        self.assertLessEqual(rel_err(master, q.detach()), 1e-6)
+                        # The parameter is the master rounded to nearest even.
+                        self.assertTrue(torch.equal(
+                            bits(p.detach()), bits(master.to(dtype))))
+
+    def test_remainders_equal_fp32_master_bit_for_bit(self):
+        start = [self.randn(*s, dtype=torch.bfloat16) for s in SHAPES]
+        a = [torch.nn.Parameter(t.clone()) for t in start]
+        b = [torch.nn.Parameter(t.clone()) for t in start]
+        opt_a = self.optimd(a, lr=1e-3)
+        opt_b = self.optimd(b, lr=1e-3, store_param_remainders=True)
+        ties = 0
+        for step in range(500):
+            for p, q in zip(a, b):
+                g = self.randn(*p.shape, dtype=torch.bfloat16)
+                p.grad.copy_(g)
+                q.grad.copy_(g)
+            opt_a.step()
+            opt_b.step()
+            for p, q in zip(a, b):
+                ma, mb = opt_a.state[p]["master"], opt_b.state[q]["master"]
+                self.assertTrue(torch.equal(bits(ma), bits(mb)),
+                                "masters differ at step %d" % step)
+                diff = bits(p.detach()) != bits(q.detach())
+                if diff.any():
+                    # Only exact ties between two bf16 values may round
+                    # differently (see README: Layouts).
+                    low = bits(ma)[diff] & 0xFFFF
+                    self.assertTrue(bool((low == 0x8000).all()))
+                    ties += int(diff.sum())
+        print("remainder vs fp32 master: 500 steps, masters bit-identical, "
+              "%d tie roundings" % ties)
+
+    def test_bf16_moments_stay_close(self):
+        ours = [torch.nn.Parameter(self.randn(*s)) for s in SHAPES]
+        theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+        opt = self.optimd(ours, lr=1e-3, exp_avg_dtype=torch.bfloat16)
+        ref = torch.optim.AdamW(theirs, lr=1e-3)
+        for _ in range(50):
+            for p, q in zip(ours, theirs):
+                g = self.randn(*p.shape)
+                p.grad.copy_(g)
+                q.grad = g.clone()
+            opt.step()
+            ref.step()
+        for p, q in zip(ours, theirs):
+            self.assertEqual(opt.state[p]["exp_avg"].dtype, torch.bfloat16)
+            self.assertLess((p.detach() - q.detach()).abs().max().item(), 1e-3)
+
+    def test_keep_fp32_frozen_and_empty(self):
+        w = torch.nn.Parameter(self.randn(8, 4, dtype=torch.bfloat16))
+        norm = torch.nn.Parameter(self.randn(4))
+        frozen = torch.nn.Parameter(self.randn(6), requires_grad=False)
+        empty = torch.nn.Parameter(torch.empty(0))
+        norm_ref = torch.nn.Parameter(norm.detach().clone())
+        opt = self.optimd([w, norm, frozen, empty], lr=1e-2,
+                          master_weights=True, keep_fp32=[norm])
+        ref = torch.optim.AdamW([norm_ref], lr=1e-2)
+        frozen_before = frozen.detach().clone()
+        for _ in range(20):
+            w.grad.copy_(self.randn(8, 4, dtype=torch.bfloat16))
+            g = self.randn(4)
+            norm.grad.copy_(g)
+            norm_ref.grad = g.clone()
+            opt.step()
+            ref.step()
+        self.assertLessEqual(rel_err(norm.detach(), norm_ref.detach()), 1e-6)
+        self.assertTrue(torch.equal(frozen.detach(), frozen_before))
+        self.assertNotIn(frozen, opt.state)
+        self.assertEqual(empty.numel(), 0)
+        self.assertEqual(opt.state[empty]["exp_avg"].numel(), 0)
+
+    def test_empty_group_still_counts_steps(self):
+        p = torch.nn.Parameter(self.randn(3))
+        opt = self.optimd([{"params": [p]},
+                           {"params": [torch.nn.Parameter(torch.empty(0))]}])
+        for _ in range(3):
+            p.grad.copy_(self.randn(3))
+            opt.step()
+        steps = {g.group_id: g.step for g in opt.client.get_state().groups}
+        self.assertEqual(steps, {"0": 3, "1": 3})
+
+
+class GradientHandling(DaemonTest):
+    def test_non_finite_gradient_skips_everything(self):
+        ps = [torch.nn.Parameter(self.randn(*s)) for s in SHAPES]
+        opt = self.optimd([{"params": ps[:2]}, {"params": ps[2:]}])
+        for p in ps:
+            p.grad.copy_(self.randn(*p.shape))
+        opt.step()
+        before = [p.detach().clone() for p in ps]
+        state_before = {k: v.clone() for k, v in opt.state[ps[0]].items()}
+        for bad in (float("inf"), float("-inf"), float("nan")):
+            ps[3].grad.view(-1)[5] = bad
+            opt.step()
+            self.assertTrue(opt.skipped)
+            for p, b in zip(ps, before):
+                self.assertTrue(torch.equal(p.detach(), b))
+            for k, v in opt.state[ps[0]].items():
+                self.assertTrue(torch.equal(v, state_before[k]), k)
+        ps[3].grad.view(-1)[5] = 0.0
+        opt.step()
+        self.assertFalse(opt.skipped)
+        self.assertEqual(int(opt.state[ps[0]]["step"]), 2)
+
+    def test_grad_scale_divides_gradients(self):
+        ours = [torch.nn.Parameter(self.randn(*s)) for s in SHAPES]
+        theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+        opt = self.optimd(ours, lr=1e-2)
+        opt.grad_scale = 1024.0
+        ref = torch.optim.AdamW(theirs, lr=1e-2)
+        for _ in range(30):
+            for p, q in zip(ours, theirs):
+                g = self.randn(*p.shape)
+                p.grad.copy_(g * 1024.0)
+                q.grad = g.clone()
+            opt.step()
+            ref.step()
+            for p, q in zip(ours, theirs):
+                self.assertLessEqual(rel_err(p.detach(), q.detach()), 1e-6)
+
+    def test_clipping_matches_clip_grad_norm(self):
+        ours = [torch.nn.Parameter(self.randn(*s)) for s in SHAPES]
+        theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+        opt = self.optimd([{"params": ours[:2]}, {"params": ours[2:]}],
+                          lr=1e-2, max_grad_norm=1.5)
+        ref = torch.optim.AdamW([{"params": theirs[:2]},
+                                 {"params": theirs[2:]}], lr=1e-2)
+        for step in range(50):
+            scale = 0.05 if step % 2 else 3.0  # below and above the maximum
+            for p, q in zip(ours, theirs):
+                g = self.randn(*p.shape) * scale
+                p.grad.copy_(g)
+                q.grad = g.clone()
+            norm = torch.nn.utils.clip_grad_norm_(theirs, 1.5)
+            opt.step()
+            ref.step()
+            self.assertLessEqual(abs(opt.grad_norm - norm.item()),
+                                 1e-6 * norm.item())
+            for p, q in zip(ours, theirs):
+                self.assertLessEqual(rel_err(p.detach(), q.detach()), 1e-6)
+
+
+class BadInput(DaemonTest):
+    def test_remainders_need_bf16_parameters(self):
+        p = torch.nn.Parameter(self.randn(4))
+        with self.assertRaises(optimd.InvalidArgumentError) as cm:
+            self.optimd([("encoder.weight", p)], store_param_remainders=True)
+        self.assertIn("encoder.weight", str(cm.exception))
+        self.assertIn("bfloat16", str(cm.exception))
+
+    def test_master_none_needs_fp32(self):
+        p = torch.nn.Parameter(self.randn(4, dtype=torch.float16))
+        with self.assertRaises(optimd.InvalidArgumentError) as cm:
+            self.optimd([("h", p)], master_weights=False)
+        self.assertIn("'h'", str(cm.exception))
+
+
+if __name__ == "__main__":
+    unittest.main()
