@@ -72,11 +72,16 @@ absl::StatusOr<StepOutcome> CpuBackend::Step(const std::vector<Group*>& groups,
     const Plan& plan = g->plan;
     if (plan.items.empty()) continue;
     std::fill(partial_sums_.begin(), partial_sums_.end(), 0.0);
-    pool_.ParallelFor(plan.items.size(), [&](uint64_t i, int worker) {
-      const PlanItem& item = plan.items[i];
-      partial_sums_[static_cast<size_t>(worker) * 8] += GradSumSquaresRange(
-          plan.layouts[item.entry].grad_dtype, plan.entries[item.entry].grad,
-          item.begin, item.end);
+    pool_.ParallelFor(plan.tasks.size(), [&](uint64_t t, int worker) {
+      double sum = 0;
+      for (uint32_t i = plan.tasks[t].first_item; i < plan.tasks[t].end_item;
+           ++i) {
+        const PlanItem& item = plan.items[i];
+        sum += GradSumSquaresRange(plan.layouts[item.entry].grad_dtype,
+                                   plan.entries[item.entry].grad, item.begin,
+                                   item.end);
+      }
+      partial_sums_[static_cast<size_t>(worker) * 8] += sum;
     });
     for (int w = 0; w < pool_.size(); ++w) sumsq += partial_sums_[w * 8];
   }
@@ -97,10 +102,13 @@ absl::StatusOr<StepOutcome> CpuBackend::Step(const std::vector<Group*>& groups,
     const Plan& plan = g->plan;
     if (plan.items.empty()) continue;
     const StepScalars s = MakeStepScalars(g->hyper, g->step + 1, scale, clip);
-    pool_.ParallelFor(plan.items.size(), [&](uint64_t i, int) {
-      const PlanItem& item = plan.items[i];
-      AdamWStepRange(plan.layouts[item.entry], plan.entries[item.entry],
-                     item.begin, item.end, s);
+    pool_.ParallelFor(plan.tasks.size(), [&](uint64_t t, int) {
+      for (uint32_t i = plan.tasks[t].first_item; i < plan.tasks[t].end_item;
+           ++i) {
+        const PlanItem& item = plan.items[i];
+        AdamWStepRange(plan.layouts[item.entry], plan.entries[item.entry],
+                       item.begin, item.end, s);
+      }
     });
   }
   return out;

@@ -41,13 +41,13 @@ inline float BFloat16ToFloat(uint16_t h) {
 }
 
 // Round to nearest, ties to even; NaN stays NaN (quiet), as torch rounds.
+// Branch-free so that loops over it vectorize.
 inline uint16_t FloatToBFloat16(float f) {
-  uint32_t u = FloatBits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {
-    return static_cast<uint16_t>((u >> 16) | 0x0040u);
-  }
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
+  const uint32_t u = FloatBits(f);
+  const uint32_t rounded = u + 0x7fffu + ((u >> 16) & 1u);
+  const uint32_t nan = u | 0x00400000u;
+  const bool is_nan = (u & 0x7fffffffu) > 0x7f800000u;
+  return static_cast<uint16_t>((is_nan ? nan : rounded) >> 16);
 }
 
 // IEEE binary16 to binary32, exact (subnormals included).

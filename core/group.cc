@@ -18,6 +18,15 @@ void BuildPlan(Group& group, uint64_t chunk_elements) {
     }
     plan.elements += t.numel;
   }
+  uint64_t in_task = 0;
+  for (uint32_t i = 0; i < plan.items.size(); ++i) {
+    if (plan.tasks.empty() || in_task >= chunk_elements) {
+      plan.tasks.push_back({i, i});
+      in_task = 0;
+    }
+    plan.tasks.back().end_item = i + 1;
+    in_task += plan.items[i].end - plan.items[i].begin;
+  }
   group.plan = std::move(plan);
 }
 

@@ -36,6 +36,19 @@ struct GroupSpec {
   std::vector<TensorSpec> tensors;
 };
 
+// A tensor's share of one of its group's state arenas. Non-owning.
+class StateSlice {
+ public:
+  StateSlice() = default;
+  StateSlice(uint8_t* data, uint64_t size) : data_(data), size_(size) {}
+  uint8_t* data() const { return data_; }
+  uint64_t size() const { return size_; }
+
+ private:
+  uint8_t* data_ = nullptr;
+  uint64_t size_ = 0;
+};
+
 // One registered tensor. Owned by its Group.
 struct TensorEntry {
   std::string name;
@@ -45,10 +58,10 @@ struct TensorEntry {
   bool frozen = false;
   BufferRef param;  // null data for zero-element tensors
   BufferRef grad;   // null for frozen and zero-element tensors
-  StateStorage master;
-  StateStorage exp_avg;
-  StateStorage exp_avg_sq;
-  StateStorage max_exp_avg_sq;
+  StateSlice master;
+  StateSlice exp_avg;
+  StateSlice exp_avg_sq;
+  StateSlice max_exp_avg_sq;
 
   // True when the tensor takes part in steps.
   bool Steppable() const { return numel > 0 && !frozen; }
@@ -75,6 +88,14 @@ struct PlanItem {
   uint64_t end = 0;
 };
 
+// A run of consecutive items of about chunk_elements elements in all: the
+// unit a worker thread takes. Small tensors share a task, so per-task
+// overhead stays small at 1e5 tensors.
+struct PlanTask {
+  uint32_t first_item = 0;
+  uint32_t end_item = 0;  // exclusive
+};
+
 // The launch description of a group's step, built once at registration and
 // reused every step. Entries hold resolved pointers of steppable tensors
 // only; zero-element and frozen tensors never enter a plan.
@@ -83,6 +104,7 @@ struct Plan {
   std::vector<TensorPointers> entries;
   std::vector<Layout> layouts;
   std::vector<PlanItem> items;
+  std::vector<PlanTask> tasks;
   uint64_t elements = 0;
 };
 
@@ -95,6 +117,11 @@ struct Group {
   uint64_t step = 0;
   std::vector<TensorEntry> tensors;
   Plan plan;
+  // The group's state memory: one arena per kind of state (master, exp_avg,
+  // exp_avg_sq, max_exp_avg_sq), each tensor's slice 64-byte aligned. One
+  // allocation per kind keeps a group's state contiguous (streaming
+  // prefetch, few TLB entries) and makes registration cheap at 1e5 tensors.
+  std::vector<StateStorage> arenas;
 
   uint64_t StateBytes() const {
     uint64_t n = 0;

@@ -1,5 +1,6 @@
 #include "core/session.h"
 
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -151,24 +152,45 @@ absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
   OPTIMD_RETURN_IF_ERROR(
       budget_->Reserve(bytes, absl::StrCat("group '", spec.id, "'")));
   auto release = [&] { budget_->Release(bytes); };
-  for (TensorEntry& e : group->tensors) {
-    if (e.numel == 0) continue;
-    auto alloc = [&](uint64_t per_element, StateStorage* out) -> absl::Status {
-      if (per_element == 0) return absl::OkStatus();
-      OPTIMD_ASSIGN_OR_RETURN(*out,
-                              backend_->AllocateState(e.numel * per_element));
-      return absl::OkStatus();
-    };
-    absl::Status s = alloc(e.layout.MasterBytesPerElement(), &e.master);
-    if (s.ok() && !e.frozen) {
-      const uint64_t mb = e.layout.MomentBytesPerElement();
-      s = alloc(mb, &e.exp_avg);
-      if (s.ok()) s = alloc(mb, &e.exp_avg_sq);
-      if (s.ok() && e.layout.amsgrad) s = alloc(mb, &e.max_exp_avg_sq);
+  // Lay out each kind of state contiguously, then allocate one arena per
+  // kind.
+  constexpr uint64_t kSliceAlign = 64;
+  auto round_up = [](uint64_t n) {
+    return (n + kSliceAlign - 1) / kSliceAlign * kSliceAlign;
+  };
+  enum Kind { kMaster = 0, kExpAvg, kExpAvgSq, kMaxExpAvgSq, kKinds };
+  uint64_t arena_bytes[kKinds] = {0, 0, 0, 0};
+  std::vector<std::array<uint64_t, kKinds>> offsets(group->tensors.size());
+  auto per_element = [](const TensorEntry& e, int kind) -> uint64_t {
+    if (kind == kMaster) return e.layout.MasterBytesPerElement();
+    if (e.frozen) return 0;
+    if (kind == kMaxExpAvgSq && !e.layout.amsgrad) return 0;
+    return e.layout.MomentBytesPerElement();
+  };
+  for (size_t i = 0; i < group->tensors.size(); ++i) {
+    for (int k = 0; k < kKinds; ++k) {
+      offsets[i][k] = arena_bytes[k];
+      arena_bytes[k] +=
+          round_up(group->tensors[i].numel * per_element(group->tensors[i], k));
     }
-    if (!s.ok()) {
+  }
+  for (int k = 0; k < kKinds; ++k) {
+    auto arena = backend_->AllocateState(arena_bytes[k]);
+    if (!arena.ok()) {
       release();
-      return s;
+      return arena.status();
+    }
+    group->arenas.push_back(*std::move(arena));
+  }
+  for (size_t i = 0; i < group->tensors.size(); ++i) {
+    TensorEntry& e = group->tensors[i];
+    StateSlice* slices[kKinds] = {&e.master, &e.exp_avg, &e.exp_avg_sq,
+                                  &e.max_exp_avg_sq};
+    for (int k = 0; k < kKinds; ++k) {
+      const uint64_t bytes = e.numel * per_element(e, k);
+      if (bytes > 0) {
+        *slices[k] = StateSlice(group->arenas[k].data() + offsets[i][k], bytes);
+      }
     }
   }
   absl::Status s = backend_->PrepareGroup(*group);
@@ -480,7 +502,7 @@ absl::StatusOr<std::vector<GroupState>> Session::ReadState(
       if (t.frozen) continue;
       const DType md = t.layout.moment_dtype;
       const uint64_t mb = n * DTypeSize(md);
-      const std::pair<const char*, const StateStorage*> moments[] = {
+      const std::pair<const char*, const StateSlice*> moments[] = {
           {"exp_avg", &t.exp_avg},
           {"exp_avg_sq", &t.exp_avg_sq},
           {"max_exp_avg_sq", &t.max_exp_avg_sq}};

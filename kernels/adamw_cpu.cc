@@ -23,7 +23,8 @@ struct F16 {
   static T Store(float x) { return FloatToHalf(x); }
 };
 
-template <class P, class G, class M, MasterKind K, bool kAmsgrad>
+template <class P, class G, class M, MasterKind K, bool kAmsgrad,
+          bool kAdamW>
 void StepKernel(const TensorPointers& t, uint64_t begin, uint64_t end,
                 const StepScalars& s) {
   auto* __restrict param = static_cast<typename P::T*>(t.param);
@@ -38,7 +39,6 @@ void StepKernel(const TensorPointers& t, uint64_t begin, uint64_t end,
   const float b1 = s.beta1, b2 = s.beta2;
   const float omb1 = s.one_minus_beta1, omb2 = s.one_minus_beta2;
   const float eps = s.eps, bc2 = s.bc2_sqrt, neg_step = -s.step_size;
-  const bool adamw = s.adamw;
   for (uint64_t i = begin; i < end; ++i) {
     float g = G::Load(grad[i]) * grad_mul;
     float p;
@@ -49,7 +49,7 @@ void StepKernel(const TensorPointers& t, uint64_t begin, uint64_t end,
     } else {
       p = P::Load(param[i]);
     }
-    if (adamw) {
+    if constexpr (kAdamW) {
       p = p * decay;
     } else {
       g = g + l2 * p;
@@ -83,10 +83,20 @@ void StepKernel(const TensorPointers& t, uint64_t begin, uint64_t end,
 template <class P, class G, class M, MasterKind K>
 void DispatchAmsgrad(const Layout& l, const TensorPointers& t, uint64_t b,
                      uint64_t e, const StepScalars& s) {
+  // Every branch is a template parameter so the inner loop has no control
+  // flow and vectorizes.
   if (l.amsgrad) {
-    StepKernel<P, G, M, K, true>(t, b, e, s);
+    if (s.adamw) {
+      StepKernel<P, G, M, K, true, true>(t, b, e, s);
+    } else {
+      StepKernel<P, G, M, K, true, false>(t, b, e, s);
+    }
   } else {
-    StepKernel<P, G, M, K, false>(t, b, e, s);
+    if (s.adamw) {
+      StepKernel<P, G, M, K, false, true>(t, b, e, s);
+    } else {
+      StepKernel<P, G, M, K, false, false>(t, b, e, s);
+    }
   }
 }
 
