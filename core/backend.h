@@ -34,12 +34,30 @@ struct StepOptions {
   double grad_scale = 1.0;
   // Clip the global gradient norm to this; <= 0 disables clipping.
   double max_grad_norm = 0.0;
+  // Wait for the step to complete and report its own outcome. Backends that
+  // run steps asynchronously (CUDA) otherwise report the last completed
+  // step's outcome; the CPU backend always completes the step.
+  bool wait = false;
 };
 
 struct StepOutcome {
+  // False when no step of the session has completed yet (asynchronous
+  // backends only); the fields below are then meaningless.
+  bool known = true;
+  // True when the outcome is of the step just requested.
+  bool current = true;
   bool skipped = false;
   // L2 norm of the unscaled gradients (before clipping); computed every step.
   double grad_norm = 0.0;
+  // The session's totals as of the reported step.
+  uint64_t steps_applied = 0;
+  uint64_t steps_skipped = 0;
+};
+
+// Per-session backend state (the CUDA backend's interprocess events and
+// counters). Opaque to core.
+struct SessionContext {
+  virtual ~SessionContext() = default;
 };
 
 class Backend {
@@ -65,10 +83,19 @@ class Backend {
   // Points plan entry `entry` of `group` at the tensor's current buffers.
   virtual void UpdatePlanEntry(Group& group, uint32_t entry) = 0;
 
+  // Opens the backend side of a session. `ready_event` is the trainer's
+  // interprocess event handle (may be empty); on success `done_event` holds
+  // the handle of the event the daemon records after each step (empty when
+  // the backend has none).
+  virtual absl::StatusOr<std::unique_ptr<SessionContext>> OpenSession(
+      int device, const std::string& ready_event, std::string* done_event) = 0;
+
   // One optimizer step over all `groups` of a session: gradient statistics
   // over every group first, then, unless skipped, the update of each group
-  // with t = group->step + 1. Does not change step counters.
-  virtual absl::StatusOr<StepOutcome> Step(const std::vector<Group*>& groups,
+  // with t = group->step + 1. Updates the groups' step counters to what is
+  // known (on asynchronous backends: as of the last completed step).
+  virtual absl::StatusOr<StepOutcome> Step(SessionContext* session,
+                                           const std::vector<Group*>& groups,
                                            const StepOptions& options) = 0;
 
   // Writes master weights into the trainer's parameter buffers.

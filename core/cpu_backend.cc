@@ -62,8 +62,30 @@ void CpuBackend::UpdatePlanEntry(Group& group, uint32_t entry) {
   counters().plan_entry_updates.fetch_add(1, std::memory_order_relaxed);
 }
 
-absl::StatusOr<StepOutcome> CpuBackend::Step(const std::vector<Group*>& groups,
+namespace {
+
+// The CPU backend's per-session state: the session's totals.
+struct CpuSession : SessionContext {
+  uint64_t applied = 0;
+  uint64_t skipped = 0;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<SessionContext>> CpuBackend::OpenSession(
+    int device, const std::string& ready_event, std::string* done_event) {
+  if (!ready_event.empty()) {
+    return absl::InvalidArgumentError(
+        "the CPU backend takes no CUDA events; leave ready_event empty");
+  }
+  done_event->clear();
+  return std::unique_ptr<SessionContext>(new CpuSession());
+}
+
+absl::StatusOr<StepOutcome> CpuBackend::Step(SessionContext* session,
+                                             const std::vector<Group*>& groups,
                                              const StepOptions& options) {
+  auto* totals = static_cast<CpuSession*>(session);
   StepOutcome out;
   // Pass 1: the sum of squares of every gradient of the session. A
   // non-finite element makes the sum non-finite.
@@ -89,6 +111,8 @@ absl::StatusOr<StepOutcome> CpuBackend::Step(const std::vector<Group*>& groups,
   if (!std::isfinite(sumsq)) {
     out.skipped = true;
     out.grad_norm = std::numeric_limits<double>::quiet_NaN();
+    out.steps_applied = totals->applied;
+    out.steps_skipped = ++totals->skipped;
     return out;
   }
   out.grad_norm = std::sqrt(sumsq) / scale;
@@ -111,6 +135,9 @@ absl::StatusOr<StepOutcome> CpuBackend::Step(const std::vector<Group*>& groups,
       }
     });
   }
+  for (Group* g : groups) ++g->step;
+  out.steps_applied = ++totals->applied;
+  out.steps_skipped = totals->skipped;
   return out;
 }
 

@@ -31,7 +31,11 @@ class CpuBackend final : public Backend {
   absl::StatusOr<StateStorage> AllocateState(uint64_t bytes) override;
   absl::Status PrepareGroup(Group& group) override;
   void UpdatePlanEntry(Group& group, uint32_t entry) override;
-  absl::StatusOr<StepOutcome> Step(const std::vector<Group*>& groups,
+  absl::StatusOr<std::unique_ptr<SessionContext>> OpenSession(
+      int device, const std::string& ready_event,
+      std::string* done_event) override;
+  absl::StatusOr<StepOutcome> Step(SessionContext* session,
+                                   const std::vector<Group*>& groups,
                                    const StepOptions& options) override;
   absl::Status WriteParams(Group& group) override;
   absl::Status CheckMappings(

@@ -4,6 +4,7 @@
 #define OPTIMD_CORE_GROUP_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -122,6 +123,9 @@ struct Group {
   // allocation per kind keeps a group's state contiguous (streaming
   // prefetch, few TLB entries) and makes registration cheap at 1e5 tensors.
   std::vector<StateStorage> arenas;
+  // Backend-specific plan data (the CUDA backend's device-resident chunk
+  // table); null on the CPU backend.
+  std::shared_ptr<void> backend_plan;
 
   uint64_t StateBytes() const {
     uint64_t n = 0;

@@ -47,8 +47,11 @@ absl::Status CheckRegion(const std::string& tensor, const char* which,
 }  // namespace
 
 Session::Session(SessionIdentity identity, Backend* backend,
-                 StateBudget* budget)
-    : identity_(std::move(identity)), backend_(backend), budget_(budget) {
+                 StateBudget* budget, std::unique_ptr<SessionContext> context)
+    : identity_(std::move(identity)),
+      backend_(backend),
+      budget_(budget),
+      context_(std::move(context)) {
   absl::MutexLock lock(&mu_);
   PublishInfo();
 }
@@ -345,17 +348,20 @@ absl::StatusOr<StepResult> Session::Step(const StepRequestSpec& request) {
   OPTIMD_RETURN_IF_ERROR(backend_->CheckMappings(mappings_));
   for (const auto& [id, lr] : request.lr_overrides) FindGroup(id)->hyper.lr = lr;
 
-  OPTIMD_ASSIGN_OR_RETURN(StepOutcome outcome,
-                          backend_->Step(step_groups_, request.options));
+  OPTIMD_ASSIGN_OR_RETURN(
+      StepOutcome outcome,
+      backend_->Step(context_.get(), step_groups_, request.options));
   StepResult result;
   result.outcome = outcome;
-  if (outcome.skipped) {
-    ++skipped_steps_;
-    backend_->counters().skipped_steps.fetch_add(1, std::memory_order_relaxed);
-  } else {
-    ++steps_;
-    backend_->counters().steps.fetch_add(1, std::memory_order_relaxed);
-    for (Group* g : step_groups_) ++g->step;
+  if (outcome.known) {
+    const uint64_t applied = outcome.steps_applied - std::min(steps_, outcome.steps_applied);
+    const uint64_t skipped =
+        outcome.steps_skipped - std::min(skipped_steps_, outcome.steps_skipped);
+    backend_->counters().steps.fetch_add(applied, std::memory_order_relaxed);
+    backend_->counters().skipped_steps.fetch_add(skipped,
+                                                 std::memory_order_relaxed);
+    steps_ = std::max(steps_, outcome.steps_applied);
+    skipped_steps_ = std::max(skipped_steps_, outcome.steps_skipped);
   }
   {
     // Counters only: no allocation on the step path.

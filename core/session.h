@@ -47,6 +47,7 @@ struct StepResult {
   StepOutcome outcome;
   // (group id, step counter) for every group, in registration order.
   std::vector<std::pair<std::string, uint64_t>> group_steps;
+  // The done-event handle is per session, not per step; nothing here.
 };
 
 // A new buffer for one tensor of a group (UpdateBuffers).
@@ -83,12 +84,19 @@ struct SessionInfo {
 
 class Session {
  public:
-  Session(SessionIdentity identity, Backend* backend, StateBudget* budget);
+  // `context` is the backend's side of the session (Backend::OpenSession).
+  Session(SessionIdentity identity, Backend* backend, StateBudget* budget,
+          std::unique_ptr<SessionContext> context);
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
   ~Session();
 
   const SessionIdentity& identity() const { return identity_; }
+  Backend* backend() const { return backend_; }
+
+  // The interprocess event the daemon records after each step (CUDA).
+  const std::string& done_event() const { return done_event_; }
+  void set_done_event(std::string e) { done_event_ = std::move(e); }
 
   // Validates the whole group first; on any error nothing is registered.
   absl::StatusOr<RegisterResult> RegisterGroup(const GroupSpec& spec)
@@ -140,6 +148,8 @@ class Session {
   const SessionIdentity identity_;
   Backend* const backend_;
   StateBudget* const budget_;
+  const std::unique_ptr<SessionContext> context_;
+  std::string done_event_;  // set once, before the session is shared
 
   mutable absl::Mutex mu_;
   // In registration order.

@@ -21,7 +21,8 @@ std::string NewSessionToken() {
 }
 
 absl::StatusOr<SessionRegistry::Created> SessionRegistry::Create(
-    const SessionIdentity& identity, bool resume) {
+    const SessionIdentity& identity, bool resume,
+    const std::string& ready_event) {
   if (identity.job_id.empty()) {
     return absl::InvalidArgumentError("job_id must not be empty");
   }
@@ -35,12 +36,8 @@ absl::StatusOr<SessionRegistry::Created> SessionRegistry::Create(
         absl::StrCat("device must be -1 (CPU) or a CUDA ordinal, got ",
                      identity.device));
   }
-  if (backend_->kind() == BackendKind::kCpu && identity.device != -1) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "this daemon runs the CPU backend; it cannot hold state for CUDA "
-        "device ", identity.device, " (start optimd with --backend=cuda on a "
-        "GPU machine, or keep parameters on the CPU)"));
-  }
+  auto backend = BackendFor(identity.device);
+  if (!backend.ok()) return backend.status();
   absl::MutexLock lock(&mu_);
   const auto key = std::make_pair(identity.job_id, identity.rank);
   Created created;
@@ -58,12 +55,36 @@ absl::StatusOr<SessionRegistry::Created> SessionRegistry::Create(
     created.resumed = true;
     by_token_.erase(old);
   } else {
-    created.session =
-        std::make_shared<Session>(identity, backend_, budget_);
+    std::string done_event;
+    auto context = (*backend)->OpenSession(identity.device, ready_event,
+                                           &done_event);
+    if (!context.ok()) return context.status();
+    created.session = std::make_shared<Session>(identity, *backend, budget_,
+                                                *std::move(context));
+    created.session->set_done_event(done_event);
   }
   by_token_[created.token] = created.session;
   token_by_rank_[key] = created.token;
   return created;
+}
+
+absl::StatusOr<Backend*> SessionRegistry::BackendFor(int device) const {
+  if (backends_[0]->kind() == BackendKind::kCpu) {
+    if (device != -1) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "this daemon runs the CPU backend; it cannot hold state for CUDA "
+          "device ", device, " (start optimd with --backend=cuda on a GPU "
+          "machine, or keep parameters on the CPU)"));
+    }
+    return backends_[0];
+  }
+  if (device < 0 || device >= static_cast<int>(backends_.size())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "this daemon runs the CUDA backend on devices 0..",
+        backends_.size() - 1, "; device ", device,
+        " is not one of them (CPU tensors need a daemon with --backend=cpu)"));
+  }
+  return backends_[device];
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Find(

@@ -26,15 +26,22 @@ class SessionRegistry {
     bool resumed = false;
   };
 
+  // `backends[d]` serves CUDA device d; a CPU daemon has one backend that
+  // serves device -1.
+  SessionRegistry(std::vector<Backend*> backends, StateBudget* budget)
+      : backends_(std::move(backends)), budget_(budget) {}
   SessionRegistry(Backend* backend, StateBudget* budget)
-      : backend_(backend), budget_(budget) {}
+      : backends_({backend}), budget_(budget) {}
   SessionRegistry(const SessionRegistry&) = delete;
   SessionRegistry& operator=(const SessionRegistry&) = delete;
 
   // Opens a session. With `resume`, an existing session of the same job id
   // and rank is handed over under a fresh token (the old token stops
   // working); without it, such a session is ALREADY_EXISTS.
-  absl::StatusOr<Created> Create(const SessionIdentity& identity, bool resume)
+  // `ready_event` is the trainer's interprocess CUDA event handle (empty on
+  // the CPU backend).
+  absl::StatusOr<Created> Create(const SessionIdentity& identity, bool resume,
+                                 const std::string& ready_event = "")
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // UNAUTHENTICATED for a missing or unknown token.
@@ -47,11 +54,15 @@ class SessionRegistry {
 
   std::vector<std::shared_ptr<Session>> List() const ABSL_LOCKS_EXCLUDED(mu_);
 
-  Backend* backend() const { return backend_; }
+  // The first backend (the only one on CPU daemons).
+  Backend* backend() const { return backends_[0]; }
+  const std::vector<Backend*>& backends() const { return backends_; }
+  // The backend serving `device`, or FAILED_PRECONDITION.
+  absl::StatusOr<Backend*> BackendFor(int device) const;
   StateBudget* budget() const { return budget_; }
 
  private:
-  Backend* const backend_;
+  const std::vector<Backend*> backends_;
   StateBudget* const budget_;
 
   mutable absl::Mutex mu_;

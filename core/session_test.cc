@@ -20,12 +20,18 @@ BufferHandle Handle(const SharedMemoryRegion& r, uint64_t off, uint64_t size) {
   return h;
 }
 
+std::unique_ptr<SessionContext> Context(Backend* backend) {
+  std::string done;
+  return *backend->OpenSession(-1, "", &done);
+}
+
 class SessionTest : public ::testing::Test {
  protected:
   SessionTest()
       : backend_(CpuBackend::Options{2, 64}),
         budget_(1 << 20),
-        session_(SessionIdentity{"job", 0, 1, -1}, &backend_, &budget_) {
+        session_(SessionIdentity{"job", 0, 1, -1}, &backend_, &budget_,
+                 Context(&backend_)) {
     params_ = *SharedMemoryRegion::Create(4096);
     grads_ = *SharedMemoryRegion::Create(4096);
   }
@@ -116,7 +122,8 @@ TEST_F(SessionTest, FailedRegistrationChangesNothing) {
 
 TEST_F(SessionTest, BudgetIsEnforcedAndReleased) {
   StateBudget small(100);
-  Session s(SessionIdentity{"j", 0, 1, -1}, &backend_, &small);
+  Session s(SessionIdentity{"j", 0, 1, -1}, &backend_, &small,
+            Context(&backend_));
   GroupSpec spec;
   spec.id = "big";
   spec.tensors = {Fp32Tensor("a", 20, 0)};  // 160 bytes of state

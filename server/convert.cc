@@ -159,6 +159,7 @@ StepRequestSpec StepSpecFromProto(const v1::StepRequest& request) {
   spec.options.grad_scale = request.grad_scale() == 0 ? 1.0
                                                       : request.grad_scale();
   spec.options.max_grad_norm = request.max_grad_norm();
+  spec.options.wait = request.wait();
   return spec;
 }
 

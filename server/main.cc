@@ -18,6 +18,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -30,6 +31,10 @@
 #include "core/session_registry.h"
 #include "server/device_worker.h"
 #include "server/optimizer_service.h"
+
+#ifdef OPTIMD_WITH_CUDA
+#include "kernels/cuda_backend.h"
+#endif
 
 ABSL_FLAG(std::string, listen, "",
           "Address to serve on: unix:/path/to/socket (created 0600) or "
@@ -109,21 +114,40 @@ int main(int argc, char** argv) {
                      backend_flag, "'"));
     return 2;
   }
-  if (backend_flag == "cuda") {
-    Log("--backend=cuda: this build of optimd has no CUDA backend; use "
-        "--backend=cpu or auto");
-    return 2;
+  // One backend and one device worker per device.
+  std::vector<std::unique_ptr<optimd::Backend>> backends;
+  std::string no_gpu = "this build of optimd has no CUDA backend";
+#ifdef OPTIMD_WITH_CUDA
+  if (backend_flag != "cpu") {
+    const int gpus = optimd::CudaDeviceCount(&no_gpu);
+    for (int d = 0; d < gpus; ++d) {
+      auto b = optimd::CreateCudaBackend(d, optimd::CudaBackendOptions());
+      if (!b.ok()) {
+        Log(absl::StrCat("GPU ", d, " unusable: ", b.status().ToString()));
+        backends.clear();
+        no_gpu = std::string(b.status().message());
+        break;
+      }
+      backends.push_back(*std::move(b));
+    }
   }
-  std::unique_ptr<optimd::Backend> backend;
-  {
+#endif
+  if (backends.empty()) {
+    if (backend_flag == "cuda") {
+      Log(absl::StrCat("--backend=cuda but no GPU is usable: ", no_gpu));
+      return 2;
+    }
     optimd::CpuBackend::Options options;
     options.threads = absl::GetFlag(FLAGS_cpu_threads);
-    backend = std::make_unique<optimd::CpuBackend>(options);
-    Log(absl::StrCat("backend: cpu (", backend_flag == "auto"
-                                           ? "auto: no CUDA backend in this "
-                                             "build"
-                                           : "requested",
+    backends.push_back(std::make_unique<optimd::CpuBackend>(options));
+    Log(absl::StrCat("backend: cpu (",
+                     backend_flag == "auto"
+                         ? absl::StrCat("auto: no usable GPU: ", no_gpu)
+                         : std::string("requested"),
                      ")"));
+  } else {
+    Log(absl::StrCat("backend: cuda on ", backends.size(), " GPU(s)",
+                     backend_flag == "auto" ? " (auto)" : ""));
   }
 
   std::string listen = absl::GetFlag(FLAGS_listen);
@@ -136,9 +160,19 @@ int main(int argc, char** argv) {
   }
 
   optimd::StateBudget budget(absl::GetFlag(FLAGS_max_state_bytes));
-  optimd::SessionRegistry registry(backend.get(), &budget);
-  auto worker = std::make_unique<optimd::DeviceWorker>("optimd-cpu");
-  optimd::OptimizerServiceImpl service(&registry, worker.get());
+  std::vector<optimd::Backend*> backend_ptrs;
+  std::vector<std::unique_ptr<optimd::DeviceWorker>> workers;
+  std::vector<optimd::DeviceWorker*> worker_ptrs;
+  for (size_t d = 0; d < backends.size(); ++d) {
+    backend_ptrs.push_back(backends[d].get());
+    workers.push_back(std::make_unique<optimd::DeviceWorker>(
+        backends[d]->kind() == optimd::BackendKind::kCpu
+            ? std::string("optimd-cpu")
+            : absl::StrCat("optimd-gpu", d)));
+    worker_ptrs.push_back(workers.back().get());
+  }
+  optimd::SessionRegistry registry(backend_ptrs, &budget);
+  optimd::OptimizerServiceImpl service(&registry, worker_ptrs);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -174,17 +208,17 @@ int main(int argc, char** argv) {
     service.StartDraining();
     const absl::Time deadline =
         absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_shutdown_grace_s));
-    while (worker->pending() > 0 && absl::Now() < deadline) {
+    while (service.pending() > 0 && absl::Now() < deadline) {
       absl::SleepFor(absl::Milliseconds(1));
     }
-    if (worker->pending() > 0) {
+    if (service.pending() > 0) {
       Log("grace period over; cancelling the calls still running");
     }
     server->Shutdown(absl::ToChronoTime(absl::Now()));
   });
   server->Wait();
   waiter.join();
-  worker.reset();  // runs what is still queued
+  workers.clear();  // runs what is still queued
   if (!socket_path.empty()) unlink(socket_path.c_str());
   Log("stopped");
   return 0;

@@ -5,9 +5,20 @@
 
 namespace optimd {
 
-OptimizerServiceImpl::OptimizerServiceImpl(SessionRegistry* registry,
-                                           DeviceWorker* worker)
-    : registry_(registry), worker_(worker) {}
+OptimizerServiceImpl::OptimizerServiceImpl(
+    SessionRegistry* registry, std::vector<DeviceWorker*> workers)
+    : registry_(registry), workers_(std::move(workers)) {}
+
+DeviceWorker* OptimizerServiceImpl::WorkerFor(const Session& session) const {
+  const int d = session.identity().device;
+  return workers_[d >= 0 && d < static_cast<int>(workers_.size()) ? d : 0];
+}
+
+int OptimizerServiceImpl::Pending() const {
+  int n = 0;
+  for (const DeviceWorker* w : workers_) n += w->pending();
+  return n;
+}
 
 std::string OptimizerServiceImpl::TokenOf(
     grpc::CallbackServerContext* context) const {
@@ -36,8 +47,9 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::OnWorker(
     reactor->Finish(ToGrpcStatus(session.status()));
     return reactor;
   }
-  worker_->Post([reactor, work = std::move(work),
-                 session = *std::move(session)]() mutable {
+  DeviceWorker* worker = WorkerFor(**session);
+  worker->Post([reactor, work = std::move(work),
+                session = *std::move(session)]() mutable {
     reactor->Finish(ToGrpcStatus(work(*session)));
   });
   return reactor;
@@ -53,7 +65,15 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::CreateSession(
   id.rank = request->rank();
   id.world_size = request->world_size();
   id.device = request->device();
-  auto created = registry_->Create(id, request->resume());
+  if (!request->ready_event().empty() && request->ready_event().size() != 64) {
+    reactor->Finish(grpc::Status(
+        grpc::StatusCode::INVALID_ARGUMENT,
+        "ready_event must be a 64-byte cudaIpcEventHandle_t, got " +
+            std::to_string(request->ready_event().size()) + " bytes"));
+    return reactor;
+  }
+  auto created = registry_->Create(id, request->resume(),
+                                   request->ready_event());
   if (!created.ok()) {
     reactor->Finish(ToGrpcStatus(created.status()));
     return reactor;
@@ -63,6 +83,7 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::CreateSession(
                             ? v1::BACKEND_CPU
                             : v1::BACKEND_CUDA);
   response->set_resumed(created->resumed);
+  response->set_done_event(created->session->done_event());
   for (const auto& gid : created->session->GroupIds()) {
     response->add_group_ids(gid);
   }
@@ -87,7 +108,8 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::CloseSession(
   }
   // Freeing the state can take a while; the worker drops the last reference
   // after any step of this session already queued.
-  worker_->Post([reactor, s = *std::move(session)]() mutable {
+  DeviceWorker* worker = WorkerFor(**session);
+  worker->Post([reactor, s = *std::move(session)]() mutable {
     s.reset();
     reactor->Finish(grpc::Status::OK);
   });
@@ -136,6 +158,8 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::Step(
                             start](Session& s) -> absl::Status {
     auto result = s.Step(StepSpecFromProto(*request));
     if (!result.ok()) return result.status();
+    response->set_known(result->outcome.known);
+    response->set_current(result->outcome.current);
     response->set_skipped(result->outcome.skipped);
     response->set_grad_norm(result->outcome.grad_norm);
     for (const auto& [id, step] : result->group_steps) {
@@ -200,11 +224,15 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::ListSessions(
 grpc::ServerUnaryReactor* OptimizerServiceImpl::GetMetrics(
     grpc::CallbackServerContext* context, const v1::GetMetricsRequest*,
     v1::GetMetricsResponse* response) {
-  const Counters& c = registry_->backend()->counters();
-  response->set_steps(c.steps.load());
-  response->set_skipped_steps(c.skipped_steps.load());
-  response->set_plan_builds(c.plan_builds.load());
-  response->set_plan_entry_updates(c.plan_entry_updates.load());
+  for (const Backend* b : registry_->backends()) {
+    const Counters& c = const_cast<Backend*>(b)->counters();
+    response->set_steps(response->steps() + c.steps.load());
+    response->set_skipped_steps(response->skipped_steps() +
+                                c.skipped_steps.load());
+    response->set_plan_builds(response->plan_builds() + c.plan_builds.load());
+    response->set_plan_entry_updates(response->plan_entry_updates() +
+                                     c.plan_entry_updates.load());
+  }
   const auto sessions = registry_->List();
   response->set_sessions(sessions.size());
   response->set_state_bytes(registry_->budget()->used());

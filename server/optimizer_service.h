@@ -21,12 +21,17 @@ inline constexpr char kSessionMetadataKey[] = "x-optimd-session";
 
 class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
  public:
-  // `registry` and `worker` must outlive the service.
-  OptimizerServiceImpl(SessionRegistry* registry, DeviceWorker* worker);
+  // `registry` and the workers must outlive the service. `workers[d]` runs
+  // the work of device d's sessions; a CPU daemon has one worker (device
+  // -1).
+  OptimizerServiceImpl(SessionRegistry* registry,
+                       std::vector<DeviceWorker*> workers);
 
   // From now on, session calls fail with UNAVAILABLE (the daemon is
   // stopping); calls already queued still run.
   void StartDraining() { draining_.store(true); }
+  // Calls still queued on the device workers.
+  int pending() const { return Pending(); }
 
   grpc::ServerUnaryReactor* CreateSession(
       grpc::CallbackServerContext* context,
@@ -82,7 +87,11 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
                                      Work work);
 
   SessionRegistry* const registry_;
-  DeviceWorker* const worker_;
+  DeviceWorker* WorkerFor(const Session& session) const;
+  // Tasks queued or running on all workers.
+  int Pending() const;
+
+  const std::vector<DeviceWorker*> workers_;
   LatencyHistogram step_latency_;
   std::atomic<bool> draining_{false};
 };

@@ -7,8 +7,11 @@ cd "$(dirname "$0")/.."
 
 ./tools/setup.sh
 
+flags=()
+[ -x /usr/local/cuda/bin/nvcc ] || flags+=(--define=cuda=off)
+
 echo "== building"
-bazel build //server:optimd //client:optimctl //examples:mlp_trainer
+bazel build "${flags[@]}" //server:optimd //client:optimctl //examples:mlp_trainer
 
 workdir="$(mktemp -d /tmp/optimd-demo.XXXXXX)"
 socket="unix:${workdir}/optimd.sock"

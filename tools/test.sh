@@ -6,6 +6,12 @@ cd "$(dirname "$0")/.."
 
 ./tools/setup.sh
 
+flags=()
+if [ ! -x /usr/local/cuda/bin/nvcc ]; then
+  echo "== no CUDA toolkit at /usr/local/cuda: building the CPU backend only"
+  flags+=(--define=cuda=off)
+fi
+
 echo "== bazel test (GPU tests excluded)"
-bazel test --test_tag_filters=-gpu //...
+bazel test "${flags[@]}" --test_tag_filters=-gpu //...
 echo "== all tests passed"

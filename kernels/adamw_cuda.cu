@@ -1,0 +1,524 @@
+// Fused multi-tensor AdamW and gradient statistics on CUDA. The arithmetic
+// follows kernels/adamw_cpu.h operation by operation (this file is built
+// with -fmad=false, IEEE division and square root), so results equal the CPU
+// reference bit for bit given the same step scalars.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/adamw_cuda.h"
+
+namespace optimd {
+namespace cuda {
+namespace {
+
+struct F32 {
+  using T = float;
+  __device__ static float Load(T x) { return x; }
+  __device__ static T Store(float x) { return x; }
+};
+struct BF16 {
+  using T = uint16_t;
+  __device__ static float Load(T x) {
+    return __uint_as_float(static_cast<uint32_t>(x) << 16);
+  }
+  __device__ static T Store(float x) {
+    const uint32_t u = __float_as_uint(x);
+    const uint32_t rounded = u + 0x7fffu + ((u >> 16) & 1u);
+    const bool is_nan = (u & 0x7fffffffu) > 0x7f800000u;
+    return static_cast<uint16_t>((is_nan ? (u | 0x00400000u) : rounded) >> 16);
+  }
+};
+struct F16 {
+  using T = uint16_t;
+  __device__ static float Load(T x) {
+    return __half2float(__ushort_as_half(x));
+  }
+  __device__ static T Store(float x) {
+    return __half_as_ushort(__float2half_rn(x));
+  }
+};
+
+__device__ __forceinline__ float Reconstruct(uint16_t hi_bits, int16_t rem) {
+  const uint32_t hi =
+      (static_cast<uint32_t>(hi_bits) - (rem < 0 ? 1u : 0u)) & 0xffffu;
+  return __uint_as_float((hi << 16) | static_cast<uint16_t>(rem));
+}
+
+__device__ __forceinline__ void Split(float p, uint16_t* hi_bits,
+                                      int16_t* rem) {
+  const uint32_t u = __float_as_uint(p);
+  const int16_t r = static_cast<int16_t>(static_cast<uint16_t>(u & 0xffffu));
+  *hi_bits = static_cast<uint16_t>(((u >> 16) + (r < 0 ? 1u : 0u)) & 0xffffu);
+  *rem = r;
+}
+
+// Sums session_sums in a fixed order: the same total in every block.
+__device__ __forceinline__ double SessionTotal(const double* sums,
+                                               uint32_t n) {
+  double total = 0;
+  for (uint32_t i = 0; i < n; ++i) total += sums[i];
+  return total;
+}
+
+template <int kThreads>
+__device__ double BlockSum(double v) {
+  __shared__ double warp_sums[kThreads / 32];
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) warp_sums[warp] = v;
+  __syncthreads();
+  double total = 0;
+  if (threadIdx.x == 0) {
+    for (int w = 0; w < kThreads / 32; ++w) total += warp_sums[w];
+  }
+  return total;  // valid in thread 0
+}
+
+template <class G>
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    GradSumSquaresKernel(const DeviceChunk* __restrict__ chunks,
+                         const DeviceTensor* __restrict__ tensors,
+                         double* __restrict__ partials) {
+  const DeviceChunk c = chunks[blockIdx.x];
+  const auto* g = static_cast<const typename G::T*>(tensors[c.tensor].grad);
+  double acc = 0;
+  for (uint64_t i = c.begin + threadIdx.x; i < c.end; i += blockDim.x) {
+    const double x = G::Load(g[i]);
+    acc += x * x;
+  }
+  const double total = BlockSum<kThreadsPerBlock>(acc);
+  if (threadIdx.x == 0) partials[blockIdx.x] = total;
+}
+
+__global__ void ReduceSumsKernel(const double* __restrict__ partials,
+                                 uint32_t count, double* __restrict__ out) {
+  double acc = 0;
+  for (uint32_t i = threadIdx.x; i < count; i += blockDim.x) acc += partials[i];
+  const double total = BlockSum<kThreadsPerBlock>(acc);
+  if (threadIdx.x == 0) *out = total;
+}
+
+__global__ void CommitStepKernel(const double* __restrict__ sums, uint32_t n,
+                                 DeviceGroupState* __restrict__ group) {
+  const double total = SessionTotal(sums, n);
+  const bool skipped = !isfinite(total);
+  group->last_sumsq = total;
+  group->last_skipped = skipped ? 1 : 0;
+  if (skipped) {
+    group->skipped += 1;
+  } else {
+    group->step += 1;
+  }
+}
+
+template <class S, class D>
+__global__ void ConvertKernel(const void* __restrict__ src,
+                              void* __restrict__ dst, uint64_t n) {
+  const auto* in = static_cast<const typename S::T*>(src);
+  auto* out = static_cast<typename D::T*>(dst);
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  for (uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x +
+                    threadIdx.x;
+       i < n; i += stride) {
+    out[i] = D::Store(S::Load(in[i]));
+  }
+}
+
+// Per-block step scalars, derived on the device (see adamw_cpu.cc's
+// MakeStepScalars: the same double arithmetic, rounded to float once).
+struct Scalars {
+  float beta1, beta2, omb1, omb2, eps, decay, l2, bc2, neg_step, grad_mul;
+};
+
+__device__ bool DeriveScalars(const StepHyper& h, const double* sums,
+                              uint32_t n, const DeviceGroupState* group,
+                              Scalars* s) {
+  const double total = SessionTotal(sums, n);
+  if (!isfinite(total)) return false;
+  const double scale = h.grad_scale > 0 ? h.grad_scale : 1.0;
+  const double norm = sqrt(total) / scale;
+  double clip = 1.0;
+  if (h.max_grad_norm > 0) clip = fmin(1.0, h.max_grad_norm / (norm + 1e-6));
+  const double t = static_cast<double>(group->step + 1);
+  const double bc1 = h.bias_correction ? 1.0 - pow(h.beta1, t) : 1.0;
+  const double bc2 = h.bias_correction ? 1.0 - pow(h.beta2, t) : 1.0;
+  s->beta1 = static_cast<float>(h.beta1);
+  s->beta2 = static_cast<float>(h.beta2);
+  s->omb1 = static_cast<float>(1.0 - h.beta1);
+  s->omb2 = static_cast<float>(1.0 - h.beta2);
+  s->eps = static_cast<float>(h.eps);
+  s->decay = h.adamw ? static_cast<float>(1.0 - h.lr * h.weight_decay) : 1.0f;
+  s->l2 = h.adamw ? 0.0f : static_cast<float>(h.weight_decay);
+  s->bc2 = static_cast<float>(sqrt(bc2));
+  s->neg_step = -static_cast<float>(h.lr / bc1);
+  double mul = clip / scale;
+  if (h.maximize) mul = -mul;
+  s->grad_mul = static_cast<float>(mul);
+  return true;
+}
+
+template <class P, class G, class M, MasterKind K, bool kAms, bool kAdamW>
+__device__ __forceinline__ void UpdateOne(const DeviceTensor& t, uint64_t i,
+                                          const Scalars& s) {
+  auto* param = static_cast<typename P::T*>(t.param);
+  const auto* grad = static_cast<const typename G::T*>(t.grad);
+  auto* m = static_cast<typename M::T*>(t.exp_avg);
+  auto* v = static_cast<typename M::T*>(t.exp_avg_sq);
+  float g = G::Load(grad[i]) * s.grad_mul;
+  float p;
+  if constexpr (K == MasterKind::kFp32) {
+    p = static_cast<float*>(t.master)[i];
+  } else if constexpr (K == MasterKind::kRemainder) {
+    p = Reconstruct(param[i], static_cast<int16_t*>(t.master)[i]);
+  } else {
+    p = P::Load(param[i]);
+  }
+  if constexpr (kAdamW) {
+    p = p * s.decay;
+  } else {
+    g = g + s.l2 * p;
+  }
+  const float mi = M::Load(m[i]) * s.beta1 + s.omb1 * g;
+  const float vi = M::Load(v[i]) * s.beta2 + s.omb2 * g * g;
+  m[i] = M::Store(mi);
+  v[i] = M::Store(vi);
+  float vd = vi;
+  if constexpr (kAms) {
+    auto* vmax = static_cast<typename M::T*>(t.max_exp_avg_sq);
+    vd = fmaxf(M::Load(vmax[i]), vi);
+    vmax[i] = M::Store(vd);
+  }
+  const float denom = sqrtf(vd) / s.bc2 + s.eps;
+  p = p + s.neg_step * (mi / denom);
+  if constexpr (K == MasterKind::kFp32) {
+    static_cast<float*>(t.master)[i] = p;
+    param[i] = P::Store(p);
+  } else if constexpr (K == MasterKind::kRemainder) {
+    uint16_t hi;
+    int16_t r;
+    Split(p, &hi, &r);
+    param[i] = hi;
+    static_cast<int16_t*>(t.master)[i] = r;
+  } else {
+    param[i] = P::Store(p);
+  }
+}
+
+// Vector form: 4 consecutive elements per stream with one access each
+// (16 bytes for fp32 streams, 8 for 16-bit ones).
+template <typename T>
+struct Vec4;
+template <>
+struct Vec4<float> {
+  using V = float4;
+  __device__ static void Unpack(const V& v, float* out) {
+    out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
+  }
+  __device__ static V Pack(const float* in) {
+    return make_float4(in[0], in[1], in[2], in[3]);
+  }
+};
+template <>
+struct Vec4<uint16_t> {
+  using V = ushort4;
+  __device__ static void Unpack(const V& v, uint16_t* out) {
+    out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
+  }
+  __device__ static V Pack(const uint16_t* in) {
+    return make_ushort4(in[0], in[1], in[2], in[3]);
+  }
+};
+template <>
+struct Vec4<int16_t> {
+  using V = short4;
+  __device__ static void Unpack(const V& v, int16_t* out) {
+    out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
+  }
+  __device__ static V Pack(const int16_t* in) {
+    return make_short4(in[0], in[1], in[2], in[3]);
+  }
+};
+
+template <typename T>
+__device__ __forceinline__ void Load4(const void* base, uint64_t i, T* out) {
+  using V = typename Vec4<T>::V;
+  Vec4<T>::Unpack(reinterpret_cast<const V*>(static_cast<const T*>(base) + i)[0],
+                  out);
+}
+
+template <typename T>
+__device__ __forceinline__ void Store4(void* base, uint64_t i, const T* in) {
+  using V = typename Vec4<T>::V;
+  reinterpret_cast<V*>(static_cast<T*>(base) + i)[0] = Vec4<T>::Pack(in);
+}
+
+template <class P, class G, class M, MasterKind K, bool kAms, bool kAdamW>
+__device__ __forceinline__ void UpdateFour(const DeviceTensor& t, uint64_t i,
+                                           const Scalars& s) {
+  typename P::T pr[4];
+  typename G::T gr[4];
+  typename M::T mr[4], vr[4], xr[4];
+  float master[4];
+  int16_t rem[4];
+  Load4(t.param, i, pr);
+  Load4(t.grad, i, gr);
+  Load4(t.exp_avg, i, mr);
+  Load4(t.exp_avg_sq, i, vr);
+  if constexpr (kAms) Load4(t.max_exp_avg_sq, i, xr);
+  if constexpr (K == MasterKind::kFp32) Load4(t.master, i, master);
+  if constexpr (K == MasterKind::kRemainder) Load4(t.master, i, rem);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    float g = G::Load(gr[k]) * s.grad_mul;
+    float p;
+    if constexpr (K == MasterKind::kFp32) {
+      p = master[k];
+    } else if constexpr (K == MasterKind::kRemainder) {
+      p = Reconstruct(pr[k], rem[k]);
+    } else {
+      p = P::Load(pr[k]);
+    }
+    if constexpr (kAdamW) {
+      p = p * s.decay;
+    } else {
+      g = g + s.l2 * p;
+    }
+    const float mi = M::Load(mr[k]) * s.beta1 + s.omb1 * g;
+    const float vi = M::Load(vr[k]) * s.beta2 + s.omb2 * g * g;
+    mr[k] = M::Store(mi);
+    vr[k] = M::Store(vi);
+    float vd = vi;
+    if constexpr (kAms) {
+      vd = fmaxf(M::Load(xr[k]), vi);
+      xr[k] = M::Store(vd);
+    }
+    const float denom = sqrtf(vd) / s.bc2 + s.eps;
+    p = p + s.neg_step * (mi / denom);
+    if constexpr (K == MasterKind::kFp32) {
+      master[k] = p;
+      pr[k] = P::Store(p);
+    } else if constexpr (K == MasterKind::kRemainder) {
+      uint16_t hi;
+      Split(p, &hi, &rem[k]);
+      pr[k] = hi;
+    } else {
+      pr[k] = P::Store(p);
+    }
+  }
+  Store4(t.param, i, pr);
+  Store4(t.exp_avg, i, mr);
+  Store4(t.exp_avg_sq, i, vr);
+  if constexpr (kAms) Store4(t.max_exp_avg_sq, i, xr);
+  if constexpr (K == MasterKind::kFp32) Store4(t.master, i, master);
+  if constexpr (K == MasterKind::kRemainder) Store4(t.master, i, rem);
+}
+
+template <class P, class G, class M, MasterKind K, bool kAms, bool kAdamW>
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    AdamWKernel(const DeviceChunk* __restrict__ chunks,
+                const DeviceTensor* __restrict__ tensors, StepHyper hyper,
+                const double* __restrict__ sums, uint32_t num_sums,
+                const DeviceGroupState* __restrict__ group) {
+  Scalars s;
+  if (!DeriveScalars(hyper, sums, num_sums, group, &s)) return;  // skipped
+  const DeviceChunk c = chunks[blockIdx.x];
+  const DeviceTensor t = tensors[c.tensor];
+  if (c.vector) {
+    const uint64_t n4 = (c.end - c.begin) / 4;
+    for (uint64_t j = threadIdx.x; j < n4; j += blockDim.x) {
+      UpdateFour<P, G, M, K, kAms, kAdamW>(t, c.begin + 4 * j, s);
+    }
+    for (uint64_t i = c.begin + 4 * n4 + threadIdx.x; i < c.end;
+         i += blockDim.x) {
+      UpdateOne<P, G, M, K, kAms, kAdamW>(t, i, s);
+    }
+  } else {
+    for (uint64_t i = c.begin + threadIdx.x; i < c.end; i += blockDim.x) {
+      UpdateOne<P, G, M, K, kAms, kAdamW>(t, i, s);
+    }
+  }
+}
+
+absl::Status Check(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(
+      absl::StrCat(what, ": ", cudaGetErrorName(e), ": ", cudaGetErrorString(e)));
+}
+
+template <class P, class G, class M, MasterKind K, bool kAms, bool kAdamW>
+absl::Status Launch(const DeviceChunk* chunks, uint32_t n,
+                    const DeviceTensor* tensors, const StepHyper& h,
+                    const double* sums, uint32_t num_sums,
+                    const DeviceGroupState* group, Stream stream) {
+  AdamWKernel<P, G, M, K, kAms, kAdamW>
+      <<<n, kThreadsPerBlock, 0, stream>>>(chunks, tensors, h, sums, num_sums,
+                                           group);
+  return Check(cudaGetLastError(), "AdamW kernel launch");
+}
+
+template <class P, class G, class M, MasterKind K>
+absl::Status DispatchFlags(const Layout& l, const DeviceChunk* c, uint32_t n,
+                           const DeviceTensor* t, const StepHyper& h,
+                           const double* sums, uint32_t ns,
+                           const DeviceGroupState* g, Stream st) {
+  if (l.amsgrad) {
+    return h.adamw ? Launch<P, G, M, K, true, true>(c, n, t, h, sums, ns, g, st)
+                   : Launch<P, G, M, K, true, false>(c, n, t, h, sums, ns, g, st);
+  }
+  return h.adamw ? Launch<P, G, M, K, false, true>(c, n, t, h, sums, ns, g, st)
+                 : Launch<P, G, M, K, false, false>(c, n, t, h, sums, ns, g, st);
+}
+
+template <class P, class G, class M>
+absl::Status DispatchMaster(const Layout& l, const DeviceChunk* c, uint32_t n,
+                            const DeviceTensor* t, const StepHyper& h,
+                            const double* sums, uint32_t ns,
+                            const DeviceGroupState* g, Stream st) {
+  switch (l.master) {
+    case MasterKind::kNone:
+      if constexpr (std::is_same_v<P, F32>) {
+        return DispatchFlags<P, G, M, MasterKind::kNone>(l, c, n, t, h, sums,
+                                                         ns, g, st);
+      }
+      break;
+    case MasterKind::kFp32:
+      return DispatchFlags<P, G, M, MasterKind::kFp32>(l, c, n, t, h, sums, ns,
+                                                       g, st);
+    case MasterKind::kRemainder:
+      if constexpr (std::is_same_v<P, BF16>) {
+        return DispatchFlags<P, G, M, MasterKind::kRemainder>(l, c, n, t, h,
+                                                              sums, ns, g, st);
+      }
+      break;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("no CUDA kernel for layout ", l.DebugString()));
+}
+
+template <class P, class G>
+absl::Status DispatchMoment(const Layout& l, const DeviceChunk* c, uint32_t n,
+                            const DeviceTensor* t, const StepHyper& h,
+                            const double* sums, uint32_t ns,
+                            const DeviceGroupState* g, Stream st) {
+  if (l.moment_dtype == DType::kBFloat16) {
+    return DispatchMaster<P, G, BF16>(l, c, n, t, h, sums, ns, g, st);
+  }
+  return DispatchMaster<P, G, F32>(l, c, n, t, h, sums, ns, g, st);
+}
+
+template <class P>
+absl::Status DispatchGrad(const Layout& l, const DeviceChunk* c, uint32_t n,
+                          const DeviceTensor* t, const StepHyper& h,
+                          const double* sums, uint32_t ns,
+                          const DeviceGroupState* g, Stream st) {
+  switch (l.grad_dtype) {
+    case DType::kFloat32:
+      return DispatchMoment<P, F32>(l, c, n, t, h, sums, ns, g, st);
+    case DType::kBFloat16:
+      return DispatchMoment<P, BF16>(l, c, n, t, h, sums, ns, g, st);
+    case DType::kFloat16:
+      return DispatchMoment<P, F16>(l, c, n, t, h, sums, ns, g, st);
+  }
+  return absl::InvalidArgumentError("unknown gradient dtype");
+}
+
+}  // namespace
+
+absl::Status LaunchGradSumSquares(DType grad_dtype, const DeviceChunk* chunks,
+                                  uint32_t num_chunks,
+                                  const DeviceTensor* tensors,
+                                  double* partials, Stream stream) {
+  if (num_chunks == 0) return absl::OkStatus();
+  switch (grad_dtype) {
+    case DType::kFloat32:
+      GradSumSquaresKernel<F32><<<num_chunks, kThreadsPerBlock, 0, stream>>>(
+          chunks, tensors, partials);
+      break;
+    case DType::kBFloat16:
+      GradSumSquaresKernel<BF16><<<num_chunks, kThreadsPerBlock, 0, stream>>>(
+          chunks, tensors, partials);
+      break;
+    case DType::kFloat16:
+      GradSumSquaresKernel<F16><<<num_chunks, kThreadsPerBlock, 0, stream>>>(
+          chunks, tensors, partials);
+      break;
+  }
+  return Check(cudaGetLastError(), "gradient statistics kernel launch");
+}
+
+absl::Status LaunchReduceSums(const double* partials, uint32_t count,
+                              double* out, Stream stream) {
+  ReduceSumsKernel<<<1, kThreadsPerBlock, 0, stream>>>(partials, count, out);
+  return Check(cudaGetLastError(), "reduce kernel launch");
+}
+
+absl::Status LaunchAdamW(const Layout& layout, const DeviceChunk* chunks,
+                         uint32_t num_chunks, const DeviceTensor* tensors,
+                         const StepHyper& hyper, const double* session_sums,
+                         uint32_t num_sums, const DeviceGroupState* group,
+                         Stream stream) {
+  if (num_chunks == 0) return absl::OkStatus();
+  switch (layout.param_dtype) {
+    case DType::kFloat32:
+      return DispatchGrad<F32>(layout, chunks, num_chunks, tensors, hyper,
+                               session_sums, num_sums, group, stream);
+    case DType::kBFloat16:
+      return DispatchGrad<BF16>(layout, chunks, num_chunks, tensors, hyper,
+                                session_sums, num_sums, group, stream);
+    case DType::kFloat16:
+      return DispatchGrad<F16>(layout, chunks, num_chunks, tensors, hyper,
+                               session_sums, num_sums, group, stream);
+  }
+  return absl::InvalidArgumentError("unknown parameter dtype");
+}
+
+namespace {
+
+template <class S>
+absl::Status ConvertTo(DType dst_dtype, const void* src, void* dst, uint64_t n,
+                       Stream stream) {
+  const unsigned blocks = static_cast<unsigned>(
+      std::min<uint64_t>((n + kThreadsPerBlock - 1) / kThreadsPerBlock, 65536));
+  switch (dst_dtype) {
+    case DType::kFloat32:
+      ConvertKernel<S, F32><<<blocks, kThreadsPerBlock, 0, stream>>>(src, dst, n);
+      break;
+    case DType::kBFloat16:
+      ConvertKernel<S, BF16><<<blocks, kThreadsPerBlock, 0, stream>>>(src, dst, n);
+      break;
+    case DType::kFloat16:
+      ConvertKernel<S, F16><<<blocks, kThreadsPerBlock, 0, stream>>>(src, dst, n);
+      break;
+  }
+  return Check(cudaGetLastError(), "convert kernel launch");
+}
+
+}  // namespace
+
+absl::Status LaunchConvert(DType src_dtype, const void* src, DType dst_dtype,
+                           void* dst, uint64_t n, Stream stream) {
+  if (n == 0) return absl::OkStatus();
+  switch (src_dtype) {
+    case DType::kFloat32:
+      return ConvertTo<F32>(dst_dtype, src, dst, n, stream);
+    case DType::kBFloat16:
+      return ConvertTo<BF16>(dst_dtype, src, dst, n, stream);
+    case DType::kFloat16:
+      return ConvertTo<F16>(dst_dtype, src, dst, n, stream);
+  }
+  return absl::InvalidArgumentError("unknown dtype");
+}
+
+absl::Status LaunchCommitStep(const double* session_sums, uint32_t num_sums,
+                              DeviceGroupState* group, Stream stream) {
+  CommitStepKernel<<<1, 1, 0, stream>>>(session_sums, num_sums, group);
+  return Check(cudaGetLastError(), "commit kernel launch");
+}
+
+}  // namespace cuda
+}  // namespace optimd

@@ -1,0 +1,16 @@
+"""Compiles .cu files with nvcc (offline, from /usr/local/cuda) for sm_90."""
+
+NVCC = "/usr/local/cuda/bin/nvcc"
+
+def cuda_object(name, src, hdrs = []):
+    """A .o from one .cu file: sm_90 code plus compute_90 PTX, IEEE math,
+    no contraction into FMA (results match the CPU reference)."""
+    native.genrule(
+        name = name,
+        srcs = [src] + hdrs,
+        outs = [name + ".o"],
+        cmd = (NVCC + " -std=c++17 -O3 -fmad=false " +
+               "-gencode arch=compute_90,code=sm_90 " +
+               "-gencode arch=compute_90,code=compute_90 " +
+               "-Xcompiler -fPIC -I. -c $(location " + src + ") -o $@"),
+    )

@@ -1,0 +1,645 @@
+#include "kernels/cuda_backend.h"
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "core/status_macros.h"
+#include "kernels/adamw_cuda.h"
+#include "kernels/cuda_status.h"
+
+namespace optimd {
+namespace {
+
+using cuda::DeviceChunk;
+using cuda::DeviceGroupState;
+using cuda::DeviceTensor;
+
+using MemGetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+
+// One opened IPC allocation. Closing waits for the device's stream, so a
+// mapping is never closed under a step that uses it.
+class IpcMapping {
+ public:
+  IpcMapping(int device, cudaStream_t stream, uint8_t* base, uint64_t size)
+      : device_(device), stream_(stream), base_(base), size_(size) {}
+  ~IpcMapping() {
+    cudaSetDevice(device_);
+    cudaStreamSynchronize(stream_);
+    cudaIpcCloseMemHandle(base_);
+  }
+  uint8_t* base() const { return base_; }
+  uint64_t size() const { return size_; }
+
+ private:
+  const int device_;
+  const cudaStream_t stream_;
+  uint8_t* const base_;
+  const uint64_t size_;
+};
+
+// Device memory with a cudaFree deleter.
+absl::StatusOr<StateStorage> DeviceAlloc(int device, uint64_t bytes) {
+  if (bytes == 0) return StateStorage();
+  void* p = nullptr;
+  const cudaError_t e = cudaMalloc(&p, bytes);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot allocate ", bytes, " bytes on GPU ", device, ": ",
+                     cudaGetErrorString(e)));
+  }
+  return StateStorage(static_cast<uint8_t*>(p), bytes, [device](uint8_t* q) {
+    cudaSetDevice(device);
+    cudaFree(q);
+  });
+}
+
+struct Segment {
+  Layout layout;
+  uint32_t first_chunk = 0;
+  uint32_t num_chunks = 0;
+};
+
+// The device-resident plan of one group.
+struct DevicePlan {
+  std::vector<DeviceTensor> tensors;  // by plan entry
+  std::vector<DeviceChunk> chunks;
+  std::vector<Segment> segments;
+  StateStorage tensors_d, chunks_d, partials_d, state_d;
+};
+
+// Pinned slots that receive each step's counters, so that a reply can
+// report the last completed step without waiting.
+struct ReportSlot {
+  cudaEvent_t event = nullptr;
+  DeviceGroupState* host = nullptr;  // [0]: session totals, [1+g]: groups
+  uint32_t capacity = 0;             // groups
+  uint32_t groups = 0;
+  uint64_t sequence = 0;             // 0: never used
+};
+
+class CudaSession : public SessionContext {
+ public:
+  ~CudaSession() override {
+    if (stream != nullptr) cudaStreamSynchronize(stream);
+    for (ReportSlot& s : slots) {
+      if (s.event != nullptr) cudaEventDestroy(s.event);
+      if (s.host != nullptr) cudaFreeHost(s.host);
+    }
+    if (ready != nullptr) cudaEventDestroy(ready);
+    if (done != nullptr) cudaEventDestroy(done);
+  }
+
+  cudaStream_t stream = nullptr;
+  cudaEvent_t ready = nullptr;  // the trainer's, opened by IPC
+  cudaEvent_t done = nullptr;   // ours, exported by IPC
+  StateStorage totals_d;        // DeviceGroupState
+  std::vector<ReportSlot> slots;
+  uint64_t sequence = 0;
+  StepOutcome last;             // the newest outcome seen complete
+  uint64_t last_sequence = 0;
+  std::vector<uint64_t> last_group_steps;
+};
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(int device, const CudaBackendOptions& options,
+              cudaStream_t stream, MemGetAddressRangeFn range_fn)
+      : device_(device),
+        options_(options),
+        stream_(stream),
+        mem_get_address_range_(range_fn) {}
+
+  ~CudaBackend() override {
+    cudaSetDevice(device_);
+    cudaStreamSynchronize(stream_);
+    cudaStreamDestroy(stream_);
+  }
+
+  BackendKind kind() const override { return BackendKind::kCuda; }
+
+  absl::StatusOr<BufferRef> ResolveBuffer(const BufferHandle& handle,
+                                          uint64_t alignment,
+                                          const std::string& what) override;
+  absl::StatusOr<StateStorage> AllocateState(uint64_t bytes) override;
+  absl::Status PrepareGroup(Group& group) override;
+  void UpdatePlanEntry(Group& group, uint32_t entry) override;
+  absl::StatusOr<std::unique_ptr<SessionContext>> OpenSession(
+      int device, const std::string& ready_event,
+      std::string* done_event) override;
+  absl::StatusOr<StepOutcome> Step(SessionContext* session,
+                                   const std::vector<Group*>& groups,
+                                   const StepOptions& options) override;
+  absl::Status WriteParams(Group& group) override;
+  absl::Status CheckMappings(
+      const std::vector<std::shared_ptr<const void>>&) override {
+    return absl::OkStatus();
+  }
+  absl::Status CopyToHost(const uint8_t* src, uint8_t* dst,
+                          uint64_t bytes) override;
+  absl::Status CopyFromHost(const uint8_t* src, uint8_t* dst,
+                            uint64_t bytes) override;
+
+ private:
+  absl::Status UploadPlan(DevicePlan& plan);
+  void ComputeVectorFlags(DevicePlan& plan, uint32_t first, uint32_t end);
+  absl::Status EnsureSums(uint32_t groups);
+  absl::Status ReadSlot(CudaSession& s, ReportSlot& slot,
+                        const std::vector<Group*>& groups, StepOutcome* out);
+
+  const int device_;
+  const CudaBackendOptions options_;
+  const cudaStream_t stream_;
+  const MemGetAddressRangeFn mem_get_address_range_;
+
+  absl::Mutex mu_;
+  std::map<std::string, std::weak_ptr<IpcMapping>> mappings_
+      ABSL_GUARDED_BY(mu_);
+
+  // Per-step scratch: one sum of squares per group of the stepping session.
+  StateStorage sums_d_;
+  uint32_t sums_capacity_ = 0;
+};
+
+absl::StatusOr<BufferRef> CudaBackend::ResolveBuffer(const BufferHandle& handle,
+                                                     uint64_t alignment,
+                                                     const std::string& what) {
+  if (handle.kind != BufferHandle::Kind::kCudaIpc) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": the CUDA backend needs a cuda_ipc buffer handle, not a "
+              "shared-memory one"));
+  }
+  if (handle.ipc_handle.size() != sizeof(cudaIpcMemHandle_t)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": ipc_handle must be ", sizeof(cudaIpcMemHandle_t),
+        " bytes (a cudaIpcMemHandle_t), got ", handle.ipc_handle.size()));
+  }
+  if (handle.device != device_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": the buffer is on GPU ", handle.device,
+        " but this session's state lives on GPU ", device_,
+        "; one session's tensors must share its device"));
+  }
+  std::shared_ptr<IpcMapping> mapping;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = mappings_.find(handle.ipc_handle);
+    if (it != mappings_.end()) mapping = it->second.lock();
+    if (mapping == nullptr) {
+      cudaSetDevice(device_);
+      cudaIpcMemHandle_t h;
+      std::memcpy(&h, handle.ipc_handle.data(), sizeof(h));
+      void* base = nullptr;
+      const cudaError_t e =
+          cudaIpcOpenMemHandle(&base, h, cudaIpcMemLazyEnablePeerAccess);
+      if (e != cudaSuccess) {
+        cudaGetLastError();  // not sticky; clear it
+        return absl::InvalidArgumentError(absl::StrCat(
+            what, ": cannot open the CUDA IPC handle (",
+            cudaGetErrorName(e), ": ", cudaGetErrorString(e),
+            "); is it stale (freed by the trainer), from another GPU or "
+            "machine, or from this process?"));
+      }
+      CUdeviceptr range_base = 0;
+      size_t range_size = 0;
+      if (mem_get_address_range_(&range_base, &range_size,
+                                 reinterpret_cast<CUdeviceptr>(base)) !=
+          CUDA_SUCCESS) {
+        cudaIpcCloseMemHandle(base);
+        return absl::InvalidArgumentError(
+            absl::StrCat(what, ": cannot query the size of the IPC allocation"));
+      }
+      const uint64_t usable =
+          range_size - (reinterpret_cast<uint64_t>(base) - range_base);
+      mapping = std::make_shared<IpcMapping>(
+          device_, stream_, static_cast<uint8_t*>(base), usable);
+      mappings_[handle.ipc_handle] = mapping;
+      for (auto i = mappings_.begin(); i != mappings_.end();) {
+        i = i->second.expired() ? mappings_.erase(i) : std::next(i);
+      }
+    }
+  }
+  if (handle.offset > mapping->size() ||
+      handle.size > mapping->size() - handle.offset) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": region [", handle.offset, ", ", handle.offset, " + ",
+        handle.size, ") lies past the end of its CUDA allocation (",
+        mapping->size(), " bytes)"));
+  }
+  if (alignment > 1 &&
+      (reinterpret_cast<uint64_t>(mapping->base()) + handle.offset) %
+              alignment != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": offset ", handle.offset, " is not element-aligned"));
+  }
+  BufferRef ref;
+  ref.data = mapping->base() + handle.offset;
+  ref.size = handle.size;
+  ref.mapping = std::move(mapping);
+  return ref;
+}
+
+absl::StatusOr<StateStorage> CudaBackend::AllocateState(uint64_t bytes) {
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
+  OPTIMD_ASSIGN_OR_RETURN(StateStorage s, DeviceAlloc(device_, bytes));
+  if (bytes > 0) {
+    OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(s.data(), 0, bytes, stream_));
+    OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+  }
+  return s;
+}
+
+void CudaBackend::ComputeVectorFlags(DevicePlan& plan, uint32_t first,
+                                     uint32_t end) {
+  for (uint32_t c = first; c < end; ++c) {
+    DeviceChunk& chunk = plan.chunks[c];
+    const DeviceTensor& t = plan.tensors[chunk.tensor];
+    const Layout* layout = nullptr;
+    for (const Segment& s : plan.segments) {
+      if (c >= s.first_chunk && c < s.first_chunk + s.num_chunks) {
+        layout = &s.layout;
+      }
+    }
+    auto aligned = [&](const void* p, uint64_t esize) {
+      if (p == nullptr) return true;
+      return (reinterpret_cast<uint64_t>(p) + chunk.begin * esize) %
+                 (4 * esize) == 0;
+    };
+    const uint64_t ps = DTypeSize(layout->param_dtype);
+    const uint64_t gs = DTypeSize(layout->grad_dtype);
+    const uint64_t ms = DTypeSize(layout->moment_dtype);
+    const uint64_t xs = layout->MasterBytesPerElement();
+    chunk.vector = aligned(t.param, ps) && aligned(t.grad, gs) &&
+                   aligned(t.exp_avg, ms) && aligned(t.exp_avg_sq, ms) &&
+                   aligned(t.max_exp_avg_sq, ms) &&
+                   (xs == 0 || aligned(t.master, xs));
+  }
+}
+
+absl::Status CudaBackend::UploadPlan(DevicePlan& plan) {
+  OPTIMD_ASSIGN_OR_RETURN(
+      plan.tensors_d,
+      DeviceAlloc(device_, std::max<uint64_t>(1, plan.tensors.size()) *
+                               sizeof(DeviceTensor)));
+  OPTIMD_ASSIGN_OR_RETURN(
+      plan.chunks_d,
+      DeviceAlloc(device_, std::max<uint64_t>(1, plan.chunks.size()) *
+                               sizeof(DeviceChunk)));
+  OPTIMD_ASSIGN_OR_RETURN(
+      plan.partials_d,
+      DeviceAlloc(device_,
+                  std::max<uint64_t>(1, plan.chunks.size()) * sizeof(double)));
+  OPTIMD_ASSIGN_OR_RETURN(plan.state_d,
+                          DeviceAlloc(device_, sizeof(DeviceGroupState)));
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(
+      plan.tensors_d.data(), plan.tensors.data(),
+      plan.tensors.size() * sizeof(DeviceTensor), cudaMemcpyHostToDevice,
+      stream_));
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(
+      plan.chunks_d.data(), plan.chunks.data(),
+      plan.chunks.size() * sizeof(DeviceChunk), cudaMemcpyHostToDevice,
+      stream_));
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(
+      plan.state_d.data(), 0, sizeof(DeviceGroupState), stream_));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::PrepareGroup(Group& group) {
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
+  BuildPlan(group, options_.chunk_elements);
+  counters().plan_builds.fetch_add(1, std::memory_order_relaxed);
+  auto plan = std::make_shared<DevicePlan>();
+  const Plan& host = group.plan;
+  for (const TensorPointers& p : host.entries) {
+    plan->tensors.push_back({p.param, p.grad, p.master, p.exp_avg,
+                             p.exp_avg_sq, p.max_exp_avg_sq});
+  }
+  // One segment per distinct layout, in order of first appearance; each
+  // launch covers a whole segment.
+  std::vector<Layout> layouts;
+  for (const Layout& l : host.layouts) {
+    if (std::find(layouts.begin(), layouts.end(), l) == layouts.end()) {
+      layouts.push_back(l);
+    }
+  }
+  for (const Layout& l : layouts) {
+    Segment seg;
+    seg.layout = l;
+    seg.first_chunk = static_cast<uint32_t>(plan->chunks.size());
+    for (const PlanItem& item : host.items) {
+      if (host.layouts[item.entry] == l) {
+        plan->chunks.push_back({item.entry, 0, item.begin, item.end});
+      }
+    }
+    seg.num_chunks =
+        static_cast<uint32_t>(plan->chunks.size()) - seg.first_chunk;
+    plan->segments.push_back(seg);
+  }
+  ComputeVectorFlags(*plan, 0, static_cast<uint32_t>(plan->chunks.size()));
+  OPTIMD_RETURN_IF_ERROR(UploadPlan(*plan));
+  // Master weights from the parameters (remainders start at zero).
+  for (const TensorEntry& t : group.tensors) {
+    if (t.numel > 0 && t.layout.master == MasterKind::kFp32) {
+      OPTIMD_RETURN_IF_ERROR(cuda::LaunchConvert(t.layout.param_dtype,
+                                                 t.param.data, DType::kFloat32,
+                                                 t.master.data(), t.numel,
+                                                 stream_));
+    }
+  }
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+  group.backend_plan = plan;
+  return absl::OkStatus();
+}
+
+void CudaBackend::UpdatePlanEntry(Group& group, uint32_t entry) {
+  auto* plan = static_cast<DevicePlan*>(group.backend_plan.get());
+  const TensorPointers p =
+      group.tensors[group.plan.tensor_index[entry]].Pointers();
+  group.plan.entries[entry] = p;
+  plan->tensors[entry] = {p.param, p.grad, p.master, p.exp_avg, p.exp_avg_sq,
+                          p.max_exp_avg_sq};
+  cudaSetDevice(device_);
+  cudaMemcpyAsync(static_cast<DeviceTensor*>(
+                      static_cast<void*>(plan->tensors_d.data())) + entry,
+                  &plan->tensors[entry], sizeof(DeviceTensor),
+                  cudaMemcpyHostToDevice, stream_);
+  for (uint32_t c = 0; c < plan->chunks.size(); ++c) {
+    if (plan->chunks[c].tensor != entry) continue;
+    ComputeVectorFlags(*plan, c, c + 1);
+    cudaMemcpyAsync(static_cast<DeviceChunk*>(
+                        static_cast<void*>(plan->chunks_d.data())) + c,
+                    &plan->chunks[c], sizeof(DeviceChunk),
+                    cudaMemcpyHostToDevice, stream_);
+  }
+  cudaStreamSynchronize(stream_);
+  counters().plan_entry_updates.fetch_add(1, std::memory_order_relaxed);
+}
+
+absl::StatusOr<std::unique_ptr<SessionContext>> CudaBackend::OpenSession(
+    int device, const std::string& ready_event, std::string* done_event) {
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
+  auto s = std::make_unique<CudaSession>();
+  s->stream = stream_;
+  if (!ready_event.empty()) {
+    if (ready_event.size() != sizeof(cudaIpcEventHandle_t)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ready_event must be a ", sizeof(cudaIpcEventHandle_t),
+          "-byte cudaIpcEventHandle_t"));
+    }
+    cudaIpcEventHandle_t h;
+    std::memcpy(&h, ready_event.data(), sizeof(h));
+    const cudaError_t e = cudaIpcOpenEventHandle(&s->ready, h);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      s->ready = nullptr;
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cannot open the trainer's ready_event (", cudaGetErrorName(e),
+          "); it must come from cudaIpcGetEventHandle on an event created "
+          "with cudaEventInterprocess | cudaEventDisableTiming on GPU ",
+          device_));
+    }
+  }
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(
+      &s->done, cudaEventDisableTiming | cudaEventInterprocess));
+  cudaIpcEventHandle_t done_handle;
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaIpcGetEventHandle(&done_handle, s->done));
+  done_event->assign(reinterpret_cast<const char*>(&done_handle),
+                     sizeof(done_handle));
+  OPTIMD_ASSIGN_OR_RETURN(s->totals_d,
+                          DeviceAlloc(device_, sizeof(DeviceGroupState)));
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(
+      s->totals_d.data(), 0, sizeof(DeviceGroupState), stream_));
+  s->slots.resize(std::max(2, options_.report_slots));
+  for (ReportSlot& slot : s->slots) {
+    OPTIMD_RETURN_IF_CUDA_ERROR(
+        cudaEventCreateWithFlags(&slot.event, cudaEventDisableTiming));
+  }
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+  s->last.known = false;
+  return std::unique_ptr<SessionContext>(std::move(s));
+}
+
+absl::Status CudaBackend::EnsureSums(uint32_t groups) {
+  if (groups <= sums_capacity_) return absl::OkStatus();
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+  const uint32_t cap = std::max<uint32_t>(groups, 2 * sums_capacity_);
+  OPTIMD_ASSIGN_OR_RETURN(sums_d_, DeviceAlloc(device_, cap * sizeof(double)));
+  sums_capacity_ = cap;
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::ReadSlot(CudaSession& s, ReportSlot& slot,
+                                   const std::vector<Group*>& groups,
+                                   StepOutcome* out) {
+  const DeviceGroupState& totals = slot.host[0];
+  out->known = true;
+  out->skipped = totals.last_skipped != 0;
+  out->grad_norm = totals.last_sumsq;  // scaled by the caller's grad_scale
+  out->steps_applied = totals.step;
+  out->steps_skipped = totals.skipped;
+  if (slot.groups == groups.size()) {
+    for (uint32_t g = 0; g < slot.groups; ++g) {
+      groups[g]->step = slot.host[1 + g].step;
+    }
+  }
+  s.last = *out;
+  s.last_sequence = slot.sequence;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
+                                              const std::vector<Group*>& groups,
+                                              const StepOptions& options) {
+  auto& s = *static_cast<CudaSession*>(session);
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
+  const uint32_t n = static_cast<uint32_t>(groups.size());
+  OPTIMD_RETURN_IF_ERROR(EnsureSums(std::max<uint32_t>(n, 1)));
+  double* sums = reinterpret_cast<double*>(sums_d_.data());
+  if (s.ready != nullptr) {
+    OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(stream_, s.ready, 0));
+  }
+  // 1-2: gradient statistics, per group.
+  for (uint32_t g = 0; g < n; ++g) {
+    auto* plan = static_cast<DevicePlan*>(groups[g]->backend_plan.get());
+    if (plan->chunks.empty()) {
+      OPTIMD_RETURN_IF_CUDA_ERROR(
+          cudaMemsetAsync(sums + g, 0, sizeof(double), stream_));
+      continue;
+    }
+    auto* chunks_d = reinterpret_cast<const DeviceChunk*>(plan->chunks_d.data());
+    auto* tensors_d =
+        reinterpret_cast<const DeviceTensor*>(plan->tensors_d.data());
+    auto* partials = reinterpret_cast<double*>(plan->partials_d.data());
+    for (const Segment& seg : plan->segments) {
+      OPTIMD_RETURN_IF_ERROR(cuda::LaunchGradSumSquares(
+          seg.layout.grad_dtype, chunks_d + seg.first_chunk, seg.num_chunks,
+          tensors_d, partials + seg.first_chunk, stream_));
+    }
+    OPTIMD_RETURN_IF_ERROR(cuda::LaunchReduceSums(
+        partials, static_cast<uint32_t>(plan->chunks.size()), sums + g,
+        stream_));
+  }
+  // 3-4: the update, then the counters.
+  for (uint32_t g = 0; g < n; ++g) {
+    auto* plan = static_cast<DevicePlan*>(groups[g]->backend_plan.get());
+    const AdamWHyper& h = groups[g]->hyper;
+    cuda::StepHyper hyper{h.lr,
+                          h.beta1,
+                          h.beta2,
+                          h.eps,
+                          h.weight_decay,
+                          options.grad_scale,
+                          options.max_grad_norm,
+                          h.adamw ? 1 : 0,
+                          h.bias_correction ? 1 : 0,
+                          h.maximize ? 1 : 0};
+    auto* state = reinterpret_cast<DeviceGroupState*>(plan->state_d.data());
+    for (const Segment& seg : plan->segments) {
+      OPTIMD_RETURN_IF_ERROR(cuda::LaunchAdamW(
+          seg.layout,
+          reinterpret_cast<const DeviceChunk*>(plan->chunks_d.data()) +
+              seg.first_chunk,
+          seg.num_chunks,
+          reinterpret_cast<const DeviceTensor*>(plan->tensors_d.data()), hyper,
+          sums, n, state, stream_));
+    }
+    OPTIMD_RETURN_IF_ERROR(cuda::LaunchCommitStep(sums, n, state, stream_));
+  }
+  OPTIMD_RETURN_IF_ERROR(cuda::LaunchCommitStep(
+      sums, n, reinterpret_cast<DeviceGroupState*>(s.totals_d.data()),
+      stream_));
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventRecord(s.done, stream_));
+
+  // Report slot: copy the counters to pinned memory.
+  const uint64_t seq = ++s.sequence;
+  ReportSlot& slot = s.slots[seq % s.slots.size()];
+  if (slot.sequence != 0) {
+    // Reusing a slot: its earlier copy must have landed (blocks only when
+    // more steps than slots are in flight).
+    OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(slot.event));
+    if (slot.sequence > s.last_sequence) {
+      StepOutcome ignored;
+      OPTIMD_RETURN_IF_ERROR(ReadSlot(s, slot, groups, &ignored));
+    }
+  }
+  if (slot.capacity < n) {
+    if (slot.host != nullptr) cudaFreeHost(slot.host);
+    slot.host = nullptr;
+    OPTIMD_RETURN_IF_CUDA_ERROR(cudaMallocHost(
+        reinterpret_cast<void**>(&slot.host),
+        (n + 1) * sizeof(DeviceGroupState)));
+    slot.capacity = n;
+  }
+  slot.groups = n;
+  slot.sequence = seq;
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(
+      slot.host, s.totals_d.data(), sizeof(DeviceGroupState),
+      cudaMemcpyDeviceToHost, stream_));
+  for (uint32_t g = 0; g < n; ++g) {
+    auto* plan = static_cast<DevicePlan*>(groups[g]->backend_plan.get());
+    OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(
+        slot.host + 1 + g, plan->state_d.data(), sizeof(DeviceGroupState),
+        cudaMemcpyDeviceToHost, stream_));
+  }
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventRecord(slot.event, stream_));
+
+  StepOutcome out;
+  if (options.wait) {
+    OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(slot.event));
+    OPTIMD_RETURN_IF_ERROR(ReadSlot(s, slot, groups, &out));
+    out.current = true;
+  } else {
+    // The newest slot whose copy has landed.
+    ReportSlot* best = nullptr;
+    for (ReportSlot& r : s.slots) {
+      if (r.sequence == 0 || r.sequence <= s.last_sequence) continue;
+      if (cudaEventQuery(r.event) != cudaSuccess) continue;
+      if (best == nullptr || r.sequence > best->sequence) best = &r;
+    }
+    cudaGetLastError();  // cudaErrorNotReady is not an error here
+    if (best != nullptr) OPTIMD_RETURN_IF_ERROR(ReadSlot(s, *best, groups, &out));
+    out = s.last;
+    out.current = s.last_sequence == seq;
+  }
+  if (out.known) {
+    const double scale = options.grad_scale > 0 ? options.grad_scale : 1.0;
+    out.grad_norm = std::sqrt(out.grad_norm) / scale;
+  }
+  return out;
+}
+
+absl::Status CudaBackend::WriteParams(Group& group) {
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
+  for (const TensorEntry& t : group.tensors) {
+    if (t.numel > 0 && t.layout.master == MasterKind::kFp32) {
+      OPTIMD_RETURN_IF_ERROR(cuda::LaunchConvert(
+          DType::kFloat32, t.master.data(), t.layout.param_dtype,
+          t.param.data, t.numel, stream_));
+    }
+  }
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::CopyToHost(const uint8_t* src, uint8_t* dst,
+                                     uint64_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
+  OPTIMD_RETURN_IF_CUDA_ERROR(
+      cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::CopyFromHost(const uint8_t* src, uint8_t* dst,
+                                       uint64_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
+  OPTIMD_RETURN_IF_CUDA_ERROR(
+      cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int CudaDeviceCount(std::string* why) {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    *why = absl::StrCat(cudaGetErrorName(e), ": ", cudaGetErrorString(e));
+    return 0;
+  }
+  if (n == 0) *why = "no CUDA devices";
+  return n;
+}
+
+absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(
+    int device, const CudaBackendOptions& options) {
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device));
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found;
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaGetDriverEntryPointByVersion(
+      "cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &found));
+  if (found != cudaDriverEntryPointSuccess || fn == nullptr) {
+    return absl::FailedPreconditionError(
+        "the CUDA driver has no cuMemGetAddressRange");
+  }
+  cudaStream_t stream;
+  OPTIMD_RETURN_IF_CUDA_ERROR(
+      cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  return std::unique_ptr<Backend>(new CudaBackend(
+      device, options, stream, reinterpret_cast<MemGetAddressRangeFn>(fn)));
+}
+
+}  // namespace optimd

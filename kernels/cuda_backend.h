@@ -1,0 +1,35 @@
+// The CUDA backend: trainer buffers are CUDA IPC allocations, state lives in
+// the GPU's memory, and steps run the fused kernels of adamw_cuda.h on one
+// stream per device, ordered with the trainer's stream by interprocess
+// events. Plain C++ header: the daemon includes it without CUDA headers.
+#ifndef OPTIMD_KERNELS_CUDA_BACKEND_H_
+#define OPTIMD_KERNELS_CUDA_BACKEND_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "core/backend.h"
+
+namespace optimd {
+
+struct CudaBackendOptions {
+  // Elements per chunk (one thread block) of a plan.
+  uint64_t chunk_elements = 1 << 16;
+  // Completed-step slots kept for asynchronous replies.
+  int report_slots = 4;
+};
+
+// Number of usable CUDA devices. 0, with the reason in *why, when there is
+// no driver or no GPU (the daemon then falls back to the CPU backend).
+int CudaDeviceCount(std::string* why);
+
+// A backend for CUDA device `device`. Its methods must be called from one
+// thread at a time (the device's worker).
+absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(
+    int device, const CudaBackendOptions& options);
+
+}  // namespace optimd
+
+#endif  // OPTIMD_KERNELS_CUDA_BACKEND_H_
