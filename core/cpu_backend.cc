@@ -90,7 +90,8 @@ absl::StatusOr<StepOutcome> CpuBackend::Step(SessionContext* session,
   // Pass 1: the sum of squares of every gradient of the session. A
   // non-finite element makes the sum non-finite.
   double sumsq = 0.0;
-  for (Group* g : groups) {
+  const bool statistics = !options.assume_finite || options.max_grad_norm > 0;
+  for (Group* g : statistics ? groups : std::vector<Group*>()) {
     const Plan& plan = g->plan;
     if (plan.items.empty()) continue;
     std::fill(partial_sums_.begin(), partial_sums_.end(), 0.0);
@@ -115,7 +116,8 @@ absl::StatusOr<StepOutcome> CpuBackend::Step(SessionContext* session,
     out.steps_skipped = ++totals->skipped;
     return out;
   }
-  out.grad_norm = std::sqrt(sumsq) / scale;
+  out.grad_norm = statistics ? std::sqrt(sumsq) / scale
+                             : std::numeric_limits<double>::quiet_NaN();
   double clip = 1.0;
   if (options.max_grad_norm > 0) {
     // torch.nn.utils.clip_grad_norm_: coef = max / (norm + 1e-6), at most 1.

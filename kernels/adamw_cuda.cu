@@ -57,6 +57,54 @@ __device__ __forceinline__ void Split(float p, uint16_t* hi_bits,
   *rem = r;
 }
 
+// Vector form: 4 consecutive elements per stream with one access each
+// (16 bytes for fp32 streams, 8 for 16-bit ones).
+template <typename T>
+struct Vec4;
+template <>
+struct Vec4<float> {
+  using V = float4;
+  __device__ static void Unpack(const V& v, float* out) {
+    out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
+  }
+  __device__ static V Pack(const float* in) {
+    return make_float4(in[0], in[1], in[2], in[3]);
+  }
+};
+template <>
+struct Vec4<uint16_t> {
+  using V = ushort4;
+  __device__ static void Unpack(const V& v, uint16_t* out) {
+    out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
+  }
+  __device__ static V Pack(const uint16_t* in) {
+    return make_ushort4(in[0], in[1], in[2], in[3]);
+  }
+};
+template <>
+struct Vec4<int16_t> {
+  using V = short4;
+  __device__ static void Unpack(const V& v, int16_t* out) {
+    out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
+  }
+  __device__ static V Pack(const int16_t* in) {
+    return make_short4(in[0], in[1], in[2], in[3]);
+  }
+};
+
+template <typename T>
+__device__ __forceinline__ void Load4(const void* base, uint64_t i, T* out) {
+  using V = typename Vec4<T>::V;
+  Vec4<T>::Unpack(reinterpret_cast<const V*>(static_cast<const T*>(base) + i)[0],
+                  out);
+}
+
+template <typename T>
+__device__ __forceinline__ void Store4(void* base, uint64_t i, const T* in) {
+  using V = typename Vec4<T>::V;
+  reinterpret_cast<V*>(static_cast<T*>(base) + i)[0] = Vec4<T>::Pack(in);
+}
+
 // Sums session_sums in a fixed order: the same total in every block.
 __device__ __forceinline__ double SessionTotal(const double* sums,
                                                uint32_t n) {
@@ -81,15 +129,33 @@ __device__ double BlockSum(double v) {
 
 template <class G>
 __global__ void __launch_bounds__(kThreadsPerBlock)
-    GradSumSquaresKernel(const DeviceChunk* __restrict__ chunks,
+    GradSumSquaresKernel(const DeviceBlock* __restrict__ blocks,
+                         const DeviceChunk* __restrict__ chunks,
                          const DeviceTensor* __restrict__ tensors,
                          double* __restrict__ partials) {
-  const DeviceChunk c = chunks[blockIdx.x];
-  const auto* g = static_cast<const typename G::T*>(tensors[c.tensor].grad);
+  const DeviceBlock b = blocks[blockIdx.x];
   double acc = 0;
-  for (uint64_t i = c.begin + threadIdx.x; i < c.end; i += blockDim.x) {
-    const double x = G::Load(g[i]);
-    acc += x * x;
+  for (uint32_t k = b.first; k < b.end; ++k) {
+    const DeviceChunk c = chunks[k];
+    const auto* g = static_cast<const typename G::T*>(tensors[c.tensor].grad);
+    uint64_t i = c.begin + threadIdx.x;
+    if (c.vector) {
+      const uint64_t n4 = (c.end - c.begin) / 4;
+      for (uint64_t j = threadIdx.x; j < n4; j += blockDim.x) {
+        typename G::T v[4];
+        Load4(g, c.begin + 4 * j, v);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const double x = G::Load(v[q]);
+          acc += x * x;
+        }
+      }
+      i = c.begin + 4 * n4 + threadIdx.x;
+    }
+    for (; i < c.end; i += blockDim.x) {
+      const double x = G::Load(g[i]);
+      acc += x * x;
+    }
   }
   const double total = BlockSum<kThreadsPerBlock>(acc);
   if (threadIdx.x == 0) partials[blockIdx.x] = total;
@@ -129,37 +195,37 @@ __global__ void ConvertKernel(const void* __restrict__ src,
   }
 }
 
-// Per-block step scalars, derived on the device (see adamw_cpu.cc's
-// MakeStepScalars: the same double arithmetic, rounded to float once).
-struct Scalars {
-  float beta1, beta2, omb1, omb2, eps, decay, l2, bc2, neg_step, grad_mul;
-};
+using Scalars = DeviceScalars;
 
-__device__ bool DeriveScalars(const StepHyper& h, const double* sums,
-                              uint32_t n, const DeviceGroupState* group,
-                              Scalars* s) {
+__global__ void PrepareStepKernel(StepHyper h, const double* __restrict__ sums,
+                                  uint32_t n,
+                                  const DeviceGroupState* __restrict__ group,
+                                  DeviceScalars* __restrict__ out) {
   const double total = SessionTotal(sums, n);
-  if (!isfinite(total)) return false;
-  const double scale = h.grad_scale > 0 ? h.grad_scale : 1.0;
-  const double norm = sqrt(total) / scale;
-  double clip = 1.0;
-  if (h.max_grad_norm > 0) clip = fmin(1.0, h.max_grad_norm / (norm + 1e-6));
-  const double t = static_cast<double>(group->step + 1);
-  const double bc1 = h.bias_correction ? 1.0 - pow(h.beta1, t) : 1.0;
-  const double bc2 = h.bias_correction ? 1.0 - pow(h.beta2, t) : 1.0;
-  s->beta1 = static_cast<float>(h.beta1);
-  s->beta2 = static_cast<float>(h.beta2);
-  s->omb1 = static_cast<float>(1.0 - h.beta1);
-  s->omb2 = static_cast<float>(1.0 - h.beta2);
-  s->eps = static_cast<float>(h.eps);
-  s->decay = h.adamw ? static_cast<float>(1.0 - h.lr * h.weight_decay) : 1.0f;
-  s->l2 = h.adamw ? 0.0f : static_cast<float>(h.weight_decay);
-  s->bc2 = static_cast<float>(sqrt(bc2));
-  s->neg_step = -static_cast<float>(h.lr / bc1);
-  double mul = clip / scale;
-  if (h.maximize) mul = -mul;
-  s->grad_mul = static_cast<float>(mul);
-  return true;
+  DeviceScalars s{};
+  s.skip = isfinite(total) ? 0 : 1;
+  if (!s.skip) {
+    const double scale = h.grad_scale > 0 ? h.grad_scale : 1.0;
+    const double norm = sqrt(total) / scale;
+    double clip = 1.0;
+    if (h.max_grad_norm > 0) clip = fmin(1.0, h.max_grad_norm / (norm + 1e-6));
+    const double t = static_cast<double>(group->step + 1);
+    const double bc1 = h.bias_correction ? 1.0 - pow(h.beta1, t) : 1.0;
+    const double bc2 = h.bias_correction ? 1.0 - pow(h.beta2, t) : 1.0;
+    s.beta1 = static_cast<float>(h.beta1);
+    s.beta2 = static_cast<float>(h.beta2);
+    s.omb1 = static_cast<float>(1.0 - h.beta1);
+    s.omb2 = static_cast<float>(1.0 - h.beta2);
+    s.eps = static_cast<float>(h.eps);
+    s.decay = h.adamw ? static_cast<float>(1.0 - h.lr * h.weight_decay) : 1.0f;
+    s.l2 = h.adamw ? 0.0f : static_cast<float>(h.weight_decay);
+    s.bc2 = static_cast<float>(sqrt(bc2));
+    s.neg_step = -static_cast<float>(h.lr / bc1);
+    double mul = clip / scale;
+    if (h.maximize) mul = -mul;
+    s.grad_mul = static_cast<float>(mul);
+  }
+  *out = s;
 }
 
 template <class P, class G, class M, MasterKind K, bool kAms, bool kAdamW>
@@ -209,54 +275,6 @@ __device__ __forceinline__ void UpdateOne(const DeviceTensor& t, uint64_t i,
   }
 }
 
-// Vector form: 4 consecutive elements per stream with one access each
-// (16 bytes for fp32 streams, 8 for 16-bit ones).
-template <typename T>
-struct Vec4;
-template <>
-struct Vec4<float> {
-  using V = float4;
-  __device__ static void Unpack(const V& v, float* out) {
-    out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
-  }
-  __device__ static V Pack(const float* in) {
-    return make_float4(in[0], in[1], in[2], in[3]);
-  }
-};
-template <>
-struct Vec4<uint16_t> {
-  using V = ushort4;
-  __device__ static void Unpack(const V& v, uint16_t* out) {
-    out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
-  }
-  __device__ static V Pack(const uint16_t* in) {
-    return make_ushort4(in[0], in[1], in[2], in[3]);
-  }
-};
-template <>
-struct Vec4<int16_t> {
-  using V = short4;
-  __device__ static void Unpack(const V& v, int16_t* out) {
-    out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
-  }
-  __device__ static V Pack(const int16_t* in) {
-    return make_short4(in[0], in[1], in[2], in[3]);
-  }
-};
-
-template <typename T>
-__device__ __forceinline__ void Load4(const void* base, uint64_t i, T* out) {
-  using V = typename Vec4<T>::V;
-  Vec4<T>::Unpack(reinterpret_cast<const V*>(static_cast<const T*>(base) + i)[0],
-                  out);
-}
-
-template <typename T>
-__device__ __forceinline__ void Store4(void* base, uint64_t i, const T* in) {
-  using V = typename Vec4<T>::V;
-  reinterpret_cast<V*>(static_cast<T*>(base) + i)[0] = Vec4<T>::Pack(in);
-}
-
 template <class P, class G, class M, MasterKind K, bool kAms, bool kAdamW>
 __device__ __forceinline__ void UpdateFour(const DeviceTensor& t, uint64_t i,
                                            const Scalars& s) {
@@ -265,7 +283,8 @@ __device__ __forceinline__ void UpdateFour(const DeviceTensor& t, uint64_t i,
   typename M::T mr[4], vr[4], xr[4];
   float master[4];
   int16_t rem[4];
-  Load4(t.param, i, pr);
+  // With an fp32 master the old parameter is never read.
+  if constexpr (K != MasterKind::kFp32) Load4(t.param, i, pr);
   Load4(t.grad, i, gr);
   Load4(t.exp_avg, i, mr);
   Load4(t.exp_avg_sq, i, vr);
@@ -320,25 +339,25 @@ __device__ __forceinline__ void UpdateFour(const DeviceTensor& t, uint64_t i,
 
 template <class P, class G, class M, MasterKind K, bool kAms, bool kAdamW>
 __global__ void __launch_bounds__(kThreadsPerBlock)
-    AdamWKernel(const DeviceChunk* __restrict__ chunks,
-                const DeviceTensor* __restrict__ tensors, StepHyper hyper,
-                const double* __restrict__ sums, uint32_t num_sums,
-                const DeviceGroupState* __restrict__ group) {
-  Scalars s;
-  if (!DeriveScalars(hyper, sums, num_sums, group, &s)) return;  // skipped
-  const DeviceChunk c = chunks[blockIdx.x];
-  const DeviceTensor t = tensors[c.tensor];
-  if (c.vector) {
-    const uint64_t n4 = (c.end - c.begin) / 4;
-    for (uint64_t j = threadIdx.x; j < n4; j += blockDim.x) {
-      UpdateFour<P, G, M, K, kAms, kAdamW>(t, c.begin + 4 * j, s);
+    AdamWKernel(const DeviceBlock* __restrict__ blocks,
+                const DeviceChunk* __restrict__ chunks,
+                const DeviceTensor* __restrict__ tensors,
+                const DeviceScalars* __restrict__ scalars) {
+  const Scalars s = *scalars;
+  if (s.skip) return;
+  const DeviceBlock b = blocks[blockIdx.x];
+  for (uint32_t k = b.first; k < b.end; ++k) {
+    const DeviceChunk c = chunks[k];
+    const DeviceTensor t = tensors[c.tensor];
+    uint64_t i = c.begin + threadIdx.x;
+    if (c.vector) {
+      const uint64_t n4 = (c.end - c.begin) / 4;
+      for (uint64_t j = threadIdx.x; j < n4; j += blockDim.x) {
+        UpdateFour<P, G, M, K, kAms, kAdamW>(t, c.begin + 4 * j, s);
+      }
+      i = c.begin + 4 * n4 + threadIdx.x;
     }
-    for (uint64_t i = c.begin + 4 * n4 + threadIdx.x; i < c.end;
-         i += blockDim.x) {
-      UpdateOne<P, G, M, K, kAms, kAdamW>(t, i, s);
-    }
-  } else {
-    for (uint64_t i = c.begin + threadIdx.x; i < c.end; i += blockDim.x) {
+    for (; i < c.end; i += blockDim.x) {
       UpdateOne<P, G, M, K, kAms, kAdamW>(t, i, s);
     }
   }
@@ -350,49 +369,47 @@ absl::Status Check(cudaError_t e, const char* what) {
       absl::StrCat(what, ": ", cudaGetErrorName(e), ": ", cudaGetErrorString(e)));
 }
 
+struct Args {
+  const DeviceBlock* blocks;
+  uint32_t num_blocks;
+  const DeviceChunk* chunks;
+  const DeviceTensor* tensors;
+  const DeviceScalars* scalars;
+  bool adamw;
+  Stream stream;
+};
+
 template <class P, class G, class M, MasterKind K, bool kAms, bool kAdamW>
-absl::Status Launch(const DeviceChunk* chunks, uint32_t n,
-                    const DeviceTensor* tensors, const StepHyper& h,
-                    const double* sums, uint32_t num_sums,
-                    const DeviceGroupState* group, Stream stream) {
+absl::Status Launch(const Args& a) {
   AdamWKernel<P, G, M, K, kAms, kAdamW>
-      <<<n, kThreadsPerBlock, 0, stream>>>(chunks, tensors, h, sums, num_sums,
-                                           group);
+      <<<a.num_blocks, kThreadsPerBlock, 0, a.stream>>>(a.blocks, a.chunks,
+                                                        a.tensors, a.scalars);
   return Check(cudaGetLastError(), "AdamW kernel launch");
 }
 
 template <class P, class G, class M, MasterKind K>
-absl::Status DispatchFlags(const Layout& l, const DeviceChunk* c, uint32_t n,
-                           const DeviceTensor* t, const StepHyper& h,
-                           const double* sums, uint32_t ns,
-                           const DeviceGroupState* g, Stream st) {
+absl::Status DispatchFlags(const Layout& l, const Args& a) {
   if (l.amsgrad) {
-    return h.adamw ? Launch<P, G, M, K, true, true>(c, n, t, h, sums, ns, g, st)
-                   : Launch<P, G, M, K, true, false>(c, n, t, h, sums, ns, g, st);
+    return a.adamw ? Launch<P, G, M, K, true, true>(a)
+                   : Launch<P, G, M, K, true, false>(a);
   }
-  return h.adamw ? Launch<P, G, M, K, false, true>(c, n, t, h, sums, ns, g, st)
-                 : Launch<P, G, M, K, false, false>(c, n, t, h, sums, ns, g, st);
+  return a.adamw ? Launch<P, G, M, K, false, true>(a)
+                 : Launch<P, G, M, K, false, false>(a);
 }
 
 template <class P, class G, class M>
-absl::Status DispatchMaster(const Layout& l, const DeviceChunk* c, uint32_t n,
-                            const DeviceTensor* t, const StepHyper& h,
-                            const double* sums, uint32_t ns,
-                            const DeviceGroupState* g, Stream st) {
+absl::Status DispatchMaster(const Layout& l, const Args& a) {
   switch (l.master) {
     case MasterKind::kNone:
       if constexpr (std::is_same_v<P, F32>) {
-        return DispatchFlags<P, G, M, MasterKind::kNone>(l, c, n, t, h, sums,
-                                                         ns, g, st);
+        return DispatchFlags<P, G, M, MasterKind::kNone>(l, a);
       }
       break;
     case MasterKind::kFp32:
-      return DispatchFlags<P, G, M, MasterKind::kFp32>(l, c, n, t, h, sums, ns,
-                                                       g, st);
+      return DispatchFlags<P, G, M, MasterKind::kFp32>(l, a);
     case MasterKind::kRemainder:
       if constexpr (std::is_same_v<P, BF16>) {
-        return DispatchFlags<P, G, M, MasterKind::kRemainder>(l, c, n, t, h,
-                                                              sums, ns, g, st);
+        return DispatchFlags<P, G, M, MasterKind::kRemainder>(l, a);
       }
       break;
   }
@@ -401,51 +418,46 @@ absl::Status DispatchMaster(const Layout& l, const DeviceChunk* c, uint32_t n,
 }
 
 template <class P, class G>
-absl::Status DispatchMoment(const Layout& l, const DeviceChunk* c, uint32_t n,
-                            const DeviceTensor* t, const StepHyper& h,
-                            const double* sums, uint32_t ns,
-                            const DeviceGroupState* g, Stream st) {
+absl::Status DispatchMoment(const Layout& l, const Args& a) {
   if (l.moment_dtype == DType::kBFloat16) {
-    return DispatchMaster<P, G, BF16>(l, c, n, t, h, sums, ns, g, st);
+    return DispatchMaster<P, G, BF16>(l, a);
   }
-  return DispatchMaster<P, G, F32>(l, c, n, t, h, sums, ns, g, st);
+  return DispatchMaster<P, G, F32>(l, a);
 }
 
 template <class P>
-absl::Status DispatchGrad(const Layout& l, const DeviceChunk* c, uint32_t n,
-                          const DeviceTensor* t, const StepHyper& h,
-                          const double* sums, uint32_t ns,
-                          const DeviceGroupState* g, Stream st) {
+absl::Status DispatchGrad(const Layout& l, const Args& a) {
   switch (l.grad_dtype) {
     case DType::kFloat32:
-      return DispatchMoment<P, F32>(l, c, n, t, h, sums, ns, g, st);
+      return DispatchMoment<P, F32>(l, a);
     case DType::kBFloat16:
-      return DispatchMoment<P, BF16>(l, c, n, t, h, sums, ns, g, st);
+      return DispatchMoment<P, BF16>(l, a);
     case DType::kFloat16:
-      return DispatchMoment<P, F16>(l, c, n, t, h, sums, ns, g, st);
+      return DispatchMoment<P, F16>(l, a);
   }
   return absl::InvalidArgumentError("unknown gradient dtype");
 }
 
 }  // namespace
 
-absl::Status LaunchGradSumSquares(DType grad_dtype, const DeviceChunk* chunks,
-                                  uint32_t num_chunks,
+absl::Status LaunchGradSumSquares(DType grad_dtype, const DeviceBlock* blocks,
+                                  uint32_t num_blocks,
+                                  const DeviceChunk* chunks,
                                   const DeviceTensor* tensors,
                                   double* partials, Stream stream) {
-  if (num_chunks == 0) return absl::OkStatus();
+  if (num_blocks == 0) return absl::OkStatus();
   switch (grad_dtype) {
     case DType::kFloat32:
-      GradSumSquaresKernel<F32><<<num_chunks, kThreadsPerBlock, 0, stream>>>(
-          chunks, tensors, partials);
+      GradSumSquaresKernel<F32><<<num_blocks, kThreadsPerBlock, 0, stream>>>(
+          blocks, chunks, tensors, partials);
       break;
     case DType::kBFloat16:
-      GradSumSquaresKernel<BF16><<<num_chunks, kThreadsPerBlock, 0, stream>>>(
-          chunks, tensors, partials);
+      GradSumSquaresKernel<BF16><<<num_blocks, kThreadsPerBlock, 0, stream>>>(
+          blocks, chunks, tensors, partials);
       break;
     case DType::kFloat16:
-      GradSumSquaresKernel<F16><<<num_chunks, kThreadsPerBlock, 0, stream>>>(
-          chunks, tensors, partials);
+      GradSumSquaresKernel<F16><<<num_blocks, kThreadsPerBlock, 0, stream>>>(
+          blocks, chunks, tensors, partials);
       break;
   }
   return Check(cudaGetLastError(), "gradient statistics kernel launch");
@@ -457,22 +469,29 @@ absl::Status LaunchReduceSums(const double* partials, uint32_t count,
   return Check(cudaGetLastError(), "reduce kernel launch");
 }
 
-absl::Status LaunchAdamW(const Layout& layout, const DeviceChunk* chunks,
-                         uint32_t num_chunks, const DeviceTensor* tensors,
-                         const StepHyper& hyper, const double* session_sums,
-                         uint32_t num_sums, const DeviceGroupState* group,
-                         Stream stream) {
-  if (num_chunks == 0) return absl::OkStatus();
+absl::Status LaunchPrepareStep(const StepHyper& hyper,
+                               const double* session_sums, uint32_t num_sums,
+                               const DeviceGroupState* group,
+                               DeviceScalars* scalars, Stream stream) {
+  PrepareStepKernel<<<1, 1, 0, stream>>>(hyper, session_sums, num_sums, group,
+                                         scalars);
+  return Check(cudaGetLastError(), "prepare kernel launch");
+}
+
+absl::Status LaunchAdamW(const Layout& layout, bool adamw,
+                             const DeviceBlock* blocks, uint32_t num_blocks,
+                             const DeviceChunk* chunks,
+                             const DeviceTensor* tensors,
+                             const DeviceScalars* scalars, Stream stream) {
+  if (num_blocks == 0) return absl::OkStatus();
+  const Args a{blocks, num_blocks, chunks, tensors, scalars, adamw, stream};
   switch (layout.param_dtype) {
     case DType::kFloat32:
-      return DispatchGrad<F32>(layout, chunks, num_chunks, tensors, hyper,
-                               session_sums, num_sums, group, stream);
+      return DispatchGrad<F32>(layout, a);
     case DType::kBFloat16:
-      return DispatchGrad<BF16>(layout, chunks, num_chunks, tensors, hyper,
-                                session_sums, num_sums, group, stream);
+      return DispatchGrad<BF16>(layout, a);
     case DType::kFloat16:
-      return DispatchGrad<F16>(layout, chunks, num_chunks, tensors, hyper,
-                               session_sums, num_sums, group, stream);
+      return DispatchGrad<F16>(layout, a);
   }
   return absl::InvalidArgumentError("unknown parameter dtype");
 }

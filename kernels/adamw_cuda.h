@@ -3,16 +3,16 @@
 // code is private to adamw_cuda.cu.
 //
 // A step of one session on one GPU is, all on one stream:
-//   1. LaunchGradSumSquares per plan segment: one block per chunk writes the
-//      chunk's sum of squares (double) to partials[chunk].
+//   1. LaunchGradSumSquares per plan segment: each block writes the sum of
+//      squares (double) of its chunks to partials[block].
 //   2. LaunchReduceSums per group: sums the group's partials, in a fixed
 //      order, into session_sums[group] (deterministic: no atomics).
-//   3. LaunchAdamW per plan segment: every block first adds session_sums in
-//      order; if the total is not finite the step is skipped (the block
-//      returns); otherwise it derives the clip coefficient and, from the
-//      group's device-resident step counter, the bias corrections, and
-//      updates its chunk.
-//   4. LaunchCommitStep per group: advances the step counter unless
+//   3. LaunchPrepareStep per group: adds session_sums in order; if the total
+//      is not finite the step is skipped; otherwise derives the clip
+//      coefficient and, from the group's device-resident step counter, the
+//      bias corrections, into the group's DeviceScalars.
+//   4. LaunchAdamW per plan segment: unless skipped, updates its chunks.
+//   5. LaunchCommitStep per group: advances the step counter unless
 //      skipped, and records the step's norm and skipped flag.
 // The host never waits for the GPU in between: the skip decision and the
 // clip coefficient are read by the kernels from device memory.
@@ -75,22 +75,49 @@ struct DeviceGroupState {
   int32_t pad;
 };
 
+// One thread block's work: chunks [first, end) of the plan's chunk table.
+// Small tensors share a block, so a launch over 1e5 small tensors keeps its
+// blocks as full as over a few large ones.
+struct DeviceBlock {
+  uint32_t first;
+  uint32_t end;
+};
+
+// Step scalars derived on the device once per group and step (see
+// adamw_cpu.cc's MakeStepScalars: the same double arithmetic, rounded to
+// float once); read by every block of the update.
+struct DeviceScalars {
+  float beta1, beta2, omb1, omb2, eps, decay, l2, bc2, neg_step, grad_mul;
+  int32_t skip;
+  int32_t pad;
+};
+
 constexpr int kThreadsPerBlock = 256;
 constexpr int kElementsPerThread = 4;
 
-absl::Status LaunchGradSumSquares(DType grad_dtype, const DeviceChunk* chunks,
-                                  uint32_t num_chunks,
+// One partial sum per block: partials[b] for blocks[b].
+absl::Status LaunchGradSumSquares(DType grad_dtype, const DeviceBlock* blocks,
+                                  uint32_t num_blocks,
+                                  const DeviceChunk* chunks,
                                   const DeviceTensor* tensors,
                                   double* partials, Stream stream);
 
 absl::Status LaunchReduceSums(const double* partials, uint32_t count,
                               double* out, Stream stream);
 
-absl::Status LaunchAdamW(const Layout& layout, const DeviceChunk* chunks,
-                         uint32_t num_chunks, const DeviceTensor* tensors,
-                         const StepHyper& hyper, const double* session_sums,
-                         uint32_t num_sums, const DeviceGroupState* group,
-                         Stream stream);
+// Derives the group's step scalars (or the skip flag) into *scalars.
+absl::Status LaunchPrepareStep(const StepHyper& hyper,
+                               const double* session_sums, uint32_t num_sums,
+                               const DeviceGroupState* group,
+                               DeviceScalars* scalars, Stream stream);
+
+// `adamw`: decoupled weight decay (else Adam's L2), a template parameter of
+// the kernel.
+absl::Status LaunchAdamW(const Layout& layout, bool adamw,
+                         const DeviceBlock* blocks, uint32_t num_blocks,
+                         const DeviceChunk* chunks,
+                         const DeviceTensor* tensors,
+                         const DeviceScalars* scalars, Stream stream);
 
 absl::Status LaunchCommitStep(const double* session_sums, uint32_t num_sums,
                               DeviceGroupState* group, Stream stream);

@@ -2,13 +2,14 @@
 
 NVCC = "/usr/local/cuda/bin/nvcc"
 
-def cuda_object(name, src, hdrs = []):
+def cuda_object(name, src, hdrs = [], tags = []):
     """A .o from one .cu file: sm_90 code plus compute_90 PTX, IEEE math,
     no contraction into FMA (results match the CPU reference)."""
     native.genrule(
         name = name,
         srcs = [src] + hdrs,
         outs = [name + ".o"],
+        tags = tags,
         cmd = (NVCC + " -std=c++17 -O3 -fmad=false " +
                "-gencode arch=compute_90,code=sm_90 " +
                "-gencode arch=compute_90,code=compute_90 " +

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <vector>
 
@@ -67,14 +68,17 @@ struct Segment {
   Layout layout;
   uint32_t first_chunk = 0;
   uint32_t num_chunks = 0;
+  uint32_t first_block = 0;
+  uint32_t num_blocks = 0;
 };
 
 // The device-resident plan of one group.
 struct DevicePlan {
   std::vector<DeviceTensor> tensors;  // by plan entry
   std::vector<DeviceChunk> chunks;
+  std::vector<cuda::DeviceBlock> blocks;
   std::vector<Segment> segments;
-  StateStorage tensors_d, chunks_d, partials_d, state_d;
+  StateStorage tensors_d, chunks_d, blocks_d, partials_d, state_d, scalars_d;
 };
 
 // Pinned slots that receive each step's counters, so that a reply can
@@ -295,11 +299,21 @@ absl::Status CudaBackend::UploadPlan(DevicePlan& plan) {
       DeviceAlloc(device_, std::max<uint64_t>(1, plan.chunks.size()) *
                                sizeof(DeviceChunk)));
   OPTIMD_ASSIGN_OR_RETURN(
+      plan.blocks_d,
+      DeviceAlloc(device_, std::max<uint64_t>(1, plan.blocks.size()) *
+                               sizeof(cuda::DeviceBlock)));
+  OPTIMD_ASSIGN_OR_RETURN(
       plan.partials_d,
       DeviceAlloc(device_,
-                  std::max<uint64_t>(1, plan.chunks.size()) * sizeof(double)));
+                  std::max<uint64_t>(1, plan.blocks.size()) * sizeof(double)));
   OPTIMD_ASSIGN_OR_RETURN(plan.state_d,
                           DeviceAlloc(device_, sizeof(DeviceGroupState)));
+  OPTIMD_ASSIGN_OR_RETURN(plan.scalars_d,
+                          DeviceAlloc(device_, sizeof(cuda::DeviceScalars)));
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(
+      plan.blocks_d.data(), plan.blocks.data(),
+      plan.blocks.size() * sizeof(cuda::DeviceBlock), cudaMemcpyHostToDevice,
+      stream_));
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(
       plan.tensors_d.data(), plan.tensors.data(),
       plan.tensors.size() * sizeof(DeviceTensor), cudaMemcpyHostToDevice,
@@ -342,6 +356,20 @@ absl::Status CudaBackend::PrepareGroup(Group& group) {
     }
     seg.num_chunks =
         static_cast<uint32_t>(plan->chunks.size()) - seg.first_chunk;
+    // Blocks: consecutive chunks of about chunk_elements elements in all.
+    seg.first_block = static_cast<uint32_t>(plan->blocks.size());
+    uint64_t in_block = 0;
+    for (uint32_t c = seg.first_chunk; c < seg.first_chunk + seg.num_chunks;
+         ++c) {
+      if (plan->blocks.size() == seg.first_block ||
+          in_block >= options_.chunk_elements) {
+        plan->blocks.push_back({c, c});
+        in_block = 0;
+      }
+      plan->blocks.back().end = c + 1;
+      in_block += plan->chunks[c].end - plan->chunks[c].begin;
+    }
+    seg.num_blocks = static_cast<uint32_t>(plan->blocks.size()) - seg.first_block;
     plan->segments.push_back(seg);
   }
   ComputeVectorFlags(*plan, 0, static_cast<uint32_t>(plan->chunks.size()));
@@ -468,7 +496,13 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
     OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(stream_, s.ready, 0));
   }
   // 1-2: gradient statistics, per group.
-  for (uint32_t g = 0; g < n; ++g) {
+  const bool statistics = !options.assume_finite || options.max_grad_norm > 0;
+  if (!statistics) {
+    OPTIMD_RETURN_IF_CUDA_ERROR(
+        cudaMemsetAsync(sums, 0, std::max<uint32_t>(n, 1) * sizeof(double),
+                        stream_));
+  }
+  for (uint32_t g = 0; g < (statistics ? n : 0); ++g) {
     auto* plan = static_cast<DevicePlan*>(groups[g]->backend_plan.get());
     if (plan->chunks.empty()) {
       OPTIMD_RETURN_IF_CUDA_ERROR(
@@ -476,16 +510,18 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
       continue;
     }
     auto* chunks_d = reinterpret_cast<const DeviceChunk*>(plan->chunks_d.data());
+    auto* blocks_d =
+        reinterpret_cast<const cuda::DeviceBlock*>(plan->blocks_d.data());
     auto* tensors_d =
         reinterpret_cast<const DeviceTensor*>(plan->tensors_d.data());
     auto* partials = reinterpret_cast<double*>(plan->partials_d.data());
     for (const Segment& seg : plan->segments) {
       OPTIMD_RETURN_IF_ERROR(cuda::LaunchGradSumSquares(
-          seg.layout.grad_dtype, chunks_d + seg.first_chunk, seg.num_chunks,
-          tensors_d, partials + seg.first_chunk, stream_));
+          seg.layout.grad_dtype, blocks_d + seg.first_block, seg.num_blocks,
+          chunks_d, tensors_d, partials + seg.first_block, stream_));
     }
     OPTIMD_RETURN_IF_ERROR(cuda::LaunchReduceSums(
-        partials, static_cast<uint32_t>(plan->chunks.size()), sums + g,
+        partials, static_cast<uint32_t>(plan->blocks.size()), sums + g,
         stream_));
   }
   // 3-4: the update, then the counters.
@@ -503,14 +539,19 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
                           h.bias_correction ? 1 : 0,
                           h.maximize ? 1 : 0};
     auto* state = reinterpret_cast<DeviceGroupState*>(plan->state_d.data());
+    auto* scalars =
+        reinterpret_cast<cuda::DeviceScalars*>(plan->scalars_d.data());
+    OPTIMD_RETURN_IF_ERROR(
+        cuda::LaunchPrepareStep(hyper, sums, n, state, scalars, stream_));
     for (const Segment& seg : plan->segments) {
       OPTIMD_RETURN_IF_ERROR(cuda::LaunchAdamW(
-          seg.layout,
-          reinterpret_cast<const DeviceChunk*>(plan->chunks_d.data()) +
-              seg.first_chunk,
-          seg.num_chunks,
-          reinterpret_cast<const DeviceTensor*>(plan->tensors_d.data()), hyper,
-          sums, n, state, stream_));
+          seg.layout, h.adamw,
+          reinterpret_cast<const cuda::DeviceBlock*>(plan->blocks_d.data()) +
+              seg.first_block,
+          seg.num_blocks,
+          reinterpret_cast<const DeviceChunk*>(plan->chunks_d.data()),
+          reinterpret_cast<const DeviceTensor*>(plan->tensors_d.data()),
+          scalars, stream_));
     }
     OPTIMD_RETURN_IF_ERROR(cuda::LaunchCommitStep(sums, n, state, stream_));
   }
@@ -572,7 +613,8 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
   }
   if (out.known) {
     const double scale = options.grad_scale > 0 ? options.grad_scale : 1.0;
-    out.grad_norm = std::sqrt(out.grad_norm) / scale;
+    out.grad_norm = statistics ? std::sqrt(out.grad_norm) / scale
+                               : std::numeric_limits<double>::quiet_NaN();
   }
   return out;
 }

@@ -18,7 +18,7 @@ struct CudaBackendOptions {
   // Elements per chunk (one thread block) of a plan.
   uint64_t chunk_elements = 1 << 16;
   // Completed-step slots kept for asynchronous replies.
-  int report_slots = 4;
+  int report_slots = 8;
 };
 
 // Number of usable CUDA devices. 0, with the reason in *why, when there is

@@ -160,6 +160,7 @@ StepRequestSpec StepSpecFromProto(const v1::StepRequest& request) {
                                                       : request.grad_scale();
   spec.options.max_grad_norm = request.max_grad_norm();
   spec.options.wait = request.wait();
+  spec.options.assume_finite = request.assume_finite();
   return spec;
 }
 

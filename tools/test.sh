@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 flags=()
 if [ ! -x /usr/local/cuda/bin/nvcc ]; then
   echo "== no CUDA toolkit at /usr/local/cuda: building the CPU backend only"
-  flags+=(--define=cuda=off)
+  flags+=(--define=cuda=off --build_tag_filters=-cuda)
 fi
 
 echo "== bazel test (GPU tests excluded)"

@@ -1,0 +1,504 @@
+// GPU tests of the CUDA backend (tag "gpu"): every layout and option against
+// the CPU reference backend on random data, through real CUDA IPC buffers
+// owned by another process (tests/ipc_trainer.h).
+//
+// Tolerance: none where clipping is off. The kernels follow the reference
+// operation by operation with IEEE fp32 division and square root and no FMA
+// contraction, and derive the step scalars with the same double arithmetic,
+// so parameters, masters and moments must be bit-identical. With clipping
+// the global norm is summed in another order on the GPU (per-block partials)
+// than on the CPU (per-task partials): the clip coefficient may differ in
+// its last bits, so those results are compared to 1e-6 relative.
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "client/shm_tensor.h"
+#include "core/cpu_backend.h"
+#include "core/session.h"
+#include "gtest/gtest.h"
+#include "kernels/adamw_cpu.h"
+#include "kernels/cuda_backend.h"
+#include "tests/ipc_trainer.h"
+
+namespace optimd {
+namespace {
+
+IpcTrainer* g_trainer = nullptr;
+uint32_t g_seed = 0;
+
+std::unique_ptr<SessionContext> Context(Backend* b, int device) {
+  std::string done;
+  auto c = b->OpenSession(device, "", &done);
+  EXPECT_TRUE(c.ok()) << c.status();
+  return *std::move(c);
+}
+
+struct TensorPlan {
+  std::string name;
+  uint64_t numel;
+  DType param, grad;
+  uint64_t param_off, grad_off;  // byte offsets in the group's buffers
+  bool keep_fp32 = false, frozen = false;
+};
+
+// One group registered twice: on the CPU backend over shared memory and on
+// the CUDA backend over IPC buffers of the trainer process.
+class Twin {
+ public:
+  Twin(Backend* cpu, Backend* gpu, std::vector<TensorPlan> tensors,
+       GroupSpec spec, std::mt19937* rng)
+      : tensors_(std::move(tensors)), spec_(std::move(spec)), rng_(rng) {
+    for (const TensorPlan& t : tensors_) {
+      pbytes_ = std::max(pbytes_, t.param_off + t.numel * DTypeSize(t.param));
+      gbytes_ = std::max(gbytes_, t.grad_off + t.numel * DTypeSize(t.grad));
+    }
+    pbytes_ += 64;
+    gbytes_ += 64;
+    cpu_params_ = *SharedMemoryRegion::Create(pbytes_);
+    cpu_grads_ = *SharedMemoryRegion::Create(gbytes_);
+    gpu_params_ = *g_trainer->Alloc(pbytes_);
+    gpu_grads_ = *g_trainer->Alloc(gbytes_);
+    FillParams();
+    cpu_session_ = std::make_unique<Session>(SessionIdentity{"cpu", 0, 1, -1},
+                                             cpu, &budget_, Context(cpu, -1));
+    gpu_session_ = std::make_unique<Session>(SessionIdentity{"gpu", 0, 1, 0},
+                                             gpu, &budget_, Context(gpu, 0));
+    status_ = Register();
+  }
+
+  absl::Status status() const { return status_; }
+
+  // Fresh random gradients (optionally one non-finite element).
+  void FillGrads(bool poison) {
+    uint8_t* g = cpu_grads_->data();
+    std::normal_distribution<float> normal(0.f, 1.f);
+    for (const TensorPlan& t : tensors_) {
+      for (uint64_t i = 0; i < t.numel; ++i) Store(t.grad, g + t.grad_off, i, normal(*rng_));
+    }
+    if (poison) {
+      for (const TensorPlan& t : tensors_) {
+        if (t.numel > 0 && !t.frozen) {
+          Store(t.grad, g + t.grad_off, t.numel / 2, NAN);
+          break;
+        }
+      }
+    }
+    std::memcpy(g_trainer->staging(), g, gbytes_);
+    EXPECT_TRUE(g_trainer->Upload(gpu_grads_.id, 0, gbytes_, 0).ok());
+  }
+
+  void Step(const StepRequestSpec& spec, bool exact) {
+    StepRequestSpec gspec = spec;
+    gspec.options.wait = true;
+    auto c = cpu_session_->Step(spec);
+    auto g = gpu_session_->Step(gspec);
+    ASSERT_TRUE(c.ok()) << c.status();
+    ASSERT_TRUE(g.ok()) << g.status();
+    ASSERT_TRUE(g->outcome.current);
+    EXPECT_EQ(c->outcome.skipped, g->outcome.skipped);
+    if (!c->outcome.skipped) {
+      EXPECT_NEAR(c->outcome.grad_norm, g->outcome.grad_norm,
+                  1e-12 * c->outcome.grad_norm);
+    }
+    for (size_t i = 0; i < c->group_steps.size(); ++i) {
+      EXPECT_EQ(c->group_steps[i].second, g->group_steps[i].second);
+    }
+    Compare(exact);
+  }
+
+  void Compare(bool exact) {
+    // Parameters in the trainer's buffers.
+    ASSERT_TRUE(g_trainer->Download(gpu_params_.id, 0, pbytes_, 0).ok());
+    for (const TensorPlan& t : tensors_) {
+      const uint8_t* a = cpu_params_->data() + t.param_off;
+      const uint8_t* b = g_trainer->staging() + t.param_off;
+      CompareBytes(t.name + " param", t.param, a, b, t.numel, exact);
+    }
+    // Masters and moments.
+    auto cs = cpu_session_->ReadState({});
+    auto gs = gpu_session_->ReadState({});
+    ASSERT_TRUE(cs.ok() && gs.ok());
+    ASSERT_EQ(cs->size(), gs->size());
+    for (size_t g = 0; g < cs->size(); ++g) {
+      const auto& ct = (*cs)[g].tensors;
+      const auto& gt = (*gs)[g].tensors;
+      ASSERT_EQ(ct.size(), gt.size());
+      EXPECT_EQ((*cs)[g].step, (*gs)[g].step);
+      for (size_t i = 0; i < ct.size(); ++i) {
+        ASSERT_EQ(ct[i].kind, gt[i].kind);
+        CompareBytes(ct[i].tensor + " " + ct[i].kind, ct[i].dtype,
+                     reinterpret_cast<const uint8_t*>(ct[i].data.data()),
+                     reinterpret_cast<const uint8_t*>(gt[i].data.data()),
+                     ct[i].numel, exact);
+      }
+    }
+  }
+
+ private:
+  static void Store(DType d, uint8_t* base, uint64_t i, float v) {
+    switch (d) {
+      case DType::kFloat32:
+        reinterpret_cast<float*>(base)[i] = v;
+        break;
+      case DType::kBFloat16:
+        reinterpret_cast<uint16_t*>(base)[i] = FloatToBFloat16(v);
+        break;
+      case DType::kFloat16:
+        reinterpret_cast<uint16_t*>(base)[i] = FloatToHalf(v);
+        break;
+    }
+  }
+  static float Load(DType d, const uint8_t* base, uint64_t i) {
+    switch (d) {
+      case DType::kFloat32:
+        return reinterpret_cast<const float*>(base)[i];
+      case DType::kBFloat16:
+        return BFloat16ToFloat(reinterpret_cast<const uint16_t*>(base)[i]);
+      case DType::kFloat16:
+        return HalfToFloat(reinterpret_cast<const uint16_t*>(base)[i]);
+    }
+    return 0;
+  }
+
+  void CompareBytes(const std::string& what, DType d, const uint8_t* a,
+                    const uint8_t* b, uint64_t n, bool exact) {
+    if (exact) {
+      const uint64_t bytes = n * DTypeSize(d);
+      if (std::memcmp(a, b, bytes) == 0) return;
+      for (uint64_t i = 0; i < n; ++i) {
+        if (std::memcmp(a + i * DTypeSize(d), b + i * DTypeSize(d),
+                        DTypeSize(d)) != 0) {
+          ADD_FAILURE() << what << " differs at element " << i << " of " << n
+                        << ": cpu " << Load(d, a, i) << " gpu "
+                        << Load(d, b, i) << " (seed " << g_seed << ")";
+          return;
+        }
+      }
+    }
+    double scale = 0, err = 0;
+    for (uint64_t i = 0; i < n; ++i) {
+      scale = std::max(scale, std::fabs(double(Load(d, a, i))));
+      err = std::max(err, std::fabs(double(Load(d, a, i)) - Load(d, b, i)));
+    }
+    // One ulp of the low-precision dtypes where the clip coefficient moved
+    // a value across a rounding boundary.
+    const double tol = d == DType::kFloat32 ? 1e-6 : 1e-2;
+    EXPECT_LE(err, tol * scale) << what << " (seed " << g_seed << ")";
+  }
+
+  void FillParams() {
+    std::normal_distribution<float> normal(0.f, 1.f);
+    for (const TensorPlan& t : tensors_) {
+      for (uint64_t i = 0; i < t.numel; ++i) {
+        Store(t.param, cpu_params_->data() + t.param_off, i, normal(*rng_));
+      }
+    }
+    std::memcpy(g_trainer->staging(), cpu_params_->data(), pbytes_);
+    EXPECT_TRUE(g_trainer->Upload(gpu_params_.id, 0, pbytes_, 0).ok());
+  }
+
+  absl::Status Register() {
+    GroupSpec cpu_spec = spec_, gpu_spec = spec_;
+    for (const TensorPlan& t : tensors_) {
+      TensorSpec ts;
+      ts.name = t.name;
+      ts.numel = t.numel;
+      ts.param_dtype = t.param;
+      ts.grad_dtype = t.grad;
+      ts.param_dtype_set = ts.grad_dtype_set = true;
+      ts.keep_fp32 = t.keep_fp32;
+      ts.frozen = t.frozen;
+      TensorSpec c = ts, g = ts;
+      if (t.numel > 0) {
+        c.param.kind = BufferHandle::Kind::kSharedMemory;
+        c.param.segment_name = cpu_params_->name();
+        c.param.offset = t.param_off;
+        c.param.size = t.numel * DTypeSize(t.param);
+        g.param.kind = BufferHandle::Kind::kCudaIpc;
+        g.param.ipc_handle = gpu_params_.ipc_handle;
+        g.param.device = 0;
+        g.param.offset = t.param_off;
+        g.param.size = c.param.size;
+        if (!t.frozen) {
+          c.grad = c.param;
+          c.grad.segment_name = cpu_grads_->name();
+          c.grad.offset = t.grad_off;
+          c.grad.size = t.numel * DTypeSize(t.grad);
+          g.grad = g.param;
+          g.grad.ipc_handle = gpu_grads_.ipc_handle;
+          g.grad.offset = t.grad_off;
+          g.grad.size = c.grad.size;
+        }
+      }
+      cpu_spec.tensors.push_back(c);
+      gpu_spec.tensors.push_back(g);
+    }
+    auto a = cpu_session_->RegisterGroup(cpu_spec);
+    if (!a.ok()) return a.status();
+    auto b = gpu_session_->RegisterGroup(gpu_spec);
+    if (!b.ok()) return b.status();
+    return absl::OkStatus();
+  }
+
+  std::vector<TensorPlan> tensors_;
+  GroupSpec spec_;
+  std::mt19937* rng_;
+  StateBudget budget_{0};
+  uint64_t pbytes_ = 0, gbytes_ = 0;
+  std::unique_ptr<SharedMemoryRegion> cpu_params_, cpu_grads_;
+  IpcTrainer::Allocation gpu_params_, gpu_grads_;
+  std::unique_ptr<Session> cpu_session_, gpu_session_;
+  absl::Status status_;
+};
+
+class CudaBackendTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto g = CreateCudaBackend(0, CudaBackendOptions{4096, 4});
+    ASSERT_TRUE(g.ok()) << g.status();
+    gpu_ = *std::move(g);
+    cpu_ = std::make_unique<CpuBackend>(CpuBackend::Options{4, 4096});
+    rng_.seed(g_seed + ::testing::UnitTest::GetInstance()->random_seed());
+  }
+
+  // Tensors of random sizes (0, 1, odd, several chunks) at aligned and
+  // unaligned offsets, all with the given dtypes.
+  std::vector<TensorPlan> RandomTensors(DType param, DType grad, int count) {
+    static const uint64_t kSizes[] = {0, 1, 3, 7, 33, 1000, 4099, 9000, 70001};
+    std::vector<TensorPlan> out;
+    uint64_t poff = 0, goff = 0;
+    for (int i = 0; i < count; ++i) {
+      TensorPlan t;
+      t.name = "t" + std::to_string(i);
+      t.numel = kSizes[rng_() % 9];
+      t.param = param;
+      t.grad = grad;
+      // Every other tensor starts one element past a 16-byte boundary.
+      const uint64_t skew = (i % 2) ? 1 : 0;
+      t.param_off = (poff + 15) / 16 * 16 + skew * DTypeSize(param);
+      t.grad_off = (goff + 15) / 16 * 16 + skew * DTypeSize(grad);
+      poff = t.param_off + t.numel * DTypeSize(param);
+      goff = t.grad_off + t.numel * DTypeSize(grad);
+      out.push_back(t);
+    }
+    return out;
+  }
+
+  std::unique_ptr<Backend> gpu_;
+  std::unique_ptr<Backend> cpu_;
+  std::mt19937 rng_;
+};
+
+TEST_F(CudaBackendTest, EveryLayoutMatchesTheCpuReferenceBitForBit) {
+  struct P {
+    DType param;
+    MasterRequest master;
+  } params[] = {{DType::kFloat32, MasterRequest::kNone},
+                {DType::kFloat32, MasterRequest::kFp32},
+                {DType::kBFloat16, MasterRequest::kFp32},
+                {DType::kBFloat16, MasterRequest::kRemainder},
+                {DType::kFloat16, MasterRequest::kFp32}};
+  const DType grads[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
+  const DType moments[] = {DType::kFloat32, DType::kBFloat16};
+  int combo = 0;
+  for (const P& p : params) {
+    for (DType g : grads) {
+      for (DType m : moments) {
+        ++combo;
+        GroupSpec spec;
+        spec.id = "g";
+        spec.master = p.master;
+        spec.moment_dtype = m;
+        spec.hyper.lr = 1e-2;
+        spec.hyper.amsgrad = combo % 2;
+        spec.hyper.adamw = (combo / 2) % 2 == 0;
+        spec.hyper.maximize = (combo / 3) % 2;
+        spec.hyper.bias_correction = combo % 5 != 0;
+        spec.hyper.weight_decay = combo % 3 ? 0.01 : 0.0;
+        SCOPED_TRACE(::testing::Message()
+                     << "param " << DTypeName(p.param) << " master "
+                     << int(p.master) << " grad " << DTypeName(g)
+                     << " moments " << DTypeName(m) << " amsgrad "
+                     << spec.hyper.amsgrad << " adamw " << spec.hyper.adamw);
+        Twin twin(cpu_.get(), gpu_.get(), RandomTensors(p.param, g, 6), spec,
+                  &rng_);
+        ASSERT_TRUE(twin.status().ok()) << twin.status();
+        for (int step = 1; step <= 4; ++step) {
+          twin.FillGrads(/*poison=*/step == 3);
+          StepRequestSpec s;
+          s.options.grad_scale = step == 2 ? 128.0 : 1.0;
+          twin.Step(s, /*exact=*/true);
+        }
+      }
+    }
+  }
+}
+
+TEST_F(CudaBackendTest, MixedGroupWithKeepFp32FrozenAndEmpty) {
+  std::vector<TensorPlan> ts = RandomTensors(DType::kBFloat16, DType::kBFloat16, 5);
+  TensorPlan norm{"norm", 777, DType::kFloat32, DType::kFloat32, 0, 0, true};
+  TensorPlan frozen{"frozen", 100, DType::kBFloat16, DType::kBFloat16, 0, 0,
+                    false, true};
+  TensorPlan empty{"empty", 0, DType::kFloat32, DType::kFloat32, 0, 0};
+  uint64_t poff = 1 << 20, goff = 1 << 20;
+  for (TensorPlan* t : {&norm, &frozen, &empty}) {
+    t->param_off = poff;
+    t->grad_off = goff;
+    poff += 8192;
+    goff += 8192;
+    ts.push_back(*t);
+  }
+  GroupSpec spec;
+  spec.id = "mixed";
+  spec.hyper.lr = 3e-3;
+  Twin twin(cpu_.get(), gpu_.get(), ts, spec, &rng_);
+  ASSERT_TRUE(twin.status().ok()) << twin.status();
+  for (int step = 0; step < 5; ++step) {
+    twin.FillGrads(false);
+    twin.Step(StepRequestSpec(), true);
+  }
+}
+
+TEST_F(CudaBackendTest, ClippingAndLrOverrides) {
+  GroupSpec spec;
+  spec.id = "g";
+  spec.hyper.lr = 1e-2;
+  Twin twin(cpu_.get(), gpu_.get(),
+            RandomTensors(DType::kFloat32, DType::kFloat32, 8), spec, &rng_);
+  ASSERT_TRUE(twin.status().ok()) << twin.status();
+  for (int step = 0; step < 10; ++step) {
+    twin.FillGrads(false);
+    StepRequestSpec s;
+    s.options.max_grad_norm = step % 2 ? 1.0 : 1e6;
+    s.lr_overrides = {{"g", 1e-2 * (step + 1)}};
+    twin.Step(s, /*exact=*/false);
+  }
+}
+
+TEST_F(CudaBackendTest, BadHandlesAreInvalidArgumentAndHarmless) {
+  auto alloc = *g_trainer->Alloc(4096);
+  BufferHandle h;
+  h.kind = BufferHandle::Kind::kCudaIpc;
+  h.ipc_handle = alloc.ipc_handle;
+  h.device = 0;
+  h.size = 1024;
+  EXPECT_TRUE(gpu_->ResolveBuffer(h, 4, "ok").ok());
+  BufferHandle garbage = h;
+  garbage.ipc_handle = std::string(64, '\x5a');
+  EXPECT_EQ(gpu_->ResolveBuffer(garbage, 4, "w").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  BufferHandle other_gpu = h;
+  other_gpu.device = 1;
+  EXPECT_EQ(gpu_->ResolveBuffer(other_gpu, 4, "w").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  BufferHandle short_handle = h;
+  short_handle.ipc_handle = "abc";
+  EXPECT_EQ(gpu_->ResolveBuffer(short_handle, 4, "w").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  BufferHandle past = h;
+  past.offset = 1 << 20;
+  EXPECT_EQ(gpu_->ResolveBuffer(past, 4, "w").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  BufferHandle shm = h;
+  shm.kind = BufferHandle::Kind::kSharedMemory;
+  EXPECT_EQ(gpu_->ResolveBuffer(shm, 4, "w").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  std::string done;
+  EXPECT_EQ(gpu_->OpenSession(0, std::string(64, '\x11'), &done).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // Still healthy: a valid handle resolves, from the cache.
+  EXPECT_TRUE(gpu_->ResolveBuffer(h, 4, "ok").ok());
+}
+
+TEST_F(CudaBackendTest, AsynchronousStepsReportTheLastCompletedStep) {
+  GroupSpec spec;
+  spec.id = "g";
+  Twin twin(cpu_.get(), gpu_.get(),
+            RandomTensors(DType::kFloat32, DType::kFloat32, 4), spec, &rng_);
+  ASSERT_TRUE(twin.status().ok());
+  twin.FillGrads(false);
+  twin.Step(StepRequestSpec(), true);
+}
+
+// A tensor of more than 2^31 elements: 64-bit indexing end to end. The
+// inputs are zero except for windows around 2^31 and at the end, which are
+// random; those windows are checked against the reference computed on the
+// host for the same elements.
+TEST_F(CudaBackendTest, TensorOver2To31Elements) {
+  const uint64_t n = (uint64_t{1} << 31) + 37;
+  auto params = g_trainer->Alloc(n * 2);
+  auto grads = g_trainer->Alloc(n * 2);
+  ASSERT_TRUE(params.ok() && grads.ok());
+  const uint64_t windows[] = {0, (uint64_t{1} << 31) - 64, n - 128};
+  const uint64_t w = 128;
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<uint16_t> p0(3 * w), g0(3 * w);
+  for (int k = 0; k < 3; ++k) {
+    for (uint64_t i = 0; i < w; ++i) {
+      p0[k * w + i] = FloatToBFloat16(normal(rng_));
+      g0[k * w + i] = FloatToBFloat16(normal(rng_));
+    }
+    std::memcpy(g_trainer->staging(), &p0[k * w], w * 2);
+    ASSERT_TRUE(g_trainer->Upload(params->id, windows[k] * 2, w * 2, 0).ok());
+    std::memcpy(g_trainer->staging(), &g0[k * w], w * 2);
+    ASSERT_TRUE(g_trainer->Upload(grads->id, windows[k] * 2, w * 2, 0).ok());
+  }
+  StateBudget budget(0);
+  Session s(SessionIdentity{"big", 0, 1, 0}, gpu_.get(), &budget,
+            Context(gpu_.get(), 0));
+  GroupSpec spec;
+  spec.id = "big";
+  spec.master = MasterRequest::kRemainder;
+  spec.moment_dtype = DType::kBFloat16;
+  TensorSpec t;
+  t.name = "huge";
+  t.numel = n;
+  t.param_dtype = t.grad_dtype = DType::kBFloat16;
+  t.param_dtype_set = t.grad_dtype_set = true;
+  t.param.kind = t.grad.kind = BufferHandle::Kind::kCudaIpc;
+  t.param.device = t.grad.device = 0;
+  t.param.ipc_handle = params->ipc_handle;
+  t.grad.ipc_handle = grads->ipc_handle;
+  t.param.size = t.grad.size = n * 2;
+  spec.tensors = {t};
+  auto reg = s.RegisterGroup(spec);
+  ASSERT_TRUE(reg.ok()) << reg.status();
+  StepRequestSpec step;
+  step.options.wait = true;
+  for (int i = 0; i < 2; ++i) ASSERT_TRUE(s.Step(step).ok());
+  // Reference for the windows.
+  Layout l{DType::kBFloat16, DType::kBFloat16, DType::kBFloat16,
+           MasterKind::kRemainder, false};
+  std::vector<int16_t> rem(3 * w, 0);
+  std::vector<uint16_t> m(3 * w, 0), v(3 * w, 0);
+  for (int i = 1; i <= 2; ++i) {
+    TensorPointers tp{p0.data(), g0.data(), rem.data(), m.data(), v.data(),
+                      nullptr};
+    AdamWStepRange(l, tp, 0, 3 * w, MakeStepScalars(spec.hyper, i, 1, 1));
+  }
+  for (int k = 0; k < 3; ++k) {
+    ASSERT_TRUE(g_trainer->Download(params->id, windows[k] * 2, w * 2, 0).ok());
+    EXPECT_EQ(std::memcmp(g_trainer->staging(), &p0[k * w], w * 2), 0)
+        << "window at element " << windows[k];
+  }
+}
+
+}  // namespace
+}  // namespace optimd
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  optimd::g_seed = std::random_device{}();
+  std::printf("seed %u\n", optimd::g_seed);
+  // Fork the trainer before this process touches CUDA.
+  auto trainer = optimd::IpcTrainer::Start(0, 64 << 20);
+  if (!trainer.ok()) {
+    std::fprintf(stderr, "%s\n", trainer.status().ToString().c_str());
+    return 1;
+  }
+  optimd::g_trainer = trainer->get();
+  const int rc = RUN_ALL_TESTS();
+  trainer->reset();
+  return rc;
+}
