@@ -57,52 +57,30 @@ __device__ __forceinline__ void Split(float p, uint16_t* hi_bits,
   *rem = r;
 }
 
-// Vector form: 4 consecutive elements per stream with one access each
-// (16 bytes for fp32 streams, 8 for 16-bit ones).
+// Eight consecutive elements per stream in 16-byte accesses (two for 4-byte
+// types, one for 2-byte types), with streaming cache hints: every byte is
+// read and written once per step, so nothing is worth keeping in L2.
 template <typename T>
-struct Vec4;
-template <>
-struct Vec4<float> {
-  using V = float4;
-  __device__ static void Unpack(const V& v, float* out) {
-    out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
+__device__ __forceinline__ void Load8(const void* base, uint64_t i, T* out) {
+  const uint4* p = reinterpret_cast<const uint4*>(static_cast<const T*>(base) + i);
+  constexpr int kVecs = sizeof(T) * 8 / 16;
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v) {
+    const uint4 x = __ldcs(p + v);
+    memcpy(reinterpret_cast<char*>(out) + 16 * v, &x, 16);
   }
-  __device__ static V Pack(const float* in) {
-    return make_float4(in[0], in[1], in[2], in[3]);
-  }
-};
-template <>
-struct Vec4<uint16_t> {
-  using V = ushort4;
-  __device__ static void Unpack(const V& v, uint16_t* out) {
-    out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
-  }
-  __device__ static V Pack(const uint16_t* in) {
-    return make_ushort4(in[0], in[1], in[2], in[3]);
-  }
-};
-template <>
-struct Vec4<int16_t> {
-  using V = short4;
-  __device__ static void Unpack(const V& v, int16_t* out) {
-    out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
-  }
-  __device__ static V Pack(const int16_t* in) {
-    return make_short4(in[0], in[1], in[2], in[3]);
-  }
-};
-
-template <typename T>
-__device__ __forceinline__ void Load4(const void* base, uint64_t i, T* out) {
-  using V = typename Vec4<T>::V;
-  Vec4<T>::Unpack(reinterpret_cast<const V*>(static_cast<const T*>(base) + i)[0],
-                  out);
 }
 
 template <typename T>
-__device__ __forceinline__ void Store4(void* base, uint64_t i, const T* in) {
-  using V = typename Vec4<T>::V;
-  reinterpret_cast<V*>(static_cast<T*>(base) + i)[0] = Vec4<T>::Pack(in);
+__device__ __forceinline__ void Store8(void* base, uint64_t i, const T* in) {
+  uint4* p = reinterpret_cast<uint4*>(static_cast<T*>(base) + i);
+  constexpr int kVecs = sizeof(T) * 8 / 16;
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v) {
+    uint4 x;
+    memcpy(&x, reinterpret_cast<const char*>(in) + 16 * v, 16);
+    __stcs(p + v, x);
+  }
 }
 
 // Sums session_sums in a fixed order: the same total in every block.
@@ -140,17 +118,17 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
     const auto* g = static_cast<const typename G::T*>(tensors[c.tensor].grad);
     uint64_t i = c.begin + threadIdx.x;
     if (c.vector) {
-      const uint64_t n4 = (c.end - c.begin) / 4;
-      for (uint64_t j = threadIdx.x; j < n4; j += blockDim.x) {
-        typename G::T v[4];
-        Load4(g, c.begin + 4 * j, v);
+      const uint64_t n8 = (c.end - c.begin) / 8;
+      for (uint64_t j = threadIdx.x; j < n8; j += blockDim.x) {
+        typename G::T v[8];
+        Load8(g, c.begin + 8 * j, v);
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
+        for (int q = 0; q < 8; ++q) {
           const double x = G::Load(v[q]);
           acc += x * x;
         }
       }
-      i = c.begin + 4 * n4 + threadIdx.x;
+      i = c.begin + 8 * n8 + threadIdx.x;
     }
     for (; i < c.end; i += blockDim.x) {
       const double x = G::Load(g[i]);
@@ -276,23 +254,23 @@ __device__ __forceinline__ void UpdateOne(const DeviceTensor& t, uint64_t i,
 }
 
 template <class P, class G, class M, MasterKind K, bool kAms, bool kAdamW>
-__device__ __forceinline__ void UpdateFour(const DeviceTensor& t, uint64_t i,
+__device__ __forceinline__ void UpdateEight(const DeviceTensor& t, uint64_t i,
                                            const Scalars& s) {
-  typename P::T pr[4];
-  typename G::T gr[4];
-  typename M::T mr[4], vr[4], xr[4];
-  float master[4];
-  int16_t rem[4];
+  typename P::T pr[8];
+  typename G::T gr[8];
+  typename M::T mr[8], vr[8], xr[8];
+  float master[8];
+  int16_t rem[8];
   // With an fp32 master the old parameter is never read.
-  if constexpr (K != MasterKind::kFp32) Load4(t.param, i, pr);
-  Load4(t.grad, i, gr);
-  Load4(t.exp_avg, i, mr);
-  Load4(t.exp_avg_sq, i, vr);
-  if constexpr (kAms) Load4(t.max_exp_avg_sq, i, xr);
-  if constexpr (K == MasterKind::kFp32) Load4(t.master, i, master);
-  if constexpr (K == MasterKind::kRemainder) Load4(t.master, i, rem);
+  if constexpr (K != MasterKind::kFp32) Load8(t.param, i, pr);
+  Load8(t.grad, i, gr);
+  Load8(t.exp_avg, i, mr);
+  Load8(t.exp_avg_sq, i, vr);
+  if constexpr (kAms) Load8(t.max_exp_avg_sq, i, xr);
+  if constexpr (K == MasterKind::kFp32) Load8(t.master, i, master);
+  if constexpr (K == MasterKind::kRemainder) Load8(t.master, i, rem);
 #pragma unroll
-  for (int k = 0; k < 4; ++k) {
+  for (int k = 0; k < 8; ++k) {
     float g = G::Load(gr[k]) * s.grad_mul;
     float p;
     if constexpr (K == MasterKind::kFp32) {
@@ -329,12 +307,12 @@ __device__ __forceinline__ void UpdateFour(const DeviceTensor& t, uint64_t i,
       pr[k] = P::Store(p);
     }
   }
-  Store4(t.param, i, pr);
-  Store4(t.exp_avg, i, mr);
-  Store4(t.exp_avg_sq, i, vr);
-  if constexpr (kAms) Store4(t.max_exp_avg_sq, i, xr);
-  if constexpr (K == MasterKind::kFp32) Store4(t.master, i, master);
-  if constexpr (K == MasterKind::kRemainder) Store4(t.master, i, rem);
+  Store8(t.param, i, pr);
+  Store8(t.exp_avg, i, mr);
+  Store8(t.exp_avg_sq, i, vr);
+  if constexpr (kAms) Store8(t.max_exp_avg_sq, i, xr);
+  if constexpr (K == MasterKind::kFp32) Store8(t.master, i, master);
+  if constexpr (K == MasterKind::kRemainder) Store8(t.master, i, rem);
 }
 
 template <class P, class G, class M, MasterKind K, bool kAms, bool kAdamW>
@@ -351,11 +329,11 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
     const DeviceTensor t = tensors[c.tensor];
     uint64_t i = c.begin + threadIdx.x;
     if (c.vector) {
-      const uint64_t n4 = (c.end - c.begin) / 4;
-      for (uint64_t j = threadIdx.x; j < n4; j += blockDim.x) {
-        UpdateFour<P, G, M, K, kAms, kAdamW>(t, c.begin + 4 * j, s);
+      const uint64_t n8 = (c.end - c.begin) / 8;
+      for (uint64_t j = threadIdx.x; j < n8; j += blockDim.x) {
+        UpdateEight<P, G, M, K, kAms, kAdamW>(t, c.begin + 8 * j, s);
       }
-      i = c.begin + 4 * n4 + threadIdx.x;
+      i = c.begin + 8 * n8 + threadIdx.x;
     }
     for (; i < c.end; i += blockDim.x) {
       UpdateOne<P, G, M, K, kAms, kAdamW>(t, i, s);

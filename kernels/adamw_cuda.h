@@ -41,9 +41,9 @@ struct DeviceTensor {
   void* max_exp_avg_sq;
 };
 
-// One block's work: elements [begin, end) of tensor `tensor`. `vector` is 1
-// when every stream of the tensor is aligned for 4-element vector accesses
-// at `begin` (16 bytes for fp32 streams).
+// Elements [begin, end) of tensor `tensor`. `vector` is 1 when every stream
+// of the tensor is 16-byte aligned at `begin`: the kernels then move 8
+// elements per stream with 16-byte accesses, and the tail one by one.
 struct DeviceChunk {
   uint32_t tensor;
   uint32_t vector;
@@ -93,7 +93,7 @@ struct DeviceScalars {
 };
 
 constexpr int kThreadsPerBlock = 256;
-constexpr int kElementsPerThread = 4;
+constexpr int kElementsPerThread = 8;
 
 // One partial sum per block: partials[b] for blocks[b].
 absl::Status LaunchGradSumSquares(DType grad_dtype, const DeviceBlock* blocks,

@@ -273,10 +273,10 @@ void CudaBackend::ComputeVectorFlags(DevicePlan& plan, uint32_t first,
         layout = &s.layout;
       }
     }
+    // The kernels access 8 elements of every stream with 16-byte loads.
     auto aligned = [&](const void* p, uint64_t esize) {
       if (p == nullptr) return true;
-      return (reinterpret_cast<uint64_t>(p) + chunk.begin * esize) %
-                 (4 * esize) == 0;
+      return (reinterpret_cast<uint64_t>(p) + chunk.begin * esize) % 16 == 0;
     };
     const uint64_t ps = DTypeSize(layout->param_dtype);
     const uint64_t gs = DTypeSize(layout->grad_dtype);

@@ -428,8 +428,9 @@ TEST_F(CudaBackendTest, AsynchronousStepsReportTheLastCompletedStep) {
 TEST_F(CudaBackendTest, TensorOver2To31Elements) {
   const uint64_t n = (uint64_t{1} << 31) + 37;
   auto params = g_trainer->Alloc(n * 2);
+  ASSERT_TRUE(params.ok()) << params.status();
   auto grads = g_trainer->Alloc(n * 2);
-  ASSERT_TRUE(params.ok() && grads.ok());
+  ASSERT_TRUE(grads.ok()) << grads.status();
   const uint64_t windows[] = {0, (uint64_t{1} << 31) - 64, n - 128};
   const uint64_t w = 128;
   std::normal_distribution<float> normal(0.f, 1.f);
@@ -440,9 +441,11 @@ TEST_F(CudaBackendTest, TensorOver2To31Elements) {
       g0[k * w + i] = FloatToBFloat16(normal(rng_));
     }
     std::memcpy(g_trainer->staging(), &p0[k * w], w * 2);
-    ASSERT_TRUE(g_trainer->Upload(params->id, windows[k] * 2, w * 2, 0).ok());
+    absl::Status up = g_trainer->Upload(params->id, windows[k] * 2, w * 2, 0);
+    ASSERT_TRUE(up.ok()) << up;
     std::memcpy(g_trainer->staging(), &g0[k * w], w * 2);
-    ASSERT_TRUE(g_trainer->Upload(grads->id, windows[k] * 2, w * 2, 0).ok());
+    up = g_trainer->Upload(grads->id, windows[k] * 2, w * 2, 0);
+    ASSERT_TRUE(up.ok()) << up;
   }
   StateBudget budget(0);
   Session s(SessionIdentity{"big", 0, 1, 0}, gpu_.get(), &budget,

@@ -62,7 +62,8 @@ bool WriteFull(int fd, const void* p, size_t n) {
         void* p = nullptr;
         rep.status = cudaMalloc(&p, req.bytes);
         if (rep.status == cudaSuccess) {
-          cudaMemset(p, 0, req.bytes);
+          rep.status = cudaMemset(p, 0, req.bytes);
+          if (rep.status != cudaSuccess) break;
           cudaIpcMemHandle_t h;
           rep.status = cudaIpcGetMemHandle(&h, p);
           std::memcpy(rep.handle, &h, sizeof(h));
