@@ -60,10 +60,10 @@ __device__ __forceinline__ void Split(float p, uint16_t* hi_bits,
 // Eight consecutive elements per stream in 16-byte accesses (two for 4-byte
 // types, one for 2-byte types), with streaming cache hints: every byte is
 // read and written once per step, so nothing is worth keeping in L2.
-template <typename T>
-__device__ __forceinline__ void Load8(const void* base, uint64_t i, T* out) {
+template <int N, typename T>
+__device__ __forceinline__ void LoadN(const void* base, uint64_t i, T* out) {
   const uint4* p = reinterpret_cast<const uint4*>(static_cast<const T*>(base) + i);
-  constexpr int kVecs = sizeof(T) * 8 / 16;
+  constexpr int kVecs = sizeof(T) * N / 16;
 #pragma unroll
   for (int v = 0; v < kVecs; ++v) {
     const uint4 x = __ldcs(p + v);
@@ -71,10 +71,10 @@ __device__ __forceinline__ void Load8(const void* base, uint64_t i, T* out) {
   }
 }
 
-template <typename T>
-__device__ __forceinline__ void Store8(void* base, uint64_t i, const T* in) {
+template <int N, typename T>
+__device__ __forceinline__ void StoreN(void* base, uint64_t i, const T* in) {
   uint4* p = reinterpret_cast<uint4*>(static_cast<T*>(base) + i);
-  constexpr int kVecs = sizeof(T) * 8 / 16;
+  constexpr int kVecs = sizeof(T) * N / 16;
 #pragma unroll
   for (int v = 0; v < kVecs; ++v) {
     uint4 x;
@@ -121,7 +121,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
       const uint64_t n8 = (c.end - c.begin) / 8;
       for (uint64_t j = threadIdx.x; j < n8; j += blockDim.x) {
         typename G::T v[8];
-        Load8(g, c.begin + 8 * j, v);
+        LoadN<8>(g, c.begin + 8 * j, v);
 #pragma unroll
         for (int q = 0; q < 8; ++q) {
           const double x = G::Load(v[q]);
@@ -253,24 +253,25 @@ __device__ __forceinline__ void UpdateOne(const DeviceTensor& t, uint64_t i,
   }
 }
 
-template <class P, class G, class M, MasterKind K, bool kAms, bool kAdamW>
-__device__ __forceinline__ void UpdateEight(const DeviceTensor& t, uint64_t i,
+template <int N, class P, class G, class M, MasterKind K, bool kAms,
+          bool kAdamW>
+__device__ __forceinline__ void UpdateN(const DeviceTensor& t, uint64_t i,
                                            const Scalars& s) {
-  typename P::T pr[8];
-  typename G::T gr[8];
-  typename M::T mr[8], vr[8], xr[8];
-  float master[8];
-  int16_t rem[8];
+  typename P::T pr[N];
+  typename G::T gr[N];
+  typename M::T mr[N], vr[N], xr[N];
+  float master[N];
+  int16_t rem[N];
   // With an fp32 master the old parameter is never read.
-  if constexpr (K != MasterKind::kFp32) Load8(t.param, i, pr);
-  Load8(t.grad, i, gr);
-  Load8(t.exp_avg, i, mr);
-  Load8(t.exp_avg_sq, i, vr);
-  if constexpr (kAms) Load8(t.max_exp_avg_sq, i, xr);
-  if constexpr (K == MasterKind::kFp32) Load8(t.master, i, master);
-  if constexpr (K == MasterKind::kRemainder) Load8(t.master, i, rem);
+  if constexpr (K != MasterKind::kFp32) LoadN<N>(t.param, i, pr);
+  LoadN<N>(t.grad, i, gr);
+  LoadN<N>(t.exp_avg, i, mr);
+  LoadN<N>(t.exp_avg_sq, i, vr);
+  if constexpr (kAms) LoadN<N>(t.max_exp_avg_sq, i, xr);
+  if constexpr (K == MasterKind::kFp32) LoadN<N>(t.master, i, master);
+  if constexpr (K == MasterKind::kRemainder) LoadN<N>(t.master, i, rem);
 #pragma unroll
-  for (int k = 0; k < 8; ++k) {
+  for (int k = 0; k < N; ++k) {
     float g = G::Load(gr[k]) * s.grad_mul;
     float p;
     if constexpr (K == MasterKind::kFp32) {
@@ -307,12 +308,12 @@ __device__ __forceinline__ void UpdateEight(const DeviceTensor& t, uint64_t i,
       pr[k] = P::Store(p);
     }
   }
-  Store8(t.param, i, pr);
-  Store8(t.exp_avg, i, mr);
-  Store8(t.exp_avg_sq, i, vr);
-  if constexpr (kAms) Store8(t.max_exp_avg_sq, i, xr);
-  if constexpr (K == MasterKind::kFp32) Store8(t.master, i, master);
-  if constexpr (K == MasterKind::kRemainder) Store8(t.master, i, rem);
+  StoreN<N>(t.param, i, pr);
+  StoreN<N>(t.exp_avg, i, mr);
+  StoreN<N>(t.exp_avg_sq, i, vr);
+  if constexpr (kAms) StoreN<N>(t.max_exp_avg_sq, i, xr);
+  if constexpr (K == MasterKind::kFp32) StoreN<N>(t.master, i, master);
+  if constexpr (K == MasterKind::kRemainder) StoreN<N>(t.master, i, rem);
 }
 
 template <class P, class G, class M, MasterKind K, bool kAms, bool kAdamW>
@@ -329,11 +330,15 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
     const DeviceTensor t = tensors[c.tensor];
     uint64_t i = c.begin + threadIdx.x;
     if (c.vector) {
-      const uint64_t n8 = (c.end - c.begin) / 8;
-      for (uint64_t j = threadIdx.x; j < n8; j += blockDim.x) {
-        UpdateEight<P, G, M, K, kAms, kAdamW>(t, c.begin + 8 * j, s);
+      // 16 elements per thread where every stream is 16-bit or less wide
+      // in total (bf16 moments): 16-byte accesses and enough bytes in
+      // flight; 8 otherwise.
+      constexpr int kN = sizeof(typename M::T) == 2 ? 16 : 8;
+      const uint64_t nv = (c.end - c.begin) / kN;
+      for (uint64_t j = threadIdx.x; j < nv; j += blockDim.x) {
+        UpdateN<kN, P, G, M, K, kAms, kAdamW>(t, c.begin + kN * j, s);
       }
-      i = c.begin + 8 * n8 + threadIdx.x;
+      i = c.begin + kN * nv + threadIdx.x;
     }
     for (; i < c.end; i += blockDim.x) {
       UpdateOne<P, G, M, K, kAms, kAdamW>(t, i, s);

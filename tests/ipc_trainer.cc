@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstring>
 #include <vector>
 
@@ -86,6 +87,15 @@ bool WriteFull(int fd, const void* p, size_t n) {
       case kExit:
         WriteFull(fd, &rep, sizeof(rep));
         _exit(0);
+    }
+    if (rep.status != cudaSuccess) {
+      std::fprintf(stderr,
+                   "ipc_trainer: op %u id %d offset %llu bytes %llu staging "
+                   "%llu: %s\n",
+                   req.op, req.id, (unsigned long long)req.offset,
+                   (unsigned long long)req.bytes,
+                   (unsigned long long)req.staging_offset,
+                   cudaGetErrorName(static_cast<cudaError_t>(rep.status)));
     }
     if (!WriteFull(fd, &rep, sizeof(rep))) break;
   }
