@@ -316,8 +316,10 @@ __device__ __forceinline__ void UpdateN(const DeviceTensor& t, uint64_t i,
   if constexpr (K == MasterKind::kRemainder) StoreN<N>(t.master, i, rem);
 }
 
+// At most 64 registers a thread: four resident blocks per multiprocessor,
+// enough bytes in flight to keep HBM busy.
 template <class P, class G, class M, MasterKind K, bool kAms, bool kAdamW>
-__global__ void __launch_bounds__(kThreadsPerBlock)
+__global__ void __launch_bounds__(kThreadsPerBlock, 4)
     AdamWKernel(const DeviceBlock* __restrict__ blocks,
                 const DeviceChunk* __restrict__ chunks,
                 const DeviceTensor* __restrict__ tensors,
@@ -330,10 +332,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
     const DeviceTensor t = tensors[c.tensor];
     uint64_t i = c.begin + threadIdx.x;
     if (c.vector) {
-      // 16 elements per thread where every stream is 16-bit or less wide
-      // in total (bf16 moments): 16-byte accesses and enough bytes in
-      // flight; 8 otherwise.
-      constexpr int kN = sizeof(typename M::T) == 2 ? 16 : 8;
+      // 8 elements per stream per thread: one or two 16-byte accesses. (16
+      // for 16-bit layouts measured slower on the H200: bench/RESULTS.md.)
+      constexpr int kN = 8;
       const uint64_t nv = (c.end - c.begin) / kN;
       for (uint64_t j = threadIdx.x; j < nv; j += blockDim.x) {
         UpdateN<kN, P, G, M, K, kAms, kAdamW>(t, c.begin + kN * j, s);

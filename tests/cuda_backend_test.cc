@@ -426,7 +426,7 @@ TEST_F(CudaBackendTest, AsynchronousStepsReportTheLastCompletedStep) {
 // random; those windows are checked against the reference computed on the
 // host for the same elements.
 TEST_F(CudaBackendTest, TensorOver2To31Elements) {
-  const uint64_t n = (uint64_t{1} << 31) + 37;
+  const uint64_t n = (uint64_t{1} << 31) + 300;
   auto params = g_trainer->Alloc(n * 2);
   ASSERT_TRUE(params.ok()) << params.status();
   auto grads = g_trainer->Alloc(n * 2);

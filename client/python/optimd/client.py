@@ -68,10 +68,10 @@ class Client:
 
     # Sessions.
     def create_session(self, job_id, rank=0, world_size=1, device=-1,
-                       resume=False):
+                       resume=False, ready_event=b""):
         reply = self._call("CreateSession", pb.CreateSessionRequest(
             job_id=job_id, rank=rank, world_size=world_size, device=device,
-            resume=resume))
+            resume=resume, ready_event=ready_event))
         self.token = reply.session_token
         self.backend = reply.backend
         return reply
@@ -94,9 +94,10 @@ class Client:
 
     # Steps and state.
     def step(self, step=0, lr_overrides=None, grad_scale=0.0,
-             max_grad_norm=0.0):
+             max_grad_norm=0.0, wait=False, assume_finite=False):
         request = pb.StepRequest(step=step, grad_scale=grad_scale,
-                                 max_grad_norm=max_grad_norm)
+                                 max_grad_norm=max_grad_norm, wait=wait,
+                                 assume_finite=assume_finite)
         for group_id, lr in (lr_overrides or {}).items():
             request.overrides.add(group_id=group_id, lr=lr)
         return self._call("Step", request)

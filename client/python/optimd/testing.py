@@ -20,6 +20,9 @@ def find_binary():
     if env:
         return env
     here = os.path.dirname(os.path.abspath(__file__))
+    bundled = os.path.join(here, "..", "..", "..", ".gpu", "optimd")
+    if os.path.exists(bundled) and os.environ.get("OPTIMD_USE_BUNDLE"):
+        return os.path.abspath(bundled)
     candidate = os.path.join(here, "..", "..", "..", "bazel-bin", "server",
                              "optimd")
     if os.path.exists(candidate):

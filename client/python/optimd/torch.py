@@ -181,13 +181,30 @@ class AdamW(torch.optim.Optimizer):
         self._keep_fp32 = {id(p) for p in keep_fp32}
         self.skipped = False
         self.grad_norm = None
+        # CUDA: wait for each step on the daemon to report its own norm and
+        # skipped flag (a host sync); otherwise they are of the last
+        # completed step.
+        self.wait_for_step = False
         self._device = self._check_devices()
         self._client = Client(address, timeout=timeout)
         job = job_id or "%s-%d" % (socket.gethostname(), os.getpid())
+        self._ready_event = self._done_event = None
+        ready_handle = b""
+        if self._device.type == "cuda":
+            # The trainer records `ready` after backward; the daemon's stream
+            # waits on it. The daemon records `done` after the step; our
+            # stream waits on it before the next forward. No host sync.
+            with torch.cuda.device(self._device):
+                self._ready_event = torch.cuda.Event(interprocess=True)
+                self._ready_event.record()
+                ready_handle = bytes(self._ready_event.ipc_handle())
         reply = self._client.create_session(
             job, rank=rank, world_size=world_size,
             device=-1 if self._device.type == "cpu" else self._device.index,
-            resume=resume)
+            resume=resume, ready_event=ready_handle)
+        if reply.done_event:
+            self._done_event = torch.cuda.Event.from_ipc_handle(
+                self._device, reply.done_event)
         self.resumed = reply.resumed
         registered = set(reply.group_ids)
         self._ready = True
@@ -227,11 +244,6 @@ class AdamW(torch.optim.Optimizer):
         if device.type not in ("cpu", "cuda"):
             raise ValueError("optimd.torch.AdamW supports CPU and CUDA "
                              "parameters, not %s" % device)
-        if device.type == "cuda":
-            raise NotImplementedError(
-                "CUDA parameters need the daemon's CUDA backend, which this "
-                "client version does not drive yet; keep parameters on the "
-                "CPU")
         return device
 
     def add_param_group(self, param_group):
@@ -302,8 +314,12 @@ class AdamW(torch.optim.Optimizer):
             if not s.frozen:
                 g_bytes += nbytes
             slots.append((s, offsets))
-        seg_p = SharedSegment(max(p_bytes, 64))
-        seg_g = SharedSegment(max(g_bytes, 64))
+        if self._device.type == "cuda":
+            seg_p = _CudaSegment(max(p_bytes, 64), self._device)
+            seg_g = _CudaSegment(max(g_bytes, 64), self._device)
+        else:
+            seg_p = SharedSegment(max(p_bytes, 64))
+            seg_g = SharedSegment(max(g_bytes, 64))
         for s, (p_off, g_off) in slots:
             p = s.param
             s.pview = seg_p.tensor(p_off, s.numel, p.dtype).view(p.shape)
@@ -404,10 +420,15 @@ class AdamW(torch.optim.Optimizer):
         self._sync_buffers()
         overrides = {g["id"]: float(group["lr"])
                      for g, group in zip(self._groups, self.param_groups)}
+        if self._ready_event is not None:
+            self._ready_event.record()
         reply = self._client.step(
             lr_overrides=overrides,
             grad_scale=float(self.grad_scale or 0.0),
-            max_grad_norm=float(self.max_grad_norm or 0.0))
+            max_grad_norm=float(self.max_grad_norm or 0.0),
+            wait=self.wait_for_step)
+        if self._done_event is not None:
+            self._done_event.wait()
         self.skipped = reply.skipped
         self.grad_norm = reply.grad_norm
         self.state.invalidate()
@@ -438,7 +459,8 @@ class AdamW(torch.optim.Optimizer):
                     continue
                 entry = {"step": torch.tensor(float(gs.step))}
                 for kind, t in blobs.get(s.name, {}).items():
-                    value = _blob_tensor(t).view(s.param.shape)
+                    value = _blob_tensor(t).view(s.param.shape).to(
+                        s.param.device)
                     if kind == "master":
                         # fp32 parameters need no master in torch's format.
                         if s.param.dtype == torch.float32:
@@ -518,6 +540,27 @@ class AdamW(torch.optim.Optimizer):
     def __getstate__(self):
         raise TypeError("optimd.torch.AdamW holds a daemon session and "
                         "cannot be pickled; save state_dict() instead")
+
+
+class _CudaSegment:
+    """A flat CUDA buffer shared with the daemon by CUDA IPC."""
+
+    def __init__(self, nbytes, device):
+        from optimd import cuda_ipc
+        self.buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self.device = device
+        self.ipc_handle, self.base_offset = cuda_ipc.mem_handle(self.buffer)
+
+    def tensor(self, offset, numel, dtype):
+        if numel == 0:
+            return torch.empty(0, dtype=dtype, device=self.device)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        return self.buffer.narrow(0, offset, nbytes).view(dtype)
+
+    def handle(self, offset, nbytes):
+        return pb.BufferHandle(cuda_ipc=pb.CudaIpcBuffer(
+            ipc_handle=self.ipc_handle, device=self.device.index or 0,
+            offset=self.base_offset + offset, size=nbytes))
 
 
 def _offsets(group):

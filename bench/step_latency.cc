@@ -1,0 +1,94 @@
+// Step round trip over the daemon's Unix socket for a trivial group (one
+// tensor of 16 elements): p50 and p99 of the client-observed latency.
+//
+//   bazel-bin/bench/step_latency --target=unix:/path [--device=-1|0]
+//
+// --device=-1 uses shared memory (CPU backend); --device=N CUDA IPC buffers
+// of a forked trainer process (CUDA backend).
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "client/client.h"
+#include "client/shm_tensor.h"
+#include "tests/ipc_trainer.h"
+
+ABSL_FLAG(std::string, target, "", "Daemon address.");
+ABSL_FLAG(int, device, -1, "-1: CPU backend; N: CUDA device N.");
+ABSL_FLAG(int, steps, 2000, "Timed steps.");
+ABSL_FLAG(bool, wait, false, "StepRequest.wait (CUDA).");
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  const int device = absl::GetFlag(FLAGS_device);
+  std::unique_ptr<optimd::IpcTrainer> trainer;
+  if (device >= 0) {
+    auto t = optimd::IpcTrainer::Start(device, 4096);
+    if (!t.ok()) return 1;
+    trainer = *std::move(t);
+  }
+  auto client = optimd::Client::Create(absl::GetFlag(FLAGS_target));
+  if (!client.ok()) {
+    std::fprintf(stderr, "%s\n", client.status().ToString().c_str());
+    return 1;
+  }
+  optimd::v1::CreateSessionRequest cs;
+  cs.set_job_id("latency");
+  cs.set_world_size(1);
+  cs.set_device(device);
+  if (auto s = (*client)->CreateSession(cs); !s.ok()) {
+    std::fprintf(stderr, "%s\n", s.status().ToString().c_str());
+    return 1;
+  }
+  optimd::v1::RegisterGroupRequest rg;
+  rg.set_group_id("g");
+  rg.mutable_hyperparameters()->set_lr(1e-3);
+  auto* t = rg.add_tensors();
+  t->set_name("w");
+  t->set_numel(16);
+  t->set_param_dtype(optimd::v1::DTYPE_FLOAT32);
+  t->set_grad_dtype(optimd::v1::DTYPE_FLOAT32);
+  std::unique_ptr<optimd::SharedMemoryRegion> shm;
+  if (device < 0) {
+    shm = *optimd::SharedMemoryRegion::Create(4096);
+    *t->mutable_param() = shm->Handle(0, 64);
+    *t->mutable_grad() = shm->Handle(1024, 64);
+  } else {
+    auto p = trainer->Alloc(4096);
+    auto* ipc = t->mutable_param()->mutable_cuda_ipc();
+    ipc->set_ipc_handle(p->ipc_handle);
+    ipc->set_device(device);
+    ipc->set_size(64);
+    auto* gipc = t->mutable_grad()->mutable_cuda_ipc();
+    *gipc = *ipc;
+    gipc->set_offset(1024);
+  }
+  if (auto r = (*client)->RegisterGroup(rg); !r.ok()) {
+    std::fprintf(stderr, "%s\n", r.status().ToString().c_str());
+    return 1;
+  }
+  optimd::v1::StepRequest sr;
+  sr.set_wait(absl::GetFlag(FLAGS_wait));
+  std::vector<double> us;
+  for (int i = 0; i < 200 + absl::GetFlag(FLAGS_steps); ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto r = (*client)->Step(sr);
+    const auto t1 = std::chrono::steady_clock::now();
+    if (!r.ok()) {
+      std::fprintf(stderr, "%s\n", r.status().ToString().c_str());
+      return 1;
+    }
+    if (i >= 200) us.push_back(std::chrono::duration<double>(t1 - t0).count() * 1e6);
+  }
+  std::sort(us.begin(), us.end());
+  std::printf("Step round trip (%s backend, %zu steps%s): p50 %.1f us, p99 "
+              "%.1f us, max %.1f us\n",
+              device < 0 ? "cpu" : "cuda", us.size(),
+              absl::GetFlag(FLAGS_wait) ? ", wait" : "", us[us.size() / 2],
+              us[us.size() * 99 / 100], us.back());
+  (void)(*client)->CloseSession();
+  return 0;
+}

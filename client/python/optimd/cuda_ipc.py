@@ -1,0 +1,56 @@
+"""CUDA IPC for the PyTorch client: memory handles of torch allocations and
+interprocess events, through the CUDA runtime torch already loaded.
+
+torch's own storage IPC handles are in torch's format, not raw
+cudaIpcMemHandle_t; the daemon needs the raw handle of the allocation and
+the offset of the tensor in it, so this module asks the runtime directly.
+"""
+import ctypes
+
+import torch
+
+_runtime = None
+_driver = None
+
+
+def _libs():
+    global _runtime, _driver
+    if _runtime is None:
+        torch.cuda.init()
+        path = None
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                if "libcudart" in line:
+                    path = line.split()[-1]
+                    break
+        _runtime = ctypes.CDLL(path or "libcudart.so")
+        _driver = ctypes.CDLL("libcuda.so.1")
+        _runtime.cudaIpcGetMemHandle.argtypes = [ctypes.c_void_p,
+                                                 ctypes.c_void_p]
+        _driver.cuMemGetAddressRange_v2.argtypes = [
+            ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
+            ctypes.c_uint64]
+    return _runtime, _driver
+
+
+def mem_handle(tensor):
+    """(64-byte cudaIpcMemHandle_t, byte offset of the tensor's data in its
+    allocation) for a CUDA tensor."""
+    runtime, driver = _libs()
+    ptr = tensor.data_ptr()
+    with torch.cuda.device(tensor.device):
+        handle = (ctypes.c_char * 64)()
+        err = runtime.cudaIpcGetMemHandle(ctypes.byref(handle),
+                                          ctypes.c_void_p(ptr))
+        if err != 0:
+            raise RuntimeError("cudaIpcGetMemHandle failed with CUDA error %d"
+                               % err)
+        base = ctypes.c_uint64()
+        size = ctypes.c_size_t()
+        err = driver.cuMemGetAddressRange_v2(ctypes.byref(base),
+                                             ctypes.byref(size),
+                                             ctypes.c_uint64(ptr))
+        if err != 0:
+            raise RuntimeError("cuMemGetAddressRange failed with CUDA driver "
+                               "error %d" % err)
+    return bytes(handle), ptr - base.value

@@ -1,0 +1,103 @@
+"""GPU end to end (run on a GPU machine; skipped without CUDA): a trainer
+with real CUDA tensors, the daemon on the CUDA backend in another process on
+the same GPU, 100 steps; every parameter and state tensor must equal, bit for
+bit, the same run on the CPU reference backend. Also times the step against
+torch.optim.AdamW(fused=True) in the same script.
+
+    LD_LIBRARY_PATH=.gpu/lib OPTIMD_BINARY=.gpu/optimd \\
+        PYTHONPATH=client/python:.gpu/py python3 -m unittest -v \\
+        tests/python/test_cuda_e2e.py
+"""
+import os
+import random
+import time
+import unittest
+
+import torch
+
+from optimd.testing import Daemon
+from optimd.torch import AdamW
+
+SEED = int(os.environ.get("OPTIMD_TEST_SEED", random.randrange(1 << 30)))
+print("seed", SEED)
+
+SHAPES = [(1000, 257), (4099,), (1,), (0,), (64, 64), (33, 7)]
+
+
+@unittest.skipUnless(torch.cuda.is_available(), "needs a GPU")
+class CudaEndToEnd(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.gpu = Daemon(backend="cuda")
+        cls.cpu = Daemon(backend="cpu")
+
+    @classmethod
+    def tearDownClass(cls):
+        assert cls.gpu.stop() == 0
+        assert cls.cpu.stop() == 0
+
+    def run_both(self, dtype, steps=100, **kw):
+        g = torch.Generator().manual_seed(SEED)
+        init = [torch.randn(*s, generator=g).to(dtype) for s in SHAPES]
+        on_gpu = [torch.nn.Parameter(t.clone().cuda()) for t in init]
+        on_cpu = [torch.nn.Parameter(t.clone()) for t in init]
+        opt_g = AdamW(on_gpu, lr=1e-2, address=self.gpu.address,
+                      job_id="gpu-" + self.id(), **kw)
+        opt_c = AdamW(on_cpu, lr=1e-2, address=self.cpu.address,
+                      job_id="cpu-" + self.id(), **kw)
+        for step in range(steps):
+            for p, q in zip(on_gpu, on_cpu):
+                grad = torch.randn(q.shape, generator=g).to(dtype)
+                p.grad.copy_(grad)
+                q.grad.copy_(grad)
+            opt_g.step()
+            opt_c.step()
+            for p, q in zip(on_gpu, on_cpu):
+                self.assertTrue(torch.equal(p.detach().cpu(), q.detach()),
+                                "step %d" % step)
+        sg, sc = opt_g.state, opt_c.state
+        for p, q in zip(on_gpu, on_cpu):
+            if q.numel() == 0:
+                continue
+            for k, v in sc[q].items():
+                self.assertTrue(torch.equal(sg[p][k].cpu(), v), k)
+        opt_g.close()
+        opt_c.close()
+
+    def test_fp32_matches_cpu_reference(self):
+        self.run_both(torch.float32, weight_decay=0.01)
+
+    def test_bf16_remainders_amsgrad_match_cpu_reference(self):
+        self.run_both(torch.bfloat16, amsgrad=True, store_param_remainders=True)
+
+    def test_step_time_against_torch_fused(self):
+        n, count = 50_000_000, 100
+        ours = [torch.nn.Parameter(torch.randn(n // count, device="cuda"))
+                for _ in range(count)]
+        theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+        for p, q in zip(ours, theirs):
+            q.grad = torch.randn_like(q)
+        opt = AdamW(ours, lr=1e-3, address=self.gpu.address, job_id="time")
+        for p, q in zip(ours, theirs):
+            p.grad.copy_(q.grad)
+        ref = torch.optim.AdamW(theirs, lr=1e-3, fused=True)
+
+        def timed(step, iters=50):
+            for _ in range(5):
+                step()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                step()
+            torch.cuda.synchronize()
+            return (time.perf_counter() - t0) / iters * 1e3
+        t_ours = timed(opt.step)
+        t_ref = timed(ref.step)
+        print("training step, %d params in %d tensors: optimd.torch.AdamW "
+              "%.3f ms, torch AdamW(fused=True) %.3f ms, ratio %.3f" %
+              (n, count, t_ours, t_ref, t_ours / t_ref))
+        opt.close()
+
+
+if __name__ == "__main__":
+    unittest.main()
