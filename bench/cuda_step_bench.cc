@@ -23,6 +23,8 @@
 ABSL_FLAG(double, params, 1e9, "Parameters per configuration.");
 ABSL_FLAG(int, steps, 20, "Timed steps per configuration.");
 ABSL_FLAG(std::string, only, "", "Run only the configuration of this name.");
+ABSL_FLAG(uint64_t, chunk_elements, 0,
+          "Elements per plan chunk (0: the backend's default).");
 ABSL_FLAG(bool, assume_finite, false,
           "Skip the gradient statistics pass (StepRequest.assume_finite).");
 
@@ -90,7 +92,11 @@ int Run(IpcTrainer* trainer) {
       {"bf16_fp32master", 1000, DType::kBFloat16, DType::kBFloat16,
        DType::kFloat32, MasterRequest::kFp32},
   };
-  auto backend = CreateCudaBackend(0, CudaBackendOptions());
+  CudaBackendOptions options;
+  if (absl::GetFlag(FLAGS_chunk_elements) > 0) {
+    options.chunk_elements = absl::GetFlag(FLAGS_chunk_elements);
+  }
+  auto backend = CreateCudaBackend(0, options);
   if (!backend.ok()) {
     std::fprintf(stderr, "%s\n", backend.status().ToString().c_str());
     return 1;

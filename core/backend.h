@@ -102,6 +102,18 @@ class Backend {
                                            const std::vector<Group*>& groups,
                                            const StepOptions& options) = 0;
 
+  // Brings the groups' step counters up to date (the CUDA backend keeps
+  // them on the device; this waits for queued steps). For state reads.
+  virtual absl::Status SyncGroupCounters(const std::vector<Group*>& groups) {
+    return absl::OkStatus();
+  }
+
+  // Sets a group's step counter (state loads), on the device too.
+  virtual absl::Status SetGroupStep(Group& group, uint64_t step) {
+    group.step = step;
+    return absl::OkStatus();
+  }
+
   // Writes master weights into the trainer's parameter buffers.
   virtual absl::Status WriteParams(Group& group) = 0;
 

@@ -469,6 +469,7 @@ absl::StatusOr<std::vector<GroupState>> Session::ReadState(
     }
   }
   OPTIMD_RETURN_IF_ERROR(backend_->CheckMappings(mappings_));
+  OPTIMD_RETURN_IF_ERROR(backend_->SyncGroupCounters(targets));
   std::vector<GroupState> out;
   for (Group* g : targets) {
     GroupState gs;
@@ -611,8 +612,7 @@ absl::Status Session::WriteState(const std::string& group_id, uint64_t step,
       OPTIMD_RETURN_IF_ERROR(put(t->layout.param_dtype, t->param.data));
     }
   }
-  g->step = step;
-  return absl::OkStatus();
+  return backend_->SetGroupStep(*g, step);
 }
 
 void Session::PublishInfo() {

@@ -144,6 +144,8 @@ class CudaBackend final : public Backend {
                                    const std::vector<Group*>& groups,
                                    const StepOptions& options) override;
   absl::Status WriteParams(Group& group) override;
+  absl::Status SyncGroupCounters(const std::vector<Group*>& groups) override;
+  absl::Status SetGroupStep(Group& group, uint64_t step) override;
   absl::Status CheckMappings(
       const std::vector<std::shared_ptr<const void>>&) override {
     return absl::OkStatus();
@@ -617,6 +619,34 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
                                : std::numeric_limits<double>::quiet_NaN();
   }
   return out;
+}
+
+absl::Status CudaBackend::SyncGroupCounters(const std::vector<Group*>& groups) {
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+  for (Group* g : groups) {
+    auto* plan = static_cast<DevicePlan*>(g->backend_plan.get());
+    DeviceGroupState state;
+    OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpy(&state, plan->state_d.data(),
+                                           sizeof(state),
+                                           cudaMemcpyDeviceToHost));
+    g->step = state.step;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::SetGroupStep(Group& group, uint64_t step) {
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
+  auto* plan = static_cast<DevicePlan*>(group.backend_plan.get());
+  DeviceGroupState state;
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpy(&state, plan->state_d.data(),
+                                         sizeof(state), cudaMemcpyDeviceToHost));
+  state.step = step;
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpy(plan->state_d.data(), &state,
+                                         sizeof(state), cudaMemcpyHostToDevice));
+  group.step = step;
+  return absl::OkStatus();
 }
 
 absl::Status CudaBackend::WriteParams(Group& group) {

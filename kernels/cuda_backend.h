@@ -15,10 +15,10 @@
 namespace optimd {
 
 struct CudaBackendOptions {
-  // Elements per chunk (about one thread block's work) of a plan. Small
-  // enough that a launch over 1e9 parameters runs ~30 waves of blocks (a
-  // short tail), large enough that per-block overhead is noise.
-  uint64_t chunk_elements = 1 << 15;
+  // Elements per chunk (about one thread block's work) of a plan. 16K
+  // measured fastest on the H200 among 16K-128K (bench/RESULTS.md): many
+  // waves of blocks, so a short tail.
+  uint64_t chunk_elements = 1 << 14;
   // Completed-step slots kept for asynchronous replies.
   int report_slots = 8;
 };
