@@ -70,6 +70,10 @@ class Backend {
 
   virtual BackendKind kind() const = 0;
 
+  // True when state and trainer buffers are host memory the daemon can read
+  // and write directly (checkpoints then need no staging copies).
+  virtual bool HostAddressable() const { return false; }
+
   // Maps (or finds cached) a trainer buffer region; checks it against the
   // real segment or allocation. `what` names the tensor in errors.
   // Thread-safe.

@@ -25,6 +25,7 @@ class CpuBackend final : public Backend {
   explicit CpuBackend(const Options& options);
 
   BackendKind kind() const override { return BackendKind::kCpu; }
+  bool HostAddressable() const override { return true; }
   absl::StatusOr<BufferRef> ResolveBuffer(const BufferHandle& handle,
                                           uint64_t alignment,
                                           const std::string& what) override;

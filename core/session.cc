@@ -323,6 +323,11 @@ void Session::RefreshMappings() {
 
 absl::StatusOr<StepResult> Session::Step(const StepRequestSpec& request) {
   absl::MutexLock lock(&mu_);
+  if (needs_load_) {
+    return absl::FailedPreconditionError(
+        "the last LoadState failed part-way and left the state mixed; load "
+        "a good checkpoint before stepping");
+  }
   const StepOptions& o = request.options;
   if (!std::isfinite(o.grad_scale) || o.grad_scale < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -613,6 +618,44 @@ absl::Status Session::WriteState(const std::string& group_id, uint64_t step,
     }
   }
   return backend_->SetGroupStep(*g, step);
+}
+
+absl::StatusOr<CheckpointResult> Session::SaveState(
+    const std::string& directory, const CheckpointOptions& options) {
+  absl::MutexLock lock(&mu_);
+  if (needs_load_) {
+    return absl::FailedPreconditionError(
+        "the session's state is mixed after a failed load; refusing to save "
+        "it (load a good checkpoint first)");
+  }
+  OPTIMD_ASSIGN_OR_RETURN(std::string dir,
+                          ResolveCheckpointDir(directory, options));
+  OPTIMD_RETURN_IF_ERROR(backend_->CheckMappings(mappings_));
+  OPTIMD_RETURN_IF_ERROR(backend_->SyncGroupCounters(step_groups_));
+  return SaveCheckpoint(
+      absl::StrCat(dir, "/",
+                   CheckpointFileName(identity_.job_id, identity_.rank)),
+      step_groups_, backend_, options);
+}
+
+absl::StatusOr<CheckpointResult> Session::LoadState(
+    const std::string& directory, const CheckpointOptions& options) {
+  absl::MutexLock lock(&mu_);
+  OPTIMD_ASSIGN_OR_RETURN(std::string dir,
+                          ResolveCheckpointDir(directory, options));
+  OPTIMD_RETURN_IF_ERROR(backend_->CheckMappings(mappings_));
+  OPTIMD_RETURN_IF_ERROR(backend_->SyncGroupCounters(step_groups_));
+  bool partial = false;
+  auto r = LoadCheckpoint(
+      absl::StrCat(dir, "/",
+                   CheckpointFileName(identity_.job_id, identity_.rank)),
+      step_groups_, backend_, options, &partial);
+  if (!r.ok()) {
+    if (partial) needs_load_ = true;
+    return r.status();
+  }
+  needs_load_ = false;
+  return r;
 }
 
 void Session::PublishInfo() {

@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "core/backend.h"
+#include "core/checkpoint.h"
 #include "core/group.h"
 #include "core/state_budget.h"
 
@@ -125,6 +126,16 @@ class Session {
                           const std::vector<StateBlob>& blobs)
       ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Writes the session's state to `directory`/CheckpointFileName(...).
+  absl::StatusOr<CheckpointResult> SaveState(const std::string& directory,
+                                             const CheckpointOptions& options)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Loads the session's state from `directory` in place. After a failure
+  // part-way (a corrupt tensor), steps are refused until a load succeeds.
+  absl::StatusOr<CheckpointResult> LoadState(const std::string& directory,
+                                             const CheckpointOptions& options)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
   SessionInfo Info() const ABSL_LOCKS_EXCLUDED(info_mu_);
   std::vector<std::string> GroupIds() const ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -162,6 +173,8 @@ class Session {
   uint64_t state_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t steps_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t skipped_steps_ ABSL_GUARDED_BY(mu_) = 0;
+  // Set when a load failed after changing state; cleared by a good load.
+  bool needs_load_ ABSL_GUARDED_BY(mu_) = false;
 
   // The admin view, behind its own mutex so that ListSessions and
   // GetMetrics never wait for a running step.

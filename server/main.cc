@@ -49,6 +49,9 @@ ABSL_FLAG(uint64_t, max_state_bytes, 0,
 ABSL_FLAG(int, cpu_threads, 0,
           "Threads for the CPU backend's steps; 0 means one per hardware "
           "thread.");
+ABSL_FLAG(std::string, state_dir, "",
+          "When set, SaveState and LoadState only accept directories within "
+          "this one (a client cannot make the daemon write anywhere else).");
 ABSL_FLAG(int, shutdown_grace_s, 30,
           "On SIGINT/SIGTERM, how long in-flight calls may run before they "
           "are cancelled.");
@@ -172,7 +175,10 @@ int main(int argc, char** argv) {
     worker_ptrs.push_back(workers.back().get());
   }
   optimd::SessionRegistry registry(backend_ptrs, &budget);
-  optimd::OptimizerServiceImpl service(&registry, worker_ptrs);
+  optimd::CheckpointOptions checkpoint_options;
+  checkpoint_options.state_dir = absl::GetFlag(FLAGS_state_dir);
+  optimd::OptimizerServiceImpl service(&registry, worker_ptrs,
+                                       checkpoint_options);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

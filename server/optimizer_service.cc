@@ -6,8 +6,11 @@
 namespace optimd {
 
 OptimizerServiceImpl::OptimizerServiceImpl(
-    SessionRegistry* registry, std::vector<DeviceWorker*> workers)
-    : registry_(registry), workers_(std::move(workers)) {}
+    SessionRegistry* registry, std::vector<DeviceWorker*> workers,
+    CheckpointOptions checkpoint_options)
+    : registry_(registry),
+      workers_(std::move(workers)),
+      checkpoint_options_(std::move(checkpoint_options)) {}
 
 DeviceWorker* OptimizerServiceImpl::WorkerFor(const Session& session) const {
   const int d = session.identity().device;
@@ -207,6 +210,35 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::SetState(
     auto blobs = StateBlobsFromProto(*request);
     if (!blobs.ok()) return blobs.status();
     return s.WriteState(request->group_id(), request->step(), *blobs);
+  });
+}
+
+grpc::ServerUnaryReactor* OptimizerServiceImpl::SaveState(
+    grpc::CallbackServerContext* context, const v1::SaveStateRequest* request,
+    v1::SaveStateResponse* response) {
+  return OnWorker(context, [this, request,
+                            response](Session& s) -> absl::Status {
+    auto r = s.SaveState(request->directory(), checkpoint_options_);
+    if (!r.ok()) return r.status();
+    response->set_path(r->path);
+    response->set_bytes(r->bytes);
+    response->set_seconds(r->seconds);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* OptimizerServiceImpl::LoadState(
+    grpc::CallbackServerContext* context, const v1::LoadStateRequest* request,
+    v1::LoadStateResponse* response) {
+  return OnWorker(context, [this, request,
+                            response](Session& s) -> absl::Status {
+    auto r = s.LoadState(request->directory(), checkpoint_options_);
+    if (!r.ok()) return r.status();
+    response->set_path(r->path);
+    response->set_bytes(r->bytes);
+    response->set_peak_staging_bytes(r->peak_staging_bytes);
+    response->set_seconds(r->seconds);
+    return absl::OkStatus();
   });
 }
 

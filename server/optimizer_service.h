@@ -25,7 +25,8 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
   // the work of device d's sessions; a CPU daemon has one worker (device
   // -1).
   OptimizerServiceImpl(SessionRegistry* registry,
-                       std::vector<DeviceWorker*> workers);
+                       std::vector<DeviceWorker*> workers,
+                       CheckpointOptions checkpoint_options = {});
 
   // From now on, session calls fail with UNAVAILABLE (the daemon is
   // stopping); calls already queued still run.
@@ -65,6 +66,12 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
   grpc::ServerUnaryReactor* SetState(grpc::CallbackServerContext* context,
                                      const v1::SetStateRequest* request,
                                      v1::SetStateResponse* response) override;
+  grpc::ServerUnaryReactor* SaveState(grpc::CallbackServerContext* context,
+                                      const v1::SaveStateRequest* request,
+                                      v1::SaveStateResponse* response) override;
+  grpc::ServerUnaryReactor* LoadState(grpc::CallbackServerContext* context,
+                                      const v1::LoadStateRequest* request,
+                                      v1::LoadStateResponse* response) override;
   grpc::ServerUnaryReactor* ListSessions(
       grpc::CallbackServerContext* context,
       const v1::ListSessionsRequest* request,
@@ -92,6 +99,7 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
   int Pending() const;
 
   const std::vector<DeviceWorker*> workers_;
+  const CheckpointOptions checkpoint_options_;
   LatencyHistogram step_latency_;
   std::atomic<bool> draining_{false};
 };

@@ -6,7 +6,7 @@ set -euo pipefail
 PACKAGES=(
   bazel-bootstrap bazel-rules-java bazel-platforms
   g++ libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  libabsl-dev googletest libbenchmark-dev
+  libabsl-dev googletest libbenchmark-dev nlohmann-json3-dev
   python3-grpcio python3-protobuf python3-torch python3-numpy
 )
 

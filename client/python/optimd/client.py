@@ -113,6 +113,14 @@ class Client:
     def set_state(self, request):
         return self._call("SetState", request)
 
+    def save_state(self, directory):
+        return self._call("SaveState", pb.SaveStateRequest(
+            directory=os.path.abspath(directory)))
+
+    def load_state(self, directory):
+        return self._call("LoadState", pb.LoadStateRequest(
+            directory=os.path.abspath(directory)))
+
     # Admin.
     def list_sessions(self):
         return self._call("ListSessions", pb.ListSessionsRequest())

@@ -527,6 +527,21 @@ class AdamW(torch.optim.Optimizer):
             self._client.set_state(request)
         self.state.invalidate()
 
+    # Checkpoints written by the daemon.
+    def save_checkpoint(self, directory):
+        """The daemon writes this trainer's optimizer state and parameters to
+        <directory>/<job>.rank-<rank>.safetensors (atomically)."""
+        return self._client.save_state(directory)
+
+    def load_checkpoint(self, directory):
+        """The daemon loads state and parameters from a save_checkpoint
+        directory, in place. The groups must be registered as when saved."""
+        reply = self._client.load_state(directory)
+        for group, g in zip(self.param_groups, self.client.get_state().groups):
+            group["lr"] = g.hyperparameters.lr
+        self.state.invalidate()
+        return reply
+
     # Daemon access.
     @property
     def client(self):

@@ -1,0 +1,538 @@
+#include "core/checkpoint.h"
+
+#include <fcntl.h>
+#include <limits.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <random>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "core/crc32c.h"
+#include "core/status_macros.h"
+#include "nlohmann/json.hpp"
+
+namespace optimd {
+namespace {
+
+using nlohmann::json;
+
+double Seconds() {
+  return std::chrono::duration<double>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+absl::Status ErrnoStatus(int err, const std::string& what) {
+  const std::string msg = absl::StrCat(what, ": ", std::strerror(err));
+  switch (err) {
+    case ENOENT:
+    case ENOTDIR:
+      return absl::NotFoundError(msg);
+    case EACCES:
+    case EPERM:
+    case EROFS:
+      return absl::PermissionDeniedError(msg);
+    case ENOSPC:
+    case EDQUOT:
+      return absl::ResourceExhaustedError(msg);
+    default:
+      return absl::InternalError(msg);
+  }
+}
+
+// RAII file descriptor.
+class Fd {
+ public:
+  explicit Fd(int fd) : fd_(fd) {}
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  ~Fd() {
+    if (fd_ >= 0) close(fd_);
+  }
+  int get() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
+absl::Status WriteAll(int fd, const void* data, uint64_t n, uint64_t offset,
+                      const std::string& path) {
+  const auto* p = static_cast<const char*>(data);
+  while (n > 0) {
+    const ssize_t w = pwrite(fd, p, std::min<uint64_t>(n, 1 << 30), offset);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus(errno, absl::StrCat("writing ", path));
+    }
+    p += w;
+    n -= w;
+    offset += w;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReadAll(int fd, void* data, uint64_t n, uint64_t offset,
+                     const std::string& path) {
+  auto* p = static_cast<char*>(data);
+  while (n > 0) {
+    const ssize_t r = pread(fd, p, std::min<uint64_t>(n, 1 << 30), offset);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus(errno, absl::StrCat("reading ", path));
+    }
+    if (r == 0) {
+      return absl::DataLossError(absl::StrCat(path, " is truncated"));
+    }
+    p += r;
+    n -= r;
+    offset += r;
+  }
+  return absl::OkStatus();
+}
+
+const char* SafetensorsDType(DType d) {
+  switch (d) {
+    case DType::kFloat32:
+      return "F32";
+    case DType::kBFloat16:
+      return "BF16";
+    case DType::kFloat16:
+      return "F16";
+  }
+  return "?";
+}
+
+// One tensor of the file.
+struct Entry {
+  std::string name;
+  std::string dtype;  // safetensors dtype
+  uint64_t numel = 0;
+  uint64_t bytes = 0;
+  uint8_t* data = nullptr;  // backend memory
+  uint64_t offset = 0;      // within the data section
+  uint32_t crc = 0;
+};
+
+// Every tensor of the groups, in a fixed order.
+std::vector<Entry> Entries(const std::vector<Group*>& groups) {
+  std::vector<Entry> out;
+  for (const Group* g : groups) {
+    for (const TensorEntry& t : g->tensors) {
+      const Layout& l = t.layout;
+      const uint64_t n = t.numel;
+      out.push_back({t.name, SafetensorsDType(l.param_dtype), n,
+                     n * DTypeSize(l.param_dtype), t.param.data});
+      if (l.master == MasterKind::kFp32) {
+        out.push_back({t.name + ".master", "F32", n, n * 4, t.master.data()});
+      } else if (l.master == MasterKind::kRemainder) {
+        out.push_back(
+            {t.name + ".remainder", "I16", n, n * 2, t.master.data()});
+      }
+      if (t.frozen) continue;
+      const uint64_t mb = n * DTypeSize(l.moment_dtype);
+      const char* md = SafetensorsDType(l.moment_dtype);
+      out.push_back({t.name + ".exp_avg", md, n, mb, t.exp_avg.data()});
+      out.push_back({t.name + ".exp_avg_sq", md, n, mb, t.exp_avg_sq.data()});
+      if (l.amsgrad) {
+        out.push_back(
+            {t.name + ".max_exp_avg_sq", md, n, mb, t.max_exp_avg_sq.data()});
+      }
+    }
+  }
+  uint64_t offset = 0;
+  for (Entry& e : out) {
+    e.offset = offset;
+    offset += e.bytes;
+  }
+  return out;
+}
+
+json HyperJson(const AdamWHyper& h) {
+  return json{{"lr", h.lr},
+              {"beta1", h.beta1},
+              {"beta2", h.beta2},
+              {"eps", h.eps},
+              {"weight_decay", h.weight_decay},
+              {"adamw", h.adamw},
+              {"bias_correction", h.bias_correction},
+              {"maximize", h.maximize},
+              {"amsgrad", h.amsgrad}};
+}
+
+json LayoutJson(const Layout& l) {
+  return json{{"param_dtype", std::string(DTypeName(l.param_dtype))},
+              {"grad_dtype", std::string(DTypeName(l.grad_dtype))},
+              {"moment_dtype", std::string(DTypeName(l.moment_dtype))},
+              {"master", std::string(MasterKindName(l.master))},
+              {"amsgrad", l.amsgrad}};
+}
+
+std::string CrcHex(uint32_t crc) {
+  char buf[9];
+  std::snprintf(buf, sizeof(buf), "%08x", crc);
+  return buf;
+}
+
+// The full header JSON (crc values are fixed-width, so the length does not
+// depend on them).
+std::string HeaderJson(const std::vector<Group*>& groups,
+                       const std::vector<Entry>& entries) {
+  json meta;
+  meta["format_version"] = kCheckpointFormatVersion;
+  json jgroups = json::array();
+  for (const Group* g : groups) {
+    json jg;
+    jg["id"] = g->id;
+    jg["step"] = g->step;
+    jg["hyperparameters"] = HyperJson(g->hyper);
+    json jt = json::array();
+    for (const TensorEntry& t : g->tensors) {
+      jt.push_back(json{{"name", t.name},
+                        {"numel", t.numel},
+                        {"frozen", t.frozen},
+                        {"keep_fp32", t.keep_fp32},
+                        {"layout", LayoutJson(t.layout)}});
+    }
+    jg["tensors"] = jt;
+    jgroups.push_back(jg);
+  }
+  meta["groups"] = jgroups;
+  json crcs = json::object();
+  for (const Entry& e : entries) crcs[e.name] = CrcHex(e.crc);
+  meta["crc32c"] = crcs;
+  json header = json::object();
+  header["__metadata__"] = json{{"optimd", meta.dump()}};
+  for (const Entry& e : entries) {
+    header[e.name] = json{{"dtype", e.dtype},
+                          {"shape", json::array({e.numel})},
+                          {"data_offsets",
+                           json::array({e.offset, e.offset + e.bytes})}};
+  }
+  std::string s = header.dump();
+  // Pad so that the data section starts 8-byte aligned.
+  while ((8 + s.size()) % 8 != 0) s.push_back(' ');
+  return s;
+}
+
+// Streams `bytes` between backend memory and the file through `staging`
+// (or directly when the backend's memory is host memory), computing the
+// crc32c of the bytes.
+class Streamer {
+ public:
+  Streamer(Backend* backend, uint64_t staging_bytes)
+      : backend_(backend), direct_(backend->HostAddressable()),
+        staging_bytes_(staging_bytes) {}
+
+  uint64_t peak_staging() const { return staging_.size(); }
+
+  absl::Status Save(int fd, const Entry& e, uint64_t file_offset,
+                    const std::string& path, uint32_t* crc) {
+    uint32_t c = 0;
+    for (uint64_t done = 0; done < e.bytes;) {
+      const uint64_t n = std::min(e.bytes - done, staging_bytes_);
+      const uint8_t* src = e.data + done;
+      if (!direct_) {
+        Grow(n);
+        OPTIMD_RETURN_IF_ERROR(backend_->CopyToHost(src, staging_.data(), n));
+        src = staging_.data();
+      }
+      c = Crc32cExtend(c, src, n);
+      OPTIMD_RETURN_IF_ERROR(WriteAll(fd, src, n, file_offset + done, path));
+      done += n;
+    }
+    *crc = c;
+    return absl::OkStatus();
+  }
+
+  absl::Status Load(int fd, const Entry& e, uint64_t file_offset,
+                    const std::string& path, uint32_t* crc) {
+    uint32_t c = 0;
+    for (uint64_t done = 0; done < e.bytes;) {
+      const uint64_t n = std::min(e.bytes - done, staging_bytes_);
+      uint8_t* dst = e.data + done;
+      if (direct_) {
+        OPTIMD_RETURN_IF_ERROR(ReadAll(fd, dst, n, file_offset + done, path));
+        c = Crc32cExtend(c, dst, n);
+      } else {
+        Grow(n);
+        OPTIMD_RETURN_IF_ERROR(
+            ReadAll(fd, staging_.data(), n, file_offset + done, path));
+        c = Crc32cExtend(c, staging_.data(), n);
+        OPTIMD_RETURN_IF_ERROR(backend_->CopyFromHost(staging_.data(), dst, n));
+      }
+      done += n;
+    }
+    *crc = c;
+    return absl::OkStatus();
+  }
+
+ private:
+  void Grow(uint64_t n) {
+    if (staging_.size() < n) staging_.resize(n);
+  }
+
+  Backend* const backend_;
+  const bool direct_;
+  const uint64_t staging_bytes_;
+  std::vector<uint8_t> staging_;
+};
+
+absl::Status FsyncDir(const std::string& dir) {
+  Fd d(open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (d.get() < 0) return ErrnoStatus(errno, absl::StrCat("opening ", dir));
+  if (fsync(d.get()) != 0) {
+    return ErrnoStatus(errno, absl::StrCat("syncing ", dir));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string CheckpointFileName(const std::string& job_id, uint32_t rank) {
+  std::string job;
+  for (char c : job_id) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
+                    (c >= '0' && c <= '9') || c == '.' || c == '_' || c == '-';
+    job.push_back(ok ? c : '_');
+  }
+  if (job.empty() || job[0] == '.') job = "job" + job;
+  return absl::StrCat(job, ".rank-", rank, ".safetensors");
+}
+
+absl::StatusOr<std::string> ResolveCheckpointDir(
+    const std::string& directory, const CheckpointOptions& options) {
+  if (directory.empty() || directory[0] != '/') {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "checkpoint directory '", directory,
+        "' must be an absolute path on the daemon's machine"));
+  }
+  char resolved[PATH_MAX];
+  if (realpath(directory.c_str(), resolved) == nullptr) {
+    return ErrnoStatus(errno,
+                       absl::StrCat("checkpoint directory ", directory));
+  }
+  struct stat st;
+  if (stat(resolved, &st) != 0 || !S_ISDIR(st.st_mode)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(directory, " is not a directory"));
+  }
+  std::string dir = resolved;
+  if (!options.state_dir.empty()) {
+    char root[PATH_MAX];
+    if (realpath(options.state_dir.c_str(), root) == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the daemon's --state_dir ", options.state_dir, " does not exist"));
+    }
+    const std::string r = root;
+    if (dir != r && !absl::StartsWith(dir, r + "/")) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          directory, " is outside the daemon's --state_dir ", r,
+          "; checkpoints may only be written there"));
+    }
+  }
+  return dir;
+}
+
+absl::StatusOr<CheckpointResult> SaveCheckpoint(
+    const std::string& path, const std::vector<Group*>& groups,
+    Backend* backend, const CheckpointOptions& options) {
+  const double t0 = Seconds();
+  std::vector<Entry> entries = Entries(groups);
+  const std::string header = HeaderJson(groups, entries);
+  const uint64_t data_start = 8 + header.size();
+  const std::string dir = path.substr(0, path.rfind('/'));
+  const std::string tmp = absl::StrCat(path, ".tmp-", getpid(), "-",
+                                       std::random_device{}());
+  Fd fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+  if (fd.get() < 0) {
+    return ErrnoStatus(errno, absl::StrCat("cannot create a checkpoint in ",
+                                           dir));
+  }
+  auto fail = [&](absl::Status s) {
+    unlink(tmp.c_str());
+    return s;
+  };
+  Streamer streamer(backend, options.staging_bytes);
+  for (Entry& e : entries) {
+    absl::Status s =
+        streamer.Save(fd.get(), e, data_start + e.offset, tmp, &e.crc);
+    if (!s.ok()) return fail(s);
+  }
+  const std::string final_header = HeaderJson(groups, entries);
+  if (final_header.size() != header.size()) {
+    return fail(absl::InternalError("checkpoint header changed size"));
+  }
+  uint8_t len[8];
+  uint64_t hl = final_header.size();
+  for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(hl >> (8 * i));
+  absl::Status s = WriteAll(fd.get(), len, 8, 0, tmp);
+  if (s.ok()) s = WriteAll(fd.get(), final_header.data(), hl, 8, tmp);
+  if (s.ok() && fsync(fd.get()) != 0) {
+    s = ErrnoStatus(errno, absl::StrCat("syncing ", tmp));
+  }
+  if (!s.ok()) return fail(s);
+  if (rename(tmp.c_str(), path.c_str()) != 0) {
+    return fail(ErrnoStatus(errno, absl::StrCat("renaming to ", path)));
+  }
+  OPTIMD_RETURN_IF_ERROR(FsyncDir(dir));
+  CheckpointResult r;
+  r.path = path;
+  r.bytes = data_start + (entries.empty() ? 0 : entries.back().offset +
+                                                     entries.back().bytes);
+  r.peak_staging_bytes = streamer.peak_staging();
+  r.seconds = Seconds() - t0;
+  return r;
+}
+
+absl::StatusOr<CheckpointResult> LoadCheckpoint(
+    const std::string& path, const std::vector<Group*>& groups,
+    Backend* backend, const CheckpointOptions& options,
+    bool* partially_written) {
+  *partially_written = false;
+  const double t0 = Seconds();
+  Fd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) {
+    return ErrnoStatus(errno, absl::StrCat("cannot open checkpoint ", path));
+  }
+  struct stat st;
+  if (fstat(fd.get(), &st) != 0) return ErrnoStatus(errno, path);
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size < 8) {
+    return absl::DataLossError(absl::StrCat(
+        path, " is ", size, " bytes: too short for a safetensors file"));
+  }
+  uint8_t len[8];
+  OPTIMD_RETURN_IF_ERROR(ReadAll(fd.get(), len, 8, 0, path));
+  uint64_t hl = 0;
+  for (int i = 0; i < 8; ++i) hl |= uint64_t{len[i]} << (8 * i);
+  if (hl > (uint64_t{100} << 20)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, " is not a safetensors file (header length ", hl, ")"));
+  }
+  if (8 + hl > size) {
+    return absl::DataLossError(absl::StrCat(path, " is truncated (header)"));
+  }
+  std::string header(hl, '\0');
+  OPTIMD_RETURN_IF_ERROR(ReadAll(fd.get(), header.data(), hl, 8, path));
+  json h, meta;
+  try {
+    h = json::parse(header);
+    meta = json::parse(h.at("__metadata__").at("optimd").get<std::string>());
+  } catch (const std::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, " is not an optimd checkpoint (", e.what(), ")"));
+  }
+  const uint64_t data_start = 8 + hl;
+  std::vector<Entry> entries = Entries(groups);
+  try {
+    const int version = meta.at("format_version").get<int>();
+    if (version > kCheckpointFormatVersion) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, " has checkpoint format version ", version,
+          "; this daemon reads up to version ", kCheckpointFormatVersion,
+          " (written by a newer optimd?)"));
+    }
+    const json& jgroups = meta.at("groups");
+    if (jgroups.size() != groups.size()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          path, " holds ", jgroups.size(), " groups; the session has ",
+          groups.size(), " registered"));
+    }
+    for (size_t gi = 0; gi < groups.size(); ++gi) {
+      const Group* g = groups[gi];
+      const json& jg = jgroups[gi];
+      if (jg.at("id").get<std::string>() != g->id) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "group ", gi, " is '", jg.at("id").get<std::string>(), "' in ",
+            path, " but '", g->id, "' in the session"));
+      }
+      const json& jt = jg.at("tensors");
+      if (jt.size() != g->tensors.size()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "group '", g->id, "' has ", jt.size(), " tensors in ", path,
+            " but ", g->tensors.size(), " registered"));
+      }
+      for (size_t ti = 0; ti < g->tensors.size(); ++ti) {
+        const TensorEntry& t = g->tensors[ti];
+        const json& j = jt[ti];
+        const std::string name = j.at("name").get<std::string>();
+        if (name != t.name || j.at("numel").get<uint64_t>() != t.numel ||
+            j.at("frozen").get<bool>() != t.frozen ||
+            j.at("layout") != LayoutJson(t.layout)) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "tensor '", t.name, "' (group '", g->id, "') does not match ",
+              path, ": the file has '", name, "' with ",
+              j.at("numel").get<uint64_t>(), " elements, layout ",
+              j.at("layout").dump(), "; registered: ", t.numel,
+              " elements, layout ", LayoutJson(t.layout).dump()));
+        }
+      }
+    }
+    const json& crcs = meta.at("crc32c");
+    for (Entry& e : entries) {
+      if (!h.contains(e.name)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(path, " has no tensor '", e.name, "'"));
+      }
+      const json& je = h.at(e.name);
+      const auto offsets = je.at("data_offsets").get<std::vector<uint64_t>>();
+      const auto shape = je.at("shape").get<std::vector<uint64_t>>();
+      if (je.at("dtype").get<std::string>() != e.dtype || shape.size() != 1 ||
+          shape[0] != e.numel || offsets.size() != 2 ||
+          offsets[1] < offsets[0] || offsets[1] - offsets[0] != e.bytes) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "tensor '", e.name, "' in ", path, " is ", je.dump(),
+            "; expected dtype ", e.dtype, " shape [", e.numel, "]"));
+      }
+      if (data_start + offsets[1] > size) {
+        return absl::DataLossError(absl::StrCat(
+            path, " is truncated: tensor '", e.name, "' ends at byte ",
+            data_start + offsets[1], " of ", size));
+      }
+      e.offset = offsets[0];
+      e.crc = static_cast<uint32_t>(
+          std::stoul(crcs.at(e.name).get<std::string>(), nullptr, 16));
+    }
+  } catch (const std::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, " has a malformed optimd header (", e.what(), ")"));
+  }
+  // Everything matches: stream the data in.
+  Streamer streamer(backend, options.staging_bytes);
+  for (const Entry& e : entries) {
+    uint32_t crc = 0;
+    *partially_written = true;
+    OPTIMD_RETURN_IF_ERROR(
+        streamer.Load(fd.get(), e, data_start + e.offset, path, &crc));
+    if (crc != e.crc) {
+      return absl::DataLossError(absl::StrCat(
+          "checksum mismatch in tensor '", e.name, "' of ", path,
+          ": the file is corrupt. The session's state is now partly "
+          "loaded; steps are refused until a load succeeds"));
+    }
+  }
+  // Step counters and hyperparameters.
+  const json& jgroups = meta.at("groups");
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    const json& jh = jgroups[gi].at("hyperparameters");
+    AdamWHyper& hp = groups[gi]->hyper;
+    hp.lr = jh.at("lr").get<double>();
+    OPTIMD_RETURN_IF_ERROR(backend->SetGroupStep(
+        *groups[gi], jgroups[gi].at("step").get<uint64_t>()));
+  }
+  *partially_written = false;
+  CheckpointResult r;
+  r.path = path;
+  r.bytes = size;
+  r.peak_staging_bytes = streamer.peak_staging();
+  r.seconds = Seconds() - t0;
+  return r;
+}
+
+}  // namespace optimd

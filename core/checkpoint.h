@@ -1,0 +1,73 @@
+// Checkpoints of a session's optimizer state: one safetensors file per
+// session that the `safetensors` library reads as it is.
+//
+// Tensors (1-D, little-endian): `<name>` the parameter read from the
+// trainer's buffer; `<name>.master` (F32) or `<name>.remainder` (I16) where
+// the layout keeps one; `<name>.exp_avg`, `<name>.exp_avg_sq` and, with
+// amsgrad, `<name>.max_exp_avg_sq` (moment dtype). Zero-element tensors keep
+// their entries with shape [0]. The header's __metadata__ holds one key,
+// "optimd": JSON with the format version, and per group its id, step
+// counter, hyperparameters and tensors (name, numel, layout, frozen), and a
+// crc32c of every tensor's bytes.
+//
+// Saving writes a temporary file in the target directory, fsyncs it, renames
+// it over the final name and fsyncs the directory: a crash or a full disk
+// leaves the previous checkpoint intact. Loading checks every name, shape,
+// dtype and layout against the registered groups before any state changes,
+// then streams the data in place.
+#ifndef OPTIMD_CORE_CHECKPOINT_H_
+#define OPTIMD_CORE_CHECKPOINT_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "core/backend.h"
+#include "core/group.h"
+
+namespace optimd {
+
+inline constexpr int kCheckpointFormatVersion = 1;
+
+struct CheckpointOptions {
+  // When not empty, checkpoints may only be written to or read from this
+  // directory or below it (PERMISSION_DENIED otherwise).
+  std::string state_dir;
+  // Staging buffer for backends whose memory the host cannot address.
+  uint64_t staging_bytes = uint64_t{64} << 20;
+};
+
+struct CheckpointResult {
+  std::string path;
+  uint64_t bytes = 0;               // file size
+  uint64_t peak_staging_bytes = 0;  // extra memory used while streaming
+  double seconds = 0;
+};
+
+// "<job>.rank-<rank>.safetensors", the job id reduced to [A-Za-z0-9._-].
+std::string CheckpointFileName(const std::string& job_id, uint32_t rank);
+
+// Checks `directory` (absolute, existing, within options.state_dir) and
+// returns its canonical path.
+absl::StatusOr<std::string> ResolveCheckpointDir(
+    const std::string& directory, const CheckpointOptions& options);
+
+// Writes the groups' state. The caller holds the session's lock, so the
+// state is consistent at a step boundary.
+absl::StatusOr<CheckpointResult> SaveCheckpoint(
+    const std::string& path, const std::vector<Group*>& groups,
+    Backend* backend, const CheckpointOptions& options);
+
+// Loads state in place. On a checksum mismatch found part-way, returns
+// DATA_LOSS with *partially_written set: the state is then a mix and must
+// not be stepped until a load succeeds.
+absl::StatusOr<CheckpointResult> LoadCheckpoint(
+    const std::string& path, const std::vector<Group*>& groups,
+    Backend* backend, const CheckpointOptions& options,
+    bool* partially_written);
+
+}  // namespace optimd
+
+#endif  // OPTIMD_CORE_CHECKPOINT_H_

@@ -1,0 +1,246 @@
+"""Checkpoints written and read by the daemon: bit-exact resume across a
+daemon restart for every layout, the file format, and bad checkpoints."""
+import json
+import os
+import random
+import shutil
+import struct
+import tempfile
+import unittest
+
+import torch
+
+import optimd
+from optimd.testing import Daemon
+from optimd.torch import AdamW
+
+SEED = int(os.environ.get("OPTIMD_TEST_SEED", random.randrange(1 << 30)))
+print("seed", SEED)
+
+SHAPES = [(31, 7), (1,), (0,), (4099,)]
+
+LAYOUTS = {
+    "fp32": dict(dtype=torch.float32),
+    "fp32_master": dict(dtype=torch.float32, master_weights=True),
+    "bf16_master": dict(dtype=torch.bfloat16),
+    "bf16_remainder": dict(dtype=torch.bfloat16, store_param_remainders=True),
+    "fp16_master": dict(dtype=torch.float16),
+    "bf16_moments_amsgrad_adam": dict(dtype=torch.float32,
+                                      exp_avg_dtype=torch.bfloat16,
+                                      amsgrad=True, adam_w_mode=False,
+                                      weight_decay=0.01),
+}
+
+
+def read_safetensors(path):
+    """An independent reader of the safetensors format."""
+    with open(path, "rb") as f:
+        data = f.read()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    body = data[8 + n:]
+    dtypes = {"F32": torch.float32, "BF16": torch.bfloat16,
+              "F16": torch.float16, "I16": torch.int16}
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        a, b = info["data_offsets"]
+        if b == a:
+            tensors[name] = torch.empty(0, dtype=dtypes[info["dtype"]])
+        else:
+            tensors[name] = torch.frombuffer(bytearray(body[a:b]),
+                                             dtype=dtypes[info["dtype"]])
+    return header, tensors
+
+
+class CheckpointTest(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="optimd-ckpt-")
+
+    def tearDown(self):
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def grads(self, step, shapes, dtype):
+        g = torch.Generator().manual_seed(SEED * 1000 + step)
+        return [torch.randn(*s, generator=g).to(dtype) for s in shapes]
+
+    def run_steps(self, opt, params, first, last, dtype):
+        for step in range(first, last):
+            for p, g in zip(params, self.grads(step, SHAPES, dtype)):
+                p.grad.copy_(g)
+            opt.step()
+
+    def make(self, daemon, init, layout, job):
+        kw = dict(layout)
+        dtype = kw.pop("dtype")
+        params = [torch.nn.Parameter(t.clone().to(dtype)) for t in init]
+        opt = AdamW(params, lr=1e-2, address=daemon.address, job_id=job, **kw)
+        return params, opt, dtype
+
+    def test_bit_exact_resume_across_daemon_restart(self):
+        gen = torch.Generator().manual_seed(SEED)
+        init = [torch.randn(*s, generator=gen) for s in SHAPES]
+        n = 15
+        for name, layout in LAYOUTS.items():
+            with self.subTest(layout=name):
+                # Run A: 2n steps without stopping.
+                with Daemon() as d:
+                    pa, oa, dtype = self.make(d, init, layout, "a-" + name)
+                    self.run_steps(oa, pa, 0, 2 * n, dtype)
+                    state_a = {k: {kk: vv.clone() for kk, vv in v.items()}
+                               for k, v in oa.state_dict()["state"].items()}
+                    params_a = [p.detach().clone() for p in pa]
+                # Run B: n steps, save, the daemon dies, a new one loads.
+                d1 = Daemon()
+                pb, ob, dtype = self.make(d1, init, layout, "b-" + name)
+                self.run_steps(ob, pb, 0, n, dtype)
+                reply = ob.save_checkpoint(self.dir)
+                self.assertTrue(reply.path.endswith(".safetensors"))
+                d1.process.kill()  # no clean shutdown
+                d1.stop()
+                with Daemon() as d2:
+                    zeros = [torch.zeros(s) for s in SHAPES]
+                    pc, oc, dtype = self.make(d2, zeros, layout, "b-" + name)
+                    oc.load_checkpoint(self.dir)
+                    self.run_steps(oc, pc, n, 2 * n, dtype)
+                    for p, q in zip(pc, params_a):
+                        self.assertTrue(torch.equal(p.detach(), q), name)
+                    state_c = oc.state_dict()["state"]
+                    self.assertEqual(sorted(state_c), sorted(state_a))
+                    for k in state_a:
+                        for kk in state_a[k]:
+                            self.assertTrue(
+                                torch.equal(state_c[k][kk], state_a[k][kk]),
+                                "%s %s %s" % (name, k, kk))
+
+    def test_file_is_safetensors_with_documented_names(self):
+        with Daemon() as d:
+            params = [torch.nn.Parameter(torch.randn(*s).to(torch.bfloat16))
+                      for s in SHAPES]
+            named = [("layer%d.weight" % i, p) for i, p in enumerate(params)]
+            opt = AdamW(named, lr=1e-3, address=d.address, job_id="fmt",
+                        store_param_remainders=True, amsgrad=True)
+            for p in params:
+                p.grad.copy_(torch.randn(p.shape).to(torch.bfloat16))
+            opt.step()
+            reply = opt.save_checkpoint(self.dir)
+            header, tensors = read_safetensors(reply.path)
+            meta = json.loads(header["__metadata__"]["optimd"])
+            self.assertEqual(meta["format_version"], 1)
+            self.assertEqual(meta["groups"][0]["step"], 1)
+            for i, p in enumerate(params):
+                base = "layer%d.weight" % i
+                for suffix in ("", ".remainder", ".exp_avg", ".exp_avg_sq",
+                               ".max_exp_avg_sq"):
+                    self.assertIn(base + suffix, tensors)
+                    self.assertIn(base + suffix, meta["crc32c"])
+                self.assertTrue(torch.equal(tensors[base],
+                                            p.detach().reshape(-1)))
+                self.assertEqual(tensors[base + ".exp_avg"].dtype,
+                                 torch.float32)
+            self.assertEqual(tensors["layer2.weight"].numel(), 0)
+            self.assertEqual(os.listdir(self.dir),
+                             [os.path.basename(reply.path)])
+            opt.close()
+
+    def test_bad_checkpoints_change_nothing(self):
+        with Daemon() as d:
+            p = torch.nn.Parameter(torch.randn(1000))
+            opt = AdamW([("w", p)], lr=1e-3, address=d.address, job_id="bad")
+            p.grad.copy_(torch.randn(1000))
+            opt.step()
+            path = opt.save_checkpoint(self.dir).path
+            good = open(path, "rb").read()
+            before = p.detach().clone()
+            state_before = {k: v.clone() for k, v in opt.state[p].items()}
+
+            def unchanged():
+                self.assertTrue(torch.equal(p.detach(), before))
+                for k, v in opt.state[p].items():
+                    self.assertTrue(torch.equal(v, state_before[k]), k)
+
+            from optimd.v1 import optimd_pb2 as pb
+            with self.assertRaises(optimd.InvalidArgumentError):
+                opt.client._call("LoadState",
+                                 pb.LoadStateRequest(directory="relative"))
+            with self.assertRaises(optimd.NotFoundError):
+                opt.load_checkpoint(os.path.join(self.dir, "missing"))
+            # Truncated.
+            with open(path, "wb") as f:
+                f.write(good[:len(good) // 2])
+            with self.assertRaises(optimd.OptimdError) as cm:
+                opt.load_checkpoint(self.dir)
+            self.assertEqual(cm.exception.code.name, "DATA_LOSS")
+            unchanged()
+            # Another format.
+            with open(path, "wb") as f:
+                f.write(b"PK\x03\x04 this is a zip file, not a checkpoint")
+            with self.assertRaises(optimd.InvalidArgumentError):
+                opt.load_checkpoint(self.dir)
+            unchanged()
+            # A newer format version.
+            with open(path, "wb") as f:
+                f.write(good.replace(b'\\"format_version\\":1',
+                                     b'\\"format_version\\":7'))
+            with self.assertRaises(optimd.InvalidArgumentError) as cm:
+                opt.load_checkpoint(self.dir)
+            self.assertIn("newer", str(cm.exception))
+            unchanged()
+            # Corrupt data: found part-way; steps are refused until a good
+            # load.
+            corrupt = bytearray(good)
+            corrupt[-5] ^= 0xFF
+            with open(path, "wb") as f:
+                f.write(bytes(corrupt))
+            with self.assertRaises(optimd.OptimdError) as cm:
+                opt.load_checkpoint(self.dir)
+            self.assertEqual(cm.exception.code.name, "DATA_LOSS")
+            self.assertIn("checksum", str(cm.exception))
+            with self.assertRaises(optimd.FailedPreconditionError):
+                opt.step()
+            with open(path, "wb") as f:
+                f.write(good)
+            opt.load_checkpoint(self.dir)
+            unchanged()
+            opt.step()
+            opt.close()
+        # A checkpoint of other shapes or layouts is refused whole.
+        with Daemon() as d:
+            q = torch.nn.Parameter(torch.randn(999))
+            opt = AdamW([("w", q)], lr=1e-3, address=d.address, job_id="bad")
+            q_before = q.detach().clone()
+            with open(path, "wb") as f:
+                f.write(good)
+            with self.assertRaises(optimd.FailedPreconditionError) as cm:
+                opt.load_checkpoint(self.dir)
+            self.assertIn("'w'", str(cm.exception))
+            self.assertTrue(torch.equal(q.detach(), q_before))
+            opt.close()
+
+    def test_state_dir_confines_paths(self):
+        allowed = os.path.join(self.dir, "allowed")
+        os.mkdir(allowed)
+        with Daemon(flags=["--state_dir=" + allowed]) as d:
+            p = torch.nn.Parameter(torch.randn(10))
+            opt = AdamW([p], address=d.address, job_id="confined")
+            with self.assertRaises(optimd.OptimdError) as cm:
+                opt.save_checkpoint(self.dir)
+            self.assertEqual(cm.exception.code.name, "PERMISSION_DENIED")
+            with self.assertRaises(optimd.OptimdError) as cm:
+                opt.save_checkpoint(os.path.join(allowed, ".."))
+            self.assertEqual(cm.exception.code.name, "PERMISSION_DENIED")
+            sub = os.path.join(allowed, "run1")
+            os.mkdir(sub)
+            self.assertTrue(opt.save_checkpoint(sub).path.startswith(sub))
+            # A failed save leaves no temporary file behind.
+            os.mkdir(os.path.join(allowed, "confined.rank-0.safetensors"))
+            with self.assertRaises(optimd.OptimdError):
+                opt.save_checkpoint(allowed)
+            self.assertEqual(sorted(os.listdir(allowed)),
+                             ["confined.rank-0.safetensors", "run1"])
+            opt.close()
+
+
+if __name__ == "__main__":
+    unittest.main()
