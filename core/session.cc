@@ -18,7 +18,7 @@ absl::Status CheckHyper(const GroupSpec& spec) {
   const AdamWHyper& h = spec.hyper;
   auto bad = [&](absl::string_view what, double v) {
     return absl::InvalidArgumentError(
-        absl::StrCat("group '", spec.id, "': invalid ", what, " ", v));
+        absl::StrCat("group '", spec.id, "': invalid ", what, ": ", v));
   };
   if (!std::isfinite(h.lr) || h.lr < 0) return bad("learning rate", h.lr);
   if (!(h.beta1 >= 0 && h.beta1 < 1)) return bad("beta1 (need 0 <= beta1 < 1)", h.beta1);
@@ -339,19 +339,32 @@ absl::StatusOr<StepResult> Session::Step(const StepRequestSpec& request) {
         "max_grad_norm must be >= 0 (0 disables clipping), got ",
         o.max_grad_norm));
   }
-  for (const auto& [id, lr] : request.lr_overrides) {
-    if (FindGroup(id) == nullptr) {
+  for (const HyperOverride& o : request.overrides) {
+    Group* g = FindGroup(o.group_id);
+    if (g == nullptr) {
       return absl::NotFoundError(absl::StrCat(
-          "lr override names group '", id,
+          "override names group '", o.group_id,
           "', which is not registered in this session"));
     }
-    if (!std::isfinite(lr) || lr < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "lr override for group '", id, "' must be >= 0, got ", lr));
-    }
+    GroupSpec check;
+    check.id = o.group_id;
+    check.hyper = g->hyper;
+    check.hyper.lr = o.lr;
+    if (o.beta1) check.hyper.beta1 = *o.beta1;
+    if (o.beta2) check.hyper.beta2 = *o.beta2;
+    if (o.eps) check.hyper.eps = *o.eps;
+    if (o.weight_decay) check.hyper.weight_decay = *o.weight_decay;
+    OPTIMD_RETURN_IF_ERROR(CheckHyper(check));
   }
   OPTIMD_RETURN_IF_ERROR(backend_->CheckMappings(mappings_));
-  for (const auto& [id, lr] : request.lr_overrides) FindGroup(id)->hyper.lr = lr;
+  for (const HyperOverride& o : request.overrides) {
+    AdamWHyper& h = FindGroup(o.group_id)->hyper;
+    h.lr = o.lr;
+    if (o.beta1) h.beta1 = *o.beta1;
+    if (o.beta2) h.beta2 = *o.beta2;
+    if (o.eps) h.eps = *o.eps;
+    if (o.weight_decay) h.weight_decay = *o.weight_decay;
+  }
 
   OPTIMD_ASSIGN_OR_RETURN(
       StepOutcome outcome,

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -37,10 +38,16 @@ struct RegisterResult {
   uint64_t plan_items = 0;
 };
 
+// Hyperparameter changes of one group from a step on.
+struct HyperOverride {
+  std::string group_id;
+  double lr = 0;
+  std::optional<double> beta1, beta2, eps, weight_decay;
+};
+
 struct StepRequestSpec {
   uint64_t step = 0;
-  // (group id, lr) overrides.
-  std::vector<std::pair<std::string, double>> lr_overrides;
+  std::vector<HyperOverride> overrides;
   StepOptions options;
 };
 

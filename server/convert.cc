@@ -154,7 +154,14 @@ StepRequestSpec StepSpecFromProto(const v1::StepRequest& request) {
   StepRequestSpec spec;
   spec.step = request.step();
   for (const auto& o : request.overrides()) {
-    spec.lr_overrides.emplace_back(o.group_id(), o.lr());
+    HyperOverride h;
+    h.group_id = o.group_id();
+    h.lr = o.lr();
+    if (o.has_beta1()) h.beta1 = o.beta1();
+    if (o.has_beta2()) h.beta2 = o.beta2();
+    if (o.has_eps()) h.eps = o.eps();
+    if (o.has_weight_decay()) h.weight_decay = o.weight_decay();
+    spec.overrides.push_back(std::move(h));
   }
   spec.options.grad_scale = request.grad_scale() == 0 ? 1.0
                                                       : request.grad_scale();

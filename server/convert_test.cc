@@ -51,8 +51,9 @@ TEST(ConvertTest, StepDefaults) {
   StepRequestSpec s = StepSpecFromProto(r);
   EXPECT_EQ(s.options.grad_scale, 1.0);
   EXPECT_EQ(s.options.max_grad_norm, 0.0);
-  ASSERT_EQ(s.lr_overrides.size(), 1u);
-  EXPECT_EQ(s.lr_overrides[0].second, 0.1);
+  ASSERT_EQ(s.overrides.size(), 1u);
+  EXPECT_EQ(s.overrides[0].lr, 0.1);
+  EXPECT_FALSE(s.overrides[0].beta1.has_value());
 }
 
 }  // namespace

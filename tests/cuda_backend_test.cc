@@ -371,7 +371,11 @@ TEST_F(CudaBackendTest, ClippingAndLrOverrides) {
     twin.FillGrads(false);
     StepRequestSpec s;
     s.options.max_grad_norm = step % 2 ? 1.0 : 1e6;
-    s.lr_overrides = {{"g", 1e-2 * (step + 1)}};
+    HyperOverride o;
+    o.group_id = "g";
+    o.lr = 1e-2 * (step + 1);
+    o.beta1 = 0.85 + 0.01 * step;
+    s.overrides = {o};
     twin.Step(s, /*exact=*/false);
   }
 }

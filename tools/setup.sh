@@ -8,6 +8,7 @@ PACKAGES=(
   g++ libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev googletest libbenchmark-dev nlohmann-json3-dev
   python3-grpcio python3-protobuf python3-torch python3-numpy
+  python3-pip python3-setuptools python3-venv
 )
 
 missing=()

@@ -102,6 +102,31 @@ class TorchClientTest(unittest.TestCase):
             self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-4)
         opt.close()
 
+    def test_one_cycle_scheduler_changes_lr_and_betas(self):
+        torch.manual_seed(SEED)
+        ours = mlp()
+        theirs = mlp()
+        theirs.load_state_dict(ours.state_dict())
+        opt = self.make(ours.parameters(), lr=1e-3)
+        ref = torch.optim.AdamW(theirs.parameters(), lr=1e-3)
+        scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1e-2,
+                                                      total_steps=40)
+                  for o in (opt, ref)]
+        for step in range(40):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(ours(self.x), self.y).backward()
+            for p, q in zip(ours.parameters(), theirs.parameters()):
+                q.grad = p.grad.clone()
+            opt.step()
+            ref.step()
+            for s in scheds:
+                s.step()
+            for p, q in zip(ours.parameters(), theirs.parameters()):
+                self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6,
+                                     "step %d" % step)
+        self.assertNotEqual(opt.param_groups[0]["betas"][0], 0.9)
+        opt.close()
+
     def test_parameters_keep_identity_and_grads_live_in_shared_memory(self):
         model = mlp()
         before = [id(p) for p in model.parameters()]
@@ -209,11 +234,11 @@ class TorchClientTest(unittest.TestCase):
         self.assertIn("sparse", str(cm.exception))
         opt.close()
         q = torch.nn.Parameter(torch.randn(3))
-        opt = self.make([q], job_id="betas")
-        opt.param_groups[0]["betas"] = (0.8, 0.9)
+        opt = self.make([q], job_id="amsgrad")
+        opt.param_groups[0]["amsgrad"] = True
         with self.assertRaises(ValueError) as cm:
             opt.step()
-        self.assertIn("betas", str(cm.exception))
+        self.assertIn("amsgrad", str(cm.exception))
         opt.close()
 
 

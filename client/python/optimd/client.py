@@ -98,8 +98,11 @@ class Client:
         request = pb.StepRequest(step=step, grad_scale=grad_scale,
                                  max_grad_norm=max_grad_norm, wait=wait,
                                  assume_finite=assume_finite)
-        for group_id, lr in (lr_overrides or {}).items():
-            request.overrides.add(group_id=group_id, lr=lr)
+        for group_id, value in (lr_overrides or {}).items():
+            if isinstance(value, dict):
+                request.overrides.add(group_id=group_id, **value)
+            else:
+                request.overrides.add(group_id=group_id, lr=value)
         return self._call("Step", request)
 
     def get_params(self, group_ids=()):

@@ -40,7 +40,10 @@ _DTYPES = {
     torch.float16: pb.DTYPE_FLOAT16,
 }
 _TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
-_IMMUTABLE_KEYS = ("betas", "eps", "weight_decay", "amsgrad", "maximize")
+# Schedulers may change lr, betas, eps and weight_decay: each step sends
+# them. These define the state's shape and cannot change.
+_IMMUTABLE_KEYS = ("amsgrad", "maximize")
+_REGISTERED_KEYS = ("betas", "eps", "weight_decay", "amsgrad", "maximize")
 
 
 def _torch_adamw_defaults():
@@ -385,8 +388,9 @@ class AdamW(torch.optim.Optimizer):
                 if group[k] != g["snapshot"][k]:
                     raise ValueError(
                         "param_groups[%s]['%s'] changed from %r to %r; "
-                        "optimd.torch.AdamW lets only 'lr' change after "
-                        "construction" % (g["id"], k, g["snapshot"][k],
+                        "optimd.torch.AdamW cannot change it after "
+                        "construction (it decides the state's layout)" %
+                        (g["id"], k, g["snapshot"][k],
                                           group[k]))
         if self._buffers_in_place():
             return
@@ -418,8 +422,13 @@ class AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._sync_buffers()
-        overrides = {g["id"]: float(group["lr"])
-                     for g, group in zip(self._groups, self.param_groups)}
+        overrides = {
+            g["id"]: dict(lr=float(group["lr"]),
+                          beta1=float(group["betas"][0]),
+                          beta2=float(group["betas"][1]),
+                          eps=float(group["eps"]),
+                          weight_decay=float(group["weight_decay"]))
+            for g, group in zip(self._groups, self.param_groups)}
         if self._ready_event is not None:
             self._ready_event.record()
         reply = self._client.step(
@@ -497,7 +506,7 @@ class AdamW(torch.optim.Optimizer):
                                  "optimizer's group")
         saved_state = state_dict["state"]
         for gi, (g, sg, mine) in enumerate(zip(groups, saved, self._groups)):
-            old = {k: g[k] for k in _IMMUTABLE_KEYS}
+            old = {k: g[k] for k in _REGISTERED_KEYS}
             for k, v in sg.items():
                 if k != "params":
                     g[k] = tuple(v) if k == "betas" else v

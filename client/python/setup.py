@@ -1,0 +1,50 @@
+"""pip install ./client/python  (offline: add --no-build-isolation)
+
+Installs the optimd package with its gRPC stubs, generated here from
+proto/optimd/v1/optimd.proto with protoc and grpc_python_plugin (Debian's
+protobuf-compiler and protobuf-compiler-grpc) when the source tree is at
+hand. Uses the torch, grpcio and protobuf already installed.
+"""
+import os
+import shutil
+import subprocess
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROTO_ROOT = os.path.normpath(os.path.join(HERE, "..", "..", "proto"))
+PROTO = os.path.join(PROTO_ROOT, "optimd", "v1", "optimd.proto")
+
+
+class BuildWithStubs(build_py):
+    """Generates optimd/v1/optimd_pb2*.py into the build directory."""
+
+    def run(self):
+        super().run()
+        out = self.build_lib
+        stubs = os.path.join(out, "optimd", "v1", "optimd_pb2.py")
+        if os.path.exists(PROTO) and shutil.which("protoc"):
+            plugin = shutil.which("grpc_python_plugin") or \
+                "/usr/bin/grpc_python_plugin"
+            subprocess.check_call([
+                "protoc", "-I" + PROTO_ROOT, "--python_out=" + out,
+                "--grpc_python_out=" + out,
+                "--plugin=protoc-gen-grpc_python=" + plugin, PROTO])
+        elif not os.path.exists(stubs):
+            raise SystemExit(
+                "cannot generate the gRPC stubs: install protoc and "
+                "grpc_python_plugin (tools/setup.sh) and install from the "
+                "optimd source tree")
+
+
+setup(
+    name="optimd",
+    version="0.1.0",
+    description="Python client of the optimd optimizer-step daemon, with "
+                "optimd.torch.AdamW, a drop-in torch.optim.AdamW",
+    packages=["optimd", "optimd.v1"],
+    python_requires=">=3.9",
+    install_requires=[],  # torch, grpcio and protobuf: use the installed ones
+    cmdclass={"build_py": BuildWithStubs},
+)

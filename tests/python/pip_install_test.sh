@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# `pip install ./client/python` works offline with the packages already on
+# the machine, generates the gRPC stubs, and the installed package imports
+# and talks to a real daemon.
+set -euo pipefail
+root="$PWD"
+target="$(mktemp -d /tmp/optimd-pip.XXXXXX)"
+trap 'rm -rf "$target"' EXIT
+# pip builds in a copy of the source; give it the proto tree beside it, as in
+# the repository.
+src="$target/src"
+mkdir -p "$src/client" "$src/proto/optimd/v1"
+cp -rL "$root/client/python" "$src/client/python"
+rm -f "$src/client/python/optimd/v1/"*_pb2*.py
+cp -L "$root/proto/optimd/v1/optimd.proto" "$src/proto/optimd/v1/"
+/usr/bin/python3 -m pip install --quiet --no-build-isolation --no-deps \
+  --no-index --target "$target/site" "$src/client/python"
+test -f "$target/site/optimd/v1/optimd_pb2_grpc.py"
+cd "$target"
+OPTIMD_BINARY="$root/server/optimd" PYTHONPATH="$target/site" /usr/bin/python3 - <<'PY'
+import torch
+import optimd
+from optimd.testing import Daemon
+from optimd.torch import AdamW
+assert optimd.__file__.startswith("/tmp/"), optimd.__file__
+with Daemon() as d:
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = AdamW([p], lr=0.1, address=d.address, job_id="pip")
+    p.grad.fill_(0.5)
+    opt.step()
+    assert abs(p[0].item() - 0.899) < 1e-6, p
+    opt.close()
+print("installed package works")
+PY
