@@ -134,6 +134,10 @@ class Backend {
   virtual absl::Status CopyFromHost(const uint8_t* src, uint8_t* dst,
                                     uint64_t bytes) = 0;
 
+  // Host memory for staging and snapshots (pinned on the CUDA backend, so
+  // device copies into it run at full speed).
+  virtual absl::StatusOr<StateStorage> AllocateHostStaging(uint64_t bytes);
+
   Counters& counters() { return counters_; }
 
  private:

@@ -179,10 +179,8 @@ std::string CrcHex(uint32_t crc) {
   return buf;
 }
 
-// The full header JSON (crc values are fixed-width, so the length does not
-// depend on them).
-std::string HeaderJson(const std::vector<Group*>& groups,
-                       const std::vector<Entry>& entries) {
+// The checkpoint's metadata, without the crc32c values.
+json MetaJson(const std::vector<Group*>& groups) {
   json meta;
   meta["format_version"] = kCheckpointFormatVersion;
   json jgroups = json::array();
@@ -203,6 +201,12 @@ std::string HeaderJson(const std::vector<Group*>& groups,
     jgroups.push_back(jg);
   }
   meta["groups"] = jgroups;
+  return meta;
+}
+
+// The full header JSON (crc values are fixed-width, so the length does not
+// depend on them).
+std::string HeaderJson(json meta, const std::vector<Entry>& entries) {
   json crcs = json::object();
   for (const Entry& e : entries) crcs[e.name] = CrcHex(e.crc);
   meta["crc32c"] = crcs;
@@ -339,13 +343,20 @@ absl::StatusOr<std::string> ResolveCheckpointDir(
   return dir;
 }
 
-absl::StatusOr<CheckpointResult> SaveCheckpoint(
-    const std::string& path, const std::vector<Group*>& groups,
-    Backend* backend, const CheckpointOptions& options) {
+namespace {
+
+// Writes `entries` (data in `backend` memory) atomically to `path`.
+absl::StatusOr<CheckpointResult> WriteCheckpoint(
+    const std::string& path, const json& meta, std::vector<Entry> entries,
+    Backend* backend, const CheckpointOptions& options,
+    SaveProgress* progress) {
   const double t0 = Seconds();
-  std::vector<Entry> entries = Entries(groups);
-  const std::string header = HeaderJson(groups, entries);
+  const std::string header = HeaderJson(meta, entries);
   const uint64_t data_start = 8 + header.size();
+  const uint64_t total =
+      data_start +
+      (entries.empty() ? 0 : entries.back().offset + entries.back().bytes);
+  if (progress != nullptr) progress->total_bytes.store(total);
   const std::string dir = path.substr(0, path.rfind('/'));
   const std::string tmp = absl::StrCat(path, ".tmp-", getpid(), "-",
                                        std::random_device{}());
@@ -363,8 +374,9 @@ absl::StatusOr<CheckpointResult> SaveCheckpoint(
     absl::Status s =
         streamer.Save(fd.get(), e, data_start + e.offset, tmp, &e.crc);
     if (!s.ok()) return fail(s);
+    if (progress != nullptr) progress->bytes_written.fetch_add(e.bytes);
   }
-  const std::string final_header = HeaderJson(groups, entries);
+  const std::string final_header = HeaderJson(meta, entries);
   if (final_header.size() != header.size()) {
     return fail(absl::InternalError("checkpoint header changed size"));
   }
@@ -381,13 +393,101 @@ absl::StatusOr<CheckpointResult> SaveCheckpoint(
     return fail(ErrnoStatus(errno, absl::StrCat("renaming to ", path)));
   }
   OPTIMD_RETURN_IF_ERROR(FsyncDir(dir));
+  if (progress != nullptr) progress->bytes_written.store(total);
   CheckpointResult r;
   r.path = path;
-  r.bytes = data_start + (entries.empty() ? 0 : entries.back().offset +
-                                                     entries.back().bytes);
+  r.bytes = total;
   r.peak_staging_bytes = streamer.peak_staging();
   r.seconds = Seconds() - t0;
   return r;
+}
+
+// Reads and writes host memory directly (snapshots).
+class HostMemory final : public Backend {
+ public:
+  BackendKind kind() const override { return BackendKind::kCpu; }
+  bool HostAddressable() const override { return true; }
+  absl::StatusOr<BufferRef> ResolveBuffer(const BufferHandle&, uint64_t,
+                                          const std::string&) override {
+    return absl::UnimplementedError("host memory view");
+  }
+  absl::StatusOr<StateStorage> AllocateState(uint64_t) override {
+    return absl::UnimplementedError("host memory view");
+  }
+  absl::Status PrepareGroup(Group&) override { return absl::OkStatus(); }
+  void UpdatePlanEntry(Group&, uint32_t) override {}
+  absl::StatusOr<std::unique_ptr<SessionContext>> OpenSession(
+      int, const std::string&, std::string*) override {
+    return absl::UnimplementedError("host memory view");
+  }
+  absl::StatusOr<StepOutcome> Step(SessionContext*, const std::vector<Group*>&,
+                                   const StepOptions&) override {
+    return absl::UnimplementedError("host memory view");
+  }
+  absl::Status WriteParams(Group&) override { return absl::OkStatus(); }
+  absl::Status CheckMappings(
+      const std::vector<std::shared_ptr<const void>>&) override {
+    return absl::OkStatus();
+  }
+  absl::Status CopyToHost(const uint8_t* src, uint8_t* dst,
+                          uint64_t n) override {
+    std::memcpy(dst, src, n);
+    return absl::OkStatus();
+  }
+  absl::Status CopyFromHost(const uint8_t* src, uint8_t* dst,
+                            uint64_t n) override {
+    std::memcpy(dst, src, n);
+    return absl::OkStatus();
+  }
+};
+
+}  // namespace
+
+absl::StatusOr<CheckpointResult> SaveCheckpoint(
+    const std::string& path, const std::vector<Group*>& groups,
+    Backend* backend, const CheckpointOptions& options) {
+  return WriteCheckpoint(path, MetaJson(groups), Entries(groups), backend,
+                         options, nullptr);
+}
+
+struct CheckpointSnapshot::Data {
+  json meta;
+  std::vector<Entry> entries;
+  StateStorage buffer;
+};
+
+CheckpointSnapshot::CheckpointSnapshot() : data_(new Data()) {}
+CheckpointSnapshot::~CheckpointSnapshot() = default;
+
+uint64_t CheckpointSnapshot::bytes() const { return data_->buffer.size(); }
+
+absl::StatusOr<std::unique_ptr<CheckpointSnapshot>> TakeSnapshot(
+    const std::vector<Group*>& groups, Backend* backend) {
+  auto snap = std::unique_ptr<CheckpointSnapshot>(new CheckpointSnapshot());
+  CheckpointSnapshot::Data& d = *snap->data_;
+  d.meta = MetaJson(groups);
+  d.entries = Entries(groups);
+  uint64_t total = 0;
+  for (const Entry& e : d.entries) total = std::max(total, e.offset + e.bytes);
+  OPTIMD_ASSIGN_OR_RETURN(d.buffer,
+                          backend->AllocateHostStaging(std::max<uint64_t>(
+                              total, 1)));
+  for (Entry& e : d.entries) {
+    if (e.bytes > 0) {
+      OPTIMD_RETURN_IF_ERROR(
+          backend->CopyToHost(e.data, d.buffer.data() + e.offset, e.bytes));
+    }
+    e.data = d.buffer.data() + e.offset;
+  }
+  return snap;
+}
+
+absl::StatusOr<CheckpointResult> WriteSnapshot(
+    const std::string& path, const CheckpointSnapshot& snapshot,
+    const CheckpointOptions& options, SaveProgress* progress) {
+  HostMemory host;
+  return WriteCheckpoint(path, snapshot.data_->meta, snapshot.data_->entries,
+                         &host, options, progress);
 }
 
 absl::StatusOr<CheckpointResult> LoadCheckpoint(

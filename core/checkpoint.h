@@ -18,6 +18,7 @@
 #ifndef OPTIMD_CORE_CHECKPOINT_H_
 #define OPTIMD_CORE_CHECKPOINT_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -59,6 +60,43 @@ absl::StatusOr<std::string> ResolveCheckpointDir(
 absl::StatusOr<CheckpointResult> SaveCheckpoint(
     const std::string& path, const std::vector<Group*>& groups,
     Backend* backend, const CheckpointOptions& options);
+
+// Progress of a save, readable from other threads.
+struct SaveProgress {
+  std::atomic<uint64_t> bytes_written{0};
+  std::atomic<uint64_t> total_bytes{0};
+};
+
+// A consistent host copy of a session's state (and parameters), taken at a
+// step boundary, that a background thread writes while steps go on.
+class CheckpointSnapshot {
+ public:
+  ~CheckpointSnapshot();
+  CheckpointSnapshot(const CheckpointSnapshot&) = delete;
+  CheckpointSnapshot& operator=(const CheckpointSnapshot&) = delete;
+  // Host memory the snapshot holds.
+  uint64_t bytes() const;
+
+ private:
+  friend absl::StatusOr<std::unique_ptr<CheckpointSnapshot>> TakeSnapshot(
+      const std::vector<Group*>&, Backend*);
+  friend absl::StatusOr<CheckpointResult> WriteSnapshot(
+      const std::string&, const CheckpointSnapshot&, const CheckpointOptions&,
+      SaveProgress*);
+  struct Data;
+  CheckpointSnapshot();
+  std::unique_ptr<Data> data_;
+};
+
+// Copies the groups' state into host memory (pinned on the CUDA backend).
+absl::StatusOr<std::unique_ptr<CheckpointSnapshot>> TakeSnapshot(
+    const std::vector<Group*>& groups, Backend* backend);
+
+// Writes a snapshot to `path` atomically; thread-compatible, touches no
+// session state.
+absl::StatusOr<CheckpointResult> WriteSnapshot(
+    const std::string& path, const CheckpointSnapshot& snapshot,
+    const CheckpointOptions& options, SaveProgress* progress);
 
 // Loads state in place. On a checksum mismatch found part-way, returns
 // DATA_LOSS with *partially_written set: the state is then a mix and must

@@ -1,6 +1,10 @@
 #include "core/group.h"
 
 #include <algorithm>
+#include <cstdlib>
+
+#include "absl/strings/str_cat.h"
+#include "core/backend.h"
 
 namespace optimd {
 
@@ -28,6 +32,18 @@ void BuildPlan(Group& group, uint64_t chunk_elements) {
     in_task += plan.items[i].end - plan.items[i].begin;
   }
   group.plan = std::move(plan);
+}
+
+absl::StatusOr<StateStorage> Backend::AllocateHostStaging(uint64_t bytes) {
+  constexpr uint64_t kAlign = 64;
+  const uint64_t rounded = (bytes + kAlign - 1) / kAlign * kAlign;
+  void* p = std::aligned_alloc(kAlign, rounded);
+  if (p == nullptr) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot allocate ", bytes, " bytes of host memory"));
+  }
+  return StateStorage(static_cast<uint8_t*>(p), bytes,
+                      [](uint8_t* q) { std::free(q); });
 }
 
 }  // namespace optimd

@@ -1,6 +1,7 @@
 #include "core/session.h"
 
 #include <array>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -56,7 +57,13 @@ Session::Session(SessionIdentity identity, Backend* backend,
   PublishInfo();
 }
 
-Session::~Session() { budget_->Release(state_bytes_); }
+Session::~Session() {
+  {
+    absl::MutexLock lock(&save_mu_);
+    if (save_ != nullptr && save_->thread.joinable()) save_->thread.join();
+  }
+  budget_->Release(state_bytes_);
+}
 
 Group* Session::FindGroup(const std::string& id) {
   for (auto& g : groups_) {
@@ -634,21 +641,76 @@ absl::Status Session::WriteState(const std::string& group_id, uint64_t step,
 }
 
 absl::StatusOr<CheckpointResult> Session::SaveState(
-    const std::string& directory, const CheckpointOptions& options) {
+    const std::string& directory, const CheckpointOptions& options,
+    bool background) {
   absl::MutexLock lock(&mu_);
   if (needs_load_) {
     return absl::FailedPreconditionError(
         "the session's state is mixed after a failed load; refusing to save "
         "it (load a good checkpoint first)");
   }
+  {
+    absl::MutexLock save_lock(&save_mu_);
+    if (save_ != nullptr && !save_->done.load()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "a background save to ", save_->path, " is still writing (",
+          save_->progress.bytes_written.load(), " of ",
+          save_->progress.total_bytes.load(),
+          " bytes); wait for it (GetSaveStatus) before saving again"));
+    }
+    if (save_ != nullptr && save_->thread.joinable()) save_->thread.join();
+  }
   OPTIMD_ASSIGN_OR_RETURN(std::string dir,
                           ResolveCheckpointDir(directory, options));
   OPTIMD_RETURN_IF_ERROR(backend_->CheckMappings(mappings_));
   OPTIMD_RETURN_IF_ERROR(backend_->SyncGroupCounters(step_groups_));
-  return SaveCheckpoint(
-      absl::StrCat(dir, "/",
-                   CheckpointFileName(identity_.job_id, identity_.rank)),
-      step_groups_, backend_, options);
+  const std::string path = absl::StrCat(
+      dir, "/", CheckpointFileName(identity_.job_id, identity_.rank));
+  if (!background) {
+    return SaveCheckpoint(path, step_groups_, backend_, options);
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  OPTIMD_ASSIGN_OR_RETURN(std::shared_ptr<CheckpointSnapshot> snapshot,
+                          TakeSnapshot(step_groups_, backend_));
+  auto save = std::make_unique<BackgroundSave>();
+  save->path = path;
+  BackgroundSave* raw = save.get();
+  raw->started = std::chrono::duration<double>(t0.time_since_epoch()).count();
+  raw->thread = std::thread([raw, snapshot, options, t0] {
+    auto r = WriteSnapshot(raw->path, *snapshot, options, &raw->progress);
+    raw->result = r.status();
+    raw->seconds = std::chrono::duration<double>(
+                       std::chrono::steady_clock::now() - t0)
+                       .count();
+    raw->done.store(true);
+  });
+  CheckpointResult result;
+  result.path = path;
+  result.bytes = snapshot->bytes();
+  result.seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+          .count();
+  absl::MutexLock save_lock(&save_mu_);
+  save_ = std::move(save);
+  return result;
+}
+
+Session::SaveStatusInfo Session::SaveStatus() const {
+  absl::MutexLock lock(&save_mu_);
+  SaveStatusInfo info;
+  if (save_ == nullptr) return info;
+  info.path = save_->path;
+  info.bytes_written = save_->progress.bytes_written.load();
+  info.total_bytes = save_->progress.total_bytes.load();
+  if (!save_->done.load()) {
+    info.state = SaveStatusInfo::kRunning;
+    return info;
+  }
+  info.state = save_->result.ok() ? SaveStatusInfo::kSucceeded
+                                  : SaveStatusInfo::kFailed;
+  info.error = save_->result;
+  info.seconds = save_->seconds;
+  return info;
 }
 
 absl::StatusOr<CheckpointResult> Session::LoadState(

@@ -14,6 +14,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -134,9 +135,25 @@ class Session {
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // Writes the session's state to `directory`/CheckpointFileName(...).
+  // With `background`, returns once a consistent host copy is taken (the
+  // result's `bytes` is the snapshot's size) and writes it on a thread of its
+  // own while steps go on; SaveStatus reports progress. A save requested
+  // while a background save is still writing is FAILED_PRECONDITION.
   absl::StatusOr<CheckpointResult> SaveState(const std::string& directory,
-                                             const CheckpointOptions& options)
+                                             const CheckpointOptions& options,
+                                             bool background = false)
       ABSL_LOCKS_EXCLUDED(mu_);
+
+  struct SaveStatusInfo {
+    enum State { kNone, kRunning, kSucceeded, kFailed } state = kNone;
+    std::string path;
+    uint64_t bytes_written = 0;
+    uint64_t total_bytes = 0;
+    absl::Status error;
+    double seconds = 0;
+  };
+  // The last background save's progress. Never waits for a step.
+  SaveStatusInfo SaveStatus() const ABSL_LOCKS_EXCLUDED(save_mu_);
   // Loads the session's state from `directory` in place. After a failure
   // part-way (a corrupt tensor), steps are refused until a load succeeds.
   absl::StatusOr<CheckpointResult> LoadState(const std::string& directory,
@@ -182,6 +199,19 @@ class Session {
   uint64_t skipped_steps_ ABSL_GUARDED_BY(mu_) = 0;
   // Set when a load failed after changing state; cleared by a good load.
   bool needs_load_ ABSL_GUARDED_BY(mu_) = false;
+
+  // The background save, behind its own mutex so that status calls never
+  // wait for a step.
+  struct BackgroundSave {
+    SaveProgress progress;
+    std::thread thread;
+    std::string path;
+    std::atomic<bool> done{false};
+    absl::Status result;  // valid once done
+    double started = 0, seconds = 0;
+  };
+  mutable absl::Mutex save_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  std::unique_ptr<BackgroundSave> save_ ABSL_GUARDED_BY(save_mu_);
 
   // The admin view, behind its own mutex so that ListSessions and
   // GetMetrics never wait for a running step.

@@ -145,6 +145,19 @@ class CudaBackend final : public Backend {
                                    const StepOptions& options) override;
   absl::Status WriteParams(Group& group) override;
   absl::Status SyncGroupCounters(const std::vector<Group*>& groups) override;
+  absl::StatusOr<StateStorage> AllocateHostStaging(uint64_t bytes) override {
+    OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
+    void* p = nullptr;
+    const cudaError_t e = cudaMallocHost(&p, std::max<uint64_t>(bytes, 1));
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "cannot allocate ", bytes, " bytes of pinned host memory: ",
+          cudaGetErrorString(e)));
+    }
+    return StateStorage(static_cast<uint8_t*>(p), bytes,
+                        [](uint8_t* q) { cudaFreeHost(q); });
+  }
   absl::Status SetGroupStep(Group& group, uint64_t step) override;
   absl::Status CheckMappings(
       const std::vector<std::shared_ptr<const void>>&) override {

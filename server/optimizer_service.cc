@@ -218,13 +218,47 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::SaveState(
     v1::SaveStateResponse* response) {
   return OnWorker(context, [this, request,
                             response](Session& s) -> absl::Status {
-    auto r = s.SaveState(request->directory(), checkpoint_options_);
+    auto r = s.SaveState(request->directory(), checkpoint_options_,
+                         request->background());
     if (!r.ok()) return r.status();
     response->set_path(r->path);
     response->set_bytes(r->bytes);
     response->set_seconds(r->seconds);
     return absl::OkStatus();
   });
+}
+
+grpc::ServerUnaryReactor* OptimizerServiceImpl::GetSaveStatus(
+    grpc::CallbackServerContext* context, const v1::GetSaveStatusRequest*,
+    v1::GetSaveStatusResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto session = SessionOf(context);
+  if (!session.ok()) {
+    reactor->Finish(ToGrpcStatus(session.status()));
+    return reactor;
+  }
+  const Session::SaveStatusInfo info = (*session)->SaveStatus();
+  switch (info.state) {
+    case Session::SaveStatusInfo::kNone:
+      response->set_state(v1::SAVE_STATE_UNSPECIFIED);
+      break;
+    case Session::SaveStatusInfo::kRunning:
+      response->set_state(v1::SAVE_STATE_RUNNING);
+      break;
+    case Session::SaveStatusInfo::kSucceeded:
+      response->set_state(v1::SAVE_STATE_SUCCEEDED);
+      break;
+    case Session::SaveStatusInfo::kFailed:
+      response->set_state(v1::SAVE_STATE_FAILED);
+      response->set_error(info.error.ToString());
+      break;
+  }
+  response->set_path(info.path);
+  response->set_bytes_written(info.bytes_written);
+  response->set_total_bytes(info.total_bytes);
+  response->set_seconds(info.seconds);
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::LoadState(

@@ -69,6 +69,10 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
   grpc::ServerUnaryReactor* SaveState(grpc::CallbackServerContext* context,
                                       const v1::SaveStateRequest* request,
                                       v1::SaveStateResponse* response) override;
+  grpc::ServerUnaryReactor* GetSaveStatus(
+      grpc::CallbackServerContext* context,
+      const v1::GetSaveStatusRequest* request,
+      v1::GetSaveStatusResponse* response) override;
   grpc::ServerUnaryReactor* LoadState(grpc::CallbackServerContext* context,
                                       const v1::LoadStateRequest* request,
                                       v1::LoadStateResponse* response) override;

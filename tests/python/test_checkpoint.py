@@ -218,6 +218,42 @@ class CheckpointTest(unittest.TestCase):
             self.assertTrue(torch.equal(q.detach(), q_before))
             opt.close()
 
+    def test_background_save_is_consistent_while_steps_go_on(self):
+        with Daemon() as d:
+            big = torch.nn.Parameter(torch.randn(40_000_000))
+            small = torch.nn.Parameter(torch.randn(100))
+            opt = AdamW([("big", big), ("small", small)], lr=1e-3,
+                        address=d.address, job_id="bg")
+            for _ in range(2):
+                big.grad.normal_()
+                small.grad.normal_()
+                opt.step()
+            at_save = small.detach().clone()
+            big_at_save = big.detach()[:1000].clone()
+            reply = opt.save_checkpoint(self.dir, background=True)
+            self.assertGreater(reply.bytes, 40_000_000 * 12)
+            # A second save while the first is writing is refused.
+            with self.assertRaises(optimd.FailedPreconditionError) as cm:
+                opt.save_checkpoint(self.dir)
+            self.assertIn("still writing", str(cm.exception))
+            # Steps go on meanwhile.
+            for _ in range(3):
+                big.grad.normal_()
+                small.grad.normal_()
+                opt.step()
+            st = opt.wait_for_save()
+            self.assertEqual(st.bytes_written, st.total_bytes)
+            self.assertTrue(os.path.exists(st.path))
+            header, tensors = read_safetensors(st.path)
+            # The file holds the state at the save, not after the later steps.
+            self.assertTrue(torch.equal(tensors["small"], at_save))
+            self.assertTrue(torch.equal(tensors["big"][:1000], big_at_save))
+            self.assertFalse(torch.equal(tensors["small"], small.detach()))
+            self.assertEqual(
+                json.loads(header["__metadata__"]["optimd"])["groups"][0]
+                ["step"], 2)
+            opt.close()
+
     def test_state_dir_confines_paths(self):
         allowed = os.path.join(self.dir, "allowed")
         os.mkdir(allowed)

@@ -116,9 +116,12 @@ class Client:
     def set_state(self, request):
         return self._call("SetState", request)
 
-    def save_state(self, directory):
+    def save_state(self, directory, background=False):
         return self._call("SaveState", pb.SaveStateRequest(
-            directory=os.path.abspath(directory)))
+            directory=os.path.abspath(directory), background=background))
+
+    def save_status(self):
+        return self._call("GetSaveStatus", pb.GetSaveStatusRequest())
 
     def load_state(self, directory):
         return self._call("LoadState", pb.LoadStateRequest(

@@ -537,10 +537,30 @@ class AdamW(torch.optim.Optimizer):
         self.state.invalidate()
 
     # Checkpoints written by the daemon.
-    def save_checkpoint(self, directory):
+    def save_checkpoint(self, directory, background=False):
         """The daemon writes this trainer's optimizer state and parameters to
-        <directory>/<job>.rank-<rank>.safetensors (atomically)."""
-        return self._client.save_state(directory)
+        <directory>/<job>.rank-<rank>.safetensors (atomically). With
+        background=True it returns once a consistent copy is taken and writes
+        it while training goes on; see save_status()."""
+        return self._client.save_state(directory, background=background)
+
+    def save_status(self):
+        """Progress of the last background save: state, bytes_written,
+        total_bytes, error."""
+        return self._client.save_status()
+
+    def wait_for_save(self, poll_s=0.05):
+        """Blocks until the last background save finished; raises
+        optimd.OptimdError if it failed."""
+        import time as _time
+        while True:
+            st = self._client.save_status()
+            if st.state != pb.SAVE_STATE_RUNNING:
+                if st.state == pb.SAVE_STATE_FAILED:
+                    raise errors.OptimdError("background save failed: " +
+                                             st.error)
+                return st
+            _time.sleep(poll_s)
 
     def load_checkpoint(self, directory):
         """The daemon loads state and parameters from a save_checkpoint
