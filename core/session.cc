@@ -478,7 +478,8 @@ void FromFloat(DType d, const float* src, uint64_t n, void* out) {
 }  // namespace
 
 absl::StatusOr<std::vector<GroupState>> Session::ReadState(
-    const std::vector<std::string>& group_ids) {
+    const std::vector<std::string>& group_ids, bool with_data,
+    const std::vector<std::string>& tensors, uint64_t max_bytes) {
   absl::MutexLock lock(&mu_);
   std::vector<Group*> targets;
   if (group_ids.empty()) {
@@ -495,6 +496,28 @@ absl::StatusOr<std::vector<GroupState>> Session::ReadState(
   }
   OPTIMD_RETURN_IF_ERROR(backend_->CheckMappings(mappings_));
   OPTIMD_RETURN_IF_ERROR(backend_->SyncGroupCounters(targets));
+  const std::set<std::string> wanted(tensors.begin(), tensors.end());
+  for (const std::string& name : wanted) {
+    if (tensor_names_.count(name) == 0) {
+      return absl::NotFoundError(absl::StrCat(
+          "tensor '", name, "' is not registered in this session"));
+    }
+  }
+  auto selected = [&](const TensorEntry& t) {
+    return with_data && (wanted.empty() || wanted.count(t.name) > 0);
+  };
+  uint64_t bytes = 0;
+  for (const Group* g : targets) {
+    for (const TensorEntry& t : g->tensors) {
+      if (selected(t)) bytes += t.numel * 4 + t.StateBytes();
+    }
+  }
+  if (bytes > max_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the requested state is ", bytes, " bytes, more than ", max_bytes,
+        " fit in one reply; ask for fewer tensors (tensor_names) or use "
+        "SaveState"));
+  }
   std::vector<GroupState> out;
   for (Group* g : targets) {
     GroupState gs;
@@ -502,6 +525,7 @@ absl::StatusOr<std::vector<GroupState>> Session::ReadState(
     gs.step = g->step;
     gs.hyper = g->hyper;
     for (const TensorEntry& t : g->tensors) {
+      if (!selected(t)) continue;
       const uint64_t n = t.numel;
       auto raw = [&](const uint8_t* src, uint64_t bytes,
                      std::string* dst) -> absl::Status {

@@ -126,8 +126,13 @@ class Session {
 
   // Never waits for a running step.
   // Copies the state of groups to host memory (empty `group_ids`: all).
+  // `with_data` false: counters and hyperparameters only. `tensors` limits
+  // the data to those tensors (empty: all). More than `max_bytes` of data
+  // is RESOURCE_EXHAUSTED.
   absl::StatusOr<std::vector<GroupState>> ReadState(
-      const std::vector<std::string>& group_ids) ABSL_LOCKS_EXCLUDED(mu_);
+      const std::vector<std::string>& group_ids, bool with_data = true,
+      const std::vector<std::string>& tensors = {},
+      uint64_t max_bytes = ~uint64_t{0}) ABSL_LOCKS_EXCLUDED(mu_);
   // Overwrites a group's step counter and the given state buffers. Every
   // blob is checked before anything is written.
   absl::Status WriteState(const std::string& group_id, uint64_t step,

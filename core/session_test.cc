@@ -173,6 +173,25 @@ TEST_F(SessionTest, ShrunkSegmentFailsTheStepNotTheDaemon) {
             absl::StatusCode::kFailedPrecondition);
 }
 
+TEST_F(SessionTest, ReadStateLimitsAndFilters) {
+  GroupSpec spec;
+  spec.id = "g";
+  spec.tensors = {Fp32Tensor("a", 100, 0), Fp32Tensor("b", 10, 512)};
+  ASSERT_TRUE(session_.RegisterGroup(spec).ok());
+  // 100 elements x (4 bytes of master + 8 of moments) exceed 1000 bytes.
+  EXPECT_EQ(session_.ReadState({}, true, {}, 1000).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  auto only_b = session_.ReadState({}, true, {"b"}, 1000);
+  ASSERT_TRUE(only_b.ok()) << only_b.status();
+  ASSERT_EQ((*only_b)[0].tensors.size(), 3u);  // master, exp_avg, exp_avg_sq
+  EXPECT_EQ((*only_b)[0].tensors[0].tensor, "b");
+  auto meta = session_.ReadState({}, false);
+  ASSERT_TRUE(meta.ok());
+  EXPECT_TRUE((*meta)[0].tensors.empty());
+  EXPECT_EQ(session_.ReadState({}, true, {"zzz"}).status().code(),
+            absl::StatusCode::kNotFound);
+}
+
 TEST(SessionRegistryTest, TokensResumeAndClose) {
   CpuBackend backend(CpuBackend::Options{1, 64});
   StateBudget budget(0);

@@ -194,7 +194,12 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::GetState(
   return OnWorker(context, [request, response](Session& s) -> absl::Status {
     std::vector<std::string> ids(request->group_ids().begin(),
                                  request->group_ids().end());
-    auto state = s.ReadState(ids);
+    std::vector<std::string> tensors(request->tensor_names().begin(),
+                                     request->tensor_names().end());
+    // Replies stay well below protobuf's 2 GiB message limit.
+    constexpr uint64_t kMaxReplyData = uint64_t{1} << 30;
+    auto state = s.ReadState(ids, !request->metadata_only(), tensors,
+                             kMaxReplyData);
     if (!state.ok()) return state.status();
     for (const GroupState& g : *state) {
       GroupStateToProto(g, response->add_groups());

@@ -109,9 +109,10 @@ class Client:
         return self._call("GetParams",
                           pb.GetParamsRequest(group_ids=list(group_ids)))
 
-    def get_state(self, group_ids=()):
-        return self._call("GetState",
-                          pb.GetStateRequest(group_ids=list(group_ids)))
+    def get_state(self, group_ids=(), metadata_only=False, tensor_names=()):
+        return self._call("GetState", pb.GetStateRequest(
+            group_ids=list(group_ids), metadata_only=metadata_only,
+            tensor_names=list(tensor_names)))
 
     def set_state(self, request):
         return self._call("SetState", request)

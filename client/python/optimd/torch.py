@@ -453,8 +453,27 @@ class AdamW(torch.optim.Optimizer):
 
     # State.
     def _fetch_state(self):
-        reply = self._client.get_state()
-        by_group = {gs.group_id: gs for gs in reply.groups}
+        # Tensor by tensor in batches, so that no reply nears the daemon's
+        # per-reply limit.
+        names = [s.name for g in self._groups for s in g["slots"]
+                 if not s.frozen]
+        by_group = {gs.group_id: gs for gs in
+                    self._client.get_state(metadata_only=True).groups}
+        budget, batch, batches = 256 << 20, [], []
+        size = 0
+        sizes = {s.name: s.numel * 16 for g in self._groups
+                 for s in g["slots"]}
+        for n in names:
+            if batch and size + sizes[n] > budget:
+                batches.append(batch)
+                batch, size = [], 0
+            batch.append(n)
+            size += sizes[n]
+        if batch:
+            batches.append(batch)
+        for b in batches:
+            for gs in self._client.get_state(tensor_names=b).groups:
+                by_group[gs.group_id].tensors.extend(gs.tensors)
         out = {}
         for g in self._groups:
             gs = by_group[g["id"]]
@@ -566,7 +585,8 @@ class AdamW(torch.optim.Optimizer):
         """The daemon loads state and parameters from a save_checkpoint
         directory, in place. The groups must be registered as when saved."""
         reply = self._client.load_state(directory)
-        for group, g in zip(self.param_groups, self.client.get_state().groups):
+        groups = self.client.get_state(metadata_only=True).groups
+        for group, g in zip(self.param_groups, groups):
             group["lr"] = g.hyperparameters.lr
         self.state.invalidate()
         return reply
