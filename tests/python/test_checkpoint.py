@@ -16,6 +16,10 @@ from optimd.torch import AdamW
 
 SEED = int(os.environ.get("OPTIMD_TEST_SEED", random.randrange(1 << 30)))
 print("seed", SEED)
+# OPTIMD_TEST_DEVICE=cuda runs the resume test on the CUDA backend (GPU
+# machine); the default is the CPU backend.
+DEVICE = os.environ.get("OPTIMD_TEST_DEVICE", "cpu")
+BACKEND = "cuda" if DEVICE.startswith("cuda") else "cpu"
 
 SHAPES = [(31, 7), (1,), (0,), (4099,)]
 
@@ -68,13 +72,14 @@ class CheckpointTest(unittest.TestCase):
     def run_steps(self, opt, params, first, last, dtype):
         for step in range(first, last):
             for p, g in zip(params, self.grads(step, SHAPES, dtype)):
-                p.grad.copy_(g)
+                p.grad.copy_(g.to(p.device))
             opt.step()
 
     def make(self, daemon, init, layout, job):
         kw = dict(layout)
         dtype = kw.pop("dtype")
-        params = [torch.nn.Parameter(t.clone().to(dtype)) for t in init]
+        params = [torch.nn.Parameter(t.clone().to(dtype).to(DEVICE))
+                  for t in init]
         opt = AdamW(params, lr=1e-2, address=daemon.address, job_id=job, **kw)
         return params, opt, dtype
 
@@ -85,33 +90,34 @@ class CheckpointTest(unittest.TestCase):
         for name, layout in LAYOUTS.items():
             with self.subTest(layout=name):
                 # Run A: 2n steps without stopping.
-                with Daemon() as d:
+                with Daemon(backend=BACKEND) as d:
                     pa, oa, dtype = self.make(d, init, layout, "a-" + name)
                     self.run_steps(oa, pa, 0, 2 * n, dtype)
-                    state_a = {k: {kk: vv.clone() for kk, vv in v.items()}
+                    state_a = {k: {kk: vv.cpu().clone() for kk, vv in v.items()}
                                for k, v in oa.state_dict()["state"].items()}
-                    params_a = [p.detach().clone() for p in pa]
+                    params_a = [p.detach().cpu().clone() for p in pa]
                 # Run B: n steps, save, the daemon dies, a new one loads.
-                d1 = Daemon()
+                d1 = Daemon(backend=BACKEND)
                 pb, ob, dtype = self.make(d1, init, layout, "b-" + name)
                 self.run_steps(ob, pb, 0, n, dtype)
                 reply = ob.save_checkpoint(self.dir)
                 self.assertTrue(reply.path.endswith(".safetensors"))
                 d1.process.kill()  # no clean shutdown
                 d1.stop()
-                with Daemon() as d2:
+                with Daemon(backend=BACKEND) as d2:
                     zeros = [torch.zeros(s) for s in SHAPES]
                     pc, oc, dtype = self.make(d2, zeros, layout, "b-" + name)
                     oc.load_checkpoint(self.dir)
                     self.run_steps(oc, pc, n, 2 * n, dtype)
                     for p, q in zip(pc, params_a):
-                        self.assertTrue(torch.equal(p.detach(), q), name)
+                        self.assertTrue(torch.equal(p.detach().cpu(), q), name)
                     state_c = oc.state_dict()["state"]
                     self.assertEqual(sorted(state_c), sorted(state_a))
                     for k in state_a:
                         for kk in state_a[k]:
                             self.assertTrue(
-                                torch.equal(state_c[k][kk], state_a[k][kk]),
+                                torch.equal(state_c[k][kk].cpu(),
+                                            state_a[k][kk]),
                                 "%s %s %s" % (name, k, kk))
 
     def test_file_is_safetensors_with_documented_names(self):
