@@ -294,6 +294,7 @@ class Streamer {
         staging_bytes_(staging_bytes) {}
 
   uint64_t peak_staging() const { return staging_.size(); }
+  absl::Status status() const { return status_; }
 
   // Queues an entry's bytes on `writer` (directly from host memory, or
   // through the staging buffer, flushing it when full).
@@ -305,6 +306,7 @@ class Streamer {
       uint64_t n = e.bytes - done;
       if (!direct_) {
         Grow(staging_bytes_);
+        OPTIMD_RETURN_IF_ERROR(status_);
         if (staging_used_ == staging_bytes_) {
           OPTIMD_RETURN_IF_ERROR(writer->Flush());
           staging_used_ = 0;
@@ -337,6 +339,7 @@ class Streamer {
         c = Crc32cExtend(c, dst, n);
       } else {
         Grow(n);
+        OPTIMD_RETURN_IF_ERROR(status_);
         OPTIMD_RETURN_IF_ERROR(
             ReadAll(fd, staging_.data(), n, file_offset + done, path));
         c = Crc32cExtend(c, staging_.data(), n);
@@ -349,14 +352,23 @@ class Streamer {
   }
 
  private:
+  // The staging buffer comes from the backend: pinned host memory on the
+  // CUDA backend, so device copies run at full speed.
   void Grow(uint64_t n) {
-    if (staging_.size() < n) staging_.resize(n);
+    if (staging_.size() >= n || !status_.ok()) return;
+    auto s = backend_->AllocateHostStaging(std::max(n, staging_bytes_));
+    if (s.ok()) {
+      staging_ = *std::move(s);
+    } else {
+      status_ = s.status();
+    }
   }
 
   Backend* const backend_;
   const bool direct_;
   const uint64_t staging_bytes_;
-  std::vector<uint8_t> staging_;
+  StateStorage staging_;
+  absl::Status status_;
   uint64_t staging_used_ = 0;
 };
 

@@ -150,6 +150,39 @@ class CheckpointTest(unittest.TestCase):
                              [os.path.basename(reply.path)])
             opt.close()
 
+    def test_checkpoint_to_torch_state_dict_and_back(self):
+        from optimd.checkpoint import to_torch_state_dict
+        torch.manual_seed(SEED)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(),
+                                    torch.nn.Linear(5, 1))
+        twin = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(),
+                                   torch.nn.Linear(5, 1))
+        with Daemon() as d:
+            opt = AdamW(model.named_parameters(), lr=1e-2, address=d.address,
+                        job_id="interop")
+            x = torch.randn(32, 6)
+            for _ in range(4):
+                opt.zero_grad()
+                model(x).pow(2).mean().backward()
+                opt.step()
+            path = opt.save_checkpoint(self.dir).path
+            shapes = {n: p.shape for n, p in model.named_parameters()}
+            sd, params, _ = to_torch_state_dict(path, shapes)
+            # The checkpoint alone restores the model and a torch optimizer.
+            twin.load_state_dict(params)
+            ref = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+            ref.load_state_dict(sd)
+            for _ in range(3):
+                for m, o in ((model, opt), (twin, ref)):
+                    o.zero_grad()
+                    m(x).pow(2).mean().backward()
+                    o.step()
+            for p, q in zip(model.parameters(), twin.parameters()):
+                err = (p.detach() - q.detach()).abs().max()
+                self.assertLessEqual(err.item(),
+                                     1e-6 * q.detach().abs().max().item())
+            opt.close()
+
     def test_bad_checkpoints_change_nothing(self):
         with Daemon() as d:
             p = torch.nn.Parameter(torch.randn(1000))

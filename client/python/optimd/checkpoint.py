@@ -1,0 +1,85 @@
+"""Daemon checkpoints (SaveState files) as torch.optim state dicts.
+
+The mapping, for a file <job>.rank-<r>.safetensors:
+  * param_groups[i]: the saved group i's hyperparameters (lr, betas, eps,
+    weight_decay, amsgrad, maximize) and `params`: the indices of its
+    tensors, numbered across groups in order, as torch numbers them.
+  * state[index]: for each tensor with optimizer state, `step` (a float
+    tensor, torch's convention), `exp_avg`, `exp_avg_sq` and, with amsgrad,
+    `max_exp_avg_sq`, shaped 1-D as saved (reshape to the parameter's shape
+    before loading into a model's optimizer, or pass `shapes`).
+  * Parameters themselves are returned separately (`<name>` tensors), with
+    fp32 masters as `<name>.master` where the layout keeps one (remainder
+    layouts: the master rebuilt from the bf16 parameter and its int16
+    remainder).
+from_torch_state_dict() goes the other way for optimd.torch.AdamW's
+load_state_dict, which accepts torch's format directly.
+"""
+import json
+import struct
+
+import torch
+
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16,
+           "F16": torch.float16, "I16": torch.int16}
+
+
+def read_checkpoint(path):
+    """(metadata dict, {name: 1-D tensor}) of a daemon checkpoint."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        body = f.read()
+    meta = json.loads(header.pop("__metadata__")["optimd"])
+    tensors = {}
+    for name, info in header.items():
+        a, b = info["data_offsets"]
+        dtype = _DTYPES[info["dtype"]]
+        tensors[name] = (torch.frombuffer(bytearray(body[a:b]), dtype=dtype)
+                         if b > a else torch.empty(0, dtype=dtype))
+    return meta, tensors
+
+
+def _master(name, tensors):
+    if name + ".master" in tensors:
+        return tensors[name + ".master"]
+    if name + ".remainder" in tensors:
+        hi = tensors[name].view(torch.int16).to(torch.int32) & 0xFFFF
+        rem = tensors[name + ".remainder"].to(torch.int32)
+        hi = (hi - (rem < 0).to(torch.int32)) & 0xFFFF
+        bits = (hi << 16) | (rem & 0xFFFF)
+        return bits.view(torch.float32)
+    return None
+
+
+def to_torch_state_dict(path, shapes=None):
+    """A daemon checkpoint as (optimizer state_dict in torch's format,
+    {parameter name: tensor}, {parameter name: fp32 master}).
+
+    `shapes`: optional {parameter name: shape} to reshape state tensors."""
+    meta, tensors = read_checkpoint(path)
+    state, groups, params, masters = {}, [], {}, {}
+    index = 0
+    for g in meta["groups"]:
+        h = g["hyperparameters"]
+        ids = []
+        for t in g["tensors"]:
+            name = t["name"]
+            shape = (shapes or {}).get(name, (t["numel"],))
+            params[name] = tensors[name].reshape(shape)
+            m = _master(name, tensors)
+            if m is not None:
+                masters[name] = m.reshape(shape)
+            if not t["frozen"] and g["step"] > 0:
+                entry = {"step": torch.tensor(float(g["step"]))}
+                for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                    if name + "." + k in tensors:
+                        entry[k] = tensors[name + "." + k].reshape(shape)
+                state[index] = entry
+            ids.append(index)
+            index += 1
+        groups.append(dict(lr=h["lr"], betas=(h["beta1"], h["beta2"]),
+                           eps=h["eps"], weight_decay=h["weight_decay"],
+                           amsgrad=h["amsgrad"], maximize=h["maximize"],
+                           params=ids))
+    return {"state": state, "param_groups": groups}, params, masters
