@@ -20,6 +20,7 @@ ABSL_FLAG(std::string, target, "", "Daemon address.");
 ABSL_FLAG(int, device, -1, "-1: CPU backend; N: CUDA device N.");
 ABSL_FLAG(int, steps, 2000, "Timed steps.");
 ABSL_FLAG(bool, wait, false, "StepRequest.wait (CUDA).");
+ABSL_FLAG(bool, stream, false, "Step over StepStream instead of unary Step.");
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
@@ -75,7 +76,8 @@ int main(int argc, char** argv) {
   std::vector<double> us;
   for (int i = 0; i < 200 + absl::GetFlag(FLAGS_steps); ++i) {
     const auto t0 = std::chrono::steady_clock::now();
-    auto r = (*client)->Step(sr);
+    auto r = absl::GetFlag(FLAGS_stream) ? (*client)->StreamStep(sr)
+                                          : (*client)->Step(sr);
     const auto t1 = std::chrono::steady_clock::now();
     if (!r.ok()) {
       std::fprintf(stderr, "%s\n", r.status().ToString().c_str());
@@ -84,8 +86,9 @@ int main(int argc, char** argv) {
     if (i >= 200) us.push_back(std::chrono::duration<double>(t1 - t0).count() * 1e6);
   }
   std::sort(us.begin(), us.end());
-  std::printf("Step round trip (%s backend, %zu steps%s): p50 %.1f us, p99 "
+  std::printf("%s round trip (%s backend, %zu steps%s): p50 %.1f us, p99 "
               "%.1f us, max %.1f us\n",
+              absl::GetFlag(FLAGS_stream) ? "StepStream" : "Step",
               device < 0 ? "cpu" : "cuda", us.size(),
               absl::GetFlag(FLAGS_wait) ? ", wait" : "", us[us.size() / 2],
               us[us.size() * 99 / 100], us.back());

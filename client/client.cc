@@ -54,6 +54,12 @@ absl::StatusOr<v1::CreateSessionResponse> Client::CreateSession(
 }
 
 absl::Status Client::CloseSession() {
+  if (stream_ != nullptr) {
+    stream_->WritesDone();
+    (void)stream_->Finish();
+    stream_.reset();
+    stream_context_.reset();
+  }
   grpc::ClientContext context;
   Prepare(&context);
   v1::CloseSessionResponse response;
@@ -96,6 +102,27 @@ absl::StatusOr<v1::StepResponse> Client::Step(const v1::StepRequest& request) {
   v1::StepResponse response;
   absl::Status s = FromGrpcStatus(stub_->Step(&context, request, &response));
   if (!s.ok()) return s;
+  return response;
+}
+
+absl::StatusOr<v1::StepResponse> Client::StreamStep(
+    const v1::StepRequest& request) {
+  if (stream_ == nullptr) {
+    stream_context_ = std::make_unique<grpc::ClientContext>();
+    if (!token_.empty()) {
+      stream_context_->AddMetadata("x-optimd-session", token_);
+    }
+    stream_ = stub_->StepStream(stream_context_.get());
+  }
+  v1::StepResponse response;
+  if (!stream_->Write(request) || !stream_->Read(&response)) {
+    stream_->WritesDone();
+    absl::Status s = FromGrpcStatus(stream_->Finish());
+    stream_.reset();
+    stream_context_.reset();
+    if (s.ok()) s = absl::UnavailableError("step stream closed");
+    return s;
+  }
   return response;
 }
 

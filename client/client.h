@@ -40,6 +40,8 @@ class Client {
   absl::Status UnregisterGroup(const std::string& group_id);
   absl::Status UpdateBuffers(const v1::UpdateBuffersRequest& request);
   absl::StatusOr<v1::StepResponse> Step(const v1::StepRequest& request);
+  // Steps over the session's StepStream (opened on first use, kept open).
+  absl::StatusOr<v1::StepResponse> StreamStep(const v1::StepRequest& request);
   absl::StatusOr<v1::GetParamsResponse> GetParams(
       const v1::GetParamsRequest& request);
   absl::StatusOr<v1::ListSessionsResponse> ListSessions();
@@ -59,6 +61,9 @@ class Client {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Optimizer::Stub> stub_;
   std::string token_;
+  std::unique_ptr<grpc::ClientContext> stream_context_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::StepRequest, v1::StepResponse>>
+      stream_;
 };
 
 // gRPC status to absl::Status (same code table), keeping the message.

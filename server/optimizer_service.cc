@@ -153,26 +153,105 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::UpdateBuffers(
   });
 }
 
+absl::Status OptimizerServiceImpl::RunStep(Session& s,
+                                           const v1::StepRequest& request,
+                                           v1::StepResponse* response,
+                                           absl::Time start) {
+  for (const v1::UpdateBuffersRequest& u : request.buffer_updates()) {
+    auto updates = BufferUpdatesFromProto(u);
+    if (!updates.ok()) return updates.status();
+    absl::Status st = s.UpdateBuffers(u.group_id(), *updates);
+    if (!st.ok()) return st;
+  }
+  auto result = s.Step(StepSpecFromProto(request));
+  if (!result.ok()) return result.status();
+  response->set_known(result->outcome.known);
+  response->set_current(result->outcome.current);
+  response->set_skipped(result->outcome.skipped);
+  response->set_grad_norm(result->outcome.grad_norm);
+  for (const auto& [id, step] : result->group_steps) {
+    auto* g = response->add_groups();
+    g->set_group_id(id);
+    g->set_step(step);
+  }
+  step_latency_.Observe(absl::ToDoubleSeconds(absl::Now() - start));
+  return absl::OkStatus();
+}
+
 grpc::ServerUnaryReactor* OptimizerServiceImpl::Step(
     grpc::CallbackServerContext* context, const v1::StepRequest* request,
     v1::StepResponse* response) {
   const absl::Time start = absl::Now();
   return OnWorker(context, [this, request, response,
                             start](Session& s) -> absl::Status {
-    auto result = s.Step(StepSpecFromProto(*request));
-    if (!result.ok()) return result.status();
-    response->set_known(result->outcome.known);
-    response->set_current(result->outcome.current);
-    response->set_skipped(result->outcome.skipped);
-    response->set_grad_norm(result->outcome.grad_norm);
-    for (const auto& [id, step] : result->group_steps) {
-      auto* g = response->add_groups();
-      g->set_group_id(id);
-      g->set_step(step);
-    }
-    step_latency_.Observe(absl::ToDoubleSeconds(absl::Now() - start));
-    return absl::OkStatus();
+    return RunStep(s, *request, response, start);
   });
+}
+
+// Reads one request, runs it on the session's worker, writes its response,
+// then reads the next: steps of a stream are strictly ordered.
+class OptimizerServiceImpl::StepStreamReactor final
+    : public grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse> {
+ public:
+  StepStreamReactor(OptimizerServiceImpl* service,
+                    std::shared_ptr<Session> session, DeviceWorker* worker)
+      : service_(service), session_(std::move(session)), worker_(worker) {
+    StartRead(&request_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the client closed its side
+      Finish(grpc::Status::OK);
+      return;
+    }
+    const absl::Time start = absl::Now();
+    worker_->Post([this, start] {
+      response_.Clear();
+      absl::Status s = service_->RunStep(*session_, request_, &response_, start);
+      if (!s.ok()) {
+        Finish(ToGrpcStatus(s));
+        return;
+      }
+      StartWrite(&response_);
+    });
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "stream closed"));
+      return;
+    }
+    StartRead(&request_);
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  OptimizerServiceImpl* const service_;
+  const std::shared_ptr<Session> session_;
+  DeviceWorker* const worker_;
+  v1::StepRequest request_;
+  v1::StepResponse response_;
+};
+
+grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>*
+OptimizerServiceImpl::StepStream(grpc::CallbackServerContext* context) {
+  auto session = SessionOf(context);
+  if (draining_.load() || !session.ok()) {
+    // A reactor that fails the stream at once.
+    class Refused final
+        : public grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse> {
+     public:
+      explicit Refused(grpc::Status s) { Finish(std::move(s)); }
+      void OnDone() override { delete this; }
+    };
+    return new Refused(draining_.load()
+                           ? grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                          "optimd is shutting down")
+                           : ToGrpcStatus(session.status()));
+  }
+  DeviceWorker* worker = WorkerFor(**session);
+  return new StepStreamReactor(this, *std::move(session), worker);
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::GetParams(

@@ -57,6 +57,8 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
   grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* context,
                                  const v1::StepRequest* request,
                                  v1::StepResponse* response) override;
+  grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* StepStream(
+      grpc::CallbackServerContext* context) override;
   grpc::ServerUnaryReactor* GetParams(grpc::CallbackServerContext* context,
                                       const v1::GetParamsRequest* request,
                                       v1::GetParamsResponse* response) override;
@@ -86,6 +88,13 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
       v1::GetMetricsResponse* response) override;
 
  private:
+  class StepStreamReactor;
+
+  // One step of `session` (on its device worker): buffer updates, the step,
+  // the reply. Shared by Step and StepStream.
+  absl::Status RunStep(Session& session, const v1::StepRequest& request,
+                       v1::StepResponse* response, absl::Time start);
+
   // The session named by the call's metadata, or UNAUTHENTICATED.
   absl::StatusOr<std::shared_ptr<Session>> SessionOf(
       grpc::CallbackServerContext* context) const;

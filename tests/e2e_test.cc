@@ -417,6 +417,42 @@ TEST_F(E2eTest, SegmentShrunkAfterRegistration) {
             StatusCode::kFailedPrecondition);
 }
 
+TEST_F(E2eTest, StepStreamOrdersStepsAndEndsOnError) {
+  OpenSession(client_.get());
+  ASSERT_TRUE(client_->RegisterGroup(Group("g", {Tensor("w", 8, 0)})).ok());
+  for (int i = 0; i < 8; ++i) grads_->as<float>()[i] = 0.25f;
+  for (uint64_t step = 1; step <= 20; ++step) {
+    auto r = client_->StreamStep(v1::StepRequest());
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->groups(0).step(), step);
+  }
+  // A bad request ends the stream with its status; the next step reopens it.
+  v1::StepRequest bad;
+  bad.set_grad_scale(-1);
+  EXPECT_EQ(client_->StreamStep(bad).status().code(),
+            StatusCode::kInvalidArgument);
+  auto again = client_->StreamStep(v1::StepRequest());
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->groups(0).step(), 21u);
+  // Buffer updates travel with a step.
+  auto other = *SharedMemoryRegion::Create(64);
+  for (int i = 0; i < 8; ++i) other->as<float>()[i] = NAN;
+  v1::StepRequest moved;
+  auto* u = moved.add_buffer_updates();
+  u->set_group_id("g");
+  auto* t = u->add_tensors();
+  t->set_name("w");
+  *t->mutable_grad() = other->Handle(0, 32);
+  auto r = client_->StreamStep(moved);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->skipped());  // the new gradient buffer (NaN) was used
+  EXPECT_EQ(client_->GetMetrics()->plan_entry_updates(), 1u);
+  // Without a token the stream is refused.
+  auto anonymous = Connect();
+  EXPECT_EQ(anonymous->StreamStep(v1::StepRequest()).status().code(),
+            StatusCode::kUnauthenticated);
+}
+
 TEST(E2eBudgetTest, RegistrationPastMaxStateBytes) {
   auto d = DaemonProcess::Start({"--max_state_bytes=100"});
   ASSERT_TRUE(d.ok()) << d.status();
