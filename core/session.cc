@@ -65,6 +65,21 @@ Session::~Session() {
   budget_->Release(state_bytes_);
 }
 
+absl::StatusOr<std::vector<Group*>> Session::Targets(
+    const std::vector<std::string>& group_ids) {
+  if (group_ids.empty()) return step_groups_;
+  std::vector<Group*> targets;
+  for (const std::string& id : group_ids) {
+    Group* g = FindGroup(id);
+    if (g == nullptr) {
+      return absl::NotFoundError(absl::StrCat(
+          "group '", id, "' is not registered in this session"));
+    }
+    targets.push_back(g);
+  }
+  return targets;
+}
+
 Group* Session::FindGroup(const std::string& id) {
   for (auto& g : groups_) {
     if (g->id == id) return g.get();
@@ -402,19 +417,7 @@ absl::StatusOr<StepResult> Session::Step(const StepRequestSpec& request) {
 absl::StatusOr<uint64_t> Session::GetParams(
     const std::vector<std::string>& group_ids) {
   absl::MutexLock lock(&mu_);
-  std::vector<Group*> targets;
-  if (group_ids.empty()) {
-    targets = step_groups_;
-  } else {
-    for (const std::string& id : group_ids) {
-      Group* g = FindGroup(id);
-      if (g == nullptr) {
-        return absl::NotFoundError(absl::StrCat(
-            "group '", id, "' is not registered in this session"));
-      }
-      targets.push_back(g);
-    }
-  }
+  OPTIMD_ASSIGN_OR_RETURN(std::vector<Group*> targets, Targets(group_ids));
   for (Group* g : targets) {
     for (const TensorEntry& t : g->tensors) {
       if (t.numel > 0 && t.layout.master == MasterKind::kRemainder) {
@@ -481,19 +484,7 @@ absl::StatusOr<std::vector<GroupState>> Session::ReadState(
     const std::vector<std::string>& group_ids, bool with_data,
     const std::vector<std::string>& tensors, uint64_t max_bytes) {
   absl::MutexLock lock(&mu_);
-  std::vector<Group*> targets;
-  if (group_ids.empty()) {
-    targets = step_groups_;
-  } else {
-    for (const std::string& id : group_ids) {
-      Group* g = FindGroup(id);
-      if (g == nullptr) {
-        return absl::NotFoundError(absl::StrCat(
-            "group '", id, "' is not registered in this session"));
-      }
-      targets.push_back(g);
-    }
-  }
+  OPTIMD_ASSIGN_OR_RETURN(std::vector<Group*> targets, Targets(group_ids));
   OPTIMD_RETURN_IF_ERROR(backend_->CheckMappings(mappings_));
   OPTIMD_RETURN_IF_ERROR(backend_->SyncGroupCounters(targets));
   const std::set<std::string> wanted(tensors.begin(), tensors.end());

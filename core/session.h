@@ -180,6 +180,10 @@ class Session {
                                                     uint64_t* state_bytes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Group* FindGroup(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The named groups (all when empty), or NOT_FOUND.
+  absl::StatusOr<std::vector<Group*>> Targets(
+      const std::vector<std::string>& group_ids)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RefreshMappings() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Publishes the admin view (Info) after a change.
   void PublishInfo() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
