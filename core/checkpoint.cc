@@ -540,7 +540,42 @@ struct CheckpointSnapshot::Data {
   json meta;
   std::vector<Entry> entries;
   StateStorage buffer;
+  std::string prefix;  // 8-byte length + header, once checksummed
 };
+
+uint64_t CheckpointSnapshot::FileSize() {
+  Data& d = *data_;
+  if (d.prefix.empty()) {
+    for (Entry& e : d.entries) e.crc = Crc32cExtend(0, e.data, e.bytes);
+    const std::string header = HeaderJson(d.meta, d.entries);
+    const uint64_t hl = header.size();
+    d.prefix.resize(8);
+    for (int i = 0; i < 8; ++i) d.prefix[i] = static_cast<char>(hl >> (8 * i));
+    d.prefix += header;
+  }
+  uint64_t data = 0;
+  for (const Entry& e : d.entries) data = std::max(data, e.offset + e.bytes);
+  return d.prefix.size() + data;
+}
+
+void CheckpointSnapshot::ReadFile(uint64_t offset, uint64_t n, uint8_t* out) {
+  Data& d = *data_;
+  FileSize();
+  while (n > 0) {
+    if (offset < d.prefix.size()) {
+      const uint64_t k = std::min<uint64_t>(n, d.prefix.size() - offset);
+      std::memcpy(out, d.prefix.data() + offset, k);
+      out += k;
+      offset += k;
+      n -= k;
+      continue;
+    }
+    // The data section is the snapshot buffer, in entry order.
+    const uint64_t k = n;
+    std::memcpy(out, d.buffer.data() + (offset - d.prefix.size()), k);
+    return;
+  }
+}
 
 CheckpointSnapshot::CheckpointSnapshot() : data_(new Data()) {}
 CheckpointSnapshot::~CheckpointSnapshot() = default;

@@ -77,6 +77,12 @@ class CheckpointSnapshot {
   // Host memory the snapshot holds.
   uint64_t bytes() const;
 
+  // The snapshot as the bytes of a checkpoint file (the same bytes SaveState
+  // would write), for streaming. Computes the checksums on first use.
+  uint64_t FileSize();
+  // Copies file bytes [offset, offset + n) to `out`.
+  void ReadFile(uint64_t offset, uint64_t n, uint8_t* out);
+
  private:
   friend absl::StatusOr<std::unique_ptr<CheckpointSnapshot>> TakeSnapshot(
       const std::vector<Group*>&, Backend*);

@@ -728,18 +728,35 @@ Session::SaveStatusInfo Session::SaveStatus() const {
   return info;
 }
 
+absl::StatusOr<std::unique_ptr<CheckpointSnapshot>> Session::Snapshot() {
+  absl::MutexLock lock(&mu_);
+  if (needs_load_) {
+    return absl::FailedPreconditionError(
+        "the session's state is mixed after a failed load; load a good "
+        "checkpoint first");
+  }
+  OPTIMD_RETURN_IF_ERROR(backend_->CheckMappings(mappings_));
+  OPTIMD_RETURN_IF_ERROR(backend_->SyncGroupCounters(step_groups_));
+  return TakeSnapshot(step_groups_, backend_);
+}
+
 absl::StatusOr<CheckpointResult> Session::LoadState(
     const std::string& directory, const CheckpointOptions& options) {
-  absl::MutexLock lock(&mu_);
   OPTIMD_ASSIGN_OR_RETURN(std::string dir,
                           ResolveCheckpointDir(directory, options));
+  return LoadStateFile(
+      absl::StrCat(dir, "/",
+                   CheckpointFileName(identity_.job_id, identity_.rank)),
+      options);
+}
+
+absl::StatusOr<CheckpointResult> Session::LoadStateFile(
+    const std::string& path, const CheckpointOptions& options) {
+  absl::MutexLock lock(&mu_);
   OPTIMD_RETURN_IF_ERROR(backend_->CheckMappings(mappings_));
   OPTIMD_RETURN_IF_ERROR(backend_->SyncGroupCounters(step_groups_));
   bool partial = false;
-  auto r = LoadCheckpoint(
-      absl::StrCat(dir, "/",
-                   CheckpointFileName(identity_.job_id, identity_.rank)),
-      step_groups_, backend_, options, &partial);
+  auto r = LoadCheckpoint(path, step_groups_, backend_, options, &partial);
   if (!r.ok()) {
     if (partial) needs_load_ = true;
     return r.status();

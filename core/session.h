@@ -149,6 +149,14 @@ class Session {
                                              bool background = false)
       ABSL_LOCKS_EXCLUDED(mu_);
 
+  // A consistent snapshot of the session's state, for streaming it out.
+  absl::StatusOr<std::unique_ptr<CheckpointSnapshot>> Snapshot()
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Loads state from a checkpoint file at `path` (a streamed-in copy).
+  absl::StatusOr<CheckpointResult> LoadStateFile(
+      const std::string& path, const CheckpointOptions& options)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
   struct SaveStatusInfo {
     enum State { kNone, kRunning, kSucceeded, kFailed } state = kNone;
     std::string path;

@@ -1,5 +1,11 @@
 #include "server/optimizer_service.h"
 
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <thread>
+
 #include "absl/time/clock.h"
 #include "server/convert.h"
 
@@ -358,6 +364,253 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::LoadState(
     response->set_seconds(r->seconds);
     return absl::OkStatus();
   });
+}
+
+// Streams a snapshot's file bytes. A thread of its own computes the
+// checksums and produces one chunk at a time, waiting for each write to
+// complete before the next (flow control by the client's reads).
+class OptimizerServiceImpl::SaveStreamReactor final
+    : public grpc::ServerWriteReactor<v1::StateChunk> {
+ public:
+  SaveStreamReactor(std::shared_ptr<Session> session, DeviceWorker* worker,
+                    uint64_t chunk_bytes)
+      : chunk_bytes_(chunk_bytes) {
+    worker->Post([this, session = std::move(session)] {
+      auto snapshot = session->Snapshot();
+      if (!snapshot.ok()) {
+        Finish(ToGrpcStatus(snapshot.status()));
+        return;
+      }
+      snapshot_ = *std::move(snapshot);
+      producer_ = std::thread([this] { Produce(); });
+    });
+  }
+
+  void OnWriteDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    write_ok_ = ok;
+    writing_ = false;
+  }
+
+  void OnCancel() override {
+    absl::MutexLock lock(&mu_);
+    cancelled_ = true;
+  }
+
+  void OnDone() override {
+    if (producer_.joinable()) {
+      // OnDone may run inline in the producer's own Finish.
+      if (producer_.get_id() == std::this_thread::get_id()) {
+        producer_.detach();
+      } else {
+        producer_.join();
+      }
+    }
+    delete this;
+  }
+
+ private:
+  void Produce() {
+    const uint64_t total = snapshot_->FileSize();
+    for (uint64_t offset = 0; offset < total;) {
+      const uint64_t n = std::min(chunk_bytes_, total - offset);
+      chunk_.set_offset(offset);
+      chunk_.set_total_bytes(total);
+      chunk_.mutable_data()->resize(n);
+      snapshot_->ReadFile(offset, n,
+                          reinterpret_cast<uint8_t*>(chunk_.mutable_data()->data()));
+      {
+        absl::MutexLock lock(&mu_);
+        if (cancelled_) break;
+        writing_ = true;
+      }
+      StartWrite(&chunk_);
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(
+          +[](SaveStreamReactor* r) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+            return !r->writing_ || r->cancelled_;
+          },
+          this));
+      if (!write_ok_ || cancelled_) {
+        cancelled_ = true;
+        break;
+      }
+      offset += n;
+    }
+    bool cancelled;
+    {
+      absl::MutexLock lock(&mu_);
+      cancelled = cancelled_;
+    }
+    snapshot_.reset();
+    Finish(cancelled ? grpc::Status(grpc::StatusCode::CANCELLED,
+                                    "the client stopped reading")
+                     : grpc::Status::OK);
+  }
+
+  const uint64_t chunk_bytes_;
+  std::unique_ptr<CheckpointSnapshot> snapshot_;
+  v1::StateChunk chunk_;
+  std::thread producer_;
+  absl::Mutex mu_;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool write_ok_ ABSL_GUARDED_BY(mu_) = true;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+grpc::ServerWriteReactor<v1::StateChunk>*
+OptimizerServiceImpl::SaveStateStream(
+    grpc::CallbackServerContext* context,
+    const v1::SaveStateStreamRequest* request) {
+  auto session = SessionOf(context);
+  uint64_t chunk = request->chunk_bytes() == 0 ? (uint64_t{4} << 20)
+                                               : request->chunk_bytes();
+  if (!session.ok() || chunk > (uint64_t{64} << 20)) {
+    class Refused final : public grpc::ServerWriteReactor<v1::StateChunk> {
+     public:
+      explicit Refused(grpc::Status s) { Finish(std::move(s)); }
+      void OnDone() override { delete this; }
+    };
+    return new Refused(
+        !session.ok() ? ToGrpcStatus(session.status())
+                      : grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                     "chunk_bytes may be at most 64 MiB"));
+  }
+  DeviceWorker* worker = WorkerFor(**session);
+  return new SaveStreamReactor(*std::move(session), worker, chunk);
+}
+
+// Spools the streamed file to a private temporary file, then loads it on
+// the session's worker.
+class OptimizerServiceImpl::LoadStreamReactor final
+    : public grpc::ServerReadReactor<v1::StateChunk> {
+ public:
+  LoadStreamReactor(grpc::CallbackServerContext* context,
+                    std::shared_ptr<Session> session, DeviceWorker* worker,
+                    CheckpointOptions options, v1::LoadStateResponse* response)
+      : context_(context),
+        session_(std::move(session)),
+        worker_(worker),
+        options_(std::move(options)),
+        response_(response) {
+    const std::string dir =
+        options_.state_dir.empty() ? std::string("/tmp") : options_.state_dir;
+    path_ = dir + "/.optimd-load-XXXXXX";
+    fd_ = mkstemp(path_.data());
+    if (fd_ < 0) {
+      Finish(grpc::Status(grpc::StatusCode::INTERNAL,
+                          "cannot create a spool file in " + dir + ": " +
+                              std::strerror(errno)));
+      return;
+    }
+    StartRead(&chunk_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (ok) {
+      if (chunk_.offset() != received_ ||
+          (total_ != 0 && chunk_.total_bytes() != total_)) {
+        Fail(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "chunks must arrive in order with one total_bytes; "
+                          "expected offset " + std::to_string(received_)));
+        return;
+      }
+      total_ = chunk_.total_bytes();
+      const std::string& d = chunk_.data();
+      if (received_ + d.size() > total_) {
+        Fail(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "chunks run past total_bytes"));
+        return;
+      }
+      for (size_t done = 0; done < d.size();) {
+        const ssize_t w = pwrite(fd_, d.data() + done, d.size() - done,
+                                 received_ + done);
+        if (w < 0) {
+          Fail(grpc::Status(errno == ENOSPC
+                                ? grpc::StatusCode::RESOURCE_EXHAUSTED
+                                : grpc::StatusCode::INTERNAL,
+                            std::string("spooling the stream: ") +
+                                std::strerror(errno)));
+          return;
+        }
+        done += w;
+      }
+      received_ += d.size();
+      StartRead(&chunk_);
+      return;
+    }
+    if (context_->IsCancelled()) {
+      Fail(grpc::Status(grpc::StatusCode::CANCELLED,
+                        "the stream broke; nothing was loaded"));
+      return;
+    }
+    if (total_ == 0 || received_ != total_) {
+      Fail(grpc::Status(grpc::StatusCode::DATA_LOSS,
+                        "the stream ended after " + std::to_string(received_) +
+                            " of " + std::to_string(total_) +
+                            " bytes; nothing was loaded"));
+      return;
+    }
+    worker_->Post([this] {
+      auto r = session_->LoadStateFile(path_, options_);
+      Cleanup();
+      if (!r.ok()) {
+        Finish(ToGrpcStatus(r.status()));
+        return;
+      }
+      response_->set_path("(stream)");
+      response_->set_bytes(r->bytes);
+      response_->set_peak_staging_bytes(r->peak_staging_bytes);
+      response_->set_seconds(r->seconds);
+      Finish(grpc::Status::OK);
+    });
+  }
+
+  void OnDone() override {
+    Cleanup();
+    delete this;
+  }
+
+ private:
+  void Fail(grpc::Status s) {
+    Cleanup();
+    Finish(std::move(s));
+  }
+
+  void Cleanup() {
+    if (fd_ >= 0) {
+      close(fd_);
+      unlink(path_.c_str());
+      fd_ = -1;
+    }
+  }
+
+  grpc::CallbackServerContext* const context_;
+  const std::shared_ptr<Session> session_;
+  DeviceWorker* const worker_;
+  const CheckpointOptions options_;
+  v1::LoadStateResponse* const response_;
+  std::string path_;
+  int fd_ = -1;
+  v1::StateChunk chunk_;
+  uint64_t received_ = 0;
+  uint64_t total_ = 0;
+};
+
+grpc::ServerReadReactor<v1::StateChunk>* OptimizerServiceImpl::LoadStateStream(
+    grpc::CallbackServerContext* context, v1::LoadStateResponse* response) {
+  auto session = SessionOf(context);
+  if (!session.ok()) {
+    class Refused final : public grpc::ServerReadReactor<v1::StateChunk> {
+     public:
+      explicit Refused(grpc::Status s) { Finish(std::move(s)); }
+      void OnDone() override { delete this; }
+    };
+    return new Refused(ToGrpcStatus(session.status()));
+  }
+  DeviceWorker* worker = WorkerFor(**session);
+  return new LoadStreamReactor(context, *std::move(session), worker,
+                               checkpoint_options_, response);
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::ListSessions(

@@ -78,6 +78,12 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
   grpc::ServerUnaryReactor* LoadState(grpc::CallbackServerContext* context,
                                       const v1::LoadStateRequest* request,
                                       v1::LoadStateResponse* response) override;
+  grpc::ServerWriteReactor<v1::StateChunk>* SaveStateStream(
+      grpc::CallbackServerContext* context,
+      const v1::SaveStateStreamRequest* request) override;
+  grpc::ServerReadReactor<v1::StateChunk>* LoadStateStream(
+      grpc::CallbackServerContext* context,
+      v1::LoadStateResponse* response) override;
   grpc::ServerUnaryReactor* ListSessions(
       grpc::CallbackServerContext* context,
       const v1::ListSessionsRequest* request,
@@ -89,6 +95,8 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
 
  private:
   class StepStreamReactor;
+  class SaveStreamReactor;
+  class LoadStreamReactor;
 
   // One step of `session` (on its device worker): buffer updates, the step,
   // the reply. Shared by Step and StepStream.

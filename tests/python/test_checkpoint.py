@@ -293,6 +293,49 @@ class CheckpointTest(unittest.TestCase):
                 ["step"], 2)
             opt.close()
 
+    def test_streamed_state_equals_the_file_and_loads_bit_exact(self):
+        gen = torch.Generator().manual_seed(SEED)
+        init = [torch.randn(*s, generator=gen) for s in SHAPES]
+        layout = LAYOUTS["bf16_remainder"]
+        with Daemon() as d:
+            pa, oa, dtype = self.make(d, init, layout, "stream")
+            self.run_steps(oa, pa, 0, 10, dtype)
+            path = oa.save_checkpoint(self.dir).path
+            streamed = b"".join(oa.state_bytes(chunk_bytes=1000))
+            with open(path, "rb") as f:
+                self.assertEqual(streamed, f.read())
+            self.run_steps(oa, pa, 10, 20, dtype)
+            final = [p.detach().clone() for p in pa]
+        with Daemon() as d:
+            zeros = [torch.zeros(s) for s in SHAPES]
+            pb_, ob, dtype = self.make(d, zeros, layout, "stream")
+            before = [p.detach().clone() for p in pb_]
+            # A stream that stops early changes nothing.
+            with self.assertRaises(optimd.OptimdError) as cm:
+                ob.load_state_bytes([streamed[:len(streamed) // 2]])
+            self.assertEqual(cm.exception.code.name, "DATA_LOSS")
+            for p, q in zip(pb_, before):
+                self.assertTrue(torch.equal(p.detach(), q))
+
+            # A stream that breaks (the client fails mid-way) changes
+            # nothing.
+            def broken():
+                yield streamed[:5000]
+                raise IOError("the checkpoint store went away")
+            with self.assertRaises(Exception):
+                ob.load_state_bytes(broken())
+            for p, q in zip(pb_, before):
+                self.assertTrue(torch.equal(p.detach(), q))
+            ob.load_state_bytes(streamed[i:i + 777]
+                                for i in range(0, len(streamed), 777))
+            self.run_steps(ob, pb_, 10, 20, dtype)
+            for p, q in zip(pb_, final):
+                self.assertTrue(torch.equal(p.detach(), q))
+            # No spool file is left behind.
+            self.assertEqual([f for f in os.listdir("/tmp")
+                              if f.startswith(".optimd-load")], [])
+            ob.close()
+
     def test_state_dir_confines_paths(self):
         allowed = os.path.join(self.dir, "allowed")
         os.mkdir(allowed)

@@ -158,6 +158,26 @@ class Client:
         return self._call("SaveState", pb.SaveStateRequest(
             directory=os.path.abspath(directory), background=background))
 
+    def save_state_stream(self, chunk_bytes=0):
+        """Yields the checkpoint file's bytes in chunks (SaveStateStream)."""
+        metadata = ((SESSION_METADATA_KEY, self.token),)
+        try:
+            for chunk in self._stub.SaveStateStream(
+                    pb.SaveStateStreamRequest(chunk_bytes=chunk_bytes),
+                    metadata=metadata):
+                yield chunk
+        except grpc.RpcError as err:
+            raise errors.from_rpc_error(err, self.address) from None
+
+    def load_state_stream(self, chunks):
+        """Sends StateChunk messages (in order) to LoadStateStream."""
+        try:
+            return self._stub.LoadStateStream(
+                iter(chunks), timeout=self.timeout,
+                metadata=((SESSION_METADATA_KEY, self.token),))
+        except grpc.RpcError as err:
+            raise errors.from_rpc_error(err, self.address) from None
+
     def save_status(self):
         return self._call("GetSaveStatus", pb.GetSaveStatusRequest())
 

@@ -563,6 +563,49 @@ class AdamW(torch.optim.Optimizer):
         it while training goes on; see save_status()."""
         return self._client.save_state(directory, background=background)
 
+    def state_bytes(self, chunk_bytes=4 << 20):
+        """Yields the bytes of a checkpoint of this trainer's state (exactly
+        what save_checkpoint would write), for a checkpoint store of your
+        own. The state is copied at a step boundary when iteration starts."""
+        for chunk in self._client.save_state_stream(chunk_bytes):
+            yield chunk.data
+
+    def load_state_bytes(self, chunks):
+        """Loads a checkpoint from an iterable of byte strings (as yielded by
+        state_bytes, or read back from your store). The total size is taken
+        from the checkpoint's own header."""
+        import struct as _struct
+
+        def messages():
+            offset = total = 0
+            pending = b""
+            for data in chunks:
+                if total == 0:
+                    pending += data
+                    if len(pending) < 8:
+                        continue
+                    (hl,) = _struct.unpack("<Q", pending[:8])
+                    header = pending[8:8 + hl]
+                    if len(header) < hl:
+                        continue
+                    import json as _json
+                    h = _json.loads(header)
+                    end = max([v["data_offsets"][1] for k, v in h.items()
+                               if k != "__metadata__"] + [0])
+                    total = 8 + hl + end
+                    data, pending = pending, b""
+                yield pb.StateChunk(offset=offset, total_bytes=total,
+                                    data=data)
+                offset += len(data)
+            if total == 0:
+                raise ValueError("the checkpoint bytes end inside its header")
+        reply = self._client.load_state_stream(messages())
+        groups = self.client.get_state(metadata_only=True).groups
+        for group, g in zip(self.param_groups, groups):
+            group["lr"] = g.hyperparameters.lr
+        self.state.invalidate()
+        return reply
+
     def save_status(self):
         """Progress of the last background save: state, bytes_written,
         total_bytes, error."""
