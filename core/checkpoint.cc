@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <future>
 #include <random>
 
 #include "absl/strings/match.h"
@@ -242,44 +243,67 @@ class BatchWriter {
     return absl::OkStatus();
   }
 
+  // Starts writing the queued bytes on a thread of its own (after the
+  // previous batch finished) so that checksums of the next batch overlap
+  // with the disk. The queued memory must stay valid until the next Flush
+  // or Wait returns.
   absl::Status Flush() {
+    OPTIMD_RETURN_IF_ERROR(Wait());
+    if (iov_.empty()) return absl::OkStatus();
+    inflight_iov_.swap(iov_);
+    iov_.clear();
+    const uint64_t offset = start_;
+    start_ += queued_;
+    queued_ = 0;
+    inflight_ = std::async(std::launch::async, [this, offset] {
+      return WriteIov(&inflight_iov_, offset);
+    });
+    return absl::OkStatus();
+  }
+
+  // Waits for the batch in flight.
+  absl::Status Wait() {
+    if (!inflight_.valid()) return absl::OkStatus();
+    return inflight_.get();
+  }
+
+  ~BatchWriter() { (void)Wait(); }
+
+ private:
+  absl::Status WriteIov(std::vector<iovec>* iov, uint64_t offset) {
     size_t first = 0;
-    uint64_t offset = start_;
-    while (first < iov_.size()) {
+    while (first < iov->size()) {
       const int count =
-          static_cast<int>(std::min<size_t>(iov_.size() - first, kMaxIov));
-      const ssize_t w = pwritev(fd_, iov_.data() + first, count, offset);
+          static_cast<int>(std::min<size_t>(iov->size() - first, kMaxIov));
+      const ssize_t w = pwritev(fd_, iov->data() + first, count, offset);
       if (w < 0) {
         if (errno == EINTR) continue;
         return ErrnoStatus(errno, absl::StrCat("writing ", path_));
       }
       offset += w;
-      // Advance over what was written.
       uint64_t left = static_cast<uint64_t>(w);
-      while (left > 0 && first < iov_.size()) {
-        if (left >= iov_[first].iov_len) {
-          left -= iov_[first].iov_len;
+      while (left > 0 && first < iov->size()) {
+        iovec& v = (*iov)[first];
+        if (left >= v.iov_len) {
+          left -= v.iov_len;
           ++first;
         } else {
-          iov_[first].iov_base =
-              static_cast<uint8_t*>(iov_[first].iov_base) + left;
-          iov_[first].iov_len -= left;
+          v.iov_base = static_cast<uint8_t*>(v.iov_base) + left;
+          v.iov_len -= left;
           left = 0;
         }
       }
     }
-    iov_.clear();
-    queued_ = 0;
-    start_ = offset;
     return absl::OkStatus();
   }
 
- private:
-  static constexpr uint64_t kBatchBytes = uint64_t{128} << 20;
+  static constexpr uint64_t kBatchBytes = uint64_t{64} << 20;
   static constexpr size_t kMaxIov = 512;
   const int fd_;
   const std::string path_;
   std::vector<iovec> iov_;
+  std::vector<iovec> inflight_iov_;
+  std::future<absl::Status> inflight_;
   uint64_t queued_ = 0;
   uint64_t start_ = 0;
 };
@@ -291,7 +315,7 @@ class Streamer {
  public:
   Streamer(Backend* backend, uint64_t staging_bytes)
       : backend_(backend), direct_(backend->HostAddressable()),
-        staging_bytes_(staging_bytes) {}
+        staging_bytes_(staging_bytes), half_(staging_bytes / 2) {}
 
   uint64_t peak_staging() const { return staging_.size(); }
   absl::Status status() const { return status_; }
@@ -305,14 +329,16 @@ class Streamer {
       const uint8_t* src = e.data + done;
       uint64_t n = e.bytes - done;
       if (!direct_) {
-        Grow(staging_bytes_);
+        // Two halves: one is written while the other fills.
+        Grow(2 * half_);
         OPTIMD_RETURN_IF_ERROR(status_);
-        if (staging_used_ == staging_bytes_) {
-          OPTIMD_RETURN_IF_ERROR(writer->Flush());
+        if (staging_used_ == half_) {
+          OPTIMD_RETURN_IF_ERROR(writer->Flush());  // waits for the other
           staging_used_ = 0;
+          half_index_ ^= 1;
         }
-        n = std::min(n, staging_bytes_ - staging_used_);
-        uint8_t* dst = staging_.data() + staging_used_;
+        n = std::min(n, half_ - staging_used_);
+        uint8_t* dst = staging_.data() + half_index_ * half_ + staging_used_;
         OPTIMD_RETURN_IF_ERROR(backend_->CopyToHost(src, dst, n));
         staging_used_ += n;
         src = dst;
@@ -325,8 +351,7 @@ class Streamer {
     return absl::OkStatus();
   }
 
-  // After a flush the staging buffer may be reused from its start.
-  void StagingFlushed() { staging_used_ = 0; }
+
 
   absl::Status Load(int fd, const Entry& e, uint64_t file_offset,
                     const std::string& path, uint32_t* crc) {
@@ -370,6 +395,8 @@ class Streamer {
   StateStorage staging_;
   absl::Status status_;
   uint64_t staging_used_ = 0;
+  const uint64_t half_;
+  int half_index_ = 0;
 };
 
 absl::Status FsyncDir(const std::string& dir) {
@@ -462,6 +489,7 @@ absl::StatusOr<CheckpointResult> WriteCheckpoint(
     if (progress != nullptr) progress->bytes_written.fetch_add(e.bytes);
   }
   if (absl::Status s = writer.Flush(); !s.ok()) return fail(s);
+  if (absl::Status s = writer.Wait(); !s.ok()) return fail(s);
   const std::string final_header = HeaderJson(meta, entries);
   if (final_header.size() != header.size()) {
     return fail(absl::InternalError("checkpoint header changed size"));
@@ -724,20 +752,75 @@ absl::StatusOr<CheckpointResult> LoadCheckpoint(
     return absl::InvalidArgumentError(absl::StrCat(
         path, " has a malformed optimd header (", e.what(), ")"));
   }
-  // Everything matches: stream the data in.
-  Streamer streamer(backend, options.staging_bytes);
-  for (const Entry& e : entries) {
-    uint32_t crc = 0;
-    *partially_written = true;
-    OPTIMD_RETURN_IF_ERROR(
-        streamer.Load(fd.get(), e, data_start + e.offset, path, &crc));
-    if (crc != e.crc) {
+  // Everything matches: stream the data in. Pieces of at most half the
+  // staging buffer; the next piece is read (on a thread of its own) while
+  // the current one is checksummed and, on the CUDA backend, copied to the
+  // device from the other half of the pinned staging buffer.
+  const bool direct = backend->HostAddressable();
+  const uint64_t half = std::max<uint64_t>(options.staging_bytes / 2, 1);
+  StateStorage staging;
+  if (!direct) {
+    OPTIMD_ASSIGN_OR_RETURN(staging, backend->AllocateHostStaging(2 * half));
+  }
+  struct Piece {
+    size_t entry;
+    uint64_t done;  // bytes of the entry before this piece
+    uint64_t n;
+  };
+  std::vector<Piece> pieces;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    for (uint64_t done = 0; done < entries[i].bytes;) {
+      const uint64_t n = std::min(entries[i].bytes - done, half);
+      pieces.push_back({i, done, n});
+      done += n;
+    }
+  }
+  auto target = [&](size_t k) -> uint8_t* {
+    const Piece& p = pieces[k];
+    return direct ? entries[p.entry].data + p.done
+                  : staging.data() + (k % 2) * half;
+  };
+  auto read_piece = [&](size_t k) {
+    const Piece& p = pieces[k];
+    return ReadAll(fd.get(), target(k), p.n,
+                   data_start + entries[p.entry].offset + p.done, path);
+  };
+  *partially_written = !pieces.empty();
+  std::future<absl::Status> next;
+  if (!pieces.empty()) next = std::async(std::launch::async, read_piece, 0);
+  uint32_t crc = 0;
+  for (size_t k = 0; k < pieces.size(); ++k) {
+    OPTIMD_RETURN_IF_ERROR(next.get());
+    if (k + 1 < pieces.size()) {
+      next = std::async(std::launch::async, read_piece, k + 1);
+    }
+    const Piece& p = pieces[k];
+    const Entry& e = entries[p.entry];
+    if (p.done == 0) crc = 0;
+    crc = Crc32cExtend(crc, target(k), p.n);
+    if (!direct) {
+      absl::Status s = backend->CopyFromHost(target(k), e.data + p.done, p.n);
+      if (!s.ok()) {
+        if (next.valid()) next.wait();
+        return s;
+      }
+    }
+    if (p.done + p.n == e.bytes && crc != e.crc) {
+      if (next.valid()) next.wait();
       return absl::DataLossError(absl::StrCat(
           "checksum mismatch in tensor '", e.name, "' of ", path,
           ": the file is corrupt. The session's state is now partly "
           "loaded; steps are refused until a load succeeds"));
     }
   }
+  // Zero-byte tensors: nothing to read, but their checksum must match too.
+  for (const Entry& e : entries) {
+    if (e.bytes == 0 && e.crc != 0) {
+      return absl::DataLossError(absl::StrCat(
+          "checksum mismatch in empty tensor '", e.name, "' of ", path));
+    }
+  }
+  const uint64_t peak_staging = staging.size();
   // Step counters and hyperparameters.
   const json& jgroups = meta.at("groups");
   for (size_t gi = 0; gi < groups.size(); ++gi) {
@@ -751,7 +834,7 @@ absl::StatusOr<CheckpointResult> LoadCheckpoint(
   CheckpointResult r;
   r.path = path;
   r.bytes = size;
-  r.peak_staging_bytes = streamer.peak_staging();
+  r.peak_staging_bytes = peak_staging;
   r.seconds = Seconds() - t0;
   return r;
 }
