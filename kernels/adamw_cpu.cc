@@ -38,7 +38,7 @@ void StepKernel(const TensorPointers& t, uint64_t begin, uint64_t end,
   const float l2 = s.adamw ? 0.0f : s.weight_decay;
   const float b1 = s.beta1, b2 = s.beta2;
   const float omb1 = s.one_minus_beta1, omb2 = s.one_minus_beta2;
-  const float eps = s.eps, inv_bc2 = s.inv_bc2_sqrt, neg_step = -s.step_size;
+  const float eps = s.eps, bc2 = s.bc2_sqrt, neg_step = -s.step_size;
   for (uint64_t i = begin; i < end; ++i) {
     float g = G::Load(grad[i]) * grad_mul;
     float p;
@@ -63,7 +63,7 @@ void StepKernel(const TensorPointers& t, uint64_t begin, uint64_t end,
       vd = std::max(M::Load(vmax[i]), vi);
       vmax[i] = M::Store(vd);
     }
-    const float denom = std::sqrt(vd) * inv_bc2 + eps;
+    const float denom = std::sqrt(vd) / bc2 + eps;
     p = p + neg_step * (mi / denom);
     if constexpr (K == MasterKind::kFp32) {
       master[i] = p;
@@ -208,7 +208,7 @@ StepScalars MakeStepScalars(const AdamWHyper& h, uint64_t t, double grad_scale,
   const double bc1 = h.bias_correction ? 1.0 - std::pow(h.beta1, td) : 1.0;
   const double bc2 = h.bias_correction ? 1.0 - std::pow(h.beta2, td) : 1.0;
   s.step_size = static_cast<float>(h.lr / bc1);
-  s.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
+  s.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
   const double scale = grad_scale > 0 ? grad_scale : 1.0;
   double mul = clip_coef / scale;
   if (h.maximize) mul = -mul;

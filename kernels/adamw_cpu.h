@@ -9,11 +9,8 @@
 //   m  = m*beta1 + (1-beta1)*g
 //   v  = v*beta2 + (1-beta2)*g*g
 //   vmax = max(vmax, v)            (amsgrad; the denominator then uses vmax)
-//   p += -step_size * (m / (sqrt(v) * inv_bc2_sqrt + eps))
-// with step_size = lr / (1 - beta1^t), inv_bc2_sqrt = 1 / sqrt(1 - beta2^t)
-// (a multiplication where torch divides: one IEEE division less per element,
-// which the GPU kernels are bound by; agreement with torch stays at the ulp
-// level), computed
+//   p += -step_size * (m / (sqrt(v) / bc2_sqrt + eps))
+// with step_size = lr / (1 - beta1^t), bc2_sqrt = sqrt(1 - beta2^t), computed
 // in double and rounded to fp32 once per step (1 and 1 without bias
 // correction). Low-precision values are widened exactly and rounded back to
 // nearest-even, except a bf16 parameter with remainder, which is rounded so
@@ -44,8 +41,8 @@ struct StepScalars {
   bool adamw = true;
   // lr / (1 - beta1^t).
   float step_size = 0;
-  // 1 / sqrt(1 - beta2^t).
-  float inv_bc2_sqrt = 1;
+  // sqrt(1 - beta2^t).
+  float bc2_sqrt = 1;
   // (maximize ? -1 : 1) * clip_coef / grad_scale.
   float grad_mul = 1;
 };

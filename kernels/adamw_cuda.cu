@@ -197,7 +197,7 @@ __global__ void PrepareStepKernel(StepHyper h, const double* __restrict__ sums,
     s.eps = static_cast<float>(h.eps);
     s.decay = h.adamw ? static_cast<float>(1.0 - h.lr * h.weight_decay) : 1.0f;
     s.l2 = h.adamw ? 0.0f : static_cast<float>(h.weight_decay);
-    s.inv_bc2 = static_cast<float>(1.0 / sqrt(bc2));
+    s.bc2 = static_cast<float>(sqrt(bc2));
     s.neg_step = -static_cast<float>(h.lr / bc1);
     double mul = clip / scale;
     if (h.maximize) mul = -mul;
@@ -237,7 +237,7 @@ __device__ __forceinline__ void UpdateOne(const DeviceTensor& t, uint64_t i,
     vd = fmaxf(M::Load(vmax[i]), vi);
     vmax[i] = M::Store(vd);
   }
-  const float denom = sqrtf(vd) * s.inv_bc2 + s.eps;
+  const float denom = sqrtf(vd) / s.bc2 + s.eps;
   p = p + s.neg_step * (mi / denom);
   if constexpr (K == MasterKind::kFp32) {
     static_cast<float*>(t.master)[i] = p;
@@ -295,7 +295,7 @@ __device__ __forceinline__ void UpdateN(const DeviceTensor& t, uint64_t i,
       vd = fmaxf(M::Load(xr[k]), vi);
       xr[k] = M::Store(vd);
     }
-    const float denom = sqrtf(vd) * s.inv_bc2 + s.eps;
+    const float denom = sqrtf(vd) / s.bc2 + s.eps;
     p = p + s.neg_step * (mi / denom);
     if constexpr (K == MasterKind::kFp32) {
       master[k] = p;

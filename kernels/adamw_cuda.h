@@ -87,7 +87,7 @@ struct DeviceBlock {
 // adamw_cpu.cc's MakeStepScalars: the same double arithmetic, rounded to
 // float once); read by every block of the update.
 struct DeviceScalars {
-  float beta1, beta2, omb1, omb2, eps, decay, l2, inv_bc2, neg_step, grad_mul;
+  float beta1, beta2, omb1, omb2, eps, decay, l2, bc2, neg_step, grad_mul;
   int32_t skip;
   int32_t pad;
 };

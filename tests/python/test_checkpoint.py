@@ -5,6 +5,7 @@ import os
 import random
 import shutil
 import struct
+import subprocess
 import tempfile
 import unittest
 
@@ -107,7 +108,12 @@ class CheckpointTest(unittest.TestCase):
                 with Daemon(backend=BACKEND) as d2:
                     zeros = [torch.zeros(s) for s in SHAPES]
                     pc, oc, dtype = self.make(d2, zeros, layout, "b-" + name)
-                    oc.load_checkpoint(self.dir)
+                    loaded = oc.load_checkpoint(self.dir)
+                    # Loading needs at most one 64 MiB staging buffer (none
+                    # on the CPU backend, which reads in place).
+                    self.assertLessEqual(loaded.peak_staging_bytes, 64 << 20)
+                    if BACKEND == "cpu":
+                        self.assertEqual(loaded.peak_staging_bytes, 0)
                     self.run_steps(oc, pc, n, 2 * n, dtype)
                     for p, q in zip(pc, params_a):
                         self.assertTrue(torch.equal(p.detach().cpu(), q), name)
@@ -335,6 +341,31 @@ class CheckpointTest(unittest.TestCase):
             self.assertEqual([f for f in os.listdir("/tmp")
                               if f.startswith(".optimd-load")], [])
             ob.close()
+
+    def test_full_disk_keeps_the_previous_checkpoint(self):
+        small = os.path.join(self.dir, "small")
+        os.mkdir(small)
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs",
+                           small], capture_output=True).returncode != 0:
+            self.skipTest("cannot mount a small tmpfs here (needs root)")
+        try:
+            with Daemon() as d:
+                p = torch.nn.Parameter(torch.randn(10_000))
+                opt = AdamW([("w", p)], address=d.address, job_id="full")
+                p.grad.normal_()
+                opt.step()
+                first = opt.save_checkpoint(small).path  # 120 KB: fits
+                good = open(first, "rb").read()
+                big = torch.nn.Parameter(torch.randn(200_000))
+                opt.add_param_group({"params": [("big", big)]})
+                with self.assertRaises(optimd.ResourceExhaustedError) as cm:
+                    opt.save_checkpoint(small)  # 2.5 MB: the disk is full
+                self.assertIn("No space", str(cm.exception))
+                self.assertEqual(open(first, "rb").read(), good)
+                self.assertEqual(os.listdir(small), [os.path.basename(first)])
+                opt.close()
+        finally:
+            subprocess.run(["umount", small])
 
     def test_state_dir_confines_paths(self):
         allowed = os.path.join(self.dir, "allowed")

@@ -127,6 +127,29 @@ class TorchClientTest(unittest.TestCase):
         self.assertNotEqual(opt.param_groups[0]["betas"][0], 0.9)
         opt.close()
 
+    def test_step_with_closure(self):
+        torch.manual_seed(SEED)
+        ours = mlp()
+        theirs = mlp()
+        theirs.load_state_dict(ours.state_dict())
+        opt = self.make(ours.parameters(), lr=1e-2)
+        ref = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
+
+        def closure(model, o):
+            def run():
+                o.zero_grad()
+                loss = torch.nn.functional.mse_loss(model(self.x), self.y)
+                loss.backward()
+                return loss
+            return run
+        for _ in range(5):
+            a = opt.step(closure(ours, opt))
+            b = ref.step(closure(theirs, ref))
+            self.assertLessEqual(abs(a.item() - b.item()), 1e-5 * b.item())
+        for p, q in zip(ours.parameters(), theirs.parameters()):
+            self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-5)
+        opt.close()
+
     def test_parameters_keep_identity_and_grads_live_in_shared_memory(self):
         model = mlp()
         before = [id(p) for p in model.parameters()]
@@ -218,10 +241,11 @@ class TorchClientTest(unittest.TestCase):
         with self.assertRaises(TypeError) as cm:
             self.make([torch.nn.Parameter(torch.randn(3, dtype=torch.float64))])
         self.assertIn("float64", str(cm.exception))
-        if torch.cuda.is_available():
-            with self.assertRaises(ValueError):
-                self.make([torch.nn.Parameter(torch.randn(2)),
-                           torch.nn.Parameter(torch.randn(2).cuda())])
+        other = "cuda" if torch.cuda.is_available() else "meta"
+        with self.assertRaises(ValueError) as cm:
+            self.make([torch.nn.Parameter(torch.randn(2)),
+                       torch.nn.Parameter(torch.randn(2, device=other))])
+        self.assertIn("one device", str(cm.exception))
         emb = torch.nn.Embedding(10, 4, sparse=True)
         opt = self.make(emb.parameters(), job_id="sparse")
         # Accumulated into the dense shared buffer a sparse gradient is just
