@@ -757,7 +757,10 @@ absl::StatusOr<CheckpointResult> LoadCheckpoint(
   // the current one is checksummed and, on the CUDA backend, copied to the
   // device from the other half of the pinned staging buffer.
   const bool direct = backend->HostAddressable();
-  const uint64_t half = std::max<uint64_t>(options.staging_bytes / 2, 1);
+  // Pieces: half the staging buffer, or 128 MiB reads straight into host
+  // state (no staging memory then).
+  const uint64_t half = direct ? (uint64_t{128} << 20)
+                               : std::max<uint64_t>(options.staging_bytes / 2, 1);
   StateStorage staging;
   if (!direct) {
     OPTIMD_ASSIGN_OR_RETURN(staging, backend->AllocateHostStaging(2 * half));
