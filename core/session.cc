@@ -768,7 +768,12 @@ absl::StatusOr<CheckpointResult> Session::LoadStateFile(
 void Session::PublishInfo() {
   SessionInfo info;
   info.identity = identity_;
-  for (const auto& g : groups_) info.group_ids.push_back(g->id);
+  for (const auto& g : groups_) {
+    info.group_ids.push_back(g->id);
+    for (const TensorEntry& t : g->tensors) {
+      info.param_bytes += t.numel * DTypeSize(t.layout.param_dtype);
+    }
+  }
   info.state_bytes = state_bytes_;
   info.steps = steps_;
   info.skipped_steps = skipped_steps_;

@@ -87,6 +87,8 @@ struct SessionInfo {
   SessionIdentity identity;
   std::vector<std::string> group_ids;
   uint64_t state_bytes = 0;
+  // Bytes of the trainer's parameters registered (checkpoints hold them).
+  uint64_t param_bytes = 0;
   uint64_t steps = 0;
   uint64_t skipped_steps = 0;
 };

@@ -515,6 +515,22 @@ class OptimizerServiceImpl::LoadStreamReactor final
                           "expected offset " + std::to_string(received_)));
         return;
       }
+      if (total_ == 0) {
+        // A checkpoint of this session cannot be larger than its state and
+        // parameters plus the header: refuse early instead of filling the
+        // disk with a spool file.
+        const SessionInfo info = session_->Info();
+        const uint64_t limit =
+            info.state_bytes + info.param_bytes + (uint64_t{64} << 20);
+        if (chunk_.total_bytes() > limit) {
+          Fail(grpc::Status(
+              grpc::StatusCode::INVALID_ARGUMENT,
+              "total_bytes " + std::to_string(chunk_.total_bytes()) +
+                  " exceeds what a checkpoint of this session can hold (" +
+                  std::to_string(limit) + " bytes)"));
+          return;
+        }
+      }
       total_ = chunk_.total_bytes();
       const std::string& d = chunk_.data();
       if (received_ + d.size() > total_) {

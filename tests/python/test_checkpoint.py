@@ -332,6 +332,12 @@ class CheckpointTest(unittest.TestCase):
                 ob.load_state_bytes(broken())
             for p, q in zip(pb_, before):
                 self.assertTrue(torch.equal(p.detach(), q))
+            # A stream claiming more bytes than a checkpoint of this session
+            # can hold is refused before anything is spooled.
+            from optimd.v1 import optimd_pb2 as pb
+            with self.assertRaises(optimd.InvalidArgumentError):
+                ob.client.load_state_stream([pb.StateChunk(
+                    offset=0, total_bytes=1 << 50, data=b"x")])
             ob.load_state_bytes(streamed[i:i + 777]
                                 for i in range(0, len(streamed), 777))
             self.run_steps(ob, pb_, 10, 20, dtype)
