@@ -16,6 +16,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "core/crc32c.h"
+#include "core/fault_guard.h"
 #include "core/status_macros.h"
 #include "nlohmann/json.hpp"
 
@@ -343,7 +344,8 @@ class Streamer {
         staging_used_ += n;
         src = dst;
       }
-      c = Crc32cExtend(c, src, n);
+      OPTIMD_RETURN_IF_ERROR(GuardMemoryFaults(
+          [&] { c = Crc32cExtend(c, src, n); }, "checkpoint save"));
       OPTIMD_RETURN_IF_ERROR(writer->Append(src, n, file_offset + done));
       done += n;
     }
@@ -800,7 +802,12 @@ absl::StatusOr<CheckpointResult> LoadCheckpoint(
     const Piece& p = pieces[k];
     const Entry& e = entries[p.entry];
     if (p.done == 0) crc = 0;
-    crc = Crc32cExtend(crc, target(k), p.n);
+    absl::Status guarded = GuardMemoryFaults(
+        [&] { crc = Crc32cExtend(crc, target(k), p.n); }, "checkpoint load");
+    if (!guarded.ok()) {
+      if (next.valid()) next.wait();
+      return guarded;
+    }
     if (!direct) {
       absl::Status s = backend->CopyFromHost(target(k), e.data + p.done, p.n);
       if (!s.ok()) {

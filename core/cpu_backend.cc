@@ -1,10 +1,12 @@
 #include "core/cpu_backend.h"
 
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "core/fault_guard.h"
 
 namespace optimd {
 
@@ -41,19 +43,31 @@ absl::Status CpuBackend::PrepareGroup(Group& group) {
   BuildPlan(group, options_.chunk_elements);
   counters().plan_builds.fetch_add(1, std::memory_order_relaxed);
   const Plan& plan = group.plan;
+  std::atomic<bool> fault{false};
   pool_.ParallelFor(plan.items.size(), [&](uint64_t i, int) {
     const PlanItem& item = plan.items[i];
-    InitMasterRange(plan.layouts[item.entry], plan.entries[item.entry],
-                    item.begin, item.end);
+    if (!GuardMemoryFaults(
+             [&] {
+               InitMasterRange(plan.layouts[item.entry],
+                               plan.entries[item.entry], item.begin, item.end);
+             },
+             "registration")
+             .ok()) {
+      fault = true;
+    }
   });
+  if (fault) return fault_guard_internal::FaultStatus("registration");
   // Frozen tensors are never stepped but keep a master copy for GetParams and
   // checkpoints.
-  for (TensorEntry& t : group.tensors) {
-    if (t.frozen && t.numel > 0) {
-      InitMasterRange(t.layout, t.Pointers(), 0, t.numel);
-    }
-  }
-  return absl::OkStatus();
+  return GuardMemoryFaults(
+      [&] {
+        for (TensorEntry& t : group.tensors) {
+          if (t.frozen && t.numel > 0) {
+            InitMasterRange(t.layout, t.Pointers(), 0, t.numel);
+          }
+        }
+      },
+      "registration");
 }
 
 void CpuBackend::UpdatePlanEntry(Group& group, uint32_t entry) {
@@ -97,16 +111,25 @@ absl::StatusOr<StepOutcome> CpuBackend::Step(SessionContext* session,
     std::fill(partial_sums_.begin(), partial_sums_.end(), 0.0);
     pool_.ParallelFor(plan.tasks.size(), [&](uint64_t t, int worker) {
       double sum = 0;
-      for (uint32_t i = plan.tasks[t].first_item; i < plan.tasks[t].end_item;
-           ++i) {
-        const PlanItem& item = plan.items[i];
-        sum += GradSumSquaresRange(plan.layouts[item.entry].grad_dtype,
-                                   plan.entries[item.entry].grad, item.begin,
-                                   item.end);
-      }
+      const absl::Status s = GuardMemoryFaults(
+          [&] {
+            for (uint32_t i = plan.tasks[t].first_item;
+                 i < plan.tasks[t].end_item; ++i) {
+              const PlanItem& item = plan.items[i];
+              sum += GradSumSquaresRange(plan.layouts[item.entry].grad_dtype,
+                                         plan.entries[item.entry].grad,
+                                         item.begin, item.end);
+            }
+          },
+          "step");
+      if (!s.ok()) fault_ = true;
       partial_sums_[static_cast<size_t>(worker) * 8] += sum;
     });
     for (int w = 0; w < pool_.size(); ++w) sumsq += partial_sums_[w * 8];
+  }
+  if (fault_.exchange(false)) {
+    // Nothing has changed yet.
+    return fault_guard_internal::FaultStatus("step");
   }
   const double scale = options.grad_scale > 0 ? options.grad_scale : 1.0;
   if (!std::isfinite(sumsq)) {
@@ -129,13 +152,24 @@ absl::StatusOr<StepOutcome> CpuBackend::Step(SessionContext* session,
     if (plan.items.empty()) continue;
     const StepScalars s = MakeStepScalars(g->hyper, g->step + 1, scale, clip);
     pool_.ParallelFor(plan.tasks.size(), [&](uint64_t t, int) {
-      for (uint32_t i = plan.tasks[t].first_item; i < plan.tasks[t].end_item;
-           ++i) {
-        const PlanItem& item = plan.items[i];
-        AdamWStepRange(plan.layouts[item.entry], plan.entries[item.entry],
-                       item.begin, item.end, s);
-      }
+      const absl::Status st = GuardMemoryFaults(
+          [&] {
+            for (uint32_t i = plan.tasks[t].first_item;
+                 i < plan.tasks[t].end_item; ++i) {
+              const PlanItem& item = plan.items[i];
+              AdamWStepRange(plan.layouts[item.entry],
+                             plan.entries[item.entry], item.begin, item.end,
+                             s);
+            }
+          },
+          "step");
+      if (!st.ok()) fault_ = true;
     });
+  }
+  if (fault_.exchange(false)) {
+    return absl::DataLossError(
+        "step: a trainer's shared-memory segment shrank during the update; "
+        "the state is partly updated and must be loaded from a checkpoint");
   }
   for (Group* g : groups) ++g->step;
   out.steps_applied = ++totals->applied;
@@ -144,22 +178,33 @@ absl::StatusOr<StepOutcome> CpuBackend::Step(SessionContext* session,
 }
 
 absl::Status CpuBackend::WriteParams(Group& group) {
-  for (TensorEntry& t : group.tensors) {
-    if (t.numel > 0) WriteParamFromMasterRange(t.layout, t.Pointers(), 0, t.numel);
-  }
-  return absl::OkStatus();
+  return GuardMemoryFaults(
+      [&] {
+        for (TensorEntry& t : group.tensors) {
+          if (t.numel > 0) {
+            WriteParamFromMasterRange(t.layout, t.Pointers(), 0, t.numel);
+          }
+        }
+      },
+      "GetParams");
 }
 
 absl::Status CpuBackend::CopyToHost(const uint8_t* src, uint8_t* dst,
                                     uint64_t bytes) {
-  if (bytes > 0) std::memcpy(dst, src, bytes);
-  return absl::OkStatus();
+  return GuardMemoryFaults(
+      [&] {
+        if (bytes > 0) std::memcpy(dst, src, bytes);
+      },
+      "state read");
 }
 
 absl::Status CpuBackend::CopyFromHost(const uint8_t* src, uint8_t* dst,
                                       uint64_t bytes) {
-  if (bytes > 0) std::memcpy(dst, src, bytes);
-  return absl::OkStatus();
+  return GuardMemoryFaults(
+      [&] {
+        if (bytes > 0) std::memcpy(dst, src, bytes);
+      },
+      "state write");
 }
 
 absl::Status CpuBackend::CheckMappings(

@@ -5,6 +5,7 @@
 #ifndef OPTIMD_CORE_CPU_BACKEND_H_
 #define OPTIMD_CORE_CPU_BACKEND_H_
 
+#include <atomic>
 #include <memory>
 
 #include "core/backend.h"
@@ -55,6 +56,8 @@ class CpuBackend final : public Backend {
   ThreadPool pool_;
   // Per-worker partial sums, reused across steps (no allocation per step).
   std::vector<double> partial_sums_;
+  // Set by a worker whose access faulted (a segment shrank mid-step).
+  std::atomic<bool> fault_{false};
 };
 
 }  // namespace optimd

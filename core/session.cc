@@ -388,9 +388,15 @@ absl::StatusOr<StepResult> Session::Step(const StepRequestSpec& request) {
     if (o.weight_decay) h.weight_decay = *o.weight_decay;
   }
 
-  OPTIMD_ASSIGN_OR_RETURN(
-      StepOutcome outcome,
-      backend_->Step(context_.get(), step_groups_, request.options));
+  auto stepped = backend_->Step(context_.get(), step_groups_, request.options);
+  if (!stepped.ok()) {
+    // DATA_LOSS: the state was partly updated (a segment shrank mid-step).
+    if (stepped.status().code() == absl::StatusCode::kDataLoss) {
+      needs_load_ = true;
+    }
+    return stepped.status();
+  }
+  const StepOutcome outcome = *stepped;
   StepResult result;
   result.outcome = outcome;
   if (outcome.known) {

@@ -173,6 +173,40 @@ TEST_F(SessionTest, ShrunkSegmentFailsTheStepNotTheDaemon) {
             absl::StatusCode::kFailedPrecondition);
 }
 
+// A trainer that shrinks a segment while a step runs (after the step's
+// checks) must not crash the daemon. The backend is driven directly here, so
+// that the shrink lands between the checks and the accesses.
+TEST_F(SessionTest, SegmentShrunkDuringAStepIsAnErrorNotACrash) {
+  for (bool shrink_params : {false, true}) {
+    SCOPED_TRACE(shrink_params ? "params" : "grads");
+    CpuBackend backend(CpuBackend::Options{2, 64});
+    StateBudget budget(0);
+    std::string done;
+    Session s(SessionIdentity{"j", 0, 1, -1}, &backend, &budget,
+              *backend.OpenSession(-1, "", &done));
+    auto fresh = *SharedMemoryRegion::Create(1 << 20);
+    GroupSpec spec;
+    spec.id = "g";
+    TensorSpec t = Fp32Tensor("w", 1000, 0);
+    (shrink_params ? t.param : t.grad) = Handle(*fresh, 512 * 1024, 4000);
+    spec.tensors = {t};
+    ASSERT_TRUE(s.RegisterGroup(spec).ok());
+    ASSERT_EQ(truncate(("/dev/shm" + fresh->name()).c_str(), 4096), 0);
+    auto ctx = *backend.OpenSession(-1, "", &done);
+    auto r = s.WithGroups([&](const auto& groups) {
+      std::vector<Group*> gs;
+      for (const auto& g : groups) gs.push_back(g.get());
+      return backend.Step(ctx.get(), gs, StepOptions());
+    });
+    // Gradients are read first, before anything changes; a parameter
+    // fault comes during the update, which is then partly applied.
+    EXPECT_EQ(r.status().code(), shrink_params
+                                     ? absl::StatusCode::kDataLoss
+                                     : absl::StatusCode::kFailedPrecondition)
+        << r.status();
+  }
+}
+
 TEST_F(SessionTest, ReadStateLimitsAndFilters) {
   GroupSpec spec;
   spec.id = "g";
