@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -45,6 +46,15 @@ double Now() {
       .count();
 }
 
+// A step whose failure ends the benchmark.
+void MustStep(Session& s, const StepRequestSpec& spec) {
+  auto r = s.Step(spec);
+  if (!r.ok()) {
+    std::fprintf(stderr, "step failed: %s\n", r.status().ToString().c_str());
+    std::exit(1);
+  }
+}
+
 double CopyMs(uint64_t bytes, int repeats) {
   void *a = nullptr, *b = nullptr;
   if (cudaMalloc(&a, bytes) != cudaSuccess ||
@@ -53,23 +63,28 @@ double CopyMs(uint64_t bytes, int repeats) {
                  static_cast<unsigned long long>(bytes));
     return -1;
   }
-  cudaMemset(a, 1, bytes);
+  bool ok = cudaMemset(a, 1, bytes) == cudaSuccess;
   cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice);
-  cudaEventRecord(e0);
-  for (int i = 0; i < repeats; ++i) {
-    cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice);
+  ok = ok && cudaEventCreate(&e0) == cudaSuccess;
+  ok = ok && cudaEventCreate(&e1) == cudaSuccess;
+  ok = ok && cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice) == cudaSuccess;
+  ok = ok && cudaEventRecord(e0) == cudaSuccess;
+  for (int i = 0; ok && i < repeats; ++i) {
+    ok = cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice) == cudaSuccess;
   }
-  cudaEventRecord(e1);
-  cudaEventSynchronize(e1);
+  ok = ok && cudaEventRecord(e1) == cudaSuccess;
+  ok = ok && cudaEventSynchronize(e1) == cudaSuccess;
   float ms = 0;
-  cudaEventElapsedTime(&ms, e0, e1);
+  ok = ok && cudaEventElapsedTime(&ms, e0, e1) == cudaSuccess;
   cudaFree(a);
   cudaFree(b);
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
+  if (!ok) {
+    std::fprintf(stderr, "copy baseline: a CUDA call failed: %s\n",
+                 cudaGetErrorString(cudaGetLastError()));
+    return -1;
+  }
   return ms / repeats;
 }
 
@@ -156,7 +171,7 @@ int Run(IpcTrainer* trainer) {
       wait_step.options.wait = true;
       async_step.options.assume_finite = absl::GetFlag(FLAGS_assume_finite);
       wait_step.options.assume_finite = absl::GetFlag(FLAGS_assume_finite);
-      for (int i = 0; i < 3; ++i) s.Step(wait_step);
+      for (int i = 0; i < 3; ++i) MustStep(s, wait_step);
       const double t0 = Now();
       for (int i = 0; i < steps; ++i) {
         auto r = s.Step(async_step);
@@ -165,18 +180,18 @@ int Run(IpcTrainer* trainer) {
           return 1;
         }
       }
-      s.Step(wait_step);
+      MustStep(s, wait_step);
       const double gpu_ms = (Now() - t0) * 1e3 / (steps + 1);
       // Host time of one asynchronous Step (the launches and bookkeeping),
       // with the GPU idle before it so that nothing blocks.
       double host = 0;
       for (int i = 0; i < 5; ++i) {
-        s.Step(wait_step);
+        MustStep(s, wait_step);
         const double h0 = Now();
-        s.Step(async_step);
+        MustStep(s, async_step);
         host += Now() - h0;
       }
-      s.Step(wait_step);
+      MustStep(s, wait_step);
       Layout l = *ResolveLayout("t", c.param, c.grad, c.moment, c.master,
                                 false, false);
       // Bytes one step must move: read grad, moments and master (or the
