@@ -1,11 +1,13 @@
 // End-to-end tests: the real optimd binary on a real Unix socket, the real
 // C++ client, real POSIX shared memory.
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <tuple>
 
 #include "client/client.h"
 #include "client/shm_tensor.h"
@@ -451,6 +453,44 @@ TEST_F(E2eTest, StepStreamOrdersStepsAndEndsOnError) {
   auto anonymous = Connect();
   EXPECT_EQ(anonymous->StreamStep(v1::StepRequest()).status().code(),
             StatusCode::kUnauthenticated);
+}
+
+// Runs `command`, returning its exit status and standard output.
+std::pair<int, std::string> RunCommand(const std::string& command) {
+  std::string out;
+  FILE* f = popen(command.c_str(), "r");
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), f)) > 0) out.append(buf, n);
+  const int status = pclose(f);
+  return {WEXITSTATUS(status), out};
+}
+
+TEST_F(E2eTest, OptimctlReportsHealthMetricsAndSessions) {
+  OpenSession(client_.get(), "ctl-job", 0);
+  ASSERT_TRUE(client_->RegisterGroup(Group("g", {Tensor("w", 8, 0)})).ok());
+  ASSERT_TRUE(client_->Step(v1::StepRequest()).ok());
+  const std::string ctl =
+      "client/optimctl --target=" + daemon_->address() + " ";
+  auto [rc, out] = RunCommand(ctl + "health");
+  EXPECT_EQ(rc, 0);
+  EXPECT_EQ(out, "SERVING\n");
+  std::tie(rc, out) = RunCommand(ctl + "metrics");
+  EXPECT_EQ(rc, 0);
+  EXPECT_NE(out.find("optimd_steps_total 1\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("optimd_session_state_bytes{job=\"ctl-job\",rank=\"0\"} 64"),
+            std::string::npos)
+      << out;
+  std::tie(rc, out) = RunCommand(ctl + "sessions");
+  EXPECT_EQ(rc, 0);
+  EXPECT_NE(out.find("ctl-job"), std::string::npos) << out;
+  std::tie(rc, out) = RunCommand(ctl + "bogus 2>/dev/null");
+  EXPECT_EQ(rc, 2);
+  std::tie(rc, out) =
+      RunCommand("client/optimctl --target=unix:/tmp/optimd-nobody.sock "
+          "--timeout_s=1 health 2>&1");
+  EXPECT_EQ(rc, 1);
+  EXPECT_NE(out.find("no optimd daemon answers"), std::string::npos) << out;
 }
 
 TEST(E2eBudgetTest, RegistrationPastMaxStateBytes) {
