@@ -137,6 +137,23 @@ absl::StatusOr<v1::GetParamsResponse> Client::GetParams(
   return response;
 }
 
+absl::StatusOr<v1::GetStateResponse> Client::GetState(
+    const v1::GetStateRequest& request) {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::GetStateResponse response;
+  absl::Status s = FromGrpcStatus(stub_->GetState(&context, request, &response));
+  if (!s.ok()) return s;
+  return response;
+}
+
+absl::Status Client::SetState(const v1::SetStateRequest& request) {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::SetStateResponse response;
+  return FromGrpcStatus(stub_->SetState(&context, request, &response));
+}
+
 absl::StatusOr<v1::ListSessionsResponse> Client::ListSessions() {
   grpc::ClientContext context;
   Prepare(&context);

@@ -44,6 +44,9 @@ class Client {
   absl::StatusOr<v1::StepResponse> StreamStep(const v1::StepRequest& request);
   absl::StatusOr<v1::GetParamsResponse> GetParams(
       const v1::GetParamsRequest& request);
+  absl::StatusOr<v1::GetStateResponse> GetState(
+      const v1::GetStateRequest& request);
+  absl::Status SetState(const v1::SetStateRequest& request);
   absl::StatusOr<v1::ListSessionsResponse> ListSessions();
   absl::StatusOr<v1::GetMetricsResponse> GetMetrics();
   // The grpc.health.v1 status of the daemon: "SERVING", "NOT_SERVING", ...
