@@ -151,7 +151,9 @@ int main(int argc, char** argv) {
 
     optimd::v1::StepRequest sr;
     sr.set_step(step);
-    auto reply = (*client)->Step(sr);
+    // Steps go over the session's StepStream (half the round trip of a
+    // unary call).
+    auto reply = (*client)->StreamStep(sr);
     if (!reply.ok()) return Fail(reply.status());
     if (step == 1 || step % 25 == 0 || step == steps) {
       const int width = 30, done = width * step / steps;

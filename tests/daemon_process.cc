@@ -27,12 +27,14 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(
                                    absl::StrCat("--listen=unix:", socket_path),
                                    "--backend=cpu", "--cpu_threads=2"};
   args.insert(args.end(), extra_flags.begin(), extra_flags.end());
+  // Built before fork: the child of a multi-threaded process may only make
+  // async-signal-safe calls (no allocation) before exec.
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
   const pid_t pid = fork();
   if (pid < 0) return absl::InternalError("fork failed");
   if (pid == 0) {
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
     execv(argv[0], argv.data());
     _exit(127);
   }

@@ -528,9 +528,9 @@ TEST(E2eStartupTest, RefusesALiveSocketAndBadFlags) {
   auto d = DaemonProcess::Start();
   ASSERT_TRUE(d.ok());
   // A second daemon on the same socket exits instead of stealing it.
+  const std::string listen = "--listen=" + (*d)->address();
   const pid_t pid = fork();
   if (pid == 0) {
-    std::string listen = "--listen=" + (*d)->address();
     execl("server/optimd", "server/optimd", listen.c_str(), "--backend=cpu",
           static_cast<char*>(nullptr));
     _exit(127);
