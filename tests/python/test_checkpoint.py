@@ -373,6 +373,28 @@ class CheckpointTest(unittest.TestCase):
         finally:
             subprocess.run(["umount", small])
 
+    def test_failed_background_save_reports_its_error(self):
+        with Daemon() as d:
+            p = torch.nn.Parameter(torch.randn(1000))
+            opt = AdamW([("w", p)], address=d.address, job_id="bgfail")
+            self.assertEqual(opt.save_status().state, 0)  # none yet
+            # The final name is taken by a directory: the rename fails.
+            os.mkdir(os.path.join(self.dir, "bgfail.rank-0.safetensors"))
+            opt.save_checkpoint(self.dir, background=True)
+            with self.assertRaises(optimd.OptimdError) as cm:
+                opt.wait_for_save()
+            self.assertIn("renaming", str(cm.exception))
+            from optimd.v1 import optimd_pb2 as pb
+            self.assertEqual(opt.save_status().state, pb.SAVE_STATE_FAILED)
+            # Nothing half-written is left; the next save works.
+            self.assertEqual(os.listdir(self.dir),
+                             ["bgfail.rank-0.safetensors"])
+            os.rmdir(os.path.join(self.dir, "bgfail.rank-0.safetensors"))
+            opt.save_checkpoint(self.dir, background=True)
+            self.assertEqual(opt.wait_for_save().state,
+                             pb.SAVE_STATE_SUCCEEDED)
+            opt.close()
+
     def test_state_dir_confines_paths(self):
         allowed = os.path.join(self.dir, "allowed")
         os.mkdir(allowed)
