@@ -60,6 +60,16 @@ std::string RenderPrometheus(const v1::GetMetricsResponse& m) {
   Counter(&out, "optimd_sessions", "Open sessions.", m.sessions(), "gauge");
   Counter(&out, "optimd_state_bytes", "Optimizer state bytes held.",
           m.state_bytes(), "gauge");
+  Counter(&out, "optimd_checkpoint_saves_total", "Checkpoints saved.",
+          m.checkpoint_saves());
+  Counter(&out, "optimd_checkpoint_save_bytes_total",
+          "Checkpoint bytes saved.", m.checkpoint_save_bytes());
+  Counter(&out, "optimd_checkpoint_loads_total", "Checkpoints loaded.",
+          m.checkpoint_loads());
+  Counter(&out, "optimd_checkpoint_load_bytes_total",
+          "Checkpoint bytes loaded.", m.checkpoint_load_bytes());
+  Counter(&out, "optimd_checkpoint_failures_total",
+          "Checkpoint calls that failed.", m.checkpoint_failures());
   const v1::Histogram& h = m.step_latency();
   absl::StrAppend(&out,
                   "# HELP optimd_step_latency_seconds Time from a Step "

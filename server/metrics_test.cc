@@ -23,6 +23,7 @@ TEST(MetricsTest, PrometheusText) {
   v1::GetMetricsResponse m;
   m.set_steps(42);
   m.set_plan_builds(3);
+  m.set_checkpoint_saves(2);
   auto* s = m.add_session_infos();
   s->set_job_id("job\"x");
   s->set_rank(1);
@@ -33,6 +34,7 @@ TEST(MetricsTest, PrometheusText) {
   const std::string text = RenderPrometheus(m);
   EXPECT_NE(text.find("optimd_steps_total 42\n"), std::string::npos);
   EXPECT_NE(text.find("optimd_plan_builds_total 3\n"), std::string::npos);
+  EXPECT_NE(text.find("optimd_checkpoint_saves_total 2\n"), std::string::npos);
   EXPECT_NE(text.find("# TYPE optimd_step_latency_seconds histogram"),
             std::string::npos);
   EXPECT_NE(text.find("optimd_step_latency_seconds_bucket{le=\"+Inf\"} 1\n"),

@@ -310,7 +310,12 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::SaveState(
                             response](Session& s) -> absl::Status {
     auto r = s.SaveState(request->directory(), checkpoint_options_,
                          request->background());
-    if (!r.ok()) return r.status();
+    if (!r.ok()) {
+      checkpoint_failures_.fetch_add(1);
+      return r.status();
+    }
+    checkpoint_saves_.fetch_add(1);
+    checkpoint_save_bytes_.fetch_add(r->bytes);
     response->set_path(r->path);
     response->set_bytes(r->bytes);
     response->set_seconds(r->seconds);
@@ -357,7 +362,12 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::LoadState(
   return OnWorker(context, [this, request,
                             response](Session& s) -> absl::Status {
     auto r = s.LoadState(request->directory(), checkpoint_options_);
-    if (!r.ok()) return r.status();
+    if (!r.ok()) {
+      checkpoint_failures_.fetch_add(1);
+      return r.status();
+    }
+    checkpoint_loads_.fetch_add(1);
+    checkpoint_load_bytes_.fetch_add(r->bytes);
     response->set_path(r->path);
     response->set_bytes(r->bytes);
     response->set_peak_staging_bytes(r->peak_staging_bytes);
@@ -659,6 +669,11 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::GetMetrics(
   for (const auto& s : sessions) {
     SessionInfoToProto(s->Info(), response->add_session_infos());
   }
+  response->set_checkpoint_saves(checkpoint_saves_.load());
+  response->set_checkpoint_save_bytes(checkpoint_save_bytes_.load());
+  response->set_checkpoint_loads(checkpoint_loads_.load());
+  response->set_checkpoint_load_bytes(checkpoint_load_bytes_.load());
+  response->set_checkpoint_failures(checkpoint_failures_.load());
   response->set_prometheus_text(RenderPrometheus(*response));
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);

@@ -154,6 +154,10 @@ class CheckpointTest(unittest.TestCase):
             self.assertEqual(tensors["layer2.weight"].numel(), 0)
             self.assertEqual(os.listdir(self.dir),
                              [os.path.basename(reply.path)])
+            m = opt.client.get_metrics()
+            self.assertEqual(m.checkpoint_saves, 1)
+            self.assertEqual(m.checkpoint_save_bytes, reply.bytes)
+            self.assertIn("optimd_checkpoint_saves_total 1", m.prometheus_text)
             opt.close()
 
     def test_checkpoint_to_torch_state_dict_and_back(self):
