@@ -314,8 +314,10 @@ class BatchWriter {
 // crc32c of the bytes.
 class Streamer {
  public:
+  // `backend` null: the entries are host memory (a snapshot).
   Streamer(Backend* backend, uint64_t staging_bytes)
-      : backend_(backend), direct_(backend->HostAddressable()),
+      : backend_(backend),
+        direct_(backend == nullptr || backend->HostAddressable()),
         staging_bytes_(staging_bytes), half_(staging_bytes / 2) {}
 
   uint64_t peak_staging() const { return staging_.size(); }
@@ -518,45 +520,6 @@ absl::StatusOr<CheckpointResult> WriteCheckpoint(
   return r;
 }
 
-// Reads and writes host memory directly (snapshots).
-class HostMemory final : public Backend {
- public:
-  BackendKind kind() const override { return BackendKind::kCpu; }
-  bool HostAddressable() const override { return true; }
-  absl::StatusOr<BufferRef> ResolveBuffer(const BufferHandle&, uint64_t,
-                                          const std::string&) override {
-    return absl::UnimplementedError("host memory view");
-  }
-  absl::StatusOr<StateStorage> AllocateState(uint64_t) override {
-    return absl::UnimplementedError("host memory view");
-  }
-  absl::Status PrepareGroup(Group&) override { return absl::OkStatus(); }
-  void UpdatePlanEntry(Group&, uint32_t) override {}
-  absl::StatusOr<std::unique_ptr<SessionContext>> OpenSession(
-      int, const std::string&, std::string*) override {
-    return absl::UnimplementedError("host memory view");
-  }
-  absl::StatusOr<StepOutcome> Step(SessionContext*, const std::vector<Group*>&,
-                                   const StepOptions&) override {
-    return absl::UnimplementedError("host memory view");
-  }
-  absl::Status WriteParams(Group&) override { return absl::OkStatus(); }
-  absl::Status CheckMappings(
-      const std::vector<std::shared_ptr<const void>>&) override {
-    return absl::OkStatus();
-  }
-  absl::Status CopyToHost(const uint8_t* src, uint8_t* dst,
-                          uint64_t n) override {
-    std::memcpy(dst, src, n);
-    return absl::OkStatus();
-  }
-  absl::Status CopyFromHost(const uint8_t* src, uint8_t* dst,
-                            uint64_t n) override {
-    std::memcpy(dst, src, n);
-    return absl::OkStatus();
-  }
-};
-
 }  // namespace
 
 absl::StatusOr<CheckpointResult> SaveCheckpoint(
@@ -636,9 +599,8 @@ absl::StatusOr<std::unique_ptr<CheckpointSnapshot>> TakeSnapshot(
 absl::StatusOr<CheckpointResult> WriteSnapshot(
     const std::string& path, const CheckpointSnapshot& snapshot,
     const CheckpointOptions& options, SaveProgress* progress) {
-  HostMemory host;
   return WriteCheckpoint(path, snapshot.data_->meta, snapshot.data_->entries,
-                         &host, options, progress);
+                         /*backend=*/nullptr, options, progress);
 }
 
 absl::StatusOr<CheckpointResult> LoadCheckpoint(

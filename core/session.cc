@@ -65,6 +65,16 @@ Session::~Session() {
   budget_->Release(state_bytes_);
 }
 
+absl::StatusOr<BufferRef> Session::ResolveRegion(const std::string& tensor,
+                                                 const char* which,
+                                                 const BufferHandle& handle,
+                                                 uint64_t numel, DType dtype) {
+  OPTIMD_RETURN_IF_ERROR(
+      CheckRegion(tensor, which, handle, numel * DTypeSize(dtype)));
+  return backend_->ResolveBuffer(handle, DTypeSize(dtype),
+                                 absl::StrCat("tensor '", tensor, "' ", which));
+}
+
 absl::StatusOr<std::vector<Group*>> Session::Targets(
     const std::vector<std::string>& group_ids) {
   if (group_ids.empty()) return step_groups_;
@@ -159,15 +169,11 @@ absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
     e.keep_fp32 = t.keep_fp32;
     e.frozen = t.frozen;
     if (t.numel > 0) {
-      const std::string what = absl::StrCat("tensor '", t.name, "' param");
-      OPTIMD_ASSIGN_OR_RETURN(
-          e.param, backend_->ResolveBuffer(t.param, DTypeSize(t.param_dtype),
-                                           what));
+      OPTIMD_ASSIGN_OR_RETURN(e.param, ResolveRegion(t.name, "param", t.param,
+                                                     t.numel, t.param_dtype));
       if (!t.frozen) {
-        const std::string gwhat = absl::StrCat("tensor '", t.name, "' grad");
-        OPTIMD_ASSIGN_OR_RETURN(
-            e.grad, backend_->ResolveBuffer(t.grad, DTypeSize(t.grad_dtype),
-                                            gwhat));
+        OPTIMD_ASSIGN_OR_RETURN(e.grad, ResolveRegion(t.name, "grad", t.grad,
+                                                      t.numel, t.grad_dtype));
       }
     }
     group->tensors.push_back(std::move(e));
@@ -293,21 +299,15 @@ absl::Status Session::UpdateBuffers(const std::string& group_id,
     Resolved r;
     r.tensor = idx;
     if (u.param.kind != BufferHandle::Kind::kNone && e.numel > 0) {
-      const uint64_t want = e.numel * DTypeSize(e.layout.param_dtype);
-      OPTIMD_RETURN_IF_ERROR(CheckRegion(e.name, "param", u.param, want));
-      OPTIMD_ASSIGN_OR_RETURN(
-          r.param, backend_->ResolveBuffer(
-                       u.param, DTypeSize(e.layout.param_dtype),
-                       absl::StrCat("tensor '", e.name, "' param")));
+      OPTIMD_ASSIGN_OR_RETURN(r.param, ResolveRegion(e.name, "param", u.param,
+                                                     e.numel,
+                                                     e.layout.param_dtype));
       r.has_param = true;
     }
     if (u.grad.kind != BufferHandle::Kind::kNone && e.Steppable()) {
-      const uint64_t want = e.numel * DTypeSize(e.layout.grad_dtype);
-      OPTIMD_RETURN_IF_ERROR(CheckRegion(e.name, "grad", u.grad, want));
-      OPTIMD_ASSIGN_OR_RETURN(
-          r.grad, backend_->ResolveBuffer(
-                      u.grad, DTypeSize(e.layout.grad_dtype),
-                      absl::StrCat("tensor '", e.name, "' grad")));
+      OPTIMD_ASSIGN_OR_RETURN(r.grad, ResolveRegion(e.name, "grad", u.grad,
+                                                    e.numel,
+                                                    e.layout.grad_dtype));
       r.has_grad = true;
     }
     resolved.push_back(std::move(r));

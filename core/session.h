@@ -190,6 +190,11 @@ class Session {
                                                     uint64_t* state_bytes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Group* FindGroup(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Checks a trainer buffer's size against numel x dtype, then maps it.
+  absl::StatusOr<BufferRef> ResolveRegion(const std::string& tensor,
+                                          const char* which,
+                                          const BufferHandle& handle,
+                                          uint64_t numel, DType dtype);
   // The named groups (all when empty), or NOT_FOUND.
   absl::StatusOr<std::vector<Group*>> Targets(
       const std::vector<std::string>& group_ids)

@@ -600,10 +600,7 @@ class AdamW(torch.optim.Optimizer):
             if total == 0:
                 raise ValueError("the checkpoint bytes end inside its header")
         reply = self._client.load_state_stream(messages())
-        groups = self.client.get_state(metadata_only=True).groups
-        for group, g in zip(self.param_groups, groups):
-            group["lr"] = g.hyperparameters.lr
-        self.state.invalidate()
+        self._after_load()
         return reply
 
     def save_status(self):
@@ -628,11 +625,16 @@ class AdamW(torch.optim.Optimizer):
         """The daemon loads state and parameters from a save_checkpoint
         directory, in place. The groups must be registered as when saved."""
         reply = self._client.load_state(directory)
+        self._after_load()
+        return reply
+
+    def _after_load(self):
+        """A load set the daemon's state: take its learning rates, forget
+        fetched state."""
         groups = self.client.get_state(metadata_only=True).groups
         for group, g in zip(self.param_groups, groups):
             group["lr"] = g.hyperparameters.lr
         self.state.invalidate()
-        return reply
 
     # Daemon access.
     @property
