@@ -1,0 +1,16 @@
+"""A Python test module run against the real daemon (run_python_tests.sh)."""
+
+def daemon_py_test(name, module, size = "large", tags = []):
+    native.sh_test(
+        name = name,
+        size = size,
+        srcs = ["run_python_tests.sh"],
+        args = [module],
+        data = [
+            module,
+            "//client/python:optimd_py",
+            "//proto:optimd_py_proto",
+            "//server:optimd",
+        ],
+        tags = tags,
+    )
