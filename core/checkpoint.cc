@@ -309,9 +309,8 @@ class BatchWriter {
   uint64_t start_ = 0;
 };
 
-// Streams `bytes` between backend memory and the file through `staging`
-// (or directly when the backend's memory is host memory), computing the
-// crc32c of the bytes.
+// Feeds state bytes to a BatchWriter, through the staging buffer (or
+// directly when the memory is host memory), computing their crc32c.
 class Streamer {
  public:
   // `backend` null: the entries are host memory (a snapshot).
@@ -321,7 +320,6 @@ class Streamer {
         staging_bytes_(staging_bytes), half_(staging_bytes / 2) {}
 
   uint64_t peak_staging() const { return staging_.size(); }
-  absl::Status status() const { return status_; }
 
   // Queues an entry's bytes on `writer` (directly from host memory, or
   // through the staging buffer, flushing it when full).
@@ -349,31 +347,6 @@ class Streamer {
       OPTIMD_RETURN_IF_ERROR(GuardMemoryFaults(
           [&] { c = Crc32cExtend(c, src, n); }, "checkpoint save"));
       OPTIMD_RETURN_IF_ERROR(writer->Append(src, n, file_offset + done));
-      done += n;
-    }
-    *crc = c;
-    return absl::OkStatus();
-  }
-
-
-
-  absl::Status Load(int fd, const Entry& e, uint64_t file_offset,
-                    const std::string& path, uint32_t* crc) {
-    uint32_t c = 0;
-    for (uint64_t done = 0; done < e.bytes;) {
-      const uint64_t n = std::min(e.bytes - done, staging_bytes_);
-      uint8_t* dst = e.data + done;
-      if (direct_) {
-        OPTIMD_RETURN_IF_ERROR(ReadAll(fd, dst, n, file_offset + done, path));
-        c = Crc32cExtend(c, dst, n);
-      } else {
-        Grow(n);
-        OPTIMD_RETURN_IF_ERROR(status_);
-        OPTIMD_RETURN_IF_ERROR(
-            ReadAll(fd, staging_.data(), n, file_offset + done, path));
-        c = Crc32cExtend(c, staging_.data(), n);
-        OPTIMD_RETURN_IF_ERROR(backend_->CopyFromHost(staging_.data(), dst, n));
-      }
       done += n;
     }
     *crc = c;
