@@ -39,6 +39,14 @@ class TorchClientTest(unittest.TestCase):
         self.x = torch.randn(256, 12)
         self.y = torch.sin(self.x.sum(1, keepdim=True))
 
+    def twin_models(self):
+        """Two MLPs with the same initial weights, from the seed."""
+        torch.manual_seed(SEED)
+        ours = mlp()
+        theirs = mlp()
+        theirs.load_state_dict(ours.state_dict())
+        return ours, theirs
+
     def make(self, params, **kw):
         kw.setdefault("address", self.daemon.address)
         kw.setdefault("job_id", self.id())
@@ -55,10 +63,7 @@ class TorchClientTest(unittest.TestCase):
         """Side by side from one seed. The torch twin takes the gradients of
         the model that optimd trains, so the comparison measures the
         optimizers alone: 1e-6 of each tensor's scale at every step."""
-        torch.manual_seed(SEED)
-        ours = mlp()
-        theirs = mlp()
-        theirs.load_state_dict(ours.state_dict())
+        ours, theirs = self.twin_models()
         opt = self.make(ours.parameters(), lr=3e-3, weight_decay=0.01)
         ref = torch.optim.AdamW(theirs.parameters(), lr=3e-3,
                                 weight_decay=0.01)
@@ -83,10 +88,7 @@ class TorchClientTest(unittest.TestCase):
         """Two independent training runs: ulp-level differences of the two
         optimizers feed back through forward and backward, so the runs drift
         apart slowly; after 100 steps they still agree to 1e-4."""
-        torch.manual_seed(SEED)
-        ours = mlp()
-        theirs = mlp()
-        theirs.load_state_dict(ours.state_dict())
+        ours, theirs = self.twin_models()
         opt = self.make(ours.parameters(), lr=3e-3, weight_decay=0.01)
         ref = torch.optim.AdamW(theirs.parameters(), lr=3e-3,
                                 weight_decay=0.01)
@@ -103,10 +105,7 @@ class TorchClientTest(unittest.TestCase):
         opt.close()
 
     def test_one_cycle_scheduler_changes_lr_and_betas(self):
-        torch.manual_seed(SEED)
-        ours = mlp()
-        theirs = mlp()
-        theirs.load_state_dict(ours.state_dict())
+        ours, theirs = self.twin_models()
         opt = self.make(ours.parameters(), lr=1e-3)
         ref = torch.optim.AdamW(theirs.parameters(), lr=1e-3)
         scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1e-2,
@@ -128,10 +127,7 @@ class TorchClientTest(unittest.TestCase):
         opt.close()
 
     def test_step_with_closure(self):
-        torch.manual_seed(SEED)
-        ours = mlp()
-        theirs = mlp()
-        theirs.load_state_dict(ours.state_dict())
+        ours, theirs = self.twin_models()
         opt = self.make(ours.parameters(), lr=1e-2)
         ref = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
 
