@@ -2,11 +2,16 @@
 // trainer process, beside a device-to-device copy of the same bytes in the
 // same run. bench/gpu_bench.py runs it next to torch.optim.AdamW(fused=True).
 //
-// Prints one "RESULT" line per configuration:
+// Prints one "RESULT" line per configuration, step mode and chunk size:
 //   RESULT <name> <tensors> <params> <bytes/param> <gpu ms/step>
-//          <host us/step> <copy ms for the same bytes>
+//          <median host us/step> <copy ms for the same bytes> <mode>
+//          <chunk elements>
+// Modes: "default" (every step checks the gradients for inf/NaN and
+// computes their norm), "assume_finite" (no statistics pass), "clip"
+// (max_grad_norm = 1: the statistics pass plus the clip coefficient).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -16,6 +21,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
 #include "core/layout.h"
 #include "core/session.h"
 #include "kernels/cuda_backend.h"
@@ -23,11 +29,12 @@
 
 ABSL_FLAG(double, params, 1e9, "Parameters per configuration.");
 ABSL_FLAG(int, steps, 20, "Timed steps per configuration.");
-ABSL_FLAG(std::string, only, "", "Run only the configuration of this name.");
-ABSL_FLAG(uint64_t, chunk_elements, 0,
-          "Elements per plan chunk (0: the backend's default).");
-ABSL_FLAG(bool, assume_finite, false,
-          "Skip the gradient statistics pass (StepRequest.assume_finite).");
+ABSL_FLAG(std::vector<std::string>, only, {},
+          "Run only the configurations of these names.");
+ABSL_FLAG(std::vector<std::string>, modes, {"default"},
+          "Step modes to time: default, assume_finite, clip.");
+ABSL_FLAG(std::vector<std::string>, chunk_elements, {"0"},
+          "Elements per plan chunk to time (0: the backend's default).");
 
 namespace optimd {
 namespace {
@@ -98,8 +105,8 @@ int Run(IpcTrainer* trainer) {
        MasterRequest::kNone},
       {"fp32", 10000, DType::kFloat32, DType::kFloat32, DType::kFloat32,
        MasterRequest::kNone},
-      {"fp32_small", 100000, DType::kFloat32, DType::kFloat32,
-       DType::kFloat32, MasterRequest::kNone, 100000ull * 10000},
+      {"fp32_small", 100000, DType::kFloat32, DType::kFloat32, DType::kFloat32,
+       MasterRequest::kNone, 100000ull * 10000},
       {"bf16_rem_fp32m", 1000, DType::kBFloat16, DType::kBFloat16,
        DType::kFloat32, MasterRequest::kRemainder},
       {"bf16_rem_bf16m", 1000, DType::kBFloat16, DType::kBFloat16,
@@ -107,17 +114,34 @@ int Run(IpcTrainer* trainer) {
       {"bf16_fp32master", 1000, DType::kBFloat16, DType::kBFloat16,
        DType::kFloat32, MasterRequest::kFp32},
   };
-  CudaBackendOptions options;
-  if (absl::GetFlag(FLAGS_chunk_elements) > 0) {
-    options.chunk_elements = absl::GetFlag(FLAGS_chunk_elements);
+  std::vector<std::unique_ptr<Backend>> backends;
+  std::vector<uint64_t> chunk_sizes;
+  for (const std::string& v : absl::GetFlag(FLAGS_chunk_elements)) {
+    CudaBackendOptions options;
+    uint64_t chunk = 0;
+    if (!absl::SimpleAtoi(v, &chunk)) {
+      std::fprintf(stderr, "bad --chunk_elements value %s\n", v.c_str());
+      return 1;
+    }
+    if (chunk > 0) options.chunk_elements = chunk;
+    auto backend = CreateCudaBackend(0, options);
+    if (!backend.ok()) {
+      std::fprintf(stderr, "%s\n", backend.status().ToString().c_str());
+      return 1;
+    }
+    backends.push_back(*std::move(backend));
+    chunk_sizes.push_back(options.chunk_elements);
   }
-  auto backend = CreateCudaBackend(0, options);
-  if (!backend.ok()) {
-    std::fprintf(stderr, "%s\n", backend.status().ToString().c_str());
-    return 1;
+  for (const std::string& m : absl::GetFlag(FLAGS_modes)) {
+    if (m != "default" && m != "assume_finite" && m != "clip") {
+      std::fprintf(stderr, "unknown mode %s\n", m.c_str());
+      return 1;
+    }
   }
   for (const Config& c : configs) {
-    if (!absl::GetFlag(FLAGS_only).empty() && absl::GetFlag(FLAGS_only) != c.name) {
+    const std::vector<std::string> only = absl::GetFlag(FLAGS_only);
+    if (!only.empty() &&
+        std::find(only.begin(), only.end(), c.name) == only.end()) {
       continue;
     }
     const uint64_t n = c.params_override ? c.params_override : total;
@@ -129,84 +153,91 @@ int Run(IpcTrainer* trainer) {
       std::fprintf(stderr, "trainer allocation failed\n");
       return 1;
     }
-    StateBudget budget(0);
-    std::string done;
-    auto ctx = (*backend)->OpenSession(0, "", &done);
-    if (!ctx.ok()) {
-      std::fprintf(stderr, "%s\n", ctx.status().ToString().c_str());
-      return 1;
-    }
-    {
-      Session s(SessionIdentity{"bench", 0, 1, 0}, backend->get(), &budget,
-                *std::move(ctx));
-      GroupSpec spec;
-      spec.id = "g";
-      spec.master = c.master;
-      spec.moment_dtype = c.moment;
-      for (uint64_t i = 0; i < c.tensors; ++i) {
-        TensorSpec t;
-        t.name = "t" + std::to_string(i);
-        t.numel = per;
-        t.param_dtype = c.param;
-        t.grad_dtype = c.grad;
-        t.param_dtype_set = t.grad_dtype_set = true;
-        t.param.kind = t.grad.kind = BufferHandle::Kind::kCudaIpc;
-        t.param.device = t.grad.device = 0;
-        t.param.ipc_handle = params->ipc_handle;
-        t.grad.ipc_handle = grads->ipc_handle;
-        t.param.offset = i * per * ps;
-        t.grad.offset = i * per * gs;
-        t.param.size = per * ps;
-        t.grad.size = per * gs;
-        spec.tensors.push_back(t);
-      }
-      const double r0 = Now();
-      auto reg = s.RegisterGroup(spec);
-      if (!reg.ok()) {
-        std::fprintf(stderr, "%s\n", reg.status().ToString().c_str());
+    for (size_t bi = 0; bi < backends.size(); ++bi) {
+      Backend* backend = backends[bi].get();
+      StateBudget budget(0);
+      std::string done;
+      auto ctx = backend->OpenSession(0, "", &done);
+      if (!ctx.ok()) {
+        std::fprintf(stderr, "%s\n", ctx.status().ToString().c_str());
         return 1;
       }
-      const double reg_s = Now() - r0;
-      StepRequestSpec async_step, wait_step;
-      wait_step.options.wait = true;
-      async_step.options.assume_finite = absl::GetFlag(FLAGS_assume_finite);
-      wait_step.options.assume_finite = absl::GetFlag(FLAGS_assume_finite);
-      for (int i = 0; i < 3; ++i) MustStep(s, wait_step);
-      const double t0 = Now();
-      for (int i = 0; i < steps; ++i) {
-        auto r = s.Step(async_step);
-        if (!r.ok()) {
-          std::fprintf(stderr, "%s\n", r.status().ToString().c_str());
+      {
+        Session s(SessionIdentity{"bench", 0, 1, 0}, backend, &budget,
+                  *std::move(ctx));
+        GroupSpec spec;
+        spec.id = "g";
+        spec.master = c.master;
+        spec.moment_dtype = c.moment;
+        for (uint64_t i = 0; i < c.tensors; ++i) {
+          TensorSpec t;
+          t.name = "t" + std::to_string(i);
+          t.numel = per;
+          t.param_dtype = c.param;
+          t.grad_dtype = c.grad;
+          t.param_dtype_set = t.grad_dtype_set = true;
+          t.param.kind = t.grad.kind = BufferHandle::Kind::kCudaIpc;
+          t.param.device = t.grad.device = 0;
+          t.param.ipc_handle = params->ipc_handle;
+          t.grad.ipc_handle = grads->ipc_handle;
+          t.param.offset = i * per * ps;
+          t.grad.offset = i * per * gs;
+          t.param.size = per * ps;
+          t.grad.size = per * gs;
+          spec.tensors.push_back(t);
+        }
+        const double r0 = Now();
+        auto reg = s.RegisterGroup(spec);
+        if (!reg.ok()) {
+          std::fprintf(stderr, "%s\n", reg.status().ToString().c_str());
           return 1;
         }
+        const double reg_s = Now() - r0;
+        Layout l = *ResolveLayout("t", c.param, c.grad, c.moment, c.master,
+                                  false, false);
+        // Bytes one step must move: read grad, moments and master (or the
+        // parameter where the master is not a separate fp32 copy), write
+        // them back.
+        const uint64_t bpp = gs + l.MasterBytesPerElement() * 2 +
+                             l.MomentBytesPerElement() * 4 +
+                             (c.master == MasterRequest::kFp32 ? ps : 2 * ps);
+        const double copy_ms = CopyMs(per * c.tensors * bpp / 2, 10);
+        for (const std::string& mode : absl::GetFlag(FLAGS_modes)) {
+          StepRequestSpec async_step, wait_step;
+          wait_step.options.wait = true;
+          for (StepRequestSpec* r : {&async_step, &wait_step}) {
+            r->options.assume_finite = mode == "assume_finite";
+            if (mode == "clip") r->options.max_grad_norm = 1.0;
+          }
+          for (int i = 0; i < 3; ++i) MustStep(s, wait_step);
+          const double t0 = Now();
+          for (int i = 0; i < steps; ++i) MustStep(s, async_step);
+          MustStep(s, wait_step);
+          const double gpu_ms = (Now() - t0) * 1e3 / (steps + 1);
+          // Host time of one asynchronous Step (the launches and
+          // bookkeeping), with the GPU idle before it so that nothing
+          // blocks: the median of 51 (the host of a shared machine is
+          // noisy).
+          std::vector<double> host;
+          for (int i = 0; i < 51; ++i) {
+            MustStep(s, wait_step);
+            const double h0 = Now();
+            MustStep(s, async_step);
+            host.push_back(Now() - h0);
+          }
+          std::sort(host.begin(), host.end());
+          MustStep(s, wait_step);
+          std::printf(
+              "RESULT %s %llu %llu %llu %.3f %.1f %.3f %s %llu (registration "
+              "%.2f s)\n",
+              c.name, static_cast<unsigned long long>(c.tensors),
+              static_cast<unsigned long long>(per * c.tensors),
+              static_cast<unsigned long long>(bpp), gpu_ms,
+              host[host.size() / 2] * 1e6, copy_ms, mode.c_str(),
+              static_cast<unsigned long long>(chunk_sizes[bi]), reg_s);
+          std::fflush(stdout);
+        }
       }
-      MustStep(s, wait_step);
-      const double gpu_ms = (Now() - t0) * 1e3 / (steps + 1);
-      // Host time of one asynchronous Step (the launches and bookkeeping),
-      // with the GPU idle before it so that nothing blocks.
-      double host = 0;
-      for (int i = 0; i < 5; ++i) {
-        MustStep(s, wait_step);
-        const double h0 = Now();
-        MustStep(s, async_step);
-        host += Now() - h0;
-      }
-      MustStep(s, wait_step);
-      Layout l = *ResolveLayout("t", c.param, c.grad, c.moment, c.master,
-                                false, false);
-      // Bytes one step must move: read grad, moments and master (or the
-      // parameter where the master is not a separate fp32 copy), write
-      // them back.
-      const uint64_t bpp = gs + l.MasterBytesPerElement() * 2 +
-                           l.MomentBytesPerElement() * 4 +
-                           (c.master == MasterRequest::kFp32 ? ps : 2 * ps);
-      const double copy_ms = CopyMs(per * c.tensors * bpp / 2, 10);
-      std::printf("RESULT %s %llu %llu %llu %.3f %.1f %.3f (registration %.2f s)\n",
-                  c.name, static_cast<unsigned long long>(c.tensors),
-                  static_cast<unsigned long long>(per * c.tensors),
-                  static_cast<unsigned long long>(bpp), gpu_ms,
-                  host * 1e6 / 5, copy_ms, reg_s);
-      std::fflush(stdout);
     }
   }
   return 0;

@@ -34,16 +34,37 @@ def ev_time(fn, iters=10, warm=3):
 
 
 def torch_fused_ms(total, tensors, dtype):
+    """Per-step ms of three torch peers on the same parameters:
+    plain: AdamW(fused=True).step(), which checks nothing;
+    scaler: GradScaler.step + update around it (the non-finite check of
+      mixed-precision training: reads and rewrites every gradient, then
+      the fused step skips on inf/NaN);
+    clip: clip_grad_norm_(foreach=True, max_norm=1) then the fused step."""
     per = total // tensors
     params = [torch.nn.Parameter(torch.randn(per, device="cuda", dtype=dtype))
               for _ in range(tensors)]
     for p in params:
         p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
-    ms = ev_time(opt.step)
-    del opt, params
+    out = {"plain": ev_time(opt.step)}
+    scaler = torch.amp.GradScaler("cuda", init_scale=1.0,
+                                  growth_interval=1 << 30)
+    scaler.scale(torch.ones((), device="cuda"))  # creates the scale tensor
+
+    def scaled():
+        scaler.step(opt)
+        scaler.update()
+
+    out["scaler"] = ev_time(scaled)
+
+    def clipped():
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        opt.step()
+
+    out["clip"] = ev_time(clipped)
+    del opt, params, scaler
     torch.cuda.empty_cache()
-    return ms
+    return out
 
 
 def run_optimd(binary, extra):
@@ -60,19 +81,28 @@ def run_optimd(binary, extra):
             f = line.split()
             rows.append(dict(name=f[1], tensors=int(f[2]), params=int(f[3]),
                              bpp=int(f[4]), gpu_ms=float(f[5]),
-                             host_us=float(f[6]), copy_ms=float(f[7])))
+                             host_us=float(f[6]), copy_ms=float(f[7]),
+                             mode=f[8], chunk=int(f[9])))
     return rows
+
+
+# The torch peer doing the same work as each optimd step mode.
+PEER = {"assume_finite": "plain", "default": "scaler", "clip": "clip"}
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bench", default=".gpu/cuda_step_bench")
     ap.add_argument("--params", type=float, default=1e9)
-    ap.add_argument("--assume_finite", action="store_true")
+    ap.add_argument("--modes", default="assume_finite,default,clip")
+    ap.add_argument("--chunk_elements", default="0",
+                    help="comma-separated chunk sizes (0: the default)")
+    ap.add_argument("--only", default="")
     args = ap.parse_args()
-    extra = ["--params=%g" % args.params]
-    if args.assume_finite:
-        extra.append("--assume_finite")
+    extra = ["--params=%g" % args.params, "--modes=" + args.modes,
+             "--chunk_elements=" + args.chunk_elements]
+    if args.only:
+        extra.append("--only=" + args.only)
     rows = run_optimd(args.bench, extra)
     print("torch", torch.__version__, torch.cuda.get_device_name())
     peers = {}
@@ -82,22 +112,26 @@ def main():
             if key not in peers:
                 peers[key] = torch_fused_ms(r["params"], r["tensors"],
                                             torch.float32)
+                print("torch %d tensors: %s" % (r["tensors"], ", ".join(
+                    "%s %.3f ms" % kv for kv in peers[key].items())))
     print()
-    print("%-16s %8s %6s %10s %10s %10s %12s %10s" % (
-        "layout", "tensors", "B/par", "optimd ms", "torch ms", "copy ms",
-        "optimd/torch", "% of copy"))
+    print("optimd mode -> torch peer: " + ", ".join(
+        "%s -> %s" % kv for kv in PEER.items()))
+    print("%-16s %7s %5s %-13s %6s %9s %9s %8s %8s %8s %7s %8s" % (
+        "layout", "tensors", "B/par", "mode", "chunk", "optimd ms",
+        "peer ms", "/peer", "plain ms", "/plain", "% copy", "host us"))
     for r in rows:
         t = peers.get((r["params"], r["tensors"]))
-        print("%-16s %8d %6d %10.3f %10s %10.3f %12s %9.1f%%" % (
-            r["name"], r["tensors"], r["bpp"], r["gpu_ms"],
-            "%.3f" % t if t else "-", r["copy_ms"],
-            "%.3f" % (r["gpu_ms"] / t) if t else "-",
-            100 * r["copy_ms"] / r["gpu_ms"]))
-    print("\nhost time per asynchronous Step (us):",
-          ", ".join("%s/%d: %.1f" % (r["name"], r["tensors"], r["host_us"])
-                    for r in rows))
-    print("copy ms: device-to-device copy of (bytes/param x params)/2 bytes,"
-          " i.e. the same bytes read plus written")
+        peer = t[PEER[r["mode"]]] if t else None
+        plain = t["plain"] if t else None
+        fmt = lambda x: "%.3f" % x if x else "-"
+        print("%-16s %7d %5d %-13s %6d %9.3f %9s %8s %8s %8s %6.1f%% %8.1f" % (
+            r["name"], r["tensors"], r["bpp"], r["mode"], r["chunk"],
+            r["gpu_ms"], fmt(peer), fmt(peer and r["gpu_ms"] / peer),
+            fmt(plain), fmt(plain and r["gpu_ms"] / plain),
+            100 * r["copy_ms"] / r["gpu_ms"], r["host_us"]))
+    print("copy: device-to-device copy of (bytes/param x params)/2 bytes,"
+          " i.e. the same bytes read plus written, in the same run")
 
 
 if __name__ == "__main__":

@@ -8,9 +8,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/adamw_cuda.h"
+#include "kernels/cuda_math.cuh"
 
 namespace optimd {
 namespace cuda {
@@ -57,35 +59,100 @@ __device__ __forceinline__ void Split(float p, uint16_t* hi_bits,
   *rem = r;
 }
 
-// Eight consecutive elements per stream in 16-byte accesses (two for 4-byte
-// types, one for 2-byte types), with streaming cache hints: every byte is
-// read and written once per step, so nothing is worth keeping in L2.
+// Elements of one stream, with streaming cache hints (every byte is read
+// and written once per step, so nothing is worth keeping in L2). N == 8: a
+// lane's share of a tile, elements i..i+3 and i+128..i+131 (i = tile start
+// + 4 * lane), so each access of a warp covers 32 consecutive 8- or 16-byte
+// pieces. N == 1: element i alone.
 template <int N, typename T>
 __device__ __forceinline__ void LoadN(const void* base, uint64_t i, T* out) {
-  const uint4* p = reinterpret_cast<const uint4*>(static_cast<const T*>(base) + i);
-  constexpr int kVecs = sizeof(T) * N / 16;
+  const T* p = static_cast<const T*>(base) + i;
+  if constexpr (N == 1) {
+    out[0] = __ldcs(p);
+  } else {
+    static_assert(N == 8, "a tile lane holds 8 elements");
+    using Q = std::conditional_t<sizeof(T) == 4, uint4, uint2>;
 #pragma unroll
-  for (int v = 0; v < kVecs; ++v) {
-    const uint4 x = __ldcs(p + v);
-    memcpy(reinterpret_cast<char*>(out) + 16 * v, &x, 16);
+    for (int h = 0; h < 2; ++h) {
+      const Q x = __ldcs(reinterpret_cast<const Q*>(p + h * kTileElements / 2));
+      memcpy(out + 4 * h, &x, sizeof(Q));
+    }
   }
 }
 
 template <int N, typename T>
 __device__ __forceinline__ void StoreN(void* base, uint64_t i, const T* in) {
-  uint4* p = reinterpret_cast<uint4*>(static_cast<T*>(base) + i);
-  constexpr int kVecs = sizeof(T) * N / 16;
+  T* p = static_cast<T*>(base) + i;
+  if constexpr (N == 1) {
+    __stcs(p, in[0]);
+  } else {
+    static_assert(N == 8, "a tile lane holds 8 elements");
+    using Q = std::conditional_t<sizeof(T) == 4, uint4, uint2>;
 #pragma unroll
-  for (int v = 0; v < kVecs; ++v) {
-    uint4 x;
-    memcpy(&x, reinterpret_cast<const char*>(in) + 16 * v, 16);
-    __stcs(p + v, x);
+    for (int h = 0; h < 2; ++h) {
+      Q x;
+      memcpy(&x, in + 4 * h, sizeof(Q));
+      __stcs(reinterpret_cast<Q*>(p + h * kTileElements / 2), x);
+    }
+  }
+}
+
+// Walks work block blockIdx.x of `work`: its chunk descriptors are copied
+// into shared memory once, then the block is one flattened space of tiles
+// (one warp each) and one of scalar elements (one thread each), so tensor
+// boundaries cost no idle lanes beyond a chunk's last partial tile and no
+// dependent loads of descriptors. body.Tile(chunk, i) handles a lane's
+// share of the tile at i - 4 * lane; body.Scalar(chunk, i) element i.
+// (Fewer thread blocks, each walking many work blocks and prefetching the
+// next one's descriptors, measured slower on the H200: bench/RESULTS.md.)
+template <class Body>
+__device__ __forceinline__ void Walk(const Work& work, Body& body) {
+  __shared__ uint4 buffer[kMaxChunksPerBlock * sizeof(DeviceChunk) / 16];
+  // tile_end[k], scalar_end[k]: tiles and scalar elements of chunks <= k.
+  __shared__ uint32_t tile_end[kMaxChunksPerBlock];
+  __shared__ uint32_t scalar_end[kMaxChunksPerBlock];
+  const DeviceChunk* cs = reinterpret_cast<const DeviceChunk*>(buffer);
+  const DeviceBlock block = work.blocks[blockIdx.x];
+  const uint32_t n = block.end - block.first;
+  const uint4* src = reinterpret_cast<const uint4*>(work.chunks + block.first);
+  const uint32_t pieces = n * static_cast<uint32_t>(sizeof(DeviceChunk) / 16);
+  for (uint32_t i = threadIdx.x; i < pieces; i += blockDim.x) {
+    buffer[i] = src[i];
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint32_t tiles = 0, scalars = 0;
+    for (uint32_t k = 0; k < n; ++k) {
+      tiles += cs[k].tiles;
+      scalars += static_cast<uint32_t>(cs[k].end - cs[k].begin) -
+                 cs[k].tiles * kTileElements;
+      tile_end[k] = tiles;
+      scalar_end[k] = scalars;
+    }
+  }
+  __syncthreads();
+  const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5,
+                 warps = blockDim.x >> 5;
+  uint32_t k = 0;
+  for (uint32_t t = warp; t < block.tiles; t += warps) {
+    while (t >= tile_end[k]) ++k;
+    const DeviceChunk& c = cs[k];
+    const uint32_t first = tile_end[k] - c.tiles;
+    body.Tile(c, c.begin + static_cast<uint64_t>(t - first) * kTileElements +
+                     4 * lane);
+  }
+  k = 0;
+  for (uint32_t e = threadIdx.x; e < block.scalars; e += blockDim.x) {
+    while (e >= scalar_end[k]) ++k;
+    const DeviceChunk& c = cs[k];
+    const uint32_t first = k == 0 ? 0 : scalar_end[k - 1];
+    body.Scalar(c, c.begin + static_cast<uint64_t>(c.tiles) * kTileElements +
+                       (e - first));
   }
 }
 
 // Sums session_sums in a fixed order: the same total in every block.
-__device__ __forceinline__ double SessionTotal(const double* sums,
-                                               uint32_t n) {
+__device__ __forceinline__ double SessionTotal(const double* sums, uint32_t n) {
   double total = 0;
   for (uint32_t i = 0; i < n; ++i) total += sums[i];
   return total;
@@ -106,58 +173,32 @@ __device__ double BlockSum(double v) {
 }
 
 template <class G>
-__global__ void __launch_bounds__(kThreadsPerBlock)
-    GradSumSquaresKernel(const DeviceBlock* __restrict__ blocks,
-                         const DeviceChunk* __restrict__ chunks,
-                         const DeviceTensor* __restrict__ tensors,
-                         double* __restrict__ partials) {
-  const DeviceBlock b = blocks[blockIdx.x];
+struct SumSquares {
   double acc = 0;
-  for (uint32_t k = b.first; k < b.end; ++k) {
-    const DeviceChunk c = chunks[k];
-    const auto* g = static_cast<const typename G::T*>(tensors[c.tensor].grad);
-    uint64_t i = c.begin + threadIdx.x;
-    if (c.vector) {
-      const uint64_t n8 = (c.end - c.begin) / 8;
-      for (uint64_t j = threadIdx.x; j < n8; j += blockDim.x) {
-        typename G::T v[8];
-        LoadN<8>(g, c.begin + 8 * j, v);
+  __device__ void Tile(const DeviceChunk& c, uint64_t i) {
+    typename G::T v[8];
+    LoadN<8>(c.grad, i, v);
 #pragma unroll
-        for (int q = 0; q < 8; ++q) {
-          const double x = G::Load(v[q]);
-          acc += x * x;
-        }
-      }
-      i = c.begin + 8 * n8 + threadIdx.x;
-    }
-    for (; i < c.end; i += blockDim.x) {
-      const double x = G::Load(g[i]);
+    for (int q = 0; q < 8; ++q) {
+      const double x = G::Load(v[q]);
       acc += x * x;
     }
   }
-  const double total = BlockSum<kThreadsPerBlock>(acc);
-  if (threadIdx.x == 0) partials[blockIdx.x] = total;
-}
-
-__global__ void ReduceSumsKernel(const double* __restrict__ partials,
-                                 uint32_t count, double* __restrict__ out) {
-  double acc = 0;
-  for (uint32_t i = threadIdx.x; i < count; i += blockDim.x) acc += partials[i];
-  const double total = BlockSum<kThreadsPerBlock>(acc);
-  if (threadIdx.x == 0) *out = total;
-}
-
-__global__ void CommitStepKernel(const double* __restrict__ sums, uint32_t n,
-                                 DeviceGroupState* __restrict__ group) {
-  const double total = SessionTotal(sums, n);
-  const bool skipped = !isfinite(total);
-  group->last_sumsq = total;
-  group->last_skipped = skipped ? 1 : 0;
-  if (skipped) {
-    group->skipped += 1;
-  } else {
-    group->step += 1;
+  __device__ void Scalar(const DeviceChunk& c, uint64_t i) {
+    typename G::T v;
+    LoadN<1>(c.grad, i, &v);
+    const double x = G::Load(v);
+    acc += x * x;
   }
+};
+
+template <class G>
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    GradSumSquaresKernel(const Work work, double* __restrict__ partials) {
+  SumSquares<G> body;
+  Walk(work, body);
+  const double total = BlockSum<kThreadsPerBlock>(body.acc);
+  if (threadIdx.x == 0) partials[blockIdx.x] = total;
 }
 
 template <class S, class D>
@@ -166,97 +207,104 @@ __global__ void ConvertKernel(const void* __restrict__ src,
   const auto* in = static_cast<const typename S::T*>(src);
   auto* out = static_cast<typename D::T*>(dst);
   const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
-  for (uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x +
-                    threadIdx.x;
+  for (uint64_t i =
+           static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
        i < n; i += stride) {
     out[i] = D::Store(S::Load(in[i]));
   }
 }
 
-using Scalars = DeviceScalars;
-
-__global__ void PrepareStepKernel(StepHyper h, const double* __restrict__ sums,
-                                  uint32_t n,
-                                  const DeviceGroupState* __restrict__ group,
-                                  DeviceScalars* __restrict__ out) {
-  const double total = SessionTotal(sums, n);
+// The step scalars of one group (see adamw_cpu.cc's MakeStepScalars: the
+// same double arithmetic, rounded to float once).
+__device__ DeviceScalars MakeScalars(const StepHyper& h, double total,
+                                     uint64_t step) {
   DeviceScalars s{};
   s.skip = isfinite(total) ? 0 : 1;
-  if (!s.skip) {
-    const double scale = h.grad_scale > 0 ? h.grad_scale : 1.0;
-    const double norm = sqrt(total) / scale;
-    double clip = 1.0;
-    if (h.max_grad_norm > 0) clip = fmin(1.0, h.max_grad_norm / (norm + 1e-6));
-    const double t = static_cast<double>(group->step + 1);
-    const double bc1 = h.bias_correction ? 1.0 - pow(h.beta1, t) : 1.0;
-    const double bc2 = h.bias_correction ? 1.0 - pow(h.beta2, t) : 1.0;
-    s.beta1 = static_cast<float>(h.beta1);
-    s.beta2 = static_cast<float>(h.beta2);
-    s.omb1 = static_cast<float>(1.0 - h.beta1);
-    s.omb2 = static_cast<float>(1.0 - h.beta2);
-    s.eps = static_cast<float>(h.eps);
-    s.decay = h.adamw ? static_cast<float>(1.0 - h.lr * h.weight_decay) : 1.0f;
-    s.l2 = h.adamw ? 0.0f : static_cast<float>(h.weight_decay);
-    s.bc2 = static_cast<float>(sqrt(bc2));
-    s.neg_step = -static_cast<float>(h.lr / bc1);
-    double mul = clip / scale;
-    if (h.maximize) mul = -mul;
-    s.grad_mul = static_cast<float>(mul);
-  }
-  *out = s;
+  if (s.skip) return s;
+  const double scale = h.grad_scale > 0 ? h.grad_scale : 1.0;
+  const double norm = sqrt(total) / scale;
+  double clip = 1.0;
+  if (h.max_grad_norm > 0) clip = fmin(1.0, h.max_grad_norm / (norm + 1e-6));
+  const double t = static_cast<double>(step + 1);
+  const double bc1 = h.bias_correction ? 1.0 - pow(h.beta1, t) : 1.0;
+  const double bc2 = h.bias_correction ? 1.0 - pow(h.beta2, t) : 1.0;
+  s.beta1 = static_cast<float>(h.beta1);
+  s.beta2 = static_cast<float>(h.beta2);
+  s.omb1 = static_cast<float>(1.0 - h.beta1);
+  s.omb2 = static_cast<float>(1.0 - h.beta2);
+  s.eps = static_cast<float>(h.eps);
+  s.decay = h.adamw ? static_cast<float>(1.0 - h.lr * h.weight_decay) : 1.0f;
+  s.l2 = h.adamw ? 0.0f : static_cast<float>(h.weight_decay);
+  s.bc2 = static_cast<float>(sqrt(bc2));
+  s.rbc2 = __fdiv_rn(1.0f, s.bc2);
+  s.neg_step = -static_cast<float>(h.lr / bc1);
+  double mul = clip / scale;
+  if (h.maximize) mul = -mul;
+  s.grad_mul = static_cast<float>(mul);
+  return s;
 }
 
-template <class P, class G, class M, MasterKind K, bool kAms, bool kAdamW>
-__device__ __forceinline__ void UpdateOne(const DeviceTensor& t, uint64_t i,
-                                          const Scalars& s) {
-  auto* param = static_cast<typename P::T*>(t.param);
-  const auto* grad = static_cast<const typename G::T*>(t.grad);
-  auto* m = static_cast<typename M::T*>(t.exp_avg);
-  auto* v = static_cast<typename M::T*>(t.exp_avg_sq);
-  float g = G::Load(grad[i]) * s.grad_mul;
-  float p;
-  if constexpr (K == MasterKind::kFp32) {
-    p = static_cast<float*>(t.master)[i];
-  } else if constexpr (K == MasterKind::kRemainder) {
-    p = Reconstruct(param[i], static_cast<int16_t*>(t.master)[i]);
-  } else {
-    p = P::Load(param[i]);
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    PrepareStepsKernel(const GroupStep* __restrict__ args,
+                       GroupStep* __restrict__ scratch, uint32_t n,
+                       int statistics, double* __restrict__ sums) {
+  // One pass over pinned host memory, all threads at once.
+  {
+    const uint4* src = reinterpret_cast<const uint4*>(args);
+    uint4* dst = reinterpret_cast<uint4*>(scratch);
+    const uint32_t pieces = n * static_cast<uint32_t>(sizeof(GroupStep) / 16);
+    for (uint32_t i = threadIdx.x; i < pieces; i += blockDim.x) {
+      dst[i] = src[i];
+    }
   }
-  if constexpr (kAdamW) {
-    p = p * s.decay;
-  } else {
-    g = g + s.l2 * p;
+  __syncthreads();
+  for (uint32_t g = 0; g < n; ++g) {
+    double acc = 0;
+    if (statistics) {
+      const double* partials = scratch[g].partials;
+      const uint32_t count = scratch[g].num_partials;
+      for (uint32_t i = threadIdx.x; i < count; i += blockDim.x) {
+        acc += partials[i];
+      }
+    }
+    const double sum = BlockSum<kThreadsPerBlock>(acc);
+    if (threadIdx.x == 0) sums[g] = sum;
+    __syncthreads();  // BlockSum's shared memory is reused next round
   }
-  const float mi = M::Load(m[i]) * s.beta1 + s.omb1 * g;
-  const float vi = M::Load(v[i]) * s.beta2 + s.omb2 * g * g;
-  m[i] = M::Store(mi);
-  v[i] = M::Store(vi);
-  float vd = vi;
-  if constexpr (kAms) {
-    auto* vmax = static_cast<typename M::T*>(t.max_exp_avg_sq);
-    vd = fmaxf(M::Load(vmax[i]), vi);
-    vmax[i] = M::Store(vd);
+  __shared__ double total;
+  if (threadIdx.x == 0) total = SessionTotal(sums, n);
+  __syncthreads();
+  for (uint32_t g = threadIdx.x; g < n; g += blockDim.x) {
+    const GroupStep& a = scratch[g];
+    *a.scalars = MakeScalars(a.hyper, total, a.state->step);
   }
-  const float denom = sqrtf(vd) / s.bc2 + s.eps;
-  p = p + s.neg_step * (mi / denom);
-  if constexpr (K == MasterKind::kFp32) {
-    static_cast<float*>(t.master)[i] = p;
-    param[i] = P::Store(p);
-  } else if constexpr (K == MasterKind::kRemainder) {
-    uint16_t hi;
-    int16_t r;
-    Split(p, &hi, &r);
-    param[i] = hi;
-    static_cast<int16_t*>(t.master)[i] = r;
-  } else {
-    param[i] = P::Store(p);
+}
+
+__global__ void CommitStepsKernel(const GroupStep* __restrict__ scratch,
+                                  uint32_t n, const double* __restrict__ sums,
+                                  DeviceGroupState* __restrict__ totals,
+                                  DeviceGroupState* __restrict__ report) {
+  const double total = SessionTotal(sums, n);
+  const bool skipped = !isfinite(total);
+  for (uint32_t g = threadIdx.x; g <= n; g += blockDim.x) {
+    DeviceGroupState* state = g == 0 ? totals : scratch[g - 1].state;
+    DeviceGroupState s = *state;
+    s.last_sumsq = total;
+    s.last_skipped = skipped ? 1 : 0;
+    if (skipped) {
+      s.skipped += 1;
+    } else {
+      s.step += 1;
+    }
+    *state = s;
+    report[g] = s;
   }
 }
 
 template <int N, class P, class G, class M, MasterKind K, bool kAms,
           bool kAdamW>
-__device__ __forceinline__ void UpdateN(const DeviceTensor& t, uint64_t i,
-                                           const Scalars& s) {
+__device__ __forceinline__ void UpdateN(const DeviceChunk& t, uint64_t i,
+                                        const DeviceScalars& s) {
   typename P::T pr[N];
   typename G::T gr[N];
   typename M::T mr[N], vr[N], xr[N];
@@ -295,7 +343,7 @@ __device__ __forceinline__ void UpdateN(const DeviceTensor& t, uint64_t i,
       vd = fmaxf(M::Load(xr[k]), vi);
       xr[k] = M::Store(vd);
     }
-    const float denom = sqrtf(vd) / s.bc2 + s.eps;
+    const float denom = DivByRecip(sqrtf(vd), s.bc2, s.rbc2) + s.eps;
     p = p + s.neg_step * (mi / denom);
     if constexpr (K == MasterKind::kFp32) {
       master[k] = p;
@@ -316,48 +364,36 @@ __device__ __forceinline__ void UpdateN(const DeviceTensor& t, uint64_t i,
   if constexpr (K == MasterKind::kRemainder) StoreN<N>(t.master, i, rem);
 }
 
+template <class P, class G, class M, MasterKind K, bool kAms, bool kAdamW>
+struct Update {
+  const DeviceScalars& s;
+  __device__ void Tile(const DeviceChunk& c, uint64_t i) {
+    UpdateN<8, P, G, M, K, kAms, kAdamW>(c, i, s);
+  }
+  __device__ void Scalar(const DeviceChunk& c, uint64_t i) {
+    UpdateN<1, P, G, M, K, kAms, kAdamW>(c, i, s);
+  }
+};
+
 // At most 64 registers a thread: four resident blocks per multiprocessor,
 // enough bytes in flight to keep HBM busy.
 template <class P, class G, class M, MasterKind K, bool kAms, bool kAdamW>
 __global__ void __launch_bounds__(kThreadsPerBlock, 4)
-    AdamWKernel(const DeviceBlock* __restrict__ blocks,
-                const DeviceChunk* __restrict__ chunks,
-                const DeviceTensor* __restrict__ tensors,
-                const DeviceScalars* __restrict__ scalars) {
-  const Scalars s = *scalars;
+    AdamWKernel(const Work work, const DeviceScalars* __restrict__ scalars) {
+  const DeviceScalars s = *scalars;
   if (s.skip) return;
-  const DeviceBlock b = blocks[blockIdx.x];
-  for (uint32_t k = b.first; k < b.end; ++k) {
-    const DeviceChunk c = chunks[k];
-    const DeviceTensor t = tensors[c.tensor];
-    uint64_t i = c.begin + threadIdx.x;
-    if (c.vector) {
-      // 8 elements per stream per thread: one or two 16-byte accesses. (16
-      // for 16-bit layouts measured slower on the H200: bench/RESULTS.md.)
-      constexpr int kN = 8;
-      const uint64_t nv = (c.end - c.begin) / kN;
-      for (uint64_t j = threadIdx.x; j < nv; j += blockDim.x) {
-        UpdateN<kN, P, G, M, K, kAms, kAdamW>(t, c.begin + kN * j, s);
-      }
-      i = c.begin + kN * nv + threadIdx.x;
-    }
-    for (; i < c.end; i += blockDim.x) {
-      UpdateOne<P, G, M, K, kAms, kAdamW>(t, i, s);
-    }
-  }
+  Update<P, G, M, K, kAms, kAdamW> body{s};
+  Walk(work, body);
 }
 
 absl::Status Check(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(
-      absl::StrCat(what, ": ", cudaGetErrorName(e), ": ", cudaGetErrorString(e)));
+  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorName(e), ": ",
+                                          cudaGetErrorString(e)));
 }
 
 struct Args {
-  const DeviceBlock* blocks;
-  uint32_t num_blocks;
-  const DeviceChunk* chunks;
-  const DeviceTensor* tensors;
+  Work work;
   const DeviceScalars* scalars;
   bool adamw;
   Stream stream;
@@ -366,8 +402,7 @@ struct Args {
 template <class P, class G, class M, MasterKind K, bool kAms, bool kAdamW>
 absl::Status Launch(const Args& a) {
   AdamWKernel<P, G, M, K, kAms, kAdamW>
-      <<<a.num_blocks, kThreadsPerBlock, 0, a.stream>>>(a.blocks, a.chunks,
-                                                        a.tensors, a.scalars);
+      <<<a.work.num_blocks, kThreadsPerBlock, 0, a.stream>>>(a.work, a.scalars);
   return Check(cudaGetLastError(), "AdamW kernel launch");
 }
 
@@ -424,51 +459,47 @@ absl::Status DispatchGrad(const Layout& l, const Args& a) {
 
 }  // namespace
 
-absl::Status LaunchGradSumSquares(DType grad_dtype, const DeviceBlock* blocks,
-                                  uint32_t num_blocks,
-                                  const DeviceChunk* chunks,
-                                  const DeviceTensor* tensors,
+absl::Status LaunchGradSumSquares(DType grad_dtype, const Work& work,
                                   double* partials, Stream stream) {
-  if (num_blocks == 0) return absl::OkStatus();
+  if (work.num_blocks == 0) return absl::OkStatus();
   switch (grad_dtype) {
     case DType::kFloat32:
-      GradSumSquaresKernel<F32><<<num_blocks, kThreadsPerBlock, 0, stream>>>(
-          blocks, chunks, tensors, partials);
+      GradSumSquaresKernel<F32>
+          <<<work.num_blocks, kThreadsPerBlock, 0, stream>>>(work, partials);
       break;
     case DType::kBFloat16:
-      GradSumSquaresKernel<BF16><<<num_blocks, kThreadsPerBlock, 0, stream>>>(
-          blocks, chunks, tensors, partials);
+      GradSumSquaresKernel<BF16>
+          <<<work.num_blocks, kThreadsPerBlock, 0, stream>>>(work, partials);
       break;
     case DType::kFloat16:
-      GradSumSquaresKernel<F16><<<num_blocks, kThreadsPerBlock, 0, stream>>>(
-          blocks, chunks, tensors, partials);
+      GradSumSquaresKernel<F16>
+          <<<work.num_blocks, kThreadsPerBlock, 0, stream>>>(work, partials);
       break;
   }
   return Check(cudaGetLastError(), "gradient statistics kernel launch");
 }
 
-absl::Status LaunchReduceSums(const double* partials, uint32_t count,
-                              double* out, Stream stream) {
-  ReduceSumsKernel<<<1, kThreadsPerBlock, 0, stream>>>(partials, count, out);
-  return Check(cudaGetLastError(), "reduce kernel launch");
-}
-
-absl::Status LaunchPrepareStep(const StepHyper& hyper,
-                               const double* session_sums, uint32_t num_sums,
-                               const DeviceGroupState* group,
-                               DeviceScalars* scalars, Stream stream) {
-  PrepareStepKernel<<<1, 1, 0, stream>>>(hyper, session_sums, num_sums, group,
-                                         scalars);
+absl::Status LaunchPrepareSteps(const GroupStep* args, GroupStep* scratch,
+                                uint32_t n, bool statistics, double* sums,
+                                Stream stream) {
+  if (n == 0) return absl::OkStatus();
+  PrepareStepsKernel<<<1, kThreadsPerBlock, 0, stream>>>(
+      args, scratch, n, statistics ? 1 : 0, sums);
   return Check(cudaGetLastError(), "prepare kernel launch");
 }
 
-absl::Status LaunchAdamW(const Layout& layout, bool adamw,
-                             const DeviceBlock* blocks, uint32_t num_blocks,
-                             const DeviceChunk* chunks,
-                             const DeviceTensor* tensors,
-                             const DeviceScalars* scalars, Stream stream) {
-  if (num_blocks == 0) return absl::OkStatus();
-  const Args a{blocks, num_blocks, chunks, tensors, scalars, adamw, stream};
+absl::Status LaunchCommitSteps(const GroupStep* scratch, uint32_t n,
+                               const double* sums, DeviceGroupState* totals,
+                               DeviceGroupState* report, Stream stream) {
+  CommitStepsKernel<<<1, kThreadsPerBlock, 0, stream>>>(scratch, n, sums,
+                                                        totals, report);
+  return Check(cudaGetLastError(), "commit kernel launch");
+}
+
+absl::Status LaunchAdamW(const Layout& layout, bool adamw, const Work& work,
+                         const DeviceScalars* scalars, Stream stream) {
+  if (work.num_blocks == 0) return absl::OkStatus();
+  const Args a{work, scalars, adamw, stream};
   switch (layout.param_dtype) {
     case DType::kFloat32:
       return DispatchGrad<F32>(layout, a);
@@ -489,13 +520,16 @@ absl::Status ConvertTo(DType dst_dtype, const void* src, void* dst, uint64_t n,
       std::min<uint64_t>((n + kThreadsPerBlock - 1) / kThreadsPerBlock, 65536));
   switch (dst_dtype) {
     case DType::kFloat32:
-      ConvertKernel<S, F32><<<blocks, kThreadsPerBlock, 0, stream>>>(src, dst, n);
+      ConvertKernel<S, F32>
+          <<<blocks, kThreadsPerBlock, 0, stream>>>(src, dst, n);
       break;
     case DType::kBFloat16:
-      ConvertKernel<S, BF16><<<blocks, kThreadsPerBlock, 0, stream>>>(src, dst, n);
+      ConvertKernel<S, BF16>
+          <<<blocks, kThreadsPerBlock, 0, stream>>>(src, dst, n);
       break;
     case DType::kFloat16:
-      ConvertKernel<S, F16><<<blocks, kThreadsPerBlock, 0, stream>>>(src, dst, n);
+      ConvertKernel<S, F16>
+          <<<blocks, kThreadsPerBlock, 0, stream>>>(src, dst, n);
       break;
   }
   return Check(cudaGetLastError(), "convert kernel launch");
@@ -515,12 +549,6 @@ absl::Status LaunchConvert(DType src_dtype, const void* src, DType dst_dtype,
       return ConvertTo<F16>(dst_dtype, src, dst, n, stream);
   }
   return absl::InvalidArgumentError("unknown dtype");
-}
-
-absl::Status LaunchCommitStep(const double* session_sums, uint32_t num_sums,
-                              DeviceGroupState* group, Stream stream) {
-  CommitStepKernel<<<1, 1, 0, stream>>>(session_sums, num_sums, group);
-  return Check(cudaGetLastError(), "commit kernel launch");
 }
 
 }  // namespace cuda

@@ -3,19 +3,22 @@
 // code is private to adamw_cuda.cu.
 //
 // A step of one session on one GPU is, all on one stream:
-//   1. LaunchGradSumSquares per plan segment: each block writes the sum of
-//      squares (double) of its chunks to partials[block].
-//   2. LaunchReduceSums per group: sums the group's partials, in a fixed
-//      order, into session_sums[group] (deterministic: no atomics).
-//   3. LaunchPrepareStep per group: adds session_sums in order; if the total
-//      is not finite the step is skipped; otherwise derives the clip
-//      coefficient and, from the group's device-resident step counter, the
-//      bias corrections, into the group's DeviceScalars.
-//   4. LaunchAdamW per plan segment: unless skipped, updates its chunks.
-//   5. LaunchCommitStep per group: advances the step counter unless
-//      skipped, and records the step's norm and skipped flag.
+//   1. LaunchGradSumSquares per plan segment of every group: one partial sum
+//      of squares (double) per work block.
+//   2. LaunchPrepareSteps, once: reduces each group's partials in a fixed
+//      order (deterministic: no atomics), adds the groups' sums in order; if
+//      the total is not finite the step is skipped; otherwise derives the
+//      clip coefficient and, from each group's device-resident step counter,
+//      its bias corrections, into the group's DeviceScalars.
+//   3. LaunchAdamW per plan segment of every group: unless skipped, updates
+//      its chunks.
+//   4. LaunchCommitSteps, once: advances the counters unless skipped,
+//      records the step's norm and skipped flag, and writes them to the
+//      step's report slot in pinned host memory.
 // The host never waits for the GPU in between: the skip decision and the
-// clip coefficient are read by the kernels from device memory.
+// clip coefficient are read by the kernels from device memory. Per-step
+// arguments travel in pinned host memory that the kernels read directly,
+// so a step of one group with one layout is four launches.
 #ifndef OPTIMD_KERNELS_ADAMW_CUDA_H_
 #define OPTIMD_KERNELS_ADAMW_CUDA_H_
 
@@ -31,25 +34,41 @@ namespace cuda {
 
 using Stream = CUstream_st*;
 
-// Device pointers of one tensor.
-struct DeviceTensor {
+// Elements [begin, end) of one tensor, with the tensor's stream pointers
+// (nullptr where the layout has no such stream), so that a kernel reaches
+// the data through one descriptor. The chunk's first `tiles` * 256
+// elements form tiles: 256 consecutive elements that one warp updates with
+// fully coalesced 8- or 16-byte accesses (a chunk has tiles only when every
+// stream is 16-byte aligned at `begin`). The rest are scalar elements,
+// updated one per thread.
+struct DeviceChunk {
   void* param;
   const void* grad;
   void* master;
   void* exp_avg;
   void* exp_avg_sq;
   void* max_exp_avg_sq;
-};
-
-// Elements [begin, end) of tensor `tensor`. `vector` is 1 when every stream
-// of the tensor is 16-byte aligned at `begin`: the kernels then move 8
-// elements per stream with 16-byte accesses, and the tail one by one.
-struct DeviceChunk {
-  uint32_t tensor;
-  uint32_t vector;
   uint64_t begin;
   uint64_t end;
+  uint32_t tiles;
+  uint32_t pad[3];
 };
+static_assert(sizeof(DeviceChunk) % 16 == 0, "copied in 16-byte pieces");
+
+constexpr uint32_t kTileElements = 256;
+
+// One work block, one thread block's work: chunks [first, end) of the
+// plan's chunk table, at most kMaxChunksPerBlock of them, walked as one
+// flattened space of `tiles` tiles and one of `scalars` scalar elements.
+// Small tensors share a work block, so a launch over 1e5 small tensors
+// keeps its threads as busy as over a few large ones.
+struct DeviceBlock {
+  uint32_t first;
+  uint32_t end;
+  uint32_t tiles;
+  uint32_t scalars;
+};
+constexpr uint32_t kMaxChunksPerBlock = 32;
 
 // Hyperparameters of a group for one step, passed by value at launch.
 struct StepHyper {
@@ -75,52 +94,64 @@ struct DeviceGroupState {
   int32_t pad;
 };
 
-// One thread block's work: chunks [first, end) of the plan's chunk table.
-// Small tensors share a block, so a launch over 1e5 small tensors keeps its
-// blocks as full as over a few large ones.
-struct DeviceBlock {
-  uint32_t first;
-  uint32_t end;
-};
 
 // Step scalars derived on the device once per group and step (see
 // adamw_cpu.cc's MakeStepScalars: the same double arithmetic, rounded to
 // float once); read by every block of the update.
+// rbc2 is 1/bc2 rounded to nearest: dividing by bc2 then takes three
+// operations and stays correctly rounded (kernels/cuda_math.cuh).
 struct DeviceScalars {
-  float beta1, beta2, omb1, omb2, eps, decay, l2, bc2, neg_step, grad_mul;
+  float beta1, beta2, omb1, omb2, eps, decay, l2, bc2, rbc2, neg_step,
+      grad_mul;
   int32_t skip;
-  int32_t pad;
 };
 
 constexpr int kThreadsPerBlock = 256;
-constexpr int kElementsPerThread = 8;
 
-// One partial sum per block: partials[b] for blocks[b].
-absl::Status LaunchGradSumSquares(DType grad_dtype, const DeviceBlock* blocks,
-                                  uint32_t num_blocks,
-                                  const DeviceChunk* chunks,
-                                  const DeviceTensor* tensors,
+// Work of one launch: one thread block per work block.
+struct Work {
+  const DeviceBlock* blocks;
+  uint32_t num_blocks;
+  const DeviceChunk* chunks;
+};
+
+// One partial sum of squares per work block: partials[b] for blocks[b],
+// each summed in a fixed order (the same total on every run of the same
+// plan). The statistics pass reads one stream where the update reads four
+// or more, so its work blocks are coarser (cuda_backend.cc).
+absl::Status LaunchGradSumSquares(DType grad_dtype, const Work& work,
                                   double* partials, Stream stream);
 
-absl::Status LaunchReduceSums(const double* partials, uint32_t count,
-                              double* out, Stream stream);
+// One group's step arguments, written by the host into pinned memory.
+struct alignas(16) GroupStep {
+  StepHyper hyper;
+  const double* partials;   // the group's partial sums of squares
+  uint32_t num_partials;
+  uint32_t pad;
+  DeviceGroupState* state;  // the group's device-resident counters
+  DeviceScalars* scalars;   // out: the group's step scalars
+};
+static_assert(sizeof(GroupStep) % 16 == 0, "copied in 16-byte pieces");
 
-// Derives the group's step scalars (or the skip flag) into *scalars.
-absl::Status LaunchPrepareStep(const StepHyper& hyper,
-                               const double* session_sums, uint32_t num_sums,
-                               const DeviceGroupState* group,
-                               DeviceScalars* scalars, Stream stream);
+// Step 2 above for n >= 1 groups. `args`: n GroupSteps in pinned host
+// memory (device-accessible); copied to `scratch` (device memory, n
+// GroupSteps) for step 4. sums: device memory for n doubles. Without
+// `statistics` every sum is zero (nothing is skipped, nothing clipped).
+absl::Status LaunchPrepareSteps(const GroupStep* args, GroupStep* scratch,
+                                uint32_t n, bool statistics, double* sums,
+                                Stream stream);
+
+// Step 4 above: advances each group's counters and `totals` (the session's)
+// unless the step was skipped, and copies them to report[0] (totals) and
+// report[1 + g] (pinned host memory, n + 1 entries).
+absl::Status LaunchCommitSteps(const GroupStep* scratch, uint32_t n,
+                               const double* sums, DeviceGroupState* totals,
+                               DeviceGroupState* report, Stream stream);
 
 // `adamw`: decoupled weight decay (else Adam's L2), a template parameter of
 // the kernel.
-absl::Status LaunchAdamW(const Layout& layout, bool adamw,
-                         const DeviceBlock* blocks, uint32_t num_blocks,
-                         const DeviceChunk* chunks,
-                         const DeviceTensor* tensors,
+absl::Status LaunchAdamW(const Layout& layout, bool adamw, const Work& work,
                          const DeviceScalars* scalars, Stream stream);
-
-absl::Status LaunchCommitStep(const double* session_sums, uint32_t num_sums,
-                              DeviceGroupState* group, Stream stream);
 
 // dst[i] = src[i] converted (exact widening, or rounding to nearest even),
 // for i < n. Used for master weights at registration and GetParams.

@@ -20,9 +20,9 @@
 namespace optimd {
 namespace {
 
+using cuda::DeviceBlock;
 using cuda::DeviceChunk;
 using cuda::DeviceGroupState;
-using cuda::DeviceTensor;
 
 using MemGetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
 
@@ -64,31 +64,49 @@ absl::StatusOr<StateStorage> DeviceAlloc(int device, uint64_t bytes) {
   });
 }
 
+// Work blocks over chunks of one layout. The update's work blocks hold
+// about chunk_elements elements; the statistics pass, which reads one
+// stream where the update reads four or more, walks coarser ones
+// (kStatsBlockFactor times larger) so that starting a thread block costs it
+// as little, relative to its bytes (measured on the H200:
+// bench/RESULTS.md).
+struct BlockTable {
+  std::vector<DeviceBlock> blocks;
+  StateStorage blocks_d;
+};
+constexpr uint64_t kStatsBlockFactor = 4;
+
 struct Segment {
   Layout layout;
   uint32_t first_chunk = 0;
   uint32_t num_chunks = 0;
-  uint32_t first_block = 0;
-  uint32_t num_blocks = 0;
+  uint32_t first_block[2] = {0, 0};  // [0]: update, [1]: statistics
+  uint32_t num_blocks[2] = {0, 0};
 };
 
-// The device-resident plan of one group.
+// The device-resident plan of one group. chunks: as in device memory;
+// chunk_entry[c]: the plan entry of chunk c; tables[0]: the update's work
+// blocks, tables[1]: the statistics pass's (one partial sum each).
 struct DevicePlan {
-  std::vector<DeviceTensor> tensors;  // by plan entry
   std::vector<DeviceChunk> chunks;
-  std::vector<cuda::DeviceBlock> blocks;
+  std::vector<uint32_t> chunk_entry;
   std::vector<Segment> segments;
-  StateStorage tensors_d, chunks_d, blocks_d, partials_d, state_d, scalars_d;
+  BlockTable tables[2];
+  StateStorage chunks_d, partials_d, state_d, scalars_d;
 };
 
-// Pinned slots that receive each step's counters, so that a reply can
-// report the last completed step without waiting.
+// Pinned slots, one per step in flight: the step's arguments, which its
+// kernels read, and its counters, which they write, so that a reply can
+// report the last completed step without waiting. A slot is reused only
+// after its event has completed.
 struct ReportSlot {
   cudaEvent_t event = nullptr;
+  void* memory = nullptr;            // cudaHostAlloc'd: args, then host
+  cuda::GroupStep* args = nullptr;   // [g]: group g's step arguments
   DeviceGroupState* host = nullptr;  // [0]: session totals, [1+g]: groups
   uint32_t capacity = 0;             // groups
   uint32_t groups = 0;
-  uint64_t sequence = 0;             // 0: never used
+  uint64_t sequence = 0;  // 0: never used
 };
 
 class CudaSession : public SessionContext {
@@ -97,7 +115,7 @@ class CudaSession : public SessionContext {
     if (stream != nullptr) cudaStreamSynchronize(stream);
     for (ReportSlot& s : slots) {
       if (s.event != nullptr) cudaEventDestroy(s.event);
-      if (s.host != nullptr) cudaFreeHost(s.host);
+      if (s.memory != nullptr) cudaFreeHost(s.memory);
     }
     if (ready != nullptr) cudaEventDestroy(ready);
     if (done != nullptr) cudaEventDestroy(done);
@@ -109,7 +127,7 @@ class CudaSession : public SessionContext {
   StateStorage totals_d;        // DeviceGroupState
   std::vector<ReportSlot> slots;
   uint64_t sequence = 0;
-  StepOutcome last;             // the newest outcome seen complete
+  StepOutcome last;  // the newest outcome seen complete
   uint64_t last_sequence = 0;
   std::vector<uint64_t> last_group_steps;
 };
@@ -152,8 +170,8 @@ class CudaBackend final : public Backend {
     if (e != cudaSuccess) {
       cudaGetLastError();
       return absl::ResourceExhaustedError(absl::StrCat(
-          "cannot allocate ", bytes, " bytes of pinned host memory: ",
-          cudaGetErrorString(e)));
+          "cannot allocate ", bytes,
+          " bytes of pinned host memory: ", cudaGetErrorString(e)));
     }
     return StateStorage(static_cast<uint8_t*>(p), bytes,
                         [](uint8_t* q) { cudaFreeHost(q); });
@@ -170,8 +188,10 @@ class CudaBackend final : public Backend {
 
  private:
   absl::Status UploadPlan(DevicePlan& plan);
-  void ComputeVectorFlags(DevicePlan& plan, uint32_t first, uint32_t end);
-  absl::Status EnsureSums(uint32_t groups);
+  // The work of one segment's launch over block table `table`.
+  cuda::Work SegmentWork(const DevicePlan& plan, const Segment& seg,
+                         int table) const;
+  absl::Status EnsureScratch(uint32_t groups);
   absl::Status ReadSlot(CudaSession& s, ReportSlot& slot,
                         const std::vector<Group*>& groups, StepOutcome* out);
 
@@ -184,18 +204,20 @@ class CudaBackend final : public Backend {
   std::map<std::string, std::weak_ptr<IpcMapping>> mappings_
       ABSL_GUARDED_BY(mu_);
 
-  // Per-step scratch: one sum of squares per group of the stepping session.
-  StateStorage sums_d_;
-  uint32_t sums_capacity_ = 0;
+  // Per-step scratch: per group of the stepping session, its sum of squares
+  // and a device copy of its arguments.
+  StateStorage sums_d_, steps_d_;
+  uint32_t scratch_capacity_ = 0;
 };
 
 absl::StatusOr<BufferRef> CudaBackend::ResolveBuffer(const BufferHandle& handle,
                                                      uint64_t alignment,
                                                      const std::string& what) {
   if (handle.kind != BufferHandle::Kind::kCudaIpc) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        what, ": the CUDA backend needs a cuda_ipc buffer handle, not a "
-              "shared-memory one"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(what,
+                     ": the CUDA backend needs a cuda_ipc buffer handle, not a "
+                     "shared-memory one"));
   }
   if (handle.ipc_handle.size() != sizeof(cudaIpcMemHandle_t)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -203,10 +225,10 @@ absl::StatusOr<BufferRef> CudaBackend::ResolveBuffer(const BufferHandle& handle,
         " bytes (a cudaIpcMemHandle_t), got ", handle.ipc_handle.size()));
   }
   if (handle.device != device_) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        what, ": the buffer is on GPU ", handle.device,
-        " but this session's state lives on GPU ", device_,
-        "; one session's tensors must share its device"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": the buffer is on GPU ", handle.device,
+                     " but this session's state lives on GPU ", device_,
+                     "; one session's tensors must share its device"));
   }
   std::shared_ptr<IpcMapping> mapping;
   {
@@ -223,8 +245,8 @@ absl::StatusOr<BufferRef> CudaBackend::ResolveBuffer(const BufferHandle& handle,
       if (e != cudaSuccess) {
         cudaGetLastError();  // not sticky; clear it
         return absl::InvalidArgumentError(absl::StrCat(
-            what, ": cannot open the CUDA IPC handle (",
-            cudaGetErrorName(e), ": ", cudaGetErrorString(e),
+            what, ": cannot open the CUDA IPC handle (", cudaGetErrorName(e),
+            ": ", cudaGetErrorString(e),
             "); is it stale (freed by the trainer), from another GPU or "
             "machine, or from this process?"));
       }
@@ -234,8 +256,8 @@ absl::StatusOr<BufferRef> CudaBackend::ResolveBuffer(const BufferHandle& handle,
                                  reinterpret_cast<CUdeviceptr>(base)) !=
           CUDA_SUCCESS) {
         cudaIpcCloseMemHandle(base);
-        return absl::InvalidArgumentError(
-            absl::StrCat(what, ": cannot query the size of the IPC allocation"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            what, ": cannot query the size of the IPC allocation"));
       }
       const uint64_t usable =
           range_size - (reinterpret_cast<uint64_t>(base) - range_base);
@@ -256,7 +278,8 @@ absl::StatusOr<BufferRef> CudaBackend::ResolveBuffer(const BufferHandle& handle,
   }
   if (alignment > 1 &&
       (reinterpret_cast<uint64_t>(mapping->base()) + handle.offset) %
-              alignment != 0) {
+              alignment !=
+          0) {
     return absl::InvalidArgumentError(absl::StrCat(
         what, ": offset ", handle.offset, " is not element-aligned"));
   }
@@ -277,66 +300,96 @@ absl::StatusOr<StateStorage> CudaBackend::AllocateState(uint64_t bytes) {
   return s;
 }
 
-void CudaBackend::ComputeVectorFlags(DevicePlan& plan, uint32_t first,
-                                     uint32_t end) {
-  for (uint32_t c = first; c < end; ++c) {
-    DeviceChunk& chunk = plan.chunks[c];
-    const DeviceTensor& t = plan.tensors[chunk.tensor];
-    const Layout* layout = nullptr;
-    for (const Segment& s : plan.segments) {
-      if (c >= s.first_chunk && c < s.first_chunk + s.num_chunks) {
-        layout = &s.layout;
-      }
-    }
-    // The kernels access 8 elements of every stream with 16-byte loads.
-    auto aligned = [&](const void* p, uint64_t esize) {
-      if (p == nullptr) return true;
-      return (reinterpret_cast<uint64_t>(p) + chunk.begin * esize) % 16 == 0;
-    };
-    const uint64_t ps = DTypeSize(layout->param_dtype);
-    const uint64_t gs = DTypeSize(layout->grad_dtype);
-    const uint64_t ms = DTypeSize(layout->moment_dtype);
-    const uint64_t xs = layout->MasterBytesPerElement();
-    chunk.vector = aligned(t.param, ps) && aligned(t.grad, gs) &&
-                   aligned(t.exp_avg, ms) && aligned(t.exp_avg_sq, ms) &&
-                   aligned(t.max_exp_avg_sq, ms) &&
-                   (xs == 0 || aligned(t.master, xs));
+// Tiles of a chunk: whole tiles when every stream is 16-byte aligned at
+// the chunk's first element (tiles access them in 8- or 16-byte pieces),
+// else none.
+uint32_t ChunkTiles(const DeviceChunk& chunk, const Layout& layout) {
+  auto aligned = [&](const void* p, uint64_t esize) {
+    if (p == nullptr) return true;
+    return (reinterpret_cast<uint64_t>(p) + chunk.begin * esize) % 16 == 0;
+  };
+  const uint64_t xs = layout.MasterBytesPerElement();
+  const uint64_t ms = DTypeSize(layout.moment_dtype);
+  const bool vector = aligned(chunk.param, DTypeSize(layout.param_dtype)) &&
+                      aligned(chunk.grad, DTypeSize(layout.grad_dtype)) &&
+                      aligned(chunk.exp_avg, ms) &&
+                      aligned(chunk.exp_avg_sq, ms) &&
+                      aligned(chunk.max_exp_avg_sq, ms) &&
+                      (xs == 0 || aligned(chunk.master, xs));
+  return vector ? static_cast<uint32_t>((chunk.end - chunk.begin) /
+                                        cuda::kTileElements)
+                : 0;
+}
+
+// A block's totals from its chunks.
+void CountBlock(const std::vector<DeviceChunk>& chunks, DeviceBlock* b) {
+  b->tiles = 0;
+  b->scalars = 0;
+  for (uint32_t c = b->first; c < b->end; ++c) {
+    b->tiles += chunks[c].tiles;
+    b->scalars += static_cast<uint32_t>(chunks[c].end - chunks[c].begin) -
+                  chunks[c].tiles * cuda::kTileElements;
   }
+}
+
+// Appends work blocks over chunks [first, end): consecutive chunks of about
+// `target` elements in all, and at most kMaxChunksPerBlock of them.
+void AppendBlocks(const std::vector<DeviceChunk>& chunks, uint32_t first,
+                  uint32_t end, uint64_t target,
+                  std::vector<DeviceBlock>* out) {
+  const size_t start = out->size();
+  uint64_t in_block = 0;
+  for (uint32_t c = first; c < end; ++c) {
+    if (out->size() == start || in_block >= target ||
+        out->back().end - out->back().first >= cuda::kMaxChunksPerBlock) {
+      out->push_back({c, c, 0, 0});
+      in_block = 0;
+    }
+    out->back().end = c + 1;
+    in_block += chunks[c].end - chunks[c].begin;
+  }
+  for (size_t b = start; b < out->size(); ++b) CountBlock(chunks, &(*out)[b]);
+}
+
+cuda::Work CudaBackend::SegmentWork(const DevicePlan& plan, const Segment& seg,
+                                    int table) const {
+  cuda::Work w;
+  w.blocks =
+      reinterpret_cast<const DeviceBlock*>(plan.tables[table].blocks_d.data()) +
+      seg.first_block[table];
+  w.num_blocks = seg.num_blocks[table];
+  w.chunks = reinterpret_cast<const DeviceChunk*>(plan.chunks_d.data());
+  return w;
 }
 
 absl::Status CudaBackend::UploadPlan(DevicePlan& plan) {
   OPTIMD_ASSIGN_OR_RETURN(
-      plan.tensors_d,
-      DeviceAlloc(device_, std::max<uint64_t>(1, plan.tensors.size()) *
-                               sizeof(DeviceTensor)));
-  OPTIMD_ASSIGN_OR_RETURN(
       plan.chunks_d,
       DeviceAlloc(device_, std::max<uint64_t>(1, plan.chunks.size()) *
                                sizeof(DeviceChunk)));
-  OPTIMD_ASSIGN_OR_RETURN(
-      plan.blocks_d,
-      DeviceAlloc(device_, std::max<uint64_t>(1, plan.blocks.size()) *
-                               sizeof(cuda::DeviceBlock)));
+  for (BlockTable& t : plan.tables) {
+    OPTIMD_ASSIGN_OR_RETURN(
+        t.blocks_d,
+        DeviceAlloc(device_, std::max<uint64_t>(1, t.blocks.size()) *
+                                 sizeof(DeviceBlock)));
+    OPTIMD_RETURN_IF_CUDA_ERROR(
+        cudaMemcpyAsync(t.blocks_d.data(), t.blocks.data(),
+                        t.blocks.size() * sizeof(DeviceBlock),
+                        cudaMemcpyHostToDevice, stream_));
+  }
+  // One partial per work block of the statistics pass.
   OPTIMD_ASSIGN_OR_RETURN(
       plan.partials_d,
-      DeviceAlloc(device_,
-                  std::max<uint64_t>(1, plan.blocks.size()) * sizeof(double)));
+      DeviceAlloc(device_, std::max<uint64_t>(1, plan.tables[1].blocks.size()) *
+                               sizeof(double)));
   OPTIMD_ASSIGN_OR_RETURN(plan.state_d,
                           DeviceAlloc(device_, sizeof(DeviceGroupState)));
   OPTIMD_ASSIGN_OR_RETURN(plan.scalars_d,
                           DeviceAlloc(device_, sizeof(cuda::DeviceScalars)));
-  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(
-      plan.blocks_d.data(), plan.blocks.data(),
-      plan.blocks.size() * sizeof(cuda::DeviceBlock), cudaMemcpyHostToDevice,
-      stream_));
-  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(
-      plan.tensors_d.data(), plan.tensors.data(),
-      plan.tensors.size() * sizeof(DeviceTensor), cudaMemcpyHostToDevice,
-      stream_));
-  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(
-      plan.chunks_d.data(), plan.chunks.data(),
-      plan.chunks.size() * sizeof(DeviceChunk), cudaMemcpyHostToDevice,
-      stream_));
+  OPTIMD_RETURN_IF_CUDA_ERROR(
+      cudaMemcpyAsync(plan.chunks_d.data(), plan.chunks.data(),
+                      plan.chunks.size() * sizeof(DeviceChunk),
+                      cudaMemcpyHostToDevice, stream_));
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(
       plan.state_d.data(), 0, sizeof(DeviceGroupState), stream_));
   return absl::OkStatus();
@@ -348,10 +401,6 @@ absl::Status CudaBackend::PrepareGroup(Group& group) {
   counters().plan_builds.fetch_add(1, std::memory_order_relaxed);
   auto plan = std::make_shared<DevicePlan>();
   const Plan& host = group.plan;
-  for (const TensorPointers& p : host.entries) {
-    plan->tensors.push_back({p.param, p.grad, p.master, p.exp_avg,
-                             p.exp_avg_sq, p.max_exp_avg_sq});
-  }
   // One segment per distinct layout, in order of first appearance; each
   // launch covers a whole segment.
   std::vector<Layout> layouts;
@@ -365,37 +414,43 @@ absl::Status CudaBackend::PrepareGroup(Group& group) {
     seg.layout = l;
     seg.first_chunk = static_cast<uint32_t>(plan->chunks.size());
     for (const PlanItem& item : host.items) {
-      if (host.layouts[item.entry] == l) {
-        plan->chunks.push_back({item.entry, 0, item.begin, item.end});
-      }
+      if (!(host.layouts[item.entry] == l)) continue;
+      const TensorPointers& p = host.entries[item.entry];
+      DeviceChunk c{};
+      c.param = p.param;
+      c.grad = p.grad;
+      c.master = p.master;
+      c.exp_avg = p.exp_avg;
+      c.exp_avg_sq = p.exp_avg_sq;
+      c.max_exp_avg_sq = p.max_exp_avg_sq;
+      c.begin = item.begin;
+      c.end = item.end;
+      plan->chunks.push_back(c);
+      plan->chunk_entry.push_back(item.entry);
     }
     seg.num_chunks =
         static_cast<uint32_t>(plan->chunks.size()) - seg.first_chunk;
-    // Blocks: consecutive chunks of about chunk_elements elements in all.
-    seg.first_block = static_cast<uint32_t>(plan->blocks.size());
-    uint64_t in_block = 0;
-    for (uint32_t c = seg.first_chunk; c < seg.first_chunk + seg.num_chunks;
-         ++c) {
-      if (plan->blocks.size() == seg.first_block ||
-          in_block >= options_.chunk_elements) {
-        plan->blocks.push_back({c, c});
-        in_block = 0;
-      }
-      plan->blocks.back().end = c + 1;
-      in_block += plan->chunks[c].end - plan->chunks[c].begin;
+    for (uint32_t c = seg.first_chunk; c < plan->chunks.size(); ++c) {
+      plan->chunks[c].tiles = ChunkTiles(plan->chunks[c], l);
     }
-    seg.num_blocks = static_cast<uint32_t>(plan->blocks.size()) - seg.first_block;
+    for (int t = 0; t < 2; ++t) {
+      std::vector<DeviceBlock>& blocks = plan->tables[t].blocks;
+      seg.first_block[t] = static_cast<uint32_t>(blocks.size());
+      AppendBlocks(
+          plan->chunks, seg.first_chunk, seg.first_chunk + seg.num_chunks,
+          options_.chunk_elements * (t == 0 ? 1 : kStatsBlockFactor), &blocks);
+      seg.num_blocks[t] =
+          static_cast<uint32_t>(blocks.size()) - seg.first_block[t];
+    }
     plan->segments.push_back(seg);
   }
-  ComputeVectorFlags(*plan, 0, static_cast<uint32_t>(plan->chunks.size()));
   OPTIMD_RETURN_IF_ERROR(UploadPlan(*plan));
   // Master weights from the parameters (remainders start at zero).
   for (const TensorEntry& t : group.tensors) {
     if (t.numel > 0 && t.layout.master == MasterKind::kFp32) {
-      OPTIMD_RETURN_IF_ERROR(cuda::LaunchConvert(t.layout.param_dtype,
-                                                 t.param.data, DType::kFloat32,
-                                                 t.master.data(), t.numel,
-                                                 stream_));
+      OPTIMD_RETURN_IF_ERROR(cuda::LaunchConvert(
+          t.layout.param_dtype, t.param.data, DType::kFloat32, t.master.data(),
+          t.numel, stream_));
     }
   }
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
@@ -408,20 +463,44 @@ void CudaBackend::UpdatePlanEntry(Group& group, uint32_t entry) {
   const TensorPointers p =
       group.tensors[group.plan.tensor_index[entry]].Pointers();
   group.plan.entries[entry] = p;
-  plan->tensors[entry] = {p.param, p.grad, p.master, p.exp_avg, p.exp_avg_sq,
-                          p.max_exp_avg_sq};
   cudaSetDevice(device_);
-  cudaMemcpyAsync(static_cast<DeviceTensor*>(
-                      static_cast<void*>(plan->tensors_d.data())) + entry,
-                  &plan->tensors[entry], sizeof(DeviceTensor),
-                  cudaMemcpyHostToDevice, stream_);
-  for (uint32_t c = 0; c < plan->chunks.size(); ++c) {
-    if (plan->chunks[c].tensor != entry) continue;
-    ComputeVectorFlags(*plan, c, c + 1);
-    cudaMemcpyAsync(static_cast<DeviceChunk*>(
-                        static_cast<void*>(plan->chunks_d.data())) + c,
-                    &plan->chunks[c], sizeof(DeviceChunk),
-                    cudaMemcpyHostToDevice, stream_);
+  auto* chunks_d = reinterpret_cast<DeviceChunk*>(plan->chunks_d.data());
+  for (const Segment& seg : plan->segments) {
+    // The entry's chunks are consecutive within a segment.
+    uint32_t first = seg.first_chunk + seg.num_chunks, end = first;
+    for (uint32_t c = seg.first_chunk; c < seg.first_chunk + seg.num_chunks;
+         ++c) {
+      if (plan->chunk_entry[c] != entry) continue;
+      first = std::min(first, c);
+      end = c + 1;
+      DeviceChunk& chunk = plan->chunks[c];
+      chunk.param = p.param;
+      chunk.grad = p.grad;
+      chunk.master = p.master;
+      chunk.exp_avg = p.exp_avg;
+      chunk.exp_avg_sq = p.exp_avg_sq;
+      chunk.max_exp_avg_sq = p.max_exp_avg_sq;
+      // New pointers may change which chunks have tiles.
+      chunk.tiles = ChunkTiles(chunk, seg.layout);
+    }
+    if (first >= end) continue;
+    cudaMemcpyAsync(chunks_d + first, &plan->chunks[first],
+                    (end - first) * sizeof(DeviceChunk), cudaMemcpyHostToDevice,
+                    stream_);
+    // Recount the work blocks that hold those chunks.
+    for (BlockTable& t : plan->tables) {
+      auto* blocks_d = reinterpret_cast<DeviceBlock*>(t.blocks_d.data());
+      auto b = std::upper_bound(
+          t.blocks.begin(), t.blocks.end(), first,
+          [](uint32_t c, const DeviceBlock& blk) { return c < blk.first; });
+      if (b != t.blocks.begin()) --b;
+      for (; b != t.blocks.end() && b->first < end; ++b) {
+        if (b->end <= first) continue;
+        CountBlock(plan->chunks, &*b);
+        cudaMemcpyAsync(blocks_d + (b - t.blocks.begin()), &*b,
+                        sizeof(DeviceBlock), cudaMemcpyHostToDevice, stream_);
+      }
+    }
   }
   cudaStreamSynchronize(stream_);
   counters().plan_entry_updates.fetch_add(1, std::memory_order_relaxed);
@@ -434,9 +513,9 @@ absl::StatusOr<std::unique_ptr<SessionContext>> CudaBackend::OpenSession(
   s->stream = stream_;
   if (!ready_event.empty()) {
     if (ready_event.size() != sizeof(cudaIpcEventHandle_t)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "ready_event must be a ", sizeof(cudaIpcEventHandle_t),
-          "-byte cudaIpcEventHandle_t"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("ready_event must be a ", sizeof(cudaIpcEventHandle_t),
+                       "-byte cudaIpcEventHandle_t"));
     }
     cudaIpcEventHandle_t h;
     std::memcpy(&h, ready_event.data(), sizeof(h));
@@ -471,12 +550,14 @@ absl::StatusOr<std::unique_ptr<SessionContext>> CudaBackend::OpenSession(
   return std::unique_ptr<SessionContext>(std::move(s));
 }
 
-absl::Status CudaBackend::EnsureSums(uint32_t groups) {
-  if (groups <= sums_capacity_) return absl::OkStatus();
+absl::Status CudaBackend::EnsureScratch(uint32_t groups) {
+  if (groups <= scratch_capacity_) return absl::OkStatus();
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
-  const uint32_t cap = std::max<uint32_t>(groups, 2 * sums_capacity_);
+  const uint32_t cap = std::max<uint32_t>(groups, 2 * scratch_capacity_);
   OPTIMD_ASSIGN_OR_RETURN(sums_d_, DeviceAlloc(device_, cap * sizeof(double)));
-  sums_capacity_ = cap;
+  OPTIMD_ASSIGN_OR_RETURN(steps_d_,
+                          DeviceAlloc(device_, cap * sizeof(cuda::GroupStep)));
+  scratch_capacity_ = cap;
   return absl::OkStatus();
 }
 
@@ -505,108 +586,87 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
   auto& s = *static_cast<CudaSession*>(session);
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
   const uint32_t n = static_cast<uint32_t>(groups.size());
-  OPTIMD_RETURN_IF_ERROR(EnsureSums(std::max<uint32_t>(n, 1)));
+  OPTIMD_RETURN_IF_ERROR(EnsureScratch(std::max<uint32_t>(n, 1)));
   double* sums = reinterpret_cast<double*>(sums_d_.data());
-  if (s.ready != nullptr) {
-    OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(stream_, s.ready, 0));
-  }
-  // 1-2: gradient statistics, per group.
+  auto* steps = reinterpret_cast<cuda::GroupStep*>(steps_d_.data());
   const bool statistics = !options.assume_finite || options.max_grad_norm > 0;
-  if (!statistics) {
-    OPTIMD_RETURN_IF_CUDA_ERROR(
-        cudaMemsetAsync(sums, 0, std::max<uint32_t>(n, 1) * sizeof(double),
-                        stream_));
-  }
-  for (uint32_t g = 0; g < (statistics ? n : 0); ++g) {
-    auto* plan = static_cast<DevicePlan*>(groups[g]->backend_plan.get());
-    if (plan->chunks.empty()) {
-      OPTIMD_RETURN_IF_CUDA_ERROR(
-          cudaMemsetAsync(sums + g, 0, sizeof(double), stream_));
-      continue;
-    }
-    auto* chunks_d = reinterpret_cast<const DeviceChunk*>(plan->chunks_d.data());
-    auto* blocks_d =
-        reinterpret_cast<const cuda::DeviceBlock*>(plan->blocks_d.data());
-    auto* tensors_d =
-        reinterpret_cast<const DeviceTensor*>(plan->tensors_d.data());
-    auto* partials = reinterpret_cast<double*>(plan->partials_d.data());
-    for (const Segment& seg : plan->segments) {
-      OPTIMD_RETURN_IF_ERROR(cuda::LaunchGradSumSquares(
-          seg.layout.grad_dtype, blocks_d + seg.first_block, seg.num_blocks,
-          chunks_d, tensors_d, partials + seg.first_block, stream_));
-    }
-    OPTIMD_RETURN_IF_ERROR(cuda::LaunchReduceSums(
-        partials, static_cast<uint32_t>(plan->blocks.size()), sums + g,
-        stream_));
-  }
-  // 3-4: the update, then the counters.
-  for (uint32_t g = 0; g < n; ++g) {
-    auto* plan = static_cast<DevicePlan*>(groups[g]->backend_plan.get());
-    const AdamWHyper& h = groups[g]->hyper;
-    cuda::StepHyper hyper{h.lr,
-                          h.beta1,
-                          h.beta2,
-                          h.eps,
-                          h.weight_decay,
-                          options.grad_scale,
-                          options.max_grad_norm,
-                          h.adamw ? 1 : 0,
-                          h.bias_correction ? 1 : 0,
-                          h.maximize ? 1 : 0};
-    auto* state = reinterpret_cast<DeviceGroupState*>(plan->state_d.data());
-    auto* scalars =
-        reinterpret_cast<cuda::DeviceScalars*>(plan->scalars_d.data());
-    OPTIMD_RETURN_IF_ERROR(
-        cuda::LaunchPrepareStep(hyper, sums, n, state, scalars, stream_));
-    for (const Segment& seg : plan->segments) {
-      OPTIMD_RETURN_IF_ERROR(cuda::LaunchAdamW(
-          seg.layout, h.adamw,
-          reinterpret_cast<const cuda::DeviceBlock*>(plan->blocks_d.data()) +
-              seg.first_block,
-          seg.num_blocks,
-          reinterpret_cast<const DeviceChunk*>(plan->chunks_d.data()),
-          reinterpret_cast<const DeviceTensor*>(plan->tensors_d.data()),
-          scalars, stream_));
-    }
-    OPTIMD_RETURN_IF_ERROR(cuda::LaunchCommitStep(sums, n, state, stream_));
-  }
-  OPTIMD_RETURN_IF_ERROR(cuda::LaunchCommitStep(
-      sums, n, reinterpret_cast<DeviceGroupState*>(s.totals_d.data()),
-      stream_));
-  OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventRecord(s.done, stream_));
 
-  // Report slot: copy the counters to pinned memory.
-  const uint64_t seq = ++s.sequence;
+  // The step's slot: its earlier step must have completed (this blocks only
+  // when more steps than slots are in flight).
+  const uint64_t seq = s.sequence + 1;
   ReportSlot& slot = s.slots[seq % s.slots.size()];
   if (slot.sequence != 0) {
-    // Reusing a slot: its earlier copy must have landed (blocks only when
-    // more steps than slots are in flight).
     OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(slot.event));
     if (slot.sequence > s.last_sequence) {
       StepOutcome ignored;
       OPTIMD_RETURN_IF_ERROR(ReadSlot(s, slot, groups, &ignored));
     }
+    slot.sequence = 0;
   }
-  if (slot.capacity < n) {
-    if (slot.host != nullptr) cudaFreeHost(slot.host);
-    slot.host = nullptr;
-    OPTIMD_RETURN_IF_CUDA_ERROR(cudaMallocHost(
-        reinterpret_cast<void**>(&slot.host),
-        (n + 1) * sizeof(DeviceGroupState)));
-    slot.capacity = n;
+  if (slot.capacity < n || slot.memory == nullptr) {
+    if (slot.memory != nullptr) cudaFreeHost(slot.memory);
+    slot.memory = nullptr;
+    const uint32_t cap = std::max<uint32_t>(n, 1);
+    OPTIMD_RETURN_IF_CUDA_ERROR(cudaHostAlloc(
+        &slot.memory,
+        cap * sizeof(cuda::GroupStep) + (cap + 1) * sizeof(DeviceGroupState),
+        cudaHostAllocMapped));
+    slot.args = static_cast<cuda::GroupStep*>(slot.memory);
+    slot.host = reinterpret_cast<DeviceGroupState*>(slot.args + cap);
+    slot.capacity = cap;
   }
-  slot.groups = n;
-  slot.sequence = seq;
-  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(
-      slot.host, s.totals_d.data(), sizeof(DeviceGroupState),
-      cudaMemcpyDeviceToHost, stream_));
   for (uint32_t g = 0; g < n; ++g) {
     auto* plan = static_cast<DevicePlan*>(groups[g]->backend_plan.get());
-    OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(
-        slot.host + 1 + g, plan->state_d.data(), sizeof(DeviceGroupState),
-        cudaMemcpyDeviceToHost, stream_));
+    const AdamWHyper& h = groups[g]->hyper;
+    cuda::GroupStep& a = slot.args[g];
+    a.hyper = {h.lr,
+               h.beta1,
+               h.beta2,
+               h.eps,
+               h.weight_decay,
+               options.grad_scale,
+               options.max_grad_norm,
+               h.adamw ? 1 : 0,
+               h.bias_correction ? 1 : 0,
+               h.maximize ? 1 : 0};
+    a.partials = reinterpret_cast<const double*>(plan->partials_d.data());
+    a.num_partials = static_cast<uint32_t>(plan->tables[1].blocks.size());
+    a.state = reinterpret_cast<DeviceGroupState*>(plan->state_d.data());
+    a.scalars = reinterpret_cast<cuda::DeviceScalars*>(plan->scalars_d.data());
   }
+
+  if (s.ready != nullptr) {
+    OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(stream_, s.ready, 0));
+  }
+  for (uint32_t g = 0; g < (statistics ? n : 0); ++g) {
+    auto* plan = static_cast<DevicePlan*>(groups[g]->backend_plan.get());
+    auto* partials = reinterpret_cast<double*>(plan->partials_d.data());
+    for (const Segment& seg : plan->segments) {
+      OPTIMD_RETURN_IF_ERROR(cuda::LaunchGradSumSquares(
+          seg.layout.grad_dtype, SegmentWork(*plan, seg, 1),
+          partials + seg.first_block[1], stream_));
+    }
+  }
+  OPTIMD_RETURN_IF_ERROR(
+      cuda::LaunchPrepareSteps(slot.args, steps, n, statistics, sums, stream_));
+  for (uint32_t g = 0; g < n; ++g) {
+    auto* plan = static_cast<DevicePlan*>(groups[g]->backend_plan.get());
+    auto* scalars =
+        reinterpret_cast<cuda::DeviceScalars*>(plan->scalars_d.data());
+    for (const Segment& seg : plan->segments) {
+      OPTIMD_RETURN_IF_ERROR(
+          cuda::LaunchAdamW(seg.layout, groups[g]->hyper.adamw,
+                            SegmentWork(*plan, seg, 0), scalars, stream_));
+    }
+  }
+  OPTIMD_RETURN_IF_ERROR(cuda::LaunchCommitSteps(
+      steps, n, sums, reinterpret_cast<DeviceGroupState*>(s.totals_d.data()),
+      slot.host, stream_));
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventRecord(s.done, stream_));
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventRecord(slot.event, stream_));
+  s.sequence = seq;
+  slot.groups = n;
+  slot.sequence = seq;
 
   StepOutcome out;
   if (options.wait) {
@@ -614,15 +674,20 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
     OPTIMD_RETURN_IF_ERROR(ReadSlot(s, slot, groups, &out));
     out.current = true;
   } else {
-    // The newest slot whose copy has landed.
-    ReportSlot* best = nullptr;
-    for (ReportSlot& r : s.slots) {
-      if (r.sequence == 0 || r.sequence <= s.last_sequence) continue;
-      if (cudaEventQuery(r.event) != cudaSuccess) continue;
-      if (best == nullptr || r.sequence > best->sequence) best = &r;
+    // Steps complete in stream order: the oldest unread slot first, up to
+    // the first one still running.
+    ReportSlot* newest = nullptr;
+    for (uint64_t q = s.last_sequence + 1; q <= seq; ++q) {
+      ReportSlot& r = s.slots[q % s.slots.size()];
+      if (r.sequence != q) continue;
+      const cudaError_t e = cudaEventQuery(r.event);
+      if (e == cudaErrorNotReady) break;
+      OPTIMD_RETURN_IF_CUDA_ERROR(e);
+      newest = &r;
     }
-    cudaGetLastError();  // cudaErrorNotReady is not an error here
-    if (best != nullptr) OPTIMD_RETURN_IF_ERROR(ReadSlot(s, *best, groups, &out));
+    if (newest != nullptr) {
+      OPTIMD_RETURN_IF_ERROR(ReadSlot(s, *newest, groups, &out));
+    }
     out = s.last;
     out.current = s.last_sequence == seq;
   }
@@ -640,9 +705,8 @@ absl::Status CudaBackend::SyncGroupCounters(const std::vector<Group*>& groups) {
   for (Group* g : groups) {
     auto* plan = static_cast<DevicePlan*>(g->backend_plan.get());
     DeviceGroupState state;
-    OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpy(&state, plan->state_d.data(),
-                                           sizeof(state),
-                                           cudaMemcpyDeviceToHost));
+    OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpy(
+        &state, plan->state_d.data(), sizeof(state), cudaMemcpyDeviceToHost));
     g->step = state.step;
   }
   return absl::OkStatus();
@@ -653,11 +717,11 @@ absl::Status CudaBackend::SetGroupStep(Group& group, uint64_t step) {
   auto* plan = static_cast<DevicePlan*>(group.backend_plan.get());
   DeviceGroupState state;
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
-  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpy(&state, plan->state_d.data(),
-                                         sizeof(state), cudaMemcpyDeviceToHost));
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpy(
+      &state, plan->state_d.data(), sizeof(state), cudaMemcpyDeviceToHost));
   state.step = step;
-  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpy(plan->state_d.data(), &state,
-                                         sizeof(state), cudaMemcpyHostToDevice));
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpy(
+      plan->state_d.data(), &state, sizeof(state), cudaMemcpyHostToDevice));
   group.step = step;
   return absl::OkStatus();
 }
@@ -667,8 +731,8 @@ absl::Status CudaBackend::WriteParams(Group& group) {
   for (const TensorEntry& t : group.tensors) {
     if (t.numel > 0 && t.layout.master == MasterKind::kFp32) {
       OPTIMD_RETURN_IF_ERROR(cuda::LaunchConvert(
-          DType::kFloat32, t.master.data(), t.layout.param_dtype,
-          t.param.data, t.numel, stream_));
+          DType::kFloat32, t.master.data(), t.layout.param_dtype, t.param.data,
+          t.numel, stream_));
     }
   }
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
@@ -711,6 +775,12 @@ int CudaDeviceCount(std::string* why) {
 
 absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(
     int device, const CudaBackendOptions& options) {
+  if (options.chunk_elements == 0 || options.chunk_elements > (1u << 26) ||
+      options.chunk_elements % cuda::kTileElements != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "chunk_elements must be a multiple of ", cuda::kTileElements, " in [",
+        cuda::kTileElements, ", 2^26], got ", options.chunk_elements));
+  }
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device));
   void* fn = nullptr;
   cudaDriverEntryPointQueryResult found;

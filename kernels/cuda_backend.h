@@ -15,10 +15,10 @@
 namespace optimd {
 
 struct CudaBackendOptions {
-  // Elements per chunk (about one thread block's work) of a plan. 16K
-  // measured fastest on the H200 among 16K-128K (bench/RESULTS.md): many
-  // waves of blocks, so a short tail.
-  uint64_t chunk_elements = 1 << 14;
+  // Elements per chunk (about one work block, one thread block of the
+  // update) of a plan: a multiple of 256 (one tile), at most 2^26. 8K
+  // measured fastest on the H200 among 8K-32K (bench/RESULTS.md).
+  uint64_t chunk_elements = 1 << 13;
   // Completed-step slots kept for asynchronous replies.
   int report_slots = 8;
 };

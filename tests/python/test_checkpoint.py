@@ -307,7 +307,7 @@ class CheckpointTest(unittest.TestCase):
         gen = torch.Generator().manual_seed(SEED)
         init = [torch.randn(*s, generator=gen) for s in SHAPES]
         layout = LAYOUTS["bf16_remainder"]
-        with Daemon() as d:
+        with Daemon(backend=BACKEND) as d:
             pa, oa, dtype = self.make(d, init, layout, "stream")
             self.run_steps(oa, pa, 0, 10, dtype)
             path = oa.save_checkpoint(self.dir).path
@@ -316,7 +316,7 @@ class CheckpointTest(unittest.TestCase):
                 self.assertEqual(streamed, f.read())
             self.run_steps(oa, pa, 10, 20, dtype)
             final = [p.detach().clone() for p in pa]
-        with Daemon() as d:
+        with Daemon(backend=BACKEND) as d:
             zeros = [torch.zeros(s) for s in SHAPES]
             pb_, ob, dtype = self.make(d, zeros, layout, "stream")
             before = [p.detach().clone() for p in pb_]

@@ -1,0 +1,35 @@
+// Device arithmetic shared by the step kernels and their tests.
+#ifndef OPTIMD_KERNELS_CUDA_MATH_CUH_
+#define OPTIMD_KERNELS_CUDA_MATH_CUH_
+
+#include <cuda_runtime.h>
+
+namespace optimd {
+namespace cuda {
+
+// a / b rounded to nearest even, as IEEE division gives it, for b > 0 and
+// rb == RN(1 / b), in three operations instead of a division.
+//
+// Markstein's theorem: if rb is the correctly rounded reciprocal of b and
+// q is within one ulp of a / b, then r = a - b * q is exact (one fma) and
+// RN(q + r * rb) is the correctly rounded quotient, unless something
+// overflows or r underflows. q = RN(a * rb) is within one ulp. Here a is a
+// square root of a float (0 <= a < 2^64), so neither happens: r is at
+// least about a * 2^-24 when not zero, a normal
+// number for every a >= 2^-75 (and a below that is 0, the square root of
+// a subnormal being above 2^-75). b = sqrt(1 - beta2^t) lies in
+// (2^-27, 1] for every beta2 in [0, 1) (1 - beta2^t is at least 2^-53 in
+// double), so q < 2^91 never overflows. Infinite or NaN a passes through q.
+// tests/cuda_math_test.cu compares it with IEEE division on every
+// non-negative float for many b.
+__device__ __forceinline__ float DivByRecip(float a, float b, float rb) {
+  const float q = __fmul_rn(a, rb);
+  const float r = __fmaf_rn(-b, q, a);
+  const float q1 = __fmaf_rn(r, rb, q);
+  return isfinite(q) ? q1 : q;
+}
+
+}  // namespace cuda
+}  // namespace optimd
+
+#endif  // OPTIMD_KERNELS_CUDA_MATH_CUH_

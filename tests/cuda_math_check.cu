@@ -1,0 +1,77 @@
+#include <cuda_runtime.h>
+
+#include "kernels/cuda_math.cuh"
+#include "tests/cuda_math_check.h"
+
+namespace optimd {
+namespace testing {
+namespace {
+
+constexpr uint32_t kLast = 0x7fc00000u;  // the first quiet NaN
+
+// The dividends of the step kernels are square roots of floats.
+
+__global__ void CompareKernel(float b, float rb, unsigned long long* mismatches,
+                              uint32_t* first_bad) {
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  unsigned long long bad = 0;
+  uint32_t first = 0xffffffffu;
+  for (uint64_t u =
+           static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       u <= kLast; u += stride) {
+    const float a = __fsqrt_rn(__uint_as_float(static_cast<uint32_t>(u)));
+    const float x = cuda::DivByRecip(a, b, rb);
+    const float y = __fdiv_rn(a, b);
+    const bool same =
+        __float_as_uint(x) == __float_as_uint(y) || (isnan(x) && isnan(y));
+    if (!same) {
+      ++bad;
+      first = min(first, static_cast<uint32_t>(u));
+    }
+  }
+  if (bad != 0) {
+    atomicAdd(mismatches, bad);
+    atomicMin(first_bad, first);
+  }
+}
+
+std::string Failed(const char* what, cudaError_t e) {
+  return std::string(what) + ": " + cudaGetErrorName(e) + ": " +
+         cudaGetErrorString(e);
+}
+
+}  // namespace
+
+DivisionCheck CheckDivisionByRecip(float b) {
+  DivisionCheck out;
+  const float rb = 1.0f / b;  // IEEE single division on the host: RN(1/b)
+  unsigned long long* mismatches = nullptr;
+  uint32_t* first_bad = nullptr;
+  cudaError_t e = cudaMalloc(&mismatches, sizeof(*mismatches));
+  if (e != cudaSuccess) return out.error = Failed("cudaMalloc", e), out;
+  e = cudaMalloc(&first_bad, sizeof(*first_bad));
+  if (e == cudaSuccess) e = cudaMemset(mismatches, 0, sizeof(*mismatches));
+  if (e == cudaSuccess) e = cudaMemset(first_bad, 0xff, sizeof(*first_bad));
+  if (e == cudaSuccess) {
+    CompareKernel<<<4096, 256>>>(b, rb, mismatches, first_bad);
+    e = cudaGetLastError();
+  }
+  if (e == cudaSuccess) e = cudaDeviceSynchronize();
+  unsigned long long count = 0;
+  if (e == cudaSuccess) {
+    e = cudaMemcpy(&count, mismatches, sizeof(count), cudaMemcpyDeviceToHost);
+  }
+  if (e == cudaSuccess) {
+    e = cudaMemcpy(&out.first_bad_bits, first_bad, sizeof(uint32_t),
+                   cudaMemcpyDeviceToHost);
+  }
+  if (e != cudaSuccess) out.error = Failed("division check", e);
+  out.mismatches = count;
+  out.compared = static_cast<uint64_t>(kLast) + 1;
+  cudaFree(mismatches);
+  cudaFree(first_bad);
+  return out;
+}
+
+}  // namespace testing
+}  // namespace optimd

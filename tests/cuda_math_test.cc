@@ -1,0 +1,66 @@
+// GPU: the division by a reciprocal of kernels/cuda_math.cuh equals IEEE
+// division for every dividend the step kernels can meet (the square root of
+// any non-negative float) and the bias-correction divisors b they use (and
+// more).
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "tests/cuda_math_check.h"
+
+namespace optimd {
+namespace testing {
+namespace {
+
+float FromBits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+uint32_t ToBits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+
+// b as the step kernels derive it: sqrt(1 - beta2^t) in double, then float.
+float Bc2(double beta2, double t) {
+  return static_cast<float>(std::sqrt(1.0 - std::pow(beta2, t)));
+}
+
+TEST(CudaMathTest, DivisionByRecipEqualsIeeeDivision) {
+  std::vector<float> divisors;
+  for (double beta2 :
+       {0.999, 0.99, 0.95, 0.9999, 0.5, 0.0, 1.0 - std::ldexp(1.0, -53)}) {
+    for (double t : {1.0, 2.0, 3.0, 7.0, 10.0, 100.0, 1000.0, 12345.0, 1e6}) {
+      divisors.push_back(Bc2(beta2, t));
+    }
+  }
+  // Significands at the edges: 1, the largest float below 1, all-ones and
+  // alternating bit patterns, powers of two.
+  for (uint32_t bits : {0x3f800000u, 0x3f7fffffu, 0x3effffffu, 0x3caaaaabu,
+                        0x3d555555u, 0x3e000000u, 0x32800000u, 0x3a7fffffu}) {
+    divisors.push_back(FromBits(bits));
+  }
+  std::mt19937 rng(20261129);
+  std::uniform_int_distribution<uint32_t> in_range(0x32000000u, 0x3f800000u);
+  for (int i = 0; i < 16; ++i) divisors.push_back(FromBits(in_range(rng)));
+
+  for (float b : divisors) {
+    ASSERT_GT(b, 0.0f);
+    const DivisionCheck c = CheckDivisionByRecip(b);
+    ASSERT_TRUE(c.error.empty()) << c.error;
+    ASSERT_EQ(c.compared, 0x7fc00001ull);
+    EXPECT_EQ(c.mismatches, 0u)
+        << "b = " << b << " (bits 0x" << std::hex << ToBits(b)
+        << "): first differing a = sqrt(x), x with bits 0x" << c.first_bad_bits;
+  }
+}
+
+}  // namespace
+}  // namespace testing
+}  // namespace optimd
