@@ -65,16 +65,20 @@ absl::StatusOr<StateStorage> DeviceAlloc(int device, uint64_t bytes) {
 }
 
 // Work blocks over chunks of one layout. The update's work blocks hold
-// about chunk_elements elements; the statistics pass, which reads one
-// stream where the update reads four or more, walks coarser ones
-// (kStatsBlockFactor times larger) so that starting a thread block costs it
-// as little, relative to its bytes (measured on the H200:
-// bench/RESULTS.md).
+// about chunk_elements elements, twice that with 16-bit moments (fewer bytes
+// per element); the statistics pass, which reads one stream where the
+// update reads four or more, walks work blocks kStatsBlockFactor times
+// larger, so that starting a thread block costs it as little relative to
+// its bytes. All three measured on the H200 (bench/RESULTS.md).
 struct BlockTable {
   std::vector<DeviceBlock> blocks;
   StateStorage blocks_d;
 };
-constexpr uint64_t kStatsBlockFactor = 4;
+constexpr uint64_t kStatsBlockFactor = 8;
+
+uint64_t UpdateBlockElements(const Layout& l, uint64_t chunk_elements) {
+  return DTypeSize(l.moment_dtype) == 2 ? 2 * chunk_elements : chunk_elements;
+}
 
 struct Segment {
   Layout layout;
@@ -88,6 +92,7 @@ struct Segment {
 // chunk_entry[c]: the plan entry of chunk c; tables[0]: the update's work
 // blocks, tables[1]: the statistics pass's (one partial sum each).
 struct DevicePlan {
+  uint64_t id = 0;  // unique within the backend
   std::vector<DeviceChunk> chunks;
   std::vector<uint32_t> chunk_entry;
   std::vector<Segment> segments;
@@ -107,6 +112,9 @@ struct ReportSlot {
   uint32_t capacity = 0;             // groups
   uint32_t groups = 0;
   uint64_t sequence = 0;  // 0: never used
+  // The step's kernels as a CUDA graph bound to this slot's memory, for the
+  // session's current groups (CudaSession::graph_key); nullptr until built.
+  cudaGraphExec_t exec = nullptr;
 };
 
 class CudaSession : public SessionContext {
@@ -116,6 +124,7 @@ class CudaSession : public SessionContext {
     for (ReportSlot& s : slots) {
       if (s.event != nullptr) cudaEventDestroy(s.event);
       if (s.memory != nullptr) cudaFreeHost(s.memory);
+      if (s.exec != nullptr) cudaGraphExecDestroy(s.exec);
     }
     if (ready != nullptr) cudaEventDestroy(ready);
     if (done != nullptr) cudaEventDestroy(done);
@@ -130,21 +139,27 @@ class CudaSession : public SessionContext {
   StepOutcome last;  // the newest outcome seen complete
   uint64_t last_sequence = 0;
   std::vector<uint64_t> last_group_steps;
+  // What the slots' graphs were built for: the statistics flag, the
+  // backend's scratch generation, and each group's plan and update flavour.
+  std::vector<uint64_t> graph_key;
 };
 
 class CudaBackend final : public Backend {
  public:
   CudaBackend(int device, const CudaBackendOptions& options,
-              cudaStream_t stream, MemGetAddressRangeFn range_fn)
+              cudaStream_t stream, cudaStream_t capture_stream,
+              MemGetAddressRangeFn range_fn)
       : device_(device),
         options_(options),
         stream_(stream),
+        capture_stream_(capture_stream),
         mem_get_address_range_(range_fn) {}
 
   ~CudaBackend() override {
     cudaSetDevice(device_);
     cudaStreamSynchronize(stream_);
     cudaStreamDestroy(stream_);
+    cudaStreamDestroy(capture_stream_);
   }
 
   BackendKind kind() const override { return BackendKind::kCuda; }
@@ -192,13 +207,21 @@ class CudaBackend final : public Backend {
   cuda::Work SegmentWork(const DevicePlan& plan, const Segment& seg,
                          int table) const;
   absl::Status EnsureScratch(uint32_t groups);
+  // Enqueues a step's kernels for `groups` on `stream`, with `slot`'s
+  // arguments and report.
+  absl::Status EnqueueStep(CudaSession& s, const std::vector<Group*>& groups,
+                           const ReportSlot& slot, bool statistics,
+                           cudaStream_t stream);
   absl::Status ReadSlot(CudaSession& s, ReportSlot& slot,
                         const std::vector<Group*>& groups, StepOutcome* out);
 
   const int device_;
   const CudaBackendOptions options_;
   const cudaStream_t stream_;
+  // Never runs work: step graphs are captured on it.
+  const cudaStream_t capture_stream_;
   const MemGetAddressRangeFn mem_get_address_range_;
+  uint64_t next_plan_id_ = 1;
 
   absl::Mutex mu_;
   std::map<std::string, std::weak_ptr<IpcMapping>> mappings_
@@ -208,6 +231,7 @@ class CudaBackend final : public Backend {
   // and a device copy of its arguments.
   StateStorage sums_d_, steps_d_;
   uint32_t scratch_capacity_ = 0;
+  uint64_t scratch_generation_ = 0;  // bumped when reallocated
 };
 
 absl::StatusOr<BufferRef> CudaBackend::ResolveBuffer(const BufferHandle& handle,
@@ -400,6 +424,7 @@ absl::Status CudaBackend::PrepareGroup(Group& group) {
   BuildPlan(group, options_.chunk_elements);
   counters().plan_builds.fetch_add(1, std::memory_order_relaxed);
   auto plan = std::make_shared<DevicePlan>();
+  plan->id = next_plan_id_++;
   const Plan& host = group.plan;
   // One segment per distinct layout, in order of first appearance; each
   // launch covers a whole segment.
@@ -436,9 +461,11 @@ absl::Status CudaBackend::PrepareGroup(Group& group) {
     for (int t = 0; t < 2; ++t) {
       std::vector<DeviceBlock>& blocks = plan->tables[t].blocks;
       seg.first_block[t] = static_cast<uint32_t>(blocks.size());
-      AppendBlocks(
-          plan->chunks, seg.first_chunk, seg.first_chunk + seg.num_chunks,
-          options_.chunk_elements * (t == 0 ? 1 : kStatsBlockFactor), &blocks);
+      AppendBlocks(plan->chunks, seg.first_chunk,
+                   seg.first_chunk + seg.num_chunks,
+                   t == 0 ? UpdateBlockElements(l, options_.chunk_elements)
+                          : options_.chunk_elements * kStatsBlockFactor,
+                   &blocks);
       seg.num_blocks[t] =
           static_cast<uint32_t>(blocks.size()) - seg.first_block[t];
     }
@@ -558,6 +585,7 @@ absl::Status CudaBackend::EnsureScratch(uint32_t groups) {
   OPTIMD_ASSIGN_OR_RETURN(steps_d_,
                           DeviceAlloc(device_, cap * sizeof(cuda::GroupStep)));
   scratch_capacity_ = cap;
+  ++scratch_generation_;
   return absl::OkStatus();
 }
 
@@ -580,6 +608,39 @@ absl::Status CudaBackend::ReadSlot(CudaSession& s, ReportSlot& slot,
   return absl::OkStatus();
 }
 
+absl::Status CudaBackend::EnqueueStep(CudaSession& s,
+                                      const std::vector<Group*>& groups,
+                                      const ReportSlot& slot, bool statistics,
+                                      cudaStream_t stream) {
+  const uint32_t n = static_cast<uint32_t>(groups.size());
+  double* sums = reinterpret_cast<double*>(sums_d_.data());
+  auto* steps = reinterpret_cast<cuda::GroupStep*>(steps_d_.data());
+  for (uint32_t g = 0; g < (statistics ? n : 0); ++g) {
+    auto* plan = static_cast<DevicePlan*>(groups[g]->backend_plan.get());
+    auto* partials = reinterpret_cast<double*>(plan->partials_d.data());
+    for (const Segment& seg : plan->segments) {
+      OPTIMD_RETURN_IF_ERROR(cuda::LaunchGradSumSquares(
+          seg.layout.grad_dtype, SegmentWork(*plan, seg, 1),
+          partials + seg.first_block[1], stream));
+    }
+  }
+  OPTIMD_RETURN_IF_ERROR(
+      cuda::LaunchPrepareSteps(slot.args, steps, n, statistics, sums, stream));
+  for (uint32_t g = 0; g < n; ++g) {
+    auto* plan = static_cast<DevicePlan*>(groups[g]->backend_plan.get());
+    auto* scalars =
+        reinterpret_cast<cuda::DeviceScalars*>(plan->scalars_d.data());
+    for (const Segment& seg : plan->segments) {
+      OPTIMD_RETURN_IF_ERROR(
+          cuda::LaunchAdamW(seg.layout, groups[g]->hyper.adamw,
+                            SegmentWork(*plan, seg, 0), scalars, stream));
+    }
+  }
+  return cuda::LaunchCommitSteps(
+      steps, n, sums, reinterpret_cast<DeviceGroupState*>(s.totals_d.data()),
+      slot.host, stream);
+}
+
 absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
                                               const std::vector<Group*>& groups,
                                               const StepOptions& options) {
@@ -587,8 +648,6 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
   const uint32_t n = static_cast<uint32_t>(groups.size());
   OPTIMD_RETURN_IF_ERROR(EnsureScratch(std::max<uint32_t>(n, 1)));
-  double* sums = reinterpret_cast<double*>(sums_d_.data());
-  auto* steps = reinterpret_cast<cuda::GroupStep*>(steps_d_.data());
   const bool statistics = !options.assume_finite || options.max_grad_norm > 0;
 
   // The step's slot: its earlier step must have completed (this blocks only
@@ -603,9 +662,24 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
     }
     slot.sequence = 0;
   }
+  // Graphs built for other groups (or other scratch memory) are stale.
+  std::vector<uint64_t> key = {statistics ? 1u : 0u, scratch_generation_};
+  for (Group* g : groups) {
+    key.push_back(static_cast<DevicePlan*>(g->backend_plan.get())->id);
+    key.push_back(g->hyper.adamw ? 1 : 0);
+  }
+  if (key != s.graph_key) {
+    for (ReportSlot& r : s.slots) {
+      if (r.exec != nullptr) cudaGraphExecDestroy(r.exec);
+      r.exec = nullptr;
+    }
+    s.graph_key = std::move(key);
+  }
   if (slot.capacity < n || slot.memory == nullptr) {
     if (slot.memory != nullptr) cudaFreeHost(slot.memory);
     slot.memory = nullptr;
+    if (slot.exec != nullptr) cudaGraphExecDestroy(slot.exec);
+    slot.exec = nullptr;
     const uint32_t cap = std::max<uint32_t>(n, 1);
     OPTIMD_RETURN_IF_CUDA_ERROR(cudaHostAlloc(
         &slot.memory,
@@ -638,30 +712,30 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
   if (s.ready != nullptr) {
     OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(stream_, s.ready, 0));
   }
-  for (uint32_t g = 0; g < (statistics ? n : 0); ++g) {
-    auto* plan = static_cast<DevicePlan*>(groups[g]->backend_plan.get());
-    auto* partials = reinterpret_cast<double*>(plan->partials_d.data());
-    for (const Segment& seg : plan->segments) {
-      OPTIMD_RETURN_IF_ERROR(cuda::LaunchGradSumSquares(
-          seg.layout.grad_dtype, SegmentWork(*plan, seg, 1),
-          partials + seg.first_block[1], stream_));
+  if (!options_.use_graphs) {
+    OPTIMD_RETURN_IF_ERROR(EnqueueStep(s, groups, slot, statistics, stream_));
+  } else {
+    if (slot.exec == nullptr) {
+      // Capture once per slot and group configuration: afterwards a step
+      // is one graph launch, whatever its number of groups and layouts.
+      OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamBeginCapture(
+          capture_stream_, cudaStreamCaptureModeThreadLocal));
+      const absl::Status enqueued =
+          EnqueueStep(s, groups, slot, statistics, capture_stream_);
+      cudaGraph_t graph = nullptr;
+      const cudaError_t ended = cudaStreamEndCapture(capture_stream_, &graph);
+      if (!enqueued.ok()) {
+        if (graph != nullptr) cudaGraphDestroy(graph);
+        return enqueued;
+      }
+      OPTIMD_RETURN_IF_CUDA_ERROR(ended);
+      const cudaError_t made = cudaGraphInstantiate(&slot.exec, graph, 0);
+      cudaGraphDestroy(graph);
+      if (made != cudaSuccess) slot.exec = nullptr;
+      OPTIMD_RETURN_IF_CUDA_ERROR(made);
     }
+    OPTIMD_RETURN_IF_CUDA_ERROR(cudaGraphLaunch(slot.exec, stream_));
   }
-  OPTIMD_RETURN_IF_ERROR(
-      cuda::LaunchPrepareSteps(slot.args, steps, n, statistics, sums, stream_));
-  for (uint32_t g = 0; g < n; ++g) {
-    auto* plan = static_cast<DevicePlan*>(groups[g]->backend_plan.get());
-    auto* scalars =
-        reinterpret_cast<cuda::DeviceScalars*>(plan->scalars_d.data());
-    for (const Segment& seg : plan->segments) {
-      OPTIMD_RETURN_IF_ERROR(
-          cuda::LaunchAdamW(seg.layout, groups[g]->hyper.adamw,
-                            SegmentWork(*plan, seg, 0), scalars, stream_));
-    }
-  }
-  OPTIMD_RETURN_IF_ERROR(cuda::LaunchCommitSteps(
-      steps, n, sums, reinterpret_cast<DeviceGroupState*>(s.totals_d.data()),
-      slot.host, stream_));
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventRecord(s.done, stream_));
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventRecord(slot.event, stream_));
   s.sequence = seq;
@@ -790,11 +864,16 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(
     return absl::FailedPreconditionError(
         "the CUDA driver has no cuMemGetAddressRange");
   }
-  cudaStream_t stream;
+  cudaStream_t stream, capture_stream;
   OPTIMD_RETURN_IF_CUDA_ERROR(
       cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  return std::unique_ptr<Backend>(new CudaBackend(
-      device, options, stream, reinterpret_cast<MemGetAddressRangeFn>(fn)));
+  const cudaError_t e =
+      cudaStreamCreateWithFlags(&capture_stream, cudaStreamNonBlocking);
+  if (e != cudaSuccess) cudaStreamDestroy(stream);
+  OPTIMD_RETURN_IF_CUDA_ERROR(e);
+  return std::unique_ptr<Backend>(
+      new CudaBackend(device, options, stream, capture_stream,
+                      reinterpret_cast<MemGetAddressRangeFn>(fn)));
 }
 
 }  // namespace optimd

@@ -15,12 +15,15 @@
 namespace optimd {
 
 struct CudaBackendOptions {
-  // Elements per chunk (about one work block, one thread block of the
-  // update) of a plan: a multiple of 256 (one tile), at most 2^26. 8K
-  // measured fastest on the H200 among 8K-32K (bench/RESULTS.md).
-  uint64_t chunk_elements = 1 << 13;
+  // Elements per chunk of a plan (about one work block, one thread block of
+  // the update): a multiple of 256 (one tile), at most 2^26. 4K measured
+  // fastest on the H200 among 4K-32K (bench/RESULTS.md).
+  uint64_t chunk_elements = 1 << 12;
   // Completed-step slots kept for asynchronous replies.
   int report_slots = 8;
+  // Launch each step as a CUDA graph captured once per report slot and
+  // group configuration (one host call instead of one per kernel).
+  bool use_graphs = true;
 };
 
 // Number of usable CUDA devices. 0, with the reason in *why, when there is
