@@ -2,10 +2,11 @@
 // trainer process, beside a device-to-device copy of the same bytes in the
 // same run. bench/gpu_bench.py runs it next to torch.optim.AdamW(fused=True).
 //
-// Prints one "RESULT" line per configuration, step mode and chunk size:
+// Prints one "RESULT" line per configuration, step mode, chunk size and
+// graph setting:
 //   RESULT <name> <tensors> <params> <bytes/param> <gpu ms/step>
 //          <median host us/step> <copy ms for the same bytes> <mode>
-//          <chunk elements>
+//          <chunk elements> <graphs 0|1> <median host CPU us/step>
 // Modes: "default" (every step checks the gradients for inf/NaN and
 // computes their norm), "assume_finite" (no statistics pass), "clip"
 // (max_grad_norm = 1: the statistics pass plus the clip coefficient).
@@ -16,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <string>
 #include <vector>
 
@@ -35,6 +37,8 @@ ABSL_FLAG(std::vector<std::string>, modes, {"default"},
           "Step modes to time: default, assume_finite, clip.");
 ABSL_FLAG(std::vector<std::string>, chunk_elements, {"0"},
           "Elements per plan chunk to time (0: the backend's default).");
+ABSL_FLAG(std::vector<std::string>, graphs, {"1"},
+          "CudaBackendOptions::use_graphs values to time (0, 1).");
 
 namespace optimd {
 namespace {
@@ -46,6 +50,12 @@ struct Config {
   MasterRequest master;
   uint64_t params_override = 0;
 };
+
+double ThreadCpu() {
+  timespec t;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return t.tv_sec + 1e-9 * t.tv_nsec;
+}
 
 double Now() {
   return std::chrono::duration<double>(
@@ -115,22 +125,25 @@ int Run(IpcTrainer* trainer) {
        DType::kFloat32, MasterRequest::kFp32},
   };
   std::vector<std::unique_ptr<Backend>> backends;
-  std::vector<uint64_t> chunk_sizes;
+  std::vector<CudaBackendOptions> variants;
   for (const std::string& v : absl::GetFlag(FLAGS_chunk_elements)) {
-    CudaBackendOptions options;
-    uint64_t chunk = 0;
-    if (!absl::SimpleAtoi(v, &chunk)) {
-      std::fprintf(stderr, "bad --chunk_elements value %s\n", v.c_str());
-      return 1;
+    for (const std::string& g : absl::GetFlag(FLAGS_graphs)) {
+      CudaBackendOptions options;
+      uint64_t chunk = 0;
+      if (!absl::SimpleAtoi(v, &chunk) || (g != "0" && g != "1")) {
+        std::fprintf(stderr, "bad --chunk_elements or --graphs value\n");
+        return 1;
+      }
+      if (chunk > 0) options.chunk_elements = chunk;
+      options.use_graphs = g == "1";
+      auto backend = CreateCudaBackend(0, options);
+      if (!backend.ok()) {
+        std::fprintf(stderr, "%s\n", backend.status().ToString().c_str());
+        return 1;
+      }
+      backends.push_back(*std::move(backend));
+      variants.push_back(options);
     }
-    if (chunk > 0) options.chunk_elements = chunk;
-    auto backend = CreateCudaBackend(0, options);
-    if (!backend.ok()) {
-      std::fprintf(stderr, "%s\n", backend.status().ToString().c_str());
-      return 1;
-    }
-    backends.push_back(*std::move(backend));
-    chunk_sizes.push_back(options.chunk_elements);
   }
   for (const std::string& m : absl::GetFlag(FLAGS_modes)) {
     if (m != "default" && m != "assume_finite" && m != "clip") {
@@ -218,23 +231,30 @@ int Run(IpcTrainer* trainer) {
           // bookkeeping), with the GPU idle before it so that nothing
           // blocks: the median of 51 (the host of a shared machine is
           // noisy).
-          std::vector<double> host;
+          // Also the thread's CPU time, which leaves out time the thread
+          // spent preempted by other processes.
+          std::vector<double> host, cpu;
           for (int i = 0; i < 51; ++i) {
             MustStep(s, wait_step);
+            const double c0 = ThreadCpu();
             const double h0 = Now();
             MustStep(s, async_step);
             host.push_back(Now() - h0);
+            cpu.push_back(ThreadCpu() - c0);
           }
           std::sort(host.begin(), host.end());
+          std::sort(cpu.begin(), cpu.end());
           MustStep(s, wait_step);
           std::printf(
-              "RESULT %s %llu %llu %llu %.3f %.1f %.3f %s %llu (registration "
-              "%.2f s)\n",
+              "RESULT %s %llu %llu %llu %.3f %.1f %.3f %s %llu %d %.1f "
+              "(registration %.2f s)\n",
               c.name, static_cast<unsigned long long>(c.tensors),
               static_cast<unsigned long long>(per * c.tensors),
               static_cast<unsigned long long>(bpp), gpu_ms,
               host[host.size() / 2] * 1e6, copy_ms, mode.c_str(),
-              static_cast<unsigned long long>(chunk_sizes[bi]), reg_s);
+              static_cast<unsigned long long>(variants[bi].chunk_elements),
+              variants[bi].use_graphs ? 1 : 0, cpu[cpu.size() / 2] * 1e6,
+              reg_s);
           std::fflush(stdout);
         }
       }
