@@ -112,6 +112,10 @@ struct ReportSlot {
   uint32_t capacity = 0;             // groups
   uint32_t groups = 0;
   uint64_t sequence = 0;  // 0: never used
+  // How its step was asked for: the norm it reports is unscaled by this
+  // step's own grad_scale (NaN without the statistics pass).
+  double grad_scale = 1;
+  bool statistics = true;
   // The step's kernels as a CUDA graph bound to this slot's memory, for the
   // session's current groups (CudaSession::graph_key); nullptr until built.
   cudaGraphExec_t exec = nullptr;
@@ -595,7 +599,9 @@ absl::Status CudaBackend::ReadSlot(CudaSession& s, ReportSlot& slot,
   const DeviceGroupState& totals = slot.host[0];
   out->known = true;
   out->skipped = totals.last_skipped != 0;
-  out->grad_norm = totals.last_sumsq;  // scaled by the caller's grad_scale
+  out->grad_norm = slot.statistics
+                       ? std::sqrt(totals.last_sumsq) / slot.grad_scale
+                       : std::numeric_limits<double>::quiet_NaN();
   out->steps_applied = totals.step;
   out->steps_skipped = totals.skipped;
   if (slot.groups == groups.size()) {
@@ -741,6 +747,8 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
   s.sequence = seq;
   slot.groups = n;
   slot.sequence = seq;
+  slot.grad_scale = options.grad_scale > 0 ? options.grad_scale : 1.0;
+  slot.statistics = statistics;
 
   StepOutcome out;
   if (options.wait) {
@@ -764,11 +772,6 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
     }
     out = s.last;
     out.current = s.last_sequence == seq;
-  }
-  if (out.known) {
-    const double scale = options.grad_scale > 0 ? options.grad_scale : 1.0;
-    out.grad_norm = statistics ? std::sqrt(out.grad_norm) / scale
-                               : std::numeric_limits<double>::quiet_NaN();
   }
   return out;
 }

@@ -9,6 +9,8 @@
 // the global norm is summed in another order on the GPU (per-block partials)
 // than on the CPU (per-task partials): the clip coefficient may differ in
 // its last bits, so those results are compared to 1e-6 relative.
+#include "kernels/cuda_backend.h"
+
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -18,7 +20,6 @@
 #include "core/session.h"
 #include "gtest/gtest.h"
 #include "kernels/adamw_cpu.h"
-#include "kernels/cuda_backend.h"
 #include "tests/ipc_trainer.h"
 
 namespace optimd {
@@ -68,13 +69,16 @@ class Twin {
   }
 
   absl::Status status() const { return status_; }
+  Session& gpu_session() { return *gpu_session_; }
+  Session& cpu_session() { return *cpu_session_; }
 
   // Fresh random gradients (optionally one non-finite element).
   void FillGrads(bool poison) {
     uint8_t* g = cpu_grads_->data();
     std::normal_distribution<float> normal(0.f, 1.f);
     for (const TensorPlan& t : tensors_) {
-      for (uint64_t i = 0; i < t.numel; ++i) Store(t.grad, g + t.grad_off, i, normal(*rng_));
+      for (uint64_t i = 0; i < t.numel; ++i)
+        Store(t.grad, g + t.grad_off, i, normal(*rng_));
     }
     if (poison) {
       for (const TensorPlan& t : tensors_) {
@@ -170,8 +174,8 @@ class Twin {
         if (std::memcmp(a + i * DTypeSize(d), b + i * DTypeSize(d),
                         DTypeSize(d)) != 0) {
           ADD_FAILURE() << what << " differs at element " << i << " of " << n
-                        << ": cpu " << Load(d, a, i) << " gpu "
-                        << Load(d, b, i) << " (seed " << g_seed << ")";
+                        << ": cpu " << Load(d, a, i) << " gpu " << Load(d, b, i)
+                        << " (seed " << g_seed << ")";
           return;
         }
       }
@@ -318,9 +322,9 @@ TEST_F(CudaBackendTest, EveryLayoutMatchesTheCpuReferenceBitForBit) {
         spec.hyper.weight_decay = combo % 3 ? 0.01 : 0.0;
         SCOPED_TRACE(::testing::Message()
                      << "param " << DTypeName(p.param) << " master "
-                     << int(p.master) << " grad " << DTypeName(g)
-                     << " moments " << DTypeName(m) << " amsgrad "
-                     << spec.hyper.amsgrad << " adamw " << spec.hyper.adamw);
+                     << int(p.master) << " grad " << DTypeName(g) << " moments "
+                     << DTypeName(m) << " amsgrad " << spec.hyper.amsgrad
+                     << " adamw " << spec.hyper.adamw);
         Twin twin(cpu_.get(), gpu_.get(), RandomTensors(p.param, g, 6), spec,
                   &rng_);
         ASSERT_TRUE(twin.status().ok()) << twin.status();
@@ -336,10 +340,11 @@ TEST_F(CudaBackendTest, EveryLayoutMatchesTheCpuReferenceBitForBit) {
 }
 
 TEST_F(CudaBackendTest, MixedGroupWithKeepFp32FrozenAndEmpty) {
-  std::vector<TensorPlan> ts = RandomTensors(DType::kBFloat16, DType::kBFloat16, 5);
+  std::vector<TensorPlan> ts =
+      RandomTensors(DType::kBFloat16, DType::kBFloat16, 5);
   TensorPlan norm{"norm", 777, DType::kFloat32, DType::kFloat32, 0, 0, true};
   TensorPlan frozen{"frozen", 100, DType::kBFloat16, DType::kBFloat16, 0, 0,
-                    false, true};
+                    false,    true};
   TensorPlan empty{"empty", 0, DType::kFloat32, DType::kFloat32, 0, 0};
   uint64_t poff = 1 << 20, goff = 1 << 20;
   for (TensorPlan* t : {&norm, &frozen, &empty}) {
@@ -409,12 +414,16 @@ TEST_F(CudaBackendTest, BadHandlesAreInvalidArgumentAndHarmless) {
   EXPECT_EQ(gpu_->ResolveBuffer(shm, 4, "w").status().code(),
             absl::StatusCode::kInvalidArgument);
   std::string done;
-  EXPECT_EQ(gpu_->OpenSession(0, std::string(64, '\x11'), &done).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      gpu_->OpenSession(0, std::string(64, '\x11'), &done).status().code(),
+      absl::StatusCode::kInvalidArgument);
   // Still healthy: a valid handle resolves, from the cache.
   EXPECT_TRUE(gpu_->ResolveBuffer(h, 4, "ok").ok());
 }
 
+// Asynchronous replies report the last completed step, with that step's
+// own norm: the gradients stay the same while grad_scale alternates, so the
+// reported norm must be the true norm over the reported step's scale.
 TEST_F(CudaBackendTest, AsynchronousStepsReportTheLastCompletedStep) {
   GroupSpec spec;
   spec.id = "g";
@@ -423,6 +432,29 @@ TEST_F(CudaBackendTest, AsynchronousStepsReportTheLastCompletedStep) {
   ASSERT_TRUE(twin.status().ok());
   twin.FillGrads(false);
   twin.Step(StepRequestSpec(), true);
+  auto first = twin.cpu_session().Step(StepRequestSpec());
+  ASSERT_TRUE(first.ok());
+  const double norm = first->outcome.grad_norm;  // the same gradients
+  ASSERT_GT(norm, 0);
+  // scale_of[k]: the grad_scale of the GPU session's k-th applied step.
+  std::vector<double> scale_of = {0, 1};
+  int earlier = 0;
+  for (int i = 0; i < 200; ++i) {
+    StepRequestSpec r;
+    r.options.grad_scale = i % 2 ? 8.0 : 2.0;
+    r.options.wait = i % 50 == 49;
+    scale_of.push_back(r.options.grad_scale);
+    auto g = twin.gpu_session().Step(r);
+    ASSERT_TRUE(g.ok()) << g.status();
+    if (!g->outcome.known) continue;
+    const uint64_t k = g->outcome.steps_applied;
+    ASSERT_LT(k, scale_of.size());
+    if (r.options.wait) ASSERT_EQ(k, scale_of.size() - 1);
+    if (k < scale_of.size() - 1) ++earlier;
+    EXPECT_NEAR(g->outcome.grad_norm, norm / scale_of[k], 1e-12 * norm)
+        << "reply to step " << scale_of.size() - 1 << " reports step " << k;
+  }
+  std::printf("%d of 200 replies reported an earlier step\n", earlier);
 }
 
 // A tensor of more than 2^31 elements: 64-bit indexing end to end. The
@@ -480,8 +512,8 @@ TEST_F(CudaBackendTest, TensorOver2To31Elements) {
   std::vector<int16_t> rem(3 * w, 0);
   std::vector<uint16_t> m(3 * w, 0), v(3 * w, 0);
   for (int i = 1; i <= 2; ++i) {
-    TensorPointers tp{p0.data(), g0.data(), rem.data(), m.data(), v.data(),
-                      nullptr};
+    TensorPointers tp{p0.data(), g0.data(), rem.data(),
+                      m.data(),  v.data(),  nullptr};
     AdamWStepRange(l, tp, 0, 3 * w, MakeStepScalars(spec.hyper, i, 1, 1));
   }
   for (int k = 0; k < 3; ++k) {
