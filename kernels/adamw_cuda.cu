@@ -59,22 +59,23 @@ __device__ __forceinline__ void Split(float p, uint16_t* hi_bits,
   *rem = r;
 }
 
-// Elements of one stream, with streaming cache hints (every byte is read
-// and written once per step, so nothing is worth keeping in L2). N == 8: a
-// lane's share of a tile, elements i..i+3 and i+128..i+131 (i = tile start
-// + 4 * lane), so each access of a warp covers 32 consecutive 8- or 16-byte
-// pieces. N == 1: element i alone.
+// Elements of one stream. N == 8: a lane's share of a tile, elements
+// i..i+3 and i+128..i+131 (i = tile start + 4 * lane), so each access of a
+// warp covers 32 consecutive 8- or 16-byte pieces. N == 1: element i alone.
+// Plain accesses: streaming hints (ld/st.global.cs) and 256-byte L2
+// prefetch hints measured 3-5% slower for fp32 on the H200
+// (bench/RESULTS.md).
 template <int N, typename T>
 __device__ __forceinline__ void LoadN(const void* base, uint64_t i, T* out) {
   const T* p = static_cast<const T*>(base) + i;
   if constexpr (N == 1) {
-    out[0] = __ldcs(p);
+    out[0] = *p;
   } else {
     static_assert(N == 8, "a tile lane holds 8 elements");
     using Q = std::conditional_t<sizeof(T) == 4, uint4, uint2>;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const Q x = __ldcs(reinterpret_cast<const Q*>(p + h * kTileElements / 2));
+      const Q x = *reinterpret_cast<const Q*>(p + h * kTileElements / 2);
       memcpy(out + 4 * h, &x, sizeof(Q));
     }
   }
@@ -84,7 +85,7 @@ template <int N, typename T>
 __device__ __forceinline__ void StoreN(void* base, uint64_t i, const T* in) {
   T* p = static_cast<T*>(base) + i;
   if constexpr (N == 1) {
-    __stcs(p, in[0]);
+    *p = in[0];
   } else {
     static_assert(N == 8, "a tile lane holds 8 elements");
     using Q = std::conditional_t<sizeof(T) == 4, uint4, uint2>;
@@ -92,7 +93,7 @@ __device__ __forceinline__ void StoreN(void* base, uint64_t i, const T* in) {
     for (int h = 0; h < 2; ++h) {
       Q x;
       memcpy(&x, in + 4 * h, sizeof(Q));
-      __stcs(reinterpret_cast<Q*>(p + h * kTileElements / 2), x);
+      *reinterpret_cast<Q*>(p + h * kTileElements / 2) = x;
     }
   }
 }
