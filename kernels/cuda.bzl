@@ -2,6 +2,16 @@
 
 NVCC = "/usr/local/cuda/bin/nvcc"
 
+# Links the CUDA runtime statically (no libcudart.so at run time; the
+# driver is reached through it, never linked).
+CUDART_LINKOPTS = [
+    "-L/usr/local/cuda/lib64",
+    "-lcudart_static",
+    "-ldl",
+    "-lrt",
+    "-lpthread",
+]
+
 def cuda_object(name, src, hdrs = [], tags = []):
     """A .o from one .cu file: sm_90 code plus compute_90 PTX, IEEE math,
     no contraction into FMA (results match the CPU reference)."""

@@ -328,6 +328,16 @@ absl::StatusOr<StateStorage> CudaBackend::AllocateState(uint64_t bytes) {
   return s;
 }
 
+// A chunk's stream pointers: its tensor's.
+void SetStreams(const TensorPointers& p, DeviceChunk* c) {
+  c->param = p.param;
+  c->grad = p.grad;
+  c->master = p.master;
+  c->exp_avg = p.exp_avg;
+  c->exp_avg_sq = p.exp_avg_sq;
+  c->max_exp_avg_sq = p.max_exp_avg_sq;
+}
+
 // Tiles of a chunk: whole tiles when every stream is 16-byte aligned at
 // the chunk's first element (tiles access them in 8- or 16-byte pieces),
 // else none.
@@ -446,12 +456,7 @@ absl::Status CudaBackend::PrepareGroup(Group& group) {
       if (!(host.layouts[item.entry] == l)) continue;
       const TensorPointers& p = host.entries[item.entry];
       DeviceChunk c{};
-      c.param = p.param;
-      c.grad = p.grad;
-      c.master = p.master;
-      c.exp_avg = p.exp_avg;
-      c.exp_avg_sq = p.exp_avg_sq;
-      c.max_exp_avg_sq = p.max_exp_avg_sq;
+      SetStreams(p, &c);
       c.begin = item.begin;
       c.end = item.end;
       plan->chunks.push_back(c);
@@ -505,12 +510,7 @@ void CudaBackend::UpdatePlanEntry(Group& group, uint32_t entry) {
       first = std::min(first, c);
       end = c + 1;
       DeviceChunk& chunk = plan->chunks[c];
-      chunk.param = p.param;
-      chunk.grad = p.grad;
-      chunk.master = p.master;
-      chunk.exp_avg = p.exp_avg;
-      chunk.exp_avg_sq = p.exp_avg_sq;
-      chunk.max_exp_avg_sq = p.max_exp_avg_sq;
+      SetStreams(p, &chunk);
       // New pointers may change which chunks have tiles.
       chunk.tiles = ChunkTiles(chunk, seg.layout);
     }
