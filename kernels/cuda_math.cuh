@@ -4,6 +4,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 namespace optimd {
 namespace cuda {
 
@@ -27,6 +29,15 @@ __device__ __forceinline__ float DivByRecip(float a, float b, float rb) {
   const float r = __fmaf_rn(-b, q, a);
   const float q1 = __fmaf_rn(r, rb, q);
   return isfinite(q) ? q1 : q;
+}
+
+// x rounded to bfloat16, to nearest even, keeping a NaN's sign and payload
+// (quieted), bit for bit as the CPU reference rounds.
+__device__ __forceinline__ uint16_t Bf16FromFloat(float x) {
+  const uint32_t u = __float_as_uint(x);
+  const uint32_t rounded = u + 0x7fffu + ((u >> 16) & 1u);
+  const bool is_nan = (u & 0x7fffffffu) > 0x7f800000u;
+  return static_cast<uint16_t>((is_nan ? (u | 0x00400000u) : rounded) >> 16);
 }
 
 }  // namespace cuda

@@ -1,3 +1,4 @@
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include "kernels/cuda_math.cuh"
@@ -35,16 +36,37 @@ __global__ void CompareKernel(float b, float rb, unsigned long long* mismatches,
   }
 }
 
+__global__ void Bf16Kernel(unsigned long long* mismatches,
+                           uint32_t* first_bad) {
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  unsigned long long bad = 0;
+  uint32_t first = 0xffffffffu;
+  for (uint64_t u =
+           static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       u <= 0xffffffffull; u += stride) {
+    const uint32_t bits = static_cast<uint32_t>(u);
+    const float x = __uint_as_float(bits);
+    if (isnan(x) && bits != 0x7fffffffu) continue;
+    if (__bfloat16_as_ushort(__float2bfloat16_rn(x)) !=
+        cuda::Bf16FromFloat(x)) {
+      ++bad;
+      first = min(first, bits);
+    }
+  }
+  if (bad != 0) {
+    atomicAdd(mismatches, bad);
+    atomicMin(first_bad, first);
+  }
+}
+
 std::string Failed(const char* what, cudaError_t e) {
   return std::string(what) + ": " + cudaGetErrorName(e) + ": " +
          cudaGetErrorString(e);
 }
 
-}  // namespace
-
-DivisionCheck CheckDivisionByRecip(float b) {
-  DivisionCheck out;
-  const float rb = 1.0f / b;  // IEEE single division on the host: RN(1/b)
+template <class LaunchFn>
+MathCheck RunCheck(uint64_t compared, LaunchFn launch) {
+  MathCheck out;
   unsigned long long* mismatches = nullptr;
   uint32_t* first_bad = nullptr;
   cudaError_t e = cudaMalloc(&mismatches, sizeof(*mismatches));
@@ -53,7 +75,7 @@ DivisionCheck CheckDivisionByRecip(float b) {
   if (e == cudaSuccess) e = cudaMemset(mismatches, 0, sizeof(*mismatches));
   if (e == cudaSuccess) e = cudaMemset(first_bad, 0xff, sizeof(*first_bad));
   if (e == cudaSuccess) {
-    CompareKernel<<<4096, 256>>>(b, rb, mismatches, first_bad);
+    launch(mismatches, first_bad);
     e = cudaGetLastError();
   }
   if (e == cudaSuccess) e = cudaDeviceSynchronize();
@@ -65,12 +87,28 @@ DivisionCheck CheckDivisionByRecip(float b) {
     e = cudaMemcpy(&out.first_bad_bits, first_bad, sizeof(uint32_t),
                    cudaMemcpyDeviceToHost);
   }
-  if (e != cudaSuccess) out.error = Failed("division check", e);
+  if (e != cudaSuccess) out.error = Failed("math check", e);
   out.mismatches = count;
-  out.compared = static_cast<uint64_t>(kLast) + 1;
+  out.compared = compared;
   cudaFree(mismatches);
   cudaFree(first_bad);
   return out;
+}
+
+}  // namespace
+
+MathCheck CheckDivisionByRecip(float b) {
+  const float rb = 1.0f / b;  // IEEE single division on the host: RN(1/b)
+  return RunCheck(static_cast<uint64_t>(kLast) + 1,
+                  [&](unsigned long long* m, uint32_t* f) {
+                    CompareKernel<<<4096, 256>>>(b, rb, m, f);
+                  });
+}
+
+MathCheck CheckBf16Rounding() {
+  return RunCheck(uint64_t{1} << 32, [](unsigned long long* m, uint32_t* f) {
+    Bf16Kernel<<<4096, 256>>>(m, f);
+  });
 }
 
 }  // namespace testing

@@ -8,7 +8,7 @@
 namespace optimd {
 namespace testing {
 
-struct DivisionCheck {
+struct MathCheck {
   uint64_t compared = 0;
   uint64_t mismatches = 0;
   uint32_t first_bad_bits = 0;  // the smallest x (as bits) that differed
@@ -20,7 +20,12 @@ struct DivisionCheck {
 // +0 up to the first quiet NaN: all non-negative finite numbers, subnormal
 // ones included, +infinity and the signalling NaNs. Equal means the same
 // bits, or both NaN.
-DivisionCheck CheckDivisionByRecip(float b);
+MathCheck CheckDivisionByRecip(float b);
+
+// Compares the hardware conversion to bfloat16 (cvt.rn.bf16.f32) with
+// Bf16FromFloat for every float: `mismatches` counts the floats other than
+// NaNs where they differ, plus the canonical NaN 0x7fffffff if it differs.
+MathCheck CheckBf16Rounding();
 
 }  // namespace testing
 }  // namespace optimd

@@ -52,13 +52,24 @@ TEST(CudaMathTest, DivisionByRecipEqualsIeeeDivision) {
 
   for (float b : divisors) {
     ASSERT_GT(b, 0.0f);
-    const DivisionCheck c = CheckDivisionByRecip(b);
+    const MathCheck c = CheckDivisionByRecip(b);
     ASSERT_TRUE(c.error.empty()) << c.error;
     ASSERT_EQ(c.compared, 0x7fc00001ull);
     EXPECT_EQ(c.mismatches, 0u)
         << "b = " << b << " (bits 0x" << std::hex << ToBits(b)
         << "): first differing a = sqrt(x), x with bits 0x" << c.first_bad_bits;
   }
+}
+
+// The step kernels round results of GPU arithmetic to bfloat16 with one
+// conversion instruction; it must agree with the reference rounding on
+// every float (NaNs aside, of which GPU arithmetic makes only the
+// canonical one).
+TEST(CudaMathTest, HardwareBf16RoundingEqualsTheReference) {
+  const MathCheck c = CheckBf16Rounding();
+  ASSERT_TRUE(c.error.empty()) << c.error;
+  EXPECT_EQ(c.mismatches, 0u)
+      << "first differing float: bits 0x" << std::hex << c.first_bad_bits;
 }
 
 }  // namespace
