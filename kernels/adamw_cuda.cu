@@ -51,20 +51,6 @@ struct F16 {
   __device__ static T Round(float x) { return Store(x); }
 };
 
-__device__ __forceinline__ float Reconstruct(uint16_t hi_bits, int16_t rem) {
-  const uint32_t hi =
-      (static_cast<uint32_t>(hi_bits) - (rem < 0 ? 1u : 0u)) & 0xffffu;
-  return __uint_as_float((hi << 16) | static_cast<uint16_t>(rem));
-}
-
-__device__ __forceinline__ void Split(float p, uint16_t* hi_bits,
-                                      int16_t* rem) {
-  const uint32_t u = __float_as_uint(p);
-  const int16_t r = static_cast<int16_t>(static_cast<uint16_t>(u & 0xffffu));
-  *hi_bits = static_cast<uint16_t>(((u >> 16) + (r < 0 ? 1u : 0u)) & 0xffffu);
-  *rem = r;
-}
-
 // Elements of one stream. N == 8: a lane's share of a tile, elements
 // i..i+3 and i+128..i+131 (i = tile start + 4 * lane), so each access of a
 // warp covers 32 consecutive 8- or 16-byte pieces. N == 1: element i alone.
@@ -332,7 +318,7 @@ __device__ __forceinline__ void UpdateN(const DeviceChunk& t, uint64_t i,
     if constexpr (K == MasterKind::kFp32) {
       p = master[k];
     } else if constexpr (K == MasterKind::kRemainder) {
-      p = Reconstruct(pr[k], rem[k]);
+      p = ReconstructFromRemainder(pr[k], rem[k]);
     } else {
       p = P::Load(pr[k]);
     }
@@ -357,7 +343,7 @@ __device__ __forceinline__ void UpdateN(const DeviceChunk& t, uint64_t i,
       pr[k] = P::Round(p);
     } else if constexpr (K == MasterKind::kRemainder) {
       uint16_t hi;
-      Split(p, &hi, &rem[k]);
+      SplitToRemainder(p, &hi, &rem[k]);
       pr[k] = hi;
     } else {
       pr[k] = P::Round(p);

@@ -40,6 +40,27 @@ __device__ __forceinline__ uint16_t Bf16FromFloat(float x) {
   return static_cast<uint16_t>((is_nan ? (u | 0x00400000u) : rounded) >> 16);
 }
 
+// The fp32 master from its bf16 high half and its 16-bit remainder, as the
+// CPU reference's ReconstructFromRemainder gives it, in one multiply-add:
+// the remainder is the master's low half read as signed, and the high half
+// was rounded up exactly when that is negative, so the master's bits are
+// hi * 65536 + remainder modulo 2^32.
+__device__ __forceinline__ float ReconstructFromRemainder(uint16_t hi,
+                                                          int16_t rem) {
+  return __uint_as_float((static_cast<uint32_t>(hi) << 16) +
+                         static_cast<uint32_t>(static_cast<int32_t>(rem)));
+}
+
+// The inverse, as the CPU reference's SplitToRemainder: adding 0x8000
+// carries into the high half exactly when the low half is negative as a
+// signed number (modulo 2^32, as the reference's 16-bit wrap-around).
+__device__ __forceinline__ void SplitToRemainder(float master, uint16_t* hi,
+                                                 int16_t* rem) {
+  const uint32_t u = __float_as_uint(master);
+  *hi = static_cast<uint16_t>((u + 0x8000u) >> 16);
+  *rem = static_cast<int16_t>(static_cast<uint16_t>(u));
+}
+
 }  // namespace cuda
 }  // namespace optimd
 

@@ -59,6 +59,34 @@ __global__ void Bf16Kernel(unsigned long long* mismatches,
   }
 }
 
+// The remainder split as kernels/adamw_cpu.h defines it.
+__global__ void RemainderKernel(unsigned long long* mismatches,
+                                uint32_t* first_bad) {
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  unsigned long long bad = 0;
+  uint32_t first = 0xffffffffu;
+  for (uint64_t v =
+           static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       v <= 0xffffffffull; v += stride) {
+    const uint32_t u = static_cast<uint32_t>(v);
+    const int16_t r = static_cast<int16_t>(static_cast<uint16_t>(u & 0xffffu));
+    const uint16_t hi =
+        static_cast<uint16_t>(((u >> 16) + (r < 0 ? 1u : 0u)) & 0xffffu);
+    uint16_t got_hi;
+    int16_t got_r;
+    cuda::SplitToRemainder(__uint_as_float(u), &got_hi, &got_r);
+    const float back = cuda::ReconstructFromRemainder(hi, r);
+    if (got_hi != hi || got_r != r || __float_as_uint(back) != u) {
+      ++bad;
+      first = min(first, u);
+    }
+  }
+  if (bad != 0) {
+    atomicAdd(mismatches, bad);
+    atomicMin(first_bad, first);
+  }
+}
+
 std::string Failed(const char* what, cudaError_t e) {
   return std::string(what) + ": " + cudaGetErrorName(e) + ": " +
          cudaGetErrorString(e);
@@ -108,6 +136,12 @@ MathCheck CheckDivisionByRecip(float b) {
 MathCheck CheckBf16Rounding() {
   return RunCheck(uint64_t{1} << 32, [](unsigned long long* m, uint32_t* f) {
     Bf16Kernel<<<4096, 256>>>(m, f);
+  });
+}
+
+MathCheck CheckRemainderSplit() {
+  return RunCheck(uint64_t{1} << 32, [](unsigned long long* m, uint32_t* f) {
+    RemainderKernel<<<4096, 256>>>(m, f);
   });
 }
 

@@ -72,6 +72,15 @@ TEST(CudaMathTest, HardwareBf16RoundingEqualsTheReference) {
       << "first differing float: bits 0x" << std::hex << c.first_bad_bits;
 }
 
+// The remainder layout's split and reconstruction in the step kernels (two
+// integer operations each) equal the CPU reference's definitions.
+TEST(CudaMathTest, RemainderSplitEqualsTheReference) {
+  const MathCheck c = CheckRemainderSplit();
+  ASSERT_TRUE(c.error.empty()) << c.error;
+  EXPECT_EQ(c.mismatches, 0u)
+      << "first differing float: bits 0x" << std::hex << c.first_bad_bits;
+}
+
 }  // namespace
 }  // namespace testing
 }  // namespace optimd
