@@ -77,21 +77,41 @@ int main(int argc, char** argv) {
   for (int i = 0; i < 200 + absl::GetFlag(FLAGS_steps); ++i) {
     const auto t0 = std::chrono::steady_clock::now();
     auto r = absl::GetFlag(FLAGS_stream) ? (*client)->StreamStep(sr)
-                                          : (*client)->Step(sr);
+                                         : (*client)->Step(sr);
     const auto t1 = std::chrono::steady_clock::now();
     if (!r.ok()) {
       std::fprintf(stderr, "%s\n", r.status().ToString().c_str());
       return 1;
     }
-    if (i >= 200) us.push_back(std::chrono::duration<double>(t1 - t0).count() * 1e6);
+    if (i >= 200)
+      us.push_back(std::chrono::duration<double>(t1 - t0).count() * 1e6);
   }
   std::sort(us.begin(), us.end());
-  std::printf("%s round trip (%s backend, %zu steps%s): p50 %.1f us, p99 "
-              "%.1f us, max %.1f us\n",
-              absl::GetFlag(FLAGS_stream) ? "StepStream" : "Step",
-              device < 0 ? "cpu" : "cuda", us.size(),
-              absl::GetFlag(FLAGS_wait) ? ", wait" : "", us[us.size() / 2],
-              us[us.size() * 99 / 100], us.back());
+  std::printf(
+      "%s round trip (%s backend, %zu steps%s): p50 %.1f us, p99 "
+      "%.1f us, max %.1f us\n",
+      absl::GetFlag(FLAGS_stream) ? "StepStream" : "Step",
+      device < 0 ? "cpu" : "cuda", us.size(),
+      absl::GetFlag(FLAGS_wait) ? ", wait" : "", us[us.size() / 2],
+      us[us.size() * 99 / 100], us.back());
+  // The daemon's own view: host time per Step on its worker (all steps of
+  // this run, warm-up included, unless other clients step too).
+  if (auto m = (*client)->GetMetrics(); m.ok()) {
+    const auto& h = m->step_host_time();
+    uint64_t half = (h.count() + 1) / 2;
+    double p50 = 0;
+    for (int i = 0; i < h.bounds_size(); ++i) {
+      if (h.counts(i) >= half) {
+        p50 = h.bounds(i);
+        break;
+      }
+    }
+    std::printf(
+        "daemon host time per Step (metrics): mean %.1f us, p50 <= "
+        "%.0f us over %llu steps\n",
+        h.count() ? h.sum() / h.count() * 1e6 : 0.0, p50 * 1e6,
+        static_cast<unsigned long long>(h.count()));
+  }
   (void)(*client)->CloseSession();
   return 0;
 }

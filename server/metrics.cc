@@ -8,8 +8,8 @@
 namespace optimd {
 
 LatencyHistogram::LatencyHistogram()
-    : bounds_({1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
-               1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5, 5, 10}),
+    : bounds_({1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2,
+               2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5, 5, 10}),
       counts_(bounds_.size() + 1, 0) {}
 
 void LatencyHistogram::Observe(double seconds) {
@@ -37,13 +37,26 @@ void LatencyHistogram::ToProto(v1::Histogram* out) const {
 namespace {
 
 std::string Escape(const std::string& s) {
-  return absl::StrReplaceAll(s, {{"\\", "\\\\"}, {"\"", "\\\""}, {"\n", "\\n"}});
+  return absl::StrReplaceAll(s,
+                             {{"\\", "\\\\"}, {"\"", "\\\""}, {"\n", "\\n"}});
 }
 
-void Counter(std::string* out, const char* name, const char* help,
-             uint64_t v, const char* type = "counter") {
-  absl::StrAppend(out, "# HELP ", name, " ", help, "\n# TYPE ", name, " ",
-                  type, "\n", name, " ", v, "\n");
+void Histogram(std::string* out, const char* name, const char* help,
+               const v1::Histogram& h) {
+  absl::StrAppend(out, "# HELP ", name, " ", help, "\n# TYPE ", name,
+                  " histogram\n");
+  for (int i = 0; i < h.bounds_size(); ++i) {
+    absl::StrAppend(out, name, "_bucket{le=\"", h.bounds(i), "\"} ",
+                    h.counts(i), "\n");
+  }
+  absl::StrAppend(out, name, "_bucket{le=\"+Inf\"} ", h.count(), "\n", name,
+                  "_sum ", h.sum(), "\n", name, "_count ", h.count(), "\n");
+}
+
+void Counter(std::string* out, const char* name, const char* help, uint64_t v,
+             const char* type = "counter") {
+  absl::StrAppend(out, "# HELP ", name, " ", help, "\n# TYPE ", name, " ", type,
+                  "\n", name, " ", v, "\n");
 }
 
 }  // namespace
@@ -62,26 +75,18 @@ std::string RenderPrometheus(const v1::GetMetricsResponse& m) {
           m.state_bytes(), "gauge");
   Counter(&out, "optimd_checkpoint_saves_total", "Checkpoints saved.",
           m.checkpoint_saves());
-  Counter(&out, "optimd_checkpoint_save_bytes_total",
-          "Checkpoint bytes saved.", m.checkpoint_save_bytes());
+  Counter(&out, "optimd_checkpoint_save_bytes_total", "Checkpoint bytes saved.",
+          m.checkpoint_save_bytes());
   Counter(&out, "optimd_checkpoint_loads_total", "Checkpoints loaded.",
           m.checkpoint_loads());
   Counter(&out, "optimd_checkpoint_load_bytes_total",
           "Checkpoint bytes loaded.", m.checkpoint_load_bytes());
   Counter(&out, "optimd_checkpoint_failures_total",
           "Checkpoint calls that failed.", m.checkpoint_failures());
-  const v1::Histogram& h = m.step_latency();
-  absl::StrAppend(&out,
-                  "# HELP optimd_step_latency_seconds Time from a Step "
-                  "request to its reply.\n"
-                  "# TYPE optimd_step_latency_seconds histogram\n");
-  for (int i = 0; i < h.bounds_size(); ++i) {
-    absl::StrAppend(&out, "optimd_step_latency_seconds_bucket{le=\"",
-                    h.bounds(i), "\"} ", h.counts(i), "\n");
-  }
-  absl::StrAppend(&out, "optimd_step_latency_seconds_bucket{le=\"+Inf\"} ",
-                  h.count(), "\noptimd_step_latency_seconds_sum ", h.sum(),
-                  "\noptimd_step_latency_seconds_count ", h.count(), "\n");
+  Histogram(&out, "optimd_step_latency_seconds",
+            "Time from a Step request to its reply.", m.step_latency());
+  Histogram(&out, "optimd_step_host_seconds",
+            "Host time of a Step on its device worker.", m.step_host_time());
   absl::StrAppend(&out,
                   "# HELP optimd_session_state_bytes Optimizer state bytes "
                   "per session.\n# TYPE optimd_session_state_bytes gauge\n");

@@ -11,9 +11,9 @@
 
 namespace optimd {
 
-OptimizerServiceImpl::OptimizerServiceImpl(
-    SessionRegistry* registry, std::vector<DeviceWorker*> workers,
-    CheckpointOptions checkpoint_options)
+OptimizerServiceImpl::OptimizerServiceImpl(SessionRegistry* registry,
+                                           std::vector<DeviceWorker*> workers,
+                                           CheckpointOptions checkpoint_options)
     : registry_(registry),
       workers_(std::move(workers)),
       checkpoint_options_(std::move(checkpoint_options)) {}
@@ -47,8 +47,8 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::OnWorker(
     grpc::CallbackServerContext* context, Work work) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (draining_.load()) {
-    reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                                 "optimd is shutting down"));
+    reactor->Finish(
+        grpc::Status(grpc::StatusCode::UNAVAILABLE, "optimd is shutting down"));
     return reactor;
   }
   auto session = SessionOf(context);
@@ -81,8 +81,8 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::CreateSession(
             std::to_string(request->ready_event().size()) + " bytes"));
     return reactor;
   }
-  auto created = registry_->Create(id, request->resume(),
-                                   request->ready_event());
+  auto created =
+      registry_->Create(id, request->resume(), request->ready_event());
   if (!created.ok()) {
     reactor->Finish(ToGrpcStatus(created.status()));
     return reactor;
@@ -142,8 +142,7 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::RegisterGroup(
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::UnregisterGroup(
     grpc::CallbackServerContext* context,
-    const v1::UnregisterGroupRequest* request,
-    v1::UnregisterGroupResponse*) {
+    const v1::UnregisterGroupRequest* request, v1::UnregisterGroupResponse*) {
   return OnWorker(context, [request](Session& s) {
     return s.UnregisterGroup(request->group_id());
   });
@@ -169,8 +168,10 @@ absl::Status OptimizerServiceImpl::RunStep(Session& s,
     absl::Status st = s.UpdateBuffers(u.group_id(), *updates);
     if (!st.ok()) return st;
   }
+  const absl::Time host_start = absl::Now();
   auto result = s.Step(StepSpecFromProto(request));
   if (!result.ok()) return result.status();
+  step_host_time_.Observe(absl::ToDoubleSeconds(absl::Now() - host_start));
   response->set_known(result->outcome.known);
   response->set_current(result->outcome.current);
   response->set_skipped(result->outcome.skipped);
@@ -188,10 +189,10 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::Step(
     grpc::CallbackServerContext* context, const v1::StepRequest* request,
     v1::StepResponse* response) {
   const absl::Time start = absl::Now();
-  return OnWorker(context, [this, request, response,
-                            start](Session& s) -> absl::Status {
-    return RunStep(s, *request, response, start);
-  });
+  return OnWorker(context,
+                  [this, request, response, start](Session& s) -> absl::Status {
+                    return RunStep(s, *request, response, start);
+                  });
 }
 
 // Reads one request, runs it on the session's worker, writes its response,
@@ -213,7 +214,8 @@ class OptimizerServiceImpl::StepStreamReactor final
     const absl::Time start = absl::Now();
     worker_->Post([this, start] {
       response_.Clear();
-      absl::Status s = service_->RunStep(*session_, request_, &response_, start);
+      absl::Status s =
+          service_->RunStep(*session_, request_, &response_, start);
       if (!s.ok()) {
         Finish(ToGrpcStatus(s));
         return;
@@ -283,8 +285,8 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::GetState(
                                      request->tensor_names().end());
     // Replies stay well below protobuf's 2 GiB message limit.
     constexpr uint64_t kMaxReplyData = uint64_t{1} << 30;
-    auto state = s.ReadState(ids, !request->metadata_only(), tensors,
-                             kMaxReplyData);
+    auto state =
+        s.ReadState(ids, !request->metadata_only(), tensors, kMaxReplyData);
     if (!state.ok()) return state.status();
     for (const GroupState& g : *state) {
       GroupStateToProto(g, response->add_groups());
@@ -306,21 +308,21 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::SetState(
 grpc::ServerUnaryReactor* OptimizerServiceImpl::SaveState(
     grpc::CallbackServerContext* context, const v1::SaveStateRequest* request,
     v1::SaveStateResponse* response) {
-  return OnWorker(context, [this, request,
-                            response](Session& s) -> absl::Status {
-    auto r = s.SaveState(request->directory(), checkpoint_options_,
-                         request->background());
-    if (!r.ok()) {
-      checkpoint_failures_.fetch_add(1);
-      return r.status();
-    }
-    checkpoint_saves_.fetch_add(1);
-    checkpoint_save_bytes_.fetch_add(r->bytes);
-    response->set_path(r->path);
-    response->set_bytes(r->bytes);
-    response->set_seconds(r->seconds);
-    return absl::OkStatus();
-  });
+  return OnWorker(
+      context, [this, request, response](Session& s) -> absl::Status {
+        auto r = s.SaveState(request->directory(), checkpoint_options_,
+                             request->background());
+        if (!r.ok()) {
+          checkpoint_failures_.fetch_add(1);
+          return r.status();
+        }
+        checkpoint_saves_.fetch_add(1);
+        checkpoint_save_bytes_.fetch_add(r->bytes);
+        response->set_path(r->path);
+        response->set_bytes(r->bytes);
+        response->set_seconds(r->seconds);
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::GetSaveStatus(
@@ -359,21 +361,21 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::GetSaveStatus(
 grpc::ServerUnaryReactor* OptimizerServiceImpl::LoadState(
     grpc::CallbackServerContext* context, const v1::LoadStateRequest* request,
     v1::LoadStateResponse* response) {
-  return OnWorker(context, [this, request,
-                            response](Session& s) -> absl::Status {
-    auto r = s.LoadState(request->directory(), checkpoint_options_);
-    if (!r.ok()) {
-      checkpoint_failures_.fetch_add(1);
-      return r.status();
-    }
-    checkpoint_loads_.fetch_add(1);
-    checkpoint_load_bytes_.fetch_add(r->bytes);
-    response->set_path(r->path);
-    response->set_bytes(r->bytes);
-    response->set_peak_staging_bytes(r->peak_staging_bytes);
-    response->set_seconds(r->seconds);
-    return absl::OkStatus();
-  });
+  return OnWorker(
+      context, [this, request, response](Session& s) -> absl::Status {
+        auto r = s.LoadState(request->directory(), checkpoint_options_);
+        if (!r.ok()) {
+          checkpoint_failures_.fetch_add(1);
+          return r.status();
+        }
+        checkpoint_loads_.fetch_add(1);
+        checkpoint_load_bytes_.fetch_add(r->bytes);
+        response->set_path(r->path);
+        response->set_bytes(r->bytes);
+        response->set_peak_staging_bytes(r->peak_staging_bytes);
+        response->set_seconds(r->seconds);
+        return absl::OkStatus();
+      });
 }
 
 // Streams a snapshot's file bytes. A thread of its own computes the
@@ -427,8 +429,8 @@ class OptimizerServiceImpl::SaveStreamReactor final
       chunk_.set_offset(offset);
       chunk_.set_total_bytes(total);
       chunk_.mutable_data()->resize(n);
-      snapshot_->ReadFile(offset, n,
-                          reinterpret_cast<uint8_t*>(chunk_.mutable_data()->data()));
+      snapshot_->ReadFile(
+          offset, n, reinterpret_cast<uint8_t*>(chunk_.mutable_data()->data()));
       {
         absl::MutexLock lock(&mu_);
         if (cancelled_) break;
@@ -468,8 +470,7 @@ class OptimizerServiceImpl::SaveStreamReactor final
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
 };
 
-grpc::ServerWriteReactor<v1::StateChunk>*
-OptimizerServiceImpl::SaveStateStream(
+grpc::ServerWriteReactor<v1::StateChunk>* OptimizerServiceImpl::SaveStateStream(
     grpc::CallbackServerContext* context,
     const v1::SaveStateStreamRequest* request) {
   auto session = SessionOf(context);
@@ -481,10 +482,10 @@ OptimizerServiceImpl::SaveStateStream(
       explicit Refused(grpc::Status s) { Finish(std::move(s)); }
       void OnDone() override { delete this; }
     };
-    return new Refused(
-        !session.ok() ? ToGrpcStatus(session.status())
-                      : grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                     "chunk_bytes may be at most 64 MiB"));
+    return new Refused(!session.ok()
+                           ? ToGrpcStatus(session.status())
+                           : grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                          "chunk_bytes may be at most 64 MiB"));
   }
   DeviceWorker* worker = WorkerFor(**session);
   return new SaveStreamReactor(*std::move(session), worker, chunk);
@@ -522,7 +523,8 @@ class OptimizerServiceImpl::LoadStreamReactor final
           (total_ != 0 && chunk_.total_bytes() != total_)) {
         Fail(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                           "chunks must arrive in order with one total_bytes; "
-                          "expected offset " + std::to_string(received_)));
+                          "expected offset " +
+                              std::to_string(received_)));
         return;
       }
       if (total_ == 0) {
@@ -549,14 +551,13 @@ class OptimizerServiceImpl::LoadStreamReactor final
         return;
       }
       for (size_t done = 0; done < d.size();) {
-        const ssize_t w = pwrite(fd_, d.data() + done, d.size() - done,
-                                 received_ + done);
+        const ssize_t w =
+            pwrite(fd_, d.data() + done, d.size() - done, received_ + done);
         if (w < 0) {
-          Fail(grpc::Status(errno == ENOSPC
-                                ? grpc::StatusCode::RESOURCE_EXHAUSTED
-                                : grpc::StatusCode::INTERNAL,
-                            std::string("spooling the stream: ") +
-                                std::strerror(errno)));
+          Fail(grpc::Status(
+              errno == ENOSPC ? grpc::StatusCode::RESOURCE_EXHAUSTED
+                              : grpc::StatusCode::INTERNAL,
+              std::string("spooling the stream: ") + std::strerror(errno)));
           return;
         }
         done += w;
@@ -666,6 +667,7 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::GetMetrics(
   response->set_sessions(sessions.size());
   response->set_state_bytes(registry_->budget()->used());
   step_latency_.ToProto(response->mutable_step_latency());
+  step_host_time_.ToProto(response->mutable_step_host_time());
   for (const auto& s : sessions) {
     SessionInfoToProto(s->Info(), response->add_session_infos());
   }

@@ -122,6 +122,7 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
   const std::vector<DeviceWorker*> workers_;
   const CheckpointOptions checkpoint_options_;
   LatencyHistogram step_latency_;
+  LatencyHistogram step_host_time_;
   std::atomic<uint64_t> checkpoint_saves_{0}, checkpoint_save_bytes_{0};
   std::atomic<uint64_t> checkpoint_loads_{0}, checkpoint_load_bytes_{0};
   std::atomic<uint64_t> checkpoint_failures_{0};

@@ -127,8 +127,8 @@ TEST_F(E2eTest, TrainsAndMatchesTheReference) {
     double sumsq = 0;
     for (int i = 0; i < kN; ++i) sumsq += double(g[i]) * g[i];
     EXPECT_NEAR(reply->grad_norm(), std::sqrt(sumsq), 1e-9 * std::sqrt(sumsq));
-    TensorPointers t{ref_p.data(), g, nullptr, ref_m.data(), ref_v.data(),
-                     nullptr};
+    TensorPointers t{ref_p.data(), g,      nullptr, ref_m.data(),
+                     ref_v.data(), nullptr};
     AdamWStepRange(Layout(), t, 0, kN, MakeStepScalars(h, step, 1, 1));
     for (int i = 0; i < kN; ++i) ASSERT_EQ(p[i], ref_p[i]) << i;
   }
@@ -137,6 +137,11 @@ TEST_F(E2eTest, TrainsAndMatchesTheReference) {
   EXPECT_EQ(m->steps(), 50u);
   EXPECT_EQ(m->plan_builds(), 1u);
   EXPECT_EQ(m->step_latency().count(), 50u);
+  EXPECT_EQ(m->step_host_time().count(), 50u);
+  EXPECT_GT(m->step_host_time().sum(), 0);
+  EXPECT_LE(m->step_host_time().sum(), m->step_latency().sum());
+  EXPECT_NE(m->prometheus_text().find("optimd_step_host_seconds_count 50"),
+            std::string::npos);
   EXPECT_EQ(m->state_bytes(), kN * 8u);
   EXPECT_NE(m->prometheus_text().find("optimd_steps_total 50"),
             std::string::npos);
@@ -234,13 +239,15 @@ TEST_F(E2eTest, UnknownAndDuplicateNames) {
   ub.set_group_id("nope");
   EXPECT_EQ(client_->UpdateBuffers(ub).code(), StatusCode::kNotFound);
   // Duplicate group id, duplicate tensor names within and across groups.
-  EXPECT_EQ(client_->RegisterGroup(Group("g", {Tensor("x", 4, 64)}))
-                .status().code(),
-            StatusCode::kAlreadyExists);
-  EXPECT_EQ(client_->RegisterGroup(
-                    Group("h", {Tensor("x", 4, 64), Tensor("x", 4, 128)}))
-                .status().code(),
-            StatusCode::kAlreadyExists);
+  EXPECT_EQ(
+      client_->RegisterGroup(Group("g", {Tensor("x", 4, 64)})).status().code(),
+      StatusCode::kAlreadyExists);
+  EXPECT_EQ(
+      client_
+          ->RegisterGroup(Group("h", {Tensor("x", 4, 64), Tensor("x", 4, 128)}))
+          .status()
+          .code(),
+      StatusCode::kAlreadyExists);
   auto dup = client_->RegisterGroup(Group("h", {Tensor("w", 4, 64)}));
   EXPECT_EQ(dup.status().code(), StatusCode::kAlreadyExists);
   EXPECT_NE(dup.status().message().find("'w'"), std::string::npos);
@@ -377,8 +384,8 @@ TEST_F(E2eTest, ZeroElementAndFrozenTensors) {
     params_->as<float>()[i] = 1.0f;
     grads_->as<float>()[i] = 1.0f;
   }
-  auto reg = client_->RegisterGroup(
-      Group("g", {empty, frozen, Tensor("live", 4, 0)}));
+  auto reg =
+      client_->RegisterGroup(Group("g", {empty, frozen, Tensor("live", 4, 0)}));
   ASSERT_TRUE(reg.ok()) << reg.status();
   EXPECT_EQ(reg->plan_items(), 1u);
   ASSERT_TRUE(client_->Step(v1::StepRequest()).ok());
@@ -478,17 +485,18 @@ TEST_F(E2eTest, OptimctlReportsHealthMetricsAndSessions) {
   std::tie(rc, out) = RunCommand(ctl + "metrics");
   EXPECT_EQ(rc, 0);
   EXPECT_NE(out.find("optimd_steps_total 1\n"), std::string::npos) << out;
-  EXPECT_NE(out.find("optimd_session_state_bytes{job=\"ctl-job\",rank=\"0\"} 64"),
-            std::string::npos)
+  EXPECT_NE(
+      out.find("optimd_session_state_bytes{job=\"ctl-job\",rank=\"0\"} 64"),
+      std::string::npos)
       << out;
   std::tie(rc, out) = RunCommand(ctl + "sessions");
   EXPECT_EQ(rc, 0);
   EXPECT_NE(out.find("ctl-job"), std::string::npos) << out;
   std::tie(rc, out) = RunCommand(ctl + "bogus 2>/dev/null");
   EXPECT_EQ(rc, 2);
-  std::tie(rc, out) =
-      RunCommand("client/optimctl --target=unix:/tmp/optimd-nobody.sock "
-          "--timeout_s=1 health 2>&1");
+  std::tie(rc, out) = RunCommand(
+      "client/optimctl --target=unix:/tmp/optimd-nobody.sock "
+      "--timeout_s=1 health 2>&1");
   EXPECT_EQ(rc, 1);
   EXPECT_NE(out.find("no optimd daemon answers"), std::string::npos) << out;
 }
