@@ -27,14 +27,13 @@ absl::StatusOr<SessionRegistry::Created> SessionRegistry::Create(
     return absl::InvalidArgumentError("job_id must not be empty");
   }
   if (identity.world_size == 0 || identity.rank >= identity.world_size) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("rank ", identity.rank, " is not below world_size ",
-                     identity.world_size));
+    return absl::InvalidArgumentError(absl::StrCat("rank ", identity.rank,
+                                                   " is not below world_size ",
+                                                   identity.world_size));
   }
   if (identity.device < -1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("device must be -1 (CPU) or a CUDA ordinal, got ",
-                     identity.device));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "device must be -1 (CPU) or a CUDA ordinal, got ", identity.device));
   }
   auto backend = BackendFor(identity.device);
   if (!backend.ok()) return backend.status();
@@ -56,8 +55,8 @@ absl::StatusOr<SessionRegistry::Created> SessionRegistry::Create(
     by_token_.erase(old);
   } else {
     std::string done_event;
-    auto context = (*backend)->OpenSession(identity.device, ready_event,
-                                           &done_event);
+    auto context =
+        (*backend)->OpenSession(identity.device, ready_event, &done_event);
     if (!context.ok()) return context.status();
     created.session = std::make_shared<Session>(identity, *backend, budget_,
                                                 *std::move(context));
@@ -68,23 +67,46 @@ absl::StatusOr<SessionRegistry::Created> SessionRegistry::Create(
   return created;
 }
 
-absl::StatusOr<Backend*> SessionRegistry::BackendFor(int device) const {
-  if (backends_[0]->kind() == BackendKind::kCpu) {
-    if (device != -1) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "this daemon runs the CPU backend; it cannot hold state for CUDA "
-          "device ", device, " (start optimd with --backend=cuda on a GPU "
-          "machine, or keep parameters on the CPU)"));
+SessionRegistry::SessionRegistry(std::vector<Backend*> backends,
+                                 StateBudget* budget)
+    : backends_(std::move(backends)), budget_(budget) {
+  for (Backend* b : backends_) {
+    if (b->kind() == BackendKind::kCpu) {
+      cpu_ = b;
+    } else {
+      gpus_.push_back(b);
     }
-    return backends_[0];
   }
-  if (device < 0 || device >= static_cast<int>(backends_.size())) {
+}
+
+absl::StatusOr<Backend*> SessionRegistry::BackendFor(int device) const {
+  if (device < -1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "device must be -1 (CPU tensors) or a CUDA device index, got ",
+        device));
+  }
+  if (device == -1) {
+    if (cpu_ == nullptr) {
+      return absl::FailedPreconditionError(
+          "this daemon holds no state for CPU tensors (it runs without a "
+          "CPU backend); keep parameters on a GPU");
+    }
+    return cpu_;
+  }
+  if (gpus_.empty()) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "this daemon runs the CUDA backend on devices 0..",
-        backends_.size() - 1, "; device ", device,
-        " is not one of them (CPU tensors need a daemon with --backend=cpu)"));
+        "this daemon runs the CPU backend; it cannot hold state for CUDA "
+        "device ",
+        device,
+        " (start optimd with --backend=cuda on a GPU "
+        "machine, or keep parameters on the CPU)"));
   }
-  return backends_[device];
+  if (device < 0 || device >= static_cast<int>(gpus_.size())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "this daemon runs the CUDA backend on devices 0..", gpus_.size() - 1,
+        "; device ", device, " is not one of them (-1 for CPU tensors)"));
+  }
+  return gpus_[device];
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Find(

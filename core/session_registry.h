@@ -26,12 +26,11 @@ class SessionRegistry {
     bool resumed = false;
   };
 
-  // `backends[d]` serves CUDA device d; a CPU daemon has one backend that
-  // serves device -1.
-  SessionRegistry(std::vector<Backend*> backends, StateBudget* budget)
-      : backends_(std::move(backends)), budget_(budget) {}
+  // The CUDA backends among `backends`, in order, serve CUDA devices 0, 1,
+  // ...; a CPU backend among them (at most one) serves device -1.
+  SessionRegistry(std::vector<Backend*> backends, StateBudget* budget);
   SessionRegistry(Backend* backend, StateBudget* budget)
-      : backends_({backend}), budget_(budget) {}
+      : SessionRegistry(std::vector<Backend*>{backend}, budget) {}
   SessionRegistry(const SessionRegistry&) = delete;
   SessionRegistry& operator=(const SessionRegistry&) = delete;
 
@@ -54,8 +53,7 @@ class SessionRegistry {
 
   std::vector<std::shared_ptr<Session>> List() const ABSL_LOCKS_EXCLUDED(mu_);
 
-  // The first backend (the only one on CPU daemons).
-  Backend* backend() const { return backends_[0]; }
+  // Every backend, as given.
   const std::vector<Backend*>& backends() const { return backends_; }
   // The backend serving `device`, or FAILED_PRECONDITION.
   absl::StatusOr<Backend*> BackendFor(int device) const;
@@ -63,6 +61,8 @@ class SessionRegistry {
 
  private:
   const std::vector<Backend*> backends_;
+  std::vector<Backend*> gpus_;  // by CUDA device
+  Backend* cpu_ = nullptr;      // device -1, if any
   StateBudget* const budget_;
 
   mutable absl::Mutex mu_;

@@ -250,9 +250,28 @@ TEST(SessionRegistryTest, TokensResumeAndClose) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(registry.Create({"job", 0, 2, 0}, false).status().code(),
             absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(registry.Create({"job", 0, 2, -2}, false).status().code(),
+            absl::StatusCode::kInvalidArgument);
   ASSERT_TRUE(registry.Close(b->token).ok());
   EXPECT_TRUE(registry.List().empty());
   EXPECT_TRUE(registry.Create({"job", 1, 2, -1}, false).ok());
+}
+
+// Sessions go to the backend of their device: CPU tensors (-1) to the CPU
+// backend, whatever else the daemon runs.
+TEST(SessionRegistryTest, RoutesDevicesToBackends) {
+  CpuBackend cpu(CpuBackend::Options{1, 64});
+  StateBudget budget(0);
+  SessionRegistry registry(std::vector<Backend*>{&cpu}, &budget);
+  EXPECT_EQ(*registry.BackendFor(-1), &cpu);
+  auto gpu = registry.BackendFor(0);
+  EXPECT_EQ(gpu.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(gpu.status().message().find("--backend=cuda"), std::string::npos);
+  EXPECT_EQ(registry.BackendFor(-5).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  auto created = registry.Create({"job", 0, 1, -1}, false);
+  ASSERT_TRUE(created.ok());
+  EXPECT_EQ(created->session->backend(), &cpu);
 }
 
 }  // namespace

@@ -59,11 +59,11 @@ ABSL_FLAG(int, shutdown_grace_s, 30,
 namespace {
 
 void Log(const std::string& line) {
-  std::fprintf(stderr, "optimd %s: %s\n",
-               absl::FormatTime("%H:%M:%E3S", absl::Now(),
-                                absl::LocalTimeZone())
-                   .c_str(),
-               line.c_str());
+  std::fprintf(
+      stderr, "optimd %s: %s\n",
+      absl::FormatTime("%H:%M:%E3S", absl::Now(), absl::LocalTimeZone())
+          .c_str(),
+      line.c_str());
   std::fflush(stderr);
 }
 
@@ -73,8 +73,9 @@ bool PrepareSocketPath(const std::string& path) {
   struct stat st;
   if (lstat(path.c_str(), &st) != 0) return true;
   if (!S_ISSOCK(st.st_mode)) {
-    Log(absl::StrCat(path, " exists and is not a socket; refusing to replace "
-                           "it"));
+    Log(absl::StrCat(path,
+                     " exists and is not a socket; refusing to replace "
+                     "it"));
     return false;
   }
   const int fd = socket(AF_UNIX, SOCK_STREAM, 0);
@@ -113,8 +114,8 @@ int main(int argc, char** argv) {
   const std::string backend_flag = absl::GetFlag(FLAGS_backend);
   if (backend_flag != "auto" && backend_flag != "cpu" &&
       backend_flag != "cuda") {
-    Log(absl::StrCat("--backend must be auto, cpu or cuda, not '",
-                     backend_flag, "'"));
+    Log(absl::StrCat("--backend must be auto, cpu or cuda, not '", backend_flag,
+                     "'"));
     return 2;
   }
   // One backend and one device worker per device.
@@ -135,14 +136,11 @@ int main(int argc, char** argv) {
     }
   }
 #endif
+  if (backends.empty() && backend_flag == "cuda") {
+    Log(absl::StrCat("--backend=cuda but no GPU is usable: ", no_gpu));
+    return 2;
+  }
   if (backends.empty()) {
-    if (backend_flag == "cuda") {
-      Log(absl::StrCat("--backend=cuda but no GPU is usable: ", no_gpu));
-      return 2;
-    }
-    optimd::CpuBackend::Options options;
-    options.threads = absl::GetFlag(FLAGS_cpu_threads);
-    backends.push_back(std::make_unique<optimd::CpuBackend>(options));
     Log(absl::StrCat("backend: cpu (",
                      backend_flag == "auto"
                          ? absl::StrCat("auto: no usable GPU: ", no_gpu)
@@ -150,15 +148,22 @@ int main(int argc, char** argv) {
                      ")"));
   } else {
     Log(absl::StrCat("backend: cuda on ", backends.size(), " GPU(s)",
-                     backend_flag == "auto" ? " (auto)" : ""));
+                     backend_flag == "auto" ? " (auto)" : "",
+                     ", and cpu for sessions of CPU tensors"));
   }
+  // The CPU backend serves sessions of CPU tensors (device -1), beside the
+  // GPUs if there are any.
+  optimd::CpuBackend::Options cpu_options;
+  cpu_options.threads = absl::GetFlag(FLAGS_cpu_threads);
+  backends.push_back(std::make_unique<optimd::CpuBackend>(cpu_options));
 
   std::string listen = absl::GetFlag(FLAGS_listen);
   if (listen.empty()) listen = optimd::DefaultAddress();
   std::string socket_path;
   if (absl::StartsWith(listen, "unix:")) {
     socket_path = listen.substr(5);
-    if (absl::StartsWith(socket_path, "//")) socket_path = socket_path.substr(2);
+    if (absl::StartsWith(socket_path, "//"))
+      socket_path = socket_path.substr(2);
     if (!PrepareSocketPath(socket_path)) return 1;
   }
 
@@ -171,7 +176,7 @@ int main(int argc, char** argv) {
     workers.push_back(std::make_unique<optimd::DeviceWorker>(
         backends[d]->kind() == optimd::BackendKind::kCpu
             ? std::string("optimd-cpu")
-            : absl::StrCat("optimd-gpu", d)));
+            : absl::StrCat("optimd-gpu", d)));  // GPUs come first, by device
     worker_ptrs.push_back(workers.back().get());
   }
   optimd::SessionRegistry registry(backend_ptrs, &budget);

@@ -19,8 +19,11 @@ OptimizerServiceImpl::OptimizerServiceImpl(SessionRegistry* registry,
       checkpoint_options_(std::move(checkpoint_options)) {}
 
 DeviceWorker* OptimizerServiceImpl::WorkerFor(const Session& session) const {
-  const int d = session.identity().device;
-  return workers_[d >= 0 && d < static_cast<int>(workers_.size()) ? d : 0];
+  const std::vector<Backend*>& backends = registry_->backends();
+  for (size_t i = 0; i < backends.size() && i < workers_.size(); ++i) {
+    if (backends[i] == session.backend()) return workers_[i];
+  }
+  return workers_[0];  // not reached: every session has a registry backend
 }
 
 int OptimizerServiceImpl::Pending() const {
@@ -88,7 +91,7 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::CreateSession(
     return reactor;
   }
   response->set_session_token(created->token);
-  response->set_backend(registry_->backend()->kind() == BackendKind::kCpu
+  response->set_backend(created->session->backend()->kind() == BackendKind::kCpu
                             ? v1::BACKEND_CPU
                             : v1::BACKEND_CUDA);
   response->set_resumed(created->resumed);

@@ -21,9 +21,8 @@ inline constexpr char kSessionMetadataKey[] = "x-optimd-session";
 
 class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
  public:
-  // `registry` and the workers must outlive the service. `workers[d]` runs
-  // the work of device d's sessions; a CPU daemon has one worker (device
-  // -1).
+  // `registry` and the workers must outlive the service. `workers[i]` runs
+  // the work of the sessions of registry->backends()[i].
   OptimizerServiceImpl(SessionRegistry* registry,
                        std::vector<DeviceWorker*> workers,
                        CheckpointOptions checkpoint_options = {});

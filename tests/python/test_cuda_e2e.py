@@ -36,14 +36,15 @@ class CudaEndToEnd(unittest.TestCase):
         assert cls.gpu.stop() == 0
         assert cls.cpu.stop() == 0
 
-    def run_both(self, dtype, steps=100, **kw):
+    def run_both(self, dtype, steps=100, cpu_daemon=None, **kw):
         g = torch.Generator().manual_seed(SEED)
         init = [torch.randn(*s, generator=g).to(dtype) for s in SHAPES]
         on_gpu = [torch.nn.Parameter(t.clone().cuda()) for t in init]
         on_cpu = [torch.nn.Parameter(t.clone()) for t in init]
         opt_g = AdamW(on_gpu, lr=1e-2, address=self.gpu.address,
                       job_id="gpu-" + self.id(), **kw)
-        opt_c = AdamW(on_cpu, lr=1e-2, address=self.cpu.address,
+        opt_c = AdamW(on_cpu, lr=1e-2,
+                      address=(cpu_daemon or self.cpu).address,
                       job_id="cpu-" + self.id(), **kw)
         for step in range(steps):
             for p, q in zip(on_gpu, on_cpu):
@@ -69,6 +70,12 @@ class CudaEndToEnd(unittest.TestCase):
 
     def test_bf16_remainders_amsgrad_match_cpu_reference(self):
         self.run_both(torch.bfloat16, amsgrad=True, store_param_remainders=True)
+
+    def test_one_daemon_serves_cuda_and_cpu_sessions(self):
+        # The CUDA daemon keeps CPU tensors' state on its CPU backend: both
+        # sessions step through the same daemon, bit-identical to each other.
+        self.run_both(torch.float32, steps=20, cpu_daemon=self.gpu,
+                      weight_decay=0.01)
 
     def test_step_time_against_torch_fused(self):
         n, count = 50_000_000, 100
