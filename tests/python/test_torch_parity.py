@@ -5,6 +5,7 @@ optimd.torch.AdamW, side by side with torch.optim on the same data. Inputs
 are fresh random values each run; the seed is printed.
 """
 import itertools
+import math
 import os
 import random
 import struct
@@ -283,6 +284,33 @@ class GradientHandling(DaemonTest):
                                  1e-6 * norm.item())
             for p, q in zip(ours, theirs):
                 self.assertLessEqual(rel_err(p.detach(), q.detach()), 1e-6)
+
+    def test_assume_finite_skips_the_check_not_the_math(self):
+        ours = [torch.nn.Parameter(self.randn(*s)) for s in SHAPES]
+        theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+        opt = self.optimd(ours, lr=1e-2, assume_finite=True)
+        ref = torch.optim.AdamW(theirs, lr=1e-2)
+        for _ in range(20):
+            for p, q in zip(ours, theirs):
+                g = self.randn(*p.shape)
+                p.grad.copy_(g)
+                q.grad = g.clone()
+            opt.step()
+            ref.step()
+            self.assertFalse(opt.skipped)
+            self.assertTrue(math.isnan(opt.grad_norm))  # no statistics pass
+            for p, q in zip(ours, theirs):
+                self.assertLessEqual(rel_err(p.detach(), q.detach()), 1e-6)
+        # Vouching for finite gradients is the trainer's promise: the daemon
+        # no longer looks, so a NaN is applied instead of skipping the step.
+        ours[0].grad.view(-1)[0] = float("nan")
+        opt.step()
+        self.assertFalse(opt.skipped)
+        self.assertTrue(torch.isnan(ours[0].detach().view(-1)[0]))
+        # With max_grad_norm the statistics pass runs again, and skips.
+        opt.max_grad_norm = 1.0
+        opt.step()
+        self.assertTrue(opt.skipped)
 
 
 class BadInput(DaemonTest):

@@ -135,6 +135,11 @@ class AdamW(torch.optim.Optimizer):
       exp_avg_dtype: torch.float32 or torch.bfloat16 moments.
       max_grad_norm: clip the global gradient norm (0: off).
       grad_scale: divide gradients by this (loss scaling) before use.
+      assume_finite: the gradients are known finite (e.g. a GradScaler
+        checked them): without max_grad_norm the daemon skips its gradient
+        statistics pass (the fastest step; grad_norm is then NaN). A
+        non-finite gradient then corrupts the state instead of skipping the
+        step.
       keep_fp32: parameters to update in fp32 in place (norms, router biases).
       adam_w_mode: False for Adam's L2 regularization instead of decoupled
         decay; bias_correction: False to skip (1 - beta^t).
@@ -146,7 +151,8 @@ class AdamW(torch.optim.Optimizer):
                  address=None, job_id=None, rank=0, world_size=1,
                  resume=False, master_weights=None,
                  store_param_remainders=False, exp_avg_dtype=torch.float32,
-                 max_grad_norm=0.0, grad_scale=None, keep_fp32=(),
+                 max_grad_norm=0.0, grad_scale=None, assume_finite=False,
+                 keep_fp32=(),
                  adam_w_mode=True, bias_correction=True, timeout=60.0,
                  **torch_options):
         if not 0.0 <= lr:
@@ -181,6 +187,7 @@ class AdamW(torch.optim.Optimizer):
         self.state = _DaemonState(self)
         self.max_grad_norm = max_grad_norm
         self.grad_scale = grad_scale
+        self.assume_finite = assume_finite
         self._keep_fp32 = {id(p) for p in keep_fp32}
         self.skipped = False
         self.grad_norm = None
@@ -435,7 +442,8 @@ class AdamW(torch.optim.Optimizer):
             lr_overrides=overrides,
             grad_scale=float(self.grad_scale or 0.0),
             max_grad_norm=float(self.max_grad_norm or 0.0),
-            wait=self.wait_for_step)
+            wait=self.wait_for_step,
+            assume_finite=bool(self.assume_finite))
         if self._done_event is not None:
             self._done_event.wait()
         self.skipped = reply.skipped
