@@ -582,12 +582,20 @@ absl::StatusOr<CheckpointResult> LoadCheckpoint(
     bool* partially_written) {
   *partially_written = false;
   const double t0 = Seconds();
-  Fd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  // O_NONBLOCK: opening a FIFO placed at the path must not wait for a
+  // writer (it would hold the device worker and every session on it); the
+  // flag changes nothing for a regular file.
+  Fd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
   if (fd.get() < 0) {
     return ErrnoStatus(errno, absl::StrCat("cannot open checkpoint ", path));
   }
   struct stat st;
   if (fstat(fd.get(), &st) != 0) return ErrnoStatus(errno, path);
+  if (!S_ISREG(st.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        path, " is not a regular file (a directory, FIFO or device); a "
+              "checkpoint is a file written by SaveState"));
+  }
   const uint64_t size = static_cast<uint64_t>(st.st_size);
   if (size < 8) {
     return absl::DataLossError(absl::StrCat(

@@ -215,6 +215,15 @@ class CheckpointTest(unittest.TestCase):
                                  pb.LoadStateRequest(directory="relative"))
             with self.assertRaises(optimd.NotFoundError):
                 opt.load_checkpoint(os.path.join(self.dir, "missing"))
+            # Not a regular file: refused at once (a FIFO without a writer
+            # must not hold the daemon), and the daemon still steps.
+            fifo_dir = os.path.join(self.dir, "fifo")
+            os.mkdir(fifo_dir)
+            os.mkfifo(os.path.join(fifo_dir, os.path.basename(path)))
+            with self.assertRaises(optimd.FailedPreconditionError) as cm:
+                opt.load_checkpoint(fifo_dir)
+            self.assertIn("not a regular file", str(cm.exception))
+            unchanged()
             # Truncated.
             with open(path, "wb") as f:
                 f.write(good[:len(good) // 2])
