@@ -27,7 +27,7 @@ DeviceWorker* OptimizerServiceImpl::WorkerFor(const Session& session) const {
 }
 
 int OptimizerServiceImpl::Pending() const {
-  int n = 0;
+  int n = io_worker_.pending();
   for (const DeviceWorker* w : workers_) n += w->pending();
   return n;
 }
@@ -47,7 +47,7 @@ absl::StatusOr<std::shared_ptr<Session>> OptimizerServiceImpl::SessionOf(
 
 template <typename Work>
 grpc::ServerUnaryReactor* OptimizerServiceImpl::OnWorker(
-    grpc::CallbackServerContext* context, Work work) {
+    grpc::CallbackServerContext* context, Work work, bool file_io) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (draining_.load()) {
     reactor->Finish(
@@ -59,7 +59,9 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::OnWorker(
     reactor->Finish(ToGrpcStatus(session.status()));
     return reactor;
   }
-  DeviceWorker* worker = WorkerFor(**session);
+  DeviceWorker* worker = file_io && (*session)->backend()->HostAddressable()
+                             ? &io_worker_
+                             : WorkerFor(**session);
   worker->Post([reactor, work = std::move(work),
                 session = *std::move(session)]() mutable {
     reactor->Finish(ToGrpcStatus(work(*session)));
@@ -312,7 +314,8 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::SaveState(
     grpc::CallbackServerContext* context, const v1::SaveStateRequest* request,
     v1::SaveStateResponse* response) {
   return OnWorker(
-      context, [this, request, response](Session& s) -> absl::Status {
+      context,
+      [this, request, response](Session& s) -> absl::Status {
         auto r = s.SaveState(request->directory(), checkpoint_options_,
                              request->background());
         if (!r.ok()) {
@@ -325,7 +328,8 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::SaveState(
         response->set_bytes(r->bytes);
         response->set_seconds(r->seconds);
         return absl::OkStatus();
-      });
+      },
+      /*file_io=*/true);
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::GetSaveStatus(
@@ -365,7 +369,8 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::LoadState(
     grpc::CallbackServerContext* context, const v1::LoadStateRequest* request,
     v1::LoadStateResponse* response) {
   return OnWorker(
-      context, [this, request, response](Session& s) -> absl::Status {
+      context,
+      [this, request, response](Session& s) -> absl::Status {
         auto r = s.LoadState(request->directory(), checkpoint_options_);
         if (!r.ok()) {
           checkpoint_failures_.fetch_add(1);
@@ -378,7 +383,8 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::LoadState(
         response->set_peak_staging_bytes(r->peak_staging_bytes);
         response->set_seconds(r->seconds);
         return absl::OkStatus();
-      });
+      },
+      /*file_io=*/true);
 }
 
 // Streams a snapshot's file bytes. A thread of its own computes the

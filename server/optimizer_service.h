@@ -108,10 +108,14 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
   std::string TokenOf(grpc::CallbackServerContext* context) const;
 
   // Runs `work` on the device worker for the call's session and finishes the
-  // call with its status.
+  // call with its status. `file_io`: the work is checkpoint file I/O, which
+  // for a session whose state the host addresses directly (CPU backend)
+  // runs on the I/O worker instead, so that other sessions' steps do not
+  // wait behind it (the session's own calls still wait: they take its
+  // lock).
   template <typename Work>
   grpc::ServerUnaryReactor* OnWorker(grpc::CallbackServerContext* context,
-                                     Work work);
+                                     Work work, bool file_io = false);
 
   SessionRegistry* const registry_;
   DeviceWorker* WorkerFor(const Session& session) const;
@@ -126,6 +130,8 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
   std::atomic<uint64_t> checkpoint_loads_{0}, checkpoint_load_bytes_{0};
   std::atomic<uint64_t> checkpoint_failures_{0};
   std::atomic<bool> draining_{false};
+  // Last: destroyed first, finishing its tasks while the rest still lives.
+  DeviceWorker io_worker_{"optimd-io"};
 };
 
 }  // namespace optimd
