@@ -49,6 +49,10 @@ ABSL_FLAG(uint64_t, max_state_bytes, 0,
 ABSL_FLAG(int, cpu_threads, 0,
           "Threads for the CPU backend's steps; 0 means one per hardware "
           "thread.");
+ABSL_FLAG(bool, cuda_graphs, true,
+          "CUDA backend: launch each step as one CUDA graph (captured once "
+          "per session configuration); false launches its kernels one by "
+          "one.");
 ABSL_FLAG(std::string, state_dir, "",
           "When set, SaveState and LoadState only accept directories within "
           "this one (a client cannot make the daemon write anywhere else).");
@@ -125,7 +129,9 @@ int main(int argc, char** argv) {
   if (backend_flag != "cpu") {
     const int gpus = optimd::CudaDeviceCount(&no_gpu);
     for (int d = 0; d < gpus; ++d) {
-      auto b = optimd::CreateCudaBackend(d, optimd::CudaBackendOptions());
+      optimd::CudaBackendOptions cuda_options;
+      cuda_options.use_graphs = absl::GetFlag(FLAGS_cuda_graphs);
+      auto b = optimd::CreateCudaBackend(d, cuda_options);
       if (!b.ok()) {
         Log(absl::StrCat("GPU ", d, " unusable: ", b.status().ToString()));
         backends.clear();
