@@ -2,6 +2,9 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <fstream>
+#include <sstream>
+
 #include "absl/strings/str_cat.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
@@ -13,15 +16,64 @@ absl::Status FromGrpcStatus(const grpc::Status& s) {
                       s.error_message());
 }
 
+absl::StatusOr<std::string> ReadPemFile(const std::string& what,
+                                        const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return absl::NotFoundError(
+        absl::StrCat("cannot read the ", what, " file ", path));
+  }
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (text.str().find("-----BEGIN") == std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the ", what, " file ", path, " is not PEM"));
+  }
+  return text.str();
+}
+
+absl::Status LoadTlsFiles(const std::string& ca_path,
+                          const std::string& cert_path,
+                          const std::string& key_path, ClientOptions* options) {
+  const std::pair<const std::string*, std::string*> files[] = {
+      {&ca_path, &options->tls_root_certs},
+      {&cert_path, &options->tls_cert_chain},
+      {&key_path, &options->tls_private_key}};
+  const char* what[] = {"CA certificate", "certificate", "key"};
+  for (int i = 0; i < 3; ++i) {
+    if (files[i].first->empty()) continue;
+    auto pem = ReadPemFile(what[i], *files[i].first);
+    if (!pem.ok()) return pem.status();
+    *files[i].second = *std::move(pem);
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<Client>> Client::Create(
     const std::string& target, const ClientOptions& options) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
   args.SetMaxSendMessageSize(-1);
-  auto channel = grpc::CreateCustomChannel(
-      target, grpc::InsecureChannelCredentials(), args);
-  if (!channel->WaitForConnected(absl::ToChronoTime(
-          absl::Now() + options.connect_timeout))) {
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+  if (target.rfind("unix:", 0) == 0) {
+    credentials = grpc::InsecureChannelCredentials();
+  } else {
+    if (options.tls_root_certs.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("a daemon on TCP (", target,
+                       ") speaks TLS only: give the CA "
+                       "certificate that signed its certificate (ClientOptions."
+                       "tls_root_certs; optimctl --tls_ca)"));
+    }
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = options.tls_root_certs;
+    ssl.pem_cert_chain = options.tls_cert_chain;
+    ssl.pem_private_key = options.tls_private_key;
+    credentials = grpc::SslCredentials(ssl);
+  }
+  auto channel = grpc::CreateCustomChannel(target, credentials, args);
+  if (!channel->WaitForConnected(
+          absl::ToChronoTime(absl::Now() + options.connect_timeout))) {
     return absl::UnavailableError(absl::StrCat(
         "no optimd daemon answers at ", target, " (waited ",
         absl::FormatDuration(options.connect_timeout),
@@ -142,7 +194,8 @@ absl::StatusOr<v1::GetStateResponse> Client::GetState(
   grpc::ClientContext context;
   Prepare(&context);
   v1::GetStateResponse response;
-  absl::Status s = FromGrpcStatus(stub_->GetState(&context, request, &response));
+  absl::Status s =
+      FromGrpcStatus(stub_->GetState(&context, request, &response));
   if (!s.ok()) return s;
   return response;
 }
@@ -179,8 +232,8 @@ absl::StatusOr<std::string> Client::Health() {
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
   grpc::health::v1::HealthCheckResponse response;
-  absl::Status s = FromGrpcStatus(stub->Check(
-      &context, grpc::health::v1::HealthCheckRequest(), &response));
+  absl::Status s = FromGrpcStatus(
+      stub->Check(&context, grpc::health::v1::HealthCheckRequest(), &response));
   if (!s.ok()) return s;
   return grpc::health::v1::HealthCheckResponse::ServingStatus_Name(
       response.status());

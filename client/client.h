@@ -19,12 +19,31 @@ struct ClientOptions {
   absl::Duration timeout = absl::Seconds(60);
   // How long Create waits for the channel to connect.
   absl::Duration connect_timeout = absl::Seconds(10);
+  // TLS for a TCP target (a daemon on TCP always speaks TLS): PEM contents
+  // of the CA that signed the daemon's certificate and, when the daemon
+  // requires client certificates, this client's chain and key. Unused for
+  // unix: targets.
+  std::string tls_root_certs;
+  std::string tls_cert_chain;
+  std::string tls_private_key;
 };
+
+// The contents of the PEM file `path` (a certificate or key, `what` in
+// errors): NOT_FOUND if it cannot be read, INVALID_ARGUMENT if not PEM.
+absl::StatusOr<std::string> ReadPemFile(const std::string& what,
+                                        const std::string& path);
+
+// Fills the TLS fields of *options from PEM files; an empty path leaves its
+// field as it is. NOT_FOUND or INVALID_ARGUMENT naming the file otherwise.
+absl::Status LoadTlsFiles(const std::string& ca_path,
+                          const std::string& cert_path,
+                          const std::string& key_path, ClientOptions* options);
 
 class Client {
  public:
-  // Connects to `target` ("unix:/path" or "host:port"); UNAVAILABLE if no
-  // daemon answers within options.connect_timeout.
+  // Connects to `target` ("unix:/path", or "host:port" over TLS);
+  // UNAVAILABLE if no daemon answers within options.connect_timeout,
+  // INVALID_ARGUMENT for a TCP target without options.tls_root_certs.
   static absl::StatusOr<std::unique_ptr<Client>> Create(
       const std::string& target, const ClientOptions& options = {});
 

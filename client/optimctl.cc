@@ -3,6 +3,8 @@
 //   optimctl [--target=unix:/path] health     grpc.health.v1 status
 //   optimctl [--target=unix:/path] metrics    Prometheus text
 //   optimctl [--target=unix:/path] sessions   open sessions, one per line
+// A TCP target ("host:port") needs --tls_ca (and --tls_cert/--tls_key when
+// the daemon requires client certificates).
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -19,6 +21,13 @@ ABSL_FLAG(std::string, target, "",
           "($OPTIMD_ADDRESS, $XDG_RUNTIME_DIR/optimd.sock or "
           "/tmp/optimd-<uid>.sock).");
 ABSL_FLAG(int, timeout_s, 10, "Deadline of each call, in seconds.");
+ABSL_FLAG(std::string, tls_ca, "",
+          "TCP targets: PEM file of the CA that signed the daemon's "
+          "certificate.");
+ABSL_FLAG(std::string, tls_cert, "",
+          "TCP targets: PEM file of this client's certificate chain, for a "
+          "daemon that requires one.");
+ABSL_FLAG(std::string, tls_key, "", "TCP targets: PEM file of its key.");
 
 namespace {
 
@@ -39,8 +48,10 @@ int main(int argc, char** argv) {
   }
   const std::string command = args[1];
   if (command != "health" && command != "metrics" && command != "sessions") {
-    std::fprintf(stderr, "optimctl: unknown command '%s'; use health, "
-                 "metrics or sessions\n", command.c_str());
+    std::fprintf(stderr,
+                 "optimctl: unknown command '%s'; use health, "
+                 "metrics or sessions\n",
+                 command.c_str());
     return 2;
   }
   std::string target = absl::GetFlag(FLAGS_target);
@@ -48,6 +59,12 @@ int main(int argc, char** argv) {
   optimd::ClientOptions options;
   options.timeout = absl::Seconds(absl::GetFlag(FLAGS_timeout_s));
   options.connect_timeout = options.timeout;
+  if (absl::Status s = optimd::LoadTlsFiles(
+          absl::GetFlag(FLAGS_tls_ca), absl::GetFlag(FLAGS_tls_cert),
+          absl::GetFlag(FLAGS_tls_key), &options);
+      !s.ok()) {
+    return Fail(s);
+  }
   auto client = optimd::Client::Create(target, options);
   if (!client.ok()) return Fail(client.status());
 

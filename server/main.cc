@@ -1,8 +1,8 @@
 // optimd: the optimizer-step daemon.
 //
 // Serves optimd.v1.Optimizer, grpc.health.v1 and server reflection on a Unix
-// domain socket (default) or TCP. Shuts down cleanly on SIGINT/SIGTERM:
-// in-flight calls finish, the socket file is removed.
+// domain socket (default) or, with TLS, on TCP. Shuts down cleanly on
+// SIGINT/SIGTERM: in-flight calls finish, the socket file is removed.
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -15,7 +15,9 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -26,6 +28,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "client/client.h"
 #include "client/default_address.h"
 #include "core/cpu_backend.h"
 #include "core/session_registry.h"
@@ -38,7 +41,8 @@
 
 ABSL_FLAG(std::string, listen, "",
           "Address to serve on: unix:/path/to/socket (created 0600) or "
-          "host:port. Default: unix:$XDG_RUNTIME_DIR/optimd.sock, else "
+          "host:port (TLS only: see --tls_cert). Default: "
+          "unix:$XDG_RUNTIME_DIR/optimd.sock, else "
           "unix:/tmp/optimd-<uid>.sock ($OPTIMD_ADDRESS overrides).");
 ABSL_FLAG(std::string, backend, "auto",
           "auto|cpu|cuda. auto picks cuda when a GPU is usable, else cpu.");
@@ -56,6 +60,13 @@ ABSL_FLAG(bool, cuda_graphs, true,
 ABSL_FLAG(std::string, state_dir, "",
           "When set, SaveState and LoadState only accept directories within "
           "this one (a client cannot make the daemon write anywhere else).");
+ABSL_FLAG(std::string, tls_cert, "",
+          "TCP: PEM file of the server's certificate chain (TCP listening "
+          "needs TLS).");
+ABSL_FLAG(std::string, tls_key, "", "TCP: PEM file of the server's key.");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "TCP: PEM file of the CA whose certificates clients must present "
+          "(mutual TLS); empty: clients are not asked for one.");
 ABSL_FLAG(int, shutdown_grace_s, 30,
           "On SIGINT/SIGTERM, how long in-flight calls may run before they "
           "are cancelled.");
@@ -69,6 +80,18 @@ void Log(const std::string& line) {
           .c_str(),
       line.c_str());
   std::fflush(stderr);
+}
+
+// The contents of the PEM file named by --`flag`, or false (logged).
+bool ReadPem(const std::string& flag, const std::string& path,
+             std::string* out) {
+  auto pem = optimd::ReadPemFile(absl::StrCat("--", flag), path);
+  if (!pem.ok()) {
+    Log(std::string(pem.status().message()));
+    return false;
+  }
+  *out = *std::move(pem);
+  return true;
 }
 
 // Removes a stale socket file left by a daemon that died; refuses to start
@@ -166,11 +189,49 @@ int main(int argc, char** argv) {
   std::string listen = absl::GetFlag(FLAGS_listen);
   if (listen.empty()) listen = optimd::DefaultAddress();
   std::string socket_path;
+  const bool tls = !absl::GetFlag(FLAGS_tls_cert).empty() ||
+                   !absl::GetFlag(FLAGS_tls_key).empty() ||
+                   !absl::GetFlag(FLAGS_tls_client_ca).empty();
+  std::shared_ptr<grpc::ServerCredentials> credentials;
   if (absl::StartsWith(listen, "unix:")) {
+    if (tls) {
+      Log("--tls_* flags are for TCP; a Unix socket is guarded by its file "
+          "mode (0600) instead");
+      return 2;
+    }
     socket_path = listen.substr(5);
     if (absl::StartsWith(socket_path, "//"))
       socket_path = socket_path.substr(2);
     if (!PrepareSocketPath(socket_path)) return 1;
+    credentials = grpc::InsecureServerCredentials();
+  } else {
+    // Trainers hand the daemon shared memory and CUDA IPC handles, which
+    // only a local process can use; TCP serves operators and tools, and
+    // never in the clear.
+    if (absl::GetFlag(FLAGS_tls_cert).empty() ||
+        absl::GetFlag(FLAGS_tls_key).empty()) {
+      Log(absl::StrCat("listening on TCP (", listen,
+                       ") needs TLS: pass --tls_cert and --tls_key (and "
+                       "--tls_client_ca to require client certificates)"));
+      return 2;
+    }
+    grpc::SslServerCredentialsOptions ssl(
+        GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+    grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+    if (!ReadPem("tls_key", absl::GetFlag(FLAGS_tls_key), &pair.private_key) ||
+        !ReadPem("tls_cert", absl::GetFlag(FLAGS_tls_cert), &pair.cert_chain)) {
+      return 2;
+    }
+    ssl.pem_key_cert_pairs.push_back(pair);
+    if (!absl::GetFlag(FLAGS_tls_client_ca).empty()) {
+      if (!ReadPem("tls_client_ca", absl::GetFlag(FLAGS_tls_client_ca),
+                   &ssl.pem_root_certs)) {
+        return 2;
+      }
+      ssl.client_certificate_request =
+          GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+    }
+    credentials = grpc::SslServerCredentials(ssl);
   }
 
   optimd::StateBudget budget(absl::GetFlag(FLAGS_max_state_bytes));
@@ -195,7 +256,7 @@ int main(int argc, char** argv) {
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(),
+  builder.AddListeningPort(listen, credentials,
                            socket_path.empty() ? &port : nullptr);
   builder.SetMaxReceiveMessageSize(1 << 30);
   builder.SetMaxSendMessageSize(1 << 30);
@@ -209,7 +270,17 @@ int main(int argc, char** argv) {
     return 1;
   }
   if (!socket_path.empty()) chmod(socket_path.c_str(), 0600);
-  Log(absl::StrCat("listening on ", listen, "; max_state_bytes=",
+  if (socket_path.empty() && absl::EndsWith(listen, ":0")) {
+    // Port 0: the kernel picked one; say which.
+    listen = absl::StrCat(listen.substr(0, listen.size() - 1), port);
+  }
+  Log(absl::StrCat("listening on ", listen,
+                   socket_path.empty()
+                       ? (absl::GetFlag(FLAGS_tls_client_ca).empty()
+                              ? " (TLS)"
+                              : " (TLS, client certificates required)")
+                       : "",
+                   "; max_state_bytes=",
                    budget.limit() == 0 ? std::string("unlimited")
                                        : absl::StrCat(budget.limit())));
 

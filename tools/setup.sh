@@ -9,6 +9,7 @@ PACKAGES=(
   libabsl-dev googletest libbenchmark-dev nlohmann-json3-dev
   python3-grpcio python3-protobuf python3-torch python3-numpy
   python3-pip python3-setuptools python3-venv
+  openssl
 )
 
 missing=()

@@ -27,16 +27,56 @@ def default_address():
     return "unix:/tmp/optimd-%d.sock" % os.getuid()
 
 
+def _read_pem(what, path):
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise errors.InvalidArgumentError(
+            "cannot read the %s file %s: %s" % (what, path, e)) from None
+    if b"-----BEGIN" not in data:
+        raise errors.InvalidArgumentError(
+            "the %s file %s is not PEM" % (what, path))
+    return data
+
+
+def _tls_credentials(address, ca, cert, key):
+    ca = ca or os.environ.get("OPTIMD_TLS_CA")
+    cert = cert or os.environ.get("OPTIMD_TLS_CERT")
+    key = key or os.environ.get("OPTIMD_TLS_KEY")
+    if not ca:
+        raise errors.InvalidArgumentError(
+            "a daemon on TCP (%s) speaks TLS only: give the CA certificate "
+            "that signed its certificate (tls_ca= or $OPTIMD_TLS_CA)" %
+            address)
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read_pem("CA certificate", ca),
+        private_key=_read_pem("key", key) if key else None,
+        certificate_chain=_read_pem("certificate", cert) if cert else None)
+
+
 class Client:
     """A connection to one optimd daemon. Not thread-safe."""
 
-    def __init__(self, address=None, timeout=60.0, connect_timeout=10.0):
+    def __init__(self, address=None, timeout=60.0, connect_timeout=10.0,
+                 tls_ca=None, tls_cert=None, tls_key=None):
+        """address: "unix:/path" (default: the daemon's default socket) or
+        "host:port", which the daemon serves over TLS only: tls_ca is the
+        PEM file of the CA that signed its certificate, tls_cert/tls_key
+        this client's, when the daemon requires one (default: the files
+        named by $OPTIMD_TLS_CA, $OPTIMD_TLS_CERT, $OPTIMD_TLS_KEY)."""
         self.address = address or default_address()
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(
-            self.address,
-            options=[("grpc.max_send_message_length", -1),
-                     ("grpc.max_receive_message_length", -1)])
+        options = [("grpc.max_send_message_length", -1),
+                   ("grpc.max_receive_message_length", -1)]
+        if self.address.startswith("unix:"):
+            self._channel = grpc.insecure_channel(self.address,
+                                                  options=options)
+        else:
+            self._channel = grpc.secure_channel(
+                self.address, _tls_credentials(self.address, tls_ca,
+                                               tls_cert, tls_key),
+                options=options)
         try:
             grpc.channel_ready_future(self._channel).result(
                 timeout=connect_timeout)

@@ -1,0 +1,199 @@
+// TCP is served only over TLS: the real daemon binary on 127.0.0.1 with
+// certificates made by openssl for this test, the real client, and the
+// refusals (no TLS flags, a client without the CA, a client without a
+// certificate when the daemon requires one).
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "client/client.h"
+#include "gtest/gtest.h"
+
+namespace optimd {
+namespace {
+
+// A scratch directory with a CA, a server certificate for 127.0.0.1 and
+// localhost, a client certificate, and a second, unrelated CA.
+class Certificates {
+ public:
+  Certificates() {
+    char dir[] = "/tmp/optimd-tls-XXXXXX";
+    dir_ = mkdtemp(dir);
+    std::ofstream(Path("server.ext"))
+        << "subjectAltName=DNS:localhost,IP:127.0.0.1\n";
+    ok_ = MakeCa("ca") && MakeCa("other") && MakeLeaf("server", "server.ext") &&
+          MakeLeaf("client", "");
+  }
+  ~Certificates() { Run("rm -rf " + dir_); }
+
+  bool ok() const { return ok_; }
+  std::string Path(const std::string& name) const { return dir_ + "/" + name; }
+
+ private:
+  bool Run(const std::string& cmd) {
+    return std::system(
+               ("cd " + dir_ + " && " + cmd + " >/dev/null 2>&1").c_str()) == 0;
+  }
+  bool MakeCa(const std::string& name) {
+    return Run(
+        "openssl req -x509 -newkey ec -pkeyopt "
+        "ec_paramgen_curve:prime256v1 -nodes -days 1 -subj /CN=" +
+        name + " -keyout " + name + ".key -out " + name + ".pem");
+  }
+  bool MakeLeaf(const std::string& name, const std::string& ext) {
+    return Run("openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 "
+               "-nodes -subj /CN=" +
+               name + " -keyout " + name + ".key -out " + name + ".csr") &&
+           Run("openssl x509 -req -in " + name +
+               ".csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 1 -out " +
+               name + ".pem" + (ext.empty() ? "" : " -extfile " + ext));
+  }
+
+  std::string dir_;
+  bool ok_ = false;
+};
+
+std::string Slurp(const std::string& path) {
+  std::ifstream in(path);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// The daemon on 127.0.0.1 with a port the kernel picks, read from its log.
+class TcpDaemon {
+ public:
+  explicit TcpDaemon(const std::vector<std::string>& flags) {
+    log_ = absl::StrCat("/tmp/optimd-tls-log-", getpid(), "-", ++count_);
+    pid_ = fork();
+    if (pid_ == 0) {
+      freopen(log_.c_str(), "w", stderr);
+      std::vector<std::string> argv = {"server/optimd", "--listen=127.0.0.1:0",
+                                       "--backend=cpu", "--cpu_threads=1"};
+      argv.insert(argv.end(), flags.begin(), flags.end());
+      std::vector<char*> raw;
+      for (std::string& a : argv) raw.push_back(a.data());
+      raw.push_back(nullptr);
+      execv(raw[0], raw.data());
+      _exit(127);
+    }
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    while (absl::Now() < deadline) {
+      const std::string log = Slurp(log_);
+      const size_t at = log.find("listening on 127.0.0.1:");
+      if (at != std::string::npos) {
+        const size_t start = at + std::string("listening on ").size();
+        address_ = log.substr(start, log.find_first_of(" ;", start) - start);
+        return;
+      }
+      int status = 0;
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        exit_status_ = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+        pid_ = -1;
+        return;
+      }
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+  }
+  ~TcpDaemon() {
+    if (pid_ > 0) {
+      kill(pid_, SIGTERM);
+      waitpid(pid_, nullptr, 0);
+    }
+    unlink(log_.c_str());
+  }
+
+  const std::string& address() const { return address_; }  // empty: none
+  int exit_status() const { return exit_status_; }         // if it exited
+  std::string log() const { return Slurp(log_); }
+
+ private:
+  static inline int count_ = 0;
+  pid_t pid_ = -1;
+  int exit_status_ = -1;
+  std::string log_, address_;
+};
+
+ClientOptions Options(const Certificates& c, const std::string& ca,
+                      bool client_cert) {
+  ClientOptions o;
+  o.connect_timeout = absl::Seconds(3);
+  o.timeout = absl::Seconds(10);
+  EXPECT_TRUE(LoadTlsFiles(c.Path(ca + ".pem"),
+                           client_cert ? c.Path("client.pem") : "",
+                           client_cert ? c.Path("client.key") : "", &o)
+                  .ok());
+  return o;
+}
+
+TEST(TlsTest, TcpWithoutTlsIsRefusedAtStartup) {
+  TcpDaemon d({});
+  EXPECT_TRUE(d.address().empty());
+  EXPECT_EQ(d.exit_status(), 2);
+  EXPECT_NE(d.log().find("needs TLS"), std::string::npos) << d.log();
+}
+
+TEST(TlsTest, ServerCertificateIsChecked) {
+  Certificates certs;
+  ASSERT_TRUE(certs.ok()) << "openssl could not make test certificates";
+  TcpDaemon d({"--tls_cert=" + certs.Path("server.pem"),
+               "--tls_key=" + certs.Path("server.key")});
+  ASSERT_FALSE(d.address().empty()) << d.log();
+  EXPECT_NE(d.log().find("(TLS)"), std::string::npos);
+
+  auto good = Client::Create(d.address(), Options(certs, "ca", false));
+  ASSERT_TRUE(good.ok()) << good.status();
+  auto health = (*good)->Health();
+  ASSERT_TRUE(health.ok()) << health.status();
+  EXPECT_EQ(*health, "SERVING");
+  EXPECT_TRUE((*good)->GetMetrics().ok());
+
+  // No CA: refused before connecting. The wrong CA: the handshake fails.
+  EXPECT_EQ(Client::Create(d.address()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Client::Create(d.address(), Options(certs, "other", false))
+                .status()
+                .code(),
+            absl::StatusCode::kUnavailable);
+}
+
+TEST(TlsTest, ClientCertificatesWhenRequired) {
+  Certificates certs;
+  ASSERT_TRUE(certs.ok()) << "openssl could not make test certificates";
+  TcpDaemon d({"--tls_cert=" + certs.Path("server.pem"),
+               "--tls_key=" + certs.Path("server.key"),
+               "--tls_client_ca=" + certs.Path("ca.pem")});
+  ASSERT_FALSE(d.address().empty()) << d.log();
+  EXPECT_NE(d.log().find("client certificates required"), std::string::npos);
+  EXPECT_EQ(
+      Client::Create(d.address(), Options(certs, "ca", false)).status().code(),
+      absl::StatusCode::kUnavailable);
+  auto c = Client::Create(d.address(), Options(certs, "ca", true));
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto health = (*c)->Health();
+  ASSERT_TRUE(health.ok()) << health.status();
+  EXPECT_EQ(*health, "SERVING");
+}
+
+TEST(TlsTest, BadTlsFlags) {
+  Certificates certs;
+  ASSERT_TRUE(certs.ok()) << "openssl could not make test certificates";
+  // A key file that is not PEM.
+  TcpDaemon bad({"--tls_cert=" + certs.Path("server.pem"),
+                 "--tls_key=" + certs.Path("server.ext")});
+  EXPECT_TRUE(bad.address().empty());
+  EXPECT_EQ(bad.exit_status(), 2);
+  EXPECT_NE(bad.log().find("--tls_key file"), std::string::npos) << bad.log();
+  EXPECT_NE(bad.log().find("is not PEM"), std::string::npos) << bad.log();
+}
+
+}  // namespace
+}  // namespace optimd
