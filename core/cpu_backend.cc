@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "core/fault_guard.h"
@@ -25,10 +27,39 @@ absl::StatusOr<BufferRef> CpuBackend::ResolveBuffer(const BufferHandle& handle,
   return segments_.Resolve(handle, alignment, what);
 }
 
+namespace {
+
+// MemAvailable of /proc/meminfo in bytes: memory the kernel can give without
+// swapping; 0 if unknown.
+uint64_t MemAvailableBytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key, unit;
+  uint64_t kib = 0;
+  while (in >> key >> kib >> unit) {
+    if (key == "MemAvailable:") return kib * 1024;
+  }
+  return 0;
+}
+
+}  // namespace
+
 absl::StatusOr<StateStorage> CpuBackend::AllocateState(uint64_t bytes) {
   if (bytes == 0) return StateStorage();
   constexpr uint64_t kAlign = 64;
   const uint64_t rounded = (bytes + kAlign - 1) / kAlign * kAlign;
+  // The state is zeroed, so every byte of it gets touched: more than the
+  // machine can hold would get the daemon killed for lack of memory
+  // instead of refusing the registration.
+  const uint64_t available = MemAvailableBytes();
+  if (available > 0 && rounded > available) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the optimizer state needs ", bytes,
+        " more bytes but the machine "
+        "has ",
+        available,
+        " bytes of memory available; use bf16 moments or "
+        "remainders, fewer parameters per daemon, or set --max_state_bytes"));
+  }
   void* p = std::aligned_alloc(kAlign, rounded);
   if (p == nullptr) {
     return absl::ResourceExhaustedError(
@@ -157,9 +188,8 @@ absl::StatusOr<StepOutcome> CpuBackend::Step(SessionContext* session,
             for (uint32_t i = plan.tasks[t].first_item;
                  i < plan.tasks[t].end_item; ++i) {
               const PlanItem& item = plan.items[i];
-              AdamWStepRange(plan.layouts[item.entry],
-                             plan.entries[item.entry], item.begin, item.end,
-                             s);
+              AdamWStepRange(plan.layouts[item.entry], plan.entries[item.entry],
+                             item.begin, item.end, s);
             }
           },
           "step");

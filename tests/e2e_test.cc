@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <random>
 #include <tuple>
 
@@ -529,6 +530,56 @@ TEST(E2eBudgetTest, RegistrationPastMaxStateBytes) {
   *t->mutable_param() = params->Handle(0, 32);
   *t->mutable_grad() = grads->Handle(0, 32);
   EXPECT_TRUE(c->RegisterGroup(r).ok());
+  EXPECT_EQ((*d)->Stop(), 0);
+}
+
+// A group whose state the machine cannot hold is refused, not allocated
+// (zeroing it would get the daemon killed). The trainer's buffers are
+// sparse shared memory, never touched.
+TEST(E2eBudgetTest, StateLargerThanTheMachineIsRefused) {
+  uint64_t available = 0;
+  {
+    std::ifstream in("/proc/meminfo");
+    std::string key, unit;
+    uint64_t kib = 0;
+    while (in >> key >> kib >> unit) {
+      if (key == "MemAvailable:") available = kib * 1024;
+    }
+  }
+  ASSERT_GT(available, 0u);
+  // fp32 in place: 8 bytes of moments per element, so the state is twice
+  // the parameter buffer.
+  const uint64_t numel = available / 4 + (1 << 20);
+  auto params = SharedMemoryRegion::Create(numel * 4);
+  auto grads = SharedMemoryRegion::Create(numel * 4);
+  if (!params.ok() || !grads.ok()) {
+    GTEST_SKIP() << "cannot make " << numel * 4
+                 << "-byte sparse shared-memory segments here";
+  }
+  auto d = DaemonProcess::Start();
+  ASSERT_TRUE(d.ok()) << d.status();
+  auto c = *(*d)->Connect();
+  v1::CreateSessionRequest cs;
+  cs.set_job_id("j");
+  cs.set_world_size(1);
+  cs.set_device(-1);
+  ASSERT_TRUE(c->CreateSession(cs).ok());
+  v1::RegisterGroupRequest r;
+  r.set_group_id("g");
+  r.mutable_hyperparameters()->set_lr(1e-3);
+  auto* t = r.add_tensors();
+  t->set_name("w");
+  t->set_numel(numel);
+  t->set_param_dtype(v1::DTYPE_FLOAT32);
+  t->set_grad_dtype(v1::DTYPE_FLOAT32);
+  *t->mutable_param() = (*params)->Handle(0, numel * 4);
+  *t->mutable_grad() = (*grads)->Handle(0, numel * 4);
+  auto s = c->RegisterGroup(r);
+  EXPECT_EQ(s.status().code(), StatusCode::kResourceExhausted) << s.status();
+  EXPECT_NE(s.status().message().find("memory available"), std::string::npos)
+      << s.status();
+  EXPECT_TRUE((*d)->Alive());
+  EXPECT_EQ(c->Health().value_or(""), "SERVING");
   EXPECT_EQ((*d)->Stop(), 0);
 }
 
