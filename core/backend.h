@@ -17,6 +17,15 @@
 
 namespace optimd {
 
+// Bytes of memory the kernel can hand out without swapping (MemAvailable of
+// /proc/meminfo); 0 if unknown.
+uint64_t HostMemoryAvailable();
+
+// RESOURCE_EXHAUSTED naming `what` when `bytes` of host memory, all of which
+// will be touched, exceed HostMemoryAvailable(): better refused than an
+// out-of-memory kill of the daemon.
+absl::Status CheckHostMemory(uint64_t bytes, const std::string& what);
+
 enum class BackendKind { kCpu, kCuda };
 
 absl::string_view BackendKindName(BackendKind k);

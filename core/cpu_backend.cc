@@ -4,8 +4,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
-#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "core/fault_guard.h"
@@ -27,22 +25,6 @@ absl::StatusOr<BufferRef> CpuBackend::ResolveBuffer(const BufferHandle& handle,
   return segments_.Resolve(handle, alignment, what);
 }
 
-namespace {
-
-// MemAvailable of /proc/meminfo in bytes: memory the kernel can give without
-// swapping; 0 if unknown.
-uint64_t MemAvailableBytes() {
-  std::ifstream in("/proc/meminfo");
-  std::string key, unit;
-  uint64_t kib = 0;
-  while (in >> key >> kib >> unit) {
-    if (key == "MemAvailable:") return kib * 1024;
-  }
-  return 0;
-}
-
-}  // namespace
-
 absl::StatusOr<StateStorage> CpuBackend::AllocateState(uint64_t bytes) {
   if (bytes == 0) return StateStorage();
   constexpr uint64_t kAlign = 64;
@@ -50,15 +32,12 @@ absl::StatusOr<StateStorage> CpuBackend::AllocateState(uint64_t bytes) {
   // The state is zeroed, so every byte of it gets touched: more than the
   // machine can hold would get the daemon killed for lack of memory
   // instead of refusing the registration.
-  const uint64_t available = MemAvailableBytes();
-  if (available > 0 && rounded > available) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "the optimizer state needs ", bytes,
-        " more bytes but the machine "
-        "has ",
-        available,
-        " bytes of memory available; use bf16 moments or "
-        "remainders, fewer parameters per daemon, or set --max_state_bytes"));
+  if (absl::Status s = CheckHostMemory(rounded, "the optimizer state");
+      !s.ok()) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(s.message(),
+                     "; use bf16 moments or remainders, fewer parameters per "
+                     "daemon, or set --max_state_bytes"));
   }
   void* p = std::aligned_alloc(kAlign, rounded);
   if (p == nullptr) {

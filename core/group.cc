@@ -2,9 +2,12 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <fstream>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "core/backend.h"
+#include "core/status_macros.h"
 
 namespace optimd {
 
@@ -34,9 +37,28 @@ void BuildPlan(Group& group, uint64_t chunk_elements) {
   group.plan = std::move(plan);
 }
 
+uint64_t HostMemoryAvailable() {
+  std::ifstream in("/proc/meminfo");
+  std::string key, unit;
+  uint64_t kib = 0;
+  while (in >> key >> kib >> unit) {
+    if (key == "MemAvailable:") return kib * 1024;
+  }
+  return 0;
+}
+
+absl::Status CheckHostMemory(uint64_t bytes, const std::string& what) {
+  const uint64_t available = HostMemoryAvailable();
+  if (available == 0 || bytes <= available) return absl::OkStatus();
+  return absl::ResourceExhaustedError(
+      absl::StrCat(what, " needs ", bytes, " more bytes but the machine has ",
+                   available, " bytes of memory available"));
+}
+
 absl::StatusOr<StateStorage> Backend::AllocateHostStaging(uint64_t bytes) {
   constexpr uint64_t kAlign = 64;
   const uint64_t rounded = (bytes + kAlign - 1) / kAlign * kAlign;
+  OPTIMD_RETURN_IF_ERROR(CheckHostMemory(rounded, "a host copy of the state"));
   void* p = std::aligned_alloc(kAlign, rounded);
   if (p == nullptr) {
     return absl::ResourceExhaustedError(

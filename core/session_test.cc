@@ -257,6 +257,19 @@ TEST(SessionRegistryTest, TokensResumeAndClose) {
   EXPECT_TRUE(registry.Create({"job", 1, 2, -1}, false).ok());
 }
 
+TEST(HostMemoryTest, RefusesMoreThanIsAvailable) {
+  const uint64_t available = HostMemoryAvailable();
+  ASSERT_GT(available, 0u);  // Linux: /proc/meminfo has MemAvailable
+  EXPECT_TRUE(CheckHostMemory(1 << 20, "a little").ok());
+  const absl::Status s = CheckHostMemory(2 * available, "a lot");
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(s.message().find("a lot needs"), std::string::npos) << s;
+  // Host snapshots (background saves) go through the same check.
+  CpuBackend backend(CpuBackend::Options{1, 64});
+  EXPECT_EQ(backend.AllocateHostStaging(2 * available).status().code(),
+            absl::StatusCode::kResourceExhausted);
+}
+
 // Sessions go to the backend of their device: CPU tensors (-1) to the CPU
 // backend, whatever else the daemon runs.
 TEST(SessionRegistryTest, RoutesDevicesToBackends) {
