@@ -47,6 +47,18 @@ class TorchClientTest(unittest.TestCase):
         theirs.load_state_dict(ours.state_dict())
         return ours, theirs
 
+    def fixed_seed_twins(self, seed=20261129):
+        """Data and twin MLPs from a fixed seed, with optimd's AdamW on the
+        first and torch's on the second: (ours, theirs, opt, ref)."""
+        torch.manual_seed(seed)
+        self.x = torch.randn(256, 12)
+        self.y = torch.sin(self.x.sum(1, keepdim=True))
+        ours, theirs = self.twin_models(seed=seed)
+        opt = self.make(ours.parameters(), lr=3e-3, weight_decay=0.01)
+        ref = torch.optim.AdamW(theirs.parameters(), lr=3e-3,
+                                weight_decay=0.01)
+        return ours, theirs, opt, ref
+
     def make(self, params, **kw):
         kw.setdefault("address", self.daemon.address)
         kw.setdefault("job_id", self.id())
@@ -68,13 +80,7 @@ class TorchClientTest(unittest.TestCase):
         ulp-level differences step after step (one random seed reached
         1.3e-6 of a small tensor's scale at step 62), so this test, too,
         uses a fixed seed and is deterministic."""
-        torch.manual_seed(20261129)
-        self.x = torch.randn(256, 12)
-        self.y = torch.sin(self.x.sum(1, keepdim=True))
-        ours, theirs = self.twin_models(seed=20261129)
-        opt = self.make(ours.parameters(), lr=3e-3, weight_decay=0.01)
-        ref = torch.optim.AdamW(theirs.parameters(), lr=3e-3,
-                                weight_decay=0.01)
+        ours, theirs, opt, ref = self.fixed_seed_twins()
         first = last = None
         for step in range(100):
             opt.zero_grad()
@@ -101,13 +107,7 @@ class TorchClientTest(unittest.TestCase):
         amplify the first ulp differences more), so this one test uses a
         fixed seed and is deterministic, as the every-step comparison
         above."""
-        torch.manual_seed(20261129)
-        self.x = torch.randn(256, 12)
-        self.y = torch.sin(self.x.sum(1, keepdim=True))
-        ours, theirs = self.twin_models(seed=20261129)
-        opt = self.make(ours.parameters(), lr=3e-3, weight_decay=0.01)
-        ref = torch.optim.AdamW(theirs.parameters(), lr=3e-3,
-                                weight_decay=0.01)
+        ours, theirs, opt, ref = self.fixed_seed_twins()
         for _ in range(100):
             loss = self.train_step(ours, opt)
             ref.zero_grad()

@@ -63,6 +63,19 @@ class DaemonTest(unittest.TestCase):
     def randn(self, *shape, dtype=torch.float32):
         return torch.randn(*shape, generator=self.gen).to(dtype)
 
+    def twin_params(self):
+        """Random parameters of SHAPES, and a copy of them for torch."""
+        ours = [torch.nn.Parameter(self.randn(*s)) for s in SHAPES]
+        return ours, [torch.nn.Parameter(p.detach().clone()) for p in ours]
+
+    def same_grads(self, ours, theirs, scale=1.0, ours_factor=1.0):
+        """Fresh random gradients (times `scale`), the same for both lists;
+        ours get them times `ours_factor` (a loss scale optimd divides out)."""
+        for p, q in zip(ours, theirs):
+            g = self.randn(*p.shape) * scale
+            p.grad.copy_(g * ours_factor)
+            q.grad = g.clone()
+
     def optimd(self, params, **kw):
         opt = AdamW(params, address=self.daemon.address,
                     job_id="t%d" % len(self.opts) + self.id(), **kw)
@@ -74,8 +87,7 @@ class ParityWithTorch(DaemonTest):
     def run_pair(self, mode, weight_decay, amsgrad, maximize, schedule,
                  steps=200):
         torch_cls = torch.optim.AdamW if mode == "adamw" else torch.optim.Adam
-        ours = [torch.nn.Parameter(self.randn(*s)) for s in SHAPES]
-        theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+        ours, theirs = self.twin_params()
         kw = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8,
                   weight_decay=weight_decay, amsgrad=amsgrad,
                   maximize=maximize)
@@ -87,10 +99,7 @@ class ParityWithTorch(DaemonTest):
                       for o in (opt, ref)]
         worst = 0.0
         for step in range(steps):
-            for p, q in zip(ours, theirs):
-                g = self.randn(*p.shape)
-                p.grad.copy_(g)
-                q.grad = g.clone()
+            self.same_grads(ours, theirs)
             opt.step()
             ref.step()
             for s in scheds:
@@ -177,15 +186,11 @@ class Precisions(DaemonTest):
               "%d tie roundings" % ties)
 
     def test_bf16_moments_stay_close(self):
-        ours = [torch.nn.Parameter(self.randn(*s)) for s in SHAPES]
-        theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+        ours, theirs = self.twin_params()
         opt = self.optimd(ours, lr=1e-3, exp_avg_dtype=torch.bfloat16)
         ref = torch.optim.AdamW(theirs, lr=1e-3)
         for _ in range(50):
-            for p, q in zip(ours, theirs):
-                g = self.randn(*p.shape)
-                p.grad.copy_(g)
-                q.grad = g.clone()
+            self.same_grads(ours, theirs)
             opt.step()
             ref.step()
         for p, q in zip(ours, theirs):
@@ -249,34 +254,26 @@ class GradientHandling(DaemonTest):
         self.assertEqual(int(opt.state[ps[0]]["step"]), 2)
 
     def test_grad_scale_divides_gradients(self):
-        ours = [torch.nn.Parameter(self.randn(*s)) for s in SHAPES]
-        theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+        ours, theirs = self.twin_params()
         opt = self.optimd(ours, lr=1e-2)
         opt.grad_scale = 1024.0
         ref = torch.optim.AdamW(theirs, lr=1e-2)
         for _ in range(30):
-            for p, q in zip(ours, theirs):
-                g = self.randn(*p.shape)
-                p.grad.copy_(g * 1024.0)
-                q.grad = g.clone()
+            self.same_grads(ours, theirs, ours_factor=1024.0)
             opt.step()
             ref.step()
             for p, q in zip(ours, theirs):
                 self.assertLessEqual(rel_err(p.detach(), q.detach()), 1e-6)
 
     def test_clipping_matches_clip_grad_norm(self):
-        ours = [torch.nn.Parameter(self.randn(*s)) for s in SHAPES]
-        theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+        ours, theirs = self.twin_params()
         opt = self.optimd([{"params": ours[:2]}, {"params": ours[2:]}],
                           lr=1e-2, max_grad_norm=1.5)
         ref = torch.optim.AdamW([{"params": theirs[:2]},
                                  {"params": theirs[2:]}], lr=1e-2)
         for step in range(50):
             scale = 0.05 if step % 2 else 3.0  # below and above the maximum
-            for p, q in zip(ours, theirs):
-                g = self.randn(*p.shape) * scale
-                p.grad.copy_(g)
-                q.grad = g.clone()
+            self.same_grads(ours, theirs, scale=scale)
             norm = torch.nn.utils.clip_grad_norm_(theirs, 1.5)
             opt.step()
             ref.step()
@@ -286,15 +283,11 @@ class GradientHandling(DaemonTest):
                 self.assertLessEqual(rel_err(p.detach(), q.detach()), 1e-6)
 
     def test_assume_finite_skips_the_check_not_the_math(self):
-        ours = [torch.nn.Parameter(self.randn(*s)) for s in SHAPES]
-        theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+        ours, theirs = self.twin_params()
         opt = self.optimd(ours, lr=1e-2, assume_finite=True)
         ref = torch.optim.AdamW(theirs, lr=1e-2)
         for _ in range(20):
-            for p, q in zip(ours, theirs):
-                g = self.randn(*p.shape)
-                p.grad.copy_(g)
-                q.grad = g.clone()
+            self.same_grads(ours, theirs)
             opt.step()
             ref.step()
             self.assertFalse(opt.skipped)
