@@ -6,12 +6,12 @@
 
 #include <cmath>
 #include <cstring>
-#include <fstream>
 #include <random>
 #include <tuple>
 
 #include "client/client.h"
 #include "client/shm_tensor.h"
+#include "core/backend.h"
 #include "gtest/gtest.h"
 #include "kernels/adamw_cpu.h"
 #include "tests/daemon_process.h"
@@ -537,15 +537,7 @@ TEST(E2eBudgetTest, RegistrationPastMaxStateBytes) {
 // (zeroing it would get the daemon killed). The trainer's buffers are
 // sparse shared memory, never touched.
 TEST(E2eBudgetTest, StateLargerThanTheMachineIsRefused) {
-  uint64_t available = 0;
-  {
-    std::ifstream in("/proc/meminfo");
-    std::string key, unit;
-    uint64_t kib = 0;
-    while (in >> key >> kib >> unit) {
-      if (key == "MemAvailable:") available = kib * 1024;
-    }
-  }
+  const uint64_t available = HostMemoryAvailable();
   ASSERT_GT(available, 0u);
   // fp32 in place: 8 bytes of moments per element, so the state is twice
   // the parameter buffer.
