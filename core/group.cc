@@ -1,6 +1,7 @@
 #include "core/group.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <string>
@@ -38,11 +39,14 @@ void BuildPlan(Group& group, uint64_t chunk_elements) {
 }
 
 uint64_t HostMemoryAvailable() {
+  // Line by line: some lines (HugePages_*) have no unit.
   std::ifstream in("/proc/meminfo");
-  std::string key, unit;
-  uint64_t kib = 0;
-  while (in >> key >> kib >> unit) {
-    if (key == "MemAvailable:") return kib * 1024;
+  std::string line;
+  while (std::getline(in, line)) {
+    unsigned long long kib = 0;
+    if (std::sscanf(line.c_str(), "MemAvailable: %llu kB", &kib) == 1) {
+      return static_cast<uint64_t>(kib) * 1024;
+    }
   }
   return 0;
 }
