@@ -9,6 +9,9 @@ parameters that live in another process's CUDA IPC buffers, as in
 production), run first as a subprocess; torch's are measured here with CUDA
 events around back-to-back steps (the method of
 shared/reference/torch_adamw_anchor.py). Prints a table of ratios.
+Gradients: torch's are random normal; optimd's are a constant 0.0115
+(cuda_step_bench --grad_byte): both keep every moment a normal number, as
+in training (the kernels' speed does not depend on the values otherwise).
 """
 import argparse
 import os

@@ -668,18 +668,27 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
     }
     slot.sequence = 0;
   }
-  // Graphs built for other groups (or other scratch memory) are stale.
-  std::vector<uint64_t> key = {statistics ? 1u : 0u, scratch_generation_};
-  for (Group* g : groups) {
-    key.push_back(static_cast<DevicePlan*>(g->backend_plan.get())->id);
-    key.push_back(g->hyper.adamw ? 1 : 0);
+  // Graphs built for other groups (or other scratch memory) are stale. The
+  // key is compared in place: no allocation on a step that keeps it.
+  const auto key_at = [&](size_t i) -> uint64_t {
+    if (i == 0) return statistics ? 1 : 0;
+    if (i == 1) return scratch_generation_;
+    const Group* g = groups[(i - 2) / 2];
+    return (i % 2 == 0) ? static_cast<DevicePlan*>(g->backend_plan.get())->id
+                        : (g->hyper.adamw ? 1 : 0);
+  };
+  const size_t key_size = 2 + 2 * static_cast<size_t>(n);
+  bool same_key = s.graph_key.size() == key_size;
+  for (size_t i = 0; same_key && i < key_size; ++i) {
+    same_key = s.graph_key[i] == key_at(i);
   }
-  if (key != s.graph_key) {
+  if (!same_key) {
     for (ReportSlot& r : s.slots) {
       if (r.exec != nullptr) cudaGraphExecDestroy(r.exec);
       r.exec = nullptr;
     }
-    s.graph_key = std::move(key);
+    s.graph_key.resize(key_size);
+    for (size_t i = 0; i < key_size; ++i) s.graph_key[i] = key_at(i);
   }
   if (slot.capacity < n || slot.memory == nullptr) {
     if (slot.memory != nullptr) cudaFreeHost(slot.memory);

@@ -72,24 +72,63 @@ class Twin {
   Session& gpu_session() { return *gpu_session_; }
   Session& cpu_session() { return *cpu_session_; }
 
-  // Fresh random gradients (optionally one non-finite element).
+  // Fresh random gradients (optionally one non-finite element): normal,
+  // but one in eight exactly zero and one in sixteen tiny (about 1e-20),
+  // so that second moments are zero or subnormal beside normal ones in the
+  // same tiles, and the kernels' square roots take their slow path there.
   void FillGrads(bool poison) {
     uint8_t* g = cpu_grads_->data();
     std::normal_distribution<float> normal(0.f, 1.f);
+    std::uniform_int_distribution<int> kind(0, 15);
     for (const TensorPlan& t : tensors_) {
-      for (uint64_t i = 0; i < t.numel; ++i)
-        Store(t.grad, g + t.grad_off, i, normal(*rng_));
+      for (uint64_t i = 0; i < t.numel; ++i) {
+        const int k = kind(*rng_);
+        float x = normal(*rng_);
+        if (k < 2) x = 0.0f;
+        if (k == 2) x *= 1e-20f;
+        Store(t.grad, g + t.grad_off + grad_shift_, i, x);
+      }
     }
     if (poison) {
       for (const TensorPlan& t : tensors_) {
         if (t.numel > 0 && !t.frozen) {
-          Store(t.grad, g + t.grad_off, t.numel / 2, NAN);
+          Store(t.grad, g + t.grad_off + grad_shift_, t.numel / 2, NAN);
           break;
         }
       }
     }
     std::memcpy(g_trainer->staging(), g, gbytes_);
     EXPECT_TRUE(g_trainer->Upload(gpu_grads_.id, 0, gbytes_, 0).ok());
+  }
+
+  // Points every tensor's gradient at a new buffer of both sessions
+  // (UpdateBuffers), `shift` bytes (< 64) further in than at registration:
+  // a shift that is not a multiple of 16 bytes takes the tiles from chunks
+  // that had them, and a later shift of 0 gives them back.
+  absl::Status MoveGrads(uint64_t shift) {
+    cpu_grads_ = *SharedMemoryRegion::Create(gbytes_);
+    gpu_grads_ = *g_trainer->Alloc(gbytes_);
+    grad_shift_ = shift;
+    std::vector<BufferUpdate> cpu_updates, gpu_updates;
+    for (const TensorPlan& t : tensors_) {
+      if (t.numel == 0 || t.frozen) continue;
+      BufferUpdate c, g;
+      c.tensor = g.tensor = t.name;
+      c.grad.kind = BufferHandle::Kind::kSharedMemory;
+      c.grad.segment_name = cpu_grads_->name();
+      c.grad.offset = t.grad_off + shift;
+      c.grad.size = t.numel * DTypeSize(t.grad);
+      g.grad.kind = BufferHandle::Kind::kCudaIpc;
+      g.grad.ipc_handle = gpu_grads_.ipc_handle;
+      g.grad.device = 0;
+      g.grad.offset = c.grad.offset;
+      g.grad.size = c.grad.size;
+      cpu_updates.push_back(c);
+      gpu_updates.push_back(g);
+    }
+    absl::Status s = cpu_session_->UpdateBuffers(spec_.id, cpu_updates);
+    if (!s.ok()) return s;
+    return gpu_session_->UpdateBuffers(spec_.id, gpu_updates);
   }
 
   void Step(const StepRequestSpec& spec, bool exact) {
@@ -248,6 +287,7 @@ class Twin {
   std::vector<TensorPlan> tensors_;
   GroupSpec spec_;
   std::mt19937* rng_;
+  uint64_t grad_shift_ = 0;  // MoveGrads
   StateBudget budget_{0};
   uint64_t pbytes_ = 0, gbytes_ = 0;
   std::unique_ptr<SharedMemoryRegion> cpu_params_, cpu_grads_;
@@ -362,6 +402,46 @@ TEST_F(CudaBackendTest, MixedGroupWithKeepFp32FrozenAndEmpty) {
   for (int step = 0; step < 5; ++step) {
     twin.FillGrads(false);
     twin.Step(StepRequestSpec(), true);
+  }
+}
+
+// New gradient buffers between steps (the trainer's allocator moved them):
+// when their alignment changes which chunks have tiles, the work blocks are
+// rebuilt, and every element is still updated exactly once.
+TEST_F(CudaBackendTest, NewGradientBuffersOfAnotherAlignment) {
+  for (DType d : {DType::kFloat32, DType::kBFloat16}) {
+    SCOPED_TRACE(DTypeName(d));
+    std::vector<TensorPlan> ts;
+    uint64_t off = 0;
+    for (uint64_t n : {uint64_t{10000}, uint64_t{4096}, uint64_t{70001},
+                       uint64_t{256}, uint64_t{33}}) {
+      TensorPlan t{"t" + std::to_string(ts.size()), n, d, d, off, off};
+      off = (off + n * DTypeSize(d) + 15) / 16 * 16;
+      ts.push_back(t);
+    }
+    GroupSpec spec;
+    spec.id = "g";
+    spec.hyper.lr = 1e-2;
+    if (d == DType::kBFloat16) {
+      spec.master = MasterRequest::kRemainder;
+      spec.moment_dtype = DType::kBFloat16;
+    }
+    Twin twin(cpu_.get(), gpu_.get(), ts, spec, &rng_);
+    ASSERT_TRUE(twin.status().ok()) << twin.status();
+    for (int step = 0; step < 2; ++step) {
+      twin.FillGrads(false);
+      twin.Step(StepRequestSpec(), /*exact=*/true);
+    }
+    // One element past 16 bytes (no tiles), 32 bytes (tiles again), and a
+    // new buffer at the registered offsets (same tiles, new pointers).
+    for (uint64_t shift : {DTypeSize(d), uint64_t{32}, uint64_t{0}}) {
+      SCOPED_TRACE(shift);
+      ASSERT_TRUE(twin.MoveGrads(shift).ok());
+      for (int step = 0; step < 2; ++step) {
+        twin.FillGrads(false);
+        twin.Step(StepRequestSpec(), /*exact=*/true);
+      }
+    }
   }
 }
 

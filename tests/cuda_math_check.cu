@@ -10,73 +10,20 @@ namespace {
 
 constexpr uint32_t kLast = 0x7fc00000u;  // the first quiet NaN
 
-// The dividends of the step kernels are square roots of floats.
-
-__global__ void CompareKernel(float b, float rb, unsigned long long* mismatches,
-                              uint32_t* first_bad) {
-  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
-  unsigned long long bad = 0;
-  uint32_t first = 0xffffffffu;
-  for (uint64_t u =
-           static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-       u <= kLast; u += stride) {
-    const float a = __fsqrt_rn(__uint_as_float(static_cast<uint32_t>(u)));
-    const float x = cuda::DivByRecip(a, b, rb);
-    const float y = __fdiv_rn(a, b);
-    const bool same =
-        __float_as_uint(x) == __float_as_uint(y) || (isnan(x) && isnan(y));
-    if (!same) {
-      ++bad;
-      first = min(first, static_cast<uint32_t>(u));
-    }
-  }
-  if (bad != 0) {
-    atomicAdd(mismatches, bad);
-    atomicMin(first_bad, first);
-  }
-}
-
-__global__ void Bf16Kernel(unsigned long long* mismatches,
-                           uint32_t* first_bad) {
-  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
-  unsigned long long bad = 0;
-  uint32_t first = 0xffffffffu;
-  for (uint64_t u =
-           static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-       u <= 0xffffffffull; u += stride) {
-    const uint32_t bits = static_cast<uint32_t>(u);
-    const float x = __uint_as_float(bits);
-    if (isnan(x) && bits != 0x7fffffffu) continue;
-    if (__bfloat16_as_ushort(__float2bfloat16_rn(x)) !=
-        cuda::Bf16FromFloat(x)) {
-      ++bad;
-      first = min(first, bits);
-    }
-  }
-  if (bad != 0) {
-    atomicAdd(mismatches, bad);
-    atomicMin(first_bad, first);
-  }
-}
-
-// The remainder split as kernels/adamw_cpu.h defines it.
-__global__ void RemainderKernel(unsigned long long* mismatches,
-                                uint32_t* first_bad) {
+// Calls check(u) for every 32-bit pattern u from 0 to `last`; counts those
+// for which it returns false, and the smallest of them.
+template <class Check>
+__global__ void ForEachBits(uint64_t last, Check check,
+                            unsigned long long* mismatches,
+                            uint32_t* first_bad) {
   const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
   unsigned long long bad = 0;
   uint32_t first = 0xffffffffu;
   for (uint64_t v =
            static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-       v <= 0xffffffffull; v += stride) {
+       v <= last; v += stride) {
     const uint32_t u = static_cast<uint32_t>(v);
-    const int16_t r = static_cast<int16_t>(static_cast<uint16_t>(u & 0xffffu));
-    const uint16_t hi =
-        static_cast<uint16_t>(((u >> 16) + (r < 0 ? 1u : 0u)) & 0xffffu);
-    uint16_t got_hi;
-    int16_t got_r;
-    cuda::SplitToRemainder(__uint_as_float(u), &got_hi, &got_r);
-    const float back = cuda::ReconstructFromRemainder(hi, r);
-    if (got_hi != hi || got_r != r || __float_as_uint(back) != u) {
+    if (!check(u)) {
       ++bad;
       first = min(first, u);
     }
@@ -86,6 +33,42 @@ __global__ void RemainderKernel(unsigned long long* mismatches,
     atomicMin(first_bad, first);
   }
 }
+
+__device__ bool SameOrBothNan(float x, float y) {
+  return __float_as_uint(x) == __float_as_uint(y) || (isnan(x) && isnan(y));
+}
+
+// The dividends of the step kernels are square roots of floats.
+struct DivisionCheck {
+  float b, rb;
+  __device__ bool operator()(uint32_t u) const {
+    const float a = __fsqrt_rn(__uint_as_float(u));
+    return SameOrBothNan(cuda::DivByRecip(a, b, rb), __fdiv_rn(a, b));
+  }
+};
+
+struct Bf16Check {
+  __device__ bool operator()(uint32_t bits) const {
+    const float x = __uint_as_float(bits);
+    if (isnan(x) && bits != 0x7fffffffu) return true;
+    return __bfloat16_as_ushort(__float2bfloat16_rn(x)) ==
+           cuda::Bf16FromFloat(x);
+  }
+};
+
+// The remainder split as kernels/adamw_cpu.h defines it.
+struct RemainderCheck {
+  __device__ bool operator()(uint32_t u) const {
+    const int16_t r = static_cast<int16_t>(static_cast<uint16_t>(u & 0xffffu));
+    const uint16_t hi =
+        static_cast<uint16_t>(((u >> 16) + (r < 0 ? 1u : 0u)) & 0xffffu);
+    uint16_t got_hi;
+    int16_t got_r;
+    cuda::SplitToRemainder(__uint_as_float(u), &got_hi, &got_r);
+    const float back = cuda::ReconstructFromRemainder(hi, r);
+    return got_hi == hi && got_r == r && __float_as_uint(back) == u;
+  }
+};
 
 std::string Failed(const char* what, cudaError_t e) {
   return std::string(what) + ": " + cudaGetErrorName(e) + ": " +
@@ -129,19 +112,20 @@ MathCheck CheckDivisionByRecip(float b) {
   const float rb = 1.0f / b;  // IEEE single division on the host: RN(1/b)
   return RunCheck(static_cast<uint64_t>(kLast) + 1,
                   [&](unsigned long long* m, uint32_t* f) {
-                    CompareKernel<<<4096, 256>>>(b, rb, m, f);
+                    ForEachBits<<<4096, 256>>>(kLast, DivisionCheck{b, rb}, m,
+                                               f);
                   });
 }
 
 MathCheck CheckBf16Rounding() {
   return RunCheck(uint64_t{1} << 32, [](unsigned long long* m, uint32_t* f) {
-    Bf16Kernel<<<4096, 256>>>(m, f);
+    ForEachBits<<<4096, 256>>>(0xffffffffull, Bf16Check{}, m, f);
   });
 }
 
 MathCheck CheckRemainderSplit() {
   return RunCheck(uint64_t{1} << 32, [](unsigned long long* m, uint32_t* f) {
-    RemainderKernel<<<4096, 256>>>(m, f);
+    ForEachBits<<<4096, 256>>>(0xffffffffull, RemainderCheck{}, m, f);
   });
 }
 

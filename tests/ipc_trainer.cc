@@ -63,7 +63,9 @@ bool WriteFull(int fd, const void* p, size_t n) {
         void* p = nullptr;
         rep.status = cudaMalloc(&p, req.bytes);
         if (rep.status == cudaSuccess) {
-          rep.status = cudaMemset(p, 0, req.bytes);
+          // The fill byte travels in `offset`.
+          rep.status = cudaMemset(p, static_cast<int>(req.offset & 0xff),
+                                  req.bytes);
           if (rep.status != cudaSuccess) break;
           cudaIpcMemHandle_t h;
           rep.status = cudaIpcGetMemHandle(&h, p);
@@ -151,8 +153,9 @@ absl::Status IpcTrainer::Call(const void* request, size_t n, void* reply,
   return absl::OkStatus();
 }
 
-absl::StatusOr<IpcTrainer::Allocation> IpcTrainer::Alloc(uint64_t bytes) {
-  Request req{kAlloc, 0, 0, bytes, 0};
+absl::StatusOr<IpcTrainer::Allocation> IpcTrainer::Alloc(uint64_t bytes,
+                                                         uint8_t fill) {
+  Request req{kAlloc, 0, fill, bytes, 0};
   Reply rep;
   absl::Status s = Call(&req, sizeof(req), &rep, sizeof(rep));
   if (!s.ok()) return s;

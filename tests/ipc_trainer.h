@@ -31,7 +31,8 @@ class IpcTrainer {
     int id = -1;
     std::string ipc_handle;  // 64 bytes
   };
-  absl::StatusOr<Allocation> Alloc(uint64_t bytes);
+  // Device memory with every byte set to `fill`.
+  absl::StatusOr<Allocation> Alloc(uint64_t bytes, uint8_t fill = 0);
   // staging[staging_offset, +bytes) -> allocation id at offset.
   absl::Status Upload(int id, uint64_t offset, uint64_t bytes,
                       uint64_t staging_offset);
