@@ -23,14 +23,27 @@ namespace {
 // may make the canonical NaN: the step kernels store with it only results
 // of GPU arithmetic, whose NaNs are canonical already, and for those both
 // agree (tests/cuda_math_test checks every float).
+// A lane's share of a tile (8 elements, see LoadTile) travels as kTileWords
+// 32-bit words: Unpack turns them into floats, Pack rounds floats into
+// them (two 16-bit elements per word: one conversion instruction).
 struct F32 {
   using T = float;
+  static constexpr int kTileWords = 8;
   __device__ static float Load(T x) { return x; }
   __device__ static T Store(float x) { return x; }
   __device__ static T Round(float x) { return x; }
+  __device__ static void Unpack(const uint32_t* w, float* x) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) x[k] = __uint_as_float(w[k]);
+  }
+  __device__ static void Pack(const float* x, uint32_t* w) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) w[k] = __float_as_uint(x[k]);
+  }
 };
 struct BF16 {
   using T = uint16_t;
+  static constexpr int kTileWords = 4;
   __device__ static float Load(T x) {
     return __uint_as_float(static_cast<uint32_t>(x) << 16);
   }
@@ -39,9 +52,18 @@ struct BF16 {
   __device__ static T Round(float x) {
     return __bfloat16_as_ushort(__float2bfloat16_rn(x));
   }
+  __device__ static void Unpack(const uint32_t* w, float* x) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) UnpackBf16x2(w[j], &x[2 * j], &x[2 * j + 1]);
+  }
+  __device__ static void Pack(const float* x, uint32_t* w) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) w[j] = PackBf16x2(x[2 * j], x[2 * j + 1]);
+  }
 };
 struct F16 {
   using T = uint16_t;
+  static constexpr int kTileWords = 4;
   __device__ static float Load(T x) {
     return __half2float(__ushort_as_half(x));
   }
@@ -49,44 +71,148 @@ struct F16 {
     return __half_as_ushort(__float2half_rn(x));
   }
   __device__ static T Round(float x) { return Store(x); }
+  __device__ static void Unpack(const uint32_t* w, float* x) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) UnpackF16x2(w[j], &x[2 * j], &x[2 * j + 1]);
+  }
+  __device__ static void Pack(const float* x, uint32_t* w) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) w[j] = PackF16x2(x[2 * j], x[2 * j + 1]);
+  }
 };
 
-// Elements of one stream. N == 8: a lane's share of a tile, elements
-// i..i+3 and i+128..i+131 (i = tile start + 4 * lane), so each access of a
-// warp covers 32 consecutive 8- or 16-byte pieces. N == 1: element i alone.
-// Plain accesses: streaming hints (ld/st.global.cs) and 256-byte L2
-// prefetch hints measured 3-5% slower for fp32 on the H200
-// (bench/RESULTS.md).
-template <int N, typename T>
-__device__ __forceinline__ void LoadN(const void* base, uint64_t i, T* out) {
-  const T* p = static_cast<const T*>(base) + i;
+// Plain (weak, default-cached) global vector accesses. The compiler cannot
+// tell that a pointer read from a shared-memory descriptor is global: it
+// emitted generic accesses, and split some vector stores. Explicit
+// ld/st.global measured 4% faster for 100,000 tensors of 10,000 elements
+// on the H200, the same for large ones (bench/RESULTS.md). (The
+// cache-operator intrinsics __ldca/__stwb compile to strong .STRONG.SM
+// accesses; streaming hints, ld/st.global.cs, and 256-byte L2 prefetch
+// hints measured 3-5% slower for fp32.)
+__device__ __forceinline__ uint4 LoadGlobal(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint2 LoadGlobal(const uint2* p) {
+  uint2 v;
+  asm volatile("ld.global.v2.u32 {%0, %1}, [%2];"
+               : "=r"(v.x), "=r"(v.y)
+               : "l"(p));
+  return v;
+}
+__device__ __forceinline__ void StoreGlobal(uint4* p, uint4 v) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x),
+               "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+__device__ __forceinline__ void StoreGlobal(uint2* p, uint2 v) {
+  asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(v.x),
+               "r"(v.y)
+               : "memory");
+}
+
+// A lane's share of the tile at i - 4 * lane, as 32-bit words: elements
+// i..i+3 and i+128..i+131, so each access of a warp covers 32 consecutive
+// 8- or 16-byte pieces.
+template <int kBytes>
+__device__ __forceinline__ void LoadTile(const void* base, uint64_t i,
+                                         uint32_t* w) {
+  if constexpr (kBytes == 4) {
+    const uint4* p =
+        reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(base) + i);
+    const uint4 a = LoadGlobal(p), b = LoadGlobal(p + kTileElements / 8);
+    w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w;
+    w[4] = b.x, w[5] = b.y, w[6] = b.z, w[7] = b.w;
+  } else {
+    static_assert(kBytes == 2, "2- or 4-byte elements");
+    const uint2* p =
+        reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(base) + i);
+    const uint2 a = LoadGlobal(p), b = LoadGlobal(p + kTileElements / 8);
+    w[0] = a.x, w[1] = a.y, w[2] = b.x, w[3] = b.y;
+  }
+}
+
+template <int kBytes>
+__device__ __forceinline__ void StoreTile(void* base, uint64_t i,
+                                          const uint32_t* w) {
+  if constexpr (kBytes == 4) {
+    uint4* p = reinterpret_cast<uint4*>(static_cast<uint32_t*>(base) + i);
+    StoreGlobal(p, make_uint4(w[0], w[1], w[2], w[3]));
+    StoreGlobal(p + kTileElements / 8, make_uint4(w[4], w[5], w[6], w[7]));
+  } else {
+    static_assert(kBytes == 2, "2- or 4-byte elements");
+    uint2* p = reinterpret_cast<uint2*>(static_cast<uint16_t*>(base) + i);
+    StoreGlobal(p, make_uint2(w[0], w[1]));
+    StoreGlobal(p + kTileElements / 8, make_uint2(w[2], w[3]));
+  }
+}
+
+// Elements of one stream of type X as floats. N == 8: a lane's share of a
+// tile (LoadTile). N == 1: element i alone.
+template <int N, class X>
+__device__ __forceinline__ void LoadF(const void* base, uint64_t i,
+                                      float* x) {
   if constexpr (N == 1) {
-    out[0] = *p;
+    x[0] = X::Load(static_cast<const typename X::T*>(base)[i]);
   } else {
     static_assert(N == 8, "a tile lane holds 8 elements");
-    using Q = std::conditional_t<sizeof(T) == 4, uint4, uint2>;
+    uint32_t w[X::kTileWords];
+    LoadTile<sizeof(typename X::T)>(base, i, w);
+    X::Unpack(w, x);
+  }
+}
+
+// Stores floats rounded to X (X::Round: results of GPU arithmetic only).
+template <int N, class X>
+__device__ __forceinline__ void StoreF(void* base, uint64_t i,
+                                       const float* x) {
+  if constexpr (N == 1) {
+    static_cast<typename X::T*>(base)[i] = X::Round(x[0]);
+  } else {
+    static_assert(N == 8, "a tile lane holds 8 elements");
+    uint32_t w[X::kTileWords];
+    X::Pack(x, w);
+    StoreTile<sizeof(typename X::T)>(base, i, w);
+  }
+}
+
+// fp32 masters kept as bfloat16 parameters and 16-bit remainders.
+template <int N>
+__device__ __forceinline__ void LoadRemainderMasters(const void* param,
+                                                     const void* rem,
+                                                     uint64_t i, float* x) {
+  if constexpr (N == 1) {
+    x[0] = ReconstructFromRemainder(static_cast<const uint16_t*>(param)[i],
+                                    static_cast<const int16_t*>(rem)[i]);
+  } else {
+    uint32_t h[4], r[4];
+    LoadTile<2>(param, i, h);
+    LoadTile<2>(rem, i, r);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const Q x = *reinterpret_cast<const Q*>(p + h * kTileElements / 2);
-      memcpy(out + 4 * h, &x, sizeof(Q));
+    for (int j = 0; j < 4; ++j) {
+      ReconstructFromRemainder2(h[j], r[j], &x[2 * j], &x[2 * j + 1]);
     }
   }
 }
 
-template <int N, typename T>
-__device__ __forceinline__ void StoreN(void* base, uint64_t i, const T* in) {
-  T* p = static_cast<T*>(base) + i;
+template <int N>
+__device__ __forceinline__ void StoreRemainderMasters(void* param, void* rem,
+                                                      uint64_t i,
+                                                      const float* x) {
   if constexpr (N == 1) {
-    *p = in[0];
+    SplitToRemainder(x[0], static_cast<uint16_t*>(param) + i,
+                     static_cast<int16_t*>(rem) + i);
   } else {
-    static_assert(N == 8, "a tile lane holds 8 elements");
-    using Q = std::conditional_t<sizeof(T) == 4, uint4, uint2>;
+    uint32_t h[4], r[4];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      Q x;
-      memcpy(&x, in + 4 * h, sizeof(Q));
-      *reinterpret_cast<Q*>(p + h * kTileElements / 2) = x;
+    for (int j = 0; j < 4; ++j) {
+      SplitToRemainder2(x[2 * j], x[2 * j + 1], &h[j], &r[j]);
     }
+    StoreTile<2>(param, i, h);
+    StoreTile<2>(rem, i, r);
   }
 }
 
@@ -168,21 +294,18 @@ __device__ double BlockSum(double v) {
 template <class G>
 struct SumSquares {
   double acc = 0;
-  __device__ void Tile(const DeviceChunk& c, uint64_t i) {
-    typename G::T v[8];
-    LoadN<8>(c.grad, i, v);
+  template <int N>
+  __device__ __forceinline__ void Add(const DeviceChunk& c, uint64_t i) {
+    float g[N];
+    LoadF<N, G>(c.grad, i, g);
 #pragma unroll
-    for (int q = 0; q < 8; ++q) {
-      const double x = G::Load(v[q]);
+    for (int q = 0; q < N; ++q) {
+      const double x = g[q];
       acc += x * x;
     }
   }
-  __device__ void Scalar(const DeviceChunk& c, uint64_t i) {
-    typename G::T v;
-    LoadN<1>(c.grad, i, &v);
-    const double x = G::Load(v);
-    acc += x * x;
-  }
+  __device__ void Tile(const DeviceChunk& c, uint64_t i) { Add<8>(c, i); }
+  __device__ void Scalar(const DeviceChunk& c, uint64_t i) { Add<1>(c, i); }
 };
 
 template <class G>
@@ -298,63 +421,49 @@ template <int N, class P, class G, class M, MasterKind K, bool kAms,
           bool kAdamW>
 __device__ __forceinline__ void UpdateN(const DeviceChunk& t, uint64_t i,
                                         const DeviceScalars& s) {
-  typename P::T pr[N];
-  typename G::T gr[N];
-  typename M::T mr[N], vr[N], xr[N];
-  float master[N];
-  int16_t rem[N];
+  float p[N], g[N], m[N], v[N], x[N];
   // With an fp32 master the old parameter is never read.
-  if constexpr (K != MasterKind::kFp32) LoadN<N>(t.param, i, pr);
-  LoadN<N>(t.grad, i, gr);
-  LoadN<N>(t.exp_avg, i, mr);
-  LoadN<N>(t.exp_avg_sq, i, vr);
-  if constexpr (kAms) LoadN<N>(t.max_exp_avg_sq, i, xr);
-  if constexpr (K == MasterKind::kFp32) LoadN<N>(t.master, i, master);
-  if constexpr (K == MasterKind::kRemainder) LoadN<N>(t.master, i, rem);
+  if constexpr (K == MasterKind::kFp32) {
+    LoadF<N, F32>(t.master, i, p);
+  } else if constexpr (K == MasterKind::kRemainder) {
+    LoadRemainderMasters<N>(t.param, t.master, i, p);
+  } else {
+    LoadF<N, P>(t.param, i, p);
+  }
+  LoadF<N, G>(t.grad, i, g);
+  LoadF<N, M>(t.exp_avg, i, m);
+  LoadF<N, M>(t.exp_avg_sq, i, v);
+  if constexpr (kAms) LoadF<N, M>(t.max_exp_avg_sq, i, x);
 #pragma unroll
   for (int k = 0; k < N; ++k) {
-    float g = G::Load(gr[k]) * s.grad_mul;
-    float p;
-    if constexpr (K == MasterKind::kFp32) {
-      p = master[k];
-    } else if constexpr (K == MasterKind::kRemainder) {
-      p = ReconstructFromRemainder(pr[k], rem[k]);
-    } else {
-      p = P::Load(pr[k]);
-    }
+    float gk = g[k] * s.grad_mul;
+    float pk = p[k];
     if constexpr (kAdamW) {
-      p = p * s.decay;
+      pk = pk * s.decay;
     } else {
-      g = g + s.l2 * p;
+      gk = gk + s.l2 * pk;
     }
-    const float mi = M::Load(mr[k]) * s.beta1 + s.omb1 * g;
-    const float vi = M::Load(vr[k]) * s.beta2 + s.omb2 * g * g;
-    mr[k] = M::Round(mi);
-    vr[k] = M::Round(vi);
-    float vd = vi;
+    m[k] = m[k] * s.beta1 + s.omb1 * gk;
+    v[k] = v[k] * s.beta2 + s.omb2 * gk * gk;
+    float vd = v[k];
     if constexpr (kAms) {
-      vd = fmaxf(M::Load(xr[k]), vi);
-      xr[k] = M::Round(vd);
+      vd = fmaxf(x[k], vd);
+      x[k] = vd;
     }
     const float denom = DivByRecip(sqrtf(vd), s.bc2, s.rbc2) + s.eps;
-    p = p + s.neg_step * (mi / denom);
-    if constexpr (K == MasterKind::kFp32) {
-      master[k] = p;
-      pr[k] = P::Round(p);
-    } else if constexpr (K == MasterKind::kRemainder) {
-      uint16_t hi;
-      SplitToRemainder(p, &hi, &rem[k]);
-      pr[k] = hi;
-    } else {
-      pr[k] = P::Round(p);
-    }
+    p[k] = pk + s.neg_step * (m[k] / denom);
   }
-  StoreN<N>(t.param, i, pr);
-  StoreN<N>(t.exp_avg, i, mr);
-  StoreN<N>(t.exp_avg_sq, i, vr);
-  if constexpr (kAms) StoreN<N>(t.max_exp_avg_sq, i, xr);
-  if constexpr (K == MasterKind::kFp32) StoreN<N>(t.master, i, master);
-  if constexpr (K == MasterKind::kRemainder) StoreN<N>(t.master, i, rem);
+  StoreF<N, M>(t.exp_avg, i, m);
+  StoreF<N, M>(t.exp_avg_sq, i, v);
+  if constexpr (kAms) StoreF<N, M>(t.max_exp_avg_sq, i, x);
+  if constexpr (K == MasterKind::kFp32) {
+    StoreF<N, F32>(t.master, i, p);
+    StoreF<N, P>(t.param, i, p);
+  } else if constexpr (K == MasterKind::kRemainder) {
+    StoreRemainderMasters<N>(t.param, t.master, i, p);
+  } else {
+    StoreF<N, P>(t.param, i, p);
+  }
 }
 
 template <class P, class G, class M, MasterKind K, bool kAms, bool kAdamW>

@@ -2,9 +2,12 @@
 #ifndef OPTIMD_KERNELS_CUDA_MATH_CUH_
 #define OPTIMD_KERNELS_CUDA_MATH_CUH_
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
 
 namespace optimd {
 namespace cuda {
@@ -59,6 +62,66 @@ __device__ __forceinline__ void SplitToRemainder(float master, uint16_t* hi,
   const uint32_t u = __float_as_uint(master);
   *hi = static_cast<uint16_t>((u + 0x8000u) >> 16);
   *rem = static_cast<int16_t>(static_cast<uint16_t>(u));
+}
+
+// Two elements packed in one 32-bit word, the one at the lower address in
+// the low half, as a lane of a step kernel loads and stores them.
+
+// RN(lo) and RN(hi) to bfloat16 in one conversion instruction (the same
+// rounding as cvt.rn.bf16.f32 of each; tests/cuda_math_test checks it
+// against Bf16FromFloat).
+__device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
+  const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
+  uint32_t w;
+  memcpy(&w, &b, sizeof(w));
+  return w;
+}
+
+__device__ __forceinline__ void UnpackBf16x2(uint32_t w, float* lo,
+                                             float* hi) {
+  *lo = __uint_as_float(w << 16);
+  *hi = __uint_as_float(w & 0xffff0000u);
+}
+
+// The same for IEEE half precision.
+__device__ __forceinline__ uint32_t PackF16x2(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  uint32_t w;
+  memcpy(&w, &h, sizeof(w));
+  return w;
+}
+
+__device__ __forceinline__ void UnpackF16x2(uint32_t w, float* lo,
+                                            float* hi) {
+  __half2 h;
+  memcpy(&h, &w, sizeof(w));
+  const float2 f = __half22float2(h);
+  *lo = f.x;
+  *hi = f.y;
+}
+
+// SplitToRemainder of two masters: `hi` gets both bfloat16 high halves,
+// `rem` both remainders (one add each and a byte permutation per word).
+__device__ __forceinline__ void SplitToRemainder2(float lo_master,
+                                                  float hi_master,
+                                                  uint32_t* hi,
+                                                  uint32_t* rem) {
+  const uint32_t a = __float_as_uint(lo_master);
+  const uint32_t b = __float_as_uint(hi_master);
+  *hi = __byte_perm(a + 0x8000u, b + 0x8000u, 0x7632);
+  *rem = __byte_perm(a, b, 0x5410);
+}
+
+// ReconstructFromRemainder of two masters from their packed high halves and
+// remainders.
+__device__ __forceinline__ void ReconstructFromRemainder2(uint32_t hi,
+                                                          uint32_t rem,
+                                                          float* lo_master,
+                                                          float* hi_master) {
+  *lo_master = __uint_as_float(
+      (hi << 16) + static_cast<uint32_t>(static_cast<int32_t>(rem << 16) >> 16));
+  *hi_master = __uint_as_float(
+      (hi & 0xffff0000u) + static_cast<uint32_t>(static_cast<int32_t>(rem) >> 16));
 }
 
 }  // namespace cuda

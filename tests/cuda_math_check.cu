@@ -1,4 +1,5 @@
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "kernels/cuda_math.cuh"
@@ -70,6 +71,48 @@ struct RemainderCheck {
   }
 };
 
+// A partner for u in a packed pair: another float of every class as u
+// runs over all of them.
+__device__ uint32_t Partner(uint32_t u) { return __brev(u) ^ 0x5a5a5a5au; }
+
+// Two elements packed into one word equal the single-element operations.
+struct PackedCheck {
+  __device__ bool operator()(uint32_t u) const {
+    const uint32_t w = Partner(u);
+    const float x = __uint_as_float(u), y = __uint_as_float(w);
+    float lo, hi;
+    // bfloat16: the packed conversion against one at a time.
+    const uint32_t b = cuda::PackBf16x2(x, y);
+    cuda::UnpackBf16x2(b, &lo, &hi);
+    if (!SameOrBothNan(lo, __bfloat162float(__float2bfloat16_rn(x))) ||
+        !SameOrBothNan(hi, __bfloat162float(__float2bfloat16_rn(y)))) {
+      return false;
+    }
+    if (!isnan(x) && (b & 0xffffu) != cuda::Bf16FromFloat(x)) return false;
+    // Half precision.
+    const uint32_t h = cuda::PackF16x2(x, y);
+    cuda::UnpackF16x2(h, &lo, &hi);
+    if (!SameOrBothNan(lo, __half2float(__float2half_rn(x))) ||
+        !SameOrBothNan(hi, __half2float(__float2half_rn(y)))) {
+      return false;
+    }
+    // Remainders: the pair split and rebuilt as the single ones.
+    uint32_t hs, rs;
+    cuda::SplitToRemainder2(x, y, &hs, &rs);
+    uint16_t hx, hy;
+    int16_t rx, ry;
+    cuda::SplitToRemainder(x, &hx, &rx);
+    cuda::SplitToRemainder(y, &hy, &ry);
+    if (hs != (hx | static_cast<uint32_t>(hy) << 16) ||
+        rs != (static_cast<uint16_t>(rx) |
+               static_cast<uint32_t>(static_cast<uint16_t>(ry)) << 16)) {
+      return false;
+    }
+    cuda::ReconstructFromRemainder2(hs, rs, &lo, &hi);
+    return __float_as_uint(lo) == u && __float_as_uint(hi) == w;
+  }
+};
+
 std::string Failed(const char* what, cudaError_t e) {
   return std::string(what) + ": " + cudaGetErrorName(e) + ": " +
          cudaGetErrorString(e);
@@ -126,6 +169,12 @@ MathCheck CheckBf16Rounding() {
 MathCheck CheckRemainderSplit() {
   return RunCheck(uint64_t{1} << 32, [](unsigned long long* m, uint32_t* f) {
     ForEachBits<<<4096, 256>>>(0xffffffffull, RemainderCheck{}, m, f);
+  });
+}
+
+MathCheck CheckPackedPairs() {
+  return RunCheck(uint64_t{1} << 32, [](unsigned long long* m, uint32_t* f) {
+    ForEachBits<<<4096, 256>>>(0xffffffffull, PackedCheck{}, m, f);
   });
 }
 

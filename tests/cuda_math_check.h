@@ -32,6 +32,14 @@ MathCheck CheckBf16Rounding();
 // split is a bijection, so this covers every high half and remainder).
 MathCheck CheckRemainderSplit();
 
+// Checks the packed two-element forms against the one-element ones for
+// every float x paired with another float y (a bit permutation of x):
+// PackBf16x2/UnpackBf16x2 against cvt.rn.bf16.f32 (and Bf16FromFloat for
+// x not NaN), PackF16x2/UnpackF16x2 against cvt.rn.f16.f32, and
+// SplitToRemainder2/ReconstructFromRemainder2 against SplitToRemainder
+// and the original bits.
+MathCheck CheckPackedPairs();
+
 }  // namespace testing
 }  // namespace optimd
 

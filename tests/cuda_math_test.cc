@@ -81,6 +81,15 @@ TEST(CudaMathTest, RemainderSplitEqualsTheReference) {
       << "first differing float: bits 0x" << std::hex << c.first_bad_bits;
 }
 
+// The step kernels convert and split two 16-bit elements per instruction
+// where a lane holds them in one word.
+TEST(CudaMathTest, PackedPairsEqualSingleElements) {
+  const MathCheck c = CheckPackedPairs();
+  ASSERT_TRUE(c.error.empty()) << c.error;
+  EXPECT_EQ(c.mismatches, 0u)
+      << "first differing float: bits 0x" << std::hex << c.first_bad_bits;
+}
+
 }  // namespace
 }  // namespace testing
 }  // namespace optimd
