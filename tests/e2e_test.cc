@@ -463,6 +463,83 @@ TEST_F(E2eTest, StepStreamOrdersStepsAndEndsOnError) {
             StatusCode::kUnauthenticated);
 }
 
+// Two sessions on one daemon (and one CPU worker): session A's bad steps
+// (an override of an unknown group, a negative grad_scale, a gradient
+// buffer past its segment) are refused with their own status and change
+// nothing of A, while session B steps on between them, exactly as the
+// reference; A then steps normally.
+TEST_F(E2eTest, BadStepsOfOneSessionLeaveAnotherUntouched) {
+  constexpr int kN = 500;
+  OpenSession(client_.get(), "job-a", 0);
+  auto b = Connect();
+  OpenSession(b.get(), "job-b", 0);
+  auto b_params = *SharedMemoryRegion::Create(kN * 4);
+  auto b_grads = *SharedMemoryRegion::Create(kN * 4);
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal;
+  float* pa = params_->as<float>();
+  float* pb = b_params->as<float>();
+  for (int i = 0; i < kN; ++i) pa[i] = normal(rng), pb[i] = normal(rng);
+  ASSERT_TRUE(client_->RegisterGroup(Group("g", {Tensor("w", kN, 0)})).ok());
+  v1::TensorSpec tb = Tensor("w", kN, 0);
+  *tb.mutable_param() = b_params->Handle(0, kN * 4);
+  *tb.mutable_grad() = b_grads->Handle(0, kN * 4);
+  ASSERT_TRUE(b->RegisterGroup(Group("g", {tb})).ok());
+
+  AdamWHyper h;
+  h.lr = 1e-2;
+  h.weight_decay = 0.01;
+  std::vector<float> a_before(pa, pa + kN);
+  std::vector<float> ref_p(pb, pb + kN), ref_m(kN), ref_v(kN);
+  auto small = *SharedMemoryRegion::Create(64);
+  for (int step = 1; step <= 30; ++step) {
+    for (int i = 0; i < kN; ++i) grads_->as<float>()[i] = normal(rng);
+    v1::StepRequest bad;
+    StatusCode want;
+    switch (step % 3) {
+      case 0:
+        bad.add_overrides()->set_group_id("nope");
+        want = StatusCode::kNotFound;
+        break;
+      case 1:
+        bad.set_grad_scale(-2);
+        want = StatusCode::kInvalidArgument;
+        break;
+      default: {
+        auto* t = bad.add_buffer_updates();
+        t->set_group_id("g");
+        auto* w = t->add_tensors();
+        w->set_name("w");
+        *w->mutable_grad() = small->Handle(0, kN * 4);  // past its end
+        want = StatusCode::kInvalidArgument;
+      }
+    }
+    auto refused = (step % 2) ? client_->Step(bad) : client_->StreamStep(bad);
+    EXPECT_EQ(refused.status().code(), want) << refused.status();
+    EXPECT_FALSE(refused.status().message().empty());
+    for (int i = 0; i < kN; ++i) ASSERT_EQ(pa[i], a_before[i]) << i;
+
+    for (int i = 0; i < kN; ++i) b_grads->as<float>()[i] = normal(rng);
+    auto ok = (step % 2) ? b->StreamStep(v1::StepRequest())
+                         : b->Step(v1::StepRequest());
+    ASSERT_TRUE(ok.ok()) << ok.status();
+    EXPECT_EQ(ok->groups(0).step(), static_cast<uint64_t>(step));
+    TensorPointers t{ref_p.data(), b_grads->as<float>(), nullptr,
+                     ref_m.data(), ref_v.data(),         nullptr};
+    AdamWStepRange(Layout(), t, 0, kN, MakeStepScalars(h, step, 1, 1));
+    for (int i = 0; i < kN; ++i) ASSERT_EQ(pb[i], ref_p[i]) << i;
+  }
+  // A's state was never touched: its first step is a first step.
+  auto first = client_->Step(v1::StepRequest());
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->groups(0).step(), 1u);
+  std::vector<float> zeros_m(kN), zeros_v(kN);
+  TensorPointers ta{a_before.data(), grads_->as<float>(), nullptr,
+                    zeros_m.data(),  zeros_v.data(),      nullptr};
+  AdamWStepRange(Layout(), ta, 0, kN, MakeStepScalars(h, 1, 1, 1));
+  for (int i = 0; i < kN; ++i) ASSERT_EQ(pa[i], a_before[i]) << i;
+}
+
 // Runs `command`, returning its exit status and standard output.
 std::pair<int, std::string> RunCommand(const std::string& command) {
   std::string out;
