@@ -11,6 +11,8 @@
 // its last bits, so those results are compared to 1e-6 relative.
 #include "kernels/cuda_backend.h"
 
+#include <cuda_runtime.h>
+
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -26,6 +28,8 @@ namespace optimd {
 namespace {
 
 IpcTrainer* g_trainer = nullptr;
+// A trainer process on GPU 1 (its calls fail where there is none).
+IpcTrainer* g_trainer1 = nullptr;
 uint32_t g_seed = 0;
 
 std::unique_ptr<SessionContext> Context(Backend* b, int device) {
@@ -501,6 +505,34 @@ TEST_F(CudaBackendTest, BadHandlesAreInvalidArgumentAndHarmless) {
   EXPECT_TRUE(gpu_->ResolveBuffer(h, 4, "ok").ok());
 }
 
+// A buffer of another GPU's memory, with the request naming that GPU, is
+// refused without being opened; the backend stays healthy. (Named as this
+// GPU's, it cannot be told apart: the CUDA runtime and driver report the
+// importing GPU for an IPC mapping, so it would be used through peer
+// access, correctly but over the interconnect.) Needs two GPUs.
+TEST_F(CudaBackendTest, BufferOfAnotherGpuIsInvalidArgument) {
+  int gpus = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&gpus), cudaSuccess);
+  if (gpus < 2) GTEST_SKIP() << "needs two GPUs, this machine has " << gpus;
+  auto alloc = g_trainer1->Alloc(4096);
+  ASSERT_TRUE(alloc.ok()) << alloc.status();
+  BufferHandle h;
+  h.kind = BufferHandle::Kind::kCudaIpc;
+  h.ipc_handle = alloc->ipc_handle;
+  h.device = 1;
+  h.size = 1024;
+  auto r = gpu_->ResolveBuffer(h, 4, "w");
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument)
+      << r.status();
+  EXPECT_NE(r.status().message().find("on GPU 1"), std::string::npos)
+      << r.status();
+  // This GPU's buffers still resolve.
+  auto mine = *g_trainer->Alloc(4096);
+  h.ipc_handle = mine.ipc_handle;
+  h.device = 0;
+  EXPECT_TRUE(gpu_->ResolveBuffer(h, 4, "ok").ok());
+}
+
 // Asynchronous replies report the last completed step, with that step's
 // own norm: the gradients stay the same while grad_scale alternates, so the
 // reported norm must be the true norm over the reported step's scale.
@@ -610,14 +642,20 @@ int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
   optimd::g_seed = std::random_device{}();
   std::printf("seed %u\n", optimd::g_seed);
-  // Fork the trainer before this process touches CUDA.
+  // Fork the trainers before this process touches CUDA (a process forked
+  // after that cannot use CUDA).
   auto trainer = optimd::IpcTrainer::Start(0, 64 << 20);
-  if (!trainer.ok()) {
-    std::fprintf(stderr, "%s\n", trainer.status().ToString().c_str());
-    return 1;
+  auto trainer1 = optimd::IpcTrainer::Start(1, 1 << 20);
+  for (const auto* t : {&trainer, &trainer1}) {
+    if (!t->ok()) {
+      std::fprintf(stderr, "%s\n", t->status().ToString().c_str());
+      return 1;
+    }
   }
   optimd::g_trainer = trainer->get();
+  optimd::g_trainer1 = trainer1->get();
   const int rc = RUN_ALL_TESTS();
   trainer->reset();
+  trainer1->reset();
   return rc;
 }
