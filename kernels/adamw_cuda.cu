@@ -18,14 +18,16 @@ namespace optimd {
 namespace cuda {
 namespace {
 
-// Store: round to nearest even, keeping a NaN's sign and payload (as the
-// CPU reference does). Round: the same for every value but NaN, which it
-// may make the canonical NaN: the step kernels store with it only results
-// of GPU arithmetic, whose NaNs are canonical already, and for those both
-// agree (tests/cuda_math_test checks every float).
+// Element types. Store: round to nearest even, keeping a NaN's sign and
+// payload (as the CPU reference does). Round: the same for every value but
+// NaN, which it may make the canonical NaN: the step kernels store with it
+// only results of GPU arithmetic, whose NaNs are canonical already, and for
+// those both agree (tests/cuda_math_test checks every float).
+//
 // A lane's share of a tile (8 elements, see LoadTile) travels as kTileWords
 // 32-bit words: Unpack turns them into floats, Pack rounds floats into
-// them (two 16-bit elements per word: one conversion instruction).
+// them as Round does (two 16-bit elements per word: one conversion
+// instruction).
 struct F32 {
   using T = float;
   static constexpr int kTileWords = 8;
