@@ -4,6 +4,7 @@ trainer crash, and clear Python errors."""
 import os
 import random
 import unittest
+import warnings
 
 import torch
 
@@ -161,6 +162,30 @@ class TorchClientTest(unittest.TestCase):
         for p, q in zip(ours.parameters(), theirs.parameters()):
             self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-5)
         opt.close()
+
+    def test_rank_local_clipping_warns_once_with_several_ranks(self):
+        model = mlp()
+        opt = self.make(model.parameters(), rank=1, world_size=2,
+                        max_grad_norm=1.0)
+        with self.assertWarnsRegex(UserWarning, "this rank's gradients"):
+            self.train_step(model, opt)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            self.train_step(model, opt)
+        self.assertEqual(
+            [w for w in caught if "this rank" in str(w.message)], [])
+        opt.close()
+        # One rank, or no clipping: nothing to warn about.
+        for kw in (dict(max_grad_norm=1.0), dict(world_size=2, rank=0)):
+            other = mlp()
+            opt = self.make(other.parameters(), job_id=self.id() + str(kw),
+                            **kw)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                self.train_step(other, opt)
+            self.assertEqual(
+                [w for w in caught if "this rank" in str(w.message)], [], kw)
+            opt.close()
 
     def test_parameters_keep_identity_and_grads_live_in_shared_memory(self):
         model = mlp()

@@ -26,6 +26,7 @@ import inspect
 import operator
 import os
 import socket
+import warnings
 
 import torch
 
@@ -133,7 +134,11 @@ class AdamW(torch.optim.Optimizer):
       store_param_remainders: bf16 parameters keep an int16 remainder instead
         of an fp32 master (exact; 4 bytes less per parameter).
       exp_avg_dtype: torch.float32 or torch.bfloat16 moments.
-      max_grad_norm: clip the global gradient norm (0: off).
+      max_grad_norm: clip by the norm of this rank's gradients (0: off).
+        Ranks do not agree on it: with world_size > 1 and gradients sharded
+        across ranks (FSDP2, ZeRO), clip with
+        torch.nn.utils.clip_grad_norm_ instead (it reduces across ranks);
+        a step warns once when both are set.
       grad_scale: divide gradients by this (loss scaling) before use.
       assume_finite: the gradients are known finite (e.g. a GradScaler
         checked them): without max_grad_norm the daemon skips its gradient
@@ -186,6 +191,8 @@ class AdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.state = _DaemonState(self)
         self.max_grad_norm = max_grad_norm
+        self._world_size = world_size
+        self._warned_rank_norm = False
         self.grad_scale = grad_scale
         self.assume_finite = assume_finite
         self._keep_fp32 = {id(p) for p in keep_fp32}
@@ -436,6 +443,15 @@ class AdamW(torch.optim.Optimizer):
                           eps=float(group["eps"]),
                           weight_decay=float(group["weight_decay"]))
             for g, group in zip(self._groups, self.param_groups)}
+        if (self.max_grad_norm and self._world_size > 1
+                and not self._warned_rank_norm):
+            self._warned_rank_norm = True
+            warnings.warn(
+                "optimd.torch.AdamW: max_grad_norm clips by the norm of this "
+                "rank's gradients only (world_size=%d); ranks do not agree "
+                "on it. With gradients sharded across ranks, clip with "
+                "torch.nn.utils.clip_grad_norm_ before step() and leave "
+                "max_grad_norm at 0." % self._world_size, stacklevel=3)
         if self._ready_event is not None:
             self._ready_event.record()
         reply = self._client.step(
