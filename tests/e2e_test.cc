@@ -21,6 +21,16 @@ namespace {
 
 using absl::StatusCode;
 
+// A session of CPU tensors for `rank` of job `job` (world size rank + 1).
+v1::CreateSessionRequest CpuSession(const std::string& job, int rank = 0) {
+  v1::CreateSessionRequest r;
+  r.set_job_id(job);
+  r.set_rank(rank);
+  r.set_world_size(rank + 1);
+  r.set_device(-1);
+  return r;
+}
+
 class E2eTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -54,12 +64,7 @@ class E2eTest : public ::testing::Test {
   }
 
   void OpenSession(Client* c, const std::string& job = "job", int rank = 0) {
-    v1::CreateSessionRequest r;
-    r.set_job_id(job);
-    r.set_rank(rank);
-    r.set_world_size(rank + 1);
-    r.set_device(-1);
-    auto s = c->CreateSession(r);
+    auto s = c->CreateSession(CpuSession(job, rank));
     ASSERT_TRUE(s.ok()) << s.status();
     EXPECT_EQ(s->backend(), v1::BACKEND_CPU);
     EXPECT_EQ(s->session_token().size(), 32u);
@@ -187,10 +192,7 @@ TEST_F(E2eTest, ResumeKeepsState) {
   ASSERT_TRUE(client_->Step(v1::StepRequest()).ok());
   const std::string old_token = client_->session_token();
   auto restarted = Connect();
-  v1::CreateSessionRequest cs;
-  cs.set_job_id("job");
-  cs.set_world_size(1);
-  cs.set_device(-1);
+  v1::CreateSessionRequest cs = CpuSession("job");
   EXPECT_EQ(restarted->CreateSession(cs).status().code(),
             StatusCode::kAlreadyExists);
   cs.set_resume(true);
@@ -583,11 +585,7 @@ TEST(E2eBudgetTest, RegistrationPastMaxStateBytes) {
   auto d = DaemonProcess::Start({"--max_state_bytes=100"});
   ASSERT_TRUE(d.ok()) << d.status();
   auto c = *(*d)->Connect();
-  v1::CreateSessionRequest cs;
-  cs.set_job_id("j");
-  cs.set_world_size(1);
-  cs.set_device(-1);
-  ASSERT_TRUE(c->CreateSession(cs).ok());
+  ASSERT_TRUE(c->CreateSession(CpuSession("j")).ok());
   auto params = *SharedMemoryRegion::Create(4096);
   auto grads = *SharedMemoryRegion::Create(4096);
   v1::RegisterGroupRequest r;
@@ -628,11 +626,7 @@ TEST(E2eBudgetTest, StateLargerThanTheMachineIsRefused) {
   auto d = DaemonProcess::Start();
   ASSERT_TRUE(d.ok()) << d.status();
   auto c = *(*d)->Connect();
-  v1::CreateSessionRequest cs;
-  cs.set_job_id("j");
-  cs.set_world_size(1);
-  cs.set_device(-1);
-  ASSERT_TRUE(c->CreateSession(cs).ok());
+  ASSERT_TRUE(c->CreateSession(CpuSession("j")).ok());
   v1::RegisterGroupRequest r;
   r.set_group_id("g");
   r.mutable_hyperparameters()->set_lr(1e-3);
