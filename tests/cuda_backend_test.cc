@@ -118,15 +118,8 @@ class Twin {
       if (t.numel == 0 || t.frozen) continue;
       BufferUpdate c, g;
       c.tensor = g.tensor = t.name;
-      c.grad.kind = BufferHandle::Kind::kSharedMemory;
-      c.grad.segment_name = cpu_grads_->name();
-      c.grad.offset = t.grad_off + shift;
-      c.grad.size = t.numel * DTypeSize(t.grad);
-      g.grad.kind = BufferHandle::Kind::kCudaIpc;
-      g.grad.ipc_handle = gpu_grads_.ipc_handle;
-      g.grad.device = 0;
-      g.grad.offset = c.grad.offset;
-      g.grad.size = c.grad.size;
+      Handles(*cpu_grads_, gpu_grads_, t.grad_off + shift,
+              t.numel * DTypeSize(t.grad), &c.grad, &g.grad);
       cpu_updates.push_back(c);
       gpu_updates.push_back(g);
     }
@@ -245,6 +238,22 @@ class Twin {
     EXPECT_TRUE(g_trainer->Upload(gpu_params_.id, 0, pbytes_, 0).ok());
   }
 
+  // The same bytes of the two sessions' buffers: `cpu` (shared memory)
+  // and `gpu` (the trainer's CUDA allocation on GPU 0).
+  static void Handles(const SharedMemoryRegion& cpu,
+                      const IpcTrainer::Allocation& gpu, uint64_t offset,
+                      uint64_t size, BufferHandle* c, BufferHandle* g) {
+    c->kind = BufferHandle::Kind::kSharedMemory;
+    c->segment_name = cpu.name();
+    c->offset = offset;
+    c->size = size;
+    g->kind = BufferHandle::Kind::kCudaIpc;
+    g->ipc_handle = gpu.ipc_handle;
+    g->device = 0;
+    g->offset = offset;
+    g->size = size;
+  }
+
   absl::Status Register() {
     GroupSpec cpu_spec = spec_, gpu_spec = spec_;
     for (const TensorPlan& t : tensors_) {
@@ -258,24 +267,11 @@ class Twin {
       ts.frozen = t.frozen;
       TensorSpec c = ts, g = ts;
       if (t.numel > 0) {
-        c.param.kind = BufferHandle::Kind::kSharedMemory;
-        c.param.segment_name = cpu_params_->name();
-        c.param.offset = t.param_off;
-        c.param.size = t.numel * DTypeSize(t.param);
-        g.param.kind = BufferHandle::Kind::kCudaIpc;
-        g.param.ipc_handle = gpu_params_.ipc_handle;
-        g.param.device = 0;
-        g.param.offset = t.param_off;
-        g.param.size = c.param.size;
+        Handles(*cpu_params_, gpu_params_, t.param_off,
+                t.numel * DTypeSize(t.param), &c.param, &g.param);
         if (!t.frozen) {
-          c.grad = c.param;
-          c.grad.segment_name = cpu_grads_->name();
-          c.grad.offset = t.grad_off;
-          c.grad.size = t.numel * DTypeSize(t.grad);
-          g.grad = g.param;
-          g.grad.ipc_handle = gpu_grads_.ipc_handle;
-          g.grad.offset = t.grad_off;
-          g.grad.size = c.grad.size;
+          Handles(*cpu_grads_, gpu_grads_, t.grad_off,
+                  t.numel * DTypeSize(t.grad), &c.grad, &g.grad);
         }
       }
       cpu_spec.tensors.push_back(c);
@@ -410,8 +406,9 @@ TEST_F(CudaBackendTest, MixedGroupWithKeepFp32FrozenAndEmpty) {
 }
 
 // New gradient buffers between steps (the trainer's allocator moved them):
-// when their alignment changes which chunks have tiles, the work blocks are
-// rebuilt, and every element is still updated exactly once.
+// when their alignment changes which chunks have tiles, the work blocks
+// holding those chunks are recounted, and every element is still updated
+// exactly once.
 TEST_F(CudaBackendTest, NewGradientBuffersOfAnotherAlignment) {
   for (DType d : {DType::kFloat32, DType::kBFloat16}) {
     SCOPED_TRACE(DTypeName(d));
