@@ -97,8 +97,12 @@ class Backend {
   // are already zero) and builds its plan.
   virtual absl::Status PrepareGroup(Group& group) = 0;
 
-  // Points plan entry `entry` of `group` at the tensor's current buffers.
-  virtual void UpdatePlanEntry(Group& group, uint32_t entry) = 0;
+  // Points plan entries `entries` of `group` at their tensors' current
+  // buffers (a gradient absent from a tensor leaves its entry out of steps)
+  // in stream order: steps already queued use the old pointers, later ones
+  // the new. Costs the host about the entries' size, not the group's.
+  virtual absl::Status UpdatePlanEntries(
+      Group& group, const std::vector<uint32_t>& entries) = 0;
 
   // Opens the backend side of a session. `ready_event` is the trainer's
   // interprocess event handle (may be empty); on success `done_event` holds

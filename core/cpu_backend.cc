@@ -80,10 +80,15 @@ absl::Status CpuBackend::PrepareGroup(Group& group) {
       "registration");
 }
 
-void CpuBackend::UpdatePlanEntry(Group& group, uint32_t entry) {
-  group.plan.entries[entry] =
-      group.tensors[group.plan.tensor_index[entry]].Pointers();
-  counters().plan_entry_updates.fetch_add(1, std::memory_order_relaxed);
+absl::Status CpuBackend::UpdatePlanEntries(
+    Group& group, const std::vector<uint32_t>& entries) {
+  for (uint32_t entry : entries) {
+    group.plan.entries[entry] =
+        group.tensors[group.plan.tensor_index[entry]].Pointers();
+  }
+  counters().plan_entry_updates.fetch_add(entries.size(),
+                                          std::memory_order_relaxed);
+  return absl::OkStatus();
 }
 
 namespace {
@@ -126,6 +131,8 @@ absl::StatusOr<StepOutcome> CpuBackend::Step(SessionContext* session,
             for (uint32_t i = plan.tasks[t].first_item;
                  i < plan.tasks[t].end_item; ++i) {
               const PlanItem& item = plan.items[i];
+              // An entry without a gradient (absent) is not stepped.
+              if (plan.entries[item.entry].grad == nullptr) continue;
               sum += GradSumSquaresRange(plan.layouts[item.entry].grad_dtype,
                                          plan.entries[item.entry].grad,
                                          item.begin, item.end);
@@ -167,6 +174,7 @@ absl::StatusOr<StepOutcome> CpuBackend::Step(SessionContext* session,
             for (uint32_t i = plan.tasks[t].first_item;
                  i < plan.tasks[t].end_item; ++i) {
               const PlanItem& item = plan.items[i];
+              if (plan.entries[item.entry].grad == nullptr) continue;
               AdamWStepRange(plan.layouts[item.entry], plan.entries[item.entry],
                              item.begin, item.end, s);
             }

@@ -32,7 +32,8 @@ class CpuBackend final : public Backend {
                                           const std::string& what) override;
   absl::StatusOr<StateStorage> AllocateState(uint64_t bytes) override;
   absl::Status PrepareGroup(Group& group) override;
-  void UpdatePlanEntry(Group& group, uint32_t entry) override;
+  absl::Status UpdatePlanEntries(Group& group,
+                                 const std::vector<uint32_t>& entries) override;
   absl::StatusOr<std::unique_ptr<SessionContext>> OpenSession(
       int device, const std::string& ready_event,
       std::string* done_event) override;

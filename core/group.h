@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "core/buffer.h"
 #include "core/layout.h"
 #include "kernels/adamw_cpu.h"
@@ -26,6 +27,8 @@ struct TensorSpec {
   BufferHandle grad;
   bool keep_fp32 = false;
   bool frozen = false;
+  // No gradient buffer yet (see TensorEntry::grad_absent).
+  bool grad_absent = false;
 };
 
 // A group as a client describes it, before validation.
@@ -57,6 +60,11 @@ struct TensorEntry {
   Layout layout;
   bool keep_fp32 = false;
   bool frozen = false;
+  // The trainer has no gradient for it now (torch's .grad is None): the
+  // tensor stays in the plan but its entry carries no gradient pointer, so
+  // backends leave it out of statistics and updates. Written only by
+  // Session::UpdateBuffers.
+  bool grad_absent = false;
   BufferRef param;  // null data for zero-element tensors
   BufferRef grad;   // null for frozen and zero-element tensors
   StateSlice master;
@@ -69,7 +77,7 @@ struct TensorEntry {
   TensorPointers Pointers() const {
     TensorPointers p;
     p.param = param.data;
-    p.grad = grad.data;
+    p.grad = grad_absent ? nullptr : grad.data;
     p.master = master.data();
     p.exp_avg = exp_avg.data();
     p.exp_avg_sq = exp_avg_sq.data();
@@ -117,6 +125,8 @@ struct Group {
   // Applied steps; the next step runs with t = step + 1.
   uint64_t step = 0;
   std::vector<TensorEntry> tensors;
+  // Tensor name -> index into `tensors`; set with `tensors` at registration.
+  absl::flat_hash_map<std::string, uint32_t> index_by_name;
   Plan plan;
   // The group's state memory: one arena per kind of state (master, exp_avg,
   // exp_avg_sq, max_exp_avg_sq), each tensor's slice 64-byte aligned. One

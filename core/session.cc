@@ -1,5 +1,6 @@
 #include "core/session.h"
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cmath>
@@ -146,9 +147,13 @@ absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
     if (t.numel > 0) {
       OPTIMD_RETURN_IF_ERROR(CheckRegion(t.name, "param", t.param,
                                          t.numel * DTypeSize(t.param_dtype)));
-      if (!t.frozen) {
+      if (!t.frozen && !t.grad_absent) {
         OPTIMD_RETURN_IF_ERROR(CheckRegion(t.name, "grad", t.grad,
                                            t.numel * DTypeSize(t.grad_dtype)));
+      } else if (t.grad_absent && t.grad.kind != BufferHandle::Kind::kNone) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "tensor '", t.name, "': grad_absent with a grad buffer; leave "
+            "grad unset"));
       }
       bytes += t.numel * (t.frozen ? layout.MasterBytesPerElement()
                                    : layout.StateBytesPerElement());
@@ -168,14 +173,17 @@ absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
     e.layout = layouts[i];
     e.keep_fp32 = t.keep_fp32;
     e.frozen = t.frozen;
+    e.grad_absent = t.grad_absent && !t.frozen;
     if (t.numel > 0) {
       OPTIMD_ASSIGN_OR_RETURN(e.param, ResolveRegion(t.name, "param", t.param,
                                                      t.numel, t.param_dtype));
-      if (!t.frozen) {
+      if (!t.frozen && !t.grad_absent) {
         OPTIMD_ASSIGN_OR_RETURN(e.grad, ResolveRegion(t.name, "grad", t.grad,
                                                       t.numel, t.grad_dtype));
       }
     }
+    group->index_by_name.emplace(e.name,
+                                 static_cast<uint32_t>(group->tensors.size()));
     group->tensors.push_back(std::move(e));
   }
 
@@ -275,29 +283,75 @@ absl::Status Session::UpdateBuffers(const std::string& group_id,
         "group '", group_id, "' is not registered in this session"));
   }
   // Resolve everything first; apply only when all are valid.
-  struct Resolved {
-    size_t tensor;
-    BufferRef param, grad;
-    bool has_param = false, has_grad = false;
-  };
-  std::vector<Resolved> resolved;
-  std::set<std::string> seen;
+  OPTIMD_ASSIGN_OR_RETURN(std::vector<ResolvedUpdate> resolved,
+                          ResolveUpdates(*group, updates));
+  std::vector<uint32_t> entries;
+  entries.reserve(resolved.size());
+  bool new_mapping = false;
+  for (ResolvedUpdate& r : resolved) {
+    TensorEntry& e = group->tensors[r.tensor];
+    if (r.has_param) {
+      new_mapping |= RetainIfReplaced(e.param.mapping, r.param.mapping);
+      e.param = std::move(r.param);
+    }
+    if (r.has_grad) {
+      new_mapping |= RetainIfReplaced(e.grad.mapping, r.grad.mapping);
+      e.grad = std::move(r.grad);
+      e.grad_absent = false;
+    } else if (r.absent) {
+      e.grad_absent = true;
+    }
+    // plan.tensor_index is ascending: the entry (if any) by binary search.
+    const auto& index = group->plan.tensor_index;
+    const auto it = std::lower_bound(index.begin(), index.end(), r.tensor);
+    if (it != index.end() && *it == r.tensor) {
+      entries.push_back(static_cast<uint32_t>(it - index.begin()));
+    }
+  }
+  // Mappings a step checks change only when a buffer moved to another
+  // segment or allocation: the steady state of a moving gradient skips it.
+  if (new_mapping) RefreshMappings();
+  return backend_->UpdatePlanEntries(*group, entries);
+}
+
+bool Session::RetainIfReplaced(const std::shared_ptr<const void>& old_mapping,
+                               const std::shared_ptr<const void>& mapping) {
+  if (old_mapping == mapping) return false;
+  if (old_mapping != nullptr &&
+      std::find(recent_mappings_.begin(), recent_mappings_.end(),
+                old_mapping) == recent_mappings_.end()) {
+    recent_mappings_.push_front(old_mapping);
+    if (recent_mappings_.size() > kRecentMappings) recent_mappings_.pop_back();
+  }
+  return true;
+}
+
+absl::StatusOr<std::vector<Session::ResolvedUpdate>> Session::ResolveUpdates(
+    const Group& group, const std::vector<BufferUpdate>& updates) {
+  std::vector<ResolvedUpdate> resolved;
+  resolved.reserve(updates.size());
+  std::vector<bool> seen(group.tensors.size(), false);
   for (const BufferUpdate& u : updates) {
-    size_t idx = group->tensors.size();
-    for (size_t i = 0; i < group->tensors.size(); ++i) {
-      if (group->tensors[i].name == u.tensor) idx = i;
-    }
-    if (idx == group->tensors.size()) {
+    const auto found = group.index_by_name.find(u.tensor);
+    if (found == group.index_by_name.end()) {
       return absl::NotFoundError(absl::StrCat(
-          "tensor '", u.tensor, "' is not in group '", group_id, "'"));
+          "tensor '", u.tensor, "' is not in group '", group.id, "'"));
     }
-    if (!seen.insert(u.tensor).second) {
+    const uint32_t idx = found->second;
+    if (seen[idx]) {
       return absl::InvalidArgumentError(
           absl::StrCat("tensor '", u.tensor, "' is updated twice"));
     }
-    const TensorEntry& e = group->tensors[idx];
-    Resolved r;
+    seen[idx] = true;
+    const TensorEntry& e = group.tensors[idx];
+    if (u.grad_absent && u.grad.kind != BufferHandle::Kind::kNone) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor '", u.tensor, "': grad_absent with a grad buffer; send "
+          "one or the other"));
+    }
+    ResolvedUpdate r;
     r.tensor = idx;
+    r.absent = u.grad_absent && e.Steppable();
     if (u.param.kind != BufferHandle::Kind::kNone && e.numel > 0) {
       OPTIMD_ASSIGN_OR_RETURN(r.param, ResolveRegion(e.name, "param", u.param,
                                                      e.numel,
@@ -312,18 +366,7 @@ absl::Status Session::UpdateBuffers(const std::string& group_id,
     }
     resolved.push_back(std::move(r));
   }
-  for (Resolved& r : resolved) {
-    TensorEntry& e = group->tensors[r.tensor];
-    if (r.has_param) e.param = std::move(r.param);
-    if (r.has_grad) e.grad = std::move(r.grad);
-    for (uint32_t k = 0; k < group->plan.tensor_index.size(); ++k) {
-      if (group->plan.tensor_index[k] == r.tensor) {
-        backend_->UpdatePlanEntry(*group, k);
-      }
-    }
-  }
-  RefreshMappings();
-  return absl::OkStatus();
+  return resolved;
 }
 
 void Session::RefreshMappings() {

@@ -9,6 +9,7 @@
 #define OPTIMD_CORE_SESSION_H_
 
 #include <atomic>
+#include <deque>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -64,6 +65,9 @@ struct BufferUpdate {
   std::string tensor;
   BufferHandle param;  // kind kNone: unchanged
   BufferHandle grad;   // kind kNone: unchanged
+  // The tensor has no gradient from now on (grad must be kNone): it is left
+  // out of steps until an update gives it a gradient buffer again.
+  bool grad_absent = false;
 };
 
 // One state buffer of one tensor, in host memory.
@@ -200,6 +204,21 @@ class Session {
       const std::vector<std::string>& group_ids)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RefreshMappings() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Keeps `old_mapping` among the recently used mappings when `mapping`
+  // replaces it; returns whether it was replaced.
+  bool RetainIfReplaced(const std::shared_ptr<const void>& old_mapping,
+                        const std::shared_ptr<const void>& mapping)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A BufferUpdate checked and mapped, not yet applied.
+  struct ResolvedUpdate {
+    uint32_t tensor = 0;  // index into Group::tensors
+    BufferRef param, grad;
+    bool has_param = false, has_grad = false;
+    bool absent = false;  // the gradient goes away
+  };
+  // Checks and maps every update of `group`; changes nothing.
+  absl::StatusOr<std::vector<ResolvedUpdate>> ResolveUpdates(
+      const Group& group, const std::vector<BufferUpdate>& updates);
   // Publishes the admin view (Info) after a change.
   void PublishInfo() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -216,6 +235,13 @@ class Session {
   std::set<std::string> tensor_names_ ABSL_GUARDED_BY(mu_);
   // Distinct buffer mappings the groups use, checked before each step.
   std::vector<std::shared_ptr<const void>> mappings_ ABSL_GUARDED_BY(mu_);
+  // Mappings buffers moved away from, most recent first, kept open: a
+  // trainer's allocator hands the same allocations out again (gradients
+  // that autograd allocates anew each step), and reopening one costs an IPC
+  // open, closing one a wait for the device. At most kRecentMappings.
+  static constexpr size_t kRecentMappings = 64;
+  std::deque<std::shared_ptr<const void>> recent_mappings_
+      ABSL_GUARDED_BY(mu_);
   // Reused by Step so that a step allocates nothing.
   std::vector<Group*> step_groups_ ABSL_GUARDED_BY(mu_);
   uint64_t state_bytes_ ABSL_GUARDED_BY(mu_) = 0;

@@ -160,6 +160,63 @@ TEST_F(SessionTest, UpdateBuffersTouchesOnlyThatEntry) {
   EXPECT_EQ(backend_.counters().plan_entry_updates.load(), 1u);
 }
 
+// A tensor whose gradient is absent (torch's .grad is None) is not stepped:
+// its parameter, moments and the norm ignore it, while its neighbour steps
+// as if it were alone; given a gradient again, it steps again.
+TEST_F(SessionTest, AbsentGradientIsNotStepped) {
+  GroupSpec spec;
+  spec.id = "g";
+  spec.hyper.weight_decay = 0.1;
+  spec.tensors = {Fp32Tensor("a", 8, 0), Fp32Tensor("b", 8, 64),
+                  Fp32Tensor("c", 8, 128)};
+  spec.tensors[2].grad_absent = true;  // no gradient before its first use
+  spec.tensors[2].grad = BufferHandle();
+  ASSERT_TRUE(session_.RegisterGroup(spec).ok());
+  for (int i = 0; i < 48; ++i) {
+    params_->as<float>()[i] = 1.0f;
+    grads_->as<float>()[i] = 3.0f;
+  }
+  BufferUpdate absent;
+  absent.tensor = "b";
+  absent.grad_absent = true;
+  ASSERT_TRUE(session_.UpdateBuffers("g", {absent}).ok());
+  StepRequestSpec step;
+  step.options.max_grad_norm = 1e9;  // statistics on: the norm is reported
+  auto s = session_.Step(step);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_DOUBLE_EQ(s->outcome.grad_norm, std::sqrt(8 * 9.0));  // "a" only
+  for (int i = 0; i < 8; ++i) {
+    EXPECT_LT(params_->as<float>()[i], 1.0f);
+    EXPECT_EQ(params_->as<float>()[16 + i], 1.0f) << "b moved";
+    EXPECT_EQ(params_->as<float>()[32 + i], 1.0f) << "c moved";
+  }
+  auto state = session_.ReadState({"g"});
+  ASSERT_TRUE(state.ok());
+  for (const StateBlob& b : (*state)[0].tensors) {
+    if (b.tensor == "a" || b.kind == "master") continue;  // master: the param
+    for (char c : b.data) ASSERT_EQ(c, 0) << b.tensor << "." << b.kind;
+  }
+  // Both get their gradients back; after one more step "b" and "c" hold
+  // what one step from the start gives, as "a" did.
+  const float a_after_one = params_->as<float>()[0];
+  BufferUpdate back_b, back_c;
+  back_b.tensor = "b";
+  back_b.grad = Handle(*grads_, 64, 32);
+  back_c.tensor = "c";
+  back_c.grad = Handle(*grads_, 128, 32);
+  ASSERT_TRUE(session_.UpdateBuffers("g", {back_b, back_c}).ok());
+  ASSERT_TRUE(session_.Step(step).ok());
+  EXPECT_LT(params_->as<float>()[16], 1.0f);
+  EXPECT_LT(params_->as<float>()[32], 1.0f);
+  EXPECT_LT(params_->as<float>()[0], a_after_one);
+  BufferUpdate both;
+  both.tensor = "b";
+  both.grad_absent = true;
+  both.grad = Handle(*grads_, 64, 32);
+  EXPECT_EQ(session_.UpdateBuffers("g", {both}).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST_F(SessionTest, ShrunkSegmentFailsTheStepNotTheDaemon) {
   auto seg = *SharedMemoryRegion::Create(8192);
   GroupSpec spec;

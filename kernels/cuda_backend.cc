@@ -89,12 +89,16 @@ struct Segment {
 };
 
 // The device-resident plan of one group. chunks: as in device memory;
-// chunk_entry[c]: the plan entry of chunk c; tables[0]: the update's work
-// blocks, tables[1]: the statistics pass's (one partial sum each).
+// chunk_end[c]: the end of chunk c's element range (its `end` is `begin`
+// while its tensor has no gradient); entry_chunks[e]: the chunks [first,
+// end) of plan entry e, consecutive since an entry has one layout;
+// tables[0]: the update's work blocks, tables[1]: the statistics pass's
+// (one partial sum each).
 struct DevicePlan {
   uint64_t id = 0;  // unique within the backend
   std::vector<DeviceChunk> chunks;
-  std::vector<uint32_t> chunk_entry;
+  std::vector<uint64_t> chunk_end;
+  std::vector<std::pair<uint32_t, uint32_t>> entry_chunks;
   std::vector<Segment> segments;
   BlockTable tables[2];
   StateStorage chunks_d, partials_d, state_d, scalars_d;
@@ -173,7 +177,8 @@ class CudaBackend final : public Backend {
                                           const std::string& what) override;
   absl::StatusOr<StateStorage> AllocateState(uint64_t bytes) override;
   absl::Status PrepareGroup(Group& group) override;
-  void UpdatePlanEntry(Group& group, uint32_t entry) override;
+  absl::Status UpdatePlanEntries(
+      Group& group, const std::vector<uint32_t>& entries) override;
   absl::StatusOr<std::unique_ptr<SessionContext>> OpenSession(
       int device, const std::string& ready_event,
       std::string* done_event) override;
@@ -338,6 +343,36 @@ void SetStreams(const TensorPointers& p, DeviceChunk* c) {
   c->max_exp_avg_sq = p.max_exp_avg_sq;
 }
 
+uint32_t ChunkTiles(const DeviceChunk& chunk, const Layout& layout);
+
+// Chunk [begin, end) of a tensor with pointers `p`. A tensor without a
+// gradient keeps its chunks with no elements, so every kernel passes over
+// them (and the work blocks' shapes, hence the step graphs, stay the same).
+void FillChunk(const TensorPointers& p, uint64_t begin, uint64_t end,
+               const Layout& layout, DeviceChunk* c) {
+  SetStreams(p, c);
+  c->begin = begin;
+  c->end = p.grad == nullptr ? begin : end;
+  c->tiles = ChunkTiles(*c, layout);
+}
+
+// Sorted, merged [first, end) ranges; ranges at most `gap` apart are joined,
+// so that a few copies carry many small changes.
+std::vector<std::pair<uint32_t, uint32_t>> MergeRanges(
+    std::vector<std::pair<uint32_t, uint32_t>> ranges, uint32_t gap) {
+  std::sort(ranges.begin(), ranges.end());
+  std::vector<std::pair<uint32_t, uint32_t>> out;
+  for (const auto& r : ranges) {
+    if (r.first >= r.second) continue;
+    if (!out.empty() && r.first <= out.back().second + gap) {
+      out.back().second = std::max(out.back().second, r.second);
+    } else {
+      out.push_back(r);
+    }
+  }
+  return out;
+}
+
 // Tiles of a chunk: whole tiles when every stream is 16-byte aligned at
 // the chunk's first element (tiles access them in 8- or 16-byte pieces),
 // else none.
@@ -440,6 +475,7 @@ absl::Status CudaBackend::PrepareGroup(Group& group) {
   auto plan = std::make_shared<DevicePlan>();
   plan->id = next_plan_id_++;
   const Plan& host = group.plan;
+  plan->entry_chunks.assign(host.entries.size(), {0, 0});
   // One segment per distinct layout, in order of first appearance; each
   // launch covers a whole segment.
   std::vector<Layout> layouts;
@@ -454,19 +490,17 @@ absl::Status CudaBackend::PrepareGroup(Group& group) {
     seg.first_chunk = static_cast<uint32_t>(plan->chunks.size());
     for (const PlanItem& item : host.items) {
       if (!(host.layouts[item.entry] == l)) continue;
-      const TensorPointers& p = host.entries[item.entry];
+      const uint32_t index = static_cast<uint32_t>(plan->chunks.size());
+      auto& range = plan->entry_chunks[item.entry];
+      if (range.first == range.second) range.first = index;
+      range.second = index + 1;
       DeviceChunk c{};
-      SetStreams(p, &c);
-      c.begin = item.begin;
-      c.end = item.end;
+      FillChunk(host.entries[item.entry], item.begin, item.end, l, &c);
       plan->chunks.push_back(c);
-      plan->chunk_entry.push_back(item.entry);
+      plan->chunk_end.push_back(item.end);
     }
     seg.num_chunks =
         static_cast<uint32_t>(plan->chunks.size()) - seg.first_chunk;
-    for (uint32_t c = seg.first_chunk; c < plan->chunks.size(); ++c) {
-      plan->chunks[c].tiles = ChunkTiles(plan->chunks[c], l);
-    }
     for (int t = 0; t < 2; ++t) {
       std::vector<DeviceBlock>& blocks = plan->tables[t].blocks;
       seg.first_block[t] = static_cast<uint32_t>(blocks.size());
@@ -494,33 +528,39 @@ absl::Status CudaBackend::PrepareGroup(Group& group) {
   return absl::OkStatus();
 }
 
-void CudaBackend::UpdatePlanEntry(Group& group, uint32_t entry) {
+absl::Status CudaBackend::UpdatePlanEntries(
+    Group& group, const std::vector<uint32_t>& entries) {
+  if (entries.empty()) return absl::OkStatus();
   auto* plan = static_cast<DevicePlan*>(group.backend_plan.get());
-  const TensorPointers p =
-      group.tensors[group.plan.tensor_index[entry]].Pointers();
-  group.plan.entries[entry] = p;
-  cudaSetDevice(device_);
-  auto* chunks_d = reinterpret_cast<DeviceChunk*>(plan->chunks_d.data());
-  for (const Segment& seg : plan->segments) {
-    // The entry's chunks are consecutive within a segment.
-    uint32_t first = seg.first_chunk + seg.num_chunks, end = first;
-    for (uint32_t c = seg.first_chunk; c < seg.first_chunk + seg.num_chunks;
-         ++c) {
-      if (plan->chunk_entry[c] != entry) continue;
-      first = std::min(first, c);
-      end = c + 1;
-      DeviceChunk& chunk = plan->chunks[c];
-      SetStreams(p, &chunk);
-      // New pointers may change which chunks have tiles.
-      chunk.tiles = ChunkTiles(chunk, seg.layout);
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
+  std::vector<std::pair<uint32_t, uint32_t>> ranges;
+  ranges.reserve(entries.size());
+  for (uint32_t entry : entries) {
+    const TensorPointers p =
+        group.tensors[group.plan.tensor_index[entry]].Pointers();
+    group.plan.entries[entry] = p;
+    const auto [first, end] = plan->entry_chunks[entry];
+    for (uint32_t c = first; c < end; ++c) {
+      FillChunk(p, plan->chunks[c].begin, plan->chunk_end[c],
+                group.plan.layouts[entry], &plan->chunks[c]);
     }
-    if (first >= end) continue;
-    cudaMemcpyAsync(chunks_d + first, &plan->chunks[first],
-                    (end - first) * sizeof(DeviceChunk), cudaMemcpyHostToDevice,
-                    stream_);
-    // Recount the work blocks that hold those chunks.
-    for (BlockTable& t : plan->tables) {
-      auto* blocks_d = reinterpret_cast<DeviceBlock*>(t.blocks_d.data());
+    ranges.emplace_back(first, end);
+  }
+  // Copies from pageable memory are staged when enqueued, so the host
+  // tables may change again at once; stream order puts them after the
+  // steps already queued and before the next.
+  ranges = MergeRanges(std::move(ranges), 16);
+  auto* chunks_d = reinterpret_cast<DeviceChunk*>(plan->chunks_d.data());
+  for (const auto& [first, end] : ranges) {
+    OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(
+        chunks_d + first, &plan->chunks[first],
+        (end - first) * sizeof(DeviceChunk), cudaMemcpyHostToDevice, stream_));
+  }
+  // New pointers may change which chunks have tiles, and absent gradients
+  // their element counts: recount the work blocks holding those chunks.
+  for (BlockTable& t : plan->tables) {
+    std::vector<std::pair<uint32_t, uint32_t>> dirty;
+    for (const auto& [first, end] : ranges) {
       auto b = std::upper_bound(
           t.blocks.begin(), t.blocks.end(), first,
           [](uint32_t c, const DeviceBlock& blk) { return c < blk.first; });
@@ -528,13 +568,21 @@ void CudaBackend::UpdatePlanEntry(Group& group, uint32_t entry) {
       for (; b != t.blocks.end() && b->first < end; ++b) {
         if (b->end <= first) continue;
         CountBlock(plan->chunks, &*b);
-        cudaMemcpyAsync(blocks_d + (b - t.blocks.begin()), &*b,
-                        sizeof(DeviceBlock), cudaMemcpyHostToDevice, stream_);
+        const uint32_t i = static_cast<uint32_t>(b - t.blocks.begin());
+        dirty.emplace_back(i, i + 1);
       }
     }
+    auto* blocks_d = reinterpret_cast<DeviceBlock*>(t.blocks_d.data());
+    for (const auto& [first, end] : MergeRanges(std::move(dirty), 16)) {
+      OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(
+          blocks_d + first, &t.blocks[first],
+          (end - first) * sizeof(DeviceBlock), cudaMemcpyHostToDevice,
+          stream_));
+    }
   }
-  cudaStreamSynchronize(stream_);
-  counters().plan_entry_updates.fetch_add(1, std::memory_order_relaxed);
+  counters().plan_entry_updates.fetch_add(entries.size(),
+                                          std::memory_order_relaxed);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<SessionContext>> CudaBackend::OpenSession(

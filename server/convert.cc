@@ -132,6 +132,7 @@ absl::StatusOr<GroupSpec> GroupSpecFromProto(
     ts.grad = BufferHandleFromProto(t.grad());
     ts.keep_fp32 = t.keep_fp32();
     ts.frozen = t.frozen();
+    ts.grad_absent = t.grad_absent();
     spec.tensors.push_back(std::move(ts));
   }
   return spec;
@@ -145,6 +146,7 @@ absl::StatusOr<std::vector<BufferUpdate>> BufferUpdatesFromProto(
     u.tensor = t.name();
     u.param = BufferHandleFromProto(t.param());
     u.grad = BufferHandleFromProto(t.grad());
+    u.grad_absent = t.grad_absent();
     out.push_back(std::move(u));
   }
   return out;
