@@ -72,7 +72,7 @@ def main():
                   for _ in range(args.tensors)]
         opt = AdamW(params, lr=1e-3, address=d.address, job_id="ckpt-bench")
         for p in params:
-            p.grad.normal_()
+            p.grad = torch.randn_like(p)
         opt.step()
         # Best of two for each side: the disk's speed varies run to run.
         t_save = t_load = float("inf")

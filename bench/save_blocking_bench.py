@@ -38,11 +38,11 @@ def main():
             tempfile.TemporaryDirectory(dir=args.dir) as where:
         big = torch.nn.Parameter(torch.randn(n))
         a = AdamW([("w", big)], lr=1e-3, address=d.address, job_id="big")
-        big.grad.normal_()
+        big.grad = torch.randn_like(big)
         a.step()
         small = torch.nn.Parameter(torch.randn(16))
         b = AdamW([("w", small)], lr=1e-3, address=d.address, job_id="small")
-        small.grad.normal_()
+        small.grad = torch.randn_like(small)
         for _ in range(200):
             b.step()
 

@@ -111,6 +111,29 @@ absl::StatusOr<std::unique_ptr<SessionContext>> CpuBackend::OpenSession(
   return std::unique_ptr<SessionContext>(new CpuSession());
 }
 
+namespace {
+
+// Per plan entry, the step scalars of its own step count when some tensor
+// of `g` missed steps (its bias correction then differs from the group's);
+// empty otherwise, the usual case.
+std::vector<StepScalars> OwnStepScalars(const Group& g, double scale,
+                                        double clip) {
+  const auto missed = [&](uint32_t e) {
+    return g.tensors[g.plan.tensor_index[e]].missed_steps;
+  };
+  const uint32_t n = static_cast<uint32_t>(g.plan.entries.size());
+  bool any = false;
+  for (uint32_t e = 0; e < n && !any; ++e) any = missed(e) != 0;
+  if (!any) return {};
+  std::vector<StepScalars> own(n);
+  for (uint32_t e = 0; e < n; ++e) {
+    own[e] = MakeStepScalars(g.hyper, g.step + 1 - missed(e), scale, clip);
+  }
+  return own;
+}
+
+}  // namespace
+
 absl::StatusOr<StepOutcome> CpuBackend::Step(SessionContext* session,
                                              const std::vector<Group*>& groups,
                                              const StepOptions& options) {
@@ -168,6 +191,7 @@ absl::StatusOr<StepOutcome> CpuBackend::Step(SessionContext* session,
     const Plan& plan = g->plan;
     if (plan.items.empty()) continue;
     const StepScalars s = MakeStepScalars(g->hyper, g->step + 1, scale, clip);
+    const std::vector<StepScalars> own = OwnStepScalars(*g, scale, clip);
     pool_.ParallelFor(plan.tasks.size(), [&](uint64_t t, int) {
       const absl::Status st = GuardMemoryFaults(
           [&] {
@@ -176,7 +200,8 @@ absl::StatusOr<StepOutcome> CpuBackend::Step(SessionContext* session,
               const PlanItem& item = plan.items[i];
               if (plan.entries[item.entry].grad == nullptr) continue;
               AdamWStepRange(plan.layouts[item.entry], plan.entries[item.entry],
-                             item.begin, item.end, s);
+                             item.begin, item.end,
+                             own.empty() ? s : own[item.entry]);
             }
           },
           "step");
@@ -188,7 +213,14 @@ absl::StatusOr<StepOutcome> CpuBackend::Step(SessionContext* session,
         "step: a trainer's shared-memory segment shrank during the update; "
         "the state is partly updated and must be loaded from a checkpoint");
   }
-  for (Group* g : groups) ++g->step;
+  for (Group* g : groups) {
+    ++g->step;
+    for (uint32_t e = 0; e < g->plan.entries.size(); ++e) {
+      if (g->plan.entries[e].grad == nullptr) {
+        ++g->tensors[g->plan.tensor_index[e]].missed_steps;
+      }
+    }
+  }
   out.steps_applied = ++totals->applied;
   out.steps_skipped = totals->skipped;
   return out;

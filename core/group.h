@@ -65,6 +65,12 @@ struct TensorEntry {
   // backends leave it out of statistics and updates. Written only by
   // Session::UpdateBuffers.
   bool grad_absent = false;
+  // Applied steps of the group in which this tensor had no gradient. Its
+  // own step count, torch's per-parameter `step` (what its bias correction
+  // uses), is the group's step minus this. Advanced by the backend (on the
+  // CUDA backend on the device; SyncGroupCounters brings it here) and set
+  // by state loads.
+  uint64_t missed_steps = 0;
   BufferRef param;  // null data for zero-element tensors
   BufferRef grad;   // null for frozen and zero-element tensors
   StateSlice master;

@@ -566,6 +566,7 @@ absl::StatusOr<std::vector<GroupState>> Session::ReadState(
     gs.hyper = g->hyper;
     for (const TensorEntry& t : g->tensors) {
       if (!selected(t)) continue;
+      const size_t first_blob = gs.tensors.size();
       const uint64_t n = t.numel;
       auto raw = [&](const uint8_t* src, uint64_t bytes,
                      std::string* dst) -> absl::Status {
@@ -608,14 +609,19 @@ absl::StatusOr<std::vector<GroupState>> Session::ReadState(
         if (n > 0) OPTIMD_RETURN_IF_ERROR(raw(storage->data(), mb, &b.data));
         gs.tensors.push_back(std::move(b));
       }
+      for (size_t b = first_blob; b < gs.tensors.size(); ++b) {
+        gs.tensors[b].step = g->step - t.missed_steps;
+      }
     }
     out.push_back(std::move(gs));
   }
   return out;
 }
 
-absl::Status Session::WriteState(const std::string& group_id, uint64_t step,
-                                 const std::vector<StateBlob>& blobs) {
+absl::Status Session::WriteState(
+    const std::string& group_id, uint64_t step,
+    const std::vector<StateBlob>& blobs,
+    const std::vector<std::pair<std::string, uint64_t>>& tensor_steps) {
   absl::MutexLock lock(&mu_);
   Group* g = FindGroup(group_id);
   if (g == nullptr) {
@@ -623,13 +629,14 @@ absl::Status Session::WriteState(const std::string& group_id, uint64_t step,
         "group '", group_id, "' is not registered in this session"));
   }
   // Check everything first.
+  OPTIMD_ASSIGN_OR_RETURN(std::vector<uint64_t> missed,
+                          MissedSteps(*g, step, tensor_steps));
   std::vector<std::pair<const StateBlob*, TensorEntry*>> work;
   std::set<std::pair<std::string, std::string>> seen;
   for (const StateBlob& b : blobs) {
-    TensorEntry* t = nullptr;
-    for (TensorEntry& e : g->tensors) {
-      if (e.name == b.tensor) t = &e;
-    }
+    const auto found = g->index_by_name.find(b.tensor);
+    TensorEntry* t =
+        found == g->index_by_name.end() ? nullptr : &g->tensors[found->second];
     if (t == nullptr) {
       return absl::NotFoundError(absl::StrCat(
           "tensor '", b.tensor, "' is not in group '", group_id, "'"));
@@ -701,7 +708,36 @@ absl::Status Session::WriteState(const std::string& group_id, uint64_t step,
       OPTIMD_RETURN_IF_ERROR(put(t->layout.param_dtype, t->param.data));
     }
   }
+  for (size_t i = 0; i < g->tensors.size(); ++i) {
+    g->tensors[i].missed_steps = missed[i];
+  }
   return backend_->SetGroupStep(*g, step);
+}
+
+absl::StatusOr<std::vector<uint64_t>> Session::MissedSteps(
+    const Group& g, uint64_t step,
+    const std::vector<std::pair<std::string, uint64_t>>& tensor_steps) {
+  std::vector<uint64_t> missed(g.tensors.size(), 0);
+  std::vector<bool> seen(g.tensors.size(), false);
+  for (const auto& [name, own] : tensor_steps) {
+    const auto found = g.index_by_name.find(name);
+    if (found == g.index_by_name.end()) {
+      return absl::NotFoundError(absl::StrCat(
+          "tensor_steps: tensor '", name, "' is not in group '", g.id, "'"));
+    }
+    if (seen[found->second]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor_steps: tensor '", name, "' is given twice"));
+    }
+    seen[found->second] = true;
+    if (own > step) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor_steps: tensor '", name, "' has step ", own,
+          ", more than its group's step ", step));
+    }
+    missed[found->second] = step - own;
+  }
+  return missed;
 }
 
 absl::StatusOr<CheckpointResult> Session::SaveState(

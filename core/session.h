@@ -78,6 +78,8 @@ struct StateBlob {
   DType dtype = DType::kFloat32;
   uint64_t numel = 0;
   std::string data;
+  // The tensor's own step count (TensorEntry::missed_steps); read only.
+  uint64_t step = 0;
 };
 
 struct GroupState {
@@ -139,10 +141,14 @@ class Session {
       const std::vector<std::string>& group_ids, bool with_data = true,
       const std::vector<std::string>& tensors = {},
       uint64_t max_bytes = ~uint64_t{0}) ABSL_LOCKS_EXCLUDED(mu_);
-  // Overwrites a group's step counter and the given state buffers. Every
-  // blob is checked before anything is written.
-  absl::Status WriteState(const std::string& group_id, uint64_t step,
-                          const std::vector<StateBlob>& blobs)
+  // Overwrites a group's step counter, the given state buffers and its
+  // tensors' own step counts (`tensor_steps`: name and step, at most
+  // `step`; tensors not named get `step`). Everything is checked before
+  // anything is written.
+  absl::Status WriteState(
+      const std::string& group_id, uint64_t step,
+      const std::vector<StateBlob>& blobs,
+      const std::vector<std::pair<std::string, uint64_t>>& tensor_steps = {})
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // Writes the session's state to `directory`/CheckpointFileName(...).
@@ -216,6 +222,10 @@ class Session {
     bool has_param = false, has_grad = false;
     bool absent = false;  // the gradient goes away
   };
+  // Per tensor of `g`, its missed steps from a state load's tensor steps.
+  static absl::StatusOr<std::vector<uint64_t>> MissedSteps(
+      const Group& g, uint64_t step,
+      const std::vector<std::pair<std::string, uint64_t>>& tensor_steps);
   // Checks and maps every update of `group`; changes nothing.
   absl::StatusOr<std::vector<ResolvedUpdate>> ResolveUpdates(
       const Group& group, const std::vector<BufferUpdate>& updates);

@@ -222,8 +222,11 @@ __device__ __forceinline__ void StoreRemainderMasters(void* param, void* rem,
 // into shared memory once, then the block is one flattened space of tiles
 // (one warp each) and one of scalar elements (one thread each), so tensor
 // boundaries cost no idle lanes beyond a chunk's last partial tile and no
-// dependent loads of descriptors. body.Tile(chunk, i) handles a lane's
-// share of the tile at i - 4 * lane; body.Scalar(chunk, i) element i.
+// dependent loads of descriptors. body.Prepare(chunks, n), run by every
+// thread once the descriptors are in shared memory, derives per-chunk
+// values for the walk; body.Tile(chunk, k, i) handles a lane's share of the
+// tile at i - 4 * lane of the block's chunk k; body.Scalar(chunk, k, i)
+// element i.
 // (Fewer thread blocks, each walking many work blocks and prefetching the
 // next one's descriptors, measured slower on the H200: bench/RESULTS.md.)
 template <class Body>
@@ -251,6 +254,7 @@ __device__ __forceinline__ void Walk(const Work& work, Body& body) {
       scalar_end[k] = scalars;
     }
   }
+  body.Prepare(cs, n);
   __syncthreads();
   const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5,
                  warps = blockDim.x >> 5;
@@ -259,16 +263,18 @@ __device__ __forceinline__ void Walk(const Work& work, Body& body) {
     while (t >= tile_end[k]) ++k;
     const DeviceChunk& c = cs[k];
     const uint32_t first = tile_end[k] - c.tiles;
-    body.Tile(c, c.begin + static_cast<uint64_t>(t - first) * kTileElements +
-                     4 * lane);
+    body.Tile(c, k,
+              c.begin + static_cast<uint64_t>(t - first) * kTileElements +
+                  4 * lane);
   }
   k = 0;
   for (uint32_t e = threadIdx.x; e < block.scalars; e += blockDim.x) {
     while (e >= scalar_end[k]) ++k;
     const DeviceChunk& c = cs[k];
     const uint32_t first = k == 0 ? 0 : scalar_end[k - 1];
-    body.Scalar(c, c.begin + static_cast<uint64_t>(c.tiles) * kTileElements +
-                       (e - first));
+    body.Scalar(c, k,
+                c.begin + static_cast<uint64_t>(c.tiles) * kTileElements +
+                    (e - first));
   }
 }
 
@@ -306,8 +312,13 @@ struct SumSquares {
       acc += x * x;
     }
   }
-  __device__ void Tile(const DeviceChunk& c, uint64_t i) { Add<8>(c, i); }
-  __device__ void Scalar(const DeviceChunk& c, uint64_t i) { Add<1>(c, i); }
+  __device__ void Prepare(const DeviceChunk*, uint32_t) {}
+  __device__ void Tile(const DeviceChunk& c, uint32_t, uint64_t i) {
+    Add<8>(c, i);
+  }
+  __device__ void Scalar(const DeviceChunk& c, uint32_t, uint64_t i) {
+    Add<1>(c, i);
+  }
 };
 
 template <class G>
@@ -332,8 +343,24 @@ __global__ void ConvertKernel(const void* __restrict__ src,
   }
 }
 
-// The step scalars of one group (see adamw_cpu.cc's MakeStepScalars: the
-// same double arithmetic, rounded to float once).
+// The scalars that depend on the step number t (see adamw_cpu.cc's
+// MakeStepScalars: the same double arithmetic, rounded to float once).
+struct BiasScalars {
+  float neg_step, bc2, rbc2;
+};
+__device__ BiasScalars MakeBias(double lr, double beta1, double beta2,
+                                bool bias_correction, uint64_t step_number) {
+  const double t = static_cast<double>(step_number);
+  const double bc1 = bias_correction ? 1.0 - pow(beta1, t) : 1.0;
+  const double bc2 = bias_correction ? 1.0 - pow(beta2, t) : 1.0;
+  BiasScalars b;
+  b.bc2 = static_cast<float>(sqrt(bc2));
+  b.rbc2 = __fdiv_rn(1.0f, b.bc2);
+  b.neg_step = -static_cast<float>(lr / bc1);
+  return b;
+}
+
+// The step scalars of one group.
 __device__ DeviceScalars MakeScalars(const StepHyper& h, double total,
                                      uint64_t step) {
   DeviceScalars s{};
@@ -343,9 +370,13 @@ __device__ DeviceScalars MakeScalars(const StepHyper& h, double total,
   const double norm = sqrt(total) / scale;
   double clip = 1.0;
   if (h.max_grad_norm > 0) clip = fmin(1.0, h.max_grad_norm / (norm + 1e-6));
-  const double t = static_cast<double>(step + 1);
-  const double bc1 = h.bias_correction ? 1.0 - pow(h.beta1, t) : 1.0;
-  const double bc2 = h.bias_correction ? 1.0 - pow(h.beta2, t) : 1.0;
+  const BiasScalars b =
+      MakeBias(h.lr, h.beta1, h.beta2, h.bias_correction, step + 1);
+  s.lr = h.lr;
+  s.beta1_d = h.beta1;
+  s.beta2_d = h.beta2;
+  s.t = step + 1;
+  s.bias_correction = h.bias_correction;
   s.beta1 = static_cast<float>(h.beta1);
   s.beta2 = static_cast<float>(h.beta2);
   s.omb1 = static_cast<float>(1.0 - h.beta1);
@@ -353,9 +384,9 @@ __device__ DeviceScalars MakeScalars(const StepHyper& h, double total,
   s.eps = static_cast<float>(h.eps);
   s.decay = h.adamw ? static_cast<float>(1.0 - h.lr * h.weight_decay) : 1.0f;
   s.l2 = h.adamw ? 0.0f : static_cast<float>(h.weight_decay);
-  s.bc2 = static_cast<float>(sqrt(bc2));
-  s.rbc2 = __fdiv_rn(1.0f, s.bc2);
-  s.neg_step = -static_cast<float>(h.lr / bc1);
+  s.bc2 = b.bc2;
+  s.rbc2 = b.rbc2;
+  s.neg_step = b.neg_step;
   double mul = clip / scale;
   if (h.maximize) mul = -mul;
   s.grad_mul = static_cast<float>(mul);
@@ -417,12 +448,20 @@ __global__ void CommitStepsKernel(const GroupStep* __restrict__ scratch,
     *state = s;
     report[g] = s;
   }
+  if (skipped) return;
+  for (uint32_t g = 0; g < n; ++g) {
+    const uint32_t* absent = scratch[g].absent;
+    for (uint32_t i = threadIdx.x; i < absent[0]; i += blockDim.x) {
+      scratch[g].missed[absent[1 + i]] += 1;
+    }
+  }
 }
 
 template <int N, class P, class G, class M, MasterKind K, bool kAms,
           bool kAdamW>
 __device__ __forceinline__ void UpdateN(const DeviceChunk& t, uint64_t i,
-                                        const DeviceScalars& s) {
+                                        const DeviceScalars& s,
+                                        const BiasScalars& b) {
   float p[N], g[N], m[N], v[N], x[N];
   // With an fp32 master the old parameter is never read.
   if constexpr (K == MasterKind::kFp32) {
@@ -452,8 +491,8 @@ __device__ __forceinline__ void UpdateN(const DeviceChunk& t, uint64_t i,
       vd = fmaxf(x[k], vd);
       x[k] = vd;
     }
-    const float denom = DivByRecip(sqrtf(vd), s.bc2, s.rbc2) + s.eps;
-    p[k] = pk + s.neg_step * (m[k] / denom);
+    const float denom = DivByRecip(sqrtf(vd), b.bc2, b.rbc2) + s.eps;
+    p[k] = pk + b.neg_step * (m[k] / denom);
   }
   StoreF<N, M>(t.exp_avg, i, m);
   StoreF<N, M>(t.exp_avg_sq, i, v);
@@ -468,14 +507,27 @@ __device__ __forceinline__ void UpdateN(const DeviceChunk& t, uint64_t i,
   }
 }
 
+// The update of a work block. Each chunk's bias scalars are the group's,
+// or, for a tensor that missed steps without a gradient, those of its own
+// step number (torch counts steps per parameter).
 template <class P, class G, class M, MasterKind K, bool kAms, bool kAdamW>
 struct Update {
   const DeviceScalars& s;
-  __device__ void Tile(const DeviceChunk& c, uint64_t i) {
-    UpdateN<8, P, G, M, K, kAms, kAdamW>(c, i, s);
+  const uint32_t* missed;
+  BiasScalars* bias;  // shared memory, one per chunk of the block
+  __device__ void Prepare(const DeviceChunk* cs, uint32_t n) {
+    if (threadIdx.x >= n) return;
+    const uint32_t m = missed[cs[threadIdx.x].entry];
+    bias[threadIdx.x] =
+        m == 0 ? BiasScalars{s.neg_step, s.bc2, s.rbc2}
+               : MakeBias(s.lr, s.beta1_d, s.beta2_d, s.bias_correction,
+                          s.t - m);
   }
-  __device__ void Scalar(const DeviceChunk& c, uint64_t i) {
-    UpdateN<1, P, G, M, K, kAms, kAdamW>(c, i, s);
+  __device__ void Tile(const DeviceChunk& c, uint32_t k, uint64_t i) {
+    UpdateN<8, P, G, M, K, kAms, kAdamW>(c, i, s, bias[k]);
+  }
+  __device__ void Scalar(const DeviceChunk& c, uint32_t k, uint64_t i) {
+    UpdateN<1, P, G, M, K, kAms, kAdamW>(c, i, s, bias[k]);
   }
 };
 
@@ -486,7 +538,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 4)
     AdamWKernel(const Work work, const DeviceScalars* __restrict__ scalars) {
   const DeviceScalars s = *scalars;
   if (s.skip) return;
-  Update<P, G, M, K, kAms, kAdamW> body{s};
+  __shared__ BiasScalars bias[kMaxChunksPerBlock];
+  Update<P, G, M, K, kAms, kAdamW> body{s, work.missed, bias};
   Walk(work, body);
 }
 

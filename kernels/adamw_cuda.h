@@ -51,7 +51,8 @@ struct DeviceChunk {
   uint64_t begin;
   uint64_t end;
   uint32_t tiles;
-  uint32_t pad[3];
+  uint32_t entry;  // the plan entry (tensor) the chunk belongs to
+  uint32_t pad[2];
 };
 static_assert(sizeof(DeviceChunk) % 16 == 0, "copied in 16-byte pieces");
 
@@ -100,10 +101,17 @@ struct DeviceGroupState {
 // float once); read by every block of the update.
 // rbc2 is 1/bc2 rounded to nearest: dividing by bc2 then takes three
 // operations and stays correctly rounded (kernels/cuda_math.cuh).
+// The inputs of the bias corrections ride along, so that the update can
+// derive them for a tensor whose own step count is lower (it missed steps
+// without a gradient: Work::missed) with the same arithmetic.
 struct DeviceScalars {
   float beta1, beta2, omb1, omb2, eps, decay, l2, bc2, rbc2, neg_step,
       grad_mul;
   int32_t skip;
+  double lr, beta1_d, beta2_d;
+  uint64_t t;  // the group's step number (applied steps + 1)
+  int32_t bias_correction;
+  int32_t pad;
 };
 
 constexpr int kThreadsPerBlock = 256;
@@ -113,6 +121,9 @@ struct Work {
   const DeviceBlock* blocks;
   uint32_t num_blocks;
   const DeviceChunk* chunks;
+  // Per plan entry, the group's applied steps in which the tensor had no
+  // gradient (its own step number is t - missed[entry]).
+  const uint32_t* missed;
 };
 
 // One partial sum of squares per work block: partials[b] for blocks[b],
@@ -130,6 +141,10 @@ struct alignas(16) GroupStep {
   uint32_t pad;
   DeviceGroupState* state;  // the group's device-resident counters
   DeviceScalars* scalars;   // out: the group's step scalars
+  // The plan entries without a gradient this step: absent[0] entries,
+  // listed from absent[1]; an applied step adds one to their `missed`.
+  const uint32_t* absent;
+  uint32_t* missed;
 };
 static_assert(sizeof(GroupStep) % 16 == 0, "copied in 16-byte pieces");
 
@@ -142,8 +157,9 @@ absl::Status LaunchPrepareSteps(const GroupStep* args, GroupStep* scratch,
                                 Stream stream);
 
 // Step 4 above: advances each group's counters and `totals` (the session's)
-// unless the step was skipped, and copies them to report[0] (totals) and
-// report[1 + g] (pinned host memory, n + 1 entries).
+// and its absent tensors' missed steps unless the step was skipped, and
+// copies the counters to report[0] (totals) and report[1 + g] (pinned host
+// memory, n + 1 entries).
 absl::Status LaunchCommitSteps(const GroupStep* scratch, uint32_t n,
                                const double* sums, DeviceGroupState* totals,
                                DeviceGroupState* report, Stream stream);

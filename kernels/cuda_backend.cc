@@ -102,6 +102,11 @@ struct DevicePlan {
   std::vector<Segment> segments;
   BlockTable tables[2];
   StateStorage chunks_d, partials_d, state_d, scalars_d;
+  // Per entry, the group's applied steps it missed (no gradient); advanced
+  // by the commit kernel for the entries listed in absent_d ([0]: count,
+  // then entries), whose host copy is `absent`.
+  StateStorage missed_d, absent_d;
+  std::vector<uint32_t> absent;
 };
 
 // Pinned slots, one per step in flight: the step's arguments, which its
@@ -212,6 +217,9 @@ class CudaBackend final : public Backend {
 
  private:
   absl::Status UploadPlan(DevicePlan& plan);
+  // Uploads the list of the plan's entries without a gradient, if it
+  // changed.
+  absl::Status UploadAbsent(DevicePlan& plan);
   // The work of one segment's launch over block table `table`.
   cuda::Work SegmentWork(const DevicePlan& plan, const Segment& seg,
                          int table) const;
@@ -348,9 +356,10 @@ uint32_t ChunkTiles(const DeviceChunk& chunk, const Layout& layout);
 // Chunk [begin, end) of a tensor with pointers `p`. A tensor without a
 // gradient keeps its chunks with no elements, so every kernel passes over
 // them (and the work blocks' shapes, hence the step graphs, stay the same).
-void FillChunk(const TensorPointers& p, uint64_t begin, uint64_t end,
-               const Layout& layout, DeviceChunk* c) {
+void FillChunk(const TensorPointers& p, uint32_t entry, uint64_t begin,
+               uint64_t end, const Layout& layout, DeviceChunk* c) {
   SetStreams(p, c);
+  c->entry = entry;
   c->begin = begin;
   c->end = p.grad == nullptr ? begin : end;
   c->tiles = ChunkTiles(*c, layout);
@@ -432,6 +441,7 @@ cuda::Work CudaBackend::SegmentWork(const DevicePlan& plan, const Segment& seg,
       seg.first_block[table];
   w.num_blocks = seg.num_blocks[table];
   w.chunks = reinterpret_cast<const DeviceChunk*>(plan.chunks_d.data());
+  w.missed = reinterpret_cast<const uint32_t*>(plan.missed_d.data());
   return w;
 }
 
@@ -465,6 +475,32 @@ absl::Status CudaBackend::UploadPlan(DevicePlan& plan) {
                       cudaMemcpyHostToDevice, stream_));
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(
       plan.state_d.data(), 0, sizeof(DeviceGroupState), stream_));
+  const uint64_t entries = plan.entry_chunks.size();
+  OPTIMD_ASSIGN_OR_RETURN(
+      plan.missed_d,
+      DeviceAlloc(device_, std::max<uint64_t>(1, entries) * sizeof(uint32_t)));
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(
+      plan.missed_d.data(), 0, plan.missed_d.size(), stream_));
+  OPTIMD_ASSIGN_OR_RETURN(
+      plan.absent_d, DeviceAlloc(device_, (entries + 1) * sizeof(uint32_t)));
+  return UploadAbsent(plan);
+}
+
+absl::Status CudaBackend::UploadAbsent(DevicePlan& plan) {
+  std::vector<uint32_t> absent = {0};
+  for (uint32_t e = 0; e < plan.entry_chunks.size(); ++e) {
+    const auto [first, end] = plan.entry_chunks[e];
+    if (first < end && plan.chunks[first].grad == nullptr) {
+      absent.push_back(e);
+    }
+  }
+  absent[0] = static_cast<uint32_t>(absent.size() - 1);
+  if (absent == plan.absent) return absl::OkStatus();
+  plan.absent = std::move(absent);
+  // Pageable: staged when enqueued, so plan.absent may change right after.
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(
+      plan.absent_d.data(), plan.absent.data(),
+      plan.absent.size() * sizeof(uint32_t), cudaMemcpyHostToDevice, stream_));
   return absl::OkStatus();
 }
 
@@ -495,7 +531,8 @@ absl::Status CudaBackend::PrepareGroup(Group& group) {
       if (range.first == range.second) range.first = index;
       range.second = index + 1;
       DeviceChunk c{};
-      FillChunk(host.entries[item.entry], item.begin, item.end, l, &c);
+      FillChunk(host.entries[item.entry], item.entry, item.begin, item.end, l,
+                &c);
       plan->chunks.push_back(c);
       plan->chunk_end.push_back(item.end);
     }
@@ -541,7 +578,7 @@ absl::Status CudaBackend::UpdatePlanEntries(
     group.plan.entries[entry] = p;
     const auto [first, end] = plan->entry_chunks[entry];
     for (uint32_t c = first; c < end; ++c) {
-      FillChunk(p, plan->chunks[c].begin, plan->chunk_end[c],
+      FillChunk(p, entry, plan->chunks[c].begin, plan->chunk_end[c],
                 group.plan.layouts[entry], &plan->chunks[c]);
     }
     ranges.emplace_back(first, end);
@@ -580,6 +617,7 @@ absl::Status CudaBackend::UpdatePlanEntries(
           stream_));
     }
   }
+  OPTIMD_RETURN_IF_ERROR(UploadAbsent(*plan));
   counters().plan_entry_updates.fetch_add(entries.size(),
                                           std::memory_order_relaxed);
   return absl::OkStatus();
@@ -770,6 +808,8 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
     a.num_partials = static_cast<uint32_t>(plan->tables[1].blocks.size());
     a.state = reinterpret_cast<DeviceGroupState*>(plan->state_d.data());
     a.scalars = reinterpret_cast<cuda::DeviceScalars*>(plan->scalars_d.data());
+    a.absent = reinterpret_cast<const uint32_t*>(plan->absent_d.data());
+    a.missed = reinterpret_cast<uint32_t*>(plan->missed_d.data());
   }
 
   if (s.ready != nullptr) {
@@ -842,6 +882,13 @@ absl::Status CudaBackend::SyncGroupCounters(const std::vector<Group*>& groups) {
     OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpy(
         &state, plan->state_d.data(), sizeof(state), cudaMemcpyDeviceToHost));
     g->step = state.step;
+    std::vector<uint32_t> missed(g->plan.entries.size());
+    OPTIMD_RETURN_IF_CUDA_ERROR(
+        cudaMemcpy(missed.data(), plan->missed_d.data(),
+                   missed.size() * sizeof(uint32_t), cudaMemcpyDeviceToHost));
+    for (uint32_t e = 0; e < missed.size(); ++e) {
+      g->tensors[g->plan.tensor_index[e]].missed_steps = missed[e];
+    }
   }
   return absl::OkStatus();
 }
@@ -857,6 +904,15 @@ absl::Status CudaBackend::SetGroupStep(Group& group, uint64_t step) {
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpy(
       plan->state_d.data(), &state, sizeof(state), cudaMemcpyHostToDevice));
   group.step = step;
+  std::vector<uint32_t> missed(group.plan.entries.size());
+  for (uint32_t e = 0; e < missed.size(); ++e) {
+    missed[e] = static_cast<uint32_t>(std::min<uint64_t>(
+        group.tensors[group.plan.tensor_index[e]].missed_steps,
+        std::numeric_limits<uint32_t>::max()));
+  }
+  OPTIMD_RETURN_IF_CUDA_ERROR(
+      cudaMemcpy(plan->missed_d.data(), missed.data(),
+                 missed.size() * sizeof(uint32_t), cudaMemcpyHostToDevice));
   return absl::OkStatus();
 }
 

@@ -196,6 +196,7 @@ void GroupStateToProto(const GroupState& g, v1::GroupState* out) {
     t->set_dtype(DTypeToProto(b.dtype));
     t->set_numel(b.numel);
     t->set_data(b.data);
+    t->set_step(b.step);
   }
 }
 

@@ -306,7 +306,12 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::SetState(
   return OnWorker(context, [request](Session& s) -> absl::Status {
     auto blobs = StateBlobsFromProto(*request);
     if (!blobs.ok()) return blobs.status();
-    return s.WriteState(request->group_id(), request->step(), *blobs);
+    std::vector<std::pair<std::string, uint64_t>> tensor_steps;
+    for (const v1::TensorStep& t : request->tensor_steps()) {
+      tensor_steps.emplace_back(t.tensor(), t.step());
+    }
+    return s.WriteState(request->group_id(), request->step(), *blobs,
+                        tensor_steps);
   });
 }
 

@@ -37,6 +37,12 @@ LAYOUTS = {
 }
 
 
+def _as_grad(p, g):
+    """A fresh gradient for `p` holding `g`, as autograd would set it."""
+    return g.detach().to(device=p.device, dtype=p.dtype).reshape(
+        p.shape).clone()
+
+
 def read_safetensors(path):
     """An independent reader of the safetensors format."""
     with open(path, "rb") as f:
@@ -73,7 +79,7 @@ class CheckpointTest(unittest.TestCase):
     def run_steps(self, opt, params, first, last, dtype):
         for step in range(first, last):
             for p, g in zip(params, self.grads(step, SHAPES, dtype)):
-                p.grad.copy_(g.to(p.device))
+                p.grad = _as_grad(p, g.to(p.device))
             opt.step()
 
     def make(self, daemon, init, layout, job):
@@ -134,7 +140,7 @@ class CheckpointTest(unittest.TestCase):
             opt = AdamW(named, lr=1e-3, address=d.address, job_id="fmt",
                         store_param_remainders=True, amsgrad=True)
             for p in params:
-                p.grad.copy_(torch.randn(p.shape).to(torch.bfloat16))
+                p.grad = _as_grad(p, torch.randn(p.shape).to(torch.bfloat16))
             opt.step()
             reply = opt.save_checkpoint(self.dir)
             header, tensors = read_safetensors(reply.path)
@@ -197,7 +203,7 @@ class CheckpointTest(unittest.TestCase):
         with Daemon() as d:
             p = torch.nn.Parameter(torch.randn(1000))
             opt = AdamW([("w", p)], lr=1e-3, address=d.address, job_id="bad")
-            p.grad.copy_(torch.randn(1000))
+            p.grad = _as_grad(p, torch.randn(1000))
             opt.step()
             path = opt.save_checkpoint(self.dir).path
             good = open(path, "rb").read()
@@ -283,8 +289,8 @@ class CheckpointTest(unittest.TestCase):
             opt = AdamW([("big", big), ("small", small)], lr=1e-3,
                         address=d.address, job_id="bg")
             for _ in range(2):
-                big.grad.normal_()
-                small.grad.normal_()
+                big.grad = torch.randn_like(big)
+                small.grad = torch.randn_like(small)
                 opt.step()
             at_save = small.detach().clone()
             big_at_save = big.detach()[:1000].clone()
@@ -296,8 +302,8 @@ class CheckpointTest(unittest.TestCase):
             self.assertIn("still writing", str(cm.exception))
             # Steps go on meanwhile.
             for _ in range(3):
-                big.grad.normal_()
-                small.grad.normal_()
+                big.grad = torch.randn_like(big)
+                small.grad = torch.randn_like(small)
                 opt.step()
             st = opt.wait_for_save()
             self.assertEqual(st.bytes_written, st.total_bytes)
@@ -371,7 +377,7 @@ class CheckpointTest(unittest.TestCase):
             with Daemon() as d:
                 p = torch.nn.Parameter(torch.randn(10_000))
                 opt = AdamW([("w", p)], address=d.address, job_id="full")
-                p.grad.normal_()
+                p.grad = torch.randn_like(p)
                 opt.step()
                 first = opt.save_checkpoint(small).path  # 120 KB: fits
                 good = open(first, "rb").read()

@@ -24,6 +24,12 @@ print("seed", SEED)
 SHAPES = [(1000, 257), (4099,), (1,), (0,), (64, 64), (33, 7)]
 
 
+def _as_grad(p, g):
+    """A fresh gradient for `p` holding `g`, as autograd would set it."""
+    return g.detach().to(device=p.device, dtype=p.dtype).reshape(
+        p.shape).clone()
+
+
 @unittest.skipUnless(torch.cuda.is_available(), "needs a GPU")
 class CudaEndToEnd(unittest.TestCase):
     @classmethod
@@ -49,8 +55,8 @@ class CudaEndToEnd(unittest.TestCase):
         for step in range(steps):
             for p, q in zip(on_gpu, on_cpu):
                 grad = torch.randn(q.shape, generator=g).to(dtype)
-                p.grad.copy_(grad)
-                q.grad.copy_(grad)
+                p.grad = _as_grad(p, grad)
+                q.grad = _as_grad(q, grad)
             opt_g.step()
             opt_c.step()
             for p, q in zip(on_gpu, on_cpu):
@@ -86,7 +92,7 @@ class CudaEndToEnd(unittest.TestCase):
             q.grad = torch.randn_like(q)
         opt = AdamW(ours, lr=1e-3, address=self.gpu.address, job_id="time")
         for p, q in zip(ours, theirs):
-            p.grad.copy_(q.grad)
+            p.grad = _as_grad(p, q.grad)
         ref = torch.optim.AdamW(theirs, lr=1e-3, fused=True)
 
         def timed(step, iters=50):

@@ -187,17 +187,25 @@ class TorchClientTest(unittest.TestCase):
                 [w for w in caught if "this rank" in str(w.message)], [], kw)
             opt.close()
 
-    def test_parameters_keep_identity_and_grads_live_in_shared_memory(self):
+    def test_parameters_keep_identity_and_zero_grad_follows_torch(self):
         model = mlp()
         before = [id(p) for p in model.parameters()]
         opt = self.make(model.parameters())
         self.assertEqual(before, [id(p) for p in model.parameters()])
+        # A fresh optimizer leaves .grad alone, as torch's does.
+        self.assertTrue(all(p.grad is None for p in model.parameters()))
         self.train_step(model, opt)
+        opt.zero_grad()  # torch 2's default: set_to_none=True
+        self.assertTrue(all(p.grad is None for p in model.parameters()))
+        self.train_step(model, opt)
+        opt.zero_grad(set_to_none=False)
+        ptrs = [p.grad.data_ptr() for p in model.parameters()]
         for p in model.parameters():
-            ptr = p.grad.data_ptr()
-            opt.zero_grad(set_to_none=True)
-            self.assertEqual(p.grad.data_ptr(), ptr)
             self.assertEqual(p.grad.abs().sum().item(), 0.0)
+        # Backward accumulates in place into the zeroed gradients.
+        torch.nn.functional.mse_loss(model(self.x), self.y).backward()
+        opt.step()
+        self.assertEqual(ptrs, [p.grad.data_ptr() for p in model.parameters()])
         opt.close()
 
     def test_several_groups_and_add_param_group(self):

@@ -23,6 +23,12 @@ print("seed", SEED)
 SHAPES = [(37,), (16, 33), (5,), (3, 4, 7)]
 
 
+def _as_grad(p, g):
+    """A fresh gradient for `p` holding `g`, as autograd would set it."""
+    return g.detach().to(device=p.device, dtype=p.dtype).reshape(
+        p.shape).clone()
+
+
 def rel_err(a, b):
     """max_i |a_i - b_i| / max_i |b_i|: the largest element error relative to
     the tensor's scale.
@@ -73,7 +79,7 @@ class DaemonTest(unittest.TestCase):
         ours get them times `ours_factor` (a loss scale optimd divides out)."""
         for p, q in zip(ours, theirs):
             g = self.randn(*p.shape) * scale
-            p.grad.copy_(g * ours_factor)
+            p.grad = _as_grad(p, g * ours_factor)
             q.grad = g.clone()
 
     def optimd(self, params, **kw):
@@ -146,7 +152,7 @@ class Precisions(DaemonTest):
                 for step in range(200):
                     for p, q in zip(ours, theirs):
                         g = self.randn(*p.shape, dtype=dtype)
-                        p.grad.copy_(g)
+                        p.grad = _as_grad(p, g)
                         q.grad = g.float()
                     opt.step()
                     ref.step()
@@ -167,8 +173,8 @@ class Precisions(DaemonTest):
         for step in range(500):
             for p, q in zip(a, b):
                 g = self.randn(*p.shape, dtype=torch.bfloat16)
-                p.grad.copy_(g)
-                q.grad.copy_(g)
+                p.grad = _as_grad(p, g)
+                q.grad = _as_grad(q, g)
             opt_a.step()
             opt_b.step()
             for p, q in zip(a, b):
@@ -208,9 +214,9 @@ class Precisions(DaemonTest):
         ref = torch.optim.AdamW([norm_ref], lr=1e-2)
         frozen_before = frozen.detach().clone()
         for _ in range(20):
-            w.grad.copy_(self.randn(8, 4, dtype=torch.bfloat16))
+            w.grad = _as_grad(w, self.randn(8, 4, dtype=torch.bfloat16))
             g = self.randn(4)
-            norm.grad.copy_(g)
+            norm.grad = _as_grad(norm, g)
             norm_ref.grad = g.clone()
             opt.step()
             ref.step()
@@ -225,7 +231,7 @@ class Precisions(DaemonTest):
         opt = self.optimd([{"params": [p]},
                            {"params": [torch.nn.Parameter(torch.empty(0))]}])
         for _ in range(3):
-            p.grad.copy_(self.randn(3))
+            p.grad = _as_grad(p, self.randn(3))
             opt.step()
         steps = {g.group_id: g.step for g in opt.client.get_state().groups}
         self.assertEqual(steps, {"0": 3, "1": 3})
@@ -236,7 +242,7 @@ class GradientHandling(DaemonTest):
         ps = [torch.nn.Parameter(self.randn(*s)) for s in SHAPES]
         opt = self.optimd([{"params": ps[:2]}, {"params": ps[2:]}])
         for p in ps:
-            p.grad.copy_(self.randn(*p.shape))
+            p.grad = _as_grad(p, self.randn(*p.shape))
         opt.step()
         before = [p.detach().clone() for p in ps]
         state_before = {k: v.clone() for k, v in opt.state[ps[0]].items()}
@@ -304,6 +310,96 @@ class GradientHandling(DaemonTest):
         opt.max_grad_norm = 1.0
         opt.step()
         self.assertTrue(opt.skipped)
+
+
+class GradientsWhereAutogradPutsThem(DaemonTest):
+    """zero_grad both ways, parameters without gradients and gradients that
+    move between steps, each against torch.optim.AdamW step by step."""
+
+    def moe_twins(self):
+        """A small mixture of experts: a router picks one of two experts per
+        step; returns (ours, theirs), each (model, experts)."""
+        def build():
+            torch.manual_seed(SEED)
+            shared = torch.nn.Linear(6, 6)
+            experts = torch.nn.ModuleList(
+                [torch.nn.Linear(6, 1) for _ in range(3)])
+            return torch.nn.ModuleDict(dict(shared=shared, experts=experts))
+        return build(), build()
+
+    def run_twins(self, steps, zero, pick, **kw):
+        """Trains both twins for `steps`; zero(step) -> set_to_none for that
+        step's zero_grad, pick(step) -> the expert used. Compares after
+        every step."""
+        ours, theirs = self.moe_twins()
+        opt = self.optimd(list(ours.parameters()), lr=1e-2,
+                          weight_decay=0.1, **kw)
+        ref = torch.optim.AdamW(theirs.parameters(), lr=1e-2,
+                                weight_decay=0.1)
+        x = self.randn(8, 6)
+        for step in range(steps):
+            for model, o in ((ours, opt), (theirs, ref)):
+                o.zero_grad(set_to_none=zero(step))
+                h = torch.tanh(model["shared"](x))
+                model["experts"][pick(step)](h).square().mean().backward()
+                o.step()
+            for (name, p), q in zip(ours.named_parameters(),
+                                    theirs.parameters()):
+                self.assertLessEqual(rel_err(p.detach(), q.detach()), 1e-6,
+                                     "%s at step %d" % (name, step))
+                self.assertEqual(p.grad is None, q.grad is None, name)
+        return opt, ref
+
+    def test_set_to_none_both_ways(self):
+        self.run_twins(8, zero=lambda s: s % 3 != 1, pick=lambda s: 0)
+
+    def test_parameter_without_gradient_is_not_stepped(self):
+        # Experts 1 and 2 get no gradient until steps 4 and 6: torch leaves
+        # them alone (no decay, no moments), and so must the daemon.
+        opt, _ = self.run_twins(4, zero=lambda s: True, pick=lambda s: 0)
+        fresh, _ = self.moe_twins()
+        trained = opt.param_groups[0]["params"]
+        # Parameters: shared (0, 1), then experts 0 (2, 3), 1 and 2 (4-7).
+        for i, (p, q) in enumerate(zip(trained, fresh.parameters())):
+            self.assertEqual(torch.equal(p.detach(), q.detach()), i >= 4, i)
+
+    def test_unused_expert_returns(self):
+        # Expert 1 is used at steps 0-2, unused at 3-5 (its .grad None
+        # after zero_grad), used again from step 6; expert 0 only at 3-5.
+        # torch counts steps per parameter (bias correction), so must we,
+        # and the state dicts agree on every parameter's step.
+        opt, ref = self.run_twins(
+            10, zero=lambda s: True, pick=lambda s: 1 if s < 3 or s >= 6
+            else 0)
+        ours = {i: float(v["step"])
+                for i, v in opt.state_dict()["state"].items()}
+        theirs = {i: float(v["step"])
+                  for i, v in ref.state_dict()["state"].items()}
+        self.assertEqual(ours, theirs)
+        # shared: 10 steps (2 tensors), expert 0: 3, expert 1: 7.
+        self.assertEqual(sorted(ours.values()),
+                         [3.0, 3.0, 7.0, 7.0, 10.0, 10.0])
+
+    def test_moved_gradient_storage(self):
+        # Gradients replaced by new tensors between steps (as a gradient
+        # hook or a trainer's own accumulation might do), mixed with
+        # in-place accumulation: the daemon reads whatever .grad holds.
+        ours, theirs = self.twin_params()
+        opt = self.optimd(ours, lr=1e-2)
+        ref = torch.optim.AdamW(theirs, lr=1e-2)
+        for step in range(6):
+            for p, q in zip(ours, theirs):
+                g = self.randn(*p.shape)
+                if step % 2 and p.grad is not None:
+                    p.grad.add_(g)
+                    q.grad.add_(g)
+                else:
+                    p.grad = g.clone()
+                    q.grad = g.clone()
+            opt.step()
+            ref.step()
+            for p, q in zip(ours, theirs):
+                self.assertLessEqual(rel_err(p.detach(), q.detach()), 1e-6)
 
 
 class BadInput(DaemonTest):

@@ -153,10 +153,14 @@ class Client:
 
     # Steps and state.
     def step(self, step=0, lr_overrides=None, grad_scale=0.0,
-             max_grad_norm=0.0, wait=False, assume_finite=False):
+             max_grad_norm=0.0, wait=False, assume_finite=False,
+             buffer_updates=()):
+        """One step. buffer_updates: UpdateBuffersRequest messages applied
+        first (gradients that moved or went away since the last step)."""
         request = pb.StepRequest(step=step, grad_scale=grad_scale,
                                  max_grad_norm=max_grad_norm, wait=wait,
-                                 assume_finite=assume_finite)
+                                 assume_finite=assume_finite,
+                                 buffer_updates=buffer_updates)
         for group_id, value in (lr_overrides or {}).items():
             if isinstance(value, dict):
                 request.overrides.add(group_id=group_id, **value)

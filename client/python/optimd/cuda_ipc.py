@@ -33,6 +33,36 @@ def _libs():
     return _runtime, _driver
 
 
+def allocation_range(tensor):
+    """(base address, size) of the CUDA allocation holding a tensor's
+    data."""
+    _, driver = _libs()
+    base = ctypes.c_uint64()
+    size = ctypes.c_size_t()
+    err = driver.cuMemGetAddressRange_v2(ctypes.byref(base),
+                                         ctypes.byref(size),
+                                         ctypes.c_uint64(tensor.data_ptr()))
+    if err != 0:
+        raise RuntimeError("cuMemGetAddressRange failed with CUDA driver "
+                           "error %d" % err)
+    return base.value, size.value
+
+
+def mem_handle_at(base, device):
+    """The 64-byte cudaIpcMemHandle_t of the allocation at `base`."""
+    runtime, _ = _libs()
+    with torch.cuda.device(device):
+        handle = (ctypes.c_char * 64)()
+        err = runtime.cudaIpcGetMemHandle(ctypes.byref(handle),
+                                          ctypes.c_void_p(base))
+    if err != 0:
+        raise RuntimeError(
+            "cudaIpcGetMemHandle failed with CUDA error %d (allocations of "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True cannot be "
+            "shared this way)" % err)
+    return bytes(handle)
+
+
 def mem_handle(tensor):
     """(64-byte cudaIpcMemHandle_t, byte offset of the tensor's data in its
     allocation) for a CUDA tensor."""

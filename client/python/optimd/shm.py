@@ -41,6 +41,7 @@ class SharedSegment:
             os.close(fd)
         self.nbytes = nbytes
         self._closed = False
+        self._base = None
 
     def tensor(self, offset, numel, dtype):
         """A 1-D tensor of `numel` elements of `dtype` at byte `offset`."""
@@ -54,6 +55,16 @@ class SharedSegment:
     def handle(self, offset, nbytes):
         return pb.BufferHandle(shared_memory=pb.SharedMemoryBuffer(
             segment_name=self.name, offset=offset, size=nbytes))
+
+    def base_ptr(self):
+        """The address of the segment's first byte in this process."""
+        if self._base is None:
+            self._base = torch.frombuffer(self._mmap, dtype=torch.uint8,
+                                          count=1).data_ptr()
+        return self._base
+
+    def zero_(self):
+        torch.frombuffer(self._mmap, dtype=torch.uint8).zero_()
 
     def close(self):
         if not self._closed:

@@ -4,26 +4,25 @@ optimd daemon.
     from optimd.torch import AdamW
     opt = AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2)
 
-CPU parameters and gradients are re-homed into POSIX shared memory: each
-parameter keeps its identity for the model (only its storage moves), and its
-gradient becomes a tensor on shared pages that backward accumulates into and
-zero_grad zeroes in place. The daemon reads the gradients and writes the new
-parameters into those pages, with no copy. The optimizer state (moments,
-master weights, step counters) lives in the daemon; `state_dict()` and
-`optimizer.state[p]` fetch it on demand.
+Parameters are re-homed into memory the daemon can reach (POSIX shared
+memory on the CPU, one CUDA allocation per group shared by CUDA IPC): each
+parameter keeps its identity for the model, only its storage moves, and the
+daemon writes new values there with no copy. Gradients stay where autograd
+puts them: zero_grad() sets them to None as torch's does, backward writes
+fresh ones, and each step tells the daemon only which moved or went away
+(see optimd/_grads.py); a parameter whose `.grad` is None is not stepped.
+The optimizer state (moments, master weights, step counters) lives in the
+daemon; `state_dict()` and `optimizer.state[p]` fetch it on demand.
 
 Differences from torch.optim.AdamW, all deliberate:
-  * zero_grad() always zeroes gradients in place (set_to_none is accepted and
-    ignored): the daemon keeps reading the same buffers. A parameter whose
-    .grad was set to None is stepped with a zero gradient, as after
-    torch's zero_grad(set_to_none=False).
-  * Only lr may change after construction (schedulers do that); changing
-    betas, eps or weight_decay of a live group raises ValueError.
+  * amsgrad and maximize decide the state's layout: changing them on a live
+    group raises ValueError (load_state_dict may change them).
   * A step whose gradients hold inf or NaN is skipped entirely (nothing
     changes); `opt.skipped` says so and `opt.grad_norm` is the gradient norm.
+  * A parameter that had no gradient at some steps takes the group's step
+    count for its bias correction, where torch counts its own steps.
 """
 import inspect
-import operator
 import os
 import socket
 import warnings
@@ -31,6 +30,7 @@ import warnings
 import torch
 
 from optimd import errors
+from optimd._grads import GradRouter
 from optimd.client import Client
 from optimd.shm import SharedSegment, align
 from optimd.v1 import optimd_pb2 as pb
@@ -118,7 +118,8 @@ class _DaemonState(dict):
 class _Slot:
     """Where one parameter lives in the group's shared segments."""
 
-    __slots__ = ("param", "name", "numel", "pview", "gview", "frozen")
+    __slots__ = ("param", "name", "numel", "pview", "gview", "frozen",
+                 "group_id", "sent_ptr")
 
 
 class AdamW(torch.optim.Optimizer):
@@ -187,6 +188,7 @@ class AdamW(torch.optim.Optimizer):
             exp_avg_dtype=exp_avg_dtype, adam_w_mode=adam_w_mode,
             bias_correction=bias_correction))
         self._ready = False
+        self._sent_hyper = None  # the hyperparameters the daemon has
         self._groups = []  # per group: dict(id, slots, segments, snapshot)
         super().__init__(params, defaults)
         self.state = _DaemonState(self)
@@ -273,7 +275,7 @@ class AdamW(torch.optim.Optimizer):
             gi = len(self.param_groups) - 1
             self._register_group(gi, self.param_groups[gi], existing=False)
 
-    def _group_request(self, gi, group, slots, seg_p, seg_g):
+    def _group_request(self, gi, group, slots, seg_p):
         request = pb.RegisterGroupRequest(group_id=str(gi))
         h = request.hyperparameters
         h.lr = float(group["lr"])
@@ -294,23 +296,23 @@ class AdamW(torch.optim.Optimizer):
             request.layout.master_weights = pb.MASTER_WEIGHTS_NONE
         request.layout.moment_dtype = _DTYPES[group.get("exp_avg_dtype",
                                                         torch.float32)]
-        for s, (p_off, g_off) in slots:
+        for s, p_off in slots:
             t = request.tensors.add(name=s.name, numel=s.numel,
                                     param_dtype=_DTYPES[s.param.dtype],
                                     keep_fp32=id(s.param) in self._keep_fp32,
                                     frozen=s.frozen)
             if not s.frozen:
+                # Steps tell the daemon where gradients are (_grads.py).
                 t.grad_dtype = _DTYPES[s.param.dtype]
+                t.grad_absent = True
             if s.numel:
                 nbytes = s.numel * s.param.element_size()
                 t.param.CopyFrom(seg_p.handle(p_off, nbytes))
-                if not s.frozen:
-                    t.grad.CopyFrom(seg_g.handle(g_off, nbytes))
         return request
 
     def _register_group(self, gi, group, existing):
         slots = []
-        p_bytes = g_bytes = 0
+        p_bytes = 0
         for pi, p in enumerate(group["params"]):
             if p.dtype not in _DTYPES:
                 raise TypeError(
@@ -325,47 +327,61 @@ class AdamW(torch.optim.Optimizer):
             s.name = self._names.get(id(p), "group%d.param%d" % (gi, pi))
             s.numel = p.numel()
             s.frozen = not p.requires_grad
-            offsets = (p_bytes, g_bytes)
-            nbytes = align(s.numel * p.element_size())
-            p_bytes += nbytes
-            if not s.frozen:
-                g_bytes += nbytes
-            slots.append((s, offsets))
+            s.group_id = str(gi)
+            s.gview = None
+            s.sent_ptr = 0
+            slots.append((s, p_bytes))
+            p_bytes += align(s.numel * p.element_size())
         if self._device.type == "cuda":
             seg_p = _CudaSegment(max(p_bytes, 64), self._device)
-            seg_g = _CudaSegment(max(g_bytes, 64), self._device)
         else:
             seg_p = SharedSegment(max(p_bytes, 64))
-            seg_g = SharedSegment(max(g_bytes, 64))
-        for s, (p_off, g_off) in slots:
+        for s, p_off in slots:
             p = s.param
             s.pview = seg_p.tensor(p_off, s.numel, p.dtype).view(p.shape)
             s.pview.copy_(p.detach())
             p.data = s.pview
-            s.gview = None
-            if not s.frozen:
-                s.gview = seg_g.tensor(g_off, s.numel, p.dtype).view(p.shape)
-                if p.grad is not None:
-                    if p.grad.is_sparse:
-                        raise TypeError("optimd.torch.AdamW does not support "
-                                        "sparse gradients")
-                    s.gview.copy_(p.grad)
-                else:
-                    s.gview.zero_()
-                p.grad = s.gview
-        request = self._group_request(gi, group, slots, seg_p, seg_g)
+        request = self._group_request(gi, group, slots, seg_p)
         if existing:
             update = pb.UpdateBuffersRequest(group_id=str(gi))
             for t in request.tensors:
                 if t.numel:
-                    update.tensors.add(name=t.name, param=t.param, grad=t.grad)
+                    update.tensors.add(name=t.name, param=t.param,
+                                       grad_absent=not t.frozen)
             self._client.update_buffers(update)
         else:
             self._client.register_group(request)
-        self._groups.append(dict(
-            id=str(gi), slots=[s for s, _ in slots], segments=(seg_p, seg_g),
-            snapshot={k: group[k] for k in _IMMUTABLE_KEYS}, request=request))
+        g = dict(id=str(gi), slots=[s for s, _ in slots],
+                 segments=[seg_p, None],
+                 snapshot={k: group[k] for k in _IMMUTABLE_KEYS},
+                 request=request)
+        self._groups.append(g)
+        if self._device.type == "cpu":
+            self._flat_grads(g["id"])  # the daemon reads shared memory only
         self._index_buffers()
+
+    def _flat_grads(self, group_id):
+        """The group's flat gradient segment, made on first use, with a
+        view per steppable tensor (CPU: where gradients are copied for the
+        daemon; both: where zero_grad(set_to_none=False) puts them)."""
+        g = self._groups[int(group_id)]
+        if g["segments"][1] is not None:
+            return g["segments"][1]
+        offsets, g_bytes = [], 0
+        for s in g["slots"]:
+            offsets.append(g_bytes)
+            if not s.frozen:
+                g_bytes += align(s.numel * s.param.element_size())
+        if self._device.type == "cuda":
+            seg_g = _CudaSegment(max(g_bytes, 64), self._device)
+        else:
+            seg_g = SharedSegment(max(g_bytes, 64))
+        for s, off in zip(g["slots"], offsets):
+            if not s.frozen:
+                s.gview = seg_g.tensor(off, s.numel, s.param.dtype).view(
+                    s.param.shape)
+        g["segments"][1] = seg_g
+        return seg_g
 
     def _restore_after_resume(self):
         """A restarted trainer: write the daemon's weights into our buffers."""
@@ -382,21 +398,11 @@ class AdamW(torch.optim.Optimizer):
                              for s in g["slots"] if s.numel]
         self._pptrs_flat = [s.pview.data_ptr() for g in self._groups
                             for s in g["slots"] if s.numel]
-        self._steppable_flat = [s.param for g in self._groups
-                                for s in g["slots"] if not s.frozen]
-        self._gviews_flat = [s.gview for g in self._groups
-                             for s in g["slots"] if not s.frozen]
+        self._router = GradRouter(
+            [s for g in self._groups for s in g["slots"]], self._device,
+            self._flat_grads)
 
-    def _buffers_in_place(self):
-        # map() keeps this at well under a microsecond per parameter.
-        if list(map(torch.Tensor.data_ptr, self._params_flat)) != \
-                self._pptrs_flat:
-            return False
-        return all(map(operator.is_,
-                       map(operator.attrgetter("grad"), self._steppable_flat),
-                       self._gviews_flat))
-
-    def _sync_buffers(self):
+    def _sync_params(self):
         for g, group in zip(self._groups, self.param_groups):
             for k in _IMMUTABLE_KEYS:
                 if group[k] != g["snapshot"][k]:
@@ -406,7 +412,9 @@ class AdamW(torch.optim.Optimizer):
                         "construction (it decides the state's layout)" %
                         (g["id"], k, g["snapshot"][k],
                                           group[k]))
-        if self._buffers_in_place():
+        # map() keeps this at well under a microsecond per parameter.
+        if list(map(torch.Tensor.data_ptr, self._params_flat)) == \
+                self._pptrs_flat:
             return
         for g in self._groups:
             for s in g["slots"]:
@@ -414,20 +422,23 @@ class AdamW(torch.optim.Optimizer):
                 if p.data_ptr() != s.pview.data_ptr() and s.numel:
                     s.pview.copy_(p.detach())
                     p.data = s.pview
-                if s.frozen:
-                    continue
-                grad = p.grad
-                if grad is None:
-                    s.gview.zero_()
-                    p.grad = s.gview
-                elif grad.is_sparse:
-                    raise TypeError(
-                        "optimd.torch.AdamW does not support sparse "
-                        "gradients (parameter %s); use a dense gradient "
-                        "(e.g. nn.Embedding(sparse=False))" % s.name)
-                elif grad.data_ptr() != s.gview.data_ptr() and s.numel:
-                    s.gview.copy_(grad)
-                    p.grad = s.gview
+
+    def _overrides(self):
+        """Hyperparameters of the groups whose values changed since the
+        daemon last got them (schedulers); None when none did."""
+        current = [(float(group["lr"]), float(group["betas"][0]),
+                    float(group["betas"][1]), float(group["eps"]),
+                    float(group["weight_decay"]))
+                   for group in self.param_groups]
+        if current == self._sent_hyper:
+            return None
+        out = {}
+        for g, values, sent in zip(self._groups, current,
+                                   self._sent_hyper or [None] * len(current)):
+            if values != sent:
+                out[g["id"]] = dict(zip(("lr", "beta1", "beta2", "eps",
+                                         "weight_decay"), values))
+        return out, current
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -435,14 +446,9 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._sync_buffers()
-        overrides = {
-            g["id"]: dict(lr=float(group["lr"]),
-                          beta1=float(group["betas"][0]),
-                          beta2=float(group["betas"][1]),
-                          eps=float(group["eps"]),
-                          weight_decay=float(group["weight_decay"]))
-            for g, group in zip(self._groups, self.param_groups)}
+        self._sync_params()
+        updates = self._router.updates()
+        overrides = self._overrides()
         if (self.max_grad_norm and self._world_size > 1
                 and not self._warned_rank_norm):
             self._warned_rank_norm = True
@@ -455,11 +461,14 @@ class AdamW(torch.optim.Optimizer):
         if self._ready_event is not None:
             self._ready_event.record()
         reply = self._client.step(
-            lr_overrides=overrides,
+            lr_overrides=overrides[0] if overrides else None,
             grad_scale=float(self.grad_scale or 0.0),
             max_grad_norm=float(self.max_grad_norm or 0.0),
             wait=self.wait_for_step,
-            assume_finite=bool(self.assume_finite))
+            assume_finite=bool(self.assume_finite),
+            buffer_updates=updates)
+        if overrides:
+            self._sent_hyper = overrides[1]
         if self._done_event is not None:
             self._done_event.wait()
         self.skipped = reply.skipped
@@ -467,13 +476,15 @@ class AdamW(torch.optim.Optimizer):
         self.state.invalidate()
         return loss
 
-    def zero_grad(self, set_to_none=None):
-        for g in self._groups:
-            for s in g["slots"]:
-                if s.gview is None:
-                    continue
-                s.gview.zero_()
-                s.param.grad = s.gview
+    def zero_grad(self, set_to_none=True):
+        """As torch's: set_to_none=True (the default) sets every `.grad` to
+        None, so the next backward writes fresh gradients once;
+        set_to_none=False zeroes the existing gradients (in the group's flat
+        gradient buffer, one launch per group)."""
+        if set_to_none:
+            self._router.set_to_none()
+        else:
+            self._router.zero_()
 
     # State.
     def _fetch_state(self):
@@ -509,8 +520,12 @@ class AdamW(torch.optim.Optimizer):
             for s in g["slots"]:
                 if s.frozen:
                     continue
-                entry = {"step": torch.tensor(float(gs.step))}
-                for kind, t in blobs.get(s.name, {}).items():
+                mine = blobs.get(s.name, {})
+                own = next(iter(mine.values())).step if mine else gs.step
+                if own == 0 and s.numel:
+                    continue  # never stepped: torch has no state for it
+                entry = {"step": torch.tensor(float(own))}
+                for kind, t in mine.items():
                     value = _blob_tensor(t).view(s.param.shape).to(
                         s.param.device)
                     if kind == "master":
@@ -557,26 +572,35 @@ class AdamW(torch.optim.Optimizer):
                 # New hyperparameters: register the group afresh over the
                 # same buffers, then write its state.
                 self._client.unregister_group(mine["id"])
-                slots = list(zip(mine["slots"], _offsets(mine)))
-                request = self._group_request(gi, g, slots,
-                                              *mine["segments"])
+                seg_p = mine["segments"][0]
+                slots = list(zip(mine["slots"], _param_offsets(mine)))
+                request = self._group_request(gi, g, slots, seg_p)
                 self._client.register_group(request)
                 mine["snapshot"] = {k: g[k] for k in _IMMUTABLE_KEYS}
                 mine["request"] = request
-            step = 0
+                # Registered afresh: every gradient is absent to the daemon.
+                for s in mine["slots"]:
+                    s.sent_ptr = 0
+                self._index_buffers()
             request = pb.SetStateRequest(group_id=mine["id"])
+            own_steps = {}
             for s, pid in zip(mine["slots"], sg["params"]):
                 st = saved_state.get(pid)
-                if not st or s.frozen:
+                if s.frozen:
                     continue
-                if "step" in st:
-                    step = max(step, int(float(st["step"])))
+                # A parameter without state never had a gradient: step 0.
+                own_steps[s.name] = int(float(st["step"])) \
+                    if st and "step" in st else 0
                 for kind in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq",
                              "master"):
-                    if kind in st:
+                    if st and kind in st:
                         _add_blob(request, s.name, kind, st[kind])
-            request.step = step
+            request.step = max(own_steps.values(), default=0)
+            for name, own in own_steps.items():
+                if own != request.step:
+                    request.tensor_steps.add(tensor=name, step=own)
             self._client.set_state(request)
+        self._sent_hyper = None  # the next step sends them all again
         self.state.invalidate()
 
     # Checkpoints written by the daemon.
@@ -658,6 +682,7 @@ class AdamW(torch.optim.Optimizer):
         groups = self.client.get_state(metadata_only=True).groups
         for group, g in zip(self.param_groups, groups):
             group["lr"] = g.hyperparameters.lr
+        self._sent_hyper = None  # the next step sends them all again
         self.state.invalidate()
 
     # Daemon access.
@@ -695,18 +720,17 @@ class _CudaSegment:
             ipc_handle=self.ipc_handle, device=self.device.index or 0,
             offset=self.base_offset + offset, size=nbytes))
 
+    def base_ptr(self):
+        return self.buffer.data_ptr()
 
-def _offsets(group):
-    seg_p, seg_g = group["segments"]
-    out = []
-    for s in group["slots"]:
-        p_off = g_off = 0
-        if s.numel:
-            p_off = s.pview.data_ptr() - seg_p.tensor(0, 1, torch.uint8).data_ptr()
-            if s.gview is not None:
-                g_off = s.gview.data_ptr() - seg_g.tensor(0, 1, torch.uint8).data_ptr()
-        out.append((p_off, g_off))
-    return out
+    def zero_(self):
+        self.buffer.zero_()
+
+
+def _param_offsets(group):
+    seg_p = group["segments"][0]
+    return [s.pview.data_ptr() - seg_p.base_ptr() if s.numel else 0
+            for s in group["slots"]]
 
 
 def _blob_tensor(t):

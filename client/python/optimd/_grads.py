@@ -1,0 +1,163 @@
+"""Where each parameter's gradient is, told to the daemon step by step.
+
+torch's autograd writes a fresh gradient tensor into `.grad` when it is None
+(torch 2's default `zero_grad(set_to_none=True)`) and accumulates into the
+existing one otherwise. optimd follows autograd instead of fighting it:
+
+* CUDA: the daemon reads each gradient where the caching allocator put it.
+  Per step the router compares the gradients' data pointers with the ones
+  the daemon has (one C-level pass over the tensors, no Python loop); only
+  moved or newly absent gradients become buffer updates of the next Step.
+  The allocator hands out the same blocks step after step, so the steady
+  state sends nothing and the daemon opens nothing.
+* CPU: the daemon reads shared memory only, so a gradient autograd put in
+  ordinary memory is copied into the tensor's view of the group's shared
+  gradient segment (the same bytes autograd would have accumulated into)
+  and `.grad` becomes that view.
+* A parameter whose `.grad` is None at step() is absent: the daemon leaves
+  it out of the step (no decay, no moment update), as torch does.
+* zero_grad(set_to_none=False) points every existing gradient at its view
+  of the group's flat gradient segment and zeroes each segment in one
+  launch; later backwards accumulate there.
+"""
+import operator
+
+import torch
+
+from optimd.v1 import optimd_pb2 as pb
+
+_get_grad = operator.attrgetter("grad")
+
+
+def _ptr(t):
+    return 0 if t is None else t.data_ptr()
+
+
+class GradRouter:
+    """The gradients of one optimizer's steppable tensors, in registration
+    order. `slots` are the optimizer's _Slot objects (param, name, numel,
+    frozen, gview, group_id, sent_ptr); gview is None until the group's
+    flat gradient segment exists."""
+
+    def __init__(self, slots, device, flat_segment):
+        # flat_segment(group_id) -> the group's flat gradient segment,
+        # created on first use (CUDA) or already there (CPU).
+        self._slots = [s for s in slots if not s.frozen and s.numel]
+        self._params = [s.param for s in self._slots]
+        self._cuda = device.type == "cuda"
+        self._flat_segment = flat_segment
+        # What the daemon has for each slot (kept on the slot, so that a new
+        # router over more groups starts from the truth): a data pointer, or
+        # 0 when absent. Registration leaves every tensor absent.
+        self._sent = [s.sent_ptr for s in self._slots]
+
+    def updates(self):
+        """The buffer updates that bring the daemon to the gradients now in
+        `.grad`, as UpdateBuffersRequest messages; empty when nothing
+        moved."""
+        grads = list(map(_get_grad, self._params))
+        if not self._cuda:
+            self._home_cpu_grads(grads)
+            grads = list(map(_get_grad, self._params))
+        ptrs = list(map(_ptr, grads))
+        if ptrs == self._sent:
+            return []
+        by_group = {}
+        handles = _HandleCache() if self._cuda else None
+        for i, (ptr, sent) in enumerate(zip(ptrs, self._sent)):
+            if ptr == sent:
+                continue
+            s = self._slots[i]
+            update = by_group.setdefault(
+                s.group_id, pb.UpdateBuffersRequest(group_id=s.group_id))
+            if ptr == 0:
+                update.tensors.add(name=s.name, grad_absent=True)
+            else:
+                grad = self._checked(s, grads[i])
+                ptr = grad.data_ptr()
+                update.tensors.add(name=s.name,
+                                   grad=self._handle(s, grad, handles))
+            self._sent[i] = s.sent_ptr = ptr
+        return list(by_group.values())
+
+    def _checked(self, s, grad):
+        if grad.is_sparse:
+            raise TypeError(
+                "optimd.torch.AdamW does not support sparse gradients "
+                "(parameter %s); use a dense gradient (e.g. "
+                "nn.Embedding(sparse=False))" % s.name)
+        if grad.dtype != s.param.dtype or grad.shape != s.param.shape:
+            raise TypeError(
+                "parameter %s has a gradient of %s %s; its parameter is %s "
+                "%s" % (s.name, grad.dtype, tuple(grad.shape),
+                        s.param.dtype, tuple(s.param.shape)))
+        if grad.device != s.param.device:
+            raise ValueError("parameter %s has its gradient on %s, not on %s"
+                             % (s.name, grad.device, s.param.device))
+        if not grad.is_contiguous():
+            grad = grad.contiguous()
+            s.param.grad = grad
+        return grad
+
+    def _handle(self, s, grad, handles):
+        if s.gview is not None and grad.data_ptr() == s.gview.data_ptr():
+            seg = self._flat_segment(s.group_id)
+            return seg.handle(grad.data_ptr() - seg.base_ptr(),
+                              grad.numel() * grad.element_size())
+        return handles.handle(grad)
+
+    def _home_cpu_grads(self, grads):
+        # CPU: the daemon reads shared memory only; a gradient elsewhere is
+        # copied into its shared view, which then becomes `.grad`.
+        for s, grad in zip(self._slots, grads):
+            if grad is None or grad is s.gview:
+                continue
+            grad = self._checked(s, grad)
+            if grad.data_ptr() != s.gview.data_ptr():
+                s.gview.copy_(grad)
+            s.param.grad = s.gview
+
+    def zero_(self):
+        """zero_grad(set_to_none=False): existing gradients become views of
+        the flat gradient segments, zeroed one segment per launch. None
+        stays None, as in torch."""
+        touched = set()
+        for s in self._slots:
+            grad = s.param.grad
+            if grad is None:
+                continue
+            touched.add(s.group_id)
+            if s.gview is None:
+                self._flat_segment(s.group_id)  # creates every gview
+            if grad is not s.gview:
+                if grad.grad_fn is not None:
+                    grad.detach_()
+                s.param.grad = s.gview
+        for group_id in sorted(touched):
+            self._flat_segment(group_id).zero_()
+
+    def set_to_none(self):
+        for p in self._params:
+            p.grad = None
+
+
+class _HandleCache:
+    """CUDA IPC handles of the allocations holding moved gradients, for one
+    step: gradients in the same allocation share one runtime call. Not kept
+    across steps: an allocation freed and made anew at the same address has
+    a new handle."""
+
+    def __init__(self):
+        self._by_base = {}
+
+    def handle(self, tensor):
+        from optimd import cuda_ipc
+        base, size = cuda_ipc.allocation_range(tensor)
+        key = (base, size)
+        if key not in self._by_base:
+            self._by_base[key] = cuda_ipc.mem_handle_at(base, tensor.device)
+        ipc_handle = self._by_base[key]
+        nbytes = tensor.numel() * tensor.element_size()
+        return pb.BufferHandle(cuda_ipc=pb.CudaIpcBuffer(
+            ipc_handle=ipc_handle, device=tensor.device.index or 0,
+            offset=tensor.data_ptr() - base, size=nbytes))
