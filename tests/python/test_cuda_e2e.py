@@ -42,7 +42,11 @@ class CudaEndToEnd(unittest.TestCase):
         assert cls.gpu.stop() == 0
         assert cls.cpu.stop() == 0
 
-    def run_both(self, dtype, steps=100, cpu_daemon=None, **kw):
+    def run_both(self, dtype, steps=100, cpu_daemon=None,
+                 absent=lambda step, i: False, zero=None, **kw):
+        """`absent(step, i)`: tensor i has no gradient at `step`; `zero`:
+        zero_grad(set_to_none=zero) before each step's gradients, which
+        then accumulate (None: gradients are assigned fresh)."""
         g = torch.Generator().manual_seed(SEED)
         init = [torch.randn(*s, generator=g).to(dtype) for s in SHAPES]
         on_gpu = [torch.nn.Parameter(t.clone().cuda()) for t in init]
@@ -53,10 +57,19 @@ class CudaEndToEnd(unittest.TestCase):
                       address=(cpu_daemon or self.cpu).address,
                       job_id="cpu-" + self.id(), **kw)
         for step in range(steps):
-            for p, q in zip(on_gpu, on_cpu):
+            if zero is not None:
+                opt_g.zero_grad(set_to_none=zero)
+                opt_c.zero_grad(set_to_none=zero)
+            for i, (p, q) in enumerate(zip(on_gpu, on_cpu)):
                 grad = torch.randn(q.shape, generator=g).to(dtype)
-                p.grad = _as_grad(p, grad)
-                q.grad = _as_grad(q, grad)
+                if absent(step, i):
+                    p.grad = q.grad = None
+                elif zero is not None and p.grad is not None:
+                    p.grad.add_(grad.to(p.device))
+                    q.grad.add_(grad)
+                else:
+                    p.grad = _as_grad(p, grad)
+                    q.grad = _as_grad(q, grad)
             opt_g.step()
             opt_c.step()
             for p, q in zip(on_gpu, on_cpu):
@@ -76,6 +89,25 @@ class CudaEndToEnd(unittest.TestCase):
 
     def test_bf16_remainders_amsgrad_match_cpu_reference(self):
         self.run_both(torch.bfloat16, amsgrad=True, store_param_remainders=True)
+
+    def test_absent_gradients_match_cpu_reference(self):
+        # Tensors without gradients on some steps (an MoE expert the router
+        # skipped): not stepped, and their own step counts drive their bias
+        # corrections, bit-identical to the CPU reference. Clipping on, so
+        # the norm leaves them out too.
+        self.run_both(torch.float32, steps=40, weight_decay=0.1,
+                      max_grad_norm=1.0,
+                      absent=lambda step, i: (step + i) % 5 < 2 and i != 1)
+        self.run_both(torch.bfloat16, steps=30, store_param_remainders=True,
+                      exp_avg_dtype=torch.bfloat16,
+                      absent=lambda step, i: step < 10 and i % 2 == 0)
+
+    def test_zero_grad_in_place_matches_cpu_reference(self):
+        # set_to_none=False: gradients move into the flat gradient buffer
+        # and accumulate there; alternating with set_to_none=True moves
+        # them back and forth between the buffer and the allocator.
+        self.run_both(torch.float32, steps=20, zero=False)
+        self.run_both(torch.float32, steps=20, zero=True)
 
     def test_one_daemon_serves_cuda_and_cpu_sessions(self):
         # The CUDA daemon keeps CPU tensors' state on its CPU backend: both

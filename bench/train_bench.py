@@ -1,0 +1,264 @@
+"""End-to-end training benchmark: the same model, data and seed trained with
+torch.optim.AdamW(fused=True) and with optimd.torch.AdamW, in one run on one
+GPU, timed per iteration (zero_grad + forward + backward [+ clipping] +
+step) and per phase.
+
+    LD_LIBRARY_PATH=.gpu/lib OPTIMD_BINARY=.gpu/optimd \\
+        PYTHONPATH=client/python:.gpu/py python3 bench/train_bench.py
+
+Models (GPT-style decoders, fp32 parameters, bf16 autocast):
+  gpt350m   d=1024, 24 layers: about 354M parameters in 292 tensors
+  deep2400  d=256, 200 layers: about 2,400 tensors
+  small30m  d=512, 8 layers: about 30M parameters, where the daemon round
+            trip weighs most
+each at two batches: an optimizer-heavy one (torch's step is at least 30%
+of its iteration; the ratio goals apply there) and one users train with
+(at least 16k tokens per step). Clipping at 1.0 is torch's clip_grad_norm_
+against optimd's max_grad_norm (the daemon clips inside its step).
+
+Iteration time: back-to-back iterations, wall clock over a block of them
+with a device sync at the end, alternating torch and optimd blocks; the
+median block. Phases: CUDA events and host clocks around each phase of
+separate iterations; GPU ms are event gaps (they include time the GPU
+waits for the host), host ms are the Python call's own time; medians.
+"""
+import argparse
+import copy
+import json
+import math
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from optimd.testing import Daemon
+from optimd.torch import AdamW as OptimdAdamW
+
+
+class Block(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.out = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+                   for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, d, layers, heads, vocab, seq):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.tok.weight  # tied
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+
+    def forward(self, idx, targets):
+        x = self.tok(idx) + self.pos.weight[:idx.shape[1]]
+        for blk in self.blocks:
+            x = blk(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.flatten(0, 1).float(),
+                               targets.flatten())
+
+
+# name: (model config, optimizer-heavy (batch, seq), users' (batch, seq))
+MODELS = {
+    "gpt350m": (dict(d=1024, layers=24, heads=16, vocab=50304),
+                (1, 256), (8, 2048)),
+    "deep2400": (dict(d=256, layers=200, heads=4, vocab=8192),
+                 (1, 256), (8, 2048)),
+    "small30m": (dict(d=512, layers=8, heads=8, vocab=8192),
+                 (1, 256), (16, 1024)),
+}
+
+
+class Trainer:
+    """One model and its optimizer, stepping on fixed random batches."""
+
+    def __init__(self, model, make_opt, clip, batches):
+        self.model = model
+        self.opt = make_opt(model)
+        self.clip = clip
+        self.batches = batches
+        self.i = 0
+
+    def phases(self):
+        """(name, callable) of one iteration, in order."""
+        x, y = self.batches[self.i % len(self.batches)]
+        self.i += 1
+        state = {}
+
+        def forward():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                state["loss"] = self.model(x, y)
+
+        def clip():
+            if self.clip is not None:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                               self.clip)
+        out = [("zero_grad", self.opt.zero_grad), ("forward", forward),
+               ("backward", lambda: state["loss"].backward())]
+        if self.clip is not None:
+            out.append(("clip", clip))
+        out.append(("step", self.opt.step))
+        return out, state
+
+    def iterate(self):
+        phases, state = self.phases()
+        for _, fn in phases:
+            fn()
+        return state
+
+    def block_ms(self, iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            self.iterate()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / iters * 1e3
+
+    def phase_ms(self, iters):
+        """Per phase, the median GPU ms (event gaps) and host ms."""
+        gpu = {}
+        host = {}
+        for _ in range(iters):
+            phases, _ = self.phases()
+            events = [torch.cuda.Event(enable_timing=True)
+                      for _ in range(len(phases) + 1)]
+            clocks = []
+            events[0].record()
+            for k, (name, fn) in enumerate(phases):
+                t0 = time.perf_counter()
+                fn()
+                clocks.append((time.perf_counter() - t0) * 1e3)
+                events[k + 1].record()
+            torch.cuda.synchronize()
+            for k, (name, _) in enumerate(phases):
+                gpu.setdefault(name, []).append(
+                    events[k].elapsed_time(events[k + 1]))
+                host.setdefault(name, []).append(clocks[k])
+        return ({k: statistics.median(v) for k, v in gpu.items()},
+                {k: statistics.median(v) for k, v in host.items()})
+
+
+def batches(cfg, batch, seq, n=4):
+    g = torch.Generator(device="cuda").manual_seed(1234)
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, cfg["vocab"], (batch, seq), device="cuda",
+                          generator=g)
+        out.append((x, torch.roll(x, -1, dims=1)))
+    return out
+
+
+def compare(name, cfg, batch, seq, clip, daemon, args):
+    torch.manual_seed(0)
+    base = GPT(seq=seq, **cfg).cuda()
+    data = batches(cfg, batch, seq)
+    peers = {
+        "torch": Trainer(copy.deepcopy(base), lambda m: torch.optim.AdamW(
+            m.parameters(), lr=3e-4, weight_decay=0.1, fused=True), clip,
+            data),
+        "optimd": Trainer(copy.deepcopy(base), lambda m: OptimdAdamW(
+            m.parameters(), lr=3e-4, weight_decay=0.1,
+            address=daemon.address, job_id="%s-%d-%s" % (name, batch, clip),
+            max_grad_norm=clip or 0.0), None, data),
+    }
+    del base
+    params = sum(p.numel() for p in peers["torch"].model.parameters())
+    tensors = len(list(peers["torch"].model.parameters()))
+    losses = {}
+    for k, t in peers.items():
+        for _ in range(args.warmup):
+            losses[k] = t.iterate()["loss"].item()
+    blocks = {k: [] for k in peers}
+    for _ in range(args.blocks):
+        for k, t in peers.items():
+            blocks[k].append(t.block_ms(args.iters))
+    phases = {k: t.phase_ms(args.iters) for k, t in peers.items()}
+    it = {k: statistics.median(v) for k, v in blocks.items()}
+    row = dict(model=name, params=params, tensors=tensors, batch=batch,
+               seq=seq, tokens=batch * seq, clip=clip,
+               torch_ms=it["torch"], optimd_ms=it["optimd"],
+               ratio=it["optimd"] / it["torch"],
+               torch_step_share=phases["torch"][0]["step"] / it["torch"],
+               optimd_step_share=phases["optimd"][0]["step"] / it["optimd"],
+               phases={k: dict(gpu=v[0], host=v[1])
+                       for k, v in phases.items()},
+               loss_after_warmup=losses)
+    peers["optimd"].opt.close()
+    del peers
+    torch.cuda.empty_cache()
+    return row
+
+
+def print_row(r):
+    print("%-9s %5.0fM %5d tensors  batch %2dx%-4d clip %-4s  torch %8.3f ms"
+          "  optimd %8.3f ms  ratio %.3f  step share torch %4.1f%% optimd "
+          "%4.1f%%" % (r["model"], r["params"] / 1e6, r["tensors"],
+                       r["batch"], r["seq"], r["clip"], r["torch_ms"],
+                       r["optimd_ms"], r["ratio"],
+                       100 * r["torch_step_share"],
+                       100 * r["optimd_step_share"]))
+    for peer, ph in r["phases"].items():
+        print("    %-6s " % peer + "  ".join(
+            "%s %.3f/%.3f" % (k, ph["gpu"][k], ph["host"][k])
+            for k in ph["gpu"]) + "   (GPU/host ms)")
+    print("    loss after warm-up: torch %.5f optimd %.5f" %
+          (r["loss_after_warmup"]["torch"], r["loss_after_warmup"]["optimd"]))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--batches", default="heavy,users",
+                    help="heavy (optimizer-heavy), users, or both")
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--blocks", type=int, default=5)
+    ap.add_argument("--json", default="", help="also write the rows here")
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    rows = []
+    with Daemon(backend="cuda") as daemon:
+        for name in args.models.split(","):
+            cfg, heavy, users = MODELS[name]
+            for which in args.batches.split(","):
+                batch, seq = heavy if which == "heavy" else users
+                for clip in (None, 1.0):
+                    if which == "users" and clip is None and name != "gpt350m":
+                        continue
+                    r = compare(name, cfg, batch, seq, clip, daemon, args)
+                    print_row(r)
+                    rows.append(r)
+    print("\n== iteration time, optimd / torch fused (same run)")
+    for r in rows:
+        print("%-9s %-5s tokens %6d clip %-4s ratio %.3f (torch step %4.1f%% "
+              "of its iteration)" % (r["model"], "", r["tokens"], r["clip"],
+                                     r["ratio"], 100 * r["torch_step_share"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
