@@ -51,6 +51,11 @@ struct StepOptions {
   // statistics pass is skipped (4 fewer bytes read per fp32 parameter). A
   // non-finite gradient then reaches the state.
   bool assume_finite = false;
+  // Step flags (StepRequest.step_flags): two uint32 in device memory, [0]
+  // ready, [1] done; null without. The step waits for ready >= sequence
+  // and writes done = sequence after its work.
+  uint32_t* step_flags = nullptr;
+  uint32_t sequence = 0;
 };
 
 struct StepOutcome {
@@ -118,6 +123,13 @@ class Backend {
   virtual absl::StatusOr<StepOutcome> Step(SessionContext* session,
                                            const std::vector<Group*>& groups,
                                            const StepOptions& options) = 0;
+
+  // A step with step flags that failed or was refused: writes done =
+  // options.sequence in stream order, so that the trainer's stream goes on.
+  virtual absl::Status ReleaseStep(SessionContext* session,
+                                   const StepOptions& options) {
+    return absl::OkStatus();
+  }
 
   // Brings the groups' step counters up to date (the CUDA backend keeps
   // them on the device; this waits for queued steps). For state reads.

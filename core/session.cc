@@ -277,6 +277,11 @@ absl::Status Session::UnregisterGroup(const std::string& id) {
 absl::Status Session::UpdateBuffers(const std::string& group_id,
                                     const std::vector<BufferUpdate>& updates) {
   absl::MutexLock lock(&mu_);
+  return UpdateBuffersLocked(group_id, updates);
+}
+
+absl::Status Session::UpdateBuffersLocked(
+    const std::string& group_id, const std::vector<BufferUpdate>& updates) {
   Group* group = FindGroup(group_id);
   if (group == nullptr) {
     return absl::NotFoundError(absl::StrCat(
@@ -388,12 +393,65 @@ void Session::RefreshMappings() {
 
 absl::StatusOr<StepResult> Session::Step(const StepRequestSpec& request) {
   absl::MutexLock lock(&mu_);
+  StepOptions options = request.options;
+  absl::Status bound = BindStepFlags(request, &options);
+  absl::StatusOr<StepResult> result =
+      bound.ok() ? StepLocked(request, options) : bound;
+  if (options.step_flags != nullptr) {
+    if (!result.ok()) {
+      // The trainer's stream waits for this step's done flag: release it
+      // whatever went wrong (a failure here leaves only that wait).
+      backend_->ReleaseStep(context_.get(), options).IgnoreError();
+    }
+    if (bound.ok()) last_sequence_ = options.sequence;
+  }
+  return result;
+}
+
+absl::Status Session::BindStepFlags(const StepRequestSpec& request,
+                                    StepOptions* options) {
+  if (request.step_flags.kind != BufferHandle::Kind::kNone) {
+    if (backend_->kind() != BackendKind::kCuda) {
+      return absl::InvalidArgumentError(
+          "step_flags order CUDA streams; this session is on the CPU "
+          "backend, whose Step replies after the update: leave them unset");
+    }
+    if (request.sequence != 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a step that sends step_flags starts the count: its sequence must "
+          "be 1, got ", request.sequence));
+    }
+    OPTIMD_ASSIGN_OR_RETURN(
+        step_flags_, ResolveRegion("step_flags", "buffer", request.step_flags,
+                                   2, DType::kFloat32));
+    last_sequence_ = 0;
+  }
+  if (request.sequence == 0) return absl::OkStatus();
+  if (step_flags_.data == nullptr) {
+    return absl::FailedPreconditionError(
+        "a step with a sequence needs step flags: send step_flags with the "
+        "first one");
+  }
+  options->step_flags = reinterpret_cast<uint32_t*>(step_flags_.data);
+  options->sequence = static_cast<uint32_t>(request.sequence);
+  if (request.sequence != last_sequence_ + 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "step sequence ", request.sequence, " out of order: the last was ",
+        last_sequence_, " (steps are numbered 1, 2, ... in order)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepResult> Session::StepLocked(const StepRequestSpec& request,
+                                               const StepOptions& o) {
+  for (const auto& [group_id, updates] : request.buffer_updates) {
+    OPTIMD_RETURN_IF_ERROR(UpdateBuffersLocked(group_id, updates));
+  }
   if (needs_load_) {
     return absl::FailedPreconditionError(
         "the last LoadState failed part-way and left the state mixed; load "
         "a good checkpoint before stepping");
   }
-  const StepOptions& o = request.options;
   if (!std::isfinite(o.grad_scale) || o.grad_scale < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "grad_scale must be a positive finite number (or 0 for none), got ",
@@ -431,7 +489,7 @@ absl::StatusOr<StepResult> Session::Step(const StepRequestSpec& request) {
     if (o.weight_decay) h.weight_decay = *o.weight_decay;
   }
 
-  auto stepped = backend_->Step(context_.get(), step_groups_, request.options);
+  auto stepped = backend_->Step(context_.get(), step_groups_, o);
   if (!stepped.ok()) {
     // DATA_LOSS: the state was partly updated (a segment shrank mid-step).
     if (stepped.status().code() == absl::StatusCode::kDataLoss) {

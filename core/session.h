@@ -47,19 +47,6 @@ struct HyperOverride {
   std::optional<double> beta1, beta2, eps, weight_decay;
 };
 
-struct StepRequestSpec {
-  uint64_t step = 0;
-  std::vector<HyperOverride> overrides;
-  StepOptions options;
-};
-
-struct StepResult {
-  StepOutcome outcome;
-  // (group id, step counter) for every group, in registration order.
-  std::vector<std::pair<std::string, uint64_t>> group_steps;
-  // The done-event handle is per session, not per step; nothing here.
-};
-
 // A new buffer for one tensor of a group (UpdateBuffers).
 struct BufferUpdate {
   std::string tensor;
@@ -68,6 +55,26 @@ struct BufferUpdate {
   // The tensor has no gradient from now on (grad must be kNone): it is left
   // out of steps until an update gives it a gradient buffer again.
   bool grad_absent = false;
+};
+
+struct StepRequestSpec {
+  uint64_t step = 0;
+  std::vector<HyperOverride> overrides;
+  StepOptions options;
+  // Buffers that moved, per group id, applied first.
+  std::vector<std::pair<std::string, std::vector<BufferUpdate>>>
+      buffer_updates;
+  // Step flags to bind (kind kNone: keep the bound ones) and this step's
+  // number (0: no step flags).
+  BufferHandle step_flags;
+  uint64_t sequence = 0;
+};
+
+struct StepResult {
+  StepOutcome outcome;
+  // (group id, step counter) for every group, in registration order.
+  std::vector<std::pair<std::string, uint64_t>> group_steps;
+  // The done-event handle is per session, not per step; nothing here.
 };
 
 // One state buffer of one tensor, in host memory.
@@ -125,6 +132,8 @@ class Session {
   absl::Status UpdateBuffers(const std::string& group_id,
                              const std::vector<BufferUpdate>& updates)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Applies the request's buffer updates, then steps. With step flags, a
+  // failed or refused step still releases the trainer's stream.
   absl::StatusOr<StepResult> Step(const StepRequestSpec& request)
       ABSL_LOCKS_EXCLUDED(mu_);
   // Writes master weights into the trainer's buffers; returns the number of
@@ -210,6 +219,18 @@ class Session {
       const std::vector<std::string>& group_ids)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RefreshMappings() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status UpdateBuffersLocked(const std::string& group_id,
+                                   const std::vector<BufferUpdate>& updates)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Binds the request's step flags (if any) and checks its sequence; sets
+  // options->step_flags and ->sequence when the step uses them (also when
+  // the sequence is refused, so that the step can be released).
+  absl::Status BindStepFlags(const StepRequestSpec& request,
+                             StepOptions* options)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<StepResult> StepLocked(const StepRequestSpec& request,
+                                        const StepOptions& options)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Keeps `old_mapping` among the recently used mappings when `mapping`
   // replaces it; returns whether it was replaced.
   bool RetainIfReplaced(const std::shared_ptr<const void>& old_mapping,
@@ -259,6 +280,10 @@ class Session {
   uint64_t skipped_steps_ ABSL_GUARDED_BY(mu_) = 0;
   // Set when a load failed after changing state; cleared by a good load.
   bool needs_load_ ABSL_GUARDED_BY(mu_) = false;
+  // The trainer's step flags (StepRequest.step_flags), and the sequence of
+  // the last step that used them.
+  BufferRef step_flags_ ABSL_GUARDED_BY(mu_);
+  uint64_t last_sequence_ ABSL_GUARDED_BY(mu_) = 0;
 
   // The background save, behind its own mutex so that status calls never
   // wait for a step.

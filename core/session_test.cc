@@ -217,6 +217,25 @@ TEST_F(SessionTest, AbsentGradientIsNotStepped) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// Step flags order CUDA streams; a CPU session refuses them, and a step
+// numbered without them is refused too, changing nothing.
+TEST_F(SessionTest, StepFlagsAreForCudaSessions) {
+  GroupSpec spec;
+  spec.id = "g";
+  spec.tensors = {Fp32Tensor("a", 8, 0)};
+  ASSERT_TRUE(session_.RegisterGroup(spec).ok());
+  StepRequestSpec step;
+  step.sequence = 1;
+  auto r = session_.Step(step);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(r.status().message().find("step_flags"), absl::string_view::npos);
+  step.step_flags = Handle(*grads_, 0, 8);
+  r = session_.Step(step);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("CPU"), absl::string_view::npos);
+  EXPECT_EQ(session_.Info().steps, 0u);
+}
+
 TEST_F(SessionTest, ShrunkSegmentFailsTheStepNotTheDaemon) {
   auto seg = *SharedMemoryRegion::Create(8192);
   GroupSpec spec;

@@ -25,6 +25,16 @@ using cuda::DeviceChunk;
 using cuda::DeviceGroupState;
 
 using MemGetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+using StreamValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t,
+                                     unsigned int);
+
+// Driver entry points the runtime does not wrap, found once through
+// cudaGetDriverEntryPointByVersion (the daemon never links libcuda).
+struct DriverFns {
+  MemGetAddressRangeFn mem_get_address_range = nullptr;
+  StreamValue32Fn stream_wait_value32 = nullptr;
+  StreamValue32Fn stream_write_value32 = nullptr;
+};
 
 // One opened IPC allocation. Closing waits for the device's stream, so a
 // mapping is never closed under a step that uses it.
@@ -161,12 +171,13 @@ class CudaBackend final : public Backend {
  public:
   CudaBackend(int device, const CudaBackendOptions& options,
               cudaStream_t stream, cudaStream_t capture_stream,
-              MemGetAddressRangeFn range_fn)
+              const DriverFns& driver)
       : device_(device),
         options_(options),
         stream_(stream),
         capture_stream_(capture_stream),
-        mem_get_address_range_(range_fn) {}
+        mem_get_address_range_(driver.mem_get_address_range),
+        driver_(driver) {}
 
   ~CudaBackend() override {
     cudaSetDevice(device_);
@@ -190,6 +201,8 @@ class CudaBackend final : public Backend {
   absl::StatusOr<StepOutcome> Step(SessionContext* session,
                                    const std::vector<Group*>& groups,
                                    const StepOptions& options) override;
+  absl::Status ReleaseStep(SessionContext* session,
+                           const StepOptions& options) override;
   absl::Status WriteParams(Group& group) override;
   absl::Status SyncGroupCounters(const std::vector<Group*>& groups) override;
   absl::StatusOr<StateStorage> AllocateHostStaging(uint64_t bytes) override {
@@ -217,6 +230,9 @@ class CudaBackend final : public Backend {
 
  private:
   absl::Status UploadPlan(DevicePlan& plan);
+  // One stream memory operation on stream_ (wait or write of a step flag).
+  absl::Status StreamValue(StreamValue32Fn fn, uint32_t* word, uint32_t value,
+                           unsigned int flags);
   // Uploads the list of the plan's entries without a gradient, if it
   // changed.
   absl::Status UploadAbsent(DevicePlan& plan);
@@ -238,6 +254,7 @@ class CudaBackend final : public Backend {
   // Never runs work: step graphs are captured on it.
   const cudaStream_t capture_stream_;
   const MemGetAddressRangeFn mem_get_address_range_;
+  const DriverFns driver_;
   uint64_t next_plan_id_ = 1;
 
   absl::Mutex mu_;
@@ -812,7 +829,11 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
     a.missed = reinterpret_cast<uint32_t*>(plan->missed_d.data());
   }
 
-  if (s.ready != nullptr) {
+  if (options.step_flags != nullptr) {
+    OPTIMD_RETURN_IF_ERROR(StreamValue(driver_.stream_wait_value32,
+                                       options.step_flags, options.sequence,
+                                       CU_STREAM_WAIT_VALUE_GEQ));
+  } else if (s.ready != nullptr) {
     OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(stream_, s.ready, 0));
   }
   if (!options_.use_graphs) {
@@ -838,6 +859,9 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
       OPTIMD_RETURN_IF_CUDA_ERROR(made);
     }
     OPTIMD_RETURN_IF_CUDA_ERROR(cudaGraphLaunch(slot.exec, stream_));
+  }
+  if (options.step_flags != nullptr) {
+    OPTIMD_RETURN_IF_ERROR(ReleaseStep(session, options));
   }
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventRecord(s.done, stream_));
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventRecord(slot.event, stream_));
@@ -871,6 +895,28 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
     out.current = s.last_sequence == seq;
   }
   return out;
+}
+
+absl::Status CudaBackend::StreamValue(StreamValue32Fn fn, uint32_t* word,
+                                      uint32_t value, unsigned int flags) {
+  const CUresult r = fn(reinterpret_cast<CUstream>(stream_),
+                        reinterpret_cast<CUdeviceptr>(word), value, flags);
+  if (r != CUDA_SUCCESS) {
+    return absl::InternalError(absl::StrCat(
+        "a stream memory operation on the step flags failed (CUresult ", r,
+        ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::ReleaseStep(SessionContext*,
+                                      const StepOptions& options) {
+  if (options.step_flags == nullptr) return absl::OkStatus();
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
+  // The default write is preceded by a memory fence: the trainer's stream,
+  // once it sees the flag, sees the step's parameters.
+  return StreamValue(driver_.stream_write_value32, options.step_flags + 1,
+                     options.sequence, CU_STREAM_WRITE_VALUE_DEFAULT);
 }
 
 absl::Status CudaBackend::SyncGroupCounters(const std::vector<Group*>& groups) {
@@ -972,13 +1018,22 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(
         cuda::kTileElements, ", 2^26], got ", options.chunk_elements));
   }
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device));
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult found;
-  OPTIMD_RETURN_IF_CUDA_ERROR(cudaGetDriverEntryPointByVersion(
-      "cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &found));
-  if (found != cudaDriverEntryPointSuccess || fn == nullptr) {
-    return absl::FailedPreconditionError(
-        "the CUDA driver has no cuMemGetAddressRange");
+  DriverFns driver;
+  const std::pair<const char*, void**> wanted[] = {
+      {"cuMemGetAddressRange",
+       reinterpret_cast<void**>(&driver.mem_get_address_range)},
+      {"cuStreamWaitValue32",
+       reinterpret_cast<void**>(&driver.stream_wait_value32)},
+      {"cuStreamWriteValue32",
+       reinterpret_cast<void**>(&driver.stream_write_value32)}};
+  for (const auto& [name, fn] : wanted) {
+    cudaDriverEntryPointQueryResult found;
+    OPTIMD_RETURN_IF_CUDA_ERROR(cudaGetDriverEntryPointByVersion(
+        name, fn, 12000, cudaEnableDefault, &found));
+    if (found != cudaDriverEntryPointSuccess || *fn == nullptr) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the CUDA driver has no ", name));
+    }
   }
   cudaStream_t stream, capture_stream;
   OPTIMD_RETURN_IF_CUDA_ERROR(
@@ -988,8 +1043,7 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(
   if (e != cudaSuccess) cudaStreamDestroy(stream);
   OPTIMD_RETURN_IF_CUDA_ERROR(e);
   return std::unique_ptr<Backend>(
-      new CudaBackend(device, options, stream, capture_stream,
-                      reinterpret_cast<MemGetAddressRangeFn>(fn)));
+      new CudaBackend(device, options, stream, capture_stream, driver));
 }
 
 }  // namespace optimd

@@ -152,8 +152,16 @@ absl::StatusOr<std::vector<BufferUpdate>> BufferUpdatesFromProto(
   return out;
 }
 
-StepRequestSpec StepSpecFromProto(const v1::StepRequest& request) {
+absl::StatusOr<StepRequestSpec> StepSpecFromProto(
+    const v1::StepRequest& request) {
   StepRequestSpec spec;
+  for (const v1::UpdateBuffersRequest& u : request.buffer_updates()) {
+    auto updates = BufferUpdatesFromProto(u);
+    if (!updates.ok()) return updates.status();
+    spec.buffer_updates.emplace_back(u.group_id(), *std::move(updates));
+  }
+  spec.step_flags = BufferHandleFromProto(request.step_flags());
+  spec.sequence = request.sequence();
   spec.step = request.step();
   for (const auto& o : request.overrides()) {
     HyperOverride h;

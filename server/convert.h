@@ -26,7 +26,8 @@ absl::StatusOr<GroupSpec> GroupSpecFromProto(
 absl::StatusOr<std::vector<BufferUpdate>> BufferUpdatesFromProto(
     const v1::UpdateBuffersRequest& request);
 
-StepRequestSpec StepSpecFromProto(const v1::StepRequest& request);
+absl::StatusOr<StepRequestSpec> StepSpecFromProto(
+    const v1::StepRequest& request);
 
 void HyperToProto(const AdamWHyper& h, v1::Hyperparameters* out);
 void GroupStateToProto(const GroupState& g, v1::GroupState* out);

@@ -48,7 +48,7 @@ TEST(ConvertTest, StepDefaults) {
   v1::StepRequest r;
   r.add_overrides()->set_group_id("g");
   r.mutable_overrides(0)->set_lr(0.1);
-  StepRequestSpec s = StepSpecFromProto(r);
+  StepRequestSpec s = *StepSpecFromProto(r);
   EXPECT_EQ(s.options.grad_scale, 1.0);
   EXPECT_EQ(s.options.max_grad_norm, 0.0);
   ASSERT_EQ(s.overrides.size(), 1u);

@@ -167,14 +167,10 @@ absl::Status OptimizerServiceImpl::RunStep(Session& s,
                                            const v1::StepRequest& request,
                                            v1::StepResponse* response,
                                            absl::Time start) {
-  for (const v1::UpdateBuffersRequest& u : request.buffer_updates()) {
-    auto updates = BufferUpdatesFromProto(u);
-    if (!updates.ok()) return updates.status();
-    absl::Status st = s.UpdateBuffers(u.group_id(), *updates);
-    if (!st.ok()) return st;
-  }
+  auto spec = StepSpecFromProto(request);
+  if (!spec.ok()) return spec.status();
   const absl::Time host_start = absl::Now();
-  auto result = s.Step(StepSpecFromProto(request));
+  auto result = s.Step(*spec);
   if (!result.ok()) return result.status();
   step_host_time_.Observe(absl::ToDoubleSeconds(absl::Now() - host_start));
   response->set_known(result->outcome.known);

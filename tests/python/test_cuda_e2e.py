@@ -10,11 +10,13 @@ torch.optim.AdamW(fused=True) in the same script.
 """
 import os
 import random
+import threading
 import time
 import unittest
 
 import torch
 
+import optimd
 from optimd.testing import Daemon
 from optimd.torch import AdamW
 
@@ -108,6 +110,52 @@ class CudaEndToEnd(unittest.TestCase):
         # them back and forth between the buffer and the allocator.
         self.run_both(torch.float32, steps=20, zero=False)
         self.run_both(torch.float32, steps=20, zero=True)
+
+    def assert_gpu_settles(self, timeout=30):
+        """The trainer's stream finishes its queued work: nothing waits
+        forever on a step flag."""
+        t = threading.Thread(target=torch.cuda.synchronize, daemon=True)
+        t.start()
+        t.join(timeout)
+        self.assertFalse(t.is_alive(), "the trainer's stream hangs")
+
+    def test_refused_step_never_hangs_the_trainer_stream(self):
+        p = torch.nn.Parameter(torch.randn(1000, device="cuda"))
+        opt = AdamW([p], lr=1e-2, address=self.gpu.address,
+                    job_id="refused-" + self.id())
+        for _ in range(3):
+            p.grad = torch.randn_like(p)
+            opt.step()
+        opt.param_groups[0]["lr"] = float("nan")  # refused by the daemon
+        p.grad = torch.randn_like(p)
+        opt.step()  # returns at once; the error comes with the reply
+        (p * 2).sum()  # queued behind the refused step's done flag
+        with self.assertRaises(optimd.InvalidArgumentError):
+            opt.synchronize()
+        self.assert_gpu_settles()
+        # Fixed, the optimizer steps again (step flags bound anew).
+        opt.param_groups[0]["lr"] = 1e-2
+        before = p.detach().clone()
+        opt.step()
+        opt.synchronize()
+        self.assertFalse(torch.equal(before, p.detach()))
+        opt.close()
+
+    def test_daemon_gone_never_hangs_the_trainer_stream(self):
+        daemon = Daemon(backend="cuda")
+        p = torch.nn.Parameter(torch.randn(1 << 20, device="cuda"))
+        opt = AdamW([p], lr=1e-2, address=daemon.address, job_id="gone")
+        for _ in range(3):
+            p.grad = torch.randn_like(p)
+            opt.step()
+        daemon.process.kill()
+        daemon.process.wait()
+        p.grad = torch.randn_like(p)
+        with self.assertRaises(optimd.OptimdError):
+            opt.step()
+            opt.synchronize()
+        self.assert_gpu_settles()
+        daemon.stop()
 
     def test_one_daemon_serves_cuda_and_cpu_sessions(self):
         # The CUDA daemon keeps CPU tensors' state on its CPU backend: both

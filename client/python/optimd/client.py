@@ -5,11 +5,11 @@ token travels in the `x-optimd-session` metadata of every call. Every call
 has a deadline. Failures raise optimd.errors.OptimdError subclasses.
 """
 import os
-import queue
 
 import grpc
 
 from optimd import errors
+from optimd._step_stream import StepStream
 from optimd.v1 import optimd_pb2 as pb
 from optimd.v1 import optimd_pb2_grpc as pb_grpc
 
@@ -93,7 +93,11 @@ class Client:
         # call setup per step (about half the round trip; bench/RESULTS.md).
         self.use_step_stream = True
         self._stream = None
-        self._stream_requests = None
+        # Called on the reader thread when a step stream breaks with steps
+        # unanswered: on_stream_broken(first_request_index, replies_ok,
+        # error); request indices count every streamed step from 0.
+        self.on_stream_broken = None
+        self._streamed = 0
 
     def close(self):
         self._close_stream()
@@ -106,6 +110,10 @@ class Client:
         self.close()
 
     def _call(self, method, request):
+        # Steps still in flight come first: the daemon orders a session's
+        # calls by arrival, and a reply must not overtake them.
+        if self._stream is not None:
+            self._stream.drain()
         metadata = ((SESSION_METADATA_KEY, self.token),) if self.token else ()
         try:
             return getattr(self._stub, method)(
@@ -125,14 +133,8 @@ class Client:
 
     def _close_stream(self):
         if self._stream is not None:
-            self._stream_requests.put(None)
-            try:
-                for _ in self._stream:
-                    pass
-            except grpc.RpcError:
-                pass
+            self._stream.close()
             self._stream = None
-            self._stream_requests = None
 
     def close_session(self):
         self._close_stream()
@@ -154,37 +156,65 @@ class Client:
     # Steps and state.
     def step(self, step=0, lr_overrides=None, grad_scale=0.0,
              max_grad_norm=0.0, wait=False, assume_finite=False,
-             buffer_updates=()):
-        """One step. buffer_updates: UpdateBuffersRequest messages applied
-        first (gradients that moved or went away since the last step)."""
+             buffer_updates=(), step_flags=None, sequence=0):
+        """One step; returns its reply. buffer_updates: UpdateBuffersRequest
+        messages applied first (gradients that moved or went away since the
+        last step); step_flags, sequence: see StepRequest."""
+        request = self._step_request(
+            step, lr_overrides, grad_scale, max_grad_norm, wait,
+            assume_finite, buffer_updates, step_flags, sequence)
+        if not self.use_step_stream:
+            return self._call("Step", request)
+        return self._result(self._send_step(request))
+
+    def step_async(self, **kw):
+        """As step(), but returns a concurrent.futures.Future of the reply
+        at once (over the step stream). Replies come in order."""
+        return self._send_step(self._step_request(**kw))
+
+    @staticmethod
+    def _step_request(step=0, lr_overrides=None, grad_scale=0.0,
+                      max_grad_norm=0.0, wait=False, assume_finite=False,
+                      buffer_updates=(), step_flags=None, sequence=0):
         request = pb.StepRequest(step=step, grad_scale=grad_scale,
                                  max_grad_norm=max_grad_norm, wait=wait,
                                  assume_finite=assume_finite,
-                                 buffer_updates=buffer_updates)
+                                 buffer_updates=buffer_updates,
+                                 sequence=sequence)
+        if step_flags is not None:
+            request.step_flags.CopyFrom(step_flags)
         for group_id, value in (lr_overrides or {}).items():
             if isinstance(value, dict):
                 request.overrides.add(group_id=group_id, **value)
             else:
                 request.overrides.add(group_id=group_id, lr=value)
-        if not self.use_step_stream:
-            return self._call("Step", request)
+        return request
+
+    def _send_step(self, request):
+        if self._stream is not None and self._stream.broken:
+            self._stream.close()
+            self._stream = None
         if self._stream is None:
-            requests = queue.Queue()
-            self._stream_requests = requests
-            self._stream = self._stub.StepStream(
-                iter(requests.get, None),
-                metadata=((SESSION_METADATA_KEY, self.token),))
-        self._stream_requests.put(request)
-        try:
-            return next(self._stream)
-        except grpc.RpcError as err:
-            self._stream = None
-            self._stream_requests = None
-            raise errors.from_rpc_error(err, self.address) from None
-        except StopIteration:
-            self._stream = None
-            self._stream_requests = None
-            raise errors.OptimdError("the daemon closed the step stream")
+            first = self._streamed
+            callback = self.on_stream_broken
+
+            def broken(replies_ok, error):
+                if callback is not None:
+                    callback(first, replies_ok, error)
+            self._stream = StepStream(
+                self._stub, ((SESSION_METADATA_KEY, self.token),),
+                self.address, broken)
+        self._streamed += 1
+        return self._stream.send(request)
+
+    @staticmethod
+    def _result(future):
+        return future.result()
+
+    @property
+    def steps_streamed(self):
+        """Steps sent over step streams so far (the next one's index)."""
+        return self._streamed
 
     def get_params(self, group_ids=()):
         return self._call("GetParams",

@@ -84,3 +84,45 @@ def mem_handle(tensor):
             raise RuntimeError("cuMemGetAddressRange failed with CUDA driver "
                                "error %d" % err)
     return bytes(handle), ptr - base.value
+
+
+_WAIT_VALUE_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
+_WRITE_VALUE_DEFAULT = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: fenced
+
+
+def _stream_value_fns():
+    _, driver = _libs()
+    fns = []
+    for name in ("cuStreamWriteValue32", "cuStreamWaitValue32"):
+        fn = getattr(driver, name + "_v2", None) or getattr(driver, name)
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32,
+                       ctypes.c_uint]
+        fns.append(fn)
+    return fns
+
+
+_write_value32 = _wait_value32 = None
+
+
+def stream_write_value32(stream, address, value):
+    """Enqueues on `stream` (a torch.cuda.Stream): *address = value, after
+    a memory fence (the stream's earlier writes are visible first)."""
+    global _write_value32, _wait_value32
+    if _write_value32 is None:
+        _write_value32, _wait_value32 = _stream_value_fns()
+    err = _write_value32(stream.cuda_stream, address, value,
+                         _WRITE_VALUE_DEFAULT)
+    if err != 0:
+        raise RuntimeError("cuStreamWriteValue32 failed with CUDA driver "
+                           "error %d" % err)
+
+
+def stream_wait_value32(stream, address, value):
+    """Enqueues on `stream`: wait until *address >= value (as uint32)."""
+    global _write_value32, _wait_value32
+    if _wait_value32 is None:
+        _write_value32, _wait_value32 = _stream_value_fns()
+    err = _wait_value32(stream.cuda_stream, address, value, _WAIT_VALUE_GEQ)
+    if err != 0:
+        raise RuntimeError("cuStreamWaitValue32 failed with CUDA driver "
+                           "error %d" % err)

@@ -22,6 +22,7 @@ Differences from torch.optim.AdamW, all deliberate:
   * A parameter that had no gradient at some steps takes the group's step
     count for its bias correction, where torch counts its own steps.
 """
+import collections
 import inspect
 import os
 import socket
@@ -31,6 +32,7 @@ import torch
 
 from optimd import errors
 from optimd._grads import GradRouter
+from optimd._step_flags import StepFlags
 from optimd.client import Client
 from optimd.shm import SharedSegment, align
 from optimd.v1 import optimd_pb2 as pb
@@ -207,23 +209,17 @@ class AdamW(torch.optim.Optimizer):
         self._device = self._check_devices()
         self._client = Client(address, timeout=timeout)
         job = job_id or "%s-%d" % (socket.gethostname(), os.getpid())
-        self._ready_event = self._done_event = None
-        ready_handle = b""
+        # CUDA: the trainer's stream and the daemon's are ordered by step
+        # flags (_step_flags.py), so step() never waits for the daemon.
+        self._flags = None
+        self._pending = collections.deque()  # replies not yet looked at
         if self._device.type == "cuda":
-            # The trainer records `ready` after backward; the daemon's stream
-            # waits on it. The daemon records `done` after the step; our
-            # stream waits on it before the next forward. No host sync.
-            with torch.cuda.device(self._device):
-                self._ready_event = torch.cuda.Event(interprocess=True)
-                self._ready_event.record()
-                ready_handle = bytes(self._ready_event.ipc_handle())
+            self._flags = StepFlags(self._device)
+            self._client.on_stream_broken = self._on_stream_broken
         reply = self._client.create_session(
             job, rank=rank, world_size=world_size,
             device=-1 if self._device.type == "cpu" else self._device.index,
-            resume=resume, ready_event=ready_handle)
-        if reply.done_event:
-            self._done_event = torch.cuda.Event.from_ipc_handle(
-                self._device, reply.done_event)
+            resume=resume)
         self.resumed = reply.resumed
         registered = set(reply.group_ids)
         self._ready = True
@@ -458,23 +454,63 @@ class AdamW(torch.optim.Optimizer):
                 "on it. With gradients sharded across ranks, clip with "
                 "torch.nn.utils.clip_grad_norm_ before step() and leave "
                 "max_grad_norm at 0." % self._world_size, stacklevel=3)
-        if self._ready_event is not None:
-            self._ready_event.record()
-        reply = self._client.step(
+        request = dict(
             lr_overrides=overrides[0] if overrides else None,
             grad_scale=float(self.grad_scale or 0.0),
             max_grad_norm=float(self.max_grad_norm or 0.0),
             wait=self.wait_for_step,
             assume_finite=bool(self.assume_finite),
             buffer_updates=updates)
+        if self._flags is None:
+            self._take_reply(self._client.step(**request))
+        else:
+            self._step_with_flags(request)
         if overrides:
             self._sent_hyper = overrides[1]
-        if self._done_event is not None:
-            self._done_event.wait()
-        self.skipped = reply.skipped
-        self.grad_norm = reply.grad_norm
         self.state.invalidate()
         return loss
+
+    def _step_with_flags(self, request):
+        """CUDA: mark the gradients ready on our stream, send the step, make
+        our stream wait for its done flag; look at replies as they come
+        (their outcome: skipped, grad_norm) and raise a failed step's error
+        at the latest one step later."""
+        self._look_at_replies(block=False)
+        stream = torch.cuda.current_stream(self._device)
+        flags, sequence = self._flags.next_step(self._client.steps_streamed)
+        self._flags.mark_ready(stream)
+        future = self._client.step_async(step_flags=flags, sequence=sequence,
+                                         **request)
+        self._flags.wait_done(stream)
+        self._pending.append(future)
+        # wait_for_step: this step's own outcome; otherwise at most two
+        # steps in flight before the host waits (bounded host lead).
+        self._look_at_replies(block=self.wait_for_step,
+                              keep=0 if self.wait_for_step else 2)
+
+    def _look_at_replies(self, block, keep=0):
+        """Takes the replies that have come; with `block`, first waits until
+        at most `keep` steps are unanswered."""
+        while self._pending:
+            if not self._pending[0].done() and not (
+                    block and len(self._pending) > keep):
+                break
+            self._take_reply(self._pending.popleft().result())
+
+    def _take_reply(self, reply):
+        if reply.known:
+            self.skipped = reply.skipped
+            self.grad_norm = reply.grad_norm
+
+    def _on_stream_broken(self, first_index, replies_ok, error):
+        """On the step stream's reader thread: the daemon will not release
+        the unanswered steps; keep our stream from waiting forever."""
+        failed = first_index + replies_ok - self._flags.first_index + 1
+        self._flags.release_after_break(failed)
+
+    def synchronize(self):
+        """Waits for every step sent; raises a failed step's error."""
+        self._look_at_replies(block=True)
 
     def zero_grad(self, set_to_none=True):
         """As torch's: set_to_none=True (the default) sets every `.grad` to

@@ -1,0 +1,79 @@
+"""Step flags: the trainer's CUDA stream and the daemon's ordered through
+two words of the trainer's GPU memory, with no host waiting for the other
+(StepRequest.step_flags in the API).
+
+Per step n the trainer's stream writes ready = n after backward, the daemon
+waits for ready >= n, steps, and writes done = n; the trainer's stream waits
+for done >= n before the next forward. So opt.step() returns as soon as the
+request is sent, and the trainer's host runs ahead into the next iteration
+while the GPU keeps the order.
+
+If the step stream breaks with steps unanswered (the daemon refused one and
+ended the stream, or went away), the daemon will not write their done
+flags: `release_after_break` waits briefly for the daemon's write of the
+failed step, then sets done past every step so that the trainer's stream
+never hangs, and the flags are made anew (bound again with sequence 1) at
+the next step.
+"""
+import time
+
+import torch
+
+from optimd import cuda_ipc
+from optimd.v1 import optimd_pb2 as pb
+
+_PAST_EVERY_STEP = 0x7FFFFFFF
+
+
+class StepFlags:
+    def __init__(self, device):
+        self.device = device
+        self._side = torch.cuda.Stream(device)
+        self._new_words()
+
+    def _new_words(self):
+        # A small block of torch's caching allocator: the daemon maps the
+        # segment holding it (cached per allocation like any buffer).
+        self.words = torch.zeros(2, dtype=torch.int32, device=self.device)
+        self.sequence = 0  # the last step sent
+        self.first_index = None  # the client's stream index of step 1
+        self._bound = False
+        self._needs_rebind = False
+
+    def next_step(self, stream_index):
+        """(step_flags handle or None, sequence) for the next step; the
+        handle travels with the first step after (re)binding."""
+        if self._needs_rebind:
+            self._new_words()
+        self.sequence += 1
+        if self._bound:
+            return None, self.sequence
+        self._bound = True
+        self.first_index = stream_index
+        handle, offset = cuda_ipc.mem_handle(self.words)
+        return pb.BufferHandle(cuda_ipc=pb.CudaIpcBuffer(
+            ipc_handle=handle, device=self.device.index or 0, offset=offset,
+            size=8)), self.sequence
+
+    def mark_ready(self, stream):
+        cuda_ipc.stream_write_value32(stream, self.words.data_ptr(),
+                                      self.sequence)
+
+    def wait_done(self, stream):
+        cuda_ipc.stream_wait_value32(stream, self.words.data_ptr() + 4,
+                                     self.sequence)
+
+    def release_after_break(self, failed_sequence, timeout_s=5.0):
+        """Runs on the step stream's reader thread after it broke."""
+        done = self.words[1:]
+        deadline = time.monotonic() + timeout_s
+        with torch.cuda.stream(self._side):
+            # The daemon releases a step it refused; wait for that write,
+            # or until it cannot come (the daemon is gone).
+            while time.monotonic() < deadline:
+                if int(done.item()) >= failed_sequence:
+                    break
+                time.sleep(0.001)
+            done.fill_(_PAST_EVERY_STEP)
+        self._side.synchronize()
+        self._needs_rebind = True
