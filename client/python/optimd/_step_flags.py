@@ -28,7 +28,7 @@ _PAST_EVERY_STEP = 0x7FFFFFFF
 class StepFlags:
     def __init__(self, device):
         self.device = device
-        self._side = torch.cuda.Stream(device)
+        self._side = cuda_ipc.SideStream(device)
         self._new_words()
 
     def _new_words(self):
@@ -65,15 +65,17 @@ class StepFlags:
 
     def release_after_break(self, failed_sequence, timeout_s=5.0):
         """Runs on the step stream's reader thread after it broke."""
-        done = self.words[1:]
+        done = self.words.data_ptr() + 4
         deadline = time.monotonic() + timeout_s
-        with torch.cuda.stream(self._side):
-            # The daemon releases a step it refused; wait for that write,
-            # or until it cannot come (the daemon is gone).
+        # The daemon releases a step it refused; wait for that write, or
+        # until it cannot come (the daemon is gone). Only driver calls on a
+        # non-blocking stream: torch's own ops here could queue behind the
+        # trainer's blocked stream.
+        with torch.cuda.device(self.device):  # this thread's context
             while time.monotonic() < deadline:
-                if int(done.item()) >= failed_sequence:
+                if self._side.read_u32(done) >= failed_sequence:
                     break
                 time.sleep(0.001)
-            done.fill_(_PAST_EVERY_STEP)
-        self._side.synchronize()
+            cuda_ipc.stream_write_value32(self._side, done, _PAST_EVERY_STEP)
+            self._side.synchronize()
         self._needs_rebind = True

@@ -126,3 +126,41 @@ def stream_wait_value32(stream, address, value):
     if err != 0:
         raise RuntimeError("cuStreamWaitValue32 failed with CUDA driver "
                            "error %d" % err)
+
+
+class SideStream:
+    """A non-blocking stream of the driver's own, for the step flags'
+    clean-up: it never waits behind the legacy default stream (which may be
+    the very stream blocked on a step flag), as a blocking stream or a
+    synchronous copy would."""
+
+    def __init__(self, device):
+        _, driver = _libs()
+        self._driver = driver
+        with torch.cuda.device(device):  # makes the device's context current
+            handle = ctypes.c_void_p()
+            _check(driver.cuStreamCreate(ctypes.byref(handle), 0x1),
+                   "cuStreamCreate")  # CU_STREAM_NON_BLOCKING
+        self.cuda_stream = handle.value
+
+    def read_u32(self, address):
+        """*address, read on this stream (waits for this stream only)."""
+        out = ctypes.c_uint32()
+        d = self._driver
+        d.cuMemcpyDtoHAsync_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64,
+                                           ctypes.c_size_t, ctypes.c_void_p]
+        _check(d.cuMemcpyDtoHAsync_v2(ctypes.byref(out), address, 4,
+                                      ctypes.c_void_p(self.cuda_stream)),
+               "cuMemcpyDtoHAsync")
+        self.synchronize()
+        return out.value
+
+    def synchronize(self):
+        self._driver.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
+        _check(self._driver.cuStreamSynchronize(
+            ctypes.c_void_p(self.cuda_stream)), "cuStreamSynchronize")
+
+
+def _check(err, what):
+    if err != 0:
+        raise RuntimeError("%s failed with CUDA driver error %d" % (what, err))
