@@ -122,7 +122,10 @@ class TorchClientTest(unittest.TestCase):
         opt.close()
 
     def test_one_cycle_scheduler_changes_lr_and_betas(self):
-        ours, theirs = self.twin_models()
+        # A fixed seed, as for the every-step comparison above: the two
+        # trajectories accumulate ulp-level differences, and a random seed
+        # can take one small tensor past 1e-6 of its scale.
+        ours, theirs = self.twin_models(seed=20261130)
         opt = self.make(ours.parameters(), lr=1e-3)
         ref = torch.optim.AdamW(theirs.parameters(), lr=1e-3)
         scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1e-2,
