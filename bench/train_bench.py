@@ -187,7 +187,8 @@ def compare(name, cfg, batch, seq, clip, daemon, args):
         "optimd": Trainer(copy.deepcopy(base), lambda m: OptimdAdamW(
             m.parameters(), lr=3e-4, weight_decay=0.1,
             address=daemon.address, job_id="%s-%d-%s" % (name, batch, clip),
-            max_grad_norm=clip or 0.0), None, data),
+            max_grad_norm=clip or 0.0,
+            assume_finite=args.assume_finite and clip is None), None, data),
     }
     del base
     params = sum(p.numel() for p in peers["torch"].model.parameters())
@@ -197,9 +198,15 @@ def compare(name, cfg, batch, seq, clip, daemon, args):
         for _ in range(args.warmup):
             losses[k] = t.iterate()["loss"].item()
     blocks = {k: [] for k in peers}
+    client = peers["optimd"].opt.client
+    moved_before = client.get_metrics().plan_entry_updates
     for _ in range(args.blocks):
         for k, t in peers.items():
             blocks[k].append(t.block_ms(args.iters))
+    # Plan entries the daemon rewrote per step (gradients the allocator
+    # moved): 0 in the steady state.
+    moved = (client.get_metrics().plan_entry_updates - moved_before) / (
+        args.blocks * args.iters)
     phases = {k: t.phase_ms(args.iters) for k, t in peers.items()}
     it = {k: statistics.median(v) for k, v in blocks.items()}
     row = dict(model=name, params=params, tensors=tensors, batch=batch,
@@ -210,6 +217,8 @@ def compare(name, cfg, batch, seq, clip, daemon, args):
                optimd_step_share=phases["optimd"][0]["step"] / it["optimd"],
                phases={k: dict(gpu=v[0], host=v[1])
                        for k, v in phases.items()},
+               moved_entries_per_step=moved,
+               assume_finite=bool(args.assume_finite and clip is None),
                loss_after_warmup=losses)
     peers["optimd"].opt.close()
     del peers
@@ -229,8 +238,11 @@ def print_row(r):
         print("    %-6s " % peer + "  ".join(
             "%s %.3f/%.3f" % (k, ph["gpu"][k], ph["host"][k])
             for k in ph["gpu"]) + "   (GPU/host ms)")
-    print("    loss after warm-up: torch %.5f optimd %.5f" %
-          (r["loss_after_warmup"]["torch"], r["loss_after_warmup"]["optimd"]))
+    print("    loss after warm-up: torch %.5f optimd %.5f; plan entries "
+          "moved per step %.2f%s" %
+          (r["loss_after_warmup"]["torch"], r["loss_after_warmup"]["optimd"],
+           r["moved_entries_per_step"],
+           "; optimd with assume_finite" if r["assume_finite"] else ""))
 
 
 def main():
@@ -242,6 +254,9 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--blocks", type=int, default=5)
     ap.add_argument("--json", default="", help="also write the rows here")
+    ap.add_argument("--assume_finite", action="store_true",
+                    help="optimd without clipping skips its inf/NaN check, "
+                         "the same work as torch's fused step")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     rows = []
