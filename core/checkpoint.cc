@@ -214,7 +214,13 @@ std::string HeaderJson(json meta, const std::vector<Entry>& entries) {
   for (const Entry& e : entries) crcs[e.name] = CrcHex(e.crc);
   meta["crc32c"] = crcs;
   json header = json::object();
-  header["__metadata__"] = json{{"optimd", meta.dump()}};
+  // The metadata's own checksum: a damaged step counter or learning rate
+  // would otherwise load silently (the data checksums do not cover it).
+  const std::string meta_text = meta.dump();
+  header["__metadata__"] =
+      json{{"optimd", meta_text},
+           {"optimd_crc32c",
+            CrcHex(Crc32cExtend(0, meta_text.data(), meta_text.size()))}};
   for (const Entry& e : entries) {
     header[e.name] = json{{"dtype", e.dtype},
                           {"shape", json::array({e.numel})},
@@ -375,6 +381,315 @@ class Streamer {
   const uint64_t half_;
   int half_index_ = 0;
 };
+
+// ---- Reading an untrusted header ----
+// A checkpoint can come from anywhere (a file, a client's stream): every
+// header field is checked for presence, type and range before it is used,
+// and every problem is a Status naming the field, never an exception.
+
+// Deeper nesting is refused before parsing, so that no recursive walk over
+// a parsed value (comparison, printing, destruction) can exhaust the stack.
+constexpr int kMaxJsonDepth = 16;
+
+absl::Status Malformed(const std::string& path, const std::string& what) {
+  return absl::InvalidArgumentError(absl::StrCat(
+      path, " has a malformed optimd header: ", what,
+      "; the file is damaged or was not written by optimd"));
+}
+
+absl::Status CheckJsonDepth(absl::string_view text, const std::string& path) {
+  int depth = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > kMaxJsonDepth) {
+        return Malformed(path, absl::StrCat("JSON nested deeper than ",
+                                            kMaxJsonDepth, " levels"));
+      }
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Parses untrusted JSON text without throwing.
+absl::StatusOr<json> ParseJson(absl::string_view text, const std::string& path,
+                               const std::string& what) {
+  OPTIMD_RETURN_IF_ERROR(CheckJsonDepth(text, path));
+  json j = json::parse(text.begin(), text.end(), nullptr,
+                       /*allow_exceptions=*/false);
+  if (j.is_discarded()) return Malformed(path, what + " is not valid JSON");
+  return j;
+}
+
+// Typed access to the members of one JSON object of a header.
+class Fields {
+ public:
+  // INVALID_ARGUMENT unless `j` is an object.
+  static absl::StatusOr<Fields> Of(const json& j, std::string where,
+                                   const std::string& path) {
+    if (!j.is_object()) return Malformed(path, where + " is not an object");
+    return Fields(j, std::move(where), path);
+  }
+
+  const std::string& where() const { return where_; }
+
+  absl::StatusOr<const json*> Get(const char* key) const {
+    auto it = obj_.find(key);
+    if (it == obj_.end()) return Bad(key, "missing");
+    return &*it;
+  }
+  absl::StatusOr<uint64_t> Uint(const char* key) const {
+    OPTIMD_ASSIGN_OR_RETURN(const json* v, Get(key));
+    if (v->is_number_unsigned()) return v->get<uint64_t>();
+    if (v->is_number_integer() && v->get<int64_t>() >= 0) {
+      return static_cast<uint64_t>(v->get<int64_t>());
+    }
+    return Bad(key, "not a non-negative integer");
+  }
+  absl::StatusOr<double> Number(const char* key) const {
+    OPTIMD_ASSIGN_OR_RETURN(const json* v, Get(key));
+    if (!v->is_number()) return Bad(key, "not a number");
+    return v->get<double>();
+  }
+  absl::StatusOr<bool> Bool(const char* key) const {
+    OPTIMD_ASSIGN_OR_RETURN(const json* v, Get(key));
+    if (!v->is_boolean()) return Bad(key, "not true or false");
+    return v->get<bool>();
+  }
+  absl::StatusOr<std::string> String(const char* key) const {
+    OPTIMD_ASSIGN_OR_RETURN(const json* v, Get(key));
+    if (!v->is_string()) return Bad(key, "not a string");
+    return v->get<std::string>();
+  }
+  absl::StatusOr<const json*> Array(const char* key) const {
+    OPTIMD_ASSIGN_OR_RETURN(const json* v, Get(key));
+    if (!v->is_array()) return Bad(key, "not an array");
+    return v;
+  }
+  // An array of exactly `n` non-negative integers.
+  absl::StatusOr<std::vector<uint64_t>> Uints(const char* key,
+                                              size_t n) const {
+    OPTIMD_ASSIGN_OR_RETURN(const json* v, Array(key));
+    std::vector<uint64_t> out;
+    for (const json& x : *v) {
+      if (!x.is_number_unsigned()) break;
+      out.push_back(x.get<uint64_t>());
+    }
+    if (out.size() != n || v->size() != n) {
+      return Bad(key, absl::StrCat("not ", n, " non-negative integers"));
+    }
+    return out;
+  }
+  absl::Status Bad(const char* key, const std::string& problem) const {
+    return Malformed(path_,
+                     absl::StrCat(where_, " field '", key, "' is ", problem));
+  }
+
+ private:
+  Fields(const json& obj, std::string where, const std::string& path)
+      : obj_(obj), where_(std::move(where)), path_(path) {}
+  const json& obj_;
+  std::string where_;
+  std::string path_;
+};
+
+// A crc32c written as 8 lowercase hex digits.
+absl::StatusOr<uint32_t> ParseCrcHex(const std::string& s) {
+  uint32_t v = 0;
+  for (char c : s) {
+    int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+    if (d < 0) return absl::InvalidArgumentError("not hex");
+    v = v << 4 | static_cast<uint32_t>(d);
+  }
+  if (s.size() != 8) return absl::InvalidArgumentError("not 8 digits");
+  return v;
+}
+
+// A group's step counter and hyperparameters as its header says, checked.
+struct GroupHeader {
+  uint64_t step = 0;
+  AdamWHyper hyper;
+};
+
+absl::StatusOr<AdamWHyper> ParseHyper(const Fields& g,
+                                      const std::string& path) {
+  OPTIMD_ASSIGN_OR_RETURN(const json* jh, g.Get("hyperparameters"));
+  OPTIMD_ASSIGN_OR_RETURN(
+      Fields h, Fields::Of(*jh, g.where() + " hyperparameters", path));
+  AdamWHyper out;
+  OPTIMD_ASSIGN_OR_RETURN(out.lr, h.Number("lr"));
+  OPTIMD_ASSIGN_OR_RETURN(out.beta1, h.Number("beta1"));
+  OPTIMD_ASSIGN_OR_RETURN(out.beta2, h.Number("beta2"));
+  OPTIMD_ASSIGN_OR_RETURN(out.eps, h.Number("eps"));
+  OPTIMD_ASSIGN_OR_RETURN(out.weight_decay, h.Number("weight_decay"));
+  OPTIMD_ASSIGN_OR_RETURN(out.adamw, h.Bool("adamw"));
+  OPTIMD_ASSIGN_OR_RETURN(out.bias_correction, h.Bool("bias_correction"));
+  OPTIMD_ASSIGN_OR_RETURN(out.maximize, h.Bool("maximize"));
+  OPTIMD_ASSIGN_OR_RETURN(out.amsgrad, h.Bool("amsgrad"));
+  absl::Status s = CheckHyperparameters(out, g.where());
+  if (!s.ok()) return Malformed(path, std::string(s.message()));
+  return out;
+}
+
+// Checks one group of the header against the registered group `g`.
+absl::StatusOr<GroupHeader> ParseGroup(const json& jg, const Group& g,
+                                       size_t index, const std::string& path) {
+  OPTIMD_ASSIGN_OR_RETURN(
+      Fields f, Fields::Of(jg, absl::StrCat("group ", index), path));
+  OPTIMD_ASSIGN_OR_RETURN(std::string id, f.String("id"));
+  if (id != g.id) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("group ", index, " is '", id.substr(0, kMaxNameBytes),
+                     "' in ", path, " but '", g.id, "' in the session"));
+  }
+  GroupHeader out;
+  OPTIMD_ASSIGN_OR_RETURN(out.step, f.Uint("step"));
+  if (out.step > kMaxStepCounter) {
+    return f.Bad("step", absl::StrCat(out.step, ", more than the largest "
+                                      "step counter ", kMaxStepCounter));
+  }
+  OPTIMD_ASSIGN_OR_RETURN(out.hyper, ParseHyper(f, path));
+  OPTIMD_ASSIGN_OR_RETURN(const json* jt, f.Array("tensors"));
+  if (jt->size() != g.tensors.size()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "group '", g.id, "' has ", jt->size(), " tensors in ", path, " but ",
+        g.tensors.size(), " registered"));
+  }
+  for (size_t ti = 0; ti < g.tensors.size(); ++ti) {
+    const TensorEntry& t = g.tensors[ti];
+    OPTIMD_ASSIGN_OR_RETURN(
+        Fields tf, Fields::Of((*jt)[ti],
+                              absl::StrCat("tensor ", ti, " of group '",
+                                           g.id, "'"),
+                              path));
+    OPTIMD_ASSIGN_OR_RETURN(std::string name, tf.String("name"));
+    OPTIMD_ASSIGN_OR_RETURN(uint64_t numel, tf.Uint("numel"));
+    OPTIMD_ASSIGN_OR_RETURN(bool frozen, tf.Bool("frozen"));
+    OPTIMD_ASSIGN_OR_RETURN(const json* layout, tf.Get("layout"));
+    if (name != t.name || numel != t.numel || frozen != t.frozen ||
+        *layout != LayoutJson(t.layout)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "tensor '", t.name, "' (group '", g.id, "') does not match ", path,
+          ": the file has '", name.substr(0, kMaxNameBytes), "' with ", numel,
+          " elements, layout ", layout->dump(), "; registered: ", t.numel,
+          " elements, layout ", LayoutJson(t.layout).dump()));
+    }
+  }
+  return out;
+}
+
+// Checks the safetensors entry of `e` and sets its offset and crc.
+absl::Status ParseEntry(const json& h, const json& crcs, Entry& e,
+                        uint64_t data_bytes, const std::string& path) {
+  auto it = h.find(e.name);
+  if (it == h.end()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, " has no tensor '", e.name, "'"));
+  }
+  OPTIMD_ASSIGN_OR_RETURN(
+      Fields f, Fields::Of(*it, absl::StrCat("tensor '", e.name, "'"), path));
+  OPTIMD_ASSIGN_OR_RETURN(std::string dtype, f.String("dtype"));
+  OPTIMD_ASSIGN_OR_RETURN(std::vector<uint64_t> shape, f.Uints("shape", 1));
+  OPTIMD_ASSIGN_OR_RETURN(std::vector<uint64_t> offsets,
+                          f.Uints("data_offsets", 2));
+  if (dtype != e.dtype || shape[0] != e.numel || offsets[1] < offsets[0] ||
+      offsets[1] - offsets[0] != e.bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor '", e.name, "' in ", path, " is ", it->dump(),
+        "; expected dtype ", e.dtype, " shape [", e.numel, "] (",
+        e.bytes, " bytes)"));
+  }
+  if (offsets[1] > data_bytes) {
+    return absl::DataLossError(absl::StrCat(
+        path, " is truncated: tensor '", e.name, "' ends at data byte ",
+        offsets[1], " of ", data_bytes));
+  }
+  e.offset = offsets[0];
+  auto c = crcs.find(e.name);
+  if (c == crcs.end() || !c->is_string()) {
+    return Malformed(path, absl::StrCat("no crc32c string for tensor '",
+                                        e.name, "'"));
+  }
+  auto crc = ParseCrcHex(c->get<std::string>());
+  if (!crc.ok()) {
+    return Malformed(path, absl::StrCat("the crc32c of tensor '", e.name,
+                                        "' is ", crc.status().message()));
+  }
+  e.crc = *crc;
+  return absl::OkStatus();
+}
+
+// Parses and checks a whole header against the registered groups, setting
+// the entries' offsets and checksums. Changes no state.
+absl::StatusOr<std::vector<GroupHeader>> ParseHeader(
+    const std::string& header, const std::vector<Group*>& groups,
+    std::vector<Entry>& entries, uint64_t data_bytes,
+    const std::string& path) {
+  OPTIMD_ASSIGN_OR_RETURN(json h, ParseJson(header, path, "the header"));
+  auto not_ours = [&](const std::string& why) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, " is not an optimd checkpoint (", why, ")"));
+  };
+  if (!h.is_object()) return not_ours("the header is not a JSON object");
+  auto md = h.find("__metadata__");
+  if (md == h.end() || !md->is_object()) return not_ours("no __metadata__");
+  auto text = md->find("optimd");
+  if (text == md->end() || !text->is_string()) {
+    return not_ours("no __metadata__.optimd string");
+  }
+  const std::string& meta_text = text->get_ref<const std::string&>();
+  OPTIMD_ASSIGN_OR_RETURN(json meta, ParseJson(meta_text, path, "metadata"));
+  OPTIMD_ASSIGN_OR_RETURN(Fields m, Fields::Of(meta, "the metadata", path));
+  OPTIMD_ASSIGN_OR_RETURN(uint64_t version, m.Uint("format_version"));
+  if (version > kCheckpointFormatVersion || version == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, " has checkpoint format version ", version,
+        "; this daemon reads versions 1 to ", kCheckpointFormatVersion,
+        " (written by a newer optimd?)"));
+  }
+  // The version first: a newer format may checksum differently.
+  if (auto mc = md->find("optimd_crc32c"); mc != md->end()) {
+    auto want = mc->is_string() ? ParseCrcHex(mc->get<std::string>())
+                                : absl::InvalidArgumentError("not a string");
+    if (!want.ok() ||
+        *want != Crc32cExtend(0, reinterpret_cast<const uint8_t*>(
+                                     meta_text.data()),
+                              meta_text.size())) {
+      return absl::DataLossError(absl::StrCat(
+          "the metadata of ", path, " does not match its crc32c: the "
+          "header is corrupt"));
+    }
+  }
+  OPTIMD_ASSIGN_OR_RETURN(const json* jgroups, m.Array("groups"));
+  if (jgroups->size() != groups.size()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        path, " holds ", jgroups->size(), " groups; the session has ",
+        groups.size(), " registered"));
+  }
+  std::vector<GroupHeader> out;
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    OPTIMD_ASSIGN_OR_RETURN(GroupHeader g,
+                            ParseGroup((*jgroups)[gi], *groups[gi], gi, path));
+    out.push_back(g);
+  }
+  OPTIMD_ASSIGN_OR_RETURN(const json* crcs, m.Get("crc32c"));
+  if (!crcs->is_object()) return m.Bad("crc32c", "not an object");
+  for (Entry& e : entries) {
+    OPTIMD_RETURN_IF_ERROR(ParseEntry(h, *crcs, e, data_bytes, path));
+  }
+  return out;
+}
 
 absl::Status FsyncDir(const std::string& dir) {
   Fd d(open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
@@ -605,7 +920,7 @@ absl::StatusOr<CheckpointResult> LoadCheckpoint(
   OPTIMD_RETURN_IF_ERROR(ReadAll(fd.get(), len, 8, 0, path));
   uint64_t hl = 0;
   for (int i = 0; i < 8; ++i) hl |= uint64_t{len[i]} << (8 * i);
-  if (hl > (uint64_t{100} << 20)) {
+  if (hl > kMaxCheckpointHeaderBytes) {
     return absl::InvalidArgumentError(absl::StrCat(
         path, " is not a safetensors file (header length ", hl, ")"));
   }
@@ -614,89 +929,11 @@ absl::StatusOr<CheckpointResult> LoadCheckpoint(
   }
   std::string header(hl, '\0');
   OPTIMD_RETURN_IF_ERROR(ReadAll(fd.get(), header.data(), hl, 8, path));
-  json h, meta;
-  try {
-    h = json::parse(header);
-    meta = json::parse(h.at("__metadata__").at("optimd").get<std::string>());
-  } catch (const std::exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        path, " is not an optimd checkpoint (", e.what(), ")"));
-  }
   const uint64_t data_start = 8 + hl;
   std::vector<Entry> entries = Entries(groups);
-  try {
-    const int version = meta.at("format_version").get<int>();
-    if (version > kCheckpointFormatVersion) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          path, " has checkpoint format version ", version,
-          "; this daemon reads up to version ", kCheckpointFormatVersion,
-          " (written by a newer optimd?)"));
-    }
-    const json& jgroups = meta.at("groups");
-    if (jgroups.size() != groups.size()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          path, " holds ", jgroups.size(), " groups; the session has ",
-          groups.size(), " registered"));
-    }
-    for (size_t gi = 0; gi < groups.size(); ++gi) {
-      const Group* g = groups[gi];
-      const json& jg = jgroups[gi];
-      if (jg.at("id").get<std::string>() != g->id) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "group ", gi, " is '", jg.at("id").get<std::string>(), "' in ",
-            path, " but '", g->id, "' in the session"));
-      }
-      const json& jt = jg.at("tensors");
-      if (jt.size() != g->tensors.size()) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "group '", g->id, "' has ", jt.size(), " tensors in ", path,
-            " but ", g->tensors.size(), " registered"));
-      }
-      for (size_t ti = 0; ti < g->tensors.size(); ++ti) {
-        const TensorEntry& t = g->tensors[ti];
-        const json& j = jt[ti];
-        const std::string name = j.at("name").get<std::string>();
-        if (name != t.name || j.at("numel").get<uint64_t>() != t.numel ||
-            j.at("frozen").get<bool>() != t.frozen ||
-            j.at("layout") != LayoutJson(t.layout)) {
-          return absl::FailedPreconditionError(absl::StrCat(
-              "tensor '", t.name, "' (group '", g->id, "') does not match ",
-              path, ": the file has '", name, "' with ",
-              j.at("numel").get<uint64_t>(), " elements, layout ",
-              j.at("layout").dump(), "; registered: ", t.numel,
-              " elements, layout ", LayoutJson(t.layout).dump()));
-        }
-      }
-    }
-    const json& crcs = meta.at("crc32c");
-    for (Entry& e : entries) {
-      if (!h.contains(e.name)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(path, " has no tensor '", e.name, "'"));
-      }
-      const json& je = h.at(e.name);
-      const auto offsets = je.at("data_offsets").get<std::vector<uint64_t>>();
-      const auto shape = je.at("shape").get<std::vector<uint64_t>>();
-      if (je.at("dtype").get<std::string>() != e.dtype || shape.size() != 1 ||
-          shape[0] != e.numel || offsets.size() != 2 ||
-          offsets[1] < offsets[0] || offsets[1] - offsets[0] != e.bytes) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "tensor '", e.name, "' in ", path, " is ", je.dump(),
-            "; expected dtype ", e.dtype, " shape [", e.numel, "]"));
-      }
-      if (data_start + offsets[1] > size) {
-        return absl::DataLossError(absl::StrCat(
-            path, " is truncated: tensor '", e.name, "' ends at byte ",
-            data_start + offsets[1], " of ", size));
-      }
-      e.offset = offsets[0];
-      e.crc = static_cast<uint32_t>(
-          std::stoul(crcs.at(e.name).get<std::string>(), nullptr, 16));
-    }
-  } catch (const std::exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        path, " has a malformed optimd header (", e.what(), ")"));
-  }
+  OPTIMD_ASSIGN_OR_RETURN(
+      std::vector<GroupHeader> headers,
+      ParseHeader(header, groups, entries, size - data_start, path));
   // Everything matches: stream the data in. Pieces of at most half the
   // staging buffer; the next piece is read (on a thread of its own) while
   // the current one is checksummed and, on the CUDA backend, copied to the
@@ -774,14 +1011,11 @@ absl::StatusOr<CheckpointResult> LoadCheckpoint(
     }
   }
   const uint64_t peak_staging = staging.size();
-  // Step counters and hyperparameters.
-  const json& jgroups = meta.at("groups");
+  // Step counters and learning rates (the registered hyperparameters
+  // otherwise stay as they are).
   for (size_t gi = 0; gi < groups.size(); ++gi) {
-    const json& jh = jgroups[gi].at("hyperparameters");
-    AdamWHyper& hp = groups[gi]->hyper;
-    hp.lr = jh.at("lr").get<double>();
-    OPTIMD_RETURN_IF_ERROR(backend->SetGroupStep(
-        *groups[gi], jgroups[gi].at("step").get<uint64_t>()));
+    groups[gi]->hyper.lr = headers[gi].hyper.lr;
+    OPTIMD_RETURN_IF_ERROR(backend->SetGroupStep(*groups[gi], headers[gi].step));
   }
   *partially_written = false;
   CheckpointResult r;

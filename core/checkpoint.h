@@ -31,6 +31,8 @@
 namespace optimd {
 
 inline constexpr int kCheckpointFormatVersion = 1;
+// The largest header read or written: the `safetensors` library's limit.
+inline constexpr uint64_t kMaxCheckpointHeaderBytes = uint64_t{100} << 20;
 
 struct CheckpointOptions {
   // When not empty, checkpoints may only be written to or read from this

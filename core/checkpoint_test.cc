@@ -5,13 +5,17 @@
 
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 
 #include "client/shm_tensor.h"
 #include "core/cpu_backend.h"
 #include "core/session.h"
+#include "core/crc32c.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 
 namespace optimd {
 namespace {
@@ -20,6 +24,114 @@ std::string TempDir() {
   char dir[] = "/tmp/optimd-ckpt-test-XXXXXX";
   EXPECT_NE(mkdtemp(dir), nullptr);
   return dir;
+}
+
+// A temporary directory removed with everything in it at the end of a test.
+class ScratchDir {
+ public:
+  ScratchDir() : path_(TempDir()) {}
+  ~ScratchDir() { std::filesystem::remove_all(path_); }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)),
+                     std::istreambuf_iterator<char>());
+}
+
+void WriteFile(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+}
+
+// A session with one group "g" of one fp32 tensor "w" of 100 elements over
+// shared memory, stepped once.
+class OneTensorSession {
+ public:
+  OneTensorSession()
+      : backend_(CpuBackend::Options{1, 1024}), budget_(0) {
+    session_ = std::make_unique<Session>(
+        SessionIdentity{"hdr", 0, 1, -1}, &backend_, &budget_,
+        *backend_.OpenSession(-1, "", &done_));
+    params_ = *SharedMemoryRegion::Create(4096);
+    grads_ = *SharedMemoryRegion::Create(4096);
+    for (int i = 0; i < 100; ++i) {
+      params_->as<float>()[i] = 0.01f * i;
+      grads_->as<float>()[i] = 1.0f - 0.02f * i;
+    }
+    GroupSpec spec;
+    spec.id = "g";
+    spec.hyper.lr = 1e-3;
+    TensorSpec t;
+    t.name = "w";
+    t.numel = 100;
+    t.param_dtype_set = t.grad_dtype_set = true;
+    t.param.kind = t.grad.kind = BufferHandle::Kind::kSharedMemory;
+    t.param.segment_name = params_->name();
+    t.grad.segment_name = grads_->name();
+    t.param.size = t.grad.size = 400;
+    spec.tensors = {t};
+    EXPECT_TRUE(session_->RegisterGroup(spec).ok());
+    EXPECT_TRUE(session_->Step({}).ok());
+  }
+  Session& session() { return *session_; }
+  // Parameters, moments, step counter and hyperparameters, as bytes.
+  std::string Fingerprint() {
+    auto st = session_->ReadState({});
+    EXPECT_TRUE(st.ok()) << st.status();
+    std::string out(reinterpret_cast<const char*>(params_->as<float>()), 400);
+    for (const GroupState& g : *st) {
+      out += std::to_string(g.step) + "/" + std::to_string(g.hyper.lr);
+      for (const StateBlob& b : g.tensors) out += b.kind + b.data;
+    }
+    return out;
+  }
+
+ private:
+  CpuBackend backend_;
+  StateBudget budget_;
+  std::string done_;
+  std::unique_ptr<Session> session_;
+  std::unique_ptr<SharedMemoryRegion> params_, grads_;
+};
+
+// A checkpoint file's header, split for editing.
+struct HeaderParts {
+  nlohmann::json header;  // the safetensors header
+  nlohmann::json meta;    // __metadata__.optimd, parsed
+  std::string data;       // the data section
+};
+
+HeaderParts SplitCheckpoint(const std::string& file) {
+  uint64_t hl = 0;
+  for (int i = 0; i < 8; ++i) hl |= uint64_t{uint8_t(file[i])} << (8 * i);
+  HeaderParts p;
+  p.header = nlohmann::json::parse(file.substr(8, hl));
+  p.meta = nlohmann::json::parse(
+      p.header["__metadata__"]["optimd"].get<std::string>());
+  p.data = file.substr(8 + hl);
+  return p;
+}
+
+// Reassembles a file; the metadata checksum is recomputed unless
+// `keep_crc`, so that a test reaches the field checks behind it.
+std::string JoinCheckpoint(HeaderParts p, bool keep_crc = false) {
+  const std::string meta = p.meta.dump();
+  p.header["__metadata__"]["optimd"] = meta;
+  if (!keep_crc) {
+    char crc[9];
+    std::snprintf(crc, sizeof(crc), "%08x",
+                  Crc32cExtend(0, meta.data(), meta.size()));
+    p.header["__metadata__"]["optimd_crc32c"] = crc;
+  }
+  std::string h = p.header.dump();
+  while ((8 + h.size()) % 8 != 0) h.push_back(' ');
+  std::string out(8, '\0');
+  for (int i = 0; i < 8; ++i) out[i] = char(uint64_t(h.size()) >> (8 * i));
+  return out + h + p.data;
 }
 
 TEST(CheckpointTest, FileNamesAreSafe) {
@@ -93,6 +205,107 @@ TEST(CheckpointTest, SnapshotBytesEqualTheSavedFile) {
   (*snapshot)->ReadFile(10, file.size() - 10,
                         reinterpret_cast<uint8_t*>(streamed.data() + 10));
   EXPECT_EQ(streamed, file);
+}
+
+// Every header field is checked for presence, type and range before any
+// state changes: a wrong-typed step or lr used to abort the daemon.
+TEST(CheckpointTest, MalformedHeaderFieldsAreRefusedAndChangeNothing) {
+  using nlohmann::json;
+  OneTensorSession s;
+  ScratchDir dir;
+  auto saved = s.session().SaveState(dir.path(), CheckpointOptions());
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  const std::string good = ReadFile(saved->path);
+  ASSERT_TRUE(s.session().Step({}).ok());  // the state moves past the file
+  const std::string before = s.Fingerprint();
+  using Edit = std::function<void(HeaderParts&)>;
+  auto group = [](HeaderParts& p) -> json& { return p.meta["groups"][0]; };
+  auto hyper = [&](HeaderParts& p) -> json& {
+    return group(p)["hyperparameters"];
+  };
+  const std::vector<std::pair<std::string, Edit>> edits = {
+      {"step as a string", [&](HeaderParts& p) { group(p)["step"] = "1"; }},
+      {"negative step", [&](HeaderParts& p) { group(p)["step"] = -1; }},
+      {"fractional step", [&](HeaderParts& p) { group(p)["step"] = 1.5; }},
+      {"huge step", [&](HeaderParts& p) { group(p)["step"] = 1e300; }},
+      {"step past the limit",
+       [&](HeaderParts& p) { group(p)["step"] = uint64_t{1} << 60; }},
+      {"no step", [&](HeaderParts& p) { group(p).erase("step"); }},
+      {"lr as a string", [&](HeaderParts& p) { hyper(p)["lr"] = "0.1"; }},
+      {"negative lr", [&](HeaderParts& p) { hyper(p)["lr"] = -1000; }},
+      {"no lr", [&](HeaderParts& p) { hyper(p).erase("lr"); }},
+      {"beta1 of 1.5", [&](HeaderParts& p) { hyper(p)["beta1"] = 1.5; }},
+      {"negative eps", [&](HeaderParts& p) { hyper(p)["eps"] = -1; }},
+      {"amsgrad as a number", [&](HeaderParts& p) { hyper(p)["amsgrad"] = 1; }},
+      {"hyperparameters a number",
+       [&](HeaderParts& p) { group(p)["hyperparameters"] = 3; }},
+      {"no hyperparameters",
+       [&](HeaderParts& p) { group(p).erase("hyperparameters"); }},
+      {"groups an object", [&](HeaderParts& p) { p.meta["groups"] = json::object(); }},
+      {"group a string", [&](HeaderParts& p) { p.meta["groups"][0] = "g"; }},
+      {"id a number", [&](HeaderParts& p) { group(p)["id"] = 7; }},
+      {"tensor null", [&](HeaderParts& p) { group(p)["tensors"][0] = nullptr; }},
+      {"numel a string",
+       [&](HeaderParts& p) { group(p)["tensors"][0]["numel"] = "100"; }},
+      {"format version a string",
+       [&](HeaderParts& p) { p.meta["format_version"] = "1"; }},
+      {"crc32c an array", [&](HeaderParts& p) { p.meta["crc32c"] = json::array(); }},
+      {"crc32c not hex",
+       [&](HeaderParts& p) { p.meta["crc32c"]["w"] = "zzzzzzzz"; }},
+      {"negative data offset",
+       [&](HeaderParts& p) { p.header["w"]["data_offsets"][0] = -1; }},
+      {"data offsets past 2^64",
+       [&](HeaderParts& p) {
+         p.header["w"]["data_offsets"] = {~uint64_t{0} - 10, ~uint64_t{0} + 0};
+       }},
+      {"nested shape", [&](HeaderParts& p) { p.header["w"]["shape"] = {{100}}; }},
+      {"dtype a number", [&](HeaderParts& p) { p.header["w"]["dtype"] = 5; }},
+      {"deep nesting",
+       [&](HeaderParts& p) {
+         json deep = 1;
+         for (int i = 0; i < 10000; ++i) deep = json::array({deep});
+         group(p)["extra"] = deep;
+       }},
+  };
+  for (const auto& [what, edit] : edits) {
+    SCOPED_TRACE(what);
+    HeaderParts p = SplitCheckpoint(good);
+    edit(p);
+    WriteFile(saved->path, JoinCheckpoint(p));
+    auto loaded = s.session().LoadState(dir.path(), CheckpointOptions());
+    ASSERT_FALSE(loaded.ok());
+    EXPECT_TRUE(loaded.status().code() == absl::StatusCode::kInvalidArgument ||
+                loaded.status().code() == absl::StatusCode::kDataLoss)
+        << loaded.status();
+    EXPECT_EQ(s.Fingerprint(), before);
+  }
+  // The session still steps and loads a good file.
+  WriteFile(saved->path, good);
+  EXPECT_TRUE(s.session().LoadState(dir.path(), CheckpointOptions()).ok());
+  EXPECT_TRUE(s.session().Step({}).ok());
+}
+
+// A damaged learning rate or step counter is valid JSON in range; the
+// metadata checksum catches it.
+TEST(CheckpointTest, DamagedMetadataIsDataLoss) {
+  OneTensorSession s;
+  ScratchDir dir;
+  auto saved = s.session().SaveState(dir.path(), CheckpointOptions());
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  const std::string good = ReadFile(saved->path);
+  const std::string before = s.Fingerprint();
+  HeaderParts p = SplitCheckpoint(good);
+  p.meta["groups"][0]["hyperparameters"]["lr"] = 1.001;
+  WriteFile(saved->path, JoinCheckpoint(p, /*keep_crc=*/true));
+  auto loaded = s.session().LoadState(dir.path(), CheckpointOptions());
+  EXPECT_EQ(loaded.status().code(), absl::StatusCode::kDataLoss)
+      << loaded.status();
+  EXPECT_EQ(s.Fingerprint(), before);
+  // A file without the metadata checksum (written before it existed) loads.
+  p = SplitCheckpoint(good);
+  p.header["__metadata__"].erase("optimd_crc32c");
+  WriteFile(saved->path, JoinCheckpoint(p, /*keep_crc=*/true));
+  EXPECT_TRUE(s.session().LoadState(dir.path(), CheckpointOptions()).ok());
 }
 
 }  // namespace

@@ -8,11 +8,42 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "core/buffer.h"
 #include "core/layout.h"
 #include "kernels/adamw_cpu.h"
 
 namespace optimd {
+
+// Limits on what a client may register, so that no request, reply or
+// checkpoint header grows without bound (gRPC refuses, and aborts on,
+// messages of 2 GiB and more; the safetensors header limit is 100 MiB).
+// Group ids and tensor names: at most this many bytes.
+inline constexpr size_t kMaxNameBytes = 1024;
+// Tensors in one group, and in one session over all its groups.
+inline constexpr size_t kMaxTensorsPerSession = size_t{1} << 20;
+// Groups in one session.
+inline constexpr size_t kMaxGroupsPerSession = 4096;
+// Largest step counter accepted from a client or a checkpoint: exact as a
+// double (bias corrections take t as a double) and far from wrapping.
+inline constexpr uint64_t kMaxStepCounter = uint64_t{1} << 53;
+
+// Largest optimizer state, and largest total of trainer parameters, one
+// session may register (64 PiB each): far beyond any machine, and small
+// enough that no size computed from them (checkpoint offsets, replies)
+// can wrap around 64 bits.
+inline constexpr uint64_t kMaxSessionBytes = uint64_t{1} << 56;
+
+// Adds `n` to *sum; false (and *sum unspecified) when the result does not
+// fit in 64 bits.
+inline bool AddChecked(uint64_t* sum, uint64_t n) {
+  return !__builtin_add_overflow(*sum, n, sum);
+}
+
+// Checks hyperparameters: lr, eps and weight_decay finite and >= 0, betas
+// in [0, 1). INVALID_ARGUMENT naming `where` and the value otherwise.
+absl::Status CheckHyperparameters(const AdamWHyper& h,
+                                  const std::string& where);
 
 // A tensor as a client describes it, before validation.
 struct TensorSpec {

@@ -16,19 +16,38 @@ namespace {
 constexpr uint64_t kMaxNumel = uint64_t{1} << 48;
 
 absl::Status CheckHyper(const GroupSpec& spec) {
-  const AdamWHyper& h = spec.hyper;
-  auto bad = [&](absl::string_view what, double v) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("group '", spec.id, "': invalid ", what, ": ", v));
-  };
-  if (!std::isfinite(h.lr) || h.lr < 0) return bad("learning rate", h.lr);
-  if (!(h.beta1 >= 0 && h.beta1 < 1)) return bad("beta1 (need 0 <= beta1 < 1)", h.beta1);
-  if (!(h.beta2 >= 0 && h.beta2 < 1)) return bad("beta2 (need 0 <= beta2 < 1)", h.beta2);
-  if (!std::isfinite(h.eps) || h.eps < 0) return bad("eps", h.eps);
-  if (!std::isfinite(h.weight_decay) || h.weight_decay < 0) {
-    return bad("weight_decay", h.weight_decay);
+  return CheckHyperparameters(spec.hyper,
+                              absl::StrCat("group '", spec.id, "'"));
+}
+
+// Bounds on a group's id and on how many groups and tensors a session
+// holds, so that replies listing them stay far below gRPC's limits.
+absl::Status CheckCounts(const GroupSpec& spec, size_t groups,
+                         size_t tensors) {
+  if (spec.id.size() > kMaxNameBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "group_id is ", spec.id.size(), " bytes (starting '",
+        spec.id.substr(0, 64), "'); at most ", kMaxNameBytes,
+        " are allowed"));
+  }
+  if (groups >= kMaxGroupsPerSession) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the session already has ", groups, " groups, the limit"));
+  }
+  if (spec.tensors.size() > kMaxTensorsPerSession - tensors) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "group '", spec.id, "' has ", spec.tensors.size(),
+        " tensors; with the ", tensors, " registered that is more than ",
+        kMaxTensorsPerSession, " in one session"));
   }
   return absl::OkStatus();
+}
+
+absl::Status TooLarge(const std::string& group) {
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "group '", group, "' would bring the session's optimizer state or "
+      "parameters past ", kMaxSessionBytes, " bytes, more than any machine "
+      "holds; check the tensors' element counts"));
 }
 
 absl::Status CheckRegion(const std::string& tensor, const char* which,
@@ -97,11 +116,30 @@ Group* Session::FindGroup(const std::string& id) {
   return nullptr;
 }
 
+const Group* Session::FindGroup(const std::string& id) const {
+  for (const auto& g : groups_) {
+    if (g->id == id) return g.get();
+  }
+  return nullptr;
+}
+
+void Session::ResolveKeptLr(StepRequestSpec* request) const {
+  absl::MutexLock lock(&mu_);
+  for (HyperOverride& o : request->overrides) {
+    if (!o.keep_lr) continue;
+    if (const Group* g = FindGroup(o.group_id); g != nullptr) {
+      o.lr = g->hyper.lr;
+    }
+  }
+}
+
 absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
     const GroupSpec& spec, uint64_t* state_bytes) {
   if (spec.id.empty()) {
     return absl::InvalidArgumentError("group_id must not be empty");
   }
+  OPTIMD_RETURN_IF_ERROR(
+      CheckCounts(spec, groups_.size(), tensor_names_.size()));
   if (FindGroup(spec.id) != nullptr) {
     return absl::AlreadyExistsError(absl::StrCat(
         "group '", spec.id, "' is already registered in this session"));
@@ -115,12 +153,18 @@ absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
 
   // Pass 1: everything that needs no memory.
   std::set<std::string> names;
-  uint64_t bytes = 0;
+  uint64_t bytes = 0, param_bytes = 0;
   std::vector<Layout> layouts;
   for (const TensorSpec& t : spec.tensors) {
     if (t.name.empty()) {
       return absl::InvalidArgumentError(
           absl::StrCat("group '", spec.id, "': a tensor has an empty name"));
+    }
+    if (t.name.size() > kMaxNameBytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "group '", spec.id, "': a tensor name of ", t.name.size(),
+          " bytes (starting '", t.name.substr(0, 64), "') is longer than ",
+          kMaxNameBytes, " bytes"));
     }
     if (!names.insert(t.name).second || tensor_names_.count(t.name) > 0) {
       return absl::AlreadyExistsError(absl::StrCat(
@@ -150,14 +194,27 @@ absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
         OPTIMD_RETURN_IF_ERROR(CheckRegion(t.name, "grad", t.grad,
                                            t.numel * DTypeSize(t.grad_dtype)));
       }
-      bytes += t.numel * (t.frozen ? layout.MasterBytesPerElement()
-                                   : layout.StateBytesPerElement());
+      // numel <= kMaxNumel keeps each product far from overflow; the sums
+      // over up to kMaxTensorsPerSession tensors are checked.
+      if (!AddChecked(&bytes, t.numel * (t.frozen
+                                             ? layout.MasterBytesPerElement()
+                                             : layout.StateBytesPerElement())) ||
+          !AddChecked(&param_bytes, t.numel * DTypeSize(t.param_dtype))) {
+        return TooLarge(spec.id);
+      }
     } else if (t.param.size != 0 || t.grad.size != 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           "tensor '", t.name, "' has numel 0 but a non-empty buffer"));
     }
     layouts.push_back(layout);
   }
+  if (!AddChecked(&bytes, state_bytes_) || bytes > kMaxSessionBytes ||
+      !AddChecked(&param_bytes, param_bytes_) ||
+      param_bytes > kMaxSessionBytes) {
+    return TooLarge(spec.id);
+  }
+  bytes -= state_bytes_;
+  param_bytes -= param_bytes_;
 
   // Pass 2: map buffers (cached per segment or allocation).
   for (size_t i = 0; i < spec.tensors.size(); ++i) {
@@ -201,6 +258,7 @@ absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
   for (size_t i = 0; i < group->tensors.size(); ++i) {
     for (int k = 0; k < kKinds; ++k) {
       offsets[i][k] = arena_bytes[k];
+      // Bounded by the checked total above plus 64 bytes per tensor.
       arena_bytes[k] +=
           round_up(group->tensors[i].numel * per_element(group->tensors[i], k));
     }
@@ -241,7 +299,10 @@ absl::StatusOr<RegisterResult> Session::RegisterGroup(const GroupSpec& spec) {
   RegisterResult result;
   result.state_bytes = bytes;
   result.plan_items = group->plan.items.size();
-  for (const TensorEntry& t : group->tensors) tensor_names_.insert(t.name);
+  for (const TensorEntry& t : group->tensors) {
+    tensor_names_.insert(t.name);
+    param_bytes_ += t.numel * DTypeSize(t.layout.param_dtype);
+  }
   state_bytes_ += bytes;
   groups_.push_back(std::move(group));
   RefreshMappings();
@@ -254,7 +315,10 @@ absl::Status Session::UnregisterGroup(const std::string& id) {
   for (auto it = groups_.begin(); it != groups_.end(); ++it) {
     if ((*it)->id != id) continue;
     const uint64_t bytes = (*it)->StateBytes();
-    for (const TensorEntry& t : (*it)->tensors) tensor_names_.erase(t.name);
+    for (const TensorEntry& t : (*it)->tensors) {
+      tensor_names_.erase(t.name);
+      param_bytes_ -= t.numel * DTypeSize(t.layout.param_dtype);
+    }
     groups_.erase(it);
     state_bytes_ -= bytes;
     budget_->Release(bytes);
@@ -506,14 +570,17 @@ absl::StatusOr<std::vector<GroupState>> Session::ReadState(
   uint64_t bytes = 0;
   for (const Group* g : targets) {
     for (const TensorEntry& t : g->tensors) {
-      if (selected(t)) bytes += t.numel * 4 + t.StateBytes();
+      // Data, plus each of its up to four blobs' name and framing.
+      if (selected(t)) {
+        bytes += t.numel * 4 + t.StateBytes() + 4 * (t.name.size() + 64);
+      }
     }
   }
   if (bytes > max_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "the requested state is ", bytes, " bytes, more than ", max_bytes,
-        " fit in one reply; ask for fewer tensors (tensor_names) or use "
-        "SaveState"));
+        " fit in one reply (counting names); ask for fewer tensors "
+        "(tensor_names) or use SaveState"));
   }
   std::vector<GroupState> out;
   for (Group* g : targets) {
@@ -578,6 +645,10 @@ absl::Status Session::WriteState(const std::string& group_id, uint64_t step,
   if (g == nullptr) {
     return absl::NotFoundError(absl::StrCat(
         "group '", group_id, "' is not registered in this session"));
+  }
+  if (step > kMaxStepCounter) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "step ", step, " is past the largest step counter ", kMaxStepCounter));
   }
   // Check everything first.
   std::vector<std::pair<const StateBlob*, TensorEntry*>> work;

@@ -43,6 +43,9 @@ struct RegisterResult {
 struct HyperOverride {
   std::string group_id;
   double lr = 0;
+  // The override leaves the learning rate as it is: Session::ResolveKeptLr
+  // sets `lr` to the group's current one before the step.
+  bool keep_lr = false;
   std::optional<double> beta1, beta2, eps, weight_decay;
 };
 
@@ -121,6 +124,11 @@ class Session {
       ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<StepResult> Step(const StepRequestSpec& request)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Sets `lr` of the overrides marked keep_lr to their group's current
+  // learning rate (overrides of unknown groups are left for Step to
+  // refuse). Call it on the thread that runs the session's steps, just
+  // before Step.
+  void ResolveKeptLr(StepRequestSpec* request) const ABSL_LOCKS_EXCLUDED(mu_);
   // Writes master weights into the trainer's buffers; returns the number of
   // tensors written. Empty `group_ids` means all.
   absl::StatusOr<uint64_t> GetParams(const std::vector<std::string>& group_ids)
@@ -190,6 +198,8 @@ class Session {
                                                     uint64_t* state_bytes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Group* FindGroup(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  const Group* FindGroup(const std::string& id) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Checks a trainer buffer's size against numel x dtype, then maps it.
   absl::StatusOr<BufferRef> ResolveRegion(const std::string& tensor,
                                           const char* which,
@@ -219,6 +229,8 @@ class Session {
   // Reused by Step so that a step allocates nothing.
   std::vector<Group*> step_groups_ ABSL_GUARDED_BY(mu_);
   uint64_t state_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  // Bytes of the trainers' parameters registered (at most kMaxSessionBytes).
+  uint64_t param_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t steps_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t skipped_steps_ ABSL_GUARDED_BY(mu_) = 0;
   // Set when a load failed after changing state; cleared by a good load.

@@ -174,7 +174,12 @@ absl::Status OptimizerServiceImpl::RunStep(Session& s,
     if (!st.ok()) return st;
   }
   const absl::Time host_start = absl::Now();
-  auto result = s.Step(StepSpecFromProto(request));
+  if (absl::Status st = CheckStepOptions(request); !st.ok()) return st;
+  StepRequestSpec spec = StepSpecFromProto(request);
+  // Steps of a session run on its worker one at a time, so the learning
+  // rate read here is still the group's when Step applies it.
+  s.ResolveKeptLr(&spec);
+  auto result = s.Step(spec);
   if (!result.ok()) return result.status();
   step_host_time_.Observe(absl::ToDoubleSeconds(absl::Now() - host_start));
   response->set_known(result->outcome.known);
@@ -288,8 +293,10 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::GetState(
                                  request->group_ids().end());
     std::vector<std::string> tensors(request->tensor_names().begin(),
                                      request->tensor_names().end());
-    // Replies stay well below protobuf's 2 GiB message limit.
-    constexpr uint64_t kMaxReplyData = uint64_t{1} << 30;
+    // Replies stay below the daemon's 1 GiB send limit (and far below
+    // protobuf's 2 GiB, past which serializing aborts): data and names are
+    // counted, with room left for group ids and hyperparameters.
+    constexpr uint64_t kMaxReplyData = (uint64_t{1} << 30) - (64 << 20);
     auto state =
         s.ReadState(ids, !request->metadata_only(), tensors, kMaxReplyData);
     if (!state.ok()) return state.status();
@@ -649,12 +656,39 @@ grpc::ServerReadReactor<v1::StateChunk>* OptimizerServiceImpl::LoadStateStream(
                                checkpoint_options_, response);
 }
 
+namespace {
+
+// Appends the sessions' descriptions while they fit in 256 MiB (a session
+// lists up to kMaxGroupsPerSession ids of kMaxNameBytes: a few MiB at
+// most), so that no listing approaches gRPC's message limits; returns how
+// many were left out.
+uint32_t AddSessionInfos(
+    const std::vector<std::shared_ptr<Session>>& sessions,
+    google::protobuf::RepeatedPtrField<v1::SessionInfo>* out) {
+  constexpr size_t kMaxListingBytes = size_t{256} << 20;
+  size_t bytes = 0;
+  uint32_t omitted = 0;
+  for (const auto& s : sessions) {
+    v1::SessionInfo info;
+    SessionInfoToProto(s->Info(), &info);
+    const size_t n = info.ByteSizeLong() + 8;
+    if (bytes + n > kMaxListingBytes) {
+      ++omitted;
+      continue;
+    }
+    bytes += n;
+    *out->Add() = std::move(info);
+  }
+  return omitted;
+}
+
+}  // namespace
+
 grpc::ServerUnaryReactor* OptimizerServiceImpl::ListSessions(
     grpc::CallbackServerContext* context, const v1::ListSessionsRequest*,
     v1::ListSessionsResponse* response) {
-  for (const auto& s : registry_->List()) {
-    SessionInfoToProto(s->Info(), response->add_sessions());
-  }
+  response->set_sessions_omitted(
+      AddSessionInfos(registry_->List(), response->mutable_sessions()));
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
@@ -677,9 +711,8 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::GetMetrics(
   response->set_state_bytes(registry_->budget()->used());
   step_latency_.ToProto(response->mutable_step_latency());
   step_host_time_.ToProto(response->mutable_step_host_time());
-  for (const auto& s : sessions) {
-    SessionInfoToProto(s->Info(), response->add_session_infos());
-  }
+  response->set_session_infos_omitted(
+      AddSessionInfos(sessions, response->mutable_session_infos()));
   response->set_checkpoint_saves(checkpoint_saves_.load());
   response->set_checkpoint_save_bytes(checkpoint_save_bytes_.load());
   response->set_checkpoint_loads(checkpoint_loads_.load());

@@ -646,6 +646,143 @@ TEST(E2eBudgetTest, StateLargerThanTheMachineIsRefused) {
   EXPECT_EQ((*d)->Stop(), 0);
 }
 
+// Ids and names are bounded (kMaxNameBytes), and so are the tensors of a
+// session: unbounded ones let a client grow replies past gRPC's 2 GiB
+// limit, which aborted the daemon.
+TEST_F(E2eTest, LongNamesAndTooManyTensorsAreRefused) {
+  const std::string long_name(1025, 'x');
+  auto other = Connect();
+  auto s = other->CreateSession(CpuSession(long_name));
+  EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument) << s.status();
+  EXPECT_NE(s.status().message().find("1024"), std::string::npos);
+  ASSERT_TRUE(other->CreateSession(CpuSession(std::string(1024, 'j'))).ok());
+  OpenSession(client_.get());
+  auto r = client_->RegisterGroup(Group(long_name, {Tensor("w", 4, 0)}));
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status();
+  r = client_->RegisterGroup(Group("g", {Tensor(long_name, 4, 0)}));
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status();
+  // One tensor more than a session may hold (zero-element tensors need no
+  // buffers, so the request stays small).
+  v1::RegisterGroupRequest many = Group("many", {});
+  for (size_t i = 0; i <= (size_t{1} << 20); ++i) {
+    auto* t = many.add_tensors();
+    t->set_name(std::to_string(i));
+    t->set_param_dtype(v1::DTYPE_FLOAT32);
+  }
+  r = client_->RegisterGroup(many);
+  EXPECT_EQ(r.status().code(), StatusCode::kResourceExhausted) << r.status();
+  // Nothing was registered; the listings still answer.
+  auto listed = client_->ListSessions();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->sessions_size(), 2);
+  EXPECT_EQ(listed->sessions_omitted(), 0u);
+  auto m = client_->GetMetrics();
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->state_bytes(), 0u);
+}
+
+// Per-group state sizes used to be a 64-bit sum that wrapped: 131,072 frozen
+// bf16 tensors of 2^45 elements (fp32 masters of 2^47 bytes each) summed to
+// 0 and the daemon wrote past its allocation. The sum is checked now.
+TEST_F(E2eTest, StateSizesThatWrapAroundAreRefused) {
+  constexpr uint64_t kNumel = uint64_t{1} << 45;
+  auto huge = SharedMemoryRegion::Create(kNumel * 2);  // sparse, 64 TiB
+  if (!huge.ok()) {
+    GTEST_SKIP() << "cannot make a 64 TiB sparse shared-memory segment here";
+  }
+  OpenSession(client_.get());
+  v1::RegisterGroupRequest r = Group("g", {});
+  r.mutable_layout()->set_master_weights(v1::MASTER_WEIGHTS_FP32);
+  for (int i = 0; i < (1 << 17); ++i) {
+    auto* t = r.add_tensors();
+    t->set_name(std::to_string(i));
+    t->set_numel(kNumel);
+    t->set_param_dtype(v1::DTYPE_BFLOAT16);
+    t->set_frozen(true);
+    *t->mutable_param() = (*huge)->Handle(0, kNumel * 2);
+  }
+  auto reply = client_->RegisterGroup(r);
+  EXPECT_EQ(reply.status().code(), StatusCode::kResourceExhausted)
+      << reply.status();
+  EXPECT_EQ(client_->GetMetrics()->state_bytes(), 0u);
+}
+
+// A step override without lr keeps the group's learning rate (it used to
+// set it to 0, silently freezing training).
+TEST_F(E2eTest, OverrideWithoutLrKeepsTheLearningRate) {
+  OpenSession(client_.get());
+  float* p = params_->as<float>();
+  for (int i = 0; i < 16; ++i) {
+    p[i] = 1.0f + i;
+    grads_->as<float>()[i] = 0.5f;
+  }
+  ASSERT_TRUE(client_->RegisterGroup(Group("g", {Tensor("w", 16, 0)})).ok());
+  std::vector<float> ref(p, p + 16), m(16), v(16);
+  v1::StepRequest sr;
+  auto* o = sr.add_overrides();
+  o->set_group_id("g");
+  o->set_weight_decay(0.0);  // no lr
+  auto reply = client_->Step(sr);
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  AdamWHyper h;
+  h.lr = 1e-2;  // as registered
+  h.weight_decay = 0.0;
+  TensorPointers t{ref.data(), grads_->as<float>(), nullptr, m.data(),
+                   v.data(),   nullptr};
+  AdamWStepRange(Layout(), t, 0, 16, MakeStepScalars(h, 1, 1, 1));
+  for (int i = 0; i < 16; ++i) ASSERT_EQ(p[i], ref[i]) << i;
+  EXPECT_NE(p[0], 1.0f);
+  v1::GetStateRequest gs;
+  gs.set_metadata_only(true);
+  auto state = client_->GetState(gs);
+  ASSERT_TRUE(state.ok()) << state.status();
+  EXPECT_EQ(state->groups(0).hyperparameters().lr(), 1e-2);
+  EXPECT_EQ(state->groups(0).hyperparameters().weight_decay(), 0.0);
+  // A step counter past 2^53 is refused too.
+  v1::SetStateRequest set;
+  set.set_group_id("g");
+  set.set_step((uint64_t{1} << 53) + 1);
+  EXPECT_EQ(client_->SetState(set).code(), StatusCode::kInvalidArgument);
+}
+
+// A grad_scale whose reciprocal is not a normal fp32 number (1e-320 is
+// denormal) used to turn every parameter into NaN without skipping; an lr
+// that is inf in fp32 did the same. Both are refused and change nothing.
+TEST_F(E2eTest, GradScaleAndLrOutsideFp32AreRefused) {
+  OpenSession(client_.get());
+  float* p = params_->as<float>();
+  for (int i = 0; i < 16; ++i) {
+    p[i] = 1.0f + i;
+    grads_->as<float>()[i] = 0.5f;
+  }
+  ASSERT_TRUE(client_->RegisterGroup(Group("g", {Tensor("w", 16, 0)})).ok());
+  const std::vector<float> before(p, p + 16);
+  for (double scale : {1e-320, 1e-300, -1.0, 1e38, 1e300}) {
+    v1::StepRequest sr;
+    sr.set_grad_scale(scale);
+    auto reply = client_->Step(sr);
+    EXPECT_EQ(reply.status().code(), StatusCode::kInvalidArgument)
+        << scale << " " << reply.status();
+    v1::StepRequest lr;
+    auto* o = lr.add_overrides();
+    o->set_group_id("g");
+    o->set_lr(1e308);
+    reply = client_->Step(lr);
+    EXPECT_EQ(reply.status().code(), StatusCode::kInvalidArgument)
+        << reply.status();
+  }
+  for (int i = 0; i < 16; ++i) ASSERT_EQ(p[i], before[i]) << i;
+  auto r = Group("h", {Tensor("u", 4, 64)});
+  r.mutable_hyperparameters()->set_lr(1e39);
+  EXPECT_EQ(client_->RegisterGroup(r).status().code(),
+            StatusCode::kInvalidArgument);
+  v1::StepRequest ok;
+  ok.set_grad_scale(1024.0);
+  ASSERT_TRUE(client_->Step(ok).ok());
+  EXPECT_NE(p[0], before[0]);
+  EXPECT_TRUE(std::isfinite(p[0]));
+}
+
 TEST(E2eStartupTest, RefusesALiveSocketAndBadFlags) {
   auto d = DaemonProcess::Start();
   ASSERT_TRUE(d.ok());

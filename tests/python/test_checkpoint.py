@@ -276,6 +276,71 @@ class CheckpointTest(unittest.TestCase):
             self.assertTrue(torch.equal(q.detach(), q_before))
             opt.close()
 
+    def test_malformed_metadata_through_the_stream_keeps_the_daemon_up(self):
+        """Wrong-typed or out-of-range header fields, streamed in: each is
+        refused with a specific code, nothing changes, and the daemon (which
+        a wrong-typed step used to abort) keeps serving."""
+
+        def crc32c(data):
+            crc = 0xFFFFFFFF
+            for b in data:
+                crc ^= b
+                for _ in range(8):
+                    crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+            return crc ^ 0xFFFFFFFF
+
+        def rebuild(good, edit):
+            (n,) = struct.unpack("<Q", good[:8])
+            header = json.loads(good[8:8 + n])
+            meta = json.loads(header["__metadata__"]["optimd"])
+            edit(meta)
+            text = json.dumps(meta, separators=(",", ":"))
+            header["__metadata__"]["optimd"] = text
+            header["__metadata__"]["optimd_crc32c"] = "%08x" % crc32c(
+                text.encode())
+            h = json.dumps(header, separators=(",", ":")).encode()
+            h += b" " * ((8 - (8 + len(h)) % 8) % 8)
+            return struct.pack("<Q", len(h)) + h + good[8 + n:]
+
+        def group(m):
+            return m["groups"][0]
+
+        edits = {
+            "step a string": lambda m: group(m).update(step="3"),
+            "step negative": lambda m: group(m).update(step=-1),
+            "no step": lambda m: group(m).pop("step"),
+            "lr a string": lambda m: group(m)["hyperparameters"].update(
+                lr="0.1"),
+            "lr negative": lambda m: group(m)["hyperparameters"].update(
+                lr=-1000),
+            "lr 1e400": lambda m: group(m)["hyperparameters"].update(
+                lr=float("inf")),
+            "no hyperparameters": lambda m: group(m).pop("hyperparameters"),
+            "hyperparameters a list": lambda m: group(m).update(
+                hyperparameters=[1]),
+        }
+        with Daemon() as d:
+            p = torch.nn.Parameter(torch.randn(100))
+            opt = AdamW([("w", p)], lr=1e-3, address=d.address,
+                        job_id="hostile")
+            p.grad.copy_(torch.randn(100))
+            opt.step()
+            good = b"".join(opt.state_bytes())
+            opt.step()
+            before = p.detach().clone()
+            for what, edit in edits.items():
+                with self.subTest(edit=what):
+                    bad = rebuild(good, edit)
+                    with self.assertRaises(optimd.OptimdError) as cm:
+                        opt.load_state_bytes([bad])
+                    self.assertIn(cm.exception.code.name,
+                                  ("INVALID_ARGUMENT", "DATA_LOSS"), what)
+                    self.assertTrue(torch.equal(p.detach(), before))
+                    self.assertEqual(d.process.poll(), None, "daemon died")
+            opt.load_state_bytes([good])
+            opt.step()
+            opt.close()
+
     def test_background_save_is_consistent_while_steps_go_on(self):
         with Daemon() as d:
             big = torch.nn.Parameter(torch.randn(40_000_000))
