@@ -6,6 +6,7 @@
 #include <cstring>
 #include <limits>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
 
@@ -39,6 +40,41 @@ absl::Status CheckCounts(const GroupSpec& spec, size_t groups,
         "group '", spec.id, "' has ", spec.tensors.size(),
         " tensors; with the ", tensors, " registered that is more than ",
         kMaxTensorsPerSession, " in one session"));
+  }
+  return absl::OkStatus();
+}
+
+// Checkpoint keys are a tensor's name and its name plus one of these
+// suffixes (core/checkpoint.h); "__metadata__" is the safetensors header's.
+constexpr const char* kStateKeySuffixes[] = {
+    ".master", ".remainder", ".exp_avg", ".exp_avg_sq", ".max_exp_avg_sq"};
+
+// Refuses names whose checkpoint keys would collide with another tensor's
+// (`w` and `w.exp_avg`: one's moment would load as the other's parameter).
+absl::Status CheckCheckpointKeys(const std::set<std::string>& fresh,
+                                 const std::set<std::string>& registered) {
+  auto known = [&](const std::string& n) {
+    return fresh.count(n) > 0 || registered.count(n) > 0;
+  };
+  auto collision = [](const std::string& base, const char* suffix) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor names '", base, "' and '", base, suffix,
+        "' collide in checkpoints, where the state of '", base,
+        "' is saved as '", base, suffix, "'; rename one of them"));
+  };
+  for (const std::string& n : fresh) {
+    if (n == "__metadata__") {
+      return absl::InvalidArgumentError(
+          "the tensor name '__metadata__' is reserved by the checkpoint "
+          "format (safetensors); rename the tensor");
+    }
+    for (const char* suffix : kStateKeySuffixes) {
+      if (known(n + suffix)) return collision(n, suffix);
+      if (absl::EndsWith(n, suffix)) {
+        const std::string base = n.substr(0, n.size() - strlen(suffix));
+        if (known(base)) return collision(base, suffix);
+      }
+    }
   }
   return absl::OkStatus();
 }
@@ -208,6 +244,7 @@ absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
     }
     layouts.push_back(layout);
   }
+  OPTIMD_RETURN_IF_ERROR(CheckCheckpointKeys(names, tensor_names_));
   if (!AddChecked(&bytes, state_bytes_) || bytes > kMaxSessionBytes ||
       !AddChecked(&param_bytes, param_bytes_) ||
       param_bytes > kMaxSessionBytes) {

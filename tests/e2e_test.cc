@@ -1,5 +1,7 @@
 // End-to-end tests: the real optimd binary on a real Unix socket, the real
 // C++ client, real POSIX shared memory.
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -781,6 +783,105 @@ TEST_F(E2eTest, GradScaleAndLrOutsideFp32AreRefused) {
   ASSERT_TRUE(client_->Step(ok).ok());
   EXPECT_NE(p[0], before[0]);
   EXPECT_TRUE(std::isfinite(p[0]));
+}
+
+// A shared-memory segment under a fixed name, as a trainer that names its
+// segments deterministically makes it; unlinked on destruction.
+class NamedSegment {
+ public:
+  NamedSegment(std::string name, size_t bytes)
+      : name_(std::move(name)), bytes_(bytes) {
+    shm_unlink(name_.c_str());
+    const int fd = shm_open(name_.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+    EXPECT_GE(fd, 0);
+    EXPECT_EQ(ftruncate(fd, bytes_), 0);
+    data_ = static_cast<float*>(
+        mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+    close(fd);
+  }
+  ~NamedSegment() {
+    munmap(data_, bytes_);
+    shm_unlink(name_.c_str());
+  }
+  float* data() { return data_; }
+  v1::BufferHandle Handle(uint64_t offset, uint64_t bytes) const {
+    v1::BufferHandle h;
+    h.mutable_shared_memory()->set_segment_name(name_);
+    h.mutable_shared_memory()->set_offset(offset);
+    h.mutable_shared_memory()->set_size(bytes);
+    return h;
+  }
+
+ private:
+  const std::string name_;
+  const size_t bytes_;
+  float* data_ = nullptr;
+};
+
+// Mappings are identified by the object, not the name: a restarted trainer
+// that recreates its segment under the same name used to step "OK" while
+// the daemon updated the dead segment.
+TEST_F(E2eTest, SegmentRecreatedUnderTheSameNameIsNotMistakenForTheOld) {
+  const std::string name = "/optimd-e2e-recreated-" + std::to_string(getpid());
+  auto old_params = std::make_unique<NamedSegment>(name, 4096);
+  for (int i = 0; i < 16; ++i) old_params->data()[i] = 1.0f;
+  for (int i = 0; i < 16; ++i) grads_->as<float>()[i] = 0.5f;
+  OpenSession(client_.get(), "job");
+  v1::TensorSpec t = Tensor("w", 16, 0);
+  *t.mutable_param() = old_params->Handle(0, 64);
+  ASSERT_TRUE(client_->RegisterGroup(Group("g", {t})).ok());
+  ASSERT_TRUE(client_->Step(v1::StepRequest()).ok());
+  EXPECT_NE(old_params->data()[0], 1.0f);
+  // The trainer restarts: the old segment's name goes away and a new
+  // segment takes it; the session is resumed.
+  old_params.reset();
+  NamedSegment params(name, 4096);
+  for (int i = 0; i < 16; ++i) params.data()[i] = 2.0f;
+  auto restarted = Connect();
+  v1::CreateSessionRequest cs = CpuSession("job");
+  cs.set_resume(true);
+  ASSERT_TRUE(restarted->CreateSession(cs).ok());
+  // Stepping the old mapping would update memory no trainer sees.
+  auto step = restarted->Step(v1::StepRequest());
+  EXPECT_EQ(step.status().code(), StatusCode::kFailedPrecondition)
+      << step.status();
+  EXPECT_NE(step.status().message().find("recreated"), std::string::npos);
+  EXPECT_EQ(params.data()[0], 2.0f);
+  // Pointing the tensor at the name again maps the new segment.
+  v1::UpdateBuffersRequest u;
+  u.set_group_id("g");
+  auto* tb = u.add_tensors();
+  tb->set_name("w");
+  *tb->mutable_param() = params.Handle(0, 64);
+  ASSERT_TRUE(restarted->UpdateBuffers(u).ok());
+  ASSERT_TRUE(restarted->Step(v1::StepRequest()).ok());
+  EXPECT_NE(params.data()[0], 2.0f);
+  EXPECT_LT(params.data()[0], 2.0f);
+}
+
+// Checkpoint keys would collide: `w.exp_avg` is where the moment of `w` is
+// saved, and `__metadata__` is the safetensors header's own key. Both used
+// to be accepted and then load crossed or not at all.
+TEST_F(E2eTest, NamesThatCollideInCheckpointsAreRefused) {
+  OpenSession(client_.get());
+  auto r = client_->RegisterGroup(
+      Group("g", {Tensor("w", 4, 0), Tensor("w.exp_avg", 4, 64)}));
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status();
+  EXPECT_NE(r.status().message().find("collide"), std::string::npos);
+  r = client_->RegisterGroup(Group("g", {Tensor("__metadata__", 4, 0)}));
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status();
+  // Across groups, in either order.
+  ASSERT_TRUE(client_->RegisterGroup(Group("a", {Tensor("w", 4, 0)})).ok());
+  r = client_->RegisterGroup(Group("b", {Tensor("w.master", 4, 64)}));
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status();
+  ASSERT_TRUE(
+      client_->RegisterGroup(Group("c", {Tensor("u.exp_avg_sq", 4, 128)}))
+          .ok());
+  r = client_->RegisterGroup(Group("d", {Tensor("u", 4, 192)}));
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status();
+  // Names that merely look alike are fine.
+  EXPECT_TRUE(
+      client_->RegisterGroup(Group("e", {Tensor("w.exp_avg2", 4, 256)})).ok());
 }
 
 TEST(E2eStartupTest, RefusesALiveSocketAndBadFlags) {
