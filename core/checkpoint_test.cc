@@ -1,5 +1,6 @@
 #include "core/checkpoint.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -205,6 +206,41 @@ TEST(CheckpointTest, SnapshotBytesEqualTheSavedFile) {
   (*snapshot)->ReadFile(10, file.size() - 10,
                         reinterpret_cast<uint8_t*>(streamed.data() + 10));
   EXPECT_EQ(streamed, file);
+}
+
+// Saves that were killed leave "<file>.tmp-<pid>-<n>"; the next save to the
+// same file removes those of dead processes (and only those).
+TEST(CheckpointTest, StaleTemporariesAreRemovedAtTheNextSave) {
+  OneTensorSession s;
+  ScratchDir dir;
+  const std::string final_name = CheckpointFileName("hdr", 0);
+  const std::string base = dir.path() + "/" + final_name;
+  // pid 999999999 is past any pid_max: that process is gone.
+  const std::string stale = base + ".tmp-999999999-7";
+  const std::vector<std::string> kept = {
+      base + ".tmp-1-7",              // init is alive
+      base + ".tmp-999999999-x",      // not our pattern
+      base + ".tmp-999999999-8.bak",  // not our pattern
+      dir.path() + "/other.rank-0.safetensors.tmp-999999999-7",  // other file
+      dir.path() + "/notes.txt"};
+  // Written while the save runs (newer than its start): left alone.
+  const std::string fresh = base + ".tmp-999999998-7";
+  const time_t now = time(nullptr);
+  auto write_at = [](const std::string& f, time_t t) {
+    WriteFile(f, "partial");
+    const timespec times[2] = {{t, 0}, {t, 0}};
+    ASSERT_EQ(utimensat(AT_FDCWD, f.c_str(), times, 0), 0) << f;
+  };
+  write_at(stale, now - 3600);
+  for (const auto& f : kept) write_at(f, now - 3600);
+  write_at(fresh, now + 3600);
+  EXPECT_EQ(RemoveStaleTemporaries(dir.path(), final_name, now - 7200), 0);
+  auto saved = s.session().SaveState(dir.path(), CheckpointOptions());
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  EXPECT_NE(access(stale.c_str(), F_OK), 0);
+  for (const auto& f : kept) EXPECT_EQ(access(f.c_str(), F_OK), 0) << f;
+  EXPECT_EQ(access(fresh.c_str(), F_OK), 0);
+  EXPECT_EQ(access(saved->path.c_str(), F_OK), 0);
 }
 
 // Every header field is checked for presence, type and range before any
