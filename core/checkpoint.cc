@@ -235,6 +235,18 @@ std::string HeaderJson(json meta, const std::vector<Entry>& entries) {
   return s;
 }
 
+// A header past the limit would make a file that LoadState (and the
+// safetensors library) refuses: refused before anything is written.
+absl::Status CheckHeaderSize(const std::string& header) {
+  if (header.size() <= kMaxCheckpointHeaderBytes) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "the checkpoint header would be ", header.size(), " bytes, more than "
+      "the ", kMaxCheckpointHeaderBytes, " safetensors readers accept (about "
+      "1 KB per tensor plus its names); nothing was written and the previous "
+      "checkpoint is intact. Use shorter tensor names or fewer tensors per "
+      "session"));
+}
+
 // Gathers writes into large pwritev calls (storage is much faster with
 // writes of tens of megabytes than with one call per tensor).
 class BatchWriter {
@@ -804,6 +816,7 @@ absl::StatusOr<CheckpointResult> WriteCheckpoint(
     SaveProgress* progress) {
   const double t0 = Seconds();
   const std::string header = HeaderJson(meta, entries);
+  OPTIMD_RETURN_IF_ERROR(CheckHeaderSize(header));
   const uint64_t data_start = 8 + header.size();
   const uint64_t total =
       data_start +
@@ -920,6 +933,9 @@ absl::StatusOr<std::unique_ptr<CheckpointSnapshot>> TakeSnapshot(
   CheckpointSnapshot::Data& d = *snap->data_;
   d.meta = MetaJson(groups);
   d.entries = Entries(groups);
+  // Checked here, before any copy, so that a stream or a background save
+  // never starts a file that could not be loaded.
+  OPTIMD_RETURN_IF_ERROR(CheckHeaderSize(HeaderJson(d.meta, d.entries)));
   uint64_t total = 0;
   for (const Entry& e : d.entries) total = std::max(total, e.offset + e.bytes);
   OPTIMD_ASSIGN_OR_RETURN(d.buffer,

@@ -243,6 +243,46 @@ TEST(CheckpointTest, StaleTemporariesAreRemovedAtTheNextSave) {
   EXPECT_EQ(access(saved->path.c_str(), F_OK), 0);
 }
 
+// A header past the safetensors limit used to be written (replacing the
+// previous checkpoint) and then refused by LoadState. The save is refused
+// before anything is written; so are streams and background saves.
+TEST(CheckpointTest, HeaderPastTheLimitIsRefusedBeforeWriting) {
+  OneTensorSession s;
+  ScratchDir dir;
+  auto first = s.session().SaveState(dir.path(), CheckpointOptions());
+  ASSERT_TRUE(first.ok()) << first.status();
+  const std::string good = ReadFile(first->path);
+  // 16,000 zero-element tensors (no buffers) with 1000-byte names: about
+  // 7 KB of header each, 110 MB in all.
+  GroupSpec big;
+  big.id = "big";
+  for (int i = 0; i < 16000; ++i) {
+    TensorSpec t;
+    t.name = std::to_string(i) + std::string(1000, 'n');
+    t.param_dtype_set = t.grad_dtype_set = true;
+    big.tensors.push_back(t);
+  }
+  ASSERT_TRUE(s.session().RegisterGroup(big).ok());
+  auto saved = s.session().SaveState(dir.path(), CheckpointOptions());
+  EXPECT_EQ(saved.status().code(), absl::StatusCode::kResourceExhausted)
+      << saved.status();
+  EXPECT_EQ(ReadFile(first->path), good);
+  saved = s.session().SaveState(dir.path(), CheckpointOptions(),
+                                /*background=*/true);
+  EXPECT_EQ(saved.status().code(), absl::StatusCode::kResourceExhausted)
+      << saved.status();
+  EXPECT_EQ(s.session().Snapshot().status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(ReadFile(first->path), good);
+  // Nothing else was left in the directory.
+  int files = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
+    (void)e;
+    ++files;
+  }
+  EXPECT_EQ(files, 1);
+}
+
 // Every header field is checked for presence, type and range before any
 // state changes: a wrong-typed step or lr used to abort the daemon.
 TEST(CheckpointTest, MalformedHeaderFieldsAreRefusedAndChangeNothing) {
@@ -299,7 +339,7 @@ TEST(CheckpointTest, MalformedHeaderFieldsAreRefusedAndChangeNothing) {
       {"deep nesting",
        [&](HeaderParts& p) {
          json deep = 1;
-         for (int i = 0; i < 10000; ++i) deep = json::array({deep});
+         for (int i = 0; i < 100; ++i) deep = json::array({deep});
          group(p)["extra"] = deep;
        }},
   };
