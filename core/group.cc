@@ -40,10 +40,12 @@ absl::Status CheckHyperparameters(const AdamWHyper& h,
 
 void BuildPlan(Group& group, uint64_t chunk_elements) {
   Plan plan;
+  plan.entry_of_tensor.assign(group.tensors.size(), Plan::kNoEntry);
   for (uint32_t i = 0; i < group.tensors.size(); ++i) {
     const TensorEntry& t = group.tensors[i];
     if (!t.Steppable()) continue;
     const uint32_t entry = static_cast<uint32_t>(plan.entries.size());
+    plan.entry_of_tensor[i] = entry;
     plan.tensor_index.push_back(i);
     plan.entries.push_back(t.Pointers());
     plan.layouts.push_back(t.layout);

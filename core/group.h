@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -133,6 +134,9 @@ struct PlanTask {
 // only; zero-element and frozen tensors never enter a plan.
 struct Plan {
   std::vector<uint32_t> tensor_index;  // entry -> index into Group::tensors
+  // Index into Group::tensors -> its entry, or kNoEntry (not steppable).
+  static constexpr uint32_t kNoEntry = ~uint32_t{0};
+  std::vector<uint32_t> entry_of_tensor;
   std::vector<TensorPointers> entries;
   std::vector<Layout> layouts;
   std::vector<PlanItem> items;
@@ -163,6 +167,22 @@ struct Group {
     for (const auto& t : tensors) n += t.StateBytes();
     return n;
   }
+
+  // The index of the tensor named `name` in `tensors`, or tensors.size().
+  // Constant time (UpdateBuffers and SetState name many tensors at once).
+  size_t FindTensor(const std::string& name) const {
+    auto it = index_by_name.find(name);
+    return it == index_by_name.end() ? tensors.size() : it->second;
+  }
+  // Builds the name index; called once `tensors` is final.
+  void IndexTensors() {
+    index_by_name.clear();
+    index_by_name.reserve(tensors.size());
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      index_by_name.emplace(tensors[i].name, i);
+    }
+  }
+  std::unordered_map<std::string, size_t> index_by_name;
 };
 
 // Builds `group.plan` from its tensors, splitting each steppable tensor into

@@ -319,6 +319,7 @@ absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
       }
     }
   }
+  group->IndexTensors();
   absl::Status s = backend_->PrepareGroup(*group);
   if (!s.ok()) {
     release();
@@ -384,10 +385,7 @@ absl::Status Session::UpdateBuffers(const std::string& group_id,
   std::vector<Resolved> resolved;
   std::set<std::string> seen;
   for (const BufferUpdate& u : updates) {
-    size_t idx = group->tensors.size();
-    for (size_t i = 0; i < group->tensors.size(); ++i) {
-      if (group->tensors[i].name == u.tensor) idx = i;
-    }
+    const size_t idx = group->FindTensor(u.tensor);
     if (idx == group->tensors.size()) {
       return absl::NotFoundError(absl::StrCat(
           "tensor '", u.tensor, "' is not in group '", group_id, "'"));
@@ -417,11 +415,8 @@ absl::Status Session::UpdateBuffers(const std::string& group_id,
     TensorEntry& e = group->tensors[r.tensor];
     if (r.has_param) e.param = std::move(r.param);
     if (r.has_grad) e.grad = std::move(r.grad);
-    for (uint32_t k = 0; k < group->plan.tensor_index.size(); ++k) {
-      if (group->plan.tensor_index[k] == r.tensor) {
-        backend_->UpdatePlanEntry(*group, k);
-      }
-    }
+    const uint32_t k = group->plan.entry_of_tensor[r.tensor];
+    if (k != Plan::kNoEntry) backend_->UpdatePlanEntry(*group, k);
   }
   RefreshMappings();
   return absl::OkStatus();
@@ -691,10 +686,8 @@ absl::Status Session::WriteState(const std::string& group_id, uint64_t step,
   std::vector<std::pair<const StateBlob*, TensorEntry*>> work;
   std::set<std::pair<std::string, std::string>> seen;
   for (const StateBlob& b : blobs) {
-    TensorEntry* t = nullptr;
-    for (TensorEntry& e : g->tensors) {
-      if (e.name == b.tensor) t = &e;
-    }
+    const size_t index = g->FindTensor(b.tensor);
+    TensorEntry* t = index < g->tensors.size() ? &g->tensors[index] : nullptr;
     if (t == nullptr) {
       return absl::NotFoundError(absl::StrCat(
           "tensor '", b.tensor, "' is not in group '", group_id, "'"));
