@@ -11,6 +11,7 @@
 #include <random>
 #include <tuple>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "client/shm_tensor.h"
@@ -960,6 +961,60 @@ TEST(E2eStartupTest, RefusesALiveSocketAndBadFlags) {
   EXPECT_EQ((*d)->Stop(), 0);
   auto bad = DaemonProcess::Start({"--backend=tpu"});
   EXPECT_FALSE(bad.ok());
+}
+
+// Daemons started at the same moment on one socket: exactly one stays up
+// (a lock file beside the socket decides); without the lock, two often
+// both did, and the loser later deleted the winner's socket.
+TEST(E2eStartupTest, DaemonsRacingForOneSocketLeaveExactlyOne) {
+  const std::string socket =
+      absl::StrCat("/tmp/optimd-race-", getpid(), ".sock");
+  const std::string listen = "--listen=unix:" + socket;
+  constexpr int kDaemons = 6;
+  for (int round = 0; round < 3; ++round) {
+    SCOPED_TRACE(round);
+    std::vector<pid_t> pids;
+    for (int i = 0; i < kDaemons; ++i) {
+      const pid_t pid = fork();
+      if (pid == 0) {
+        execl("server/optimd", "server/optimd", listen.c_str(),
+              "--backend=cpu", static_cast<char*>(nullptr));
+        _exit(127);
+      }
+      pids.push_back(pid);
+    }
+    // The losers exit at once (status 1); give them time either way.
+    std::vector<pid_t> running = pids;
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (running.size() > 1 && absl::Now() < deadline) {
+      for (auto it = running.begin(); it != running.end();) {
+        int status = 0;
+        if (waitpid(*it, &status, WNOHANG) == *it) {
+          EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1);
+          it = running.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    EXPECT_EQ(running.size(), 1u) << "daemons serving one socket";
+    for (size_t i = 1; i < running.size(); ++i) {
+      kill(running[i], SIGKILL);
+      waitpid(running[i], nullptr, 0);
+    }
+    ASSERT_FALSE(running.empty());
+    auto c = Client::Create("unix:" + socket);
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_EQ((*c)->Health().value_or(""), "SERVING");
+    kill(running[0], SIGTERM);
+    int status = 0;
+    waitpid(running[0], &status, 0);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    // The winner leaves neither its socket nor its lock file.
+    EXPECT_NE(access(socket.c_str(), F_OK), 0);
+    EXPECT_NE(access((socket + ".lock").c_str(), F_OK), 0);
+  }
 }
 
 }  // namespace
