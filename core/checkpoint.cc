@@ -923,7 +923,10 @@ void CheckpointSnapshot::ReadFile(uint64_t offset, uint64_t n, uint8_t* out) {
 }
 
 CheckpointSnapshot::CheckpointSnapshot() : data_(new Data()) {}
-CheckpointSnapshot::~CheckpointSnapshot() = default;
+CheckpointSnapshot::~CheckpointSnapshot() {
+  data_.reset();
+  if (on_destroy_) on_destroy_();
+}
 
 uint64_t CheckpointSnapshot::bytes() const { return data_->buffer.size(); }
 

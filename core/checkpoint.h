@@ -21,6 +21,7 @@
 #include <atomic>
 #include <cstdint>
 #include <ctime>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -87,6 +88,9 @@ class CheckpointSnapshot {
   CheckpointSnapshot& operator=(const CheckpointSnapshot&) = delete;
   // Host memory the snapshot holds.
   uint64_t bytes() const;
+  // Runs `fn` when the snapshot is destroyed, after its memory is freed
+  // (it returns the memory's reservation; see Session::ReserveSnapshot).
+  void OnDestroy(std::function<void()> fn) { on_destroy_ = std::move(fn); }
 
   // The snapshot as the bytes of a checkpoint file (the same bytes SaveState
   // would write), for streaming. Computes the checksums on first use.
@@ -103,6 +107,7 @@ class CheckpointSnapshot {
   struct Data;
   CheckpointSnapshot();
   std::unique_ptr<Data> data_;
+  std::function<void()> on_destroy_;
 };
 
 // Copies the groups' state into host memory (pinned on the CUDA backend).

@@ -793,7 +793,7 @@ absl::StatusOr<CheckpointResult> Session::SaveState(
   }
   const auto t0 = std::chrono::steady_clock::now();
   OPTIMD_ASSIGN_OR_RETURN(std::shared_ptr<CheckpointSnapshot> snapshot,
-                          TakeSnapshot(step_groups_, backend_));
+                          ReservedSnapshot());
   auto save = std::make_unique<BackgroundSave>();
   save->path = path;
   BackgroundSave* raw = save.get();
@@ -844,7 +844,34 @@ absl::StatusOr<std::unique_ptr<CheckpointSnapshot>> Session::Snapshot() {
   }
   OPTIMD_RETURN_IF_ERROR(backend_->CheckMappings(mappings_));
   OPTIMD_RETURN_IF_ERROR(backend_->SyncGroupCounters(step_groups_));
-  return TakeSnapshot(step_groups_, backend_);
+  return ReservedSnapshot();
+}
+
+absl::StatusOr<std::unique_ptr<CheckpointSnapshot>>
+Session::ReservedSnapshot() {
+  if (live_snapshots_->load() >= kMaxLiveSnapshots) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        kMaxLiveSnapshots, " snapshots of this session's state are still "
+        "held (SaveStateStream streams not read to the end, or a background "
+        "save writing); finish or cancel them first"));
+  }
+  // A snapshot holds the parameters and the state, in host memory.
+  const uint64_t bytes = param_bytes_ + state_bytes_;
+  OPTIMD_RETURN_IF_ERROR(budget_->Reserve(
+      bytes, "a snapshot of the session's state (SaveStateStream or a "
+             "background save)"));
+  live_snapshots_->fetch_add(1);
+  auto release = [budget = budget_, bytes, live = live_snapshots_] {
+    budget->Release(bytes);
+    live->fetch_sub(1);
+  };
+  auto snapshot = TakeSnapshot(step_groups_, backend_);
+  if (!snapshot.ok()) {
+    release();
+    return snapshot.status();
+  }
+  (*snapshot)->OnDestroy(std::move(release));
+  return snapshot;
 }
 
 absl::StatusOr<CheckpointResult> Session::LoadState(

@@ -96,6 +96,11 @@ struct SessionInfo {
   uint64_t skipped_steps = 0;
 };
 
+// Snapshots of one session alive at once (streams still being read and a
+// background save): each holds a host copy of the session's parameters
+// and state.
+inline constexpr int kMaxLiveSnapshots = 2;
+
 class Session {
  public:
   // `context` is the backend's side of the session (Backend::OpenSession).
@@ -210,6 +215,11 @@ class Session {
       const std::vector<std::string>& group_ids)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RefreshMappings() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A snapshot of the session's state (a stream or a background save),
+  // its memory reserved against the daemon's state budget and the
+  // session's limit of kMaxLiveSnapshots; destroying it gives both back.
+  absl::StatusOr<std::unique_ptr<CheckpointSnapshot>> ReservedSnapshot()
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Publishes the admin view (Info) after a change.
   void PublishInfo() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -233,6 +243,11 @@ class Session {
   uint64_t param_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t steps_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t skipped_steps_ ABSL_GUARDED_BY(mu_) = 0;
+  // Snapshots of this session still alive (streams not yet read to the
+  // end, background saves writing). Shared with the snapshots' release
+  // functions, which may outlive the session.
+  const std::shared_ptr<std::atomic<int>> live_snapshots_ =
+      std::make_shared<std::atomic<int>>(0);
   // Set when a load failed after changing state; cleared by a good load.
   bool needs_load_ ABSL_GUARDED_BY(mu_) = false;
 

@@ -341,6 +341,53 @@ class CheckpointTest(unittest.TestCase):
             opt.step()
             opt.close()
 
+    def test_unread_snapshots_count_against_the_state_budget(self):
+        """Each SaveStateStream holds a host copy of the state until it is
+        read to the end; those copies used to be unbounded and invisible to
+        --max_state_bytes."""
+        import time
+        n = 1_000_000
+        state, snapshot = 8 * n, 12 * n  # fp32 moments; params + moments
+
+        def wait_for(client, value):
+            deadline = time.time() + 10
+            while client.get_metrics().state_bytes != value:
+                self.assertLess(time.time(), deadline)
+                time.sleep(0.01)
+
+        with Daemon(flags=["--max_state_bytes=%d" % (100 << 20)]) as d:
+            p = torch.nn.Parameter(torch.randn(n))
+            opt = AdamW([("w", p)], address=d.address, job_id="snaps")
+            c = opt.client
+            self.assertEqual(c.get_metrics().state_bytes, state)
+            held = [c.save_state_stream(1 << 20) for _ in range(2)]
+            for s in held:
+                next(s)  # the snapshot is taken; the rest stays unread
+            self.assertEqual(c.get_metrics().state_bytes,
+                             state + 2 * snapshot)
+            with self.assertRaises(optimd.ResourceExhaustedError) as cm:
+                next(c.save_state_stream(1 << 20))
+            self.assertIn("still held", str(cm.exception))
+            for s in held:
+                s.close()  # cancels the stream
+            wait_for(c, state)
+            # A stream read to the end gives its memory back too.
+            self.assertGreater(len(b"".join(opt.state_bytes())), snapshot)
+            wait_for(c, state)
+            opt.close()
+        with Daemon(flags=["--max_state_bytes=%d" % (state + snapshot)]) as d:
+            p = torch.nn.Parameter(torch.randn(n))
+            opt = AdamW([("w", p)], address=d.address, job_id="budget")
+            c = opt.client
+            first = c.save_state_stream(1 << 20)
+            next(first)
+            with self.assertRaises(optimd.ResourceExhaustedError) as cm:
+                next(c.save_state_stream(1 << 20))
+            self.assertIn("max_state_bytes", str(cm.exception))
+            first.close()
+            wait_for(c, state)
+            opt.close()
+
     def test_background_save_is_consistent_while_steps_go_on(self):
         with Daemon() as d:
             big = torch.nn.Parameter(torch.randn(40_000_000))
