@@ -9,6 +9,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/file.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -96,6 +97,22 @@ bool ReadPem(const std::string& flag, const std::string& path,
   return true;
 }
 
+// Raises the soft limit on open files to the hard one. Every client
+// connection, mapped segment and checkpoint file takes a descriptor, and
+// Debian's gRPC 1.51 never accepts a connection again after accept() once
+// failed with EMFILE (grpc/grpc#16058, #20418, #31080): a high limit keeps
+// the daemon far from that state. Returns the soft limit now in force.
+rlim_t RaiseFileLimit() {
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0) return 0;
+  if (limit.rlim_cur < limit.rlim_max) {
+    rlimit raised = limit;
+    raised.rlim_cur = limit.rlim_max;
+    if (setrlimit(RLIMIT_NOFILE, &raised) == 0) return raised.rlim_cur;
+  }
+  return limit.rlim_cur;
+}
+
 // Takes the lock file beside the socket ("<socket>.lock", flock'd for the
 // daemon's lifetime), so that of daemons started at the same moment on one
 // socket exactly one goes on; the others exit. Returns the locked fd, or -1
@@ -175,6 +192,7 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   // A client closing its connection mid-write must not kill the daemon.
   signal(SIGPIPE, SIG_IGN);
+  const rlim_t files = RaiseFileLimit();
 
   const std::string backend_flag = absl::GetFlag(FLAGS_backend);
   if (backend_flag != "auto" && backend_flag != "cpu" &&
@@ -320,6 +338,9 @@ int main(int argc, char** argv) {
                               ? " (TLS)"
                               : " (TLS, client certificates required)")
                        : "",
+                   "; open files limit ",
+                   files == RLIM_INFINITY ? std::string("unlimited")
+                                          : absl::StrCat(files),
                    "; max_state_bytes=",
                    budget.limit() == 0 ? std::string("unlimited")
                                        : absl::StrCat(budget.limit())));

@@ -2,13 +2,16 @@
 // C++ client, real POSIX shared memory.
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <random>
+#include <sstream>
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
@@ -961,6 +964,31 @@ TEST(E2eStartupTest, RefusesALiveSocketAndBadFlags) {
   EXPECT_EQ((*d)->Stop(), 0);
   auto bad = DaemonProcess::Start({"--backend=tpu"});
   EXPECT_FALSE(bad.ok());
+}
+
+// The daemon raises its soft limit on open files to the hard one at start
+// (Debian's gRPC stops accepting connections for good after running out of
+// descriptors once).
+TEST(E2eStartupTest, RaisesItsOpenFilesLimit) {
+  rlimit saved{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+  if (saved.rlim_max <= 256) GTEST_SKIP() << "hard limit too low to test";
+  rlimit low = saved;
+  low.rlim_cur = 256;  // inherited by the daemon
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  auto d = DaemonProcess::Start();
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+  ASSERT_TRUE(d.ok()) << d.status();
+  std::ifstream limits(absl::StrCat("/proc/", (*d)->pid(), "/limits"));
+  std::string line, soft, hard;
+  while (std::getline(limits, line)) {
+    if (line.rfind("Max open files", 0) != 0) continue;
+    std::istringstream fields(line.substr(strlen("Max open files")));
+    fields >> soft >> hard;
+  }
+  EXPECT_FALSE(soft.empty());
+  EXPECT_EQ(soft, hard);
+  EXPECT_EQ((*d)->Stop(), 0);
 }
 
 // Daemons started at the same moment on one socket: exactly one stays up
