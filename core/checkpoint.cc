@@ -113,49 +113,109 @@ const char* SafetensorsDType(DType d) {
   return "?";
 }
 
-// One tensor of the file.
+// One piece of state (one tensor's parameter, master or moment) and where
+// it lies in the file. Pieces with the same `key`, consecutive in the
+// file, form one safetensors tensor: each piece alone in the per-tensor
+// format (key "<name>.exp_avg"), all pieces of one kind and dtype of a
+// group together in the packed format (key "g<group>.<kind>.<dtype>").
 struct Entry {
-  std::string name;
+  std::string name;   // "<tensor><suffix>", in messages and version 1 keys
   std::string dtype;  // safetensors dtype
   uint64_t numel = 0;
   uint64_t bytes = 0;
   uint8_t* data = nullptr;  // backend memory
   uint64_t offset = 0;      // within the data section
+  // The crc32c of the file tensor's bytes up to the end of this piece: the
+  // whole file tensor's at its last piece.
   uint32_t crc = 0;
+  uint32_t group = 0;
+  const char* kind = "";  // param, master, remainder, exp_avg, ...
+  std::string key;        // the safetensors tensor the piece belongs to
 };
 
-// Every tensor of the groups, in a fixed order.
+// Every piece of the groups, in tensor order, without offsets or keys.
 std::vector<Entry> Entries(const std::vector<Group*>& groups) {
   std::vector<Entry> out;
-  for (const Group* g : groups) {
-    for (const TensorEntry& t : g->tensors) {
+  for (uint32_t gi = 0; gi < groups.size(); ++gi) {
+    for (const TensorEntry& t : groups[gi]->tensors) {
       const Layout& l = t.layout;
       const uint64_t n = t.numel;
-      out.push_back({t.name, SafetensorsDType(l.param_dtype), n,
-                     n * DTypeSize(l.param_dtype), t.param.data});
+      auto add = [&](const char* kind, const char* suffix, const char* dtype,
+                     uint64_t bytes, uint8_t* data) {
+        Entry e;
+        e.name = t.name + suffix;
+        e.dtype = dtype;
+        e.numel = n;
+        e.bytes = bytes;
+        e.data = data;
+        e.group = gi;
+        e.kind = kind;
+        out.push_back(std::move(e));
+      };
+      add("param", "", SafetensorsDType(l.param_dtype),
+          n * DTypeSize(l.param_dtype), t.param.data);
       if (l.master == MasterKind::kFp32) {
-        out.push_back({t.name + ".master", "F32", n, n * 4, t.master.data()});
+        add("master", ".master", "F32", n * 4, t.master.data());
       } else if (l.master == MasterKind::kRemainder) {
-        out.push_back(
-            {t.name + ".remainder", "I16", n, n * 2, t.master.data()});
+        add("remainder", ".remainder", "I16", n * 2, t.master.data());
       }
       if (t.frozen) continue;
       const uint64_t mb = n * DTypeSize(l.moment_dtype);
       const char* md = SafetensorsDType(l.moment_dtype);
-      out.push_back({t.name + ".exp_avg", md, n, mb, t.exp_avg.data()});
-      out.push_back({t.name + ".exp_avg_sq", md, n, mb, t.exp_avg_sq.data()});
+      add("exp_avg", ".exp_avg", md, mb, t.exp_avg.data());
+      add("exp_avg_sq", ".exp_avg_sq", md, mb, t.exp_avg_sq.data());
       if (l.amsgrad) {
-        out.push_back(
-            {t.name + ".max_exp_avg_sq", md, n, mb, t.max_exp_avg_sq.data()});
+        add("max_exp_avg_sq", ".max_exp_avg_sq", md, mb,
+            t.max_exp_avg_sq.data());
       }
     }
   }
+  return out;
+}
+
+// Orders the pieces as the file holds them and sets their keys and
+// offsets: tensor order with one key per piece, or (packed) grouped by
+// group, kind and dtype, tensor order within each.
+void Arrange(std::vector<Entry>& entries, bool packed) {
+  for (Entry& e : entries) {
+    e.key = packed ? absl::StrCat("g", e.group, ".", e.kind, ".", e.dtype)
+                   : e.name;
+  }
+  if (packed) {
+    std::stable_sort(entries.begin(), entries.end(),
+                     [](const Entry& a, const Entry& b) {
+                       return a.group != b.group ? a.group < b.group
+                                                 : a.key < b.key;
+                     });
+  }
   uint64_t offset = 0;
-  for (Entry& e : out) {
+  for (Entry& e : entries) {
     e.offset = offset;
     offset += e.bytes;
   }
-  return out;
+}
+
+// True when piece `i` starts (ends) its file tensor.
+bool RunStarts(const std::vector<Entry>& e, size_t i) {
+  return i == 0 || e[i - 1].key != e[i].key;
+}
+bool RunEnds(const std::vector<Entry>& e, size_t i) {
+  return i + 1 == e.size() || e[i + 1].key != e[i].key;
+}
+
+// Whether a save uses the packed format: when the per-tensor header could
+// come near the header limit. The estimate errs high (a per-tensor entry
+// costs its key twice, once with its crc, plus about 100 bytes; a tensor
+// about 250 bytes of metadata besides its name), so a per-tensor header it
+// lets through always fits.
+bool UsePacked(const std::vector<Entry>& entries,
+               const std::vector<Group*>& groups) {
+  uint64_t estimate = 0;
+  for (const Entry& e : entries) estimate += 2 * e.name.size() + 130;
+  for (const Group* g : groups) {
+    for (const TensorEntry& t : g->tensors) estimate += t.name.size() + 260;
+  }
+  return estimate > kMaxCheckpointHeaderBytes / 2;
 }
 
 json HyperJson(const AdamWHyper& h) {
@@ -184,10 +244,24 @@ std::string CrcHex(uint32_t crc) {
   return buf;
 }
 
-// The checkpoint's metadata, without the crc32c values.
-json MetaJson(const std::vector<Group*>& groups) {
+// One tensor's metadata in the packed format: [name, numel, index into
+// "layouts", flags (1: frozen, 2: keep_fp32)].
+json PackedTensorJson(const TensorEntry& t, json& layouts) {
+  const json layout = LayoutJson(t.layout);
+  size_t index = 0;
+  while (index < layouts.size() && layouts[index] != layout) ++index;
+  if (index == layouts.size()) layouts.push_back(layout);
+  return json::array({t.name, t.numel, index,
+                      (t.frozen ? 1 : 0) | (t.keep_fp32 ? 2 : 0)});
+}
+
+// The checkpoint's metadata, without the crc32c values: version 1 (a
+// tensor's metadata as an object) or, packed, version 2 (as an array, its
+// layout an index into one table).
+json MetaJson(const std::vector<Group*>& groups, bool packed) {
   json meta;
-  meta["format_version"] = kCheckpointFormatVersion;
+  meta["format_version"] = packed ? 2 : 1;
+  json layouts = json::array();
   json jgroups = json::array();
   for (const Group* g : groups) {
     json jg;
@@ -196,6 +270,10 @@ json MetaJson(const std::vector<Group*>& groups) {
     jg["hyperparameters"] = HyperJson(g->hyper);
     json jt = json::array();
     for (const TensorEntry& t : g->tensors) {
+      if (packed) {
+        jt.push_back(PackedTensorJson(t, layouts));
+        continue;
+      }
       jt.push_back(json{{"name", t.name},
                         {"numel", t.numel},
                         {"frozen", t.frozen},
@@ -206,30 +284,39 @@ json MetaJson(const std::vector<Group*>& groups) {
     jgroups.push_back(jg);
   }
   meta["groups"] = jgroups;
+  if (packed) meta["layouts"] = layouts;
   return meta;
 }
 
 // The full header JSON (crc values are fixed-width, so the length does not
-// depend on them).
+// depend on them): one safetensors tensor per run of pieces with one key.
 std::string HeaderJson(json meta, const std::vector<Entry>& entries) {
   json crcs = json::object();
-  for (const Entry& e : entries) crcs[e.name] = CrcHex(e.crc);
-  meta["crc32c"] = crcs;
-  json header = json::object();
+  json tensors = json::object();
+  uint64_t begin = 0, numel = 0;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const Entry& e = entries[i];
+    if (RunStarts(entries, i)) {
+      begin = e.offset;
+      numel = 0;
+    }
+    numel += e.numel;
+    if (!RunEnds(entries, i)) continue;
+    crcs[e.key] = CrcHex(e.crc);
+    tensors[e.key] = json{{"dtype", e.dtype},
+                          {"shape", json::array({numel})},
+                          {"data_offsets",
+                           json::array({begin, e.offset + e.bytes})}};
+  }
+  meta["crc32c"] = std::move(crcs);
   // The metadata's own checksum: a damaged step counter or learning rate
   // would otherwise load silently (the data checksums do not cover it).
   const std::string meta_text = meta.dump();
-  header["__metadata__"] =
+  tensors["__metadata__"] =
       json{{"optimd", meta_text},
            {"optimd_crc32c",
             CrcHex(Crc32cExtend(0, meta_text.data(), meta_text.size()))}};
-  for (const Entry& e : entries) {
-    header[e.name] = json{{"dtype", e.dtype},
-                          {"shape", json::array({e.numel})},
-                          {"data_offsets",
-                           json::array({e.offset, e.offset + e.bytes})}};
-  }
-  std::string s = header.dump();
+  std::string s = tensors.dump();
   // Pad so that the data section starts 8-byte aligned.
   while ((8 + s.size()) % 8 != 0) s.push_back(' ');
   return s;
@@ -342,10 +429,11 @@ class Streamer {
   uint64_t peak_staging() const { return staging_.size(); }
 
   // Queues an entry's bytes on `writer` (directly from host memory, or
-  // through the staging buffer, flushing it when full).
+  // through the staging buffer, flushing it when full), extending *crc
+  // over them.
   absl::Status Save(BatchWriter* writer, const Entry& e, uint64_t file_offset,
                     uint32_t* crc) {
-    uint32_t c = 0;
+    uint32_t c = *crc;
     for (uint64_t done = 0; done < e.bytes;) {
       const uint8_t* src = e.data + done;
       uint64_t n = e.bytes - done;
@@ -556,9 +644,52 @@ absl::StatusOr<AdamWHyper> ParseHyper(const Fields& g,
   return out;
 }
 
+// One tensor's metadata as a header gives it.
+struct TensorHeader {
+  std::string name;
+  uint64_t numel = 0;
+  bool frozen = false;
+  const json* layout = nullptr;
+};
+
+// Version 1: {"name", "numel", "frozen", "keep_fp32", "layout"}.
+absl::StatusOr<TensorHeader> ParseTensor(const json& j,
+                                         const std::string& where,
+                                         const std::string& path) {
+  OPTIMD_ASSIGN_OR_RETURN(Fields f, Fields::Of(j, where, path));
+  TensorHeader t;
+  OPTIMD_ASSIGN_OR_RETURN(t.name, f.String("name"));
+  OPTIMD_ASSIGN_OR_RETURN(t.numel, f.Uint("numel"));
+  OPTIMD_ASSIGN_OR_RETURN(t.frozen, f.Bool("frozen"));
+  OPTIMD_ASSIGN_OR_RETURN(t.layout, f.Get("layout"));
+  return t;
+}
+
+// Version 2 (packed): [name, numel, layout index, flags].
+absl::StatusOr<TensorHeader> ParsePackedTensor(const json& j,
+                                               const json& layouts,
+                                               const std::string& where,
+                                               const std::string& path) {
+  if (!j.is_array() || j.size() != 4 || !j[0].is_string() ||
+      !j[1].is_number_unsigned() || !j[2].is_number_unsigned() ||
+      !j[3].is_number_unsigned() || j[2].get<uint64_t>() >= layouts.size() ||
+      j[3].get<uint64_t>() > 3) {
+    return Malformed(path, where + " is not [name, numel, layout index < " +
+                               std::to_string(layouts.size()) + ", flags]");
+  }
+  TensorHeader t;
+  t.name = j[0].get<std::string>();
+  t.numel = j[1].get<uint64_t>();
+  t.frozen = (j[3].get<uint64_t>() & 1) != 0;
+  t.layout = &layouts[j[2].get<size_t>()];
+  return t;
+}
+
 // Checks one group of the header against the registered group `g`.
+// `layouts`: the packed format's layout table; null for version 1.
 absl::StatusOr<GroupHeader> ParseGroup(const json& jg, const Group& g,
-                                       size_t index, const std::string& path) {
+                                       size_t index, const json* layouts,
+                                       const std::string& path) {
   OPTIMD_ASSIGN_OR_RETURN(
       Fields f, Fields::Of(jg, absl::StrCat("group ", index), path));
   OPTIMD_ASSIGN_OR_RETURN(std::string id, f.String("id"));
@@ -582,65 +713,76 @@ absl::StatusOr<GroupHeader> ParseGroup(const json& jg, const Group& g,
   }
   for (size_t ti = 0; ti < g.tensors.size(); ++ti) {
     const TensorEntry& t = g.tensors[ti];
+    const std::string where =
+        absl::StrCat("tensor ", ti, " of group '", g.id, "'");
     OPTIMD_ASSIGN_OR_RETURN(
-        Fields tf, Fields::Of((*jt)[ti],
-                              absl::StrCat("tensor ", ti, " of group '",
-                                           g.id, "'"),
-                              path));
-    OPTIMD_ASSIGN_OR_RETURN(std::string name, tf.String("name"));
-    OPTIMD_ASSIGN_OR_RETURN(uint64_t numel, tf.Uint("numel"));
-    OPTIMD_ASSIGN_OR_RETURN(bool frozen, tf.Bool("frozen"));
-    OPTIMD_ASSIGN_OR_RETURN(const json* layout, tf.Get("layout"));
-    if (name != t.name || numel != t.numel || frozen != t.frozen ||
-        *layout != LayoutJson(t.layout)) {
+        TensorHeader th, layouts == nullptr
+                             ? ParseTensor((*jt)[ti], where, path)
+                             : ParsePackedTensor((*jt)[ti], *layouts, where,
+                                                 path));
+    if (th.name != t.name || th.numel != t.numel || th.frozen != t.frozen ||
+        *th.layout != LayoutJson(t.layout)) {
       return absl::FailedPreconditionError(absl::StrCat(
           "tensor '", t.name, "' (group '", g.id, "') does not match ", path,
-          ": the file has '", name.substr(0, kMaxNameBytes), "' with ", numel,
-          " elements, layout ", layout->dump(), "; registered: ", t.numel,
-          " elements, layout ", LayoutJson(t.layout).dump()));
+          ": the file has '", th.name.substr(0, kMaxNameBytes), "' with ",
+          th.numel, " elements, layout ", th.layout->dump(), "; registered: ",
+          t.numel, " elements, layout ", LayoutJson(t.layout).dump()));
     }
   }
   return out;
 }
 
-// Checks the safetensors entry of `e` and sets its offset and crc.
-absl::Status ParseEntry(const json& h, const json& crcs, Entry& e,
-                        uint64_t data_bytes, const std::string& path) {
-  auto it = h.find(e.name);
+// Checks the safetensors tensor of the run of pieces [first, end) (one
+// key) and sets the pieces' offsets and the run's crc (on its last piece).
+absl::Status ParseRun(const json& h, const json& crcs,
+                      std::vector<Entry>& entries, size_t first, size_t end,
+                      uint64_t data_bytes, const std::string& path) {
+  const std::string& key = entries[first].key;
+  uint64_t numel = 0, bytes = 0;
+  for (size_t i = first; i < end; ++i) {
+    numel += entries[i].numel;
+    bytes += entries[i].bytes;
+  }
+  auto it = h.find(key);
   if (it == h.end()) {
     return absl::InvalidArgumentError(
-        absl::StrCat(path, " has no tensor '", e.name, "'"));
+        absl::StrCat(path, " has no tensor '", key, "'"));
   }
   OPTIMD_ASSIGN_OR_RETURN(
-      Fields f, Fields::Of(*it, absl::StrCat("tensor '", e.name, "'"), path));
+      Fields f, Fields::Of(*it, absl::StrCat("tensor '", key, "'"), path));
   OPTIMD_ASSIGN_OR_RETURN(std::string dtype, f.String("dtype"));
   OPTIMD_ASSIGN_OR_RETURN(std::vector<uint64_t> shape, f.Uints("shape", 1));
   OPTIMD_ASSIGN_OR_RETURN(std::vector<uint64_t> offsets,
                           f.Uints("data_offsets", 2));
-  if (dtype != e.dtype || shape[0] != e.numel || offsets[1] < offsets[0] ||
-      offsets[1] - offsets[0] != e.bytes) {
+  if (dtype != entries[first].dtype || shape[0] != numel ||
+      offsets[1] < offsets[0] || offsets[1] - offsets[0] != bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "tensor '", e.name, "' in ", path, " is ", it->dump(),
-        "; expected dtype ", e.dtype, " shape [", e.numel, "] (",
-        e.bytes, " bytes)"));
+        "tensor '", key, "' in ", path, " is ", it->dump(),
+        "; expected dtype ", entries[first].dtype, " shape [", numel, "] (",
+        bytes, " bytes)"));
   }
   if (offsets[1] > data_bytes) {
     return absl::DataLossError(absl::StrCat(
-        path, " is truncated: tensor '", e.name, "' ends at data byte ",
+        path, " is truncated: tensor '", key, "' ends at data byte ",
         offsets[1], " of ", data_bytes));
   }
-  e.offset = offsets[0];
-  auto c = crcs.find(e.name);
+  uint64_t offset = offsets[0];
+  for (size_t i = first; i < end; ++i) {
+    entries[i].offset = offset;
+    entries[i].crc = 0;
+    offset += entries[i].bytes;
+  }
+  auto c = crcs.find(key);
   if (c == crcs.end() || !c->is_string()) {
     return Malformed(path, absl::StrCat("no crc32c string for tensor '",
-                                        e.name, "'"));
+                                        key, "'"));
   }
   auto crc = ParseCrcHex(c->get<std::string>());
   if (!crc.ok()) {
-    return Malformed(path, absl::StrCat("the crc32c of tensor '", e.name,
+    return Malformed(path, absl::StrCat("the crc32c of tensor '", key,
                                         "' is ", crc.status().message()));
   }
-  e.crc = *crc;
+  entries[end - 1].crc = *crc;
   return absl::OkStatus();
 }
 
@@ -691,16 +833,27 @@ absl::StatusOr<std::vector<GroupHeader>> ParseHeader(
         path, " holds ", jgroups->size(), " groups; the session has ",
         groups.size(), " registered"));
   }
+  const bool packed = version == 2;
+  const json* layouts = nullptr;
+  if (packed) {
+    OPTIMD_ASSIGN_OR_RETURN(layouts, m.Array("layouts"));
+  }
   std::vector<GroupHeader> out;
   for (size_t gi = 0; gi < groups.size(); ++gi) {
-    OPTIMD_ASSIGN_OR_RETURN(GroupHeader g,
-                            ParseGroup((*jgroups)[gi], *groups[gi], gi, path));
+    OPTIMD_ASSIGN_OR_RETURN(
+        GroupHeader g,
+        ParseGroup((*jgroups)[gi], *groups[gi], gi, layouts, path));
     out.push_back(g);
   }
   OPTIMD_ASSIGN_OR_RETURN(const json* crcs, m.Get("crc32c"));
   if (!crcs->is_object()) return m.Bad("crc32c", "not an object");
-  for (Entry& e : entries) {
-    OPTIMD_RETURN_IF_ERROR(ParseEntry(h, *crcs, e, data_bytes, path));
+  Arrange(entries, packed);
+  for (size_t first = 0; first < entries.size();) {
+    size_t end = first + 1;
+    while (!RunEnds(entries, end - 1)) ++end;
+    OPTIMD_RETURN_IF_ERROR(
+        ParseRun(h, *crcs, entries, first, end, data_bytes, path));
+    first = end;
   }
   return out;
 }
@@ -839,7 +992,9 @@ absl::StatusOr<CheckpointResult> WriteCheckpoint(
   };
   Streamer streamer(backend, options.staging_bytes);
   BatchWriter writer(fd.get(), tmp);
-  for (Entry& e : entries) {
+  for (size_t i = 0; i < entries.size(); ++i) {
+    Entry& e = entries[i];
+    e.crc = RunStarts(entries, i) ? 0 : entries[i - 1].crc;
     absl::Status s = streamer.Save(&writer, e, data_start + e.offset, &e.crc);
     if (!s.ok()) return fail(s);
     if (progress != nullptr) progress->bytes_written.fetch_add(e.bytes);
@@ -877,8 +1032,11 @@ absl::StatusOr<CheckpointResult> WriteCheckpoint(
 absl::StatusOr<CheckpointResult> SaveCheckpoint(
     const std::string& path, const std::vector<Group*>& groups,
     Backend* backend, const CheckpointOptions& options) {
-  return WriteCheckpoint(path, MetaJson(groups), Entries(groups), backend,
-                         options, nullptr);
+  std::vector<Entry> entries = Entries(groups);
+  const bool packed = UsePacked(entries, groups);
+  Arrange(entries, packed);
+  return WriteCheckpoint(path, MetaJson(groups, packed), std::move(entries),
+                         backend, options, nullptr);
 }
 
 struct CheckpointSnapshot::Data {
@@ -891,7 +1049,11 @@ struct CheckpointSnapshot::Data {
 uint64_t CheckpointSnapshot::FileSize() {
   Data& d = *data_;
   if (d.prefix.empty()) {
-    for (Entry& e : d.entries) e.crc = Crc32cExtend(0, e.data, e.bytes);
+    for (size_t i = 0; i < d.entries.size(); ++i) {
+      Entry& e = d.entries[i];
+      e.crc = Crc32cExtend(RunStarts(d.entries, i) ? 0 : d.entries[i - 1].crc,
+                           e.data, e.bytes);
+    }
     const std::string header = HeaderJson(d.meta, d.entries);
     const uint64_t hl = header.size();
     d.prefix.resize(8);
@@ -934,8 +1096,10 @@ absl::StatusOr<std::unique_ptr<CheckpointSnapshot>> TakeSnapshot(
     const std::vector<Group*>& groups, Backend* backend) {
   auto snap = std::unique_ptr<CheckpointSnapshot>(new CheckpointSnapshot());
   CheckpointSnapshot::Data& d = *snap->data_;
-  d.meta = MetaJson(groups);
   d.entries = Entries(groups);
+  const bool packed = UsePacked(d.entries, groups);
+  Arrange(d.entries, packed);
+  d.meta = MetaJson(groups, packed);
   // Checked here, before any copy, so that a stream or a background save
   // never starts a file that could not be loaded.
   OPTIMD_RETURN_IF_ERROR(CheckHeaderSize(HeaderJson(d.meta, d.entries)));
@@ -1022,8 +1186,11 @@ absl::StatusOr<CheckpointResult> LoadCheckpoint(
     uint64_t done;  // bytes of the entry before this piece
     uint64_t n;
   };
+  // Zero-byte entries get an empty piece: their file tensor's checksum is
+  // checked like any other.
   std::vector<Piece> pieces;
   for (size_t i = 0; i < entries.size(); ++i) {
+    if (entries[i].bytes == 0) pieces.push_back({i, 0, 0});
     for (uint64_t done = 0; done < entries[i].bytes;) {
       const uint64_t n = std::min(entries[i].bytes - done, half);
       pieces.push_back({i, done, n});
@@ -1040,44 +1207,45 @@ absl::StatusOr<CheckpointResult> LoadCheckpoint(
     return ReadAll(fd.get(), target(k), p.n,
                    data_start + entries[p.entry].offset + p.done, path);
   };
+  // A thread per read pays off for large pieces only: with many small
+  // tensors (a million of them) thread starts would dominate, so small
+  // pieces are read inline.
+  constexpr uint64_t kAsyncReadBytes = uint64_t{1} << 20;
+  auto start_read = [&](size_t k) {
+    return std::async(pieces[k].n >= kAsyncReadBytes ? std::launch::async
+                                                     : std::launch::deferred,
+                      read_piece, k);
+  };
   *partially_written = !pieces.empty();
   std::future<absl::Status> next;
-  if (!pieces.empty()) next = std::async(std::launch::async, read_piece, 0);
+  if (!pieces.empty()) next = start_read(0);
   uint32_t crc = 0;
   for (size_t k = 0; k < pieces.size(); ++k) {
     OPTIMD_RETURN_IF_ERROR(next.get());
-    if (k + 1 < pieces.size()) {
-      next = std::async(std::launch::async, read_piece, k + 1);
-    }
+    if (k + 1 < pieces.size()) next = start_read(k + 1);
     const Piece& p = pieces[k];
     const Entry& e = entries[p.entry];
-    if (p.done == 0) crc = 0;
+    if (p.done == 0 && RunStarts(entries, p.entry)) crc = 0;
     absl::Status guarded = GuardMemoryFaults(
         [&] { crc = Crc32cExtend(crc, target(k), p.n); }, "checkpoint load");
     if (!guarded.ok()) {
       if (next.valid()) next.wait();
       return guarded;
     }
-    if (!direct) {
+    if (!direct && p.n > 0) {
       absl::Status s = backend->CopyFromHost(target(k), e.data + p.done, p.n);
       if (!s.ok()) {
         if (next.valid()) next.wait();
         return s;
       }
     }
-    if (p.done + p.n == e.bytes && crc != e.crc) {
+    if (p.done + p.n == e.bytes && RunEnds(entries, p.entry) &&
+        crc != e.crc) {
       if (next.valid()) next.wait();
       return absl::DataLossError(absl::StrCat(
-          "checksum mismatch in tensor '", e.name, "' of ", path,
+          "checksum mismatch in tensor '", e.key, "' of ", path,
           ": the file is corrupt. The session's state is now partly "
           "loaded; steps are refused until a load succeeds"));
-    }
-  }
-  // Zero-byte tensors: nothing to read, but their checksum must match too.
-  for (const Entry& e : entries) {
-    if (e.bytes == 0 && e.crc != 0) {
-      return absl::DataLossError(absl::StrCat(
-          "checksum mismatch in empty tensor '", e.name, "' of ", path));
     }
   }
   const uint64_t peak_staging = staging.size();

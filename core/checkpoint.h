@@ -10,6 +10,12 @@
 // counter, hyperparameters and tensors (name, numel, layout, frozen), and a
 // crc32c of every tensor's bytes.
 //
+// That is format version 1. A session whose version 1 header could come
+// near the 100 MiB header limit (about 110,000 tensors) is saved packed,
+// version 2: one safetensors tensor per group, kind and dtype
+// ("g<group>.<kind>.<dtype>"), the pieces concatenated in tensor order, and
+// per tensor [name, numel, layout index, flags] with a table of layouts.
+//
 // Saving writes a temporary file in the target directory, fsyncs it, renames
 // it over the final name and fsyncs the directory: a crash or a full disk
 // leaves the previous checkpoint intact. Loading checks every name, shape,
@@ -32,7 +38,10 @@
 
 namespace optimd {
 
-inline constexpr int kCheckpointFormatVersion = 1;
+// The newest format read: 1 (one safetensors tensor per piece of state,
+// "<name>.exp_avg") and 2 (packed: one per kind and dtype of a group, for
+// sessions whose per-tensor header would not fit).
+inline constexpr int kCheckpointFormatVersion = 2;
 // The largest header read or written: the `safetensors` library's limit.
 inline constexpr uint64_t kMaxCheckpointHeaderBytes = uint64_t{100} << 20;
 

@@ -53,27 +53,33 @@ constexpr const char* kStateKeySuffixes[] = {
 // (`w` and `w.exp_avg`: one's moment would load as the other's parameter).
 absl::Status CheckCheckpointKeys(const std::set<std::string>& fresh,
                                  const std::set<std::string>& registered) {
-  auto known = [&](const std::string& n) {
-    return fresh.count(n) > 0 || registered.count(n) > 0;
-  };
   auto collision = [](const std::string& base, const char* suffix) {
     return absl::InvalidArgumentError(absl::StrCat(
         "tensor names '", base, "' and '", base, suffix,
         "' collide in checkpoints, where the state of '", base,
         "' is saved as '", base, suffix, "'; rename one of them"));
   };
+  if (fresh.count("__metadata__") > 0) {
+    return absl::InvalidArgumentError(
+        "the tensor name '__metadata__' is reserved by the checkpoint "
+        "format (safetensors); rename the tensor");
+  }
+  // A new name that ends in a suffix, whose stem is any tensor's name
+  // (suffix checks are cheap; lookups only for the rare suffixed names).
   for (const std::string& n : fresh) {
-    if (n == "__metadata__") {
-      return absl::InvalidArgumentError(
-          "the tensor name '__metadata__' is reserved by the checkpoint "
-          "format (safetensors); rename the tensor");
-    }
     for (const char* suffix : kStateKeySuffixes) {
-      if (known(n + suffix)) return collision(n, suffix);
-      if (absl::EndsWith(n, suffix)) {
-        const std::string base = n.substr(0, n.size() - strlen(suffix));
-        if (known(base)) return collision(base, suffix);
+      if (!absl::EndsWith(n, suffix)) continue;
+      const std::string stem = n.substr(0, n.size() - strlen(suffix));
+      if (fresh.count(stem) > 0 || registered.count(stem) > 0) {
+        return collision(stem, suffix);
       }
+    }
+  }
+  // A registered name that is a new name plus a suffix.
+  if (registered.empty()) return absl::OkStatus();
+  for (const std::string& n : fresh) {
+    for (const char* suffix : kStateKeySuffixes) {
+      if (registered.count(n + suffix) > 0) return collision(n, suffix);
     }
   }
   return absl::OkStatus();

@@ -193,6 +193,38 @@ class CheckpointTest(unittest.TestCase):
                                      1e-6 * q.detach().abs().max().item())
             opt.close()
 
+    def test_packed_checkpoint_reads_as_torch_state_dict(self):
+        """A session whose per-tensor header would not fit is saved packed
+        (format 2); to_torch_state_dict reads it like any other."""
+        from optimd.checkpoint import read_checkpoint, to_torch_state_dict
+        names = ["%05d" % i + "n" * 995 for i in range(8000)]
+        params = [torch.nn.Parameter(torch.randn(2)) for _ in names]
+        with Daemon() as d:
+            opt = AdamW(list(zip(names, params)), lr=1e-2, address=d.address,
+                        job_id="packed", amsgrad=True)
+            for _ in range(2):
+                for p in params:
+                    p.grad.normal_()
+                opt.step()
+            path = opt.save_checkpoint(self.dir).path
+            meta, _ = read_checkpoint(path)
+            self.assertEqual(meta["format_version"], 2)
+            sd, saved, _ = to_torch_state_dict(path)
+            ours = opt.state_dict()
+            for i, (name, p) in enumerate(zip(names, params)):
+                self.assertTrue(torch.equal(saved[name], p.detach()), name)
+                for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                    self.assertTrue(torch.equal(sd["state"][i][k],
+                                                ours["state"][i][k]), (i, k))
+                self.assertEqual(float(sd["state"][i]["step"]), 2.0)
+            # And the daemon loads it back.
+            before = [p.detach().clone() for p in params]
+            opt.step()
+            opt.load_checkpoint(self.dir)
+            for p, q in zip(params, before):
+                self.assertTrue(torch.equal(p.detach(), q))
+            opt.close()
+
     def test_bad_checkpoints_change_nothing(self):
         with Daemon() as d:
             p = torch.nn.Parameter(torch.randn(1000))
