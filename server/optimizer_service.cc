@@ -176,8 +176,10 @@ absl::Status OptimizerServiceImpl::RunStep(Session& s,
   const absl::Time host_start = absl::Now();
   if (absl::Status st = CheckStepOptions(request); !st.ok()) return st;
   StepRequestSpec spec = StepSpecFromProto(request);
-  // Steps of a session run on its worker one at a time, so the learning
-  // rate read here is still the group's when Step applies it.
+  // Steps of a session run on its worker one at a time, so no other step
+  // changes the learning rate between here and Step. (A LoadState or
+  // SetState the client sends concurrently is unordered with this step
+  // anyway; at worst the step keeps the rate it read.)
   s.ResolveKeptLr(&spec);
   auto result = s.Step(spec);
   if (!result.ok()) return result.status();
