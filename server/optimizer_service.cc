@@ -1,5 +1,9 @@
 #include "server/optimizer_service.h"
 
+#include <dirent.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -11,12 +15,49 @@
 
 namespace optimd {
 
+namespace {
+
+// Where LoadStateStream spools streams: --state_dir, else /tmp.
+std::string SpoolDirectory(const CheckpointOptions& options) {
+  return options.state_dir.empty() ? std::string("/tmp") : options.state_dir;
+}
+
+// Spool files are "<dir>/.optimd-load-<pid>-XXXXXX". Removes those whose
+// daemon is gone (killed while a stream was arriving); nothing else.
+void RemoveStaleSpoolFiles(const std::string& dir) {
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return;
+  const std::string prefix = ".optimd-load-";
+  while (const dirent* e = readdir(d)) {
+    const std::string name = e->d_name;
+    if (name.compare(0, prefix.size(), prefix) != 0) continue;
+    const size_t dash = name.find('-', prefix.size());
+    const std::string pid = name.substr(prefix.size(), dash - prefix.size());
+    if (dash == std::string::npos || pid.empty() || pid.size() > 9 ||
+        pid.find_first_not_of("0123456789") != std::string::npos) {
+      continue;
+    }
+    const pid_t owner = static_cast<pid_t>(std::stol(pid));
+    if (owner == getpid() || kill(owner, 0) == 0 || errno == EPERM) continue;
+    struct stat st;
+    if (fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+        S_ISREG(st.st_mode) && st.st_uid == getuid()) {
+      unlinkat(dirfd(d), e->d_name, 0);
+    }
+  }
+  closedir(d);
+}
+
+}  // namespace
+
 OptimizerServiceImpl::OptimizerServiceImpl(SessionRegistry* registry,
                                            std::vector<DeviceWorker*> workers,
                                            CheckpointOptions checkpoint_options)
     : registry_(registry),
       workers_(std::move(workers)),
-      checkpoint_options_(std::move(checkpoint_options)) {}
+      checkpoint_options_(std::move(checkpoint_options)) {
+  RemoveStaleSpoolFiles(SpoolDirectory(checkpoint_options_));
+}
 
 DeviceWorker* OptimizerServiceImpl::WorkerFor(const Session& session) const {
   const std::vector<Backend*>& backends = registry_->backends();
@@ -522,9 +563,9 @@ class OptimizerServiceImpl::LoadStreamReactor final
         worker_(worker),
         options_(std::move(options)),
         response_(response) {
-    const std::string dir =
-        options_.state_dir.empty() ? std::string("/tmp") : options_.state_dir;
-    path_ = dir + "/.optimd-load-XXXXXX";
+    const std::string dir = SpoolDirectory(options_);
+    // The pid lets a later daemon remove the file if this one is killed.
+    path_ = dir + "/.optimd-load-" + std::to_string(getpid()) + "-XXXXXX";
     fd_ = mkstemp(path_.data());
     if (fd_ < 0) {
       Finish(grpc::Status(grpc::StatusCode::INTERNAL,

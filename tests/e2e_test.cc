@@ -991,6 +991,31 @@ TEST(E2eStartupTest, RaisesItsOpenFilesLimit) {
   EXPECT_EQ((*d)->Stop(), 0);
 }
 
+// A daemon killed while a LoadStateStream was arriving left its spool file
+// forever; the next daemon removes spool files of dead daemons (only
+// those).
+TEST(E2eStartupTest, RemovesSpoolFilesOfDeadDaemons) {
+  char dir[] = "/tmp/optimd-spool-test-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string stale = std::string(dir) + "/.optimd-load-999999999-ab12";
+  const std::vector<std::string> kept = {
+      std::string(dir) + "/.optimd-load-1-ab12",  // init is alive
+      std::string(dir) + "/.optimd-load-x-ab12",  // not the pattern
+      std::string(dir) + "/notes.txt"};
+  for (const auto& f : kept) std::ofstream(f) << "keep";
+  std::ofstream(stale) << "partial stream";
+  auto d = DaemonProcess::Start({std::string("--state_dir=") + dir});
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_NE(access(stale.c_str(), F_OK), 0);
+  for (const auto& f : kept) {
+    EXPECT_EQ(access(f.c_str(), F_OK), 0) << f;
+    unlink(f.c_str());
+  }
+  EXPECT_EQ((*d)->Stop(), 0);
+  unlink(stale.c_str());
+  EXPECT_EQ(rmdir(dir), 0);
+}
+
 // Daemons started at the same moment on one socket: exactly one stays up
 // (a lock file beside the socket decides); without the lock, two often
 // both did, and the loser later deleted the winner's socket.
