@@ -1134,7 +1134,15 @@ absl::StatusOr<CheckpointResult> LoadCheckpoint(
   // O_NONBLOCK: opening a FIFO placed at the path must not wait for a
   // writer (it would hold the device worker and every session on it); the
   // flag changes nothing for a regular file.
-  Fd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
+  // O_NOFOLLOW under --state_dir: the directory was resolved and confined,
+  // and a symbolic link at the file's name must not lead out of it.
+  const int confined = options.state_dir.empty() ? 0 : O_NOFOLLOW;
+  Fd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | confined));
+  if (fd.get() < 0 && errno == ELOOP && confined != 0) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        path, " is a symbolic link; with the daemon's --state_dir a "
+              "checkpoint must be a regular file within it"));
+  }
   if (fd.get() < 0) {
     return ErrnoStatus(errno, absl::StrCat("cannot open checkpoint ", path));
   }
@@ -1156,7 +1164,8 @@ absl::StatusOr<CheckpointResult> LoadCheckpoint(
   for (int i = 0; i < 8; ++i) hl |= uint64_t{len[i]} << (8 * i);
   if (hl > kMaxCheckpointHeaderBytes) {
     return absl::InvalidArgumentError(absl::StrCat(
-        path, " is not a safetensors file (header length ", hl, ")"));
+        path, " is not a safetensors file (its header length field is past "
+              "the 100 MiB limit)"));
   }
   if (8 + hl > size) {
     return absl::DataLossError(absl::StrCat(path, " is truncated (header)"));

@@ -423,6 +423,34 @@ TEST(CheckpointTest, AMillionTensorsFitTheHeaderLimit) {
   EXPECT_LE(header, kMaxCheckpointHeaderBytes);
 }
 
+// Under --state_dir a symbolic link at the checkpoint's name is refused
+// (it could lead out of the directory), and an error never quotes the
+// file's bytes.
+TEST(CheckpointTest, SymlinkedCheckpointUnderStateDirIsRefused) {
+  OneTensorSession s;
+  ScratchDir root;
+  const std::string inside = root.path() + "/inside";
+  ASSERT_EQ(mkdir(inside.c_str(), 0700), 0);
+  const std::string secret = root.path() + "/secret";
+  WriteFile(secret, "SECRETS!and more");
+  const std::string name = inside + "/" + CheckpointFileName("hdr", 0);
+  ASSERT_EQ(symlink(secret.c_str(), name.c_str()), 0);
+  CheckpointOptions confined;
+  confined.state_dir = inside;
+  auto loaded = s.session().LoadState(inside, confined);
+  EXPECT_EQ(loaded.status().code(), absl::StatusCode::kPermissionDenied)
+      << loaded.status();
+  // Without confinement the file is read, and refused without echoing it.
+  loaded = s.session().LoadState(inside, CheckpointOptions());
+  EXPECT_EQ(loaded.status().code(), absl::StatusCode::kInvalidArgument)
+      << loaded.status();
+  const uint64_t first8 = 0x2153544552434553;  // "SECRETS!" little-endian
+  EXPECT_EQ(std::string(loaded.status().message()).find(
+                std::to_string(first8)),
+            std::string::npos)
+      << loaded.status();
+}
+
 // Every header field is checked for presence, type and range before any
 // state changes: a wrong-typed step or lr used to abort the daemon.
 TEST(CheckpointTest, MalformedHeaderFieldsAreRefusedAndChangeNothing) {
