@@ -591,8 +591,8 @@ class OptimizerServiceImpl::LoadStreamReactor final
         // parameters plus the header: refuse early instead of filling the
         // disk with a spool file.
         const SessionInfo info = session_->Info();
-        const uint64_t limit =
-            info.state_bytes + info.param_bytes + (uint64_t{64} << 20);
+        const uint64_t limit = info.state_bytes + info.param_bytes +
+                               kMaxCheckpointHeaderBytes + 16;
         if (chunk_.total_bytes() > limit) {
           Fail(grpc::Status(
               grpc::StatusCode::INVALID_ARGUMENT,

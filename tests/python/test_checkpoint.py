@@ -209,6 +209,9 @@ class CheckpointTest(unittest.TestCase):
             path = opt.save_checkpoint(self.dir).path
             meta, _ = read_checkpoint(path)
             self.assertEqual(meta["format_version"], 2)
+            # A stream carries the same bytes as the file.
+            with open(path, "rb") as f:
+                self.assertEqual(b"".join(opt.state_bytes()), f.read())
             sd, saved, _ = to_torch_state_dict(path)
             ours = opt.state_dict()
             for i, (name, p) in enumerate(zip(names, params)):
