@@ -209,13 +209,13 @@ bool RunEnds(const std::vector<Entry>& e, size_t i) {
 // about 250 bytes of metadata besides its name), so a per-tensor header it
 // lets through always fits.
 bool UsePacked(const std::vector<Entry>& entries,
-               const std::vector<Group*>& groups) {
+               const std::vector<Group*>& groups, uint64_t threshold) {
   uint64_t estimate = 0;
   for (const Entry& e : entries) estimate += 2 * e.name.size() + 130;
   for (const Group* g : groups) {
     for (const TensorEntry& t : g->tensors) estimate += t.name.size() + 260;
   }
-  return estimate > kMaxCheckpointHeaderBytes / 2;
+  return estimate > threshold;
 }
 
 json HyperJson(const AdamWHyper& h) {
@@ -1033,7 +1033,8 @@ absl::StatusOr<CheckpointResult> SaveCheckpoint(
     const std::string& path, const std::vector<Group*>& groups,
     Backend* backend, const CheckpointOptions& options) {
   std::vector<Entry> entries = Entries(groups);
-  const bool packed = UsePacked(entries, groups);
+  const bool packed =
+      UsePacked(entries, groups, options.packed_above_header_bytes);
   Arrange(entries, packed);
   return WriteCheckpoint(path, MetaJson(groups, packed), std::move(entries),
                          backend, options, nullptr);
@@ -1093,11 +1094,13 @@ CheckpointSnapshot::~CheckpointSnapshot() {
 uint64_t CheckpointSnapshot::bytes() const { return data_->buffer.size(); }
 
 absl::StatusOr<std::unique_ptr<CheckpointSnapshot>> TakeSnapshot(
-    const std::vector<Group*>& groups, Backend* backend) {
+    const std::vector<Group*>& groups, Backend* backend,
+    const CheckpointOptions& options) {
   auto snap = std::unique_ptr<CheckpointSnapshot>(new CheckpointSnapshot());
   CheckpointSnapshot::Data& d = *snap->data_;
   d.entries = Entries(groups);
-  const bool packed = UsePacked(d.entries, groups);
+  const bool packed =
+      UsePacked(d.entries, groups, options.packed_above_header_bytes);
   Arrange(d.entries, packed);
   d.meta = MetaJson(groups, packed);
   // Checked here, before any copy, so that a stream or a background save

@@ -51,6 +51,9 @@ struct CheckpointOptions {
   std::string state_dir;
   // Staging buffer for backends whose memory the host cannot address.
   uint64_t staging_bytes = uint64_t{64} << 20;
+  // Sessions whose per-tensor (version 1) header could take more than this
+  // many bytes (an estimate that errs high) are saved packed (version 2).
+  uint64_t packed_above_header_bytes = kMaxCheckpointHeaderBytes / 2;
 };
 
 struct CheckpointResult {
@@ -109,7 +112,7 @@ class CheckpointSnapshot {
 
  private:
   friend absl::StatusOr<std::unique_ptr<CheckpointSnapshot>> TakeSnapshot(
-      const std::vector<Group*>&, Backend*);
+      const std::vector<Group*>&, Backend*, const CheckpointOptions&);
   friend absl::StatusOr<CheckpointResult> WriteSnapshot(
       const std::string&, const CheckpointSnapshot&, const CheckpointOptions&,
       SaveProgress*);
@@ -121,7 +124,8 @@ class CheckpointSnapshot {
 
 // Copies the groups' state into host memory (pinned on the CUDA backend).
 absl::StatusOr<std::unique_ptr<CheckpointSnapshot>> TakeSnapshot(
-    const std::vector<Group*>& groups, Backend* backend);
+    const std::vector<Group*>& groups, Backend* backend,
+    const CheckpointOptions& options);
 
 // Writes a snapshot to `path` atomically; thread-compatible, touches no
 // session state.

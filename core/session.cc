@@ -799,7 +799,7 @@ absl::StatusOr<CheckpointResult> Session::SaveState(
   }
   const auto t0 = std::chrono::steady_clock::now();
   OPTIMD_ASSIGN_OR_RETURN(std::shared_ptr<CheckpointSnapshot> snapshot,
-                          ReservedSnapshot());
+                          ReservedSnapshot(options));
   auto save = std::make_unique<BackgroundSave>();
   save->path = path;
   BackgroundSave* raw = save.get();
@@ -850,11 +850,11 @@ absl::StatusOr<std::unique_ptr<CheckpointSnapshot>> Session::Snapshot() {
   }
   OPTIMD_RETURN_IF_ERROR(backend_->CheckMappings(mappings_));
   OPTIMD_RETURN_IF_ERROR(backend_->SyncGroupCounters(step_groups_));
-  return ReservedSnapshot();
+  return ReservedSnapshot(CheckpointOptions());
 }
 
 absl::StatusOr<std::unique_ptr<CheckpointSnapshot>>
-Session::ReservedSnapshot() {
+Session::ReservedSnapshot(const CheckpointOptions& options) {
   if (live_snapshots_->load() >= kMaxLiveSnapshots) {
     return absl::ResourceExhaustedError(absl::StrCat(
         kMaxLiveSnapshots, " snapshots of this session's state are still "
@@ -871,7 +871,7 @@ Session::ReservedSnapshot() {
     budget->Release(bytes);
     live->fetch_sub(1);
   };
-  auto snapshot = TakeSnapshot(step_groups_, backend_);
+  auto snapshot = TakeSnapshot(step_groups_, backend_, options);
   if (!snapshot.ok()) {
     release();
     return snapshot.status();

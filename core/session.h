@@ -218,8 +218,8 @@ class Session {
   // A snapshot of the session's state (a stream or a background save),
   // its memory reserved against the daemon's state budget and the
   // session's limit of kMaxLiveSnapshots; destroying it gives both back.
-  absl::StatusOr<std::unique_ptr<CheckpointSnapshot>> ReservedSnapshot()
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<std::unique_ptr<CheckpointSnapshot>> ReservedSnapshot(
+      const CheckpointOptions& options) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Publishes the admin view (Info) after a change.
   void PublishInfo() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
