@@ -1,7 +1,9 @@
 #include "core/checkpoint.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -111,49 +113,109 @@ const char* SafetensorsDType(DType d) {
   return "?";
 }
 
-// One tensor of the file.
+// One piece of state (one tensor's parameter, master or moment) and where
+// it lies in the file. Pieces with the same `key`, consecutive in the
+// file, form one safetensors tensor: each piece alone in the per-tensor
+// format (key "<name>.exp_avg"), all pieces of one kind and dtype of a
+// group together in the packed format (key "g<group>.<kind>.<dtype>").
 struct Entry {
-  std::string name;
+  std::string name;   // "<tensor><suffix>", in messages and version 1 keys
   std::string dtype;  // safetensors dtype
   uint64_t numel = 0;
   uint64_t bytes = 0;
   uint8_t* data = nullptr;  // backend memory
   uint64_t offset = 0;      // within the data section
+  // The crc32c of the file tensor's bytes up to the end of this piece: the
+  // whole file tensor's at its last piece.
   uint32_t crc = 0;
+  uint32_t group = 0;
+  const char* kind = "";  // param, master, remainder, exp_avg, ...
+  std::string key;        // the safetensors tensor the piece belongs to
 };
 
-// Every tensor of the groups, in a fixed order.
+// Every piece of the groups, in tensor order, without offsets or keys.
 std::vector<Entry> Entries(const std::vector<Group*>& groups) {
   std::vector<Entry> out;
-  for (const Group* g : groups) {
-    for (const TensorEntry& t : g->tensors) {
+  for (uint32_t gi = 0; gi < groups.size(); ++gi) {
+    for (const TensorEntry& t : groups[gi]->tensors) {
       const Layout& l = t.layout;
       const uint64_t n = t.numel;
-      out.push_back({t.name, SafetensorsDType(l.param_dtype), n,
-                     n * DTypeSize(l.param_dtype), t.param.data});
+      auto add = [&](const char* kind, const char* suffix, const char* dtype,
+                     uint64_t bytes, uint8_t* data) {
+        Entry e;
+        e.name = t.name + suffix;
+        e.dtype = dtype;
+        e.numel = n;
+        e.bytes = bytes;
+        e.data = data;
+        e.group = gi;
+        e.kind = kind;
+        out.push_back(std::move(e));
+      };
+      add("param", "", SafetensorsDType(l.param_dtype),
+          n * DTypeSize(l.param_dtype), t.param.data);
       if (l.master == MasterKind::kFp32) {
-        out.push_back({t.name + ".master", "F32", n, n * 4, t.master.data()});
+        add("master", ".master", "F32", n * 4, t.master.data());
       } else if (l.master == MasterKind::kRemainder) {
-        out.push_back(
-            {t.name + ".remainder", "I16", n, n * 2, t.master.data()});
+        add("remainder", ".remainder", "I16", n * 2, t.master.data());
       }
       if (t.frozen) continue;
       const uint64_t mb = n * DTypeSize(l.moment_dtype);
       const char* md = SafetensorsDType(l.moment_dtype);
-      out.push_back({t.name + ".exp_avg", md, n, mb, t.exp_avg.data()});
-      out.push_back({t.name + ".exp_avg_sq", md, n, mb, t.exp_avg_sq.data()});
+      add("exp_avg", ".exp_avg", md, mb, t.exp_avg.data());
+      add("exp_avg_sq", ".exp_avg_sq", md, mb, t.exp_avg_sq.data());
       if (l.amsgrad) {
-        out.push_back(
-            {t.name + ".max_exp_avg_sq", md, n, mb, t.max_exp_avg_sq.data()});
+        add("max_exp_avg_sq", ".max_exp_avg_sq", md, mb,
+            t.max_exp_avg_sq.data());
       }
     }
   }
+  return out;
+}
+
+// Orders the pieces as the file holds them and sets their keys and
+// offsets: tensor order with one key per piece, or (packed) grouped by
+// group, kind and dtype, tensor order within each.
+void Arrange(std::vector<Entry>& entries, bool packed) {
+  for (Entry& e : entries) {
+    e.key = packed ? absl::StrCat("g", e.group, ".", e.kind, ".", e.dtype)
+                   : e.name;
+  }
+  if (packed) {
+    std::stable_sort(entries.begin(), entries.end(),
+                     [](const Entry& a, const Entry& b) {
+                       return a.group != b.group ? a.group < b.group
+                                                 : a.key < b.key;
+                     });
+  }
   uint64_t offset = 0;
-  for (Entry& e : out) {
+  for (Entry& e : entries) {
     e.offset = offset;
     offset += e.bytes;
   }
-  return out;
+}
+
+// True when piece `i` starts (ends) its file tensor.
+bool RunStarts(const std::vector<Entry>& e, size_t i) {
+  return i == 0 || e[i - 1].key != e[i].key;
+}
+bool RunEnds(const std::vector<Entry>& e, size_t i) {
+  return i + 1 == e.size() || e[i + 1].key != e[i].key;
+}
+
+// Whether a save uses the packed format: when the per-tensor header could
+// come near the header limit. The estimate errs high (a per-tensor entry
+// costs its key twice, once with its crc, plus about 100 bytes; a tensor
+// about 250 bytes of metadata besides its name), so a per-tensor header it
+// lets through always fits.
+bool UsePacked(const std::vector<Entry>& entries,
+               const std::vector<Group*>& groups, uint64_t threshold) {
+  uint64_t estimate = 0;
+  for (const Entry& e : entries) estimate += 2 * e.name.size() + 130;
+  for (const Group* g : groups) {
+    for (const TensorEntry& t : g->tensors) estimate += t.name.size() + 260;
+  }
+  return estimate > threshold;
 }
 
 json HyperJson(const AdamWHyper& h) {
@@ -182,10 +244,24 @@ std::string CrcHex(uint32_t crc) {
   return buf;
 }
 
-// The checkpoint's metadata, without the crc32c values.
-json MetaJson(const std::vector<Group*>& groups) {
+// One tensor's metadata in the packed format: [name, numel, index into
+// "layouts", flags (1: frozen, 2: keep_fp32)].
+json PackedTensorJson(const TensorEntry& t, json& layouts) {
+  const json layout = LayoutJson(t.layout);
+  size_t index = 0;
+  while (index < layouts.size() && layouts[index] != layout) ++index;
+  if (index == layouts.size()) layouts.push_back(layout);
+  return json::array({t.name, t.numel, index,
+                      (t.frozen ? 1 : 0) | (t.keep_fp32 ? 2 : 0)});
+}
+
+// The checkpoint's metadata, without the crc32c values: version 1 (a
+// tensor's metadata as an object) or, packed, version 2 (as an array, its
+// layout an index into one table).
+json MetaJson(const std::vector<Group*>& groups, bool packed) {
   json meta;
-  meta["format_version"] = kCheckpointFormatVersion;
+  meta["format_version"] = packed ? 2 : 1;
+  json layouts = json::array();
   json jgroups = json::array();
   for (const Group* g : groups) {
     json jg;
@@ -194,6 +270,10 @@ json MetaJson(const std::vector<Group*>& groups) {
     jg["hyperparameters"] = HyperJson(g->hyper);
     json jt = json::array();
     for (const TensorEntry& t : g->tensors) {
+      if (packed) {
+        jt.push_back(PackedTensorJson(t, layouts));
+        continue;
+      }
       jt.push_back(json{{"name", t.name},
                         {"numel", t.numel},
                         {"frozen", t.frozen},
@@ -204,27 +284,54 @@ json MetaJson(const std::vector<Group*>& groups) {
     jgroups.push_back(jg);
   }
   meta["groups"] = jgroups;
+  if (packed) meta["layouts"] = layouts;
   return meta;
 }
 
 // The full header JSON (crc values are fixed-width, so the length does not
-// depend on them).
+// depend on them): one safetensors tensor per run of pieces with one key.
 std::string HeaderJson(json meta, const std::vector<Entry>& entries) {
   json crcs = json::object();
-  for (const Entry& e : entries) crcs[e.name] = CrcHex(e.crc);
-  meta["crc32c"] = crcs;
-  json header = json::object();
-  header["__metadata__"] = json{{"optimd", meta.dump()}};
-  for (const Entry& e : entries) {
-    header[e.name] = json{{"dtype", e.dtype},
-                          {"shape", json::array({e.numel})},
+  json tensors = json::object();
+  uint64_t begin = 0, numel = 0;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const Entry& e = entries[i];
+    if (RunStarts(entries, i)) {
+      begin = e.offset;
+      numel = 0;
+    }
+    numel += e.numel;
+    if (!RunEnds(entries, i)) continue;
+    crcs[e.key] = CrcHex(e.crc);
+    tensors[e.key] = json{{"dtype", e.dtype},
+                          {"shape", json::array({numel})},
                           {"data_offsets",
-                           json::array({e.offset, e.offset + e.bytes})}};
+                           json::array({begin, e.offset + e.bytes})}};
   }
-  std::string s = header.dump();
+  meta["crc32c"] = std::move(crcs);
+  // The metadata's own checksum: a damaged step counter or learning rate
+  // would otherwise load silently (the data checksums do not cover it).
+  const std::string meta_text = meta.dump();
+  tensors["__metadata__"] =
+      json{{"optimd", meta_text},
+           {"optimd_crc32c",
+            CrcHex(Crc32cExtend(0, meta_text.data(), meta_text.size()))}};
+  std::string s = tensors.dump();
   // Pad so that the data section starts 8-byte aligned.
   while ((8 + s.size()) % 8 != 0) s.push_back(' ');
   return s;
+}
+
+// A header past the limit would make a file that LoadState (and the
+// safetensors library) refuses: refused before anything is written.
+absl::Status CheckHeaderSize(const std::string& header) {
+  if (header.size() <= kMaxCheckpointHeaderBytes) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "the checkpoint header would be ", header.size(), " bytes, more than "
+      "the ", kMaxCheckpointHeaderBytes, " safetensors readers accept (about "
+      "1 KB per tensor plus its names); nothing was written and the previous "
+      "checkpoint is intact. Use shorter tensor names or fewer tensors per "
+      "session"));
 }
 
 // Gathers writes into large pwritev calls (storage is much faster with
@@ -322,10 +429,11 @@ class Streamer {
   uint64_t peak_staging() const { return staging_.size(); }
 
   // Queues an entry's bytes on `writer` (directly from host memory, or
-  // through the staging buffer, flushing it when full).
+  // through the staging buffer, flushing it when full), extending *crc
+  // over them.
   absl::Status Save(BatchWriter* writer, const Entry& e, uint64_t file_offset,
                     uint32_t* crc) {
-    uint32_t c = 0;
+    uint32_t c = *crc;
     for (uint64_t done = 0; done < e.bytes;) {
       const uint8_t* src = e.data + done;
       uint64_t n = e.bytes - done;
@@ -375,6 +483,380 @@ class Streamer {
   const uint64_t half_;
   int half_index_ = 0;
 };
+
+// ---- Reading an untrusted header ----
+// A checkpoint can come from anywhere (a file, a client's stream): every
+// header field is checked for presence, type and range before it is used,
+// and every problem is a Status naming the field, never an exception.
+
+// Deeper nesting is refused before parsing, so that no recursive walk over
+// a parsed value (comparison, printing, destruction) can exhaust the stack.
+constexpr int kMaxJsonDepth = 16;
+
+absl::Status Malformed(const std::string& path, const std::string& what) {
+  return absl::InvalidArgumentError(absl::StrCat(
+      path, " has a malformed optimd header: ", what,
+      "; the file is damaged or was not written by optimd"));
+}
+
+absl::Status CheckJsonDepth(absl::string_view text, const std::string& path) {
+  int depth = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > kMaxJsonDepth) {
+        return Malformed(path, absl::StrCat("JSON nested deeper than ",
+                                            kMaxJsonDepth, " levels"));
+      }
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Parses untrusted JSON text without throwing.
+absl::StatusOr<json> ParseJson(absl::string_view text, const std::string& path,
+                               const std::string& what) {
+  OPTIMD_RETURN_IF_ERROR(CheckJsonDepth(text, path));
+  json j = json::parse(text.begin(), text.end(), nullptr,
+                       /*allow_exceptions=*/false);
+  if (j.is_discarded()) return Malformed(path, what + " is not valid JSON");
+  return j;
+}
+
+// Typed access to the members of one JSON object of a header.
+class Fields {
+ public:
+  // INVALID_ARGUMENT unless `j` is an object.
+  static absl::StatusOr<Fields> Of(const json& j, std::string where,
+                                   const std::string& path) {
+    if (!j.is_object()) return Malformed(path, where + " is not an object");
+    return Fields(j, std::move(where), path);
+  }
+
+  const std::string& where() const { return where_; }
+
+  absl::StatusOr<const json*> Get(const char* key) const {
+    auto it = obj_.find(key);
+    if (it == obj_.end()) return Bad(key, "missing");
+    return &*it;
+  }
+  absl::StatusOr<uint64_t> Uint(const char* key) const {
+    OPTIMD_ASSIGN_OR_RETURN(const json* v, Get(key));
+    if (v->is_number_unsigned()) return v->get<uint64_t>();
+    if (v->is_number_integer() && v->get<int64_t>() >= 0) {
+      return static_cast<uint64_t>(v->get<int64_t>());
+    }
+    return Bad(key, "not a non-negative integer");
+  }
+  absl::StatusOr<double> Number(const char* key) const {
+    OPTIMD_ASSIGN_OR_RETURN(const json* v, Get(key));
+    if (!v->is_number()) return Bad(key, "not a number");
+    return v->get<double>();
+  }
+  absl::StatusOr<bool> Bool(const char* key) const {
+    OPTIMD_ASSIGN_OR_RETURN(const json* v, Get(key));
+    if (!v->is_boolean()) return Bad(key, "not true or false");
+    return v->get<bool>();
+  }
+  absl::StatusOr<std::string> String(const char* key) const {
+    OPTIMD_ASSIGN_OR_RETURN(const json* v, Get(key));
+    if (!v->is_string()) return Bad(key, "not a string");
+    return v->get<std::string>();
+  }
+  absl::StatusOr<const json*> Array(const char* key) const {
+    OPTIMD_ASSIGN_OR_RETURN(const json* v, Get(key));
+    if (!v->is_array()) return Bad(key, "not an array");
+    return v;
+  }
+  // An array of exactly `n` non-negative integers.
+  absl::StatusOr<std::vector<uint64_t>> Uints(const char* key,
+                                              size_t n) const {
+    OPTIMD_ASSIGN_OR_RETURN(const json* v, Array(key));
+    std::vector<uint64_t> out;
+    for (const json& x : *v) {
+      if (!x.is_number_unsigned()) break;
+      out.push_back(x.get<uint64_t>());
+    }
+    if (out.size() != n || v->size() != n) {
+      return Bad(key, absl::StrCat("not ", n, " non-negative integers"));
+    }
+    return out;
+  }
+  absl::Status Bad(const char* key, const std::string& problem) const {
+    return Malformed(path_,
+                     absl::StrCat(where_, " field '", key, "' is ", problem));
+  }
+
+ private:
+  Fields(const json& obj, std::string where, const std::string& path)
+      : obj_(obj), where_(std::move(where)), path_(path) {}
+  const json& obj_;
+  std::string where_;
+  std::string path_;
+};
+
+// A crc32c written as 8 lowercase hex digits.
+absl::StatusOr<uint32_t> ParseCrcHex(const std::string& s) {
+  uint32_t v = 0;
+  for (char c : s) {
+    int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+    if (d < 0) return absl::InvalidArgumentError("not hex");
+    v = v << 4 | static_cast<uint32_t>(d);
+  }
+  if (s.size() != 8) return absl::InvalidArgumentError("not 8 digits");
+  return v;
+}
+
+// A group's step counter and hyperparameters as its header says, checked.
+struct GroupHeader {
+  uint64_t step = 0;
+  AdamWHyper hyper;
+};
+
+absl::StatusOr<AdamWHyper> ParseHyper(const Fields& g,
+                                      const std::string& path) {
+  OPTIMD_ASSIGN_OR_RETURN(const json* jh, g.Get("hyperparameters"));
+  OPTIMD_ASSIGN_OR_RETURN(
+      Fields h, Fields::Of(*jh, g.where() + " hyperparameters", path));
+  AdamWHyper out;
+  OPTIMD_ASSIGN_OR_RETURN(out.lr, h.Number("lr"));
+  OPTIMD_ASSIGN_OR_RETURN(out.beta1, h.Number("beta1"));
+  OPTIMD_ASSIGN_OR_RETURN(out.beta2, h.Number("beta2"));
+  OPTIMD_ASSIGN_OR_RETURN(out.eps, h.Number("eps"));
+  OPTIMD_ASSIGN_OR_RETURN(out.weight_decay, h.Number("weight_decay"));
+  OPTIMD_ASSIGN_OR_RETURN(out.adamw, h.Bool("adamw"));
+  OPTIMD_ASSIGN_OR_RETURN(out.bias_correction, h.Bool("bias_correction"));
+  OPTIMD_ASSIGN_OR_RETURN(out.maximize, h.Bool("maximize"));
+  OPTIMD_ASSIGN_OR_RETURN(out.amsgrad, h.Bool("amsgrad"));
+  absl::Status s = CheckHyperparameters(out, g.where());
+  if (!s.ok()) return Malformed(path, std::string(s.message()));
+  return out;
+}
+
+// One tensor's metadata as a header gives it.
+struct TensorHeader {
+  std::string name;
+  uint64_t numel = 0;
+  bool frozen = false;
+  const json* layout = nullptr;
+};
+
+// Version 1: {"name", "numel", "frozen", "keep_fp32", "layout"}.
+absl::StatusOr<TensorHeader> ParseTensor(const json& j,
+                                         const std::string& where,
+                                         const std::string& path) {
+  OPTIMD_ASSIGN_OR_RETURN(Fields f, Fields::Of(j, where, path));
+  TensorHeader t;
+  OPTIMD_ASSIGN_OR_RETURN(t.name, f.String("name"));
+  OPTIMD_ASSIGN_OR_RETURN(t.numel, f.Uint("numel"));
+  OPTIMD_ASSIGN_OR_RETURN(t.frozen, f.Bool("frozen"));
+  OPTIMD_ASSIGN_OR_RETURN(t.layout, f.Get("layout"));
+  return t;
+}
+
+// Version 2 (packed): [name, numel, layout index, flags].
+absl::StatusOr<TensorHeader> ParsePackedTensor(const json& j,
+                                               const json& layouts,
+                                               const std::string& where,
+                                               const std::string& path) {
+  if (!j.is_array() || j.size() != 4 || !j[0].is_string() ||
+      !j[1].is_number_unsigned() || !j[2].is_number_unsigned() ||
+      !j[3].is_number_unsigned() || j[2].get<uint64_t>() >= layouts.size() ||
+      j[3].get<uint64_t>() > 3) {
+    return Malformed(path, where + " is not [name, numel, layout index < " +
+                               std::to_string(layouts.size()) + ", flags]");
+  }
+  TensorHeader t;
+  t.name = j[0].get<std::string>();
+  t.numel = j[1].get<uint64_t>();
+  t.frozen = (j[3].get<uint64_t>() & 1) != 0;
+  t.layout = &layouts[j[2].get<size_t>()];
+  return t;
+}
+
+// Checks one group of the header against the registered group `g`.
+// `layouts`: the packed format's layout table; null for version 1.
+absl::StatusOr<GroupHeader> ParseGroup(const json& jg, const Group& g,
+                                       size_t index, const json* layouts,
+                                       const std::string& path) {
+  OPTIMD_ASSIGN_OR_RETURN(
+      Fields f, Fields::Of(jg, absl::StrCat("group ", index), path));
+  OPTIMD_ASSIGN_OR_RETURN(std::string id, f.String("id"));
+  if (id != g.id) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("group ", index, " is '", id.substr(0, kMaxNameBytes),
+                     "' in ", path, " but '", g.id, "' in the session"));
+  }
+  GroupHeader out;
+  OPTIMD_ASSIGN_OR_RETURN(out.step, f.Uint("step"));
+  if (out.step > kMaxStepCounter) {
+    return f.Bad("step", absl::StrCat(out.step, ", more than the largest "
+                                      "step counter ", kMaxStepCounter));
+  }
+  OPTIMD_ASSIGN_OR_RETURN(out.hyper, ParseHyper(f, path));
+  OPTIMD_ASSIGN_OR_RETURN(const json* jt, f.Array("tensors"));
+  if (jt->size() != g.tensors.size()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "group '", g.id, "' has ", jt->size(), " tensors in ", path, " but ",
+        g.tensors.size(), " registered"));
+  }
+  for (size_t ti = 0; ti < g.tensors.size(); ++ti) {
+    const TensorEntry& t = g.tensors[ti];
+    const std::string where =
+        absl::StrCat("tensor ", ti, " of group '", g.id, "'");
+    OPTIMD_ASSIGN_OR_RETURN(
+        TensorHeader th, layouts == nullptr
+                             ? ParseTensor((*jt)[ti], where, path)
+                             : ParsePackedTensor((*jt)[ti], *layouts, where,
+                                                 path));
+    if (th.name != t.name || th.numel != t.numel || th.frozen != t.frozen ||
+        *th.layout != LayoutJson(t.layout)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "tensor '", t.name, "' (group '", g.id, "') does not match ", path,
+          ": the file has '", th.name.substr(0, kMaxNameBytes), "' with ",
+          th.numel, " elements, layout ", th.layout->dump(), "; registered: ",
+          t.numel, " elements, layout ", LayoutJson(t.layout).dump()));
+    }
+  }
+  return out;
+}
+
+// Checks the safetensors tensor of the run of pieces [first, end) (one
+// key) and sets the pieces' offsets and the run's crc (on its last piece).
+absl::Status ParseRun(const json& h, const json& crcs,
+                      std::vector<Entry>& entries, size_t first, size_t end,
+                      uint64_t data_bytes, const std::string& path) {
+  const std::string& key = entries[first].key;
+  uint64_t numel = 0, bytes = 0;
+  for (size_t i = first; i < end; ++i) {
+    numel += entries[i].numel;
+    bytes += entries[i].bytes;
+  }
+  auto it = h.find(key);
+  if (it == h.end()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, " has no tensor '", key, "'"));
+  }
+  OPTIMD_ASSIGN_OR_RETURN(
+      Fields f, Fields::Of(*it, absl::StrCat("tensor '", key, "'"), path));
+  OPTIMD_ASSIGN_OR_RETURN(std::string dtype, f.String("dtype"));
+  OPTIMD_ASSIGN_OR_RETURN(std::vector<uint64_t> shape, f.Uints("shape", 1));
+  OPTIMD_ASSIGN_OR_RETURN(std::vector<uint64_t> offsets,
+                          f.Uints("data_offsets", 2));
+  if (dtype != entries[first].dtype || shape[0] != numel ||
+      offsets[1] < offsets[0] || offsets[1] - offsets[0] != bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor '", key, "' in ", path, " is ", it->dump(),
+        "; expected dtype ", entries[first].dtype, " shape [", numel, "] (",
+        bytes, " bytes)"));
+  }
+  if (offsets[1] > data_bytes) {
+    return absl::DataLossError(absl::StrCat(
+        path, " is truncated: tensor '", key, "' ends at data byte ",
+        offsets[1], " of ", data_bytes));
+  }
+  uint64_t offset = offsets[0];
+  for (size_t i = first; i < end; ++i) {
+    entries[i].offset = offset;
+    entries[i].crc = 0;
+    offset += entries[i].bytes;
+  }
+  auto c = crcs.find(key);
+  if (c == crcs.end() || !c->is_string()) {
+    return Malformed(path, absl::StrCat("no crc32c string for tensor '",
+                                        key, "'"));
+  }
+  auto crc = ParseCrcHex(c->get<std::string>());
+  if (!crc.ok()) {
+    return Malformed(path, absl::StrCat("the crc32c of tensor '", key,
+                                        "' is ", crc.status().message()));
+  }
+  entries[end - 1].crc = *crc;
+  return absl::OkStatus();
+}
+
+// Parses and checks a whole header against the registered groups, setting
+// the entries' offsets and checksums. Changes no state.
+absl::StatusOr<std::vector<GroupHeader>> ParseHeader(
+    const std::string& header, const std::vector<Group*>& groups,
+    std::vector<Entry>& entries, uint64_t data_bytes,
+    const std::string& path) {
+  OPTIMD_ASSIGN_OR_RETURN(json h, ParseJson(header, path, "the header"));
+  auto not_ours = [&](const std::string& why) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, " is not an optimd checkpoint (", why, ")"));
+  };
+  if (!h.is_object()) return not_ours("the header is not a JSON object");
+  auto md = h.find("__metadata__");
+  if (md == h.end() || !md->is_object()) return not_ours("no __metadata__");
+  auto text = md->find("optimd");
+  if (text == md->end() || !text->is_string()) {
+    return not_ours("no __metadata__.optimd string");
+  }
+  const std::string& meta_text = text->get_ref<const std::string&>();
+  OPTIMD_ASSIGN_OR_RETURN(json meta, ParseJson(meta_text, path, "metadata"));
+  OPTIMD_ASSIGN_OR_RETURN(Fields m, Fields::Of(meta, "the metadata", path));
+  OPTIMD_ASSIGN_OR_RETURN(uint64_t version, m.Uint("format_version"));
+  if (version > kCheckpointFormatVersion || version == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, " has checkpoint format version ", version,
+        "; this daemon reads versions 1 to ", kCheckpointFormatVersion,
+        " (written by a newer optimd?)"));
+  }
+  // The version first: a newer format may checksum differently.
+  if (auto mc = md->find("optimd_crc32c"); mc != md->end()) {
+    auto want = mc->is_string() ? ParseCrcHex(mc->get<std::string>())
+                                : absl::InvalidArgumentError("not a string");
+    if (!want.ok() ||
+        *want != Crc32cExtend(0, reinterpret_cast<const uint8_t*>(
+                                     meta_text.data()),
+                              meta_text.size())) {
+      return absl::DataLossError(absl::StrCat(
+          "the metadata of ", path, " does not match its crc32c: the "
+          "header is corrupt"));
+    }
+  }
+  OPTIMD_ASSIGN_OR_RETURN(const json* jgroups, m.Array("groups"));
+  if (jgroups->size() != groups.size()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        path, " holds ", jgroups->size(), " groups; the session has ",
+        groups.size(), " registered"));
+  }
+  const bool packed = version == 2;
+  const json* layouts = nullptr;
+  if (packed) {
+    OPTIMD_ASSIGN_OR_RETURN(layouts, m.Array("layouts"));
+  }
+  std::vector<GroupHeader> out;
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    OPTIMD_ASSIGN_OR_RETURN(
+        GroupHeader g,
+        ParseGroup((*jgroups)[gi], *groups[gi], gi, layouts, path));
+    out.push_back(g);
+  }
+  OPTIMD_ASSIGN_OR_RETURN(const json* crcs, m.Get("crc32c"));
+  if (!crcs->is_object()) return m.Bad("crc32c", "not an object");
+  Arrange(entries, packed);
+  for (size_t first = 0; first < entries.size();) {
+    size_t end = first + 1;
+    while (!RunEnds(entries, end - 1)) ++end;
+    OPTIMD_RETURN_IF_ERROR(
+        ParseRun(h, *crcs, entries, first, end, data_bytes, path));
+    first = end;
+  }
+  return out;
+}
 
 absl::Status FsyncDir(const std::string& dir) {
   Fd d(open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
@@ -434,6 +916,52 @@ absl::StatusOr<std::string> ResolveCheckpointDir(
 
 namespace {
 
+// The pid in the name of a temporary file of ours, "<final>.tmp-<pid>-<n>",
+// or -1 when `name` is not one for `final_name`.
+long TemporaryOwner(const std::string& name, const std::string& final_name) {
+  const std::string prefix = final_name + ".tmp-";
+  if (!absl::StartsWith(name, prefix)) return -1;
+  const std::string rest = name.substr(prefix.size());
+  const size_t dash = rest.find('-');
+  if (dash == 0 || dash == std::string::npos || dash > 9 ||
+      dash + 1 == rest.size()) {
+    return -1;
+  }
+  for (size_t i = 0; i < rest.size(); ++i) {
+    if (i != dash && (rest[i] < '0' || rest[i] > '9')) return -1;
+  }
+  return std::stol(rest.substr(0, dash));
+}
+
+}  // namespace
+
+int RemoveStaleTemporaries(const std::string& dir,
+                           const std::string& final_name, time_t before) {
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return 0;
+  int removed = 0;
+  while (const dirent* e = readdir(d)) {
+    const long pid = TemporaryOwner(e->d_name, final_name);
+    if (pid <= 0) continue;
+    // Another live process's save (a pid of ours is never mid-save on
+    // this name: a session saves one file at a time).
+    if (pid != getpid() && (kill(static_cast<pid_t>(pid), 0) == 0 ||
+                            errno == EPERM)) {
+      continue;
+    }
+    struct stat st;
+    if (fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
+        !S_ISREG(st.st_mode) || st.st_mtime >= before) {
+      continue;
+    }
+    if (unlinkat(dirfd(d), e->d_name, 0) == 0) ++removed;
+  }
+  closedir(d);
+  return removed;
+}
+
+namespace {
+
 // Writes `entries` (data in `backend` memory) atomically to `path`.
 absl::StatusOr<CheckpointResult> WriteCheckpoint(
     const std::string& path, const json& meta, std::vector<Entry> entries,
@@ -441,12 +969,16 @@ absl::StatusOr<CheckpointResult> WriteCheckpoint(
     SaveProgress* progress) {
   const double t0 = Seconds();
   const std::string header = HeaderJson(meta, entries);
+  OPTIMD_RETURN_IF_ERROR(CheckHeaderSize(header));
   const uint64_t data_start = 8 + header.size();
   const uint64_t total =
       data_start +
       (entries.empty() ? 0 : entries.back().offset + entries.back().bytes);
   if (progress != nullptr) progress->total_bytes.store(total);
   const std::string dir = path.substr(0, path.rfind('/'));
+  // Temporaries of saves that were killed (a daemon killed mid-write) would
+  // otherwise stay forever.
+  RemoveStaleTemporaries(dir, path.substr(dir.size() + 1), time(nullptr));
   const std::string tmp = absl::StrCat(path, ".tmp-", getpid(), "-",
                                        std::random_device{}());
   Fd fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
@@ -460,7 +992,9 @@ absl::StatusOr<CheckpointResult> WriteCheckpoint(
   };
   Streamer streamer(backend, options.staging_bytes);
   BatchWriter writer(fd.get(), tmp);
-  for (Entry& e : entries) {
+  for (size_t i = 0; i < entries.size(); ++i) {
+    Entry& e = entries[i];
+    e.crc = RunStarts(entries, i) ? 0 : entries[i - 1].crc;
     absl::Status s = streamer.Save(&writer, e, data_start + e.offset, &e.crc);
     if (!s.ok()) return fail(s);
     if (progress != nullptr) progress->bytes_written.fetch_add(e.bytes);
@@ -498,8 +1032,12 @@ absl::StatusOr<CheckpointResult> WriteCheckpoint(
 absl::StatusOr<CheckpointResult> SaveCheckpoint(
     const std::string& path, const std::vector<Group*>& groups,
     Backend* backend, const CheckpointOptions& options) {
-  return WriteCheckpoint(path, MetaJson(groups), Entries(groups), backend,
-                         options, nullptr);
+  std::vector<Entry> entries = Entries(groups);
+  const bool packed =
+      UsePacked(entries, groups, options.packed_above_header_bytes);
+  Arrange(entries, packed);
+  return WriteCheckpoint(path, MetaJson(groups, packed), std::move(entries),
+                         backend, options, nullptr);
 }
 
 struct CheckpointSnapshot::Data {
@@ -512,7 +1050,11 @@ struct CheckpointSnapshot::Data {
 uint64_t CheckpointSnapshot::FileSize() {
   Data& d = *data_;
   if (d.prefix.empty()) {
-    for (Entry& e : d.entries) e.crc = Crc32cExtend(0, e.data, e.bytes);
+    for (size_t i = 0; i < d.entries.size(); ++i) {
+      Entry& e = d.entries[i];
+      e.crc = Crc32cExtend(RunStarts(d.entries, i) ? 0 : d.entries[i - 1].crc,
+                           e.data, e.bytes);
+    }
     const std::string header = HeaderJson(d.meta, d.entries);
     const uint64_t hl = header.size();
     d.prefix.resize(8);
@@ -544,16 +1086,26 @@ void CheckpointSnapshot::ReadFile(uint64_t offset, uint64_t n, uint8_t* out) {
 }
 
 CheckpointSnapshot::CheckpointSnapshot() : data_(new Data()) {}
-CheckpointSnapshot::~CheckpointSnapshot() = default;
+CheckpointSnapshot::~CheckpointSnapshot() {
+  data_.reset();
+  if (on_destroy_) on_destroy_();
+}
 
 uint64_t CheckpointSnapshot::bytes() const { return data_->buffer.size(); }
 
 absl::StatusOr<std::unique_ptr<CheckpointSnapshot>> TakeSnapshot(
-    const std::vector<Group*>& groups, Backend* backend) {
+    const std::vector<Group*>& groups, Backend* backend,
+    const CheckpointOptions& options) {
   auto snap = std::unique_ptr<CheckpointSnapshot>(new CheckpointSnapshot());
   CheckpointSnapshot::Data& d = *snap->data_;
-  d.meta = MetaJson(groups);
   d.entries = Entries(groups);
+  const bool packed =
+      UsePacked(d.entries, groups, options.packed_above_header_bytes);
+  Arrange(d.entries, packed);
+  d.meta = MetaJson(groups, packed);
+  // Checked here, before any copy, so that a stream or a background save
+  // never starts a file that could not be loaded.
+  OPTIMD_RETURN_IF_ERROR(CheckHeaderSize(HeaderJson(d.meta, d.entries)));
   uint64_t total = 0;
   for (const Entry& e : d.entries) total = std::max(total, e.offset + e.bytes);
   OPTIMD_ASSIGN_OR_RETURN(d.buffer,
@@ -585,7 +1137,15 @@ absl::StatusOr<CheckpointResult> LoadCheckpoint(
   // O_NONBLOCK: opening a FIFO placed at the path must not wait for a
   // writer (it would hold the device worker and every session on it); the
   // flag changes nothing for a regular file.
-  Fd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
+  // O_NOFOLLOW under --state_dir: the directory was resolved and confined,
+  // and a symbolic link at the file's name must not lead out of it.
+  const int confined = options.state_dir.empty() ? 0 : O_NOFOLLOW;
+  Fd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | confined));
+  if (fd.get() < 0 && errno == ELOOP && confined != 0) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        path, " is a symbolic link; with the daemon's --state_dir a "
+              "checkpoint must be a regular file within it"));
+  }
   if (fd.get() < 0) {
     return ErrnoStatus(errno, absl::StrCat("cannot open checkpoint ", path));
   }
@@ -605,98 +1165,21 @@ absl::StatusOr<CheckpointResult> LoadCheckpoint(
   OPTIMD_RETURN_IF_ERROR(ReadAll(fd.get(), len, 8, 0, path));
   uint64_t hl = 0;
   for (int i = 0; i < 8; ++i) hl |= uint64_t{len[i]} << (8 * i);
-  if (hl > (uint64_t{100} << 20)) {
+  if (hl > kMaxCheckpointHeaderBytes) {
     return absl::InvalidArgumentError(absl::StrCat(
-        path, " is not a safetensors file (header length ", hl, ")"));
+        path, " is not a safetensors file (its header length field is past "
+              "the 100 MiB limit)"));
   }
   if (8 + hl > size) {
     return absl::DataLossError(absl::StrCat(path, " is truncated (header)"));
   }
   std::string header(hl, '\0');
   OPTIMD_RETURN_IF_ERROR(ReadAll(fd.get(), header.data(), hl, 8, path));
-  json h, meta;
-  try {
-    h = json::parse(header);
-    meta = json::parse(h.at("__metadata__").at("optimd").get<std::string>());
-  } catch (const std::exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        path, " is not an optimd checkpoint (", e.what(), ")"));
-  }
   const uint64_t data_start = 8 + hl;
   std::vector<Entry> entries = Entries(groups);
-  try {
-    const int version = meta.at("format_version").get<int>();
-    if (version > kCheckpointFormatVersion) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          path, " has checkpoint format version ", version,
-          "; this daemon reads up to version ", kCheckpointFormatVersion,
-          " (written by a newer optimd?)"));
-    }
-    const json& jgroups = meta.at("groups");
-    if (jgroups.size() != groups.size()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          path, " holds ", jgroups.size(), " groups; the session has ",
-          groups.size(), " registered"));
-    }
-    for (size_t gi = 0; gi < groups.size(); ++gi) {
-      const Group* g = groups[gi];
-      const json& jg = jgroups[gi];
-      if (jg.at("id").get<std::string>() != g->id) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "group ", gi, " is '", jg.at("id").get<std::string>(), "' in ",
-            path, " but '", g->id, "' in the session"));
-      }
-      const json& jt = jg.at("tensors");
-      if (jt.size() != g->tensors.size()) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "group '", g->id, "' has ", jt.size(), " tensors in ", path,
-            " but ", g->tensors.size(), " registered"));
-      }
-      for (size_t ti = 0; ti < g->tensors.size(); ++ti) {
-        const TensorEntry& t = g->tensors[ti];
-        const json& j = jt[ti];
-        const std::string name = j.at("name").get<std::string>();
-        if (name != t.name || j.at("numel").get<uint64_t>() != t.numel ||
-            j.at("frozen").get<bool>() != t.frozen ||
-            j.at("layout") != LayoutJson(t.layout)) {
-          return absl::FailedPreconditionError(absl::StrCat(
-              "tensor '", t.name, "' (group '", g->id, "') does not match ",
-              path, ": the file has '", name, "' with ",
-              j.at("numel").get<uint64_t>(), " elements, layout ",
-              j.at("layout").dump(), "; registered: ", t.numel,
-              " elements, layout ", LayoutJson(t.layout).dump()));
-        }
-      }
-    }
-    const json& crcs = meta.at("crc32c");
-    for (Entry& e : entries) {
-      if (!h.contains(e.name)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(path, " has no tensor '", e.name, "'"));
-      }
-      const json& je = h.at(e.name);
-      const auto offsets = je.at("data_offsets").get<std::vector<uint64_t>>();
-      const auto shape = je.at("shape").get<std::vector<uint64_t>>();
-      if (je.at("dtype").get<std::string>() != e.dtype || shape.size() != 1 ||
-          shape[0] != e.numel || offsets.size() != 2 ||
-          offsets[1] < offsets[0] || offsets[1] - offsets[0] != e.bytes) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "tensor '", e.name, "' in ", path, " is ", je.dump(),
-            "; expected dtype ", e.dtype, " shape [", e.numel, "]"));
-      }
-      if (data_start + offsets[1] > size) {
-        return absl::DataLossError(absl::StrCat(
-            path, " is truncated: tensor '", e.name, "' ends at byte ",
-            data_start + offsets[1], " of ", size));
-      }
-      e.offset = offsets[0];
-      e.crc = static_cast<uint32_t>(
-          std::stoul(crcs.at(e.name).get<std::string>(), nullptr, 16));
-    }
-  } catch (const std::exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        path, " has a malformed optimd header (", e.what(), ")"));
-  }
+  OPTIMD_ASSIGN_OR_RETURN(
+      std::vector<GroupHeader> headers,
+      ParseHeader(header, groups, entries, size - data_start, path));
   // Everything matches: stream the data in. Pieces of at most half the
   // staging buffer; the next piece is read (on a thread of its own) while
   // the current one is checksummed and, on the CUDA backend, copied to the
@@ -715,8 +1198,11 @@ absl::StatusOr<CheckpointResult> LoadCheckpoint(
     uint64_t done;  // bytes of the entry before this piece
     uint64_t n;
   };
+  // Zero-byte entries get an empty piece: their file tensor's checksum is
+  // checked like any other.
   std::vector<Piece> pieces;
   for (size_t i = 0; i < entries.size(); ++i) {
+    if (entries[i].bytes == 0) pieces.push_back({i, 0, 0});
     for (uint64_t done = 0; done < entries[i].bytes;) {
       const uint64_t n = std::min(entries[i].bytes - done, half);
       pieces.push_back({i, done, n});
@@ -733,55 +1219,53 @@ absl::StatusOr<CheckpointResult> LoadCheckpoint(
     return ReadAll(fd.get(), target(k), p.n,
                    data_start + entries[p.entry].offset + p.done, path);
   };
+  // A thread per read pays off for large pieces only: with many small
+  // tensors (a million of them) thread starts would dominate, so small
+  // pieces are read inline.
+  constexpr uint64_t kAsyncReadBytes = uint64_t{1} << 20;
+  auto start_read = [&](size_t k) {
+    return std::async(pieces[k].n >= kAsyncReadBytes ? std::launch::async
+                                                     : std::launch::deferred,
+                      read_piece, k);
+  };
   *partially_written = !pieces.empty();
   std::future<absl::Status> next;
-  if (!pieces.empty()) next = std::async(std::launch::async, read_piece, 0);
+  if (!pieces.empty()) next = start_read(0);
   uint32_t crc = 0;
   for (size_t k = 0; k < pieces.size(); ++k) {
     OPTIMD_RETURN_IF_ERROR(next.get());
-    if (k + 1 < pieces.size()) {
-      next = std::async(std::launch::async, read_piece, k + 1);
-    }
+    if (k + 1 < pieces.size()) next = start_read(k + 1);
     const Piece& p = pieces[k];
     const Entry& e = entries[p.entry];
-    if (p.done == 0) crc = 0;
+    if (p.done == 0 && RunStarts(entries, p.entry)) crc = 0;
     absl::Status guarded = GuardMemoryFaults(
         [&] { crc = Crc32cExtend(crc, target(k), p.n); }, "checkpoint load");
     if (!guarded.ok()) {
       if (next.valid()) next.wait();
       return guarded;
     }
-    if (!direct) {
+    if (!direct && p.n > 0) {
       absl::Status s = backend->CopyFromHost(target(k), e.data + p.done, p.n);
       if (!s.ok()) {
         if (next.valid()) next.wait();
         return s;
       }
     }
-    if (p.done + p.n == e.bytes && crc != e.crc) {
+    if (p.done + p.n == e.bytes && RunEnds(entries, p.entry) &&
+        crc != e.crc) {
       if (next.valid()) next.wait();
       return absl::DataLossError(absl::StrCat(
-          "checksum mismatch in tensor '", e.name, "' of ", path,
+          "checksum mismatch in tensor '", e.key, "' of ", path,
           ": the file is corrupt. The session's state is now partly "
           "loaded; steps are refused until a load succeeds"));
     }
   }
-  // Zero-byte tensors: nothing to read, but their checksum must match too.
-  for (const Entry& e : entries) {
-    if (e.bytes == 0 && e.crc != 0) {
-      return absl::DataLossError(absl::StrCat(
-          "checksum mismatch in empty tensor '", e.name, "' of ", path));
-    }
-  }
   const uint64_t peak_staging = staging.size();
-  // Step counters and hyperparameters.
-  const json& jgroups = meta.at("groups");
+  // Step counters and learning rates (the registered hyperparameters
+  // otherwise stay as they are).
   for (size_t gi = 0; gi < groups.size(); ++gi) {
-    const json& jh = jgroups[gi].at("hyperparameters");
-    AdamWHyper& hp = groups[gi]->hyper;
-    hp.lr = jh.at("lr").get<double>();
-    OPTIMD_RETURN_IF_ERROR(backend->SetGroupStep(
-        *groups[gi], jgroups[gi].at("step").get<uint64_t>()));
+    groups[gi]->hyper.lr = headers[gi].hyper.lr;
+    OPTIMD_RETURN_IF_ERROR(backend->SetGroupStep(*groups[gi], headers[gi].step));
   }
   *partially_written = false;
   CheckpointResult r;

@@ -10,6 +10,12 @@
 // counter, hyperparameters and tensors (name, numel, layout, frozen), and a
 // crc32c of every tensor's bytes.
 //
+// That is format version 1. A session whose version 1 header could come
+// near the 100 MiB header limit (about 110,000 tensors) is saved packed,
+// version 2: one safetensors tensor per group, kind and dtype
+// ("g<group>.<kind>.<dtype>"), the pieces concatenated in tensor order, and
+// per tensor [name, numel, layout index, flags] with a table of layouts.
+//
 // Saving writes a temporary file in the target directory, fsyncs it, renames
 // it over the final name and fsyncs the directory: a crash or a full disk
 // leaves the previous checkpoint intact. Loading checks every name, shape,
@@ -20,6 +26,8 @@
 
 #include <atomic>
 #include <cstdint>
+#include <ctime>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -30,7 +38,12 @@
 
 namespace optimd {
 
-inline constexpr int kCheckpointFormatVersion = 1;
+// The newest format read: 1 (one safetensors tensor per piece of state,
+// "<name>.exp_avg") and 2 (packed: one per kind and dtype of a group, for
+// sessions whose per-tensor header would not fit).
+inline constexpr int kCheckpointFormatVersion = 2;
+// The largest header read or written: the `safetensors` library's limit.
+inline constexpr uint64_t kMaxCheckpointHeaderBytes = uint64_t{100} << 20;
 
 struct CheckpointOptions {
   // When not empty, checkpoints may only be written to or read from this
@@ -38,6 +51,9 @@ struct CheckpointOptions {
   std::string state_dir;
   // Staging buffer for backends whose memory the host cannot address.
   uint64_t staging_bytes = uint64_t{64} << 20;
+  // Sessions whose per-tensor (version 1) header could take more than this
+  // many bytes (an estimate that errs high) are saved packed (version 2).
+  uint64_t packed_above_header_bytes = kMaxCheckpointHeaderBytes / 2;
 };
 
 struct CheckpointResult {
@@ -54,6 +70,14 @@ std::string CheckpointFileName(const std::string& job_id, uint32_t rank);
 // returns its canonical path.
 absl::StatusOr<std::string> ResolveCheckpointDir(
     const std::string& directory, const CheckpointOptions& options);
+
+// Removes temporary files that saves to `dir`/`final_name` left behind
+// ("<final_name>.tmp-<pid>-<n>", regular files only) when their process is
+// gone (or is this one) and they were last written before `before`.
+// Files of any other name are never touched. Returns how many it removed.
+// SaveCheckpoint and WriteSnapshot call it before each write.
+int RemoveStaleTemporaries(const std::string& dir,
+                           const std::string& final_name, time_t before);
 
 // Writes the groups' state. The caller holds the session's lock, so the
 // state is consistent at a step boundary.
@@ -76,6 +100,9 @@ class CheckpointSnapshot {
   CheckpointSnapshot& operator=(const CheckpointSnapshot&) = delete;
   // Host memory the snapshot holds.
   uint64_t bytes() const;
+  // Runs `fn` when the snapshot is destroyed, after its memory is freed
+  // (it returns the memory's reservation; see Session::ReserveSnapshot).
+  void OnDestroy(std::function<void()> fn) { on_destroy_ = std::move(fn); }
 
   // The snapshot as the bytes of a checkpoint file (the same bytes SaveState
   // would write), for streaming. Computes the checksums on first use.
@@ -85,18 +112,20 @@ class CheckpointSnapshot {
 
  private:
   friend absl::StatusOr<std::unique_ptr<CheckpointSnapshot>> TakeSnapshot(
-      const std::vector<Group*>&, Backend*);
+      const std::vector<Group*>&, Backend*, const CheckpointOptions&);
   friend absl::StatusOr<CheckpointResult> WriteSnapshot(
       const std::string&, const CheckpointSnapshot&, const CheckpointOptions&,
       SaveProgress*);
   struct Data;
   CheckpointSnapshot();
   std::unique_ptr<Data> data_;
+  std::function<void()> on_destroy_;
 };
 
 // Copies the groups' state into host memory (pinned on the CUDA backend).
 absl::StatusOr<std::unique_ptr<CheckpointSnapshot>> TakeSnapshot(
-    const std::vector<Group*>& groups, Backend* backend);
+    const std::vector<Group*>& groups, Backend* backend,
+    const CheckpointOptions& options);
 
 // Writes a snapshot to `path` atomically; thread-compatible, touches no
 // session state.

@@ -6,14 +6,45 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
-#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
 #include "core/buffer.h"
 #include "core/layout.h"
 #include "kernels/adamw_cpu.h"
 
 namespace optimd {
+
+// Limits on what a client may register, so that no request, reply or
+// checkpoint header grows without bound (gRPC refuses, and aborts on,
+// messages of 2 GiB and more; the safetensors header limit is 100 MiB).
+// Group ids and tensor names: at most this many bytes.
+inline constexpr size_t kMaxNameBytes = 1024;
+// Tensors in one group, and in one session over all its groups.
+inline constexpr size_t kMaxTensorsPerSession = size_t{1} << 20;
+// Groups in one session.
+inline constexpr size_t kMaxGroupsPerSession = 4096;
+// Largest step counter accepted from a client or a checkpoint: exact as a
+// double (bias corrections take t as a double) and far from wrapping.
+inline constexpr uint64_t kMaxStepCounter = uint64_t{1} << 53;
+
+// Largest optimizer state, and largest total of trainer parameters, one
+// session may register (64 PiB each): far beyond any machine, and small
+// enough that no size computed from them (checkpoint offsets, replies)
+// can wrap around 64 bits.
+inline constexpr uint64_t kMaxSessionBytes = uint64_t{1} << 56;
+
+// Adds `n` to *sum; false (and *sum unspecified) when the result does not
+// fit in 64 bits.
+inline bool AddChecked(uint64_t* sum, uint64_t n) {
+  return !__builtin_add_overflow(*sum, n, sum);
+}
+
+// Checks hyperparameters: lr, eps and weight_decay finite and >= 0, betas
+// in [0, 1). INVALID_ARGUMENT naming `where` and the value otherwise.
+absl::Status CheckHyperparameters(const AdamWHyper& h,
+                                  const std::string& where);
 
 // A tensor as a client describes it, before validation.
 struct TensorSpec {
@@ -116,6 +147,9 @@ struct PlanTask {
 // only; zero-element and frozen tensors never enter a plan.
 struct Plan {
   std::vector<uint32_t> tensor_index;  // entry -> index into Group::tensors
+  // Index into Group::tensors -> its entry, or kNoEntry (not steppable).
+  static constexpr uint32_t kNoEntry = ~uint32_t{0};
+  std::vector<uint32_t> entry_of_tensor;
   std::vector<TensorPointers> entries;
   std::vector<Layout> layouts;
   std::vector<PlanItem> items;
@@ -131,8 +165,6 @@ struct Group {
   // Applied steps; the next step runs with t = step + 1.
   uint64_t step = 0;
   std::vector<TensorEntry> tensors;
-  // Tensor name -> index into `tensors`; set with `tensors` at registration.
-  absl::flat_hash_map<std::string, uint32_t> index_by_name;
   Plan plan;
   // The group's state memory: one arena per kind of state (master, exp_avg,
   // exp_avg_sq, max_exp_avg_sq), each tensor's slice 64-byte aligned. One
@@ -148,6 +180,22 @@ struct Group {
     for (const auto& t : tensors) n += t.StateBytes();
     return n;
   }
+
+  // The index of the tensor named `name` in `tensors`, or tensors.size().
+  // Constant time (UpdateBuffers and SetState name many tensors at once).
+  size_t FindTensor(const std::string& name) const {
+    auto it = index_by_name.find(name);
+    return it == index_by_name.end() ? tensors.size() : it->second;
+  }
+  // Builds the name index; called once `tensors` is final.
+  void IndexTensors() {
+    index_by_name.clear();
+    index_by_name.reserve(tensors.size());
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      index_by_name.emplace(tensors[i].name, i);
+    }
+  }
+  std::unordered_map<std::string, size_t> index_by_name;
 };
 
 // Builds `group.plan` from its tensors, splitting each steppable tensor into

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <limits>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
 
@@ -17,19 +18,79 @@ namespace {
 constexpr uint64_t kMaxNumel = uint64_t{1} << 48;
 
 absl::Status CheckHyper(const GroupSpec& spec) {
-  const AdamWHyper& h = spec.hyper;
-  auto bad = [&](absl::string_view what, double v) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("group '", spec.id, "': invalid ", what, ": ", v));
-  };
-  if (!std::isfinite(h.lr) || h.lr < 0) return bad("learning rate", h.lr);
-  if (!(h.beta1 >= 0 && h.beta1 < 1)) return bad("beta1 (need 0 <= beta1 < 1)", h.beta1);
-  if (!(h.beta2 >= 0 && h.beta2 < 1)) return bad("beta2 (need 0 <= beta2 < 1)", h.beta2);
-  if (!std::isfinite(h.eps) || h.eps < 0) return bad("eps", h.eps);
-  if (!std::isfinite(h.weight_decay) || h.weight_decay < 0) {
-    return bad("weight_decay", h.weight_decay);
+  return CheckHyperparameters(spec.hyper,
+                              absl::StrCat("group '", spec.id, "'"));
+}
+
+// Bounds on a group's id and on how many groups and tensors a session
+// holds, so that replies listing them stay far below gRPC's limits.
+absl::Status CheckCounts(const GroupSpec& spec, size_t groups,
+                         size_t tensors) {
+  if (spec.id.size() > kMaxNameBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "group_id is ", spec.id.size(), " bytes (starting '",
+        spec.id.substr(0, 64), "'); at most ", kMaxNameBytes,
+        " are allowed"));
+  }
+  if (groups >= kMaxGroupsPerSession) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the session already has ", groups, " groups, the limit"));
+  }
+  if (spec.tensors.size() > kMaxTensorsPerSession - tensors) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "group '", spec.id, "' has ", spec.tensors.size(),
+        " tensors; with the ", tensors, " registered that is more than ",
+        kMaxTensorsPerSession, " in one session"));
   }
   return absl::OkStatus();
+}
+
+// Checkpoint keys are a tensor's name and its name plus one of these
+// suffixes (core/checkpoint.h); "__metadata__" is the safetensors header's.
+constexpr const char* kStateKeySuffixes[] = {
+    ".master", ".remainder", ".exp_avg", ".exp_avg_sq", ".max_exp_avg_sq"};
+
+// Refuses names whose checkpoint keys would collide with another tensor's
+// (`w` and `w.exp_avg`: one's moment would load as the other's parameter).
+absl::Status CheckCheckpointKeys(const std::set<std::string>& fresh,
+                                 const std::set<std::string>& registered) {
+  auto collision = [](const std::string& base, const char* suffix) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor names '", base, "' and '", base, suffix,
+        "' collide in checkpoints, where the state of '", base,
+        "' is saved as '", base, suffix, "'; rename one of them"));
+  };
+  if (fresh.count("__metadata__") > 0) {
+    return absl::InvalidArgumentError(
+        "the tensor name '__metadata__' is reserved by the checkpoint "
+        "format (safetensors); rename the tensor");
+  }
+  // A new name that ends in a suffix, whose stem is any tensor's name
+  // (suffix checks are cheap; lookups only for the rare suffixed names).
+  for (const std::string& n : fresh) {
+    for (const char* suffix : kStateKeySuffixes) {
+      if (!absl::EndsWith(n, suffix)) continue;
+      const std::string stem = n.substr(0, n.size() - strlen(suffix));
+      if (fresh.count(stem) > 0 || registered.count(stem) > 0) {
+        return collision(stem, suffix);
+      }
+    }
+  }
+  // A registered name that is a new name plus a suffix.
+  if (registered.empty()) return absl::OkStatus();
+  for (const std::string& n : fresh) {
+    for (const char* suffix : kStateKeySuffixes) {
+      if (registered.count(n + suffix) > 0) return collision(n, suffix);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status TooLarge(const std::string& group) {
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "group '", group, "' would bring the session's optimizer state or "
+      "parameters past ", kMaxSessionBytes, " bytes, more than any machine "
+      "holds; check the tensors' element counts"));
 }
 
 absl::Status CheckRegion(const std::string& tensor, const char* which,
@@ -98,11 +159,30 @@ Group* Session::FindGroup(const std::string& id) {
   return nullptr;
 }
 
+const Group* Session::FindGroup(const std::string& id) const {
+  for (const auto& g : groups_) {
+    if (g->id == id) return g.get();
+  }
+  return nullptr;
+}
+
+void Session::ResolveKeptLr(StepRequestSpec* request) const {
+  absl::MutexLock lock(&mu_);
+  for (HyperOverride& o : request->overrides) {
+    if (!o.keep_lr) continue;
+    if (const Group* g = FindGroup(o.group_id); g != nullptr) {
+      o.lr = g->hyper.lr;
+    }
+  }
+}
+
 absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
     const GroupSpec& spec, uint64_t* state_bytes) {
   if (spec.id.empty()) {
     return absl::InvalidArgumentError("group_id must not be empty");
   }
+  OPTIMD_RETURN_IF_ERROR(
+      CheckCounts(spec, groups_.size(), tensor_names_.size()));
   if (FindGroup(spec.id) != nullptr) {
     return absl::AlreadyExistsError(absl::StrCat(
         "group '", spec.id, "' is already registered in this session"));
@@ -116,12 +196,18 @@ absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
 
   // Pass 1: everything that needs no memory.
   std::set<std::string> names;
-  uint64_t bytes = 0;
+  uint64_t bytes = 0, param_bytes = 0;
   std::vector<Layout> layouts;
   for (const TensorSpec& t : spec.tensors) {
     if (t.name.empty()) {
       return absl::InvalidArgumentError(
           absl::StrCat("group '", spec.id, "': a tensor has an empty name"));
+    }
+    if (t.name.size() > kMaxNameBytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "group '", spec.id, "': a tensor name of ", t.name.size(),
+          " bytes (starting '", t.name.substr(0, 64), "') is longer than ",
+          kMaxNameBytes, " bytes"));
     }
     if (!names.insert(t.name).second || tensor_names_.count(t.name) > 0) {
       return absl::AlreadyExistsError(absl::StrCat(
@@ -155,14 +241,28 @@ absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
             "tensor '", t.name, "': grad_absent with a grad buffer; leave "
             "grad unset"));
       }
-      bytes += t.numel * (t.frozen ? layout.MasterBytesPerElement()
-                                   : layout.StateBytesPerElement());
+      // numel <= kMaxNumel keeps each product far from overflow; the sums
+      // over up to kMaxTensorsPerSession tensors are checked.
+      if (!AddChecked(&bytes, t.numel * (t.frozen
+                                             ? layout.MasterBytesPerElement()
+                                             : layout.StateBytesPerElement())) ||
+          !AddChecked(&param_bytes, t.numel * DTypeSize(t.param_dtype))) {
+        return TooLarge(spec.id);
+      }
     } else if (t.param.size != 0 || t.grad.size != 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           "tensor '", t.name, "' has numel 0 but a non-empty buffer"));
     }
     layouts.push_back(layout);
   }
+  OPTIMD_RETURN_IF_ERROR(CheckCheckpointKeys(names, tensor_names_));
+  if (!AddChecked(&bytes, state_bytes_) || bytes > kMaxSessionBytes ||
+      !AddChecked(&param_bytes, param_bytes_) ||
+      param_bytes > kMaxSessionBytes) {
+    return TooLarge(spec.id);
+  }
+  bytes -= state_bytes_;
+  param_bytes -= param_bytes_;
 
   // Pass 2: map buffers (cached per segment or allocation).
   for (size_t i = 0; i < spec.tensors.size(); ++i) {
@@ -182,8 +282,6 @@ absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
                                                       t.numel, t.grad_dtype));
       }
     }
-    group->index_by_name.emplace(e.name,
-                                 static_cast<uint32_t>(group->tensors.size()));
     group->tensors.push_back(std::move(e));
   }
 
@@ -209,6 +307,7 @@ absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
   for (size_t i = 0; i < group->tensors.size(); ++i) {
     for (int k = 0; k < kKinds; ++k) {
       offsets[i][k] = arena_bytes[k];
+      // Bounded by the checked total above plus 64 bytes per tensor.
       arena_bytes[k] +=
           round_up(group->tensors[i].numel * per_element(group->tensors[i], k));
     }
@@ -232,6 +331,7 @@ absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
       }
     }
   }
+  group->IndexTensors();
   absl::Status s = backend_->PrepareGroup(*group);
   if (!s.ok()) {
     release();
@@ -249,7 +349,10 @@ absl::StatusOr<RegisterResult> Session::RegisterGroup(const GroupSpec& spec) {
   RegisterResult result;
   result.state_bytes = bytes;
   result.plan_items = group->plan.items.size();
-  for (const TensorEntry& t : group->tensors) tensor_names_.insert(t.name);
+  for (const TensorEntry& t : group->tensors) {
+    tensor_names_.insert(t.name);
+    param_bytes_ += t.numel * DTypeSize(t.layout.param_dtype);
+  }
   state_bytes_ += bytes;
   groups_.push_back(std::move(group));
   RefreshMappings();
@@ -262,7 +365,10 @@ absl::Status Session::UnregisterGroup(const std::string& id) {
   for (auto it = groups_.begin(); it != groups_.end(); ++it) {
     if ((*it)->id != id) continue;
     const uint64_t bytes = (*it)->StateBytes();
-    for (const TensorEntry& t : (*it)->tensors) tensor_names_.erase(t.name);
+    for (const TensorEntry& t : (*it)->tensors) {
+      tensor_names_.erase(t.name);
+      param_bytes_ -= t.numel * DTypeSize(t.layout.param_dtype);
+    }
     groups_.erase(it);
     state_bytes_ -= bytes;
     budget_->Release(bytes);
@@ -306,12 +412,8 @@ absl::Status Session::UpdateBuffersLocked(
     } else if (r.absent) {
       e.grad_absent = true;
     }
-    // plan.tensor_index is ascending: the entry (if any) by binary search.
-    const auto& index = group->plan.tensor_index;
-    const auto it = std::lower_bound(index.begin(), index.end(), r.tensor);
-    if (it != index.end() && *it == r.tensor) {
-      entries.push_back(static_cast<uint32_t>(it - index.begin()));
-    }
+    const uint32_t k = group->plan.entry_of_tensor[r.tensor];
+    if (k != Plan::kNoEntry) entries.push_back(k);
   }
   // Mappings a step checks change only when a buffer moved to another
   // segment or allocation: the steady state of a moving gradient skips it.
@@ -337,12 +439,12 @@ absl::StatusOr<std::vector<Session::ResolvedUpdate>> Session::ResolveUpdates(
   resolved.reserve(updates.size());
   std::vector<bool> seen(group.tensors.size(), false);
   for (const BufferUpdate& u : updates) {
-    const auto found = group.index_by_name.find(u.tensor);
-    if (found == group.index_by_name.end()) {
+    const size_t found = group.FindTensor(u.tensor);
+    if (found == group.tensors.size()) {
       return absl::NotFoundError(absl::StrCat(
           "tensor '", u.tensor, "' is not in group '", group.id, "'"));
     }
-    const uint32_t idx = found->second;
+    const uint32_t idx = static_cast<uint32_t>(found);
     if (seen[idx]) {
       return absl::InvalidArgumentError(
           absl::StrCat("tensor '", u.tensor, "' is updated twice"));
@@ -396,7 +498,9 @@ absl::StatusOr<StepResult> Session::Step(const StepRequestSpec& request) {
   StepOptions options = request.options;
   absl::Status bound = BindStepFlags(request, &options);
   absl::StatusOr<StepResult> result =
-      bound.ok() ? StepLocked(request, options) : bound;
+      !bound.ok()             ? bound
+      : !request.refused.ok() ? request.refused
+                              : StepLocked(request, options);
   if (options.step_flags != nullptr) {
     if (!result.ok()) {
       // The trainer's stream waits for this step's done flag: release it
@@ -607,14 +711,17 @@ absl::StatusOr<std::vector<GroupState>> Session::ReadState(
   uint64_t bytes = 0;
   for (const Group* g : targets) {
     for (const TensorEntry& t : g->tensors) {
-      if (selected(t)) bytes += t.numel * 4 + t.StateBytes();
+      // Data, plus each of its up to four blobs' name and framing.
+      if (selected(t)) {
+        bytes += t.numel * 4 + t.StateBytes() + 4 * (t.name.size() + 64);
+      }
     }
   }
   if (bytes > max_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "the requested state is ", bytes, " bytes, more than ", max_bytes,
-        " fit in one reply; ask for fewer tensors (tensor_names) or use "
-        "SaveState"));
+        " fit in one reply (counting names); ask for fewer tensors "
+        "(tensor_names) or use SaveState"));
   }
   std::vector<GroupState> out;
   for (Group* g : targets) {
@@ -686,15 +793,18 @@ absl::Status Session::WriteState(
     return absl::NotFoundError(absl::StrCat(
         "group '", group_id, "' is not registered in this session"));
   }
+  if (step > kMaxStepCounter) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "step ", step, " is past the largest step counter ", kMaxStepCounter));
+  }
   // Check everything first.
   OPTIMD_ASSIGN_OR_RETURN(std::vector<uint64_t> missed,
                           MissedSteps(*g, step, tensor_steps));
   std::vector<std::pair<const StateBlob*, TensorEntry*>> work;
   std::set<std::pair<std::string, std::string>> seen;
   for (const StateBlob& b : blobs) {
-    const auto found = g->index_by_name.find(b.tensor);
-    TensorEntry* t =
-        found == g->index_by_name.end() ? nullptr : &g->tensors[found->second];
+    const size_t index = g->FindTensor(b.tensor);
+    TensorEntry* t = index < g->tensors.size() ? &g->tensors[index] : nullptr;
     if (t == nullptr) {
       return absl::NotFoundError(absl::StrCat(
           "tensor '", b.tensor, "' is not in group '", group_id, "'"));
@@ -778,22 +888,22 @@ absl::StatusOr<std::vector<uint64_t>> Session::MissedSteps(
   std::vector<uint64_t> missed(g.tensors.size(), 0);
   std::vector<bool> seen(g.tensors.size(), false);
   for (const auto& [name, own] : tensor_steps) {
-    const auto found = g.index_by_name.find(name);
-    if (found == g.index_by_name.end()) {
+    const size_t found = g.FindTensor(name);
+    if (found == g.tensors.size()) {
       return absl::NotFoundError(absl::StrCat(
           "tensor_steps: tensor '", name, "' is not in group '", g.id, "'"));
     }
-    if (seen[found->second]) {
+    if (seen[found]) {
       return absl::InvalidArgumentError(
           absl::StrCat("tensor_steps: tensor '", name, "' is given twice"));
     }
-    seen[found->second] = true;
+    seen[found] = true;
     if (own > step) {
       return absl::InvalidArgumentError(absl::StrCat(
           "tensor_steps: tensor '", name, "' has step ", own,
           ", more than its group's step ", step));
     }
-    missed[found->second] = step - own;
+    missed[found] = step - own;
   }
   return missed;
 }
@@ -829,7 +939,7 @@ absl::StatusOr<CheckpointResult> Session::SaveState(
   }
   const auto t0 = std::chrono::steady_clock::now();
   OPTIMD_ASSIGN_OR_RETURN(std::shared_ptr<CheckpointSnapshot> snapshot,
-                          TakeSnapshot(step_groups_, backend_));
+                          ReservedSnapshot(options));
   auto save = std::make_unique<BackgroundSave>();
   save->path = path;
   BackgroundSave* raw = save.get();
@@ -880,7 +990,34 @@ absl::StatusOr<std::unique_ptr<CheckpointSnapshot>> Session::Snapshot() {
   }
   OPTIMD_RETURN_IF_ERROR(backend_->CheckMappings(mappings_));
   OPTIMD_RETURN_IF_ERROR(backend_->SyncGroupCounters(step_groups_));
-  return TakeSnapshot(step_groups_, backend_);
+  return ReservedSnapshot(CheckpointOptions());
+}
+
+absl::StatusOr<std::unique_ptr<CheckpointSnapshot>>
+Session::ReservedSnapshot(const CheckpointOptions& options) {
+  if (live_snapshots_->load() >= kMaxLiveSnapshots) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        kMaxLiveSnapshots, " snapshots of this session's state are still "
+        "held (SaveStateStream streams not read to the end, or a background "
+        "save writing); finish or cancel them first"));
+  }
+  // A snapshot holds the parameters and the state, in host memory.
+  const uint64_t bytes = param_bytes_ + state_bytes_;
+  OPTIMD_RETURN_IF_ERROR(budget_->Reserve(
+      bytes, "a snapshot of the session's state (SaveStateStream or a "
+             "background save)"));
+  live_snapshots_->fetch_add(1);
+  auto release = [budget = budget_, bytes, live = live_snapshots_] {
+    budget->Release(bytes);
+    live->fetch_sub(1);
+  };
+  auto snapshot = TakeSnapshot(step_groups_, backend_, options);
+  if (!snapshot.ok()) {
+    release();
+    return snapshot.status();
+  }
+  (*snapshot)->OnDestroy(std::move(release));
+  return snapshot;
 }
 
 absl::StatusOr<CheckpointResult> Session::LoadState(

@@ -44,6 +44,9 @@ struct RegisterResult {
 struct HyperOverride {
   std::string group_id;
   double lr = 0;
+  // The override leaves the learning rate as it is: Session::ResolveKeptLr
+  // sets `lr` to the group's current one before the step.
+  bool keep_lr = false;
   std::optional<double> beta1, beta2, eps, weight_decay;
 };
 
@@ -68,6 +71,10 @@ struct StepRequestSpec {
   // number (0: no step flags).
   BufferHandle step_flags;
   uint64_t sequence = 0;
+  // Why the step was refused before it reached the session (request
+  // validation); the session refuses it with this, after releasing its
+  // step flags.
+  absl::Status refused;
 };
 
 struct StepResult {
@@ -106,6 +113,11 @@ struct SessionInfo {
   uint64_t skipped_steps = 0;
 };
 
+// Snapshots of one session alive at once (streams still being read and a
+// background save): each holds a host copy of the session's parameters
+// and state.
+inline constexpr int kMaxLiveSnapshots = 2;
+
 class Session {
  public:
   // `context` is the backend's side of the session (Backend::OpenSession).
@@ -136,6 +148,11 @@ class Session {
   // failed or refused step still releases the trainer's stream.
   absl::StatusOr<StepResult> Step(const StepRequestSpec& request)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Sets `lr` of the overrides marked keep_lr to their group's current
+  // learning rate (overrides of unknown groups are left for Step to
+  // refuse). Call it on the thread that runs the session's steps, just
+  // before Step.
+  void ResolveKeptLr(StepRequestSpec* request) const ABSL_LOCKS_EXCLUDED(mu_);
   // Writes master weights into the trainer's buffers; returns the number of
   // tensors written. Empty `group_ids` means all.
   absl::StatusOr<uint64_t> GetParams(const std::vector<std::string>& group_ids)
@@ -209,6 +226,8 @@ class Session {
                                                     uint64_t* state_bytes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Group* FindGroup(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  const Group* FindGroup(const std::string& id) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Checks a trainer buffer's size against numel x dtype, then maps it.
   absl::StatusOr<BufferRef> ResolveRegion(const std::string& tensor,
                                           const char* which,
@@ -250,6 +269,11 @@ class Session {
   // Checks and maps every update of `group`; changes nothing.
   absl::StatusOr<std::vector<ResolvedUpdate>> ResolveUpdates(
       const Group& group, const std::vector<BufferUpdate>& updates);
+  // A snapshot of the session's state (a stream or a background save),
+  // its memory reserved against the daemon's state budget and the
+  // session's limit of kMaxLiveSnapshots; destroying it gives both back.
+  absl::StatusOr<std::unique_ptr<CheckpointSnapshot>> ReservedSnapshot(
+      const CheckpointOptions& options) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Publishes the admin view (Info) after a change.
   void PublishInfo() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -276,8 +300,15 @@ class Session {
   // Reused by Step so that a step allocates nothing.
   std::vector<Group*> step_groups_ ABSL_GUARDED_BY(mu_);
   uint64_t state_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  // Bytes of the trainers' parameters registered (at most kMaxSessionBytes).
+  uint64_t param_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t steps_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t skipped_steps_ ABSL_GUARDED_BY(mu_) = 0;
+  // Snapshots of this session still alive (streams not yet read to the
+  // end, background saves writing). Shared with the snapshots' release
+  // functions, which may outlive the session.
+  const std::shared_ptr<std::atomic<int>> live_snapshots_ =
+      std::make_shared<std::atomic<int>>(0);
   // Set when a load failed after changing state; cleared by a good load.
   bool needs_load_ ABSL_GUARDED_BY(mu_) = false;
   // The trainer's step flags (StepRequest.step_flags), and the sequence of

@@ -26,6 +26,11 @@ absl::StatusOr<SessionRegistry::Created> SessionRegistry::Create(
   if (identity.job_id.empty()) {
     return absl::InvalidArgumentError("job_id must not be empty");
   }
+  if (identity.job_id.size() > kMaxNameBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "job_id is ", identity.job_id.size(), " bytes; at most ",
+        kMaxNameBytes, " are allowed"));
+  }
   if (identity.world_size == 0 || identity.rank >= identity.world_size) {
     return absl::InvalidArgumentError(absl::StrCat("rank ", identity.rank,
                                                    " is not below world_size ",
@@ -54,6 +59,11 @@ absl::StatusOr<SessionRegistry::Created> SessionRegistry::Create(
     created.resumed = true;
     by_token_.erase(old);
   } else {
+    if (by_token_.size() >= kMaxSessions) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the daemon already holds ", by_token_.size(),
+          " sessions, its limit; close sessions that are no longer used"));
+    }
     std::string done_event;
     auto context =
         (*backend)->OpenSession(identity.device, ready_event, &done_event);

@@ -18,6 +18,10 @@
 
 namespace optimd {
 
+// Open sessions the daemon holds at most (each costs a little memory and
+// a line in every ListSessions and GetMetrics reply).
+inline constexpr size_t kMaxSessions = 4096;
+
 class SessionRegistry {
  public:
   struct Created {

@@ -11,6 +11,12 @@
 #include "absl/strings/str_cat.h"
 
 namespace optimd {
+namespace {
+
+// Where glibc's shm_open keeps segments.
+constexpr char kShmDirectory[] = "/dev/shm";
+
+}  // namespace
 
 absl::Status ValidateSegmentName(const std::string& name) {
   if (name.size() < 2 || name.size() > 251 || name[0] != '/') {
@@ -65,8 +71,16 @@ absl::StatusOr<std::shared_ptr<SharedMemorySegment>> SharedMemorySegment::Open(
     return absl::InvalidArgumentError(absl::StrCat(
         "cannot map shared-memory segment '", name, "': ", std::strerror(err)));
   }
-  return std::shared_ptr<SharedMemorySegment>(
-      new SharedMemorySegment(name, fd, static_cast<uint8_t*>(p), size));
+  return std::shared_ptr<SharedMemorySegment>(new SharedMemorySegment(
+      name, fd, static_cast<uint8_t*>(p), size, st.st_dev, st.st_ino));
+}
+
+bool SharedMemorySegment::StillNamed() const {
+  // glibc's shm_open opens "/dev/shm" + name; the name is validated to hold
+  // no further '/'.
+  struct stat st;
+  return stat(absl::StrCat(kShmDirectory, name_).c_str(), &st) == 0 &&
+         st.st_dev == dev_ && st.st_ino == ino_;
 }
 
 SharedMemorySegment::~SharedMemorySegment() {
@@ -80,6 +94,14 @@ absl::Status SharedMemorySegment::CheckStillMapped() const {
     return absl::FailedPreconditionError(absl::StrCat(
         "shared-memory segment '", name_, "' shrank below its registered size ",
         size_, " bytes; re-register the buffers that live in it"));
+  }
+  struct stat named;
+  if (stat(absl::StrCat(kShmDirectory, name_).c_str(), &named) == 0 &&
+      (named.st_dev != dev_ || named.st_ino != ino_)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "shared-memory segment '", name_, "' was recreated after its "
+        "buffers were registered; the daemon still holds the old segment. "
+        "Point the tensors at the new one (UpdateBuffers) or re-register"));
   }
   return absl::OkStatus();
 }
@@ -97,6 +119,9 @@ absl::StatusOr<BufferRef> SegmentCache::Resolve(const BufferHandle& handle,
     absl::MutexLock lock(&mu_);
     auto it = segments_.find(handle.segment_name);
     if (it != segments_.end()) segment = it->second.lock();
+    // A name unlinked or recreated since it was cached: open what it names
+    // now (tensors registered earlier keep their own mapping).
+    if (segment != nullptr && !segment->StillNamed()) segment = nullptr;
     if (segment == nullptr) {
       auto opened = SharedMemorySegment::Open(handle.segment_name);
       if (!opened.ok()) {

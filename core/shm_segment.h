@@ -1,8 +1,12 @@
 // POSIX shared-memory segments as the CPU backend sees trainer buffers.
-// A segment is opened and mapped once per name and shared by every tensor
-// that lives in it; the mapping is released when the last user lets go.
+// A segment is opened and mapped once and shared by every tensor that lives
+// in it; the mapping is released when the last user lets go. Mappings are
+// identified by the object (device and inode), not the name: a trainer that
+// recreates its segment under the same name gets the new one.
 #ifndef OPTIMD_CORE_SHM_SEGMENT_H_
 #define OPTIMD_CORE_SHM_SEGMENT_H_
+
+#include <sys/types.h>
 
 #include <cstdint>
 #include <map>
@@ -33,20 +37,35 @@ class SharedMemorySegment {
   uint64_t size() const { return size_; }
 
   // Checks that the segment has not been shrunk under the mapping since it
-  // was opened (touching pages past the end of a shrunk file faults).
+  // was opened (touching pages past the end of a shrunk file faults), and
+  // that its name, if it still exists, still names this object (a trainer
+  // that recreated the segment must point its tensors at the new one).
   absl::Status CheckStillMapped() const;
 
+  // True when the segment's name still names this object.
+  bool StillNamed() const;
+
  private:
-  SharedMemorySegment(std::string name, int fd, uint8_t* data, uint64_t size)
-      : name_(std::move(name)), fd_(fd), data_(data), size_(size) {}
+  SharedMemorySegment(std::string name, int fd, uint8_t* data, uint64_t size,
+                      dev_t dev, ino_t ino)
+      : name_(std::move(name)),
+        fd_(fd),
+        data_(data),
+        size_(size),
+        dev_(dev),
+        ino_(ino) {}
 
   const std::string name_;
   const int fd_;
   uint8_t* const data_;
   const uint64_t size_;
+  // The object mapped, as fstat saw it at Open.
+  const dev_t dev_;
+  const ino_t ino_;
 };
 
-// Caches open segments by name. Thread-safe.
+// Caches open segments by name, re-checking at every Resolve that the name
+// still names the cached object. Thread-safe.
 class SegmentCache {
  public:
   SegmentCache() = default;

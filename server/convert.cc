@@ -1,13 +1,19 @@
 #include "server/convert.h"
 
+#include <cmath>
+
 #include "absl/strings/str_cat.h"
 
 namespace optimd {
 
 grpc::Status ToGrpcStatus(const absl::Status& s) {
   if (s.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(s.code()),
-                      std::string(s.message()));
+  // Messages travel in trailing metadata, which clients refuse past a few
+  // KiB; one that quotes a long client-supplied value is cut.
+  constexpr size_t kMaxMessageBytes = 4096;
+  std::string message(s.message().substr(0, kMaxMessageBytes));
+  if (s.message().size() > kMaxMessageBytes) message += " [...]";
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), message);
 }
 
 absl::StatusOr<DType> DTypeFromProto(v1::DType d, const std::string& what) {
@@ -166,6 +172,7 @@ absl::StatusOr<StepRequestSpec> StepSpecFromProto(
   for (const auto& o : request.overrides()) {
     HyperOverride h;
     h.group_id = o.group_id();
+    h.keep_lr = !o.has_lr();
     h.lr = o.lr();
     if (o.has_beta1()) h.beta1 = o.beta1();
     if (o.has_beta2()) h.beta2 = o.beta2();
@@ -179,6 +186,19 @@ absl::StatusOr<StepRequestSpec> StepSpecFromProto(
   spec.options.wait = request.wait();
   spec.options.assume_finite = request.assume_finite();
   return spec;
+}
+
+absl::Status CheckStepOptions(const v1::StepRequest& request) {
+  const double scale = request.grad_scale();
+  if (scale == 0) return absl::OkStatus();
+  if (!std::isnormal(scale) || scale < 0 ||
+      !std::isnormal(static_cast<float>(1.0 / scale))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "grad_scale must be 0 (none) or a positive number from about "
+        "2.9e-39 to 8.5e37 (its reciprocal scales gradients in fp32), got ",
+        scale));
+  }
+  return absl::OkStatus();
 }
 
 void HyperToProto(const AdamWHyper& h, v1::Hyperparameters* out) {

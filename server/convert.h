@@ -26,8 +26,15 @@ absl::StatusOr<GroupSpec> GroupSpecFromProto(
 absl::StatusOr<std::vector<BufferUpdate>> BufferUpdatesFromProto(
     const v1::UpdateBuffersRequest& request);
 
+// An override without `lr` gets keep_lr set (Session::ResolveKeptLr fills
+// its lr before the step).
 absl::StatusOr<StepRequestSpec> StepSpecFromProto(
     const v1::StepRequest& request);
+
+// Checks the step-wide options of a request: grad_scale is 0 (none) or a
+// normal positive number whose reciprocal, by which the kernels multiply
+// gradients in fp32, is a normal fp32 number (about 2.9e-39 to 8.5e37).
+absl::Status CheckStepOptions(const v1::StepRequest& request);
 
 void HyperToProto(const AdamWHyper& h, v1::Hyperparameters* out);
 void GroupStateToProto(const GroupState& g, v1::GroupState* out);

@@ -6,7 +6,10 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -94,8 +97,60 @@ bool ReadPem(const std::string& flag, const std::string& path,
   return true;
 }
 
+// Raises the soft limit on open files to the hard one. Every client
+// connection, mapped segment and checkpoint file takes a descriptor, and
+// Debian's gRPC 1.51 never accepts a connection again after accept() once
+// failed with EMFILE (grpc/grpc#16058, #20418, #31080): a high limit keeps
+// the daemon far from that state. Returns the soft limit now in force.
+rlim_t RaiseFileLimit() {
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0) return 0;
+  if (limit.rlim_cur < limit.rlim_max) {
+    rlimit raised = limit;
+    raised.rlim_cur = limit.rlim_max;
+    if (setrlimit(RLIMIT_NOFILE, &raised) == 0) return raised.rlim_cur;
+  }
+  return limit.rlim_cur;
+}
+
+// Takes the lock file beside the socket ("<socket>.lock", flock'd for the
+// daemon's lifetime), so that of daemons started at the same moment on one
+// socket exactly one goes on; the others exit. Returns the locked fd, or -1
+// (logged). The lock is re-checked against the path after locking: a
+// daemon that is stopping unlinks its lock file, and a lock taken on that
+// unlinked file would guard nothing.
+int LockSocketPath(const std::string& socket_path) {
+  const std::string lock_path = socket_path + ".lock";
+  for (int attempt = 0; attempt < 10; ++attempt) {
+    const int fd = open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    if (fd < 0) {
+      Log(absl::StrCat("cannot open the lock file ", lock_path, ": ",
+                       std::strerror(errno)));
+      return -1;
+    }
+    if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      const int err = errno;
+      close(fd);
+      Log(err == EWOULDBLOCK
+              ? absl::StrCat("another daemon holds ", lock_path, " (it serves ",
+                             socket_path, "); stop it or pass another --listen")
+              : absl::StrCat("cannot lock ", lock_path, ": ",
+                             std::strerror(err)));
+      return -1;
+    }
+    struct stat locked, named;
+    if (fstat(fd, &locked) == 0 && stat(lock_path.c_str(), &named) == 0 &&
+        locked.st_dev == named.st_dev && locked.st_ino == named.st_ino) {
+      return fd;
+    }
+    close(fd);  // the file was replaced meanwhile: lock the new one
+  }
+  Log(absl::StrCat("cannot lock ", lock_path, ": it keeps being replaced"));
+  return -1;
+}
+
 // Removes a stale socket file left by a daemon that died; refuses to start
-// over a live one.
+// over a live one. Called with the socket's lock held.
 bool PrepareSocketPath(const std::string& path) {
   struct stat st;
   if (lstat(path.c_str(), &st) != 0) return true;
@@ -137,6 +192,7 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   // A client closing its connection mid-write must not kill the daemon.
   signal(SIGPIPE, SIG_IGN);
+  const rlim_t files = RaiseFileLimit();
 
   const std::string backend_flag = absl::GetFlag(FLAGS_backend);
   if (backend_flag != "auto" && backend_flag != "cpu" &&
@@ -189,6 +245,7 @@ int main(int argc, char** argv) {
   std::string listen = absl::GetFlag(FLAGS_listen);
   if (listen.empty()) listen = optimd::DefaultAddress();
   std::string socket_path;
+  int socket_lock = -1;  // held until exit (see LockSocketPath)
   const bool tls = !absl::GetFlag(FLAGS_tls_cert).empty() ||
                    !absl::GetFlag(FLAGS_tls_key).empty() ||
                    !absl::GetFlag(FLAGS_tls_client_ca).empty();
@@ -202,7 +259,8 @@ int main(int argc, char** argv) {
     socket_path = listen.substr(5);
     if (absl::StartsWith(socket_path, "//"))
       socket_path = socket_path.substr(2);
-    if (!PrepareSocketPath(socket_path)) return 1;
+    socket_lock = LockSocketPath(socket_path);
+    if (socket_lock < 0 || !PrepareSocketPath(socket_path)) return 1;
     credentials = grpc::InsecureServerCredentials();
   } else {
     // Trainers hand the daemon shared memory and CUDA IPC handles, which
@@ -280,6 +338,9 @@ int main(int argc, char** argv) {
                               ? " (TLS)"
                               : " (TLS, client certificates required)")
                        : "",
+                   "; open files limit ",
+                   files == RLIM_INFINITY ? std::string("unlimited")
+                                          : absl::StrCat(files),
                    "; max_state_bytes=",
                    budget.limit() == 0 ? std::string("unlimited")
                                        : absl::StrCat(budget.limit())));
@@ -307,7 +368,12 @@ int main(int argc, char** argv) {
   server->Wait();
   waiter.join();
   workers.clear();  // runs what is still queued
-  if (!socket_path.empty()) unlink(socket_path.c_str());
+  if (!socket_path.empty()) {
+    // Still holding the lock: no other daemon can have taken the path.
+    unlink(socket_path.c_str());
+    unlink((socket_path + ".lock").c_str());
+    close(socket_lock);
+  }
   Log("stopped");
   return 0;
 }

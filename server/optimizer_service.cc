@@ -1,5 +1,9 @@
 #include "server/optimizer_service.h"
 
+#include <dirent.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -11,12 +15,49 @@
 
 namespace optimd {
 
+namespace {
+
+// Where LoadStateStream spools streams: --state_dir, else /tmp.
+std::string SpoolDirectory(const CheckpointOptions& options) {
+  return options.state_dir.empty() ? std::string("/tmp") : options.state_dir;
+}
+
+// Spool files are "<dir>/.optimd-load-<pid>-XXXXXX". Removes those whose
+// daemon is gone (killed while a stream was arriving); nothing else.
+void RemoveStaleSpoolFiles(const std::string& dir) {
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return;
+  const std::string prefix = ".optimd-load-";
+  while (const dirent* e = readdir(d)) {
+    const std::string name = e->d_name;
+    if (name.compare(0, prefix.size(), prefix) != 0) continue;
+    const size_t dash = name.find('-', prefix.size());
+    const std::string pid = name.substr(prefix.size(), dash - prefix.size());
+    if (dash == std::string::npos || pid.empty() || pid.size() > 9 ||
+        pid.find_first_not_of("0123456789") != std::string::npos) {
+      continue;
+    }
+    const pid_t owner = static_cast<pid_t>(std::stol(pid));
+    if (owner == getpid() || kill(owner, 0) == 0 || errno == EPERM) continue;
+    struct stat st;
+    if (fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+        S_ISREG(st.st_mode) && st.st_uid == getuid()) {
+      unlinkat(dirfd(d), e->d_name, 0);
+    }
+  }
+  closedir(d);
+}
+
+}  // namespace
+
 OptimizerServiceImpl::OptimizerServiceImpl(SessionRegistry* registry,
                                            std::vector<DeviceWorker*> workers,
                                            CheckpointOptions checkpoint_options)
     : registry_(registry),
       workers_(std::move(workers)),
-      checkpoint_options_(std::move(checkpoint_options)) {}
+      checkpoint_options_(std::move(checkpoint_options)) {
+  RemoveStaleSpoolFiles(SpoolDirectory(checkpoint_options_));
+}
 
 DeviceWorker* OptimizerServiceImpl::WorkerFor(const Session& session) const {
   const std::vector<Backend*>& backends = registry_->backends();
@@ -170,6 +211,14 @@ absl::Status OptimizerServiceImpl::RunStep(Session& s,
   auto spec = StepSpecFromProto(request);
   if (!spec.ok()) return spec.status();
   const absl::Time host_start = absl::Now();
+  // Refused options still go through Session::Step, which releases the
+  // step's flags before refusing it.
+  spec->refused = CheckStepOptions(request);
+  // Steps of a session run on its worker one at a time, so no other step
+  // changes the learning rate between here and Step. (A LoadState or
+  // SetState the client sends concurrently is unordered with this step
+  // anyway; at worst the step keeps the rate it read.)
+  s.ResolveKeptLr(&*spec);
   auto result = s.Step(*spec);
   if (!result.ok()) return result.status();
   step_host_time_.Observe(absl::ToDoubleSeconds(absl::Now() - host_start));
@@ -284,8 +333,10 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::GetState(
                                  request->group_ids().end());
     std::vector<std::string> tensors(request->tensor_names().begin(),
                                      request->tensor_names().end());
-    // Replies stay well below protobuf's 2 GiB message limit.
-    constexpr uint64_t kMaxReplyData = uint64_t{1} << 30;
+    // Replies stay below the daemon's 1 GiB send limit (and far below
+    // protobuf's 2 GiB, past which serializing aborts): data and names are
+    // counted, with room left for group ids and hyperparameters.
+    constexpr uint64_t kMaxReplyData = (uint64_t{1} << 30) - (64 << 20);
     auto state =
         s.ReadState(ids, !request->metadata_only(), tensors, kMaxReplyData);
     if (!state.ok()) return state.status();
@@ -514,9 +565,9 @@ class OptimizerServiceImpl::LoadStreamReactor final
         worker_(worker),
         options_(std::move(options)),
         response_(response) {
-    const std::string dir =
-        options_.state_dir.empty() ? std::string("/tmp") : options_.state_dir;
-    path_ = dir + "/.optimd-load-XXXXXX";
+    const std::string dir = SpoolDirectory(options_);
+    // The pid lets a later daemon remove the file if this one is killed.
+    path_ = dir + "/.optimd-load-" + std::to_string(getpid()) + "-XXXXXX";
     fd_ = mkstemp(path_.data());
     if (fd_ < 0) {
       Finish(grpc::Status(grpc::StatusCode::INTERNAL,
@@ -542,8 +593,8 @@ class OptimizerServiceImpl::LoadStreamReactor final
         // parameters plus the header: refuse early instead of filling the
         // disk with a spool file.
         const SessionInfo info = session_->Info();
-        const uint64_t limit =
-            info.state_bytes + info.param_bytes + (uint64_t{64} << 20);
+        const uint64_t limit = info.state_bytes + info.param_bytes +
+                               kMaxCheckpointHeaderBytes + 16;
         if (chunk_.total_bytes() > limit) {
           Fail(grpc::Status(
               grpc::StatusCode::INVALID_ARGUMENT,
@@ -650,12 +701,39 @@ grpc::ServerReadReactor<v1::StateChunk>* OptimizerServiceImpl::LoadStateStream(
                                checkpoint_options_, response);
 }
 
+namespace {
+
+// Appends the sessions' descriptions while they fit in 256 MiB (a session
+// lists up to kMaxGroupsPerSession ids of kMaxNameBytes: a few MiB at
+// most), so that no listing approaches gRPC's message limits; returns how
+// many were left out.
+uint32_t AddSessionInfos(
+    const std::vector<std::shared_ptr<Session>>& sessions,
+    google::protobuf::RepeatedPtrField<v1::SessionInfo>* out) {
+  constexpr size_t kMaxListingBytes = size_t{256} << 20;
+  size_t bytes = 0;
+  uint32_t omitted = 0;
+  for (const auto& s : sessions) {
+    v1::SessionInfo info;
+    SessionInfoToProto(s->Info(), &info);
+    const size_t n = info.ByteSizeLong() + 8;
+    if (bytes + n > kMaxListingBytes) {
+      ++omitted;
+      continue;
+    }
+    bytes += n;
+    *out->Add() = std::move(info);
+  }
+  return omitted;
+}
+
+}  // namespace
+
 grpc::ServerUnaryReactor* OptimizerServiceImpl::ListSessions(
     grpc::CallbackServerContext* context, const v1::ListSessionsRequest*,
     v1::ListSessionsResponse* response) {
-  for (const auto& s : registry_->List()) {
-    SessionInfoToProto(s->Info(), response->add_sessions());
-  }
+  response->set_sessions_omitted(
+      AddSessionInfos(registry_->List(), response->mutable_sessions()));
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
@@ -678,9 +756,8 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::GetMetrics(
   response->set_state_bytes(registry_->budget()->used());
   step_latency_.ToProto(response->mutable_step_latency());
   step_host_time_.ToProto(response->mutable_step_host_time());
-  for (const auto& s : sessions) {
-    SessionInfoToProto(s->Info(), response->add_session_infos());
-  }
+  response->set_session_infos_omitted(
+      AddSessionInfos(sessions, response->mutable_session_infos()));
   response->set_checkpoint_saves(checkpoint_saves_.load());
   response->set_checkpoint_save_bytes(checkpoint_save_bytes_.load());
   response->set_checkpoint_loads(checkpoint_loads_.load());

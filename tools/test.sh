@@ -14,4 +14,12 @@ fi
 
 echo "== bazel test (GPU tests excluded)"
 bazel test "${flags[@]}" --test_tag_filters=-gpu //...
+
+# A short fuzz run of checkpoint loading under ASan and UBSan (about a
+# minute, most of it the build); tools/fuzz.sh RUNS runs longer.
+if command -v clang++ >/dev/null; then
+  ./tools/fuzz.sh 20000
+else
+  echo "== no clang++: skipping the fuzz run (apt-get install clang)"
+fi
 echo "== all tests passed"

@@ -26,7 +26,7 @@ assert optimd.__file__.startswith("/tmp/"), optimd.__file__
 with Daemon() as d:
     p = torch.nn.Parameter(torch.ones(4))
     opt = AdamW([p], lr=0.1, address=d.address, job_id="pip")
-    p.grad.fill_(0.5)
+    p.grad = torch.full_like(p, 0.5)
     opt.step()
     assert abs(p[0].item() - 0.899) < 1e-6, p
     opt.close()

@@ -199,6 +199,41 @@ class CheckpointTest(unittest.TestCase):
                                      1e-6 * q.detach().abs().max().item())
             opt.close()
 
+    def test_packed_checkpoint_reads_as_torch_state_dict(self):
+        """A session whose per-tensor header would not fit is saved packed
+        (format 2); to_torch_state_dict reads it like any other."""
+        from optimd.checkpoint import read_checkpoint, to_torch_state_dict
+        names = ["%05d" % i + "n" * 995 for i in range(8000)]
+        params = [torch.nn.Parameter(torch.randn(2)) for _ in names]
+        with Daemon() as d:
+            opt = AdamW(list(zip(names, params)), lr=1e-2, address=d.address,
+                        job_id="packed", amsgrad=True)
+            for _ in range(2):
+                for p in params:
+                    p.grad = torch.randn_like(p)
+                opt.step()
+            path = opt.save_checkpoint(self.dir).path
+            meta, _ = read_checkpoint(path)
+            self.assertEqual(meta["format_version"], 2)
+            # A stream carries the same bytes as the file.
+            with open(path, "rb") as f:
+                self.assertEqual(b"".join(opt.state_bytes()), f.read())
+            sd, saved, _ = to_torch_state_dict(path)
+            ours = opt.state_dict()
+            for i, (name, p) in enumerate(zip(names, params)):
+                self.assertTrue(torch.equal(saved[name], p.detach()), name)
+                for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                    self.assertTrue(torch.equal(sd["state"][i][k],
+                                                ours["state"][i][k]), (i, k))
+                self.assertEqual(float(sd["state"][i]["step"]), 2.0)
+            # And the daemon loads it back.
+            before = [p.detach().clone() for p in params]
+            opt.step()
+            opt.load_checkpoint(self.dir)
+            for p, q in zip(params, before):
+                self.assertTrue(torch.equal(p.detach(), q))
+            opt.close()
+
     def test_bad_checkpoints_change_nothing(self):
         with Daemon() as d:
             p = torch.nn.Parameter(torch.randn(1000))
@@ -280,6 +315,118 @@ class CheckpointTest(unittest.TestCase):
                 opt.load_checkpoint(self.dir)
             self.assertIn("'w'", str(cm.exception))
             self.assertTrue(torch.equal(q.detach(), q_before))
+            opt.close()
+
+    def test_malformed_metadata_through_the_stream_keeps_the_daemon_up(self):
+        """Wrong-typed or out-of-range header fields, streamed in: each is
+        refused with a specific code, nothing changes, and the daemon (which
+        a wrong-typed step used to abort) keeps serving."""
+
+        def crc32c(data):
+            crc = 0xFFFFFFFF
+            for b in data:
+                crc ^= b
+                for _ in range(8):
+                    crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+            return crc ^ 0xFFFFFFFF
+
+        def rebuild(good, edit):
+            (n,) = struct.unpack("<Q", good[:8])
+            header = json.loads(good[8:8 + n])
+            meta = json.loads(header["__metadata__"]["optimd"])
+            edit(meta)
+            text = json.dumps(meta, separators=(",", ":"))
+            header["__metadata__"]["optimd"] = text
+            header["__metadata__"]["optimd_crc32c"] = "%08x" % crc32c(
+                text.encode())
+            h = json.dumps(header, separators=(",", ":")).encode()
+            h += b" " * ((8 - (8 + len(h)) % 8) % 8)
+            return struct.pack("<Q", len(h)) + h + good[8 + n:]
+
+        def group(m):
+            return m["groups"][0]
+
+        edits = {
+            "step a string": lambda m: group(m).update(step="3"),
+            "step negative": lambda m: group(m).update(step=-1),
+            "no step": lambda m: group(m).pop("step"),
+            "lr a string": lambda m: group(m)["hyperparameters"].update(
+                lr="0.1"),
+            "lr negative": lambda m: group(m)["hyperparameters"].update(
+                lr=-1000),
+            "lr 1e400": lambda m: group(m)["hyperparameters"].update(
+                lr=float("inf")),
+            "no hyperparameters": lambda m: group(m).pop("hyperparameters"),
+            "hyperparameters a list": lambda m: group(m).update(
+                hyperparameters=[1]),
+        }
+        with Daemon() as d:
+            p = torch.nn.Parameter(torch.randn(100))
+            opt = AdamW([("w", p)], lr=1e-3, address=d.address,
+                        job_id="hostile")
+            p.grad = torch.randn(100)
+            opt.step()
+            good = b"".join(opt.state_bytes())
+            opt.step()
+            before = p.detach().clone()
+            for what, edit in edits.items():
+                with self.subTest(edit=what):
+                    bad = rebuild(good, edit)
+                    with self.assertRaises(optimd.OptimdError) as cm:
+                        opt.load_state_bytes([bad])
+                    self.assertIn(cm.exception.code.name,
+                                  ("INVALID_ARGUMENT", "DATA_LOSS"), what)
+                    self.assertTrue(torch.equal(p.detach(), before))
+                    self.assertEqual(d.process.poll(), None, "daemon died")
+            opt.load_state_bytes([good])
+            opt.step()
+            opt.close()
+
+    def test_unread_snapshots_count_against_the_state_budget(self):
+        """Each SaveStateStream holds a host copy of the state until it is
+        read to the end; those copies used to be unbounded and invisible to
+        --max_state_bytes."""
+        import time
+        n = 1_000_000
+        state, snapshot = 8 * n, 12 * n  # fp32 moments; params + moments
+
+        def wait_for(client, value):
+            deadline = time.time() + 10
+            while client.get_metrics().state_bytes != value:
+                self.assertLess(time.time(), deadline)
+                time.sleep(0.01)
+
+        with Daemon(flags=["--max_state_bytes=%d" % (100 << 20)]) as d:
+            p = torch.nn.Parameter(torch.randn(n))
+            opt = AdamW([("w", p)], address=d.address, job_id="snaps")
+            c = opt.client
+            self.assertEqual(c.get_metrics().state_bytes, state)
+            held = [c.save_state_stream(1 << 20) for _ in range(2)]
+            for s in held:
+                next(s)  # the snapshot is taken; the rest stays unread
+            self.assertEqual(c.get_metrics().state_bytes,
+                             state + 2 * snapshot)
+            with self.assertRaises(optimd.ResourceExhaustedError) as cm:
+                next(c.save_state_stream(1 << 20))
+            self.assertIn("still held", str(cm.exception))
+            for s in held:
+                s.close()  # cancels the stream
+            wait_for(c, state)
+            # A stream read to the end gives its memory back too.
+            self.assertGreater(len(b"".join(opt.state_bytes())), snapshot)
+            wait_for(c, state)
+            opt.close()
+        with Daemon(flags=["--max_state_bytes=%d" % (state + snapshot)]) as d:
+            p = torch.nn.Parameter(torch.randn(n))
+            opt = AdamW([("w", p)], address=d.address, job_id="budget")
+            c = opt.client
+            first = c.save_state_stream(1 << 20)
+            next(first)
+            with self.assertRaises(optimd.ResourceExhaustedError) as cm:
+                next(c.save_state_stream(1 << 20))
+            self.assertIn("max_state_bytes", str(cm.exception))
+            first.close()
+            wait_for(c, state)
             opt.close()
 
     def test_background_save_is_consistent_while_steps_go_on(self):

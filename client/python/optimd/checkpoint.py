@@ -24,8 +24,52 @@ _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16,
            "F16": torch.float16, "I16": torch.int16}
 
 
+_SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16",
+                       "float16": "F16"}
+
+
+def _pieces(layout, frozen):
+    """(kind, key suffix, dtype) of a tensor's pieces of state, in file order
+    within its group (core/checkpoint.cc, Entries)."""
+    out = [("param", "", _SAFETENSORS_DTYPES[layout["param_dtype"]])]
+    if layout["master"] == "fp32":
+        out.append(("master", ".master", "F32"))
+    elif layout["master"] == "remainder":
+        out.append(("remainder", ".remainder", "I16"))
+    if not frozen:
+        md = _SAFETENSORS_DTYPES[layout["moment_dtype"]]
+        out += [("exp_avg", ".exp_avg", md), ("exp_avg_sq", ".exp_avg_sq", md)]
+        if layout["amsgrad"]:
+            out.append(("max_exp_avg_sq", ".max_exp_avg_sq", md))
+    return out
+
+
+def _unpack(meta, tensors):
+    """Format 2 (packed: one safetensors tensor per kind and dtype of a
+    group, "g<group>.<kind>.<dtype>") as format 1: metadata with one object
+    per tensor, and one 1-D tensor per piece, "<name><suffix>"."""
+    layouts = meta.pop("layouts")
+    out = {}
+    for gi, g in enumerate(meta["groups"]):
+        taken = {}  # packed key -> elements used so far
+        unpacked = []
+        for name, numel, layout_index, flags in g["tensors"]:
+            layout = layouts[layout_index]
+            frozen = bool(flags & 1)
+            unpacked.append(dict(name=name, numel=numel, frozen=frozen,
+                                 keep_fp32=bool(flags & 2), layout=layout))
+            for kind, suffix, dtype in _pieces(layout, frozen):
+                key = "g%d.%s.%s" % (gi, kind, dtype)
+                start = taken.get(key, 0)
+                out[name + suffix] = tensors[key][start:start + numel]
+                taken[key] = start + numel
+        g["tensors"] = unpacked
+    return out
+
+
 def read_checkpoint(path):
-    """(metadata dict, {name: 1-D tensor}) of a daemon checkpoint."""
+    """(metadata dict, {name: 1-D tensor}) of a daemon checkpoint, either
+    format; the metadata is always in format 1's shape."""
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
@@ -37,6 +81,8 @@ def read_checkpoint(path):
         dtype = _DTYPES[info["dtype"]]
         tensors[name] = (torch.frombuffer(bytearray(body[a:b]), dtype=dtype)
                          if b > a else torch.empty(0, dtype=dtype))
+    if meta["format_version"] == 2:
+        tensors = _unpack(meta, tensors)
     return meta, tensors
 
 
