@@ -166,20 +166,11 @@ class TorchClientTest(unittest.TestCase):
             self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-5)
         opt.close()
 
-    def test_rank_local_clipping_warns_once_with_several_ranks(self):
-        model = mlp()
-        opt = self.make(model.parameters(), rank=1, world_size=2,
-                        max_grad_norm=1.0)
-        with self.assertWarnsRegex(UserWarning, "this rank's gradients"):
-            self.train_step(model, opt)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            self.train_step(model, opt)
-        self.assertEqual(
-            [w for w in caught if "this rank" in str(w.message)], [])
-        opt.close()
-        # One rank, or no clipping: nothing to warn about.
-        for kw in (dict(max_grad_norm=1.0), dict(world_size=2, rank=0)):
+    def test_clipping_warns_once_only_for_sharded_gradients(self):
+        # Replicated gradients (DDP) have the same norm on every rank: no
+        # warning, whatever the world size.
+        for kw in (dict(max_grad_norm=1.0),
+                   dict(world_size=2, rank=1, max_grad_norm=1.0)):
             other = mlp()
             opt = self.make(other.parameters(), job_id=self.id() + str(kw),
                             **kw)
@@ -187,8 +178,58 @@ class TorchClientTest(unittest.TestCase):
                 warnings.simplefilter("always")
                 self.train_step(other, opt)
             self.assertEqual(
-                [w for w in caught if "this rank" in str(w.message)], [], kw)
+                [w for w in caught if "shards" in str(w.message)], [], kw)
             opt.close()
+        # Sharded parameters (DTensor; the installed torch may have none, so
+        # the optimizer is told directly): one warning, pointing here.
+        model = mlp()
+        opt = self.make(model.parameters(), max_grad_norm=1.0)
+        opt._sharded = True
+        with self.assertWarnsRegex(UserWarning, "gradient shards") as cm:
+            self.train_step(model, opt)
+        self.assertEqual(cm.filename, __file__)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            self.train_step(model, opt)
+        self.assertEqual(
+            [w for w in caught if "shards" in str(w.message)], [])
+        opt.close()
+
+    def test_optimizers_of_one_process_have_sessions_of_their_own(self):
+        # A GAN's two optimizers, a notebook cell run twice, `del opt` and a
+        # new one: default arguments, as with torch.
+        gen, disc = mlp(), mlp()
+        opts = [AdamW(m.parameters(), address=self.daemon.address)
+                for m in (gen, disc)]
+        for m, o in zip((gen, disc), opts):
+            self.train_step(m, o)
+        again = AdamW(gen.parameters(), address=self.daemon.address)
+        self.train_step(gen, again)
+        for o in opts + [again]:
+            o.close()
+
+    def test_failed_constructor_leaves_no_session(self):
+        client = optimd.Client(self.daemon.address)
+        before = len(client.list_sessions().sessions)
+        good = torch.nn.Parameter(torch.randn(4))
+        bad = torch.nn.Parameter(torch.randn(4, dtype=torch.float64))
+        with self.assertRaises(TypeError):
+            AdamW([{"params": [good]}, {"params": [bad]}],
+                  address=self.daemon.address)
+        self.assertEqual(len(client.list_sessions().sessions), before)
+        client.close()
+
+    def test_changed_dtype_or_duplicate_parameter_is_a_clear_error(self):
+        model = mlp()
+        opt = self.make(model.parameters())
+        self.train_step(model, opt)
+        model.double()  # torch would go on in float64
+        with self.assertRaisesRegex(TypeError, "float64"):
+            opt.step()
+        opt.close()
+        p = torch.nn.Parameter(torch.randn(3))
+        with self.assertRaisesRegex(ValueError, "twice"):
+            self.make([p, p], job_id="twice")
 
     def test_parameters_keep_identity_and_zero_grad_follows_torch(self):
         model = mlp()
@@ -294,17 +335,17 @@ class TorchClientTest(unittest.TestCase):
             self.make([torch.nn.Parameter(torch.randn(2)),
                        torch.nn.Parameter(torch.randn(2, device=other))])
         self.assertIn("one device", str(cm.exception))
-        emb = torch.nn.Embedding(10, 4, sparse=True)
-        opt = self.make(emb.parameters(), job_id="sparse")
-        # Accumulated into the dense shared buffer a sparse gradient is just
-        # a gradient; one that replaced it is refused.
-        emb.weight.grad = None
-        emb(torch.tensor([1, 2])).sum().backward()
-        self.assertTrue(emb.weight.grad.is_sparse)
-        with self.assertRaises(TypeError) as cm:
-            opt.step()
-        self.assertIn("sparse", str(cm.exception))
-        opt.close()
+        # Sparse gradients: the same exception as torch's AdamW.
+        for make in (lambda ps: self.make(ps, job_id="sparse"),
+                     lambda ps: torch.optim.AdamW(ps)):
+            emb = torch.nn.Embedding(10, 4, sparse=True)
+            opt = make(list(emb.parameters()))
+            emb(torch.tensor([1, 2])).sum().backward()
+            self.assertTrue(emb.weight.grad.is_sparse)
+            with self.assertRaisesRegex(RuntimeError, "sparse gradients"):
+                opt.step()
+            if isinstance(opt, AdamW):
+                opt.close()
         q = torch.nn.Parameter(torch.randn(3))
         opt = self.make([q], job_id="amsgrad")
         opt.param_groups[0]["amsgrad"] = True

@@ -82,10 +82,11 @@ class GradRouter:
 
     def _checked(self, s, grad):
         if grad.is_sparse:
-            raise TypeError(
-                "optimd.torch.AdamW does not support sparse gradients "
-                "(parameter %s); use a dense gradient (e.g. "
-                "nn.Embedding(sparse=False))" % s.name)
+            # torch.optim.AdamW's own error, with the parameter named.
+            raise RuntimeError(
+                "AdamW does not support sparse gradients (parameter %s); "
+                "use a dense gradient (e.g. nn.Embedding(sparse=False))"
+                % s.name)
         if grad.dtype != s.param.dtype or grad.shape != s.param.shape:
             raise TypeError(
                 "parameter %s has a gradient of %s %s; its parameter is %s "

@@ -24,8 +24,10 @@ Differences from torch.optim.AdamW, all deliberate:
 """
 import collections
 import inspect
+import secrets
 import os
 import socket
+import sys
 import warnings
 
 import torch
@@ -207,8 +209,14 @@ class AdamW(torch.optim.Optimizer):
         # completed step.
         self.wait_for_step = False
         self._device = self._check_devices()
+        self._sharded = any(_is_dtensor(p) for g in self.param_groups
+                            for p in g["params"])
         self._client = Client(address, timeout=timeout)
-        job = job_id or "%s-%d" % (socket.gethostname(), os.getpid())
+        # One session per optimizer object: two optimizers of one process
+        # (a GAN, a notebook cell run twice) never collide. resume=True
+        # needs the job id of the session to take over.
+        job = job_id or "%s-%d-%s" % (socket.gethostname(), os.getpid(),
+                                      secrets.token_hex(4))
         # CUDA: the trainer's stream and the daemon's are ordered by step
         # flags (_step_flags.py), so step() never waits for the daemon.
         self._flags = None
@@ -223,10 +231,19 @@ class AdamW(torch.optim.Optimizer):
         self.resumed = reply.resumed
         registered = set(reply.group_ids)
         self._ready = True
-        for gi, group in enumerate(self.param_groups):
-            self._register_group(gi, group, existing=str(gi) in registered)
-        if self.resumed:
-            self._restore_after_resume()
+        try:
+            for gi, group in enumerate(self.param_groups):
+                self._register_group(gi, group,
+                                     existing=str(gi) in registered)
+            if self.resumed:
+                self._restore_after_resume()
+        except BaseException:
+            # A constructor that fails leaves nothing in the daemon (a
+            # resumed session keeps the state it came for).
+            if not self.resumed:
+                self._client.close_session()
+            self._client.close()
+            raise
 
     # Construction helpers.
     def _strip_names(self, params):
@@ -307,6 +324,11 @@ class AdamW(torch.optim.Optimizer):
         return request
 
     def _register_group(self, gi, group, existing):
+        if len({id(p) for p in group["params"]}) != len(group["params"]):
+            raise ValueError(
+                "parameter group %d holds a parameter twice; torch steps it "
+                "twice per step, optimd.torch.AdamW refuses: list each "
+                "parameter once" % gi)
         slots = []
         p_bytes = 0
         for pi, p in enumerate(group["params"]):
@@ -416,6 +438,15 @@ class AdamW(torch.optim.Optimizer):
             for s in g["slots"]:
                 p = s.param
                 if p.data_ptr() != s.pview.data_ptr() and s.numel:
+                    if p.dtype != s.pview.dtype or p.shape != s.pview.shape:
+                        # e.g. model.double() after construction: torch
+                        # would go on in the new dtype; we cannot silently.
+                        raise TypeError(
+                            "parameter %s is now %s %s; it was registered "
+                            "as %s %s. Convert the model before creating "
+                            "the optimizer (or create a new one)" %
+                            (s.name, p.dtype, tuple(p.shape),
+                             s.pview.dtype, tuple(s.pview.shape)))
                     s.pview.copy_(p.detach())
                     p.data = s.pview
 
@@ -445,15 +476,16 @@ class AdamW(torch.optim.Optimizer):
         self._sync_params()
         updates = self._router.updates()
         overrides = self._overrides()
-        if (self.max_grad_norm and self._world_size > 1
+        if (self.max_grad_norm and self._sharded
                 and not self._warned_rank_norm):
             self._warned_rank_norm = True
-            warnings.warn(
+            # Replicated gradients (DDP) have the same norm on every rank;
+            # sharded ones (DTensor, FSDP2) do not.
+            _warn_in_user_code(
                 "optimd.torch.AdamW: max_grad_norm clips by the norm of this "
-                "rank's gradients only (world_size=%d); ranks do not agree "
-                "on it. With gradients sharded across ranks, clip with "
-                "torch.nn.utils.clip_grad_norm_ before step() and leave "
-                "max_grad_norm at 0." % self._world_size, stacklevel=3)
+                "rank's gradient shards only; ranks do not agree on it. With "
+                "sharded gradients, clip with torch.nn.utils.clip_grad_norm_ "
+                "before step() and leave max_grad_norm at 0.")
         request = dict(
             lr_overrides=overrides[0] if overrides else None,
             grad_scale=float(self.grad_scale or 0.0),
@@ -767,6 +799,23 @@ def _param_offsets(group):
     seg_p = group["segments"][0]
     return [s.pview.data_ptr() - seg_p.base_ptr() if s.numel else 0
             for s in group["slots"]]
+
+
+def _warn_in_user_code(message):
+    """warnings.warn, attributed to the first caller outside torch and
+    optimd (step() is wrapped by torch's decorators)."""
+    internal = (os.path.dirname(torch.__file__),
+                os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(1), 2
+    while frame is not None and \
+            os.path.abspath(frame.f_code.co_filename).startswith(internal):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, stacklevel=level)
+
+
+def _is_dtensor(p):
+    return type(p).__name__ == "DTensor" or type(getattr(
+        p, "data", None)).__name__ == "DTensor"
 
 
 def _blob_tensor(t):
