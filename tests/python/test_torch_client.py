@@ -231,6 +231,43 @@ class TorchClientTest(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "twice"):
             self.make([p, p], job_id="twice")
 
+    def test_writes_to_optimizer_state_act_as_in_torch(self):
+        _, _, opt, ref = self.fixed_seed_twins()
+        ours = opt.param_groups[0]["params"]
+        theirs = ref.param_groups[0]["params"]
+
+        def step_both():
+            for p, q in zip(ours, theirs):
+                g = torch.randn(p.shape)
+                p.grad, q.grad = g.clone(), g.clone()
+            opt.step()
+            ref.step()
+
+        def same():
+            for p, q in zip(ours, theirs):
+                self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6)
+            for p, q in zip(ours, theirs):
+                for k, v in ref.state[q].items():
+                    self.assertLessEqual(
+                        scale_err(opt.state[p][k].float(), v.float()), 1e-5,
+                        k)
+        for _ in range(3):
+            step_both()
+        # An entry zeroed in place, one replaced, one removed.
+        for o, ps in ((opt, ours), (ref, theirs)):
+            o.state[ps[0]]["exp_avg"].zero_()
+            o.state[ps[1]]["exp_avg_sq"] = torch.ones_like(ps[1])
+            del o.state[ps[2]]
+        step_both()
+        same()
+        # The whole state cleared: every parameter starts afresh.
+        opt.state.clear()
+        ref.state.clear()
+        step_both()
+        same()
+        self.assertEqual(float(opt.state[ours[0]]["step"]), 1.0)
+        opt.close()
+
     def test_parameters_keep_identity_and_zero_grad_follows_torch(self):
         model = mlp()
         before = [id(p) for p in model.parameters()]

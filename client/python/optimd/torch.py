@@ -19,8 +19,12 @@ Differences from torch.optim.AdamW, all deliberate:
     group raises ValueError (load_state_dict may change them).
   * A step whose gradients hold inf or NaN is skipped entirely (nothing
     changes); `opt.skipped` says so and `opt.grad_norm` is the gradient norm.
-  * A parameter that had no gradient at some steps takes the group's step
-    count for its bias correction, where torch counts its own steps.
+  * A parameter listed twice in a group, or whose dtype or shape changes
+    after construction (model.double()), raises at construction or at the
+    next step instead of being stepped twice or in the new dtype.
+  * Parameters added to or removed from param_groups[i]["params"] after
+    construction, and parameters frozen at construction and unfrozen later,
+    are not yet followed (add_param_group is).
 """
 import collections
 import inspect
@@ -34,6 +38,7 @@ import torch
 
 from optimd import errors
 from optimd._grads import GradRouter
+from optimd._state import DaemonState, set_state_request
 from optimd._step_flags import StepFlags
 from optimd.client import Client
 from optimd.shm import SharedSegment, align
@@ -62,61 +67,6 @@ def _torch_adamw_defaults():
             continue
         out[name] = p.default
     return out
-
-
-class _DaemonState(dict):
-    """optimizer.state: fetched from the daemon on first access after a step.
-
-    Reading works as with torch (state[p]['exp_avg'], ...); the tensors are
-    copies, so writing into them changes nothing in the daemon (use
-    load_state_dict for that).
-    """
-
-    def __init__(self, opt):
-        super().__init__()
-        self._opt = opt
-        self._fresh = False
-
-    def invalidate(self):
-        self._fresh = False
-
-    def _refresh(self):
-        if not self._fresh:
-            dict.clear(self)
-            dict.update(self, self._opt._fetch_state())
-            self._fresh = True
-
-    def __getitem__(self, p):
-        self._refresh()
-        return dict.get(self, p, {})
-
-    def __contains__(self, p):
-        self._refresh()
-        return dict.__contains__(self, p)
-
-    def __iter__(self):
-        self._refresh()
-        return dict.__iter__(self)
-
-    def __len__(self):
-        self._refresh()
-        return dict.__len__(self)
-
-    def items(self):
-        self._refresh()
-        return dict.items(self)
-
-    def keys(self):
-        self._refresh()
-        return dict.keys(self)
-
-    def values(self):
-        self._refresh()
-        return dict.values(self)
-
-    def get(self, p, default=None):
-        self._refresh()
-        return dict.get(self, p, default)
 
 
 class _Slot:
@@ -195,7 +145,7 @@ class AdamW(torch.optim.Optimizer):
         self._sent_hyper = None  # the hyperparameters the daemon has
         self._groups = []  # per group: dict(id, slots, segments, snapshot)
         super().__init__(params, defaults)
-        self.state = _DaemonState(self)
+        self.state = DaemonState(self._fetch_state)
         self.max_grad_norm = max_grad_norm
         self._world_size = world_size
         self._warned_rank_norm = False
@@ -474,6 +424,7 @@ class AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._sync_params()
+        self._write_back_state()
         updates = self._router.updates()
         overrides = self._overrides()
         if (self.max_grad_norm and self._sharded
@@ -650,25 +601,24 @@ class AdamW(torch.optim.Optimizer):
                 for s in mine["slots"]:
                     s.sent_ptr = 0
                 self._index_buffers()
-            request = pb.SetStateRequest(group_id=mine["id"])
-            own_steps = {}
-            for s, pid in zip(mine["slots"], sg["params"]):
-                st = saved_state.get(pid)
-                if s.frozen:
-                    continue
-                # A parameter without state never had a gradient: step 0.
-                own_steps[s.name] = int(float(st["step"])) \
-                    if st and "step" in st else 0
-                for kind in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq",
-                             "master"):
-                    if st and kind in st:
-                        _add_blob(request, s.name, kind, st[kind])
-            request.step = max(own_steps.values(), default=0)
-            for name, own in own_steps.items():
-                if own != request.step:
-                    request.tensor_steps.add(tensor=name, step=own)
-            self._client.set_state(request)
+            self._client.set_state(set_state_request(
+                mine["id"], mine["slots"],
+                [saved_state.get(pid) for pid in sg["params"]],
+                amsgrad=g["amsgrad"]))
         self._sent_hyper = None  # the next step sends them all again
+        self.state.invalidate()
+
+    def _write_back_state(self):
+        """Writes to optimizer.state since it was fetched (an entry zeroed,
+        replaced or removed, state.clear()) reach the daemon before a step,
+        as they would take effect in torch."""
+        written = self.state.written()
+        if written is None:
+            return
+        for g, group in zip(self._groups, self.param_groups):
+            self._client.set_state(set_state_request(
+                g["id"], g["slots"], [written.get(s.param) for s in
+                                      g["slots"]], amsgrad=group["amsgrad"]))
         self.state.invalidate()
 
     # Checkpoints written by the daemon.
@@ -823,13 +773,3 @@ def _blob_tensor(t):
     if t.numel == 0:
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(bytearray(t.data), dtype=dtype).clone()
-
-
-def _add_blob(request, name, kind, value):
-    value = value.detach().to("cpu").contiguous().reshape(-1)
-    if value.dtype not in _DTYPES:
-        value = value.to(torch.float32)
-    request.tensors.add(tensor=name, kind=kind, dtype=_DTYPES[value.dtype],
-                        numel=value.numel(),
-                        data=value.view(torch.uint8).numpy().tobytes()
-                        if value.numel() else b"")
