@@ -268,6 +268,45 @@ class TorchClientTest(unittest.TestCase):
         self.assertEqual(float(opt.state[ours[0]]["step"]), 1.0)
         opt.close()
 
+    def test_edited_param_groups_and_unfrozen_parameters(self):
+        _, _, opt, ref = self.fixed_seed_twins()
+        ours = opt.param_groups[0]["params"]
+        theirs = ref.param_groups[0]["params"]
+        extra = [torch.nn.Parameter(torch.randn(5)) for _ in range(2)]
+        extra[1].requires_grad_(False)  # frozen when added
+        twins = [torch.nn.Parameter(e.detach().clone()) for e in extra]
+        twins[1].requires_grad_(False)
+
+        def step_both():
+            for p, q in zip(opt.param_groups[0]["params"],
+                            ref.param_groups[0]["params"]):
+                if p.requires_grad:
+                    g = torch.randn(p.shape)
+                    p.grad, q.grad = g.clone(), g.clone()
+            opt.step()
+            ref.step()
+            for p, q in zip(opt.param_groups[0]["params"],
+                            ref.param_groups[0]["params"]):
+                self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6)
+        step_both()
+        # Appended to a live group, as some trainers grow a model.
+        for o, ps in ((opt, extra), (ref, twins)):
+            o.param_groups[0]["params"].extend(ps)
+        for _ in range(2):
+            step_both()
+        # The frozen one is unfrozen, then the first parameter removed.
+        extra[1].requires_grad_(True)
+        twins[1].requires_grad_(True)
+        for _ in range(2):
+            step_both()
+        self.assertEqual(float(opt.state[extra[1]]["step"]), 2.0)
+        removed = ours[0]  # `ours` is the group's own list
+        for o in (opt, ref):
+            del o.param_groups[0]["params"][0]
+        step_both()
+        self.assertFalse(removed in opt.state)
+        opt.close()
+
     def test_parameters_keep_identity_and_zero_grad_follows_torch(self):
         model = mlp()
         before = [id(p) for p in model.parameters()]

@@ -22,12 +22,12 @@ Differences from torch.optim.AdamW, all deliberate:
   * A parameter listed twice in a group, or whose dtype or shape changes
     after construction (model.double()), raises at construction or at the
     next step instead of being stepped twice or in the new dtype.
-  * Parameters added to or removed from param_groups[i]["params"] after
-    construction, and parameters frozen at construction and unfrozen later,
-    are not yet followed (add_param_group is).
+  * A parameter removed from param_groups[i]["params"] loses its state
+    (torch keeps it, should the parameter come back).
 """
 import collections
 import inspect
+import operator
 import secrets
 import os
 import socket
@@ -273,7 +273,7 @@ class AdamW(torch.optim.Optimizer):
                 t.param.CopyFrom(seg_p.handle(p_off, nbytes))
         return request
 
-    def _register_group(self, gi, group, existing):
+    def _register_group(self, gi, group, existing, replace=False):
         if len({id(p) for p in group["params"]}) != len(group["params"]):
             raise ValueError(
                 "parameter group %d holds a parameter twice; torch steps it "
@@ -322,8 +322,14 @@ class AdamW(torch.optim.Optimizer):
         g = dict(id=str(gi), slots=[s for s, _ in slots],
                  segments=[seg_p, None],
                  snapshot={k: group[k] for k in _IMMUTABLE_KEYS},
-                 request=request)
-        self._groups.append(g)
+                 request=request,
+                 # What _sync_structure compares the group with each step.
+                 param_ids=[id(p) for p in group["params"]],
+                 frozen=[s.param for s, _ in slots if s.frozen])
+        if replace:
+            self._groups[gi] = g
+        else:
+            self._groups.append(g)
         if self._device.type == "cpu":
             self._flat_grads(g["id"])  # the daemon reads shared memory only
         self._index_buffers()
@@ -369,6 +375,29 @@ class AdamW(torch.optim.Optimizer):
         self._router = GradRouter(
             [s for g in self._groups for s in g["slots"]], self._device,
             self._flat_grads)
+
+    def _sync_structure(self):
+        """A group whose parameters were added or removed since it was
+        registered (param_groups[i]["params"] edited), or which has a
+        parameter frozen then and trained now, is registered anew over its
+        current parameters, keeping the state of those it had (torch picks
+        such changes up at its next step)."""
+        for gi, (g, group) in enumerate(zip(self._groups, self.param_groups)):
+            same = list(map(id, group["params"])) == g["param_ids"]
+            unfrozen = any(map(_requires_grad, g["frozen"])) and any(
+                p.requires_grad and p.grad is not None for p in g["frozen"])
+            if same and not unfrozen:
+                continue
+            state = self._fetch_state()
+            self._client.unregister_group(g["id"])
+            self._register_group(gi, group, existing=False, replace=True)
+            new = self._groups[gi]
+            self._client.set_state(set_state_request(
+                new["id"], new["slots"],
+                [state.get(s.param) for s in new["slots"]],
+                amsgrad=group["amsgrad"]))
+            self._sent_hyper = None
+            self.state.invalidate()
 
     def _sync_params(self):
         for g, group in zip(self._groups, self.param_groups):
@@ -423,6 +452,7 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._sync_structure()
         self._sync_params()
         self._write_back_state()
         updates = self._router.updates()
@@ -761,6 +791,9 @@ def _warn_in_user_code(message):
             os.path.abspath(frame.f_code.co_filename).startswith(internal):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, stacklevel=level)
+
+
+_requires_grad = operator.attrgetter("requires_grad")
 
 
 def _is_dtensor(p):
