@@ -307,6 +307,37 @@ class TorchClientTest(unittest.TestCase):
         self.assertFalse(removed in opt.state)
         opt.close()
 
+    def test_channels_last_parameters_keep_their_layout(self):
+        torch.manual_seed(7)
+        convs = [torch.nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
+                 for _ in range(2)]
+        convs[1].load_state_dict(convs[0].state_dict())
+        opt = self.make(convs[0].parameters(), lr=1e-2)
+        ref = torch.optim.AdamW(convs[1].parameters(), lr=1e-2)
+        w = convs[0].weight
+        self.assertTrue(w.is_contiguous(memory_format=torch.channels_last))
+        x = torch.randn(4, 3, 10, 10).to(memory_format=torch.channels_last)
+        for _ in range(4):
+            for c, o in zip(convs, (opt, ref)):
+                o.zero_grad()
+                c(x).square().mean().backward()
+                o.step()
+            for p, q in zip(convs[0].parameters(), convs[1].parameters()):
+                self.assertEqual(p.stride(), q.stride())
+                self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6)
+        for p, q in zip(convs[0].parameters(), convs[1].parameters()):
+            for k in ("exp_avg", "exp_avg_sq"):
+                self.assertLessEqual(
+                    scale_err(opt.state[p][k], ref.state[q][k]), 1e-5, k)
+        # State written back in torch's layout lands where it belongs.
+        state = ref.state_dict()
+        opt.load_state_dict(state)
+        for p, q in zip(convs[0].parameters(), convs[1].parameters()):
+            self.assertLessEqual(
+                scale_err(opt.state[p]["exp_avg"], ref.state[q]["exp_avg"]),
+                1e-6)
+        opt.close()
+
     def test_parameters_keep_identity_and_zero_grad_follows_torch(self):
         model = mlp()
         before = [id(p) for p in model.parameters()]

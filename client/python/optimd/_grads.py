@@ -95,8 +95,9 @@ class GradRouter:
         if grad.device != s.param.device:
             raise ValueError("parameter %s has its gradient on %s, not on %s"
                              % (s.name, grad.device, s.param.device))
-        if not grad.is_contiguous():
-            grad = grad.contiguous()
+        if grad.stride() != s.param.stride() and grad.numel() > 1:
+            # The daemon reads the gradient in the parameter's memory order.
+            grad = torch.empty_like(s.param).copy_(grad)
             s.param.grad = grad
         return grad
 

@@ -11,6 +11,7 @@ its next step (`written()`), so `opt.state[p]["exp_avg"].zero_()` or
 """
 import torch
 
+from optimd._layout import memory_order
 from optimd.v1 import optimd_pb2 as pb
 
 _DTYPES = {
@@ -131,7 +132,8 @@ def set_state_request(group_id, slots, entries, amsgrad):
             else 0
         for kind in _MOMENTS + ("master",):
             if kind in entry:
-                add_blob(request, s.name, kind, entry[kind])
+                add_blob(request, s.name, kind,
+                         memory_order(entry[kind].detach().cpu(), s.param))
             elif kind in _MOMENTS and (kind != "max_exp_avg_sq" or amsgrad):
                 add_blob(request, s.name, kind, torch.zeros(s.numel))
     request.step = max(own_steps.values(), default=0)

@@ -38,6 +38,7 @@ import torch
 
 from optimd import errors
 from optimd._grads import GradRouter
+from optimd._layout import view_like
 from optimd._state import DaemonState, set_state_request
 from optimd._step_flags import StepFlags
 from optimd.client import Client
@@ -306,7 +307,7 @@ class AdamW(torch.optim.Optimizer):
             seg_p = SharedSegment(max(p_bytes, 64))
         for s, p_off in slots:
             p = s.param
-            s.pview = seg_p.tensor(p_off, s.numel, p.dtype).view(p.shape)
+            s.pview = view_like(seg_p.tensor(p_off, s.numel, p.dtype), p)
             s.pview.copy_(p.detach())
             p.data = s.pview
         request = self._group_request(gi, group, slots, seg_p)
@@ -352,8 +353,8 @@ class AdamW(torch.optim.Optimizer):
             seg_g = SharedSegment(max(g_bytes, 64))
         for s, off in zip(g["slots"], offsets):
             if not s.frozen:
-                s.gview = seg_g.tensor(off, s.numel, s.param.dtype).view(
-                    s.param.shape)
+                s.gview = view_like(
+                    seg_g.tensor(off, s.numel, s.param.dtype), s.param)
         g["segments"][1] = seg_g
         return seg_g
 
@@ -575,7 +576,7 @@ class AdamW(torch.optim.Optimizer):
                     continue  # never stepped: torch has no state for it
                 entry = {"step": torch.tensor(float(own))}
                 for kind, t in mine.items():
-                    value = _blob_tensor(t).view(s.param.shape).to(
+                    value = view_like(_blob_tensor(t), s.param).to(
                         s.param.device)
                     if kind == "master":
                         # fp32 parameters need no master in torch's format.
