@@ -1,6 +1,7 @@
 """optimd.torch.AdamW as a drop-in torch optimizer: training a model,
 several groups, state dicts both ways with torch.optim.AdamW, resume after a
 trainer crash, and clear Python errors."""
+import gc
 import os
 import random
 import unittest
@@ -207,6 +208,18 @@ class TorchClientTest(unittest.TestCase):
         self.train_step(gen, again)
         for o in opts + [again]:
             o.close()
+
+    def test_session_closes_with_its_optimizer(self):
+        client = optimd.Client(self.daemon.address)
+        before = len(client.list_sessions().sessions)
+        model = mlp()
+        opt = AdamW(model.parameters(), address=self.daemon.address)
+        self.train_step(model, opt)
+        self.assertEqual(len(client.list_sessions().sessions), before + 1)
+        del opt
+        gc.collect()
+        self.assertEqual(len(client.list_sessions().sessions), before)
+        client.close()
 
     def test_failed_constructor_leaves_no_session(self):
         client = optimd.Client(self.daemon.address)

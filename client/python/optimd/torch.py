@@ -28,11 +28,12 @@ Differences from torch.optim.AdamW, all deliberate:
 import collections
 import inspect
 import operator
-import secrets
 import os
+import secrets
 import socket
 import sys
 import warnings
+import weakref
 
 import torch
 
@@ -174,12 +175,17 @@ class AdamW(torch.optim.Optimizer):
         self._pending = collections.deque()  # replies not yet looked at
         if self._device.type == "cuda":
             self._flags = StepFlags(self._device)
-            self._client.on_stream_broken = self._on_stream_broken
+            # Weakly: the client must not keep the optimizer alive (its
+            # session closes when the optimizer is collected).
+            method = weakref.WeakMethod(self._on_stream_broken)
+            self._client.on_stream_broken = \
+                lambda *a: method() is not None and method()(*a)
         reply = self._client.create_session(
             job, rank=rank, world_size=world_size,
             device=-1 if self._device.type == "cpu" else self._device.index,
             resume=resume)
         self.resumed = reply.resumed
+        self._closer = weakref.finalize(self, _close_session, self._client)
         registered = set(reply.group_ids)
         self._ready = True
         try:
@@ -191,9 +197,11 @@ class AdamW(torch.optim.Optimizer):
         except BaseException:
             # A constructor that fails leaves nothing in the daemon (a
             # resumed session keeps the state it came for).
-            if not self.resumed:
-                self._client.close_session()
-            self._client.close()
+            if self.resumed:
+                self._closer.detach()
+                self._client.close()
+            else:
+                self._closer()
             raise
 
     # Construction helpers.
@@ -740,9 +748,10 @@ class AdamW(torch.optim.Optimizer):
         return self._client
 
     def close(self):
-        """Closes the session: the daemon frees this trainer's state."""
-        if self._client is not None and self._client.token:
-            self._client.close_session()
+        """Closes the session: the daemon frees this trainer's state. Done
+        by itself when the optimizer is collected or the process exits
+        normally (a killed trainer's session stays for resume=True)."""
+        self._closer()
 
     def __getstate__(self):
         raise TypeError("optimd.torch.AdamW holds a daemon session and "
@@ -795,6 +804,18 @@ def _warn_in_user_code(message):
 
 
 _requires_grad = operator.attrgetter("requires_grad")
+
+
+def _close_session(client):
+    """Closes an optimizer's session and channel; at interpreter exit a
+    daemon already gone is no error worth raising."""
+    try:
+        if client.token:
+            client.close_session()
+    except errors.OptimdError:
+        pass
+    finally:
+        client.close()
 
 
 def _is_dtensor(p):
