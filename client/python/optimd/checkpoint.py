@@ -16,6 +16,8 @@ from_torch_state_dict() goes the other way for optimd.torch.AdamW's
 load_state_dict, which accepts torch's format directly.
 """
 import json
+import mmap
+import os
 import struct
 
 import torch
@@ -69,17 +71,26 @@ def _unpack(meta, tensors):
 
 def read_checkpoint(path):
     """(metadata dict, {name: 1-D tensor}) of a daemon checkpoint, either
-    format; the metadata is always in format 1's shape."""
+    format; the metadata is always in format 1's shape.
+
+    The tensors are views of a private (copy-on-write) memory map of the
+    file: nothing is read until used, and what is read stays in the page
+    cache, so converting a checkpoint takes about no memory of its own."""
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
-        body = f.read()
+        size = os.fstat(f.fileno()).st_size
+        body = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) \
+            if size > 0 else None
+    start = 8 + n
     meta = json.loads(header.pop("__metadata__")["optimd"])
     tensors = {}
     for name, info in header.items():
         a, b = info["data_offsets"]
         dtype = _DTYPES[info["dtype"]]
-        tensors[name] = (torch.frombuffer(bytearray(body[a:b]), dtype=dtype)
+        count = (b - a) // torch.empty((), dtype=dtype).element_size()
+        tensors[name] = (torch.frombuffer(body, dtype=dtype, count=count,
+                                          offset=start + a)
                          if b > a else torch.empty(0, dtype=dtype))
     if meta["format_version"] == 2:
         tensors = _unpack(meta, tensors)
