@@ -281,6 +281,15 @@ json MetaJson(const std::vector<Group*>& groups, bool packed) {
                         {"layout", LayoutJson(t.layout)}});
     }
     jg["tensors"] = jt;
+    // Tensors that missed steps without a gradient: [index, missed] pairs,
+    // only where nonzero (most groups have none).
+    json missed = json::array();
+    for (size_t i = 0; i < g->tensors.size(); ++i) {
+      if (g->tensors[i].missed_steps > 0) {
+        missed.push_back(json::array({i, g->tensors[i].missed_steps}));
+      }
+    }
+    if (!missed.empty()) jg["missed_steps"] = missed;
     jgroups.push_back(jg);
   }
   meta["groups"] = jgroups;
@@ -622,7 +631,31 @@ absl::StatusOr<uint32_t> ParseCrcHex(const std::string& s) {
 struct GroupHeader {
   uint64_t step = 0;
   AdamWHyper hyper;
+  // Per tensor of the group, its missed steps (TensorEntry::missed_steps).
+  std::vector<uint64_t> missed;
 };
+
+// The optional "missed_steps" of a group: [tensor index, missed] pairs, each
+// index once and below `tensors`, each count at most the group's step.
+absl::StatusOr<std::vector<uint64_t>> ParseMissedSteps(
+    const json& jg, const Fields& f, uint64_t step, size_t tensors) {
+  std::vector<uint64_t> missed(tensors, 0);
+  if (!jg.contains("missed_steps")) return missed;
+  OPTIMD_ASSIGN_OR_RETURN(const json* pairs, f.Array("missed_steps"));
+  for (const json& p : *pairs) {
+    if (!p.is_array() || p.size() != 2 || !p[0].is_number_unsigned() ||
+        !p[1].is_number_unsigned() || p[0].get<uint64_t>() >= tensors ||
+        p[1].get<uint64_t>() == 0 || p[1].get<uint64_t>() > step ||
+        missed[p[0].get<size_t>()] != 0) {
+      return f.Bad("missed_steps",
+                   absl::StrCat("not a list of distinct [tensor index < ",
+                                tensors, ", 1 <= missed <= step ", step,
+                                "] pairs"));
+    }
+    missed[p[0].get<size_t>()] = p[1].get<uint64_t>();
+  }
+  return missed;
+}
 
 absl::StatusOr<AdamWHyper> ParseHyper(const Fields& g,
                                       const std::string& path) {
@@ -711,6 +744,8 @@ absl::StatusOr<GroupHeader> ParseGroup(const json& jg, const Group& g,
         "group '", g.id, "' has ", jt->size(), " tensors in ", path, " but ",
         g.tensors.size(), " registered"));
   }
+  OPTIMD_ASSIGN_OR_RETURN(
+      out.missed, ParseMissedSteps(jg, f, out.step, g.tensors.size()));
   for (size_t ti = 0; ti < g.tensors.size(); ++ti) {
     const TensorEntry& t = g.tensors[ti];
     const std::string where =
@@ -1265,6 +1300,9 @@ absl::StatusOr<CheckpointResult> LoadCheckpoint(
   // otherwise stay as they are).
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     groups[gi]->hyper.lr = headers[gi].hyper.lr;
+    for (size_t ti = 0; ti < groups[gi]->tensors.size(); ++ti) {
+      groups[gi]->tensors[ti].missed_steps = headers[gi].missed[ti];
+    }
     OPTIMD_RETURN_IF_ERROR(backend->SetGroupStep(*groups[gi], headers[gi].step));
   }
   *partially_written = false;

@@ -504,6 +504,12 @@ TEST(CheckpointTest, MalformedHeaderFieldsAreRefusedAndChangeNothing) {
        }},
       {"nested shape", [&](HeaderParts& p) { p.header["w"]["shape"] = {{100}}; }},
       {"dtype a number", [&](HeaderParts& p) { p.header["w"]["dtype"] = 5; }},
+      {"missed_steps a number",
+       [&](HeaderParts& p) { group(p)["missed_steps"] = 3; }},
+      {"missed_steps of a tensor past the group's",
+       [&](HeaderParts& p) { group(p)["missed_steps"] = {{5, 1}}; }},
+      {"missed_steps above the step",
+       [&](HeaderParts& p) { group(p)["missed_steps"] = {{0, 1u << 30}}; }},
       {"deep nesting",
        [&](HeaderParts& p) {
          json deep = 1;
