@@ -258,9 +258,11 @@ json PackedTensorJson(const TensorEntry& t, json& layouts) {
 // The checkpoint's metadata, without the crc32c values: version 1 (a
 // tensor's metadata as an object) or, packed, version 2 (as an array, its
 // layout an index into one table).
-json MetaJson(const std::vector<Group*>& groups, bool packed) {
+json MetaJson(const std::vector<Group*>& groups, bool packed,
+              const std::string& job_id) {
   json meta;
   meta["format_version"] = packed ? 2 : 1;
+  meta["job_id"] = job_id;
   json layouts = json::array();
   json jgroups = json::array();
   for (const Group* g : groups) {
@@ -904,7 +906,12 @@ absl::Status FsyncDir(const std::string& dir) {
 
 }  // namespace
 
-std::string CheckpointFileName(const std::string& job_id, uint32_t rank) {
+std::string CheckpointFileName(uint32_t rank) {
+  return absl::StrCat("rank-", rank, ".safetensors");
+}
+
+std::string LegacyCheckpointFileName(const std::string& job_id,
+                                     uint32_t rank) {
   std::string job;
   for (char c : job_id) {
     const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
@@ -1016,7 +1023,8 @@ absl::StatusOr<CheckpointResult> WriteCheckpoint(
   RemoveStaleTemporaries(dir, path.substr(dir.size() + 1), time(nullptr));
   const std::string tmp = absl::StrCat(path, ".tmp-", getpid(), "-",
                                        std::random_device{}());
-  Fd fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+  // 0666: the daemon's umask decides who may read checkpoints.
+  Fd fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666));
   if (fd.get() < 0) {
     return ErrnoStatus(errno, absl::StrCat("cannot create a checkpoint in ",
                                            dir));
@@ -1071,7 +1079,8 @@ absl::StatusOr<CheckpointResult> SaveCheckpoint(
   const bool packed =
       UsePacked(entries, groups, options.packed_above_header_bytes);
   Arrange(entries, packed);
-  return WriteCheckpoint(path, MetaJson(groups, packed), std::move(entries),
+  return WriteCheckpoint(path, MetaJson(groups, packed, options.job_id),
+                         std::move(entries),
                          backend, options, nullptr);
 }
 
@@ -1137,7 +1146,7 @@ absl::StatusOr<std::unique_ptr<CheckpointSnapshot>> TakeSnapshot(
   const bool packed =
       UsePacked(d.entries, groups, options.packed_above_header_bytes);
   Arrange(d.entries, packed);
-  d.meta = MetaJson(groups, packed);
+  d.meta = MetaJson(groups, packed, options.job_id);
   // Checked here, before any copy, so that a stream or a background save
   // never starts a file that could not be loaded.
   OPTIMD_RETURN_IF_ERROR(CheckHeaderSize(HeaderJson(d.meta, d.entries)));

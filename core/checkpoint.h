@@ -54,6 +54,8 @@ struct CheckpointOptions {
   // Sessions whose per-tensor (version 1) header could take more than this
   // many bytes (an estimate that errs high) are saved packed (version 2).
   uint64_t packed_above_header_bytes = kMaxCheckpointHeaderBytes / 2;
+  // Written into the metadata ("job_id") of saves, for the record.
+  std::string job_id;
 };
 
 struct CheckpointResult {
@@ -63,8 +65,15 @@ struct CheckpointResult {
   double seconds = 0;
 };
 
-// "<job>.rank-<rank>.safetensors", the job id reduced to [A-Za-z0-9._-].
-std::string CheckpointFileName(const std::string& job_id, uint32_t rank);
+// "rank-<rank>.safetensors": a directory holds one job's checkpoint, a
+// file per rank, so that a new process (with a new job id) finds its
+// rank's file. The job id is in the file's metadata.
+std::string CheckpointFileName(uint32_t rank);
+
+// "<job>.rank-<rank>.safetensors", the job id reduced to [A-Za-z0-9._-]:
+// the name of earlier versions, which LoadState falls back to.
+std::string LegacyCheckpointFileName(const std::string& job_id,
+                                     uint32_t rank);
 
 // Checks `directory` (absolute, existing, within options.state_dir) and
 // returns its canonical path.

@@ -227,10 +227,11 @@ std::string JoinCheckpoint(HeaderParts p, bool keep_crc = false) {
 }
 
 TEST(CheckpointTest, FileNamesAreSafe) {
-  EXPECT_EQ(CheckpointFileName("job-1", 3), "job-1.rank-3.safetensors");
-  EXPECT_EQ(CheckpointFileName("../../etc/x y", 0),
+  EXPECT_EQ(CheckpointFileName(3), "rank-3.safetensors");
+  EXPECT_EQ(LegacyCheckpointFileName("job-1", 3), "job-1.rank-3.safetensors");
+  EXPECT_EQ(LegacyCheckpointFileName("../../etc/x y", 0),
             "job.._.._etc_x_y.rank-0.safetensors");
-  EXPECT_EQ(CheckpointFileName("", 1), "job.rank-1.safetensors");
+  EXPECT_EQ(LegacyCheckpointFileName("", 1), "job.rank-1.safetensors");
 }
 
 TEST(CheckpointTest, DirectoriesAreCheckedAndConfined) {
@@ -304,7 +305,7 @@ TEST(CheckpointTest, SnapshotBytesEqualTheSavedFile) {
 TEST(CheckpointTest, StaleTemporariesAreRemovedAtTheNextSave) {
   OneTensorSession s;
   ScratchDir dir;
-  const std::string final_name = CheckpointFileName("hdr", 0);
+  const std::string final_name = CheckpointFileName(0);
   const std::string base = dir.path() + "/" + final_name;
   // pid 999999999 is past any pid_max: that process is gone.
   const std::string stale = base + ".tmp-999999999-7";
@@ -312,7 +313,7 @@ TEST(CheckpointTest, StaleTemporariesAreRemovedAtTheNextSave) {
       base + ".tmp-1-7",              // init is alive
       base + ".tmp-999999999-x",      // not our pattern
       base + ".tmp-999999999-8.bak",  // not our pattern
-      dir.path() + "/other.rank-0.safetensors.tmp-999999999-7",  // other file
+      dir.path() + "/rank-1.safetensors.tmp-999999999-7",  // other file
       dir.path() + "/notes.txt"};
   // Written while the save runs (newer than its start): left alone.
   const std::string fresh = base + ".tmp-999999998-7";
@@ -433,7 +434,7 @@ TEST(CheckpointTest, SymlinkedCheckpointUnderStateDirIsRefused) {
   ASSERT_EQ(mkdir(inside.c_str(), 0700), 0);
   const std::string secret = root.path() + "/secret";
   WriteFile(secret, "SECRETS!and more");
-  const std::string name = inside + "/" + CheckpointFileName("hdr", 0);
+  const std::string name = inside + "/" + CheckpointFileName(0);
   ASSERT_EQ(symlink(secret.c_str(), name.c_str()), 0);
   CheckpointOptions confined;
   confined.state_dir = inside;

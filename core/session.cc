@@ -1,5 +1,7 @@
 #include "core/session.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -932,10 +934,12 @@ absl::StatusOr<CheckpointResult> Session::SaveState(
                           ResolveCheckpointDir(directory, options));
   OPTIMD_RETURN_IF_ERROR(backend_->CheckMappings(mappings_));
   OPTIMD_RETURN_IF_ERROR(backend_->SyncGroupCounters(step_groups_));
-  const std::string path = absl::StrCat(
-      dir, "/", CheckpointFileName(identity_.job_id, identity_.rank));
+  const std::string path =
+      absl::StrCat(dir, "/", CheckpointFileName(identity_.rank));
+  CheckpointOptions with_job = options;
+  with_job.job_id = identity_.job_id;
   if (!background) {
-    return SaveCheckpoint(path, step_groups_, backend_, options);
+    return SaveCheckpoint(path, step_groups_, backend_, with_job);
   }
   const auto t0 = std::chrono::steady_clock::now();
   OPTIMD_ASSIGN_OR_RETURN(std::shared_ptr<CheckpointSnapshot> snapshot,
@@ -1011,7 +1015,9 @@ Session::ReservedSnapshot(const CheckpointOptions& options) {
     budget->Release(bytes);
     live->fetch_sub(1);
   };
-  auto snapshot = TakeSnapshot(step_groups_, backend_, options);
+  CheckpointOptions with_job = options;
+  with_job.job_id = identity_.job_id;
+  auto snapshot = TakeSnapshot(step_groups_, backend_, with_job);
   if (!snapshot.ok()) {
     release();
     return snapshot.status();
@@ -1024,10 +1030,14 @@ absl::StatusOr<CheckpointResult> Session::LoadState(
     const std::string& directory, const CheckpointOptions& options) {
   OPTIMD_ASSIGN_OR_RETURN(std::string dir,
                           ResolveCheckpointDir(directory, options));
-  return LoadStateFile(
-      absl::StrCat(dir, "/",
-                   CheckpointFileName(identity_.job_id, identity_.rank)),
-      options);
+  std::string path = absl::StrCat(dir, "/", CheckpointFileName(identity_.rank));
+  const std::string legacy = absl::StrCat(
+      dir, "/", LegacyCheckpointFileName(identity_.job_id, identity_.rank));
+  struct stat st;
+  if (lstat(path.c_str(), &st) != 0 && lstat(legacy.c_str(), &st) == 0) {
+    path = legacy;  // written by an earlier version
+  }
+  return LoadStateFile(path, options);
 }
 
 absl::StatusOr<CheckpointResult> Session::LoadStateFile(

@@ -136,6 +136,30 @@ class CheckpointTest(unittest.TestCase):
                                             state_a[k][kk]),
                                 "%s %s %s" % (name, k, kk))
 
+    def test_checkpoint_found_by_rank_with_default_arguments(self):
+        # save_checkpoint(dir) in one trainer and load_checkpoint(dir) in a
+        # new one (its own default job id) meet at rank-0.safetensors; the
+        # file's mode follows the daemon's umask.
+        init = torch.randn(50)
+        with Daemon() as d:
+            p = torch.nn.Parameter(init.clone())
+            opt = AdamW([p], lr=1e-2, address=d.address)
+            p.grad = torch.randn(50)
+            opt.step()
+            path = opt.save_checkpoint(self.dir).path
+            self.assertEqual(os.path.basename(path), "rank-0.safetensors")
+            umask = os.umask(0)
+            os.umask(umask)
+            self.assertEqual(os.stat(path).st_mode & 0o777, 0o666 & ~umask)
+            saved = p.detach().clone()
+            opt.close()
+            q = torch.nn.Parameter(init.clone())
+            other = AdamW([q], lr=1e-2, address=d.address)
+            other.load_checkpoint(self.dir)
+            self.assertTrue(torch.equal(q.detach(), saved))
+            self.assertEqual(float(other.state[q]["step"]), 1.0)
+            other.close()
+
     def test_file_is_safetensors_with_documented_names(self):
         with Daemon() as d:
             params = [torch.nn.Parameter(torch.randn(*s).to(torch.bfloat16))
@@ -549,7 +573,7 @@ class CheckpointTest(unittest.TestCase):
             opt = AdamW([("w", p)], address=d.address, job_id="bgfail")
             self.assertEqual(opt.save_status().state, 0)  # none yet
             # The final name is taken by a directory: the rename fails.
-            os.mkdir(os.path.join(self.dir, "bgfail.rank-0.safetensors"))
+            os.mkdir(os.path.join(self.dir, "rank-0.safetensors"))
             opt.save_checkpoint(self.dir, background=True)
             with self.assertRaises(optimd.OptimdError) as cm:
                 opt.wait_for_save()
@@ -558,8 +582,8 @@ class CheckpointTest(unittest.TestCase):
             self.assertEqual(opt.save_status().state, pb.SAVE_STATE_FAILED)
             # Nothing half-written is left; the next save works.
             self.assertEqual(os.listdir(self.dir),
-                             ["bgfail.rank-0.safetensors"])
-            os.rmdir(os.path.join(self.dir, "bgfail.rank-0.safetensors"))
+                             ["rank-0.safetensors"])
+            os.rmdir(os.path.join(self.dir, "rank-0.safetensors"))
             opt.save_checkpoint(self.dir, background=True)
             self.assertEqual(opt.wait_for_save().state,
                              pb.SAVE_STATE_SUCCEEDED)
@@ -581,11 +605,11 @@ class CheckpointTest(unittest.TestCase):
             os.mkdir(sub)
             self.assertTrue(opt.save_checkpoint(sub).path.startswith(sub))
             # A failed save leaves no temporary file behind.
-            os.mkdir(os.path.join(allowed, "confined.rank-0.safetensors"))
+            os.mkdir(os.path.join(allowed, "rank-0.safetensors"))
             with self.assertRaises(optimd.OptimdError):
                 opt.save_checkpoint(allowed)
             self.assertEqual(sorted(os.listdir(allowed)),
-                             ["confined.rank-0.safetensors", "run1"])
+                             ["rank-0.safetensors", "run1"])
             opt.close()
 
 

@@ -1,6 +1,7 @@
 """Daemon checkpoints (SaveState files) as torch.optim state dicts.
 
-The mapping, for a file <job>.rank-<r>.safetensors:
+The mapping, for a file rank-<r>.safetensors (<job>.rank-<r>.safetensors
+from earlier versions):
   * param_groups[i]: the saved group i's hyperparameters (lr, betas, eps,
     weight_decay, amsgrad, maximize) and `params`: the indices of its
     tensors, numbered across groups in order, as torch numbers them.

@@ -663,7 +663,8 @@ class AdamW(torch.optim.Optimizer):
     # Checkpoints written by the daemon.
     def save_checkpoint(self, directory, background=False):
         """The daemon writes this trainer's optimizer state and parameters to
-        <directory>/<job>.rank-<rank>.safetensors (atomically). With
+        <directory>/rank-<rank>.safetensors (atomically; the job id is in
+        its metadata, so a new process finds it by rank). With
         background=True it returns once a consistent copy is taken and writes
         it while training goes on; see save_status()."""
         return self._client.save_state(directory, background=background)
