@@ -131,6 +131,7 @@ struct Entry {
   uint32_t group = 0;
   const char* kind = "";  // param, master, remainder, exp_avg, ...
   std::string key;        // the safetensors tensor the piece belongs to
+  std::vector<uint64_t> shape;  // the tensor's; empty: [numel]
 };
 
 // Every piece of the groups, in tensor order, without offsets or keys.
@@ -150,6 +151,7 @@ std::vector<Entry> Entries(const std::vector<Group*>& groups) {
         e.data = data;
         e.group = gi;
         e.kind = kind;
+        e.shape = t.shape;
         out.push_back(std::move(e));
       };
       add("param", "", SafetensorsDType(l.param_dtype),
@@ -314,8 +316,12 @@ std::string HeaderJson(json meta, const std::vector<Entry>& entries) {
     numel += e.numel;
     if (!RunEnds(entries, i)) continue;
     crcs[e.key] = CrcHex(e.crc);
+    // A piece alone in its file tensor (the per-tensor format) has its
+    // tensor's shape; a packed run is 1-D.
+    const bool alone = RunStarts(entries, i) && !e.shape.empty();
     tensors[e.key] = json{{"dtype", e.dtype},
-                          {"shape", json::array({numel})},
+                          {"shape", alone ? json(e.shape)
+                                          : json::array({numel})},
                           {"data_offsets",
                            json::array({begin, e.offset + e.bytes})}};
   }
@@ -604,6 +610,19 @@ class Fields {
     }
     return out;
   }
+  // The product of a shape: an array of at most 64 non-negative integers
+  // (a tensor's shape; its product must not overflow).
+  absl::StatusOr<uint64_t> ShapeNumel(const char* key) const {
+    OPTIMD_ASSIGN_OR_RETURN(const json* v, Array(key));
+    uint64_t product = 1;
+    bool bad = v->size() > 64;
+    for (const json& d : *v) {
+      bad = bad || !d.is_number_unsigned() ||
+            __builtin_mul_overflow(product, d.get<uint64_t>(), &product);
+    }
+    if (bad) return Bad(key, "not a shape (at most 64 dimensions)");
+    return product;
+  }
   absl::Status Bad(const char* key, const std::string& problem) const {
     return Malformed(path_,
                      absl::StrCat(where_, " field '", key, "' is ", problem));
@@ -788,10 +807,10 @@ absl::Status ParseRun(const json& h, const json& crcs,
   OPTIMD_ASSIGN_OR_RETURN(
       Fields f, Fields::Of(*it, absl::StrCat("tensor '", key, "'"), path));
   OPTIMD_ASSIGN_OR_RETURN(std::string dtype, f.String("dtype"));
-  OPTIMD_ASSIGN_OR_RETURN(std::vector<uint64_t> shape, f.Uints("shape", 1));
+  OPTIMD_ASSIGN_OR_RETURN(uint64_t shape_numel, f.ShapeNumel("shape"));
   OPTIMD_ASSIGN_OR_RETURN(std::vector<uint64_t> offsets,
                           f.Uints("data_offsets", 2));
-  if (dtype != entries[first].dtype || shape[0] != numel ||
+  if (dtype != entries[first].dtype || shape_numel != numel ||
       offsets[1] < offsets[0] || offsets[1] - offsets[0] != bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
         "tensor '", key, "' in ", path, " is ", it->dump(),

@@ -60,6 +60,8 @@ struct TensorSpec {
   bool frozen = false;
   // No gradient buffer yet (see TensorEntry::grad_absent).
   bool grad_absent = false;
+  // Empty: 1-D.
+  std::vector<uint64_t> shape;
 };
 
 // A group as a client describes it, before validation.
@@ -102,6 +104,8 @@ struct TensorEntry {
   // CUDA backend on the device; SyncGroupCounters brings it here) and set
   // by state loads.
   uint64_t missed_steps = 0;
+  // The shape checkpoints give the tensor's pieces; empty: [numel].
+  std::vector<uint64_t> shape;
   BufferRef param;  // null data for zero-element tensors
   BufferRef grad;   // null for frozen and zero-element tensors
   StateSlice master;

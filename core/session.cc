@@ -11,6 +11,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "core/status_macros.h"
 
 namespace optimd {
@@ -18,6 +19,25 @@ namespace {
 
 // Largest element count accepted: keeps numel * 4 * 4 far from overflow.
 constexpr uint64_t kMaxNumel = uint64_t{1} << 48;
+constexpr size_t kMaxDims = 64;
+
+// A shape, when given, has at most kMaxDims dimensions whose product is
+// the tensor's numel.
+absl::Status CheckShape(const TensorSpec& t) {
+  if (t.shape.empty()) return absl::OkStatus();
+  uint64_t product = 1;
+  bool overflow = t.shape.size() > kMaxDims;
+  for (uint64_t d : t.shape) {
+    overflow = overflow || __builtin_mul_overflow(product, d, &product);
+  }
+  if (overflow || product != t.numel) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor '", t.name, "': shape [", absl::StrJoin(t.shape, ", "),
+        "] does not hold numel ", t.numel, " elements (at most ", kMaxDims,
+        " dimensions whose product is numel)"));
+  }
+  return absl::OkStatus();
+}
 
 absl::Status CheckHyper(const GroupSpec& spec) {
   return CheckHyperparameters(spec.hyper,
@@ -228,6 +248,7 @@ absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
           "tensor '", t.name, "': numel ", t.numel, " exceeds the limit ",
           kMaxNumel));
     }
+    OPTIMD_RETURN_IF_ERROR(CheckShape(t));
     OPTIMD_ASSIGN_OR_RETURN(
         Layout layout,
         ResolveLayout(t.name, t.param_dtype, t.grad_dtype, spec.moment_dtype,
@@ -276,6 +297,7 @@ absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
     e.keep_fp32 = t.keep_fp32;
     e.frozen = t.frozen;
     e.grad_absent = t.grad_absent && !t.frozen;
+    e.shape = t.shape;
     if (t.numel > 0) {
       OPTIMD_ASSIGN_OR_RETURN(e.param, ResolveRegion(t.name, "param", t.param,
                                                      t.numel, t.param_dtype));

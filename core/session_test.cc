@@ -236,6 +236,23 @@ TEST_F(SessionTest, StepFlagsAreForCudaSessions) {
   EXPECT_EQ(session_.Info().steps, 0u);
 }
 
+TEST_F(SessionTest, ShapeMustHoldNumel) {
+  GroupSpec spec;
+  spec.id = "g";
+  spec.tensors = {Fp32Tensor("a", 12, 0)};
+  for (const std::vector<uint64_t>& bad :
+       {std::vector<uint64_t>{5, 2}, std::vector<uint64_t>{1ull << 33, 1ull << 33, 0},
+        std::vector<uint64_t>(65, 1)}) {
+    spec.tensors[0].shape = bad;
+    auto r = session_.RegisterGroup(spec);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find("shape"), absl::string_view::npos);
+  }
+  EXPECT_TRUE(session_.Info().group_ids.empty());
+  spec.tensors[0].shape = {3, 1, 4};
+  EXPECT_TRUE(session_.RegisterGroup(spec).ok());
+}
+
 TEST_F(SessionTest, ShrunkSegmentFailsTheStepNotTheDaemon) {
   auto seg = *SharedMemoryRegion::Create(8192);
   GroupSpec spec;

@@ -139,6 +139,7 @@ absl::StatusOr<GroupSpec> GroupSpecFromProto(
     ts.keep_fp32 = t.keep_fp32();
     ts.frozen = t.frozen();
     ts.grad_absent = t.grad_absent();
+    ts.shape.assign(t.shape().begin(), t.shape().end());
     spec.tensors.push_back(std::move(ts));
   }
   return spec;

@@ -160,6 +160,30 @@ class CheckpointTest(unittest.TestCase):
             self.assertEqual(float(other.state[q]["step"]), 1.0)
             other.close()
 
+    def test_safetensors_load_file_gives_shaped_tensors(self):
+        # What safetensors.torch.load_file returns, read by hand (safetensors
+        # is not installed here): every tensor has its parameter's shape.
+        with Daemon() as d:
+            w = torch.nn.Parameter(torch.randn(6, 4, 3))
+            b = torch.nn.Parameter(torch.randn(5))
+            opt = AdamW([("conv.weight", w), ("conv.bias", b)],
+                        address=d.address)
+            w.grad, b.grad = torch.randn_like(w), torch.randn_like(b)
+            opt.step()
+            path = opt.save_checkpoint(self.dir).path
+            with open(path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
+            for name in ("conv.weight", "conv.weight.exp_avg"):
+                self.assertEqual(header[name]["shape"], [6, 4, 3], name)
+            self.assertEqual(header["conv.bias.exp_avg_sq"]["shape"], [5])
+            from optimd.checkpoint import to_torch_state_dict
+            sd, params, _ = to_torch_state_dict(path)
+            self.assertEqual(params["conv.weight"].shape, (6, 4, 3))
+            self.assertTrue(torch.equal(params["conv.weight"], w.detach()))
+            self.assertEqual(sd["state"][0]["exp_avg"].shape, (6, 4, 3))
+            opt.close()
+
     def test_file_is_safetensors_with_documented_names(self):
         with Daemon() as d:
             params = [torch.nn.Parameter(torch.randn(*s).to(torch.bfloat16))

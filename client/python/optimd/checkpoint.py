@@ -7,8 +7,9 @@ from earlier versions):
     tensors, numbered across groups in order, as torch numbers them.
   * state[index]: for each tensor with optimizer state, `step` (a float
     tensor, torch's convention), `exp_avg`, `exp_avg_sq` and, with amsgrad,
-    `max_exp_avg_sq`, shaped 1-D as saved (reshape to the parameter's shape
-    before loading into a model's optimizer, or pass `shapes`).
+    `max_exp_avg_sq`, shaped as the parameter (the file keeps each tensor's
+    shape; packed files, for sessions of very many tensors, keep them 1-D:
+    pass `shapes` for those).
   * Parameters themselves are returned separately (`<name>` tensors), with
     fp32 masters as `<name>.master` where the layout keeps one (remainder
     layouts: the master rebuilt from the bf16 parameter and its int16
@@ -92,7 +93,8 @@ def read_checkpoint(path):
         count = (b - a) // torch.empty((), dtype=dtype).element_size()
         tensors[name] = (torch.frombuffer(body, dtype=dtype, count=count,
                                           offset=start + a)
-                         if b > a else torch.empty(0, dtype=dtype))
+                         if b > a else torch.empty(0, dtype=dtype)).reshape(
+                             info["shape"])
     if meta["format_version"] == 2:
         tensors = _unpack(meta, tensors)
     return meta, tensors
@@ -123,7 +125,9 @@ def to_torch_state_dict(path, shapes=None):
         ids = []
         for t in g["tensors"]:
             name = t["name"]
-            shape = (shapes or {}).get(name, (t["numel"],))
+            # The file's own shape (per-tensor format), else `shapes`, else
+            # 1-D (packed format).
+            shape = (shapes or {}).get(name, tuple(tensors[name].shape))
             params[name] = tensors[name].reshape(shape)
             m = _master(name, tensors)
             if m is not None:

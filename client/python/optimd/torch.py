@@ -272,7 +272,7 @@ class AdamW(torch.optim.Optimizer):
             t = request.tensors.add(name=s.name, numel=s.numel,
                                     param_dtype=_DTYPES[s.param.dtype],
                                     keep_fp32=id(s.param) in self._keep_fp32,
-                                    frozen=s.frozen)
+                                    frozen=s.frozen, shape=s.param.shape)
             if not s.frozen:
                 # Steps tell the daemon where gradients are (_grads.py).
                 t.grad_dtype = _DTYPES[s.param.dtype]
