@@ -1090,6 +1090,7 @@ void Session::PublishInfo() {
   info.steps = steps_;
   info.skipped_steps = skipped_steps_;
   absl::MutexLock lock(&info_mu_);
+  info.orphaned_since = info_.orphaned_since;  // kept by the registry
   info_ = std::move(info);
 }
 

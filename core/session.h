@@ -111,6 +111,8 @@ struct SessionInfo {
   uint64_t param_bytes = 0;
   uint64_t steps = 0;
   uint64_t skipped_steps = 0;
+  // Unix time since which the trainer is gone (orphaned); 0 while it runs.
+  double orphaned_since = 0;
 };
 
 // Snapshots of one session alive at once (streams still being read and a
@@ -212,6 +214,11 @@ class Session {
       ABSL_LOCKS_EXCLUDED(mu_);
 
   SessionInfo Info() const ABSL_LOCKS_EXCLUDED(info_mu_);
+  // Marks the session orphaned since `unix_seconds` (0: not orphaned).
+  void SetOrphanedSince(double unix_seconds) ABSL_LOCKS_EXCLUDED(info_mu_) {
+    absl::MutexLock lock(&info_mu_);
+    info_.orphaned_since = unix_seconds;
+  }
   std::vector<std::string> GroupIds() const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Runs `fn` with the session's groups locked (checkpoints, tests).

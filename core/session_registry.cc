@@ -22,7 +22,7 @@ std::string NewSessionToken() {
 
 absl::StatusOr<SessionRegistry::Created> SessionRegistry::Create(
     const SessionIdentity& identity, bool resume,
-    const std::string& ready_event) {
+    const std::string& ready_event, uint32_t trainer_pid) {
   if (identity.job_id.empty()) {
     return absl::InvalidArgumentError("job_id must not be empty");
   }
@@ -58,6 +58,8 @@ absl::StatusOr<SessionRegistry::Created> SessionRegistry::Create(
     created.session = old->second;
     created.resumed = true;
     by_token_.erase(old);
+    trainers_.erase(it->second);
+    created.session->SetOrphanedSince(0);
   } else {
     if (by_token_.size() >= kMaxSessions) {
       return absl::ResourceExhaustedError(absl::StrCat(
@@ -74,6 +76,7 @@ absl::StatusOr<SessionRegistry::Created> SessionRegistry::Create(
   }
   by_token_[created.token] = created.session;
   token_by_rank_[key] = created.token;
+  trainers_[created.token].process = FindTrainerProcess(trainer_pid);
   return created;
 }
 
@@ -142,9 +145,52 @@ absl::Status SessionRegistry::Close(const std::string& token) {
   if (it == by_token_.end()) {
     return absl::UnauthenticatedError("unknown session token");
   }
+  EraseLocked(token);
+  return absl::OkStatus();
+}
+
+void SessionRegistry::EraseLocked(const std::string& token) {
+  auto it = by_token_.find(token);
+  if (it == by_token_.end()) return;
   const SessionIdentity& id = it->second->identity();
   token_by_rank_.erase(std::make_pair(id.job_id, id.rank));
   by_token_.erase(it);
+  trainers_.erase(token);
+}
+
+SessionRegistry::Reaped SessionRegistry::Reap(absl::Time now,
+                                              absl::Duration grace) {
+  Reaped out;
+  absl::MutexLock lock(&mu_);
+  std::vector<std::string> expired;
+  for (auto& [token, trainer] : trainers_) {
+    const std::shared_ptr<Session>& s = by_token_.at(token);
+    if (!trainer.orphaned_since.has_value()) {
+      if (!trainer.process.has_value() || !TrainerGone(*trainer.process)) {
+        continue;
+      }
+      trainer.orphaned_since = now;
+      s->SetOrphanedSince(absl::ToDoubleSeconds(now - absl::UnixEpoch()));
+      out.orphaned.push_back(s->identity());
+    }
+    if (now - *trainer.orphaned_since >= grace) expired.push_back(token);
+  }
+  for (const std::string& token : expired) {
+    out.freed.push_back(by_token_.at(token)->identity());
+    EraseLocked(token);
+  }
+  return out;
+}
+
+absl::Status SessionRegistry::Evict(const std::string& job_id,
+                                    uint32_t rank) {
+  absl::MutexLock lock(&mu_);
+  auto it = token_by_rank_.find(std::make_pair(job_id, rank));
+  if (it == token_by_rank_.end()) {
+    return absl::NotFoundError(absl::StrCat("no session of job '", job_id,
+                                            "' rank ", rank));
+  }
+  EraseLocked(std::string(it->second));
   return absl::OkStatus();
 }
 

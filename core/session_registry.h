@@ -5,6 +5,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -12,9 +13,11 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "core/backend.h"
 #include "core/session.h"
 #include "core/state_budget.h"
+#include "core/trainer_process.h"
 
 namespace optimd {
 
@@ -43,8 +46,11 @@ class SessionRegistry {
   // working); without it, such a session is ALREADY_EXISTS.
   // `ready_event` is the trainer's interprocess CUDA event handle (empty on
   // the CPU backend).
+  // `trainer_pid`: the trainer's process id on this node (0: unknown), so
+  // that Reap notices a trainer gone without closing its session.
   absl::StatusOr<Created> Create(const SessionIdentity& identity, bool resume,
-                                 const std::string& ready_event = "")
+                                 const std::string& ready_event = "",
+                                 uint32_t trainer_pid = 0)
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // UNAUTHENTICATED for a missing or unknown token.
@@ -56,6 +62,20 @@ class SessionRegistry {
   absl::Status Close(const std::string& token) ABSL_LOCKS_EXCLUDED(mu_);
 
   std::vector<std::shared_ptr<Session>> List() const ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Sessions whose trainer process is gone (killed, or exited without
+  // CloseSession) are orphaned: kept for a resume for `grace`, then closed.
+  // Reap checks every session's trainer once; a resume ends the orphanhood.
+  struct Reaped {
+    std::vector<SessionIdentity> orphaned;  // newly
+    std::vector<SessionIdentity> freed;
+  };
+  Reaped Reap(absl::Time now, absl::Duration grace) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Closes the session of `job_id` and `rank` (an operator's eviction);
+  // NOT_FOUND when there is none.
+  absl::Status Evict(const std::string& job_id, uint32_t rank)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // Every backend, as given.
   const std::vector<Backend*>& backends() const { return backends_; }
@@ -74,6 +94,16 @@ class SessionRegistry {
       ABSL_GUARDED_BY(mu_);
   std::map<std::pair<std::string, uint32_t>, std::string> token_by_rank_
       ABSL_GUARDED_BY(mu_);
+  // By token: the session's trainer process, when the daemon can see it,
+  // and since when it is gone.
+  struct Trainer {
+    std::optional<TrainerProcess> process;
+    std::optional<absl::Time> orphaned_since;
+  };
+  std::map<std::string, Trainer> trainers_ ABSL_GUARDED_BY(mu_);
+
+  // Removes the session of `token` from every map.
+  void EraseLocked(const std::string& token) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 };
 
 // 128 random bits as 32 hex characters, from the OS's entropy source.

@@ -1,5 +1,9 @@
 #include "core/session.h"
 
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <cstring>
 #include <random>
 
@@ -317,6 +321,55 @@ TEST_F(SessionTest, ReadStateLimitsAndFilters) {
   EXPECT_TRUE((*meta)[0].tensors.empty());
   EXPECT_EQ(session_.ReadState({}, true, {"zzz"}).status().code(),
             absl::StatusCode::kNotFound);
+}
+
+// A session whose trainer process ends without closing it is orphaned,
+// kept for the grace period for a resume, then freed; a resume ends the
+// orphanhood; an operator can evict any session.
+TEST(SessionRegistryTest, OrphanedSessionsWaitForAResumeThenGo) {
+  CpuBackend backend(CpuBackend::Options{1, 64});
+  StateBudget budget(0);
+  SessionRegistry registry(&backend, &budget);
+  auto spawn = [] {
+    const pid_t child = fork();
+    if (child == 0) {
+      pause();
+      _exit(0);
+    }
+    return child;
+  };
+  auto end = [](pid_t child) {
+    kill(child, SIGKILL);
+    waitpid(child, nullptr, 0);
+  };
+  const pid_t first = spawn(), second = spawn();
+  ASSERT_GT(first, 0);
+  ASSERT_GT(second, 0);
+  ASSERT_TRUE(registry.Create({"a", 0, 1, -1}, false, "", first).ok());
+  ASSERT_TRUE(registry.Create({"b", 0, 1, -1}, false, "", second).ok());
+  ASSERT_TRUE(registry.Create({"unseen", 0, 1, -1}, false, "", 0).ok());
+  const absl::Time t0 = absl::Now();
+  const absl::Duration grace = absl::Seconds(10);
+  EXPECT_TRUE(registry.Reap(t0, grace).orphaned.empty());
+  end(first);
+  end(second);
+  auto reaped = registry.Reap(t0, grace);
+  ASSERT_EQ(reaped.orphaned.size(), 2u);
+  EXPECT_TRUE(reaped.freed.empty());
+  for (const auto& s : registry.List()) {
+    EXPECT_EQ(s->Info().orphaned_since > 0, s->identity().job_id != "unseen");
+  }
+  // "b" is resumed by a new trainer (this process) within the grace.
+  auto resumed = registry.Create({"b", 0, 1, -1}, true, "", getpid());
+  ASSERT_TRUE(resumed.ok());
+  EXPECT_EQ(resumed->session->Info().orphaned_since, 0);
+  reaped = registry.Reap(t0 + grace, grace);
+  ASSERT_EQ(reaped.freed.size(), 1u);
+  EXPECT_EQ(reaped.freed[0].job_id, "a");
+  EXPECT_EQ(registry.List().size(), 2u);
+  EXPECT_TRUE(registry.Evict("unseen", 0).ok());
+  EXPECT_EQ(registry.Evict("unseen", 0).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(registry.List().size(), 1u);
 }
 
 TEST(SessionRegistryTest, TokensResumeAndClose) {

@@ -256,6 +256,7 @@ void SessionInfoToProto(const SessionInfo& info, v1::SessionInfo* out) {
   out->set_state_bytes(info.state_bytes);
   out->set_steps(info.steps);
   out->set_skipped_steps(info.skipped_steps);
+  out->set_orphaned_since(info.orphaned_since);
 }
 
 }  // namespace optimd

@@ -35,6 +35,7 @@
 #include "client/default_address.h"
 #include "core/cpu_backend.h"
 #include "core/session_registry.h"
+#include "server/session_reaper.h"
 #include "server/device_worker.h"
 #include "server/optimizer_service.h"
 
@@ -70,6 +71,10 @@ ABSL_FLAG(std::string, tls_key, "", "TCP: PEM file of the server's key.");
 ABSL_FLAG(std::string, tls_client_ca, "",
           "TCP: PEM file of the CA whose certificates clients must present "
           "(mutual TLS); empty: clients are not asked for one.");
+ABSL_FLAG(int, orphan_grace_s, 600,
+          "how long the session of a trainer gone without closing it (killed) "
+          "is kept for a resume before it is freed; negative: kept until "
+          "evicted (optimctl evict)");
 ABSL_FLAG(int, shutdown_grace_s, 30,
           "On SIGINT/SIGTERM, how long in-flight calls may run before they "
           "are cancelled.");
@@ -309,6 +314,13 @@ int main(int argc, char** argv) {
   checkpoint_options.state_dir = absl::GetFlag(FLAGS_state_dir);
   optimd::OptimizerServiceImpl service(&registry, worker_ptrs,
                                        checkpoint_options);
+  std::unique_ptr<optimd::SessionReaper> reaper;
+  if (absl::GetFlag(FLAGS_orphan_grace_s) >= 0) {
+    const absl::Duration grace =
+        absl::Seconds(absl::GetFlag(FLAGS_orphan_grace_s));
+    reaper = std::make_unique<optimd::SessionReaper>(
+        &registry, grace, std::min(absl::Seconds(1), grace / 4 + absl::Milliseconds(50)), Log);
+  }
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

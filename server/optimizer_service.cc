@@ -128,7 +128,8 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::CreateSession(
     return reactor;
   }
   auto created =
-      registry_->Create(id, request->resume(), request->ready_event());
+      registry_->Create(id, request->resume(), request->ready_event(),
+                        request->trainer_pid());
   if (!created.ok()) {
     reactor->Finish(ToGrpcStatus(created.status()));
     return reactor;
@@ -728,6 +729,15 @@ uint32_t AddSessionInfos(
 }
 
 }  // namespace
+
+grpc::ServerUnaryReactor* OptimizerServiceImpl::EvictSession(
+    grpc::CallbackServerContext* context,
+    const v1::EvictSessionRequest* request, v1::EvictSessionResponse*) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(
+      ToGrpcStatus(registry_->Evict(request->job_id(), request->rank())));
+  return reactor;
+}
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::ListSessions(
     grpc::CallbackServerContext* context, const v1::ListSessionsRequest*,

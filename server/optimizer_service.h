@@ -83,6 +83,10 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
   grpc::ServerReadReactor<v1::StateChunk>* LoadStateStream(
       grpc::CallbackServerContext* context,
       v1::LoadStateResponse* response) override;
+  grpc::ServerUnaryReactor* EvictSession(
+      grpc::CallbackServerContext* context,
+      const v1::EvictSessionRequest* request,
+      v1::EvictSessionResponse* response) override;
   grpc::ServerUnaryReactor* ListSessions(
       grpc::CallbackServerContext* context,
       const v1::ListSessionsRequest* request,

@@ -4,6 +4,10 @@ trainer crash, and clear Python errors."""
 import gc
 import os
 import random
+import signal
+import subprocess
+import sys
+import time
 import unittest
 import warnings
 
@@ -220,6 +224,39 @@ class TorchClientTest(unittest.TestCase):
         gc.collect()
         self.assertEqual(len(client.list_sessions().sessions), before)
         client.close()
+
+    def test_killed_trainer_leaves_an_orphan_then_nothing(self):
+        # A trainer killed mid-training (no close): its session is shown
+        # orphaned, kept for the daemon's grace for a resume, then freed.
+        with Daemon(flags=["--orphan_grace_s=2"]) as d:
+            trainer = subprocess.Popen([sys.executable, "-c", (
+                "import os, signal, torch\n"
+                "from optimd.torch import AdamW\n"
+                "p = torch.nn.Parameter(torch.randn(10))\n"
+                "opt = AdamW([p], address=%r, job_id='killed')\n"
+                "p.grad = torch.randn(10)\n"
+                "opt.step()\n"
+                "os.kill(os.getpid(), signal.SIGKILL)\n") % d.address])
+            self.assertEqual(trainer.wait(60), -signal.SIGKILL)
+            client = optimd.Client(d.address)
+
+            def sessions():
+                return {s.job_id: s for s in client.list_sessions().sessions}
+            deadline = time.time() + 10
+            while not sessions()["killed"].orphaned_since:
+                self.assertLess(time.time(), deadline, "never orphaned")
+                time.sleep(0.1)
+            while "killed" in sessions():
+                self.assertLess(time.time(), deadline, "never freed")
+                time.sleep(0.1)
+            # An operator may evict any session at once.
+            p = torch.nn.Parameter(torch.randn(3))
+            opt = AdamW([p], address=d.address, job_id="evicted")
+            client.evict_session("evicted", 0)
+            self.assertNotIn("evicted", sessions())
+            with self.assertRaises(optimd.OptimdError):
+                client.evict_session("evicted", 0)
+            client.close()
 
     def test_failed_constructor_leaves_no_session(self):
         client = optimd.Client(self.daemon.address)

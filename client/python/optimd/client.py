@@ -124,9 +124,11 @@ class Client:
     # Sessions.
     def create_session(self, job_id, rank=0, world_size=1, device=-1,
                        resume=False, ready_event=b""):
+        """Opens (or resumes) a session; the daemon watches this process and
+        orphans the session if the process ends without closing it."""
         reply = self._call("CreateSession", pb.CreateSessionRequest(
             job_id=job_id, rank=rank, world_size=world_size, device=device,
-            resume=resume, ready_event=ready_event))
+            resume=resume, ready_event=ready_event, trainer_pid=os.getpid()))
         self.token = reply.session_token
         self.backend = reply.backend
         return reply
@@ -262,6 +264,10 @@ class Client:
     # Admin.
     def list_sessions(self):
         return self._call("ListSessions", pb.ListSessionsRequest())
+
+    def evict_session(self, job_id, rank=0):
+        return self._call("EvictSession", pb.EvictSessionRequest(
+            job_id=job_id, rank=rank))
 
     def get_metrics(self):
         return self._call("GetMetrics", pb.GetMetricsRequest())
