@@ -14,8 +14,8 @@
 
 #include "client/shm_tensor.h"
 #include "core/cpu_backend.h"
-#include "core/session.h"
 #include "core/crc32c.h"
+#include "core/session.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 
@@ -53,11 +53,10 @@ void WriteFile(const std::string& path, const std::string& bytes) {
 // shared memory, stepped once.
 class OneTensorSession {
  public:
-  OneTensorSession()
-      : backend_(CpuBackend::Options{1, 1024}), budget_(0) {
-    session_ = std::make_unique<Session>(
-        SessionIdentity{"hdr", 0, 1, -1}, &backend_, &budget_,
-        *backend_.OpenSession(-1, "", &done_));
+  OneTensorSession() : backend_(CpuBackend::Options{1, 1024}), budget_(0) {
+    session_ = std::make_unique<Session>(SessionIdentity{"hdr", 0, 1, -1},
+                                         &backend_, &budget_,
+                                         *backend_.OpenSession(-1, "", &done_));
     params_ = *SharedMemoryRegion::Create(4096);
     grads_ = *SharedMemoryRegion::Create(4096);
     for (int i = 0; i < 100; ++i) {
@@ -108,9 +107,9 @@ class ManyTensorSession {
  public:
   ManyTensorSession(int count, const std::string& prefix, bool mixed)
       : backend_(CpuBackend::Options{2, 1 << 16}), budget_(0) {
-    session_ = std::make_unique<Session>(
-        SessionIdentity{"many", 0, 1, -1}, &backend_, &budget_,
-        *backend_.OpenSession(-1, "", &done_));
+    session_ = std::make_unique<Session>(SessionIdentity{"many", 0, 1, -1},
+                                         &backend_, &budget_,
+                                         *backend_.OpenSession(-1, "", &done_));
     params_ = *SharedMemoryRegion::Create(uint64_t(count) * 8 + 64);
     grads_ = *SharedMemoryRegion::Create(uint64_t(count) * 8 + 64);
     for (int i = 0; i < 2 * count; ++i) {
@@ -148,8 +147,7 @@ class ManyTensorSession {
   }
   Session& session() { return *session_; }
   std::string Params() const {
-    return std::string(reinterpret_cast<const char*>(params_->data()),
-                       bytes_);
+    return std::string(reinterpret_cast<const char*>(params_->data()), bytes_);
   }
 
  private:
@@ -411,9 +409,10 @@ TEST(CheckpointTest, PackedFormatDetectsCorruptData) {
 TEST(CheckpointTest, AMillionTensorsFitTheHeaderLimit) {
   const auto t0 = std::chrono::steady_clock::now();
   ManyTensorSession s(1000000, "model.layers.mlp.weight.", /*mixed=*/false);
-  std::printf("registration %.2f s\n",
-              std::chrono::duration<double>(std::chrono::steady_clock::now() -
-                                            t0).count());
+  std::printf(
+      "registration %.2f s\n",
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+          .count());
   uint64_t header = 0;
   int version = 0;
   CheckResumeThroughCheckpoint(s, &header, &version);
@@ -445,8 +444,7 @@ TEST(CheckpointTest, SymlinkedCheckpointUnderStateDirIsRefused) {
   EXPECT_EQ(loaded.status().code(), absl::StatusCode::kInvalidArgument)
       << loaded.status();
   const uint64_t first8 = 0x2153544552434553;  // "SECRETS!" little-endian
-  EXPECT_EQ(std::string(loaded.status().message()).find(
-                std::to_string(first8)),
+  EXPECT_EQ(std::string(loaded.status().message()).find(std::to_string(first8)),
             std::string::npos)
       << loaded.status();
 }
@@ -485,15 +483,18 @@ TEST(CheckpointTest, MalformedHeaderFieldsAreRefusedAndChangeNothing) {
        [&](HeaderParts& p) { group(p)["hyperparameters"] = 3; }},
       {"no hyperparameters",
        [&](HeaderParts& p) { group(p).erase("hyperparameters"); }},
-      {"groups an object", [&](HeaderParts& p) { p.meta["groups"] = json::object(); }},
+      {"groups an object",
+       [&](HeaderParts& p) { p.meta["groups"] = json::object(); }},
       {"group a string", [&](HeaderParts& p) { p.meta["groups"][0] = "g"; }},
       {"id a number", [&](HeaderParts& p) { group(p)["id"] = 7; }},
-      {"tensor null", [&](HeaderParts& p) { group(p)["tensors"][0] = nullptr; }},
+      {"tensor null",
+       [&](HeaderParts& p) { group(p)["tensors"][0] = nullptr; }},
       {"numel a string",
        [&](HeaderParts& p) { group(p)["tensors"][0]["numel"] = "100"; }},
       {"format version a string",
        [&](HeaderParts& p) { p.meta["format_version"] = "1"; }},
-      {"crc32c an array", [&](HeaderParts& p) { p.meta["crc32c"] = json::array(); }},
+      {"crc32c an array",
+       [&](HeaderParts& p) { p.meta["crc32c"] = json::array(); }},
       {"crc32c not hex",
        [&](HeaderParts& p) { p.meta["crc32c"]["w"] = "zzzzzzzz"; }},
       {"negative data offset",
@@ -502,7 +503,8 @@ TEST(CheckpointTest, MalformedHeaderFieldsAreRefusedAndChangeNothing) {
        [&](HeaderParts& p) {
          p.header["w"]["data_offsets"] = {~uint64_t{0} - 10, ~uint64_t{0} + 0};
        }},
-      {"nested shape", [&](HeaderParts& p) { p.header["w"]["shape"] = {{100}}; }},
+      {"nested shape",
+       [&](HeaderParts& p) { p.header["w"]["shape"] = {{100}}; }},
       {"dtype a number", [&](HeaderParts& p) { p.header["w"]["dtype"] = 5; }},
       {"deep nesting",
        [&](HeaderParts& p) {

@@ -9,8 +9,8 @@
 #include <memory>
 
 #include "core/cpu_backend.h"
-#include "google/protobuf/stubs/logging.h"
 #include "core/session.h"
+#include "google/protobuf/stubs/logging.h"
 #include "server/convert.h"
 
 namespace optimd {

@@ -2,6 +2,8 @@
 // through the fuzz target in the normal build: every input must give a
 // Status (the valid seeds an OK one) without crashing. With
 // --write_seeds=DIR it writes the corpus's valid seeds instead.
+#include "server/request_fuzz.h"
+
 #include <dirent.h>
 
 #include <cstdio>
@@ -9,8 +11,6 @@
 #include <iterator>
 #include <string>
 #include <vector>
-
-#include "server/request_fuzz.h"
 
 int main(int argc, char** argv) {
   const std::string flag = "--write_seeds=";
@@ -20,8 +20,7 @@ int main(int argc, char** argv) {
     std::printf("%s\n", s.ToString().c_str());
     return s.ok() ? 0 : 1;
   }
-  const std::string dir =
-      argc > 1 ? argv[1] : "server/testdata/request_corpus";
+  const std::string dir = argc > 1 ? argv[1] : "server/testdata/request_corpus";
   DIR* d = opendir(dir.c_str());
   if (d == nullptr) {
     std::printf("FAIL: no corpus at %s\n", dir.c_str());
@@ -47,7 +46,7 @@ int main(int argc, char** argv) {
       }
     }
   }
-  std::printf("%zu inputs, %d valid seeds, %d failures\n", names.size(),
-              valid, failures);
+  std::printf("%zu inputs, %d valid seeds, %d failures\n", names.size(), valid,
+              failures);
   return failures == 0 && valid >= 5 ? 0 : 1;
 }
