@@ -232,7 +232,8 @@ TEST(CheckpointTest, FileNamesAreSafe) {
 }
 
 TEST(CheckpointTest, DirectoriesAreCheckedAndConfined) {
-  const std::string root = TempDir();
+  ScratchDir scratch;
+  const std::string root = scratch.path();
   ASSERT_EQ(mkdir((root + "/inside").c_str(), 0700), 0);
   CheckpointOptions open;
   EXPECT_EQ(ResolveCheckpointDir("relative", open).status().code(),
@@ -281,7 +282,8 @@ TEST(CheckpointTest, SnapshotBytesEqualTheSavedFile) {
   spec.tensors = {t};
   ASSERT_TRUE(s.RegisterGroup(spec).ok());
   ASSERT_TRUE(s.Step({}).ok());
-  const std::string dir = TempDir();
+  ScratchDir scratch;
+  const std::string dir = scratch.path();
   auto saved = s.SaveState(dir, CheckpointOptions());
   ASSERT_TRUE(saved.ok()) << saved.status();
   std::ifstream in(saved->path, std::ios::binary);

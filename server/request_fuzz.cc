@@ -60,6 +60,10 @@ CpuBackend& FuzzBackend() {
     google::protobuf::SetLogHandler(nullptr);
     MakeSegment(kParams);
     MakeSegment(kGrads);
+    std::atexit([] {
+      shm_unlink(kParams);
+      shm_unlink(kGrads);
+    });
     return new CpuBackend(CpuBackend::Options{1, 1024});
   }();
   return *backend;
