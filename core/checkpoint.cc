@@ -856,6 +856,33 @@ absl::StatusOr<std::vector<GroupHeader>> ParseHeader(
   return out;
 }
 
+// Reads every file tensor's bytes once and checks its checksum, changing
+// nothing, so that a corrupt file is refused before any state changes.
+absl::Status VerifyChecksums(int fd, const std::vector<Entry>& entries,
+                             uint64_t data_start, const std::string& path) {
+  constexpr uint64_t kChunk = uint64_t{4} << 20;
+  std::vector<uint8_t> buffer;
+  uint32_t crc = 0;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const Entry& e = entries[i];
+    if (RunStarts(entries, i)) crc = 0;
+    for (uint64_t done = 0; done < e.bytes;) {
+      const uint64_t n = std::min(e.bytes - done, kChunk);
+      if (buffer.size() < n) buffer.resize(n);
+      OPTIMD_RETURN_IF_ERROR(
+          ReadAll(fd, buffer.data(), n, data_start + e.offset + done, path));
+      crc = Crc32cExtend(crc, buffer.data(), n);
+      done += n;
+    }
+    if (RunEnds(entries, i) && crc != e.crc) {
+      return absl::DataLossError(absl::StrCat(
+          "checksum mismatch in tensor '", e.key, "' of ", path,
+          ": the file is corrupt; nothing was loaded"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status FsyncDir(const std::string& dir) {
   Fd d(open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (d.get() < 0) return ErrnoStatus(errno, absl::StrCat("opening ", dir));
@@ -1178,6 +1205,10 @@ absl::StatusOr<CheckpointResult> LoadCheckpoint(
   OPTIMD_ASSIGN_OR_RETURN(
       std::vector<GroupHeader> headers,
       ParseHeader(header, groups, entries, size - data_start, path));
+  if (size <= options.verify_first_max_bytes) {
+    OPTIMD_RETURN_IF_ERROR(
+        VerifyChecksums(fd.get(), entries, data_start, path));
+  }
   // Everything matches: stream the data in. Pieces of at most half the
   // staging buffer; the next piece is read (on a thread of its own) while
   // the current one is checksummed and, on the CUDA backend, copied to the

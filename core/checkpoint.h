@@ -54,6 +54,13 @@ struct CheckpointOptions {
   // Sessions whose per-tensor (version 1) header could take more than this
   // many bytes (an estimate that errs high) are saved packed (version 2).
   uint64_t packed_above_header_bytes = kMaxCheckpointHeaderBytes / 2;
+  // Checkpoint files of at most this many bytes are read twice on load:
+  // first every checksum is verified, changing nothing (a corrupt file is
+  // refused whole and the session keeps its state), then the data is
+  // loaded. Larger files are checked while they load, which reads them
+  // once; a corrupt one then leaves the state mixed and the session
+  // refusing steps until a load succeeds.
+  uint64_t verify_first_max_bytes = uint64_t{1} << 30;
 };
 
 struct CheckpointResult {
