@@ -180,15 +180,14 @@ std::vector<Entry> Entries(const std::vector<Group*>& groups) {
 // group, kind and dtype, tensor order within each.
 void Arrange(std::vector<Entry>& entries, bool packed) {
   for (Entry& e : entries) {
-    e.key = packed ? absl::StrCat("g", e.group, ".", e.kind, ".", e.dtype)
-                   : e.name;
+    e.key =
+        packed ? absl::StrCat("g", e.group, ".", e.kind, ".", e.dtype) : e.name;
   }
   if (packed) {
-    std::stable_sort(entries.begin(), entries.end(),
-                     [](const Entry& a, const Entry& b) {
-                       return a.group != b.group ? a.group < b.group
-                                                 : a.key < b.key;
-                     });
+    std::stable_sort(
+        entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
+          return a.group != b.group ? a.group < b.group : a.key < b.key;
+        });
   }
   uint64_t offset = 0;
   for (Entry& e : entries) {
@@ -253,8 +252,8 @@ json PackedTensorJson(const TensorEntry& t, json& layouts) {
   size_t index = 0;
   while (index < layouts.size() && layouts[index] != layout) ++index;
   if (index == layouts.size()) layouts.push_back(layout);
-  return json::array({t.name, t.numel, index,
-                      (t.frozen ? 1 : 0) | (t.keep_fp32 ? 2 : 0)});
+  return json::array(
+      {t.name, t.numel, index, (t.frozen ? 1 : 0) | (t.keep_fp32 ? 2 : 0)});
 }
 
 // The checkpoint's metadata, without the crc32c values: version 1 (a
@@ -343,12 +342,12 @@ std::string HeaderJson(json meta, const std::vector<Entry>& entries) {
 // safetensors library) refuses: refused before anything is written.
 absl::Status CheckHeaderSize(const std::string& header) {
   if (header.size() <= kMaxCheckpointHeaderBytes) return absl::OkStatus();
-  return absl::ResourceExhaustedError(absl::StrCat(
-      "the checkpoint header would be ", header.size(), " bytes, more than "
-      "the ", kMaxCheckpointHeaderBytes, " safetensors readers accept (about "
-      "1 KB per tensor plus its names); nothing was written and the previous "
-      "checkpoint is intact. Use shorter tensor names or fewer tensors per "
-      "session"));
+  return absl::ResourceExhaustedError(
+      absl::StrCat("the checkpoint header would be ", header.size(),
+                   " bytes, more than the ", kMaxCheckpointHeaderBytes,
+                   " safetensors readers accept; nothing was written and the "
+                   "previous checkpoint is intact. Use shorter tensor names "
+                   "or fewer tensors per session"));
 }
 
 // Gathers writes into large pwritev calls (storage is much faster with
@@ -511,9 +510,9 @@ class Streamer {
 constexpr int kMaxJsonDepth = 16;
 
 absl::Status Malformed(const std::string& path, const std::string& what) {
-  return absl::InvalidArgumentError(absl::StrCat(
-      path, " has a malformed optimd header: ", what,
-      "; the file is damaged or was not written by optimd"));
+  return absl::InvalidArgumentError(
+      absl::StrCat(path, " has a malformed optimd header: ", what,
+                   "; the file is damaged or was not written by optimd"));
 }
 
 absl::Status CheckJsonDepth(absl::string_view text, const std::string& path) {
@@ -597,8 +596,7 @@ class Fields {
     return v;
   }
   // An array of exactly `n` non-negative integers.
-  absl::StatusOr<std::vector<uint64_t>> Uints(const char* key,
-                                              size_t n) const {
+  absl::StatusOr<std::vector<uint64_t>> Uints(const char* key, size_t n) const {
     OPTIMD_ASSIGN_OR_RETURN(const json* v, Array(key));
     std::vector<uint64_t> out;
     for (const json& x : *v) {
@@ -640,7 +638,9 @@ class Fields {
 absl::StatusOr<uint32_t> ParseCrcHex(const std::string& s) {
   uint32_t v = 0;
   for (char c : s) {
-    int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+    int d = c >= '0' && c <= '9'   ? c - '0'
+            : c >= 'a' && c <= 'f' ? c - 'a' + 10
+                                   : -1;
     if (d < 0) return absl::InvalidArgumentError("not hex");
     v = v << 4 | static_cast<uint32_t>(d);
   }
@@ -744,8 +744,8 @@ absl::StatusOr<TensorHeader> ParsePackedTensor(const json& j,
 absl::StatusOr<GroupHeader> ParseGroup(const json& jg, const Group& g,
                                        size_t index, const json* layouts,
                                        const std::string& path) {
-  OPTIMD_ASSIGN_OR_RETURN(
-      Fields f, Fields::Of(jg, absl::StrCat("group ", index), path));
+  OPTIMD_ASSIGN_OR_RETURN(Fields f,
+                          Fields::Of(jg, absl::StrCat("group ", index), path));
   OPTIMD_ASSIGN_OR_RETURN(std::string id, f.String("id"));
   if (id != g.id) {
     return absl::FailedPreconditionError(
@@ -755,15 +755,15 @@ absl::StatusOr<GroupHeader> ParseGroup(const json& jg, const Group& g,
   GroupHeader out;
   OPTIMD_ASSIGN_OR_RETURN(out.step, f.Uint("step"));
   if (out.step > kMaxStepCounter) {
-    return f.Bad("step", absl::StrCat(out.step, ", more than the largest "
-                                      "step counter ", kMaxStepCounter));
+    return f.Bad(
+        "step", absl::StrCat(out.step, ", past the largest ", kMaxStepCounter));
   }
   OPTIMD_ASSIGN_OR_RETURN(out.hyper, ParseHyper(f, path));
   OPTIMD_ASSIGN_OR_RETURN(const json* jt, f.Array("tensors"));
   if (jt->size() != g.tensors.size()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "group '", g.id, "' has ", jt->size(), " tensors in ", path, " but ",
-        g.tensors.size(), " registered"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("group '", g.id, "' has ", jt->size(), " tensors in ",
+                     path, " but ", g.tensors.size(), " registered"));
   }
   OPTIMD_ASSIGN_OR_RETURN(
       out.missed, ParseMissedSteps(jg, f, out.step, g.tensors.size()));
@@ -772,10 +772,10 @@ absl::StatusOr<GroupHeader> ParseGroup(const json& jg, const Group& g,
     const std::string where =
         absl::StrCat("tensor ", ti, " of group '", g.id, "'");
     OPTIMD_ASSIGN_OR_RETURN(
-        TensorHeader th, layouts == nullptr
-                             ? ParseTensor((*jt)[ti], where, path)
-                             : ParsePackedTensor((*jt)[ti], *layouts, where,
-                                                 path));
+        TensorHeader th,
+        layouts == nullptr
+            ? ParseTensor((*jt)[ti], where, path)
+            : ParsePackedTensor((*jt)[ti], *layouts, where, path));
     if (th.name != t.name || th.numel != t.numel || th.frozen != t.frozen ||
         *th.layout != LayoutJson(t.layout)) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -813,14 +813,13 @@ absl::Status ParseRun(const json& h, const json& crcs,
   if (dtype != entries[first].dtype || shape_numel != numel ||
       offsets[1] < offsets[0] || offsets[1] - offsets[0] != bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "tensor '", key, "' in ", path, " is ", it->dump(),
-        "; expected dtype ", entries[first].dtype, " shape [", numel, "] (",
-        bytes, " bytes)"));
+        "tensor '", key, "' in ", path, " is ", it->dump(), "; expected dtype ",
+        entries[first].dtype, " shape [", numel, "] (", bytes, " bytes)"));
   }
   if (offsets[1] > data_bytes) {
-    return absl::DataLossError(absl::StrCat(
-        path, " is truncated: tensor '", key, "' ends at data byte ",
-        offsets[1], " of ", data_bytes));
+    return absl::DataLossError(absl::StrCat(path, " is truncated: tensor '",
+                                            key, "' ends at data byte ",
+                                            offsets[1], " of ", data_bytes));
   }
   uint64_t offset = offsets[0];
   for (size_t i = first; i < end; ++i) {
@@ -830,13 +829,13 @@ absl::Status ParseRun(const json& h, const json& crcs,
   }
   auto c = crcs.find(key);
   if (c == crcs.end() || !c->is_string()) {
-    return Malformed(path, absl::StrCat("no crc32c string for tensor '",
-                                        key, "'"));
+    return Malformed(path,
+                     absl::StrCat("no crc32c string for tensor '", key, "'"));
   }
   auto crc = ParseCrcHex(c->get<std::string>());
   if (!crc.ok()) {
-    return Malformed(path, absl::StrCat("the crc32c of tensor '", key,
-                                        "' is ", crc.status().message()));
+    return Malformed(path, absl::StrCat("the crc32c of tensor '", key, "' is ",
+                                        crc.status().message()));
   }
   entries[end - 1].crc = *crc;
   return absl::OkStatus();
@@ -846,12 +845,11 @@ absl::Status ParseRun(const json& h, const json& crcs,
 // the entries' offsets and checksums. Changes no state.
 absl::StatusOr<std::vector<GroupHeader>> ParseHeader(
     const std::string& header, const std::vector<Group*>& groups,
-    std::vector<Entry>& entries, uint64_t data_bytes,
-    const std::string& path) {
+    std::vector<Entry>& entries, uint64_t data_bytes, const std::string& path) {
   OPTIMD_ASSIGN_OR_RETURN(json h, ParseJson(header, path, "the header"));
   auto not_ours = [&](const std::string& why) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        path, " is not an optimd checkpoint (", why, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, " is not an optimd checkpoint (", why, ")"));
   };
   if (!h.is_object()) return not_ours("the header is not a JSON object");
   auto md = h.find("__metadata__");
@@ -875,12 +873,12 @@ absl::StatusOr<std::vector<GroupHeader>> ParseHeader(
     auto want = mc->is_string() ? ParseCrcHex(mc->get<std::string>())
                                 : absl::InvalidArgumentError("not a string");
     if (!want.ok() ||
-        *want != Crc32cExtend(0, reinterpret_cast<const uint8_t*>(
-                                     meta_text.data()),
-                              meta_text.size())) {
-      return absl::DataLossError(absl::StrCat(
-          "the metadata of ", path, " does not match its crc32c: the "
-          "header is corrupt"));
+        *want !=
+            Crc32cExtend(0, reinterpret_cast<const uint8_t*>(meta_text.data()),
+                         meta_text.size())) {
+      return absl::DataLossError(
+          absl::StrCat("the metadata of ", path,
+                       " does not match its crc32c: the header is corrupt"));
     }
   }
   OPTIMD_ASSIGN_OR_RETURN(const json* jgroups, m.Array("groups"));
@@ -912,6 +910,33 @@ absl::StatusOr<std::vector<GroupHeader>> ParseHeader(
     first = end;
   }
   return out;
+}
+
+// Reads every file tensor's bytes once and checks its checksum, changing
+// nothing, so that a corrupt file is refused before any state changes.
+absl::Status VerifyChecksums(int fd, const std::vector<Entry>& entries,
+                             uint64_t data_start, const std::string& path) {
+  constexpr uint64_t kChunk = uint64_t{4} << 20;
+  std::vector<uint8_t> buffer;
+  uint32_t crc = 0;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const Entry& e = entries[i];
+    if (RunStarts(entries, i)) crc = 0;
+    for (uint64_t done = 0; done < e.bytes;) {
+      const uint64_t n = std::min(e.bytes - done, kChunk);
+      if (buffer.size() < n) buffer.resize(n);
+      OPTIMD_RETURN_IF_ERROR(
+          ReadAll(fd, buffer.data(), n, data_start + e.offset + done, path));
+      crc = Crc32cExtend(crc, buffer.data(), n);
+      done += n;
+    }
+    if (RunEnds(entries, i) && crc != e.crc) {
+      return absl::DataLossError(absl::StrCat(
+          "checksum mismatch in tensor '", e.key, "' of ", path,
+          ": the file is corrupt; nothing was loaded"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status FsyncDir(const std::string& dir) {
@@ -1006,8 +1031,8 @@ int RemoveStaleTemporaries(const std::string& dir,
     if (pid <= 0) continue;
     // Another live process's save (a pid of ours is never mid-save on
     // this name: a session saves one file at a time).
-    if (pid != getpid() && (kill(static_cast<pid_t>(pid), 0) == 0 ||
-                            errno == EPERM)) {
+    if (pid != getpid() &&
+        (kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM)) {
       continue;
     }
     struct stat st;
@@ -1206,8 +1231,8 @@ absl::StatusOr<CheckpointResult> LoadCheckpoint(
   Fd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | confined));
   if (fd.get() < 0 && errno == ELOOP && confined != 0) {
     return absl::PermissionDeniedError(absl::StrCat(
-        path, " is a symbolic link; with the daemon's --state_dir a "
-              "checkpoint must be a regular file within it"));
+        path, " is a symbolic link; with the daemon's --state_dir a ",
+        "checkpoint must be a regular file within it"));
   }
   if (fd.get() < 0) {
     return ErrnoStatus(errno, absl::StrCat("cannot open checkpoint ", path));
@@ -1230,8 +1255,8 @@ absl::StatusOr<CheckpointResult> LoadCheckpoint(
   for (int i = 0; i < 8; ++i) hl |= uint64_t{len[i]} << (8 * i);
   if (hl > kMaxCheckpointHeaderBytes) {
     return absl::InvalidArgumentError(absl::StrCat(
-        path, " is not a safetensors file (its header length field is past "
-              "the 100 MiB limit)"));
+        path, " is not a safetensors file (its header length field is past ",
+        "the 100 MiB limit)"));
   }
   if (8 + hl > size) {
     return absl::DataLossError(absl::StrCat(path, " is truncated (header)"));
@@ -1243,6 +1268,10 @@ absl::StatusOr<CheckpointResult> LoadCheckpoint(
   OPTIMD_ASSIGN_OR_RETURN(
       std::vector<GroupHeader> headers,
       ParseHeader(header, groups, entries, size - data_start, path));
+  if (size <= options.verify_first_max_bytes) {
+    OPTIMD_RETURN_IF_ERROR(
+        VerifyChecksums(fd.get(), entries, data_start, path));
+  }
   // Everything matches: stream the data in. Pieces of at most half the
   // staging buffer; the next piece is read (on a thread of its own) while
   // the current one is checksummed and, on the CUDA backend, copied to the
@@ -1314,8 +1343,7 @@ absl::StatusOr<CheckpointResult> LoadCheckpoint(
         return s;
       }
     }
-    if (p.done + p.n == e.bytes && RunEnds(entries, p.entry) &&
-        crc != e.crc) {
+    if (p.done + p.n == e.bytes && RunEnds(entries, p.entry) && crc != e.crc) {
       if (next.valid()) next.wait();
       return absl::DataLossError(absl::StrCat(
           "checksum mismatch in tensor '", e.key, "' of ", path,
@@ -1331,7 +1359,8 @@ absl::StatusOr<CheckpointResult> LoadCheckpoint(
     for (size_t ti = 0; ti < groups[gi]->tensors.size(); ++ti) {
       groups[gi]->tensors[ti].missed_steps = headers[gi].missed[ti];
     }
-    OPTIMD_RETURN_IF_ERROR(backend->SetGroupStep(*groups[gi], headers[gi].step));
+    OPTIMD_RETURN_IF_ERROR(
+        backend->SetGroupStep(*groups[gi], headers[gi].step));
   }
   *partially_written = false;
   CheckpointResult r;

@@ -56,6 +56,13 @@ struct CheckpointOptions {
   uint64_t packed_above_header_bytes = kMaxCheckpointHeaderBytes / 2;
   // Written into the metadata ("job_id") of saves, for the record.
   std::string job_id;
+  // Checkpoint files of at most this many bytes are read twice on load:
+  // first every checksum is verified, changing nothing (a corrupt file is
+  // refused whole and the session keeps its state), then the data is
+  // loaded. Larger files are checked while they load, which reads them
+  // once; a corrupt one then leaves the state mixed and the session
+  // refusing steps until a load succeeds.
+  uint64_t verify_first_max_bytes = uint64_t{1} << 30;
 };
 
 struct CheckpointResult {

@@ -2,6 +2,8 @@
 // through the fuzz target in the normal build: every input must give a
 // Status (the valid seeds an OK one) without crashing. With
 // --write_seeds=DIR it writes the corpus's valid seeds instead.
+#include "core/checkpoint_fuzz.h"
+
 #include <dirent.h>
 
 #include <cstdio>
@@ -9,8 +11,6 @@
 #include <iterator>
 #include <string>
 #include <vector>
-
-#include "core/checkpoint_fuzz.h"
 
 int main(int argc, char** argv) {
   const std::string flag = "--write_seeds=";
@@ -47,7 +47,7 @@ int main(int argc, char** argv) {
       }
     }
   }
-  std::printf("%zu inputs, %d valid seeds, %d failures\n", names.size(),
-              valid, failures);
+  std::printf("%zu inputs, %d valid seeds, %d failures\n", names.size(), valid,
+              failures);
   return failures == 0 && valid >= 2 ? 0 : 1;
 }

@@ -14,8 +14,8 @@
 
 #include "client/shm_tensor.h"
 #include "core/cpu_backend.h"
-#include "core/session.h"
 #include "core/crc32c.h"
+#include "core/session.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 
@@ -53,11 +53,10 @@ void WriteFile(const std::string& path, const std::string& bytes) {
 // shared memory, stepped once.
 class OneTensorSession {
  public:
-  OneTensorSession()
-      : backend_(CpuBackend::Options{1, 1024}), budget_(0) {
-    session_ = std::make_unique<Session>(
-        SessionIdentity{"hdr", 0, 1, -1}, &backend_, &budget_,
-        *backend_.OpenSession(-1, "", &done_));
+  OneTensorSession() : backend_(CpuBackend::Options{1, 1024}), budget_(0) {
+    session_ = std::make_unique<Session>(SessionIdentity{"hdr", 0, 1, -1},
+                                         &backend_, &budget_,
+                                         *backend_.OpenSession(-1, "", &done_));
     params_ = *SharedMemoryRegion::Create(4096);
     grads_ = *SharedMemoryRegion::Create(4096);
     for (int i = 0; i < 100; ++i) {
@@ -108,9 +107,9 @@ class ManyTensorSession {
  public:
   ManyTensorSession(int count, const std::string& prefix, bool mixed)
       : backend_(CpuBackend::Options{2, 1 << 16}), budget_(0) {
-    session_ = std::make_unique<Session>(
-        SessionIdentity{"many", 0, 1, -1}, &backend_, &budget_,
-        *backend_.OpenSession(-1, "", &done_));
+    session_ = std::make_unique<Session>(SessionIdentity{"many", 0, 1, -1},
+                                         &backend_, &budget_,
+                                         *backend_.OpenSession(-1, "", &done_));
     params_ = *SharedMemoryRegion::Create(uint64_t(count) * 8 + 64);
     grads_ = *SharedMemoryRegion::Create(uint64_t(count) * 8 + 64);
     for (int i = 0; i < 2 * count; ++i) {
@@ -148,8 +147,7 @@ class ManyTensorSession {
   }
   Session& session() { return *session_; }
   std::string Params() const {
-    return std::string(reinterpret_cast<const char*>(params_->data()),
-                       bytes_);
+    return std::string(reinterpret_cast<const char*>(params_->data()), bytes_);
   }
 
  private:
@@ -235,7 +233,8 @@ TEST(CheckpointTest, FileNamesAreSafe) {
 }
 
 TEST(CheckpointTest, DirectoriesAreCheckedAndConfined) {
-  const std::string root = TempDir();
+  ScratchDir scratch;
+  const std::string root = scratch.path();
   ASSERT_EQ(mkdir((root + "/inside").c_str(), 0700), 0);
   CheckpointOptions open;
   EXPECT_EQ(ResolveCheckpointDir("relative", open).status().code(),
@@ -284,7 +283,8 @@ TEST(CheckpointTest, SnapshotBytesEqualTheSavedFile) {
   spec.tensors = {t};
   ASSERT_TRUE(s.RegisterGroup(spec).ok());
   ASSERT_TRUE(s.Step({}).ok());
-  const std::string dir = TempDir();
+  ScratchDir scratch;
+  const std::string dir = scratch.path();
   auto saved = s.SaveState(dir, CheckpointOptions());
   ASSERT_TRUE(saved.ok()) << saved.status();
   std::ifstream in(saved->path, std::ios::binary);
@@ -392,7 +392,8 @@ TEST(CheckpointTest, PackedFormatHoldsEveryLayoutBitExact) {
 }
 
 // The packed format's checksums cover each packed tensor whole: a damaged
-// byte is found (DATA_LOSS) and the session then refuses steps.
+// byte is found (DATA_LOSS), before any state changes when the file is
+// small enough to be verified first.
 TEST(CheckpointTest, PackedFormatDetectsCorruptData) {
   ManyTensorSession s(8000, std::string(1000, 'c'), /*mixed=*/true);
   ScratchDir dir;
@@ -402,7 +403,20 @@ TEST(CheckpointTest, PackedFormatDetectsCorruptData) {
   std::string file = ReadFile(saved->path);
   file[file.size() - 3] ^= 0x40;
   WriteFile(saved->path, file);
+  // A small file is verified before anything changes: the session goes on.
+  const std::string before = s.Params();
   auto loaded = s.session().LoadState(dir.path(), CheckpointOptions());
+  EXPECT_EQ(loaded.status().code(), absl::StatusCode::kDataLoss)
+      << loaded.status();
+  EXPECT_NE(loaded.status().message().find("nothing was loaded"),
+            std::string::npos);
+  EXPECT_TRUE(s.Params() == before);
+  EXPECT_TRUE(s.session().Step({}).ok());
+  // Past verify_first_max_bytes the damage is found while loading: the
+  // state is then mixed and steps are refused until a good load.
+  CheckpointOptions single_pass;
+  single_pass.verify_first_max_bytes = 0;
+  loaded = s.session().LoadState(dir.path(), single_pass);
   EXPECT_EQ(loaded.status().code(), absl::StatusCode::kDataLoss)
       << loaded.status();
   EXPECT_EQ(s.session().Step({}).status().code(),
@@ -412,9 +426,10 @@ TEST(CheckpointTest, PackedFormatDetectsCorruptData) {
 TEST(CheckpointTest, AMillionTensorsFitTheHeaderLimit) {
   const auto t0 = std::chrono::steady_clock::now();
   ManyTensorSession s(1000000, "model.layers.mlp.weight.", /*mixed=*/false);
-  std::printf("registration %.2f s\n",
-              std::chrono::duration<double>(std::chrono::steady_clock::now() -
-                                            t0).count());
+  std::printf(
+      "registration %.2f s\n",
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+          .count());
   uint64_t header = 0;
   int version = 0;
   CheckResumeThroughCheckpoint(s, &header, &version);
@@ -446,8 +461,7 @@ TEST(CheckpointTest, SymlinkedCheckpointUnderStateDirIsRefused) {
   EXPECT_EQ(loaded.status().code(), absl::StatusCode::kInvalidArgument)
       << loaded.status();
   const uint64_t first8 = 0x2153544552434553;  // "SECRETS!" little-endian
-  EXPECT_EQ(std::string(loaded.status().message()).find(
-                std::to_string(first8)),
+  EXPECT_EQ(std::string(loaded.status().message()).find(std::to_string(first8)),
             std::string::npos)
       << loaded.status();
 }
@@ -486,15 +500,18 @@ TEST(CheckpointTest, MalformedHeaderFieldsAreRefusedAndChangeNothing) {
        [&](HeaderParts& p) { group(p)["hyperparameters"] = 3; }},
       {"no hyperparameters",
        [&](HeaderParts& p) { group(p).erase("hyperparameters"); }},
-      {"groups an object", [&](HeaderParts& p) { p.meta["groups"] = json::object(); }},
+      {"groups an object",
+       [&](HeaderParts& p) { p.meta["groups"] = json::object(); }},
       {"group a string", [&](HeaderParts& p) { p.meta["groups"][0] = "g"; }},
       {"id a number", [&](HeaderParts& p) { group(p)["id"] = 7; }},
-      {"tensor null", [&](HeaderParts& p) { group(p)["tensors"][0] = nullptr; }},
+      {"tensor null",
+       [&](HeaderParts& p) { group(p)["tensors"][0] = nullptr; }},
       {"numel a string",
        [&](HeaderParts& p) { group(p)["tensors"][0]["numel"] = "100"; }},
       {"format version a string",
        [&](HeaderParts& p) { p.meta["format_version"] = "1"; }},
-      {"crc32c an array", [&](HeaderParts& p) { p.meta["crc32c"] = json::array(); }},
+      {"crc32c an array",
+       [&](HeaderParts& p) { p.meta["crc32c"] = json::array(); }},
       {"crc32c not hex",
        [&](HeaderParts& p) { p.meta["crc32c"]["w"] = "zzzzzzzz"; }},
       {"negative data offset",
@@ -503,7 +520,8 @@ TEST(CheckpointTest, MalformedHeaderFieldsAreRefusedAndChangeNothing) {
        [&](HeaderParts& p) {
          p.header["w"]["data_offsets"] = {~uint64_t{0} - 10, ~uint64_t{0} + 0};
        }},
-      {"nested shape", [&](HeaderParts& p) { p.header["w"]["shape"] = {{100}}; }},
+      {"nested shape",
+       [&](HeaderParts& p) { p.header["w"]["shape"] = {{100}}; }},
       {"dtype a number", [&](HeaderParts& p) { p.header["w"]["dtype"] = 5; }},
       {"missed_steps a number",
        [&](HeaderParts& p) { group(p)["missed_steps"] = 3; }},

@@ -46,17 +46,15 @@ absl::Status CheckHyper(const GroupSpec& spec) {
 
 // Bounds on a group's id and on how many groups and tensors a session
 // holds, so that replies listing them stay far below gRPC's limits.
-absl::Status CheckCounts(const GroupSpec& spec, size_t groups,
-                         size_t tensors) {
+absl::Status CheckCounts(const GroupSpec& spec, size_t groups, size_t tensors) {
   if (spec.id.size() > kMaxNameBytes) {
     return absl::InvalidArgumentError(absl::StrCat(
         "group_id is ", spec.id.size(), " bytes (starting '",
-        spec.id.substr(0, 64), "'); at most ", kMaxNameBytes,
-        " are allowed"));
+        spec.id.substr(0, 64), "'); at most ", kMaxNameBytes, " are allowed"));
   }
   if (groups >= kMaxGroupsPerSession) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "the session already has ", groups, " groups, the limit"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the session already has ", groups, " groups, the limit"));
   }
   if (spec.tensors.size() > kMaxTensorsPerSession - tensors) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -77,10 +75,10 @@ constexpr const char* kStateKeySuffixes[] = {
 absl::Status CheckCheckpointKeys(const std::set<std::string>& fresh,
                                  const std::set<std::string>& registered) {
   auto collision = [](const std::string& base, const char* suffix) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "tensor names '", base, "' and '", base, suffix,
-        "' collide in checkpoints, where the state of '", base,
-        "' is saved as '", base, suffix, "'; rename one of them"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor names '", base, "' and '", base, suffix,
+                     "' collide in checkpoints, where the state of '", base,
+                     "' is saved as '", base, suffix, "'; rename one of them"));
   };
   if (fresh.count("__metadata__") > 0) {
     return absl::InvalidArgumentError(
@@ -110,8 +108,8 @@ absl::Status CheckCheckpointKeys(const std::set<std::string>& fresh,
 
 absl::Status TooLarge(const std::string& group) {
   return absl::ResourceExhaustedError(absl::StrCat(
-      "group '", group, "' would bring the session's optimizer state or "
-      "parameters past ", kMaxSessionBytes, " bytes, more than any machine "
+      "group '", group, "' would bring the session's optimizer state or ",
+      "parameters past ", kMaxSessionBytes, " bytes, more than any machine ",
       "holds; check the tensors' element counts"));
 }
 
@@ -266,9 +264,9 @@ absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
       }
       // numel <= kMaxNumel keeps each product far from overflow; the sums
       // over up to kMaxTensorsPerSession tensors are checked.
-      if (!AddChecked(&bytes, t.numel * (t.frozen
-                                             ? layout.MasterBytesPerElement()
-                                             : layout.StateBytesPerElement())) ||
+      if (!AddChecked(&bytes,
+                      t.numel * (t.frozen ? layout.MasterBytesPerElement()
+                                          : layout.StateBytesPerElement())) ||
           !AddChecked(&param_bytes, t.numel * DTypeSize(t.param_dtype))) {
         return TooLarge(spec.id);
       }
@@ -1019,19 +1017,20 @@ absl::StatusOr<std::unique_ptr<CheckpointSnapshot>> Session::Snapshot() {
   return ReservedSnapshot(CheckpointOptions());
 }
 
-absl::StatusOr<std::unique_ptr<CheckpointSnapshot>>
-Session::ReservedSnapshot(const CheckpointOptions& options) {
+absl::StatusOr<std::unique_ptr<CheckpointSnapshot>> Session::ReservedSnapshot(
+    const CheckpointOptions& options) {
   if (live_snapshots_->load() >= kMaxLiveSnapshots) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        kMaxLiveSnapshots, " snapshots of this session's state are still "
-        "held (SaveStateStream streams not read to the end, or a background "
+        kMaxLiveSnapshots, " snapshots of this session's state are still ",
+        "held (SaveStateStream streams not read to the end, or a background ",
         "save writing); finish or cancel them first"));
   }
   // A snapshot holds the parameters and the state, in host memory.
   const uint64_t bytes = param_bytes_ + state_bytes_;
   OPTIMD_RETURN_IF_ERROR(budget_->Reserve(
-      bytes, "a snapshot of the session's state (SaveStateStream or a "
-             "background save)"));
+      bytes,
+      "a snapshot of the session's state (SaveStateStream or a "
+      "background save)"));
   live_snapshots_->fetch_add(1);
   auto release = [budget = budget_, bytes, live = live_snapshots_] {
     budget->Release(bytes);

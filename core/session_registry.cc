@@ -27,9 +27,9 @@ absl::StatusOr<SessionRegistry::Created> SessionRegistry::Create(
     return absl::InvalidArgumentError("job_id must not be empty");
   }
   if (identity.job_id.size() > kMaxNameBytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "job_id is ", identity.job_id.size(), " bytes; at most ",
-        kMaxNameBytes, " are allowed"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("job_id is ", identity.job_id.size(), " bytes; at most ",
+                     kMaxNameBytes, " are allowed"));
   }
   if (identity.world_size == 0 || identity.rank >= identity.world_size) {
     return absl::InvalidArgumentError(absl::StrCat("rank ", identity.rank,

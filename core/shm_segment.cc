@@ -99,8 +99,8 @@ absl::Status SharedMemorySegment::CheckStillMapped() const {
   if (stat(absl::StrCat(kShmDirectory, name_).c_str(), &named) == 0 &&
       (named.st_dev != dev_ || named.st_ino != ino_)) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "shared-memory segment '", name_, "' was recreated after its "
-        "buffers were registered; the daemon still holds the old segment. "
+        "shared-memory segment '", name_, "' was recreated after its ",
+        "buffers were registered; the daemon still holds the old segment. ",
         "Point the tensors at the new one (UpdateBuffers) or re-register"));
   }
   return absl::OkStatus();

@@ -3,10 +3,10 @@
 // Serves optimd.v1.Optimizer, grpc.health.v1 and server reflection on a Unix
 // domain socket (default) or, with TLS, on TCP. Shuts down cleanly on
 // SIGINT/SIGTERM: in-flight calls finish, the socket file is removed.
+#include <fcntl.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
-#include <fcntl.h>
 #include <signal.h>
 #include <sys/file.h>
 #include <sys/resource.h>
@@ -344,18 +344,17 @@ int main(int argc, char** argv) {
     // Port 0: the kernel picked one; say which.
     listen = absl::StrCat(listen.substr(0, listen.size() - 1), port);
   }
-  Log(absl::StrCat("listening on ", listen,
-                   socket_path.empty()
-                       ? (absl::GetFlag(FLAGS_tls_client_ca).empty()
-                              ? " (TLS)"
-                              : " (TLS, client certificates required)")
-                       : "",
-                   "; open files limit ",
-                   files == RLIM_INFINITY ? std::string("unlimited")
-                                          : absl::StrCat(files),
-                   "; max_state_bytes=",
-                   budget.limit() == 0 ? std::string("unlimited")
-                                       : absl::StrCat(budget.limit())));
+  Log(absl::StrCat(
+      "listening on ", listen,
+      socket_path.empty() ? (absl::GetFlag(FLAGS_tls_client_ca).empty()
+                                 ? " (TLS)"
+                                 : " (TLS, client certificates required)")
+                          : "",
+      "; open files limit ",
+      files == RLIM_INFINITY ? std::string("unlimited") : absl::StrCat(files),
+      "; max_state_bytes=",
+      budget.limit() == 0 ? std::string("unlimited")
+                          : absl::StrCat(budget.limit())));
 
   std::thread waiter([&] {
     int sig = 0;

@@ -734,8 +734,8 @@ TEST_F(E2eTest, OverrideWithoutLrKeepsTheLearningRate) {
   AdamWHyper h;
   h.lr = 1e-2;  // as registered
   h.weight_decay = 0.0;
-  TensorPointers t{ref.data(), grads_->as<float>(), nullptr, m.data(),
-                   v.data(),   nullptr};
+  TensorPointers t{ref.data(), grads_->as<float>(), nullptr, m.data(), v.data(),
+                   nullptr};
   AdamWStepRange(Layout(), t, 0, 16, MakeStepScalars(h, 1, 1, 1));
   for (int i = 0; i < 16; ++i) ASSERT_EQ(p[i], ref[i]) << i;
   EXPECT_NE(p[0], 1.0f);
@@ -833,8 +833,8 @@ TEST_F(E2eTest, UpdateBuffersAndSetStateOfManyTensorsAreLinear) {
   t0 = absl::Now();
   ASSERT_TRUE(client_->SetState(set).ok());
   const double set_s = absl::ToDoubleSeconds(absl::Now() - t0);
-  std::printf("%d tensors: UpdateBuffers %.3f s, SetState %.3f s\n",
-              kTensors, update_s, set_s);
+  std::printf("%d tensors: UpdateBuffers %.3f s, SetState %.3f s\n", kTensors,
+              update_s, set_s);
   // Quadratic work at 100,000 tensors takes tens of seconds here.
   EXPECT_LT(update_s, 5.0);
   EXPECT_LT(set_s, 5.0);
@@ -1030,8 +1030,8 @@ TEST(E2eStartupTest, DaemonsRacingForOneSocketLeaveExactlyOne) {
     for (int i = 0; i < kDaemons; ++i) {
       const pid_t pid = fork();
       if (pid == 0) {
-        execl("server/optimd", "server/optimd", listen.c_str(),
-              "--backend=cpu", static_cast<char*>(nullptr));
+        execl("server/optimd", "server/optimd", listen.c_str(), "--backend=cpu",
+              static_cast<char*>(nullptr));
         _exit(127);
       }
       pids.push_back(pid);

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# Fuzzes checkpoint loading (core/checkpoint_fuzz.cc) with clang's libFuzzer
-# under AddressSanitizer and UndefinedBehaviorSanitizer, starting from the
-# seed corpus in core/testdata/checkpoint_corpus.
+# Fuzzes checkpoint loading (core/checkpoint_fuzz.cc) and request validation
+# (server/request_fuzz.cc) with clang's libFuzzer under AddressSanitizer and
+# UndefinedBehaviorSanitizer, each from its seed corpus
+# (core/testdata/checkpoint_corpus, server/testdata/request_corpus).
 #
-#   tools/fuzz.sh [RUNS]     # default 100000 executions; 0 crashes to pass
+#   tools/fuzz.sh [RUNS]     # executions per target, default 100000;
+#                            # fails on any crash or sanitizer report
 #
-# Needs clang (Debian's clang-14 ships libFuzzer). New interesting inputs go
-# to a scratch directory, not into the repository's corpus.
+# Needs clang (Debian's clang-14 ships libFuzzer) and Bazel for the
+# generated protobuf code. New interesting inputs go to a scratch
+# directory, not into the repository's corpora.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,10 +17,10 @@ runs="${1:-100000}"
 out="$(mktemp -d /tmp/optimd-fuzz-XXXXXX)"
 trap 'rm -rf "$out"' EXIT
 
-srcs=(core/checkpoint_fuzz.cc core/checkpoint.cc core/crc32c.cc
-      core/fault_guard.cc core/group.cc core/layout.cc core/dtype.cc
-      core/cpu_backend.cc core/shm_segment.cc core/thread_pool.cc
-      core/session.cc core/state_budget.cc kernels/adamw_cpu.cc)
+core=(core/checkpoint.cc core/crc32c.cc core/fault_guard.cc core/group.cc
+      core/layout.cc core/dtype.cc core/cpu_backend.cc core/shm_segment.cc
+      core/thread_pool.cc core/session.cc core/state_budget.cc
+      kernels/adamw_cpu.cc)
 absl=(-labsl_statusor -labsl_status -labsl_cord -labsl_cordz_info
       -labsl_cord_internal -labsl_cordz_functions -labsl_cordz_handle
       -labsl_exponential_biased -labsl_synchronization
@@ -28,15 +31,37 @@ absl=(-labsl_statusor -labsl_status -labsl_cord -labsl_cordz_info
       -labsl_raw_logging_internal -labsl_log_severity -labsl_spinlock_wait
       -labsl_base -labsl_hash -labsl_city -labsl_low_level_hash
       -labsl_raw_hash_set)
+cxx=(clang++ -std=c++17 -O1 -g -msse4.2 -I. -Ibazel-bin/proto
+     -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined)
 
-echo "== building the fuzz target (clang, libFuzzer, ASan, UBSan)"
-clang++ -std=c++17 -O1 -g -msse4.2 -I. \
-  -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
-  "${srcs[@]}" -o "$out/checkpoint_fuzz" "${absl[@]}" -lpthread -lrt
+# fuzz NAME CORPUS SOURCES... -- LIBS...
+fuzz() {
+  local name="$1" corpus="$2"
+  shift 2
+  local srcs=() libs=()
+  while [ "$1" != "--" ]; do srcs+=("$1"); shift; done
+  shift
+  libs=("$@")
+  echo "== building $name (clang, libFuzzer, ASan, UBSan)"
+  "${cxx[@]}" "${srcs[@]}" "${core[@]}" -o "$out/$name" "${absl[@]}" \
+    "${libs[@]}" -lpthread -lrt
+  mkdir "$out/$name.corpus"
+  echo "== fuzzing $name: $runs executions"
+  local rc=0
+  "$out/$name" -runs="$runs" -max_len=16384 -timeout=10 -rss_limit_mb=4096 \
+    -print_final_stats=1 "$out/$name.corpus" "$corpus" \
+    >"$out/$name.log" 2>&1 || rc=$?
+  # The progress lines are many; the end holds the stats or the crash.
+  grep -v "^#[0-9]" "$out/$name.log" | tail -n 60
+  if [ "$rc" -ne 0 ]; then
+    echo "== $name FAILED (exit $rc)"
+    return "$rc"
+  fi
+}
 
-mkdir "$out/corpus"
-echo "== fuzzing checkpoint loading: $runs executions"
-"$out/checkpoint_fuzz" -runs="$runs" -max_len=16384 -timeout=10 \
-  -rss_limit_mb=4096 -print_final_stats=1 \
-  "$out/corpus" core/testdata/checkpoint_corpus
-echo "== no crashes in $runs executions"
+bazel build //proto:optimd_cc_proto >/dev/null
+fuzz checkpoint_fuzz core/testdata/checkpoint_corpus core/checkpoint_fuzz.cc --
+fuzz request_fuzz server/testdata/request_corpus server/request_fuzz.cc \
+  server/convert.cc bazel-bin/proto/optimd/v1/optimd.pb.cc -- \
+  -lgrpc++ -lgrpc -lgpr -lprotobuf
+echo "== no crashes in $runs executions of each target"

@@ -1,0 +1,179 @@
+#include "server/request_fuzz.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+
+#include "core/cpu_backend.h"
+#include "core/session.h"
+#include "google/protobuf/stubs/logging.h"
+#include "server/convert.h"
+
+namespace optimd {
+namespace {
+
+// Segments under fixed names, so that seeds can name them; made once per
+// process (a second fuzzing process would share them).
+constexpr char kParams[] = "/optimd-fuzz-params";
+constexpr char kGrads[] = "/optimd-fuzz-grads";
+constexpr uint64_t kSegmentBytes = 4096;
+
+void MakeSegment(const char* name) {
+  const int fd = shm_open(name, O_RDWR | O_CREAT, 0600);
+  if (fd < 0 || ftruncate(fd, kSegmentBytes) != 0) std::abort();
+  close(fd);
+}
+
+v1::BufferHandle Handle(const char* segment, uint64_t offset, uint64_t size) {
+  v1::BufferHandle h;
+  h.mutable_shared_memory()->set_segment_name(segment);
+  h.mutable_shared_memory()->set_offset(offset);
+  h.mutable_shared_memory()->set_size(size);
+  return h;
+}
+
+v1::RegisterGroupRequest BaseGroup(const std::string& id, uint64_t offset) {
+  v1::RegisterGroupRequest r;
+  r.set_group_id(id);
+  r.mutable_hyperparameters()->set_lr(1e-3);
+  for (int i = 0; i < 2; ++i) {
+    auto* t = r.add_tensors();
+    t->set_name(id + (i == 0 ? ".w" : ".h"));
+    t->set_numel(16);
+    const v1::DType d = i == 0 ? v1::DTYPE_FLOAT32 : v1::DTYPE_BFLOAT16;
+    t->set_param_dtype(d);
+    t->set_grad_dtype(d);
+    const uint64_t at = offset + 128 * i;
+    *t->mutable_param() = Handle(kParams, at, i == 0 ? 64 : 32);
+    *t->mutable_grad() = Handle(kGrads, at, i == 0 ? 64 : 32);
+  }
+  return r;
+}
+
+CpuBackend& FuzzBackend() {
+  static CpuBackend* backend = [] {
+    // Parse errors of mutated inputs are expected; do not log each one.
+    google::protobuf::SetLogHandler(nullptr);
+    MakeSegment(kParams);
+    MakeSegment(kGrads);
+    std::atexit([] {
+      shm_unlink(kParams);
+      shm_unlink(kGrads);
+    });
+    return new CpuBackend(CpuBackend::Options{1, 1024});
+  }();
+  return *backend;
+}
+
+absl::Status Apply(Session& s, char kind, const std::string& bytes) {
+  switch (kind % 5) {
+    case 0: {
+      v1::RegisterGroupRequest r;
+      if (!r.ParseFromString(bytes)) return absl::InvalidArgumentError("");
+      auto spec = GroupSpecFromProto(r);
+      if (!spec.ok()) return spec.status();
+      return s.RegisterGroup(*spec).status();
+    }
+    case 1: {
+      v1::UpdateBuffersRequest r;
+      if (!r.ParseFromString(bytes)) return absl::InvalidArgumentError("");
+      auto updates = BufferUpdatesFromProto(r);
+      if (!updates.ok()) return updates.status();
+      return s.UpdateBuffers(r.group_id(), *updates);
+    }
+    case 2: {
+      v1::StepRequest r;
+      if (!r.ParseFromString(bytes)) return absl::InvalidArgumentError("");
+      auto spec = StepSpecFromProto(r);
+      if (!spec.ok()) return spec.status();
+      spec->refused = CheckStepOptions(r);  // as the service does
+      s.ResolveKeptLr(&*spec);
+      return s.Step(*spec).status();
+    }
+    case 3: {
+      v1::SetStateRequest r;
+      if (!r.ParseFromString(bytes)) return absl::InvalidArgumentError("");
+      auto blobs = StateBlobsFromProto(r);
+      if (!blobs.ok()) return blobs.status();
+      return s.WriteState(r.group_id(), r.step(), *blobs);
+    }
+    default: {
+      v1::GetStateRequest r;
+      if (!r.ParseFromString(bytes)) return absl::InvalidArgumentError("");
+      std::vector<std::string> ids(r.group_ids().begin(), r.group_ids().end());
+      std::vector<std::string> names(r.tensor_names().begin(),
+                                     r.tensor_names().end());
+      return s.ReadState(ids, !r.metadata_only(), names, 1 << 20).status();
+    }
+  }
+}
+
+}  // namespace
+
+absl::Status ApplyFuzzRequest(const uint8_t* data, size_t size) {
+  if (size == 0) return absl::InvalidArgumentError("empty input");
+  CpuBackend& backend = FuzzBackend();
+  StateBudget budget(uint64_t{1} << 30);
+  std::string done;
+  Session s(SessionIdentity{"fuzz", 0, 1, -1}, &backend, &budget,
+            *backend.OpenSession(-1, "", &done));
+  auto base = GroupSpecFromProto(BaseGroup("g", 0));
+  if (!base.ok() || !s.RegisterGroup(*base).ok()) std::abort();
+  const absl::Status status =
+      Apply(s, static_cast<char>(data[0]),
+            std::string(reinterpret_cast<const char*>(data) + 1, size - 1));
+  // Whatever the request did, the session still steps or refuses cleanly.
+  (void)s.Step(StepRequestSpec());
+  return status;
+}
+
+absl::Status WriteRequestSeeds(const std::string& dir) {
+  v1::UpdateBuffersRequest update;
+  update.set_group_id("g");
+  auto* tb = update.add_tensors();
+  tb->set_name("g.w");
+  *tb->mutable_grad() = Handle(kGrads, 1024, 64);
+  v1::StepRequest step;
+  step.set_grad_scale(1024);
+  step.set_max_grad_norm(1.0);
+  auto* o = step.add_overrides();
+  o->set_group_id("g");
+  o->set_beta1(0.8);
+  *step.add_buffer_updates() = update;
+  v1::SetStateRequest set;
+  set.set_group_id("g");
+  set.set_step(7);
+  auto* st = set.add_tensors();
+  st->set_tensor("g.w");
+  st->set_kind("exp_avg");
+  st->set_dtype(v1::DTYPE_FLOAT32);
+  st->set_numel(16);
+  st->set_data(std::string(64, '\0'));
+  v1::GetStateRequest get;
+  get.add_tensor_names("g.h");
+  const std::pair<const char*, std::string> seeds[] = {
+      {"valid-register", BaseGroup("n", 2048).SerializeAsString()},
+      {"valid-update", update.SerializeAsString()},
+      {"valid-step", step.SerializeAsString()},
+      {"valid-setstate", set.SerializeAsString()},
+      {"valid-getstate", get.SerializeAsString()}};
+  char kind = 0;
+  for (const auto& [name, bytes] : seeds) {
+    std::ofstream out(dir + "/" + name, std::ios::binary);
+    out << kind++ << bytes;
+    if (!out) return absl::InternalError(dir + "/" + name);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace optimd
+
+// libFuzzer's entry point (tools/fuzz.sh).
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  (void)optimd::ApplyFuzzRequest(data, size);
+  return 0;
+}
