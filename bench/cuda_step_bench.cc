@@ -177,8 +177,8 @@ int Run(IpcTrainer* trainer) {
       std::fprintf(stderr, "trainer allocation failed\n");
       return 1;
     }
-    Layout l = *ResolveLayout("t", c.param, c.grad, c.moment, c.master,
-                              false, false);
+    Layout l =
+        *ResolveLayout("t", c.param, c.grad, c.moment, c.master, false, false);
     // Bytes one step must move: read grad, moments and master (or the
     // parameter where the master is not a separate fp32 copy), write them
     // back. The same for every backend variant: one copy baseline per
@@ -275,8 +275,8 @@ int Run(IpcTrainer* trainer) {
               static_cast<unsigned long long>(bpp), gpu_ms,
               host[host.size() / 2] * 1e6, copy_ms, mode.c_str(),
               static_cast<unsigned long long>(variants[bi].chunk_elements),
-              variants[bi].use_graphs ? 1 : 0, cpu[cpu.size() / 2] * 1e6,
-              reg_s, variants[bi].report_slots, first_ms);
+              variants[bi].use_graphs ? 1 : 0, cpu[cpu.size() / 2] * 1e6, reg_s,
+              variants[bi].report_slots, first_ms);
           std::fflush(stdout);
         }
       }

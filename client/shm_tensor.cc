@@ -20,21 +20,21 @@ absl::StatusOr<std::unique_ptr<SharedMemoryRegion>> SharedMemoryRegion::Create(
   }
   static std::atomic<uint64_t> counter{0};
   static const uint32_t salt = std::random_device{}();
-  const std::string name = absl::StrCat("/optimd-", getpid(), "-", salt, "-",
-                                        counter.fetch_add(1));
-  const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC,
-                          0600);
+  const std::string name =
+      absl::StrCat("/optimd-", getpid(), "-", salt, "-", counter.fetch_add(1));
+  const int fd =
+      shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
   if (fd < 0) {
-    return absl::InternalError(absl::StrCat("shm_open('", name,
-                                            "'): ", std::strerror(errno)));
+    return absl::InternalError(
+        absl::StrCat("shm_open('", name, "'): ", std::strerror(errno)));
   }
   if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
     const int err = errno;
     close(fd);
     shm_unlink(name.c_str());
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "cannot size shared-memory segment to ", bytes,
-        " bytes: ", std::strerror(err)));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot size shared-memory segment to ", bytes,
+                     " bytes: ", std::strerror(err)));
   }
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int err = errno;

@@ -129,8 +129,8 @@ struct Entry {
   // whole file tensor's at its last piece.
   uint32_t crc = 0;
   uint32_t group = 0;
-  const char* kind = "";  // param, master, remainder, exp_avg, ...
-  std::string key;        // the safetensors tensor the piece belongs to
+  const char* kind = "";        // param, master, remainder, exp_avg, ...
+  std::string key;              // the safetensors tensor the piece belongs to
   std::vector<uint64_t> shape;  // the tensor's; empty: [numel]
 };
 
@@ -318,11 +318,10 @@ std::string HeaderJson(json meta, const std::vector<Entry>& entries) {
     // A piece alone in its file tensor (the per-tensor format) has its
     // tensor's shape; a packed run is 1-D.
     const bool alone = RunStarts(entries, i) && !e.shape.empty();
-    tensors[e.key] = json{{"dtype", e.dtype},
-                          {"shape", alone ? json(e.shape)
-                                          : json::array({numel})},
-                          {"data_offsets",
-                           json::array({begin, e.offset + e.bytes})}};
+    tensors[e.key] =
+        json{{"dtype", e.dtype},
+             {"shape", alone ? json(e.shape) : json::array({numel})},
+             {"data_offsets", json::array({begin, e.offset + e.bytes})}};
   }
   meta["crc32c"] = std::move(crcs);
   // The metadata's own checksum: a damaged step counter or learning rate
@@ -440,7 +439,8 @@ class Streamer {
   Streamer(Backend* backend, uint64_t staging_bytes)
       : backend_(backend),
         direct_(backend == nullptr || backend->HostAddressable()),
-        staging_bytes_(staging_bytes), half_(staging_bytes / 2) {}
+        staging_bytes_(staging_bytes),
+        half_(staging_bytes / 2) {}
 
   uint64_t peak_staging() const { return staging_.size(); }
 
@@ -658,8 +658,10 @@ struct GroupHeader {
 
 // The optional "missed_steps" of a group: [tensor index, missed] pairs, each
 // index once and below `tensors`, each count at most the group's step.
-absl::StatusOr<std::vector<uint64_t>> ParseMissedSteps(
-    const json& jg, const Fields& f, uint64_t step, size_t tensors) {
+absl::StatusOr<std::vector<uint64_t>> ParseMissedSteps(const json& jg,
+                                                       const Fields& f,
+                                                       uint64_t step,
+                                                       size_t tensors) {
   std::vector<uint64_t> missed(tensors, 0);
   if (!jg.contains("missed_steps")) return missed;
   OPTIMD_ASSIGN_OR_RETURN(const json* pairs, f.Array("missed_steps"));
@@ -668,10 +670,10 @@ absl::StatusOr<std::vector<uint64_t>> ParseMissedSteps(
         !p[1].is_number_unsigned() || p[0].get<uint64_t>() >= tensors ||
         p[1].get<uint64_t>() == 0 || p[1].get<uint64_t>() > step ||
         missed[p[0].get<size_t>()] != 0) {
-      return f.Bad("missed_steps",
-                   absl::StrCat("not a list of distinct [tensor index < ",
-                                tensors, ", 1 <= missed <= step ", step,
-                                "] pairs"));
+      return f.Bad(
+          "missed_steps",
+          absl::StrCat("not a list of distinct [tensor index < ", tensors,
+                       ", 1 <= missed <= step ", step, "] pairs"));
     }
     missed[p[0].get<size_t>()] = p[1].get<uint64_t>();
   }
@@ -765,8 +767,8 @@ absl::StatusOr<GroupHeader> ParseGroup(const json& jg, const Group& g,
         absl::StrCat("group '", g.id, "' has ", jt->size(), " tensors in ",
                      path, " but ", g.tensors.size(), " registered"));
   }
-  OPTIMD_ASSIGN_OR_RETURN(
-      out.missed, ParseMissedSteps(jg, f, out.step, g.tensors.size()));
+  OPTIMD_ASSIGN_OR_RETURN(out.missed,
+                          ParseMissedSteps(jg, f, out.step, g.tensors.size()));
   for (size_t ti = 0; ti < g.tensors.size(); ++ti) {
     const TensorEntry& t = g.tensors[ti];
     const std::string where =
@@ -931,9 +933,9 @@ absl::Status VerifyChecksums(int fd, const std::vector<Entry>& entries,
       done += n;
     }
     if (RunEnds(entries, i) && crc != e.crc) {
-      return absl::DataLossError(absl::StrCat(
-          "checksum mismatch in tensor '", e.key, "' of ", path,
-          ": the file is corrupt; nothing was loaded"));
+      return absl::DataLossError(
+          absl::StrCat("checksum mismatch in tensor '", e.key, "' of ", path,
+                       ": the file is corrupt; nothing was loaded"));
     }
   }
   return absl::OkStatus();
@@ -954,8 +956,7 @@ std::string CheckpointFileName(uint32_t rank) {
   return absl::StrCat("rank-", rank, ".safetensors");
 }
 
-std::string LegacyCheckpointFileName(const std::string& job_id,
-                                     uint32_t rank) {
+std::string LegacyCheckpointFileName(const std::string& job_id, uint32_t rank) {
   std::string job;
   for (char c : job_id) {
     const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
@@ -969,14 +970,13 @@ std::string LegacyCheckpointFileName(const std::string& job_id,
 absl::StatusOr<std::string> ResolveCheckpointDir(
     const std::string& directory, const CheckpointOptions& options) {
   if (directory.empty() || directory[0] != '/') {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "checkpoint directory '", directory,
-        "' must be an absolute path on the daemon's machine"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("checkpoint directory '", directory,
+                     "' must be an absolute path on the daemon's machine"));
   }
   char resolved[PATH_MAX];
   if (realpath(directory.c_str(), resolved) == nullptr) {
-    return ErrnoStatus(errno,
-                       absl::StrCat("checkpoint directory ", directory));
+    return ErrnoStatus(errno, absl::StrCat("checkpoint directory ", directory));
   }
   struct stat st;
   if (stat(resolved, &st) != 0 || !S_ISDIR(st.st_mode)) {
@@ -992,9 +992,9 @@ absl::StatusOr<std::string> ResolveCheckpointDir(
     }
     const std::string r = root;
     if (dir != r && !absl::StartsWith(dir, r + "/")) {
-      return absl::PermissionDeniedError(absl::StrCat(
-          directory, " is outside the daemon's --state_dir ", r,
-          "; checkpoints may only be written there"));
+      return absl::PermissionDeniedError(
+          absl::StrCat(directory, " is outside the daemon's --state_dir ", r,
+                       "; checkpoints may only be written there"));
     }
   }
   return dir;
@@ -1065,13 +1065,13 @@ absl::StatusOr<CheckpointResult> WriteCheckpoint(
   // Temporaries of saves that were killed (a daemon killed mid-write) would
   // otherwise stay forever.
   RemoveStaleTemporaries(dir, path.substr(dir.size() + 1), time(nullptr));
-  const std::string tmp = absl::StrCat(path, ".tmp-", getpid(), "-",
-                                       std::random_device{}());
+  const std::string tmp =
+      absl::StrCat(path, ".tmp-", getpid(), "-", std::random_device{}());
   // 0666: the daemon's umask decides who may read checkpoints.
   Fd fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666));
   if (fd.get() < 0) {
-    return ErrnoStatus(errno, absl::StrCat("cannot create a checkpoint in ",
-                                           dir));
+    return ErrnoStatus(errno,
+                       absl::StrCat("cannot create a checkpoint in ", dir));
   }
   auto fail = [&](absl::Status s) {
     unlink(tmp.c_str());
@@ -1124,8 +1124,7 @@ absl::StatusOr<CheckpointResult> SaveCheckpoint(
       UsePacked(entries, groups, options.packed_above_header_bytes);
   Arrange(entries, packed);
   return WriteCheckpoint(path, MetaJson(groups, packed, options.job_id),
-                         std::move(entries),
-                         backend, options, nullptr);
+                         std::move(entries), backend, options, nullptr);
 }
 
 struct CheckpointSnapshot::Data {
@@ -1196,9 +1195,8 @@ absl::StatusOr<std::unique_ptr<CheckpointSnapshot>> TakeSnapshot(
   OPTIMD_RETURN_IF_ERROR(CheckHeaderSize(HeaderJson(d.meta, d.entries)));
   uint64_t total = 0;
   for (const Entry& e : d.entries) total = std::max(total, e.offset + e.bytes);
-  OPTIMD_ASSIGN_OR_RETURN(d.buffer,
-                          backend->AllocateHostStaging(std::max<uint64_t>(
-                              total, 1)));
+  OPTIMD_ASSIGN_OR_RETURN(
+      d.buffer, backend->AllocateHostStaging(std::max<uint64_t>(total, 1)));
   for (Entry& e : d.entries) {
     if (e.bytes > 0) {
       OPTIMD_RETURN_IF_ERROR(
@@ -1240,9 +1238,10 @@ absl::StatusOr<CheckpointResult> LoadCheckpoint(
   struct stat st;
   if (fstat(fd.get(), &st) != 0) return ErrnoStatus(errno, path);
   if (!S_ISREG(st.st_mode)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        path, " is not a regular file (a directory, FIFO or device); a "
-              "checkpoint is a file written by SaveState"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(path,
+                     " is not a regular file (a directory, FIFO or device); a "
+                     "checkpoint is a file written by SaveState"));
   }
   const uint64_t size = static_cast<uint64_t>(st.st_size);
   if (size < 8) {
@@ -1279,8 +1278,9 @@ absl::StatusOr<CheckpointResult> LoadCheckpoint(
   const bool direct = backend->HostAddressable();
   // Pieces: half the staging buffer, or 128 MiB reads straight into host
   // state (no staging memory then).
-  const uint64_t half = direct ? (uint64_t{128} << 20)
-                               : std::max<uint64_t>(options.staging_bytes / 2, 1);
+  const uint64_t half = direct
+                            ? (uint64_t{128} << 20)
+                            : std::max<uint64_t>(options.staging_bytes / 2, 1);
   StateStorage staging;
   if (!direct) {
     OPTIMD_ASSIGN_OR_RETURN(staging, backend->AllocateHostStaging(2 * half));

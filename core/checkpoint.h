@@ -79,8 +79,7 @@ std::string CheckpointFileName(uint32_t rank);
 
 // "<job>.rank-<rank>.safetensors", the job id reduced to [A-Za-z0-9._-]:
 // the name of earlier versions, which LoadState falls back to.
-std::string LegacyCheckpointFileName(const std::string& job_id,
-                                     uint32_t rank);
+std::string LegacyCheckpointFileName(const std::string& job_id, uint32_t rank);
 
 // Checks `directory` (absolute, existing, within options.state_dir) and
 // returns its canonical path.

@@ -310,9 +310,9 @@ TEST(CheckpointTest, StaleTemporariesAreRemovedAtTheNextSave) {
   // pid 999999999 is past any pid_max: that process is gone.
   const std::string stale = base + ".tmp-999999999-7";
   const std::vector<std::string> kept = {
-      base + ".tmp-1-7",              // init is alive
-      base + ".tmp-999999999-x",      // not our pattern
-      base + ".tmp-999999999-8.bak",  // not our pattern
+      base + ".tmp-1-7",                                   // init is alive
+      base + ".tmp-999999999-x",                           // not our pattern
+      base + ".tmp-999999999-8.bak",                       // not our pattern
       dir.path() + "/rank-1.safetensors.tmp-999999999-7",  // other file
       dir.path() + "/notes.txt"};
   // Written while the save runs (newer than its start): left alone.
@@ -526,9 +526,13 @@ TEST(CheckpointTest, MalformedHeaderFieldsAreRefusedAndChangeNothing) {
       {"missed_steps a number",
        [&](HeaderParts& p) { group(p)["missed_steps"] = 3; }},
       {"missed_steps of a tensor past the group's",
-       [&](HeaderParts& p) { group(p)["missed_steps"] = {{5, 1}}; }},
+       [&](HeaderParts& p) {
+         group(p)["missed_steps"] = {{5, 1}};
+       }},
       {"missed_steps above the step",
-       [&](HeaderParts& p) { group(p)["missed_steps"] = {{0, 1u << 30}}; }},
+       [&](HeaderParts& p) {
+         group(p)["missed_steps"] = {{0, 1u << 30}};
+       }},
       {"deep nesting",
        [&](HeaderParts& p) {
          json deep = 1;

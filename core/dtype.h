@@ -70,13 +70,13 @@ inline uint16_t FloatToHalf(float f) {
   const uint32_t u = FloatBits(f);
   const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
   const uint32_t abs = u & 0x7fffffffu;
-  if (abs > 0x7f800000u) return sign | 0x7e00u;         // NaN
-  if (abs >= 0x477ff000u) return sign | 0x7c00u;        // overflow rounds to inf
-  if (abs < 0x38800000u) {                              // below 2^-14: subnormal
-    if (abs < 0x33000000u) return sign;                 // below half of 2^-24
+  if (abs > 0x7f800000u) return sign | 0x7e00u;   // NaN
+  if (abs >= 0x477ff000u) return sign | 0x7c00u;  // overflow rounds to inf
+  if (abs < 0x38800000u) {                        // below 2^-14: subnormal
+    if (abs < 0x33000000u) return sign;           // below half of 2^-24
     const uint32_t exp = abs >> 23;
     const uint32_t mant = (abs & 0x7fffffu) | 0x800000u;
-    const uint32_t shift = 126u - exp;                  // 14..24 (+ 10 mantissa)
+    const uint32_t shift = 126u - exp;  // 14..24 (+ 10 mantissa)
     uint32_t half = mant >> shift;
     const uint32_t rem = mant & ((1u << shift) - 1u);
     const uint32_t mid = 1u << (shift - 1);

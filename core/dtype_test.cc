@@ -50,12 +50,14 @@ TEST(DTypeTest, HalfRoundTripIsExactForAllValues) {
 TEST(DTypeTest, HalfKnownValuesAndRounding) {
   EXPECT_EQ(FloatToHalf(1.0f), 0x3c00);
   EXPECT_EQ(FloatToHalf(-2.5f), 0xc100);
-  EXPECT_EQ(FloatToHalf(65504.0f), 0x7bff);   // largest finite
-  EXPECT_EQ(FloatToHalf(65520.0f), 0x7c00);   // rounds to inf
+  EXPECT_EQ(FloatToHalf(65504.0f), 0x7bff);  // largest finite
+  EXPECT_EQ(FloatToHalf(65520.0f), 0x7c00);  // rounds to inf
   EXPECT_EQ(FloatToHalf(65519.0f), 0x7bff);
-  EXPECT_EQ(FloatToHalf(5.9604644775390625e-08f), 0x0001);  // smallest subnormal
+  EXPECT_EQ(FloatToHalf(5.9604644775390625e-08f),
+            0x0001);  // smallest subnormal
   EXPECT_EQ(FloatToHalf(2.98023223876953125e-08f), 0x0000);  // tie to even (0)
-  EXPECT_EQ(FloatToHalf(8.94069671630859375e-08f), 0x0002);  // 1.5 ulp: tie to 2
+  EXPECT_EQ(FloatToHalf(8.94069671630859375e-08f),
+            0x0002);  // 1.5 ulp: tie to 2
   // 1 + 2^-11 is halfway between 1 and 1 + 2^-10: ties to even (1.0).
   EXPECT_EQ(FloatToHalf(1.0f + 0.00048828125f), 0x3c00);
   EXPECT_EQ(FloatToHalf(1.0f + 3 * 0.00048828125f), 0x3c02);

@@ -36,8 +36,9 @@ void Install() {
 
 absl::Status FaultStatus(absl::string_view what) {
   return absl::FailedPreconditionError(absl::StrCat(
-      what, ": a trainer's shared-memory segment shrank while the daemon "
-            "was using it; re-register the buffers that live in it"));
+      what,
+      ": a trainer's shared-memory segment shrank while the daemon "
+      "was using it; re-register the buffers that live in it"));
 }
 
 }  // namespace fault_guard_internal

@@ -23,9 +23,7 @@ TEST(FaultGuardTest, ShrunkMappingFaultIsAnError) {
   // Still guarded afterwards, and nested guards unwind to the inner one.
   absl::Status inner;
   absl::Status outer = GuardMemoryFaults(
-      [&] {
-        inner = GuardMemoryFaults([&] { p[900 * 1024] = 2; }, "inner");
-      },
+      [&] { inner = GuardMemoryFaults([&] { p[900 * 1024] = 2; }, "inner"); },
       "outer");
   EXPECT_TRUE(outer.ok());
   EXPECT_EQ(inner.code(), absl::StatusCode::kFailedPrecondition);

@@ -29,16 +29,14 @@ uint64_t Layout::MasterBytesPerElement() const {
 }
 
 uint64_t Layout::StateBytesPerElement() const {
-  return MasterBytesPerElement() +
-         MomentBytesPerElement() * (amsgrad ? 3 : 2);
+  return MasterBytesPerElement() + MomentBytesPerElement() * (amsgrad ? 3 : 2);
 }
 
 std::string Layout::DebugString() const {
-  return absl::StrCat("param=", DTypeName(param_dtype),
-                      " grad=", DTypeName(grad_dtype),
-                      " moments=", DTypeName(moment_dtype),
-                      " master=", MasterKindName(master),
-                      amsgrad ? " amsgrad" : "");
+  return absl::StrCat(
+      "param=", DTypeName(param_dtype), " grad=", DTypeName(grad_dtype),
+      " moments=", DTypeName(moment_dtype), " master=", MasterKindName(master),
+      amsgrad ? " amsgrad" : "");
 }
 
 absl::StatusOr<Layout> ResolveLayout(const std::string& tensor,
@@ -51,8 +49,10 @@ absl::StatusOr<Layout> ResolveLayout(const std::string& tensor,
   layout.amsgrad = amsgrad;
   if (moment_dtype != DType::kFloat32 && moment_dtype != DType::kBFloat16) {
     return absl::InvalidArgumentError(
-        absl::StrCat("tensor '", tensor, "': moments can be float32 or "
-                     "bfloat16, not ", DTypeName(moment_dtype)));
+        absl::StrCat("tensor '", tensor,
+                     "': moments can be float32 or "
+                     "bfloat16, not ",
+                     DTypeName(moment_dtype)));
   }
   layout.moment_dtype = moment_dtype;
   if (keep_fp32) {
@@ -64,9 +64,10 @@ absl::StatusOr<Layout> ResolveLayout(const std::string& tensor,
     // Updated in fp32, in place, whatever the group asks for; a remainder is
     // meaningless for it.
     if (master == MasterRequest::kRemainder) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor '", tensor, "': keep_fp32 tensors cannot use remainder "
-          "master weights (they have no bf16 half)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor '", tensor,
+                       "': keep_fp32 tensors cannot use remainder "
+                       "master weights (they have no bf16 half)"));
     }
     layout.master =
         master == MasterRequest::kFp32 ? MasterKind::kFp32 : MasterKind::kNone;
@@ -79,10 +80,10 @@ absl::StatusOr<Layout> ResolveLayout(const std::string& tensor,
       break;
     case MasterRequest::kNone:
       if (param_dtype != DType::kFloat32) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "tensor '", tensor, "': a ", DTypeName(param_dtype),
-            " parameter needs master weights (fp32 or remainder); "
-            "master_weights=none is only for float32 parameters"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("tensor '", tensor, "': a ", DTypeName(param_dtype),
+                         " parameter needs master weights (fp32 or remainder); "
+                         "master_weights=none is only for float32 parameters"));
       }
       layout.master = MasterKind::kNone;
       break;
@@ -91,9 +92,11 @@ absl::StatusOr<Layout> ResolveLayout(const std::string& tensor,
       break;
     case MasterRequest::kRemainder:
       if (param_dtype != DType::kBFloat16) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "tensor '", tensor, "': remainder master weights need a bfloat16 "
-            "parameter, not ", DTypeName(param_dtype)));
+        return absl::InvalidArgumentError(
+            absl::StrCat("tensor '", tensor,
+                         "': remainder master weights need a bfloat16 "
+                         "parameter, not ",
+                         DTypeName(param_dtype)));
       }
       layout.master = MasterKind::kRemainder;
       break;

@@ -120,9 +120,9 @@ absl::Status CheckRegion(const std::string& tensor, const char* which,
         absl::StrCat("tensor '", tensor, "': missing ", which, " buffer"));
   }
   if (h.size != want_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "tensor '", tensor, "': ", which, " buffer is ", h.size,
-        " bytes but numel x element size is ", want_bytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor '", tensor, "': ", which, " buffer is ", h.size,
+                     " bytes but numel x element size is ", want_bytes));
   }
   return absl::OkStatus();
 }
@@ -164,8 +164,8 @@ absl::StatusOr<std::vector<Group*>> Session::Targets(
   for (const std::string& id : group_ids) {
     Group* g = FindGroup(id);
     if (g == nullptr) {
-      return absl::NotFoundError(absl::StrCat(
-          "group '", id, "' is not registered in this session"));
+      return absl::NotFoundError(
+          absl::StrCat("group '", id, "' is not registered in this session"));
     }
     targets.push_back(g);
   }
@@ -242,9 +242,9 @@ absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
           absl::StrCat("tensor '", t.name, "': grad_dtype is unspecified"));
     }
     if (t.numel > kMaxNumel) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor '", t.name, "': numel ", t.numel, " exceeds the limit ",
-          kMaxNumel));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor '", t.name, "': numel ", t.numel,
+                       " exceeds the limit ", kMaxNumel));
     }
     OPTIMD_RETURN_IF_ERROR(CheckShape(t));
     OPTIMD_ASSIGN_OR_RETURN(
@@ -258,9 +258,10 @@ absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
         OPTIMD_RETURN_IF_ERROR(CheckRegion(t.name, "grad", t.grad,
                                            t.numel * DTypeSize(t.grad_dtype)));
       } else if (t.grad_absent && t.grad.kind != BufferHandle::Kind::kNone) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "tensor '", t.name, "': grad_absent with a grad buffer; leave "
-            "grad unset"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("tensor '", t.name,
+                         "': grad_absent with a grad buffer; leave "
+                         "grad unset"));
       }
       // numel <= kMaxNumel keeps each product far from overflow; the sums
       // over up to kMaxTensorsPerSession tensors are checked.
@@ -474,23 +475,24 @@ absl::StatusOr<std::vector<Session::ResolvedUpdate>> Session::ResolveUpdates(
     seen[idx] = true;
     const TensorEntry& e = group.tensors[idx];
     if (u.grad_absent && u.grad.kind != BufferHandle::Kind::kNone) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor '", u.tensor, "': grad_absent with a grad buffer; send "
-          "one or the other"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor '", u.tensor,
+                       "': grad_absent with a grad buffer; send "
+                       "one or the other"));
     }
     ResolvedUpdate r;
     r.tensor = idx;
     r.absent = u.grad_absent && e.Steppable();
     if (u.param.kind != BufferHandle::Kind::kNone && e.numel > 0) {
-      OPTIMD_ASSIGN_OR_RETURN(r.param, ResolveRegion(e.name, "param", u.param,
-                                                     e.numel,
-                                                     e.layout.param_dtype));
+      OPTIMD_ASSIGN_OR_RETURN(r.param,
+                              ResolveRegion(e.name, "param", u.param, e.numel,
+                                            e.layout.param_dtype));
       r.has_param = true;
     }
     if (u.grad.kind != BufferHandle::Kind::kNone && e.Steppable()) {
-      OPTIMD_ASSIGN_OR_RETURN(r.grad, ResolveRegion(e.name, "grad", u.grad,
-                                                    e.numel,
-                                                    e.layout.grad_dtype));
+      OPTIMD_ASSIGN_OR_RETURN(
+          r.grad,
+          ResolveRegion(e.name, "grad", u.grad, e.numel, e.layout.grad_dtype));
       r.has_grad = true;
     }
     resolved.push_back(std::move(r));
@@ -519,10 +521,10 @@ absl::StatusOr<StepResult> Session::Step(const StepRequestSpec& request) {
   absl::MutexLock lock(&mu_);
   StepOptions options = request.options;
   absl::Status bound = BindStepFlags(request, &options);
-  absl::StatusOr<StepResult> result =
-      !bound.ok()             ? bound
-      : !request.refused.ok() ? request.refused
-                              : StepLocked(request, options);
+  absl::StatusOr<StepResult> result = !bound.ok() ? bound
+                                      : !request.refused.ok()
+                                          ? request.refused
+                                          : StepLocked(request, options);
   if (options.step_flags != nullptr) {
     if (!result.ok()) {
       // The trainer's stream waits for this step's done flag: release it
@@ -545,7 +547,8 @@ absl::Status Session::BindStepFlags(const StepRequestSpec& request,
     if (request.sequence != 1) {
       return absl::InvalidArgumentError(absl::StrCat(
           "a step that sends step_flags starts the count: its sequence must "
-          "be 1, got ", request.sequence));
+          "be 1, got ",
+          request.sequence));
     }
     OPTIMD_ASSIGN_OR_RETURN(
         step_flags_, ResolveRegion("step_flags", "buffer", request.step_flags,
@@ -584,16 +587,16 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequestSpec& request,
         o.grad_scale));
   }
   if (!std::isfinite(o.max_grad_norm) || o.max_grad_norm < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "max_grad_norm must be >= 0 (0 disables clipping), got ",
-        o.max_grad_norm));
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_grad_norm must be >= 0 (0 disables clipping), got ",
+                     o.max_grad_norm));
   }
   for (const HyperOverride& o : request.overrides) {
     Group* g = FindGroup(o.group_id);
     if (g == nullptr) {
-      return absl::NotFoundError(absl::StrCat(
-          "override names group '", o.group_id,
-          "', which is not registered in this session"));
+      return absl::NotFoundError(
+          absl::StrCat("override names group '", o.group_id,
+                       "', which is not registered in this session"));
     }
     GroupSpec check;
     check.id = o.group_id;
@@ -627,7 +630,8 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequestSpec& request,
   StepResult result;
   result.outcome = outcome;
   if (outcome.known) {
-    const uint64_t applied = outcome.steps_applied - std::min(steps_, outcome.steps_applied);
+    const uint64_t applied =
+        outcome.steps_applied - std::min(steps_, outcome.steps_applied);
     const uint64_t skipped =
         outcome.steps_skipped - std::min(skipped_steps_, outcome.steps_skipped);
     backend_->counters().steps.fetch_add(applied, std::memory_order_relaxed);
@@ -758,8 +762,8 @@ absl::StatusOr<std::vector<GroupState>> Session::ReadState(
       auto raw = [&](const uint8_t* src, uint64_t bytes,
                      std::string* dst) -> absl::Status {
         dst->resize(bytes);
-        return backend_->CopyToHost(src, reinterpret_cast<uint8_t*>(dst->data()),
-                                    bytes);
+        return backend_->CopyToHost(
+            src, reinterpret_cast<uint8_t*>(dst->data()), bytes);
       };
       // The fp32 master, for every layout.
       StateBlob master{t.name, "master", DType::kFloat32, n, std::string()};
@@ -847,19 +851,19 @@ absl::Status Session::WriteState(
           "tensor '", b.tensor, "': max_exp_avg_sq needs amsgrad=true"));
     }
     if (b.numel != t->numel) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor '", b.tensor, "' ", b.kind, ": ", b.numel,
-          " elements given, the tensor has ", t->numel));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor '", b.tensor, "' ", b.kind, ": ", b.numel,
+                       " elements given, the tensor has ", t->numel));
     }
     if (b.data.size() != b.numel * DTypeSize(b.dtype)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor '", b.tensor, "' ", b.kind, ": ", b.data.size(),
-          " bytes of data for ", b.numel, " ", DTypeName(b.dtype),
-          " elements"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor '", b.tensor, "' ", b.kind, ": ", b.data.size(),
+                       " bytes of data for ", b.numel, " ", DTypeName(b.dtype),
+                       " elements"));
     }
     if (!seen.insert({b.tensor, b.kind}).second) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor '", b.tensor, "' ", b.kind, " is given twice"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor '", b.tensor, "' ", b.kind, " is given twice"));
     }
     work.emplace_back(&b, t);
   }
@@ -885,12 +889,13 @@ absl::Status Session::WriteState(
     } else if (t->layout.master == MasterKind::kRemainder) {
       std::vector<uint16_t> hi(n);
       std::vector<int16_t> rem(n);
-      for (uint64_t i = 0; i < n; ++i) SplitToRemainder(values[i], &hi[i], &rem[i]);
+      for (uint64_t i = 0; i < n; ++i)
+        SplitToRemainder(values[i], &hi[i], &rem[i]);
       OPTIMD_RETURN_IF_ERROR(backend_->CopyFromHost(
           reinterpret_cast<const uint8_t*>(hi.data()), t->param.data, n * 2));
-      OPTIMD_RETURN_IF_ERROR(backend_->CopyFromHost(
-          reinterpret_cast<const uint8_t*>(rem.data()), t->master.data(),
-          n * 2));
+      OPTIMD_RETURN_IF_ERROR(
+          backend_->CopyFromHost(reinterpret_cast<const uint8_t*>(rem.data()),
+                                 t->master.data(), n * 2));
     } else {
       if (t->layout.master == MasterKind::kFp32) {
         OPTIMD_RETURN_IF_ERROR(put(DType::kFloat32, t->master.data()));
@@ -921,9 +926,9 @@ absl::StatusOr<std::vector<uint64_t>> Session::MissedSteps(
     }
     seen[found] = true;
     if (own > step) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor_steps: tensor '", name, "' has step ", own,
-          ", more than its group's step ", step));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor_steps: tensor '", name, "' has step ", own,
+                       ", more than its group's step ", step));
     }
     missed[found] = step - own;
   }
@@ -971,9 +976,9 @@ absl::StatusOr<CheckpointResult> Session::SaveState(
   raw->thread = std::thread([raw, snapshot, options, t0] {
     auto r = WriteSnapshot(raw->path, *snapshot, options, &raw->progress);
     raw->result = r.status();
-    raw->seconds = std::chrono::duration<double>(
-                       std::chrono::steady_clock::now() - t0)
-                       .count();
+    raw->seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+            .count();
     raw->done.store(true);
   });
   CheckpointResult result;
@@ -998,8 +1003,8 @@ Session::SaveStatusInfo Session::SaveStatus() const {
     info.state = SaveStatusInfo::kRunning;
     return info;
   }
-  info.state = save_->result.ok() ? SaveStatusInfo::kSucceeded
-                                  : SaveStatusInfo::kFailed;
+  info.state =
+      save_->result.ok() ? SaveStatusInfo::kSucceeded : SaveStatusInfo::kFailed;
   info.error = save_->result;
   info.seconds = save_->seconds;
   return info;

@@ -9,8 +9,8 @@
 #define OPTIMD_CORE_SESSION_H_
 
 #include <atomic>
-#include <deque>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <optional>
 #include <set>
@@ -65,8 +65,7 @@ struct StepRequestSpec {
   std::vector<HyperOverride> overrides;
   StepOptions options;
   // Buffers that moved, per group id, applied first.
-  std::vector<std::pair<std::string, std::vector<BufferUpdate>>>
-      buffer_updates;
+  std::vector<std::pair<std::string, std::vector<BufferUpdate>>> buffer_updates;
   // Step flags to bind (kind kNone: keep the bound ones) and this step's
   // number (0: no step flags).
   BufferHandle step_flags;
@@ -302,8 +301,7 @@ class Session {
   // that autograd allocates anew each step), and reopening one costs an IPC
   // open, closing one a wait for the device. At most kRecentMappings.
   static constexpr size_t kRecentMappings = 64;
-  std::deque<std::shared_ptr<const void>> recent_mappings_
-      ABSL_GUARDED_BY(mu_);
+  std::deque<std::shared_ptr<const void>> recent_mappings_ ABSL_GUARDED_BY(mu_);
   // Reused by Step so that a step allocates nothing.
   std::vector<Group*> step_groups_ ABSL_GUARDED_BY(mu_);
   uint64_t state_bytes_ ABSL_GUARDED_BY(mu_) = 0;

@@ -182,13 +182,12 @@ SessionRegistry::Reaped SessionRegistry::Reap(absl::Time now,
   return out;
 }
 
-absl::Status SessionRegistry::Evict(const std::string& job_id,
-                                    uint32_t rank) {
+absl::Status SessionRegistry::Evict(const std::string& job_id, uint32_t rank) {
   absl::MutexLock lock(&mu_);
   auto it = token_by_rank_.find(std::make_pair(job_id, rank));
   if (it == token_by_rank_.end()) {
-    return absl::NotFoundError(absl::StrCat("no session of job '", job_id,
-                                            "' rank ", rank));
+    return absl::NotFoundError(
+        absl::StrCat("no session of job '", job_id, "' rank ", rank));
   }
   EraseLocked(std::string(it->second));
   return absl::OkStatus();

@@ -245,7 +245,8 @@ TEST_F(SessionTest, ShapeMustHoldNumel) {
   spec.id = "g";
   spec.tensors = {Fp32Tensor("a", 12, 0)};
   for (const std::vector<uint64_t>& bad :
-       {std::vector<uint64_t>{5, 2}, std::vector<uint64_t>{1ull << 33, 1ull << 33, 0},
+       {std::vector<uint64_t>{5, 2},
+        std::vector<uint64_t>{1ull << 33, 1ull << 33, 0},
         std::vector<uint64_t>(65, 1)}) {
     spec.tensors[0].shape = bad;
     auto r = session_.RegisterGroup(spec);

@@ -20,9 +20,9 @@ constexpr char kShmDirectory[] = "/dev/shm";
 
 absl::Status ValidateSegmentName(const std::string& name) {
   if (name.size() < 2 || name.size() > 251 || name[0] != '/') {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "shared-memory segment name '", name,
-        "' must be '/' followed by 1 to 250 characters"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("shared-memory segment name '", name,
+                     "' must be '/' followed by 1 to 250 characters"));
   }
   for (size_t i = 1; i < name.size(); ++i) {
     const char c = name[i];
@@ -45,23 +45,24 @@ absl::StatusOr<std::shared_ptr<SharedMemorySegment>> SharedMemorySegment::Open(
   const int fd = shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
   if (fd < 0) {
     const int err = errno;
-    return absl::InvalidArgumentError(
-        absl::StrCat("cannot open shared-memory segment '", name,
-                     "': ", std::strerror(err),
-                     err == ENOENT ? " (does the trainer still hold it?)" : ""));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cannot open shared-memory segment '", name, "': ", std::strerror(err),
+        err == ENOENT ? " (does the trainer still hold it?)" : ""));
   }
   struct stat st;
   if (fstat(fd, &st) != 0) {
     const int err = errno;
     close(fd);
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cannot stat shared-memory segment '", name, "': ", std::strerror(err)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot stat shared-memory segment '", name,
+                     "': ", std::strerror(err)));
   }
   if (!S_ISREG(st.st_mode) || st.st_size <= 0) {
     close(fd);
-    return absl::InvalidArgumentError(absl::StrCat(
-        "shared-memory segment '", name, "' is empty; size it (ftruncate) "
-        "before registering buffers in it"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("shared-memory segment '", name,
+                     "' is empty; size it (ftruncate) "
+                     "before registering buffers in it"));
   }
   const uint64_t size = static_cast<uint64_t>(st.st_size);
   void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -111,8 +112,9 @@ absl::StatusOr<BufferRef> SegmentCache::Resolve(const BufferHandle& handle,
                                                 const std::string& what) {
   if (handle.kind != BufferHandle::Kind::kSharedMemory) {
     return absl::InvalidArgumentError(
-        absl::StrCat(what, ": the CPU backend needs a shared_memory buffer "
-                           "handle, not a CUDA IPC one"));
+        absl::StrCat(what,
+                     ": the CPU backend needs a shared_memory buffer "
+                     "handle, not a CUDA IPC one"));
   }
   std::shared_ptr<SharedMemorySegment> segment;
   {
@@ -125,8 +127,9 @@ absl::StatusOr<BufferRef> SegmentCache::Resolve(const BufferHandle& handle,
     if (segment == nullptr) {
       auto opened = SharedMemorySegment::Open(handle.segment_name);
       if (!opened.ok()) {
-        return absl::Status(opened.status().code(),
-                            absl::StrCat(what, ": ", opened.status().message()));
+        return absl::Status(
+            opened.status().code(),
+            absl::StrCat(what, ": ", opened.status().message()));
       }
       segment = *std::move(opened);
       segments_[handle.segment_name] = segment;
@@ -139,10 +142,10 @@ absl::StatusOr<BufferRef> SegmentCache::Resolve(const BufferHandle& handle,
   }
   if (handle.offset > segment->size() ||
       handle.size > segment->size() - handle.offset) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        what, ": region [", handle.offset, ", ", handle.offset, " + ",
-        handle.size, ") lies past the end of segment '", handle.segment_name,
-        "' (", segment->size(), " bytes)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": region [", handle.offset, ", ", handle.offset,
+                     " + ", handle.size, ") lies past the end of segment '",
+                     handle.segment_name, "' (", segment->size(), " bytes)"));
   }
   if (alignment > 1 && handle.offset % alignment != 0) {
     return absl::InvalidArgumentError(

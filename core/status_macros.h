@@ -10,9 +10,9 @@
 #define OPTIMD_STATUS_CONCAT_(a, b) OPTIMD_STATUS_CONCAT_INNER_(a, b)
 
 // Returns from the enclosing function if `expr` yields a non-OK status.
-#define OPTIMD_RETURN_IF_ERROR(expr)              \
-  do {                                            \
-    ::absl::Status optimd_status_ = (expr);       \
+#define OPTIMD_RETURN_IF_ERROR(expr)                 \
+  do {                                               \
+    ::absl::Status optimd_status_ = (expr);          \
     if (!optimd_status_.ok()) return optimd_status_; \
   } while (0)
 

@@ -75,8 +75,10 @@ int main(int argc, char** argv) {
   float* p = (*params)->as<float>();
   float* g = (*grads)->as<float>();
   std::normal_distribution<float> normal(0.f, 1.f);
-  for (size_t i = L.w1; i < L.b1; ++i) p[i] = normal(rng) / std::sqrt(float(kIn));
-  for (size_t i = L.w2; i < L.b2; ++i) p[i] = normal(rng) / std::sqrt(float(kHidden));
+  for (size_t i = L.w1; i < L.b1; ++i)
+    p[i] = normal(rng) / std::sqrt(float(kIn));
+  for (size_t i = L.w2; i < L.b2; ++i)
+    p[i] = normal(rng) / std::sqrt(float(kHidden));
 
   auto client = optimd::Client::Create(target);
   if (!client.ok()) return Fail(client.status());
@@ -100,10 +102,9 @@ int main(int argc, char** argv) {
     const char* name;
     size_t begin, end;
   };
-  for (const Named& t : {Named{"fc1.weight", L.w1, L.b1},
-                         Named{"fc1.bias", L.b1, L.w2},
-                         Named{"fc2.weight", L.w2, L.b2},
-                         Named{"fc2.bias", L.b2, L.total}}) {
+  for (const Named& t :
+       {Named{"fc1.weight", L.w1, L.b1}, Named{"fc1.bias", L.b1, L.w2},
+        Named{"fc2.weight", L.w2, L.b2}, Named{"fc2.bias", L.b2, L.total}}) {
     auto* spec = rg.add_tensors();
     spec->set_name(t.name);
     spec->set_numel(t.end - t.begin);
@@ -116,9 +117,10 @@ int main(int argc, char** argv) {
   }
   auto reg = (*client)->RegisterGroup(rg);
   if (!reg.ok()) return Fail(reg.status());
-  std::printf("mlp_trainer: registered %zu parameters (%llu bytes of "
-              "optimizer state in the daemon)\n",
-              L.total, static_cast<unsigned long long>(reg->state_bytes()));
+  std::printf(
+      "mlp_trainer: registered %zu parameters (%llu bytes of "
+      "optimizer state in the daemon)\n",
+      L.total, static_cast<unsigned long long>(reg->state_bytes()));
 
   std::vector<float> hid(kHidden), dhid(kHidden);
   double first_loss = 0, loss = 0;

@@ -23,8 +23,7 @@ struct F16 {
   static T Store(float x) { return FloatToHalf(x); }
 };
 
-template <class P, class G, class M, MasterKind K, bool kAmsgrad,
-          bool kAdamW>
+template <class P, class G, class M, MasterKind K, bool kAmsgrad, bool kAdamW>
 void StepKernel(const TensorPointers& t, uint64_t begin, uint64_t end,
                 const StepScalars& s) {
   auto* __restrict param = static_cast<typename P::T*>(t.param);
@@ -277,9 +276,8 @@ float MasterValue(const Layout& layout, const TensorPointers& t, uint64_t i) {
     case MasterKind::kFp32:
       return static_cast<const float*>(t.master)[i];
     case MasterKind::kRemainder:
-      return ReconstructFromRemainder(
-          static_cast<const uint16_t*>(t.param)[i],
-          static_cast<const int16_t*>(t.master)[i]);
+      return ReconstructFromRemainder(static_cast<const uint16_t*>(t.param)[i],
+                                      static_cast<const int16_t*>(t.master)[i]);
   }
   return 0;
 }

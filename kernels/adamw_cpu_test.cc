@@ -103,9 +103,11 @@ TEST(AdamWCpuTest, SumSquaresFlagsNonFinite) {
   EXPECT_DOUBLE_EQ(GradSumSquaresRange(DType::kFloat32, g.data(), 0, 11), 506);
   EXPECT_DOUBLE_EQ(GradSumSquaresRange(DType::kFloat32, g.data(), 2, 4), 25);
   g[9] = std::numeric_limits<float>::infinity();
-  EXPECT_FALSE(std::isfinite(GradSumSquaresRange(DType::kFloat32, g.data(), 0, 11)));
+  EXPECT_FALSE(
+      std::isfinite(GradSumSquaresRange(DType::kFloat32, g.data(), 0, 11)));
   g[9] = std::nanf("");
-  EXPECT_FALSE(std::isfinite(GradSumSquaresRange(DType::kFloat32, g.data(), 0, 11)));
+  EXPECT_FALSE(
+      std::isfinite(GradSumSquaresRange(DType::kFloat32, g.data(), 0, 11)));
   std::vector<uint16_t> h = {FloatToHalf(3.0f), FloatToHalf(4.0f)};
   EXPECT_DOUBLE_EQ(GradSumSquaresRange(DType::kFloat16, h.data(), 0, 2), 25);
 }
@@ -156,10 +158,10 @@ TEST(AdamWCpuTest, RemainderMatchesFp32MasterBitForBit) {
   for (int step = 1; step <= 300; ++step) {
     for (int i = 0; i < kN; ++i) grad[i] = FloatToBFloat16(normal(rng));
     const StepScalars s = MakeStepScalars(h, step, 1, 1);
-    TensorPointers a{p_master.data(), grad.data(), master.data(), m1.data(),
-                     v1.data(), nullptr};
-    TensorPointers b{p_rem.data(), grad.data(), rem.data(), m2.data(),
-                     v2.data(), nullptr};
+    TensorPointers a{p_master.data(), grad.data(), master.data(),
+                     m1.data(),       v1.data(),   nullptr};
+    TensorPointers b{p_rem.data(), grad.data(), rem.data(),
+                     m2.data(),    v2.data(),   nullptr};
     AdamWStepRange(fp32m, a, 0, kN, s);
     AdamWStepRange(remm, b, 0, kN, s);
     for (int i = 0; i < kN; ++i) {
@@ -187,10 +189,10 @@ TEST(AdamWCpuTest, LowPrecisionParamIsRoundedMaster) {
     p[i] = FloatToHalf(normal(rng));
     g[i] = FloatToHalf(normal(rng));
   }
-  Layout l{DType::kFloat16, DType::kFloat16, DType::kFloat32,
-           MasterKind::kFp32, false};
-  TensorPointers t{p.data(), g.data(), master.data(), m.data(), v.data(),
-                   nullptr};
+  Layout l{DType::kFloat16, DType::kFloat16, DType::kFloat32, MasterKind::kFp32,
+           false};
+  TensorPointers t{p.data(), g.data(), master.data(),
+                   m.data(), v.data(), nullptr};
   InitMasterRange(l, t, 0, kN);
   for (int i = 0; i < kN; ++i) EXPECT_EQ(master[i], HalfToFloat(p[i]));
   AdamWHyper h;
@@ -213,8 +215,12 @@ TEST(AdamWCpuTest, BFloat16MomentsTrackFp32Moments) {
   for (int step = 1; step <= 20; ++step) {
     for (int i = 0; i < kN; ++i) g[i] = normal(rng);
     const StepScalars s = MakeStepScalars(h, step, 1, 1);
-    AdamWStepRange(l32, {p32.data(), g.data(), nullptr, m32.data(), v32.data(), nullptr}, 0, kN, s);
-    AdamWStepRange(l16, {p16.data(), g.data(), nullptr, m16.data(), v16.data(), nullptr}, 0, kN, s);
+    AdamWStepRange(
+        l32, {p32.data(), g.data(), nullptr, m32.data(), v32.data(), nullptr},
+        0, kN, s);
+    AdamWStepRange(
+        l16, {p16.data(), g.data(), nullptr, m16.data(), v16.data(), nullptr},
+        0, kN, s);
   }
   // Each bf16 store rounds by at most 2^-9 of the value; over 20 steps the
   // running average carries up to 20 such errors of values up to a few times

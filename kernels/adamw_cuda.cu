@@ -111,8 +111,7 @@ __device__ __forceinline__ void StoreGlobal(uint4* p, uint4 v) {
                : "memory");
 }
 __device__ __forceinline__ void StoreGlobal(uint2* p, uint2 v) {
-  asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(v.x),
-               "r"(v.y)
+  asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(v.x), "r"(v.y)
                : "memory");
 }
 
@@ -155,8 +154,7 @@ __device__ __forceinline__ void StoreTile(void* base, uint64_t i,
 // Elements of one stream of type X as floats. N == 8: a lane's share of a
 // tile (LoadTile). N == 1: element i alone.
 template <int N, class X>
-__device__ __forceinline__ void LoadF(const void* base, uint64_t i,
-                                      float* x) {
+__device__ __forceinline__ void LoadF(const void* base, uint64_t i, float* x) {
   if constexpr (N == 1) {
     x[0] = X::Load(static_cast<const typename X::T*>(base)[i]);
   } else {
@@ -169,8 +167,7 @@ __device__ __forceinline__ void LoadF(const void* base, uint64_t i,
 
 // Stores floats rounded to X (X::Round: results of GPU arithmetic only).
 template <int N, class X>
-__device__ __forceinline__ void StoreF(void* base, uint64_t i,
-                                       const float* x) {
+__device__ __forceinline__ void StoreF(void* base, uint64_t i, const float* x) {
   if constexpr (N == 1) {
     static_cast<typename X::T*>(base)[i] = X::Round(x[0]);
   } else {
@@ -263,18 +260,18 @@ __device__ __forceinline__ void Walk(const Work& work, Body& body) {
     while (t >= tile_end[k]) ++k;
     const DeviceChunk& c = cs[k];
     const uint32_t first = tile_end[k] - c.tiles;
-    body.Tile(c, k,
-              c.begin + static_cast<uint64_t>(t - first) * kTileElements +
-                  4 * lane);
+    body.Tile(
+        c, k,
+        c.begin + static_cast<uint64_t>(t - first) * kTileElements + 4 * lane);
   }
   k = 0;
   for (uint32_t e = threadIdx.x; e < block.scalars; e += blockDim.x) {
     while (e >= scalar_end[k]) ++k;
     const DeviceChunk& c = cs[k];
     const uint32_t first = k == 0 ? 0 : scalar_end[k - 1];
-    body.Scalar(c, k,
-                c.begin + static_cast<uint64_t>(c.tiles) * kTileElements +
-                    (e - first));
+    body.Scalar(
+        c, k,
+        c.begin + static_cast<uint64_t>(c.tiles) * kTileElements + (e - first));
   }
 }
 
@@ -518,10 +515,9 @@ struct Update {
   __device__ void Prepare(const DeviceChunk* cs, uint32_t n) {
     if (threadIdx.x >= n) return;
     const uint32_t m = missed[cs[threadIdx.x].entry];
-    bias[threadIdx.x] =
-        m == 0 ? BiasScalars{s.neg_step, s.bc2, s.rbc2}
-               : MakeBias(s.lr, s.beta1_d, s.beta2_d, s.bias_correction,
-                          s.t - m);
+    bias[threadIdx.x] = m == 0 ? BiasScalars{s.neg_step, s.bc2, s.rbc2}
+                               : MakeBias(s.lr, s.beta1_d, s.beta2_d,
+                                          s.bias_correction, s.t - m);
   }
   __device__ void Tile(const DeviceChunk& c, uint32_t k, uint64_t i) {
     UpdateN<8, P, G, M, K, kAms, kAdamW>(c, i, s, bias[k]);

@@ -88,13 +88,12 @@ struct StepHyper {
 // The device-resident per-group counters.
 // Also used for a session's totals (step = applied steps).
 struct DeviceGroupState {
-  uint64_t step;          // applied steps
-  uint64_t skipped;       // skipped steps
-  double last_sumsq;      // sum of squares of the last step's gradients
-  int32_t last_skipped;   // 1 when the last step was skipped
+  uint64_t step;         // applied steps
+  uint64_t skipped;      // skipped steps
+  double last_sumsq;     // sum of squares of the last step's gradients
+  int32_t last_skipped;  // 1 when the last step was skipped
   int32_t pad;
 };
-
 
 // Step scalars derived on the device once per group and step (see
 // adamw_cpu.cc's MakeStepScalars: the same double arithmetic, rounded to
@@ -105,8 +104,7 @@ struct DeviceGroupState {
 // derive them for a tensor whose own step count is lower (it missed steps
 // without a gradient: Work::missed) with the same arithmetic.
 struct DeviceScalars {
-  float beta1, beta2, omb1, omb2, eps, decay, l2, bc2, rbc2, neg_step,
-      grad_mul;
+  float beta1, beta2, omb1, omb2, eps, decay, l2, bc2, rbc2, neg_step, grad_mul;
   int32_t skip;
   double lr, beta1_d, beta2_d;
   uint64_t t;  // the group's step number (applied steps + 1)
@@ -136,7 +134,7 @@ absl::Status LaunchGradSumSquares(DType grad_dtype, const Work& work,
 // One group's step arguments, written by the host into pinned memory.
 struct alignas(16) GroupStep {
   StepHyper hyper;
-  const double* partials;   // the group's partial sums of squares
+  const double* partials;  // the group's partial sums of squares
   uint32_t num_partials;
   uint32_t pad;
   DeviceGroupState* state;  // the group's device-resident counters

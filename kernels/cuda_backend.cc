@@ -193,8 +193,8 @@ class CudaBackend final : public Backend {
                                           const std::string& what) override;
   absl::StatusOr<StateStorage> AllocateState(uint64_t bytes) override;
   absl::Status PrepareGroup(Group& group) override;
-  absl::Status UpdatePlanEntries(
-      Group& group, const std::vector<uint32_t>& entries) override;
+  absl::Status UpdatePlanEntries(Group& group,
+                                 const std::vector<uint32_t>& entries) override;
   absl::StatusOr<std::unique_ptr<SessionContext>> OpenSession(
       int device, const std::string& ready_event,
       std::string* done_event) override;
@@ -496,8 +496,8 @@ absl::Status CudaBackend::UploadPlan(DevicePlan& plan) {
   OPTIMD_ASSIGN_OR_RETURN(
       plan.missed_d,
       DeviceAlloc(device_, std::max<uint64_t>(1, entries) * sizeof(uint32_t)));
-  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(
-      plan.missed_d.data(), 0, plan.missed_d.size(), stream_));
+  OPTIMD_RETURN_IF_CUDA_ERROR(
+      cudaMemsetAsync(plan.missed_d.data(), 0, plan.missed_d.size(), stream_));
   OPTIMD_ASSIGN_OR_RETURN(
       plan.absent_d, DeviceAlloc(device_, (entries + 1) * sizeof(uint32_t)));
   return UploadAbsent(plan);
@@ -628,10 +628,10 @@ absl::Status CudaBackend::UpdatePlanEntries(
     }
     auto* blocks_d = reinterpret_cast<DeviceBlock*>(t.blocks_d.data());
     for (const auto& [first, end] : MergeRanges(std::move(dirty), 16)) {
-      OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(
-          blocks_d + first, &t.blocks[first],
-          (end - first) * sizeof(DeviceBlock), cudaMemcpyHostToDevice,
-          stream_));
+      OPTIMD_RETURN_IF_CUDA_ERROR(
+          cudaMemcpyAsync(blocks_d + first, &t.blocks[first],
+                          (end - first) * sizeof(DeviceBlock),
+                          cudaMemcpyHostToDevice, stream_));
     }
   }
   OPTIMD_RETURN_IF_ERROR(UploadAbsent(*plan));
@@ -929,9 +929,9 @@ absl::Status CudaBackend::SyncGroupCounters(const std::vector<Group*>& groups) {
         &state, plan->state_d.data(), sizeof(state), cudaMemcpyDeviceToHost));
     g->step = state.step;
     std::vector<uint32_t> missed(g->plan.entries.size());
-    OPTIMD_RETURN_IF_CUDA_ERROR(
-        cudaMemcpy(missed.data(), plan->missed_d.data(),
-                   missed.size() * sizeof(uint32_t), cudaMemcpyDeviceToHost));
+    OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpy(missed.data(), plan->missed_d.data(),
+                                           missed.size() * sizeof(uint32_t),
+                                           cudaMemcpyDeviceToHost));
     for (uint32_t e = 0; e < missed.size(); ++e) {
       g->tensors[g->plan.tensor_index[e]].missed_steps = missed[e];
     }
@@ -956,9 +956,9 @@ absl::Status CudaBackend::SetGroupStep(Group& group, uint64_t step) {
         group.tensors[group.plan.tensor_index[e]].missed_steps,
         std::numeric_limits<uint32_t>::max()));
   }
-  OPTIMD_RETURN_IF_CUDA_ERROR(
-      cudaMemcpy(plan->missed_d.data(), missed.data(),
-                 missed.size() * sizeof(uint32_t), cudaMemcpyHostToDevice));
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpy(plan->missed_d.data(), missed.data(),
+                                         missed.size() * sizeof(uint32_t),
+                                         cudaMemcpyHostToDevice));
   return absl::OkStatus();
 }
 

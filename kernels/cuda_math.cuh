@@ -77,8 +77,7 @@ __device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
   return w;
 }
 
-__device__ __forceinline__ void UnpackBf16x2(uint32_t w, float* lo,
-                                             float* hi) {
+__device__ __forceinline__ void UnpackBf16x2(uint32_t w, float* lo, float* hi) {
   *lo = __uint_as_float(w << 16);
   *hi = __uint_as_float(w & 0xffff0000u);
 }
@@ -91,8 +90,7 @@ __device__ __forceinline__ uint32_t PackF16x2(float lo, float hi) {
   return w;
 }
 
-__device__ __forceinline__ void UnpackF16x2(uint32_t w, float* lo,
-                                            float* hi) {
+__device__ __forceinline__ void UnpackF16x2(uint32_t w, float* lo, float* hi) {
   __half2 h;
   memcpy(&h, &w, sizeof(w));
   const float2 f = __half22float2(h);
@@ -103,8 +101,7 @@ __device__ __forceinline__ void UnpackF16x2(uint32_t w, float* lo,
 // SplitToRemainder of two masters: `hi` gets both bfloat16 high halves,
 // `rem` both remainders (one add each and a byte permutation per word).
 __device__ __forceinline__ void SplitToRemainder2(float lo_master,
-                                                  float hi_master,
-                                                  uint32_t* hi,
+                                                  float hi_master, uint32_t* hi,
                                                   uint32_t* rem) {
   const uint32_t a = __float_as_uint(lo_master);
   const uint32_t b = __float_as_uint(hi_master);
@@ -118,10 +115,12 @@ __device__ __forceinline__ void ReconstructFromRemainder2(uint32_t hi,
                                                           uint32_t rem,
                                                           float* lo_master,
                                                           float* hi_master) {
-  *lo_master = __uint_as_float(
-      (hi << 16) + static_cast<uint32_t>(static_cast<int32_t>(rem << 16) >> 16));
-  *hi_master = __uint_as_float(
-      (hi & 0xffff0000u) + static_cast<uint32_t>(static_cast<int32_t>(rem) >> 16));
+  *lo_master =
+      __uint_as_float((hi << 16) + static_cast<uint32_t>(
+                                       static_cast<int32_t>(rem << 16) >> 16));
+  *hi_master =
+      __uint_as_float((hi & 0xffff0000u) +
+                      static_cast<uint32_t>(static_cast<int32_t>(rem) >> 16));
 }
 
 }  // namespace cuda

@@ -11,18 +11,19 @@
 namespace optimd {
 
 inline absl::Status CudaError(cudaError_t e, const char* what) {
-  return absl::InternalError(absl::StrCat(what, " failed: ", cudaGetErrorName(e),
+  return absl::InternalError(absl::StrCat(what,
+                                          " failed: ", cudaGetErrorName(e),
                                           " (", cudaGetErrorString(e), ")"));
 }
 
 }  // namespace optimd
 
-#define OPTIMD_RETURN_IF_CUDA_ERROR(expr)                        \
-  do {                                                           \
-    const cudaError_t optimd_cuda_error_ = (expr);               \
-    if (optimd_cuda_error_ != cudaSuccess) {                     \
-      return ::optimd::CudaError(optimd_cuda_error_, #expr);     \
-    }                                                            \
+#define OPTIMD_RETURN_IF_CUDA_ERROR(expr)                    \
+  do {                                                       \
+    const cudaError_t optimd_cuda_error_ = (expr);           \
+    if (optimd_cuda_error_ != cudaSuccess) {                 \
+      return ::optimd::CudaError(optimd_cuda_error_, #expr); \
+    }                                                        \
   } while (0)
 
 #endif  // OPTIMD_KERNELS_CUDA_STATUS_H_

@@ -84,11 +84,11 @@ absl::StatusOr<GroupSpec> GroupSpecFromProto(
       spec.hyper.adamw = false;
       break;
     default:
-      return absl::InvalidArgumentError(absl::StrCat(
-          "group '", spec.id, "': unknown adam mode ", h.mode()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("group '", spec.id, "': unknown adam mode ", h.mode()));
   }
-  spec.hyper.bias_correction = h.has_bias_correction() ? h.bias_correction()
-                                                       : true;
+  spec.hyper.bias_correction =
+      h.has_bias_correction() ? h.bias_correction() : true;
   spec.hyper.maximize = h.maximize();
   spec.hyper.amsgrad = h.amsgrad();
   switch (request.layout().master_weights()) {
@@ -181,8 +181,8 @@ absl::StatusOr<StepRequestSpec> StepSpecFromProto(
     if (o.has_weight_decay()) h.weight_decay = o.weight_decay();
     spec.overrides.push_back(std::move(h));
   }
-  spec.options.grad_scale = request.grad_scale() == 0 ? 1.0
-                                                      : request.grad_scale();
+  spec.options.grad_scale =
+      request.grad_scale() == 0 ? 1.0 : request.grad_scale();
   spec.options.max_grad_norm = request.max_grad_norm();
   spec.options.wait = request.wait();
   spec.options.assume_finite = request.assume_finite();
@@ -236,8 +236,8 @@ absl::StatusOr<std::vector<StateBlob>> StateBlobsFromProto(
     StateBlob b;
     b.tensor = t.tensor();
     b.kind = t.kind();
-    auto d = DTypeFromProto(t.dtype(), absl::StrCat("tensor '", t.tensor(),
-                                                    "' ", t.kind()));
+    auto d = DTypeFromProto(
+        t.dtype(), absl::StrCat("tensor '", t.tensor(), "' ", t.kind()));
     if (!d.ok()) return d.status();
     b.dtype = *d;
     b.numel = t.numel();

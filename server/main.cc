@@ -35,9 +35,9 @@
 #include "client/default_address.h"
 #include "core/cpu_backend.h"
 #include "core/session_registry.h"
-#include "server/session_reaper.h"
 #include "server/device_worker.h"
 #include "server/optimizer_service.h"
+#include "server/session_reaper.h"
 
 #ifdef OPTIMD_WITH_CUDA
 #include "kernels/cuda_backend.h"
@@ -319,7 +319,8 @@ int main(int argc, char** argv) {
     const absl::Duration grace =
         absl::Seconds(absl::GetFlag(FLAGS_orphan_grace_s));
     reaper = std::make_unique<optimd::SessionReaper>(
-        &registry, grace, std::min(absl::Seconds(1), grace / 4 + absl::Milliseconds(50)), Log);
+        &registry, grace,
+        std::min(absl::Seconds(1), grace / 4 + absl::Milliseconds(50)), Log);
   }
 
   grpc::EnableDefaultHealthCheckService(true);

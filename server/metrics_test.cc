@@ -14,9 +14,10 @@ TEST(MetricsTest, HistogramIsCumulative) {
   h.ToProto(&p);
   EXPECT_EQ(p.count(), 3u);
   EXPECT_NEAR(p.sum(), 100.000205, 1e-9);
-  EXPECT_EQ(p.counts(0), 1u);                   // <= 10us
+  EXPECT_EQ(p.counts(0), 1u);                    // <= 10us
   EXPECT_EQ(p.counts(p.counts_size() - 1), 2u);  // <= 10s
-  for (int i = 1; i < p.counts_size(); ++i) EXPECT_GE(p.counts(i), p.counts(i - 1));
+  for (int i = 1; i < p.counts_size(); ++i)
+    EXPECT_GE(p.counts(i), p.counts(i - 1));
 }
 
 TEST(MetricsTest, PrometheusText) {
@@ -39,8 +40,9 @@ TEST(MetricsTest, PrometheusText) {
             std::string::npos);
   EXPECT_NE(text.find("optimd_step_latency_seconds_bucket{le=\"+Inf\"} 1\n"),
             std::string::npos);
-  EXPECT_NE(text.find("optimd_session_state_bytes{job=\"job\\\"x\",rank=\"1\"} 1024"),
-            std::string::npos);
+  EXPECT_NE(
+      text.find("optimd_session_state_bytes{job=\"job\\\"x\",rank=\"1\"} 1024"),
+      std::string::npos);
 }
 
 }  // namespace

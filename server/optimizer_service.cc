@@ -127,9 +127,8 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::CreateSession(
             std::to_string(request->ready_event().size()) + " bytes"));
     return reactor;
   }
-  auto created =
-      registry_->Create(id, request->resume(), request->ready_event(),
-                        request->trainer_pid());
+  auto created = registry_->Create(
+      id, request->resume(), request->ready_event(), request->trainer_pid());
   if (!created.ok()) {
     reactor->Finish(ToGrpcStatus(created.status()));
     return reactor;

@@ -22,8 +22,7 @@ SessionReaper::~SessionReaper() {
 
 void SessionReaper::Run() {
   while (!stop_.WaitForNotificationWithTimeout(period_)) {
-    const SessionRegistry::Reaped reaped =
-        registry_->Reap(absl::Now(), grace_);
+    const SessionRegistry::Reaped reaped = registry_->Reap(absl::Now(), grace_);
     for (const SessionIdentity& id : reaped.orphaned) {
       log_(absl::StrCat("session of job '", id.job_id, "' rank ", id.rank,
                         " orphaned: its trainer is gone; kept ",

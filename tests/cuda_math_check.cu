@@ -153,11 +153,10 @@ MathCheck RunCheck(uint64_t compared, LaunchFn launch) {
 
 MathCheck CheckDivisionByRecip(float b) {
   const float rb = 1.0f / b;  // IEEE single division on the host: RN(1/b)
-  return RunCheck(static_cast<uint64_t>(kLast) + 1,
-                  [&](unsigned long long* m, uint32_t* f) {
-                    ForEachBits<<<4096, 256>>>(kLast, DivisionCheck{b, rb}, m,
-                                               f);
-                  });
+  return RunCheck(static_cast<uint64_t>(kLast) + 1, [&](unsigned long long* m,
+                                                        uint32_t* f) {
+    ForEachBits<<<4096, 256>>>(kLast, DivisionCheck{b, rb}, m, f);
+  });
 }
 
 MathCheck CheckBf16Rounding() {

@@ -42,8 +42,8 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(
   const absl::Time deadline = absl::Now() + absl::Seconds(30);
   while (absl::Now() < deadline) {
     if (!d->Alive()) {
-      return absl::InternalError(absl::StrCat(
-          "optimd exited during start-up (", binary, ")"));
+      return absl::InternalError(
+          absl::StrCat("optimd exited during start-up (", binary, ")"));
     }
     if (access(socket_path.c_str(), F_OK) == 0) {
       ClientOptions o;
@@ -82,7 +82,8 @@ int DaemonProcess::Stop() {
   kill(pid_, SIGTERM);
   int status = 0;
   waitpid(pid_, &status, 0);
-  exit_status_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  exit_status_ =
+      WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   return exit_status_;
 }
 

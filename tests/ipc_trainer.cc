@@ -64,8 +64,8 @@ bool WriteFull(int fd, const void* p, size_t n) {
         rep.status = cudaMalloc(&p, req.bytes);
         if (rep.status == cudaSuccess) {
           // The fill byte travels in `offset`.
-          rep.status = cudaMemset(p, static_cast<int>(req.offset & 0xff),
-                                  req.bytes);
+          rep.status =
+              cudaMemset(p, static_cast<int>(req.offset & 0xff), req.bytes);
           if (rep.status != cudaSuccess) break;
           cudaIpcMemHandle_t h;
           rep.status = cudaIpcGetMemHandle(&h, p);
@@ -81,10 +81,10 @@ bool WriteFull(int fd, const void* p, size_t n) {
             staging + req.staging_offset, req.bytes, cudaMemcpyHostToDevice);
         break;
       case kDownload:
-        rep.status = cudaMemcpy(
-            staging + req.staging_offset,
-            static_cast<uint8_t*>(allocations[req.id]) + req.offset, req.bytes,
-            cudaMemcpyDeviceToHost);
+        rep.status =
+            cudaMemcpy(staging + req.staging_offset,
+                       static_cast<uint8_t*>(allocations[req.id]) + req.offset,
+                       req.bytes, cudaMemcpyDeviceToHost);
         break;
       case kExit:
         WriteFull(fd, &rep, sizeof(rep));
@@ -146,9 +146,9 @@ absl::Status IpcTrainer::Call(const void* request, size_t n, void* reply,
   }
   const auto* rep = static_cast<const Reply*>(reply);
   if (rep->status != 0) {
-    return absl::InternalError(absl::StrCat(
-        "trainer CUDA error ",
-        cudaGetErrorName(static_cast<cudaError_t>(rep->status))));
+    return absl::InternalError(
+        absl::StrCat("trainer CUDA error ",
+                     cudaGetErrorName(static_cast<cudaError_t>(rep->status))));
   }
   return absl::OkStatus();
 }

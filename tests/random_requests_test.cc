@@ -22,21 +22,34 @@ class Random {
   bool Coin() { return U(2) == 0; }
   // Interesting 64-bit values: small, edge, huge.
   uint64_t Size() {
-    static const uint64_t kEdges[] = {0, 1, 3, 4, 7, 8, 63, 64, 4096,
-                                      (1u << 20) - 4, 1u << 20,
-                                      uint64_t{1} << 31, uint64_t{1} << 48,
-                                      ~uint64_t{0}, ~uint64_t{0} - 3};
+    static const uint64_t kEdges[] = {0,
+                                      1,
+                                      3,
+                                      4,
+                                      7,
+                                      8,
+                                      63,
+                                      64,
+                                      4096,
+                                      (1u << 20) - 4,
+                                      1u << 20,
+                                      uint64_t{1} << 31,
+                                      uint64_t{1} << 48,
+                                      ~uint64_t{0},
+                                      ~uint64_t{0} - 3};
     return Coin() ? kEdges[U(sizeof(kEdges) / sizeof(kEdges[0]))] : U(1 << 22);
   }
   double Real() {
-    static const double kEdges[] = {0, -1, 1e-3, 0.9, 0.999, 1, 2, 1e300,
-                                    std::numeric_limits<double>::infinity(),
-                                    std::nan("")};
+    static const double kEdges[] = {
+        0,           -1,    1e-3,
+        0.9,         0.999, 1,
+        2,           1e300, std::numeric_limits<double>::infinity(),
+        std::nan("")};
     return kEdges[U(sizeof(kEdges) / sizeof(kEdges[0]))];
   }
   std::string Name() {
-    static const char* kNames[] = {"w", "b", "", "w", "x.y", "\xff\xfe",
-                                   "a/b", "w"};
+    static const char* kNames[] = {"w",   "b",        "",    "w",
+                                   "x.y", "\xff\xfe", "a/b", "w"};
     return kNames[U(8)];
   }
   v1::DType DType() { return static_cast<v1::DType>(U(6)); }

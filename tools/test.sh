@@ -15,6 +15,9 @@ fi
 echo "== bazel test (GPU tests excluded)"
 bazel test "${flags[@]}" --test_tag_filters=-gpu //...
 
+# Formatting and the thread-safety annotations (clang), about a minute.
+./tools/check_code.sh
+
 # A short fuzz run of checkpoint loading under ASan and UBSan (about a
 # minute, most of it the build); tools/fuzz.sh RUNS runs longer.
 if command -v clang++ >/dev/null; then
