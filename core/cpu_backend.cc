@@ -10,10 +10,6 @@
 
 namespace optimd {
 
-absl::string_view BackendKindName(BackendKind k) {
-  return k == BackendKind::kCpu ? "cpu" : "cuda";
-}
-
 CpuBackend::CpuBackend(const Options& options)
     : options_(options), pool_(options.threads) {
   partial_sums_.assign(static_cast<size_t>(pool_.size()) * 8, 0.0);

@@ -52,7 +52,6 @@ void BuildPlan(Group& group, uint64_t chunk_elements) {
     for (uint64_t b = 0; b < t.numel; b += chunk_elements) {
       plan.items.push_back({entry, b, std::min(t.numel, b + chunk_elements)});
     }
-    plan.elements += t.numel;
   }
   uint64_t in_task = 0;
   for (uint32_t i = 0; i < plan.items.size(); ++i) {

@@ -158,13 +158,11 @@ struct Plan {
   std::vector<Layout> layouts;
   std::vector<PlanItem> items;
   std::vector<PlanTask> tasks;
-  uint64_t elements = 0;
 };
 
 struct Group {
   std::string id;
   AdamWHyper hyper;
-  MasterRequest master_request = MasterRequest::kDefault;
   DType moment_dtype = DType::kFloat32;
   // Applied steps; the next step runs with t = step + 1.
   uint64_t step = 0;

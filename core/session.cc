@@ -211,7 +211,6 @@ absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
   auto group = std::make_unique<Group>();
   group->id = spec.id;
   group->hyper = spec.hyper;
-  group->master_request = spec.master;
   group->moment_dtype = spec.moment_dtype;
 
   // Pass 1: everything that needs no memory.

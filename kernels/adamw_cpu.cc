@@ -269,17 +269,4 @@ void WriteParamFromMasterRange(const Layout& layout, const TensorPointers& t,
   }
 }
 
-float MasterValue(const Layout& layout, const TensorPointers& t, uint64_t i) {
-  switch (layout.master) {
-    case MasterKind::kNone:
-      return LoadParam(layout.param_dtype, t.param, i);
-    case MasterKind::kFp32:
-      return static_cast<const float*>(t.master)[i];
-    case MasterKind::kRemainder:
-      return ReconstructFromRemainder(static_cast<const uint16_t*>(t.param)[i],
-                                      static_cast<const int16_t*>(t.master)[i]);
-  }
-  return 0;
-}
-
 }  // namespace optimd

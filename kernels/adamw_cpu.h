@@ -94,10 +94,6 @@ void InitMasterRange(const Layout& layout, const TensorPointers& t,
 void WriteParamFromMasterRange(const Layout& layout, const TensorPointers& t,
                                uint64_t begin, uint64_t end);
 
-// The fp32 master value of element i (reconstructed for kRemainder, the
-// parameter itself for kNone).
-float MasterValue(const Layout& layout, const TensorPointers& t, uint64_t i);
-
 // Remainder encoding, exposed for tests and checkpoints.
 // Both branch-free so that loops over them vectorize.
 inline float ReconstructFromRemainder(uint16_t bf16_bits, int16_t remainder) {

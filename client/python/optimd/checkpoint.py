@@ -14,8 +14,8 @@ from earlier versions):
     fp32 masters as `<name>.master` where the layout keeps one (remainder
     layouts: the master rebuilt from the bf16 parameter and its int16
     remainder).
-from_torch_state_dict() goes the other way for optimd.torch.AdamW's
-load_state_dict, which accepts torch's format directly.
+The other way needs no conversion: optimd.torch.AdamW's load_state_dict
+takes torch's format directly.
 """
 import json
 import mmap
