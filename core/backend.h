@@ -28,7 +28,6 @@ absl::Status CheckHostMemory(uint64_t bytes, const std::string& what);
 
 enum class BackendKind { kCpu, kCuda };
 
-
 // Counters shared by the backend and the sessions; read by metrics.
 struct Counters {
   std::atomic<uint64_t> plan_builds{0};
