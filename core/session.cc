@@ -1,6 +1,7 @@
 #include "core/session.h"
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -531,6 +532,10 @@ absl::StatusOr<StepResult> Session::Step(const StepRequestSpec& request) {
       backend_->ReleaseStep(context_.get(), options).IgnoreError();
     }
     if (bound.ok()) last_sequence_ = options.sequence;
+  }
+  if (result.ok() && !restart_checkpoint_.empty()) {
+    unlink(restart_checkpoint_.c_str());
+    restart_checkpoint_.clear();
   }
   return result;
 }

@@ -213,6 +213,14 @@ class Session {
       ABSL_LOCKS_EXCLUDED(mu_);
 
   SessionInfo Info() const ABSL_LOCKS_EXCLUDED(info_mu_);
+  // A checkpoint the daemon saved for its restart and offered to this
+  // session: removed after the session's first successful step, so that a
+  // later resume is never offered state older than what training went on
+  // from.
+  void SetRestartCheckpoint(std::string path) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    restart_checkpoint_ = std::move(path);
+  }
   // Marks the session orphaned since `unix_seconds` (0: not orphaned).
   void SetOrphanedSince(double unix_seconds) ABSL_LOCKS_EXCLUDED(info_mu_) {
     absl::MutexLock lock(&info_mu_);
@@ -320,6 +328,7 @@ class Session {
   // the last step that used them.
   BufferRef step_flags_ ABSL_GUARDED_BY(mu_);
   uint64_t last_sequence_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string restart_checkpoint_ ABSL_GUARDED_BY(mu_);
 
   // The background save, behind its own mutex so that status calls never
   // wait for a step.

@@ -37,6 +37,7 @@
 #include "core/session_registry.h"
 #include "server/device_worker.h"
 #include "server/optimizer_service.h"
+#include "server/restart_store.h"
 #include "server/session_reaper.h"
 
 #ifdef OPTIMD_WITH_CUDA
@@ -71,6 +72,11 @@ ABSL_FLAG(std::string, tls_key, "", "TCP: PEM file of the server's key.");
 ABSL_FLAG(std::string, tls_client_ca, "",
           "TCP: PEM file of the CA whose certificates clients must present "
           "(mutual TLS); empty: clients are not asked for one.");
+ABSL_FLAG(std::string, save_dir, "",
+          "keeps sessions across the daemon's own restarts: on SIGINT or "
+          "SIGTERM every session is saved here (a directory per job), and a "
+          "restarted daemon offers it to CreateSession(resume=true). Empty: "
+          "sessions end with the daemon");
 ABSL_FLAG(int, orphan_grace_s, 600,
           "how long the session of a trainer gone without closing it (killed) "
           "is kept for a resume before it is freed; negative: kept until "
@@ -314,6 +320,20 @@ int main(int argc, char** argv) {
   checkpoint_options.state_dir = absl::GetFlag(FLAGS_state_dir);
   optimd::OptimizerServiceImpl service(&registry, worker_ptrs,
                                        checkpoint_options);
+  const std::string save_dir = absl::GetFlag(FLAGS_save_dir);
+  if (!save_dir.empty() &&
+      (save_dir[0] != '/' ||
+       (mkdir(save_dir.c_str(), 0777) != 0 && errno != EEXIST))) {
+    Log(
+        absl::StrCat("--save_dir must be an absolute directory the daemon "
+                     "can create or use, not '",
+                     save_dir, "'"));
+    return 1;
+  }
+  optimd::CheckpointOptions save_options = checkpoint_options;
+  save_options.state_dir.clear();  // the operator's own directory
+  const optimd::RestartStore restart_store(save_dir, save_options);
+  service.set_restart_store(&restart_store);
   std::unique_ptr<optimd::SessionReaper> reaper;
   if (absl::GetFlag(FLAGS_orphan_grace_s) >= 0) {
     const absl::Duration grace =
@@ -376,6 +396,9 @@ int main(int argc, char** argv) {
       Log("grace period over; cancelling the calls still running");
     }
     server->Shutdown(absl::ToChronoTime(absl::Now()));
+    // Nothing runs on the workers now: every session's state is at a step
+    // boundary.
+    restart_store.SaveAll(registry, Log);
   });
   server->Wait();
   waiter.join();

@@ -138,6 +138,13 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::CreateSession(
                             ? v1::BACKEND_CPU
                             : v1::BACKEND_CUDA);
   response->set_resumed(created->resumed);
+  if (request->resume() && !created->resumed && restart_store_ != nullptr) {
+    if (auto dir = restart_store_->Find(id.job_id, id.rank)) {
+      response->set_saved_state_dir(*dir);
+      created->session->SetRestartCheckpoint(
+          absl::StrCat(*dir, "/", CheckpointFileName(id.rank)));
+    }
+  }
   response->set_done_event(created->session->done_event());
   for (const auto& gid : created->session->GroupIds()) {
     response->add_group_ids(gid);

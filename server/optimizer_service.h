@@ -13,6 +13,7 @@
 #include "optimd/v1/optimd.grpc.pb.h"
 #include "server/device_worker.h"
 #include "server/metrics.h"
+#include "server/restart_store.h"
 
 namespace optimd {
 
@@ -32,6 +33,10 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
   void StartDraining() { draining_.store(true); }
   // Calls still queued on the device workers.
   int pending() const { return Pending(); }
+  // Where sessions saved at the daemon's last stop are found, for
+  // CreateSession(resume=true); must outlive the service. Set before
+  // serving.
+  void set_restart_store(const RestartStore* store) { restart_store_ = store; }
 
   grpc::ServerUnaryReactor* CreateSession(
       grpc::CallbackServerContext* context,
@@ -122,6 +127,7 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
                                      Work work, bool file_io = false);
 
   SessionRegistry* const registry_;
+  const RestartStore* restart_store_ = nullptr;
   DeviceWorker* WorkerFor(const Session& session) const;
   // Tasks queued or running on all workers.
   int Pending() const;

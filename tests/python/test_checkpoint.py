@@ -136,6 +136,50 @@ class CheckpointTest(unittest.TestCase):
                                             state_a[k][kk]),
                                 "%s %s %s" % (name, k, kk))
 
+    def test_sessions_survive_a_daemon_restart(self):
+        # Two trainers; the daemon is stopped (SIGTERM) and started again on
+        # the same --save_dir; both resume bit-exactly, as if nothing had
+        # happened; the saved files go once training went on.
+        save_dir = os.path.join(self.dir, "saved")
+        gen = torch.Generator().manual_seed(SEED)
+        init = [torch.randn(*s, generator=gen) for s in SHAPES]
+        layout = LAYOUTS["bf16_master"]
+        with Daemon() as d:
+            ref = [self.make(d, init, layout, "ref-%d" % i) for i in range(2)]
+            for params, opt, dtype in ref:
+                self.run_steps(opt, params, 0, 12, dtype)
+        flags = ["--save_dir=" + save_dir]
+        d1 = Daemon(flags=flags)
+        runs = [self.make(d1, init, layout, "job-%d" % i) for i in range(2)]
+        for params, opt, dtype in runs:
+            self.run_steps(opt, params, 0, 6, dtype)
+        self.assertEqual(d1.stop(), 0)  # SIGTERM: saves both sessions
+        saved = sorted(os.listdir(save_dir))
+        self.assertEqual(len(saved), 2)
+        with Daemon(flags=flags) as d2:
+            for i, ((params, _, dtype), (ref_params, ref_opt, _)) in \
+                    enumerate(zip(runs, ref)):
+                fresh = [torch.nn.Parameter(torch.zeros_like(p))
+                         for p in params]
+                opt = AdamW(fresh, lr=1e-2, address=d2.address,
+                            job_id="job-%d" % i, resume=True)
+                self.assertTrue(opt.resumed)
+                self.run_steps(opt, fresh, 6, 12, dtype)
+                for p, q in zip(fresh, ref_params):
+                    self.assertTrue(torch.equal(p.detach(), q.detach()))
+                opt.close()
+            for name in saved:
+                self.assertEqual(os.listdir(os.path.join(save_dir, name)), [])
+            # Nothing to resume: an error by default, a fresh start on
+            # request.
+            q = torch.nn.Parameter(torch.randn(3))
+            with self.assertRaises(optimd.NotFoundError):
+                AdamW([q], address=d2.address, job_id="never", resume=True)
+            opt = AdamW([q], address=d2.address, job_id="never",
+                        resume="if_any")
+            self.assertFalse(opt.resumed)
+            opt.close()
+
     def test_checkpoint_found_by_rank_with_default_arguments(self):
         # save_checkpoint(dir) in one trainer and load_checkpoint(dir) in a
         # new one (its own default job id) meet at rank-0.safetensors; the

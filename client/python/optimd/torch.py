@@ -83,9 +83,12 @@ class AdamW(torch.optim.Optimizer):
 
     Besides torch's arguments:
       address: the daemon (default: its default socket, or $OPTIMD_ADDRESS).
-      job_id, rank, world_size: the session's identity (default job id: host
-        and process id); resume=True takes over the session of a restarted
-        trainer with the same job id and rank, and restores its weights.
+      job_id, rank, world_size: the session's identity (default: a job id
+        of this optimizer's own); resume=True takes over the session of the
+        same job id and rank (a restarted trainer's, kept by the daemon, or
+        one the daemon saved when it stopped, with its --save_dir), restores
+        its weights and state, and raises optimd.NotFoundError when there is
+        none; resume="if_any" starts afresh then.
       master_weights: None (an fp32 master exactly for non-fp32 parameters),
         True (always, so a crashed trainer can get fp32 weights back), False.
       store_param_remainders: bf16 parameters keep an int16 remainder instead
@@ -183,7 +186,7 @@ class AdamW(torch.optim.Optimizer):
         reply = self._client.create_session(
             job, rank=rank, world_size=world_size,
             device=-1 if self._device.type == "cpu" else self._device.index,
-            resume=resume)
+            resume=bool(resume))
         self.resumed = reply.resumed
         self._closer = weakref.finalize(self, _close_session, self._client)
         registered = set(reply.group_ids)
@@ -194,6 +197,17 @@ class AdamW(torch.optim.Optimizer):
                                      existing=str(gi) in registered)
             if self.resumed:
                 self._restore_after_resume()
+            elif reply.saved_state_dir:
+                # The daemon restarted and kept this session's state.
+                self._client.load_state(reply.saved_state_dir)
+                self._after_load()
+                self.resumed = True
+            elif resume and resume != "if_any":
+                raise errors.NotFoundError(
+                    "resume=True but the daemon at %s holds no session of "
+                    "job '%s' rank %d, live or saved at its last stop; pass "
+                    "resume='if_any' to start afresh when there is none" %
+                    (self._client.address, job, rank))
         except BaseException:
             # A constructor that fails leaves nothing in the daemon (a
             # resumed session keeps the state it came for).
