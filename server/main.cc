@@ -28,6 +28,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -35,6 +36,7 @@
 #include "client/default_address.h"
 #include "core/cpu_backend.h"
 #include "core/session_registry.h"
+#include "core/version.h"
 #include "server/device_worker.h"
 #include "server/optimizer_service.h"
 #include "server/restart_store.h"
@@ -190,6 +192,19 @@ bool PrepareSocketPath(const std::string& path) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // --help lists this file's flags (absl matches flags to the program by
+  // file name by default, and the binary is not named after main.cc);
+  // --version says the version and API revision.
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view path) {
+    return absl::EndsWith(path, "server/main.cc");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  usage.version_string = [] {
+    return absl::StrCat("optimd ", optimd::kVersion, " (API revision ",
+                        optimd::kApiRevision, ")\n");
+  };
+  absl::SetFlagsUsageConfig(usage);
   absl::SetProgramUsageMessage(
       "optimd [--listen=unix:/path] [--backend=auto|cpu|cuda] "
       "[--max_state_bytes=N]");

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "absl/time/clock.h"
+#include "core/version.h"
 #include "server/convert.h"
 
 namespace optimd {
@@ -138,6 +139,8 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::CreateSession(
                             ? v1::BACKEND_CPU
                             : v1::BACKEND_CUDA);
   response->set_resumed(created->resumed);
+  response->set_daemon_version(kVersion);
+  response->set_api_revision(kApiRevision);
   if (request->resume() && !created->resumed && restart_store_ != nullptr) {
     if (auto dir = restart_store_->Find(id.job_id, id.rank)) {
       response->set_saved_state_dir(*dir);
@@ -758,6 +761,8 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::ListSessions(
 grpc::ServerUnaryReactor* OptimizerServiceImpl::GetMetrics(
     grpc::CallbackServerContext* context, const v1::GetMetricsRequest*,
     v1::GetMetricsResponse* response) {
+  response->set_daemon_version(kVersion);
+  response->set_api_revision(kApiRevision);
   for (const Backend* b : registry_->backends()) {
     const Counters& c = const_cast<Backend*>(b)->counters();
     response->set_steps(response->steps() + c.steps.load());

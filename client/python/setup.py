@@ -40,11 +40,13 @@ class BuildWithStubs(build_py):
 
 setup(
     name="optimd",
-    version="0.1.0",
+    version="0.2.0",
     description="Python client of the optimd optimizer-step daemon, with "
                 "optimd.torch.AdamW, a drop-in torch.optim.AdamW",
     packages=["optimd", "optimd.v1"],
     python_requires=">=3.9",
-    install_requires=[],  # torch, grpcio and protobuf: use the installed ones
+    # Declared so that a clean environment knows what it needs; offline
+    # installs use the ones already there (--no-deps, --no-build-isolation).
+    install_requires=["grpcio", "protobuf", "torch"],
     cmdclass={"build_py": BuildWithStubs},
 )

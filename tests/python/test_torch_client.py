@@ -14,6 +14,7 @@ import warnings
 import torch
 
 import optimd
+import optimd.testing
 from optimd.testing import Daemon
 from optimd.torch import AdamW
 
@@ -257,6 +258,37 @@ class TorchClientTest(unittest.TestCase):
             with self.assertRaises(optimd.OptimdError):
                 client.evict_session("evicted", 0)
             client.close()
+
+    def test_versions_are_reported_and_checked(self):
+        binary = optimd.testing.find_binary()
+        out = subprocess.run([binary, "--version"], capture_output=True,
+                             text=True, timeout=30)
+        self.assertIn("optimd %s (API revision %d)" %
+                      (optimd.__version__, optimd.API_REVISION),
+                      out.stdout + out.stderr)
+        out = subprocess.run([binary, "--help"], capture_output=True,
+                             text=True, timeout=30)
+        for flag in ("--listen", "--save_dir", "--orphan_grace_s"):
+            self.assertIn(flag, out.stdout + out.stderr)
+        client = optimd.Client(self.daemon.address)
+        m = client.get_metrics()
+        self.assertEqual(m.daemon_version, optimd.__version__)
+        self.assertEqual(m.api_revision, optimd.API_REVISION)
+        # A client that needs a later revision refuses this daemon, naming
+        # both versions, and leaves no session behind.
+        before = len(client.list_sessions().sessions)
+        import optimd.client as client_module
+        client_module.API_REVISION += 1
+        try:
+            with self.assertRaises(optimd.IncompatibleDaemonError) as cm:
+                optimd.Client(self.daemon.address).create_session("new")
+        finally:
+            client_module.API_REVISION -= 1
+        self.assertIn("API revision %d" % optimd.API_REVISION,
+                      str(cm.exception))
+        self.assertIn("upgrade the daemon", str(cm.exception))
+        self.assertEqual(len(client.list_sessions().sessions), before)
+        client.close()
 
     def test_failed_constructor_leaves_no_session(self):
         client = optimd.Client(self.daemon.address)

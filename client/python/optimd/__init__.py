@@ -10,14 +10,17 @@ import pkgutil
 __path__ = pkgutil.extend_path(__path__, __name__)
 
 from optimd.errors import (AlreadyExistsError, DaemonUnavailableError,  # noqa: E402
-                           FailedPreconditionError, InvalidArgumentError,
+                           FailedPreconditionError, IncompatibleDaemonError,
+                           InvalidArgumentError,
                            NotFoundError, OptimdError, ResourceExhaustedError,
                            SessionError)
-from optimd.client import Client, default_address  # noqa: E402
+from optimd.client import (API_REVISION, Client, __version__,  # noqa: E402
+                           default_address)
 
 __all__ = [
     "Client", "default_address", "OptimdError", "DaemonUnavailableError",
     "SessionError", "NotFoundError", "AlreadyExistsError",
     "InvalidArgumentError", "ResourceExhaustedError",
-    "FailedPreconditionError",
+    "FailedPreconditionError", "IncompatibleDaemonError", "__version__",
+    "API_REVISION",
 ]

@@ -14,6 +14,10 @@ from optimd.v1 import optimd_pb2 as pb
 from optimd.v1 import optimd_pb2_grpc as pb_grpc
 
 SESSION_METADATA_KEY = "x-optimd-session"
+# The client's version, and the API revision it needs of a daemon
+# (core/version.h says what each revision added).
+__version__ = "0.2.0"
+API_REVISION = 2
 
 
 def default_address():
@@ -129,6 +133,19 @@ class Client:
         reply = self._call("CreateSession", pb.CreateSessionRequest(
             job_id=job_id, rank=rank, world_size=world_size, device=device,
             resume=resume, ready_event=ready_event, trainer_pid=os.getpid()))
+        if reply.api_revision < API_REVISION:
+            # Too old to speak what this client sends: leave no session.
+            self.token = reply.session_token
+            try:
+                self.close_session()
+            except errors.OptimdError:
+                pass
+            raise errors.IncompatibleDaemonError(
+                "the daemon at %s is optimd %s (API revision %d); this "
+                "client, optimd %s, needs API revision %d or later: upgrade "
+                "the daemon" % (self.address, reply.daemon_version or
+                                "older than 0.2.0", reply.api_revision,
+                                __version__, API_REVISION))
         self.token = reply.session_token
         self.backend = reply.backend
         return reply

@@ -62,6 +62,13 @@ class FailedPreconditionError(OptimdError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class IncompatibleDaemonError(OptimdError):
+    """The daemon is older than this client: it does not speak the API
+    revision the client needs (the message names both versions)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 _BY_CODE = {
     c.code: c
     for c in (DaemonUnavailableError, SessionError, NotFoundError,

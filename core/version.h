@@ -1,0 +1,19 @@
+// The daemon's version, and the revision of the v1 API it speaks. The API
+// revision grows whenever the daemon adds something a client may depend on
+// (a field, an RPC, a meaning); a client refuses a daemon whose revision is
+// below the one it needs, naming both versions.
+#ifndef OPTIMD_CORE_VERSION_H_
+#define OPTIMD_CORE_VERSION_H_
+
+#include <cstdint>
+
+namespace optimd {
+
+inline constexpr char kVersion[] = "0.2.0";
+// 2: step flags, absent gradients, tensor steps and shapes, EvictSession,
+//    saved sessions across restarts.
+inline constexpr uint32_t kApiRevision = 2;
+
+}  // namespace optimd
+
+#endif  // OPTIMD_CORE_VERSION_H_
