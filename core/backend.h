@@ -150,6 +150,13 @@ class Backend {
   virtual absl::Status CheckMappings(
       const std::vector<std::shared_ptr<const void>>& mappings) = 0;
 
+  // The trainer of a session is gone and the session freed: removes what
+  // of its buffers would otherwise outlive both sides (the CPU backend
+  // unlinks the shared-memory segments that still carry their names;
+  // CUDA allocations end with their process). Never fails.
+  virtual void ForgetTrainerBuffers(
+      const std::vector<std::shared_ptr<const void>>& mappings) {}
+
   // Copies between backend memory (state or trainer buffers) and host
   // memory. Synchronous. Used by state reads and writes, never per step.
   virtual absl::Status CopyToHost(const uint8_t* src, uint8_t* dst,

@@ -1,5 +1,7 @@
 #include "core/cpu_backend.h"
 
+#include <sys/mman.h>
+
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
@@ -250,6 +252,16 @@ absl::Status CpuBackend::CopyFromHost(const uint8_t* src, uint8_t* dst,
         if (bytes > 0) std::memcpy(dst, src, bytes);
       },
       "state write");
+}
+
+void CpuBackend::ForgetTrainerBuffers(
+    const std::vector<std::shared_ptr<const void>>& mappings) {
+  for (const auto& m : mappings) {
+    const auto* segment = static_cast<const SharedMemorySegment*>(m.get());
+    // Only while the name still names the trainer's segment: a new
+    // trainer may have made another under it.
+    if (segment->StillNamed()) shm_unlink(segment->name().c_str());
+  }
 }
 
 absl::Status CpuBackend::CheckMappings(

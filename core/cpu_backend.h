@@ -32,6 +32,8 @@ class CpuBackend final : public Backend {
                                           const std::string& what) override;
   absl::StatusOr<StateStorage> AllocateState(uint64_t bytes) override;
   absl::Status PrepareGroup(Group& group) override;
+  void ForgetTrainerBuffers(
+      const std::vector<std::shared_ptr<const void>>& mappings) override;
   absl::Status UpdatePlanEntries(Group& group,
                                  const std::vector<uint32_t>& entries) override;
   absl::StatusOr<std::unique_ptr<SessionContext>> OpenSession(

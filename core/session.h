@@ -213,6 +213,12 @@ class Session {
       ABSL_LOCKS_EXCLUDED(mu_);
 
   SessionInfo Info() const ABSL_LOCKS_EXCLUDED(info_mu_);
+  // Its trainer is gone for good (the session is being freed): let the
+  // backend remove the trainer's buffers that would outlive both sides.
+  void ForgetTrainerBuffers() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    backend_->ForgetTrainerBuffers(mappings_);
+  }
   // A checkpoint the daemon saved for its restart and offered to this
   // session: removed after the session's first successful step, so that a
   // later resume is never offered state older than what training went on

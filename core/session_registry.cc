@@ -161,24 +161,31 @@ void SessionRegistry::EraseLocked(const std::string& token) {
 SessionRegistry::Reaped SessionRegistry::Reap(absl::Time now,
                                               absl::Duration grace) {
   Reaped out;
-  absl::MutexLock lock(&mu_);
-  std::vector<std::string> expired;
-  for (auto& [token, trainer] : trainers_) {
-    const std::shared_ptr<Session>& s = by_token_.at(token);
-    if (!trainer.orphaned_since.has_value()) {
-      if (!trainer.process.has_value() || !TrainerGone(*trainer.process)) {
-        continue;
+  std::vector<std::shared_ptr<Session>> freed;
+  {
+    absl::MutexLock lock(&mu_);
+    std::vector<std::string> expired;
+    for (auto& [token, trainer] : trainers_) {
+      const std::shared_ptr<Session>& s = by_token_.at(token);
+      if (!trainer.orphaned_since.has_value()) {
+        if (!trainer.process.has_value() || !TrainerGone(*trainer.process)) {
+          continue;
+        }
+        trainer.orphaned_since = now;
+        s->SetOrphanedSince(absl::ToDoubleSeconds(now - absl::UnixEpoch()));
+        out.orphaned.push_back(s->identity());
       }
-      trainer.orphaned_since = now;
-      s->SetOrphanedSince(absl::ToDoubleSeconds(now - absl::UnixEpoch()));
-      out.orphaned.push_back(s->identity());
+      if (now - *trainer.orphaned_since >= grace) expired.push_back(token);
     }
-    if (now - *trainer.orphaned_since >= grace) expired.push_back(token);
+    for (const std::string& token : expired) {
+      freed.push_back(by_token_.at(token));
+      out.freed.push_back(freed.back()->identity());
+      EraseLocked(token);
+    }
   }
-  for (const std::string& token : expired) {
-    out.freed.push_back(by_token_.at(token)->identity());
-    EraseLocked(token);
-  }
+  // Outside the registry's lock: this waits for the session's own lock,
+  // which a running step may hold.
+  for (const auto& s : freed) s->ForgetTrainerBuffers();
   return out;
 }
 

@@ -250,6 +250,11 @@ class TorchClientTest(unittest.TestCase):
             while "killed" in sessions():
                 self.assertLess(time.time(), deadline, "never freed")
                 time.sleep(0.1)
+            # Its shared-memory segments went with it (the trainer could
+            # not remove them).
+            left = [f for f in os.listdir("/dev/shm")
+                    if f.startswith("optimd-py-%d-" % trainer.pid)]
+            self.assertEqual(left, [])
             # An operator may evict any session at once.
             p = torch.nn.Parameter(torch.randn(3))
             opt = AdamW([p], address=d.address, job_id="evicted")
