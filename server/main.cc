@@ -38,6 +38,7 @@
 #include "core/session_registry.h"
 #include "core/version.h"
 #include "server/device_worker.h"
+#include "server/log.h"
 #include "server/optimizer_service.h"
 #include "server/restart_store.h"
 #include "server/session_reaper.h"
@@ -89,14 +90,7 @@ ABSL_FLAG(int, shutdown_grace_s, 30,
 
 namespace {
 
-void Log(const std::string& line) {
-  std::fprintf(
-      stderr, "optimd %s: %s\n",
-      absl::FormatTime("%H:%M:%E3S", absl::Now(), absl::LocalTimeZone())
-          .c_str(),
-      line.c_str());
-  std::fflush(stderr);
-}
+void Log(const std::string& line) { optimd::log::Info(line); }
 
 // The contents of the PEM file named by --`flag`, or false (logged).
 bool ReadPem(const std::string& flag, const std::string& path,

@@ -10,13 +10,20 @@
 #include <cstring>
 #include <thread>
 
+#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "core/version.h"
 #include "server/convert.h"
+#include "server/log.h"
 
 namespace optimd {
 
 namespace {
+
+// "job '<id>' rank <r>", the id cut at 200 bytes, for log lines.
+std::string SessionName(const SessionIdentity& id) {
+  return absl::StrCat("job '", id.job_id.substr(0, 200), "' rank ", id.rank);
+}
 
 // Where LoadStateStream spools streams: --state_dir, else /tmp.
 std::string SpoolDirectory(const CheckpointOptions& options) {
@@ -141,6 +148,10 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::CreateSession(
   response->set_resumed(created->resumed);
   response->set_daemon_version(kVersion);
   response->set_api_revision(kApiRevision);
+  log::Info(absl::StrCat("session ", created->resumed ? "resumed" : "created",
+                         ": ", SessionName(id), " device ", id.device,
+                         " world_size ", id.world_size, " trainer pid ",
+                         request->trainer_pid()));
   if (request->resume() && !created->resumed && restart_store_ != nullptr) {
     if (auto dir = restart_store_->Find(id.job_id, id.rank)) {
       response->set_saved_state_dir(*dir);
@@ -171,6 +182,8 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::CloseSession(
     reactor->Finish(ToGrpcStatus(closed));
     return reactor;
   }
+  log::Info(
+      absl::StrCat("session closed: ", SessionName((*session)->identity())));
   // Freeing the state can take a while; the worker drops the last reference
   // after any step of this session already queued.
   DeviceWorker* worker = WorkerFor(**session);
@@ -382,8 +395,15 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::SaveState(
                              request->background());
         if (!r.ok()) {
           checkpoint_failures_.fetch_add(1);
+          log::Warn(absl::StrCat(
+              "checkpoint save failed: ", SessionName(s.identity()), ": ",
+              r.status().ToString().substr(0, 500)));
           return r.status();
         }
+        log::Info(absl::StrCat(
+            "checkpoint ", request->background() ? "snapshot taken" : "saved",
+            ": ", SessionName(s.identity()), " to ", r->path, ", ", r->bytes,
+            " bytes, ", absl::StrFormat("%.3f", r->seconds), " s"));
         checkpoint_saves_.fetch_add(1);
         checkpoint_save_bytes_.fetch_add(r->bytes);
         response->set_path(r->path);
@@ -436,8 +456,14 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::LoadState(
         auto r = s.LoadState(request->directory(), checkpoint_options_);
         if (!r.ok()) {
           checkpoint_failures_.fetch_add(1);
+          log::Warn(absl::StrCat(
+              "checkpoint load failed: ", SessionName(s.identity()), ": ",
+              r.status().ToString().substr(0, 500)));
           return r.status();
         }
+        log::Info(absl::StrCat("checkpoint loaded: ", SessionName(s.identity()),
+                               " from ", r->path, ", ", r->bytes, " bytes, ",
+                               absl::StrFormat("%.3f", r->seconds), " s"));
         checkpoint_loads_.fetch_add(1);
         checkpoint_load_bytes_.fetch_add(r->bytes);
         response->set_path(r->path);
@@ -743,8 +769,13 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::EvictSession(
     grpc::CallbackServerContext* context,
     const v1::EvictSessionRequest* request, v1::EvictSessionResponse*) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(
-      ToGrpcStatus(registry_->Evict(request->job_id(), request->rank())));
+  const absl::Status evicted =
+      registry_->Evict(request->job_id(), request->rank());
+  if (evicted.ok()) {
+    log::Info(absl::StrCat("session evicted: ",
+                           SessionName({request->job_id(), request->rank()})));
+  }
+  reactor->Finish(ToGrpcStatus(evicted));
   return reactor;
 }
 

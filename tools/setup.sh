@@ -10,7 +10,7 @@ PACKAGES=(
   python3-grpcio python3-protobuf python3-torch python3-numpy
   python3-pip python3-setuptools python3-venv
   openssl
-  clang clang-format
+  clang clang-format libspdlog-dev
 )
 
 missing=()

@@ -7,6 +7,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import unittest
 import warnings
@@ -294,6 +295,27 @@ class TorchClientTest(unittest.TestCase):
         self.assertIn("upgrade the daemon", str(cm.exception))
         self.assertEqual(len(client.list_sessions().sessions), before)
         client.close()
+
+    def test_log_lines_say_when_what_and_which_session(self):
+        with tempfile.TemporaryFile(mode="w+") as log:
+            with Daemon(stderr=log) as d:
+                p = torch.nn.Parameter(torch.randn(4))
+                opt = AdamW([p], address=d.address, job_id="logged")
+                p.grad = torch.randn(4)
+                opt.step()
+                with tempfile.TemporaryDirectory() as ckpt:
+                    opt.save_checkpoint(ckpt)
+                opt.close()
+            log.seek(0)
+            lines = log.read().splitlines()
+        stamp = r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d\d:\d\d " \
+                r"(info|warning) optimd: "
+        for event in ("session created: job 'logged' rank 0",
+                      "checkpoint saved: job 'logged' rank 0",
+                      "session closed: job 'logged' rank 0", "stopped"):
+            matching = [l for l in lines if event in l]
+            self.assertEqual(len(matching), 1, (event, lines))
+            self.assertRegex(matching[0], stamp)
 
     def test_failed_constructor_leaves_no_session(self):
         client = optimd.Client(self.daemon.address)

@@ -38,13 +38,14 @@ def find_binary():
 class Daemon:
     """An optimd process on a private Unix socket; stopped on exit."""
 
-    def __init__(self, flags=(), binary=None, backend="cpu"):
+    def __init__(self, flags=(), binary=None, backend="cpu", stderr=None):
+        """stderr: a file for the daemon's log (default: this process's)."""
         self._dir = tempfile.mkdtemp(prefix="optimd-", dir="/tmp")
         self.socket_path = os.path.join(self._dir, "optimd.sock")
         self.address = "unix:" + self.socket_path
         cmd = [binary or find_binary(), "--listen=" + self.address,
                "--backend=" + backend] + list(flags)
-        self.process = subprocess.Popen(cmd)
+        self.process = subprocess.Popen(cmd, stderr=stderr)
         deadline = time.time() + 30
         while True:
             if self.process.poll() is not None:

@@ -1,0 +1,22 @@
+// The daemon's log: one line per event on stderr, with date, time, zone and
+// level ("2026-11-30T12:00:00.123+00:00 info optimd: session created: ..."),
+// through spdlog. Session events, registrations, checkpoints, orphans and
+// shutdown are logged; per-step traffic is not.
+//
+// Thread-safe.
+#ifndef OPTIMD_SERVER_LOG_H_
+#define OPTIMD_SERVER_LOG_H_
+
+#include <string>
+
+namespace optimd {
+namespace log {
+
+void Info(const std::string& line);
+// Something went wrong for one session or call; the daemon goes on.
+void Warn(const std::string& line);
+
+}  // namespace log
+}  // namespace optimd
+
+#endif  // OPTIMD_SERVER_LOG_H_
