@@ -538,6 +538,41 @@ class TorchClientTest(unittest.TestCase):
         self.assertEqual(int(opt2.state[next(fresh.parameters())]["step"]), 3)
         opt2.close()
 
+    def test_connection_errors_name_the_cause(self):
+        with tempfile.TemporaryDirectory() as scratch:
+            path = os.path.join(scratch, "optimd.sock")
+            # A bare socket path would be taken for a TLS TCP address.
+            with self.assertRaisesRegex(optimd.InvalidArgumentError,
+                                        "write unix:"):
+                optimd.Client(path)
+            # A missing socket file: said at once, not after a 10 s wait.
+            t0 = time.time()
+            with self.assertRaisesRegex(optimd.DaemonUnavailableError,
+                                        "does not exist"):
+                optimd.Client("unix:" + path, connect_timeout=10)
+            self.assertLess(time.time() - t0, 2)
+            # Another user's socket (mode 0600): only checkable when this
+            # process is not root, to whom every file is open.
+            if os.geteuid() != 0:
+                open(path, "w").close()
+                os.chmod(path, 0)
+                with self.assertRaisesRegex(optimd.DaemonUnavailableError,
+                                            "only it may connect"):
+                    optimd.Client("unix:" + path)
+        # A daemon killed mid-training: the error says the state is gone.
+        d = Daemon()
+        p = torch.nn.Parameter(torch.randn(3))
+        opt = AdamW([p], address=d.address, job_id="gone")
+        p.grad = torch.randn(3)
+        opt.step()
+        d.process.kill()
+        d.process.wait()
+        with self.assertRaises(optimd.DaemonUnavailableError) as cm:
+            opt.step()
+        self.assertIn("went away", str(cm.exception))
+        self.assertIn("lost unless", str(cm.exception))
+        d.stop()
+
     def test_clear_errors(self):
         p = torch.nn.Parameter(torch.randn(3))
         with self.assertRaises(optimd.DaemonUnavailableError) as cm:

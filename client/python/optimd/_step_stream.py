@@ -69,7 +69,10 @@ class StepStream:
                 future.set_result(reply)
             error = errors.OptimdError("the daemon closed the step stream")
         except grpc.RpcError as err:
-            error = errors.from_rpc_error(err, self._address)
+            # Steps run within a session: a daemon that is unavailable now
+            # went away under it.
+            error = errors.from_rpc_error(err, self._address,
+                                          had_session=True)
         with self._lock:
             self._error = error
             pending = list(self._pending)

@@ -31,6 +31,31 @@ def default_address():
     return "unix:/tmp/optimd-%d.sock" % os.getuid()
 
 
+def _check_address(address):
+    """Refuses, at once and saying why, what cannot reach a daemon: a bare
+    socket path (taken for a TCP address), a socket file that is missing,
+    or one this user may not use."""
+    if not address.startswith("unix:"):
+        if address.startswith("/") or address.endswith(".sock"):
+            raise errors.InvalidArgumentError(
+                "%r looks like a socket path: write unix:%s (without the "
+                "prefix it is a TCP address, which the daemon serves over "
+                "TLS only)" % (address, address))
+        return
+    path = address[len("unix:"):]
+    if not os.path.exists(path):
+        raise errors.DaemonUnavailableError(
+            "no optimd daemon at %s: the socket file %s does not exist; "
+            "start one with `optimd --listen=%s`" % (address, path, address))
+    if not os.access(path, os.R_OK | os.W_OK):
+        st = os.stat(path)
+        raise errors.DaemonUnavailableError(
+            "the daemon socket %s belongs to user id %d and only it may "
+            "connect (mode %o); run as that user, or start a daemon of your "
+            "own on another socket (optimd --listen=unix:/path)" %
+            (path, st.st_uid, st.st_mode & 0o777))
+
+
 def _read_pem(what, path):
     try:
         with open(path, "rb") as f:
@@ -71,6 +96,7 @@ class Client:
         named by $OPTIMD_TLS_CA, $OPTIMD_TLS_CERT, $OPTIMD_TLS_KEY)."""
         self.address = address or default_address()
         self.timeout = timeout
+        _check_address(self.address)
         options = [("grpc.max_send_message_length", -1),
                    ("grpc.max_receive_message_length", -1)]
         if self.address.startswith("unix:"):
@@ -123,7 +149,8 @@ class Client:
             return getattr(self._stub, method)(
                 request, timeout=self.timeout, metadata=metadata)
         except grpc.RpcError as err:
-            raise errors.from_rpc_error(err, self.address) from None
+            raise errors.from_rpc_error(
+                err, self.address, had_session=bool(self.token)) from None
 
     # Sessions.
     def create_session(self, job_id, rank=0, world_size=1, device=-1,

@@ -77,12 +77,20 @@ _BY_CODE = {
 }
 
 
-def from_rpc_error(err, address=None):
-    """Turns a grpc.RpcError into the matching OptimdError."""
+def from_rpc_error(err, address=None, had_session=False):
+    """Turns a grpc.RpcError into the matching OptimdError. `had_session`:
+    the call belonged to an open session, so an unavailable daemon went
+    away under it (and with it the state it held)."""
     code = err.code() if hasattr(err, "code") else None
     details = err.details() if hasattr(err, "details") else str(err)
     cls = _BY_CODE.get(code, OptimdError)
-    if cls is DaemonUnavailableError:
+    if cls is DaemonUnavailableError and had_session:
+        message = ("the optimd daemon at %s went away during the session "
+                   "(%s): the optimizer state it held is lost unless it was "
+                   "checkpointed (save_checkpoint) or saved at a clean stop "
+                   "(--save_dir); restart it and resume (resume=True, or "
+                   "load_checkpoint)" % (address, details))
+    elif cls is DaemonUnavailableError:
         where = " at %s" % address if address else ""
         message = ("no optimd daemon answers%s (%s); start one with "
                    "`bazel-bin/server/optimd --listen=%s`" %
