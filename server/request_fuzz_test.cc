@@ -1,52 +1,14 @@
-// Replays the request fuzz corpus (server/testdata/request_corpus)
-// through the fuzz target in the normal build: every input must give a
-// Status (the valid seeds an OK one) without crashing. With
-// --write_seeds=DIR it writes the corpus's valid seeds instead.
+// Replays the request fuzz corpus (server/testdata/request_corpus) through
+// the fuzz target in the normal build (core/corpus_replay.h).
 #include "server/request_fuzz.h"
 
-#include <dirent.h>
-
-#include <cstdio>
-#include <fstream>
-#include <iterator>
-#include <string>
-#include <vector>
+#include "core/corpus_replay.h"
 
 int main(int argc, char** argv) {
-  const std::string flag = "--write_seeds=";
-  if (argc == 2 && std::string(argv[1]).rfind(flag, 0) == 0) {
-    const absl::Status s =
-        optimd::WriteRequestSeeds(std::string(argv[1]).substr(flag.size()));
-    std::printf("%s\n", s.ToString().c_str());
-    return s.ok() ? 0 : 1;
-  }
-  const std::string dir = argc > 1 ? argv[1] : "server/testdata/request_corpus";
-  DIR* d = opendir(dir.c_str());
-  if (d == nullptr) {
-    std::printf("FAIL: no corpus at %s\n", dir.c_str());
-    return 1;
-  }
-  std::vector<std::string> names;
-  while (const dirent* e = readdir(d)) {
-    if (e->d_name[0] != '.') names.push_back(e->d_name);
-  }
-  closedir(d);
-  int failures = 0, valid = 0;
-  for (const std::string& name : names) {
-    std::ifstream in(dir + "/" + name, std::ios::binary);
-    const std::string bytes((std::istreambuf_iterator<char>(in)),
-                            std::istreambuf_iterator<char>());
-    const absl::Status s = optimd::ApplyFuzzRequest(
-        reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
-    if (name.rfind("valid-", 0) == 0) {
-      ++valid;
-      if (!s.ok()) {
-        std::printf("FAIL: %s: %s\n", name.c_str(), s.ToString().c_str());
-        ++failures;
-      }
-    }
-  }
-  std::printf("%zu inputs, %d valid seeds, %d failures\n", names.size(), valid,
-              failures);
-  return failures == 0 && valid >= 5 ? 0 : 1;
+  optimd::CorpusReplay replay;
+  replay.default_dir = "server/testdata/request_corpus";
+  replay.min_valid = 5;
+  replay.write_seeds = optimd::WriteRequestSeeds;
+  replay.run = optimd::ApplyFuzzRequest;
+  return optimd::ReplayCorpusMain(argc, argv, replay);
 }
