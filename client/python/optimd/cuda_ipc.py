@@ -66,24 +66,8 @@ def mem_handle_at(base, device):
 def mem_handle(tensor):
     """(64-byte cudaIpcMemHandle_t, byte offset of the tensor's data in its
     allocation) for a CUDA tensor."""
-    runtime, driver = _libs()
-    ptr = tensor.data_ptr()
-    with torch.cuda.device(tensor.device):
-        handle = (ctypes.c_char * 64)()
-        err = runtime.cudaIpcGetMemHandle(ctypes.byref(handle),
-                                          ctypes.c_void_p(ptr))
-        if err != 0:
-            raise RuntimeError("cudaIpcGetMemHandle failed with CUDA error %d"
-                               % err)
-        base = ctypes.c_uint64()
-        size = ctypes.c_size_t()
-        err = driver.cuMemGetAddressRange_v2(ctypes.byref(base),
-                                             ctypes.byref(size),
-                                             ctypes.c_uint64(ptr))
-        if err != 0:
-            raise RuntimeError("cuMemGetAddressRange failed with CUDA driver "
-                               "error %d" % err)
-    return bytes(handle), ptr - base.value
+    base, _ = allocation_range(tensor)
+    return mem_handle_at(base, tensor.device), tensor.data_ptr() - base
 
 
 _WAIT_VALUE_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
