@@ -14,7 +14,8 @@ import torch
 from optimd._layout import memory_order
 from optimd.v1 import optimd_pb2 as pb
 
-_DTYPES = {
+# torch dtype -> API dtype, for every dtype the API carries.
+DTYPES = {
     torch.float32: pb.DTYPE_FLOAT32,
     torch.bfloat16: pb.DTYPE_BFLOAT16,
     torch.float16: pb.DTYPE_FLOAT16,
@@ -145,9 +146,9 @@ def set_state_request(group_id, slots, entries, amsgrad):
 
 def add_blob(request, name, kind, value):
     value = value.detach().to("cpu").contiguous().reshape(-1)
-    if value.dtype not in _DTYPES:
+    if value.dtype not in DTYPES:
         value = value.to(torch.float32)
-    request.tensors.add(tensor=name, kind=kind, dtype=_DTYPES[value.dtype],
+    request.tensors.add(tensor=name, kind=kind, dtype=DTYPES[value.dtype],
                         numel=value.numel(),
                         data=value.view(torch.uint8).numpy().tobytes()
                         if value.numel() else b"")

@@ -40,18 +40,13 @@ import torch
 from optimd import errors
 from optimd._grads import GradRouter
 from optimd._layout import view_like
-from optimd._state import DaemonState, set_state_request
+from optimd._state import DTYPES, DaemonState, set_state_request
 from optimd._step_flags import StepFlags
 from optimd.client import Client
 from optimd.shm import SharedSegment, align
 from optimd.v1 import optimd_pb2 as pb
 
-_DTYPES = {
-    torch.float32: pb.DTYPE_FLOAT32,
-    torch.bfloat16: pb.DTYPE_BFLOAT16,
-    torch.float16: pb.DTYPE_FLOAT16,
-}
-_TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
+_TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
 # Schedulers may change lr, betas, eps and weight_decay: each step sends
 # them. These define the state's shape and cannot change.
 _IMMUTABLE_KEYS = ("amsgrad", "maximize")
@@ -280,16 +275,16 @@ class AdamW(torch.optim.Optimizer):
             request.layout.master_weights = pb.MASTER_WEIGHTS_FP32
         elif mw is False:
             request.layout.master_weights = pb.MASTER_WEIGHTS_NONE
-        request.layout.moment_dtype = _DTYPES[group.get("exp_avg_dtype",
+        request.layout.moment_dtype = DTYPES[group.get("exp_avg_dtype",
                                                         torch.float32)]
         for s, p_off in slots:
             t = request.tensors.add(name=s.name, numel=s.numel,
-                                    param_dtype=_DTYPES[s.param.dtype],
+                                    param_dtype=DTYPES[s.param.dtype],
                                     keep_fp32=id(s.param) in self._keep_fp32,
                                     frozen=s.frozen, shape=s.param.shape)
             if not s.frozen:
                 # Steps tell the daemon where gradients are (_grads.py).
-                t.grad_dtype = _DTYPES[s.param.dtype]
+                t.grad_dtype = DTYPES[s.param.dtype]
                 t.grad_absent = True
             if s.numel:
                 nbytes = s.numel * s.param.element_size()
@@ -305,7 +300,7 @@ class AdamW(torch.optim.Optimizer):
         slots = []
         p_bytes = 0
         for pi, p in enumerate(group["params"]):
-            if p.dtype not in _DTYPES:
+            if p.dtype not in DTYPES:
                 raise TypeError(
                     "optimd.torch.AdamW supports float32, bfloat16 and "
                     "float16 parameters; parameter %s is %s" %
