@@ -956,15 +956,19 @@ std::string CheckpointFileName(uint32_t rank) {
   return absl::StrCat("rank-", rank, ".safetensors");
 }
 
-std::string LegacyCheckpointFileName(const std::string& job_id, uint32_t rank) {
-  std::string job;
-  for (char c : job_id) {
+std::string FileNameOf(absl::string_view s) {
+  std::string name;
+  for (char c : s) {
     const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
                     (c >= '0' && c <= '9') || c == '.' || c == '_' || c == '-';
-    job.push_back(ok ? c : '_');
+    name.push_back(ok ? c : '_');
   }
-  if (job.empty() || job[0] == '.') job = "job" + job;
-  return absl::StrCat(job, ".rank-", rank, ".safetensors");
+  if (name.empty() || name[0] == '.') name = "job" + name;
+  return name;
+}
+
+std::string LegacyCheckpointFileName(const std::string& job_id, uint32_t rank) {
+  return absl::StrCat(FileNameOf(job_id), ".rank-", rank, ".safetensors");
 }
 
 absl::StatusOr<std::string> ResolveCheckpointDir(

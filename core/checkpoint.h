@@ -77,7 +77,11 @@ struct CheckpointResult {
 // rank's file. The job id is in the file's metadata.
 std::string CheckpointFileName(uint32_t rank);
 
-// "<job>.rank-<rank>.safetensors", the job id reduced to [A-Za-z0-9._-]:
+// `s` reduced to a file name: every character outside [A-Za-z0-9._-]
+// becomes '_', and "job" goes in front of an empty or hidden name.
+std::string FileNameOf(absl::string_view s);
+
+// "<job>.rank-<rank>.safetensors", the job id reduced by FileNameOf:
 // the name of earlier versions, which LoadState falls back to.
 std::string LegacyCheckpointFileName(const std::string& job_id, uint32_t rank);
 

@@ -9,14 +9,7 @@
 namespace optimd {
 
 std::string RestartStore::JobDirectory(const std::string& job_id) {
-  std::string name;
-  for (char c : job_id.substr(0, 48)) {
-    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
-                    (c >= '0' && c <= '9') || c == '.' || c == '_' || c == '-';
-    name.push_back(ok ? c : '_');
-  }
-  if (name.empty() || name[0] == '.') name = "job" + name;
-  return absl::StrFormat("%s-%08x", name,
+  return absl::StrFormat("%s-%08x", FileNameOf(job_id.substr(0, 48)),
                          Crc32cExtend(0, job_id.data(), job_id.size()));
 }
 
