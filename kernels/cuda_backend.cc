@@ -589,9 +589,12 @@ absl::Status CudaBackend::UpdatePlanEntries(
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
   std::vector<std::pair<uint32_t, uint32_t>> ranges;
   ranges.reserve(entries.size());
+  bool absence_changed = false;
   for (uint32_t entry : entries) {
     const TensorPointers p =
         group.tensors[group.plan.tensor_index[entry]].Pointers();
+    absence_changed |=
+        (p.grad == nullptr) != (group.plan.entries[entry].grad == nullptr);
     group.plan.entries[entry] = p;
     const auto [first, end] = plan->entry_chunks[entry];
     for (uint32_t c = first; c < end; ++c) {
@@ -634,7 +637,9 @@ absl::Status CudaBackend::UpdatePlanEntries(
                           cudaMemcpyHostToDevice, stream_));
     }
   }
-  OPTIMD_RETURN_IF_ERROR(UploadAbsent(*plan));
+  // The absent list walks every entry: only when some absence changed, so
+  // that moved gradients cost the host about their own number.
+  if (absence_changed) OPTIMD_RETURN_IF_ERROR(UploadAbsent(*plan));
   counters().plan_entry_updates.fetch_add(entries.size(),
                                           std::memory_order_relaxed);
   return absl::OkStatus();
