@@ -144,19 +144,19 @@ class CheckpointTest(unittest.TestCase):
         gen = torch.Generator().manual_seed(SEED)
         init = [torch.randn(*s, generator=gen) for s in SHAPES]
         layout = LAYOUTS["bf16_master"]
-        with Daemon() as d:
+        with Daemon(backend=BACKEND) as d:
             ref = [self.make(d, init, layout, "ref-%d" % i) for i in range(2)]
             for params, opt, dtype in ref:
                 self.run_steps(opt, params, 0, 12, dtype)
         flags = ["--save_dir=" + save_dir]
-        d1 = Daemon(flags=flags)
+        d1 = Daemon(backend=BACKEND, flags=flags)
         runs = [self.make(d1, init, layout, "job-%d" % i) for i in range(2)]
         for params, opt, dtype in runs:
             self.run_steps(opt, params, 0, 6, dtype)
         self.assertEqual(d1.stop(), 0)  # SIGTERM: saves both sessions
         saved = sorted(os.listdir(save_dir))
         self.assertEqual(len(saved), 2)
-        with Daemon(flags=flags) as d2:
+        with Daemon(backend=BACKEND, flags=flags) as d2:
             for i, ((params, _, dtype), (ref_params, ref_opt, _)) in \
                     enumerate(zip(runs, ref)):
                 fresh = [torch.nn.Parameter(torch.zeros_like(p))
