@@ -20,6 +20,11 @@ of its iteration; the ratio goals apply there) and one users train with
 (at least 16k tokens per step). Clipping at 1.0 is torch's clip_grad_norm_
 against optimd's max_grad_norm (the daemon clips inside its step).
 
+With --overlap, two more peers in the same run: optimd with overlap=True,
+and the same loop without any optimizer (zero_grad, forward, backward,
+clipping), from which the optimizer time still visible in an iteration is
+(iteration - iteration without optimizer) / the step's own GPU time.
+
 Iteration time: back-to-back iterations, wall clock over a block of them
 with a device sync at the end, alternating torch and optimd blocks; the
 median block. Phases: CUDA events and host clocks around each phase of
@@ -76,7 +81,10 @@ class GPT(nn.Module):
                 nn.init.normal_(m.weight, std=0.02)
 
     def forward(self, idx, targets):
-        x = self.tok(idx) + self.pos.weight[:idx.shape[1]]
+        # Every weight is read by its own module's forward (what overlap
+        # needs: optimd.torch.AdamW's docstring).
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1],
+                                                  device=idx.device))
         for blk in self.blocks:
             x = blk(x)
         logits = self.head(self.ln_f(x))
@@ -102,7 +110,7 @@ class Trainer:
 
     def __init__(self, model, make_opt, clip, batches):
         self.model = model
-        self.opt = make_opt(model)
+        self.opt = make_opt(model) if make_opt else None
         self.clip = clip
         self.batches = batches
         self.i = 0
@@ -121,11 +129,13 @@ class Trainer:
             if self.clip is not None:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                                self.clip)
-        out = [("zero_grad", self.opt.zero_grad), ("forward", forward),
+        zero = self.opt.zero_grad if self.opt else self.model.zero_grad
+        out = [("zero_grad", zero), ("forward", forward),
                ("backward", lambda: state["loss"].backward())]
         if self.clip is not None:
             out.append(("clip", clip))
-        out.append(("step", self.opt.step))
+        if self.opt is not None:
+            out.append(("step", self.opt.step))
         return out, state
 
     def iterate(self):
@@ -180,16 +190,23 @@ def compare(name, cfg, batch, seq, clip, daemon, args):
     torch.manual_seed(0)
     base = GPT(seq=seq, **cfg).cuda()
     data = batches(cfg, batch, seq)
+    def optimd(overlap):
+        return lambda m: OptimdAdamW(
+            m.parameters(), lr=3e-4, weight_decay=0.1,
+            address=daemon.address,
+            job_id="%s-%d-%s-%s" % (name, batch, clip, overlap),
+            max_grad_norm=clip or 0.0, overlap=overlap,
+            assume_finite=args.assume_finite and clip is None)
     peers = {
         "torch": Trainer(copy.deepcopy(base), lambda m: torch.optim.AdamW(
             m.parameters(), lr=3e-4, weight_decay=0.1, fused=True), clip,
             data),
-        "optimd": Trainer(copy.deepcopy(base), lambda m: OptimdAdamW(
-            m.parameters(), lr=3e-4, weight_decay=0.1,
-            address=daemon.address, job_id="%s-%d-%s" % (name, batch, clip),
-            max_grad_norm=clip or 0.0,
-            assume_finite=args.assume_finite and clip is None), None, data),
+        "optimd": Trainer(copy.deepcopy(base), optimd(False), None, data),
     }
+    if args.overlap:
+        peers["overlap"] = Trainer(copy.deepcopy(base), optimd(True), None,
+                                   data)
+        peers["no_opt"] = Trainer(copy.deepcopy(base), None, clip, data)
     del base
     params = sum(p.numel() for p in peers["torch"].model.parameters())
     tensors = len(list(peers["torch"].model.parameters()))
@@ -217,10 +234,22 @@ def compare(name, cfg, batch, seq, clip, daemon, args):
                optimd_step_share=phases["optimd"][0]["step"] / it["optimd"],
                phases={k: dict(gpu=v[0], host=v[1])
                        for k, v in phases.items()},
+               iteration_ms=it,
                moved_entries_per_step=moved,
                assume_finite=bool(args.assume_finite and clip is None),
                loss_after_warmup=losses)
-    peers["optimd"].opt.close()
+    if args.overlap:
+        # The optimizer time left in an iteration, as a fraction of the
+        # step's own GPU time.
+        base_ms = it["no_opt"]
+        row["overlap_ratio"] = it["overlap"] / it["torch"]
+        row["visible_overlap"] = (it["overlap"] - base_ms) / \
+            phases["optimd"][0]["step"]
+        row["visible_torch"] = (it["torch"] - base_ms) / \
+            phases["torch"][0]["step"]
+    for t in peers.values():
+        if isinstance(t.opt, OptimdAdamW):
+            t.opt.close()
     del peers
     torch.cuda.empty_cache()
     return row
@@ -238,11 +267,17 @@ def print_row(r):
         print("    %-6s " % peer + "  ".join(
             "%s %.3f/%.3f" % (k, ph["gpu"][k], ph["host"][k])
             for k in ph["gpu"]) + "   (GPU/host ms)")
-    print("    loss after warm-up: torch %.5f optimd %.5f; plan entries "
-          "moved per step %.2f%s" %
-          (r["loss_after_warmup"]["torch"], r["loss_after_warmup"]["optimd"],
+    print("    loss after warm-up: %s; plan entries moved per step %.2f%s" %
+          (" ".join("%s %.5f" % kv for kv in r["loss_after_warmup"].items()),
            r["moved_entries_per_step"],
            "; optimd with assume_finite" if r["assume_finite"] else ""))
+    if "overlap_ratio" in r:
+        it = r["iteration_ms"]
+        print("    overlap %.3f ms (ratio %.3f), without optimizer %.3f ms; "
+              "visible optimizer time: overlap %.0f%% of optimd's step, "
+              "torch %.0f%% of its own" %
+              (it["overlap"], r["overlap_ratio"], it["no_opt"],
+               100 * r["visible_overlap"], 100 * r["visible_torch"]))
 
 
 def main():
@@ -257,6 +292,9 @@ def main():
     ap.add_argument("--assume_finite", action="store_true",
                     help="optimd without clipping skips its inf/NaN check, "
                          "the same work as torch's fused step")
+    ap.add_argument("--overlap", action="store_true",
+                    help="also optimd with overlap=True, and the loop "
+                         "without an optimizer")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     rows = []
@@ -274,8 +312,12 @@ def main():
     print("\n== iteration time, optimd / torch fused (same run)")
     for r in rows:
         print("%-9s tokens %6d clip %-4s ratio %.3f (torch step %4.1f%% of "
-              "its iteration)" % (r["model"], r["tokens"], r["clip"],
-                                  r["ratio"], 100 * r["torch_step_share"]))
+              "its iteration)%s" % (
+                  r["model"], r["tokens"], r["clip"], r["ratio"],
+                  100 * r["torch_step_share"],
+                  "  overlap ratio %.3f, visible %.0f%%" % (
+                      r["overlap_ratio"], 100 * r["visible_overlap"])
+                  if "overlap_ratio" in r else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -54,6 +54,13 @@ struct StepOptions {
   // and writes done = sequence after its work.
   uint32_t* step_flags = nullptr;
   uint32_t sequence = 0;
+  // 2, or 3 with a progress word ([2]), which a released step sets past
+  // every stage.
+  uint32_t step_flag_words = 2;
+  // Staged (StepRequest.staged; needs three step-flag words): the update
+  // runs stage by stage (TensorEntry::stage) and writes step_flags[2] =
+  // s + 1 after stage s.
+  bool staged = false;
 };
 
 struct StepOutcome {
@@ -123,7 +130,8 @@ class Backend {
                                            const StepOptions& options) = 0;
 
   // A step with step flags that failed or was refused: writes done =
-  // options.sequence in stream order, so that the trainer's stream goes on.
+  // options.sequence (and the progress word, if any, past every stage) in
+  // stream order, so that the trainer's stream goes on.
   virtual absl::Status ReleaseStep(SessionContext* session,
                                    const StepOptions& options) {
     return absl::OkStatus();

@@ -47,6 +47,9 @@ absl::Status CheckHyperparameters(const AdamWHyper& h,
                                   const std::string& where);
 
 // A tensor as a client describes it, before validation.
+// The largest stage number of a staged step (TensorSpec::stage).
+inline constexpr uint32_t kMaxStage = 4095;
+
 struct TensorSpec {
   std::string name;
   uint64_t numel = 0;
@@ -62,6 +65,8 @@ struct TensorSpec {
   bool grad_absent = false;
   // Empty: 1-D.
   std::vector<uint64_t> shape;
+  // The stage of a staged step in which it is updated (TensorSpec.stage).
+  uint32_t stage = 0;
 };
 
 // A group as a client describes it, before validation.
@@ -106,6 +111,8 @@ struct TensorEntry {
   uint64_t missed_steps = 0;
   // The shape checkpoints give the tensor's pieces; empty: [numel].
   std::vector<uint64_t> shape;
+  // The stage of a staged step in which it is updated (at most kMaxStage).
+  uint32_t stage = 0;
   BufferRef param;  // null data for zero-element tensors
   BufferRef grad;   // null for frozen and zero-element tensors
   StateSlice master;

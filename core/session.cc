@@ -40,6 +40,15 @@ absl::Status CheckShape(const TensorSpec& t) {
   return absl::OkStatus();
 }
 
+// A staged step's stage numbers are small: a step launches at least one
+// kernel per stage.
+absl::Status CheckStage(const TensorSpec& t) {
+  if (t.stage <= kMaxStage) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "tensor '", t.name, "': stage ", t.stage, " is above ", kMaxStage,
+      " (stages number the update order of a staged step; use a few dozen)"));
+}
+
 absl::Status CheckHyper(const GroupSpec& spec) {
   return CheckHyperparameters(spec.hyper,
                               absl::StrCat("group '", spec.id, "'"));
@@ -247,6 +256,7 @@ absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
                        " exceeds the limit ", kMaxNumel));
     }
     OPTIMD_RETURN_IF_ERROR(CheckShape(t));
+    OPTIMD_RETURN_IF_ERROR(CheckStage(t));
     OPTIMD_ASSIGN_OR_RETURN(
         Layout layout,
         ResolveLayout(t.name, t.param_dtype, t.grad_dtype, spec.moment_dtype,
@@ -297,6 +307,7 @@ absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
     e.frozen = t.frozen;
     e.grad_absent = t.grad_absent && !t.frozen;
     e.shape = t.shape;
+    e.stage = t.stage;
     if (t.numel > 0) {
       OPTIMD_ASSIGN_OR_RETURN(e.param, ResolveRegion(t.name, "param", t.param,
                                                      t.numel, t.param_dtype));
@@ -554,12 +565,22 @@ absl::Status Session::BindStepFlags(const StepRequestSpec& request,
           "be 1, got ",
           request.sequence));
     }
+    // Two words (ready, done), or three with a staged step's progress.
+    const uint64_t words = request.step_flags.size == 12 ? 3 : 2;
     OPTIMD_ASSIGN_OR_RETURN(
         step_flags_, ResolveRegion("step_flags", "buffer", request.step_flags,
-                                   2, DType::kFloat32));
+                                   words, DType::kFloat32));
     last_sequence_ = 0;
   }
-  if (request.sequence == 0) return absl::OkStatus();
+  const auto no_progress = [] {
+    return absl::InvalidArgumentError(
+        "a staged step writes its progress into the third word of the step "
+        "flags: bind 12-byte step_flags (ready, done, progress) and send a "
+        "sequence");
+  };
+  if (request.sequence == 0) {
+    return request.options.staged ? no_progress() : absl::OkStatus();
+  }
   if (step_flags_.data == nullptr) {
     return absl::FailedPreconditionError(
         "a step with a sequence needs step flags: send step_flags with the "
@@ -567,6 +588,8 @@ absl::Status Session::BindStepFlags(const StepRequestSpec& request,
   }
   options->step_flags = reinterpret_cast<uint32_t*>(step_flags_.data);
   options->sequence = static_cast<uint32_t>(request.sequence);
+  options->step_flag_words = static_cast<uint32_t>(step_flags_.size / 4);
+  if (request.options.staged && step_flags_.size < 12) return no_progress();
   if (request.sequence != last_sequence_ + 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "step sequence ", request.sequence, " out of order: the last was ",

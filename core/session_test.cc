@@ -258,6 +258,27 @@ TEST_F(SessionTest, ShapeMustHoldNumel) {
   EXPECT_TRUE(session_.RegisterGroup(spec).ok());
 }
 
+TEST_F(SessionTest, StageAboveTheLimitIsRefusedAndStagedStepsNeedFlags) {
+  GroupSpec spec;
+  spec.id = "g";
+  spec.tensors = {Fp32Tensor("a", 12, 0)};
+  spec.tensors[0].stage = kMaxStage + 1;
+  auto r = session_.RegisterGroup(spec);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("stage"), absl::string_view::npos);
+  EXPECT_TRUE(session_.Info().group_ids.empty());
+  spec.tensors[0].stage = kMaxStage;
+  ASSERT_TRUE(session_.RegisterGroup(spec).ok());
+  // A staged step writes progress into step flags, which CPU sessions have
+  // not: refused, nothing stepped.
+  StepRequestSpec step;
+  step.options.staged = true;
+  auto s = session_.Step(step);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.status().message().find("12-byte"), absl::string_view::npos);
+  EXPECT_EQ(session_.Info().steps, 0u);
+}
+
 TEST_F(SessionTest, ShrunkSegmentFailsTheStepNotTheDaemon) {
   auto seg = *SharedMemoryRegion::Create(8192);
   GroupSpec spec;

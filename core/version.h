@@ -9,10 +9,11 @@
 
 namespace optimd {
 
-inline constexpr char kVersion[] = "0.2.0";
+inline constexpr char kVersion[] = "0.3.0";
 // 2: step flags, absent gradients, tensor steps and shapes, EvictSession,
 //    saved sessions across restarts.
-inline constexpr uint32_t kApiRevision = 2;
+// 3: staged steps (StepRequest.staged, TensorSpec.stage).
+inline constexpr uint32_t kApiRevision = 3;
 
 }  // namespace optimd
 

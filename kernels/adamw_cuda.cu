@@ -666,6 +666,24 @@ absl::Status LaunchAdamW(const Layout& layout, bool adamw, const Work& work,
 
 namespace {
 
+__global__ void WriteProgressKernel(uint32_t* word, uint32_t value) {
+  // Kernels before this one in the stream have completed and their writes
+  // are visible; the fence orders this store after them for observers
+  // outside this context (the trainer's stream).
+  __threadfence_system();
+  *reinterpret_cast<volatile uint32_t*>(word) = value;
+}
+
+}  // namespace
+
+absl::Status LaunchWriteProgress(uint32_t* word, uint32_t value,
+                                 Stream stream) {
+  WriteProgressKernel<<<1, 1, 0, stream>>>(word, value);
+  return Check(cudaGetLastError(), "progress kernel launch");
+}
+
+namespace {
+
 template <class S>
 absl::Status ConvertTo(DType dst_dtype, const void* src, void* dst, uint64_t n,
                        Stream stream) {

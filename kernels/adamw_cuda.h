@@ -167,6 +167,12 @@ absl::Status LaunchCommitSteps(const GroupStep* scratch, uint32_t n,
 absl::Status LaunchAdamW(const Layout& layout, bool adamw, const Work& work,
                          const DeviceScalars* scalars, Stream stream);
 
+// *word = value, once the work before it in `stream` is complete: a staged
+// step's progress (StepRequest.staged), which the trainer's stream waits
+// for with cuStreamWaitValue32. A kernel, not a stream memory operation, so
+// that it is captured into the step graph like the updates around it.
+absl::Status LaunchWriteProgress(uint32_t* word, uint32_t value, Stream stream);
+
 // dst[i] = src[i] converted (exact widening, or rounding to nearest even),
 // for i < n. Used for master weights at registration and GetParams.
 absl::Status LaunchConvert(DType src_dtype, const void* src, DType dst_dtype,

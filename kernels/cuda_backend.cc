@@ -85,6 +85,9 @@ struct BlockTable {
   StateStorage blocks_d;
 };
 constexpr uint64_t kStatsBlockFactor = 8;
+// A progress word's value past every stage (the trainer's waits compare
+// with cuStreamWaitValue32's cyclic >=, so values stay below 2^31).
+constexpr uint32_t kPastEveryStage = 0x7FFFFFFF;
 
 uint64_t UpdateBlockElements(const Layout& l, uint64_t chunk_elements) {
   return DTypeSize(l.moment_dtype) == 2 ? 2 * chunk_elements : chunk_elements;
@@ -92,6 +95,7 @@ uint64_t UpdateBlockElements(const Layout& l, uint64_t chunk_elements) {
 
 struct Segment {
   Layout layout;
+  uint32_t stage = 0;  // of its tensors (TensorEntry::stage)
   uint32_t first_chunk = 0;
   uint32_t num_chunks = 0;
   uint32_t first_block[2] = {0, 0};  // [0]: update, [1]: statistics
@@ -241,10 +245,16 @@ class CudaBackend final : public Backend {
                          int table) const;
   absl::Status EnsureScratch(uint32_t groups);
   // Enqueues a step's kernels for `groups` on `stream`, with `slot`'s
-  // arguments and report.
+  // arguments and report; with `progress`, a staged step's updates.
   absl::Status EnqueueStep(CudaSession& s, const std::vector<Group*>& groups,
                            const ReportSlot& slot, bool statistics,
-                           cudaStream_t stream);
+                           uint32_t* progress, cudaStream_t stream);
+  // The updates of every group stage by stage, writing *progress = s + 1
+  // after stage s (past every stage after the last).
+  absl::Status EnqueueStagedUpdates(const std::vector<Group*>& groups,
+                                    uint32_t* progress, cudaStream_t stream);
+  absl::Status LaunchUpdate(const Group& group, const Segment& seg,
+                            cudaStream_t stream);
   absl::Status ReadSlot(CudaSession& s, ReportSlot& slot,
                         const std::vector<Group*>& groups, StepOutcome* out);
 
@@ -529,20 +539,31 @@ absl::Status CudaBackend::PrepareGroup(Group& group) {
   plan->id = next_plan_id_++;
   const Plan& host = group.plan;
   plan->entry_chunks.assign(host.entries.size(), {0, 0});
-  // One segment per distinct layout, in order of first appearance; each
-  // launch covers a whole segment.
+  // One segment per distinct (stage, layout), by stage, then by the
+  // layout's first appearance; each launch covers a whole segment.
   std::vector<Layout> layouts;
-  for (const Layout& l : host.layouts) {
-    if (std::find(layouts.begin(), layouts.end(), l) == layouts.end()) {
-      layouts.push_back(l);
-    }
+  std::vector<uint32_t> layout_of(host.entries.size());
+  for (uint32_t e = 0; e < host.entries.size(); ++e) {
+    auto it = std::find(layouts.begin(), layouts.end(), host.layouts[e]);
+    if (it == layouts.end()) it = layouts.insert(it, host.layouts[e]);
+    layout_of[e] = static_cast<uint32_t>(it - layouts.begin());
   }
-  for (const Layout& l : layouts) {
+  const auto kind_of = [&](uint32_t entry) -> uint64_t {
+    return group.tensors[host.tensor_index[entry]].stage * layouts.size() +
+           layout_of[entry];
+  };
+  std::map<uint64_t, std::vector<uint32_t>> items_of_kind;
+  for (uint32_t i = 0; i < host.items.size(); ++i) {
+    items_of_kind[kind_of(host.items[i].entry)].push_back(i);
+  }
+  for (const auto& [kind, items] : items_of_kind) {
+    const Layout& l = layouts[kind % layouts.size()];
     Segment seg;
     seg.layout = l;
+    seg.stage = static_cast<uint32_t>(kind / layouts.size());
     seg.first_chunk = static_cast<uint32_t>(plan->chunks.size());
-    for (const PlanItem& item : host.items) {
-      if (!(host.layouts[item.entry] == l)) continue;
+    for (uint32_t i : items) {
+      const PlanItem& item = host.items[i];
       const uint32_t index = static_cast<uint32_t>(plan->chunks.size());
       auto& range = plan->entry_chunks[item.entry];
       if (range.first == range.second) range.first = index;
@@ -722,10 +743,51 @@ absl::Status CudaBackend::ReadSlot(CudaSession& s, ReportSlot& slot,
   return absl::OkStatus();
 }
 
+absl::Status CudaBackend::LaunchUpdate(const Group& group, const Segment& seg,
+                                       cudaStream_t stream) {
+  const auto* plan = static_cast<const DevicePlan*>(group.backend_plan.get());
+  auto* scalars = reinterpret_cast<cuda::DeviceScalars*>(
+      const_cast<uint8_t*>(plan->scalars_d.data()));
+  return cuda::LaunchAdamW(seg.layout, group.hyper.adamw,
+                           SegmentWork(*plan, seg, 0), scalars, stream);
+}
+
+absl::Status CudaBackend::EnqueueStagedUpdates(
+    const std::vector<Group*>& groups, uint32_t* progress,
+    cudaStream_t stream) {
+  // Each plan's segments are sorted by stage: walk them all in step.
+  std::vector<size_t> next(groups.size(), 0);
+  const auto segments = [&](size_t g) -> const std::vector<Segment>& {
+    return static_cast<DevicePlan*>(groups[g]->backend_plan.get())->segments;
+  };
+  for (;;) {
+    uint32_t stage = kMaxStage + 1;
+    for (size_t g = 0; g < groups.size(); ++g) {
+      if (next[g] < segments(g).size()) {
+        stage = std::min(stage, segments(g)[next[g]].stage);
+      }
+    }
+    if (stage > kMaxStage) break;
+    uint32_t later = kMaxStage + 1;  // the next stage after this one
+    for (size_t g = 0; g < groups.size(); ++g) {
+      const std::vector<Segment>& segs = segments(g);
+      for (; next[g] < segs.size() && segs[next[g]].stage == stage; ++next[g]) {
+        OPTIMD_RETURN_IF_ERROR(LaunchUpdate(*groups[g], segs[next[g]], stream));
+      }
+      if (next[g] < segs.size()) later = std::min(later, segs[next[g]].stage);
+    }
+    // After the last stage: past every stage, so that a wait for a stage
+    // without steppable tensors (frozen, no gradient) ends too.
+    OPTIMD_RETURN_IF_ERROR(cuda::LaunchWriteProgress(
+        progress, later > kMaxStage ? kPastEveryStage : stage + 1, stream));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CudaBackend::EnqueueStep(CudaSession& s,
                                       const std::vector<Group*>& groups,
                                       const ReportSlot& slot, bool statistics,
-                                      cudaStream_t stream) {
+                                      uint32_t* progress, cudaStream_t stream) {
   const uint32_t n = static_cast<uint32_t>(groups.size());
   double* sums = reinterpret_cast<double*>(sums_d_.data());
   auto* steps = reinterpret_cast<cuda::GroupStep*>(steps_d_.data());
@@ -740,14 +802,14 @@ absl::Status CudaBackend::EnqueueStep(CudaSession& s,
   }
   OPTIMD_RETURN_IF_ERROR(
       cuda::LaunchPrepareSteps(slot.args, steps, n, statistics, sums, stream));
-  for (uint32_t g = 0; g < n; ++g) {
-    auto* plan = static_cast<DevicePlan*>(groups[g]->backend_plan.get());
-    auto* scalars =
-        reinterpret_cast<cuda::DeviceScalars*>(plan->scalars_d.data());
-    for (const Segment& seg : plan->segments) {
-      OPTIMD_RETURN_IF_ERROR(
-          cuda::LaunchAdamW(seg.layout, groups[g]->hyper.adamw,
-                            SegmentWork(*plan, seg, 0), scalars, stream));
+  if (progress != nullptr) {
+    OPTIMD_RETURN_IF_ERROR(EnqueueStagedUpdates(groups, progress, stream));
+  } else {
+    for (const Group* g : groups) {
+      auto* plan = static_cast<const DevicePlan*>(g->backend_plan.get());
+      for (const Segment& seg : plan->segments) {
+        OPTIMD_RETURN_IF_ERROR(LaunchUpdate(*g, seg, stream));
+      }
     }
   }
   return cuda::LaunchCommitSteps(
@@ -778,14 +840,16 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
   }
   // Graphs built for other groups (or other scratch memory) are stale. The
   // key is compared in place: no allocation on a step that keeps it.
+  uint32_t* progress = options.staged ? options.step_flags + 2 : nullptr;
   const auto key_at = [&](size_t i) -> uint64_t {
     if (i == 0) return statistics ? 1 : 0;
     if (i == 1) return scratch_generation_;
-    const Group* g = groups[(i - 2) / 2];
-    return (i % 2 == 0) ? static_cast<DevicePlan*>(g->backend_plan.get())->id
+    if (i == 2) return reinterpret_cast<uintptr_t>(progress);
+    const Group* g = groups[(i - 3) / 2];
+    return (i % 2 == 1) ? static_cast<DevicePlan*>(g->backend_plan.get())->id
                         : (g->hyper.adamw ? 1 : 0);
   };
-  const size_t key_size = 2 + 2 * static_cast<size_t>(n);
+  const size_t key_size = 3 + 2 * static_cast<size_t>(n);
   bool same_key = s.graph_key.size() == key_size;
   for (size_t i = 0; same_key && i < key_size; ++i) {
     same_key = s.graph_key[i] == key_at(i);
@@ -842,7 +906,8 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
     OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(stream_, s.ready, 0));
   }
   if (!options_.use_graphs) {
-    OPTIMD_RETURN_IF_ERROR(EnqueueStep(s, groups, slot, statistics, stream_));
+    OPTIMD_RETURN_IF_ERROR(
+        EnqueueStep(s, groups, slot, statistics, progress, stream_));
   } else {
     if (slot.exec == nullptr) {
       // Capture once per slot and group configuration: afterwards a step
@@ -850,7 +915,7 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
       OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamBeginCapture(
           capture_stream_, cudaStreamCaptureModeThreadLocal));
       const absl::Status enqueued =
-          EnqueueStep(s, groups, slot, statistics, capture_stream_);
+          EnqueueStep(s, groups, slot, statistics, progress, capture_stream_);
       cudaGraph_t graph = nullptr;
       const cudaError_t ended = cudaStreamEndCapture(capture_stream_, &graph);
       if (!enqueued.ok()) {
@@ -866,7 +931,10 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
     OPTIMD_RETURN_IF_CUDA_ERROR(cudaGraphLaunch(slot.exec, stream_));
   }
   if (options.step_flags != nullptr) {
-    OPTIMD_RETURN_IF_ERROR(ReleaseStep(session, options));
+    // The done flag only: a staged step has written its progress.
+    OPTIMD_RETURN_IF_ERROR(StreamValue(driver_.stream_write_value32,
+                                       options.step_flags + 1, options.sequence,
+                                       CU_STREAM_WRITE_VALUE_DEFAULT));
   }
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventRecord(s.done, stream_));
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventRecord(slot.event, stream_));
@@ -918,6 +986,11 @@ absl::Status CudaBackend::ReleaseStep(SessionContext*,
                                       const StepOptions& options) {
   if (options.step_flags == nullptr) return absl::OkStatus();
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
+  if (options.step_flag_words > 2) {
+    OPTIMD_RETURN_IF_ERROR(StreamValue(driver_.stream_write_value32,
+                                       options.step_flags + 2, kPastEveryStage,
+                                       CU_STREAM_WRITE_VALUE_DEFAULT));
+  }
   // The default write is preceded by a memory fence: the trainer's stream,
   // once it sees the flag, sees the step's parameters.
   return StreamValue(driver_.stream_write_value32, options.step_flags + 1,

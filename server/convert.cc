@@ -140,6 +140,7 @@ absl::StatusOr<GroupSpec> GroupSpecFromProto(
     ts.frozen = t.frozen();
     ts.grad_absent = t.grad_absent();
     ts.shape.assign(t.shape().begin(), t.shape().end());
+    ts.stage = t.stage();
     spec.tensors.push_back(std::move(ts));
   }
   return spec;
@@ -186,6 +187,7 @@ absl::StatusOr<StepRequestSpec> StepSpecFromProto(
   spec.options.max_grad_norm = request.max_grad_norm();
   spec.options.wait = request.wait();
   spec.options.assume_finite = request.assume_finite();
+  spec.options.staged = request.staged();
   return spec;
 }
 

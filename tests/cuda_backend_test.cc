@@ -45,6 +45,7 @@ struct TensorPlan {
   DType param, grad;
   uint64_t param_off, grad_off;  // byte offsets in the group's buffers
   bool keep_fp32 = false, frozen = false;
+  uint32_t stage = 0;  // of a staged step
 };
 
 // One group registered twice: on the CPU backend over shared memory and on
@@ -128,8 +129,12 @@ class Twin {
     return gpu_session_->UpdateBuffers(spec_.id, gpu_updates);
   }
 
+  // `gspec`: the GPU session's request, e.g. with step flags (their ready
+  // word already written).
   void Step(const StepRequestSpec& spec, bool exact) {
-    StepRequestSpec gspec = spec;
+    Step(spec, spec, exact);
+  }
+  void Step(const StepRequestSpec& spec, StepRequestSpec gspec, bool exact) {
     gspec.options.wait = true;
     auto c = cpu_session_->Step(spec);
     auto g = gpu_session_->Step(gspec);
@@ -265,6 +270,7 @@ class Twin {
       ts.param_dtype_set = ts.grad_dtype_set = true;
       ts.keep_fp32 = t.keep_fp32;
       ts.frozen = t.frozen;
+      ts.stage = t.stage;
       TensorSpec c = ts, g = ts;
       if (t.numel > 0) {
         Handles(*cpu_params_, gpu_params_, t.param_off,
@@ -533,6 +539,69 @@ TEST_F(CudaBackendTest, BufferOfAnotherGpuIsInvalidArgument) {
 // Asynchronous replies report the last completed step, with that step's
 // own norm: the gradients stay the same while grad_scale alternates, so the
 // reported norm must be the true norm over the reported step's scale.
+// Staged steps (the updates stage by stage, progress in the third step-flag
+// word) give the plain step's bits, whatever the stages of the tensors of
+// two groups' layouts, and leave the progress word past every stage; a
+// staged step without a progress word is refused and still released.
+TEST_F(CudaBackendTest, StagedStepsMatchTheCpuReferenceAndWriteProgress) {
+  std::vector<TensorPlan> ts =
+      RandomTensors(DType::kBFloat16, DType::kBFloat16, 9);
+  TensorPlan norm{"norm",  5000, DType::kFloat32, DType::kFloat32, 1 << 20,
+                  1 << 20, true};
+  ts.push_back(norm);
+  for (size_t i = 0; i < ts.size(); ++i) {
+    ts[i].stage = static_cast<uint32_t>((7 * i) % 5);  // interleaved
+  }
+  ts.back().stage = kMaxStage;
+  GroupSpec spec;
+  spec.id = "g";
+  spec.hyper.lr = 1e-2;
+  spec.master = MasterRequest::kFp32;
+  Twin twin(cpu_.get(), gpu_.get(), ts, spec, &rng_);
+  ASSERT_TRUE(twin.status().ok()) << twin.status();
+  auto flags = g_trainer->Alloc(64);
+  ASSERT_TRUE(flags.ok());
+  auto handle = [&](uint64_t size) {
+    BufferHandle h;
+    h.kind = BufferHandle::Kind::kCudaIpc;
+    h.ipc_handle = flags->ipc_handle;
+    h.device = 0;
+    h.size = size;
+    return h;
+  };
+  auto* words = reinterpret_cast<uint32_t*>(g_trainer->staging());
+  for (uint32_t seq = 1; seq <= 4; ++seq) {
+    twin.FillGrads(/*poison=*/seq == 3);
+    words[0] = seq;  // ready, as the trainer's stream writes it
+    words[2] = 0;    // progress reset
+    ASSERT_TRUE(g_trainer->Upload(flags->id, 0, 4, 0).ok());
+    ASSERT_TRUE(g_trainer->Upload(flags->id, 8, 4, 8).ok());
+    StepRequestSpec plain, staged;
+    plain.options.max_grad_norm = seq == 2 ? 1e6 : 0;
+    staged.options = plain.options;
+    staged.options.staged = true;
+    if (seq == 1) staged.step_flags = handle(12);
+    staged.sequence = seq;
+    twin.Step(plain, staged, /*exact=*/true);
+    ASSERT_TRUE(g_trainer->Download(flags->id, 0, 12, 0).ok());
+    EXPECT_EQ(words[1], seq);
+    EXPECT_EQ(words[2], 0x7FFFFFFFu) << "progress of step " << seq;
+  }
+  // Two-word flags cannot carry progress: refused, and released.
+  words[0] = 1;
+  ASSERT_TRUE(g_trainer->Upload(flags->id, 0, 4, 0).ok());
+  StepRequestSpec bad;
+  bad.options.staged = true;
+  bad.step_flags = handle(8);
+  bad.sequence = 1;
+  auto refused = twin.gpu_session().Step(bad);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("12-byte"), std::string::npos);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the daemon's stream
+  ASSERT_TRUE(g_trainer->Download(flags->id, 0, 8, 0).ok());
+  EXPECT_EQ(words[1], 1u);
+}
+
 TEST_F(CudaBackendTest, AsynchronousStepsReportTheLastCompletedStep) {
   GroupSpec spec;
   spec.id = "g";

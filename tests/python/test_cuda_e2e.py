@@ -157,6 +157,65 @@ class CudaEndToEnd(unittest.TestCase):
         self.assert_gpu_settles()
         daemon.stop()
 
+    def train_model(self, overlap, iters=12):
+        """A small model with a large last layer (its update ends last),
+        trained with clipping, one step skipped for a non-finite gradient,
+        and a refused step; returns the loss bits of every iteration, the
+        final parameters and the optimizer."""
+        torch.manual_seed(SEED)
+        model = torch.nn.Sequential(
+            torch.nn.Embedding(1000, 64), torch.nn.LayerNorm(64),
+            torch.nn.Linear(64, 4096), torch.nn.GELU(),
+            torch.nn.Linear(4096, 4096), torch.nn.Linear(4096, 1)).cuda()
+        decay = [p for p in model.parameters() if p.dim() > 1]
+        other = [p for p in model.parameters() if p.dim() <= 1]
+        opt = AdamW([dict(params=decay), dict(params=other,
+                                              weight_decay=0.0)],
+                    lr=1e-3, max_grad_norm=1.0, overlap=overlap,
+                    address=self.gpu.address, job_id=self.id() + str(overlap))
+        data = torch.randint(0, 1000, (iters, 32), generator=torch.Generator()
+                             .manual_seed(SEED)).cuda()
+        losses = []
+        for i in range(iters):
+            opt.zero_grad(set_to_none=i % 4 != 3)
+            loss = model(data[i]).float().square().mean()
+            losses.append(loss.detach())
+            loss.backward()
+            if i == 5:
+                model[4].weight.grad[0, 0] = float("inf")  # skipped
+            if i == 8:
+                opt.param_groups[0]["lr"] = float("nan")  # refused
+                opt.step()
+                with self.assertRaises(optimd.InvalidArgumentError):
+                    opt.synchronize()
+                opt.param_groups[0]["lr"] = 1e-3
+                continue
+            opt.step()
+        opt.synchronize()
+        self.assert_gpu_settles()
+        params = [p.detach().clone() for p in model.parameters()]
+        return torch.stack(losses).cpu(), params, opt
+
+    def test_overlap_gives_the_plain_steps_bits(self):
+        # Every forward reads parameters its module waited for: the losses
+        # of every iteration and the final parameters equal a run without
+        # overlap bit for bit (plain steps equal the CPU reference in the
+        # tests above and in cuda_backend_test).
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        try:
+            plain_losses, plain, opt = self.train_model(overlap=False)
+            opt.close()
+            losses, params, opt = self.train_model(overlap=True)
+        finally:
+            torch.use_deterministic_algorithms(False)
+        self.assertTrue(torch.equal(losses, plain_losses),
+                        "%s != %s" % (losses, plain_losses))
+        for p, q in zip(params, plain):
+            self.assertTrue(torch.equal(p, q))
+        # The steps were staged: the progress word is past every stage.
+        self.assertEqual(opt._flags.words[2].item(), 0x7FFFFFFF)
+        opt.close()
+
     def test_one_daemon_serves_cuda_and_cpu_sessions(self):
         # The CUDA daemon keeps CPU tensors' state on its CPU backend: both
         # sessions step through the same daemon, bit-identical to each other.

@@ -106,6 +106,35 @@ class TorchClientTest(unittest.TestCase):
         self.assertLess(last, first / 5)
         opt.close()
 
+    def test_overlap_stages_follow_the_group_order(self):
+        # Each group's tensors spread over the stages by position: never
+        # decreasing, the first at 0, the last at the last stage when the
+        # group is large enough; on CPU parameters overlap changes nothing.
+        from optimd import _overlap
+        ours, theirs = self.twin_models()
+        opt = self.make(ours.parameters(), overlap=True, job_id="a")
+        plain = self.make(theirs.parameters(), job_id="b")
+        stages = [s.stage for s in opt._groups[0]["slots"]]
+        self.assertEqual(stages, sorted(stages))
+        self.assertEqual(stages[0], 0)
+        self.assertLess(stages[-1], _overlap.STAGES)
+        slots = []
+        for n in [5, 0, 100, 1, 94]:
+            slot = type("S", (), {})()
+            slot.numel = n
+            slots.append(slot)
+        _overlap.assign_stages(slots)
+        self.assertEqual([s.stage for s in slots],
+                         [0, 0, 0, _overlap.STAGES // 2,
+                          _overlap.STAGES // 2])
+        for _ in range(3):
+            self.train_step(ours, opt)
+            self.train_step(theirs, plain)
+        for p, q in zip(ours.parameters(), theirs.parameters()):
+            self.assertTrue(torch.equal(p, q))
+        opt.close()
+        plain.close()
+
     def test_mlp_trains_like_torch_independently(self):
         """Two independent training runs: ulp-level differences of the two
         optimizers feed back through forward and backward, so the runs drift

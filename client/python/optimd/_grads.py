@@ -138,6 +138,9 @@ class GradRouter:
         for group_id in sorted(touched):
             self._flat_segment(group_id).zero_()
 
+    def grads(self):
+        return list(map(_get_grad, self._params))
+
     def set_to_none(self):
         for p in self._params:
             p.grad = None

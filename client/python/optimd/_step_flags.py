@@ -1,6 +1,7 @@
 """Step flags: the trainer's CUDA stream and the daemon's ordered through
-two words of the trainer's GPU memory, with no host waiting for the other
-(StepRequest.step_flags in the API).
+three words of the trainer's GPU memory, with no host waiting for the other
+(StepRequest.step_flags in the API): ready, done, and a staged step's
+progress (_overlap.py).
 
 Per step n the trainer's stream writes ready = n after backward, the daemon
 waits for ready >= n, steps, and writes done = n; the trainer's stream waits
@@ -11,9 +12,9 @@ while the GPU keeps the order.
 If the step stream breaks with steps unanswered (the daemon refused one and
 ended the stream, or went away), the daemon will not write their done
 flags: `release_after_break` waits briefly for the daemon's write of the
-failed step, then sets done past every step so that the trainer's stream
-never hangs, and the flags are made anew (bound again with sequence 1) at
-the next step.
+failed step, then sets done (and progress) past every step so that the
+trainer's stream never hangs, and the flags are made anew (bound again with
+sequence 1) at the next step.
 """
 import time
 
@@ -34,7 +35,7 @@ class StepFlags:
     def _new_words(self):
         # A small block of torch's caching allocator: the daemon maps the
         # segment holding it (cached per allocation like any buffer).
-        self.words = torch.zeros(2, dtype=torch.int32, device=self.device)
+        self.words = torch.zeros(3, dtype=torch.int32, device=self.device)
         self.sequence = 0  # the last step sent
         self.first_index = None  # the client's stream index of step 1
         self._bound = False
@@ -53,15 +54,25 @@ class StepFlags:
         handle, offset = cuda_ipc.mem_handle(self.words)
         return pb.BufferHandle(cuda_ipc=pb.CudaIpcBuffer(
             ipc_handle=handle, device=self.device.index or 0, offset=offset,
-            size=8)), self.sequence
+            size=12)), self.sequence
 
-    def mark_ready(self, stream):
+    def mark_ready(self, stream, staged=False):
+        """A staged step first resets the progress word (the daemon's writes
+        of the step before are done: its done flag was awaited)."""
+        if staged:
+            cuda_ipc.stream_write_value32(stream, self.words.data_ptr() + 8, 0)
         cuda_ipc.stream_write_value32(stream, self.words.data_ptr(),
                                       self.sequence)
 
     def wait_done(self, stream):
         cuda_ipc.stream_wait_value32(stream, self.words.data_ptr() + 4,
                                      self.sequence)
+
+    def wait_stage(self, stream, stage):
+        """Until the step being run has written stage `stage`'s
+        parameters."""
+        cuda_ipc.stream_wait_value32(stream, self.words.data_ptr() + 8,
+                                     stage + 1)
 
     def release_after_break(self, failed_sequence, timeout_s=5.0):
         """Runs on the step stream's reader thread after it broke."""
@@ -76,6 +87,8 @@ class StepFlags:
                 if self._side.read_u32(done) >= failed_sequence:
                     break
                 time.sleep(0.001)
+            cuda_ipc.stream_write_value32(self._side, done + 4,
+                                          _PAST_EVERY_STEP)
             cuda_ipc.stream_write_value32(self._side, done, _PAST_EVERY_STEP)
             self._side.synchronize()
         self._needs_rebind = True

@@ -16,8 +16,8 @@ from optimd.v1 import optimd_pb2_grpc as pb_grpc
 SESSION_METADATA_KEY = "x-optimd-session"
 # The client's version, and the API revision it needs of a daemon
 # (core/version.h says what each revision added).
-__version__ = "0.2.0"
-API_REVISION = 2
+__version__ = "0.3.0"
+API_REVISION = 3
 
 
 def default_address():
@@ -221,12 +221,13 @@ class Client:
     @staticmethod
     def _step_request(step=0, lr_overrides=None, grad_scale=0.0,
                       max_grad_norm=0.0, wait=False, assume_finite=False,
-                      buffer_updates=(), step_flags=None, sequence=0):
+                      buffer_updates=(), step_flags=None, sequence=0,
+                      staged=False):
         request = pb.StepRequest(step=step, grad_scale=grad_scale,
                                  max_grad_norm=max_grad_norm, wait=wait,
                                  assume_finite=assume_finite,
                                  buffer_updates=buffer_updates,
-                                 sequence=sequence)
+                                 sequence=sequence, staged=staged)
         if step_flags is not None:
             request.step_flags.CopyFrom(step_flags)
         for group_id, value in (lr_overrides or {}).items():

@@ -41,6 +41,7 @@ from optimd import errors
 from optimd._grads import GradRouter
 from optimd._layout import view_like
 from optimd._state import DTYPES, DaemonState, set_state_request
+from optimd._overlap import Overlap, assign_stages
 from optimd._step_flags import StepFlags
 from optimd.client import Client
 from optimd.shm import SharedSegment, align
@@ -70,7 +71,7 @@ class _Slot:
     """Where one parameter lives in the group's shared segments."""
 
     __slots__ = ("param", "name", "numel", "pview", "gview", "frozen",
-                 "group_id", "sent_ptr")
+                 "group_id", "sent_ptr", "stage")
 
 
 class AdamW(torch.optim.Optimizer):
@@ -103,6 +104,14 @@ class AdamW(torch.optim.Optimizer):
       keep_fp32: parameters to update in fp32 in place (norms, router biases).
       adam_w_mode: False for Adam's L2 regularization instead of decoupled
         decay; bias_correction: False to skip (1 - beta^t).
+      overlap: CUDA: the update of step n runs while the trainer goes on
+        into iteration n + 1; each module's forward waits only for its own
+        parameters (_overlap.py). A parameter is then current in the
+        forward of the module that holds it, or after synchronize(): call
+        synchronize() before reading parameters anywhere else (another
+        module's weight used functionally, model.state_dict()). Same
+        results as without. No effect on CPU parameters (the CPU step
+        completes before step() returns).
     Parameters may be given as (name, tensor) pairs to name their state.
     """
 
@@ -112,7 +121,7 @@ class AdamW(torch.optim.Optimizer):
                  resume=False, master_weights=None,
                  store_param_remainders=False, exp_avg_dtype=torch.float32,
                  max_grad_norm=0.0, grad_scale=None, assume_finite=False,
-                 keep_fp32=(),
+                 keep_fp32=(), overlap=False,
                  adam_w_mode=True, bias_correction=True, timeout=60.0,
                  **torch_options):
         if not 0.0 <= lr:
@@ -170,9 +179,12 @@ class AdamW(torch.optim.Optimizer):
         # CUDA: the trainer's stream and the daemon's are ordered by step
         # flags (_step_flags.py), so step() never waits for the daemon.
         self._flags = None
+        self._overlap = None
         self._pending = collections.deque()  # replies not yet looked at
         if self._device.type == "cuda":
             self._flags = StepFlags(self._device)
+            if overlap:
+                self._overlap = Overlap(self, self._flags)
             # Weakly: the client must not keep the optimizer alive (its
             # session closes when the optimizer is collected).
             method = weakref.WeakMethod(self._on_stream_broken)
@@ -277,11 +289,15 @@ class AdamW(torch.optim.Optimizer):
             request.layout.master_weights = pb.MASTER_WEIGHTS_NONE
         request.layout.moment_dtype = DTYPES[group.get("exp_avg_dtype",
                                                         torch.float32)]
+        assign_stages([s for s, _ in slots])
+        if self._overlap is not None:
+            self._overlap.set_stages([s for s, _ in slots])
         for s, p_off in slots:
             t = request.tensors.add(name=s.name, numel=s.numel,
                                     param_dtype=DTYPES[s.param.dtype],
                                     keep_fp32=id(s.param) in self._keep_fp32,
-                                    frozen=s.frozen, shape=s.param.shape)
+                                    frozen=s.frozen, shape=s.param.shape,
+                                    stage=s.stage)
             if not s.frozen:
                 # Steps tell the daemon where gradients are (_grads.py).
                 t.grad_dtype = DTYPES[s.param.dtype]
@@ -470,6 +486,7 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._finish_overlap()
         self._sync_structure()
         self._sync_params()
         self._write_back_state()
@@ -509,10 +526,14 @@ class AdamW(torch.optim.Optimizer):
         self._look_at_replies(block=False)
         stream = torch.cuda.current_stream(self._device)
         flags, sequence = self._flags.next_step(self._client.steps_streamed)
-        self._flags.mark_ready(stream)
+        staged = self._overlap is not None
+        self._flags.mark_ready(stream, staged=staged)
         future = self._client.step_async(step_flags=flags, sequence=sequence,
-                                         **request)
-        self._flags.wait_done(stream)
+                                         staged=staged, **request)
+        if staged:
+            self._overlap.started()  # forwards wait, stage by stage
+        else:
+            self._flags.wait_done(stream)
         self._pending.append(future)
         # wait_for_step: this step's own outcome; otherwise at most two
         # steps in flight before the host waits (bounded host lead).
@@ -540,17 +561,27 @@ class AdamW(torch.optim.Optimizer):
         self._flags.release_after_break(failed)
 
     def synchronize(self):
-        """Waits for every step sent; raises a failed step's error."""
+        """Waits for every step sent; raises a failed step's error. With
+        overlap, the current stream then also waits for the last step."""
+        self._finish_overlap()
         self._look_at_replies(block=True)
+
+    def _finish_overlap(self):
+        if self._overlap is not None:
+            self._overlap.finish()
 
     def zero_grad(self, set_to_none=True):
         """As torch's: set_to_none=True (the default) sets every `.grad` to
         None, so the next backward writes fresh gradients once;
         set_to_none=False zeroes the existing gradients (in the group's flat
-        gradient buffer, one launch per group)."""
+        gradient buffer, one launch per group; with overlap, after the last
+        step is done with them)."""
         if set_to_none:
+            if self._overlap is not None:
+                self._overlap.keep(self._router.grads())
             self._router.set_to_none()
         else:
+            self._finish_overlap()
             self._router.zero_()
 
     # State.
@@ -761,6 +792,10 @@ class AdamW(torch.optim.Optimizer):
         """Closes the session: the daemon frees this trainer's state. Done
         by itself when the optimizer is collected or the process exits
         normally (a killed trainer's session stays for resume=True)."""
+        if self._overlap is not None:
+            self._finish_overlap()
+            self._overlap.close()
+            self._overlap = None
         self._closer()
 
     def __getstate__(self):

@@ -1,0 +1,102 @@
+"""Overlap (AdamW(overlap=True), CUDA): the daemon's update of step n runs
+while the trainer's stream goes on with iteration n + 1, and each module's
+forward waits only for the parameters it reads.
+
+The daemon updates the tensors stage by stage (a staged step), each group's
+tensors spread over `STAGES` stages by their position in the group (forward
+order, for parameters listed as a model lists them), and writes progress
+s + 1 into the third step-flag word after stage s. A forward pre-hook of
+every module waits on the current stream for the stage of the module's own
+parameters (cuStreamWaitValue32, no host sync).
+
+What needs care besides parameters: gradients. The daemon reads step n's
+gradients while the next iteration runs, so `zero_grad()` keeps the ones it
+drops alive until the trainer's stream has waited for the last stage (the
+update is then done with every gradient; usually in the forward's last
+module, so the next backward gets the same memory back and no gradient
+moves), at the latest until the next step. That step (or anything else that
+needs step n complete: `synchronize()`, `zero_grad(set_to_none=False)`,
+`close()`) makes the trainer's stream wait for its done flag first.
+
+The contract (README): a parameter is current when the module that holds it
+runs its forward, or after `opt.synchronize()`; code that reads parameters
+elsewhere (a functional use of another module's weight, evaluation without
+the module's forward, `model.state_dict()`) calls `opt.synchronize()` first.
+"""
+import weakref
+
+import torch
+
+STAGES = 16
+
+
+def assign_stages(slots):
+    """Stage of each slot of one group: its first element's position in the
+    group's elements, in STAGES equal parts."""
+    total = sum(s.numel for s in slots) or 1
+    before = 0
+    for s in slots:
+        s.stage = min(STAGES - 1, before * STAGES // total)
+        before += s.numel
+
+
+class Overlap:
+    def __init__(self, optimizer, flags):
+        self._flags = flags
+        self._stage_of = {}  # id(param) -> stage
+        self._last_stage = -1  # the highest stage of any parameter
+        self._pending = False  # a staged step whose done is not awaited
+        self._waited = -1  # the highest stage this step's forward awaited
+        self._kept_grads = []  # gradients the pending step may still read
+        opt = weakref.ref(optimizer)
+
+        def hook(module, args):
+            o = opt()
+            if o is not None and o._overlap is not None:
+                o._overlap.before_forward(module)
+
+        self._hook = torch.nn.modules.module.register_module_forward_pre_hook(
+            hook)
+        weakref.finalize(optimizer, self._hook.remove)
+
+    def set_stages(self, slots):
+        for s in slots:
+            self._stage_of[id(s.param)] = s.stage
+            self._last_stage = max(self._last_stage, s.stage)
+
+    def started(self):
+        """A staged step was sent: forwards wait for its stages from now."""
+        self._pending = True
+        self._waited = -1
+
+    def keep(self, grads):
+        if self._pending:
+            self._kept_grads.extend(g for g in grads if g is not None)
+
+    def before_forward(self, module):
+        if not self._pending:
+            return
+        stage = -1
+        for p in module._parameters.values():
+            if p is not None:
+                stage = max(stage, self._stage_of.get(id(p), -1))
+        if stage > self._waited:
+            self._flags.wait_stage(
+                torch.cuda.current_stream(self._flags.device), stage)
+            self._waited = stage
+            if stage >= self._last_stage:
+                # Work queued from here on runs after every stage's update:
+                # the allocator may hand their gradients' memory out again.
+                self._kept_grads.clear()
+
+    def finish(self):
+        """Makes the current stream wait for the pending step's done flag,
+        then lets its gradients go."""
+        if not self._pending:
+            return
+        self._flags.wait_done(torch.cuda.current_stream(self._flags.device))
+        self._pending = False
+        self._kept_grads.clear()
+
+    def close(self):
+        self._hook.remove()
