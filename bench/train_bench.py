@@ -21,8 +21,8 @@ of its iteration; the ratio goals apply there) and one users train with
 against optimd's max_grad_norm (the daemon clips inside its step).
 
 With --overlap, two more peers in the same run: optimd with overlap=True,
-and the same loop without any optimizer (zero_grad, forward, backward,
-clipping), from which the optimizer time still visible in an iteration is
+and the same loop without any optimizer and without clipping (zero_grad,
+forward, backward), from which the optimizer time still visible in an iteration is
 (iteration - iteration without optimizer) / the step's own GPU time.
 
 Iteration time: back-to-back iterations, wall clock over a block of them
@@ -206,7 +206,8 @@ def compare(name, cfg, batch, seq, clip, daemon, args):
     if args.overlap:
         peers["overlap"] = Trainer(copy.deepcopy(base), optimd(True), None,
                                    data)
-        peers["no_opt"] = Trainer(copy.deepcopy(base), None, clip, data)
+        # No clipping either: optimd clips inside its step.
+        peers["no_opt"] = Trainer(copy.deepcopy(base), None, None, data)
     del base
     params = sum(p.numel() for p in peers["torch"].model.parameters())
     tensors = len(list(peers["torch"].model.parameters()))

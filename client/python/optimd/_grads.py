@@ -50,6 +50,7 @@ class GradRouter:
         # router over more groups starts from the truth): a data pointer, or
         # 0 when absent. Registration leaves every tensor absent.
         self._sent = [s.sent_ptr for s in self._slots]
+        self._handles = _HandleCache() if self._cuda else None
 
     def updates(self):
         """The buffer updates that bring the daemon to the gradients now in
@@ -63,7 +64,7 @@ class GradRouter:
         if ptrs == self._sent:
             return []
         by_group = {}
-        handles = _HandleCache() if self._cuda else None
+        handles = self._handles
         for i, (ptr, sent) in enumerate(zip(ptrs, self._sent)):
             if ptr == sent:
                 continue
@@ -147,21 +148,27 @@ class GradRouter:
 
 
 class _HandleCache:
-    """CUDA IPC handles of the allocations holding moved gradients, for one
-    step: gradients in the same allocation share one runtime call. Not kept
-    across steps: an allocation freed and made anew at the same address has
-    a new handle."""
+    """CUDA IPC handles of the allocations holding gradients, by the
+    allocation's unique buffer id (cuda_ipc.allocation_of), kept across
+    steps: gradients that alternate between allocations (overlap keeps the
+    last step's alive while the next forward allocates) cost one driver
+    call each, not an IPC handle each. Bounded: cleared past
+    `MAX_ALLOCATIONS`."""
+
+    MAX_ALLOCATIONS = 4096
 
     def __init__(self):
-        self._by_base = {}
+        self._by_id = {}
 
     def handle(self, tensor):
         from optimd import cuda_ipc
-        base, size = cuda_ipc.allocation_range(tensor)
-        key = (base, size)
-        if key not in self._by_base:
-            self._by_base[key] = cuda_ipc.mem_handle_at(base, tensor.device)
-        ipc_handle = self._by_base[key]
+        buffer_id, base, _ = cuda_ipc.allocation_of(tensor)
+        ipc_handle = self._by_id.get(buffer_id)
+        if ipc_handle is None:
+            if len(self._by_id) >= self.MAX_ALLOCATIONS:
+                self._by_id.clear()
+            ipc_handle = cuda_ipc.mem_handle_at(base, tensor.device)
+            self._by_id[buffer_id] = ipc_handle
         nbytes = tensor.numel() * tensor.element_size()
         return pb.BufferHandle(cuda_ipc=pb.CudaIpcBuffer(
             ipc_handle=ipc_handle, device=tensor.device.index or 0,

@@ -30,7 +30,35 @@ def _libs():
         _driver.cuMemGetAddressRange_v2.argtypes = [
             ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
             ctypes.c_uint64]
+        _driver.cuPointerGetAttributes.argtypes = [
+            ctypes.c_uint, ctypes.POINTER(ctypes.c_int),
+            ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint64]
     return _runtime, _driver
+
+
+# CUpointer_attribute values: the allocation's process-wide unique id, its
+# start and its size.
+_POINTER_ATTRIBUTES = (ctypes.c_int * 3)(7, 11, 12)
+
+
+def allocation_of(tensor):
+    """(buffer id, base address, size) of the CUDA allocation holding a
+    tensor's data, in one driver call. The id is unique in the process for
+    its whole life: an allocation freed and made anew at the same address
+    has another id (and another IPC handle)."""
+    _, driver = _libs()
+    buffer_id = ctypes.c_uint64()
+    base = ctypes.c_uint64()
+    size = ctypes.c_size_t()
+    data = (ctypes.c_void_p * 3)(ctypes.addressof(buffer_id),
+                                 ctypes.addressof(base),
+                                 ctypes.addressof(size))
+    err = driver.cuPointerGetAttributes(3, _POINTER_ATTRIBUTES, data,
+                                        ctypes.c_uint64(tensor.data_ptr()))
+    if err != 0:
+        raise RuntimeError("cuPointerGetAttributes failed with CUDA driver "
+                           "error %d" % err)
+    return buffer_id.value, base.value, size.value
 
 
 def allocation_range(tensor):
