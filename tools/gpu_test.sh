@@ -17,6 +17,7 @@ run() {
 run .gpu/cuda_math_test
 run .gpu/cuda_backend_test
 run python3 -m unittest -v tests/python/test_cuda_e2e.py
+run python3 -m unittest -v tests/python/test_frameworks.py
 OPTIMD_TEST_DEVICE=cuda run python3 -m unittest tests.python.test_checkpoint
 if [ "${1:-}" = "--bench" ]; then
   sock=$(mktemp -u /tmp/optimd-bench-XXXXXX.sock)

@@ -460,6 +460,15 @@ class AdamW(torch.optim.Optimizer):
                             "the optimizer (or create a new one)" %
                             (s.name, p.dtype, tuple(p.shape),
                              s.pview.dtype, tuple(s.pview.shape)))
+                    if p.device != s.pview.device:
+                        # e.g. accelerate's prepare() or model.to() after
+                        # construction: the session lives on one device.
+                        raise ValueError(
+                            "parameter %s moved to %s after the optimizer "
+                            "was created on %s; move the model first "
+                            "(model.to(device), or accelerator.device), "
+                            "then create optimd.torch.AdamW" %
+                            (s.name, p.device, s.pview.device))
                     s.pview.copy_(p.detach())
                     p.data = s.pview
 

@@ -1,0 +1,223 @@
+"""optimd.torch.AdamW inside real trainers: Hugging Face Trainer,
+accelerate and Lightning, each run against the same run with
+torch.optim.AdamW (same model, data and seed), with the framework's own
+checkpoint and resume. Skipped where a framework is not installed (the
+GPU machine has all three; Debian's CI image none).
+
+    LD_LIBRARY_PATH=.gpu/lib OPTIMD_BINARY=.gpu/optimd \\
+        PYTHONPATH=client/python:.gpu/py python3 -m unittest -v \\
+        tests/python/test_frameworks.py
+
+Tolerance: the two optimizers agree to about 1e-7 relative per step; over
+the few steps here on a small GPT-2 the weights must agree to 1e-4
+(absolute; they are about 0.02-1 in size).
+"""
+import importlib.util
+import os
+import shutil
+import tempfile
+import unittest
+
+import torch
+
+from optimd.testing import Daemon
+from optimd.torch import AdamW
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+STEPS = 8
+
+
+def _have(*names):
+    return all(importlib.util.find_spec(n) is not None for n in names)
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128,
+                        n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+                        attn_pdrop=0.0)
+    return GPT2LMHeadModel(config)
+
+
+def _data(n=64):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 128, (n, 32), generator=g)
+    return [dict(input_ids=x, labels=x) for x in ids]
+
+
+class FrameworkTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.daemon = Daemon(backend="cuda" if DEVICE == "cuda" else "cpu")
+
+    @classmethod
+    def tearDownClass(cls):
+        assert cls.daemon.stop() == 0
+
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="optimd-fw-")
+
+    def tearDown(self):
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def make_opt(self, kind, params, job):
+        if kind == "torch":
+            return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+        return AdamW(params, lr=1e-3, weight_decay=0.01,
+                     address=self.daemon.address, job_id=job)
+
+    def assert_close(self, a, b):
+        for (name, p), q in zip(a.named_parameters(), b.parameters()):
+            self.assertTrue(torch.allclose(p.detach().float().cpu(),
+                                           q.detach().float().cpu(),
+                                           atol=1e-4, rtol=0),
+                            "%s differs by %g" % (name, (p - q).abs().max()))
+
+    # Hugging Face Trainer.
+    def hf_run(self, kind, out, resume=False, job=None):
+        from transformers import Trainer, TrainingArguments
+        model = _gpt2().to(DEVICE)
+        opt = self.make_opt(kind, model.parameters(), job or self.id() + kind)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / 20)
+        args = TrainingArguments(
+            output_dir=out, max_steps=STEPS, per_device_train_batch_size=4,
+            logging_steps=1, save_steps=STEPS // 2, report_to=[], seed=0,
+            use_cpu=DEVICE == "cpu", max_grad_norm=1.0,
+            dataloader_drop_last=True)
+        trainer = Trainer(model=model, args=args, train_dataset=_data(),
+                          optimizers=(opt, sched))
+        trainer.train(resume_from_checkpoint=resume or None)
+        return model, opt
+
+    @unittest.skipUnless(_have("transformers", "accelerate"),
+                         "needs transformers")
+    def test_hf_trainer_matches_torch_and_resumes(self):
+        ref, _ = self.hf_run("torch", os.path.join(self.dir, "torch"))
+        out = os.path.join(self.dir, "optimd")
+        ours, opt = self.hf_run("optimd", out)
+        self.assert_close(ours, ref)
+        opt.close()
+        # Resume from the mid-run checkpoint (Trainer's own optimizer.pt,
+        # saved from our state_dict) in a fresh optimizer: same weights.
+        mid = os.path.join(out, "checkpoint-%d" % (STEPS // 2))
+        self.assertTrue(os.path.isdir(mid))
+        again, opt = self.hf_run("optimd", out, resume=mid, job="resumed")
+        self.assert_close(again, ref)
+        opt.close()
+
+    # accelerate.
+    def accelerate_run(self, kind, save=None, load=None):
+        from accelerate import Accelerator
+        accelerator = Accelerator(cpu=DEVICE == "cpu")
+        # optimd: the model on its device before the optimizer is made (a
+        # session lives on one device; the step raises otherwise).
+        model = _gpt2().to(accelerator.device)
+        opt = self.make_opt(kind, model.parameters(), self.id() + kind +
+                            str(bool(load)))
+        loader = torch.utils.data.DataLoader(
+            _data(), batch_size=4, collate_fn=lambda b: {
+                k: torch.stack([x[k] for x in b]) for k in b[0]})
+        model, opt, loader = accelerator.prepare(model, opt, loader)
+        if load:
+            accelerator.load_state(load)
+        for i, batch in enumerate(loader):
+            if i == STEPS:
+                break
+            if load and i < STEPS // 2:
+                continue
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            if save and i == STEPS // 2 - 1:
+                # Not safetensors: it refuses tied weights that do not
+                # cover their whole storage, and optimd's parameters are
+                # views of one flat buffer per group (README, deliberate
+                # differences).
+                accelerator.save_state(save, safe_serialization=False)
+        unwrapped = accelerator.unwrap_model(model)
+        return unwrapped, opt
+
+    @unittest.skipUnless(_have("accelerate", "transformers"),
+                         "needs accelerate")
+    def test_accelerate_matches_torch_and_resumes(self):
+        ref, _ = self.accelerate_run("torch")
+        state = os.path.join(self.dir, "acc")
+        ours, opt = self.accelerate_run("optimd", save=state)
+        self.assert_close(ours, ref)
+        opt.optimizer.close()
+        again, opt = self.accelerate_run("optimd", load=state)
+        self.assert_close(again, ref)
+        opt.optimizer.close()
+
+    @unittest.skipUnless(DEVICE == "cuda", "needs a GPU")
+    def test_parameters_moved_after_construction_raise(self):
+        # accelerate's prepare() or model.to() after the optimizer was made:
+        # a clear error naming the move, not a silent copy back.
+        model = _gpt2()
+        opt = self.make_opt("optimd", model.parameters(), self.id())
+        model.to(DEVICE)
+        model(**{k: v[None].to(DEVICE) for k, v in _data(1)[0].items()}
+              ).loss.backward()
+        with self.assertRaisesRegex(ValueError, "moved to cuda"):
+            opt.step()
+        opt.close()
+
+    # Lightning.
+    @unittest.skipUnless(_have("lightning", "transformers"),
+                         "needs lightning")
+    def test_lightning_matches_torch_and_resumes(self):
+        import lightning as L
+
+        test = self
+
+        class Module(L.LightningModule):
+            def __init__(self, kind):
+                super().__init__()
+                self.model = _gpt2()
+                self.kind = kind
+
+            def training_step(self, batch, i):
+                return self.model(**batch).loss
+
+            def configure_optimizers(self):
+                return test.make_opt(self.kind, self.parameters(),
+                                     test.id() + self.kind +
+                                     str(id(self)))
+
+        def run(kind, steps, ckpt=None, save=None):
+            module = Module(kind)
+            loader = torch.utils.data.DataLoader(
+                _data(), batch_size=4, collate_fn=lambda b: {
+                    k: torch.stack([x[k] for x in b]) for k in b[0]})
+            trainer = L.Trainer(
+                max_steps=steps, accelerator="gpu" if DEVICE == "cuda"
+                else "cpu", devices=1, logger=False,
+                enable_checkpointing=False, enable_progress_bar=False,
+                gradient_clip_val=1.0, enable_model_summary=False)
+            trainer.fit(module, loader, ckpt_path=ckpt)
+            if save:
+                trainer.save_checkpoint(save)
+            return module, trainer
+
+        ref, _ = run("torch", STEPS)
+        ours, trainer = run("optimd", STEPS)
+        self.assert_close(ours.model, ref.model)
+        trainer.optimizers[0].close()
+        # Lightning's own checkpoint mid-run and a resume (its dataloader
+        # restarts the epoch, so the reference resumes the same way).
+        resumed = {}
+        for kind in ("torch", "optimd"):
+            half = os.path.join(self.dir, kind + ".ckpt")
+            _, trainer = run(kind, STEPS // 2, save=half)
+            if kind == "optimd":
+                trainer.optimizers[0].close()
+            resumed[kind], trainer = run(kind, STEPS, ckpt=half)
+        self.assert_close(resumed["optimd"].model, resumed["torch"].model)
+        trainer.optimizers[0].close()
+
+
+if __name__ == "__main__":
+    unittest.main()
