@@ -546,6 +546,7 @@ absl::StatusOr<StepResult> Session::Step(const StepRequestSpec& request) {
   }
   if (result.ok() && !restart_checkpoint_.empty()) {
     unlink(restart_checkpoint_.c_str());
+    unlink((restart_checkpoint_ + kSecretSuffix).c_str());
     restart_checkpoint_.clear();
   }
   return result;

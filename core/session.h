@@ -134,6 +134,9 @@ class Session {
   // The interprocess event the daemon records after each step (CUDA).
   const std::string& done_event() const { return done_event_; }
   void set_done_event(std::string e) { done_event_ = std::move(e); }
+  // What a resume of this session must present (SessionRegistry::Create).
+  const std::string& resume_secret() const { return resume_secret_; }
+  void set_resume_secret(std::string s) { resume_secret_ = std::move(s); }
 
   // Validates the whole group first; on any error nothing is registered.
   absl::StatusOr<RegisterResult> RegisterGroup(const GroupSpec& spec)
@@ -220,9 +223,10 @@ class Session {
     backend_->ForgetTrainerBuffers(mappings_);
   }
   // A checkpoint the daemon saved for its restart and offered to this
-  // session: removed after the session's first successful step, so that a
-  // later resume is never offered state older than what training went on
-  // from.
+  // session: removed after the session's first successful step (with its
+  // resume secret, the same path plus kSecretSuffix), so that a later
+  // resume is never offered state older than what training went on from.
+  static constexpr char kSecretSuffix[] = ".secret";
   void SetRestartCheckpoint(std::string path) ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);
     restart_checkpoint_ = std::move(path);
@@ -302,7 +306,8 @@ class Session {
   Backend* const backend_;
   StateBudget* const budget_;
   const std::unique_ptr<SessionContext> context_;
-  std::string done_event_;  // set once, before the session is shared
+  std::string done_event_;     // set once, before the session is shared
+  std::string resume_secret_;  // likewise
 
   mutable absl::Mutex mu_;
   // In registration order.

@@ -20,9 +20,23 @@ std::string NewSessionToken() {
   return token;
 }
 
+bool SameSecret(const std::string& a, const std::string& b) {
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff |= static_cast<unsigned char>(a[i] ^ (i < b.size() ? b[i] : 0));
+  }
+  return diff == 0;
+}
+
 absl::StatusOr<SessionRegistry::Created> SessionRegistry::Create(
     const SessionIdentity& identity, bool resume,
-    const std::string& ready_event, uint32_t trainer_pid) {
+    const std::string& ready_event, uint32_t trainer_pid,
+    const std::string& resume_secret) {
+  if (resume_secret.size() > kMaxSecretBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("resume_secret is ", resume_secret.size(),
+                     " bytes; at most ", kMaxSecretBytes, " are allowed"));
+  }
   if (identity.job_id.empty()) {
     return absl::InvalidArgumentError("job_id must not be empty");
   }
@@ -55,6 +69,15 @@ absl::StatusOr<SessionRegistry::Created> SessionRegistry::Create(
           "trainer restart, or close it first"));
     }
     auto old = by_token_.find(it->second);
+    if (!SameSecret(resume_secret, old->second->resume_secret())) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "job '", identity.job_id, "' rank ", identity.rank,
+          " has a session, and a resume must send the resume_secret it was "
+          "created with (",
+          resume_secret.empty() ? "none was sent" : "this one differs",
+          "); optimd.torch.AdamW keeps it in its secrets directory or takes "
+          "resume_secret="));
+    }
     created.session = old->second;
     created.resumed = true;
     by_token_.erase(old);
@@ -73,6 +96,8 @@ absl::StatusOr<SessionRegistry::Created> SessionRegistry::Create(
     created.session = std::make_shared<Session>(identity, *backend, budget_,
                                                 *std::move(context));
     created.session->set_done_event(done_event);
+    created.session->set_resume_secret(
+        resume && !resume_secret.empty() ? resume_secret : NewSessionToken());
   }
   by_token_[created.token] = created.session;
   token_by_rank_[key] = created.token;

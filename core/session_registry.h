@@ -25,6 +25,10 @@ namespace optimd {
 // a line in every ListSessions and GetMetrics reply).
 inline constexpr size_t kMaxSessions = 4096;
 
+// True when `a` equals `b`, compared in time independent of where they
+// differ (resume secrets).
+bool SameSecret(const std::string& a, const std::string& b);
+
 class SessionRegistry {
  public:
   struct Created {
@@ -32,6 +36,9 @@ class SessionRegistry {
     std::shared_ptr<Session> session;
     bool resumed = false;
   };
+
+  // The longest resume secret accepted.
+  static constexpr size_t kMaxSecretBytes = 64;
 
   // The CUDA backends among `backends`, in order, serve CUDA devices 0, 1,
   // ...; a CPU backend among them (at most one) serves device -1.
@@ -48,9 +55,13 @@ class SessionRegistry {
   // the CPU backend).
   // `trainer_pid`: the trainer's process id on this node (0: unknown), so
   // that Reap notices a trainer gone without closing its session.
+  // `resume_secret`: a resume must present the session's secret
+  // (PERMISSION_DENIED otherwise, nothing changed); a session made anew
+  // under `resume` adopts a non-empty one, any other gets a fresh one.
   absl::StatusOr<Created> Create(const SessionIdentity& identity, bool resume,
                                  const std::string& ready_event = "",
-                                 uint32_t trainer_pid = 0)
+                                 uint32_t trainer_pid = 0,
+                                 const std::string& resume_secret = "")
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // UNAUTHENTICATED for a missing or unknown token.

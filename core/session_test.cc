@@ -382,7 +382,11 @@ TEST(SessionRegistryTest, OrphanedSessionsWaitForAResumeThenGo) {
     EXPECT_EQ(s->Info().orphaned_since > 0, s->identity().job_id != "unseen");
   }
   // "b" is resumed by a new trainer (this process) within the grace.
-  auto resumed = registry.Create({"b", 0, 1, -1}, true, "", getpid());
+  std::string b_secret;
+  for (const auto& s : registry.List()) {
+    if (s->identity().job_id == "b") b_secret = s->resume_secret();
+  }
+  auto resumed = registry.Create({"b", 0, 1, -1}, true, "", getpid(), b_secret);
   ASSERT_TRUE(resumed.ok());
   EXPECT_EQ(resumed->session->Info().orphaned_since, 0);
   reaped = registry.Reap(t0 + grace, grace);
@@ -403,7 +407,12 @@ TEST(SessionRegistryTest, TokensResumeAndClose) {
   EXPECT_EQ(a->token.size(), 32u);
   EXPECT_EQ(registry.Create({"job", 1, 2, -1}, false).status().code(),
             absl::StatusCode::kAlreadyExists);
-  auto b = registry.Create({"job", 1, 2, -1}, true);
+  const std::string secret = a->session->resume_secret();
+  EXPECT_EQ(secret.size(), 32u);
+  EXPECT_EQ(registry.Create({"job", 1, 2, -1}, true).status().code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_TRUE(registry.Find(a->token).ok());  // still a's
+  auto b = registry.Create({"job", 1, 2, -1}, true, "", 0, secret);
   ASSERT_TRUE(b.ok());
   EXPECT_TRUE(b->resumed);
   EXPECT_EQ(b->session, a->session);

@@ -12,7 +12,7 @@ namespace optimd {
 inline constexpr char kVersion[] = "0.3.0";
 // 2: step flags, absent gradients, tensor steps and shapes, EvictSession,
 //    saved sessions across restarts.
-// 3: staged steps (StepRequest.staged, TensorSpec.stage).
+// 3: staged steps (StepRequest.staged, TensorSpec.stage), resume secrets.
 inline constexpr uint32_t kApiRevision = 3;
 
 }  // namespace optimd

@@ -135,29 +135,43 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::CreateSession(
             std::to_string(request->ready_event().size()) + " bytes"));
     return reactor;
   }
-  auto created = registry_->Create(
-      id, request->resume(), request->ready_event(), request->trainer_pid());
+  auto created =
+      registry_->Create(id, request->resume(), request->ready_event(),
+                        request->trainer_pid(), request->resume_secret());
   if (!created.ok()) {
     reactor->Finish(ToGrpcStatus(created.status()));
     return reactor;
+  }
+  std::optional<std::string> saved_dir;
+  if (request->resume() && !created->resumed && restart_store_ != nullptr) {
+    saved_dir = restart_store_->Find(id.job_id, id.rank);
+    const auto secret = restart_store_->SavedSecret(id.job_id, id.rank);
+    if (saved_dir && secret && !SameSecret(*secret, request->resume_secret())) {
+      registry_->Close(created->token).IgnoreError();
+      reactor->Finish(grpc::Status(
+          grpc::StatusCode::PERMISSION_DENIED,
+          absl::StrCat("the daemon saved job '", id.job_id, "' rank ", id.rank,
+                       " at its last stop, and a resume must send "
+                       "the resume_secret that session was created with")));
+      return reactor;
+    }
   }
   response->set_session_token(created->token);
   response->set_backend(created->session->backend()->kind() == BackendKind::kCpu
                             ? v1::BACKEND_CPU
                             : v1::BACKEND_CUDA);
   response->set_resumed(created->resumed);
+  response->set_resume_secret(created->session->resume_secret());
   response->set_daemon_version(kVersion);
   response->set_api_revision(kApiRevision);
   log::Info(absl::StrCat("session ", created->resumed ? "resumed" : "created",
                          ": ", SessionName(id), " device ", id.device,
                          " world_size ", id.world_size, " trainer pid ",
                          request->trainer_pid()));
-  if (request->resume() && !created->resumed && restart_store_ != nullptr) {
-    if (auto dir = restart_store_->Find(id.job_id, id.rank)) {
-      response->set_saved_state_dir(*dir);
-      created->session->SetRestartCheckpoint(
-          absl::StrCat(*dir, "/", CheckpointFileName(id.rank)));
-    }
+  if (saved_dir) {
+    response->set_saved_state_dir(*saved_dir);
+    created->session->SetRestartCheckpoint(
+        absl::StrCat(*saved_dir, "/", CheckpointFileName(id.rank)));
   }
   response->set_done_event(created->session->done_event());
   for (const auto& gid : created->session->GroupIds()) {

@@ -5,7 +5,9 @@
 //
 // Layout: <save_dir>/<job directory>/rank-<r>.safetensors, the job
 // directory named from the job id (filesystem-safe, with a checksum of the
-// whole id; the id itself is in each file's metadata).
+// whole id; the id itself is in each file's metadata), and beside each
+// checkpoint its session's resume secret, rank-<r>.safetensors.secret
+// (mode 0600), which a resume must present.
 //
 // Thread-compatible: SaveAll runs once, after the service drained.
 #ifndef OPTIMD_SERVER_RESTART_STORE_H_
@@ -32,6 +34,11 @@ class RestartStore {
   // when there is one.
   std::optional<std::string> Find(const std::string& job_id,
                                   uint32_t rank) const;
+
+  // The resume secret saved with that checkpoint; nullopt when none was
+  // (a checkpoint saved before secrets existed).
+  std::optional<std::string> SavedSecret(const std::string& job_id,
+                                         uint32_t rank) const;
 
   // Saves every session of `registry`, logging each; returns how many
   // could not be saved.

@@ -70,11 +70,14 @@ class E2eTest : public ::testing::Test {
     return *std::move(c);
   }
 
+  // Opens a CPU session; keeps its resume secret in secret_.
   void OpenSession(Client* c, const std::string& job = "job", int rank = 0) {
     auto s = c->CreateSession(CpuSession(job, rank));
     ASSERT_TRUE(s.ok()) << s.status();
     EXPECT_EQ(s->backend(), v1::BACKEND_CPU);
     EXPECT_EQ(s->session_token().size(), 32u);
+    EXPECT_EQ(s->resume_secret().size(), 32u);
+    secret_ = s->resume_secret();
   }
 
   // An fp32 tensor whose param and grad sit at `offset` in the two regions.
@@ -108,6 +111,7 @@ class E2eTest : public ::testing::Test {
 
   std::unique_ptr<DaemonProcess> daemon_;
   std::unique_ptr<Client> client_;
+  std::string secret_;  // of the last session OpenSession opened
   std::unique_ptr<SharedMemoryRegion> params_, grads_;
 };
 
@@ -203,13 +207,29 @@ TEST_F(E2eTest, ResumeKeepsState) {
   EXPECT_EQ(restarted->CreateSession(cs).status().code(),
             StatusCode::kAlreadyExists);
   cs.set_resume(true);
+  // Knowing the job id is not enough: without the secret, or with another
+  // one, the resume is refused and the session stays with its trainer.
+  for (const std::string& wrong :
+       {std::string(), std::string(32, '0'), secret_ + "x"}) {
+    cs.set_resume_secret(wrong);
+    auto refused = restarted->CreateSession(cs);
+    EXPECT_EQ(refused.status().code(), StatusCode::kPermissionDenied);
+    EXPECT_NE(refused.status().message().find("resume_secret"),
+              std::string::npos);
+  }
+  ASSERT_TRUE(client_->Step(v1::StepRequest()).ok());
+  cs.set_resume_secret(std::string(65, 's'));
+  EXPECT_EQ(restarted->CreateSession(cs).status().code(),
+            StatusCode::kInvalidArgument);
+  cs.set_resume_secret(secret_);
   auto s = restarted->CreateSession(cs);
   ASSERT_TRUE(s.ok());
   EXPECT_TRUE(s->resumed());
+  EXPECT_EQ(s->resume_secret(), secret_);
   ASSERT_EQ(s->group_ids_size(), 1);
   auto step = restarted->Step(v1::StepRequest());
   ASSERT_TRUE(step.ok());
-  EXPECT_EQ(step->groups(0).step(), 2u);
+  EXPECT_EQ(step->groups(0).step(), 3u);
   // The old token no longer works.
   EXPECT_EQ(client_->Step(v1::StepRequest()).status().code(),
             StatusCode::kUnauthenticated);
@@ -904,6 +924,7 @@ TEST_F(E2eTest, SegmentRecreatedUnderTheSameNameIsNotMistakenForTheOld) {
   auto restarted = Connect();
   v1::CreateSessionRequest cs = CpuSession("job");
   cs.set_resume(true);
+  cs.set_resume_secret(secret_);
   ASSERT_TRUE(restarted->CreateSession(cs).ok());
   // Stepping the old mapping would update memory no trainer sees.
   auto step = restarted->Step(v1::StepRequest());

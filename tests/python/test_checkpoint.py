@@ -17,6 +17,9 @@ from optimd.torch import AdamW
 
 SEED = int(os.environ.get("OPTIMD_TEST_SEED", random.randrange(1 << 30)))
 print("seed", SEED)
+# The resume secrets of these tests' sessions stay in their own scratch.
+os.environ.setdefault("OPTIMD_SECRETS_DIR",
+                      tempfile.mkdtemp(prefix="optimd-secrets-"))
 # OPTIMD_TEST_DEVICE=cuda runs the resume test on the CUDA backend (GPU
 # machine); the default is the CPU backend.
 DEVICE = os.environ.get("OPTIMD_TEST_DEVICE", "cpu")
@@ -157,6 +160,11 @@ class CheckpointTest(unittest.TestCase):
         saved = sorted(os.listdir(save_dir))
         self.assertEqual(len(saved), 2)
         with Daemon(backend=BACKEND, flags=flags) as d2:
+            # The saved state is guarded by its session's resume secret.
+            with self.assertRaises(optimd.PermissionDeniedError):
+                AdamW([torch.nn.Parameter(torch.zeros_like(p))
+                       for p in runs[0][0]], lr=1e-2, address=d2.address,
+                      job_id="job-0", resume=True, resume_secret="x" * 32)
             for i, ((params, _, dtype), (ref_params, ref_opt, _)) in \
                     enumerate(zip(runs, ref)):
                 fresh = [torch.nn.Parameter(torch.zeros_like(p))

@@ -14,6 +14,8 @@ import threading
 import time
 import unittest
 
+import tempfile
+
 import torch
 
 import optimd
@@ -22,6 +24,9 @@ from optimd.torch import AdamW
 
 SEED = int(os.environ.get("OPTIMD_TEST_SEED", random.randrange(1 << 30)))
 print("seed", SEED)
+# The resume secrets of these tests' sessions stay in their own scratch.
+os.environ.setdefault("OPTIMD_SECRETS_DIR",
+                      tempfile.mkdtemp(prefix="optimd-secrets-"))
 
 SHAPES = [(1000, 257), (4099,), (1,), (0,), (64, 64), (33, 7)]
 

@@ -23,6 +23,10 @@ import torch
 from optimd.testing import Daemon
 from optimd.torch import AdamW
 
+# The resume secrets of these tests' sessions stay in their own scratch.
+os.environ.setdefault("OPTIMD_SECRETS_DIR",
+                      tempfile.mkdtemp(prefix="optimd-secrets-"))
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 STEPS = 8
 

@@ -21,6 +21,9 @@ from optimd.torch import AdamW
 
 SEED = int(os.environ.get("OPTIMD_TEST_SEED", random.randrange(1 << 30)))
 print("seed", SEED)
+# The resume secrets of these tests' sessions stay in their own scratch.
+os.environ.setdefault("OPTIMD_SECRETS_DIR",
+                      tempfile.mkdtemp(prefix="optimd-secrets-"))
 
 
 def mlp():
@@ -566,6 +569,36 @@ class TorchClientTest(unittest.TestCase):
             self.assertTrue(torch.equal(p.detach(), t))
         self.assertEqual(int(opt2.state[next(fresh.parameters())]["step"]), 3)
         opt2.close()
+
+    def test_resume_needs_the_sessions_secret(self):
+        from optimd import _secrets
+        model = mlp()
+        # (fp32 masters: the daemon can give a new trainer the weights)
+        opt = self.make(model.parameters(), job_id="guarded",
+                        master_weights=True)
+        self.train_step(model, opt)
+        path = _secrets.path("guarded", 0)
+        self.assertEqual(os.stat(path).st_mode & 0o777, 0o600)
+        self.assertEqual(len(opt.resume_secret), 32)
+        # Another job that only knows the job id (ListSessions shows it)
+        # cannot take the session over; the trainer keeps it.
+        for wrong in ("", "0" * 32):
+            with self.assertRaises(optimd.PermissionDeniedError):
+                self.make(mlp().parameters(), job_id="guarded", resume=True,
+                          resume_secret=wrong, master_weights=True)
+        self.train_step(model, opt)
+        # A trainer restarted elsewhere passes the secret itself.
+        secret = opt.resume_secret
+        os.unlink(path)
+        fresh = mlp()
+        opt2 = self.make(fresh.parameters(), job_id="guarded", resume=True,
+                         resume_secret=secret, master_weights=True)
+        self.assertTrue(opt2.resumed)
+        self.assertEqual(opt2.resume_secret, secret)
+        for p, q in zip(fresh.parameters(), model.parameters()):
+            self.assertTrue(torch.equal(p, q))
+        opt2.close()
+        self.assertFalse(os.path.exists(path))  # closed: forgotten
 
     def test_connection_errors_name_the_cause(self):
         with tempfile.TemporaryDirectory() as scratch:

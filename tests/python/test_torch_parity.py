@@ -11,6 +11,8 @@ import random
 import struct
 import unittest
 
+import tempfile
+
 import torch
 
 import optimd
@@ -19,6 +21,9 @@ from optimd.torch import AdamW
 
 SEED = int(os.environ.get("OPTIMD_TEST_SEED", random.randrange(1 << 30)))
 print("seed", SEED)
+# The resume secrets of these tests' sessions stay in their own scratch.
+os.environ.setdefault("OPTIMD_SECRETS_DIR",
+                      tempfile.mkdtemp(prefix="optimd-secrets-"))
 
 SHAPES = [(37,), (16, 33), (5,), (3, 4, 7)]
 

@@ -12,8 +12,8 @@ __path__ = pkgutil.extend_path(__path__, __name__)
 from optimd.errors import (AlreadyExistsError, DaemonUnavailableError,  # noqa: E402
                            FailedPreconditionError, IncompatibleDaemonError,
                            InvalidArgumentError,
-                           NotFoundError, OptimdError, ResourceExhaustedError,
-                           SessionError)
+                           NotFoundError, OptimdError, PermissionDeniedError,
+                           ResourceExhaustedError, SessionError)
 from optimd.client import (API_REVISION, Client, __version__,  # noqa: E402
                            default_address)
 
@@ -21,6 +21,7 @@ __all__ = [
     "Client", "default_address", "OptimdError", "DaemonUnavailableError",
     "SessionError", "NotFoundError", "AlreadyExistsError",
     "InvalidArgumentError", "ResourceExhaustedError",
-    "FailedPreconditionError", "IncompatibleDaemonError", "__version__",
+    "FailedPreconditionError", "IncompatibleDaemonError",
+    "PermissionDeniedError", "__version__",
     "API_REVISION",
 ]

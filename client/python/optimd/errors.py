@@ -62,6 +62,13 @@ class FailedPreconditionError(OptimdError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class PermissionDeniedError(OptimdError, PermissionError):
+    """The caller may not do this, e.g. resume a session without the secret
+    it was created with."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class IncompatibleDaemonError(OptimdError):
     """The daemon is older than this client: it does not speak the API
     revision the client needs (the message names both versions)."""
@@ -73,7 +80,8 @@ _BY_CODE = {
     c.code: c
     for c in (DaemonUnavailableError, SessionError, NotFoundError,
               AlreadyExistsError, InvalidArgumentError,
-              ResourceExhaustedError, FailedPreconditionError)
+              ResourceExhaustedError, FailedPreconditionError,
+              PermissionDeniedError)
 }
 
 

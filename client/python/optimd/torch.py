@@ -41,6 +41,7 @@ from optimd import errors
 from optimd._grads import GradRouter
 from optimd._layout import view_like
 from optimd._state import DTYPES, DaemonState, set_state_request
+from optimd import _secrets
 from optimd._overlap import Overlap, assign_stages
 from optimd._step_flags import StepFlags
 from optimd.client import Client
@@ -84,7 +85,12 @@ class AdamW(torch.optim.Optimizer):
         same job id and rank (a restarted trainer's, kept by the daemon, or
         one the daemon saved when it stopped, with its --save_dir), restores
         its weights and state, and raises optimd.NotFoundError when there is
-        none; resume="if_any" starts afresh then.
+        none; resume="if_any" starts afresh then. A resume presents the
+        session's secret (optimd._secrets: kept in a file of this user's
+        by job id and rank, found by a trainer restarted on the same node;
+        elsewhere pass resume_secret=, the old optimizer's
+        `opt.resume_secret`); a wrong or missing one raises
+        optimd.PermissionDeniedError.
       master_weights: None (an fp32 master exactly for non-fp32 parameters),
         True (always, so a crashed trainer can get fp32 weights back), False.
       store_param_remainders: bf16 parameters keep an int16 remainder instead
@@ -121,7 +127,7 @@ class AdamW(torch.optim.Optimizer):
                  resume=False, master_weights=None,
                  store_param_remainders=False, exp_avg_dtype=torch.float32,
                  max_grad_norm=0.0, grad_scale=None, assume_finite=False,
-                 keep_fp32=(), overlap=False,
+                 keep_fp32=(), overlap=False, resume_secret=None,
                  adam_w_mode=True, bias_correction=True, timeout=60.0,
                  **torch_options):
         if not 0.0 <= lr:
@@ -190,12 +196,18 @@ class AdamW(torch.optim.Optimizer):
             method = weakref.WeakMethod(self._on_stream_broken)
             self._client.on_stream_broken = \
                 lambda *a: method() is not None and method()(*a)
+        if resume and resume_secret is None:
+            resume_secret = _secrets.load(job, rank)
         reply = self._client.create_session(
             job, rank=rank, world_size=world_size,
             device=-1 if self._device.type == "cpu" else self._device.index,
-            resume=bool(resume))
+            resume=bool(resume), resume_secret=resume_secret or "")
         self.resumed = reply.resumed
-        self._closer = weakref.finalize(self, _close_session, self._client)
+        # What a restarted trainer must present to resume this session.
+        self.resume_secret = reply.resume_secret
+        _secrets.store(job, rank, reply.resume_secret)
+        self._closer = weakref.finalize(self, _close_session, self._client,
+                                        job, rank)
         registered = set(reply.group_ids)
         self._ready = True
         try:
@@ -860,12 +872,16 @@ def _warn_in_user_code(message):
 _requires_grad = operator.attrgetter("requires_grad")
 
 
-def _close_session(client):
-    """Closes an optimizer's session and channel; at interpreter exit a
-    daemon already gone is no error worth raising."""
+def _close_session(client, job, rank):
+    """Closes an optimizer's session and channel, and forgets its resume
+    secret once the session is really closed (not when the daemon is gone
+    or another trainer has taken the session over: a resume may still need
+    it); at interpreter exit a daemon already gone is no error worth
+    raising."""
     try:
         if client.token:
             client.close_session()
+            _secrets.remove(job, rank)
     except errors.OptimdError:
         pass
     finally:
