@@ -196,16 +196,6 @@ const Group* Session::FindGroup(const std::string& id) const {
   return nullptr;
 }
 
-void Session::ResolveKeptLr(StepRequestSpec* request) const {
-  absl::MutexLock lock(&mu_);
-  for (HyperOverride& o : request->overrides) {
-    if (!o.keep_lr) continue;
-    if (const Group* g = FindGroup(o.group_id); g != nullptr) {
-      o.lr = g->hyper.lr;
-    }
-  }
-}
-
 absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
     const GroupSpec& spec, uint64_t* state_bytes) {
   if (spec.id.empty()) {
@@ -629,7 +619,7 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequestSpec& request,
     GroupSpec check;
     check.id = o.group_id;
     check.hyper = g->hyper;
-    check.hyper.lr = o.lr;
+    if (!o.keep_lr) check.hyper.lr = o.lr;
     if (o.beta1) check.hyper.beta1 = *o.beta1;
     if (o.beta2) check.hyper.beta2 = *o.beta2;
     if (o.eps) check.hyper.eps = *o.eps;
@@ -639,7 +629,7 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequestSpec& request,
   OPTIMD_RETURN_IF_ERROR(backend_->CheckMappings(mappings_));
   for (const HyperOverride& o : request.overrides) {
     AdamWHyper& h = FindGroup(o.group_id)->hyper;
-    h.lr = o.lr;
+    if (!o.keep_lr) h.lr = o.lr;
     if (o.beta1) h.beta1 = *o.beta1;
     if (o.beta2) h.beta2 = *o.beta2;
     if (o.eps) h.eps = *o.eps;

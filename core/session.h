@@ -44,8 +44,7 @@ struct RegisterResult {
 struct HyperOverride {
   std::string group_id;
   double lr = 0;
-  // The override leaves the learning rate as it is: Session::ResolveKeptLr
-  // sets `lr` to the group's current one before the step.
+  // The override leaves the learning rate as it is (`lr` is ignored).
   bool keep_lr = false;
   std::optional<double> beta1, beta2, eps, weight_decay;
 };
@@ -152,11 +151,6 @@ class Session {
   // failed or refused step still releases the trainer's stream.
   absl::StatusOr<StepResult> Step(const StepRequestSpec& request)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Sets `lr` of the overrides marked keep_lr to their group's current
-  // learning rate (overrides of unknown groups are left for Step to
-  // refuse). Call it on the thread that runs the session's steps, just
-  // before Step.
-  void ResolveKeptLr(StepRequestSpec* request) const ABSL_LOCKS_EXCLUDED(mu_);
   // Writes master weights into the trainer's buffers; returns the number of
   // tensors written. Empty `group_ids` means all.
   absl::StatusOr<uint64_t> GetParams(const std::vector<std::string>& group_ids)

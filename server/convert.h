@@ -26,8 +26,8 @@ absl::StatusOr<GroupSpec> GroupSpecFromProto(
 absl::StatusOr<std::vector<BufferUpdate>> BufferUpdatesFromProto(
     const v1::UpdateBuffersRequest& request);
 
-// An override without `lr` gets keep_lr set (Session::ResolveKeptLr fills
-// its lr before the step).
+// An override without `lr` gets keep_lr set (the step keeps the group's
+// learning rate).
 absl::StatusOr<StepRequestSpec> StepSpecFromProto(
     const v1::StepRequest& request);
 

@@ -251,11 +251,6 @@ absl::Status OptimizerServiceImpl::RunStep(Session& s,
   // Refused options still go through Session::Step, which releases the
   // step's flags before refusing it.
   spec->refused = CheckStepOptions(request);
-  // Steps of a session run on its worker one at a time, so no other step
-  // changes the learning rate between here and Step. (A LoadState or
-  // SetState the client sends concurrently is unordered with this step
-  // anyway; at worst the step keeps the rate it read.)
-  s.ResolveKeptLr(&*spec);
   auto result = s.Step(*spec);
   if (!result.ok()) return result.status();
   step_host_time_.Observe(absl::ToDoubleSeconds(absl::Now() - host_start));

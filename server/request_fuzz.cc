@@ -91,7 +91,6 @@ absl::Status Apply(Session& s, char kind, const std::string& bytes) {
       auto spec = StepSpecFromProto(r);
       if (!spec.ok()) return spec.status();
       spec->refused = CheckStepOptions(r);  // as the service does
-      s.ResolveKeptLr(&*spec);
       return s.Step(*spec).status();
     }
     case 3: {

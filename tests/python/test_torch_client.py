@@ -297,6 +297,55 @@ class TorchClientTest(unittest.TestCase):
                 client.evict_session("evicted", 0)
             client.close()
 
+    def test_trainer_killed_mid_step_again_and_again(self):
+        # A trainer stepping as fast as it can is SIGKILLed at a random
+        # moment, six times; each new one resumes (its secret from the
+        # file the last one left) and goes on. The daemon stays up and the
+        # session's weights are always exactly those of its step count:
+        # no step is half applied, none applied twice.
+        script = (
+            "import sys, torch\n"
+            "from optimd.torch import AdamW\n"
+            "p = torch.nn.Parameter(torch.zeros(1000))\n"
+            "opt = AdamW([p], lr=1e-2, address=sys.argv[1], job_id='phoenix',"
+            " master_weights=True, resume='if_any')\n"
+            "k = int(opt.state[p]['step']) if p in opt.state else 0\n"
+            "print(k, flush=True)\n"
+            "while True:\n"
+            "    g = torch.Generator().manual_seed(k + 1)\n"
+            "    p.grad = torch.randn(1000, generator=g)\n"
+            "    opt.step()\n"
+            "    k += 1\n")
+        rng = random.Random(SEED)
+        seen = []
+        for _ in range(6):
+            trainer = subprocess.Popen(
+                [sys.executable, "-c", script, self.daemon.address],
+                stdout=subprocess.PIPE, text=True)
+            seen.append(int(trainer.stdout.readline()))
+            time.sleep(rng.uniform(0.02, 0.2))
+            trainer.send_signal(signal.SIGKILL)
+            self.assertEqual(trainer.wait(60), -signal.SIGKILL)
+            trainer.stdout.close()
+        self.assertEqual(seen, sorted(seen))  # never back in time
+        p = torch.nn.Parameter(torch.zeros(1000))
+        opt = self.make([p], lr=1e-2, job_id="phoenix", master_weights=True,
+                        resume=True)
+        k = int(opt.state[p]["step"])
+        self.assertGreaterEqual(k, seen[-1])
+        self.assertGreater(k, 0)
+        ref = torch.nn.Parameter(torch.zeros(1000))
+        ref_opt = self.make([ref], lr=1e-2, job_id="phoenix-ref",
+                            master_weights=True)
+        for i in range(1, k + 1):
+            ref.grad = torch.randn(1000,
+                                   generator=torch.Generator().manual_seed(i))
+            ref_opt.step()
+        self.assertTrue(torch.equal(p.detach(), ref.detach()),
+                        "after %d steps" % k)
+        opt.close()
+        ref_opt.close()
+
     def test_versions_are_reported_and_checked(self):
         binary = optimd.testing.find_binary()
         out = subprocess.run([binary, "--version"], capture_output=True,
