@@ -91,6 +91,9 @@ Client::Client(std::shared_ptr<grpc::Channel> channel,
 void Client::Prepare(grpc::ClientContext* context) const {
   context->set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
   if (!token_.empty()) context->AddMetadata("x-optimd-session", token_);
+  if (!options_.admin_token.empty()) {
+    context->AddMetadata("x-optimd-admin", options_.admin_token);
+  }
 }
 
 absl::StatusOr<v1::CreateSessionResponse> Client::CreateSession(
@@ -215,6 +218,16 @@ absl::StatusOr<v1::ListSessionsResponse> Client::ListSessions() {
       stub_->ListSessions(&context, v1::ListSessionsRequest(), &response));
   if (!s.ok()) return s;
   return response;
+}
+
+absl::Status Client::EvictSession(const std::string& job_id, uint32_t rank) {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::EvictSessionRequest request;
+  request.set_job_id(job_id);
+  request.set_rank(rank);
+  v1::EvictSessionResponse response;
+  return FromGrpcStatus(stub_->EvictSession(&context, request, &response));
 }
 
 absl::StatusOr<v1::GetMetricsResponse> Client::GetMetrics() {

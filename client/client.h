@@ -26,6 +26,10 @@ struct ClientOptions {
   std::string tls_root_certs;
   std::string tls_cert_chain;
   std::string tls_private_key;
+  // The daemon's admin token (its --admin_token_file), sent in the
+  // x-optimd-admin metadata of every call when set: admin calls
+  // (ListSessions, EvictSession) over TCP need it.
+  std::string admin_token;
 };
 
 // The contents of the PEM file `path` (a certificate or key, `what` in
@@ -67,6 +71,8 @@ class Client {
       const v1::GetStateRequest& request);
   absl::Status SetState(const v1::SetStateRequest& request);
   absl::StatusOr<v1::ListSessionsResponse> ListSessions();
+  // Closes the session of `job_id` and `rank` (an operator's eviction).
+  absl::Status EvictSession(const std::string& job_id, uint32_t rank);
   absl::StatusOr<v1::GetMetricsResponse> GetMetrics();
   // The grpc.health.v1 status of the daemon: "SERVING", "NOT_SERVING", ...
   absl::StatusOr<std::string> Health();

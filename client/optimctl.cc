@@ -3,15 +3,21 @@
 //   optimctl [--target=unix:/path] health     grpc.health.v1 status
 //   optimctl [--target=unix:/path] metrics    Prometheus text
 //   optimctl [--target=unix:/path] sessions   open sessions, one per line
+//   optimctl [--target=unix:/path] evict JOB RANK   close that session
 // A TCP target ("host:port") needs --tls_ca (and --tls_cert/--tls_key when
-// the daemon requires client certificates).
+// the daemon requires client certificates), and --admin_token_file for the
+// admin calls (sessions, evict).
 #include <cstdio>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
 #include "client/client.h"
 #include "client/default_address.h"
@@ -28,6 +34,9 @@ ABSL_FLAG(std::string, tls_cert, "",
           "TCP targets: PEM file of this client's certificate chain, for a "
           "daemon that requires one.");
 ABSL_FLAG(std::string, tls_key, "", "TCP targets: PEM file of its key.");
+ABSL_FLAG(std::string, admin_token_file, "",
+          "TCP targets: the file holding the daemon's admin token (its "
+          "--admin_token_file), for sessions and evict.");
 
 namespace {
 
@@ -36,21 +45,41 @@ int Fail(const absl::Status& s) {
   return 1;
 }
 
+// The token in `path`, surrounding white space trimmed.
+absl::StatusOr<std::string> ReadToken(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  if (!in) {
+    return absl::NotFoundError("cannot read --admin_token_file " + path);
+  }
+  return std::string(absl::StripAsciiWhitespace(text.str()));
+}
+
+int Usage() {
+  std::fprintf(stderr, "usage: %s\n", absl::ProgramUsageMessage().data());
+  return 2;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "optimctl [--target=ADDR] health|metrics|sessions");
+      "optimctl [--target=ADDR] health|metrics|sessions|evict JOB RANK");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
-  if (args.size() != 2) {
-    std::fprintf(stderr, "usage: %s\n", absl::ProgramUsageMessage().data());
-    return 2;
-  }
+  if (args.size() < 2) return Usage();
   const std::string command = args[1];
-  if (command != "health" && command != "metrics" && command != "sessions") {
+  uint32_t rank = 0;
+  if (command == "evict" &&
+      (args.size() != 4 || !absl::SimpleAtoi(args[3], &rank))) {
+    return Usage();
+  }
+  if (command != "evict" && args.size() != 2) return Usage();
+  if (command != "health" && command != "metrics" && command != "sessions" &&
+      command != "evict") {
     std::fprintf(stderr,
                  "optimctl: unknown command '%s'; use health, "
-                 "metrics or sessions\n",
+                 "metrics, sessions or evict\n",
                  command.c_str());
     return 2;
   }
@@ -65,6 +94,11 @@ int main(int argc, char** argv) {
       !s.ok()) {
     return Fail(s);
   }
+  if (!absl::GetFlag(FLAGS_admin_token_file).empty()) {
+    auto token = ReadToken(absl::GetFlag(FLAGS_admin_token_file));
+    if (!token.ok()) return Fail(token.status());
+    options.admin_token = *token;
+  }
   auto client = optimd::Client::Create(target, options);
   if (!client.ok()) return Fail(client.status());
 
@@ -78,6 +112,13 @@ int main(int argc, char** argv) {
     auto metrics = (*client)->GetMetrics();
     if (!metrics.ok()) return Fail(metrics.status());
     std::fputs(metrics->prometheus_text().c_str(), stdout);
+    return 0;
+  }
+  if (command == "evict") {
+    if (absl::Status s = (*client)->EvictSession(args[2], rank); !s.ok()) {
+      return Fail(s);
+    }
+    std::printf("evicted job '%s' rank %u\n", args[2], rank);
     return 0;
   }
   auto sessions = (*client)->ListSessions();

@@ -80,6 +80,10 @@ ABSL_FLAG(std::string, save_dir, "",
           "SIGTERM every session is saved here (a directory per job), and a "
           "restarted daemon offers it to CreateSession(resume=true). Empty: "
           "sessions end with the daemon");
+ABSL_FLAG(std::string, admin_token_file, "",
+          "A file (mode 0600) holding the token that admin calls "
+          "(ListSessions, EvictSession) over TCP must send in the "
+          "x-optimd-admin metadata; callers on the Unix socket need none.");
 ABSL_FLAG(int, orphan_grace_s, 600,
           "how long the session of a trainer gone without closing it (killed) "
           "is kept for a resume before it is freed; negative: kept until "
@@ -343,6 +347,15 @@ int main(int argc, char** argv) {
   save_options.state_dir.clear();  // the operator's own directory
   const optimd::RestartStore restart_store(save_dir, save_options);
   service.set_restart_store(&restart_store);
+  if (!absl::GetFlag(FLAGS_admin_token_file).empty()) {
+    auto token = optimd::AdminGuard::ReadTokenFile(
+        absl::GetFlag(FLAGS_admin_token_file));
+    if (!token.ok()) {
+      Log(std::string(token.status().message()));
+      return 2;
+    }
+    service.set_admin_guard(optimd::AdminGuard(*std::move(token)));
+  }
   std::unique_ptr<optimd::SessionReaper> reaper;
   if (absl::GetFlag(FLAGS_orphan_grace_s) >= 0) {
     const absl::Duration grace =

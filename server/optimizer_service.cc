@@ -89,6 +89,15 @@ std::string OptimizerServiceImpl::TokenOf(
   return std::string(it->second.data(), it->second.size());
 }
 
+absl::Status OptimizerServiceImpl::CheckAdmin(
+    grpc::CallbackServerContext* context, const char* call) const {
+  const auto& md = context->client_metadata();
+  auto it = md.find(kAdminMetadataKey);
+  const std::string sent =
+      it == md.end() ? "" : std::string(it->second.data(), it->second.size());
+  return admin_.Check(context->peer(), sent, call);
+}
+
 absl::StatusOr<std::shared_ptr<Session>> OptimizerServiceImpl::SessionOf(
     grpc::CallbackServerContext* context) const {
   return registry_->Find(TokenOf(context));
@@ -778,6 +787,11 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::EvictSession(
     grpc::CallbackServerContext* context,
     const v1::EvictSessionRequest* request, v1::EvictSessionResponse*) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  const absl::Status admin = CheckAdmin(context, "EvictSession");
+  if (!admin.ok()) {
+    reactor->Finish(ToGrpcStatus(admin));
+    return reactor;
+  }
   const absl::Status evicted =
       registry_->Evict(request->job_id(), request->rank());
   if (evicted.ok()) {
@@ -791,9 +805,14 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::EvictSession(
 grpc::ServerUnaryReactor* OptimizerServiceImpl::ListSessions(
     grpc::CallbackServerContext* context, const v1::ListSessionsRequest*,
     v1::ListSessionsResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  const absl::Status admin = CheckAdmin(context, "ListSessions");
+  if (!admin.ok()) {
+    reactor->Finish(ToGrpcStatus(admin));
+    return reactor;
+  }
   response->set_sessions_omitted(
       AddSessionInfos(registry_->List(), response->mutable_sessions()));
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }

@@ -11,6 +11,7 @@
 
 #include "core/session_registry.h"
 #include "optimd/v1/optimd.grpc.pb.h"
+#include "server/admin_guard.h"
 #include "server/device_worker.h"
 #include "server/metrics.h"
 #include "server/restart_store.h"
@@ -37,6 +38,8 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
   // CreateSession(resume=true); must outlive the service. Set before
   // serving.
   void set_restart_store(const RestartStore* store) { restart_store_ = store; }
+  // Who may make admin calls; set before serving.
+  void set_admin_guard(AdminGuard guard) { admin_ = std::move(guard); }
 
   grpc::ServerUnaryReactor* CreateSession(
       grpc::CallbackServerContext* context,
@@ -115,6 +118,9 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
   absl::StatusOr<std::shared_ptr<Session>> SessionOf(
       grpc::CallbackServerContext* context) const;
   std::string TokenOf(grpc::CallbackServerContext* context) const;
+  // OK when the caller may make the admin call `call` (AdminGuard).
+  absl::Status CheckAdmin(grpc::CallbackServerContext* context,
+                          const char* call) const;
 
   // Runs `work` on the device worker for the call's session and finishes the
   // call with its status. `file_io`: the work is checkpoint file I/O, which
@@ -128,6 +134,7 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
 
   SessionRegistry* const registry_;
   const RestartStore* restart_store_ = nullptr;
+  AdminGuard admin_;
   DeviceWorker* WorkerFor(const Session& session) const;
   // Tasks queued or running on all workers.
   int Pending() const;

@@ -3,6 +3,7 @@
 // refusals (no TLS flags, a client without the CA, a client without a
 // certificate when the daemon requires one).
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -181,6 +182,54 @@ TEST(TlsTest, ClientCertificatesWhenRequired) {
   auto health = (*c)->Health();
   ASSERT_TRUE(health.ok()) << health.status();
   EXPECT_EQ(*health, "SERVING");
+}
+
+// ListSessions (every job id) and EvictSession over TCP need the admin
+// token; a session's own calls and metrics do not.
+TEST(TlsTest, AdminCallsOverTcpNeedTheAdminToken) {
+  Certificates certs;
+  ASSERT_TRUE(certs.ok()) << "openssl could not make test certificates";
+  const std::string token_file = certs.Path("admin-token");
+  std::ofstream(token_file) << "0123456789abcdef0123456789abcdef\n";
+  ASSERT_EQ(chmod(token_file.c_str(), 0600), 0);
+  const std::vector<std::string> tls = {
+      "--tls_cert=" + certs.Path("server.pem"),
+      "--tls_key=" + certs.Path("server.key")};
+  std::vector<std::string> flags = tls;
+  flags.push_back("--admin_token_file=" + token_file);
+  TcpDaemon d(flags);
+  ASSERT_FALSE(d.address().empty()) << d.log();
+  auto plain = Client::Create(d.address(), Options(certs, "ca", false));
+  ASSERT_TRUE(plain.ok());
+  v1::CreateSessionRequest cs;
+  cs.set_job_id("tcp-job");
+  cs.set_world_size(1);
+  cs.set_device(-1);
+  ASSERT_TRUE((*plain)->CreateSession(cs).ok());
+  EXPECT_TRUE((*plain)->GetMetrics().ok());
+  EXPECT_EQ((*plain)->ListSessions().status().code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ((*plain)->EvictSession("tcp-job", 0).code(),
+            absl::StatusCode::kPermissionDenied);
+  ClientOptions wrong = Options(certs, "ca", false);
+  wrong.admin_token = "0123456789abcdef0123456789abcdeX";
+  EXPECT_EQ(
+      (*Client::Create(d.address(), wrong))->ListSessions().status().code(),
+      absl::StatusCode::kPermissionDenied);
+  ClientOptions admin = Options(certs, "ca", false);
+  admin.admin_token = "0123456789abcdef0123456789abcdef";
+  auto root = Client::Create(d.address(), admin);
+  ASSERT_TRUE(root.ok());
+  auto listed = (*root)->ListSessions();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->sessions_size(), 1);
+  EXPECT_TRUE((*root)->EvictSession("tcp-job", 0).ok());
+  // A token file others may read is refused at start.
+  ASSERT_EQ(chmod(token_file.c_str(), 0644), 0);
+  TcpDaemon loose(flags);
+  EXPECT_TRUE(loose.address().empty());
+  EXPECT_EQ(loose.exit_status(), 2);
+  EXPECT_NE(loose.log().find("chmod 600"), std::string::npos) << loose.log();
 }
 
 TEST(TlsTest, BadTlsFlags) {

@@ -34,11 +34,16 @@ class TlsTest(unittest.TestCase):
         openssl(cls.dir, "x509", "-req", "-in", "server.csr", "-CA", "ca.pem",
                 "-CAkey", "ca.key", "-CAcreateserial", "-days", "1", "-out",
                 "server.pem", "-extfile", "server.ext")
+        cls.token = "fedcba9876543210fedcba9876543210"
+        fd = os.open(cls.path("admin-token"), os.O_WRONLY | os.O_CREAT, 0o600)
+        os.write(fd, cls.token.encode())
+        os.close(fd)
         cls.log = open(os.path.join(cls.dir, "daemon.log"), "w+")
         cls.daemon = subprocess.Popen(
             [find_binary(), "--listen=127.0.0.1:0", "--backend=cpu",
              "--cpu_threads=1", "--tls_cert=" + cls.path("server.pem"),
-             "--tls_key=" + cls.path("server.key")],
+             "--tls_key=" + cls.path("server.key"),
+             "--admin_token_file=" + cls.path("admin-token")],
             stderr=cls.log)
         deadline = time.time() + 20
         cls.address = None
@@ -60,6 +65,16 @@ class TlsTest(unittest.TestCase):
     @classmethod
     def path(cls, name):
         return os.path.join(cls.dir, name)
+
+    def test_admin_calls_need_the_admin_token(self):
+        ca = self.path("ca.pem")
+        with Client(self.address, tls_ca=ca) as c:
+            with self.assertRaisesRegex(optimd.PermissionDeniedError,
+                                        "admin call"):
+                c.list_sessions()
+            c.get_metrics()  # not an admin call
+        with Client(self.address, tls_ca=ca, admin_token=self.token) as c:
+            self.assertEqual(len(c.list_sessions().sessions), 0)
 
     def test_client_with_the_ca_connects(self):
         with Client(self.address, tls_ca=self.path("ca.pem")) as c:

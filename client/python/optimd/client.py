@@ -14,6 +14,7 @@ from optimd.v1 import optimd_pb2 as pb
 from optimd.v1 import optimd_pb2_grpc as pb_grpc
 
 SESSION_METADATA_KEY = "x-optimd-session"
+ADMIN_METADATA_KEY = "x-optimd-admin"
 # The client's version, and the API revision it needs of a daemon
 # (core/version.h says what each revision added).
 __version__ = "0.3.0"
@@ -88,14 +89,18 @@ class Client:
     """A connection to one optimd daemon. Not thread-safe."""
 
     def __init__(self, address=None, timeout=60.0, connect_timeout=10.0,
-                 tls_ca=None, tls_cert=None, tls_key=None):
+                 tls_ca=None, tls_cert=None, tls_key=None, admin_token=None):
         """address: "unix:/path" (default: the daemon's default socket) or
         "host:port", which the daemon serves over TLS only: tls_ca is the
         PEM file of the CA that signed its certificate, tls_cert/tls_key
         this client's, when the daemon requires one (default: the files
-        named by $OPTIMD_TLS_CA, $OPTIMD_TLS_CERT, $OPTIMD_TLS_KEY)."""
+        named by $OPTIMD_TLS_CA, $OPTIMD_TLS_CERT, $OPTIMD_TLS_KEY).
+        admin_token: the daemon's admin token (its --admin_token_file),
+        which admin calls (list_sessions, evict_session) over TCP need."""
         self.address = address or default_address()
         self.timeout = timeout
+        self._admin = ((ADMIN_METADATA_KEY, admin_token),) if admin_token \
+            else ()
         _check_address(self.address)
         options = [("grpc.max_send_message_length", -1),
                    ("grpc.max_receive_message_length", -1)]
@@ -139,12 +144,14 @@ class Client:
     def __exit__(self, *exc):
         self.close()
 
-    def _call(self, method, request):
+    def _call(self, method, request, admin=False):
         # Steps still in flight come first: the daemon orders a session's
         # calls by arrival, and a reply must not overtake them.
         if self._stream is not None:
             self._stream.drain()
         metadata = ((SESSION_METADATA_KEY, self.token),) if self.token else ()
+        if admin:
+            metadata += self._admin
         try:
             return getattr(self._stub, method)(
                 request, timeout=self.timeout, metadata=metadata)
@@ -309,11 +316,12 @@ class Client:
 
     # Admin.
     def list_sessions(self):
-        return self._call("ListSessions", pb.ListSessionsRequest())
+        return self._call("ListSessions", pb.ListSessionsRequest(),
+                          admin=True)
 
     def evict_session(self, job_id, rank=0):
         return self._call("EvictSession", pb.EvictSessionRequest(
-            job_id=job_id, rank=rank))
+            job_id=job_id, rank=rank), admin=True)
 
     def get_metrics(self):
         return self._call("GetMetrics", pb.GetMetricsRequest())
