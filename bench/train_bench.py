@@ -35,6 +35,7 @@ import argparse
 import copy
 import json
 import math
+import os
 import statistics
 import time
 
@@ -103,6 +104,12 @@ MODELS = {
     "small30m": (dict(d=512, layers=8, heads=8, vocab=8192),
                  (1, 256), (16, 1024)),
 }
+
+
+# Between the two: batches where the forward is longer than the optimizer
+# step, what overlap needs to hide it (`--batches mid`).
+MID = {"gpt400m": (4, 512), "gpt24l": (2, 512), "deep2400": (2, 512),
+       "small30m": (4, 256)}
 
 
 class Trainer:
@@ -285,7 +292,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="gpt400m,deep2400,small30m")
     ap.add_argument("--batches", default="heavy,users",
-                    help="heavy (optimizer-heavy), users, or both")
+                    help="heavy (optimizer-heavy), mid, users; a list")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--blocks", type=int, default=5)
@@ -296,14 +303,23 @@ def main():
     ap.add_argument("--overlap", action="store_true",
                     help="also optimd with overlap=True, and the loop "
                          "without an optimizer")
+    ap.add_argument("--daemon_env", action="append", default=[],
+                    help="KEY=VALUE for the daemon's environment only (e.g. "
+                         "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=30 under MPS)")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     rows = []
-    with Daemon(backend="cuda") as daemon:
+    saved = dict(os.environ)
+    os.environ.update(kv.split("=", 1) for kv in args.daemon_env)
+    daemon = Daemon(backend="cuda")  # inherits them; this process does not
+    os.environ.clear()
+    os.environ.update(saved)
+    with daemon:
         for name in args.models.split(","):
             cfg, heavy, users = MODELS[name]
             for which in args.batches.split(","):
-                batch, seq = heavy if which == "heavy" else users
+                batch, seq = {"heavy": heavy, "users": users,
+                              "mid": MID[name]}[which]
                 for clip in (None, 1.0):
                     if which == "users" and clip is None and name != "gpt400m":
                         continue

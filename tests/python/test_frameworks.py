@@ -136,11 +136,7 @@ class FrameworkTest(unittest.TestCase):
             opt.step()
             opt.zero_grad()
             if save and i == STEPS // 2 - 1:
-                # Not safetensors: it refuses tied weights that do not
-                # cover their whole storage, and optimd's parameters are
-                # views of one flat buffer per group (README, deliberate
-                # differences).
-                accelerator.save_state(save, safe_serialization=False)
+                accelerator.save_state(save)  # safetensors, tied weights
         unwrapped = accelerator.unwrap_model(model)
         return unwrapped, opt
 
@@ -155,6 +151,72 @@ class FrameworkTest(unittest.TestCase):
         again, opt = self.accelerate_run("optimd", load=state)
         self.assert_close(again, ref)
         opt.optimizer.close()
+
+    @unittest.skipUnless(_have("safetensors", "transformers"),
+                         "needs safetensors")
+    def test_safetensors_saves_tied_weights_of_optimd_parameters(self):
+        # Each parameter has a storage of its own over the group's flat
+        # buffer, so safetensors' tied-weight check passes as with torch.
+        from safetensors.torch import load_model, save_model
+        model = _gpt2().to(DEVICE)
+        opt = self.make_opt("optimd", model.parameters(), self.id())
+        loss = model(**{k: v[None].to(DEVICE)
+                        for k, v in _data(1)[0].items()}).loss
+        loss.backward()
+        opt.step()
+        opt.synchronize()
+        path = os.path.join(self.dir, "model.safetensors")
+        save_model(model, path)
+        again = _gpt2().to(DEVICE)
+        load_model(again, path)
+        for p, q in zip(model.parameters(), again.parameters()):
+            self.assertTrue(torch.equal(p, q))
+        self.assertIs(again.lm_head.weight, again.transformer.wte.weight)
+        opt.close()
+
+    @unittest.skipUnless(_have("torch.distributed.checkpoint.state_dict",
+                               "transformers"),
+                         "needs torch.distributed.checkpoint.state_dict")
+    def test_distributed_checkpoint_state_dict_helpers(self):
+        # torch.distributed.checkpoint's get/set_optimizer_state_dict: on a
+        # fresh optimizer (they initialize its state with one lr=0 step, as
+        # for torch's), after training (the same FQN-keyed state as
+        # torch's), and back into a new optimizer.
+        from torch.distributed.checkpoint.state_dict import (
+            get_optimizer_state_dict, set_optimizer_state_dict)
+        models = {k: _gpt2().to(DEVICE) for k in ("torch", "optimd")}
+        opts = {k: self.make_opt(k, m.parameters(), self.id() + k)
+                for k, m in models.items()}
+        fresh = {k: get_optimizer_state_dict(models[k], opts[k])
+                 for k in models}
+        self.assertEqual(sorted(fresh["optimd"]["state"]),
+                         sorted(fresh["torch"]["state"]))
+        batch = {k: v[None].to(DEVICE) for k, v in _data(1)[0].items()}
+        for k in models:
+            for _ in range(3):
+                opts[k].zero_grad()
+                models[k](**batch).loss.backward()
+                opts[k].step()
+        sds = {k: get_optimizer_state_dict(models[k], opts[k])
+               for k in models}
+        for name, ref in sds["torch"]["state"].items():
+            ours = sds["optimd"]["state"][name]
+            self.assertEqual(float(ours["step"]), float(ref["step"]))
+            for key in ("exp_avg", "exp_avg_sq"):
+                self.assertTrue(torch.allclose(ours[key].float().cpu(),
+                                               ref[key].float().cpu(),
+                                               rtol=1e-4, atol=1e-6), name)
+        again = _gpt2().to(DEVICE)
+        again.load_state_dict(models["optimd"].state_dict())
+        opt = self.make_opt("optimd", again.parameters(), self.id() + "again")
+        set_optimizer_state_dict(again, opt, sds["optimd"])
+        back = get_optimizer_state_dict(again, opt)
+        for name, ref in sds["optimd"]["state"].items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                self.assertTrue(torch.equal(back["state"][name][key],
+                                            ref[key]), name)
+        for o in (opts["optimd"], opt):
+            o.close()
 
     @unittest.skipUnless(DEVICE == "cuda", "needs a GPU")
     def test_parameters_moved_after_construction_raise(self):
