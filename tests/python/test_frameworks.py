@@ -114,9 +114,9 @@ class FrameworkTest(unittest.TestCase):
     def accelerate_run(self, kind, save=None, load=None):
         from accelerate import Accelerator
         accelerator = Accelerator(cpu=DEVICE == "cpu")
-        # optimd: the model on its device before the optimizer is made (a
-        # session lives on one device; the step raises otherwise).
-        model = _gpt2().to(accelerator.device)
+        # The usual pattern: the optimizer is made over the model on the
+        # CPU; prepare() moves the model, and the optimizer follows.
+        model = _gpt2()
         opt = self.make_opt(kind, model.parameters(), self.id() + kind +
                             str(bool(load)))
         loader = torch.utils.data.DataLoader(
@@ -219,17 +219,26 @@ class FrameworkTest(unittest.TestCase):
             o.close()
 
     @unittest.skipUnless(DEVICE == "cuda", "needs a GPU")
-    def test_parameters_moved_after_construction_raise(self):
-        # accelerate's prepare() or model.to() after the optimizer was made:
-        # a clear error naming the move, not a silent copy back.
-        model = _gpt2()
-        opt = self.make_opt("optimd", model.parameters(), self.id())
-        model.to(DEVICE)
-        model(**{k: v[None].to(DEVICE) for k, v in _data(1)[0].items()}
-              ).loss.backward()
-        with self.assertRaisesRegex(ValueError, "moved to cuda"):
-            opt.step()
-        opt.close()
+    def test_model_moved_after_construction_is_followed(self):
+        # model.to() after the optimizer was made, as torch allows before
+        # the first step: the session follows the parameters to the GPU
+        # and trains as torch does.
+        batch = {k: v[None].to(DEVICE) for k, v in _data(1)[0].items()}
+        runs = {}
+        for kind in ("torch", "optimd"):
+            model = _gpt2()
+            opt = self.make_opt(kind, model.parameters(), self.id() + kind)
+            model.to(DEVICE)
+            for _ in range(3):
+                opt.zero_grad()
+                model(**batch).loss.backward()
+                opt.step()
+            runs[kind] = (model, opt)
+        self.assert_close(runs["optimd"][0], runs["torch"][0])
+        p = next(runs["optimd"][0].parameters())
+        self.assertEqual(p.device.type, "cuda")
+        self.assertEqual(int(runs["optimd"][1].state[p]["step"]), 3)
+        runs["optimd"][1].close()
 
     # Lightning.
     @unittest.skipUnless(_have("lightning", "transformers"),

@@ -176,12 +176,22 @@ class AdamW(torch.optim.Optimizer):
         self._device = self._check_devices()
         self._sharded = any(_is_dtensor(p) for g in self.param_groups
                             for p in g["params"])
-        self._client = Client(address, timeout=timeout)
         # One session per optimizer object: two optimizers of one process
         # (a GAN, a notebook cell run twice) never collide. resume=True
         # needs the job id of the session to take over.
         job = job_id or "%s-%d-%s" % (socket.gethostname(), os.getpid(),
                                       secrets.token_hex(4))
+        self._identity = dict(address=address, timeout=timeout, job=job,
+                              rank=rank, world_size=world_size,
+                              overlap=overlap)
+        self._open(resume, resume_secret)
+
+    def _open(self, resume, resume_secret):
+        """Opens (or resumes) the session on self._device and registers
+        every group."""
+        ident = self._identity
+        job, rank = ident["job"], ident["rank"]
+        self._client = Client(ident["address"], timeout=ident["timeout"])
         # CUDA: the trainer's stream and the daemon's are ordered by step
         # flags (_step_flags.py), so step() never waits for the daemon.
         self._flags = None
@@ -189,7 +199,7 @@ class AdamW(torch.optim.Optimizer):
         self._pending = collections.deque()  # replies not yet looked at
         if self._device.type == "cuda":
             self._flags = StepFlags(self._device)
-            if overlap:
+            if ident["overlap"]:
                 self._overlap = Overlap(self, self._flags)
             # Weakly: the client must not keep the optimizer alive (its
             # session closes when the optimizer is collected).
@@ -199,7 +209,7 @@ class AdamW(torch.optim.Optimizer):
         if resume and resume_secret is None:
             resume_secret = _secrets.load(job, rank)
         reply = self._client.create_session(
-            job, rank=rank, world_size=world_size,
+            job, rank=rank, world_size=ident["world_size"],
             device=-1 if self._device.type == "cpu" else self._device.index,
             resume=bool(resume), resume_secret=resume_secret or "")
         self.resumed = reply.resumed
@@ -459,6 +469,10 @@ class AdamW(torch.optim.Optimizer):
         if list(map(torch.Tensor.data_ptr, self._params_flat)) == \
                 self._pptrs_flat:
             return
+        devices = {p.device for p in self._params_flat}
+        if devices and devices != {self._device}:
+            self._follow_device(devices)
+            return
         for g in self._groups:
             for s in g["slots"]:
                 p = s.param
@@ -472,17 +486,37 @@ class AdamW(torch.optim.Optimizer):
                             "the optimizer (or create a new one)" %
                             (s.name, p.dtype, tuple(p.shape),
                              s.pview.dtype, tuple(s.pview.shape)))
-                    if p.device != s.pview.device:
-                        # e.g. accelerate's prepare() or model.to() after
-                        # construction: the session lives on one device.
-                        raise ValueError(
-                            "parameter %s moved to %s after the optimizer "
-                            "was created on %s; move the model first "
-                            "(model.to(device), or accelerator.device), "
-                            "then create optimd.torch.AdamW" %
-                            (s.name, p.device, s.pview.device))
                     s.pview.copy_(p.detach())
                     p.data = s.pview
+
+    def _follow_device(self, devices):
+        """The parameters moved (model.to(), accelerate's prepare() of a
+        model still on the CPU): a session lives on one device, so the
+        optimizer opens one on the new device, registers the parameters
+        where they are now, and carries the state over (as torch's
+        optimizer would go on with the moved parameters)."""
+        if len(devices) > 1:
+            raise ValueError(
+                "the parameters are now on %s; optimd.torch.AdamW needs "
+                "them on one device" % ", ".join(sorted(map(str, devices))))
+        device = devices.pop()
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError("the parameters moved to %s; optimd.torch.AdamW "
+                             "supports CPU and CUDA parameters" % device)
+        self._finish_overlap()
+        self._look_at_replies(block=True)
+        saved = self._state_dict()
+        resumed = self.resumed
+        if self._overlap is not None:
+            self._overlap.close()
+        self._closer()
+        self._groups = []
+        self._sent_hyper = None
+        self._device = device
+        self._open(resume=False, resume_secret=None)
+        self.resumed = resumed
+        if saved["state"]:
+            self.load_state_dict(saved)
 
     def _overrides(self):
         """Hyperparameters of the groups whose values changed since the
@@ -656,6 +690,10 @@ class AdamW(torch.optim.Optimizer):
         return out
 
     def state_dict(self):
+        self._sync_params()
+        return self._state_dict()
+
+    def _state_dict(self):
         state = self._fetch_state()
         index = {}
         groups = []
@@ -671,6 +709,7 @@ class AdamW(torch.optim.Optimizer):
         return {"state": packed_state, "param_groups": groups}
 
     def load_state_dict(self, state_dict):
+        self._sync_params()
         groups = self.param_groups
         saved = state_dict["param_groups"]
         if len(groups) != len(saved):
