@@ -1,27 +1,24 @@
 #include "core/crc32c.h"
 
-#include <nmmintrin.h>
+#include <isa-l/crc.h>
 
-#include <cstring>
+#include <algorithm>
+#include <climits>
 
 namespace optimd {
 
 uint32_t Crc32cExtend(uint32_t crc, const void* data, size_t n) {
-  const auto* p = static_cast<const uint8_t*>(data);
-  uint64_t c = ~crc;
-  while (n >= 8) {
-    uint64_t v;
-    std::memcpy(&v, p, 8);
-    c = _mm_crc32_u64(c, v);
-    p += 8;
-    n -= 8;
-  }
-  uint32_t c32 = static_cast<uint32_t>(c);
+  // ISA-L keeps the register uninverted: CRC-32C = ~crc32_iscsi(~init).
+  // Its length is an int, so longer buffers go in pieces.
+  auto* p = static_cast<unsigned char*>(const_cast<void*>(data));
+  uint32_t c = ~crc;
   while (n > 0) {
-    c32 = _mm_crc32_u8(c32, *p++);
-    --n;
+    const size_t piece = std::min<size_t>(n, INT_MAX & ~size_t{63});
+    c = crc32_iscsi(p, static_cast<int>(piece), c);
+    p += piece;
+    n -= piece;
   }
-  return ~c32;
+  return ~c;
 }
 
 }  // namespace optimd

@@ -1,5 +1,7 @@
-// CRC-32C (Castagnoli), as stored per tensor in checkpoints. Uses the SSE4.2
-// instruction (part of the x86-64-v2 baseline the project builds for).
+// CRC-32C (Castagnoli), as stored per tensor in checkpoints. Computed by
+// ISA-L (Debian's libisal: crc32_iscsi, which picks the fastest of its
+// SSE4.2/PCLMUL/AVX-512 versions at run time); the values are the standard
+// CRC-32C, so checkpoints written before still verify.
 #ifndef OPTIMD_CORE_CRC32C_H_
 #define OPTIMD_CORE_CRC32C_H_
 

@@ -10,7 +10,8 @@ PACKAGES=(
   python3-grpcio python3-protobuf python3-torch python3-numpy
   python3-pip python3-setuptools python3-venv
   openssl
-  clang clang-format libspdlog-dev
+  clang clang-format libspdlog-dev libisal-dev libmicrohttpd-dev
+  python3-prometheus-client
 )
 
 missing=()
