@@ -39,7 +39,9 @@
 #include "core/version.h"
 #include "server/device_worker.h"
 #include "server/log.h"
+#include "server/metrics_http.h"
 #include "server/optimizer_service.h"
+#include "server/refusal_log.h"
 #include "server/restart_store.h"
 #include "server/session_reaper.h"
 
@@ -80,6 +82,10 @@ ABSL_FLAG(std::string, save_dir, "",
           "SIGTERM every session is saved here (a directory per job), and a "
           "restarted daemon offers it to CreateSession(resume=true). Empty: "
           "sessions end with the daemon");
+ABSL_FLAG(std::string, metrics_listen, "",
+          "host:port on which to serve Prometheus metrics over HTTP "
+          "(GET /metrics), e.g. 127.0.0.1:9464; empty: none. They show "
+          "job ids: bind to a trusted interface.");
 ABSL_FLAG(std::string, admin_token_file, "",
           "A file (mode 0600) holding the token that admin calls "
           "(ListSessions, EvictSession) over TCP must send in the "
@@ -365,6 +371,20 @@ int main(int argc, char** argv) {
         std::min(absl::Seconds(1), grace / 4 + absl::Milliseconds(50)), Log);
   }
 
+  std::unique_ptr<optimd::MetricsHttpServer> metrics_http;
+  if (!absl::GetFlag(FLAGS_metrics_listen).empty()) {
+    auto started = optimd::MetricsHttpServer::Start(
+        absl::GetFlag(FLAGS_metrics_listen),
+        [&service] { return service.PrometheusText(); });
+    if (!started.ok()) {
+      Log(std::string(started.status().message()));
+      return 2;
+    }
+    metrics_http = *std::move(started);
+    Log(absl::StrCat("metrics on http port ", metrics_http->port(),
+                     " (GET /metrics)"));
+  }
+
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -374,6 +394,14 @@ int main(int argc, char** argv) {
   builder.SetMaxReceiveMessageSize(1 << 30);
   builder.SetMaxSendMessageSize(1 << 30);
   builder.RegisterService(&service);
+  optimd::RefusalLog refusals(
+      [](const std::string& line) { optimd::log::Warn(line); });
+  std::vector<
+      std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
+      interceptors;
+  interceptors.push_back(
+      std::make_unique<optimd::RefusalLogFactory>(&refusals));
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   // The socket file is created by BuildAndStart: only its owner may connect.
   const mode_t old_umask = umask(0177);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();

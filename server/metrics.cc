@@ -1,6 +1,7 @@
 #include "server/metrics.h"
 
 #include <algorithm>
+#include <charconv>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
@@ -36,6 +37,14 @@ void LatencyHistogram::ToProto(v1::Histogram* out) const {
 
 namespace {
 
+// The shortest text that reads back as exactly `v` (Prometheus parses
+// floats; StrCat would keep 6 significant digits).
+std::string Exact(double v) {
+  char buf[32];
+  const auto r = std::to_chars(buf, buf + sizeof(buf), v);
+  return std::string(buf, r.ptr);
+}
+
 std::string Escape(const std::string& s) {
   return absl::StrReplaceAll(s,
                              {{"\\", "\\\\"}, {"\"", "\\\""}, {"\n", "\\n"}});
@@ -46,11 +55,12 @@ void Histogram(std::string* out, const char* name, const char* help,
   absl::StrAppend(out, "# HELP ", name, " ", help, "\n# TYPE ", name,
                   " histogram\n");
   for (int i = 0; i < h.bounds_size(); ++i) {
-    absl::StrAppend(out, name, "_bucket{le=\"", h.bounds(i), "\"} ",
+    absl::StrAppend(out, name, "_bucket{le=\"", Exact(h.bounds(i)), "\"} ",
                     h.counts(i), "\n");
   }
   absl::StrAppend(out, name, "_bucket{le=\"+Inf\"} ", h.count(), "\n", name,
-                  "_sum ", h.sum(), "\n", name, "_count ", h.count(), "\n");
+                  "_sum ", Exact(h.sum()), "\n", name, "_count ", h.count(),
+                  "\n");
 }
 
 void Counter(std::string* out, const char* name, const char* help, uint64_t v,
@@ -91,7 +101,7 @@ std::string RenderPrometheus(const v1::GetMetricsResponse& m) {
                   "# HELP optimd_session_state_bytes Optimizer state bytes "
                   "per session.\n# TYPE optimd_session_state_bytes gauge\n");
   for (const auto& s : m.session_infos()) {
-    absl::StrAppend(&out, "optimd_session_state_bytes{job=\"",
+    absl::StrAppend(&out, "optimd_session_state_bytes{job_id=\"",
                     Escape(s.job_id()), "\",rank=\"", s.rank(), "\"} ",
                     s.state_bytes(), "\n");
   }
@@ -99,7 +109,7 @@ std::string RenderPrometheus(const v1::GetMetricsResponse& m) {
                   "# HELP optimd_session_steps_total Steps applied per "
                   "session.\n# TYPE optimd_session_steps_total counter\n");
   for (const auto& s : m.session_infos()) {
-    absl::StrAppend(&out, "optimd_session_steps_total{job=\"",
+    absl::StrAppend(&out, "optimd_session_steps_total{job_id=\"",
                     Escape(s.job_id()), "\",rank=\"", s.rank(), "\"} ",
                     s.steps(), "\n");
   }

@@ -41,8 +41,15 @@ TEST(MetricsTest, PrometheusText) {
   EXPECT_NE(text.find("optimd_step_latency_seconds_bucket{le=\"+Inf\"} 1\n"),
             std::string::npos);
   EXPECT_NE(
-      text.find("optimd_session_state_bytes{job=\"job\\\"x\",rank=\"1\"} 1024"),
+      text.find(
+          "optimd_session_state_bytes{job_id=\"job\\\"x\",rank=\"1\"} 1024"),
       std::string::npos);
+  // Full precision: the sum reads back exactly.
+  EXPECT_NE(text.find("optimd_step_latency_seconds_sum 0.001\n"),
+            std::string::npos);
+  m.mutable_step_latency()->set_sum(1234.56789012345);
+  EXPECT_NE(RenderPrometheus(m).find("_sum 1234.56789012345\n"),
+            std::string::npos);
 }
 
 }  // namespace

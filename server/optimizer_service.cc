@@ -226,6 +226,10 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::RegisterGroup(
     if (!spec.ok()) return spec.status();
     auto result = s.RegisterGroup(*spec);
     if (!result.ok()) return result.status();
+    log::Info(absl::StrCat("group registered: ", SessionName(s.identity()),
+                           " group '", spec->id.substr(0, 128), "', ",
+                           spec->tensors.size(), " tensors, ",
+                           result->state_bytes, " state bytes"));
     response->set_state_bytes(result->state_bytes);
     response->set_plan_items(result->plan_items);
     return absl::OkStatus();
@@ -820,6 +824,19 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::ListSessions(
 grpc::ServerUnaryReactor* OptimizerServiceImpl::GetMetrics(
     grpc::CallbackServerContext* context, const v1::GetMetricsRequest*,
     v1::GetMetricsResponse* response) {
+  FillMetrics(response);
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+std::string OptimizerServiceImpl::PrometheusText() const {
+  v1::GetMetricsResponse m;
+  FillMetrics(&m);
+  return m.prometheus_text();
+}
+
+void OptimizerServiceImpl::FillMetrics(v1::GetMetricsResponse* response) const {
   response->set_daemon_version(kVersion);
   response->set_api_revision(kApiRevision);
   for (const Backend* b : registry_->backends()) {
@@ -844,9 +861,6 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::GetMetrics(
   response->set_checkpoint_load_bytes(checkpoint_load_bytes_.load());
   response->set_checkpoint_failures(checkpoint_failures_.load());
   response->set_prometheus_text(RenderPrometheus(*response));
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
 }
 
 }  // namespace optimd

@@ -38,6 +38,9 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
   // CreateSession(resume=true); must outlive the service. Set before
   // serving.
   void set_restart_store(const RestartStore* store) { restart_store_ = store; }
+  // The metrics of GetMetrics in the Prometheus text format (for HTTP
+  // /metrics). Thread-safe.
+  std::string PrometheusText() const;
   // Who may make admin calls; set before serving.
   void set_admin_guard(AdminGuard guard) { admin_ = std::move(guard); }
 
@@ -118,6 +121,7 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
   absl::StatusOr<std::shared_ptr<Session>> SessionOf(
       grpc::CallbackServerContext* context) const;
   std::string TokenOf(grpc::CallbackServerContext* context) const;
+  void FillMetrics(v1::GetMetricsResponse* response) const;
   // OK when the caller may make the admin call `call` (AdminGuard).
   absl::Status CheckAdmin(grpc::CallbackServerContext* context,
                           const char* call) const;

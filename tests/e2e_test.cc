@@ -593,7 +593,7 @@ TEST_F(E2eTest, OptimctlReportsHealthMetricsAndSessions) {
   EXPECT_EQ(rc, 0);
   EXPECT_NE(out.find("optimd_steps_total 1\n"), std::string::npos) << out;
   EXPECT_NE(
-      out.find("optimd_session_state_bytes{job=\"ctl-job\",rank=\"0\"} 64"),
+      out.find("optimd_session_state_bytes{job_id=\"ctl-job\",rank=\"0\"} 64"),
       std::string::npos)
       << out;
   std::tie(rc, out) = RunCommand(ctl + "sessions");

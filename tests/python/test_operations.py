@@ -1,0 +1,166 @@
+"""Operating the daemon as a cluster operator does, in one script: the real
+daemon with a save directory, HTTP metrics and its log in a file; two
+trainers, a refused call, an evicted session and a killed trainer; SIGTERM;
+a restarted daemon on the same save directory; both trainers resume
+bit-exactly. /metrics is scraped over HTTP with a real client and parsed
+with Prometheus's own Python parser, and the log holds a line for every
+event."""
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+import urllib.error
+import urllib.request
+
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+import optimd
+from optimd.testing import Daemon
+from optimd.torch import AdamW
+
+# The resume secrets of these tests' sessions stay in their own scratch.
+os.environ.setdefault("OPTIMD_SECRETS_DIR",
+                      tempfile.mkdtemp(prefix="optimd-secrets-"))
+
+STEPS = 5
+
+
+def grad(i, step, n):
+    return torch.randn(n, generator=torch.Generator().manual_seed(
+        1000 * i + step))
+
+
+def train(params, opt, i, steps):
+    for step in steps:
+        for k, p in enumerate(params):
+            p.grad = grad(i * 10 + k, step, p.numel()).view_as(p)
+        opt.step()
+
+
+def make(daemon, i, job, **kw):
+    torch.manual_seed(i)
+    params = [torch.nn.Parameter(torch.randn(33, 7)),
+              torch.nn.Parameter(torch.randn(100))]
+    return params, AdamW(params, lr=1e-2, address=daemon.address,
+                         job_id=job, master_weights=True, **kw)
+
+
+class OperationsTest(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="optimd-ops-")
+        self.flags = ["--save_dir=" + os.path.join(self.dir, "saved"),
+                      "--metrics_listen=127.0.0.1:0", "--orphan_grace_s=1"]
+
+    def start(self, name):
+        log = open(os.path.join(self.dir, name), "w+")
+        d = Daemon(flags=self.flags, stderr=log)
+        d.log = log
+        text = self.wait_for_log(d, r"metrics on http port (\d+)")
+        d.metrics_url = "http://127.0.0.1:%s/metrics" % re.search(
+            r"metrics on http port (\d+)", text).group(1)
+        return d
+
+    def wait_for_log(self, d, pattern, timeout=20):
+        deadline = time.time() + timeout
+        while True:
+            d.log.seek(0)
+            text = d.log.read()
+            if re.search(pattern, text):
+                return text
+            self.assertLess(time.time(), deadline, "log never said " + pattern)
+            time.sleep(0.05)
+
+    def scrape(self, d):
+        with urllib.request.urlopen(d.metrics_url, timeout=10) as r:
+            self.assertEqual(r.status, 200)
+            self.assertIn("text/plain", r.headers["Content-Type"])
+            text = r.read().decode()
+        return {f.name: f for f in text_string_to_metric_families(text)}
+
+    def test_restart_metrics_and_log_lines(self):
+        d1 = self.start("first.log")
+        runs = [make(d1, i, "ops-%d" % i) for i in range(2)]
+        for i, (params, opt) in enumerate(runs):
+            train(params, opt, i, range(STEPS))
+        # A refused step, an evicted session, a killed trainer.
+        params, bad = make(d1, 9, "refused")
+        bad.param_groups[0]["lr"] = float("nan")
+        with self.assertRaises(optimd.InvalidArgumentError):
+            train(params, bad, 9, range(1))
+        bad.close()
+        _, evicted = make(d1, 8, "evicted")
+        optimd.Client(d1.address).evict_session("evicted", 0)
+        trainer = subprocess.Popen([sys.executable, "-c", (
+            "import os, signal, torch\n"
+            "from optimd.torch import AdamW\n"
+            "p = torch.nn.Parameter(torch.randn(10))\n"
+            "AdamW([p], address=%r, job_id='killed')\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n") % d1.address])
+        self.assertEqual(trainer.wait(60), -9)
+        self.wait_for_log(d1, r"job 'killed' rank 0 freed")
+
+        families = self.scrape(d1)
+        # Left: the two trainers (refused closed, evicted, killed freed).
+        self.assertEqual(families["optimd_sessions"].samples[0].value, 2)
+        steps = {s.labels["job_id"]: s.value for s in
+                 families["optimd_session_steps"].samples
+                 if s.name == "optimd_session_steps_total"}
+        self.assertEqual(steps, {"ops-0": STEPS, "ops-1": STEPS})
+        latency = families["optimd_step_latency_seconds"]
+        count = [s.value for s in latency.samples
+                 if s.name.endswith("_count")][0]
+        self.assertGreaterEqual(count, 2 * STEPS)
+        with self.assertRaises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(d1.metrics_url.replace("/metrics", "/x"))
+        self.assertEqual(e.exception.code, 404)
+
+        self.assertEqual(d1.stop(), 0)  # SIGTERM: saves both sessions
+        d1.log.seek(0)
+        log = d1.log.read()
+        for line in (r"session created: job 'ops-0' rank 0",
+                     r"group registered: job 'ops-1' rank 0 group '0', 2 "
+                     r"tensors",
+                     r"warning optimd: refused /optimd.v1.Optimizer/Step"
+                     r"(Stream)?: INVALID_ARGUMENT: .*learning rate",
+                     r"session closed: job 'refused' rank 0",
+                     r"session evicted: job 'evicted' rank 0",
+                     r"job 'killed' rank 0 orphaned",
+                     r"received SIGTERM",
+                     r"saving 2 sessions to ",
+                     r"saved job 'ops-1' rank 0: \d+ bytes",
+                     r"info optimd: stopped"):
+            self.assertRegex(log, line)
+        self.assertRegex(log, r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d")  # dated
+
+        d2 = self.start("second.log")
+        try:
+            for i in range(2):
+                fresh = [torch.nn.Parameter(torch.zeros_like(p))
+                         for p in runs[i][0]]
+                opt = AdamW(fresh, lr=1e-2, address=d2.address,
+                            job_id="ops-%d" % i, master_weights=True,
+                            resume=True)
+                self.assertTrue(opt.resumed)
+                train(fresh, opt, i, range(STEPS, 2 * STEPS))
+                ref, ref_opt = make(d2, i, "ref-%d" % i)
+                train(ref, ref_opt, i, range(2 * STEPS))
+                for p, q in zip(fresh, ref):
+                    self.assertTrue(torch.equal(p.detach(), q.detach()))
+                opt.close()
+                ref_opt.close()
+            families = self.scrape(d2)
+            self.assertIn("optimd_checkpoint_loads", families)
+            self.assertEqual(
+                families["optimd_checkpoint_loads"].samples[0].value, 2)
+        finally:
+            self.assertEqual(d2.stop(), 0)
+        d2.log.seek(0)
+        self.assertRegex(d2.log.read(), r"checkpoint loaded: job 'ops-0'")
+
+
+if __name__ == "__main__":
+    unittest.main()
