@@ -491,10 +491,20 @@ class TorchClientTest(unittest.TestCase):
             step_both()
         self.assertEqual(float(opt.state[extra[1]]["step"]), 2.0)
         removed = ours[0]  # `ours` is the group's own list
+        removed_twin = theirs[0]
         for o in (opt, ref):
             del o.param_groups[0]["params"][0]
         step_both()
-        self.assertFalse(removed in opt.state)
+        # Its state stays, as in torch, and comes back with it.
+        self.assertEqual(removed in opt.state, removed_twin in ref.state)
+        self.assertEqual(float(opt.state[removed]["step"]),
+                         float(ref.state[removed_twin]["step"]))
+        opt.param_groups[0]["params"].append(removed)
+        ref.param_groups[0]["params"].append(removed_twin)
+        for _ in range(2):
+            step_both()
+        self.assertEqual(float(opt.state[removed]["step"]),
+                         float(ref.state[removed_twin]["step"]))
         opt.close()
 
     def test_channels_last_parameters_keep_their_layout(self):

@@ -159,6 +159,9 @@ class AdamW(torch.optim.Optimizer):
         self._ready = False
         self._sent_hyper = None  # the hyperparameters the daemon has
         self._groups = []  # per group: dict(id, slots, segments, snapshot)
+        # State of parameters taken out of their group, for their return:
+        # id(param) -> (weak reference to it, its state).
+        self._retired = {}
         super().__init__(params, defaults)
         self.state = DaemonState(self._fetch_state)
         self.max_grad_norm = max_grad_norm
@@ -445,12 +448,20 @@ class AdamW(torch.optim.Optimizer):
             if same and not unfrozen:
                 continue
             state = self._fetch_state()
+            # A parameter taken out keeps its state for a return, as in
+            # torch (whose state is keyed by the parameter).
+            kept = {id(p) for p in group["params"]}
+            for s in g["slots"]:
+                if id(s.param) not in kept and s.param in state:
+                    self._retired[id(s.param)] = (weakref.ref(s.param),
+                                                  state[s.param])
             self._client.unregister_group(g["id"])
             self._register_group(gi, group, existing=False, replace=True)
             new = self._groups[gi]
             self._client.set_state(set_state_request(
                 new["id"], new["slots"],
-                [state.get(s.param) for s in new["slots"]],
+                [state.get(s.param, self._take_retired(s.param))
+                 for s in new["slots"]],
                 amsgrad=group["amsgrad"]))
             self._sent_hyper = None
             self.state.invalidate()
@@ -687,7 +698,17 @@ class AdamW(torch.optim.Optimizer):
                             continue
                     entry[kind] = value
                 out[s.param] = entry
+        for key, (ref, entry) in list(self._retired.items()):
+            p = ref()  # taken out of its group, kept for a return
+            if p is None:
+                del self._retired[key]
+            else:
+                out[p] = entry
         return out
+
+    def _take_retired(self, p):
+        ref, entry = self._retired.pop(id(p), (None, None))
+        return entry if ref is not None and ref() is p else None
 
     def state_dict(self):
         self._sync_params()
