@@ -246,14 +246,31 @@ std::string CrcHex(uint32_t crc) {
 }
 
 // One tensor's metadata in the packed format: [name, numel, index into
-// "layouts", flags (1: frozen, 2: keep_fp32)].
+// "layouts", flags (1: frozen, 2: keep_fp32)], and its shape as a fifth
+// element when it has more than one dimension.
 json PackedTensorJson(const TensorEntry& t, json& layouts) {
   const json layout = LayoutJson(t.layout);
   size_t index = 0;
   while (index < layouts.size() && layouts[index] != layout) ++index;
   if (index == layouts.size()) layouts.push_back(layout);
-  return json::array(
+  json out = json::array(
       {t.name, t.numel, index, (t.frozen ? 1 : 0) | (t.keep_fp32 ? 2 : 0)});
+  if (t.shape.size() > 1) out.push_back(t.shape);
+  return out;
+}
+
+// A packed tensor's optional shape: at most 64 non-negative integers whose
+// product is `numel`.
+bool IsShapeOf(const json& shape, uint64_t numel) {
+  if (!shape.is_array() || shape.size() > 64) return false;
+  uint64_t product = 1;
+  for (const json& d : shape) {
+    if (!d.is_number_unsigned() ||
+        __builtin_mul_overflow(product, d.get<uint64_t>(), &product)) {
+      return false;
+    }
+  }
+  return product == numel;
 }
 
 // The checkpoint's metadata, without the crc32c values: version 1 (a
@@ -721,17 +738,19 @@ absl::StatusOr<TensorHeader> ParseTensor(const json& j,
   return t;
 }
 
-// Version 2 (packed): [name, numel, layout index, flags].
+// Version 2 (packed): [name, numel, layout index, flags(, shape)].
 absl::StatusOr<TensorHeader> ParsePackedTensor(const json& j,
                                                const json& layouts,
                                                const std::string& where,
                                                const std::string& path) {
-  if (!j.is_array() || j.size() != 4 || !j[0].is_string() ||
+  if (!j.is_array() || (j.size() != 4 && j.size() != 5) || !j[0].is_string() ||
       !j[1].is_number_unsigned() || !j[2].is_number_unsigned() ||
       !j[3].is_number_unsigned() || j[2].get<uint64_t>() >= layouts.size() ||
-      j[3].get<uint64_t>() > 3) {
+      j[3].get<uint64_t>() > 3 ||
+      (j.size() == 5 && !IsShapeOf(j[4], j[1].get<uint64_t>()))) {
     return Malformed(path, where + " is not [name, numel, layout index < " +
-                               std::to_string(layouts.size()) + ", flags]");
+                               std::to_string(layouts.size()) +
+                               ", flags(, shape holding numel)]");
   }
   TensorHeader t;
   t.name = j[0].get<std::string>();

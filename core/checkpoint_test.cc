@@ -129,6 +129,7 @@ class ManyTensorSession {
       if (kind == 1) t.param_dtype = t.grad_dtype = DType::kBFloat16;
       t.frozen = kind == 2;
       if (kind == 3) t.numel = 0;
+      if (i % 3 == 0 && t.numel == 2) t.shape = {1, 2};
       const uint64_t bytes = t.numel * DTypeSize(t.param_dtype);
       if (bytes > 0) {
         t.param.kind = t.grad.kind = BufferHandle::Kind::kSharedMemory;
@@ -389,6 +390,31 @@ TEST(CheckpointTest, PackedFormatHoldsEveryLayoutBitExact) {
   ManyTensorSession small(50, "layer.", /*mixed=*/true);
   CheckResumeThroughCheckpoint(small, &header, &version);
   EXPECT_EQ(version, 1);
+}
+
+// Packed files keep the shapes of tensors of more than one dimension (a
+// fifth element of their entry), checked to hold numel on load.
+TEST(CheckpointTest, PackedFormatKeepsShapes) {
+  ManyTensorSession s(12, "t", /*mixed=*/false);
+  ScratchDir dir;
+  CheckpointOptions packed;
+  packed.packed_above_header_bytes = 0;
+  auto saved = s.session().SaveState(dir.path(), packed);
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  HeaderParts parts = SplitCheckpoint(ReadFile(saved->path));
+  ASSERT_EQ(parts.meta["format_version"], 2);
+  const nlohmann::json& tensors = parts.meta["groups"][0]["tensors"];
+  EXPECT_EQ(tensors[0].size(), 5u);
+  EXPECT_EQ(tensors[0][4], nlohmann::json::array({1, 2}));
+  EXPECT_EQ(tensors[1].size(), 4u);  // 1-D: no shape
+  ASSERT_TRUE(s.session().LoadState(dir.path(), CheckpointOptions()).ok());
+  parts.meta["groups"][0]["tensors"][0][4] = nlohmann::json::array({3, 3});
+  WriteFile(saved->path, JoinCheckpoint(parts));
+  const absl::Status bad =
+      s.session().LoadState(dir.path(), CheckpointOptions()).status();
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("shape holding numel"), std::string::npos)
+      << bad;
 }
 
 // The packed format's checksums cover each packed tensor whole: a damaged

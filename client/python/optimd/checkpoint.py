@@ -8,8 +8,9 @@ from earlier versions):
   * state[index]: for each tensor with optimizer state, `step` (a float
     tensor, torch's convention), `exp_avg`, `exp_avg_sq` and, with amsgrad,
     `max_exp_avg_sq`, shaped as the parameter (the file keeps each tensor's
-    shape; packed files, for sessions of very many tensors, keep them 1-D:
-    pass `shapes` for those).
+    shape; packed files, for sessions of very many tensors, keep those of
+    more than one dimension in their metadata; files from before that keep
+    them 1-D: pass `shapes` for those).
   * Parameters themselves are returned separately (`<name>` tensors), with
     fp32 masters as `<name>.master` where the layout keeps one (remainder
     layouts: the master rebuilt from the bf16 parameter and its int16
@@ -57,7 +58,7 @@ def _unpack(meta, tensors):
     for gi, g in enumerate(meta["groups"]):
         taken = {}  # packed key -> elements used so far
         unpacked = []
-        for name, numel, layout_index, flags in g["tensors"]:
+        for name, numel, layout_index, flags, *shape in g["tensors"]:
             layout = layouts[layout_index]
             frozen = bool(flags & 1)
             unpacked.append(dict(name=name, numel=numel, frozen=frozen,
@@ -65,7 +66,9 @@ def _unpack(meta, tensors):
             for kind, suffix, dtype in _pieces(layout, frozen):
                 key = "g%d.%s.%s" % (gi, kind, dtype)
                 start = taken.get(key, 0)
-                out[name + suffix] = tensors[key][start:start + numel]
+                piece = tensors[key][start:start + numel]
+                out[name + suffix] = piece.reshape(shape[0]) if shape \
+                    else piece
                 taken[key] = start + numel
         g["tensors"] = unpacked
     return out
