@@ -193,12 +193,10 @@ bool PrepareSocketPath(const std::string& path) {
   return true;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  // --help lists this file's flags (absl matches flags to the program by
-  // file name by default, and the binary is not named after main.cc);
-  // --version says the version and API revision.
+// --help lists this file's flags (absl matches flags to the program by file
+// name by default, and the binary is not named after main.cc); --version
+// says the version and API revision.
+void ParseFlags(int argc, char** argv) {
   absl::FlagsUsageConfig usage;
   usage.contains_help_flags = [](absl::string_view path) {
     return absl::EndsWith(path, "server/main.cc");
@@ -213,29 +211,21 @@ int main(int argc, char** argv) {
       "optimd [--listen=unix:/path] [--backend=auto|cpu|cuda] "
       "[--max_state_bytes=N]");
   absl::ParseCommandLine(argc, argv);
+}
 
-  // Block the shutdown signals in every thread; one thread waits for them.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGINT);
-  sigaddset(&signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-  // A client closing its connection mid-write must not kill the daemon.
-  signal(SIGPIPE, SIG_IGN);
-  const rlim_t files = RaiseFileLimit();
-
-  const std::string backend_flag = absl::GetFlag(FLAGS_backend);
-  if (backend_flag != "auto" && backend_flag != "cpu" &&
-      backend_flag != "cuda") {
-    Log(absl::StrCat("--backend must be auto, cpu or cuda, not '", backend_flag,
-                     "'"));
-    return 2;
-  }
-  // One backend and one device worker per device.
+// One backend per GPU (--backend), then the CPU backend, which serves
+// sessions of CPU tensors (device -1) beside the GPUs if there are any.
+// Empty (logged) when --backend cannot be honoured.
+std::vector<std::unique_ptr<optimd::Backend>> MakeBackends() {
   std::vector<std::unique_ptr<optimd::Backend>> backends;
+  const std::string flag = absl::GetFlag(FLAGS_backend);
+  if (flag != "auto" && flag != "cpu" && flag != "cuda") {
+    Log(absl::StrCat("--backend must be auto, cpu or cuda, not '", flag, "'"));
+    return backends;
+  }
   std::string no_gpu = "this build of optimd has no CUDA backend";
 #ifdef OPTIMD_WITH_CUDA
-  if (backend_flag != "cpu") {
+  if (flag != "cpu") {
     const int gpus = optimd::CudaDeviceCount(&no_gpu);
     for (int d = 0; d < gpus; ++d) {
       optimd::CudaBackendOptions cuda_options;
@@ -251,77 +241,221 @@ int main(int argc, char** argv) {
     }
   }
 #endif
-  if (backends.empty() && backend_flag == "cuda") {
+  if (backends.empty() && flag == "cuda") {
     Log(absl::StrCat("--backend=cuda but no GPU is usable: ", no_gpu));
-    return 2;
+    return backends;
   }
   if (backends.empty()) {
     Log(absl::StrCat("backend: cpu (",
-                     backend_flag == "auto"
+                     flag == "auto"
                          ? absl::StrCat("auto: no usable GPU: ", no_gpu)
                          : std::string("requested"),
                      ")"));
   } else {
     Log(absl::StrCat("backend: cuda on ", backends.size(), " GPU(s)",
-                     backend_flag == "auto" ? " (auto)" : "",
+                     flag == "auto" ? " (auto)" : "",
                      ", and cpu for sessions of CPU tensors"));
   }
-  // The CPU backend serves sessions of CPU tensors (device -1), beside the
-  // GPUs if there are any.
   optimd::CpuBackend::Options cpu_options;
   cpu_options.threads = absl::GetFlag(FLAGS_cpu_threads);
   backends.push_back(std::make_unique<optimd::CpuBackend>(cpu_options));
+  return backends;
+}
 
-  std::string listen = absl::GetFlag(FLAGS_listen);
-  if (listen.empty()) listen = optimd::DefaultAddress();
-  std::string socket_path;
-  int socket_lock = -1;  // held until exit (see LockSocketPath)
+// Where the daemon listens (--listen, --tls_*).
+struct Listener {
+  std::string address;
+  std::string socket_path;  // empty on TCP
+  int socket_lock = -1;     // held until exit (see LockSocketPath)
+  std::shared_ptr<grpc::ServerCredentials> credentials;
+};
+
+// TCP serves operators and tools, and never in the clear: trainers hand the
+// daemon shared memory and CUDA IPC handles, which only a local process can
+// use. Null (logged) on bad TLS flags.
+std::shared_ptr<grpc::ServerCredentials> TlsCredentials(
+    const std::string& address) {
+  if (absl::GetFlag(FLAGS_tls_cert).empty() ||
+      absl::GetFlag(FLAGS_tls_key).empty()) {
+    Log(absl::StrCat("listening on TCP (", address,
+                     ") needs TLS: pass --tls_cert and --tls_key (and "
+                     "--tls_client_ca to require client certificates)"));
+    return nullptr;
+  }
+  grpc::SslServerCredentialsOptions ssl(
+      GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+  grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+  if (!ReadPem("tls_key", absl::GetFlag(FLAGS_tls_key), &pair.private_key) ||
+      !ReadPem("tls_cert", absl::GetFlag(FLAGS_tls_cert), &pair.cert_chain)) {
+    return nullptr;
+  }
+  ssl.pem_key_cert_pairs.push_back(pair);
+  if (!absl::GetFlag(FLAGS_tls_client_ca).empty()) {
+    if (!ReadPem("tls_client_ca", absl::GetFlag(FLAGS_tls_client_ca),
+                 &ssl.pem_root_certs)) {
+      return nullptr;
+    }
+    ssl.client_certificate_request =
+        GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+  }
+  return grpc::SslServerCredentials(ssl);
+}
+
+// Fills *l from the flags; the daemon's exit code on failure (logged), else
+// 0. A Unix socket path is locked and a stale socket file removed.
+int OpenListener(Listener* l) {
+  l->address = absl::GetFlag(FLAGS_listen);
+  if (l->address.empty()) l->address = optimd::DefaultAddress();
   const bool tls = !absl::GetFlag(FLAGS_tls_cert).empty() ||
                    !absl::GetFlag(FLAGS_tls_key).empty() ||
                    !absl::GetFlag(FLAGS_tls_client_ca).empty();
-  std::shared_ptr<grpc::ServerCredentials> credentials;
-  if (absl::StartsWith(listen, "unix:")) {
-    if (tls) {
-      Log("--tls_* flags are for TCP; a Unix socket is guarded by its file "
-          "mode (0600) instead");
-      return 2;
-    }
-    socket_path = listen.substr(5);
-    if (absl::StartsWith(socket_path, "//"))
-      socket_path = socket_path.substr(2);
-    socket_lock = LockSocketPath(socket_path);
-    if (socket_lock < 0 || !PrepareSocketPath(socket_path)) return 1;
-    credentials = grpc::InsecureServerCredentials();
-  } else {
-    // Trainers hand the daemon shared memory and CUDA IPC handles, which
-    // only a local process can use; TCP serves operators and tools, and
-    // never in the clear.
-    if (absl::GetFlag(FLAGS_tls_cert).empty() ||
-        absl::GetFlag(FLAGS_tls_key).empty()) {
-      Log(absl::StrCat("listening on TCP (", listen,
-                       ") needs TLS: pass --tls_cert and --tls_key (and "
-                       "--tls_client_ca to require client certificates)"));
-      return 2;
-    }
-    grpc::SslServerCredentialsOptions ssl(
-        GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
-    grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
-    if (!ReadPem("tls_key", absl::GetFlag(FLAGS_tls_key), &pair.private_key) ||
-        !ReadPem("tls_cert", absl::GetFlag(FLAGS_tls_cert), &pair.cert_chain)) {
-      return 2;
-    }
-    ssl.pem_key_cert_pairs.push_back(pair);
-    if (!absl::GetFlag(FLAGS_tls_client_ca).empty()) {
-      if (!ReadPem("tls_client_ca", absl::GetFlag(FLAGS_tls_client_ca),
-                   &ssl.pem_root_certs)) {
-        return 2;
-      }
-      ssl.client_certificate_request =
-          GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
-    }
-    credentials = grpc::SslServerCredentials(ssl);
+  if (!absl::StartsWith(l->address, "unix:")) {
+    l->credentials = TlsCredentials(l->address);
+    return l->credentials == nullptr ? 2 : 0;
   }
+  if (tls) {
+    Log("--tls_* flags are for TCP; a Unix socket is guarded by its file "
+        "mode (0600) instead");
+    return 2;
+  }
+  l->socket_path = l->address.substr(5);
+  if (absl::StartsWith(l->socket_path, "//")) {
+    l->socket_path = l->socket_path.substr(2);
+  }
+  l->socket_lock = LockSocketPath(l->socket_path);
+  if (l->socket_lock < 0 || !PrepareSocketPath(l->socket_path)) return 1;
+  l->credentials = grpc::InsecureServerCredentials();
+  return 0;
+}
 
+// --save_dir, --admin_token_file and the service's hooks; the exit code on
+// failure (logged), else 0. `restart_store` must outlive the service.
+int ConfigureService(optimd::OptimizerServiceImpl& service,
+                     const optimd::CheckpointOptions& checkpoint_options,
+                     std::unique_ptr<optimd::RestartStore>* restart_store) {
+  const std::string save_dir = absl::GetFlag(FLAGS_save_dir);
+  if (!save_dir.empty() &&
+      (save_dir[0] != '/' ||
+       (mkdir(save_dir.c_str(), 0777) != 0 && errno != EEXIST))) {
+    Log(
+        absl::StrCat("--save_dir must be an absolute directory the daemon "
+                     "can create or use, not '",
+                     save_dir, "'"));
+    return 1;
+  }
+  optimd::CheckpointOptions save_options = checkpoint_options;
+  save_options.state_dir.clear();  // the operator's own directory
+  *restart_store =
+      std::make_unique<optimd::RestartStore>(save_dir, save_options);
+  service.set_restart_store(restart_store->get());
+  if (!absl::GetFlag(FLAGS_admin_token_file).empty()) {
+    auto token = optimd::AdminGuard::ReadTokenFile(
+        absl::GetFlag(FLAGS_admin_token_file));
+    if (!token.ok()) {
+      Log(std::string(token.status().message()));
+      return 2;
+    }
+    service.set_admin_guard(optimd::AdminGuard(*std::move(token)));
+  }
+  return 0;
+}
+
+// Builds and starts the gRPC server (null, logged, when it cannot listen).
+// The socket file is created by BuildAndStart: only its owner may connect.
+std::unique_ptr<grpc::Server> StartServer(Listener& l,
+                                          optimd::OptimizerServiceImpl& service,
+                                          optimd::RefusalLog* refusals) {
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(l.address, l.credentials,
+                           l.socket_path.empty() ? &port : nullptr);
+  builder.SetMaxReceiveMessageSize(1 << 30);
+  builder.SetMaxSendMessageSize(1 << 30);
+  builder.RegisterService(&service);
+  std::vector<
+      std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
+      interceptors;
+  interceptors.push_back(std::make_unique<optimd::RefusalLogFactory>(refusals));
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
+  const mode_t old_umask = umask(0177);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  umask(old_umask);
+  if (server == nullptr) {
+    Log(absl::StrCat("cannot listen on ", l.address));
+    return nullptr;
+  }
+  if (!l.socket_path.empty()) chmod(l.socket_path.c_str(), 0600);
+  if (l.socket_path.empty() && absl::EndsWith(l.address, ":0")) {
+    // Port 0: the kernel picked one; say which.
+    l.address = absl::StrCat(l.address.substr(0, l.address.size() - 1), port);
+  }
+  return server;
+}
+
+void LogListening(const Listener& l, rlim_t files, uint64_t state_limit) {
+  Log(absl::StrCat(
+      "listening on ", l.address,
+      l.socket_path.empty() ? (absl::GetFlag(FLAGS_tls_client_ca).empty()
+                                   ? " (TLS)"
+                                   : " (TLS, client certificates required)")
+                            : "",
+      "; open files limit ",
+      files == RLIM_INFINITY ? std::string("unlimited") : absl::StrCat(files),
+      "; max_state_bytes=",
+      state_limit == 0 ? std::string("unlimited") : absl::StrCat(state_limit)));
+}
+
+// Waits for SIGINT or SIGTERM, then stops: new calls are refused while the
+// queued ones finish (--shutdown_grace_s at most), the server shuts down,
+// and every session is saved to --save_dir.
+void AwaitShutdown(const sigset_t& signals,
+                   optimd::OptimizerServiceImpl& service, grpc::Server& server,
+                   const optimd::RestartStore& restart_store,
+                   optimd::SessionRegistry& registry) {
+  int sig = 0;
+  sigwait(&signals, &sig);
+  Log(absl::StrCat("received ", sig == SIGINT ? "SIGINT" : "SIGTERM",
+                   "; finishing in-flight calls"));
+  // Every slow call runs on a device worker, so in-flight work is what the
+  // workers still hold. gRPC's own Shutdown then has nothing left to wait
+  // for (given a deadline, it would also wait on idle client connections).
+  service.StartDraining();
+  const absl::Time deadline =
+      absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_shutdown_grace_s));
+  while (service.pending() > 0 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  if (service.pending() > 0) {
+    Log("grace period over; cancelling the calls still running");
+  }
+  server.Shutdown(absl::ToChronoTime(absl::Now()));
+  // Nothing runs on the workers now: every session's state is at a step
+  // boundary.
+  restart_store.SaveAll(registry, Log);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ParseFlags(argc, argv);
+  // Block the shutdown signals in every thread; one thread waits for them.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  // A client closing its connection mid-write must not kill the daemon.
+  signal(SIGPIPE, SIG_IGN);
+  const rlim_t files = RaiseFileLimit();
+
+  std::vector<std::unique_ptr<optimd::Backend>> backends = MakeBackends();
+  if (backends.empty()) return 2;
+  Listener listener;
+  if (const int code = OpenListener(&listener); code != 0) return code;
+
+  // One device worker per backend.
   optimd::StateBudget budget(absl::GetFlag(FLAGS_max_state_bytes));
   std::vector<optimd::Backend*> backend_ptrs;
   std::vector<std::unique_ptr<optimd::DeviceWorker>> workers;
@@ -339,28 +473,11 @@ int main(int argc, char** argv) {
   checkpoint_options.state_dir = absl::GetFlag(FLAGS_state_dir);
   optimd::OptimizerServiceImpl service(&registry, worker_ptrs,
                                        checkpoint_options);
-  const std::string save_dir = absl::GetFlag(FLAGS_save_dir);
-  if (!save_dir.empty() &&
-      (save_dir[0] != '/' ||
-       (mkdir(save_dir.c_str(), 0777) != 0 && errno != EEXIST))) {
-    Log(
-        absl::StrCat("--save_dir must be an absolute directory the daemon "
-                     "can create or use, not '",
-                     save_dir, "'"));
-    return 1;
-  }
-  optimd::CheckpointOptions save_options = checkpoint_options;
-  save_options.state_dir.clear();  // the operator's own directory
-  const optimd::RestartStore restart_store(save_dir, save_options);
-  service.set_restart_store(&restart_store);
-  if (!absl::GetFlag(FLAGS_admin_token_file).empty()) {
-    auto token = optimd::AdminGuard::ReadTokenFile(
-        absl::GetFlag(FLAGS_admin_token_file));
-    if (!token.ok()) {
-      Log(std::string(token.status().message()));
-      return 2;
-    }
-    service.set_admin_guard(optimd::AdminGuard(*std::move(token)));
+  std::unique_ptr<optimd::RestartStore> restart_store;
+  if (const int code =
+          ConfigureService(service, checkpoint_options, &restart_store);
+      code != 0) {
+    return code;
   }
   std::unique_ptr<optimd::SessionReaper> reaper;
   if (absl::GetFlag(FLAGS_orphan_grace_s) >= 0) {
@@ -370,7 +487,6 @@ int main(int argc, char** argv) {
         &registry, grace,
         std::min(absl::Seconds(1), grace / 4 + absl::Milliseconds(50)), Log);
   }
-
   std::unique_ptr<optimd::MetricsHttpServer> metrics_http;
   if (!absl::GetFlag(FLAGS_metrics_listen).empty()) {
     auto started = optimd::MetricsHttpServer::Start(
@@ -385,79 +501,23 @@ int main(int argc, char** argv) {
                      " (GET /metrics)"));
   }
 
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort(listen, credentials,
-                           socket_path.empty() ? &port : nullptr);
-  builder.SetMaxReceiveMessageSize(1 << 30);
-  builder.SetMaxSendMessageSize(1 << 30);
-  builder.RegisterService(&service);
   optimd::RefusalLog refusals(
       [](const std::string& line) { optimd::log::Warn(line); });
-  std::vector<
-      std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
-      interceptors;
-  interceptors.push_back(
-      std::make_unique<optimd::RefusalLogFactory>(&refusals));
-  builder.experimental().SetInterceptorCreators(std::move(interceptors));
-  // The socket file is created by BuildAndStart: only its owner may connect.
-  const mode_t old_umask = umask(0177);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  umask(old_umask);
-  if (server == nullptr) {
-    Log(absl::StrCat("cannot listen on ", listen));
-    return 1;
-  }
-  if (!socket_path.empty()) chmod(socket_path.c_str(), 0600);
-  if (socket_path.empty() && absl::EndsWith(listen, ":0")) {
-    // Port 0: the kernel picked one; say which.
-    listen = absl::StrCat(listen.substr(0, listen.size() - 1), port);
-  }
-  Log(absl::StrCat(
-      "listening on ", listen,
-      socket_path.empty() ? (absl::GetFlag(FLAGS_tls_client_ca).empty()
-                                 ? " (TLS)"
-                                 : " (TLS, client certificates required)")
-                          : "",
-      "; open files limit ",
-      files == RLIM_INFINITY ? std::string("unlimited") : absl::StrCat(files),
-      "; max_state_bytes=",
-      budget.limit() == 0 ? std::string("unlimited")
-                          : absl::StrCat(budget.limit())));
-
+  std::unique_ptr<grpc::Server> server =
+      StartServer(listener, service, &refusals);
+  if (server == nullptr) return 1;
+  LogListening(listener, files, budget.limit());
   std::thread waiter([&] {
-    int sig = 0;
-    sigwait(&signals, &sig);
-    Log(absl::StrCat("received ", sig == SIGINT ? "SIGINT" : "SIGTERM",
-                     "; finishing in-flight calls"));
-    // Every slow call runs on the device worker, so in-flight work is what
-    // the worker still holds. New calls are refused while it drains; gRPC's
-    // own Shutdown then has nothing left to wait for (given a deadline, it
-    // would also wait on idle client connections).
-    service.StartDraining();
-    const absl::Time deadline =
-        absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_shutdown_grace_s));
-    while (service.pending() > 0 && absl::Now() < deadline) {
-      absl::SleepFor(absl::Milliseconds(1));
-    }
-    if (service.pending() > 0) {
-      Log("grace period over; cancelling the calls still running");
-    }
-    server->Shutdown(absl::ToChronoTime(absl::Now()));
-    // Nothing runs on the workers now: every session's state is at a step
-    // boundary.
-    restart_store.SaveAll(registry, Log);
+    AwaitShutdown(signals, service, *server, *restart_store, registry);
   });
   server->Wait();
   waiter.join();
   workers.clear();  // runs what is still queued
-  if (!socket_path.empty()) {
+  if (!listener.socket_path.empty()) {
     // Still holding the lock: no other daemon can have taken the path.
-    unlink(socket_path.c_str());
-    unlink((socket_path + ".lock").c_str());
-    close(socket_lock);
+    unlink(listener.socket_path.c_str());
+    unlink((listener.socket_path + ".lock").c_str());
+    close(listener.socket_lock);
   }
   Log("stopped");
   return 0;
