@@ -145,13 +145,13 @@ Session::Session(SessionIdentity identity, Backend* backend,
       backend_(backend),
       budget_(budget),
       context_(std::move(context)) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   PublishInfo();
 }
 
 Session::~Session() {
   {
-    absl::MutexLock lock(&save_mu_);
+    MutexLock lock(&save_mu_);
     if (save_ != nullptr && save_->thread.joinable()) save_->thread.join();
   }
   budget_->Release(state_bytes_);
@@ -366,7 +366,7 @@ absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
 }
 
 absl::StatusOr<RegisterResult> Session::RegisterGroup(const GroupSpec& spec) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   uint64_t bytes = 0;
   OPTIMD_ASSIGN_OR_RETURN(std::unique_ptr<Group> group,
                           BuildGroup(spec, &bytes));
@@ -385,7 +385,7 @@ absl::StatusOr<RegisterResult> Session::RegisterGroup(const GroupSpec& spec) {
 }
 
 absl::Status Session::UnregisterGroup(const std::string& id) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   for (auto it = groups_.begin(); it != groups_.end(); ++it) {
     if ((*it)->id != id) continue;
     const uint64_t bytes = (*it)->StateBytes();
@@ -406,7 +406,7 @@ absl::Status Session::UnregisterGroup(const std::string& id) {
 
 absl::Status Session::UpdateBuffers(const std::string& group_id,
                                     const std::vector<BufferUpdate>& updates) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return UpdateBuffersLocked(group_id, updates);
 }
 
@@ -519,7 +519,7 @@ void Session::RefreshMappings() {
 }
 
 absl::StatusOr<StepResult> Session::Step(const StepRequestSpec& request) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   StepOptions options = request.options;
   absl::Status bound = BindStepFlags(request, &options);
   absl::StatusOr<StepResult> result = !bound.ok() ? bound
@@ -660,7 +660,7 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequestSpec& request,
   }
   {
     // Counters only: no allocation on the step path.
-    absl::MutexLock info_lock(&info_mu_);
+    MutexLock info_lock(&info_mu_);
     info_.steps = steps_;
     info_.skipped_steps = skipped_steps_;
   }
@@ -671,7 +671,7 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequestSpec& request,
 
 absl::StatusOr<uint64_t> Session::GetParams(
     const std::vector<std::string>& group_ids) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   OPTIMD_ASSIGN_OR_RETURN(std::vector<Group*> targets, Targets(group_ids));
   for (Group* g : targets) {
     for (const TensorEntry& t : g->tensors) {
@@ -738,7 +738,7 @@ void FromFloat(DType d, const float* src, uint64_t n, void* out) {
 absl::StatusOr<std::vector<GroupState>> Session::ReadState(
     const std::vector<std::string>& group_ids, bool with_data,
     const std::vector<std::string>& tensors, uint64_t max_bytes) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   OPTIMD_ASSIGN_OR_RETURN(std::vector<Group*> targets, Targets(group_ids));
   OPTIMD_RETURN_IF_ERROR(backend_->CheckMappings(mappings_));
   OPTIMD_RETURN_IF_ERROR(backend_->SyncGroupCounters(targets));
@@ -831,7 +831,7 @@ absl::Status Session::WriteState(
     const std::string& group_id, uint64_t step,
     const std::vector<StateBlob>& blobs,
     const std::vector<std::pair<std::string, uint64_t>>& tensor_steps) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   Group* g = FindGroup(group_id);
   if (g == nullptr) {
     return absl::NotFoundError(absl::StrCat(
@@ -956,14 +956,14 @@ absl::StatusOr<std::vector<uint64_t>> Session::MissedSteps(
 absl::StatusOr<CheckpointResult> Session::SaveState(
     const std::string& directory, const CheckpointOptions& options,
     bool background) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (needs_load_) {
     return absl::FailedPreconditionError(
         "the session's state is mixed after a failed load; refusing to save "
         "it (load a good checkpoint first)");
   }
   {
-    absl::MutexLock save_lock(&save_mu_);
+    MutexLock save_lock(&save_mu_);
     if (save_ != nullptr && !save_->done.load()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "a background save to ", save_->path, " is still writing (",
@@ -1005,13 +1005,13 @@ absl::StatusOr<CheckpointResult> Session::SaveState(
   result.seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
           .count();
-  absl::MutexLock save_lock(&save_mu_);
+  MutexLock save_lock(&save_mu_);
   save_ = std::move(save);
   return result;
 }
 
 Session::SaveStatusInfo Session::SaveStatus() const {
-  absl::MutexLock lock(&save_mu_);
+  MutexLock lock(&save_mu_);
   SaveStatusInfo info;
   if (save_ == nullptr) return info;
   info.path = save_->path;
@@ -1029,7 +1029,7 @@ Session::SaveStatusInfo Session::SaveStatus() const {
 }
 
 absl::StatusOr<std::unique_ptr<CheckpointSnapshot>> Session::Snapshot() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (needs_load_) {
     return absl::FailedPreconditionError(
         "the session's state is mixed after a failed load; load a good "
@@ -1086,7 +1086,7 @@ absl::StatusOr<CheckpointResult> Session::LoadState(
 
 absl::StatusOr<CheckpointResult> Session::LoadStateFile(
     const std::string& path, const CheckpointOptions& options) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   OPTIMD_RETURN_IF_ERROR(backend_->CheckMappings(mappings_));
   OPTIMD_RETURN_IF_ERROR(backend_->SyncGroupCounters(step_groups_));
   bool partial = false;
@@ -1111,18 +1111,18 @@ void Session::PublishInfo() {
   info.state_bytes = state_bytes_;
   info.steps = steps_;
   info.skipped_steps = skipped_steps_;
-  absl::MutexLock lock(&info_mu_);
+  MutexLock lock(&info_mu_);
   info.orphaned_since = info_.orphaned_since;  // kept by the registry
   info_ = std::move(info);
 }
 
 SessionInfo Session::Info() const {
-  absl::MutexLock lock(&info_mu_);
+  MutexLock lock(&info_mu_);
   return info_;
 }
 
 std::vector<std::string> Session::GroupIds() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   std::vector<std::string> ids;
   for (const auto& g : groups_) ids.push_back(g->id);
   return ids;

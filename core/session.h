@@ -24,6 +24,7 @@
 #include "core/backend.h"
 #include "core/checkpoint.h"
 #include "core/group.h"
+#include "core/mutex.h"
 #include "core/state_budget.h"
 
 namespace optimd {
@@ -213,7 +214,7 @@ class Session {
   // Its trainer is gone for good (the session is being freed): let the
   // backend remove the trainer's buffers that would outlive both sides.
   void ForgetTrainerBuffers() ABSL_LOCKS_EXCLUDED(mu_) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     backend_->ForgetTrainerBuffers(mappings_);
   }
   // A checkpoint the daemon saved for its restart and offered to this
@@ -222,12 +223,12 @@ class Session {
   // resume is never offered state older than what training went on from.
   static constexpr char kSecretSuffix[] = ".secret";
   void SetRestartCheckpoint(std::string path) ABSL_LOCKS_EXCLUDED(mu_) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     restart_checkpoint_ = std::move(path);
   }
   // Marks the session orphaned since `unix_seconds` (0: not orphaned).
   void SetOrphanedSince(double unix_seconds) ABSL_LOCKS_EXCLUDED(info_mu_) {
-    absl::MutexLock lock(&info_mu_);
+    MutexLock lock(&info_mu_);
     info_.orphaned_since = unix_seconds;
   }
   std::vector<std::string> GroupIds() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -235,7 +236,7 @@ class Session {
   // Runs `fn` with the session's groups locked (checkpoints, tests).
   template <typename Fn>
   auto WithGroups(Fn fn) const ABSL_LOCKS_EXCLUDED(mu_) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     return fn(groups_);
   }
 
@@ -303,7 +304,7 @@ class Session {
   std::string done_event_;     // set once, before the session is shared
   std::string resume_secret_;  // likewise
 
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   // In registration order.
   std::vector<std::unique_ptr<Group>> groups_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> tensor_names_ ABSL_GUARDED_BY(mu_);
@@ -345,12 +346,12 @@ class Session {
     absl::Status result;  // valid once done
     double started = 0, seconds = 0;
   };
-  mutable absl::Mutex save_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  mutable Mutex save_mu_ ABSL_ACQUIRED_AFTER(mu_);
   std::unique_ptr<BackgroundSave> save_ ABSL_GUARDED_BY(save_mu_);
 
   // The admin view, behind its own mutex so that ListSessions and
   // GetMetrics never wait for a running step.
-  mutable absl::Mutex info_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  mutable Mutex info_mu_ ABSL_ACQUIRED_AFTER(mu_);
   SessionInfo info_ ABSL_GUARDED_BY(info_mu_);
 };
 

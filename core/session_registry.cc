@@ -56,7 +56,7 @@ absl::StatusOr<SessionRegistry::Created> SessionRegistry::Create(
   }
   auto backend = BackendFor(identity.device);
   if (!backend.ok()) return backend.status();
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   const auto key = std::make_pair(identity.job_id, identity.rank);
   Created created;
   created.token = NewSessionToken();
@@ -154,7 +154,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Find(
         "missing session token: send the token from CreateSession in the "
         "'x-optimd-session' metadata");
   }
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto it = by_token_.find(token);
   if (it == by_token_.end()) {
     return absl::UnauthenticatedError(
@@ -165,7 +165,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Find(
 }
 
 absl::Status SessionRegistry::Close(const std::string& token) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto it = by_token_.find(token);
   if (it == by_token_.end()) {
     return absl::UnauthenticatedError("unknown session token");
@@ -188,7 +188,7 @@ SessionRegistry::Reaped SessionRegistry::Reap(absl::Time now,
   Reaped out;
   std::vector<std::shared_ptr<Session>> freed;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     std::vector<std::string> expired;
     for (auto& [token, trainer] : trainers_) {
       const std::shared_ptr<Session>& s = by_token_.at(token);
@@ -215,7 +215,7 @@ SessionRegistry::Reaped SessionRegistry::Reap(absl::Time now,
 }
 
 absl::Status SessionRegistry::Evict(const std::string& job_id, uint32_t rank) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto it = token_by_rank_.find(std::make_pair(job_id, rank));
   if (it == token_by_rank_.end()) {
     return absl::NotFoundError(
@@ -226,7 +226,7 @@ absl::Status SessionRegistry::Evict(const std::string& job_id, uint32_t rank) {
 }
 
 std::vector<std::shared_ptr<Session>> SessionRegistry::List() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   std::vector<std::shared_ptr<Session>> out;
   for (const auto& [token, s] : by_token_) out.push_back(s);
   return out;

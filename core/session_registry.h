@@ -15,6 +15,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "core/backend.h"
+#include "core/mutex.h"
 #include "core/session.h"
 #include "core/state_budget.h"
 #include "core/trainer_process.h"
@@ -100,7 +101,7 @@ class SessionRegistry {
   Backend* cpu_ = nullptr;      // device -1, if any
   StateBudget* const budget_;
 
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   std::map<std::string, std::shared_ptr<Session>> by_token_
       ABSL_GUARDED_BY(mu_);
   std::map<std::pair<std::string, uint32_t>, std::string> token_by_rank_

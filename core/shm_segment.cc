@@ -118,7 +118,7 @@ absl::StatusOr<BufferRef> SegmentCache::Resolve(const BufferHandle& handle,
   }
   std::shared_ptr<SharedMemorySegment> segment;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = segments_.find(handle.segment_name);
     if (it != segments_.end()) segment = it->second.lock();
     // A name unlinked or recreated since it was cached: open what it names
@@ -160,14 +160,14 @@ absl::StatusOr<BufferRef> SegmentCache::Resolve(const BufferHandle& handle,
 }
 
 int SegmentCache::OpenSegments() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   int n = 0;
   for (const auto& [name, weak] : segments_) n += weak.expired() ? 0 : 1;
   return n;
 }
 
 uint64_t SegmentCache::opens() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return opens_;
 }
 

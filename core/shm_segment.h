@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "core/buffer.h"
+#include "core/mutex.h"
 
 namespace optimd {
 
@@ -85,7 +86,7 @@ class SegmentCache {
   uint64_t opens() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   std::map<std::string, std::weak_ptr<SharedMemorySegment>> segments_
       ABSL_GUARDED_BY(mu_);
   uint64_t opens_ ABSL_GUARDED_BY(mu_) = 0;

@@ -5,7 +5,7 @@
 namespace optimd {
 
 absl::Status StateBudget::Reserve(uint64_t bytes, const std::string& what) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (limit_ != 0 && (bytes > limit_ || used_ > limit_ - bytes)) {
     return absl::ResourceExhaustedError(absl::StrCat(
         what, " needs ", bytes, " bytes of optimizer state but only ",
@@ -17,12 +17,12 @@ absl::Status StateBudget::Reserve(uint64_t bytes, const std::string& what) {
 }
 
 void StateBudget::Release(uint64_t bytes) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   used_ -= bytes <= used_ ? bytes : used_;
 }
 
 uint64_t StateBudget::used() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return used_;
 }
 

@@ -7,6 +7,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "core/mutex.h"
 
 namespace optimd {
 
@@ -25,7 +26,7 @@ class StateBudget {
 
  private:
   const uint64_t limit_;
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   uint64_t used_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

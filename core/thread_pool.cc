@@ -14,7 +14,7 @@ ThreadPool::ThreadPool(int threads) {
 
 ThreadPool::~ThreadPool() {
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     stop_ = true;
   }
   for (auto& t : workers_) t.join();
@@ -36,7 +36,7 @@ void ThreadPool::WorkerLoop(int worker) {
   WaitArg arg{this, 0};
   for (;;) {
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
           +[](WaitArg* a) ABSL_NO_THREAD_SAFETY_ANALYSIS {
             return a->pool->stop_ || a->pool->generation_ != a->seen;
@@ -46,7 +46,7 @@ void ThreadPool::WorkerLoop(int worker) {
       arg.seen = generation_;
     }
     RunShare(worker);
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     --busy_;
   }
 }
@@ -59,7 +59,7 @@ void ThreadPool::ParallelFor(uint64_t n,
     return;
   }
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     fn_ = &fn;
     n_ = n;
     next_.store(0, std::memory_order_relaxed);
@@ -67,7 +67,7 @@ void ThreadPool::ParallelFor(uint64_t n,
     ++generation_;
   }
   RunShare(0);
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   mu_.Await(absl::Condition(
       +[](int* busy) { return *busy == 0; }, &busy_));
 }

@@ -12,6 +12,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "core/mutex.h"
 
 namespace optimd {
 
@@ -37,7 +38,7 @@ class ThreadPool {
 
   std::vector<std::thread> workers_;
 
-  absl::Mutex mu_;
+  Mutex mu_;
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   int busy_ ABSL_GUARDED_BY(mu_) = 0;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;

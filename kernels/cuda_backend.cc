@@ -13,6 +13,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "core/mutex.h"
 #include "core/status_macros.h"
 #include "kernels/adamw_cuda.h"
 #include "kernels/cuda_status.h"
@@ -267,7 +268,7 @@ class CudaBackend final : public Backend {
   const DriverFns driver_;
   uint64_t next_plan_id_ = 1;
 
-  absl::Mutex mu_;
+  Mutex mu_;
   std::map<std::string, std::weak_ptr<IpcMapping>> mappings_
       ABSL_GUARDED_BY(mu_);
 
@@ -300,7 +301,7 @@ absl::StatusOr<BufferRef> CudaBackend::ResolveBuffer(const BufferHandle& handle,
   }
   std::shared_ptr<IpcMapping> mapping;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = mappings_.find(handle.ipc_handle);
     if (it != mappings_.end()) mapping = it->second.lock();
     if (mapping == nullptr) {

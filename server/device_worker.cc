@@ -11,19 +11,19 @@ DeviceWorker::DeviceWorker(std::string name) : name_(std::move(name)) {
 
 DeviceWorker::~DeviceWorker() {
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     stop_ = true;
   }
   thread_.join();
 }
 
 void DeviceWorker::Post(std::function<void()> task) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   queue_.push_back(std::move(task));
 }
 
 int DeviceWorker::pending() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return static_cast<int>(queue_.size()) + running_;
 }
 
@@ -31,7 +31,7 @@ void DeviceWorker::Loop() {
   for (;;) {
     std::function<void()> task;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
           +[](DeviceWorker* w) ABSL_NO_THREAD_SAFETY_ANALYSIS {
             return w->stop_ || !w->queue_.empty();
@@ -43,7 +43,7 @@ void DeviceWorker::Loop() {
       running_ = 1;
     }
     task();
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     running_ = 0;
   }
 }

@@ -11,6 +11,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "core/mutex.h"
 
 namespace optimd {
 
@@ -32,7 +33,7 @@ class DeviceWorker {
   void Loop();
 
   const std::string name_;
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
   int running_ ABSL_GUARDED_BY(mu_) = 0;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;

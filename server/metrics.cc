@@ -17,14 +17,14 @@ void LatencyHistogram::Observe(double seconds) {
   const size_t i = static_cast<size_t>(
       std::lower_bound(bounds_.begin(), bounds_.end(), seconds) -
       bounds_.begin());
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   ++counts_[i];
   ++count_;
   sum_ += seconds;
 }
 
 void LatencyHistogram::ToProto(v1::Histogram* out) const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   uint64_t cumulative = 0;
   for (size_t i = 0; i < bounds_.size(); ++i) {
     cumulative += counts_[i];

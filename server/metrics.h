@@ -9,6 +9,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "core/mutex.h"
 #include "optimd/v1/optimd.pb.h"
 
 namespace optimd {
@@ -24,7 +25,7 @@ class LatencyHistogram {
 
  private:
   const std::vector<double> bounds_;
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   std::vector<uint64_t> counts_ ABSL_GUARDED_BY(mu_);  // per bucket, +Inf last
   uint64_t count_ ABSL_GUARDED_BY(mu_) = 0;
   double sum_ ABSL_GUARDED_BY(mu_) = 0;

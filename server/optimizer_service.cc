@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "core/mutex.h"
 #include "core/version.h"
 #include "server/convert.h"
 #include "server/log.h"
@@ -518,13 +519,13 @@ class OptimizerServiceImpl::SaveStreamReactor final
   }
 
   void OnWriteDone(bool ok) override {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     write_ok_ = ok;
     writing_ = false;
   }
 
   void OnCancel() override {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     cancelled_ = true;
   }
 
@@ -551,12 +552,12 @@ class OptimizerServiceImpl::SaveStreamReactor final
       snapshot_->ReadFile(
           offset, n, reinterpret_cast<uint8_t*>(chunk_.mutable_data()->data()));
       {
-        absl::MutexLock lock(&mu_);
+        MutexLock lock(&mu_);
         if (cancelled_) break;
         writing_ = true;
       }
       StartWrite(&chunk_);
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
           +[](SaveStreamReactor* r) ABSL_NO_THREAD_SAFETY_ANALYSIS {
             return !r->writing_ || r->cancelled_;
@@ -570,7 +571,7 @@ class OptimizerServiceImpl::SaveStreamReactor final
     }
     bool cancelled;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       cancelled = cancelled_;
     }
     snapshot_.reset();
@@ -583,7 +584,7 @@ class OptimizerServiceImpl::SaveStreamReactor final
   std::unique_ptr<CheckpointSnapshot> snapshot_;
   v1::StateChunk chunk_;
   std::thread producer_;
-  absl::Mutex mu_;
+  Mutex mu_;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool write_ok_ ABSL_GUARDED_BY(mu_) = true;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;

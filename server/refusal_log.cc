@@ -61,7 +61,7 @@ void RefusalLog::Note(const std::string& method, const grpc::Status& status,
                       absl::Time now) {
   std::string line, summary;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (now - window_start_ >= kWindow) {
       if (suppressed_ > 0) {
         summary = absl::StrCat(suppressed_,

@@ -18,6 +18,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "core/mutex.h"
 
 namespace optimd {
 
@@ -36,7 +37,7 @@ class RefusalLog {
 
  private:
   const std::function<void(const std::string&)> write_;
-  absl::Mutex mu_;
+  Mutex mu_;
   absl::Time window_start_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   int lines_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t suppressed_ ABSL_GUARDED_BY(mu_) = 0;
