@@ -59,22 +59,45 @@ class ABSL_LOCKABLE Mutex {
     __tsan_mutex_post_unlock(this, 0);
 #endif
   }
-  // Releases the mutex until `cond` holds, then holds it again (conditions
-  // are evaluated with the mutex held, by this thread or an unlocking one).
-  void Await(const absl::Condition& cond) ABSL_EXCLUSIVE_LOCKS_REQUIRED(this) {
-#ifdef OPTIMD_TSAN
-    __tsan_mutex_pre_unlock(this, 0);
-    __tsan_mutex_post_unlock(this, 0);
-#endif
-    mu_.Await(cond);
-#ifdef OPTIMD_TSAN
-    __tsan_mutex_pre_lock(this, 0);
-    __tsan_mutex_post_lock(this, 0, 0);
-#endif
+  // Releases the mutex until pred(arg) holds, then holds it again, as
+  // absl::Mutex::Await(absl::Condition(pred, arg)). absl evaluates the
+  // predicate with the mutex held (in this thread or in one unlocking it):
+  // under TSan each evaluation is announced as a lock of its own.
+  template <typename T>
+  void Await(bool (*pred)(T*), T* arg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(this) {
+    struct Eval {
+      Mutex* mu;
+      bool (*pred)(T*);
+      T* arg;
+    };
+    Eval eval{this, pred, arg};
+    Announce(false);
+    mu_.Await(absl::Condition(
+        +[](Eval* e) {
+          e->mu->Announce(true);
+          const bool holds = e->pred(e->arg);
+          e->mu->Announce(false);
+          return holds;
+        },
+        &eval));
+    Announce(true);
   }
   void AssertHeld() const ABSL_ASSERT_EXCLUSIVE_LOCK() { mu_.AssertHeld(); }
 
  private:
+  // Tells TSan the mutex was just taken (or is about to be released).
+  void Announce([[maybe_unused]] bool locked) {
+#ifdef OPTIMD_TSAN
+    if (locked) {
+      __tsan_mutex_pre_lock(this, 0);
+      __tsan_mutex_post_lock(this, 0, 0);
+    } else {
+      __tsan_mutex_pre_unlock(this, 0);
+      __tsan_mutex_post_unlock(this, 0);
+    }
+#endif
+  }
+
   absl::Mutex mu_;
 };
 

@@ -37,11 +37,11 @@ void ThreadPool::WorkerLoop(int worker) {
   for (;;) {
     {
       MutexLock lock(&mu_);
-      mu_.Await(absl::Condition(
+      mu_.Await(
           +[](WaitArg* a) ABSL_NO_THREAD_SAFETY_ANALYSIS {
             return a->pool->stop_ || a->pool->generation_ != a->seen;
           },
-          &arg));
+          &arg);
       if (stop_) return;
       arg.seen = generation_;
     }
@@ -68,8 +68,8 @@ void ThreadPool::ParallelFor(uint64_t n,
   }
   RunShare(0);
   MutexLock lock(&mu_);
-  mu_.Await(absl::Condition(
-      +[](int* busy) { return *busy == 0; }, &busy_));
+  mu_.Await(
+      +[](int* busy) { return *busy == 0; }, &busy_);
 }
 
 }  // namespace optimd

@@ -32,11 +32,11 @@ void DeviceWorker::Loop() {
     std::function<void()> task;
     {
       MutexLock lock(&mu_);
-      mu_.Await(absl::Condition(
+      mu_.Await(
           +[](DeviceWorker* w) ABSL_NO_THREAD_SAFETY_ANALYSIS {
             return w->stop_ || !w->queue_.empty();
           },
-          this));
+          this);
       if (queue_.empty()) return;  // stop_ and drained
       task = std::move(queue_.front());
       queue_.pop_front();

@@ -558,11 +558,11 @@ class OptimizerServiceImpl::SaveStreamReactor final
       }
       StartWrite(&chunk_);
       MutexLock lock(&mu_);
-      mu_.Await(absl::Condition(
+      mu_.Await(
           +[](SaveStreamReactor* r) ABSL_NO_THREAD_SAFETY_ANALYSIS {
             return !r->writing_ || r->cancelled_;
           },
-          this));
+          this);
       if (!write_ok_ || cancelled_) {
         cancelled_ = true;
         break;

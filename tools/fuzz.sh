@@ -44,7 +44,7 @@ fuzz() {
   libs=("$@")
   echo "== building $name (clang, libFuzzer, ASan, UBSan)"
   "${cxx[@]}" "${srcs[@]}" "${core[@]}" -o "$out/$name" "${absl[@]}" \
-    "${libs[@]}" -lpthread -lrt
+    "${libs[@]}" -lisal -lpthread -lrt
   mkdir "$out/$name.corpus"
   echo "== fuzzing $name: $runs executions"
   local rc=0
