@@ -414,6 +414,10 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::SaveState(
   return OnWorker(
       context,
       [this, request, response](Session& s) -> absl::Status {
+        log::Info(
+            absl::StrCat("checkpoint save started: ", SessionName(s.identity()),
+                         " to ", request->directory().substr(0, 512),
+                         request->background() ? " (background)" : ""));
         auto r = s.SaveState(request->directory(), checkpoint_options_,
                              request->background());
         if (!r.ok()) {
@@ -476,6 +480,9 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::LoadState(
   return OnWorker(
       context,
       [this, request, response](Session& s) -> absl::Status {
+        log::Info(
+            absl::StrCat("checkpoint load started: ", SessionName(s.identity()),
+                         " from ", request->directory().substr(0, 512)));
         auto r = s.LoadState(request->directory(), checkpoint_options_);
         if (!r.ok()) {
           checkpoint_failures_.fetch_add(1);

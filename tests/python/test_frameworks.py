@@ -219,6 +219,102 @@ class FrameworkTest(unittest.TestCase):
             o.close()
 
     @unittest.skipUnless(DEVICE == "cuda", "needs a GPU")
+    def test_a_torch_training_script_runs_unchanged(self):
+        # One script written for torch.optim.AdamW, run with each optimizer
+        # class: param groups, a scheduler, fp16 autocast with GradScaler,
+        # clip_grad_norm_, a layer frozen then unfrozen, an MoE-style expert
+        # that gets no gradient, tied weights, a second optimizer, and a
+        # checkpoint saved with torch.save and resumed by a new optimizer.
+        # The weights end as torch's, within the per-step tolerance.
+        def script(make):
+            torch.manual_seed(0)
+            emb = torch.nn.Embedding(64, 32).to(DEVICE)
+            body = torch.nn.Sequential(torch.nn.Linear(32, 32),
+                                       torch.nn.GELU(),
+                                       torch.nn.LayerNorm(32)).to(DEVICE)
+            experts = torch.nn.ModuleList(
+                torch.nn.Linear(32, 32) for _ in range(2)).to(DEVICE)
+            head = torch.nn.Linear(32, 64, bias=False).to(DEVICE)
+            head.weight = emb.weight  # tied
+            side = torch.nn.Linear(32, 1).to(DEVICE)
+            body[2].requires_grad_(False)  # frozen, unfrozen at step 6
+            decay = [p for m in (emb, body, experts) for p in m.parameters()
+                     if p.dim() > 1]
+            other = [p for m in (body, experts) for p in m.parameters()
+                     if p.dim() <= 1]
+            def groups():
+                return [dict(params=decay, weight_decay=0.1),
+                        dict(params=other, weight_decay=0.0)]
+            opt = make(groups(), "main")
+            opt2 = make(side.parameters(), "side")
+            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3,
+                                                        total_steps=40)
+            scaler = torch.cuda.amp.GradScaler()
+            data = torch.randint(0, 64, (20, 16), generator=torch.Generator()
+                                 .manual_seed(3)).to(DEVICE)
+
+            def step(i):
+                if i == 6:
+                    body[2].requires_grad_(True)
+                opt.zero_grad()
+                opt2.zero_grad()
+                with torch.autocast("cuda", dtype=torch.float16):
+                    x = body(emb(data[i]))
+                    x = x + experts[0](x)  # expert 1 never routed
+                    loss = torch.nn.functional.cross_entropy(
+                        head(x).float(), data[(i + 1) % 20])
+                    loss = loss + side(x.detach()).float().square().mean()
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(decay + other, 1.0)
+                scaler.step(opt)
+                scaler.step(opt2)
+                scaler.update()
+                sched.step()
+
+            for i in range(10):
+                step(i)
+            path = os.path.join(self.dir, "ckpt-%s.pt" % make.__name__)
+            torch.save(dict(opt=opt.state_dict(), opt2=opt2.state_dict(),
+                            sched=sched.state_dict()), path)
+            # A new optimizer (as in a new process) resumes from the file.
+            if hasattr(opt, "close"):
+                opt.close()
+                opt2.close()
+            opt = make(groups(), "main-resumed")
+            opt2 = make(side.parameters(), "side-resumed")
+            saved = torch.load(path, weights_only=False)
+            opt.load_state_dict(saved["opt"])
+            opt2.load_state_dict(saved["opt2"])
+            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3,
+                                                        total_steps=40)
+            sched.load_state_dict(saved["sched"])
+            for i in range(10, 20):
+                step(i)
+            params = [p.detach().float().cpu().clone() for m in
+                      (emb, body, experts, side) for p in m.parameters()]
+            self.assertTrue(torch.equal(params[0], emb.weight.detach()
+                                        .float().cpu()))
+            for o in (opt, opt2):
+                if hasattr(o, "close"):
+                    o.close()
+            return params
+
+        def torch_adamw(params, name):
+            return torch.optim.AdamW(params, lr=1e-3)
+
+        def optimd_adamw(params, name):
+            return AdamW(params, lr=1e-3, address=self.daemon.address,
+                         job_id=self.id() + name)
+
+        ref = script(torch_adamw)
+        ours = script(optimd_adamw)
+        for i, (p, q) in enumerate(zip(ours, ref)):
+            scale = q.abs().max().clamp_min(1e-6)
+            self.assertLessEqual(((p - q).abs().max() / scale).item(), 1e-4,
+                                 "parameter %d" % i)
+
+    @unittest.skipUnless(DEVICE == "cuda", "needs a GPU")
     def test_model_moved_after_construction_is_followed(self):
         # model.to() after the optimizer was made, as torch allows before
         # the first step: the session follows the parameters to the GPU

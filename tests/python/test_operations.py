@@ -159,7 +159,9 @@ class OperationsTest(unittest.TestCase):
         finally:
             self.assertEqual(d2.stop(), 0)
         d2.log.seek(0)
-        self.assertRegex(d2.log.read(), r"checkpoint loaded: job 'ops-0'")
+        log = d2.log.read()
+        self.assertRegex(log, r"checkpoint load started: job 'ops-0' rank 0")
+        self.assertRegex(log, r"checkpoint loaded: job 'ops-0'")
 
 
 if __name__ == "__main__":
