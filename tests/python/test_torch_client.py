@@ -421,6 +421,26 @@ class TorchClientTest(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "twice"):
             self.make([p, p], job_id="twice")
 
+    def test_model_converted_to_bf16_is_followed(self):
+        # model.bfloat16() after construction and steps: the optimizer
+        # registers the parameters anew in bf16 (with fp32 masters, its
+        # default for low precision) and keeps the moments and step counts.
+        model = mlp()
+        opt = self.make(model.parameters(), job_id="to-bf16")
+        for _ in range(2):
+            self.train_step(model, opt)
+        before = {name: float(opt.state[p]["step"])
+                  for name, p in model.named_parameters()}
+        model.bfloat16()
+        opt.zero_grad()
+        (model(self.x.bfloat16()).float() - self.y).square().mean().backward()
+        opt.step()
+        for name, p in model.named_parameters():
+            self.assertEqual(p.dtype, torch.bfloat16)
+            self.assertEqual(float(opt.state[p]["step"]), before[name] + 1)
+            self.assertIn("master", opt.state[p])
+        opt.close()
+
     def test_writes_to_optimizer_state_act_as_in_torch(self):
         _, _, opt, ref = self.fixed_seed_twins()
         ours = opt.param_groups[0]["params"]
@@ -718,12 +738,39 @@ class TorchClientTest(unittest.TestCase):
                 opt.step()
             if isinstance(opt, AdamW):
                 opt.close()
+        # amsgrad turned on after steps: torch's step fails (no
+        # max_exp_avg_sq in the state); optimd says so at once.
         q = torch.nn.Parameter(torch.randn(3))
         opt = self.make([q], job_id="amsgrad")
+        q.grad = torch.randn(3)
+        opt.step()
         opt.param_groups[0]["amsgrad"] = True
         with self.assertRaises(ValueError) as cm:
             opt.step()
         self.assertIn("amsgrad", str(cm.exception))
+        opt.close()
+
+    def test_amsgrad_and_maximize_edits_follow_torch(self):
+        # amsgrad set before the first step, maximize flipped mid-training:
+        # both followed, as torch follows them.
+        ours, theirs, opt, ref = self.fixed_seed_twins()
+        for o in (opt, ref):
+            o.param_groups[0]["amsgrad"] = True
+        for step in range(6):
+            if step == 3:
+                for o in (opt, ref):
+                    o.param_groups[0]["maximize"] = True
+            grads = [torch.randn(p.shape) for p in ours.parameters()]
+            for p, q, g in zip(ours.parameters(), theirs.parameters(), grads):
+                p.grad, q.grad = g.clone(), g.clone()
+            opt.step()
+            ref.step()
+            for p, q in zip(ours.parameters(), theirs.parameters()):
+                self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6)
+        p0, q0 = next(ours.parameters()), next(theirs.parameters())
+        self.assertTrue(torch.allclose(opt.state[p0]["max_exp_avg_sq"],
+                                       ref.state[q0]["max_exp_avg_sq"],
+                                       rtol=1e-5))
         opt.close()
 
 

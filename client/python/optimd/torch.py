@@ -467,15 +467,10 @@ class AdamW(torch.optim.Optimizer):
             self.state.invalidate()
 
     def _sync_params(self):
-        for g, group in zip(self._groups, self.param_groups):
-            for k in _IMMUTABLE_KEYS:
-                if group[k] != g["snapshot"][k]:
-                    raise ValueError(
-                        "param_groups[%s]['%s'] changed from %r to %r; "
-                        "optimd.torch.AdamW cannot change it after "
-                        "construction (it decides the state's layout)" %
-                        (g["id"], k, g["snapshot"][k],
-                                          group[k]))
+        for gi, (g, group) in enumerate(zip(self._groups,
+                                            self.param_groups)):
+            if any(group[k] != g["snapshot"][k] for k in _IMMUTABLE_KEYS):
+                self._follow_layout_keys(gi, group, g)
         # map() keeps this at well under a microsecond per parameter.
         if list(map(torch.Tensor.data_ptr, self._params_flat)) == \
                 self._pptrs_flat:
@@ -484,13 +479,22 @@ class AdamW(torch.optim.Optimizer):
         if devices and devices != {self._device}:
             self._follow_device(devices)
             return
+        moved = [s for g in self._groups for s in g["slots"]
+                 if s.numel and s.param.data_ptr() != s.pview.data_ptr()]
+        if any(s.param.dtype != s.pview.dtype and s.param.dtype in DTYPES and
+               s.param.shape == s.pview.shape for s in moved):
+            # model.half() or .bfloat16() after construction: followed
+            # (registered anew in the new dtype, the state carried).
+            self._follow_device({self._device})
+            return
         for g in self._groups:
             for s in g["slots"]:
                 p = s.param
                 if p.data_ptr() != s.pview.data_ptr() and s.numel:
                     if p.dtype != s.pview.dtype or p.shape != s.pview.shape:
                         # e.g. model.double() after construction: torch
-                        # would go on in the new dtype; we cannot silently.
+                        # would go on in float64, which optimd does not
+                        # step; we cannot silently.
                         raise TypeError(
                             "parameter %s is now %s %s; it was registered "
                             "as %s %s. Convert the model before creating "
@@ -502,10 +506,11 @@ class AdamW(torch.optim.Optimizer):
 
     def _follow_device(self, devices):
         """The parameters moved (model.to(), accelerate's prepare() of a
-        model still on the CPU): a session lives on one device, so the
-        optimizer opens one on the new device, registers the parameters
-        where they are now, and carries the state over (as torch's
-        optimizer would go on with the moved parameters)."""
+        model still on the CPU) or changed dtype (model.half()): a session
+        lives on one device with one layout per tensor, so the optimizer
+        opens one where the parameters are now, registers them as they
+        are, and carries the state over (as torch's optimizer would go on
+        with the changed parameters)."""
         if len(devices) > 1:
             raise ValueError(
                 "the parameters are now on %s; optimd.torch.AdamW needs "
@@ -748,24 +753,47 @@ class AdamW(torch.optim.Optimizer):
                 if k != "params":
                     g[k] = tuple(v) if k == "betas" else v
             if any(g[k] != old[k] for k in _IMMUTABLE_KEYS):
-                # New hyperparameters: register the group afresh over the
-                # same buffers, then write its state.
-                self._client.unregister_group(mine["id"])
-                seg_p = mine["segments"][0]
-                slots = list(zip(mine["slots"], _param_offsets(mine)))
-                request = self._group_request(gi, g, slots, seg_p)
-                self._client.register_group(request)
-                mine["snapshot"] = {k: g[k] for k in _IMMUTABLE_KEYS}
-                mine["request"] = request
-                # Registered afresh: every gradient is absent to the daemon.
-                for s in mine["slots"]:
-                    s.sent_ptr = 0
-                self._index_buffers()
+                self._reregister(gi, g, mine)
             self._client.set_state(set_state_request(
                 mine["id"], mine["slots"],
                 [saved_state.get(pid) for pid in sg["params"]],
                 amsgrad=g["amsgrad"]))
         self._sent_hyper = None  # the next step sends them all again
+        self.state.invalidate()
+
+    def _reregister(self, gi, group, mine):
+        """New layout-deciding hyperparameters (amsgrad, maximize): the
+        group is registered afresh over the same buffers (its state is the
+        caller's to write)."""
+        self._client.unregister_group(mine["id"])
+        seg_p = mine["segments"][0]
+        slots = list(zip(mine["slots"], _param_offsets(mine)))
+        request = self._group_request(gi, group, slots, seg_p)
+        self._client.register_group(request)
+        mine["snapshot"] = {k: group[k] for k in _IMMUTABLE_KEYS}
+        mine["request"] = request
+        # Registered afresh: every gradient is absent to the daemon.
+        for s in mine["slots"]:
+            s.sent_ptr = 0
+        self._index_buffers()
+
+    def _follow_layout_keys(self, gi, group, mine):
+        """amsgrad or maximize edited in param_groups: followed as torch
+        does, keeping the state; turning amsgrad on once the group has
+        state fails in torch too (its step finds no max_exp_avg_sq)."""
+        state = self._fetch_state()
+        slots_state = [state.get(s.param) for s in mine["slots"]]
+        if group["amsgrad"] and not mine["snapshot"]["amsgrad"] and any(
+                slots_state):
+            raise ValueError(
+                "param_groups[%d]['amsgrad'] was turned on after steps: the "
+                "state has no max_exp_avg_sq (torch.optim.AdamW fails the "
+                "same way); set amsgrad before the first step" % gi)
+        self._reregister(gi, group, mine)
+        self._client.set_state(set_state_request(
+            mine["id"], mine["slots"], slots_state,
+            amsgrad=group["amsgrad"]))
+        self._sent_hyper = None
         self.state.invalidate()
 
     def _write_back_state(self):
