@@ -119,6 +119,12 @@ class AdamW(torch.optim.Optimizer):
         results as without. No effect on CPU parameters (the CPU step
         completes before step() returns).
     Parameters may be given as (name, tensor) pairs to name their state.
+
+    Where it differs from torch.optim.AdamW (README, "Deliberate
+    differences"): a step with inf/NaN gradients is skipped (opt.skipped;
+    assume_finite=True applies them as torch does); float64 parameters, a
+    parameter listed twice in a group, parameters on several devices, and
+    amsgrad turned on after steps raise.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
