@@ -196,97 +196,120 @@ const Group* Session::FindGroup(const std::string& id) const {
   return nullptr;
 }
 
-absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
-    const GroupSpec& spec, uint64_t* state_bytes) {
-  if (spec.id.empty()) {
-    return absl::InvalidArgumentError("group_id must not be empty");
-  }
-  OPTIMD_RETURN_IF_ERROR(
-      CheckCounts(spec, groups_.size(), tensor_names_.size()));
-  if (FindGroup(spec.id) != nullptr) {
-    return absl::AlreadyExistsError(absl::StrCat(
-        "group '", spec.id, "' is already registered in this session"));
-  }
-  OPTIMD_RETURN_IF_ERROR(CheckHyper(spec));
-  auto group = std::make_unique<Group>();
-  group->id = spec.id;
-  group->hyper = spec.hyper;
-  group->moment_dtype = spec.moment_dtype;
+namespace {
 
-  // Pass 1: everything that needs no memory.
-  std::set<std::string> names;
-  uint64_t bytes = 0, param_bytes = 0;
-  std::vector<Layout> layouts;
-  for (const TensorSpec& t : spec.tensors) {
-    if (t.name.empty()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("group '", spec.id, "': a tensor has an empty name"));
+// Lays out each kind of state of `group`'s tensors contiguously (64-byte
+// aligned slices) and allocates one arena per kind from `backend`.
+absl::Status AllocateGroupState(Backend* backend, Group* group) {
+  constexpr uint64_t kSliceAlign = 64;
+  auto round_up = [](uint64_t n) {
+    return (n + kSliceAlign - 1) / kSliceAlign * kSliceAlign;
+  };
+  enum Kind { kMaster = 0, kExpAvg, kExpAvgSq, kMaxExpAvgSq, kKinds };
+  uint64_t arena_bytes[kKinds] = {0, 0, 0, 0};
+  std::vector<std::array<uint64_t, kKinds>> offsets(group->tensors.size());
+  auto per_element = [](const TensorEntry& e, int kind) -> uint64_t {
+    if (kind == kMaster) return e.layout.MasterBytesPerElement();
+    if (e.frozen) return 0;
+    if (kind == kMaxExpAvgSq && !e.layout.amsgrad) return 0;
+    return e.layout.MomentBytesPerElement();
+  };
+  for (size_t i = 0; i < group->tensors.size(); ++i) {
+    for (int k = 0; k < kKinds; ++k) {
+      offsets[i][k] = arena_bytes[k];
+      // Bounded by the checked total plus 64 bytes per tensor.
+      arena_bytes[k] +=
+          round_up(group->tensors[i].numel * per_element(group->tensors[i], k));
     }
-    if (t.name.size() > kMaxNameBytes) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "group '", spec.id, "': a tensor name of ", t.name.size(),
-          " bytes (starting '", t.name.substr(0, 64), "') is longer than ",
-          kMaxNameBytes, " bytes"));
-    }
-    if (!names.insert(t.name).second || tensor_names_.count(t.name) > 0) {
-      return absl::AlreadyExistsError(absl::StrCat(
-          "tensor '", t.name, "' is already registered in this session"));
-    }
-    if (!t.param_dtype_set) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("tensor '", t.name, "': param_dtype is unspecified"));
-    }
-    if (!t.frozen && t.numel > 0 && !t.grad_dtype_set) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("tensor '", t.name, "': grad_dtype is unspecified"));
-    }
-    if (t.numel > kMaxNumel) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("tensor '", t.name, "': numel ", t.numel,
-                       " exceeds the limit ", kMaxNumel));
-    }
-    OPTIMD_RETURN_IF_ERROR(CheckShape(t));
-    OPTIMD_RETURN_IF_ERROR(CheckStage(t));
-    OPTIMD_ASSIGN_OR_RETURN(
-        Layout layout,
-        ResolveLayout(t.name, t.param_dtype, t.grad_dtype, spec.moment_dtype,
-                      spec.master, t.keep_fp32, spec.hyper.amsgrad));
-    if (t.numel > 0) {
-      OPTIMD_RETURN_IF_ERROR(CheckRegion(t.name, "param", t.param,
-                                         t.numel * DTypeSize(t.param_dtype)));
-      if (!t.frozen && !t.grad_absent) {
-        OPTIMD_RETURN_IF_ERROR(CheckRegion(t.name, "grad", t.grad,
-                                           t.numel * DTypeSize(t.grad_dtype)));
-      } else if (t.grad_absent && t.grad.kind != BufferHandle::Kind::kNone) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("tensor '", t.name,
-                         "': grad_absent with a grad buffer; leave "
-                         "grad unset"));
+  }
+  for (int k = 0; k < kKinds; ++k) {
+    OPTIMD_ASSIGN_OR_RETURN(StateStorage arena,
+                            backend->AllocateState(arena_bytes[k]));
+    group->arenas.push_back(std::move(arena));
+  }
+  for (size_t i = 0; i < group->tensors.size(); ++i) {
+    TensorEntry& e = group->tensors[i];
+    StateSlice* slices[kKinds] = {&e.master, &e.exp_avg, &e.exp_avg_sq,
+                                  &e.max_exp_avg_sq};
+    for (int k = 0; k < kKinds; ++k) {
+      const uint64_t bytes = e.numel * per_element(e, k);
+      if (bytes > 0) {
+        *slices[k] = StateSlice(group->arenas[k].data() + offsets[i][k], bytes);
       }
-      // numel <= kMaxNumel keeps each product far from overflow; the sums
-      // over up to kMaxTensorsPerSession tensors are checked.
-      if (!AddChecked(&bytes,
-                      t.numel * (t.frozen ? layout.MasterBytesPerElement()
-                                          : layout.StateBytesPerElement())) ||
-          !AddChecked(&param_bytes, t.numel * DTypeSize(t.param_dtype))) {
-        return TooLarge(spec.id);
-      }
-    } else if (t.param.size != 0 || t.grad.size != 0) {
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status Session::CheckTensor(const GroupSpec& spec, const TensorSpec& t,
+                                  std::set<std::string>* names, uint64_t* bytes,
+                                  uint64_t* param_bytes, Layout* layout) {
+  if (t.name.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("group '", spec.id, "': a tensor has an empty name"));
+  }
+  if (t.name.size() > kMaxNameBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("group '", spec.id, "': a tensor name of ", t.name.size(),
+                     " bytes (starting '", t.name.substr(0, 64),
+                     "') is longer than ", kMaxNameBytes, " bytes"));
+  }
+  if (!names->insert(t.name).second || tensor_names_.count(t.name) > 0) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        "tensor '", t.name, "' is already registered in this session"));
+  }
+  if (!t.param_dtype_set) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor '", t.name, "': param_dtype is unspecified"));
+  }
+  if (!t.frozen && t.numel > 0 && !t.grad_dtype_set) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor '", t.name, "': grad_dtype is unspecified"));
+  }
+  if (t.numel > kMaxNumel) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor '", t.name, "': numel ", t.numel,
+                     " exceeds the limit ", kMaxNumel));
+  }
+  OPTIMD_RETURN_IF_ERROR(CheckShape(t));
+  OPTIMD_RETURN_IF_ERROR(CheckStage(t));
+  OPTIMD_ASSIGN_OR_RETURN(
+      *layout,
+      ResolveLayout(t.name, t.param_dtype, t.grad_dtype, spec.moment_dtype,
+                    spec.master, t.keep_fp32, spec.hyper.amsgrad));
+  if (t.numel == 0) {
+    if (t.param.size != 0 || t.grad.size != 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           "tensor '", t.name, "' has numel 0 but a non-empty buffer"));
     }
-    layouts.push_back(layout);
+    return absl::OkStatus();
   }
-  OPTIMD_RETURN_IF_ERROR(CheckCheckpointKeys(names, tensor_names_));
-  if (!AddChecked(&bytes, state_bytes_) || bytes > kMaxSessionBytes ||
-      !AddChecked(&param_bytes, param_bytes_) ||
-      param_bytes > kMaxSessionBytes) {
+  OPTIMD_RETURN_IF_ERROR(CheckRegion(t.name, "param", t.param,
+                                     t.numel * DTypeSize(t.param_dtype)));
+  if (!t.frozen && !t.grad_absent) {
+    OPTIMD_RETURN_IF_ERROR(
+        CheckRegion(t.name, "grad", t.grad, t.numel * DTypeSize(t.grad_dtype)));
+  } else if (t.grad_absent && t.grad.kind != BufferHandle::Kind::kNone) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor '", t.name,
+                     "': grad_absent with a grad buffer; leave grad unset"));
+  }
+  // numel <= kMaxNumel keeps each product far from overflow; the sums over
+  // up to kMaxTensorsPerSession tensors are checked.
+  if (!AddChecked(bytes,
+                  t.numel * (t.frozen ? layout->MasterBytesPerElement()
+                                      : layout->StateBytesPerElement())) ||
+      !AddChecked(param_bytes, t.numel * DTypeSize(t.param_dtype))) {
     return TooLarge(spec.id);
   }
-  bytes -= state_bytes_;
-  param_bytes -= param_bytes_;
+  return absl::OkStatus();
+}
 
-  // Pass 2: map buffers (cached per segment or allocation).
+absl::Status Session::MapTensors(const GroupSpec& spec,
+                                 const std::vector<Layout>& layouts,
+                                 Group* group) {
   for (size_t i = 0; i < spec.tensors.size(); ++i) {
     const TensorSpec& t = spec.tensors[i];
     TensorEntry e;
@@ -308,57 +331,56 @@ absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
     }
     group->tensors.push_back(std::move(e));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
+    const GroupSpec& spec, uint64_t* state_bytes) {
+  if (spec.id.empty()) {
+    return absl::InvalidArgumentError("group_id must not be empty");
+  }
+  OPTIMD_RETURN_IF_ERROR(
+      CheckCounts(spec, groups_.size(), tensor_names_.size()));
+  if (FindGroup(spec.id) != nullptr) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        "group '", spec.id, "' is already registered in this session"));
+  }
+  OPTIMD_RETURN_IF_ERROR(CheckHyper(spec));
+  auto group = std::make_unique<Group>();
+  group->id = spec.id;
+  group->hyper = spec.hyper;
+  group->moment_dtype = spec.moment_dtype;
+
+  // Pass 1: everything that needs no memory.
+  std::set<std::string> names;
+  uint64_t bytes = 0, param_bytes = 0;
+  std::vector<Layout> layouts(spec.tensors.size());
+  for (size_t i = 0; i < spec.tensors.size(); ++i) {
+    OPTIMD_RETURN_IF_ERROR(CheckTensor(spec, spec.tensors[i], &names, &bytes,
+                                       &param_bytes, &layouts[i]));
+  }
+  OPTIMD_RETURN_IF_ERROR(CheckCheckpointKeys(names, tensor_names_));
+  if (!AddChecked(&bytes, state_bytes_) || bytes > kMaxSessionBytes ||
+      !AddChecked(&param_bytes, param_bytes_) ||
+      param_bytes > kMaxSessionBytes) {
+    return TooLarge(spec.id);
+  }
+  bytes -= state_bytes_;
+  param_bytes -= param_bytes_;
+
+  // Pass 2: map buffers (cached per segment or allocation).
+  OPTIMD_RETURN_IF_ERROR(MapTensors(spec, layouts, group.get()));
 
   // Pass 3: state memory, within the daemon's budget.
   OPTIMD_RETURN_IF_ERROR(
       budget_->Reserve(bytes, absl::StrCat("group '", spec.id, "'")));
-  auto release = [&] { budget_->Release(bytes); };
-  // Lay out each kind of state contiguously, then allocate one arena per
-  // kind.
-  constexpr uint64_t kSliceAlign = 64;
-  auto round_up = [](uint64_t n) {
-    return (n + kSliceAlign - 1) / kSliceAlign * kSliceAlign;
-  };
-  enum Kind { kMaster = 0, kExpAvg, kExpAvgSq, kMaxExpAvgSq, kKinds };
-  uint64_t arena_bytes[kKinds] = {0, 0, 0, 0};
-  std::vector<std::array<uint64_t, kKinds>> offsets(group->tensors.size());
-  auto per_element = [](const TensorEntry& e, int kind) -> uint64_t {
-    if (kind == kMaster) return e.layout.MasterBytesPerElement();
-    if (e.frozen) return 0;
-    if (kind == kMaxExpAvgSq && !e.layout.amsgrad) return 0;
-    return e.layout.MomentBytesPerElement();
-  };
-  for (size_t i = 0; i < group->tensors.size(); ++i) {
-    for (int k = 0; k < kKinds; ++k) {
-      offsets[i][k] = arena_bytes[k];
-      // Bounded by the checked total above plus 64 bytes per tensor.
-      arena_bytes[k] +=
-          round_up(group->tensors[i].numel * per_element(group->tensors[i], k));
-    }
+  absl::Status s = AllocateGroupState(backend_, group.get());
+  if (s.ok()) {
+    group->IndexTensors();
+    s = backend_->PrepareGroup(*group);
   }
-  for (int k = 0; k < kKinds; ++k) {
-    auto arena = backend_->AllocateState(arena_bytes[k]);
-    if (!arena.ok()) {
-      release();
-      return arena.status();
-    }
-    group->arenas.push_back(*std::move(arena));
-  }
-  for (size_t i = 0; i < group->tensors.size(); ++i) {
-    TensorEntry& e = group->tensors[i];
-    StateSlice* slices[kKinds] = {&e.master, &e.exp_avg, &e.exp_avg_sq,
-                                  &e.max_exp_avg_sq};
-    for (int k = 0; k < kKinds; ++k) {
-      const uint64_t bytes = e.numel * per_element(e, k);
-      if (bytes > 0) {
-        *slices[k] = StateSlice(group->arenas[k].data() + offsets[i][k], bytes);
-      }
-    }
-  }
-  group->IndexTensors();
-  absl::Status s = backend_->PrepareGroup(*group);
   if (!s.ok()) {
-    release();
+    budget_->Release(bytes);
     return s;
   }
   *state_bytes = bytes;

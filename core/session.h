@@ -241,8 +241,21 @@ class Session {
   }
 
  private:
+  // Validates, maps and allocates a group (RegisterGroup): nothing of the
+  // session changes; *state_bytes is what it reserved from the budget.
   absl::StatusOr<std::unique_ptr<Group>> BuildGroup(const GroupSpec& spec,
                                                     uint64_t* state_bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // BuildGroup's checks of one tensor, which need no memory: its name
+  // (unique, added to *names), dtypes, shape, stage, layout (into *layout)
+  // and buffer regions; adds its state and parameter bytes to the sums.
+  absl::Status CheckTensor(const GroupSpec& spec, const TensorSpec& t,
+                           std::set<std::string>* names, uint64_t* bytes,
+                           uint64_t* param_bytes, Layout* layout)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Maps every tensor's buffers into group->tensors (cached mappings).
+  absl::Status MapTensors(const GroupSpec& spec,
+                          const std::vector<Layout>& layouts, Group* group)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Group* FindGroup(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   const Group* FindGroup(const std::string& id) const
