@@ -61,6 +61,10 @@ class Fd {
     if (fd_ >= 0) close(fd_);
   }
   int get() const { return fd_; }
+  void reset(int fd) {
+    if (fd_ >= 0) close(fd_);
+    fd_ = fd;
+  }
 
  private:
   int fd_;
@@ -1237,29 +1241,28 @@ absl::StatusOr<CheckpointResult> WriteSnapshot(
                          /*backend=*/nullptr, options, progress);
 }
 
-absl::StatusOr<CheckpointResult> LoadCheckpoint(
-    const std::string& path, const std::vector<Group*>& groups,
-    Backend* backend, const CheckpointOptions& options,
-    bool* partially_written) {
-  *partially_written = false;
-  const double t0 = Seconds();
+namespace {
+
+// Opens a checkpoint for a load into *fd; returns its size.
+absl::StatusOr<uint64_t> OpenForLoad(const std::string& path,
+                                     const CheckpointOptions& options, Fd* fd) {
   // O_NONBLOCK: opening a FIFO placed at the path must not wait for a
   // writer (it would hold the device worker and every session on it); the
   // flag changes nothing for a regular file.
   // O_NOFOLLOW under --state_dir: the directory was resolved and confined,
   // and a symbolic link at the file's name must not lead out of it.
   const int confined = options.state_dir.empty() ? 0 : O_NOFOLLOW;
-  Fd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | confined));
-  if (fd.get() < 0 && errno == ELOOP && confined != 0) {
+  fd->reset(open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | confined));
+  if (fd->get() < 0 && errno == ELOOP && confined != 0) {
     return absl::PermissionDeniedError(absl::StrCat(
         path, " is a symbolic link; with the daemon's --state_dir a ",
         "checkpoint must be a regular file within it"));
   }
-  if (fd.get() < 0) {
+  if (fd->get() < 0) {
     return ErrnoStatus(errno, absl::StrCat("cannot open checkpoint ", path));
   }
   struct stat st;
-  if (fstat(fd.get(), &st) != 0) return ErrnoStatus(errno, path);
+  if (fstat(fd->get(), &st) != 0) return ErrnoStatus(errno, path);
   if (!S_ISREG(st.st_mode)) {
     return absl::FailedPreconditionError(
         absl::StrCat(path,
@@ -1271,8 +1274,14 @@ absl::StatusOr<CheckpointResult> LoadCheckpoint(
     return absl::DataLossError(absl::StrCat(
         path, " is ", size, " bytes: too short for a safetensors file"));
   }
+  return size;
+}
+
+// The safetensors header's JSON text (after its 8-byte length).
+absl::StatusOr<std::string> ReadHeaderText(int fd, uint64_t size,
+                                           const std::string& path) {
   uint8_t len[8];
-  OPTIMD_RETURN_IF_ERROR(ReadAll(fd.get(), len, 8, 0, path));
+  OPTIMD_RETURN_IF_ERROR(ReadAll(fd, len, 8, 0, path));
   uint64_t hl = 0;
   for (int i = 0; i < 8; ++i) hl |= uint64_t{len[i]} << (8 * i);
   if (hl > kMaxCheckpointHeaderBytes) {
@@ -1284,20 +1293,42 @@ absl::StatusOr<CheckpointResult> LoadCheckpoint(
     return absl::DataLossError(absl::StrCat(path, " is truncated (header)"));
   }
   std::string header(hl, '\0');
-  OPTIMD_RETURN_IF_ERROR(ReadAll(fd.get(), header.data(), hl, 8, path));
-  const uint64_t data_start = 8 + hl;
-  std::vector<Entry> entries = Entries(groups);
-  OPTIMD_ASSIGN_OR_RETURN(
-      std::vector<GroupHeader> headers,
-      ParseHeader(header, groups, entries, size - data_start, path));
-  if (size <= options.verify_first_max_bytes) {
-    OPTIMD_RETURN_IF_ERROR(
-        VerifyChecksums(fd.get(), entries, data_start, path));
+  OPTIMD_RETURN_IF_ERROR(ReadAll(fd, header.data(), hl, 8, path));
+  return header;
+}
+
+// A piece of an entry's bytes, read and checked at once.
+struct Piece {
+  size_t entry;
+  uint64_t done;  // bytes of the entry before this piece
+  uint64_t n;
+};
+
+// Pieces of at most `half` bytes; zero-byte entries get an empty piece:
+// their file tensor's checksum is checked like any other.
+std::vector<Piece> PlanPieces(const std::vector<Entry>& entries,
+                              uint64_t half) {
+  std::vector<Piece> pieces;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    if (entries[i].bytes == 0) pieces.push_back({i, 0, 0});
+    for (uint64_t done = 0; done < entries[i].bytes;) {
+      const uint64_t n = std::min(entries[i].bytes - done, half);
+      pieces.push_back({i, done, n});
+      done += n;
+    }
   }
-  // Everything matches: stream the data in. Pieces of at most half the
-  // staging buffer; the next piece is read (on a thread of its own) while
-  // the current one is checksummed and, on the CUDA backend, copied to the
-  // device from the other half of the pinned staging buffer.
+  return pieces;
+}
+
+// Streams the checked file's data into the state: the next piece is read
+// (on a thread of its own when large) while the current one is checksummed
+// and, on the CUDA backend, copied to the device from the other half of a
+// pinned staging buffer. *partially_written: the state was touched.
+absl::Status StreamData(int fd, const std::vector<Entry>& entries,
+                        uint64_t data_start, Backend* backend,
+                        const CheckpointOptions& options,
+                        const std::string& path, bool* partially_written,
+                        uint64_t* peak_staging) {
   const bool direct = backend->HostAddressable();
   // Pieces: half the staging buffer, or 128 MiB reads straight into host
   // state (no staging memory then).
@@ -1308,22 +1339,7 @@ absl::StatusOr<CheckpointResult> LoadCheckpoint(
   if (!direct) {
     OPTIMD_ASSIGN_OR_RETURN(staging, backend->AllocateHostStaging(2 * half));
   }
-  struct Piece {
-    size_t entry;
-    uint64_t done;  // bytes of the entry before this piece
-    uint64_t n;
-  };
-  // Zero-byte entries get an empty piece: their file tensor's checksum is
-  // checked like any other.
-  std::vector<Piece> pieces;
-  for (size_t i = 0; i < entries.size(); ++i) {
-    if (entries[i].bytes == 0) pieces.push_back({i, 0, 0});
-    for (uint64_t done = 0; done < entries[i].bytes;) {
-      const uint64_t n = std::min(entries[i].bytes - done, half);
-      pieces.push_back({i, done, n});
-      done += n;
-    }
-  }
+  const std::vector<Piece> pieces = PlanPieces(entries, half);
   auto target = [&](size_t k) -> uint8_t* {
     const Piece& p = pieces[k];
     return direct ? entries[p.entry].data + p.done
@@ -1331,7 +1347,7 @@ absl::StatusOr<CheckpointResult> LoadCheckpoint(
   };
   auto read_piece = [&](size_t k) {
     const Piece& p = pieces[k];
-    return ReadAll(fd.get(), target(k), p.n,
+    return ReadAll(fd, target(k), p.n,
                    data_start + entries[p.entry].offset + p.done, path);
   };
   // A thread per read pays off for large pieces only: with many small
@@ -1344,8 +1360,14 @@ absl::StatusOr<CheckpointResult> LoadCheckpoint(
                       read_piece, k);
   };
   *partially_written = !pieces.empty();
+  *peak_staging = staging.size();
   std::future<absl::Status> next;
   if (!pieces.empty()) next = start_read(0);
+  // Whatever fails, the read in flight ends before its buffer goes.
+  auto fail = [&](absl::Status s) {
+    if (next.valid()) next.wait();
+    return s;
+  };
   uint32_t crc = 0;
   for (size_t k = 0; k < pieces.size(); ++k) {
     OPTIMD_RETURN_IF_ERROR(next.get());
@@ -1355,26 +1377,47 @@ absl::StatusOr<CheckpointResult> LoadCheckpoint(
     if (p.done == 0 && RunStarts(entries, p.entry)) crc = 0;
     absl::Status guarded = GuardMemoryFaults(
         [&] { crc = Crc32cExtend(crc, target(k), p.n); }, "checkpoint load");
-    if (!guarded.ok()) {
-      if (next.valid()) next.wait();
-      return guarded;
-    }
+    if (!guarded.ok()) return fail(guarded);
     if (!direct && p.n > 0) {
       absl::Status s = backend->CopyFromHost(target(k), e.data + p.done, p.n);
-      if (!s.ok()) {
-        if (next.valid()) next.wait();
-        return s;
-      }
+      if (!s.ok()) return fail(s);
     }
     if (p.done + p.n == e.bytes && RunEnds(entries, p.entry) && crc != e.crc) {
-      if (next.valid()) next.wait();
-      return absl::DataLossError(absl::StrCat(
+      return fail(absl::DataLossError(absl::StrCat(
           "checksum mismatch in tensor '", e.key, "' of ", path,
           ": the file is corrupt. The session's state is now partly "
-          "loaded; steps are refused until a load succeeds"));
+          "loaded; steps are refused until a load succeeds")));
     }
   }
-  const uint64_t peak_staging = staging.size();
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<CheckpointResult> LoadCheckpoint(
+    const std::string& path, const std::vector<Group*>& groups,
+    Backend* backend, const CheckpointOptions& options,
+    bool* partially_written) {
+  *partially_written = false;
+  const double t0 = Seconds();
+  Fd fd(-1);
+  OPTIMD_ASSIGN_OR_RETURN(const uint64_t size, OpenForLoad(path, options, &fd));
+  OPTIMD_ASSIGN_OR_RETURN(const std::string header,
+                          ReadHeaderText(fd.get(), size, path));
+  const uint64_t data_start = 8 + header.size();
+  std::vector<Entry> entries = Entries(groups);
+  OPTIMD_ASSIGN_OR_RETURN(
+      std::vector<GroupHeader> headers,
+      ParseHeader(header, groups, entries, size - data_start, path));
+  if (size <= options.verify_first_max_bytes) {
+    OPTIMD_RETURN_IF_ERROR(
+        VerifyChecksums(fd.get(), entries, data_start, path));
+  }
+  // Everything matches: stream the data in.
+  uint64_t peak_staging = 0;
+  OPTIMD_RETURN_IF_ERROR(StreamData(fd.get(), entries, data_start, backend,
+                                    options, path, partially_written,
+                                    &peak_staging));
   // Step counters and learning rates (the registered hyperparameters
   // otherwise stay as they are).
   for (size_t gi = 0; gi < groups.size(); ++gi) {
