@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/fault_guard.h"
+#include "kernels/adamw_cpu.h"
 
 namespace optimd {
 

@@ -12,7 +12,7 @@
 #include "absl/status/status.h"
 #include "core/buffer.h"
 #include "core/layout.h"
-#include "kernels/adamw_cpu.h"
+#include "core/step_types.h"
 
 namespace optimd {
 

@@ -59,6 +59,24 @@ absl::StatusOr<Layout> ResolveLayout(const std::string& tensor,
                                      DType moment_dtype, MasterRequest master,
                                      bool keep_fp32, bool amsgrad);
 
+// The remainder encoding of a bf16 parameter's fp32 master (kRemainder):
+// used by the kernels, state reads and writes, and checkpoints.
+// Both branch-free so that loops over them vectorize.
+inline float ReconstructFromRemainder(uint16_t bf16_bits, int16_t remainder) {
+  const uint32_t hi =
+      (static_cast<uint32_t>(bf16_bits) - (remainder < 0 ? 1u : 0u)) & 0xffffu;
+  return BitsToFloat((hi << 16) | static_cast<uint16_t>(remainder));
+}
+
+inline void SplitToRemainder(float master, uint16_t* bf16_bits,
+                             int16_t* remainder) {
+  const uint32_t u = FloatBits(master);
+  const int16_t r = static_cast<int16_t>(static_cast<uint16_t>(u & 0xffffu));
+  const uint32_t hi = ((u >> 16) + (r < 0 ? 1u : 0u)) & 0xffffu;
+  *bf16_bits = static_cast<uint16_t>(hi);
+  *remainder = r;
+}
+
 }  // namespace optimd
 
 #endif  // OPTIMD_CORE_LAYOUT_H_

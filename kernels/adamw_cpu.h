@@ -24,6 +24,7 @@
 #include <cstdint>
 
 #include "core/layout.h"
+#include "core/step_types.h"
 
 namespace optimd {
 
@@ -47,33 +48,10 @@ struct StepScalars {
   float grad_mul = 1;
 };
 
-// Hyperparameters needed to fold StepScalars.
-struct AdamWHyper {
-  double lr = 1e-3;
-  double beta1 = 0.9;
-  double beta2 = 0.999;
-  double eps = 1e-8;
-  double weight_decay = 1e-2;
-  bool adamw = true;
-  bool bias_correction = true;
-  bool maximize = false;
-  bool amsgrad = false;
-};
-
 // Folds hyperparameters, the step number t (>= 1), the loss scale and the
 // clip coefficient into StepScalars.
 StepScalars MakeStepScalars(const AdamWHyper& h, uint64_t t, double grad_scale,
                             double clip_coef);
-
-// Raw pointers to one tensor's buffers. Unused ones are null.
-struct TensorPointers {
-  void* param = nullptr;
-  const void* grad = nullptr;
-  void* master = nullptr;  // float* (kFp32) or int16_t* (kRemainder)
-  void* exp_avg = nullptr;
-  void* exp_avg_sq = nullptr;
-  void* max_exp_avg_sq = nullptr;
-};
 
 // Applies one AdamW step to elements [begin, end) of a tensor.
 void AdamWStepRange(const Layout& layout, const TensorPointers& t,
@@ -93,23 +71,6 @@ void InitMasterRange(const Layout& layout, const TensorPointers& t,
 // (GetParams). No-op for kNone.
 void WriteParamFromMasterRange(const Layout& layout, const TensorPointers& t,
                                uint64_t begin, uint64_t end);
-
-// Remainder encoding, exposed for tests and checkpoints.
-// Both branch-free so that loops over them vectorize.
-inline float ReconstructFromRemainder(uint16_t bf16_bits, int16_t remainder) {
-  const uint32_t hi =
-      (static_cast<uint32_t>(bf16_bits) - (remainder < 0 ? 1u : 0u)) & 0xffffu;
-  return BitsToFloat((hi << 16) | static_cast<uint16_t>(remainder));
-}
-
-inline void SplitToRemainder(float master, uint16_t* bf16_bits,
-                             int16_t* remainder) {
-  const uint32_t u = FloatBits(master);
-  const int16_t r = static_cast<int16_t>(static_cast<uint16_t>(u & 0xffffu));
-  const uint32_t hi = ((u >> 16) + (r < 0 ? 1u : 0u)) & 0xffffu;
-  *bf16_bits = static_cast<uint16_t>(hi);
-  *remainder = r;
-}
 
 }  // namespace optimd
 
