@@ -32,7 +32,10 @@ STAGES = 16
 
 def assign_stages(slots):
     """Stage of each slot of one group: its first element's position in the
-    group's elements, in STAGES equal parts."""
+    group's elements, in STAGES equal parts. Assigned with or without
+    overlap: the daemon's plan (and so the order in which the gradient norm
+    is summed) follows the stages, and plain steps must give the bits of
+    staged ones, clipping included."""
     total = sum(s.numel for s in slots) or 1
     before = 0
     for s in slots:

@@ -483,7 +483,7 @@ class AdamW(torch.optim.Optimizer):
             return
         devices = {p.device for p in self._params_flat}
         if devices and devices != {self._device}:
-            self._follow_device(devices)
+            self._reopen(devices)
             return
         moved = [s for g in self._groups for s in g["slots"]
                  if s.numel and s.param.data_ptr() != s.pview.data_ptr()]
@@ -491,7 +491,7 @@ class AdamW(torch.optim.Optimizer):
                s.param.shape == s.pview.shape for s in moved):
             # model.half() or .bfloat16() after construction: followed
             # (registered anew in the new dtype, the state carried).
-            self._follow_device({self._device})
+            self._reopen({self._device})
             return
         for g in self._groups:
             for s in g["slots"]:
@@ -510,7 +510,7 @@ class AdamW(torch.optim.Optimizer):
                     s.pview.copy_(p.detach())
                     p.data = s.pview
 
-    def _follow_device(self, devices):
+    def _reopen(self, devices):
         """The parameters moved (model.to(), accelerate's prepare() of a
         model still on the CPU) or changed dtype (model.half()): a session
         lives on one device with one layout per tensor, so the optimizer
