@@ -1,37 +1,11 @@
 #include "server/refusal_log.h"
 
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
 namespace optimd {
 namespace {
-
-const char* CodeName(grpc::StatusCode code) {
-  switch (code) {
-    case grpc::StatusCode::INVALID_ARGUMENT:
-      return "INVALID_ARGUMENT";
-    case grpc::StatusCode::NOT_FOUND:
-      return "NOT_FOUND";
-    case grpc::StatusCode::ALREADY_EXISTS:
-      return "ALREADY_EXISTS";
-    case grpc::StatusCode::PERMISSION_DENIED:
-      return "PERMISSION_DENIED";
-    case grpc::StatusCode::UNAUTHENTICATED:
-      return "UNAUTHENTICATED";
-    case grpc::StatusCode::RESOURCE_EXHAUSTED:
-      return "RESOURCE_EXHAUSTED";
-    case grpc::StatusCode::FAILED_PRECONDITION:
-      return "FAILED_PRECONDITION";
-    case grpc::StatusCode::UNAVAILABLE:
-      return "UNAVAILABLE";
-    case grpc::StatusCode::DATA_LOSS:
-      return "DATA_LOSS";
-    case grpc::StatusCode::INTERNAL:
-      return "INTERNAL";
-    default:
-      return "error";
-  }
-}
 
 class RefusalInterceptor : public grpc::experimental::Interceptor {
  public:
@@ -74,8 +48,11 @@ void RefusalLog::Note(const std::string& method, const grpc::Status& status,
     }
     if (lines_ < kLinesPerWindow) {
       ++lines_;
+      // gRPC's codes are the canonical ones absl names.
       line =
-          absl::StrCat("refused ", method, ": ", CodeName(status.error_code()),
+          absl::StrCat("refused ", method, ": ",
+                       absl::StatusCodeToString(
+                           static_cast<absl::StatusCode>(status.error_code())),
                        ": ", status.error_message().substr(0, 512));
     } else {
       ++suppressed_;
