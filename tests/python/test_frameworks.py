@@ -50,6 +50,13 @@ def _data(n=64):
     return [dict(input_ids=x, labels=x) for x in ids]
 
 
+def _loader():
+    """_data() in batches of 4, unshuffled."""
+    return torch.utils.data.DataLoader(
+        _data(), batch_size=4, collate_fn=lambda b: {
+            k: torch.stack([x[k] for x in b]) for k in b[0]})
+
+
 class FrameworkTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -119,9 +126,7 @@ class FrameworkTest(unittest.TestCase):
         model = _gpt2()
         opt = self.make_opt(kind, model.parameters(), self.id() + kind +
                             str(bool(load)))
-        loader = torch.utils.data.DataLoader(
-            _data(), batch_size=4, collate_fn=lambda b: {
-                k: torch.stack([x[k] for x in b]) for k in b[0]})
+        loader = _loader()
         model, opt, loader = accelerator.prepare(model, opt, loader)
         if load:
             accelerator.load_state(load)
@@ -360,9 +365,7 @@ class FrameworkTest(unittest.TestCase):
 
         def run(kind, steps, ckpt=None, save=None):
             module = Module(kind)
-            loader = torch.utils.data.DataLoader(
-                _data(), batch_size=4, collate_fn=lambda b: {
-                    k: torch.stack([x[k] for x in b]) for k in b[0]})
+            loader = _loader()
             trainer = L.Trainer(
                 max_steps=steps, accelerator="gpu" if DEVICE == "cuda"
                 else "cpu", devices=1, logger=False,
