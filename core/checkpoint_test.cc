@@ -143,7 +143,9 @@ class ManyTensorSession {
     }
     for (int i = 0; i < 2 * count; ++i) params_->as<float>()[i] = 0.5f;
     EXPECT_TRUE(session_->RegisterGroup(a).ok());
-    if (!b.tensors.empty()) EXPECT_TRUE(session_->RegisterGroup(b).ok());
+    if (!b.tensors.empty()) {
+      EXPECT_TRUE(session_->RegisterGroup(b).ok());
+    }
     bytes_ = uint64_t(count) * 8;
   }
   Session& session() { return *session_; }

@@ -31,6 +31,13 @@ int ReplayCorpusMain(int argc, char** argv, const CorpusReplay& replay) {
   int failures = 0, valid = 0;
   for (const std::string& name : names) {
     std::ifstream in(dir + "/" + name, std::ios::binary);
+    if (!in) {
+      // A seed listed but unreadable (a dangling runfiles link, say) would
+      // otherwise replay as empty input and hide what the corpus holds.
+      std::printf("FAIL: cannot read %s/%s\n", dir.c_str(), name.c_str());
+      ++failures;
+      continue;
+    }
     const std::string bytes((std::istreambuf_iterator<char>(in)),
                             std::istreambuf_iterator<char>());
     const absl::Status s = replay.run(

@@ -6,6 +6,12 @@ cd "$(dirname "$0")/.."
 
 ./tools/setup.sh
 
+# The sanitizer stages keep Bazel output bases of their own, one per
+# checkout: an output base moved to another checkout keeps runfiles links
+# into the old one, and tests then read files that are no longer there.
+checkout_key="$(pwd -P | md5sum | cut -c1-12)"
+cache_root="${XDG_CACHE_HOME:-$HOME/.cache}"
+
 flags=()
 if [ ! -x /usr/local/cuda/bin/nvcc ]; then
   echo "== no CUDA toolkit at /usr/local/cuda: building the CPU backend only"
@@ -23,7 +29,7 @@ bazel test "${flags[@]}" --test_tag_filters=-gpu //...
 # normal build stays cached: about 10 minutes on two cores from nothing,
 # 5 with a warm cache).
 echo "== C++ tests under ASan and UBSan"
-asan_base="${XDG_CACHE_HOME:-$HOME/.cache}/optimd-asan"
+asan_base="$cache_root/optimd-asan-$checkout_key"
 bazel --output_base="$asan_base" test --config=asan --define=cuda=off \
   --build_tag_filters=-cuda --test_tag_filters=-gpu \
   //core/... //server/... //tests:e2e_test //tests:random_requests_test
@@ -56,7 +62,7 @@ if "$control/race" 2>"$control/race.log" ||
   exit 1
 fi
 rm -rf "$control"
-tsan_base="${XDG_CACHE_HOME:-$HOME/.cache}/optimd-tsan"
+tsan_base="$cache_root/optimd-tsan-$checkout_key"
 bazel --output_base="$tsan_base" test --config=tsan --define=cuda=off \
   --build_tag_filters=-cuda --test_tag_filters=-gpu \
   --test_env=TSAN_OPTIONS="suppressions=$PWD/tools/tsan.supp" \
