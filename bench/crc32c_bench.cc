@@ -12,7 +12,7 @@
 #include <cstring>
 #include <vector>
 
-#include "core/crc32c.h"
+#include "common/crc32c.h"
 
 namespace {
 

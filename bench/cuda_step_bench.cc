@@ -29,10 +29,10 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
+#include "backends/cuda/cuda_backend.h"
 #include "core/layout.h"
 #include "core/session.h"
-#include "kernels/cuda_backend.h"
-#include "tests/ipc_trainer.h"
+#include "testing/ipc_trainer.h"
 
 ABSL_FLAG(double, params, 1e9, "Parameters per configuration.");
 ABSL_FLAG(int, steps, 20, "Timed steps per configuration.");

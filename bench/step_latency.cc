@@ -14,7 +14,7 @@
 #include "absl/flags/parse.h"
 #include "client/client.h"
 #include "client/shm_tensor.h"
-#include "tests/ipc_trainer.h"
+#include "testing/ipc_trainer.h"
 
 ABSL_FLAG(std::string, target, "", "Daemon address.");
 ABSL_FLAG(int, device, -1, "-1: CPU backend; N: CUDA device N.");

@@ -2,10 +2,8 @@
 
 #include <grpcpp/grpcpp.h>
 
-#include <fstream>
-#include <sstream>
-
 #include "absl/strings/str_cat.h"
+#include "common/pem_file.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
 namespace optimd {
@@ -14,22 +12,6 @@ absl::Status FromGrpcStatus(const grpc::Status& s) {
   if (s.ok()) return absl::OkStatus();
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
                       s.error_message());
-}
-
-absl::StatusOr<std::string> ReadPemFile(const std::string& what,
-                                        const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    return absl::NotFoundError(
-        absl::StrCat("cannot read the ", what, " file ", path));
-  }
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (text.str().find("-----BEGIN") == std::string::npos) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("the ", what, " file ", path, " is not PEM"));
-  }
-  return text.str();
 }
 
 absl::Status LoadTlsFiles(const std::string& ca_path,

@@ -32,11 +32,6 @@ struct ClientOptions {
   std::string admin_token;
 };
 
-// The contents of the PEM file `path` (a certificate or key, `what` in
-// errors): NOT_FOUND if it cannot be read, INVALID_ARGUMENT if not PEM.
-absl::StatusOr<std::string> ReadPemFile(const std::string& what,
-                                        const std::string& path);
-
 // Fills the TLS fields of *options from PEM files; an empty path leaves its
 // field as it is. NOT_FOUND or INVALID_ARGUMENT naming the file otherwise.
 absl::Status LoadTlsFiles(const std::string& ca_path,

@@ -20,7 +20,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
 #include "client/client.h"
-#include "client/default_address.h"
+#include "common/default_address.h"
 
 ABSL_FLAG(std::string, target, "",
           "Daemon address; default: the daemon's default socket "

@@ -17,9 +17,9 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "core/crc32c.h"
-#include "core/fault_guard.h"
-#include "core/status_macros.h"
+#include "common/crc32c.h"
+#include "common/fault_guard.h"
+#include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 
 namespace optimd {

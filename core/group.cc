@@ -8,8 +8,8 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "core/backend.h"
-#include "core/status_macros.h"
 
 namespace optimd {
 

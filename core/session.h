@@ -21,10 +21,10 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "common/mutex.h"
 #include "core/backend.h"
 #include "core/checkpoint.h"
 #include "core/group.h"
-#include "core/mutex.h"
 #include "core/state_budget.h"
 
 namespace optimd {

@@ -7,7 +7,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
-#include "core/mutex.h"
+#include "common/mutex.h"
 
 namespace optimd {
 

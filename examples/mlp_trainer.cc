@@ -14,8 +14,8 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
-#include "client/default_address.h"
 #include "client/shm_tensor.h"
+#include "common/default_address.h"
 
 ABSL_FLAG(std::string, target, "", "Daemon address (default socket if empty).");
 ABSL_FLAG(int, steps, 300, "Training steps.");

@@ -11,7 +11,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
-#include "core/mutex.h"
+#include "common/mutex.h"
 
 namespace optimd {
 

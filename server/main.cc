@@ -32,11 +32,11 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "client/client.h"
-#include "client/default_address.h"
-#include "core/cpu_backend.h"
+#include "backends/cpu/cpu_backend.h"
+#include "common/default_address.h"
+#include "common/pem_file.h"
+#include "common/version.h"
 #include "core/session_registry.h"
-#include "core/version.h"
 #include "server/device_worker.h"
 #include "server/log.h"
 #include "server/metrics_http.h"
@@ -46,7 +46,7 @@
 #include "server/session_reaper.h"
 
 #ifdef OPTIMD_WITH_CUDA
-#include "kernels/cuda_backend.h"
+#include "backends/cuda/cuda_backend.h"
 #endif
 
 ABSL_FLAG(std::string, listen, "",

@@ -9,7 +9,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
-#include "core/mutex.h"
+#include "common/mutex.h"
 #include "optimd/v1/optimd.pb.h"
 
 namespace optimd {

@@ -12,8 +12,8 @@
 
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
-#include "core/mutex.h"
-#include "core/version.h"
+#include "common/mutex.h"
+#include "common/version.h"
 #include "server/convert.h"
 #include "server/log.h"
 

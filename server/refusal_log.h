@@ -18,7 +18,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "core/mutex.h"
+#include "common/mutex.h"
 
 namespace optimd {
 

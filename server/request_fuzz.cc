@@ -8,7 +8,7 @@
 #include <fstream>
 #include <memory>
 
-#include "core/cpu_backend.h"
+#include "backends/cpu/cpu_backend.h"
 #include "core/session.h"
 #include "google/protobuf/stubs/logging.h"
 #include "server/convert.h"

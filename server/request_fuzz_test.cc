@@ -1,8 +1,8 @@
 // Replays the request fuzz corpus (server/testdata/request_corpus) through
-// the fuzz target in the normal build (core/corpus_replay.h).
+// the fuzz target in the normal build (testing/corpus_replay.h).
 #include "server/request_fuzz.h"
 
-#include "core/corpus_replay.h"
+#include "testing/corpus_replay.h"
 
 int main(int argc, char** argv) {
   optimd::CorpusReplay replay;

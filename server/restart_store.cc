@@ -9,7 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "core/crc32c.h"
+#include "common/crc32c.h"
 
 namespace optimd {
 

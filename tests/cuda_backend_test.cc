@@ -1,6 +1,6 @@
 // GPU tests of the CUDA backend (tag "gpu"): every layout and option against
 // the CPU reference backend on random data, through real CUDA IPC buffers
-// owned by another process (tests/ipc_trainer.h).
+// owned by another process (testing/ipc_trainer.h).
 //
 // Tolerance: none where clipping is off. The kernels follow the reference
 // operation by operation with IEEE fp32 division and square root and no FMA
@@ -9,7 +9,7 @@
 // the global norm is summed in another order on the GPU (per-block partials)
 // than on the CPU (per-task partials): the clip coefficient may differ in
 // its last bits, so those results are compared to 1e-6 relative.
-#include "kernels/cuda_backend.h"
+#include "backends/cuda/cuda_backend.h"
 
 #include <cuda_runtime.h>
 
@@ -17,12 +17,12 @@
 #include <cstring>
 #include <random>
 
+#include "backends/cpu/cpu_backend.h"
 #include "client/shm_tensor.h"
-#include "core/cpu_backend.h"
 #include "core/session.h"
 #include "gtest/gtest.h"
 #include "kernels/adamw_cpu.h"
-#include "tests/ipc_trainer.h"
+#include "testing/ipc_trainer.h"
 
 namespace optimd {
 namespace {
@@ -627,7 +627,9 @@ TEST_F(CudaBackendTest, AsynchronousStepsReportTheLastCompletedStep) {
     if (!g->outcome.known) continue;
     const uint64_t k = g->outcome.steps_applied;
     ASSERT_LT(k, scale_of.size());
-    if (r.options.wait) ASSERT_EQ(k, scale_of.size() - 1);
+    if (r.options.wait) {
+      ASSERT_EQ(k, scale_of.size() - 1);
+    }
     if (k < scale_of.size() - 1) ++earlier;
     EXPECT_NEAR(g->outcome.grad_norm, norm / scale_of[k], 1e-12 * norm)
         << "reply to step " << scale_of.size() - 1 << " reports step " << k;

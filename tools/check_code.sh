@@ -3,7 +3,10 @@
 #   1. every C++ and CUDA file is formatted as .clang-format says;
 #   2. the Abseil thread-safety annotations hold: clang's -Wthread-safety
 #      (and -beta) as errors over every production source, proven live by a
-#      known-bad snippet that must fail.
+#      known-bad snippet that must fail;
+#   3. the packages depend in one direction (docs/architecture.md): Bazel
+#      visibility refuses a wrong edge when it is written; this asks Bazel
+#      for the forbidden paths through the whole graph as well.
 # Needs clang and clang-format (tools/setup.sh) and the generated protobuf
 # headers of a Bazel build (run after `bazel build //...`). Exits non-zero
 # on the first kind of failure, listing the files.
@@ -28,7 +31,7 @@ if [ -d /usr/local/cuda/include ]; then
   flags+=(-I/usr/local/cuda/include -DOPTIMD_WITH_CUDA)
 fi
 control=$(mktemp --suffix=.cc)
-trap 'rm -f "$control"' EXIT
+trap 'rm -f "$control" "${query_log:-}"' EXIT
 cat >"$control" <<'CC'
 #include "absl/synchronization/mutex.h"
 struct Counter {
@@ -41,10 +44,10 @@ if clang++ "${flags[@]}" "$control" >/dev/null 2>&1; then
   echo "the thread-safety check is not live: a known race compiled"
   status=1
 fi
-sources=$(git ls-files 'core/*.cc' 'server/*.cc' 'client/*.cc' \
-  'kernels/*.cc' | grep -v '_test\.cc$')
+sources=$(git ls-files 'common/*.cc' 'core/*.cc' 'server/*.cc' \
+  'client/*.cc' 'kernels/*.cc' 'backends/*.cc' | grep -v '_test\.cc$')
 if [ ! -d /usr/local/cuda/include ]; then
-  sources=$(echo "$sources" | grep -v '^kernels/cuda_')
+  sources=$(echo "$sources" | grep -v '^kernels/cuda_\|^backends/cuda/')
 fi
 for f in $sources; do
   if ! out=$(clang++ "${flags[@]}" "$f" 2>&1); then
@@ -52,5 +55,33 @@ for f in $sources; do
     status=1
   fi
 done
+echo "== package direction"
+# paths FROM TO: the production targets under FROM that depend on one in TO.
+paths() {
+  bazel query --noshow_progress \
+    "kind('cc_(library|binary)', attr(testonly, 0, $1)) intersect \
+     rdeps($1, $2)" 2>"$query_log"
+}
+query_log=$(mktemp)
+if [ -z "$(paths //server/... //core/...)" ]; then
+  echo "the package-direction check is not live: server -> core not found"
+  cat "$query_log"
+  status=1
+fi
+forbid() {
+  local found
+  if ! found=$(paths "$1" "$2"); then
+    tail -5 "$query_log"
+    status=1
+  elif [ -n "$found" ]; then
+    echo "production targets in $1 depend on $2:" $found
+    status=1
+  fi
+}
+forbid //common/... "//core/... + //kernels/... + //backends/... + //server/... + //client/..."
+forbid //core/... "//kernels/... + //backends/... + //server/... + //client/..."
+forbid //kernels/... "//backends/... + //server/... + //client/..."
+forbid //backends/... "//server/... + //client/..."
+forbid //server/... "//client/..."
 [ "$status" = 0 ] && echo "== code checks passed"
 exit "$status"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Fuzzes checkpoint loading (core/checkpoint_fuzz.cc) and request validation
-# (server/request_fuzz.cc) with clang's libFuzzer under AddressSanitizer and
+# Fuzzes checkpoint loading (tests/core/checkpoint_fuzz.cc) and request
+# validation (server/request_fuzz.cc) with clang's libFuzzer under AddressSanitizer and
 # UndefinedBehaviorSanitizer, each from its seed corpus
-# (core/testdata/checkpoint_corpus, server/testdata/request_corpus).
+# (tests/core/testdata/checkpoint_corpus, server/testdata/request_corpus).
 #
 #   tools/fuzz.sh [RUNS]     # executions per target, default 100000;
 #                            # fails on any crash or sanitizer report
@@ -17,10 +17,10 @@ runs="${1:-100000}"
 out="$(mktemp -d /tmp/optimd-fuzz-XXXXXX)"
 trap 'rm -rf "$out"' EXIT
 
-core=(core/checkpoint.cc core/crc32c.cc core/fault_guard.cc core/group.cc
-      core/layout.cc core/dtype.cc core/cpu_backend.cc core/shm_segment.cc
-      core/thread_pool.cc core/session.cc core/state_budget.cc
-      kernels/adamw_cpu.cc)
+core=(core/checkpoint.cc common/crc32c.cc common/fault_guard.cc core/group.cc
+      core/layout.cc core/dtype.cc backends/cpu/cpu_backend.cc
+      backends/cpu/shm_segment.cc common/thread_pool.cc core/session.cc
+      core/state_budget.cc kernels/adamw_cpu.cc)
 absl=(-labsl_statusor -labsl_status -labsl_cord -labsl_cordz_info
       -labsl_cord_internal -labsl_cordz_functions -labsl_cordz_handle
       -labsl_exponential_biased -labsl_synchronization
@@ -60,7 +60,7 @@ fuzz() {
 }
 
 bazel build //proto:optimd_cc_proto >/dev/null
-fuzz checkpoint_fuzz core/testdata/checkpoint_corpus core/checkpoint_fuzz.cc --
+fuzz checkpoint_fuzz tests/core/testdata/checkpoint_corpus tests/core/checkpoint_fuzz.cc --
 fuzz request_fuzz server/testdata/request_corpus server/request_fuzz.cc \
   server/convert.cc bazel-bin/proto/optimd/v1/optimd.pb.cc -- \
   -lgrpc++ -lgrpc -lgpr -lprotobuf

@@ -32,7 +32,8 @@ echo "== C++ tests under ASan and UBSan"
 asan_base="$cache_root/optimd-asan-$checkout_key"
 bazel --output_base="$asan_base" test --config=asan --define=cuda=off \
   --build_tag_filters=-cuda --test_tag_filters=-gpu \
-  //core/... //server/... //tests:e2e_test //tests:random_requests_test
+  //common/... //core/... //backends/... //server/... //tests/core/... \
+  //tests:e2e_test //tests:random_requests_test
 bazel --output_base="$asan_base" shutdown
 
 # The threaded parts under ThreadSanitizer: the thread pool, the device
@@ -67,7 +68,7 @@ bazel --output_base="$tsan_base" test --config=tsan --define=cuda=off \
   --build_tag_filters=-cuda --test_tag_filters=-gpu \
   --test_env=TSAN_OPTIONS="suppressions=$PWD/tools/tsan.supp" \
   --test_arg=--gtest_filter=-*LongNamesAndTooManyTensors*:*ManyTensors*:*Million*:*HeaderPastTheLimit*:*PackedFormatHolds*:*PackedFormatDetects* \
-  //core:thread_pool_test //core:session_test //core:checkpoint_test \
+  //common:thread_pool_test //tests/core:session_test //tests/core:checkpoint_test \
   //server:device_worker_test //server:refusal_log_test //tests:e2e_test
 bazel --output_base="$tsan_base" shutdown
 

@@ -16,7 +16,7 @@ from optimd.v1 import optimd_pb2_grpc as pb_grpc
 SESSION_METADATA_KEY = "x-optimd-session"
 ADMIN_METADATA_KEY = "x-optimd-admin"
 # The client's version, and the API revision it needs of a daemon
-# (core/version.h says what each revision added).
+# (common/version.h says what each revision added).
 __version__ = "0.3.0"
 API_REVISION = 3
 

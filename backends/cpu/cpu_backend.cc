@@ -1,0 +1,278 @@
+#include "backends/cpu/cpu_backend.h"
+
+#include <sys/mman.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/fault_guard.h"
+#include "kernels/adamw_cpu.h"
+
+namespace optimd {
+
+CpuBackend::CpuBackend(const Options& options)
+    : options_(options), pool_(options.threads) {
+  partial_sums_.assign(static_cast<size_t>(pool_.size()) * 8, 0.0);
+}
+
+absl::StatusOr<BufferRef> CpuBackend::ResolveBuffer(const BufferHandle& handle,
+                                                    uint64_t alignment,
+                                                    const std::string& what) {
+  return segments_.Resolve(handle, alignment, what);
+}
+
+absl::StatusOr<StateStorage> CpuBackend::AllocateState(uint64_t bytes) {
+  if (bytes == 0) return StateStorage();
+  constexpr uint64_t kAlign = 64;
+  const uint64_t rounded = (bytes + kAlign - 1) / kAlign * kAlign;
+  // The state is zeroed, so every byte of it gets touched: more than the
+  // machine can hold would get the daemon killed for lack of memory
+  // instead of refusing the registration.
+  if (absl::Status s = CheckHostMemory(rounded, "the optimizer state");
+      !s.ok()) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(s.message(),
+                     "; use bf16 moments or remainders, fewer parameters per "
+                     "daemon, or set --max_state_bytes"));
+  }
+  void* p = std::aligned_alloc(kAlign, rounded);
+  if (p == nullptr) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot allocate ", bytes, " bytes of optimizer state"));
+  }
+  std::memset(p, 0, rounded);
+  return StateStorage(static_cast<uint8_t*>(p), bytes,
+                      [](uint8_t* q) { std::free(q); });
+}
+
+absl::Status CpuBackend::PrepareGroup(Group& group) {
+  BuildPlan(group, options_.chunk_elements);
+  counters().plan_builds.fetch_add(1, std::memory_order_relaxed);
+  const Plan& plan = group.plan;
+  std::atomic<bool> fault{false};
+  pool_.ParallelFor(plan.items.size(), [&](uint64_t i, int) {
+    const PlanItem& item = plan.items[i];
+    if (!GuardMemoryFaults(
+             [&] {
+               InitMasterRange(plan.layouts[item.entry],
+                               plan.entries[item.entry], item.begin, item.end);
+             },
+             "registration")
+             .ok()) {
+      fault = true;
+    }
+  });
+  if (fault) return fault_guard_internal::FaultStatus("registration");
+  // Frozen tensors are never stepped but keep a master copy for GetParams and
+  // checkpoints.
+  return GuardMemoryFaults(
+      [&] {
+        for (TensorEntry& t : group.tensors) {
+          if (t.frozen && t.numel > 0) {
+            InitMasterRange(t.layout, t.Pointers(), 0, t.numel);
+          }
+        }
+      },
+      "registration");
+}
+
+absl::Status CpuBackend::UpdatePlanEntries(
+    Group& group, const std::vector<uint32_t>& entries) {
+  for (uint32_t entry : entries) {
+    group.plan.entries[entry] =
+        group.tensors[group.plan.tensor_index[entry]].Pointers();
+  }
+  counters().plan_entry_updates.fetch_add(entries.size(),
+                                          std::memory_order_relaxed);
+  return absl::OkStatus();
+}
+
+namespace {
+
+// The CPU backend's per-session state: the session's totals.
+struct CpuSession : SessionContext {
+  uint64_t applied = 0;
+  uint64_t skipped = 0;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<SessionContext>> CpuBackend::OpenSession(
+    int device, const std::string& ready_event, std::string* done_event) {
+  if (!ready_event.empty()) {
+    return absl::InvalidArgumentError(
+        "the CPU backend takes no CUDA events; leave ready_event empty");
+  }
+  done_event->clear();
+  return std::unique_ptr<SessionContext>(new CpuSession());
+}
+
+namespace {
+
+// Per plan entry, the step scalars of its own step count when some tensor
+// of `g` missed steps (its bias correction then differs from the group's);
+// empty otherwise, the usual case.
+std::vector<StepScalars> OwnStepScalars(const Group& g, double scale,
+                                        double clip) {
+  const auto missed = [&](uint32_t e) {
+    return g.tensors[g.plan.tensor_index[e]].missed_steps;
+  };
+  const uint32_t n = static_cast<uint32_t>(g.plan.entries.size());
+  bool any = false;
+  for (uint32_t e = 0; e < n && !any; ++e) any = missed(e) != 0;
+  if (!any) return {};
+  std::vector<StepScalars> own(n);
+  for (uint32_t e = 0; e < n; ++e) {
+    own[e] = MakeStepScalars(g.hyper, g.step + 1 - missed(e), scale, clip);
+  }
+  return own;
+}
+
+}  // namespace
+
+absl::StatusOr<StepOutcome> CpuBackend::Step(SessionContext* session,
+                                             const std::vector<Group*>& groups,
+                                             const StepOptions& options) {
+  auto* totals = static_cast<CpuSession*>(session);
+  StepOutcome out;
+  // Pass 1: the sum of squares of every gradient of the session. A
+  // non-finite element makes the sum non-finite.
+  double sumsq = 0.0;
+  const bool statistics = !options.assume_finite || options.max_grad_norm > 0;
+  for (Group* g : statistics ? groups : std::vector<Group*>()) {
+    const Plan& plan = g->plan;
+    if (plan.items.empty()) continue;
+    std::fill(partial_sums_.begin(), partial_sums_.end(), 0.0);
+    pool_.ParallelFor(plan.tasks.size(), [&](uint64_t t, int worker) {
+      double sum = 0;
+      const absl::Status s = GuardMemoryFaults(
+          [&] {
+            for (uint32_t i = plan.tasks[t].first_item;
+                 i < plan.tasks[t].end_item; ++i) {
+              const PlanItem& item = plan.items[i];
+              // An entry without a gradient (absent) is not stepped.
+              if (plan.entries[item.entry].grad == nullptr) continue;
+              sum += GradSumSquaresRange(plan.layouts[item.entry].grad_dtype,
+                                         plan.entries[item.entry].grad,
+                                         item.begin, item.end);
+            }
+          },
+          "step");
+      if (!s.ok()) fault_ = true;
+      partial_sums_[static_cast<size_t>(worker) * 8] += sum;
+    });
+    for (int w = 0; w < pool_.size(); ++w) sumsq += partial_sums_[w * 8];
+  }
+  if (fault_.exchange(false)) {
+    // Nothing has changed yet.
+    return fault_guard_internal::FaultStatus("step");
+  }
+  const double scale = options.grad_scale > 0 ? options.grad_scale : 1.0;
+  if (!std::isfinite(sumsq)) {
+    out.skipped = true;
+    out.grad_norm = std::numeric_limits<double>::quiet_NaN();
+    out.steps_applied = totals->applied;
+    out.steps_skipped = ++totals->skipped;
+    return out;
+  }
+  out.grad_norm = statistics ? std::sqrt(sumsq) / scale
+                             : std::numeric_limits<double>::quiet_NaN();
+  double clip = 1.0;
+  if (options.max_grad_norm > 0) {
+    // torch.nn.utils.clip_grad_norm_: coef = max / (norm + 1e-6), at most 1.
+    clip = std::min(1.0, options.max_grad_norm / (out.grad_norm + 1e-6));
+  }
+  // Pass 2: the update, one parallel loop per group.
+  for (Group* g : groups) {
+    const Plan& plan = g->plan;
+    if (plan.items.empty()) continue;
+    const StepScalars s = MakeStepScalars(g->hyper, g->step + 1, scale, clip);
+    const std::vector<StepScalars> own = OwnStepScalars(*g, scale, clip);
+    pool_.ParallelFor(plan.tasks.size(), [&](uint64_t t, int) {
+      const absl::Status st = GuardMemoryFaults(
+          [&] {
+            for (uint32_t i = plan.tasks[t].first_item;
+                 i < plan.tasks[t].end_item; ++i) {
+              const PlanItem& item = plan.items[i];
+              if (plan.entries[item.entry].grad == nullptr) continue;
+              AdamWStepRange(plan.layouts[item.entry], plan.entries[item.entry],
+                             item.begin, item.end,
+                             own.empty() ? s : own[item.entry]);
+            }
+          },
+          "step");
+      if (!st.ok()) fault_ = true;
+    });
+  }
+  if (fault_.exchange(false)) {
+    return absl::DataLossError(
+        "step: a trainer's shared-memory segment shrank during the update; "
+        "the state is partly updated and must be loaded from a checkpoint");
+  }
+  for (Group* g : groups) {
+    ++g->step;
+    for (uint32_t e = 0; e < g->plan.entries.size(); ++e) {
+      if (g->plan.entries[e].grad == nullptr) {
+        ++g->tensors[g->plan.tensor_index[e]].missed_steps;
+      }
+    }
+  }
+  out.steps_applied = ++totals->applied;
+  out.steps_skipped = totals->skipped;
+  return out;
+}
+
+absl::Status CpuBackend::WriteParams(Group& group) {
+  return GuardMemoryFaults(
+      [&] {
+        for (TensorEntry& t : group.tensors) {
+          if (t.numel > 0) {
+            WriteParamFromMasterRange(t.layout, t.Pointers(), 0, t.numel);
+          }
+        }
+      },
+      "GetParams");
+}
+
+absl::Status CpuBackend::CopyToHost(const uint8_t* src, uint8_t* dst,
+                                    uint64_t bytes) {
+  return GuardMemoryFaults(
+      [&] {
+        if (bytes > 0) std::memcpy(dst, src, bytes);
+      },
+      "state read");
+}
+
+absl::Status CpuBackend::CopyFromHost(const uint8_t* src, uint8_t* dst,
+                                      uint64_t bytes) {
+  return GuardMemoryFaults(
+      [&] {
+        if (bytes > 0) std::memcpy(dst, src, bytes);
+      },
+      "state write");
+}
+
+void CpuBackend::ForgetTrainerBuffers(
+    const std::vector<std::shared_ptr<const void>>& mappings) {
+  for (const auto& m : mappings) {
+    const auto* segment = static_cast<const SharedMemorySegment*>(m.get());
+    // Only while the name still names the trainer's segment: a new
+    // trainer may have made another under it.
+    if (segment->StillNamed()) shm_unlink(segment->name().c_str());
+  }
+}
+
+absl::Status CpuBackend::CheckMappings(
+    const std::vector<std::shared_ptr<const void>>& mappings) {
+  for (const auto& m : mappings) {
+    absl::Status s =
+        static_cast<const SharedMemorySegment*>(m.get())->CheckStillMapped();
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace optimd

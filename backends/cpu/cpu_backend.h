@@ -1,0 +1,68 @@
+// The CPU backend: trainer buffers are POSIX shared-memory segments, state
+// lives in the daemon's heap, and steps run the reference kernels of
+// kernels/adamw_cpu.h over a thread pool. The embedded default, and the
+// reference every other backend is checked against.
+#ifndef OPTIMD_BACKENDS_CPU_CPU_BACKEND_H_
+#define OPTIMD_BACKENDS_CPU_CPU_BACKEND_H_
+
+#include <atomic>
+#include <memory>
+
+#include "backends/cpu/shm_segment.h"
+#include "common/thread_pool.h"
+#include "core/backend.h"
+
+namespace optimd {
+
+class CpuBackend final : public Backend {
+ public:
+  struct Options {
+    // Worker threads for steps; 0 means one per hardware thread.
+    int threads = 0;
+    // Elements per work item of a plan.
+    uint64_t chunk_elements = 1 << 16;
+  };
+
+  explicit CpuBackend(const Options& options);
+
+  BackendKind kind() const override { return BackendKind::kCpu; }
+  bool HostAddressable() const override { return true; }
+  absl::StatusOr<BufferRef> ResolveBuffer(const BufferHandle& handle,
+                                          uint64_t alignment,
+                                          const std::string& what) override;
+  absl::StatusOr<StateStorage> AllocateState(uint64_t bytes) override;
+  absl::Status PrepareGroup(Group& group) override;
+  void ForgetTrainerBuffers(
+      const std::vector<std::shared_ptr<const void>>& mappings) override;
+  absl::Status UpdatePlanEntries(Group& group,
+                                 const std::vector<uint32_t>& entries) override;
+  absl::StatusOr<std::unique_ptr<SessionContext>> OpenSession(
+      int device, const std::string& ready_event,
+      std::string* done_event) override;
+  absl::StatusOr<StepOutcome> Step(SessionContext* session,
+                                   const std::vector<Group*>& groups,
+                                   const StepOptions& options) override;
+  absl::Status WriteParams(Group& group) override;
+  absl::Status CheckMappings(
+      const std::vector<std::shared_ptr<const void>>& mappings) override;
+
+  absl::Status CopyToHost(const uint8_t* src, uint8_t* dst,
+                          uint64_t bytes) override;
+  absl::Status CopyFromHost(const uint8_t* src, uint8_t* dst,
+                            uint64_t bytes) override;
+
+  const SegmentCache& segments() const { return segments_; }
+
+ private:
+  const Options options_;
+  SegmentCache segments_;
+  ThreadPool pool_;
+  // Per-worker partial sums, reused across steps (no allocation per step).
+  std::vector<double> partial_sums_;
+  // Set by a worker whose access faulted (a segment shrank mid-step).
+  std::atomic<bool> fault_{false};
+};
+
+}  // namespace optimd
+
+#endif  // OPTIMD_BACKENDS_CPU_CPU_BACKEND_H_

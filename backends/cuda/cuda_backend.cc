@@ -1,0 +1,1128 @@
+#include "backends/cuda/cuda_backend.h"
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "backends/cuda/cuda_status.h"
+#include "common/mutex.h"
+#include "common/status_macros.h"
+#include "kernels/adamw_cuda.h"
+
+namespace optimd {
+namespace {
+
+using cuda::DeviceBlock;
+using cuda::DeviceChunk;
+using cuda::DeviceGroupState;
+
+using MemGetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+using StreamValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t,
+                                     unsigned int);
+
+// Driver entry points the runtime does not wrap, found once through
+// cudaGetDriverEntryPointByVersion (the daemon never links libcuda).
+struct DriverFns {
+  MemGetAddressRangeFn mem_get_address_range = nullptr;
+  StreamValue32Fn stream_wait_value32 = nullptr;
+  StreamValue32Fn stream_write_value32 = nullptr;
+};
+
+// One opened IPC allocation. Closing waits for the device's stream, so a
+// mapping is never closed under a step that uses it.
+class IpcMapping {
+ public:
+  IpcMapping(int device, cudaStream_t stream, uint8_t* base, uint64_t size)
+      : device_(device), stream_(stream), base_(base), size_(size) {}
+  ~IpcMapping() {
+    cudaSetDevice(device_);
+    cudaStreamSynchronize(stream_);
+    cudaIpcCloseMemHandle(base_);
+  }
+  uint8_t* base() const { return base_; }
+  uint64_t size() const { return size_; }
+
+ private:
+  const int device_;
+  const cudaStream_t stream_;
+  uint8_t* const base_;
+  const uint64_t size_;
+};
+
+// Device memory with a cudaFree deleter.
+absl::StatusOr<StateStorage> DeviceAlloc(int device, uint64_t bytes) {
+  if (bytes == 0) return StateStorage();
+  void* p = nullptr;
+  const cudaError_t e = cudaMalloc(&p, bytes);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot allocate ", bytes, " bytes on GPU ", device, ": ",
+                     cudaGetErrorString(e)));
+  }
+  return StateStorage(static_cast<uint8_t*>(p), bytes, [device](uint8_t* q) {
+    cudaSetDevice(device);
+    cudaFree(q);
+  });
+}
+
+// Work blocks over chunks of one layout. The update's work blocks hold
+// about chunk_elements elements, twice that with 16-bit moments (fewer bytes
+// per element); the statistics pass, which reads one stream where the
+// update reads four or more, walks work blocks kStatsBlockFactor times
+// larger, so that starting a thread block costs it as little relative to
+// its bytes. All three measured on the H200 (bench/RESULTS.md).
+struct BlockTable {
+  std::vector<DeviceBlock> blocks;
+  StateStorage blocks_d;
+};
+constexpr uint64_t kStatsBlockFactor = 8;
+// A progress word's value past every stage (the trainer's waits compare
+// with cuStreamWaitValue32's cyclic >=, so values stay below 2^31).
+constexpr uint32_t kPastEveryStage = 0x7FFFFFFF;
+
+uint64_t UpdateBlockElements(const Layout& l, uint64_t chunk_elements) {
+  return DTypeSize(l.moment_dtype) == 2 ? 2 * chunk_elements : chunk_elements;
+}
+
+struct Segment {
+  Layout layout;
+  uint32_t stage = 0;  // of its tensors (TensorEntry::stage)
+  uint32_t first_chunk = 0;
+  uint32_t num_chunks = 0;
+  uint32_t first_block[2] = {0, 0};  // [0]: update, [1]: statistics
+  uint32_t num_blocks[2] = {0, 0};
+};
+
+// The device-resident plan of one group. chunks: as in device memory;
+// chunk_end[c]: the end of chunk c's element range (its `end` is `begin`
+// while its tensor has no gradient); entry_chunks[e]: the chunks [first,
+// end) of plan entry e, consecutive since an entry has one layout;
+// tables[0]: the update's work blocks, tables[1]: the statistics pass's
+// (one partial sum each).
+struct DevicePlan {
+  uint64_t id = 0;  // unique within the backend
+  std::vector<DeviceChunk> chunks;
+  std::vector<uint64_t> chunk_end;
+  std::vector<std::pair<uint32_t, uint32_t>> entry_chunks;
+  std::vector<Segment> segments;
+  BlockTable tables[2];
+  StateStorage chunks_d, partials_d, state_d, scalars_d;
+  // Per entry, the group's applied steps it missed (no gradient); advanced
+  // by the commit kernel for the entries listed in absent_d ([0]: count,
+  // then entries), whose host copy is `absent`.
+  StateStorage missed_d, absent_d;
+  std::vector<uint32_t> absent;
+};
+
+// Pinned slots, one per step in flight: the step's arguments, which its
+// kernels read, and its counters, which they write, so that a reply can
+// report the last completed step without waiting. A slot is reused only
+// after its event has completed.
+struct ReportSlot {
+  cudaEvent_t event = nullptr;
+  void* memory = nullptr;            // cudaHostAlloc'd: args, then host
+  cuda::GroupStep* args = nullptr;   // [g]: group g's step arguments
+  DeviceGroupState* host = nullptr;  // [0]: session totals, [1+g]: groups
+  uint32_t capacity = 0;             // groups
+  uint32_t groups = 0;
+  uint64_t sequence = 0;  // 0: never used
+  // How its step was asked for: the norm it reports is unscaled by this
+  // step's own grad_scale (NaN without the statistics pass).
+  double grad_scale = 1;
+  bool statistics = true;
+  // The step's kernels as a CUDA graph bound to this slot's memory, for the
+  // session's current groups (CudaSession::graph_key); nullptr until built.
+  cudaGraphExec_t exec = nullptr;
+};
+
+class CudaSession : public SessionContext {
+ public:
+  ~CudaSession() override {
+    if (stream != nullptr) cudaStreamSynchronize(stream);
+    for (ReportSlot& s : slots) {
+      if (s.event != nullptr) cudaEventDestroy(s.event);
+      if (s.memory != nullptr) cudaFreeHost(s.memory);
+      if (s.exec != nullptr) cudaGraphExecDestroy(s.exec);
+    }
+    if (ready != nullptr) cudaEventDestroy(ready);
+    if (done != nullptr) cudaEventDestroy(done);
+  }
+
+  cudaStream_t stream = nullptr;
+  cudaEvent_t ready = nullptr;  // the trainer's, opened by IPC
+  cudaEvent_t done = nullptr;   // ours, exported by IPC
+  StateStorage totals_d;        // DeviceGroupState
+  std::vector<ReportSlot> slots;
+  uint64_t sequence = 0;
+  StepOutcome last;  // the newest outcome seen complete
+  uint64_t last_sequence = 0;
+  std::vector<uint64_t> last_group_steps;
+  // What the slots' graphs were built for: the statistics flag, the
+  // backend's scratch generation, and each group's plan and update flavour.
+  std::vector<uint64_t> graph_key;
+};
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(int device, const CudaBackendOptions& options,
+              cudaStream_t stream, cudaStream_t capture_stream,
+              const DriverFns& driver)
+      : device_(device),
+        options_(options),
+        stream_(stream),
+        capture_stream_(capture_stream),
+        mem_get_address_range_(driver.mem_get_address_range),
+        driver_(driver) {}
+
+  ~CudaBackend() override {
+    cudaSetDevice(device_);
+    cudaStreamSynchronize(stream_);
+    cudaStreamDestroy(stream_);
+    cudaStreamDestroy(capture_stream_);
+  }
+
+  BackendKind kind() const override { return BackendKind::kCuda; }
+
+  absl::StatusOr<BufferRef> ResolveBuffer(const BufferHandle& handle,
+                                          uint64_t alignment,
+                                          const std::string& what) override;
+  absl::StatusOr<StateStorage> AllocateState(uint64_t bytes) override;
+  absl::Status PrepareGroup(Group& group) override;
+  absl::Status UpdatePlanEntries(Group& group,
+                                 const std::vector<uint32_t>& entries) override;
+  absl::StatusOr<std::unique_ptr<SessionContext>> OpenSession(
+      int device, const std::string& ready_event,
+      std::string* done_event) override;
+  absl::StatusOr<StepOutcome> Step(SessionContext* session,
+                                   const std::vector<Group*>& groups,
+                                   const StepOptions& options) override;
+  absl::Status ReleaseStep(SessionContext* session,
+                           const StepOptions& options) override;
+  absl::Status WriteParams(Group& group) override;
+  absl::Status SyncGroupCounters(const std::vector<Group*>& groups) override;
+  absl::StatusOr<StateStorage> AllocateHostStaging(uint64_t bytes) override {
+    OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
+    void* p = nullptr;
+    const cudaError_t e = cudaMallocHost(&p, std::max<uint64_t>(bytes, 1));
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "cannot allocate ", bytes,
+          " bytes of pinned host memory: ", cudaGetErrorString(e)));
+    }
+    return StateStorage(static_cast<uint8_t*>(p), bytes,
+                        [](uint8_t* q) { cudaFreeHost(q); });
+  }
+  absl::Status SetGroupStep(Group& group, uint64_t step) override;
+  absl::Status CheckMappings(
+      const std::vector<std::shared_ptr<const void>>&) override {
+    return absl::OkStatus();
+  }
+  absl::Status CopyToHost(const uint8_t* src, uint8_t* dst,
+                          uint64_t bytes) override;
+  absl::Status CopyFromHost(const uint8_t* src, uint8_t* dst,
+                            uint64_t bytes) override;
+
+ private:
+  absl::Status UploadPlan(DevicePlan& plan);
+  // One stream memory operation on stream_ (wait or write of a step flag).
+  absl::Status StreamValue(StreamValue32Fn fn, uint32_t* word, uint32_t value,
+                           unsigned int flags);
+  // Uploads the list of the plan's entries without a gradient, if it
+  // changed.
+  absl::Status UploadAbsent(DevicePlan& plan);
+  // The work of one segment's launch over block table `table`.
+  cuda::Work SegmentWork(const DevicePlan& plan, const Segment& seg,
+                         int table) const;
+  absl::Status EnsureScratch(uint32_t groups);
+  // Enqueues a step's kernels for `groups` on `stream`, with `slot`'s
+  // arguments and report; with `progress`, a staged step's updates.
+  absl::Status EnqueueStep(CudaSession& s, const std::vector<Group*>& groups,
+                           const ReportSlot& slot, bool statistics,
+                           uint32_t* progress, cudaStream_t stream);
+  // The updates of every group stage by stage, writing *progress = s + 1
+  // after stage s (past every stage after the last).
+  absl::Status EnqueueStagedUpdates(const std::vector<Group*>& groups,
+                                    uint32_t* progress, cudaStream_t stream);
+  absl::Status LaunchUpdate(const Group& group, const Segment& seg,
+                            cudaStream_t stream);
+  absl::Status ReadSlot(CudaSession& s, ReportSlot& slot,
+                        const std::vector<Group*>& groups, StepOutcome* out);
+
+  const int device_;
+  const CudaBackendOptions options_;
+  const cudaStream_t stream_;
+  // Never runs work: step graphs are captured on it.
+  const cudaStream_t capture_stream_;
+  const MemGetAddressRangeFn mem_get_address_range_;
+  const DriverFns driver_;
+  uint64_t next_plan_id_ = 1;
+
+  Mutex mu_;
+  std::map<std::string, std::weak_ptr<IpcMapping>> mappings_
+      ABSL_GUARDED_BY(mu_);
+
+  // Per-step scratch: per group of the stepping session, its sum of squares
+  // and a device copy of its arguments.
+  StateStorage sums_d_, steps_d_;
+  uint32_t scratch_capacity_ = 0;
+  uint64_t scratch_generation_ = 0;  // bumped when reallocated
+};
+
+absl::StatusOr<BufferRef> CudaBackend::ResolveBuffer(const BufferHandle& handle,
+                                                     uint64_t alignment,
+                                                     const std::string& what) {
+  if (handle.kind != BufferHandle::Kind::kCudaIpc) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what,
+                     ": the CUDA backend needs a cuda_ipc buffer handle, not a "
+                     "shared-memory one"));
+  }
+  if (handle.ipc_handle.size() != sizeof(cudaIpcMemHandle_t)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": ipc_handle must be ", sizeof(cudaIpcMemHandle_t),
+        " bytes (a cudaIpcMemHandle_t), got ", handle.ipc_handle.size()));
+  }
+  if (handle.device != device_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": the buffer is on GPU ", handle.device,
+                     " but this session's state lives on GPU ", device_,
+                     "; one session's tensors must share its device"));
+  }
+  std::shared_ptr<IpcMapping> mapping;
+  {
+    MutexLock lock(&mu_);
+    auto it = mappings_.find(handle.ipc_handle);
+    if (it != mappings_.end()) mapping = it->second.lock();
+    if (mapping == nullptr) {
+      cudaSetDevice(device_);
+      cudaIpcMemHandle_t h;
+      std::memcpy(&h, handle.ipc_handle.data(), sizeof(h));
+      void* base = nullptr;
+      const cudaError_t e =
+          cudaIpcOpenMemHandle(&base, h, cudaIpcMemLazyEnablePeerAccess);
+      if (e != cudaSuccess) {
+        cudaGetLastError();  // not sticky; clear it
+        return absl::InvalidArgumentError(absl::StrCat(
+            what, ": cannot open the CUDA IPC handle (", cudaGetErrorName(e),
+            ": ", cudaGetErrorString(e),
+            "); is it stale (freed by the trainer), from another GPU or "
+            "machine, or from this process?"));
+      }
+      CUdeviceptr range_base = 0;
+      size_t range_size = 0;
+      if (mem_get_address_range_(&range_base, &range_size,
+                                 reinterpret_cast<CUdeviceptr>(base)) !=
+          CUDA_SUCCESS) {
+        cudaIpcCloseMemHandle(base);
+        return absl::InvalidArgumentError(absl::StrCat(
+            what, ": cannot query the size of the IPC allocation"));
+      }
+      const uint64_t usable =
+          range_size - (reinterpret_cast<uint64_t>(base) - range_base);
+      mapping = std::make_shared<IpcMapping>(
+          device_, stream_, static_cast<uint8_t*>(base), usable);
+      mappings_[handle.ipc_handle] = mapping;
+      for (auto i = mappings_.begin(); i != mappings_.end();) {
+        i = i->second.expired() ? mappings_.erase(i) : std::next(i);
+      }
+    }
+  }
+  if (handle.offset > mapping->size() ||
+      handle.size > mapping->size() - handle.offset) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": region [", handle.offset, ", ", handle.offset, " + ",
+        handle.size, ") lies past the end of its CUDA allocation (",
+        mapping->size(), " bytes)"));
+  }
+  if (alignment > 1 &&
+      (reinterpret_cast<uint64_t>(mapping->base()) + handle.offset) %
+              alignment !=
+          0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": offset ", handle.offset, " is not element-aligned"));
+  }
+  BufferRef ref;
+  ref.data = mapping->base() + handle.offset;
+  ref.size = handle.size;
+  ref.mapping = std::move(mapping);
+  return ref;
+}
+
+absl::StatusOr<StateStorage> CudaBackend::AllocateState(uint64_t bytes) {
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
+  OPTIMD_ASSIGN_OR_RETURN(StateStorage s, DeviceAlloc(device_, bytes));
+  if (bytes > 0) {
+    OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(s.data(), 0, bytes, stream_));
+    OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+  }
+  return s;
+}
+
+// A chunk's stream pointers: its tensor's.
+void SetStreams(const TensorPointers& p, DeviceChunk* c) {
+  c->param = p.param;
+  c->grad = p.grad;
+  c->master = p.master;
+  c->exp_avg = p.exp_avg;
+  c->exp_avg_sq = p.exp_avg_sq;
+  c->max_exp_avg_sq = p.max_exp_avg_sq;
+}
+
+uint32_t ChunkTiles(const DeviceChunk& chunk, const Layout& layout);
+
+// Chunk [begin, end) of a tensor with pointers `p`. A tensor without a
+// gradient keeps its chunks with no elements, so every kernel passes over
+// them (and the work blocks' shapes, hence the step graphs, stay the same).
+void FillChunk(const TensorPointers& p, uint32_t entry, uint64_t begin,
+               uint64_t end, const Layout& layout, DeviceChunk* c) {
+  SetStreams(p, c);
+  c->entry = entry;
+  c->begin = begin;
+  c->end = p.grad == nullptr ? begin : end;
+  c->tiles = ChunkTiles(*c, layout);
+}
+
+// Sorted, merged [first, end) ranges; ranges at most `gap` apart are joined,
+// so that a few copies carry many small changes.
+std::vector<std::pair<uint32_t, uint32_t>> MergeRanges(
+    std::vector<std::pair<uint32_t, uint32_t>> ranges, uint32_t gap) {
+  std::sort(ranges.begin(), ranges.end());
+  std::vector<std::pair<uint32_t, uint32_t>> out;
+  for (const auto& r : ranges) {
+    if (r.first >= r.second) continue;
+    if (!out.empty() && r.first <= out.back().second + gap) {
+      out.back().second = std::max(out.back().second, r.second);
+    } else {
+      out.push_back(r);
+    }
+  }
+  return out;
+}
+
+// Tiles of a chunk: whole tiles when every stream is 16-byte aligned at
+// the chunk's first element (tiles access them in 8- or 16-byte pieces),
+// else none.
+uint32_t ChunkTiles(const DeviceChunk& chunk, const Layout& layout) {
+  auto aligned = [&](const void* p, uint64_t esize) {
+    if (p == nullptr) return true;
+    return (reinterpret_cast<uint64_t>(p) + chunk.begin * esize) % 16 == 0;
+  };
+  const uint64_t xs = layout.MasterBytesPerElement();
+  const uint64_t ms = DTypeSize(layout.moment_dtype);
+  const bool vector = aligned(chunk.param, DTypeSize(layout.param_dtype)) &&
+                      aligned(chunk.grad, DTypeSize(layout.grad_dtype)) &&
+                      aligned(chunk.exp_avg, ms) &&
+                      aligned(chunk.exp_avg_sq, ms) &&
+                      aligned(chunk.max_exp_avg_sq, ms) &&
+                      (xs == 0 || aligned(chunk.master, xs));
+  return vector ? static_cast<uint32_t>((chunk.end - chunk.begin) /
+                                        cuda::kTileElements)
+                : 0;
+}
+
+// A block's totals from its chunks.
+void CountBlock(const std::vector<DeviceChunk>& chunks, DeviceBlock* b) {
+  b->tiles = 0;
+  b->scalars = 0;
+  for (uint32_t c = b->first; c < b->end; ++c) {
+    b->tiles += chunks[c].tiles;
+    b->scalars += static_cast<uint32_t>(chunks[c].end - chunks[c].begin) -
+                  chunks[c].tiles * cuda::kTileElements;
+  }
+}
+
+// Appends work blocks over chunks [first, end): consecutive chunks of about
+// `target` elements in all, and at most kMaxChunksPerBlock of them.
+void AppendBlocks(const std::vector<DeviceChunk>& chunks, uint32_t first,
+                  uint32_t end, uint64_t target,
+                  std::vector<DeviceBlock>* out) {
+  const size_t start = out->size();
+  uint64_t in_block = 0;
+  for (uint32_t c = first; c < end; ++c) {
+    if (out->size() == start || in_block >= target ||
+        out->back().end - out->back().first >= cuda::kMaxChunksPerBlock) {
+      out->push_back({c, c, 0, 0});
+      in_block = 0;
+    }
+    out->back().end = c + 1;
+    in_block += chunks[c].end - chunks[c].begin;
+  }
+  for (size_t b = start; b < out->size(); ++b) CountBlock(chunks, &(*out)[b]);
+}
+
+cuda::Work CudaBackend::SegmentWork(const DevicePlan& plan, const Segment& seg,
+                                    int table) const {
+  cuda::Work w;
+  w.blocks =
+      reinterpret_cast<const DeviceBlock*>(plan.tables[table].blocks_d.data()) +
+      seg.first_block[table];
+  w.num_blocks = seg.num_blocks[table];
+  w.chunks = reinterpret_cast<const DeviceChunk*>(plan.chunks_d.data());
+  w.missed = reinterpret_cast<const uint32_t*>(plan.missed_d.data());
+  return w;
+}
+
+absl::Status CudaBackend::UploadPlan(DevicePlan& plan) {
+  OPTIMD_ASSIGN_OR_RETURN(
+      plan.chunks_d,
+      DeviceAlloc(device_, std::max<uint64_t>(1, plan.chunks.size()) *
+                               sizeof(DeviceChunk)));
+  for (BlockTable& t : plan.tables) {
+    OPTIMD_ASSIGN_OR_RETURN(
+        t.blocks_d,
+        DeviceAlloc(device_, std::max<uint64_t>(1, t.blocks.size()) *
+                                 sizeof(DeviceBlock)));
+    OPTIMD_RETURN_IF_CUDA_ERROR(
+        cudaMemcpyAsync(t.blocks_d.data(), t.blocks.data(),
+                        t.blocks.size() * sizeof(DeviceBlock),
+                        cudaMemcpyHostToDevice, stream_));
+  }
+  // One partial per work block of the statistics pass.
+  OPTIMD_ASSIGN_OR_RETURN(
+      plan.partials_d,
+      DeviceAlloc(device_, std::max<uint64_t>(1, plan.tables[1].blocks.size()) *
+                               sizeof(double)));
+  OPTIMD_ASSIGN_OR_RETURN(plan.state_d,
+                          DeviceAlloc(device_, sizeof(DeviceGroupState)));
+  OPTIMD_ASSIGN_OR_RETURN(plan.scalars_d,
+                          DeviceAlloc(device_, sizeof(cuda::DeviceScalars)));
+  OPTIMD_RETURN_IF_CUDA_ERROR(
+      cudaMemcpyAsync(plan.chunks_d.data(), plan.chunks.data(),
+                      plan.chunks.size() * sizeof(DeviceChunk),
+                      cudaMemcpyHostToDevice, stream_));
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(
+      plan.state_d.data(), 0, sizeof(DeviceGroupState), stream_));
+  const uint64_t entries = plan.entry_chunks.size();
+  OPTIMD_ASSIGN_OR_RETURN(
+      plan.missed_d,
+      DeviceAlloc(device_, std::max<uint64_t>(1, entries) * sizeof(uint32_t)));
+  OPTIMD_RETURN_IF_CUDA_ERROR(
+      cudaMemsetAsync(plan.missed_d.data(), 0, plan.missed_d.size(), stream_));
+  OPTIMD_ASSIGN_OR_RETURN(
+      plan.absent_d, DeviceAlloc(device_, (entries + 1) * sizeof(uint32_t)));
+  return UploadAbsent(plan);
+}
+
+absl::Status CudaBackend::UploadAbsent(DevicePlan& plan) {
+  std::vector<uint32_t> absent = {0};
+  for (uint32_t e = 0; e < plan.entry_chunks.size(); ++e) {
+    const auto [first, end] = plan.entry_chunks[e];
+    if (first < end && plan.chunks[first].grad == nullptr) {
+      absent.push_back(e);
+    }
+  }
+  absent[0] = static_cast<uint32_t>(absent.size() - 1);
+  if (absent == plan.absent) return absl::OkStatus();
+  plan.absent = std::move(absent);
+  // Pageable: staged when enqueued, so plan.absent may change right after.
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(
+      plan.absent_d.data(), plan.absent.data(),
+      plan.absent.size() * sizeof(uint32_t), cudaMemcpyHostToDevice, stream_));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::PrepareGroup(Group& group) {
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
+  BuildPlan(group, options_.chunk_elements);
+  counters().plan_builds.fetch_add(1, std::memory_order_relaxed);
+  auto plan = std::make_shared<DevicePlan>();
+  plan->id = next_plan_id_++;
+  const Plan& host = group.plan;
+  plan->entry_chunks.assign(host.entries.size(), {0, 0});
+  // One segment per distinct (stage, layout), by stage, then by the
+  // layout's first appearance; each launch covers a whole segment.
+  std::vector<Layout> layouts;
+  std::vector<uint32_t> layout_of(host.entries.size());
+  for (uint32_t e = 0; e < host.entries.size(); ++e) {
+    auto it = std::find(layouts.begin(), layouts.end(), host.layouts[e]);
+    if (it == layouts.end()) it = layouts.insert(it, host.layouts[e]);
+    layout_of[e] = static_cast<uint32_t>(it - layouts.begin());
+  }
+  const auto kind_of = [&](uint32_t entry) -> uint64_t {
+    return group.tensors[host.tensor_index[entry]].stage * layouts.size() +
+           layout_of[entry];
+  };
+  std::map<uint64_t, std::vector<uint32_t>> items_of_kind;
+  for (uint32_t i = 0; i < host.items.size(); ++i) {
+    items_of_kind[kind_of(host.items[i].entry)].push_back(i);
+  }
+  for (const auto& [kind, items] : items_of_kind) {
+    const Layout& l = layouts[kind % layouts.size()];
+    Segment seg;
+    seg.layout = l;
+    seg.stage = static_cast<uint32_t>(kind / layouts.size());
+    seg.first_chunk = static_cast<uint32_t>(plan->chunks.size());
+    for (uint32_t i : items) {
+      const PlanItem& item = host.items[i];
+      const uint32_t index = static_cast<uint32_t>(plan->chunks.size());
+      auto& range = plan->entry_chunks[item.entry];
+      if (range.first == range.second) range.first = index;
+      range.second = index + 1;
+      DeviceChunk c{};
+      FillChunk(host.entries[item.entry], item.entry, item.begin, item.end, l,
+                &c);
+      plan->chunks.push_back(c);
+      plan->chunk_end.push_back(item.end);
+    }
+    seg.num_chunks =
+        static_cast<uint32_t>(plan->chunks.size()) - seg.first_chunk;
+    for (int t = 0; t < 2; ++t) {
+      std::vector<DeviceBlock>& blocks = plan->tables[t].blocks;
+      seg.first_block[t] = static_cast<uint32_t>(blocks.size());
+      AppendBlocks(plan->chunks, seg.first_chunk,
+                   seg.first_chunk + seg.num_chunks,
+                   t == 0 ? UpdateBlockElements(l, options_.chunk_elements)
+                          : options_.chunk_elements * kStatsBlockFactor,
+                   &blocks);
+      seg.num_blocks[t] =
+          static_cast<uint32_t>(blocks.size()) - seg.first_block[t];
+    }
+    plan->segments.push_back(seg);
+  }
+  OPTIMD_RETURN_IF_ERROR(UploadPlan(*plan));
+  // Master weights from the parameters (remainders start at zero).
+  for (const TensorEntry& t : group.tensors) {
+    if (t.numel > 0 && t.layout.master == MasterKind::kFp32) {
+      OPTIMD_RETURN_IF_ERROR(cuda::LaunchConvert(
+          t.layout.param_dtype, t.param.data, DType::kFloat32, t.master.data(),
+          t.numel, stream_));
+    }
+  }
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+  group.backend_plan = plan;
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::UpdatePlanEntries(
+    Group& group, const std::vector<uint32_t>& entries) {
+  if (entries.empty()) return absl::OkStatus();
+  auto* plan = static_cast<DevicePlan*>(group.backend_plan.get());
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
+  std::vector<std::pair<uint32_t, uint32_t>> ranges;
+  ranges.reserve(entries.size());
+  bool absence_changed = false;
+  for (uint32_t entry : entries) {
+    const TensorPointers p =
+        group.tensors[group.plan.tensor_index[entry]].Pointers();
+    absence_changed |=
+        (p.grad == nullptr) != (group.plan.entries[entry].grad == nullptr);
+    group.plan.entries[entry] = p;
+    const auto [first, end] = plan->entry_chunks[entry];
+    for (uint32_t c = first; c < end; ++c) {
+      FillChunk(p, entry, plan->chunks[c].begin, plan->chunk_end[c],
+                group.plan.layouts[entry], &plan->chunks[c]);
+    }
+    ranges.emplace_back(first, end);
+  }
+  // Copies from pageable memory are staged when enqueued, so the host
+  // tables may change again at once; stream order puts them after the
+  // steps already queued and before the next.
+  ranges = MergeRanges(std::move(ranges), 16);
+  auto* chunks_d = reinterpret_cast<DeviceChunk*>(plan->chunks_d.data());
+  for (const auto& [first, end] : ranges) {
+    OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(
+        chunks_d + first, &plan->chunks[first],
+        (end - first) * sizeof(DeviceChunk), cudaMemcpyHostToDevice, stream_));
+  }
+  // New pointers may change which chunks have tiles, and absent gradients
+  // their element counts: recount the work blocks holding those chunks.
+  for (BlockTable& t : plan->tables) {
+    std::vector<std::pair<uint32_t, uint32_t>> dirty;
+    for (const auto& [first, end] : ranges) {
+      auto b = std::upper_bound(
+          t.blocks.begin(), t.blocks.end(), first,
+          [](uint32_t c, const DeviceBlock& blk) { return c < blk.first; });
+      if (b != t.blocks.begin()) --b;
+      for (; b != t.blocks.end() && b->first < end; ++b) {
+        if (b->end <= first) continue;
+        CountBlock(plan->chunks, &*b);
+        const uint32_t i = static_cast<uint32_t>(b - t.blocks.begin());
+        dirty.emplace_back(i, i + 1);
+      }
+    }
+    auto* blocks_d = reinterpret_cast<DeviceBlock*>(t.blocks_d.data());
+    for (const auto& [first, end] : MergeRanges(std::move(dirty), 16)) {
+      OPTIMD_RETURN_IF_CUDA_ERROR(
+          cudaMemcpyAsync(blocks_d + first, &t.blocks[first],
+                          (end - first) * sizeof(DeviceBlock),
+                          cudaMemcpyHostToDevice, stream_));
+    }
+  }
+  // The absent list walks every entry: only when some absence changed, so
+  // that moved gradients cost the host about their own number.
+  if (absence_changed) OPTIMD_RETURN_IF_ERROR(UploadAbsent(*plan));
+  counters().plan_entry_updates.fetch_add(entries.size(),
+                                          std::memory_order_relaxed);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<SessionContext>> CudaBackend::OpenSession(
+    int device, const std::string& ready_event, std::string* done_event) {
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
+  auto s = std::make_unique<CudaSession>();
+  s->stream = stream_;
+  if (!ready_event.empty()) {
+    if (ready_event.size() != sizeof(cudaIpcEventHandle_t)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ready_event must be a ", sizeof(cudaIpcEventHandle_t),
+                       "-byte cudaIpcEventHandle_t"));
+    }
+    cudaIpcEventHandle_t h;
+    std::memcpy(&h, ready_event.data(), sizeof(h));
+    const cudaError_t e = cudaIpcOpenEventHandle(&s->ready, h);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      s->ready = nullptr;
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cannot open the trainer's ready_event (", cudaGetErrorName(e),
+          "); it must come from cudaIpcGetEventHandle on an event created "
+          "with cudaEventInterprocess | cudaEventDisableTiming on GPU ",
+          device_));
+    }
+  }
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(
+      &s->done, cudaEventDisableTiming | cudaEventInterprocess));
+  cudaIpcEventHandle_t done_handle;
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaIpcGetEventHandle(&done_handle, s->done));
+  done_event->assign(reinterpret_cast<const char*>(&done_handle),
+                     sizeof(done_handle));
+  OPTIMD_ASSIGN_OR_RETURN(s->totals_d,
+                          DeviceAlloc(device_, sizeof(DeviceGroupState)));
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(
+      s->totals_d.data(), 0, sizeof(DeviceGroupState), stream_));
+  s->slots.resize(std::max(2, options_.report_slots));
+  for (ReportSlot& slot : s->slots) {
+    OPTIMD_RETURN_IF_CUDA_ERROR(
+        cudaEventCreateWithFlags(&slot.event, cudaEventDisableTiming));
+  }
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+  s->last.known = false;
+  return std::unique_ptr<SessionContext>(std::move(s));
+}
+
+absl::Status CudaBackend::EnsureScratch(uint32_t groups) {
+  if (groups <= scratch_capacity_) return absl::OkStatus();
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+  const uint32_t cap = std::max<uint32_t>(groups, 2 * scratch_capacity_);
+  OPTIMD_ASSIGN_OR_RETURN(sums_d_, DeviceAlloc(device_, cap * sizeof(double)));
+  OPTIMD_ASSIGN_OR_RETURN(steps_d_,
+                          DeviceAlloc(device_, cap * sizeof(cuda::GroupStep)));
+  scratch_capacity_ = cap;
+  ++scratch_generation_;
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::ReadSlot(CudaSession& s, ReportSlot& slot,
+                                   const std::vector<Group*>& groups,
+                                   StepOutcome* out) {
+  const DeviceGroupState& totals = slot.host[0];
+  out->known = true;
+  out->skipped = totals.last_skipped != 0;
+  out->grad_norm = slot.statistics
+                       ? std::sqrt(totals.last_sumsq) / slot.grad_scale
+                       : std::numeric_limits<double>::quiet_NaN();
+  out->steps_applied = totals.step;
+  out->steps_skipped = totals.skipped;
+  if (slot.groups == groups.size()) {
+    for (uint32_t g = 0; g < slot.groups; ++g) {
+      groups[g]->step = slot.host[1 + g].step;
+    }
+  }
+  s.last = *out;
+  s.last_sequence = slot.sequence;
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::LaunchUpdate(const Group& group, const Segment& seg,
+                                       cudaStream_t stream) {
+  const auto* plan = static_cast<const DevicePlan*>(group.backend_plan.get());
+  auto* scalars = reinterpret_cast<cuda::DeviceScalars*>(
+      const_cast<uint8_t*>(plan->scalars_d.data()));
+  return cuda::LaunchAdamW(seg.layout, group.hyper.adamw,
+                           SegmentWork(*plan, seg, 0), scalars, stream);
+}
+
+absl::Status CudaBackend::EnqueueStagedUpdates(
+    const std::vector<Group*>& groups, uint32_t* progress,
+    cudaStream_t stream) {
+  // Each plan's segments are sorted by stage: walk them all in step.
+  std::vector<size_t> next(groups.size(), 0);
+  const auto segments = [&](size_t g) -> const std::vector<Segment>& {
+    return static_cast<DevicePlan*>(groups[g]->backend_plan.get())->segments;
+  };
+  for (;;) {
+    uint32_t stage = kMaxStage + 1;
+    for (size_t g = 0; g < groups.size(); ++g) {
+      if (next[g] < segments(g).size()) {
+        stage = std::min(stage, segments(g)[next[g]].stage);
+      }
+    }
+    if (stage > kMaxStage) break;
+    uint32_t later = kMaxStage + 1;  // the next stage after this one
+    for (size_t g = 0; g < groups.size(); ++g) {
+      const std::vector<Segment>& segs = segments(g);
+      for (; next[g] < segs.size() && segs[next[g]].stage == stage; ++next[g]) {
+        OPTIMD_RETURN_IF_ERROR(LaunchUpdate(*groups[g], segs[next[g]], stream));
+      }
+      if (next[g] < segs.size()) later = std::min(later, segs[next[g]].stage);
+    }
+    // After the last stage: past every stage, so that a wait for a stage
+    // without steppable tensors (frozen, no gradient) ends too.
+    OPTIMD_RETURN_IF_ERROR(cuda::LaunchWriteProgress(
+        progress, later > kMaxStage ? kPastEveryStage : stage + 1, stream));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::EnqueueStep(CudaSession& s,
+                                      const std::vector<Group*>& groups,
+                                      const ReportSlot& slot, bool statistics,
+                                      uint32_t* progress, cudaStream_t stream) {
+  const uint32_t n = static_cast<uint32_t>(groups.size());
+  double* sums = reinterpret_cast<double*>(sums_d_.data());
+  auto* steps = reinterpret_cast<cuda::GroupStep*>(steps_d_.data());
+  for (uint32_t g = 0; g < (statistics ? n : 0); ++g) {
+    auto* plan = static_cast<DevicePlan*>(groups[g]->backend_plan.get());
+    auto* partials = reinterpret_cast<double*>(plan->partials_d.data());
+    for (const Segment& seg : plan->segments) {
+      OPTIMD_RETURN_IF_ERROR(cuda::LaunchGradSumSquares(
+          seg.layout.grad_dtype, SegmentWork(*plan, seg, 1),
+          partials + seg.first_block[1], stream));
+    }
+  }
+  OPTIMD_RETURN_IF_ERROR(
+      cuda::LaunchPrepareSteps(slot.args, steps, n, statistics, sums, stream));
+  if (progress != nullptr) {
+    OPTIMD_RETURN_IF_ERROR(EnqueueStagedUpdates(groups, progress, stream));
+  } else {
+    for (const Group* g : groups) {
+      auto* plan = static_cast<const DevicePlan*>(g->backend_plan.get());
+      for (const Segment& seg : plan->segments) {
+        OPTIMD_RETURN_IF_ERROR(LaunchUpdate(*g, seg, stream));
+      }
+    }
+  }
+  return cuda::LaunchCommitSteps(
+      steps, n, sums, reinterpret_cast<DeviceGroupState*>(s.totals_d.data()),
+      slot.host, stream);
+}
+
+absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
+                                              const std::vector<Group*>& groups,
+                                              const StepOptions& options) {
+  auto& s = *static_cast<CudaSession*>(session);
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
+  const uint32_t n = static_cast<uint32_t>(groups.size());
+  OPTIMD_RETURN_IF_ERROR(EnsureScratch(std::max<uint32_t>(n, 1)));
+  const bool statistics = !options.assume_finite || options.max_grad_norm > 0;
+
+  // The step's slot: its earlier step must have completed (this blocks only
+  // when more steps than slots are in flight).
+  const uint64_t seq = s.sequence + 1;
+  ReportSlot& slot = s.slots[seq % s.slots.size()];
+  if (slot.sequence != 0) {
+    OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(slot.event));
+    if (slot.sequence > s.last_sequence) {
+      StepOutcome ignored;
+      OPTIMD_RETURN_IF_ERROR(ReadSlot(s, slot, groups, &ignored));
+    }
+    slot.sequence = 0;
+  }
+  // Graphs built for other groups (or other scratch memory) are stale. The
+  // key is compared in place: no allocation on a step that keeps it.
+  uint32_t* progress = options.staged ? options.step_flags + 2 : nullptr;
+  const auto key_at = [&](size_t i) -> uint64_t {
+    if (i == 0) return statistics ? 1 : 0;
+    if (i == 1) return scratch_generation_;
+    if (i == 2) return reinterpret_cast<uintptr_t>(progress);
+    const Group* g = groups[(i - 3) / 2];
+    return (i % 2 == 1) ? static_cast<DevicePlan*>(g->backend_plan.get())->id
+                        : (g->hyper.adamw ? 1 : 0);
+  };
+  const size_t key_size = 3 + 2 * static_cast<size_t>(n);
+  bool same_key = s.graph_key.size() == key_size;
+  for (size_t i = 0; same_key && i < key_size; ++i) {
+    same_key = s.graph_key[i] == key_at(i);
+  }
+  if (!same_key) {
+    for (ReportSlot& r : s.slots) {
+      if (r.exec != nullptr) cudaGraphExecDestroy(r.exec);
+      r.exec = nullptr;
+    }
+    s.graph_key.resize(key_size);
+    for (size_t i = 0; i < key_size; ++i) s.graph_key[i] = key_at(i);
+  }
+  if (slot.capacity < n || slot.memory == nullptr) {
+    if (slot.memory != nullptr) cudaFreeHost(slot.memory);
+    slot.memory = nullptr;
+    if (slot.exec != nullptr) cudaGraphExecDestroy(slot.exec);
+    slot.exec = nullptr;
+    const uint32_t cap = std::max<uint32_t>(n, 1);
+    OPTIMD_RETURN_IF_CUDA_ERROR(cudaHostAlloc(
+        &slot.memory,
+        cap * sizeof(cuda::GroupStep) + (cap + 1) * sizeof(DeviceGroupState),
+        cudaHostAllocMapped));
+    slot.args = static_cast<cuda::GroupStep*>(slot.memory);
+    slot.host = reinterpret_cast<DeviceGroupState*>(slot.args + cap);
+    slot.capacity = cap;
+  }
+  for (uint32_t g = 0; g < n; ++g) {
+    auto* plan = static_cast<DevicePlan*>(groups[g]->backend_plan.get());
+    const AdamWHyper& h = groups[g]->hyper;
+    cuda::GroupStep& a = slot.args[g];
+    a.hyper = {h.lr,
+               h.beta1,
+               h.beta2,
+               h.eps,
+               h.weight_decay,
+               options.grad_scale,
+               options.max_grad_norm,
+               h.adamw ? 1 : 0,
+               h.bias_correction ? 1 : 0,
+               h.maximize ? 1 : 0};
+    a.partials = reinterpret_cast<const double*>(plan->partials_d.data());
+    a.num_partials = static_cast<uint32_t>(plan->tables[1].blocks.size());
+    a.state = reinterpret_cast<DeviceGroupState*>(plan->state_d.data());
+    a.scalars = reinterpret_cast<cuda::DeviceScalars*>(plan->scalars_d.data());
+    a.absent = reinterpret_cast<const uint32_t*>(plan->absent_d.data());
+    a.missed = reinterpret_cast<uint32_t*>(plan->missed_d.data());
+  }
+
+  if (options.step_flags != nullptr) {
+    OPTIMD_RETURN_IF_ERROR(StreamValue(driver_.stream_wait_value32,
+                                       options.step_flags, options.sequence,
+                                       CU_STREAM_WAIT_VALUE_GEQ));
+  } else if (s.ready != nullptr) {
+    OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(stream_, s.ready, 0));
+  }
+  if (!options_.use_graphs) {
+    OPTIMD_RETURN_IF_ERROR(
+        EnqueueStep(s, groups, slot, statistics, progress, stream_));
+  } else {
+    if (slot.exec == nullptr) {
+      // Capture once per slot and group configuration: afterwards a step
+      // is one graph launch, whatever its number of groups and layouts.
+      OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamBeginCapture(
+          capture_stream_, cudaStreamCaptureModeThreadLocal));
+      const absl::Status enqueued =
+          EnqueueStep(s, groups, slot, statistics, progress, capture_stream_);
+      cudaGraph_t graph = nullptr;
+      const cudaError_t ended = cudaStreamEndCapture(capture_stream_, &graph);
+      if (!enqueued.ok()) {
+        if (graph != nullptr) cudaGraphDestroy(graph);
+        return enqueued;
+      }
+      OPTIMD_RETURN_IF_CUDA_ERROR(ended);
+      const cudaError_t made = cudaGraphInstantiate(&slot.exec, graph, 0);
+      cudaGraphDestroy(graph);
+      if (made != cudaSuccess) slot.exec = nullptr;
+      OPTIMD_RETURN_IF_CUDA_ERROR(made);
+    }
+    OPTIMD_RETURN_IF_CUDA_ERROR(cudaGraphLaunch(slot.exec, stream_));
+  }
+  if (options.step_flags != nullptr) {
+    // The done flag only: a staged step has written its progress.
+    OPTIMD_RETURN_IF_ERROR(StreamValue(driver_.stream_write_value32,
+                                       options.step_flags + 1, options.sequence,
+                                       CU_STREAM_WRITE_VALUE_DEFAULT));
+  }
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventRecord(s.done, stream_));
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventRecord(slot.event, stream_));
+  s.sequence = seq;
+  slot.groups = n;
+  slot.sequence = seq;
+  slot.grad_scale = options.grad_scale > 0 ? options.grad_scale : 1.0;
+  slot.statistics = statistics;
+
+  StepOutcome out;
+  if (options.wait) {
+    OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(slot.event));
+    OPTIMD_RETURN_IF_ERROR(ReadSlot(s, slot, groups, &out));
+    out.current = true;
+  } else {
+    // Steps complete in stream order: the oldest unread slot first, up to
+    // the first one still running.
+    ReportSlot* newest = nullptr;
+    for (uint64_t q = s.last_sequence + 1; q <= seq; ++q) {
+      ReportSlot& r = s.slots[q % s.slots.size()];
+      if (r.sequence != q) continue;
+      const cudaError_t e = cudaEventQuery(r.event);
+      if (e == cudaErrorNotReady) break;
+      OPTIMD_RETURN_IF_CUDA_ERROR(e);
+      newest = &r;
+    }
+    if (newest != nullptr) {
+      OPTIMD_RETURN_IF_ERROR(ReadSlot(s, *newest, groups, &out));
+    }
+    out = s.last;
+    out.current = s.last_sequence == seq;
+  }
+  return out;
+}
+
+absl::Status CudaBackend::StreamValue(StreamValue32Fn fn, uint32_t* word,
+                                      uint32_t value, unsigned int flags) {
+  const CUresult r = fn(reinterpret_cast<CUstream>(stream_),
+                        reinterpret_cast<CUdeviceptr>(word), value, flags);
+  if (r != CUDA_SUCCESS) {
+    return absl::InternalError(absl::StrCat(
+        "a stream memory operation on the step flags failed (CUresult ", r,
+        ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::ReleaseStep(SessionContext*,
+                                      const StepOptions& options) {
+  if (options.step_flags == nullptr) return absl::OkStatus();
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
+  if (options.step_flag_words > 2) {
+    OPTIMD_RETURN_IF_ERROR(StreamValue(driver_.stream_write_value32,
+                                       options.step_flags + 2, kPastEveryStage,
+                                       CU_STREAM_WRITE_VALUE_DEFAULT));
+  }
+  // The default write is preceded by a memory fence: the trainer's stream,
+  // once it sees the flag, sees the step's parameters.
+  return StreamValue(driver_.stream_write_value32, options.step_flags + 1,
+                     options.sequence, CU_STREAM_WRITE_VALUE_DEFAULT);
+}
+
+absl::Status CudaBackend::SyncGroupCounters(const std::vector<Group*>& groups) {
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+  for (Group* g : groups) {
+    auto* plan = static_cast<DevicePlan*>(g->backend_plan.get());
+    DeviceGroupState state;
+    OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpy(
+        &state, plan->state_d.data(), sizeof(state), cudaMemcpyDeviceToHost));
+    g->step = state.step;
+    std::vector<uint32_t> missed(g->plan.entries.size());
+    OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpy(missed.data(), plan->missed_d.data(),
+                                           missed.size() * sizeof(uint32_t),
+                                           cudaMemcpyDeviceToHost));
+    for (uint32_t e = 0; e < missed.size(); ++e) {
+      g->tensors[g->plan.tensor_index[e]].missed_steps = missed[e];
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::SetGroupStep(Group& group, uint64_t step) {
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
+  auto* plan = static_cast<DevicePlan*>(group.backend_plan.get());
+  DeviceGroupState state;
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpy(
+      &state, plan->state_d.data(), sizeof(state), cudaMemcpyDeviceToHost));
+  state.step = step;
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpy(
+      plan->state_d.data(), &state, sizeof(state), cudaMemcpyHostToDevice));
+  group.step = step;
+  std::vector<uint32_t> missed(group.plan.entries.size());
+  for (uint32_t e = 0; e < missed.size(); ++e) {
+    missed[e] = static_cast<uint32_t>(std::min<uint64_t>(
+        group.tensors[group.plan.tensor_index[e]].missed_steps,
+        std::numeric_limits<uint32_t>::max()));
+  }
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpy(plan->missed_d.data(), missed.data(),
+                                         missed.size() * sizeof(uint32_t),
+                                         cudaMemcpyHostToDevice));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::WriteParams(Group& group) {
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
+  for (const TensorEntry& t : group.tensors) {
+    if (t.numel > 0 && t.layout.master == MasterKind::kFp32) {
+      OPTIMD_RETURN_IF_ERROR(cuda::LaunchConvert(
+          DType::kFloat32, t.master.data(), t.layout.param_dtype, t.param.data,
+          t.numel, stream_));
+    }
+  }
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::CopyToHost(const uint8_t* src, uint8_t* dst,
+                                     uint64_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
+  OPTIMD_RETURN_IF_CUDA_ERROR(
+      cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::CopyFromHost(const uint8_t* src, uint8_t* dst,
+                                       uint64_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
+  OPTIMD_RETURN_IF_CUDA_ERROR(
+      cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int CudaDeviceCount(std::string* why) {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    *why = absl::StrCat(cudaGetErrorName(e), ": ", cudaGetErrorString(e));
+    return 0;
+  }
+  if (n == 0) *why = "no CUDA devices";
+  return n;
+}
+
+absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(
+    int device, const CudaBackendOptions& options) {
+  if (options.chunk_elements == 0 || options.chunk_elements > (1u << 26) ||
+      options.chunk_elements % cuda::kTileElements != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "chunk_elements must be a multiple of ", cuda::kTileElements, " in [",
+        cuda::kTileElements, ", 2^26], got ", options.chunk_elements));
+  }
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device));
+  DriverFns driver;
+  const std::pair<const char*, void**> wanted[] = {
+      {"cuMemGetAddressRange",
+       reinterpret_cast<void**>(&driver.mem_get_address_range)},
+      {"cuStreamWaitValue32",
+       reinterpret_cast<void**>(&driver.stream_wait_value32)},
+      {"cuStreamWriteValue32",
+       reinterpret_cast<void**>(&driver.stream_write_value32)}};
+  for (const auto& [name, fn] : wanted) {
+    cudaDriverEntryPointQueryResult found;
+    OPTIMD_RETURN_IF_CUDA_ERROR(cudaGetDriverEntryPointByVersion(
+        name, fn, 12000, cudaEnableDefault, &found));
+    if (found != cudaDriverEntryPointSuccess || *fn == nullptr) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the CUDA driver has no ", name));
+    }
+  }
+  cudaStream_t stream, capture_stream;
+  OPTIMD_RETURN_IF_CUDA_ERROR(
+      cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const cudaError_t e =
+      cudaStreamCreateWithFlags(&capture_stream, cudaStreamNonBlocking);
+  if (e != cudaSuccess) cudaStreamDestroy(stream);
+  OPTIMD_RETURN_IF_CUDA_ERROR(e);
+  return std::unique_ptr<Backend>(
+      new CudaBackend(device, options, stream, capture_stream, driver));
+}
+
+}  // namespace optimd

@@ -1,0 +1,40 @@
+// The CUDA backend: trainer buffers are CUDA IPC allocations, state lives in
+// the GPU's memory, and steps run the fused kernels of adamw_cuda.h on one
+// stream per device, ordered with the trainer's stream by interprocess
+// events. Plain C++ header: the daemon includes it without CUDA headers.
+#ifndef OPTIMD_BACKENDS_CUDA_CUDA_BACKEND_H_
+#define OPTIMD_BACKENDS_CUDA_CUDA_BACKEND_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "core/backend.h"
+
+namespace optimd {
+
+struct CudaBackendOptions {
+  // Elements per chunk of a plan (about one work block, one thread block of
+  // the update): a multiple of 256 (one tile), at most 2^26. 4K measured
+  // fastest on the H200 among 4K-32K (bench/RESULTS.md).
+  uint64_t chunk_elements = 1 << 12;
+  // Completed-step slots kept for asynchronous replies.
+  int report_slots = 8;
+  // Launch each step as a CUDA graph captured once per report slot and
+  // group configuration (one host call instead of one per kernel).
+  bool use_graphs = true;
+};
+
+// Number of usable CUDA devices. 0, with the reason in *why, when there is
+// no driver or no GPU (the daemon then falls back to the CPU backend).
+int CudaDeviceCount(std::string* why);
+
+// A backend for CUDA device `device`. Its methods must be called from one
+// thread at a time (the device's worker).
+absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(
+    int device, const CudaBackendOptions& options);
+
+}  // namespace optimd
+
+#endif  // OPTIMD_BACKENDS_CUDA_CUDA_BACKEND_H_

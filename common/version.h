@@ -1,0 +1,20 @@
+// The daemon's version, and the revision of the v1 API it speaks. The API
+// revision grows whenever the daemon adds something a client may depend on
+// (a field, an RPC, a meaning); a client refuses a daemon whose revision is
+// below the one it needs, naming both versions.
+#ifndef OPTIMD_COMMON_VERSION_H_
+#define OPTIMD_COMMON_VERSION_H_
+
+#include <cstdint>
+
+namespace optimd {
+
+inline constexpr char kVersion[] = "0.3.0";
+// 2: step flags, absent gradients, tensor steps and shapes, EvictSession,
+//    saved sessions across restarts.
+// 3: staged steps (StepRequest.staged, TensorSpec.stage), resume secrets.
+inline constexpr uint32_t kApiRevision = 3;
+
+}  // namespace optimd
+
+#endif  // OPTIMD_COMMON_VERSION_H_

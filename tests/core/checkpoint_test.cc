@@ -1,0 +1,613 @@
+#include "core/checkpoint.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <memory>
+
+#include "backends/cpu/cpu_backend.h"
+#include "client/shm_tensor.h"
+#include "common/crc32c.h"
+#include "core/session.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+
+namespace optimd {
+namespace {
+
+std::string TempDir() {
+  char dir[] = "/tmp/optimd-ckpt-test-XXXXXX";
+  EXPECT_NE(mkdtemp(dir), nullptr);
+  return dir;
+}
+
+// A temporary directory removed with everything in it at the end of a test.
+class ScratchDir {
+ public:
+  ScratchDir() : path_(TempDir()) {}
+  ~ScratchDir() { std::filesystem::remove_all(path_); }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)),
+                     std::istreambuf_iterator<char>());
+}
+
+void WriteFile(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+}
+
+// A session with one group "g" of one fp32 tensor "w" of 100 elements over
+// shared memory, stepped once.
+class OneTensorSession {
+ public:
+  OneTensorSession() : backend_(CpuBackend::Options{1, 1024}), budget_(0) {
+    session_ = std::make_unique<Session>(SessionIdentity{"hdr", 0, 1, -1},
+                                         &backend_, &budget_,
+                                         *backend_.OpenSession(-1, "", &done_));
+    params_ = *SharedMemoryRegion::Create(4096);
+    grads_ = *SharedMemoryRegion::Create(4096);
+    for (int i = 0; i < 100; ++i) {
+      params_->as<float>()[i] = 0.01f * i;
+      grads_->as<float>()[i] = 1.0f - 0.02f * i;
+    }
+    GroupSpec spec;
+    spec.id = "g";
+    spec.hyper.lr = 1e-3;
+    TensorSpec t;
+    t.name = "w";
+    t.numel = 100;
+    t.param_dtype_set = t.grad_dtype_set = true;
+    t.param.kind = t.grad.kind = BufferHandle::Kind::kSharedMemory;
+    t.param.segment_name = params_->name();
+    t.grad.segment_name = grads_->name();
+    t.param.size = t.grad.size = 400;
+    spec.tensors = {t};
+    EXPECT_TRUE(session_->RegisterGroup(spec).ok());
+    EXPECT_TRUE(session_->Step({}).ok());
+  }
+  Session& session() { return *session_; }
+  // Parameters, moments, step counter and hyperparameters, as bytes.
+  std::string Fingerprint() {
+    auto st = session_->ReadState({});
+    EXPECT_TRUE(st.ok()) << st.status();
+    std::string out(reinterpret_cast<const char*>(params_->as<float>()), 400);
+    for (const GroupState& g : *st) {
+      out += std::to_string(g.step) + "/" + std::to_string(g.hyper.lr);
+      for (const StateBlob& b : g.tensors) out += b.kind + b.data;
+    }
+    return out;
+  }
+
+ private:
+  CpuBackend backend_;
+  StateBudget budget_;
+  std::string done_;
+  std::unique_ptr<Session> session_;
+  std::unique_ptr<SharedMemoryRegion> params_, grads_;
+};
+
+// A session of `count` tensors of 2 elements each over shared memory, named
+// `prefix` + index. With `mixed`, the layouts vary: fp32, bf16 with an fp32
+// master, frozen, zero-element, and a second group with amsgrad and bf16
+// moments.
+class ManyTensorSession {
+ public:
+  ManyTensorSession(int count, const std::string& prefix, bool mixed)
+      : backend_(CpuBackend::Options{2, 1 << 16}), budget_(0) {
+    session_ = std::make_unique<Session>(SessionIdentity{"many", 0, 1, -1},
+                                         &backend_, &budget_,
+                                         *backend_.OpenSession(-1, "", &done_));
+    params_ = *SharedMemoryRegion::Create(uint64_t(count) * 8 + 64);
+    grads_ = *SharedMemoryRegion::Create(uint64_t(count) * 8 + 64);
+    for (int i = 0; i < 2 * count; ++i) {
+      grads_->as<float>()[i] = 0.001f * (i % 997) - 0.3f;
+    }
+    GroupSpec a, b;
+    a.id = "a";
+    b.id = "b";
+    b.hyper.amsgrad = true;
+    b.moment_dtype = DType::kBFloat16;
+    for (int i = 0; i < count; ++i) {
+      TensorSpec t;
+      t.name = prefix + std::to_string(i);
+      t.numel = 2;
+      t.param_dtype_set = t.grad_dtype_set = true;
+      const int kind = mixed ? i % 5 : 0;
+      if (kind == 1) t.param_dtype = t.grad_dtype = DType::kBFloat16;
+      t.frozen = kind == 2;
+      if (kind == 3) t.numel = 0;
+      if (i % 3 == 0 && t.numel == 2) t.shape = {1, 2};
+      const uint64_t bytes = t.numel * DTypeSize(t.param_dtype);
+      if (bytes > 0) {
+        t.param.kind = t.grad.kind = BufferHandle::Kind::kSharedMemory;
+        t.param.segment_name = params_->name();
+        t.grad.segment_name = grads_->name();
+        t.param.offset = t.grad.offset = uint64_t(i) * 8;
+        t.param.size = t.grad.size = bytes;
+        if (t.frozen) t.grad = BufferHandle();
+      }
+      (kind == 4 ? b : a).tensors.push_back(t);
+    }
+    for (int i = 0; i < 2 * count; ++i) params_->as<float>()[i] = 0.5f;
+    EXPECT_TRUE(session_->RegisterGroup(a).ok());
+    if (!b.tensors.empty()) {
+      EXPECT_TRUE(session_->RegisterGroup(b).ok());
+    }
+    bytes_ = uint64_t(count) * 8;
+  }
+  Session& session() { return *session_; }
+  std::string Params() const {
+    return std::string(reinterpret_cast<const char*>(params_->data()), bytes_);
+  }
+
+ private:
+  CpuBackend backend_;
+  StateBudget budget_;
+  std::string done_;
+  std::unique_ptr<Session> session_;
+  std::unique_ptr<SharedMemoryRegion> params_, grads_;
+  uint64_t bytes_ = 0;
+};
+
+// Saves at step 1, steps, loads, steps again: the parameters must be those
+// of the save after the load and bit-identical to the uninterrupted run's
+// after the next step. Returns the checkpoint's header length and format.
+void CheckResumeThroughCheckpoint(ManyTensorSession& s, uint64_t* header,
+                                  int* version) {
+  ScratchDir dir;
+  ASSERT_TRUE(s.session().Step({}).ok());
+  auto saved = s.session().SaveState(dir.path(), CheckpointOptions());
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  std::printf("save %.2f s\n", saved->seconds);
+  const std::string at_save = s.Params();
+  ASSERT_TRUE(s.session().Step({}).ok());
+  const std::string after = s.Params();
+  ASSERT_NE(after, at_save);
+  auto loaded = s.session().LoadState(dir.path(), CheckpointOptions());
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  std::printf("load %.2f s\n", loaded->seconds);
+  EXPECT_TRUE(s.Params() == at_save);
+  ASSERT_TRUE(s.session().Step({}).ok());
+  EXPECT_TRUE(s.Params() == after);
+  const std::string file = ReadFile(saved->path);
+  uint64_t hl = 0;
+  for (int i = 0; i < 8; ++i) hl |= uint64_t{uint8_t(file[i])} << (8 * i);
+  *header = hl;
+  auto h = nlohmann::json::parse(file.substr(8, hl));
+  *version = nlohmann::json::parse(
+      h["__metadata__"]["optimd"].get<std::string>())["format_version"];
+}
+
+// A checkpoint file's header, split for editing.
+struct HeaderParts {
+  nlohmann::json header;  // the safetensors header
+  nlohmann::json meta;    // __metadata__.optimd, parsed
+  std::string data;       // the data section
+};
+
+HeaderParts SplitCheckpoint(const std::string& file) {
+  uint64_t hl = 0;
+  for (int i = 0; i < 8; ++i) hl |= uint64_t{uint8_t(file[i])} << (8 * i);
+  HeaderParts p;
+  p.header = nlohmann::json::parse(file.substr(8, hl));
+  p.meta = nlohmann::json::parse(
+      p.header["__metadata__"]["optimd"].get<std::string>());
+  p.data = file.substr(8 + hl);
+  return p;
+}
+
+// Reassembles a file; the metadata checksum is recomputed unless
+// `keep_crc`, so that a test reaches the field checks behind it.
+std::string JoinCheckpoint(HeaderParts p, bool keep_crc = false) {
+  const std::string meta = p.meta.dump();
+  p.header["__metadata__"]["optimd"] = meta;
+  if (!keep_crc) {
+    char crc[9];
+    std::snprintf(crc, sizeof(crc), "%08x",
+                  Crc32cExtend(0, meta.data(), meta.size()));
+    p.header["__metadata__"]["optimd_crc32c"] = crc;
+  }
+  std::string h = p.header.dump();
+  while ((8 + h.size()) % 8 != 0) h.push_back(' ');
+  std::string out(8, '\0');
+  for (int i = 0; i < 8; ++i) out[i] = char(uint64_t(h.size()) >> (8 * i));
+  return out + h + p.data;
+}
+
+TEST(CheckpointTest, FileNamesAreSafe) {
+  EXPECT_EQ(CheckpointFileName(3), "rank-3.safetensors");
+  EXPECT_EQ(LegacyCheckpointFileName("job-1", 3), "job-1.rank-3.safetensors");
+  EXPECT_EQ(LegacyCheckpointFileName("../../etc/x y", 0),
+            "job.._.._etc_x_y.rank-0.safetensors");
+  EXPECT_EQ(LegacyCheckpointFileName("", 1), "job.rank-1.safetensors");
+}
+
+TEST(CheckpointTest, DirectoriesAreCheckedAndConfined) {
+  ScratchDir scratch;
+  const std::string root = scratch.path();
+  ASSERT_EQ(mkdir((root + "/inside").c_str(), 0700), 0);
+  CheckpointOptions open;
+  EXPECT_EQ(ResolveCheckpointDir("relative", open).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ResolveCheckpointDir(root + "/missing", open).status().code(),
+            absl::StatusCode::kNotFound);
+  std::ofstream(root + "/file") << "x";
+  EXPECT_EQ(ResolveCheckpointDir(root + "/file", open).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  CheckpointOptions confined;
+  confined.state_dir = root + "/inside";
+  EXPECT_TRUE(ResolveCheckpointDir(root + "/inside", confined).ok());
+  EXPECT_EQ(ResolveCheckpointDir(root, confined).status().code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(ResolveCheckpointDir(root + "/inside/..", confined).status().code(),
+            absl::StatusCode::kPermissionDenied);
+  // A symbolic link out of the state directory is resolved, then refused.
+  ASSERT_EQ(symlink(root.c_str(), (root + "/inside/escape").c_str()), 0);
+  EXPECT_EQ(
+      ResolveCheckpointDir(root + "/inside/escape", confined).status().code(),
+      absl::StatusCode::kPermissionDenied);
+}
+
+TEST(CheckpointTest, SnapshotBytesEqualTheSavedFile) {
+  CpuBackend backend(CpuBackend::Options{1, 1024});
+  StateBudget budget(0);
+  std::string done;
+  Session s(SessionIdentity{"snap", 0, 1, -1}, &backend, &budget,
+            *backend.OpenSession(-1, "", &done));
+  auto params = *SharedMemoryRegion::Create(4096);
+  auto grads = *SharedMemoryRegion::Create(4096);
+  for (int i = 0; i < 100; ++i) {
+    params->as<float>()[i] = 0.01f * i;
+    grads->as<float>()[i] = 1.0f - 0.02f * i;
+  }
+  GroupSpec spec;
+  spec.id = "g";
+  TensorSpec t;
+  t.name = "w";
+  t.numel = 100;
+  t.param_dtype_set = t.grad_dtype_set = true;
+  t.param.kind = t.grad.kind = BufferHandle::Kind::kSharedMemory;
+  t.param.segment_name = params->name();
+  t.grad.segment_name = grads->name();
+  t.param.size = t.grad.size = 400;
+  spec.tensors = {t};
+  ASSERT_TRUE(s.RegisterGroup(spec).ok());
+  ASSERT_TRUE(s.Step({}).ok());
+  ScratchDir scratch;
+  const std::string dir = scratch.path();
+  auto saved = s.SaveState(dir, CheckpointOptions());
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  std::ifstream in(saved->path, std::ios::binary);
+  std::string file((std::istreambuf_iterator<char>(in)),
+                   std::istreambuf_iterator<char>());
+  auto snapshot = s.Snapshot();
+  ASSERT_TRUE(snapshot.ok());
+  ASSERT_EQ((*snapshot)->FileSize(), file.size());
+  std::string streamed(file.size(), '\0');
+  (*snapshot)->ReadFile(0, 10, reinterpret_cast<uint8_t*>(streamed.data()));
+  (*snapshot)->ReadFile(10, file.size() - 10,
+                        reinterpret_cast<uint8_t*>(streamed.data() + 10));
+  EXPECT_EQ(streamed, file);
+}
+
+// Saves that were killed leave "<file>.tmp-<pid>-<n>"; the next save to the
+// same file removes those of dead processes (and only those).
+TEST(CheckpointTest, StaleTemporariesAreRemovedAtTheNextSave) {
+  OneTensorSession s;
+  ScratchDir dir;
+  const std::string final_name = CheckpointFileName(0);
+  const std::string base = dir.path() + "/" + final_name;
+  // pid 999999999 is past any pid_max: that process is gone.
+  const std::string stale = base + ".tmp-999999999-7";
+  const std::vector<std::string> kept = {
+      base + ".tmp-1-7",                                   // init is alive
+      base + ".tmp-999999999-x",                           // not our pattern
+      base + ".tmp-999999999-8.bak",                       // not our pattern
+      dir.path() + "/rank-1.safetensors.tmp-999999999-7",  // other file
+      dir.path() + "/notes.txt"};
+  // Written while the save runs (newer than its start): left alone.
+  const std::string fresh = base + ".tmp-999999998-7";
+  const time_t now = time(nullptr);
+  auto write_at = [](const std::string& f, time_t t) {
+    WriteFile(f, "partial");
+    const timespec times[2] = {{t, 0}, {t, 0}};
+    ASSERT_EQ(utimensat(AT_FDCWD, f.c_str(), times, 0), 0) << f;
+  };
+  write_at(stale, now - 3600);
+  for (const auto& f : kept) write_at(f, now - 3600);
+  write_at(fresh, now + 3600);
+  EXPECT_EQ(RemoveStaleTemporaries(dir.path(), final_name, now - 7200), 0);
+  auto saved = s.session().SaveState(dir.path(), CheckpointOptions());
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  EXPECT_NE(access(stale.c_str(), F_OK), 0);
+  for (const auto& f : kept) EXPECT_EQ(access(f.c_str(), F_OK), 0) << f;
+  EXPECT_EQ(access(fresh.c_str(), F_OK), 0);
+  EXPECT_EQ(access(saved->path.c_str(), F_OK), 0);
+}
+
+// A header past the safetensors limit used to be written (replacing the
+// previous checkpoint) and then refused by LoadState. The save is refused
+// before anything is written; so are streams and background saves.
+TEST(CheckpointTest, HeaderPastTheLimitIsRefusedBeforeWriting) {
+  OneTensorSession s;
+  ScratchDir dir;
+  auto first = s.session().SaveState(dir.path(), CheckpointOptions());
+  ASSERT_TRUE(first.ok()) << first.status();
+  const std::string good = ReadFile(first->path);
+  // 110,000 zero-element tensors (no buffers) with 1000-byte names: even
+  // packed, about 1 KB of header each, 112 MB in all.
+  GroupSpec big;
+  big.id = "big";
+  for (int i = 0; i < 110000; ++i) {
+    TensorSpec t;
+    t.name = std::to_string(i) + std::string(1000, 'n');
+    t.param_dtype_set = t.grad_dtype_set = true;
+    big.tensors.push_back(t);
+  }
+  ASSERT_TRUE(s.session().RegisterGroup(big).ok());
+  auto saved = s.session().SaveState(dir.path(), CheckpointOptions());
+  EXPECT_EQ(saved.status().code(), absl::StatusCode::kResourceExhausted)
+      << saved.status();
+  EXPECT_TRUE(ReadFile(first->path) == good);
+  saved = s.session().SaveState(dir.path(), CheckpointOptions(),
+                                /*background=*/true);
+  EXPECT_EQ(saved.status().code(), absl::StatusCode::kResourceExhausted)
+      << saved.status();
+  EXPECT_EQ(s.session().Snapshot().status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(ReadFile(first->path) == good);
+  // Nothing else was left in the directory.
+  int files = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
+    (void)e;
+    ++files;
+  }
+  EXPECT_EQ(files, 1);
+}
+
+// Sessions whose per-tensor header would pass the limit are saved packed
+// (format 2: one safetensors tensor per kind and dtype of a group), every
+// layout round-tripping bit-exact; 1,000,000 tensors fit in the 100 MiB
+// header limit (per-tensor headers stopped at about 112,000).
+TEST(CheckpointTest, PackedFormatHoldsEveryLayoutBitExact) {
+  ManyTensorSession s(8000, std::string(1000, 'n'), /*mixed=*/true);
+  uint64_t header = 0;
+  int version = 0;
+  CheckResumeThroughCheckpoint(s, &header, &version);
+  EXPECT_EQ(version, 2);
+  // Small sessions keep the per-tensor format (`<name>.exp_avg` keys).
+  ManyTensorSession small(50, "layer.", /*mixed=*/true);
+  CheckResumeThroughCheckpoint(small, &header, &version);
+  EXPECT_EQ(version, 1);
+}
+
+// Packed files keep the shapes of tensors of more than one dimension (a
+// fifth element of their entry), checked to hold numel on load.
+TEST(CheckpointTest, PackedFormatKeepsShapes) {
+  ManyTensorSession s(12, "t", /*mixed=*/false);
+  ScratchDir dir;
+  CheckpointOptions packed;
+  packed.packed_above_header_bytes = 0;
+  auto saved = s.session().SaveState(dir.path(), packed);
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  HeaderParts parts = SplitCheckpoint(ReadFile(saved->path));
+  ASSERT_EQ(parts.meta["format_version"], 2);
+  const nlohmann::json& tensors = parts.meta["groups"][0]["tensors"];
+  EXPECT_EQ(tensors[0].size(), 5u);
+  EXPECT_EQ(tensors[0][4], nlohmann::json::array({1, 2}));
+  EXPECT_EQ(tensors[1].size(), 4u);  // 1-D: no shape
+  ASSERT_TRUE(s.session().LoadState(dir.path(), CheckpointOptions()).ok());
+  parts.meta["groups"][0]["tensors"][0][4] = nlohmann::json::array({3, 3});
+  WriteFile(saved->path, JoinCheckpoint(parts));
+  const absl::Status bad =
+      s.session().LoadState(dir.path(), CheckpointOptions()).status();
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("shape holding numel"), std::string::npos)
+      << bad;
+}
+
+// The packed format's checksums cover each packed tensor whole: a damaged
+// byte is found (DATA_LOSS), before any state changes when the file is
+// small enough to be verified first.
+TEST(CheckpointTest, PackedFormatDetectsCorruptData) {
+  ManyTensorSession s(8000, std::string(1000, 'c'), /*mixed=*/true);
+  ScratchDir dir;
+  ASSERT_TRUE(s.session().Step({}).ok());
+  auto saved = s.session().SaveState(dir.path(), CheckpointOptions());
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  std::string file = ReadFile(saved->path);
+  file[file.size() - 3] ^= 0x40;
+  WriteFile(saved->path, file);
+  // A small file is verified before anything changes: the session goes on.
+  const std::string before = s.Params();
+  auto loaded = s.session().LoadState(dir.path(), CheckpointOptions());
+  EXPECT_EQ(loaded.status().code(), absl::StatusCode::kDataLoss)
+      << loaded.status();
+  EXPECT_NE(loaded.status().message().find("nothing was loaded"),
+            std::string::npos);
+  EXPECT_TRUE(s.Params() == before);
+  EXPECT_TRUE(s.session().Step({}).ok());
+  // Past verify_first_max_bytes the damage is found while loading: the
+  // state is then mixed and steps are refused until a good load.
+  CheckpointOptions single_pass;
+  single_pass.verify_first_max_bytes = 0;
+  loaded = s.session().LoadState(dir.path(), single_pass);
+  EXPECT_EQ(loaded.status().code(), absl::StatusCode::kDataLoss)
+      << loaded.status();
+  EXPECT_EQ(s.session().Step({}).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(CheckpointTest, AMillionTensorsFitTheHeaderLimit) {
+  const auto t0 = std::chrono::steady_clock::now();
+  ManyTensorSession s(1000000, "model.layers.mlp.weight.", /*mixed=*/false);
+  std::printf(
+      "registration %.2f s\n",
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+          .count());
+  uint64_t header = 0;
+  int version = 0;
+  CheckResumeThroughCheckpoint(s, &header, &version);
+  EXPECT_EQ(version, 2);
+  std::printf("1,000,000 tensors: header %llu bytes\n",
+              static_cast<unsigned long long>(header));
+  EXPECT_LE(header, kMaxCheckpointHeaderBytes);
+}
+
+// Under --state_dir a symbolic link at the checkpoint's name is refused
+// (it could lead out of the directory), and an error never quotes the
+// file's bytes.
+TEST(CheckpointTest, SymlinkedCheckpointUnderStateDirIsRefused) {
+  OneTensorSession s;
+  ScratchDir root;
+  const std::string inside = root.path() + "/inside";
+  ASSERT_EQ(mkdir(inside.c_str(), 0700), 0);
+  const std::string secret = root.path() + "/secret";
+  WriteFile(secret, "SECRETS!and more");
+  const std::string name = inside + "/" + CheckpointFileName(0);
+  ASSERT_EQ(symlink(secret.c_str(), name.c_str()), 0);
+  CheckpointOptions confined;
+  confined.state_dir = inside;
+  auto loaded = s.session().LoadState(inside, confined);
+  EXPECT_EQ(loaded.status().code(), absl::StatusCode::kPermissionDenied)
+      << loaded.status();
+  // Without confinement the file is read, and refused without echoing it.
+  loaded = s.session().LoadState(inside, CheckpointOptions());
+  EXPECT_EQ(loaded.status().code(), absl::StatusCode::kInvalidArgument)
+      << loaded.status();
+  const uint64_t first8 = 0x2153544552434553;  // "SECRETS!" little-endian
+  EXPECT_EQ(std::string(loaded.status().message()).find(std::to_string(first8)),
+            std::string::npos)
+      << loaded.status();
+}
+
+// Every header field is checked for presence, type and range before any
+// state changes: a wrong-typed step or lr used to abort the daemon.
+TEST(CheckpointTest, MalformedHeaderFieldsAreRefusedAndChangeNothing) {
+  using nlohmann::json;
+  OneTensorSession s;
+  ScratchDir dir;
+  auto saved = s.session().SaveState(dir.path(), CheckpointOptions());
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  const std::string good = ReadFile(saved->path);
+  ASSERT_TRUE(s.session().Step({}).ok());  // the state moves past the file
+  const std::string before = s.Fingerprint();
+  using Edit = std::function<void(HeaderParts&)>;
+  auto group = [](HeaderParts& p) -> json& { return p.meta["groups"][0]; };
+  auto hyper = [&](HeaderParts& p) -> json& {
+    return group(p)["hyperparameters"];
+  };
+  const std::vector<std::pair<std::string, Edit>> edits = {
+      {"step as a string", [&](HeaderParts& p) { group(p)["step"] = "1"; }},
+      {"negative step", [&](HeaderParts& p) { group(p)["step"] = -1; }},
+      {"fractional step", [&](HeaderParts& p) { group(p)["step"] = 1.5; }},
+      {"huge step", [&](HeaderParts& p) { group(p)["step"] = 1e300; }},
+      {"step past the limit",
+       [&](HeaderParts& p) { group(p)["step"] = uint64_t{1} << 60; }},
+      {"no step", [&](HeaderParts& p) { group(p).erase("step"); }},
+      {"lr as a string", [&](HeaderParts& p) { hyper(p)["lr"] = "0.1"; }},
+      {"negative lr", [&](HeaderParts& p) { hyper(p)["lr"] = -1000; }},
+      {"no lr", [&](HeaderParts& p) { hyper(p).erase("lr"); }},
+      {"beta1 of 1.5", [&](HeaderParts& p) { hyper(p)["beta1"] = 1.5; }},
+      {"negative eps", [&](HeaderParts& p) { hyper(p)["eps"] = -1; }},
+      {"amsgrad as a number", [&](HeaderParts& p) { hyper(p)["amsgrad"] = 1; }},
+      {"hyperparameters a number",
+       [&](HeaderParts& p) { group(p)["hyperparameters"] = 3; }},
+      {"no hyperparameters",
+       [&](HeaderParts& p) { group(p).erase("hyperparameters"); }},
+      {"groups an object",
+       [&](HeaderParts& p) { p.meta["groups"] = json::object(); }},
+      {"group a string", [&](HeaderParts& p) { p.meta["groups"][0] = "g"; }},
+      {"id a number", [&](HeaderParts& p) { group(p)["id"] = 7; }},
+      {"tensor null",
+       [&](HeaderParts& p) { group(p)["tensors"][0] = nullptr; }},
+      {"numel a string",
+       [&](HeaderParts& p) { group(p)["tensors"][0]["numel"] = "100"; }},
+      {"format version a string",
+       [&](HeaderParts& p) { p.meta["format_version"] = "1"; }},
+      {"crc32c an array",
+       [&](HeaderParts& p) { p.meta["crc32c"] = json::array(); }},
+      {"crc32c not hex",
+       [&](HeaderParts& p) { p.meta["crc32c"]["w"] = "zzzzzzzz"; }},
+      {"negative data offset",
+       [&](HeaderParts& p) { p.header["w"]["data_offsets"][0] = -1; }},
+      {"data offsets past 2^64",
+       [&](HeaderParts& p) {
+         p.header["w"]["data_offsets"] = {~uint64_t{0} - 10, ~uint64_t{0} + 0};
+       }},
+      {"nested shape",
+       [&](HeaderParts& p) { p.header["w"]["shape"] = {{100}}; }},
+      {"dtype a number", [&](HeaderParts& p) { p.header["w"]["dtype"] = 5; }},
+      {"missed_steps a number",
+       [&](HeaderParts& p) { group(p)["missed_steps"] = 3; }},
+      {"missed_steps of a tensor past the group's",
+       [&](HeaderParts& p) {
+         group(p)["missed_steps"] = {{5, 1}};
+       }},
+      {"missed_steps above the step",
+       [&](HeaderParts& p) {
+         group(p)["missed_steps"] = {{0, 1u << 30}};
+       }},
+      {"deep nesting",
+       [&](HeaderParts& p) {
+         json deep = 1;
+         for (int i = 0; i < 100; ++i) deep = json::array({deep});
+         group(p)["extra"] = deep;
+       }},
+  };
+  for (const auto& [what, edit] : edits) {
+    SCOPED_TRACE(what);
+    HeaderParts p = SplitCheckpoint(good);
+    edit(p);
+    WriteFile(saved->path, JoinCheckpoint(p));
+    auto loaded = s.session().LoadState(dir.path(), CheckpointOptions());
+    ASSERT_FALSE(loaded.ok());
+    EXPECT_TRUE(loaded.status().code() == absl::StatusCode::kInvalidArgument ||
+                loaded.status().code() == absl::StatusCode::kDataLoss)
+        << loaded.status();
+    EXPECT_EQ(s.Fingerprint(), before);
+  }
+  // The session still steps and loads a good file.
+  WriteFile(saved->path, good);
+  EXPECT_TRUE(s.session().LoadState(dir.path(), CheckpointOptions()).ok());
+  EXPECT_TRUE(s.session().Step({}).ok());
+}
+
+// A damaged learning rate or step counter is valid JSON in range; the
+// metadata checksum catches it.
+TEST(CheckpointTest, DamagedMetadataIsDataLoss) {
+  OneTensorSession s;
+  ScratchDir dir;
+  auto saved = s.session().SaveState(dir.path(), CheckpointOptions());
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  const std::string good = ReadFile(saved->path);
+  const std::string before = s.Fingerprint();
+  HeaderParts p = SplitCheckpoint(good);
+  p.meta["groups"][0]["hyperparameters"]["lr"] = 1.001;
+  WriteFile(saved->path, JoinCheckpoint(p, /*keep_crc=*/true));
+  auto loaded = s.session().LoadState(dir.path(), CheckpointOptions());
+  EXPECT_EQ(loaded.status().code(), absl::StatusCode::kDataLoss)
+      << loaded.status();
+  EXPECT_EQ(s.Fingerprint(), before);
+  // A file without the metadata checksum (written before it existed) loads.
+  p = SplitCheckpoint(good);
+  p.header["__metadata__"].erase("optimd_crc32c");
+  WriteFile(saved->path, JoinCheckpoint(p, /*keep_crc=*/true));
+  EXPECT_TRUE(s.session().LoadState(dir.path(), CheckpointOptions()).ok());
+}
+
+}  // namespace
+}  // namespace optimd

@@ -1,0 +1,468 @@
+#include "core/session.h"
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <random>
+
+#include "backends/cpu/cpu_backend.h"
+#include "client/shm_tensor.h"
+#include "core/session_registry.h"
+#include "gtest/gtest.h"
+
+namespace optimd {
+namespace {
+
+BufferHandle Handle(const SharedMemoryRegion& r, uint64_t off, uint64_t size) {
+  BufferHandle h;
+  h.kind = BufferHandle::Kind::kSharedMemory;
+  h.segment_name = r.name();
+  h.offset = off;
+  h.size = size;
+  return h;
+}
+
+std::unique_ptr<SessionContext> Context(Backend* backend) {
+  std::string done;
+  return *backend->OpenSession(-1, "", &done);
+}
+
+class SessionTest : public ::testing::Test {
+ protected:
+  SessionTest()
+      : backend_(CpuBackend::Options{2, 64}),
+        budget_(1 << 20),
+        session_(SessionIdentity{"job", 0, 1, -1}, &backend_, &budget_,
+                 Context(&backend_)) {
+    params_ = *SharedMemoryRegion::Create(4096);
+    grads_ = *SharedMemoryRegion::Create(4096);
+  }
+
+  TensorSpec Fp32Tensor(const std::string& name, uint64_t numel,
+                        uint64_t offset) {
+    TensorSpec t;
+    t.name = name;
+    t.numel = numel;
+    t.param_dtype_set = t.grad_dtype_set = true;
+    t.param = Handle(*params_, offset, numel * 4);
+    t.grad = Handle(*grads_, offset, numel * 4);
+    return t;
+  }
+
+  CpuBackend backend_;
+  StateBudget budget_;
+  Session session_;
+  std::unique_ptr<SharedMemoryRegion> params_, grads_;
+};
+
+TEST_F(SessionTest, RegisterStepAndCountPlans) {
+  GroupSpec spec;
+  spec.id = "g";
+  spec.tensors = {Fp32Tensor("a", 100, 0), Fp32Tensor("empty", 0, 0),
+                  Fp32Tensor("b", 3, 512)};
+  spec.tensors[1].param = spec.tensors[1].grad = BufferHandle();
+  auto r = session_.RegisterGroup(spec);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->state_bytes, 103u * 8);
+  EXPECT_EQ(r->plan_items, 3u);  // 100 elements in chunks of 64, plus b
+  EXPECT_EQ(backend_.counters().plan_builds.load(), 1u);
+  for (int i = 0; i < 100; ++i) grads_->as<float>()[i] = 1.0f;
+  for (int step = 1; step <= 3; ++step) {
+    auto s = session_.Step({});
+    ASSERT_TRUE(s.ok()) << s.status();
+    EXPECT_FALSE(s->outcome.skipped);
+    EXPECT_EQ(s->group_steps[0].second, static_cast<uint64_t>(step));
+  }
+  EXPECT_EQ(backend_.counters().plan_builds.load(), 1u);  // never rebuilt
+  EXPECT_LT(params_->as<float>()[0], 0.0f);
+  EXPECT_EQ(session_.Info().steps, 3u);
+}
+
+TEST_F(SessionTest, NonFiniteGradientSkipsEverything) {
+  GroupSpec g1;
+  g1.id = "g1";
+  g1.tensors = {Fp32Tensor("a", 4, 0)};
+  GroupSpec g2;
+  g2.id = "g2";
+  g2.tensors = {Fp32Tensor("b", 4, 64)};
+  ASSERT_TRUE(session_.RegisterGroup(g1).ok());
+  ASSERT_TRUE(session_.RegisterGroup(g2).ok());
+  for (int i = 0; i < 4; ++i) {
+    params_->as<float>()[i] = params_->as<float>()[16 + i] = 1.0f;
+    grads_->as<float>()[i] = grads_->as<float>()[16 + i] = 0.5f;
+  }
+  grads_->as<float>()[17] = std::numeric_limits<float>::infinity();
+  std::vector<uint8_t> before(params_->data(), params_->data() + 4096);
+  auto s = session_.Step({});
+  ASSERT_TRUE(s.ok());
+  EXPECT_TRUE(s->outcome.skipped);
+  EXPECT_EQ(s->group_steps[0].second, 0u);
+  EXPECT_EQ(s->group_steps[1].second, 0u);
+  EXPECT_EQ(std::memcmp(before.data(), params_->data(), 4096), 0);
+  EXPECT_EQ(session_.Info().skipped_steps, 1u);
+  grads_->as<float>()[17] = 0.5f;
+  s = session_.Step({});
+  ASSERT_TRUE(s.ok());
+  EXPECT_FALSE(s->outcome.skipped);
+  EXPECT_EQ(s->group_steps[1].second, 1u);
+}
+
+TEST_F(SessionTest, FailedRegistrationChangesNothing) {
+  GroupSpec spec;
+  spec.id = "g";
+  spec.tensors = {Fp32Tensor("a", 4, 0), Fp32Tensor("b", 4, 4090)};
+  auto r = session_.RegisterGroup(spec);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("'b'"), absl::string_view::npos);
+  EXPECT_TRUE(session_.Info().group_ids.empty());
+  EXPECT_EQ(budget_.used(), 0u);
+  EXPECT_EQ(backend_.segments().OpenSegments(), 0);
+  // The same names are free to use afterwards.
+  spec.tensors[1] = Fp32Tensor("b", 4, 16);
+  EXPECT_TRUE(session_.RegisterGroup(spec).ok());
+}
+
+TEST_F(SessionTest, BudgetIsEnforcedAndReleased) {
+  StateBudget small(100);
+  Session s(SessionIdentity{"j", 0, 1, -1}, &backend_, &small,
+            Context(&backend_));
+  GroupSpec spec;
+  spec.id = "big";
+  spec.tensors = {Fp32Tensor("a", 20, 0)};  // 160 bytes of state
+  EXPECT_EQ(s.RegisterGroup(spec).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  spec.tensors = {Fp32Tensor("a", 10, 0)};  // 80 bytes
+  ASSERT_TRUE(s.RegisterGroup(spec).ok());
+  EXPECT_EQ(small.used(), 80u);
+  ASSERT_TRUE(s.UnregisterGroup("big").ok());
+  EXPECT_EQ(small.used(), 0u);
+  EXPECT_EQ(s.UnregisterGroup("big").code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(SessionTest, UpdateBuffersTouchesOnlyThatEntry) {
+  GroupSpec spec;
+  spec.id = "g";
+  spec.tensors = {Fp32Tensor("a", 8, 0), Fp32Tensor("b", 8, 64)};
+  ASSERT_TRUE(session_.RegisterGroup(spec).ok());
+  auto other = *SharedMemoryRegion::Create(64);
+  BufferUpdate u;
+  u.tensor = "b";
+  u.grad = Handle(*other, 0, 32);
+  ASSERT_TRUE(session_.UpdateBuffers("g", {u}).ok());
+  EXPECT_EQ(backend_.counters().plan_entry_updates.load(), 1u);
+  EXPECT_EQ(backend_.counters().plan_builds.load(), 1u);
+  u.grad = Handle(*other, 0, 16);  // wrong size
+  EXPECT_EQ(session_.UpdateBuffers("g", {u}).code(),
+            absl::StatusCode::kInvalidArgument);
+  u.tensor = "zzz";
+  EXPECT_EQ(session_.UpdateBuffers("g", {u}).code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(session_.UpdateBuffers("nope", {}).code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(backend_.counters().plan_entry_updates.load(), 1u);
+}
+
+// A tensor whose gradient is absent (torch's .grad is None) is not stepped:
+// its parameter, moments and the norm ignore it, while its neighbour steps
+// as if it were alone; given a gradient again, it steps again.
+TEST_F(SessionTest, AbsentGradientIsNotStepped) {
+  GroupSpec spec;
+  spec.id = "g";
+  spec.hyper.weight_decay = 0.1;
+  spec.tensors = {Fp32Tensor("a", 8, 0), Fp32Tensor("b", 8, 64),
+                  Fp32Tensor("c", 8, 128)};
+  spec.tensors[2].grad_absent = true;  // no gradient before its first use
+  spec.tensors[2].grad = BufferHandle();
+  ASSERT_TRUE(session_.RegisterGroup(spec).ok());
+  for (int i = 0; i < 48; ++i) {
+    params_->as<float>()[i] = 1.0f;
+    grads_->as<float>()[i] = 3.0f;
+  }
+  BufferUpdate absent;
+  absent.tensor = "b";
+  absent.grad_absent = true;
+  ASSERT_TRUE(session_.UpdateBuffers("g", {absent}).ok());
+  StepRequestSpec step;
+  step.options.max_grad_norm = 1e9;  // statistics on: the norm is reported
+  auto s = session_.Step(step);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_DOUBLE_EQ(s->outcome.grad_norm, std::sqrt(8 * 9.0));  // "a" only
+  for (int i = 0; i < 8; ++i) {
+    EXPECT_LT(params_->as<float>()[i], 1.0f);
+    EXPECT_EQ(params_->as<float>()[16 + i], 1.0f) << "b moved";
+    EXPECT_EQ(params_->as<float>()[32 + i], 1.0f) << "c moved";
+  }
+  auto state = session_.ReadState({"g"});
+  ASSERT_TRUE(state.ok());
+  for (const StateBlob& b : (*state)[0].tensors) {
+    if (b.tensor == "a" || b.kind == "master") continue;  // master: the param
+    for (char c : b.data) ASSERT_EQ(c, 0) << b.tensor << "." << b.kind;
+  }
+  // Both get their gradients back; after one more step "b" and "c" hold
+  // what one step from the start gives, as "a" did.
+  const float a_after_one = params_->as<float>()[0];
+  BufferUpdate back_b, back_c;
+  back_b.tensor = "b";
+  back_b.grad = Handle(*grads_, 64, 32);
+  back_c.tensor = "c";
+  back_c.grad = Handle(*grads_, 128, 32);
+  ASSERT_TRUE(session_.UpdateBuffers("g", {back_b, back_c}).ok());
+  ASSERT_TRUE(session_.Step(step).ok());
+  EXPECT_LT(params_->as<float>()[16], 1.0f);
+  EXPECT_LT(params_->as<float>()[32], 1.0f);
+  EXPECT_LT(params_->as<float>()[0], a_after_one);
+  BufferUpdate both;
+  both.tensor = "b";
+  both.grad_absent = true;
+  both.grad = Handle(*grads_, 64, 32);
+  EXPECT_EQ(session_.UpdateBuffers("g", {both}).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// Step flags order CUDA streams; a CPU session refuses them, and a step
+// numbered without them is refused too, changing nothing.
+TEST_F(SessionTest, StepFlagsAreForCudaSessions) {
+  GroupSpec spec;
+  spec.id = "g";
+  spec.tensors = {Fp32Tensor("a", 8, 0)};
+  ASSERT_TRUE(session_.RegisterGroup(spec).ok());
+  StepRequestSpec step;
+  step.sequence = 1;
+  auto r = session_.Step(step);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(r.status().message().find("step_flags"), absl::string_view::npos);
+  step.step_flags = Handle(*grads_, 0, 8);
+  r = session_.Step(step);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("CPU"), absl::string_view::npos);
+  EXPECT_EQ(session_.Info().steps, 0u);
+}
+
+TEST_F(SessionTest, ShapeMustHoldNumel) {
+  GroupSpec spec;
+  spec.id = "g";
+  spec.tensors = {Fp32Tensor("a", 12, 0)};
+  for (const std::vector<uint64_t>& bad :
+       {std::vector<uint64_t>{5, 2},
+        std::vector<uint64_t>{1ull << 33, 1ull << 33, 0},
+        std::vector<uint64_t>(65, 1)}) {
+    spec.tensors[0].shape = bad;
+    auto r = session_.RegisterGroup(spec);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find("shape"), absl::string_view::npos);
+  }
+  EXPECT_TRUE(session_.Info().group_ids.empty());
+  spec.tensors[0].shape = {3, 1, 4};
+  EXPECT_TRUE(session_.RegisterGroup(spec).ok());
+}
+
+TEST_F(SessionTest, StageAboveTheLimitIsRefusedAndStagedStepsNeedFlags) {
+  GroupSpec spec;
+  spec.id = "g";
+  spec.tensors = {Fp32Tensor("a", 12, 0)};
+  spec.tensors[0].stage = kMaxStage + 1;
+  auto r = session_.RegisterGroup(spec);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("stage"), absl::string_view::npos);
+  EXPECT_TRUE(session_.Info().group_ids.empty());
+  spec.tensors[0].stage = kMaxStage;
+  ASSERT_TRUE(session_.RegisterGroup(spec).ok());
+  // A staged step writes progress into step flags, which CPU sessions have
+  // not: refused, nothing stepped.
+  StepRequestSpec step;
+  step.options.staged = true;
+  auto s = session_.Step(step);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.status().message().find("12-byte"), absl::string_view::npos);
+  EXPECT_EQ(session_.Info().steps, 0u);
+}
+
+TEST_F(SessionTest, ShrunkSegmentFailsTheStepNotTheDaemon) {
+  auto seg = *SharedMemoryRegion::Create(8192);
+  GroupSpec spec;
+  spec.id = "g";
+  TensorSpec t = Fp32Tensor("a", 1024, 0);
+  t.grad = Handle(*seg, 4096, 4096);
+  spec.tensors = {t};
+  ASSERT_TRUE(session_.RegisterGroup(spec).ok());
+  ASSERT_EQ(truncate((std::string("/dev/shm") + seg->name()).c_str(), 100), 0);
+  EXPECT_EQ(session_.Step({}).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+// A trainer that shrinks a segment while a step runs (after the step's
+// checks) must not crash the daemon. The backend is driven directly here, so
+// that the shrink lands between the checks and the accesses.
+TEST_F(SessionTest, SegmentShrunkDuringAStepIsAnErrorNotACrash) {
+  for (bool shrink_params : {false, true}) {
+    SCOPED_TRACE(shrink_params ? "params" : "grads");
+    CpuBackend backend(CpuBackend::Options{2, 64});
+    StateBudget budget(0);
+    std::string done;
+    Session s(SessionIdentity{"j", 0, 1, -1}, &backend, &budget,
+              *backend.OpenSession(-1, "", &done));
+    auto fresh = *SharedMemoryRegion::Create(1 << 20);
+    GroupSpec spec;
+    spec.id = "g";
+    TensorSpec t = Fp32Tensor("w", 1000, 0);
+    (shrink_params ? t.param : t.grad) = Handle(*fresh, 512 * 1024, 4000);
+    spec.tensors = {t};
+    ASSERT_TRUE(s.RegisterGroup(spec).ok());
+    ASSERT_EQ(truncate(("/dev/shm" + fresh->name()).c_str(), 4096), 0);
+    auto ctx = *backend.OpenSession(-1, "", &done);
+    auto r = s.WithGroups([&](const auto& groups) {
+      std::vector<Group*> gs;
+      for (const auto& g : groups) gs.push_back(g.get());
+      return backend.Step(ctx.get(), gs, StepOptions());
+    });
+    // Gradients are read first, before anything changes; a parameter
+    // fault comes during the update, which is then partly applied.
+    EXPECT_EQ(r.status().code(), shrink_params
+                                     ? absl::StatusCode::kDataLoss
+                                     : absl::StatusCode::kFailedPrecondition)
+        << r.status();
+  }
+}
+
+TEST_F(SessionTest, ReadStateLimitsAndFilters) {
+  GroupSpec spec;
+  spec.id = "g";
+  spec.tensors = {Fp32Tensor("a", 100, 0), Fp32Tensor("b", 10, 512)};
+  ASSERT_TRUE(session_.RegisterGroup(spec).ok());
+  // 100 elements x (4 bytes of master + 8 of moments) exceed 1000 bytes.
+  EXPECT_EQ(session_.ReadState({}, true, {}, 1000).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  auto only_b = session_.ReadState({}, true, {"b"}, 1000);
+  ASSERT_TRUE(only_b.ok()) << only_b.status();
+  ASSERT_EQ((*only_b)[0].tensors.size(), 3u);  // master, exp_avg, exp_avg_sq
+  EXPECT_EQ((*only_b)[0].tensors[0].tensor, "b");
+  auto meta = session_.ReadState({}, false);
+  ASSERT_TRUE(meta.ok());
+  EXPECT_TRUE((*meta)[0].tensors.empty());
+  EXPECT_EQ(session_.ReadState({}, true, {"zzz"}).status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+// A session whose trainer process ends without closing it is orphaned,
+// kept for the grace period for a resume, then freed; a resume ends the
+// orphanhood; an operator can evict any session.
+TEST(SessionRegistryTest, OrphanedSessionsWaitForAResumeThenGo) {
+  CpuBackend backend(CpuBackend::Options{1, 64});
+  StateBudget budget(0);
+  SessionRegistry registry(&backend, &budget);
+  auto spawn = [] {
+    const pid_t child = fork();
+    if (child == 0) {
+      pause();
+      _exit(0);
+    }
+    return child;
+  };
+  auto end = [](pid_t child) {
+    kill(child, SIGKILL);
+    waitpid(child, nullptr, 0);
+  };
+  const pid_t first = spawn(), second = spawn();
+  ASSERT_GT(first, 0);
+  ASSERT_GT(second, 0);
+  ASSERT_TRUE(registry.Create({"a", 0, 1, -1}, false, "", first).ok());
+  ASSERT_TRUE(registry.Create({"b", 0, 1, -1}, false, "", second).ok());
+  ASSERT_TRUE(registry.Create({"unseen", 0, 1, -1}, false, "", 0).ok());
+  const absl::Time t0 = absl::Now();
+  const absl::Duration grace = absl::Seconds(10);
+  EXPECT_TRUE(registry.Reap(t0, grace).orphaned.empty());
+  end(first);
+  end(second);
+  auto reaped = registry.Reap(t0, grace);
+  ASSERT_EQ(reaped.orphaned.size(), 2u);
+  EXPECT_TRUE(reaped.freed.empty());
+  for (const auto& s : registry.List()) {
+    EXPECT_EQ(s->Info().orphaned_since > 0, s->identity().job_id != "unseen");
+  }
+  // "b" is resumed by a new trainer (this process) within the grace.
+  std::string b_secret;
+  for (const auto& s : registry.List()) {
+    if (s->identity().job_id == "b") b_secret = s->resume_secret();
+  }
+  auto resumed = registry.Create({"b", 0, 1, -1}, true, "", getpid(), b_secret);
+  ASSERT_TRUE(resumed.ok());
+  EXPECT_EQ(resumed->session->Info().orphaned_since, 0);
+  reaped = registry.Reap(t0 + grace, grace);
+  ASSERT_EQ(reaped.freed.size(), 1u);
+  EXPECT_EQ(reaped.freed[0].job_id, "a");
+  EXPECT_EQ(registry.List().size(), 2u);
+  EXPECT_TRUE(registry.Evict("unseen", 0).ok());
+  EXPECT_EQ(registry.Evict("unseen", 0).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(registry.List().size(), 1u);
+}
+
+TEST(SessionRegistryTest, TokensResumeAndClose) {
+  CpuBackend backend(CpuBackend::Options{1, 64});
+  StateBudget budget(0);
+  SessionRegistry registry(&backend, &budget);
+  auto a = registry.Create({"job", 1, 2, -1}, false);
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(a->token.size(), 32u);
+  EXPECT_EQ(registry.Create({"job", 1, 2, -1}, false).status().code(),
+            absl::StatusCode::kAlreadyExists);
+  const std::string secret = a->session->resume_secret();
+  EXPECT_EQ(secret.size(), 32u);
+  EXPECT_EQ(registry.Create({"job", 1, 2, -1}, true).status().code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_TRUE(registry.Find(a->token).ok());  // still a's
+  auto b = registry.Create({"job", 1, 2, -1}, true, "", 0, secret);
+  ASSERT_TRUE(b.ok());
+  EXPECT_TRUE(b->resumed);
+  EXPECT_EQ(b->session, a->session);
+  EXPECT_EQ(registry.Find(a->token).status().code(),
+            absl::StatusCode::kUnauthenticated);
+  EXPECT_TRUE(registry.Find(b->token).ok());
+  EXPECT_EQ(registry.Find("").status().code(),
+            absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(registry.Create({"job", 2, 2, -1}, false).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(registry.Create({"", 0, 1, -1}, false).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(registry.Create({"job", 0, 2, 0}, false).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(registry.Create({"job", 0, 2, -2}, false).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(registry.Close(b->token).ok());
+  EXPECT_TRUE(registry.List().empty());
+  EXPECT_TRUE(registry.Create({"job", 1, 2, -1}, false).ok());
+}
+
+TEST(HostMemoryTest, RefusesMoreThanIsAvailable) {
+  const uint64_t available = HostMemoryAvailable();
+  ASSERT_GT(available, 0u);  // Linux: /proc/meminfo has MemAvailable
+  EXPECT_TRUE(CheckHostMemory(1 << 20, "a little").ok());
+  const absl::Status s = CheckHostMemory(2 * available, "a lot");
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(s.message().find("a lot needs"), std::string::npos) << s;
+  // Host snapshots (background saves) go through the same check.
+  CpuBackend backend(CpuBackend::Options{1, 64});
+  EXPECT_EQ(backend.AllocateHostStaging(2 * available).status().code(),
+            absl::StatusCode::kResourceExhausted);
+}
+
+// Sessions go to the backend of their device: CPU tensors (-1) to the CPU
+// backend, whatever else the daemon runs.
+TEST(SessionRegistryTest, RoutesDevicesToBackends) {
+  CpuBackend cpu(CpuBackend::Options{1, 64});
+  StateBudget budget(0);
+  SessionRegistry registry(std::vector<Backend*>{&cpu}, &budget);
+  EXPECT_EQ(*registry.BackendFor(-1), &cpu);
+  auto gpu = registry.BackendFor(0);
+  EXPECT_EQ(gpu.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(gpu.status().message().find("--backend=cuda"), std::string::npos);
+  EXPECT_EQ(registry.BackendFor(-5).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  auto created = registry.Create({"job", 0, 1, -1}, false);
+  ASSERT_TRUE(created.ok());
+  EXPECT_EQ(created->session->backend(), &cpu);
+}
+
+}  // namespace
+}  // namespace optimd
