@@ -145,10 +145,10 @@ std::vector<Entry> Entries(const std::vector<Group*>& groups) {
     for (const TensorEntry& t : groups[gi]->tensors) {
       const Layout& l = t.layout;
       const uint64_t n = t.numel;
-      auto add = [&](const char* kind, const char* suffix, const char* dtype,
-                     uint64_t bytes, uint8_t* data) {
+      auto add = [&](const char* kind, absl::string_view suffix,
+                     const char* dtype, uint64_t bytes, uint8_t* data) {
         Entry e;
-        e.name = t.name + suffix;
+        e.name = absl::StrCat(t.name, suffix);
         e.dtype = dtype;
         e.numel = n;
         e.bytes = bytes;
@@ -168,11 +168,11 @@ std::vector<Entry> Entries(const std::vector<Group*>& groups) {
       if (t.frozen) continue;
       const uint64_t mb = n * DTypeSize(l.moment_dtype);
       const char* md = SafetensorsDType(l.moment_dtype);
-      add("exp_avg", ".exp_avg", md, mb, t.exp_avg.data());
-      add("exp_avg_sq", ".exp_avg_sq", md, mb, t.exp_avg_sq.data());
-      if (l.amsgrad) {
-        add("max_exp_avg_sq", ".max_exp_avg_sq", md, mb,
-            t.max_exp_avg_sq.data());
+      for (int slot = 0; slot < l.state_slots; ++slot) {
+        // Slot names are string literals (core/optimizer.cc), so data() is
+        // a terminated string that lives as long as the program.
+        const absl::string_view kind = StateSlotName(l.optimizer, slot);
+        add(kind.data(), absl::StrCat(".", kind), md, mb, t.state[slot].data());
       }
     }
   }
@@ -223,8 +223,9 @@ bool UsePacked(const std::vector<Entry>& entries,
   return estimate > threshold;
 }
 
-json HyperJson(const AdamWHyper& h) {
-  return json{{"lr", h.lr},
+json HyperJson(const OptimizerHyper& h) {
+  return json{{"optimizer", std::string(OptimizerName(h.kind))},
+              {"lr", h.lr},
               {"beta1", h.beta1},
               {"beta2", h.beta2},
               {"eps", h.eps},
@@ -232,7 +233,10 @@ json HyperJson(const AdamWHyper& h) {
               {"adamw", h.adamw},
               {"bias_correction", h.bias_correction},
               {"maximize", h.maximize},
-              {"amsgrad", h.amsgrad}};
+              {"amsgrad", h.amsgrad},
+              {"momentum", h.momentum},
+              {"dampening", h.dampening},
+              {"nesterov", h.nesterov}};
 }
 
 json LayoutJson(const Layout& l) {
@@ -240,6 +244,8 @@ json LayoutJson(const Layout& l) {
               {"grad_dtype", std::string(DTypeName(l.grad_dtype))},
               {"moment_dtype", std::string(DTypeName(l.moment_dtype))},
               {"master", std::string(MasterKindName(l.master))},
+              {"optimizer", std::string(OptimizerName(l.optimizer))},
+              {"state_slots", l.state_slots},
               {"amsgrad", l.amsgrad}};
 }
 
@@ -672,7 +678,7 @@ absl::StatusOr<uint32_t> ParseCrcHex(const std::string& s) {
 // A group's step counter and hyperparameters as its header says, checked.
 struct GroupHeader {
   uint64_t step = 0;
-  AdamWHyper hyper;
+  OptimizerHyper hyper;
   // Per tensor of the group, its missed steps (TensorEntry::missed_steps).
   std::vector<uint64_t> missed;
 };
@@ -701,12 +707,12 @@ absl::StatusOr<std::vector<uint64_t>> ParseMissedSteps(const json& jg,
   return missed;
 }
 
-absl::StatusOr<AdamWHyper> ParseHyper(const Fields& g,
-                                      const std::string& path) {
+absl::StatusOr<OptimizerHyper> ParseHyper(const Fields& g,
+                                          const std::string& path) {
   OPTIMD_ASSIGN_OR_RETURN(const json* jh, g.Get("hyperparameters"));
   OPTIMD_ASSIGN_OR_RETURN(
       Fields h, Fields::Of(*jh, g.where() + " hyperparameters", path));
-  AdamWHyper out;
+  OptimizerHyper out;
   OPTIMD_ASSIGN_OR_RETURN(out.lr, h.Number("lr"));
   OPTIMD_ASSIGN_OR_RETURN(out.beta1, h.Number("beta1"));
   OPTIMD_ASSIGN_OR_RETURN(out.beta2, h.Number("beta2"));
@@ -716,9 +722,32 @@ absl::StatusOr<AdamWHyper> ParseHyper(const Fields& g,
   OPTIMD_ASSIGN_OR_RETURN(out.bias_correction, h.Bool("bias_correction"));
   OPTIMD_ASSIGN_OR_RETURN(out.maximize, h.Bool("maximize"));
   OPTIMD_ASSIGN_OR_RETURN(out.amsgrad, h.Bool("amsgrad"));
+  // Files written before optimizers other than AdamW have none of these.
+  if (jh->contains("optimizer")) {
+    OPTIMD_ASSIGN_OR_RETURN(std::string name, h.String("optimizer"));
+    auto kind = OptimizerFromName(name);
+    if (!kind.ok()) return h.Bad("optimizer", "not a known optimizer");
+    out.kind = *kind;
+    OPTIMD_ASSIGN_OR_RETURN(out.momentum, h.Number("momentum"));
+    OPTIMD_ASSIGN_OR_RETURN(out.dampening, h.Number("dampening"));
+    OPTIMD_ASSIGN_OR_RETURN(out.nesterov, h.Bool("nesterov"));
+  }
   absl::Status s = CheckHyperparameters(out, g.where());
   if (!s.ok()) return Malformed(path, std::string(s.message()));
   return out;
+}
+
+// Whether a header's layout is `l`. Files written before optimizers other
+// than AdamW name neither the optimizer nor the slot count: such a layout
+// is an AdamW one.
+bool LayoutMatches(const json& file, const Layout& l) {
+  json mine = LayoutJson(l);
+  if (file.is_object() && !file.contains("optimizer") &&
+      l.optimizer == OptimizerKind::kAdamW) {
+    mine.erase("optimizer");
+    mine.erase("state_slots");
+  }
+  return file == mine;
 }
 
 // One tensor's metadata as a header gives it.
@@ -802,7 +831,7 @@ absl::StatusOr<GroupHeader> ParseGroup(const json& jg, const Group& g,
             ? ParseTensor((*jt)[ti], where, path)
             : ParsePackedTensor((*jt)[ti], *layouts, where, path));
     if (th.name != t.name || th.numel != t.numel || th.frozen != t.frozen ||
-        *th.layout != LayoutJson(t.layout)) {
+        !LayoutMatches(*th.layout, t.layout)) {
       return absl::FailedPreconditionError(absl::StrCat(
           "tensor '", t.name, "' (group '", g.id, "') does not match ", path,
           ": the file has '", th.name.substr(0, kMaxNameBytes), "' with ",

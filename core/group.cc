@@ -13,31 +13,6 @@
 
 namespace optimd {
 
-absl::Status CheckHyperparameters(const AdamWHyper& h,
-                                  const std::string& where) {
-  auto bad = [&](absl::string_view what, double v) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, ": invalid ", what, ": ", v));
-  };
-  // The kernels take lr, eps and weight_decay as fp32: each must be finite
-  // there too (an lr of 1e308 would become inf and every parameter NaN).
-  auto fp32_finite = [](double v) {
-    return std::isfinite(v) && std::isfinite(static_cast<float>(v));
-  };
-  if (!fp32_finite(h.lr) || h.lr < 0) return bad("learning rate", h.lr);
-  if (!(h.beta1 >= 0 && h.beta1 < 1)) {
-    return bad("beta1 (need 0 <= beta1 < 1)", h.beta1);
-  }
-  if (!(h.beta2 >= 0 && h.beta2 < 1)) {
-    return bad("beta2 (need 0 <= beta2 < 1)", h.beta2);
-  }
-  if (!fp32_finite(h.eps) || h.eps < 0) return bad("eps", h.eps);
-  if (!fp32_finite(h.weight_decay) || h.weight_decay < 0) {
-    return bad("weight_decay", h.weight_decay);
-  }
-  return absl::OkStatus();
-}
-
 void BuildPlan(Group& group, uint64_t chunk_elements) {
   Plan plan;
   plan.entry_of_tensor.assign(group.tensors.size(), Plan::kNoEntry);

@@ -41,11 +41,6 @@ inline bool AddChecked(uint64_t* sum, uint64_t n) {
   return !__builtin_add_overflow(*sum, n, sum);
 }
 
-// Checks hyperparameters: lr, eps and weight_decay finite and >= 0, betas
-// in [0, 1). INVALID_ARGUMENT naming `where` and the value otherwise.
-absl::Status CheckHyperparameters(const AdamWHyper& h,
-                                  const std::string& where);
-
 // A tensor as a client describes it, before validation.
 // The largest stage number of a staged step (TensorSpec::stage).
 inline constexpr uint32_t kMaxStage = 4095;
@@ -72,7 +67,7 @@ struct TensorSpec {
 // A group as a client describes it, before validation.
 struct GroupSpec {
   std::string id;
-  AdamWHyper hyper;
+  OptimizerHyper hyper;
   MasterRequest master = MasterRequest::kDefault;
   DType moment_dtype = DType::kFloat32;
   std::vector<TensorSpec> tensors;
@@ -116,9 +111,9 @@ struct TensorEntry {
   BufferRef param;  // null data for zero-element tensors
   BufferRef grad;   // null for frozen and zero-element tensors
   StateSlice master;
-  StateSlice exp_avg;
-  StateSlice exp_avg_sq;
-  StateSlice max_exp_avg_sq;
+  // The optimizer's state slots, the first layout.state_slots of them
+  // allocated (none for frozen tensors); core/optimizer.h names them.
+  StateSlice state[kMaxStateSlots];
 
   // True when the tensor takes part in steps.
   bool Steppable() const { return numel > 0 && !frozen; }
@@ -127,14 +122,13 @@ struct TensorEntry {
     p.param = param.data;
     p.grad = grad_absent ? nullptr : grad.data;
     p.master = master.data();
-    p.exp_avg = exp_avg.data();
-    p.exp_avg_sq = exp_avg_sq.data();
-    p.max_exp_avg_sq = max_exp_avg_sq.data();
+    for (int s = 0; s < kMaxStateSlots; ++s) p.state[s] = state[s].data();
     return p;
   }
   uint64_t StateBytes() const {
-    return master.size() + exp_avg.size() + exp_avg_sq.size() +
-           max_exp_avg_sq.size();
+    uint64_t n = master.size();
+    for (const StateSlice& s : state) n += s.size();
+    return n;
   }
 };
 
@@ -169,14 +163,14 @@ struct Plan {
 
 struct Group {
   std::string id;
-  AdamWHyper hyper;
+  OptimizerHyper hyper;
   DType moment_dtype = DType::kFloat32;
   // Applied steps; the next step runs with t = step + 1.
   uint64_t step = 0;
   std::vector<TensorEntry> tensors;
   Plan plan;
-  // The group's state memory: one arena per kind of state (master, exp_avg,
-  // exp_avg_sq, max_exp_avg_sq), each tensor's slice 64-byte aligned. One
+  // The group's state memory: one arena for the masters and one per state
+  // slot, each tensor's slice 64-byte aligned. One
   // allocation per kind keeps a group's state contiguous (streaming
   // prefetch, few TLB entries) and makes registration cheap at 1e5 tensors.
   std::vector<StateStorage> arenas;

@@ -29,24 +29,27 @@ uint64_t Layout::MasterBytesPerElement() const {
 }
 
 uint64_t Layout::StateBytesPerElement() const {
-  return MasterBytesPerElement() + MomentBytesPerElement() * (amsgrad ? 3 : 2);
+  return MasterBytesPerElement() + MomentBytesPerElement() * state_slots;
 }
 
 std::string Layout::DebugString() const {
   return absl::StrCat(
       "param=", DTypeName(param_dtype), " grad=", DTypeName(grad_dtype),
       " moments=", DTypeName(moment_dtype), " master=", MasterKindName(master),
-      amsgrad ? " amsgrad" : "");
+      " optimizer=", OptimizerName(optimizer), amsgrad ? " amsgrad" : "");
 }
 
 absl::StatusOr<Layout> ResolveLayout(const std::string& tensor,
                                      DType param_dtype, DType grad_dtype,
                                      DType moment_dtype, MasterRequest master,
-                                     bool keep_fp32, bool amsgrad) {
+                                     bool keep_fp32,
+                                     const OptimizerHyper& hyper) {
   Layout layout;
   layout.param_dtype = param_dtype;
   layout.grad_dtype = grad_dtype;
-  layout.amsgrad = amsgrad;
+  layout.optimizer = hyper.kind;
+  layout.state_slots = static_cast<uint8_t>(StateSlotCount(hyper));
+  layout.amsgrad = hyper.kind == OptimizerKind::kAdamW && hyper.amsgrad;
   if (moment_dtype != DType::kFloat32 && moment_dtype != DType::kBFloat16) {
     return absl::InvalidArgumentError(
         absl::StrCat("tensor '", tensor,

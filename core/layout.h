@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "core/dtype.h"
+#include "core/optimizer.h"
 
 namespace optimd {
 
@@ -33,9 +34,14 @@ struct Layout {
   DType grad_dtype = DType::kFloat32;
   DType moment_dtype = DType::kFloat32;
   MasterKind master = MasterKind::kNone;
+  // The group's optimizer and the number of its state slots this tensor
+  // holds (StateSlotCount), each of moment_dtype.
+  OptimizerKind optimizer = OptimizerKind::kAdamW;
+  uint8_t state_slots = 2;
+  // AdamW: the third slot is the running maximum of the second moment.
   bool amsgrad = false;
 
-  // Bytes of daemon-held state per element: master + moments (+ max moment).
+  // Bytes of daemon-held state per element: master + state slots.
   uint64_t StateBytesPerElement() const;
   // Bytes per element of each state buffer (0 when absent).
   uint64_t MasterBytesPerElement() const;
@@ -44,6 +50,7 @@ struct Layout {
   bool operator==(const Layout& o) const {
     return param_dtype == o.param_dtype && grad_dtype == o.grad_dtype &&
            moment_dtype == o.moment_dtype && master == o.master &&
+           optimizer == o.optimizer && state_slots == o.state_slots &&
            amsgrad == o.amsgrad;
   }
   std::string DebugString() const;
@@ -54,10 +61,12 @@ struct Layout {
 //  - kRemainder needs a bf16 parameter.
 //  - kNone needs an fp32 parameter.
 //  - moments are fp32 or bf16.
+// The optimizer and its state slots come from `hyper`.
 absl::StatusOr<Layout> ResolveLayout(const std::string& tensor,
                                      DType param_dtype, DType grad_dtype,
                                      DType moment_dtype, MasterRequest master,
-                                     bool keep_fp32, bool amsgrad);
+                                     bool keep_fp32,
+                                     const OptimizerHyper& hyper);
 
 // The remainder encoding of a bf16 parameter's fp32 master (kRemainder):
 // used by the kernels, state reads and writes, and checkpoints.

@@ -5,16 +5,22 @@
 namespace optimd {
 namespace {
 
+OptimizerHyper Amsgrad() {
+  OptimizerHyper h;
+  h.amsgrad = true;
+  return h;
+}
+
 using F = DType;
 
 TEST(LayoutTest, DefaultsFollowParamDtype) {
   auto fp32 = ResolveLayout("w", F::kFloat32, F::kFloat32, F::kFloat32,
-                            MasterRequest::kDefault, false, false);
+                            MasterRequest::kDefault, false, OptimizerHyper());
   ASSERT_TRUE(fp32.ok());
   EXPECT_EQ(fp32->master, MasterKind::kNone);
   EXPECT_EQ(fp32->StateBytesPerElement(), 8u);
   auto bf16 = ResolveLayout("w", F::kBFloat16, F::kBFloat16, F::kFloat32,
-                            MasterRequest::kDefault, false, true);
+                            MasterRequest::kDefault, false, Amsgrad());
   ASSERT_TRUE(bf16.ok());
   EXPECT_EQ(bf16->master, MasterKind::kFp32);
   EXPECT_EQ(bf16->StateBytesPerElement(), 16u);  // master + 3 moments
@@ -22,11 +28,11 @@ TEST(LayoutTest, DefaultsFollowParamDtype) {
 
 TEST(LayoutTest, RemainderBytes) {
   auto l = ResolveLayout("w", F::kBFloat16, F::kFloat32, F::kFloat32,
-                         MasterRequest::kRemainder, false, false);
+                         MasterRequest::kRemainder, false, OptimizerHyper());
   ASSERT_TRUE(l.ok());
   EXPECT_EQ(l->StateBytesPerElement(), 10u);
   auto l16 = ResolveLayout("w", F::kBFloat16, F::kFloat32, F::kBFloat16,
-                           MasterRequest::kRemainder, false, false);
+                           MasterRequest::kRemainder, false, OptimizerHyper());
   ASSERT_TRUE(l16.ok());
   EXPECT_EQ(l16->StateBytesPerElement(), 6u);
 }
@@ -46,7 +52,7 @@ TEST(LayoutTest, RefusesInvalidCombinationsNamingTheTensor) {
   };
   for (const Case& c : cases) {
     auto l = ResolveLayout("layer.7.w", c.param, F::kFloat32, c.moment,
-                           c.master, c.keep_fp32, false);
+                           c.master, c.keep_fp32, OptimizerHyper());
     ASSERT_FALSE(l.ok());
     EXPECT_EQ(l.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_NE(l.status().message().find("layer.7.w"), absl::string_view::npos)
@@ -56,7 +62,7 @@ TEST(LayoutTest, RefusesInvalidCombinationsNamingTheTensor) {
 
 TEST(LayoutTest, KeepFp32StaysInPlaceEvenWhenGroupWantsMaster) {
   auto l = ResolveLayout("norm", F::kFloat32, F::kBFloat16, F::kBFloat16,
-                         MasterRequest::kDefault, true, false);
+                         MasterRequest::kDefault, true, OptimizerHyper());
   ASSERT_TRUE(l.ok());
   EXPECT_EQ(l->master, MasterKind::kNone);
 }

@@ -77,8 +77,21 @@ absl::Status CheckCounts(const GroupSpec& spec, size_t groups, size_t tensors) {
 
 // Checkpoint keys are a tensor's name and its name plus one of these
 // suffixes (core/checkpoint.h); "__metadata__" is the safetensors header's.
+// "exp_avg, exp_avg_sq, ": the state slots a tensor of `layout` holds, for
+// errors.
+std::string SlotNames(const Layout& layout) {
+  std::string out;
+  for (int s = 0; s < layout.state_slots; ++s) {
+    absl::StrAppend(&out, StateSlotName(layout.optimizer, s), ", ");
+  }
+  return out;
+}
+
+// Every optimizer's slot names are refused alike, so that a name stays
+// valid whatever optimizer a later group uses.
 constexpr const char* kStateKeySuffixes[] = {
-    ".master", ".remainder", ".exp_avg", ".exp_avg_sq", ".max_exp_avg_sq"};
+    ".master",     ".remainder",      ".exp_avg",
+    ".exp_avg_sq", ".max_exp_avg_sq", ".momentum_buffer"};
 
 // Refuses names whose checkpoint keys would collide with another tensor's
 // (`w` and `w.exp_avg`: one's moment would load as the other's parameter).
@@ -199,19 +212,19 @@ const Group* Session::FindGroup(const std::string& id) const {
 namespace {
 
 // Lays out each kind of state of `group`'s tensors contiguously (64-byte
-// aligned slices) and allocates one arena per kind from `backend`.
+// aligned slices) and allocates one arena per kind from `backend`: kind 0
+// the masters, kind 1 + s the optimizer's state slot s.
 absl::Status AllocateGroupState(Backend* backend, Group* group) {
   constexpr uint64_t kSliceAlign = 64;
+  constexpr int kKinds = 1 + kMaxStateSlots;
   auto round_up = [](uint64_t n) {
     return (n + kSliceAlign - 1) / kSliceAlign * kSliceAlign;
   };
-  enum Kind { kMaster = 0, kExpAvg, kExpAvgSq, kMaxExpAvgSq, kKinds };
-  uint64_t arena_bytes[kKinds] = {0, 0, 0, 0};
+  uint64_t arena_bytes[kKinds] = {};
   std::vector<std::array<uint64_t, kKinds>> offsets(group->tensors.size());
   auto per_element = [](const TensorEntry& e, int kind) -> uint64_t {
-    if (kind == kMaster) return e.layout.MasterBytesPerElement();
-    if (e.frozen) return 0;
-    if (kind == kMaxExpAvgSq && !e.layout.amsgrad) return 0;
+    if (kind == 0) return e.layout.MasterBytesPerElement();
+    if (e.frozen || kind - 1 >= e.layout.state_slots) return 0;
     return e.layout.MomentBytesPerElement();
   };
   for (size_t i = 0; i < group->tensors.size(); ++i) {
@@ -229,13 +242,11 @@ absl::Status AllocateGroupState(Backend* backend, Group* group) {
   }
   for (size_t i = 0; i < group->tensors.size(); ++i) {
     TensorEntry& e = group->tensors[i];
-    StateSlice* slices[kKinds] = {&e.master, &e.exp_avg, &e.exp_avg_sq,
-                                  &e.max_exp_avg_sq};
     for (int k = 0; k < kKinds; ++k) {
       const uint64_t bytes = e.numel * per_element(e, k);
-      if (bytes > 0) {
-        *slices[k] = StateSlice(group->arenas[k].data() + offsets[i][k], bytes);
-      }
+      if (bytes == 0) continue;
+      StateSlice& slice = k == 0 ? e.master : e.state[k - 1];
+      slice = StateSlice(group->arenas[k].data() + offsets[i][k], bytes);
     }
   }
   return absl::OkStatus();
@@ -278,7 +289,7 @@ absl::Status Session::CheckTensor(const GroupSpec& spec, const TensorSpec& t,
   OPTIMD_ASSIGN_OR_RETURN(
       *layout,
       ResolveLayout(t.name, t.param_dtype, t.grad_dtype, spec.moment_dtype,
-                    spec.master, t.keep_fp32, spec.hyper.amsgrad));
+                    spec.master, t.keep_fp32, spec.hyper));
   if (t.numel == 0) {
     if (t.param.size != 0 || t.grad.size != 0) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -646,16 +657,25 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequestSpec& request,
     if (o.beta2) check.hyper.beta2 = *o.beta2;
     if (o.eps) check.hyper.eps = *o.eps;
     if (o.weight_decay) check.hyper.weight_decay = *o.weight_decay;
+    if (o.momentum) check.hyper.momentum = *o.momentum;
     OPTIMD_RETURN_IF_ERROR(CheckHyper(check));
+    if (StateSlotCount(check.hyper) != StateSlotCount(g->hyper)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "override of group '", o.group_id, "': momentum ", g->hyper.momentum,
+          " -> ", check.hyper.momentum,
+          " adds or drops the momentum buffer, which changes the group's "
+          "state layout; register the group again instead"));
+    }
   }
   OPTIMD_RETURN_IF_ERROR(backend_->CheckMappings(mappings_));
   for (const HyperOverride& o : request.overrides) {
-    AdamWHyper& h = FindGroup(o.group_id)->hyper;
+    OptimizerHyper& h = FindGroup(o.group_id)->hyper;
     if (!o.keep_lr) h.lr = o.lr;
     if (o.beta1) h.beta1 = *o.beta1;
     if (o.beta2) h.beta2 = *o.beta2;
     if (o.eps) h.eps = *o.eps;
     if (o.weight_decay) h.weight_decay = *o.weight_decay;
+    if (o.momentum) h.momentum = *o.momentum;
   }
 
   auto stepped = backend_->Step(context_.get(), step_groups_, o);
@@ -830,14 +850,13 @@ absl::StatusOr<std::vector<GroupState>> Session::ReadState(
       if (t.frozen) continue;
       const DType md = t.layout.moment_dtype;
       const uint64_t mb = n * DTypeSize(md);
-      const std::pair<const char*, const StateSlice*> moments[] = {
-          {"exp_avg", &t.exp_avg},
-          {"exp_avg_sq", &t.exp_avg_sq},
-          {"max_exp_avg_sq", &t.max_exp_avg_sq}};
-      for (const auto& [kind, storage] : moments) {
-        if (std::string(kind) == "max_exp_avg_sq" && !t.layout.amsgrad) break;
-        StateBlob b{t.name, kind, md, n, std::string()};
-        if (n > 0) OPTIMD_RETURN_IF_ERROR(raw(storage->data(), mb, &b.data));
+      for (int slot = 0; slot < t.layout.state_slots; ++slot) {
+        StateBlob b{t.name,
+                    std::string(StateSlotName(t.layout.optimizer, slot)), md, n,
+                    std::string()};
+        if (n > 0) {
+          OPTIMD_RETURN_IF_ERROR(raw(t.state[slot].data(), mb, &b.data));
+        }
         gs.tensors.push_back(std::move(b));
       }
       for (size_t b = first_blob; b < gs.tensors.size(); ++b) {
@@ -875,20 +894,24 @@ absl::Status Session::WriteState(
       return absl::NotFoundError(absl::StrCat(
           "tensor '", b.tensor, "' is not in group '", group_id, "'"));
     }
-    const bool moment = b.kind == "exp_avg" || b.kind == "exp_avg_sq" ||
-                        b.kind == "max_exp_avg_sq";
-    if (!moment && b.kind != "master") {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor '", b.tensor, "': unknown state kind '", b.kind,
-          "' (use exp_avg, exp_avg_sq, max_exp_avg_sq or master)"));
+    const int slot =
+        StateSlotIndex(t->layout.optimizer, kMaxStateSlots, b.kind);
+    if (slot < 0 && b.kind != "master") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor '", b.tensor, "': unknown state kind '", b.kind,
+                       "' (", OptimizerName(t->layout.optimizer), " keeps ",
+                       SlotNames(t->layout), "master)"));
     }
-    if (moment && t->frozen) {
+    if (slot >= 0 && t->frozen) {
       return absl::InvalidArgumentError(absl::StrCat(
           "tensor '", b.tensor, "' is frozen and holds no ", b.kind));
     }
-    if (b.kind == "max_exp_avg_sq" && !t->layout.amsgrad) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor '", b.tensor, "': max_exp_avg_sq needs amsgrad=true"));
+    if (slot >= t->layout.state_slots) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor '", b.tensor, "' holds no ", b.kind, " (",
+                       b.kind == "max_exp_avg_sq" ? "it needs amsgrad=true"
+                                                  : "it needs momentum > 0",
+                       ")"));
     }
     if (b.numel != t->numel) {
       return absl::InvalidArgumentError(
@@ -919,13 +942,11 @@ absl::Status Session::WriteState(
       return backend_->CopyFromHost(
           reinterpret_cast<const uint8_t*>(bytes.data()), dst, bytes.size());
     };
-    if (b->kind == "exp_avg") {
-      OPTIMD_RETURN_IF_ERROR(put(t->layout.moment_dtype, t->exp_avg.data()));
-    } else if (b->kind == "exp_avg_sq") {
-      OPTIMD_RETURN_IF_ERROR(put(t->layout.moment_dtype, t->exp_avg_sq.data()));
-    } else if (b->kind == "max_exp_avg_sq") {
+    const int slot =
+        StateSlotIndex(t->layout.optimizer, t->layout.state_slots, b->kind);
+    if (slot >= 0) {
       OPTIMD_RETURN_IF_ERROR(
-          put(t->layout.moment_dtype, t->max_exp_avg_sq.data()));
+          put(t->layout.moment_dtype, t->state[slot].data()));
     } else if (t->layout.master == MasterKind::kRemainder) {
       std::vector<uint16_t> hi(n);
       std::vector<int16_t> rem(n);

@@ -47,7 +47,7 @@ struct HyperOverride {
   double lr = 0;
   // The override leaves the learning rate as it is (`lr` is ignored).
   bool keep_lr = false;
-  std::optional<double> beta1, beta2, eps, weight_decay;
+  std::optional<double> beta1, beta2, eps, weight_decay, momentum;
 };
 
 // A new buffer for one tensor of a group (UpdateBuffers).
@@ -86,7 +86,8 @@ struct StepResult {
 // One state buffer of one tensor, in host memory.
 struct StateBlob {
   std::string tensor;
-  // "exp_avg", "exp_avg_sq", "max_exp_avg_sq" or "master".
+  // "master" or the name of one of the optimizer's state slots
+  // (core/optimizer.h: "exp_avg", "momentum_buffer", ...).
   std::string kind;
   DType dtype = DType::kFloat32;
   uint64_t numel = 0;
@@ -98,7 +99,7 @@ struct StateBlob {
 struct GroupState {
   std::string id;
   uint64_t step = 0;
-  AdamWHyper hyper;
+  OptimizerHyper hyper;
   std::vector<StateBlob> tensors;
 };
 

@@ -3,36 +3,23 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kernels/cpu_layout.h"
+
 namespace optimd {
 namespace {
 
-// Element codecs: storage type plus exact widen / round-to-nearest-even.
-struct F32 {
-  using T = float;
-  static float Load(T x) { return x; }
-  static T Store(float x) { return x; }
-};
-struct BF16 {
-  using T = uint16_t;
-  static float Load(T x) { return BFloat16ToFloat(x); }
-  static T Store(float x) { return FloatToBFloat16(x); }
-};
-struct F16 {
-  using T = uint16_t;
-  static float Load(T x) { return HalfToFloat(x); }
-  static T Store(float x) { return FloatToHalf(x); }
-};
+using cpu::BF16;
+using cpu::F16;
+using cpu::F32;
 
 template <class P, class G, class M, MasterKind K, bool kAmsgrad, bool kAdamW>
 void StepKernel(const TensorPointers& t, uint64_t begin, uint64_t end,
-                const StepScalars& s) {
-  auto* __restrict param = static_cast<typename P::T*>(t.param);
+                const AdamWScalars& s) {
+  const cpu::Weight<P, K> w(t);
   const auto* __restrict grad = static_cast<const typename G::T*>(t.grad);
-  auto* __restrict m = static_cast<typename M::T*>(t.exp_avg);
-  auto* __restrict v = static_cast<typename M::T*>(t.exp_avg_sq);
-  auto* __restrict vmax = static_cast<typename M::T*>(t.max_exp_avg_sq);
-  float* __restrict master = static_cast<float*>(t.master);
-  int16_t* __restrict rem = static_cast<int16_t*>(t.master);
+  auto* __restrict m = static_cast<typename M::T*>(t.state[0]);
+  auto* __restrict v = static_cast<typename M::T*>(t.state[1]);
+  auto* __restrict vmax = static_cast<typename M::T*>(t.state[2]);
   const float grad_mul = s.grad_mul, decay = s.decay;
   const float l2 = s.adamw ? 0.0f : s.weight_decay;
   const float b1 = s.beta1, b2 = s.beta2;
@@ -40,14 +27,7 @@ void StepKernel(const TensorPointers& t, uint64_t begin, uint64_t end,
   const float eps = s.eps, bc2 = s.bc2_sqrt, neg_step = -s.step_size;
   for (uint64_t i = begin; i < end; ++i) {
     float g = G::Load(grad[i]) * grad_mul;
-    float p;
-    if constexpr (K == MasterKind::kFp32) {
-      p = master[i];
-    } else if constexpr (K == MasterKind::kRemainder) {
-      p = ReconstructFromRemainder(param[i], rem[i]);
-    } else {
-      p = P::Load(param[i]);
-    }
+    float p = w.Load(i);
     if constexpr (kAdamW) {
       p = p * decay;
     } else {
@@ -64,83 +44,29 @@ void StepKernel(const TensorPointers& t, uint64_t begin, uint64_t end,
     }
     const float denom = std::sqrt(vd) / bc2 + eps;
     p = p + neg_step * (mi / denom);
-    if constexpr (K == MasterKind::kFp32) {
-      master[i] = p;
-      param[i] = P::Store(p);
-    } else if constexpr (K == MasterKind::kRemainder) {
-      uint16_t hi;
-      int16_t r;
-      SplitToRemainder(p, &hi, &r);
-      param[i] = hi;
-      rem[i] = r;
-    } else {
-      param[i] = P::Store(p);
+    w.Store(i, p);
+  }
+}
+
+// The AdamW kernel for one element range, instantiated by
+// cpu::DispatchLayout; amsgrad and the decay mode are template parameters
+// too.
+struct AdamWRange {
+  const Layout& layout;
+  const TensorPointers& t;
+  uint64_t begin, end;
+  const AdamWScalars& s;
+
+  template <class P, class G, class M, MasterKind K>
+  void Run() {
+    if (layout.amsgrad) {
+      if (s.adamw) return StepKernel<P, G, M, K, true, true>(t, begin, end, s);
+      return StepKernel<P, G, M, K, true, false>(t, begin, end, s);
     }
+    if (s.adamw) return StepKernel<P, G, M, K, false, true>(t, begin, end, s);
+    return StepKernel<P, G, M, K, false, false>(t, begin, end, s);
   }
-}
-
-template <class P, class G, class M, MasterKind K>
-void DispatchAmsgrad(const Layout& l, const TensorPointers& t, uint64_t b,
-                     uint64_t e, const StepScalars& s) {
-  // Every branch is a template parameter so the inner loop has no control
-  // flow and vectorizes.
-  if (l.amsgrad) {
-    if (s.adamw) {
-      StepKernel<P, G, M, K, true, true>(t, b, e, s);
-    } else {
-      StepKernel<P, G, M, K, true, false>(t, b, e, s);
-    }
-  } else {
-    if (s.adamw) {
-      StepKernel<P, G, M, K, false, true>(t, b, e, s);
-    } else {
-      StepKernel<P, G, M, K, false, false>(t, b, e, s);
-    }
-  }
-}
-
-template <class P, class G, class M>
-void DispatchMaster(const Layout& l, const TensorPointers& t, uint64_t b,
-                    uint64_t e, const StepScalars& s) {
-  switch (l.master) {
-    case MasterKind::kNone:
-      if constexpr (std::is_same_v<P, F32>) {
-        DispatchAmsgrad<P, G, M, MasterKind::kNone>(l, t, b, e, s);
-      }
-      return;
-    case MasterKind::kFp32:
-      DispatchAmsgrad<P, G, M, MasterKind::kFp32>(l, t, b, e, s);
-      return;
-    case MasterKind::kRemainder:
-      if constexpr (std::is_same_v<P, BF16>) {
-        DispatchAmsgrad<P, G, M, MasterKind::kRemainder>(l, t, b, e, s);
-      }
-      return;
-  }
-}
-
-template <class P, class G>
-void DispatchMoment(const Layout& l, const TensorPointers& t, uint64_t b,
-                    uint64_t e, const StepScalars& s) {
-  if (l.moment_dtype == DType::kBFloat16) {
-    DispatchMaster<P, G, BF16>(l, t, b, e, s);
-  } else {
-    DispatchMaster<P, G, F32>(l, t, b, e, s);
-  }
-}
-
-template <class P>
-void DispatchGrad(const Layout& l, const TensorPointers& t, uint64_t b,
-                  uint64_t e, const StepScalars& s) {
-  switch (l.grad_dtype) {
-    case DType::kFloat32:
-      return DispatchMoment<P, F32>(l, t, b, e, s);
-    case DType::kBFloat16:
-      return DispatchMoment<P, BF16>(l, t, b, e, s);
-    case DType::kFloat16:
-      return DispatchMoment<P, F16>(l, t, b, e, s);
-  }
-}
+};
 
 template <class G>
 double SumSquares(const void* grad, uint64_t begin, uint64_t end) {
@@ -191,9 +117,9 @@ void StoreParam(DType d, void* p, uint64_t i, float x) {
 
 }  // namespace
 
-StepScalars MakeStepScalars(const AdamWHyper& h, uint64_t t, double grad_scale,
-                            double clip_coef) {
-  StepScalars s;
+AdamWScalars MakeAdamWScalars(const OptimizerHyper& h, uint64_t t,
+                              double grad_scale, double clip_coef) {
+  AdamWScalars s;
   s.lr = static_cast<float>(h.lr);
   s.beta1 = static_cast<float>(h.beta1);
   s.beta2 = static_cast<float>(h.beta2);
@@ -216,16 +142,10 @@ StepScalars MakeStepScalars(const AdamWHyper& h, uint64_t t, double grad_scale,
 }
 
 void AdamWStepRange(const Layout& layout, const TensorPointers& t,
-                    uint64_t begin, uint64_t end, const StepScalars& s) {
+                    uint64_t begin, uint64_t end, const AdamWScalars& s) {
   if (begin >= end) return;
-  switch (layout.param_dtype) {
-    case DType::kFloat32:
-      return DispatchGrad<F32>(layout, t, begin, end, s);
-    case DType::kBFloat16:
-      return DispatchGrad<BF16>(layout, t, begin, end, s);
-    case DType::kFloat16:
-      return DispatchGrad<F16>(layout, t, begin, end, s);
-  }
+  AdamWRange kernel{layout, t, begin, end, s};
+  cpu::DispatchLayout(layout, kernel);
 }
 
 double GradSumSquaresRange(DType grad_dtype, const void* grad, uint64_t begin,

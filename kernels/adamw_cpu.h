@@ -29,7 +29,7 @@
 namespace optimd {
 
 // Per-step scalars of one group, already folded.
-struct StepScalars {
+struct AdamWScalars {
   float lr = 0;
   float beta1 = 0;
   float beta2 = 0;
@@ -49,13 +49,13 @@ struct StepScalars {
 };
 
 // Folds hyperparameters, the step number t (>= 1), the loss scale and the
-// clip coefficient into StepScalars.
-StepScalars MakeStepScalars(const AdamWHyper& h, uint64_t t, double grad_scale,
-                            double clip_coef);
+// clip coefficient into AdamWScalars.
+AdamWScalars MakeAdamWScalars(const OptimizerHyper& h, uint64_t t,
+                              double grad_scale, double clip_coef);
 
 // Applies one AdamW step to elements [begin, end) of a tensor.
 void AdamWStepRange(const Layout& layout, const TensorPointers& t,
-                    uint64_t begin, uint64_t end, const StepScalars& s);
+                    uint64_t begin, uint64_t end, const AdamWScalars& s);
 
 // Sum of squares (in double) of gradient elements [begin, end). The result
 // is non-finite exactly when some element is non-finite.

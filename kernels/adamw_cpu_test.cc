@@ -21,9 +21,9 @@ struct OneTensor {
     TensorPointers t;
     t.param = p.data();
     t.grad = g.data();
-    t.exp_avg = m.data();
-    t.exp_avg_sq = v.data();
-    t.max_exp_avg_sq = vmax.data();
+    t.state[0] = m.data();
+    t.state[1] = v.data();
+    t.state[2] = vmax.data();
     t.master = master.empty() ? nullptr : master.data();
     return t;
   }
@@ -35,13 +35,13 @@ struct OneTensor {
 // p3 = 0.798101 * 0.999 - 0.1 = 0.697302899 (eps shifts the 8th digit).
 TEST(AdamWCpuTest, HandComputedAdamW) {
   OneTensor t{{1.0f}, {0.5f}, {0}, {0}, {0}, {}};
-  AdamWHyper h;
+  OptimizerHyper h;
   h.lr = 0.1;
   h.weight_decay = 0.01;
   const double want[] = {0.899, 0.798101, 0.697302899};
   for (int step = 1; step <= 3; ++step) {
     AdamWStepRange(Fp32Layout(), t.Ptrs(), 0, 1,
-                   MakeStepScalars(h, step, 1.0, 1.0));
+                   MakeAdamWScalars(h, step, 1.0, 1.0));
     EXPECT_NEAR(t.p[0], want[step - 1], 1e-6) << "step " << step;
   }
   EXPECT_NEAR(t.m[0], 0.1355, 1e-7);
@@ -52,11 +52,11 @@ TEST(AdamWCpuTest, HandComputedAdamW) {
 // ratio is again 1, so p1 = 1 - 0.1 = 0.9.
 TEST(AdamWCpuTest, HandComputedAdamL2) {
   OneTensor t{{1.0f}, {0.5f}, {0}, {0}, {0}, {}};
-  AdamWHyper h;
+  OptimizerHyper h;
   h.lr = 0.1;
   h.weight_decay = 0.01;
   h.adamw = false;
-  AdamWStepRange(Fp32Layout(), t.Ptrs(), 0, 1, MakeStepScalars(h, 1, 1, 1));
+  AdamWStepRange(Fp32Layout(), t.Ptrs(), 0, 1, MakeAdamWScalars(h, 1, 1, 1));
   EXPECT_NEAR(t.p[0], 0.9, 1e-6);
   EXPECT_NEAR(t.m[0], 0.051, 1e-7);
 }
@@ -64,25 +64,27 @@ TEST(AdamWCpuTest, HandComputedAdamL2) {
 // Without bias correction step 1 is p - lr * 0.1 g / (sqrt(0.001) |g|).
 TEST(AdamWCpuTest, HandComputedNoBiasCorrectionAndMaximize) {
   OneTensor t{{1.0f}, {0.5f}, {0}, {0}, {0}, {}};
-  AdamWHyper h;
+  OptimizerHyper h;
   h.lr = 0.1;
   h.weight_decay = 0;
   h.bias_correction = false;
   h.maximize = true;
-  AdamWStepRange(Fp32Layout(), t.Ptrs(), 0, 1, MakeStepScalars(h, 1, 1, 1));
+  AdamWStepRange(Fp32Layout(), t.Ptrs(), 0, 1, MakeAdamWScalars(h, 1, 1, 1));
   // m = -0.05, v = 0.00025, denom = 0.0158113883: p = 1 + 0.1 * 3.16227766.
   EXPECT_NEAR(t.p[0], 1.316227766, 1e-6);
 }
 
 TEST(AdamWCpuTest, AmsgradKeepsTheMaximum) {
   OneTensor t{{1.0f}, {1.0f}, {0}, {0}, {0}, {}};
-  AdamWHyper h;
+  OptimizerHyper h;
   h.amsgrad = true;
-  AdamWStepRange(Fp32Layout(true), t.Ptrs(), 0, 1, MakeStepScalars(h, 1, 1, 1));
+  AdamWStepRange(Fp32Layout(true), t.Ptrs(), 0, 1,
+                 MakeAdamWScalars(h, 1, 1, 1));
   const float vmax1 = t.vmax[0];
   EXPECT_FLOAT_EQ(vmax1, 0.001f);
   t.g[0] = 0.0f;  // v decays; the max must not
-  AdamWStepRange(Fp32Layout(true), t.Ptrs(), 0, 1, MakeStepScalars(h, 2, 1, 1));
+  AdamWStepRange(Fp32Layout(true), t.Ptrs(), 0, 1,
+                 MakeAdamWScalars(h, 2, 1, 1));
   EXPECT_LT(t.v[0], vmax1);
   EXPECT_EQ(t.vmax[0], vmax1);
 }
@@ -91,9 +93,9 @@ TEST(AdamWCpuTest, GradScaleAndClipFoldIntoTheGradient) {
   // Scaling the gradient by 8 and passing grad_scale 8 is the same step.
   OneTensor a{{1.0f, -2.0f}, {0.25f, -0.75f}, {0, 0}, {0, 0}, {0, 0}, {}};
   OneTensor b{{1.0f, -2.0f}, {2.0f, -6.0f}, {0, 0}, {0, 0}, {0, 0}, {}};
-  AdamWHyper h;
-  AdamWStepRange(Fp32Layout(), a.Ptrs(), 0, 2, MakeStepScalars(h, 1, 1, 1));
-  AdamWStepRange(Fp32Layout(), b.Ptrs(), 0, 2, MakeStepScalars(h, 1, 8, 1));
+  OptimizerHyper h;
+  AdamWStepRange(Fp32Layout(), a.Ptrs(), 0, 2, MakeAdamWScalars(h, 1, 1, 1));
+  AdamWStepRange(Fp32Layout(), b.Ptrs(), 0, 2, MakeAdamWScalars(h, 1, 8, 1));
   EXPECT_EQ(a.p, b.p);
   EXPECT_EQ(a.m, b.m);
 }
@@ -149,15 +151,15 @@ TEST(AdamWCpuTest, RemainderMatchesFp32MasterBitForBit) {
     master[i] = BFloat16ToFloat(p_master[i]);
   }
   Layout fp32m{DType::kBFloat16, DType::kBFloat16, DType::kFloat32,
-               MasterKind::kFp32, false};
+               MasterKind::kFp32};
   Layout remm = fp32m;
   remm.master = MasterKind::kRemainder;
-  AdamWHyper h;
+  OptimizerHyper h;
   h.lr = 1e-3;
   int ties = 0;
   for (int step = 1; step <= 300; ++step) {
     for (int i = 0; i < kN; ++i) grad[i] = FloatToBFloat16(normal(rng));
-    const StepScalars s = MakeStepScalars(h, step, 1, 1);
+    const AdamWScalars s = MakeAdamWScalars(h, step, 1, 1);
     TensorPointers a{p_master.data(), grad.data(), master.data(),
                      m1.data(),       v1.data(),   nullptr};
     TensorPointers b{p_rem.data(), grad.data(), rem.data(),
@@ -189,14 +191,14 @@ TEST(AdamWCpuTest, LowPrecisionParamIsRoundedMaster) {
     p[i] = FloatToHalf(normal(rng));
     g[i] = FloatToHalf(normal(rng));
   }
-  Layout l{DType::kFloat16, DType::kFloat16, DType::kFloat32, MasterKind::kFp32,
-           false};
+  Layout l{DType::kFloat16, DType::kFloat16, DType::kFloat32,
+           MasterKind::kFp32};
   TensorPointers t{p.data(), g.data(), master.data(),
                    m.data(), v.data(), nullptr};
   InitMasterRange(l, t, 0, kN);
   for (int i = 0; i < kN; ++i) EXPECT_EQ(master[i], HalfToFloat(p[i]));
-  AdamWHyper h;
-  AdamWStepRange(l, t, 0, kN, MakeStepScalars(h, 1, 1, 1));
+  OptimizerHyper h;
+  AdamWStepRange(l, t, 0, kN, MakeAdamWScalars(h, 1, 1, 1));
   for (int i = 0; i < kN; ++i) EXPECT_EQ(p[i], FloatToHalf(master[i]));
 }
 
@@ -211,10 +213,10 @@ TEST(AdamWCpuTest, BFloat16MomentsTrackFp32Moments) {
   Layout l32;
   Layout l16;
   l16.moment_dtype = DType::kBFloat16;
-  AdamWHyper h;
+  OptimizerHyper h;
   for (int step = 1; step <= 20; ++step) {
     for (int i = 0; i < kN; ++i) g[i] = normal(rng);
-    const StepScalars s = MakeStepScalars(h, step, 1, 1);
+    const AdamWScalars s = MakeAdamWScalars(h, step, 1, 1);
     AdamWStepRange(
         l32, {p32.data(), g.data(), nullptr, m32.data(), v32.data(), nullptr},
         0, kN, s);

@@ -341,7 +341,7 @@ __global__ void ConvertKernel(const void* __restrict__ src,
 }
 
 // The scalars that depend on the step number t (see adamw_cpu.cc's
-// MakeStepScalars: the same double arithmetic, rounded to float once).
+// MakeAdamWScalars: the same double arithmetic, rounded to float once).
 struct BiasScalars {
   float neg_step, bc2, rbc2;
 };

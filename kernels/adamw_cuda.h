@@ -96,7 +96,7 @@ struct DeviceGroupState {
 };
 
 // Step scalars derived on the device once per group and step (see
-// adamw_cpu.cc's MakeStepScalars: the same double arithmetic, rounded to
+// adamw_cpu.cc's MakeAdamWScalars: the same double arithmetic, rounded to
 // float once); read by every block of the update.
 // rbc2 is 1/bc2 rounded to nearest: dividing by bc2 then takes three
 // operations and stays correctly rounded (kernels/cuda_math.cuh).

@@ -91,6 +91,25 @@ absl::StatusOr<GroupSpec> GroupSpecFromProto(
       h.has_bias_correction() ? h.bias_correction() : true;
   spec.hyper.maximize = h.maximize();
   spec.hyper.amsgrad = h.amsgrad();
+  switch (h.optimizer()) {
+    case v1::OPTIMIZER_KIND_UNSPECIFIED:
+    case v1::OPTIMIZER_KIND_ADAMW:
+      spec.hyper.kind = OptimizerKind::kAdamW;
+      break;
+    case v1::OPTIMIZER_KIND_SGD:
+      spec.hyper.kind = OptimizerKind::kSgd;
+      break;
+    case v1::OPTIMIZER_KIND_LION:
+      spec.hyper.kind = OptimizerKind::kLion;
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("group '", spec.id, "': unknown optimizer ",
+                       h.optimizer(), " (known: adamw, sgd, lion)"));
+  }
+  spec.hyper.momentum = h.momentum();
+  spec.hyper.dampening = h.dampening();
+  spec.hyper.nesterov = h.nesterov();
   switch (request.layout().master_weights()) {
     case v1::MASTER_WEIGHTS_UNSPECIFIED:
       spec.master = MasterRequest::kDefault;
@@ -180,6 +199,7 @@ absl::StatusOr<StepRequestSpec> StepSpecFromProto(
     if (o.has_beta2()) h.beta2 = o.beta2();
     if (o.has_eps()) h.eps = o.eps();
     if (o.has_weight_decay()) h.weight_decay = o.weight_decay();
+    if (o.has_momentum()) h.momentum = o.momentum();
     spec.overrides.push_back(std::move(h));
   }
   spec.options.grad_scale =
@@ -204,7 +224,7 @@ absl::Status CheckStepOptions(const v1::StepRequest& request) {
   return absl::OkStatus();
 }
 
-void HyperToProto(const AdamWHyper& h, v1::Hyperparameters* out) {
+void HyperToProto(const OptimizerHyper& h, v1::Hyperparameters* out) {
   out->set_lr(h.lr);
   out->set_beta1(h.beta1);
   out->set_beta2(h.beta2);
@@ -214,6 +234,20 @@ void HyperToProto(const AdamWHyper& h, v1::Hyperparameters* out) {
   out->set_bias_correction(h.bias_correction);
   out->set_maximize(h.maximize);
   out->set_amsgrad(h.amsgrad);
+  switch (h.kind) {
+    case OptimizerKind::kAdamW:
+      out->set_optimizer(v1::OPTIMIZER_KIND_ADAMW);
+      break;
+    case OptimizerKind::kSgd:
+      out->set_optimizer(v1::OPTIMIZER_KIND_SGD);
+      break;
+    case OptimizerKind::kLion:
+      out->set_optimizer(v1::OPTIMIZER_KIND_LION);
+      break;
+  }
+  out->set_momentum(h.momentum);
+  out->set_dampening(h.dampening);
+  out->set_nesterov(h.nesterov);
 }
 
 void GroupStateToProto(const GroupState& g, v1::GroupState* out) {

@@ -36,7 +36,7 @@ absl::StatusOr<StepRequestSpec> StepSpecFromProto(
 // gradients in fp32, is a normal fp32 number (about 2.9e-39 to 8.5e37).
 absl::Status CheckStepOptions(const v1::StepRequest& request);
 
-void HyperToProto(const AdamWHyper& h, v1::Hyperparameters* out);
+void HyperToProto(const OptimizerHyper& h, v1::Hyperparameters* out);
 void GroupStateToProto(const GroupState& g, v1::GroupState* out);
 absl::StatusOr<std::vector<StateBlob>> StateBlobsFromProto(
     const v1::SetStateRequest& request);

@@ -688,13 +688,13 @@ TEST_F(CudaBackendTest, TensorOver2To31Elements) {
   for (int i = 0; i < 2; ++i) ASSERT_TRUE(s.Step(step).ok());
   // Reference for the windows.
   Layout l{DType::kBFloat16, DType::kBFloat16, DType::kBFloat16,
-           MasterKind::kRemainder, false};
+           MasterKind::kRemainder};
   std::vector<int16_t> rem(3 * w, 0);
   std::vector<uint16_t> m(3 * w, 0), v(3 * w, 0);
   for (int i = 1; i <= 2; ++i) {
     TensorPointers tp{p0.data(), g0.data(), rem.data(),
                       m.data(),  v.data(),  nullptr};
-    AdamWStepRange(l, tp, 0, 3 * w, MakeStepScalars(spec.hyper, i, 1, 1));
+    AdamWStepRange(l, tp, 0, 3 * w, MakeAdamWScalars(spec.hyper, i, 1, 1));
   }
   for (int k = 0; k < 3; ++k) {
     ASSERT_TRUE(g_trainer->Download(params->id, windows[k] * 2, w * 2, 0).ok());

@@ -130,7 +130,7 @@ TEST_F(E2eTest, TrainsAndMatchesTheReference) {
       Group("g", {Tensor("a", 700, 0), Tensor("b", 300, 700 * 4)}));
   ASSERT_TRUE(reg.ok()) << reg.status();
   EXPECT_EQ(reg->state_bytes(), kN * 8u);
-  AdamWHyper h;
+  OptimizerHyper h;
   h.lr = 1e-2;
   h.weight_decay = 0.01;
   for (int step = 1; step <= 50; ++step) {
@@ -146,7 +146,7 @@ TEST_F(E2eTest, TrainsAndMatchesTheReference) {
     EXPECT_NEAR(reply->grad_norm(), std::sqrt(sumsq), 1e-9 * std::sqrt(sumsq));
     TensorPointers t{ref_p.data(), g,      nullptr, ref_m.data(),
                      ref_v.data(), nullptr};
-    AdamWStepRange(Layout(), t, 0, kN, MakeStepScalars(h, step, 1, 1));
+    AdamWStepRange(Layout(), t, 0, kN, MakeAdamWScalars(h, step, 1, 1));
     for (int i = 0; i < kN; ++i) ASSERT_EQ(p[i], ref_p[i]) << i;
   }
   auto m = client_->GetMetrics();
@@ -515,7 +515,7 @@ TEST_F(E2eTest, BadStepsOfOneSessionLeaveAnotherUntouched) {
   *tb.mutable_grad() = b_grads->Handle(0, kN * 4);
   ASSERT_TRUE(b->RegisterGroup(Group("g", {tb})).ok());
 
-  AdamWHyper h;
+  OptimizerHyper h;
   h.lr = 1e-2;
   h.weight_decay = 0.01;
   std::vector<float> a_before(pa, pa + kN);
@@ -555,7 +555,7 @@ TEST_F(E2eTest, BadStepsOfOneSessionLeaveAnotherUntouched) {
     EXPECT_EQ(ok->groups(0).step(), static_cast<uint64_t>(step));
     TensorPointers t{ref_p.data(), b_grads->as<float>(), nullptr,
                      ref_m.data(), ref_v.data(),         nullptr};
-    AdamWStepRange(Layout(), t, 0, kN, MakeStepScalars(h, step, 1, 1));
+    AdamWStepRange(Layout(), t, 0, kN, MakeAdamWScalars(h, step, 1, 1));
     for (int i = 0; i < kN; ++i) ASSERT_EQ(pb[i], ref_p[i]) << i;
   }
   // A's state was never touched: its first step is a first step.
@@ -565,7 +565,7 @@ TEST_F(E2eTest, BadStepsOfOneSessionLeaveAnotherUntouched) {
   std::vector<float> zeros_m(kN), zeros_v(kN);
   TensorPointers ta{a_before.data(), grads_->as<float>(), nullptr,
                     zeros_m.data(),  zeros_v.data(),      nullptr};
-  AdamWStepRange(Layout(), ta, 0, kN, MakeStepScalars(h, 1, 1, 1));
+  AdamWStepRange(Layout(), ta, 0, kN, MakeAdamWScalars(h, 1, 1, 1));
   for (int i = 0; i < kN; ++i) ASSERT_EQ(pa[i], a_before[i]) << i;
 }
 
@@ -754,12 +754,12 @@ TEST_F(E2eTest, OverrideWithoutLrKeepsTheLearningRate) {
   o->set_weight_decay(0.0);  // no lr
   auto reply = client_->Step(sr);
   ASSERT_TRUE(reply.ok()) << reply.status();
-  AdamWHyper h;
+  OptimizerHyper h;
   h.lr = 1e-2;  // as registered
   h.weight_decay = 0.0;
   TensorPointers t{ref.data(), grads_->as<float>(), nullptr, m.data(), v.data(),
                    nullptr};
-  AdamWStepRange(Layout(), t, 0, 16, MakeStepScalars(h, 1, 1, 1));
+  AdamWStepRange(Layout(), t, 0, 16, MakeAdamWScalars(h, 1, 1, 1));
   for (int i = 0; i < 16; ++i) ASSERT_EQ(p[i], ref[i]) << i;
   EXPECT_NE(p[0], 1.0f);
   v1::GetStateRequest gs;

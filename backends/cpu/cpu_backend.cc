@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/fault_guard.h"
 #include "kernels/adamw_cpu.h"
+#include "kernels/step_cpu.h"
 
 namespace optimd {
 
@@ -113,10 +114,10 @@ absl::StatusOr<std::unique_ptr<SessionContext>> CpuBackend::OpenSession(
 namespace {
 
 // Per plan entry, the step scalars of its own step count when some tensor
-// of `g` missed steps (its bias correction then differs from the group's);
-// empty otherwise, the usual case.
-std::vector<StepScalars> OwnStepScalars(const Group& g, double scale,
-                                        double clip) {
+// of `g` missed steps (its bias correction, or SGD's first step, then
+// differs from the group's); empty otherwise, the usual case.
+std::vector<OptimizerScalars> OwnStepScalars(const Group& g, double scale,
+                                             double clip) {
   const auto missed = [&](uint32_t e) {
     return g.tensors[g.plan.tensor_index[e]].missed_steps;
   };
@@ -124,9 +125,9 @@ std::vector<StepScalars> OwnStepScalars(const Group& g, double scale,
   bool any = false;
   for (uint32_t e = 0; e < n && !any; ++e) any = missed(e) != 0;
   if (!any) return {};
-  std::vector<StepScalars> own(n);
+  std::vector<OptimizerScalars> own(n);
   for (uint32_t e = 0; e < n; ++e) {
-    own[e] = MakeStepScalars(g.hyper, g.step + 1 - missed(e), scale, clip);
+    own[e] = MakeOptimizerScalars(g.hyper, g.step + 1 - missed(e), scale, clip);
   }
   return own;
 }
@@ -189,8 +190,9 @@ absl::StatusOr<StepOutcome> CpuBackend::Step(SessionContext* session,
   for (Group* g : groups) {
     const Plan& plan = g->plan;
     if (plan.items.empty()) continue;
-    const StepScalars s = MakeStepScalars(g->hyper, g->step + 1, scale, clip);
-    const std::vector<StepScalars> own = OwnStepScalars(*g, scale, clip);
+    const OptimizerScalars s =
+        MakeOptimizerScalars(g->hyper, g->step + 1, scale, clip);
+    const std::vector<OptimizerScalars> own = OwnStepScalars(*g, scale, clip);
     pool_.ParallelFor(plan.tasks.size(), [&](uint64_t t, int) {
       const absl::Status st = GuardMemoryFaults(
           [&] {
@@ -198,9 +200,9 @@ absl::StatusOr<StepOutcome> CpuBackend::Step(SessionContext* session,
                  i < plan.tasks[t].end_item; ++i) {
               const PlanItem& item = plan.items[i];
               if (plan.entries[item.entry].grad == nullptr) continue;
-              AdamWStepRange(plan.layouts[item.entry], plan.entries[item.entry],
-                             item.begin, item.end,
-                             own.empty() ? s : own[item.entry]);
+              OptimizerStepRange(plan.layouts[item.entry],
+                                 plan.entries[item.entry], item.begin, item.end,
+                                 own.empty() ? s : own[item.entry]);
             }
           },
           "step");

@@ -374,9 +374,9 @@ void SetStreams(const TensorPointers& p, DeviceChunk* c) {
   c->param = p.param;
   c->grad = p.grad;
   c->master = p.master;
-  c->exp_avg = p.exp_avg;
-  c->exp_avg_sq = p.exp_avg_sq;
-  c->max_exp_avg_sq = p.max_exp_avg_sq;
+  c->exp_avg = p.state[0];
+  c->exp_avg_sq = p.state[1];
+  c->max_exp_avg_sq = p.state[2];
 }
 
 uint32_t ChunkTiles(const DeviceChunk& chunk, const Layout& layout);
@@ -533,6 +533,14 @@ absl::Status CudaBackend::UploadAbsent(DevicePlan& plan) {
 }
 
 absl::Status CudaBackend::PrepareGroup(Group& group) {
+  if (group.hyper.kind != OptimizerKind::kAdamW) {
+    return absl::UnimplementedError(
+        absl::StrCat("group '", group.id,
+                     "': the CUDA backend runs AdamW and Adam only "
+                     "so far; ",
+                     OptimizerName(group.hyper.kind),
+                     " runs on the CPU backend (--backend=cpu)"));
+  }
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
   BuildPlan(group, options_.chunk_elements);
   counters().plan_builds.fetch_add(1, std::memory_order_relaxed);
@@ -879,7 +887,7 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
   }
   for (uint32_t g = 0; g < n; ++g) {
     auto* plan = static_cast<DevicePlan*>(groups[g]->backend_plan.get());
-    const AdamWHyper& h = groups[g]->hyper;
+    const OptimizerHyper& h = groups[g]->hyper;
     cuda::GroupStep& a = slot.args[g];
     a.hyper = {h.lr,
                h.beta1,

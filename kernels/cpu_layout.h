@@ -1,0 +1,148 @@
+// What every CPU optimizer kernel shares: element codecs, the load and
+// store of a tensor's weight (from its master copy, remainder or the
+// parameter itself), and the one dispatch from a Layout to a kernel
+// instantiation. Each optimizer writes only its per-element math.
+#ifndef OPTIMD_KERNELS_CPU_LAYOUT_H_
+#define OPTIMD_KERNELS_CPU_LAYOUT_H_
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <type_traits>
+
+#include "core/layout.h"
+#include "core/step_types.h"
+
+namespace optimd {
+namespace cpu {
+
+// Element codecs: storage type plus exact widen / round-to-nearest-even.
+struct F32 {
+  using T = float;
+  static float Load(T x) { return x; }
+  static T Store(float x) { return x; }
+};
+struct BF16 {
+  using T = uint16_t;
+  static float Load(T x) { return BFloat16ToFloat(x); }
+  static T Store(float x) { return FloatToBFloat16(x); }
+};
+struct F16 {
+  using T = uint16_t;
+  static float Load(T x) { return HalfToFloat(x); }
+  static T Store(float x) { return FloatToHalf(x); }
+};
+
+// A tensor's weight in fp32: its master copy (kFp32), its bf16 parameter
+// and remainder (kRemainder), or the fp32 parameter itself (kNone).
+template <class P, MasterKind K>
+struct Weight {
+  typename P::T* __restrict param;
+  float* __restrict master;
+  int16_t* __restrict rem;
+
+  explicit Weight(const TensorPointers& t)
+      : param(static_cast<typename P::T*>(t.param)),
+        master(static_cast<float*>(t.master)),
+        rem(static_cast<int16_t*>(t.master)) {}
+
+  float Load(uint64_t i) const {
+    if constexpr (K == MasterKind::kFp32) {
+      return master[i];
+    } else if constexpr (K == MasterKind::kRemainder) {
+      return ReconstructFromRemainder(param[i], rem[i]);
+    } else {
+      return P::Load(param[i]);
+    }
+  }
+  // Writes the new weight back: master and rounded parameter, or the
+  // parameter and remainder that rebuild `p` exactly.
+  void Store(uint64_t i, float p) const {
+    if constexpr (K == MasterKind::kFp32) {
+      master[i] = p;
+      param[i] = P::Store(p);
+    } else if constexpr (K == MasterKind::kRemainder) {
+      uint16_t hi;
+      int16_t r;
+      SplitToRemainder(p, &hi, &r);
+      param[i] = hi;
+      rem[i] = r;
+    } else {
+      param[i] = P::Store(p);
+    }
+  }
+};
+
+// A layout no instantiation covers. ResolveLayout refuses such layouts at
+// registration, so reaching this is a bug: stop rather than skip a step.
+[[noreturn]] inline void UnsupportedLayout(const Layout& l) {
+  std::fprintf(stderr, "optimd: no CPU kernel for layout %s\n",
+               l.DebugString().c_str());
+  std::abort();
+}
+
+// Calls kernel.template Run<P, G, M, K>() for the layout's parameter,
+// gradient and moment dtypes and master kind. Every branch is a template
+// parameter, so the kernels' inner loops have no control flow and
+// vectorize.
+template <class P, class G, class M, class Kernel>
+void DispatchMaster(const Layout& l, Kernel& k) {
+  switch (l.master) {
+    case MasterKind::kNone:
+      if constexpr (std::is_same_v<P, F32>) {
+        return k.template Run<P, G, M, MasterKind::kNone>();
+      }
+      break;
+    case MasterKind::kFp32:
+      return k.template Run<P, G, M, MasterKind::kFp32>();
+    case MasterKind::kRemainder:
+      if constexpr (std::is_same_v<P, BF16>) {
+        return k.template Run<P, G, M, MasterKind::kRemainder>();
+      }
+      break;
+  }
+  UnsupportedLayout(l);
+}
+
+template <class P, class G, class Kernel>
+void DispatchMoment(const Layout& l, Kernel& k) {
+  switch (l.moment_dtype) {
+    case DType::kFloat32:
+      return DispatchMaster<P, G, F32>(l, k);
+    case DType::kBFloat16:
+      return DispatchMaster<P, G, BF16>(l, k);
+    default:
+      UnsupportedLayout(l);
+  }
+}
+
+template <class P, class Kernel>
+void DispatchGrad(const Layout& l, Kernel& k) {
+  switch (l.grad_dtype) {
+    case DType::kFloat32:
+      return DispatchMoment<P, F32>(l, k);
+    case DType::kBFloat16:
+      return DispatchMoment<P, BF16>(l, k);
+    case DType::kFloat16:
+      return DispatchMoment<P, F16>(l, k);
+  }
+  UnsupportedLayout(l);
+}
+
+template <class Kernel>
+void DispatchLayout(const Layout& l, Kernel& k) {
+  switch (l.param_dtype) {
+    case DType::kFloat32:
+      return DispatchGrad<F32>(l, k);
+    case DType::kBFloat16:
+      return DispatchGrad<BF16>(l, k);
+    case DType::kFloat16:
+      return DispatchGrad<F16>(l, k);
+  }
+  UnsupportedLayout(l);
+}
+
+}  // namespace cpu
+}  // namespace optimd
+
+#endif  // OPTIMD_KERNELS_CPU_LAYOUT_H_

@@ -1,0 +1,46 @@
+// The CPU reference Lion step (Chen et al., 2023, "Symbolic Discovery of
+// Optimization Algorithms", Algorithm 2), per element, in fp32:
+//   g = grad * grad_mul        (1/grad_scale, the clip coefficient and the
+//                               sign for maximize, folded)
+//   p = master or param
+//   p = p * (1 - lr*wd)        (decoupled weight decay)
+//   c = m*beta1 + (1-beta1)*g
+//   p = p - lr*sign(c)         (sign(0) = 0)
+//   m = m*beta2 + (1-beta2)*g
+// The momentum m ("exp_avg") is stored in the group's moment dtype.
+#ifndef OPTIMD_KERNELS_LION_CPU_H_
+#define OPTIMD_KERNELS_LION_CPU_H_
+
+#include <cstdint>
+
+#include "core/layout.h"
+#include "core/optimizer.h"
+#include "core/step_types.h"
+
+namespace optimd {
+
+// Per-step scalars of one group, already folded.
+struct LionScalars {
+  float lr = 0;
+  float beta1 = 0;
+  float beta2 = 0;
+  float one_minus_beta1 = 0;
+  float one_minus_beta2 = 0;
+  // 1 - lr * weight_decay, in double then rounded.
+  float decay = 1;
+  // (maximize ? -1 : 1) * clip_coef / grad_scale.
+  float grad_mul = 1;
+};
+
+// Folds hyperparameters, the loss scale and the clip coefficient (Lion has
+// no bias correction: the step number does not enter).
+LionScalars MakeLionScalars(const OptimizerHyper& h, double grad_scale,
+                            double clip_coef);
+
+// Applies one Lion step to elements [begin, end) of a tensor.
+void LionStepRange(const Layout& layout, const TensorPointers& t,
+                   uint64_t begin, uint64_t end, const LionScalars& s);
+
+}  // namespace optimd
+
+#endif  // OPTIMD_KERNELS_LION_CPU_H_
