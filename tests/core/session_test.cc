@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <random>
 
@@ -343,6 +344,120 @@ TEST_F(SessionTest, ReadStateLimitsAndFilters) {
   EXPECT_TRUE((*meta)[0].tensors.empty());
   EXPECT_EQ(session_.ReadState({}, true, {"zzz"}).status().code(),
             absl::StatusCode::kNotFound);
+}
+
+// Each optimizer keeps its own named state slots: SGD with momentum one
+// momentum_buffer, without none, Lion one exp_avg. State reads and writes
+// name them; another optimizer's slot names are refused.
+TEST_F(SessionTest, OptimizersKeepTheirOwnStateSlots) {
+  GroupSpec sgd;
+  sgd.id = "sgd";
+  sgd.hyper.kind = OptimizerKind::kSgd;
+  sgd.hyper.momentum = 0.9;
+  sgd.tensors = {Fp32Tensor("a", 10, 0)};
+  GroupSpec plain;
+  plain.id = "plain";
+  plain.hyper.kind = OptimizerKind::kSgd;
+  plain.tensors = {Fp32Tensor("b", 10, 64)};
+  GroupSpec lion;
+  lion.id = "lion";
+  lion.hyper.kind = OptimizerKind::kLion;
+  lion.tensors = {Fp32Tensor("c", 10, 128)};
+  auto rs = session_.RegisterGroup(sgd);
+  auto rp = session_.RegisterGroup(plain);
+  auto rl = session_.RegisterGroup(lion);
+  ASSERT_TRUE(rs.ok() && rp.ok() && rl.ok());
+  EXPECT_EQ(rs->state_bytes, 10u * 4);
+  EXPECT_EQ(rp->state_bytes, 0u);
+  EXPECT_EQ(rl->state_bytes, 10u * 4);
+  for (int i = 0; i < 48; ++i) grads_->as<float>()[i] = 1.0f;
+  ASSERT_TRUE(session_.Step({}).ok());
+  auto state = session_.ReadState({}, true);
+  ASSERT_TRUE(state.ok()) << state.status();
+  ASSERT_EQ((*state)[0].tensors.size(), 2u);  // master (the param), buffer
+  EXPECT_EQ((*state)[0].tensors[1].kind, "momentum_buffer");
+  EXPECT_EQ((*state)[0].tensors[1].data.substr(0, 4),
+            std::string(reinterpret_cast<const char*>(grads_->data()), 4));
+  EXPECT_EQ((*state)[1].tensors.size(), 1u);
+  EXPECT_EQ((*state)[2].tensors[1].kind, "exp_avg");
+  StateBlob wrong{"a", "exp_avg", DType::kFloat32, 10, std::string(40, '\0')};
+  absl::Status s = session_.WriteState("sgd", 1, {wrong}, {});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("sgd keeps momentum_buffer"), std::string::npos)
+      << s;
+  StateBlob none{"b", "momentum_buffer", DType::kFloat32, 10,
+                 std::string(40, '\0')};
+  s = session_.WriteState("plain", 1, {none}, {});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("momentum > 0"), std::string::npos) << s;
+}
+
+// Momentum may change by override (schedulers cycle it), but not between
+// zero and non-zero: that adds or drops the momentum buffer.
+TEST_F(SessionTest, MomentumOverrideKeepsTheLayout) {
+  GroupSpec sgd;
+  sgd.id = "sgd";
+  sgd.hyper.kind = OptimizerKind::kSgd;
+  sgd.hyper.momentum = 0.9;
+  sgd.tensors = {Fp32Tensor("a", 4, 0)};
+  ASSERT_TRUE(session_.RegisterGroup(sgd).ok());
+  StepRequestSpec step;
+  HyperOverride o;
+  o.group_id = "sgd";
+  o.keep_lr = true;
+  o.momentum = 0.8;
+  step.overrides = {o};
+  ASSERT_TRUE(session_.Step(step).ok());
+  step.overrides[0].momentum = 0.0;
+  auto refused = session_.Step(step);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("register the group again"),
+            std::string::npos)
+      << refused.status();
+  EXPECT_EQ(session_.Info().steps, 1u);
+  step.overrides[0].momentum = -1.0;
+  EXPECT_EQ(session_.Step(step).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// Checkpoints hold each optimizer's slots and its hyperparameters; a file
+// of one optimizer does not load into a group of another.
+TEST_F(SessionTest, CheckpointsKeepTheOptimizer) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  std::string dir = std::string(tmp != nullptr ? tmp : "/tmp") +
+                    "/optimd-session-test-XXXXXX";
+  ASSERT_NE(mkdtemp(dir.data()), nullptr);
+  GroupSpec lion;
+  lion.id = "g";
+  lion.hyper.kind = OptimizerKind::kLion;
+  lion.hyper.beta2 = 0.99;
+  lion.tensors = {Fp32Tensor("c", 10, 0)};
+  ASSERT_TRUE(session_.RegisterGroup(lion).ok());
+  for (int i = 0; i < 10; ++i) grads_->as<float>()[i] = 0.25f * i - 1;
+  ASSERT_TRUE(session_.Step({}).ok());
+  auto saved = session_.SaveState(dir, CheckpointOptions());
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  auto before = session_.ReadState({}, true);
+  ASSERT_TRUE(session_.Step({}).ok());
+  auto loaded = session_.LoadState(dir, CheckpointOptions());
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  auto after = session_.ReadState({}, true);
+  ASSERT_EQ((*after)[0].tensors.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ((*after)[0].tensors[i].data, (*before)[0].tensors[i].data);
+  }
+  EXPECT_EQ((*after)[0].hyper.beta2, 0.99);
+  // The same names and sizes under SGD with momentum: not this file.
+  Session other(SessionIdentity{"job", 0, 1, -1}, &backend_, &budget_,
+                Context(&backend_));
+  GroupSpec sgd = lion;
+  sgd.hyper = OptimizerHyper();
+  sgd.hyper.kind = OptimizerKind::kSgd;
+  sgd.hyper.momentum = 0.9;
+  ASSERT_TRUE(other.RegisterGroup(sgd).ok());
+  auto refused = other.LoadState(dir, CheckpointOptions());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition)
+      << refused.status();
 }
 
 // A session whose trainer process ends without closing it is orphaned,
