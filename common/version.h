@@ -9,11 +9,13 @@
 
 namespace optimd {
 
-inline constexpr char kVersion[] = "0.3.0";
+inline constexpr char kVersion[] = "0.4.0";
 // 2: step flags, absent gradients, tensor steps and shapes, EvictSession,
 //    saved sessions across restarts.
 // 3: staged steps (StepRequest.staged, TensorSpec.stage), resume secrets.
-inline constexpr uint32_t kApiRevision = 3;
+// 4: optimizers (Hyperparameters.optimizer: SGD and Lion beside AdamW),
+//    GroupOverride.momentum.
+inline constexpr uint32_t kApiRevision = 4;
 
 }  // namespace optimd
 

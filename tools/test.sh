@@ -32,7 +32,8 @@ echo "== C++ tests under ASan and UBSan"
 asan_base="$cache_root/optimd-asan-$checkout_key"
 bazel --output_base="$asan_base" test --config=asan --define=cuda=off \
   --build_tag_filters=-cuda --test_tag_filters=-gpu \
-  //common/... //core/... //backends/... //server/... //tests/core/... \
+  //common/... //core/... //kernels/... //backends/... //server/... \
+  //tests/core/... \
   //tests:e2e_test //tests:random_requests_test
 bazel --output_base="$asan_base" shutdown
 

@@ -1,5 +1,5 @@
-"""optimizer.state of optimd.torch.AdamW, and the SetState requests that
-write torch-format state into the daemon.
+"""optimizer.state of the optimd.torch optimizers, and the SetState
+requests that write torch-format state into the daemon.
 
 The state lives in the daemon. `DaemonState` fetches it on first access
 after a step, as torch-format entries ({"step", "exp_avg", ...} per
@@ -20,7 +20,6 @@ DTYPES = {
     torch.bfloat16: pb.DTYPE_BFLOAT16,
     torch.float16: pb.DTYPE_FLOAT16,
 }
-_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
 class DaemonState(dict):
@@ -119,23 +118,28 @@ class DaemonState(dict):
         self._dirty = True
 
 
-def set_state_request(group_id, slots, entries, amsgrad):
+def set_state_request(group_id, slots, entries, slot_names):
     """A SetStateRequest giving the group's steppable tensors the
     torch-format `entries` (one per slot, None or {} for a parameter
-    without state: its moments zero, its step 0, as torch starts one)."""
+    without state: its state slots `slot_names` zero, its step 0, as torch
+    starts one). Entries without "step" (torch's SGD keeps none) count one
+    step when they hold a state slot, none otherwise: SGD's first step
+    starts the momentum buffer from the gradient."""
     request = pb.SetStateRequest(group_id=group_id)
     own_steps = {}
     for s, entry in zip(slots, entries):
         if s.frozen:
             continue
-        entry = entry or {}
-        own_steps[s.name] = int(float(entry["step"])) if "step" in entry \
-            else 0
-        for kind in _MOMENTS + ("master",):
+        entry = {k: v for k, v in (entry or {}).items() if v is not None}
+        if "step" in entry:
+            own_steps[s.name] = int(float(entry["step"]))
+        else:
+            own_steps[s.name] = int(any(k in entry for k in slot_names))
+        for kind in tuple(slot_names) + ("master",):
             if kind in entry:
                 add_blob(request, s.name, kind,
                          memory_order(entry[kind].detach().cpu(), s.param))
-            elif kind in _MOMENTS and (kind != "max_exp_avg_sq" or amsgrad):
+            elif kind != "master":
                 add_blob(request, s.name, kind, torch.zeros(s.numel))
     request.step = max(own_steps.values(), default=0)
     for name, own in own_steps.items():

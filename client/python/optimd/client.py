@@ -17,8 +17,8 @@ SESSION_METADATA_KEY = "x-optimd-session"
 ADMIN_METADATA_KEY = "x-optimd-admin"
 # The client's version, and the API revision it needs of a daemon
 # (common/version.h says what each revision added).
-__version__ = "0.3.0"
-API_REVISION = 3
+__version__ = "0.4.0"
+API_REVISION = 4
 
 
 def default_address():

@@ -1,8 +1,9 @@
-"""optimd.torch.AdamW: a drop-in torch.optim.AdamW whose step runs in the
-optimd daemon.
+"""optimd.torch.AdamW, SGD and Lion: drop-in torch optimizers whose step
+runs in the optimd daemon.
 
     from optimd.torch import AdamW
     opt = AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2)
+    # or SGD(model.parameters(), lr=0.1, momentum=0.9), Lion(...)
 
 Parameters are re-homed into memory the daemon can reach (POSIX shared
 memory on the CPU, one CUDA allocation per group shared by CUDA IPC): each
@@ -49,17 +50,13 @@ from optimd.shm import SharedSegment, align
 from optimd.v1 import optimd_pb2 as pb
 
 _TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
-# Schedulers may change lr, betas, eps and weight_decay: each step sends
-# them. These define the state's shape and cannot change.
-_IMMUTABLE_KEYS = ("amsgrad", "maximize")
-_REGISTERED_KEYS = ("betas", "eps", "weight_decay", "amsgrad", "maximize")
 
 
-def _torch_adamw_defaults():
-    """The keyword defaults of the installed torch.optim.AdamW, so that our
-    param_groups carry every key torch expects (state dicts move both
+def _torch_defaults(cls):
+    """The keyword defaults of the installed torch optimizer `cls`, so that
+    our param_groups carry every key torch expects (state dicts move both
     ways)."""
-    sig = inspect.signature(torch.optim.AdamW.__init__)
+    sig = inspect.signature(cls.__init__)
     out = {}
     for name, p in sig.parameters.items():
         if name in ("self", "params") or p.default is inspect.Parameter.empty:
@@ -75,100 +72,39 @@ class _Slot:
                  "group_id", "sent_ptr", "stage")
 
 
-class AdamW(torch.optim.Optimizer):
-    """torch.optim.AdamW with the step in the optimd daemon.
-
-    Besides torch's arguments:
-      address: the daemon (default: its default socket, or $OPTIMD_ADDRESS).
-      job_id, rank, world_size: the session's identity (default: a job id
-        of this optimizer's own); resume=True takes over the session of the
-        same job id and rank (a restarted trainer's, kept by the daemon, or
-        one the daemon saved when it stopped, with its --save_dir), restores
-        its weights and state, and raises optimd.NotFoundError when there is
-        none; resume="if_any" starts afresh then. A resume presents the
-        session's secret (optimd._secrets: kept in a file of this user's
-        by job id and rank, found by a trainer restarted on the same node;
-        elsewhere pass resume_secret=, the old optimizer's
-        `opt.resume_secret`); a wrong or missing one raises
-        optimd.PermissionDeniedError.
-      master_weights: None (an fp32 master exactly for non-fp32 parameters),
-        True (always, so a crashed trainer can get fp32 weights back), False.
-      store_param_remainders: bf16 parameters keep an int16 remainder instead
-        of an fp32 master (exact; 4 bytes less per parameter).
-      exp_avg_dtype: torch.float32 or torch.bfloat16 moments.
-      max_grad_norm: clip by the norm of this rank's gradients (0: off).
-        Ranks do not agree on it: with world_size > 1 and gradients sharded
-        across ranks (FSDP2, ZeRO), clip with
-        torch.nn.utils.clip_grad_norm_ instead (it reduces across ranks);
-        a step warns once when both are set.
-      grad_scale: divide gradients by this (loss scaling) before use.
-      assume_finite: the gradients are known finite (e.g. a GradScaler
-        checked them): without max_grad_norm the daemon skips its gradient
-        statistics pass (the fastest step; grad_norm is then NaN). A
-        non-finite gradient then corrupts the state instead of skipping the
-        step.
-      keep_fp32: parameters to update in fp32 in place (norms, router biases).
-      adam_w_mode: False for Adam's L2 regularization instead of decoupled
-        decay; bias_correction: False to skip (1 - beta^t).
-      overlap: CUDA: the update of step n runs while the trainer goes on
-        into iteration n + 1; each module's forward waits only for its own
-        parameters (_overlap.py). A parameter is then current in the
-        forward of the module that holds it, or after synchronize(): call
-        synchronize() before reading parameters anywhere else (another
-        module's weight used functionally, model.state_dict()). Same
-        results as without. No effect on CPU parameters (the CPU step
-        completes before step() returns).
-    Parameters may be given as (name, tensor) pairs to name their state.
-
-    Where it differs from torch.optim.AdamW (README, "Deliberate
-    differences"): a step with inf/NaN gradients is skipped (opt.skipped;
-    assume_finite=True applies them as torch does); float64 parameters, a
-    parameter listed twice in a group, parameters on several devices, and
-    amsgrad turned on after steps raise.
+class _DaemonOptimizer(torch.optim.Optimizer):
+    """What every optimd.torch optimizer shares: the daemon session, the
+    parameters re-homed into memory it reaches, gradients, steps, state and
+    checkpoints. A subclass (AdamW, SGD, Lion) gives its optimizer's
+    hyperparameters:
+      _kind: the API's OptimizerKind.
+      _fill_hyper(h, group): a group's hyperparameters into the request.
+      _override_values(group): {field: value} a scheduler may change, sent
+        with the step when they do (GroupOverride fields).
+      _layout_of(group): what else a group registers with; a change
+        registers the group anew, keeping its state.
+      _slot_names(group): its state slots, in the daemon's order.
+      _state_has_step: whether torch's state entries carry "step".
+      _state_dtype_key: the group key of the state's dtype.
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-                 weight_decay=1e-2, amsgrad=False, *, maximize=False,
-                 address=None, job_id=None, rank=0, world_size=1,
-                 resume=False, master_weights=None,
-                 store_param_remainders=False, exp_avg_dtype=torch.float32,
-                 max_grad_norm=0.0, grad_scale=None, assume_finite=False,
-                 keep_fp32=(), overlap=False, resume_secret=None,
-                 adam_w_mode=True, bias_correction=True, timeout=60.0,
-                 **torch_options):
-        if not 0.0 <= lr:
-            raise ValueError("Invalid learning rate: {}".format(lr))
-        if not 0.0 <= eps:
-            raise ValueError("Invalid epsilon value: {}".format(eps))
-        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
-            raise ValueError("Invalid beta parameters: {}".format(betas))
-        if not 0.0 <= weight_decay:
-            raise ValueError(
-                "Invalid weight_decay value: {}".format(weight_decay))
-        if exp_avg_dtype not in (torch.float32, torch.bfloat16):
-            raise TypeError("exp_avg_dtype must be torch.float32 or "
-                            "torch.bfloat16, not %s" % exp_avg_dtype)
-        for k, v in torch_options.items():
-            if k in ("foreach", "fused", "capturable", "differentiable") and v:
-                raise ValueError("optimd.torch.AdamW runs its own fused step; "
-                                 "%s=%r is not supported" % (k, v))
+    _state_has_step = True
+    _state_dtype_key = "exp_avg_dtype"
+
+    def _start(self, params, defaults, *, address, job_id, rank, world_size,
+               resume, max_grad_norm, grad_scale, assume_finite, keep_fp32,
+               overlap, resume_secret, timeout):
+        """The shared part of construction, once the subclass has checked
+        its arguments and made `defaults`."""
         self._names = {}
         params = self._strip_names(params)
-        defaults = _torch_adamw_defaults()
-        defaults.update(torch_options)
-        defaults.update(dict(
-            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-            amsgrad=amsgrad, maximize=maximize, master_weights=master_weights,
-            store_param_remainders=store_param_remainders,
-            exp_avg_dtype=exp_avg_dtype, adam_w_mode=adam_w_mode,
-            bias_correction=bias_correction))
         self._ready = False
         self._sent_hyper = None  # the hyperparameters the daemon has
         self._groups = []  # per group: dict(id, slots, segments, snapshot)
         # State of parameters taken out of their group, for their return:
         # id(param) -> (weak reference to it, its state).
         self._retired = {}
-        super().__init__(params, defaults)
+        torch.optim.Optimizer.__init__(self, params, defaults)
         self.state = DaemonState(self._fetch_state)
         self.max_grad_norm = max_grad_norm
         self._world_size = world_size
@@ -194,6 +130,17 @@ class AdamW(torch.optim.Optimizer):
                               rank=rank, world_size=world_size,
                               overlap=overlap)
         self._open(resume, resume_secret)
+
+    @classmethod
+    def _check_options(cls, torch_options, state_dtype):
+        if state_dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError("the state dtype must be torch.float32 or "
+                            "torch.bfloat16, not %s" % state_dtype)
+        for k, v in torch_options.items():
+            if k in ("foreach", "fused", "capturable", "differentiable") and v:
+                raise ValueError("optimd.torch.%s runs its own fused step; "
+                                 "%s=%r is not supported" %
+                                 (cls.__name__, k, v))
 
     def _open(self, resume, resume_secret):
         """Opens (or resumes) the session on self._device and registers
@@ -280,12 +227,12 @@ class AdamW(torch.optim.Optimizer):
     def _check_devices(self):
         devices = {p.device for g in self.param_groups for p in g["params"]}
         if len(devices) > 1:
-            raise ValueError("optimd.torch.AdamW: all parameters must be on "
+            raise ValueError("optimd.torch: all parameters must be on "
                              "one device, got %s" %
                              ", ".join(sorted(str(d) for d in devices)))
         device = devices.pop() if devices else torch.device("cpu")
         if device.type not in ("cpu", "cuda"):
-            raise ValueError("optimd.torch.AdamW supports CPU and CUDA "
+            raise ValueError("optimd.torch supports CPU and CUDA "
                              "parameters, not %s" % device)
         return device
 
@@ -302,15 +249,8 @@ class AdamW(torch.optim.Optimizer):
     def _group_request(self, gi, group, slots, seg_p):
         request = pb.RegisterGroupRequest(group_id=str(gi))
         h = request.hyperparameters
-        h.lr = float(group["lr"])
-        h.beta1, h.beta2 = (float(b) for b in group["betas"])
-        h.eps = float(group["eps"])
-        h.weight_decay = float(group["weight_decay"])
-        h.mode = pb.ADAM_MODE_ADAMW if group.get("adam_w_mode", True) \
-            else pb.ADAM_MODE_ADAM
-        h.bias_correction = bool(group.get("bias_correction", True))
-        h.maximize = bool(group["maximize"])
-        h.amsgrad = bool(group["amsgrad"])
+        h.optimizer = self._kind
+        self._fill_hyper(h, group)
         mw = group.get("master_weights")
         if group.get("store_param_remainders"):
             request.layout.master_weights = pb.MASTER_WEIGHTS_REMAINDER
@@ -318,7 +258,7 @@ class AdamW(torch.optim.Optimizer):
             request.layout.master_weights = pb.MASTER_WEIGHTS_FP32
         elif mw is False:
             request.layout.master_weights = pb.MASTER_WEIGHTS_NONE
-        request.layout.moment_dtype = DTYPES[group.get("exp_avg_dtype",
+        request.layout.moment_dtype = DTYPES[group.get(self._state_dtype_key,
                                                         torch.float32)]
         assign_stages([s for s, _ in slots])
         if self._overlap is not None:
@@ -342,18 +282,18 @@ class AdamW(torch.optim.Optimizer):
         if len({id(p) for p in group["params"]}) != len(group["params"]):
             raise ValueError(
                 "parameter group %d holds a parameter twice; torch steps it "
-                "twice per step, optimd.torch.AdamW refuses: list each "
+                "twice per step, optimd.torch refuses: list each "
                 "parameter once" % gi)
         slots = []
         p_bytes = 0
         for pi, p in enumerate(group["params"]):
             if p.dtype not in DTYPES:
                 raise TypeError(
-                    "optimd.torch.AdamW supports float32, bfloat16 and "
+                    "optimd.torch supports float32, bfloat16 and "
                     "float16 parameters; parameter %s is %s" %
                     (self._names.get(id(p), "%d.%d" % (gi, pi)), p.dtype))
             if p.is_sparse:
-                raise TypeError("optimd.torch.AdamW does not support sparse "
+                raise TypeError("optimd.torch does not support sparse "
                                 "parameters")
             s = _Slot()
             s.param = p
@@ -386,7 +326,7 @@ class AdamW(torch.optim.Optimizer):
             self._client.register_group(request)
         g = dict(id=str(gi), slots=[s for s, _ in slots],
                  segments=[seg_p, None],
-                 snapshot={k: group[k] for k in _IMMUTABLE_KEYS},
+                 snapshot=self._layout_of(group),
                  request=request,
                  # What _sync_structure compares the group with each step.
                  param_ids=[id(p) for p in group["params"]],
@@ -468,14 +408,14 @@ class AdamW(torch.optim.Optimizer):
                 new["id"], new["slots"],
                 [state.get(s.param, self._take_retired(s.param))
                  for s in new["slots"]],
-                amsgrad=group["amsgrad"]))
+                slot_names=self._slot_names(group)))
             self._sent_hyper = None
             self.state.invalidate()
 
     def _sync_params(self):
         for gi, (g, group) in enumerate(zip(self._groups,
                                             self.param_groups)):
-            if any(group[k] != g["snapshot"][k] for k in _IMMUTABLE_KEYS):
+            if self._layout_of(group) != g["snapshot"]:
                 self._follow_layout_keys(gi, group, g)
         # map() keeps this at well under a microsecond per parameter.
         if list(map(torch.Tensor.data_ptr, self._params_flat)) == \
@@ -519,11 +459,11 @@ class AdamW(torch.optim.Optimizer):
         with the changed parameters)."""
         if len(devices) > 1:
             raise ValueError(
-                "the parameters are now on %s; optimd.torch.AdamW needs "
+                "the parameters are now on %s; optimd.torch needs "
                 "them on one device" % ", ".join(sorted(map(str, devices))))
         device = devices.pop()
         if device.type not in ("cpu", "cuda"):
-            raise ValueError("the parameters moved to %s; optimd.torch.AdamW "
+            raise ValueError("the parameters moved to %s; optimd.torch "
                              "supports CPU and CUDA parameters" % device)
         self._finish_overlap()
         self._look_at_replies(block=True)
@@ -543,18 +483,14 @@ class AdamW(torch.optim.Optimizer):
     def _overrides(self):
         """Hyperparameters of the groups whose values changed since the
         daemon last got them (schedulers); None when none did."""
-        current = [(float(group["lr"]), float(group["betas"][0]),
-                    float(group["betas"][1]), float(group["eps"]),
-                    float(group["weight_decay"]))
-                   for group in self.param_groups]
+        current = [self._override_values(group) for group in self.param_groups]
         if current == self._sent_hyper:
             return None
         out = {}
         for g, values, sent in zip(self._groups, current,
                                    self._sent_hyper or [None] * len(current)):
             if values != sent:
-                out[g["id"]] = dict(zip(("lr", "beta1", "beta2", "eps",
-                                         "weight_decay"), values))
+                out[g["id"]] = values
         return out, current
 
     @torch.no_grad()
@@ -575,7 +511,7 @@ class AdamW(torch.optim.Optimizer):
             # Replicated gradients (DDP) have the same norm on every rank;
             # sharded ones (DTensor, FSDP2) do not.
             _warn_in_user_code(
-                "optimd.torch.AdamW: max_grad_norm clips by the norm of this "
+                "optimd.torch: max_grad_norm clips by the norm of this "
                 "rank's gradient shards only; ranks do not agree on it. With "
                 "sharded gradients, clip with torch.nn.utils.clip_grad_norm_ "
                 "before step() and leave max_grad_norm at 0.")
@@ -699,7 +635,8 @@ class AdamW(torch.optim.Optimizer):
                 own = next(iter(mine.values())).step if mine else gs.step
                 if own == 0 and s.numel:
                     continue  # never stepped: torch has no state for it
-                entry = {"step": torch.tensor(float(own))}
+                entry = {"step": torch.tensor(float(own))} \
+                    if self._state_has_step else {}
                 for kind, t in mine.items():
                     value = view_like(_blob_tensor(t), s.param).to(
                         s.param.device)
@@ -754,21 +691,20 @@ class AdamW(torch.optim.Optimizer):
                                  "optimizer's group")
         saved_state = state_dict["state"]
         for gi, (g, sg, mine) in enumerate(zip(groups, saved, self._groups)):
-            old = {k: g[k] for k in _REGISTERED_KEYS}
             for k, v in sg.items():
                 if k != "params":
                     g[k] = tuple(v) if k == "betas" else v
-            if any(g[k] != old[k] for k in _IMMUTABLE_KEYS):
+            if self._layout_of(g) != mine["snapshot"]:
                 self._reregister(gi, g, mine)
             self._client.set_state(set_state_request(
                 mine["id"], mine["slots"],
                 [saved_state.get(pid) for pid in sg["params"]],
-                amsgrad=g["amsgrad"]))
+                slot_names=self._slot_names(g)))
         self._sent_hyper = None  # the next step sends them all again
         self.state.invalidate()
 
     def _reregister(self, gi, group, mine):
-        """New layout-deciding hyperparameters (amsgrad, maximize): the
+        """New hyperparameters that steps do not carry (_layout_of): the
         group is registered afresh over the same buffers (its state is the
         caller's to write)."""
         self._client.unregister_group(mine["id"])
@@ -776,7 +712,7 @@ class AdamW(torch.optim.Optimizer):
         slots = list(zip(mine["slots"], _param_offsets(mine)))
         request = self._group_request(gi, group, slots, seg_p)
         self._client.register_group(request)
-        mine["snapshot"] = {k: group[k] for k in _IMMUTABLE_KEYS}
+        mine["snapshot"] = self._layout_of(group)
         mine["request"] = request
         # Registered afresh: every gradient is absent to the daemon.
         for s in mine["slots"]:
@@ -784,21 +720,15 @@ class AdamW(torch.optim.Optimizer):
         self._index_buffers()
 
     def _follow_layout_keys(self, gi, group, mine):
-        """amsgrad or maximize edited in param_groups: followed as torch
-        does, keeping the state; turning amsgrad on once the group has
-        state fails in torch too (its step finds no max_exp_avg_sq)."""
+        """Hyperparameters that steps do not carry (_layout_of) edited in
+        param_groups: followed as torch does, keeping the state."""
         state = self._fetch_state()
         slots_state = [state.get(s.param) for s in mine["slots"]]
-        if group["amsgrad"] and not mine["snapshot"]["amsgrad"] and any(
-                slots_state):
-            raise ValueError(
-                "param_groups[%d]['amsgrad'] was turned on after steps: the "
-                "state has no max_exp_avg_sq (torch.optim.AdamW fails the "
-                "same way); set amsgrad before the first step" % gi)
+        self._check_layout_change(gi, group, mine["snapshot"], slots_state)
         self._reregister(gi, group, mine)
         self._client.set_state(set_state_request(
             mine["id"], mine["slots"], slots_state,
-            amsgrad=group["amsgrad"]))
+            slot_names=self._slot_names(group)))
         self._sent_hyper = None
         self.state.invalidate()
 
@@ -812,7 +742,8 @@ class AdamW(torch.optim.Optimizer):
         for g, group in zip(self._groups, self.param_groups):
             self._client.set_state(set_state_request(
                 g["id"], g["slots"], [written.get(s.param) for s in
-                                      g["slots"]], amsgrad=group["amsgrad"]))
+                                      g["slots"]],
+                slot_names=self._slot_names(group)))
         self.state.invalidate()
 
     # Checkpoints written by the daemon.
@@ -914,8 +845,284 @@ class AdamW(torch.optim.Optimizer):
         self._closer()
 
     def __getstate__(self):
-        raise TypeError("optimd.torch.AdamW holds a daemon session and "
+        raise TypeError("optimd.torch holds a daemon session and "
                         "cannot be pickled; save state_dict() instead")
+
+
+class AdamW(_DaemonOptimizer):
+    """torch.optim.AdamW with the step in the optimd daemon.
+
+    Besides torch's arguments:
+      address: the daemon (default: its default socket, or $OPTIMD_ADDRESS).
+      job_id, rank, world_size: the session's identity (default: a job id
+        of this optimizer's own); resume=True takes over the session of the
+        same job id and rank (a restarted trainer's, kept by the daemon, or
+        one the daemon saved when it stopped, with its --save_dir), restores
+        its weights and state, and raises optimd.NotFoundError when there is
+        none; resume="if_any" starts afresh then. A resume presents the
+        session's secret (optimd._secrets: kept in a file of this user's
+        by job id and rank, found by a trainer restarted on the same node;
+        elsewhere pass resume_secret=, the old optimizer's
+        `opt.resume_secret`); a wrong or missing one raises
+        optimd.PermissionDeniedError.
+      master_weights: None (an fp32 master exactly for non-fp32 parameters),
+        True (always, so a crashed trainer can get fp32 weights back), False.
+      store_param_remainders: bf16 parameters keep an int16 remainder instead
+        of an fp32 master (exact; 4 bytes less per parameter).
+      exp_avg_dtype: torch.float32 or torch.bfloat16 moments.
+      max_grad_norm: clip by the norm of this rank's gradients (0: off).
+        Ranks do not agree on it: with world_size > 1 and gradients sharded
+        across ranks (FSDP2, ZeRO), clip with
+        torch.nn.utils.clip_grad_norm_ instead (it reduces across ranks);
+        a step warns once when both are set.
+      grad_scale: divide gradients by this (loss scaling) before use.
+      assume_finite: the gradients are known finite (e.g. a GradScaler
+        checked them): without max_grad_norm the daemon skips its gradient
+        statistics pass (the fastest step; grad_norm is then NaN). A
+        non-finite gradient then corrupts the state instead of skipping the
+        step.
+      keep_fp32: parameters to update in fp32 in place (norms, router biases).
+      adam_w_mode: False for Adam's L2 regularization instead of decoupled
+        decay; bias_correction: False to skip (1 - beta^t).
+      overlap: CUDA: the update of step n runs while the trainer goes on
+        into iteration n + 1; each module's forward waits only for its own
+        parameters (_overlap.py). A parameter is then current in the
+        forward of the module that holds it, or after synchronize(): call
+        synchronize() before reading parameters anywhere else (another
+        module's weight used functionally, model.state_dict()). Same
+        results as without. No effect on CPU parameters (the CPU step
+        completes before step() returns).
+    Parameters may be given as (name, tensor) pairs to name their state.
+
+    Where it differs from torch.optim.AdamW (README, "Deliberate
+    differences"): a step with inf/NaN gradients is skipped (opt.skipped;
+    assume_finite=True applies them as torch does); float64 parameters, a
+    parameter listed twice in a group, parameters on several devices, and
+    amsgrad turned on after steps raise.
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=1e-2, amsgrad=False, *, maximize=False,
+                 address=None, job_id=None, rank=0, world_size=1,
+                 resume=False, master_weights=None,
+                 store_param_remainders=False, exp_avg_dtype=torch.float32,
+                 max_grad_norm=0.0, grad_scale=None, assume_finite=False,
+                 keep_fp32=(), overlap=False, resume_secret=None,
+                 adam_w_mode=True, bias_correction=True, timeout=60.0,
+                 **torch_options):
+        if not 0.0 <= lr:
+            raise ValueError("Invalid learning rate: {}".format(lr))
+        if not 0.0 <= eps:
+            raise ValueError("Invalid epsilon value: {}".format(eps))
+        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
+            raise ValueError("Invalid beta parameters: {}".format(betas))
+        if not 0.0 <= weight_decay:
+            raise ValueError(
+                "Invalid weight_decay value: {}".format(weight_decay))
+        self._check_options(torch_options, exp_avg_dtype)
+        defaults = _torch_defaults(torch.optim.AdamW)
+        defaults.update(torch_options)
+        defaults.update(dict(
+            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+            amsgrad=amsgrad, maximize=maximize, master_weights=master_weights,
+            store_param_remainders=store_param_remainders,
+            exp_avg_dtype=exp_avg_dtype, adam_w_mode=adam_w_mode,
+            bias_correction=bias_correction))
+        self._start(params, defaults, address=address, job_id=job_id,
+                    rank=rank, world_size=world_size, resume=resume,
+                    max_grad_norm=max_grad_norm, grad_scale=grad_scale,
+                    assume_finite=assume_finite, keep_fp32=keep_fp32,
+                    overlap=overlap, resume_secret=resume_secret,
+                    timeout=timeout)
+
+    _kind = pb.OPTIMIZER_KIND_ADAMW
+
+    def _fill_hyper(self, h, group):
+        h.lr = float(group["lr"])
+        h.beta1, h.beta2 = (float(b) for b in group["betas"])
+        h.eps = float(group["eps"])
+        h.weight_decay = float(group["weight_decay"])
+        h.mode = pb.ADAM_MODE_ADAMW if group.get("adam_w_mode", True) \
+            else pb.ADAM_MODE_ADAM
+        h.bias_correction = bool(group.get("bias_correction", True))
+        h.maximize = bool(group["maximize"])
+        h.amsgrad = bool(group["amsgrad"])
+
+    def _override_values(self, group):
+        return dict(lr=float(group["lr"]), beta1=float(group["betas"][0]),
+                    beta2=float(group["betas"][1]), eps=float(group["eps"]),
+                    weight_decay=float(group["weight_decay"]))
+
+    def _layout_of(self, group):
+        return dict(amsgrad=group["amsgrad"], maximize=group["maximize"])
+
+    def _slot_names(self, group):
+        return ("exp_avg", "exp_avg_sq") + (
+            ("max_exp_avg_sq",) if group["amsgrad"] else ())
+
+    def _check_layout_change(self, gi, group, snapshot, slots_state):
+        # Turning amsgrad on once the group has state fails in torch too
+        # (its step finds no max_exp_avg_sq).
+        if group["amsgrad"] and not snapshot["amsgrad"] and any(slots_state):
+            raise ValueError(
+                "param_groups[%d]['amsgrad'] was turned on after steps: the "
+                "state has no max_exp_avg_sq (torch.optim.AdamW fails the "
+                "same way); set amsgrad before the first step" % gi)
+
+
+class SGD(_DaemonOptimizer):
+    """torch.optim.SGD with the step in the optimd daemon: momentum,
+    dampening, nesterov, weight_decay and maximize as torch has them (a
+    tensor's first step starts its momentum buffer from the gradient);
+    optimizer.state holds torch's "momentum_buffer" (none without
+    momentum). Momentum may change between steps (schedulers cycle it);
+    turning it on or off, or changing dampening, nesterov or maximize,
+    registers the group anew, keeping its state.
+
+    Besides torch's arguments:
+      address, job_id, rank, world_size, resume, resume_secret,
+        master_weights, store_param_remainders, max_grad_norm, grad_scale,
+        assume_finite, keep_fp32, overlap, timeout: as optimd.torch.AdamW
+        has them.
+      state_dtype: torch.float32 or torch.bfloat16 momentum buffers.
+    Parameters may be given as (name, tensor) pairs to name their state.
+    The CUDA backend does not run SGD yet (the daemon refuses the group).
+    """
+
+    _kind = pb.OPTIMIZER_KIND_SGD
+    _state_has_step = False
+    _state_dtype_key = "state_dtype"
+
+    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0,
+                 weight_decay=0.0, nesterov=False, *, maximize=False,
+                 address=None, job_id=None, rank=0, world_size=1,
+                 resume=False, master_weights=None,
+                 store_param_remainders=False, state_dtype=torch.float32,
+                 max_grad_norm=0.0, grad_scale=None, assume_finite=False,
+                 keep_fp32=(), overlap=False, resume_secret=None,
+                 timeout=60.0, **torch_options):
+        if not 0.0 <= lr:
+            raise ValueError("Invalid learning rate: {}".format(lr))
+        if momentum < 0.0:
+            raise ValueError("Invalid momentum value: {}".format(momentum))
+        if weight_decay < 0.0:
+            raise ValueError(
+                "Invalid weight_decay value: {}".format(weight_decay))
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError(
+                "Nesterov momentum requires a momentum and zero dampening")
+        self._check_options(torch_options, state_dtype)
+        defaults = _torch_defaults(torch.optim.SGD)
+        defaults.update(torch_options)
+        defaults.update(dict(
+            lr=lr, momentum=momentum, dampening=dampening,
+            weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
+            master_weights=master_weights,
+            store_param_remainders=store_param_remainders,
+            state_dtype=state_dtype))
+        self._start(params, defaults, address=address, job_id=job_id,
+                    rank=rank, world_size=world_size, resume=resume,
+                    max_grad_norm=max_grad_norm, grad_scale=grad_scale,
+                    assume_finite=assume_finite, keep_fp32=keep_fp32,
+                    overlap=overlap, resume_secret=resume_secret,
+                    timeout=timeout)
+
+    def _fill_hyper(self, h, group):
+        h.lr = float(group["lr"])
+        h.momentum = float(group["momentum"])
+        h.dampening = float(group["dampening"])
+        h.weight_decay = float(group["weight_decay"])
+        h.nesterov = bool(group["nesterov"])
+        h.maximize = bool(group["maximize"])
+
+    def _override_values(self, group):
+        return dict(lr=float(group["lr"]),
+                    weight_decay=float(group["weight_decay"]),
+                    momentum=float(group["momentum"]))
+
+    def _layout_of(self, group):
+        return dict(momentum_on=group["momentum"] != 0,
+                    dampening=group["dampening"], nesterov=group["nesterov"],
+                    maximize=group["maximize"])
+
+    def _slot_names(self, group):
+        return ("momentum_buffer",) if group["momentum"] != 0 else ()
+
+    def _check_layout_change(self, gi, group, snapshot, slots_state):
+        pass
+
+
+class Lion(_DaemonOptimizer):
+    """Lion (Chen et al., 2023, "Symbolic Discovery of Optimization
+    Algorithms") with the step in the optimd daemon: per element,
+    p = p*(1 - lr*wd) - lr*sign(beta1*m + (1-beta1)*g), then
+    m = beta2*m + (1-beta2)*g. optimizer.state holds "exp_avg" (m), as the
+    widely used lion-pytorch package names it. Use a learning rate 3-10x
+    smaller and a weight decay 3-10x larger than with AdamW (the paper's
+    advice).
+
+    Besides lr, betas, weight_decay and maximize:
+      address, job_id, rank, world_size, resume, resume_secret,
+        master_weights, store_param_remainders, max_grad_norm, grad_scale,
+        assume_finite, keep_fp32, overlap, timeout: as optimd.torch.AdamW
+        has them.
+      state_dtype: torch.float32 or torch.bfloat16 momentum.
+    Parameters may be given as (name, tensor) pairs to name their state.
+    The CUDA backend does not run Lion yet (the daemon refuses the group).
+    """
+
+    _kind = pb.OPTIMIZER_KIND_LION
+    _state_has_step = False
+    _state_dtype_key = "state_dtype"
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0,
+                 *, maximize=False,
+                 address=None, job_id=None, rank=0, world_size=1,
+                 resume=False, master_weights=None,
+                 store_param_remainders=False, state_dtype=torch.float32,
+                 max_grad_norm=0.0, grad_scale=None, assume_finite=False,
+                 keep_fp32=(), overlap=False, resume_secret=None,
+                 timeout=60.0, **torch_options):
+        if not 0.0 <= lr:
+            raise ValueError("Invalid learning rate: {}".format(lr))
+        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
+            raise ValueError("Invalid beta parameters: {}".format(betas))
+        if not 0.0 <= weight_decay:
+            raise ValueError(
+                "Invalid weight_decay value: {}".format(weight_decay))
+        self._check_options(torch_options, state_dtype)
+        defaults = dict(torch_options)
+        defaults.update(dict(
+            lr=lr, betas=tuple(betas), weight_decay=weight_decay,
+            maximize=maximize, master_weights=master_weights,
+            store_param_remainders=store_param_remainders,
+            state_dtype=state_dtype))
+        self._start(params, defaults, address=address, job_id=job_id,
+                    rank=rank, world_size=world_size, resume=resume,
+                    max_grad_norm=max_grad_norm, grad_scale=grad_scale,
+                    assume_finite=assume_finite, keep_fp32=keep_fp32,
+                    overlap=overlap, resume_secret=resume_secret,
+                    timeout=timeout)
+
+    def _fill_hyper(self, h, group):
+        h.lr = float(group["lr"])
+        h.beta1, h.beta2 = (float(b) for b in group["betas"])
+        h.weight_decay = float(group["weight_decay"])
+        h.maximize = bool(group["maximize"])
+
+    def _override_values(self, group):
+        return dict(lr=float(group["lr"]), beta1=float(group["betas"][0]),
+                    beta2=float(group["betas"][1]),
+                    weight_decay=float(group["weight_decay"]))
+
+    def _layout_of(self, group):
+        return dict(maximize=group["maximize"])
+
+    def _slot_names(self, group):
+        return ("exp_avg",)
+
+    def _check_layout_change(self, gi, group, snapshot, slots_state):
+        pass
 
 
 class _DeviceBytes:

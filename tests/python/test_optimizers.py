@@ -1,0 +1,278 @@
+"""optimd.torch.SGD against torch.optim.SGD and optimd.torch.Lion against
+a reference written with torch ops (the published update), through the
+real daemon (CPU backend): every option, schedulers that change momentum,
+parameters whose first gradient comes late, state dicts both ways, layout
+changes and checkpoints. Inputs are fresh random values each run; the
+seed is printed.
+"""
+import itertools
+import os
+import random
+import tempfile
+import unittest
+
+import torch
+
+import optimd
+from optimd.testing import Daemon
+from optimd.torch import SGD, Lion
+
+SEED = int(os.environ.get("OPTIMD_TEST_SEED", random.randrange(1 << 30)))
+print("seed", SEED)
+os.environ.setdefault("OPTIMD_SECRETS_DIR",
+                      tempfile.mkdtemp(prefix="optimd-secrets-"))
+
+SHAPES = [(37,), (16, 33), (5,), (3, 4, 7)]
+
+
+def rel_err(a, b):
+    """The largest element error relative to the tensor's scale (see
+    test_torch_parity.py for why not element by element)."""
+    a, b = a.double(), b.double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+class LionReference:
+    """Lion as its paper writes it, in torch ops: decoupled decay, the sign
+    of the interpolated momentum, then the momentum update."""
+
+    def __init__(self, params, lr, betas, weight_decay, maximize=False):
+        self.params = list(params)
+        self.lr, self.betas, self.wd = lr, betas, weight_decay
+        self.maximize = maximize
+        self.state = {}
+
+    @torch.no_grad()
+    def step(self):
+        b1, b2 = self.betas
+        for p in self.params:
+            if p.grad is None:
+                continue
+            g = -p.grad if self.maximize else p.grad
+            m = self.state.setdefault(p, torch.zeros_like(p))
+            p.mul_(1 - self.lr * self.wd)
+            update = m.clone().mul_(b1).add(g, alpha=1 - b1).sign_()
+            p.add_(update, alpha=-self.lr)
+            m.mul_(b2).add_(g, alpha=1 - b2)
+
+
+class Base(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.daemon = Daemon()
+
+    @classmethod
+    def tearDownClass(cls):
+        assert cls.daemon.stop() == 0
+
+    def setUp(self):
+        self.gen = torch.Generator().manual_seed(SEED + hash(self.id()) % 1000)
+        self.opts = []
+
+    def tearDown(self):
+        for o in self.opts:
+            o.close()
+
+    def randn(self, *shape):
+        return torch.randn(*shape, generator=self.gen)
+
+    def twins(self):
+        ours = [torch.nn.Parameter(self.randn(*s)) for s in SHAPES]
+        return ours, [torch.nn.Parameter(p.detach().clone()) for p in ours]
+
+    def grads(self, ours, theirs, skip=()):
+        for i, (p, q) in enumerate(zip(ours, theirs)):
+            if i in skip:
+                p.grad = q.grad = None
+                continue
+            g = self.randn(*p.shape)
+            p.grad = g.clone()
+            q.grad = g.clone()
+
+    def make(self, cls, params, **kw):
+        opt = cls(params, address=self.daemon.address,
+                  job_id="t%d" % len(self.opts) + self.id(), **kw)
+        self.opts.append(opt)
+        return opt
+
+    def assert_close(self, ours, theirs, tol, what):
+        for p, q in zip(ours, theirs):
+            self.assertLessEqual(rel_err(p.detach(), q.detach()), tol, what)
+
+
+class SgdParity(Base):
+    def run_pair(self, steps=60, skip_first=0, schedule=False, **kw):
+        ours, theirs = self.twins()
+        opt = self.make(SGD, ours, **kw)
+        ref = torch.optim.SGD(theirs, **kw)
+        scheds = []
+        if schedule:
+            scheds = [torch.optim.lr_scheduler.OneCycleLR(
+                o, max_lr=kw["lr"], total_steps=steps, base_momentum=0.8,
+                max_momentum=0.95) for o in (opt, ref)]
+        for step in range(steps):
+            # Parameter 2 gets its first gradient at step `skip_first`.
+            self.grads(ours, theirs, skip=(2,) if step < skip_first else ())
+            opt.step()
+            ref.step()
+            for s in scheds:
+                s.step()
+            self.assertFalse(opt.skipped)
+            self.assert_close(ours, theirs, 1e-5, "step %d %s" % (step, kw))
+        return opt, ref, ours, theirs
+
+    def test_every_option(self):
+        for momentum, dampening, nesterov, wd, maximize in itertools.product(
+                (0.0, 0.9), (0.0, 0.3), (False, True), (0.0, 0.01),
+                (False, True)):
+            if nesterov and (momentum == 0 or dampening != 0):
+                continue
+            kw = dict(lr=0.01, momentum=momentum, dampening=dampening,
+                      nesterov=nesterov, weight_decay=wd, maximize=maximize)
+            with self.subTest(**kw):
+                opt, ref, ours, theirs = self.run_pair(**kw)
+                for p, q in zip(ours, theirs):
+                    if momentum:
+                        self.assertLessEqual(rel_err(
+                            opt.state[p]["momentum_buffer"],
+                            ref.state[q]["momentum_buffer"]), 1e-5)
+                    else:
+                        self.assertNotIn("momentum_buffer", opt.state[p])
+
+    def test_one_cycle_schedule_cycles_momentum(self):
+        self.run_pair(schedule=True, lr=0.05, momentum=0.9, weight_decay=0.01)
+
+    def test_first_gradient_late_starts_its_buffer(self):
+        self.run_pair(skip_first=5, lr=0.01, momentum=0.9, dampening=0.3)
+
+    def test_state_dicts_move_both_ways(self):
+        opt, ref, ours, theirs = self.run_pair(steps=5, lr=0.01, momentum=0.9)
+        # ours -> torch: a fresh torch optimizer goes on as ours does.
+        fresh = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+        other = torch.optim.SGD(fresh, lr=0.01, momentum=0.9)
+        other.load_state_dict(opt.state_dict())
+        # torch -> ours.
+        mine = [torch.nn.Parameter(q.detach().clone()) for q in theirs]
+        back = self.make(SGD, mine, lr=0.01, momentum=0.9)
+        back.load_state_dict(ref.state_dict())
+        for _ in range(5):
+            g = [self.randn(*p.shape) for p in ours]
+            for params in (ours, theirs, fresh, mine):
+                for p, gi in zip(params, g):
+                    p.grad = gi.clone()
+            for o in (opt, ref, other, back):
+                o.step()
+        self.assert_close(fresh, theirs, 1e-5, "ours -> torch")
+        self.assert_close(mine, theirs, 1e-5, "torch -> ours")
+
+    def test_momentum_turned_on_after_steps(self):
+        ours, theirs = self.twins()
+        opt = self.make(SGD, ours, lr=0.01)
+        ref = torch.optim.SGD(theirs, lr=0.01)
+        for step in range(6):
+            if step == 3:
+                for o in (opt, ref):
+                    o.param_groups[0]["momentum"] = 0.9
+            self.grads(ours, theirs)
+            opt.step()
+            ref.step()
+            self.assert_close(ours, theirs, 1e-5, "step %d" % step)
+
+    def test_bf16_parameters_follow_an_fp32_master(self):
+        ours = [torch.nn.Parameter(self.randn(*s).bfloat16()) for s in SHAPES]
+        theirs = [torch.nn.Parameter(p.detach().float()) for p in ours]
+        opt = self.make(SGD, ours, lr=0.01, momentum=0.9,
+                        store_param_remainders=True)
+        ref = torch.optim.SGD(theirs, lr=0.01, momentum=0.9)
+        for _ in range(20):
+            for p, q in zip(ours, theirs):
+                g = self.randn(*p.shape).bfloat16()
+                p.grad, q.grad = g, g.float()
+            opt.step()
+            ref.step()
+        for p, q in zip(ours, theirs):
+            self.assertTrue(torch.equal(p.detach(), q.detach().bfloat16()))
+
+    def test_checkpoint_round_trip(self):
+        opt, _, ours, _ = self.run_pair(steps=3, lr=0.01, momentum=0.9)
+        directory = tempfile.mkdtemp(prefix="optimd-sgd-ckpt-")
+        opt.save_checkpoint(directory)
+        saved = [p.detach().clone() for p in ours]
+        buffers = [opt.state[p]["momentum_buffer"].clone() for p in ours]
+        self.grads(ours, ours)
+        opt.step()
+        opt.load_checkpoint(directory)
+        for p, w, b in zip(ours, saved, buffers):
+            self.assertTrue(torch.equal(p.detach(), w))
+            self.assertTrue(torch.equal(opt.state[p]["momentum_buffer"], b))
+
+    def test_bad_arguments_raise_as_torch_does(self):
+        p = [torch.nn.Parameter(torch.zeros(3))]
+        with self.assertRaises(ValueError):
+            SGD(p, lr=0.1, nesterov=True, address=self.daemon.address)
+        with self.assertRaises(ValueError):
+            SGD(p, lr=-1.0, address=self.daemon.address)
+
+
+class LionParity(Base):
+    def test_against_the_reference(self):
+        for wd, maximize in itertools.product((0.0, 0.1), (False, True)):
+            with self.subTest(weight_decay=wd, maximize=maximize):
+                ours, theirs = self.twins()
+                kw = dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=wd,
+                          maximize=maximize)
+                opt = self.make(Lion, ours, **kw)
+                ref = LionReference(theirs, **kw)
+                for step in range(60):
+                    self.grads(ours, theirs)
+                    opt.step()
+                    ref.step()
+                    self.assert_close(ours, theirs, 1e-5, "step %d" % step)
+                for p, q in zip(ours, theirs):
+                    self.assertLessEqual(
+                        rel_err(opt.state[p]["exp_avg"], ref.state[q]), 1e-5)
+                    self.assertNotIn("step", opt.state[p])
+
+    def test_state_dict_round_trip_and_schedules(self):
+        ours, theirs = self.twins()
+        opt = self.make(Lion, ours, lr=1e-3, weight_decay=0.1)
+        ref = LionReference(theirs, lr=1e-3, betas=(0.9, 0.99),
+                            weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5)
+        for step in range(6):
+            self.grads(ours, theirs)
+            opt.step()
+            ref.step()
+            sched.step()
+            ref.lr = opt.param_groups[0]["lr"]
+        self.assert_close(ours, theirs, 1e-5, "scheduled")
+        mine = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+        back = self.make(Lion, mine, lr=ref.lr, weight_decay=0.1)
+        back.load_state_dict(opt.state_dict())
+        for p, q in zip(ours, mine):
+            self.assertTrue(torch.equal(opt.state[p]["exp_avg"],
+                                        back.state[q]["exp_avg"]))
+
+
+class DaemonRefusals(Base):
+    def test_the_daemon_refuses_bad_sgd_hyperparameters(self):
+        client = optimd.Client(self.daemon.address)
+        client.create_session("refusals", rank=0, world_size=1)
+        from optimd.v1 import optimd_pb2 as pb
+        request = pb.RegisterGroupRequest(group_id="g")
+        request.hyperparameters.optimizer = pb.OPTIMIZER_KIND_SGD
+        request.hyperparameters.lr = 0.1
+        request.hyperparameters.nesterov = True
+        with self.assertRaises(optimd.InvalidArgumentError) as e:
+            client.register_group(request)
+        self.assertIn("nesterov", str(e.exception))
+        request.hyperparameters.optimizer = 9
+        with self.assertRaises(optimd.InvalidArgumentError) as e:
+            client.register_group(request)
+        self.assertIn("unknown optimizer", str(e.exception))
+        client.close_session()
+        client.close()
+
+
+if __name__ == "__main__":
+    unittest.main()
