@@ -205,6 +205,17 @@ class SgdParity(Base):
         for p, w, b in zip(ours, saved, buffers):
             self.assertTrue(torch.equal(p.detach(), w))
             self.assertTrue(torch.equal(opt.state[p]["momentum_buffer"], b))
+        # The file as torch.optim.SGD's state dict.
+        from optimd.checkpoint import to_torch_state_dict
+        sd, params, _ = to_torch_state_dict(
+            os.path.join(directory, "rank-0.safetensors"))
+        self.assertEqual(sd["param_groups"][0]["momentum"], 0.9)
+        self.assertNotIn("eps", sd["param_groups"][0])
+        for i, b in enumerate(buffers):
+            self.assertTrue(torch.equal(sd["state"][i]["momentum_buffer"], b))
+            self.assertNotIn("step", sd["state"][i])
+        fresh = [torch.nn.Parameter(w.clone()) for w in saved]
+        torch.optim.SGD(fresh, lr=0.01, momentum=0.9).load_state_dict(sd)
 
     def test_bad_arguments_raise_as_torch_does(self):
         p = [torch.nn.Parameter(torch.zeros(3))]

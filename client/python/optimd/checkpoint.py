@@ -2,12 +2,17 @@
 
 The mapping, for a file rank-<r>.safetensors (<job>.rank-<r>.safetensors
 from earlier versions):
-  * param_groups[i]: the saved group i's hyperparameters (lr, betas, eps,
-    weight_decay, amsgrad, maximize) and `params`: the indices of its
-    tensors, numbered across groups in order, as torch numbers them.
-  * state[index]: for each tensor with optimizer state, `step` (a float
-    tensor, torch's convention), `exp_avg`, `exp_avg_sq` and, with amsgrad,
-    `max_exp_avg_sq`, shaped as the parameter (the file keeps each tensor's
+  * param_groups[i]: the saved group i's hyperparameters as its torch
+    optimizer names them (AdamW: lr, betas, eps, weight_decay, amsgrad,
+    maximize; SGD: lr, momentum, dampening, weight_decay, nesterov,
+    maximize; Lion: lr, betas, weight_decay, maximize) and `params`: the
+    indices of its tensors, numbered across groups in order, as torch
+    numbers them.
+  * state[index]: for each tensor with optimizer state, its optimizer's
+    state slots (AdamW: `step` as a float tensor, torch's convention,
+    `exp_avg`, `exp_avg_sq` and, with amsgrad, `max_exp_avg_sq`; SGD:
+    `momentum_buffer`; Lion: `exp_avg`), shaped as the parameter (the file
+    keeps each tensor's
     shape; packed files, for sessions of very many tensors, keep those of
     more than one dimension in their metadata; files from before that keep
     them 1-D: pass `shapes` for those).
@@ -15,8 +20,8 @@ from earlier versions):
     fp32 masters as `<name>.master` where the layout keeps one (remainder
     layouts: the master rebuilt from the bf16 parameter and its int16
     remainder).
-The other way needs no conversion: optimd.torch.AdamW's load_state_dict
-takes torch's format directly.
+The other way needs no conversion: the optimd.torch optimizers'
+load_state_dict takes torch's format directly.
 """
 import json
 import mmap
@@ -32,6 +37,18 @@ _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16,
 _SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16",
                        "float16": "F16"}
 
+# Each optimizer's state slots in the daemon's order (core/optimizer.cc).
+_SLOTS = {"adamw": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+          "sgd": ("momentum_buffer",), "lion": ("exp_avg",)}
+
+
+def _slots(layout):
+    """The state slots a tensor of `layout` holds. Files written before
+    other optimizers than AdamW name neither optimizer nor slot count."""
+    if "optimizer" not in layout:
+        return _SLOTS["adamw"][:3 if layout["amsgrad"] else 2]
+    return _SLOTS[layout["optimizer"]][:layout["state_slots"]]
+
 
 def _pieces(layout, frozen):
     """(kind, key suffix, dtype) of a tensor's pieces of state, in file order
@@ -43,9 +60,7 @@ def _pieces(layout, frozen):
         out.append(("remainder", ".remainder", "I16"))
     if not frozen:
         md = _SAFETENSORS_DTYPES[layout["moment_dtype"]]
-        out += [("exp_avg", ".exp_avg", md), ("exp_avg_sq", ".exp_avg_sq", md)]
-        if layout["amsgrad"]:
-            out.append(("max_exp_avg_sq", ".max_exp_avg_sq", md))
+        out += [(k, "." + k, md) for k in _slots(layout)]
     return out
 
 
@@ -125,6 +140,7 @@ def to_torch_state_dict(path, shapes=None):
     index = 0
     for g in meta["groups"]:
         h = g["hyperparameters"]
+        kind = h.get("optimizer", "adamw")
         ids = []
         for t in g["tensors"]:
             name = t["name"]
@@ -136,15 +152,28 @@ def to_torch_state_dict(path, shapes=None):
             if m is not None:
                 masters[name] = m.reshape(shape)
             if not t["frozen"] and g["step"] > 0:
-                entry = {"step": torch.tensor(float(g["step"]))}
-                for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-                    if name + "." + k in tensors:
-                        entry[k] = tensors[name + "." + k].reshape(shape)
-                state[index] = entry
+                entry = {"step": torch.tensor(float(g["step"]))} \
+                    if kind == "adamw" else {}
+                for k in _slots(t["layout"]):
+                    entry[k] = tensors[name + "." + k].reshape(shape)
+                if entry:
+                    state[index] = entry
             ids.append(index)
             index += 1
-        groups.append(dict(lr=h["lr"], betas=(h["beta1"], h["beta2"]),
-                           eps=h["eps"], weight_decay=h["weight_decay"],
-                           amsgrad=h["amsgrad"], maximize=h["maximize"],
-                           params=ids))
+        groups.append(dict(_torch_hyperparameters(h), params=ids))
     return {"state": state, "param_groups": groups}, params, masters
+
+
+def _torch_hyperparameters(h):
+    """A group's saved hyperparameters as its torch optimizer names them."""
+    kind = h.get("optimizer", "adamw")
+    if kind == "sgd":
+        return dict(lr=h["lr"], momentum=h["momentum"],
+                    dampening=h["dampening"], weight_decay=h["weight_decay"],
+                    nesterov=h["nesterov"], maximize=h["maximize"])
+    if kind == "lion":
+        return dict(lr=h["lr"], betas=(h["beta1"], h["beta2"]),
+                    weight_decay=h["weight_decay"], maximize=h["maximize"])
+    return dict(lr=h["lr"], betas=(h["beta1"], h["beta2"]), eps=h["eps"],
+                weight_decay=h["weight_decay"], amsgrad=h["amsgrad"],
+                maximize=h["maximize"])
