@@ -177,9 +177,8 @@ int Run(IpcTrainer* trainer) {
       std::fprintf(stderr, "trainer allocation failed\n");
       return 1;
     }
-    Layout l =
-        *ResolveLayout("t", c.param, c.grad, c.moment, c.master, false,
-                       OptimizerHyper());
+    Layout l = *ResolveLayout("t", c.param, c.grad, c.moment, c.master, false,
+                              OptimizerHyper());
     // Bytes one step must move: read grad, moments and master (or the
     // parameter where the master is not a separate fp32 copy), write them
     // back. The same for every backend variant: one copy baseline per
