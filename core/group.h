@@ -161,6 +161,29 @@ struct Plan {
   std::vector<PlanTask> tasks;
 };
 
+// What a backend keeps of a group's plan beside the host Plan; each backend
+// derives its own and is the only one to read it.
+class BackendPlan {
+ public:
+  virtual ~BackendPlan() = default;
+};
+
+// A registered group. Owned by its Session, read and written only under the
+// session's lock (by the session, and by the backend inside PrepareGroup,
+// UpdatePlanEntries and Step). Invariants, from registration on:
+//  - `tensors` keeps its order and names; index_by_name maps each name to
+//    its index (IndexTensors).
+//  - hyper.kind never changes, and every tensor's layout.optimizer is it;
+//    layout.state_slots == StateSlotCount(hyper) for every tensor (an
+//    override that would change the count is refused).
+//  - arenas[0] holds the masters, arenas[1 + s] state slot s; a tensor's
+//    slices lie inside them, empty when it holds no such state (zero
+//    elements; frozen tensors hold no slots).
+//  - plan is built from tensors once (BuildPlan, by the backend's
+//    PrepareGroup); plan.entries[e] equals
+//    tensors[plan.tensor_index[e]].Pointers() once UpdatePlanEntries has
+//    run for the entries whose buffers moved.
+//  - every tensor's missed_steps is at most `step`.
 struct Group {
   std::string id;
   OptimizerHyper hyper;
@@ -175,8 +198,8 @@ struct Group {
   // prefetch, few TLB entries) and makes registration cheap at 1e5 tensors.
   std::vector<StateStorage> arenas;
   // Backend-specific plan data (the CUDA backend's device-resident chunk
-  // table); null on the CPU backend.
-  std::shared_ptr<void> backend_plan;
+  // table); null on the CPU backend. Set by the backend's PrepareGroup.
+  std::shared_ptr<BackendPlan> backend_plan;
 
   uint64_t StateBytes() const {
     uint64_t n = 0;

@@ -109,7 +109,7 @@ struct Segment {
 // end) of plan entry e, consecutive since an entry has one layout;
 // tables[0]: the update's work blocks, tables[1]: the statistics pass's
 // (one partial sum each).
-struct DevicePlan {
+struct DevicePlan : BackendPlan {
   uint64_t id = 0;  // unique within the backend
   std::vector<DeviceChunk> chunks;
   std::vector<uint64_t> chunk_end;
@@ -123,6 +123,12 @@ struct DevicePlan {
   StateStorage missed_d, absent_d;
   std::vector<uint32_t> absent;
 };
+
+// The CUDA plan of `group`: PrepareGroup sets it on every group this
+// backend steps, and no other backend sees those groups.
+DevicePlan* PlanOf(const Group& group) {
+  return static_cast<DevicePlan*>(group.backend_plan.get());
+}
 
 // Pinned slots, one per step in flight: the step's arguments, which its
 // kernels read, and its counters, which they write, so that a reply can
@@ -615,7 +621,7 @@ absl::Status CudaBackend::PrepareGroup(Group& group) {
 absl::Status CudaBackend::UpdatePlanEntries(
     Group& group, const std::vector<uint32_t>& entries) {
   if (entries.empty()) return absl::OkStatus();
-  auto* plan = static_cast<DevicePlan*>(group.backend_plan.get());
+  auto* plan = PlanOf(group);
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
   std::vector<std::pair<uint32_t, uint32_t>> ranges;
   ranges.reserve(entries.size());
@@ -754,7 +760,7 @@ absl::Status CudaBackend::ReadSlot(CudaSession& s, ReportSlot& slot,
 
 absl::Status CudaBackend::LaunchUpdate(const Group& group, const Segment& seg,
                                        cudaStream_t stream) {
-  const auto* plan = static_cast<const DevicePlan*>(group.backend_plan.get());
+  const auto* plan = PlanOf(group);
   auto* scalars = reinterpret_cast<cuda::DeviceScalars*>(
       const_cast<uint8_t*>(plan->scalars_d.data()));
   return cuda::LaunchAdamW(seg.layout, group.hyper.adamw,
@@ -767,7 +773,7 @@ absl::Status CudaBackend::EnqueueStagedUpdates(
   // Each plan's segments are sorted by stage: walk them all in step.
   std::vector<size_t> next(groups.size(), 0);
   const auto segments = [&](size_t g) -> const std::vector<Segment>& {
-    return static_cast<DevicePlan*>(groups[g]->backend_plan.get())->segments;
+    return PlanOf(*groups[g])->segments;
   };
   for (;;) {
     uint32_t stage = kMaxStage + 1;
@@ -801,7 +807,7 @@ absl::Status CudaBackend::EnqueueStep(CudaSession& s,
   double* sums = reinterpret_cast<double*>(sums_d_.data());
   auto* steps = reinterpret_cast<cuda::GroupStep*>(steps_d_.data());
   for (uint32_t g = 0; g < (statistics ? n : 0); ++g) {
-    auto* plan = static_cast<DevicePlan*>(groups[g]->backend_plan.get());
+    auto* plan = PlanOf(*groups[g]);
     auto* partials = reinterpret_cast<double*>(plan->partials_d.data());
     for (const Segment& seg : plan->segments) {
       OPTIMD_RETURN_IF_ERROR(cuda::LaunchGradSumSquares(
@@ -815,7 +821,7 @@ absl::Status CudaBackend::EnqueueStep(CudaSession& s,
     OPTIMD_RETURN_IF_ERROR(EnqueueStagedUpdates(groups, progress, stream));
   } else {
     for (const Group* g : groups) {
-      auto* plan = static_cast<const DevicePlan*>(g->backend_plan.get());
+      auto* plan = PlanOf(*g);
       for (const Segment& seg : plan->segments) {
         OPTIMD_RETURN_IF_ERROR(LaunchUpdate(*g, seg, stream));
       }
@@ -855,8 +861,7 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
     if (i == 1) return scratch_generation_;
     if (i == 2) return reinterpret_cast<uintptr_t>(progress);
     const Group* g = groups[(i - 3) / 2];
-    return (i % 2 == 1) ? static_cast<DevicePlan*>(g->backend_plan.get())->id
-                        : (g->hyper.adamw ? 1 : 0);
+    return (i % 2 == 1) ? PlanOf(*g)->id : (g->hyper.adamw ? 1 : 0);
   };
   const size_t key_size = 3 + 2 * static_cast<size_t>(n);
   bool same_key = s.graph_key.size() == key_size;
@@ -886,7 +891,7 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
     slot.capacity = cap;
   }
   for (uint32_t g = 0; g < n; ++g) {
-    auto* plan = static_cast<DevicePlan*>(groups[g]->backend_plan.get());
+    auto* plan = PlanOf(*groups[g]);
     const OptimizerHyper& h = groups[g]->hyper;
     cuda::GroupStep& a = slot.args[g];
     a.hyper = {h.lr,
@@ -1010,7 +1015,7 @@ absl::Status CudaBackend::SyncGroupCounters(const std::vector<Group*>& groups) {
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
   for (Group* g : groups) {
-    auto* plan = static_cast<DevicePlan*>(g->backend_plan.get());
+    auto* plan = PlanOf(*g);
     DeviceGroupState state;
     OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpy(
         &state, plan->state_d.data(), sizeof(state), cudaMemcpyDeviceToHost));
@@ -1028,7 +1033,7 @@ absl::Status CudaBackend::SyncGroupCounters(const std::vector<Group*>& groups) {
 
 absl::Status CudaBackend::SetGroupStep(Group& group, uint64_t step) {
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
-  auto* plan = static_cast<DevicePlan*>(group.backend_plan.get());
+  auto* plan = PlanOf(group);
   DeviceGroupState state;
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpy(
