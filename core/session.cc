@@ -49,6 +49,17 @@ absl::Status CheckStage(const TensorSpec& t) {
       " (stages number the update order of a staged step; use a few dozen)"));
 }
 
+// `h` with the values `o` sets.
+OptimizerHyper WithOverride(OptimizerHyper h, const HyperOverride& o) {
+  if (!o.keep_lr) h.lr = o.lr;
+  if (o.beta1) h.beta1 = *o.beta1;
+  if (o.beta2) h.beta2 = *o.beta2;
+  if (o.eps) h.eps = *o.eps;
+  if (o.weight_decay) h.weight_decay = *o.weight_decay;
+  if (o.momentum) h.momentum = *o.momentum;
+  return h;
+}
+
 absl::Status CheckHyper(const GroupSpec& spec) {
   return CheckHyperparameters(spec.hyper,
                               absl::StrCat("group '", spec.id, "'"));
@@ -622,6 +633,30 @@ absl::Status Session::BindStepFlags(const StepRequestSpec& request,
   return absl::OkStatus();
 }
 
+absl::Status Session::CheckOverrides(
+    const std::vector<HyperOverride>& overrides) {
+  for (const HyperOverride& o : overrides) {
+    Group* g = FindGroup(o.group_id);
+    if (g == nullptr) {
+      return absl::NotFoundError(
+          absl::StrCat("override names group '", o.group_id,
+                       "', which is not registered in this session"));
+    }
+    GroupSpec check;
+    check.id = o.group_id;
+    check.hyper = WithOverride(g->hyper, o);
+    OPTIMD_RETURN_IF_ERROR(CheckHyper(check));
+    if (StateSlotCount(check.hyper) != StateSlotCount(g->hyper)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "override of group '", o.group_id, "': momentum ", g->hyper.momentum,
+          " -> ", check.hyper.momentum,
+          " adds or drops the momentum buffer, which changes the group's "
+          "state layout; register the group again instead"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<StepResult> Session::StepLocked(const StepRequestSpec& request,
                                                const StepOptions& o) {
   for (const auto& [group_id, updates] : request.buffer_updates) {
@@ -642,40 +677,11 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequestSpec& request,
         absl::StrCat("max_grad_norm must be >= 0 (0 disables clipping), got ",
                      o.max_grad_norm));
   }
-  for (const HyperOverride& o : request.overrides) {
-    Group* g = FindGroup(o.group_id);
-    if (g == nullptr) {
-      return absl::NotFoundError(
-          absl::StrCat("override names group '", o.group_id,
-                       "', which is not registered in this session"));
-    }
-    GroupSpec check;
-    check.id = o.group_id;
-    check.hyper = g->hyper;
-    if (!o.keep_lr) check.hyper.lr = o.lr;
-    if (o.beta1) check.hyper.beta1 = *o.beta1;
-    if (o.beta2) check.hyper.beta2 = *o.beta2;
-    if (o.eps) check.hyper.eps = *o.eps;
-    if (o.weight_decay) check.hyper.weight_decay = *o.weight_decay;
-    if (o.momentum) check.hyper.momentum = *o.momentum;
-    OPTIMD_RETURN_IF_ERROR(CheckHyper(check));
-    if (StateSlotCount(check.hyper) != StateSlotCount(g->hyper)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "override of group '", o.group_id, "': momentum ", g->hyper.momentum,
-          " -> ", check.hyper.momentum,
-          " adds or drops the momentum buffer, which changes the group's "
-          "state layout; register the group again instead"));
-    }
-  }
+  OPTIMD_RETURN_IF_ERROR(CheckOverrides(request.overrides));
   OPTIMD_RETURN_IF_ERROR(backend_->CheckMappings(mappings_));
   for (const HyperOverride& o : request.overrides) {
-    OptimizerHyper& h = FindGroup(o.group_id)->hyper;
-    if (!o.keep_lr) h.lr = o.lr;
-    if (o.beta1) h.beta1 = *o.beta1;
-    if (o.beta2) h.beta2 = *o.beta2;
-    if (o.eps) h.eps = *o.eps;
-    if (o.weight_decay) h.weight_decay = *o.weight_decay;
-    if (o.momentum) h.momentum = *o.momentum;
+    Group* g = FindGroup(o.group_id);
+    g->hyper = WithOverride(g->hyper, o);
   }
 
   auto stepped = backend_->Step(context_.get(), step_groups_, o);
@@ -777,6 +783,51 @@ void FromFloat(DType d, const float* src, uint64_t n, void* out) {
 
 }  // namespace
 
+absl::Status Session::ReadTensorState(const TensorEntry& t,
+                                      std::vector<StateBlob>* out) {
+  const uint64_t n = t.numel;
+  auto raw = [&](const uint8_t* src, uint64_t bytes,
+                 std::string* dst) -> absl::Status {
+    dst->resize(bytes);
+    return backend_->CopyToHost(src, reinterpret_cast<uint8_t*>(dst->data()),
+                                bytes);
+  };
+  // The fp32 master, for every layout.
+  StateBlob master{t.name, "master", DType::kFloat32, n, std::string()};
+  if (n > 0) {
+    master.data.resize(n * 4);
+    float* mf = reinterpret_cast<float*>(master.data.data());
+    std::string param;
+    OPTIMD_RETURN_IF_ERROR(raw(t.param.data, t.param.size, &param));
+    if (t.layout.master == MasterKind::kFp32) {
+      OPTIMD_RETURN_IF_ERROR(raw(t.master.data(), n * 4, &master.data));
+    } else if (t.layout.master == MasterKind::kRemainder) {
+      std::string rem;
+      OPTIMD_RETURN_IF_ERROR(raw(t.master.data(), n * 2, &rem));
+      const auto* pb = reinterpret_cast<const uint16_t*>(param.data());
+      const auto* rb = reinterpret_cast<const int16_t*>(rem.data());
+      for (uint64_t i = 0; i < n; ++i) {
+        mf[i] = ReconstructFromRemainder(pb[i], rb[i]);
+      }
+    } else {
+      ToFloat(t.layout.param_dtype, param.data(), n, mf);
+    }
+  }
+  out->push_back(std::move(master));
+  if (t.frozen) return absl::OkStatus();
+  const DType md = t.layout.moment_dtype;
+  const uint64_t mb = n * DTypeSize(md);
+  for (int slot = 0; slot < t.layout.state_slots; ++slot) {
+    StateBlob b{t.name, std::string(StateSlotName(t.layout.optimizer, slot)),
+                md, n, std::string()};
+    if (n > 0) {
+      OPTIMD_RETURN_IF_ERROR(raw(t.state[slot].data(), mb, &b.data));
+    }
+    out->push_back(std::move(b));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::vector<GroupState>> Session::ReadState(
     const std::vector<std::string>& group_ids, bool with_data,
     const std::vector<std::string>& tensors, uint64_t max_bytes) {
@@ -818,47 +869,7 @@ absl::StatusOr<std::vector<GroupState>> Session::ReadState(
     for (const TensorEntry& t : g->tensors) {
       if (!selected(t)) continue;
       const size_t first_blob = gs.tensors.size();
-      const uint64_t n = t.numel;
-      auto raw = [&](const uint8_t* src, uint64_t bytes,
-                     std::string* dst) -> absl::Status {
-        dst->resize(bytes);
-        return backend_->CopyToHost(
-            src, reinterpret_cast<uint8_t*>(dst->data()), bytes);
-      };
-      // The fp32 master, for every layout.
-      StateBlob master{t.name, "master", DType::kFloat32, n, std::string()};
-      if (n > 0) {
-        master.data.resize(n * 4);
-        float* mf = reinterpret_cast<float*>(master.data.data());
-        std::string param;
-        OPTIMD_RETURN_IF_ERROR(raw(t.param.data, t.param.size, &param));
-        if (t.layout.master == MasterKind::kFp32) {
-          OPTIMD_RETURN_IF_ERROR(raw(t.master.data(), n * 4, &master.data));
-        } else if (t.layout.master == MasterKind::kRemainder) {
-          std::string rem;
-          OPTIMD_RETURN_IF_ERROR(raw(t.master.data(), n * 2, &rem));
-          const auto* pb = reinterpret_cast<const uint16_t*>(param.data());
-          const auto* rb = reinterpret_cast<const int16_t*>(rem.data());
-          for (uint64_t i = 0; i < n; ++i) {
-            mf[i] = ReconstructFromRemainder(pb[i], rb[i]);
-          }
-        } else {
-          ToFloat(t.layout.param_dtype, param.data(), n, mf);
-        }
-      }
-      gs.tensors.push_back(std::move(master));
-      if (t.frozen) continue;
-      const DType md = t.layout.moment_dtype;
-      const uint64_t mb = n * DTypeSize(md);
-      for (int slot = 0; slot < t.layout.state_slots; ++slot) {
-        StateBlob b{t.name,
-                    std::string(StateSlotName(t.layout.optimizer, slot)), md, n,
-                    std::string()};
-        if (n > 0) {
-          OPTIMD_RETURN_IF_ERROR(raw(t.state[slot].data(), mb, &b.data));
-        }
-        gs.tensors.push_back(std::move(b));
-      }
+      OPTIMD_RETURN_IF_ERROR(ReadTensorState(t, &gs.tensors));
       for (size_t b = first_blob; b < gs.tensors.size(); ++b) {
         gs.tensors[b].step = g->step - t.missed_steps;
       }
@@ -868,23 +879,8 @@ absl::StatusOr<std::vector<GroupState>> Session::ReadState(
   return out;
 }
 
-absl::Status Session::WriteState(
-    const std::string& group_id, uint64_t step,
-    const std::vector<StateBlob>& blobs,
-    const std::vector<std::pair<std::string, uint64_t>>& tensor_steps) {
-  MutexLock lock(&mu_);
-  Group* g = FindGroup(group_id);
-  if (g == nullptr) {
-    return absl::NotFoundError(absl::StrCat(
-        "group '", group_id, "' is not registered in this session"));
-  }
-  if (step > kMaxStepCounter) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "step ", step, " is past the largest step counter ", kMaxStepCounter));
-  }
-  // Check everything first.
-  OPTIMD_ASSIGN_OR_RETURN(std::vector<uint64_t> missed,
-                          MissedSteps(*g, step, tensor_steps));
+absl::StatusOr<std::vector<std::pair<const StateBlob*, TensorEntry*>>>
+Session::CheckStateBlobs(Group* g, const std::vector<StateBlob>& blobs) {
   std::vector<std::pair<const StateBlob*, TensorEntry*>> work;
   std::set<std::pair<std::string, std::string>> seen;
   for (const StateBlob& b : blobs) {
@@ -892,7 +888,7 @@ absl::Status Session::WriteState(
     TensorEntry* t = index < g->tensors.size() ? &g->tensors[index] : nullptr;
     if (t == nullptr) {
       return absl::NotFoundError(absl::StrCat(
-          "tensor '", b.tensor, "' is not in group '", group_id, "'"));
+          "tensor '", b.tensor, "' is not in group '", g->id, "'"));
     }
     const int slot =
         StateSlotIndex(t->layout.optimizer, kMaxStateSlots, b.kind);
@@ -930,39 +926,63 @@ absl::Status Session::WriteState(
     }
     work.emplace_back(&b, t);
   }
+  return work;
+}
+
+absl::Status Session::WriteStateBlob(const StateBlob& b, TensorEntry* t) {
+  const uint64_t n = t->numel;
+  if (n == 0) return absl::OkStatus();
+  std::vector<float> values(n);
+  ToFloat(b.dtype, b.data.data(), n, values.data());
+  auto put = [&](DType d, uint8_t* dst) -> absl::Status {
+    std::string bytes(n * DTypeSize(d), '\0');
+    FromFloat(d, values.data(), n, bytes.data());
+    return backend_->CopyFromHost(
+        reinterpret_cast<const uint8_t*>(bytes.data()), dst, bytes.size());
+  };
+  const int slot =
+      StateSlotIndex(t->layout.optimizer, t->layout.state_slots, b.kind);
+  if (slot >= 0) {
+    OPTIMD_RETURN_IF_ERROR(put(t->layout.moment_dtype, t->state[slot].data()));
+  } else if (t->layout.master == MasterKind::kRemainder) {
+    std::vector<uint16_t> hi(n);
+    std::vector<int16_t> rem(n);
+    for (uint64_t i = 0; i < n; ++i)
+      SplitToRemainder(values[i], &hi[i], &rem[i]);
+    OPTIMD_RETURN_IF_ERROR(backend_->CopyFromHost(
+        reinterpret_cast<const uint8_t*>(hi.data()), t->param.data, n * 2));
+    OPTIMD_RETURN_IF_ERROR(backend_->CopyFromHost(
+        reinterpret_cast<const uint8_t*>(rem.data()), t->master.data(), n * 2));
+  } else {
+    if (t->layout.master == MasterKind::kFp32) {
+      OPTIMD_RETURN_IF_ERROR(put(DType::kFloat32, t->master.data()));
+    }
+    OPTIMD_RETURN_IF_ERROR(put(t->layout.param_dtype, t->param.data));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Session::WriteState(
+    const std::string& group_id, uint64_t step,
+    const std::vector<StateBlob>& blobs,
+    const std::vector<std::pair<std::string, uint64_t>>& tensor_steps) {
+  MutexLock lock(&mu_);
+  Group* g = FindGroup(group_id);
+  if (g == nullptr) {
+    return absl::NotFoundError(absl::StrCat(
+        "group '", group_id, "' is not registered in this session"));
+  }
+  if (step > kMaxStepCounter) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "step ", step, " is past the largest step counter ", kMaxStepCounter));
+  }
+  // Check everything first.
+  OPTIMD_ASSIGN_OR_RETURN(std::vector<uint64_t> missed,
+                          MissedSteps(*g, step, tensor_steps));
+  OPTIMD_ASSIGN_OR_RETURN(auto work, CheckStateBlobs(g, blobs));
   OPTIMD_RETURN_IF_ERROR(backend_->CheckMappings(mappings_));
   for (const auto& [b, t] : work) {
-    const uint64_t n = t->numel;
-    if (n == 0) continue;
-    std::vector<float> values(n);
-    ToFloat(b->dtype, b->data.data(), n, values.data());
-    auto put = [&](DType d, uint8_t* dst) -> absl::Status {
-      std::string bytes(n * DTypeSize(d), '\0');
-      FromFloat(d, values.data(), n, bytes.data());
-      return backend_->CopyFromHost(
-          reinterpret_cast<const uint8_t*>(bytes.data()), dst, bytes.size());
-    };
-    const int slot =
-        StateSlotIndex(t->layout.optimizer, t->layout.state_slots, b->kind);
-    if (slot >= 0) {
-      OPTIMD_RETURN_IF_ERROR(
-          put(t->layout.moment_dtype, t->state[slot].data()));
-    } else if (t->layout.master == MasterKind::kRemainder) {
-      std::vector<uint16_t> hi(n);
-      std::vector<int16_t> rem(n);
-      for (uint64_t i = 0; i < n; ++i)
-        SplitToRemainder(values[i], &hi[i], &rem[i]);
-      OPTIMD_RETURN_IF_ERROR(backend_->CopyFromHost(
-          reinterpret_cast<const uint8_t*>(hi.data()), t->param.data, n * 2));
-      OPTIMD_RETURN_IF_ERROR(
-          backend_->CopyFromHost(reinterpret_cast<const uint8_t*>(rem.data()),
-                                 t->master.data(), n * 2));
-    } else {
-      if (t->layout.master == MasterKind::kFp32) {
-        OPTIMD_RETURN_IF_ERROR(put(DType::kFloat32, t->master.data()));
-      }
-      OPTIMD_RETURN_IF_ERROR(put(t->layout.param_dtype, t->param.data));
-    }
+    OPTIMD_RETURN_IF_ERROR(WriteStateBlob(*b, t));
   }
   for (size_t i = 0; i < g->tensors.size(); ++i) {
     g->tensors[i].missed_steps = missed[i];

@@ -305,6 +305,24 @@ class Session {
   // A snapshot of the session's state (a stream or a background save),
   // its memory reserved against the daemon's state budget and the
   // session's limit of kMaxLiveSnapshots; destroying it gives both back.
+  // Checks a step's hyperparameter overrides against their groups: known
+  // group, valid values, the same state slots. Changes nothing.
+  absl::Status CheckOverrides(const std::vector<HyperOverride>& overrides)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Appends tensor `t`'s state to *out: its fp32 master (for every
+  // layout), then its state slots, each copied from backend memory.
+  absl::Status ReadTensorState(const TensorEntry& t,
+                               std::vector<StateBlob>* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Checks every blob of a SetState against group `g` (known tensor and
+  // state kind, sizes, no duplicates) and pairs each with its tensor.
+  absl::StatusOr<std::vector<std::pair<const StateBlob*, TensorEntry*>>>
+  CheckStateBlobs(Group* g, const std::vector<StateBlob>& blobs)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Writes one checked blob into tensor `t`'s state (or its master and
+  // parameter), converted to the layout's dtypes.
+  absl::Status WriteStateBlob(const StateBlob& b, TensorEntry* t)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::unique_ptr<CheckpointSnapshot>> ReservedSnapshot(
       const CheckpointOptions& options) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Publishes the admin view (Info) after a change.

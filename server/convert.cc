@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace optimd {
 
@@ -65,51 +66,63 @@ BufferHandle BufferHandleFromProto(const v1::BufferHandle& h) {
   return out;
 }
 
+namespace {
+
+// A group's hyperparameters; INVALID_ARGUMENT for an unknown optimizer or
+// Adam mode (the values themselves are checked by the session).
+absl::StatusOr<OptimizerHyper> HyperFromProto(const v1::Hyperparameters& h,
+                                              const std::string& group_id) {
+  OptimizerHyper out;
+  out.lr = h.lr();
+  out.beta1 = h.beta1();
+  out.beta2 = h.beta2();
+  out.eps = h.eps();
+  out.weight_decay = h.weight_decay();
+  switch (h.mode()) {
+    case v1::ADAM_MODE_UNSPECIFIED:
+    case v1::ADAM_MODE_ADAMW:
+      out.adamw = true;
+      break;
+    case v1::ADAM_MODE_ADAM:
+      out.adamw = false;
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("group '", group_id, "': unknown adam mode ", h.mode()));
+  }
+  out.bias_correction = h.has_bias_correction() ? h.bias_correction() : true;
+  out.maximize = h.maximize();
+  out.amsgrad = h.amsgrad();
+  switch (h.optimizer()) {
+    case v1::OPTIMIZER_KIND_UNSPECIFIED:
+    case v1::OPTIMIZER_KIND_ADAMW:
+      out.kind = OptimizerKind::kAdamW;
+      break;
+    case v1::OPTIMIZER_KIND_SGD:
+      out.kind = OptimizerKind::kSgd;
+      break;
+    case v1::OPTIMIZER_KIND_LION:
+      out.kind = OptimizerKind::kLion;
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("group '", group_id, "': unknown optimizer ",
+                       h.optimizer(), " (known: adamw, sgd, lion)"));
+  }
+  out.momentum = h.momentum();
+  out.dampening = h.dampening();
+  out.nesterov = h.nesterov();
+  return out;
+}
+
+}  // namespace
+
 absl::StatusOr<GroupSpec> GroupSpecFromProto(
     const v1::RegisterGroupRequest& request) {
   GroupSpec spec;
   spec.id = request.group_id();
-  const v1::Hyperparameters& h = request.hyperparameters();
-  spec.hyper.lr = h.lr();
-  spec.hyper.beta1 = h.beta1();
-  spec.hyper.beta2 = h.beta2();
-  spec.hyper.eps = h.eps();
-  spec.hyper.weight_decay = h.weight_decay();
-  switch (h.mode()) {
-    case v1::ADAM_MODE_UNSPECIFIED:
-    case v1::ADAM_MODE_ADAMW:
-      spec.hyper.adamw = true;
-      break;
-    case v1::ADAM_MODE_ADAM:
-      spec.hyper.adamw = false;
-      break;
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("group '", spec.id, "': unknown adam mode ", h.mode()));
-  }
-  spec.hyper.bias_correction =
-      h.has_bias_correction() ? h.bias_correction() : true;
-  spec.hyper.maximize = h.maximize();
-  spec.hyper.amsgrad = h.amsgrad();
-  switch (h.optimizer()) {
-    case v1::OPTIMIZER_KIND_UNSPECIFIED:
-    case v1::OPTIMIZER_KIND_ADAMW:
-      spec.hyper.kind = OptimizerKind::kAdamW;
-      break;
-    case v1::OPTIMIZER_KIND_SGD:
-      spec.hyper.kind = OptimizerKind::kSgd;
-      break;
-    case v1::OPTIMIZER_KIND_LION:
-      spec.hyper.kind = OptimizerKind::kLion;
-      break;
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("group '", spec.id, "': unknown optimizer ",
-                       h.optimizer(), " (known: adamw, sgd, lion)"));
-  }
-  spec.hyper.momentum = h.momentum();
-  spec.hyper.dampening = h.dampening();
-  spec.hyper.nesterov = h.nesterov();
+  OPTIMD_ASSIGN_OR_RETURN(spec.hyper,
+                          HyperFromProto(request.hyperparameters(), spec.id));
   switch (request.layout().master_weights()) {
     case v1::MASTER_WEIGHTS_UNSPECIFIED:
       spec.master = MasterRequest::kDefault;

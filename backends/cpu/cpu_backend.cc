@@ -134,16 +134,9 @@ std::vector<OptimizerScalars> OwnStepScalars(const Group& g, double scale,
 
 }  // namespace
 
-absl::StatusOr<StepOutcome> CpuBackend::Step(SessionContext* session,
-                                             const std::vector<Group*>& groups,
-                                             const StepOptions& options) {
-  auto* totals = static_cast<CpuSession*>(session);
-  StepOutcome out;
-  // Pass 1: the sum of squares of every gradient of the session. A
-  // non-finite element makes the sum non-finite.
+double CpuBackend::SumSquares(const std::vector<Group*>& groups) {
   double sumsq = 0.0;
-  const bool statistics = !options.assume_finite || options.max_grad_norm > 0;
-  for (Group* g : statistics ? groups : std::vector<Group*>()) {
+  for (Group* g : groups) {
     const Plan& plan = g->plan;
     if (plan.items.empty()) continue;
     std::fill(partial_sums_.begin(), partial_sums_.end(), 0.0);
@@ -167,26 +160,11 @@ absl::StatusOr<StepOutcome> CpuBackend::Step(SessionContext* session,
     });
     for (int w = 0; w < pool_.size(); ++w) sumsq += partial_sums_[w * 8];
   }
-  if (fault_.exchange(false)) {
-    // Nothing has changed yet.
-    return fault_guard_internal::FaultStatus("step");
-  }
-  const double scale = options.grad_scale > 0 ? options.grad_scale : 1.0;
-  if (!std::isfinite(sumsq)) {
-    out.skipped = true;
-    out.grad_norm = std::numeric_limits<double>::quiet_NaN();
-    out.steps_applied = totals->applied;
-    out.steps_skipped = ++totals->skipped;
-    return out;
-  }
-  out.grad_norm = statistics ? std::sqrt(sumsq) / scale
-                             : std::numeric_limits<double>::quiet_NaN();
-  double clip = 1.0;
-  if (options.max_grad_norm > 0) {
-    // torch.nn.utils.clip_grad_norm_: coef = max / (norm + 1e-6), at most 1.
-    clip = std::min(1.0, options.max_grad_norm / (out.grad_norm + 1e-6));
-  }
-  // Pass 2: the update, one parallel loop per group.
+  return sumsq;
+}
+
+void CpuBackend::Update(const std::vector<Group*>& groups, double scale,
+                        double clip) {
   for (Group* g : groups) {
     const Plan& plan = g->plan;
     if (plan.items.empty()) continue;
@@ -209,6 +187,37 @@ absl::StatusOr<StepOutcome> CpuBackend::Step(SessionContext* session,
       if (!st.ok()) fault_ = true;
     });
   }
+}
+
+absl::StatusOr<StepOutcome> CpuBackend::Step(SessionContext* session,
+                                             const std::vector<Group*>& groups,
+                                             const StepOptions& options) {
+  auto* totals = static_cast<CpuSession*>(session);
+  StepOutcome out;
+  // Pass 1: the sum of squares of every gradient of the session.
+  const bool statistics = !options.assume_finite || options.max_grad_norm > 0;
+  const double sumsq = statistics ? SumSquares(groups) : 0.0;
+  if (fault_.exchange(false)) {
+    // Nothing has changed yet.
+    return fault_guard_internal::FaultStatus("step");
+  }
+  const double scale = options.grad_scale > 0 ? options.grad_scale : 1.0;
+  if (!std::isfinite(sumsq)) {
+    out.skipped = true;
+    out.grad_norm = std::numeric_limits<double>::quiet_NaN();
+    out.steps_applied = totals->applied;
+    out.steps_skipped = ++totals->skipped;
+    return out;
+  }
+  out.grad_norm = statistics ? std::sqrt(sumsq) / scale
+                             : std::numeric_limits<double>::quiet_NaN();
+  double clip = 1.0;
+  if (options.max_grad_norm > 0) {
+    // torch.nn.utils.clip_grad_norm_: coef = max / (norm + 1e-6), at most 1.
+    clip = std::min(1.0, options.max_grad_norm / (out.grad_norm + 1e-6));
+  }
+  // Pass 2: the update, one parallel loop per group.
+  Update(groups, scale, clip);
   if (fault_.exchange(false)) {
     return absl::DataLossError(
         "step: a trainer's shared-memory segment shrank during the update; "

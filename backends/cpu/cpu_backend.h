@@ -54,6 +54,13 @@ class CpuBackend final : public Backend {
   const SegmentCache& segments() const { return segments_; }
 
  private:
+  // The sum of squares of every gradient of `groups` (non-finite when an
+  // element is); sets fault_ when a trainer's segment faulted.
+  double SumSquares(const std::vector<Group*>& groups);
+  // One update of every group with the session's scale and clip
+  // coefficient; sets fault_ when a trainer's segment faulted.
+  void Update(const std::vector<Group*>& groups, double scale, double clip);
+
   const Options options_;
   SegmentCache segments_;
   ThreadPool pool_;
