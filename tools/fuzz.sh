@@ -17,10 +17,12 @@ runs="${1:-100000}"
 out="$(mktemp -d /tmp/optimd-fuzz-XXXXXX)"
 trap 'rm -rf "$out"' EXIT
 
-core=(core/checkpoint.cc common/crc32c.cc common/fault_guard.cc core/group.cc
-      core/layout.cc core/dtype.cc backends/cpu/cpu_backend.cc
+core=(core/checkpoint.cc core/checkpoint_header.cc common/crc32c.cc
+      common/fault_guard.cc core/group.cc core/layout.cc core/dtype.cc
+      core/optimizer.cc backends/cpu/cpu_backend.cc
       backends/cpu/shm_segment.cc common/thread_pool.cc core/session.cc
-      core/state_budget.cc kernels/adamw_cpu.cc)
+      core/session_state.cc core/state_budget.cc kernels/adamw_cpu.cc
+      kernels/sgd_cpu.cc kernels/lion_cpu.cc kernels/step_cpu.cc)
 absl=(-labsl_statusor -labsl_status -labsl_cord -labsl_cordz_info
       -labsl_cord_internal -labsl_cordz_functions -labsl_cordz_handle
       -labsl_exponential_biased -labsl_synchronization

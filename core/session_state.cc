@@ -1,0 +1,446 @@
+// Session's state and checkpoint calls: GetState/SetState (ReadState,
+// WriteState) and SaveState/LoadState/Snapshot, each converting between
+// the backend's memory and host blobs or files. Registration and steps are
+// in session.cc.
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "core/session.h"
+
+namespace optimd {
+namespace {
+
+// "exp_avg, exp_avg_sq, ": the state slots a tensor of `layout` holds, for
+// errors.
+std::string SlotNames(const Layout& layout) {
+  std::string out;
+  for (int s = 0; s < layout.state_slots; ++s) {
+    absl::StrAppend(&out, StateSlotName(layout.optimizer, s), ", ");
+  }
+  return out;
+}
+
+void ToFloat(DType d, const void* src, uint64_t n, float* out) {
+  switch (d) {
+    case DType::kFloat32:
+      std::memcpy(out, src, n * 4);
+      return;
+    case DType::kBFloat16:
+      for (uint64_t i = 0; i < n; ++i) {
+        out[i] = BFloat16ToFloat(static_cast<const uint16_t*>(src)[i]);
+      }
+      return;
+    case DType::kFloat16:
+      for (uint64_t i = 0; i < n; ++i) {
+        out[i] = HalfToFloat(static_cast<const uint16_t*>(src)[i]);
+      }
+      return;
+  }
+}
+
+void FromFloat(DType d, const float* src, uint64_t n, void* out) {
+  switch (d) {
+    case DType::kFloat32:
+      std::memcpy(out, src, n * 4);
+      return;
+    case DType::kBFloat16:
+      for (uint64_t i = 0; i < n; ++i) {
+        static_cast<uint16_t*>(out)[i] = FloatToBFloat16(src[i]);
+      }
+      return;
+    case DType::kFloat16:
+      for (uint64_t i = 0; i < n; ++i) {
+        static_cast<uint16_t*>(out)[i] = FloatToHalf(src[i]);
+      }
+      return;
+  }
+}
+
+}  // namespace
+
+absl::Status Session::ReadTensorState(const TensorEntry& t,
+                                      std::vector<StateBlob>* out) {
+  const uint64_t n = t.numel;
+  auto raw = [&](const uint8_t* src, uint64_t bytes,
+                 std::string* dst) -> absl::Status {
+    dst->resize(bytes);
+    return backend_->CopyToHost(src, reinterpret_cast<uint8_t*>(dst->data()),
+                                bytes);
+  };
+  // The fp32 master, for every layout.
+  StateBlob master{t.name, "master", DType::kFloat32, n, std::string()};
+  if (n > 0) {
+    master.data.resize(n * 4);
+    float* mf = reinterpret_cast<float*>(master.data.data());
+    std::string param;
+    OPTIMD_RETURN_IF_ERROR(raw(t.param.data, t.param.size, &param));
+    if (t.layout.master == MasterKind::kFp32) {
+      OPTIMD_RETURN_IF_ERROR(raw(t.master.data(), n * 4, &master.data));
+    } else if (t.layout.master == MasterKind::kRemainder) {
+      std::string rem;
+      OPTIMD_RETURN_IF_ERROR(raw(t.master.data(), n * 2, &rem));
+      const auto* pb = reinterpret_cast<const uint16_t*>(param.data());
+      const auto* rb = reinterpret_cast<const int16_t*>(rem.data());
+      for (uint64_t i = 0; i < n; ++i) {
+        mf[i] = ReconstructFromRemainder(pb[i], rb[i]);
+      }
+    } else {
+      ToFloat(t.layout.param_dtype, param.data(), n, mf);
+    }
+  }
+  out->push_back(std::move(master));
+  if (t.frozen) return absl::OkStatus();
+  const DType md = t.layout.moment_dtype;
+  const uint64_t mb = n * DTypeSize(md);
+  for (int slot = 0; slot < t.layout.state_slots; ++slot) {
+    StateBlob b{t.name, std::string(StateSlotName(t.layout.optimizer, slot)),
+                md, n, std::string()};
+    if (n > 0) {
+      OPTIMD_RETURN_IF_ERROR(raw(t.state[slot].data(), mb, &b.data));
+    }
+    out->push_back(std::move(b));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<GroupState>> Session::ReadState(
+    const std::vector<std::string>& group_ids, bool with_data,
+    const std::vector<std::string>& tensors, uint64_t max_bytes) {
+  MutexLock lock(&mu_);
+  OPTIMD_ASSIGN_OR_RETURN(std::vector<Group*> targets, Targets(group_ids));
+  OPTIMD_RETURN_IF_ERROR(backend_->CheckMappings(mappings_));
+  OPTIMD_RETURN_IF_ERROR(backend_->SyncGroupCounters(targets));
+  const std::set<std::string> wanted(tensors.begin(), tensors.end());
+  for (const std::string& name : wanted) {
+    if (tensor_names_.count(name) == 0) {
+      return absl::NotFoundError(absl::StrCat(
+          "tensor '", name, "' is not registered in this session"));
+    }
+  }
+  auto selected = [&](const TensorEntry& t) {
+    return with_data && (wanted.empty() || wanted.count(t.name) > 0);
+  };
+  uint64_t bytes = 0;
+  for (const Group* g : targets) {
+    for (const TensorEntry& t : g->tensors) {
+      // Data, plus each of its up to four blobs' name and framing.
+      if (selected(t)) {
+        bytes += t.numel * 4 + t.StateBytes() + 4 * (t.name.size() + 64);
+      }
+    }
+  }
+  if (bytes > max_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the requested state is ", bytes, " bytes, more than ", max_bytes,
+        " fit in one reply (counting names); ask for fewer tensors "
+        "(tensor_names) or use SaveState"));
+  }
+  std::vector<GroupState> out;
+  for (Group* g : targets) {
+    GroupState gs;
+    gs.id = g->id;
+    gs.step = g->step;
+    gs.hyper = g->hyper;
+    for (const TensorEntry& t : g->tensors) {
+      if (!selected(t)) continue;
+      const size_t first_blob = gs.tensors.size();
+      OPTIMD_RETURN_IF_ERROR(ReadTensorState(t, &gs.tensors));
+      for (size_t b = first_blob; b < gs.tensors.size(); ++b) {
+        gs.tensors[b].step = g->step - t.missed_steps;
+      }
+    }
+    out.push_back(std::move(gs));
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<std::pair<const StateBlob*, TensorEntry*>>>
+Session::CheckStateBlobs(Group* g, const std::vector<StateBlob>& blobs) {
+  std::vector<std::pair<const StateBlob*, TensorEntry*>> work;
+  std::set<std::pair<std::string, std::string>> seen;
+  for (const StateBlob& b : blobs) {
+    const size_t index = g->FindTensor(b.tensor);
+    TensorEntry* t = index < g->tensors.size() ? &g->tensors[index] : nullptr;
+    if (t == nullptr) {
+      return absl::NotFoundError(absl::StrCat(
+          "tensor '", b.tensor, "' is not in group '", g->id, "'"));
+    }
+    const int slot =
+        StateSlotIndex(t->layout.optimizer, kMaxStateSlots, b.kind);
+    if (slot < 0 && b.kind != "master") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor '", b.tensor, "': unknown state kind '", b.kind,
+                       "' (", OptimizerName(t->layout.optimizer), " keeps ",
+                       SlotNames(t->layout), "master)"));
+    }
+    if (slot >= 0 && t->frozen) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor '", b.tensor, "' is frozen and holds no ", b.kind));
+    }
+    if (slot >= t->layout.state_slots) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor '", b.tensor, "' holds no ", b.kind, " (",
+                       b.kind == "max_exp_avg_sq" ? "it needs amsgrad=true"
+                                                  : "it needs momentum > 0",
+                       ")"));
+    }
+    if (b.numel != t->numel) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor '", b.tensor, "' ", b.kind, ": ", b.numel,
+                       " elements given, the tensor has ", t->numel));
+    }
+    if (b.data.size() != b.numel * DTypeSize(b.dtype)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor '", b.tensor, "' ", b.kind, ": ", b.data.size(),
+                       " bytes of data for ", b.numel, " ", DTypeName(b.dtype),
+                       " elements"));
+    }
+    if (!seen.insert({b.tensor, b.kind}).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor '", b.tensor, "' ", b.kind, " is given twice"));
+    }
+    work.emplace_back(&b, t);
+  }
+  return work;
+}
+
+absl::Status Session::WriteStateBlob(const StateBlob& b, TensorEntry* t) {
+  const uint64_t n = t->numel;
+  if (n == 0) return absl::OkStatus();
+  std::vector<float> values(n);
+  ToFloat(b.dtype, b.data.data(), n, values.data());
+  auto put = [&](DType d, uint8_t* dst) -> absl::Status {
+    std::string bytes(n * DTypeSize(d), '\0');
+    FromFloat(d, values.data(), n, bytes.data());
+    return backend_->CopyFromHost(
+        reinterpret_cast<const uint8_t*>(bytes.data()), dst, bytes.size());
+  };
+  const int slot =
+      StateSlotIndex(t->layout.optimizer, t->layout.state_slots, b.kind);
+  if (slot >= 0) {
+    OPTIMD_RETURN_IF_ERROR(put(t->layout.moment_dtype, t->state[slot].data()));
+  } else if (t->layout.master == MasterKind::kRemainder) {
+    std::vector<uint16_t> hi(n);
+    std::vector<int16_t> rem(n);
+    for (uint64_t i = 0; i < n; ++i)
+      SplitToRemainder(values[i], &hi[i], &rem[i]);
+    OPTIMD_RETURN_IF_ERROR(backend_->CopyFromHost(
+        reinterpret_cast<const uint8_t*>(hi.data()), t->param.data, n * 2));
+    OPTIMD_RETURN_IF_ERROR(backend_->CopyFromHost(
+        reinterpret_cast<const uint8_t*>(rem.data()), t->master.data(), n * 2));
+  } else {
+    if (t->layout.master == MasterKind::kFp32) {
+      OPTIMD_RETURN_IF_ERROR(put(DType::kFloat32, t->master.data()));
+    }
+    OPTIMD_RETURN_IF_ERROR(put(t->layout.param_dtype, t->param.data));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Session::WriteState(
+    const std::string& group_id, uint64_t step,
+    const std::vector<StateBlob>& blobs,
+    const std::vector<std::pair<std::string, uint64_t>>& tensor_steps) {
+  MutexLock lock(&mu_);
+  Group* g = FindGroup(group_id);
+  if (g == nullptr) {
+    return absl::NotFoundError(absl::StrCat(
+        "group '", group_id, "' is not registered in this session"));
+  }
+  if (step > kMaxStepCounter) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "step ", step, " is past the largest step counter ", kMaxStepCounter));
+  }
+  // Check everything first.
+  OPTIMD_ASSIGN_OR_RETURN(std::vector<uint64_t> missed,
+                          MissedSteps(*g, step, tensor_steps));
+  OPTIMD_ASSIGN_OR_RETURN(auto work, CheckStateBlobs(g, blobs));
+  OPTIMD_RETURN_IF_ERROR(backend_->CheckMappings(mappings_));
+  for (const auto& [b, t] : work) {
+    OPTIMD_RETURN_IF_ERROR(WriteStateBlob(*b, t));
+  }
+  for (size_t i = 0; i < g->tensors.size(); ++i) {
+    g->tensors[i].missed_steps = missed[i];
+  }
+  return backend_->SetGroupStep(*g, step);
+}
+
+absl::StatusOr<std::vector<uint64_t>> Session::MissedSteps(
+    const Group& g, uint64_t step,
+    const std::vector<std::pair<std::string, uint64_t>>& tensor_steps) {
+  std::vector<uint64_t> missed(g.tensors.size(), 0);
+  std::vector<bool> seen(g.tensors.size(), false);
+  for (const auto& [name, own] : tensor_steps) {
+    const size_t found = g.FindTensor(name);
+    if (found == g.tensors.size()) {
+      return absl::NotFoundError(absl::StrCat(
+          "tensor_steps: tensor '", name, "' is not in group '", g.id, "'"));
+    }
+    if (seen[found]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor_steps: tensor '", name, "' is given twice"));
+    }
+    seen[found] = true;
+    if (own > step) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor_steps: tensor '", name, "' has step ", own,
+                       ", more than its group's step ", step));
+    }
+    missed[found] = step - own;
+  }
+  return missed;
+}
+
+absl::StatusOr<CheckpointResult> Session::SaveState(
+    const std::string& directory, const CheckpointOptions& options,
+    bool background) {
+  MutexLock lock(&mu_);
+  if (needs_load_) {
+    return absl::FailedPreconditionError(
+        "the session's state is mixed after a failed load; refusing to save "
+        "it (load a good checkpoint first)");
+  }
+  {
+    MutexLock save_lock(&save_mu_);
+    if (save_ != nullptr && !save_->done.load()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "a background save to ", save_->path, " is still writing (",
+          save_->progress.bytes_written.load(), " of ",
+          save_->progress.total_bytes.load(),
+          " bytes); wait for it (GetSaveStatus) before saving again"));
+    }
+    if (save_ != nullptr && save_->thread.joinable()) save_->thread.join();
+  }
+  OPTIMD_ASSIGN_OR_RETURN(std::string dir,
+                          ResolveCheckpointDir(directory, options));
+  OPTIMD_RETURN_IF_ERROR(backend_->CheckMappings(mappings_));
+  OPTIMD_RETURN_IF_ERROR(backend_->SyncGroupCounters(step_groups_));
+  const std::string path =
+      absl::StrCat(dir, "/", CheckpointFileName(identity_.rank));
+  CheckpointOptions with_job = options;
+  with_job.job_id = identity_.job_id;
+  if (!background) {
+    return SaveCheckpoint(path, step_groups_, backend_, with_job);
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  OPTIMD_ASSIGN_OR_RETURN(std::shared_ptr<CheckpointSnapshot> snapshot,
+                          ReservedSnapshot(options));
+  auto save = std::make_unique<BackgroundSave>();
+  save->path = path;
+  BackgroundSave* raw = save.get();
+  raw->started = std::chrono::duration<double>(t0.time_since_epoch()).count();
+  raw->thread = std::thread([raw, snapshot, options, t0] {
+    auto r = WriteSnapshot(raw->path, *snapshot, options, &raw->progress);
+    raw->result = r.status();
+    raw->seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+            .count();
+    raw->done.store(true);
+  });
+  CheckpointResult result;
+  result.path = path;
+  result.bytes = snapshot->bytes();
+  result.seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+          .count();
+  MutexLock save_lock(&save_mu_);
+  save_ = std::move(save);
+  return result;
+}
+
+Session::SaveStatusInfo Session::SaveStatus() const {
+  MutexLock lock(&save_mu_);
+  SaveStatusInfo info;
+  if (save_ == nullptr) return info;
+  info.path = save_->path;
+  info.bytes_written = save_->progress.bytes_written.load();
+  info.total_bytes = save_->progress.total_bytes.load();
+  if (!save_->done.load()) {
+    info.state = SaveStatusInfo::kRunning;
+    return info;
+  }
+  info.state =
+      save_->result.ok() ? SaveStatusInfo::kSucceeded : SaveStatusInfo::kFailed;
+  info.error = save_->result;
+  info.seconds = save_->seconds;
+  return info;
+}
+
+absl::StatusOr<std::unique_ptr<CheckpointSnapshot>> Session::Snapshot() {
+  MutexLock lock(&mu_);
+  if (needs_load_) {
+    return absl::FailedPreconditionError(
+        "the session's state is mixed after a failed load; load a good "
+        "checkpoint first");
+  }
+  OPTIMD_RETURN_IF_ERROR(backend_->CheckMappings(mappings_));
+  OPTIMD_RETURN_IF_ERROR(backend_->SyncGroupCounters(step_groups_));
+  return ReservedSnapshot(CheckpointOptions());
+}
+
+absl::StatusOr<std::unique_ptr<CheckpointSnapshot>> Session::ReservedSnapshot(
+    const CheckpointOptions& options) {
+  if (live_snapshots_->load() >= kMaxLiveSnapshots) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        kMaxLiveSnapshots, " snapshots of this session's state are still ",
+        "held (SaveStateStream streams not read to the end, or a background ",
+        "save writing); finish or cancel them first"));
+  }
+  // A snapshot holds the parameters and the state, in host memory.
+  const uint64_t bytes = param_bytes_ + state_bytes_;
+  OPTIMD_RETURN_IF_ERROR(budget_->Reserve(
+      bytes,
+      "a snapshot of the session's state (SaveStateStream or a "
+      "background save)"));
+  live_snapshots_->fetch_add(1);
+  auto release = [budget = budget_, bytes, live = live_snapshots_] {
+    budget->Release(bytes);
+    live->fetch_sub(1);
+  };
+  CheckpointOptions with_job = options;
+  with_job.job_id = identity_.job_id;
+  auto snapshot = TakeSnapshot(step_groups_, backend_, with_job);
+  if (!snapshot.ok()) {
+    release();
+    return snapshot.status();
+  }
+  (*snapshot)->OnDestroy(std::move(release));
+  return snapshot;
+}
+
+absl::StatusOr<CheckpointResult> Session::LoadState(
+    const std::string& directory, const CheckpointOptions& options) {
+  OPTIMD_ASSIGN_OR_RETURN(std::string dir,
+                          ResolveCheckpointDir(directory, options));
+  std::string path = absl::StrCat(dir, "/", CheckpointFileName(identity_.rank));
+  const std::string legacy = absl::StrCat(
+      dir, "/", LegacyCheckpointFileName(identity_.job_id, identity_.rank));
+  struct stat st;
+  if (lstat(path.c_str(), &st) != 0 && lstat(legacy.c_str(), &st) == 0) {
+    path = legacy;  // written by an earlier version
+  }
+  return LoadStateFile(path, options);
+}
+
+absl::StatusOr<CheckpointResult> Session::LoadStateFile(
+    const std::string& path, const CheckpointOptions& options) {
+  MutexLock lock(&mu_);
+  OPTIMD_RETURN_IF_ERROR(backend_->CheckMappings(mappings_));
+  OPTIMD_RETURN_IF_ERROR(backend_->SyncGroupCounters(step_groups_));
+  bool partial = false;
+  auto r = LoadCheckpoint(path, step_groups_, backend_, options, &partial);
+  if (!r.ok()) {
+    if (partial) needs_load_ = true;
+    return r.status();
+  }
+  needs_load_ = false;
+  return r;
+}
+
+}  // namespace optimd
