@@ -235,15 +235,15 @@ int Run(IpcTrainer* trainer) {
             if (mode == "clip") r->options.max_grad_norm = 1.0;
           }
           // The first steps after a change of configuration (here: the
-          // mode), one per report slot, each capture a CUDA graph for
-          // their slot: their wall time, each waited for from an idle GPU,
+          // mode), one per step record, each capture a CUDA graph for
+          // their record: their wall time, each waited for from an idle GPU,
           // against gpu_ms (and against the same without graphs).
           const double f0 = Now();
-          for (int i = 0; i < variants[bi].report_slots; ++i) {
+          for (int i = 0; i < variants[bi].step_records; ++i) {
             MustStep(s, wait_step);
           }
           const double first_ms =
-              (Now() - f0) * 1e3 / variants[bi].report_slots;
+              (Now() - f0) * 1e3 / variants[bi].step_records;
           const double t0 = Now();
           for (int i = 0; i < steps; ++i) MustStep(s, async_step);
           MustStep(s, wait_step);
@@ -276,7 +276,7 @@ int Run(IpcTrainer* trainer) {
               host[host.size() / 2] * 1e6, copy_ms, mode.c_str(),
               static_cast<unsigned long long>(variants[bi].chunk_elements),
               variants[bi].use_graphs ? 1 : 0, cpu[cpu.size() / 2] * 1e6, reg_s,
-              variants[bi].report_slots, first_ms);
+              variants[bi].step_records, first_ms);
           std::fflush(stdout);
         }
       }

@@ -3,14 +3,14 @@
 // code is private to adamw_cuda.cu.
 //
 // A step of one session on one GPU is, all on one stream:
-//   1. LaunchGradSumSquares per plan segment of every group: one partial sum
+//   1. LaunchGradSumSquares per plan launch of every group: one partial sum
 //      of squares (double) per work block.
 //   2. LaunchPrepareSteps, once: reduces each group's partials in a fixed
 //      order (deterministic: no atomics), adds the groups' sums in order; if
 //      the total is not finite the step is skipped; otherwise derives the
 //      clip coefficient and, from each group's device-resident step counter,
 //      its bias corrections, into the group's DeviceScalars.
-//   3. LaunchAdamW per plan segment of every group: unless skipped, updates
+//   3. LaunchAdamW per plan launch of every group: unless skipped, updates
 //      its chunks.
 //   4. LaunchCommitSteps, once: advances the counters unless skipped,
 //      records the step's norm and skipped flag, and writes them to the

@@ -94,7 +94,9 @@ uint64_t UpdateBlockElements(const Layout& l, uint64_t chunk_elements) {
   return DTypeSize(l.moment_dtype) == 2 ? 2 * chunk_elements : chunk_elements;
 }
 
-struct Segment {
+// One kernel launch of a step: the chunks of the plan's tensors of one
+// (stage, layout) pair, and their work blocks in each block table.
+struct Launch {
   Layout layout;
   uint32_t stage = 0;  // of its tensors (TensorEntry::stage)
   uint32_t first_chunk = 0;
@@ -114,7 +116,7 @@ struct DevicePlan : BackendPlan {
   std::vector<DeviceChunk> chunks;
   std::vector<uint64_t> chunk_end;
   std::vector<std::pair<uint32_t, uint32_t>> entry_chunks;
-  std::vector<Segment> segments;
+  std::vector<Launch> launches;
   BlockTable tables[2];
   StateStorage chunks_d, partials_d, state_d, scalars_d;
   // Per entry, the group's applied steps it missed (no gradient); advanced
@@ -130,11 +132,11 @@ DevicePlan* PlanOf(const Group& group) {
   return static_cast<DevicePlan*>(group.backend_plan.get());
 }
 
-// Pinned slots, one per step in flight: the step's arguments, which its
+// Pinned records, one per step in flight: the step's arguments, which its
 // kernels read, and its counters, which they write, so that a reply can
-// report the last completed step without waiting. A slot is reused only
+// report the last completed step without waiting. A record is reused only
 // after its event has completed.
-struct ReportSlot {
+struct StepRecord {
   cudaEvent_t event = nullptr;
   void* memory = nullptr;            // cudaHostAlloc'd: args, then host
   cuda::GroupStep* args = nullptr;   // [g]: group g's step arguments
@@ -146,7 +148,7 @@ struct ReportSlot {
   // step's own grad_scale (NaN without the statistics pass).
   double grad_scale = 1;
   bool statistics = true;
-  // The step's kernels as a CUDA graph bound to this slot's memory, for the
+  // The step's kernels as a CUDA graph bound to this record's memory, for the
   // session's current groups (CudaSession::graph_key); nullptr until built.
   cudaGraphExec_t exec = nullptr;
 };
@@ -155,7 +157,7 @@ class CudaSession : public SessionContext {
  public:
   ~CudaSession() override {
     if (stream != nullptr) cudaStreamSynchronize(stream);
-    for (ReportSlot& s : slots) {
+    for (StepRecord& s : records) {
       if (s.event != nullptr) cudaEventDestroy(s.event);
       if (s.memory != nullptr) cudaFreeHost(s.memory);
       if (s.exec != nullptr) cudaGraphExecDestroy(s.exec);
@@ -168,12 +170,12 @@ class CudaSession : public SessionContext {
   cudaEvent_t ready = nullptr;  // the trainer's, opened by IPC
   cudaEvent_t done = nullptr;   // ours, exported by IPC
   StateStorage totals_d;        // DeviceGroupState
-  std::vector<ReportSlot> slots;
+  std::vector<StepRecord> records;
   uint64_t sequence = 0;
   StepOutcome last;  // the newest outcome seen complete
   uint64_t last_sequence = 0;
   std::vector<uint64_t> last_group_steps;
-  // What the slots' graphs were built for: the statistics flag, the
+  // What the records' graphs were built for: the statistics flag, the
   // backend's scratch generation, and each group's plan and update flavour.
   std::vector<uint64_t> graph_key;
 };
@@ -247,23 +249,23 @@ class CudaBackend final : public Backend {
   // Uploads the list of the plan's entries without a gradient, if it
   // changed.
   absl::Status UploadAbsent(DevicePlan& plan);
-  // The work of one segment's launch over block table `table`.
-  cuda::Work SegmentWork(const DevicePlan& plan, const Segment& seg,
-                         int table) const;
+  // The work of one launch over block table `table`.
+  cuda::Work LaunchWork(const DevicePlan& plan, const Launch& launch,
+                        int table) const;
   absl::Status EnsureScratch(uint32_t groups);
-  // Enqueues a step's kernels for `groups` on `stream`, with `slot`'s
+  // Enqueues a step's kernels for `groups` on `stream`, with `record`'s
   // arguments and report; with `progress`, a staged step's updates.
   absl::Status EnqueueStep(CudaSession& s, const std::vector<Group*>& groups,
-                           const ReportSlot& slot, bool statistics,
+                           const StepRecord& record, bool statistics,
                            uint32_t* progress, cudaStream_t stream);
   // The updates of every group stage by stage, writing *progress = s + 1
   // after stage s (past every stage after the last).
   absl::Status EnqueueStagedUpdates(const std::vector<Group*>& groups,
                                     uint32_t* progress, cudaStream_t stream);
-  absl::Status LaunchUpdate(const Group& group, const Segment& seg,
+  absl::Status LaunchUpdate(const Group& group, const Launch& launch,
                             cudaStream_t stream);
-  absl::Status ReadSlot(CudaSession& s, ReportSlot& slot,
-                        const std::vector<Group*>& groups, StepOutcome* out);
+  absl::Status ReadRecord(CudaSession& s, StepRecord& record,
+                          const std::vector<Group*>& groups, StepOutcome* out);
 
   const int device_;
   const CudaBackendOptions options_;
@@ -467,13 +469,13 @@ void AppendBlocks(const std::vector<DeviceChunk>& chunks, uint32_t first,
   for (size_t b = start; b < out->size(); ++b) CountBlock(chunks, &(*out)[b]);
 }
 
-cuda::Work CudaBackend::SegmentWork(const DevicePlan& plan, const Segment& seg,
-                                    int table) const {
+cuda::Work CudaBackend::LaunchWork(const DevicePlan& plan, const Launch& launch,
+                                   int table) const {
   cuda::Work w;
   w.blocks =
       reinterpret_cast<const DeviceBlock*>(plan.tables[table].blocks_d.data()) +
-      seg.first_block[table];
-  w.num_blocks = seg.num_blocks[table];
+      launch.first_block[table];
+  w.num_blocks = launch.num_blocks[table];
   w.chunks = reinterpret_cast<const DeviceChunk*>(plan.chunks_d.data());
   w.missed = reinterpret_cast<const uint32_t*>(plan.missed_d.data());
   return w;
@@ -554,8 +556,8 @@ absl::Status CudaBackend::PrepareGroup(Group& group) {
   plan->id = next_plan_id_++;
   const Plan& host = group.plan;
   plan->entry_chunks.assign(host.entries.size(), {0, 0});
-  // One segment per distinct (stage, layout), by stage, then by the
-  // layout's first appearance; each launch covers a whole segment.
+  // One launch per distinct (stage, layout), by stage, then by the
+  // layout's first appearance; each covers all the chunks of its pair.
   std::vector<Layout> layouts;
   std::vector<uint32_t> layout_of(host.entries.size());
   for (uint32_t e = 0; e < host.entries.size(); ++e) {
@@ -573,10 +575,10 @@ absl::Status CudaBackend::PrepareGroup(Group& group) {
   }
   for (const auto& [kind, items] : items_of_kind) {
     const Layout& l = layouts[kind % layouts.size()];
-    Segment seg;
-    seg.layout = l;
-    seg.stage = static_cast<uint32_t>(kind / layouts.size());
-    seg.first_chunk = static_cast<uint32_t>(plan->chunks.size());
+    Launch launch;
+    launch.layout = l;
+    launch.stage = static_cast<uint32_t>(kind / layouts.size());
+    launch.first_chunk = static_cast<uint32_t>(plan->chunks.size());
     for (uint32_t i : items) {
       const PlanItem& item = host.items[i];
       const uint32_t index = static_cast<uint32_t>(plan->chunks.size());
@@ -589,20 +591,20 @@ absl::Status CudaBackend::PrepareGroup(Group& group) {
       plan->chunks.push_back(c);
       plan->chunk_end.push_back(item.end);
     }
-    seg.num_chunks =
-        static_cast<uint32_t>(plan->chunks.size()) - seg.first_chunk;
+    launch.num_chunks =
+        static_cast<uint32_t>(plan->chunks.size()) - launch.first_chunk;
     for (int t = 0; t < 2; ++t) {
       std::vector<DeviceBlock>& blocks = plan->tables[t].blocks;
-      seg.first_block[t] = static_cast<uint32_t>(blocks.size());
-      AppendBlocks(plan->chunks, seg.first_chunk,
-                   seg.first_chunk + seg.num_chunks,
+      launch.first_block[t] = static_cast<uint32_t>(blocks.size());
+      AppendBlocks(plan->chunks, launch.first_chunk,
+                   launch.first_chunk + launch.num_chunks,
                    t == 0 ? UpdateBlockElements(l, options_.chunk_elements)
                           : options_.chunk_elements * kStatsBlockFactor,
                    &blocks);
-      seg.num_blocks[t] =
-          static_cast<uint32_t>(blocks.size()) - seg.first_block[t];
+      launch.num_blocks[t] =
+          static_cast<uint32_t>(blocks.size()) - launch.first_block[t];
     }
-    plan->segments.push_back(seg);
+    plan->launches.push_back(launch);
   }
   OPTIMD_RETURN_IF_ERROR(UploadPlan(*plan));
   // Master weights from the parameters (remainders start at zero).
@@ -715,10 +717,10 @@ absl::StatusOr<std::unique_ptr<SessionContext>> CudaBackend::OpenSession(
                           DeviceAlloc(device_, sizeof(DeviceGroupState)));
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(
       s->totals_d.data(), 0, sizeof(DeviceGroupState), stream_));
-  s->slots.resize(std::max(2, options_.report_slots));
-  for (ReportSlot& slot : s->slots) {
+  s->records.resize(std::max(2, options_.step_records));
+  for (StepRecord& record : s->records) {
     OPTIMD_RETURN_IF_CUDA_ERROR(
-        cudaEventCreateWithFlags(&slot.event, cudaEventDisableTiming));
+        cudaEventCreateWithFlags(&record.event, cudaEventDisableTiming));
   }
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
   s->last.known = false;
@@ -737,59 +739,63 @@ absl::Status CudaBackend::EnsureScratch(uint32_t groups) {
   return absl::OkStatus();
 }
 
-absl::Status CudaBackend::ReadSlot(CudaSession& s, ReportSlot& slot,
-                                   const std::vector<Group*>& groups,
-                                   StepOutcome* out) {
-  const DeviceGroupState& totals = slot.host[0];
+absl::Status CudaBackend::ReadRecord(CudaSession& s, StepRecord& record,
+                                     const std::vector<Group*>& groups,
+                                     StepOutcome* out) {
+  const DeviceGroupState& totals = record.host[0];
   out->known = true;
   out->skipped = totals.last_skipped != 0;
-  out->grad_norm = slot.statistics
-                       ? std::sqrt(totals.last_sumsq) / slot.grad_scale
+  out->grad_norm = record.statistics
+                       ? std::sqrt(totals.last_sumsq) / record.grad_scale
                        : std::numeric_limits<double>::quiet_NaN();
   out->steps_applied = totals.step;
   out->steps_skipped = totals.skipped;
-  if (slot.groups == groups.size()) {
-    for (uint32_t g = 0; g < slot.groups; ++g) {
-      groups[g]->step = slot.host[1 + g].step;
+  if (record.groups == groups.size()) {
+    for (uint32_t g = 0; g < record.groups; ++g) {
+      groups[g]->step = record.host[1 + g].step;
     }
   }
   s.last = *out;
-  s.last_sequence = slot.sequence;
+  s.last_sequence = record.sequence;
   return absl::OkStatus();
 }
 
-absl::Status CudaBackend::LaunchUpdate(const Group& group, const Segment& seg,
+absl::Status CudaBackend::LaunchUpdate(const Group& group, const Launch& launch,
                                        cudaStream_t stream) {
   const auto* plan = PlanOf(group);
   auto* scalars = reinterpret_cast<cuda::DeviceScalars*>(
       const_cast<uint8_t*>(plan->scalars_d.data()));
-  return cuda::LaunchAdamW(seg.layout, group.hyper.adamw,
-                           SegmentWork(*plan, seg, 0), scalars, stream);
+  return cuda::LaunchAdamW(launch.layout, group.hyper.adamw,
+                           LaunchWork(*plan, launch, 0), scalars, stream);
 }
 
 absl::Status CudaBackend::EnqueueStagedUpdates(
     const std::vector<Group*>& groups, uint32_t* progress,
     cudaStream_t stream) {
-  // Each plan's segments are sorted by stage: walk them all in step.
+  // Each plan's launches are sorted by stage: walk them all in step.
   std::vector<size_t> next(groups.size(), 0);
-  const auto segments = [&](size_t g) -> const std::vector<Segment>& {
-    return PlanOf(*groups[g])->segments;
+  const auto launches = [&](size_t g) -> const std::vector<Launch>& {
+    return PlanOf(*groups[g])->launches;
   };
   for (;;) {
     uint32_t stage = kMaxStage + 1;
     for (size_t g = 0; g < groups.size(); ++g) {
-      if (next[g] < segments(g).size()) {
-        stage = std::min(stage, segments(g)[next[g]].stage);
+      if (next[g] < launches(g).size()) {
+        stage = std::min(stage, launches(g)[next[g]].stage);
       }
     }
     if (stage > kMaxStage) break;
     uint32_t later = kMaxStage + 1;  // the next stage after this one
     for (size_t g = 0; g < groups.size(); ++g) {
-      const std::vector<Segment>& segs = segments(g);
-      for (; next[g] < segs.size() && segs[next[g]].stage == stage; ++next[g]) {
-        OPTIMD_RETURN_IF_ERROR(LaunchUpdate(*groups[g], segs[next[g]], stream));
+      const std::vector<Launch>& launches_of = launches(g);
+      for (;
+           next[g] < launches_of.size() && launches_of[next[g]].stage == stage;
+           ++next[g]) {
+        OPTIMD_RETURN_IF_ERROR(
+            LaunchUpdate(*groups[g], launches_of[next[g]], stream));
       }
-      if (next[g] < segs.size()) later = std::min(later, segs[next[g]].stage);
+      if (next[g] < launches_of.size())
+        later = std::min(later, launches_of[next[g]].stage);
     }
     // After the last stage: past every stage, so that a wait for a stage
     // without steppable tensors (frozen, no gradient) ends too.
@@ -801,7 +807,7 @@ absl::Status CudaBackend::EnqueueStagedUpdates(
 
 absl::Status CudaBackend::EnqueueStep(CudaSession& s,
                                       const std::vector<Group*>& groups,
-                                      const ReportSlot& slot, bool statistics,
+                                      const StepRecord& record, bool statistics,
                                       uint32_t* progress, cudaStream_t stream) {
   const uint32_t n = static_cast<uint32_t>(groups.size());
   double* sums = reinterpret_cast<double*>(sums_d_.data());
@@ -809,27 +815,27 @@ absl::Status CudaBackend::EnqueueStep(CudaSession& s,
   for (uint32_t g = 0; g < (statistics ? n : 0); ++g) {
     auto* plan = PlanOf(*groups[g]);
     auto* partials = reinterpret_cast<double*>(plan->partials_d.data());
-    for (const Segment& seg : plan->segments) {
+    for (const Launch& launch : plan->launches) {
       OPTIMD_RETURN_IF_ERROR(cuda::LaunchGradSumSquares(
-          seg.layout.grad_dtype, SegmentWork(*plan, seg, 1),
-          partials + seg.first_block[1], stream));
+          launch.layout.grad_dtype, LaunchWork(*plan, launch, 1),
+          partials + launch.first_block[1], stream));
     }
   }
-  OPTIMD_RETURN_IF_ERROR(
-      cuda::LaunchPrepareSteps(slot.args, steps, n, statistics, sums, stream));
+  OPTIMD_RETURN_IF_ERROR(cuda::LaunchPrepareSteps(record.args, steps, n,
+                                                  statistics, sums, stream));
   if (progress != nullptr) {
     OPTIMD_RETURN_IF_ERROR(EnqueueStagedUpdates(groups, progress, stream));
   } else {
     for (const Group* g : groups) {
       auto* plan = PlanOf(*g);
-      for (const Segment& seg : plan->segments) {
-        OPTIMD_RETURN_IF_ERROR(LaunchUpdate(*g, seg, stream));
+      for (const Launch& launch : plan->launches) {
+        OPTIMD_RETURN_IF_ERROR(LaunchUpdate(*g, launch, stream));
       }
     }
   }
   return cuda::LaunchCommitSteps(
       steps, n, sums, reinterpret_cast<DeviceGroupState*>(s.totals_d.data()),
-      slot.host, stream);
+      record.host, stream);
 }
 
 absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
@@ -841,17 +847,17 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
   OPTIMD_RETURN_IF_ERROR(EnsureScratch(std::max<uint32_t>(n, 1)));
   const bool statistics = !options.assume_finite || options.max_grad_norm > 0;
 
-  // The step's slot: its earlier step must have completed (this blocks only
-  // when more steps than slots are in flight).
+  // The step's record: its earlier step must have completed (this blocks only
+  // when more steps than records are in flight).
   const uint64_t seq = s.sequence + 1;
-  ReportSlot& slot = s.slots[seq % s.slots.size()];
-  if (slot.sequence != 0) {
-    OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(slot.event));
-    if (slot.sequence > s.last_sequence) {
+  StepRecord& record = s.records[seq % s.records.size()];
+  if (record.sequence != 0) {
+    OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(record.event));
+    if (record.sequence > s.last_sequence) {
       StepOutcome ignored;
-      OPTIMD_RETURN_IF_ERROR(ReadSlot(s, slot, groups, &ignored));
+      OPTIMD_RETURN_IF_ERROR(ReadRecord(s, record, groups, &ignored));
     }
-    slot.sequence = 0;
+    record.sequence = 0;
   }
   // Graphs built for other groups (or other scratch memory) are stale. The
   // key is compared in place: no allocation on a step that keeps it.
@@ -869,31 +875,31 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
     same_key = s.graph_key[i] == key_at(i);
   }
   if (!same_key) {
-    for (ReportSlot& r : s.slots) {
+    for (StepRecord& r : s.records) {
       if (r.exec != nullptr) cudaGraphExecDestroy(r.exec);
       r.exec = nullptr;
     }
     s.graph_key.resize(key_size);
     for (size_t i = 0; i < key_size; ++i) s.graph_key[i] = key_at(i);
   }
-  if (slot.capacity < n || slot.memory == nullptr) {
-    if (slot.memory != nullptr) cudaFreeHost(slot.memory);
-    slot.memory = nullptr;
-    if (slot.exec != nullptr) cudaGraphExecDestroy(slot.exec);
-    slot.exec = nullptr;
+  if (record.capacity < n || record.memory == nullptr) {
+    if (record.memory != nullptr) cudaFreeHost(record.memory);
+    record.memory = nullptr;
+    if (record.exec != nullptr) cudaGraphExecDestroy(record.exec);
+    record.exec = nullptr;
     const uint32_t cap = std::max<uint32_t>(n, 1);
     OPTIMD_RETURN_IF_CUDA_ERROR(cudaHostAlloc(
-        &slot.memory,
+        &record.memory,
         cap * sizeof(cuda::GroupStep) + (cap + 1) * sizeof(DeviceGroupState),
         cudaHostAllocMapped));
-    slot.args = static_cast<cuda::GroupStep*>(slot.memory);
-    slot.host = reinterpret_cast<DeviceGroupState*>(slot.args + cap);
-    slot.capacity = cap;
+    record.args = static_cast<cuda::GroupStep*>(record.memory);
+    record.host = reinterpret_cast<DeviceGroupState*>(record.args + cap);
+    record.capacity = cap;
   }
   for (uint32_t g = 0; g < n; ++g) {
     auto* plan = PlanOf(*groups[g]);
     const OptimizerHyper& h = groups[g]->hyper;
-    cuda::GroupStep& a = slot.args[g];
+    cuda::GroupStep& a = record.args[g];
     a.hyper = {h.lr,
                h.beta1,
                h.beta2,
@@ -921,15 +927,15 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
   }
   if (!options_.use_graphs) {
     OPTIMD_RETURN_IF_ERROR(
-        EnqueueStep(s, groups, slot, statistics, progress, stream_));
+        EnqueueStep(s, groups, record, statistics, progress, stream_));
   } else {
-    if (slot.exec == nullptr) {
-      // Capture once per slot and group configuration: afterwards a step
+    if (record.exec == nullptr) {
+      // Capture once per record and group configuration: afterwards a step
       // is one graph launch, whatever its number of groups and layouts.
       OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamBeginCapture(
           capture_stream_, cudaStreamCaptureModeThreadLocal));
       const absl::Status enqueued =
-          EnqueueStep(s, groups, slot, statistics, progress, capture_stream_);
+          EnqueueStep(s, groups, record, statistics, progress, capture_stream_);
       cudaGraph_t graph = nullptr;
       const cudaError_t ended = cudaStreamEndCapture(capture_stream_, &graph);
       if (!enqueued.ok()) {
@@ -937,12 +943,12 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
         return enqueued;
       }
       OPTIMD_RETURN_IF_CUDA_ERROR(ended);
-      const cudaError_t made = cudaGraphInstantiate(&slot.exec, graph, 0);
+      const cudaError_t made = cudaGraphInstantiate(&record.exec, graph, 0);
       cudaGraphDestroy(graph);
-      if (made != cudaSuccess) slot.exec = nullptr;
+      if (made != cudaSuccess) record.exec = nullptr;
       OPTIMD_RETURN_IF_CUDA_ERROR(made);
     }
-    OPTIMD_RETURN_IF_CUDA_ERROR(cudaGraphLaunch(slot.exec, stream_));
+    OPTIMD_RETURN_IF_CUDA_ERROR(cudaGraphLaunch(record.exec, stream_));
   }
   if (options.step_flags != nullptr) {
     // The done flag only: a staged step has written its progress.
@@ -951,24 +957,24 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
                                        CU_STREAM_WRITE_VALUE_DEFAULT));
   }
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventRecord(s.done, stream_));
-  OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventRecord(slot.event, stream_));
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventRecord(record.event, stream_));
   s.sequence = seq;
-  slot.groups = n;
-  slot.sequence = seq;
-  slot.grad_scale = options.grad_scale > 0 ? options.grad_scale : 1.0;
-  slot.statistics = statistics;
+  record.groups = n;
+  record.sequence = seq;
+  record.grad_scale = options.grad_scale > 0 ? options.grad_scale : 1.0;
+  record.statistics = statistics;
 
   StepOutcome out;
   if (options.wait) {
-    OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(slot.event));
-    OPTIMD_RETURN_IF_ERROR(ReadSlot(s, slot, groups, &out));
+    OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(record.event));
+    OPTIMD_RETURN_IF_ERROR(ReadRecord(s, record, groups, &out));
     out.current = true;
   } else {
-    // Steps complete in stream order: the oldest unread slot first, up to
+    // Steps complete in stream order: the oldest unread record first, up to
     // the first one still running.
-    ReportSlot* newest = nullptr;
+    StepRecord* newest = nullptr;
     for (uint64_t q = s.last_sequence + 1; q <= seq; ++q) {
-      ReportSlot& r = s.slots[q % s.slots.size()];
+      StepRecord& r = s.records[q % s.records.size()];
       if (r.sequence != q) continue;
       const cudaError_t e = cudaEventQuery(r.event);
       if (e == cudaErrorNotReady) break;
@@ -976,7 +982,7 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
       newest = &r;
     }
     if (newest != nullptr) {
-      OPTIMD_RETURN_IF_ERROR(ReadSlot(s, *newest, groups, &out));
+      OPTIMD_RETURN_IF_ERROR(ReadRecord(s, *newest, groups, &out));
     }
     out = s.last;
     out.current = s.last_sequence == seq;

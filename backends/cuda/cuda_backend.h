@@ -19,9 +19,9 @@ struct CudaBackendOptions {
   // the update): a multiple of 256 (one tile), at most 2^26. 4K measured
   // fastest on the H200 among 4K-32K (bench/RESULTS.md).
   uint64_t chunk_elements = 1 << 12;
-  // Completed-step slots kept for asynchronous replies.
-  int report_slots = 8;
-  // Launch each step as a CUDA graph captured once per report slot and
+  // Completed-step records kept for asynchronous replies.
+  int step_records = 8;
+  // Launch each step as a CUDA graph captured once per step record and
   // group configuration (one host call instead of one per kernel).
   bool use_graphs = true;
 };

@@ -117,7 +117,7 @@ class TorchClientTest(unittest.TestCase):
         ours, theirs = self.twin_models()
         opt = self.make(ours.parameters(), overlap=True, job_id="a")
         plain = self.make(theirs.parameters(), job_id="b")
-        stages = [s.stage for s in opt._groups[0]["slots"]]
+        stages = [s.stage for s in opt._groups[0]["tensors"]]
         self.assertEqual(stages, sorted(stages))
         self.assertEqual(stages[0], 0)
         self.assertLess(stages[-1], _overlap.STAGES)

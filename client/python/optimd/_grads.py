@@ -35,21 +35,21 @@ def _ptr(t):
 
 class GradRouter:
     """The gradients of one optimizer's steppable tensors, in registration
-    order. `slots` are the optimizer's _Slot objects (param, name, numel,
-    frozen, gview, group_id, sent_ptr); gview is None until the group's
-    flat gradient segment exists."""
+    order. `tensors` are the optimizer's _TensorEntry objects (param, name,
+    numel, frozen, gview, group_id, sent_ptr); gview is None until the
+    group's flat gradient segment exists."""
 
-    def __init__(self, slots, device, flat_segment):
+    def __init__(self, tensors, device, flat_segment):
         # flat_segment(group_id) -> the group's flat gradient segment,
         # created on first use (CUDA) or already there (CPU).
-        self._slots = [s for s in slots if not s.frozen and s.numel]
-        self._params = [s.param for s in self._slots]
+        self._tensors = [s for s in tensors if not s.frozen and s.numel]
+        self._params = [s.param for s in self._tensors]
         self._cuda = device.type == "cuda"
         self._flat_segment = flat_segment
-        # What the daemon has for each slot (kept on the slot, so that a new
+        # What the daemon has for each tensor (kept on its entry, so that a new
         # router over more groups starts from the truth): a data pointer, or
         # 0 when absent. Registration leaves every tensor absent.
-        self._sent = [s.sent_ptr for s in self._slots]
+        self._sent = [s.sent_ptr for s in self._tensors]
         self._handles = _HandleCache() if self._cuda else None
 
     def updates(self):
@@ -68,7 +68,7 @@ class GradRouter:
         for i, (ptr, sent) in enumerate(zip(ptrs, self._sent)):
             if ptr == sent:
                 continue
-            s = self._slots[i]
+            s = self._tensors[i]
             update = by_group.setdefault(
                 s.group_id, pb.UpdateBuffersRequest(group_id=s.group_id))
             if ptr == 0:
@@ -112,7 +112,7 @@ class GradRouter:
     def _home_cpu_grads(self, grads):
         # CPU: the daemon reads shared memory only; a gradient elsewhere is
         # copied into its shared view, which then becomes `.grad`.
-        for s, grad in zip(self._slots, grads):
+        for s, grad in zip(self._tensors, grads):
             if grad is None or grad is s.gview:
                 continue
             grad = self._checked(s, grad)
@@ -125,7 +125,7 @@ class GradRouter:
         the flat gradient segments, zeroed one segment per launch. None
         stays None, as in torch."""
         touched = set()
-        for s in self._slots:
+        for s in self._tensors:
             grad = s.param.grad
             if grad is None:
                 continue

@@ -30,15 +30,15 @@ import torch
 STAGES = 16
 
 
-def assign_stages(slots):
-    """Stage of each slot of one group: its first element's position in the
+def assign_stages(tensors):
+    """Stage of each tensor of one group: its first element's position in the
     group's elements, in STAGES equal parts. Assigned with or without
     overlap: the daemon's plan (and so the order in which the gradient norm
     is summed) follows the stages, and plain steps must give the bits of
     staged ones, clipping included."""
-    total = sum(s.numel for s in slots) or 1
+    total = sum(s.numel for s in tensors) or 1
     before = 0
-    for s in slots:
+    for s in tensors:
         s.stage = min(STAGES - 1, before * STAGES // total)
         before += s.numel
 
@@ -62,8 +62,8 @@ class Overlap:
             hook)
         weakref.finalize(optimizer, self._hook.remove)
 
-    def set_stages(self, slots):
-        for s in slots:
+    def set_stages(self, tensors):
+        for s in tensors:
             self._stage_of[id(s.param)] = s.stage
             self._last_stage = max(self._last_stage, s.stage)
 

@@ -118,16 +118,16 @@ class DaemonState(dict):
         self._dirty = True
 
 
-def set_state_request(group_id, slots, entries, slot_names):
+def set_state_request(group_id, tensors, entries, slot_names):
     """A SetStateRequest giving the group's steppable tensors the
-    torch-format `entries` (one per slot, None or {} for a parameter
+    torch-format `entries` (one per tensor, None or {} for a parameter
     without state: its state slots `slot_names` zero, its step 0, as torch
     starts one). Entries without "step" (torch's SGD keeps none) count one
     step when they hold a state slot, none otherwise: SGD's first step
     starts the momentum buffer from the gradient."""
     request = pb.SetStateRequest(group_id=group_id)
     own_steps = {}
-    for s, entry in zip(slots, entries):
+    for s, entry in zip(tensors, entries):
         if s.frozen:
             continue
         entry = {k: v for k, v in (entry or {}).items() if v is not None}

@@ -65,7 +65,7 @@ def _torch_defaults(cls):
     return out
 
 
-class _Slot:
+class _TensorEntry:
     """Where one parameter lives in the group's shared segments."""
 
     __slots__ = ("param", "name", "numel", "pview", "gview", "frozen",
@@ -100,7 +100,7 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         params = self._strip_names(params)
         self._ready = False
         self._sent_hyper = None  # the hyperparameters the daemon has
-        self._groups = []  # per group: dict(id, slots, segments, snapshot)
+        self._groups = []  # per group: dict(id, tensors, segments, snapshot)
         # State of parameters taken out of their group, for their return:
         # id(param) -> (weak reference to it, its state).
         self._retired = {}
@@ -246,7 +246,7 @@ class _DaemonOptimizer(torch.optim.Optimizer):
             gi = len(self.param_groups) - 1
             self._register_group(gi, self.param_groups[gi], existing=False)
 
-    def _group_request(self, gi, group, slots, seg_p):
+    def _group_request(self, gi, group, tensors, seg_p):
         request = pb.RegisterGroupRequest(group_id=str(gi))
         h = request.hyperparameters
         h.optimizer = self._kind
@@ -260,10 +260,10 @@ class _DaemonOptimizer(torch.optim.Optimizer):
             request.layout.master_weights = pb.MASTER_WEIGHTS_NONE
         request.layout.moment_dtype = DTYPES[group.get(self._state_dtype_key,
                                                         torch.float32)]
-        assign_stages([s for s, _ in slots])
+        assign_stages([s for s, _ in tensors])
         if self._overlap is not None:
-            self._overlap.set_stages([s for s, _ in slots])
-        for s, p_off in slots:
+            self._overlap.set_stages([s for s, _ in tensors])
+        for s, p_off in tensors:
             t = request.tensors.add(name=s.name, numel=s.numel,
                                     param_dtype=DTYPES[s.param.dtype],
                                     keep_fp32=id(s.param) in self._keep_fp32,
@@ -284,7 +284,7 @@ class _DaemonOptimizer(torch.optim.Optimizer):
                 "parameter group %d holds a parameter twice; torch steps it "
                 "twice per step, optimd.torch refuses: list each "
                 "parameter once" % gi)
-        slots = []
+        tensors = []
         p_bytes = 0
         for pi, p in enumerate(group["params"]):
             if p.dtype not in DTYPES:
@@ -295,7 +295,7 @@ class _DaemonOptimizer(torch.optim.Optimizer):
             if p.is_sparse:
                 raise TypeError("optimd.torch does not support sparse "
                                 "parameters")
-            s = _Slot()
+            s = _TensorEntry()
             s.param = p
             s.name = self._names.get(id(p), "group%d.param%d" % (gi, pi))
             s.numel = p.numel()
@@ -303,18 +303,18 @@ class _DaemonOptimizer(torch.optim.Optimizer):
             s.group_id = str(gi)
             s.gview = None
             s.sent_ptr = 0
-            slots.append((s, p_bytes))
+            tensors.append((s, p_bytes))
             p_bytes += align(s.numel * p.element_size())
         if self._device.type == "cuda":
             seg_p = _CudaSegment(max(p_bytes, 64), self._device)
         else:
             seg_p = SharedSegment(max(p_bytes, 64))
-        for s, p_off in slots:
+        for s, p_off in tensors:
             p = s.param
             s.pview = view_like(seg_p.tensor(p_off, s.numel, p.dtype), p)
             s.pview.copy_(p.detach())
             p.data = s.pview
-        request = self._group_request(gi, group, slots, seg_p)
+        request = self._group_request(gi, group, tensors, seg_p)
         if existing:
             update = pb.UpdateBuffersRequest(group_id=str(gi))
             for t in request.tensors:
@@ -324,13 +324,13 @@ class _DaemonOptimizer(torch.optim.Optimizer):
             self._client.update_buffers(update)
         else:
             self._client.register_group(request)
-        g = dict(id=str(gi), slots=[s for s, _ in slots],
+        g = dict(id=str(gi), tensors=[s for s, _ in tensors],
                  segments=[seg_p, None],
                  snapshot=self._layout_of(group),
                  request=request,
                  # What _sync_structure compares the group with each step.
                  param_ids=[id(p) for p in group["params"]],
-                 frozen=[s.param for s, _ in slots if s.frozen])
+                 frozen=[s.param for s, _ in tensors if s.frozen])
         if replace:
             self._groups[gi] = g
         else:
@@ -347,7 +347,7 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         if g["segments"][1] is not None:
             return g["segments"][1]
         offsets, g_bytes = [], 0
-        for s in g["slots"]:
+        for s in g["tensors"]:
             offsets.append(g_bytes)
             if not s.frozen:
                 g_bytes += align(s.numel * s.param.element_size())
@@ -355,7 +355,7 @@ class _DaemonOptimizer(torch.optim.Optimizer):
             seg_g = _CudaSegment(max(g_bytes, 64), self._device)
         else:
             seg_g = SharedSegment(max(g_bytes, 64))
-        for s, off in zip(g["slots"], offsets):
+        for s, off in zip(g["tensors"], offsets):
             if not s.frozen:
                 s.gview = view_like(
                     seg_g.tensor(off, s.numel, s.param.dtype), s.param)
@@ -374,11 +374,11 @@ class _DaemonOptimizer(torch.optim.Optimizer):
     def _index_buffers(self):
         """Flat lists for the per-step check that nothing moved."""
         self._params_flat = [s.param for g in self._groups
-                             for s in g["slots"] if s.numel]
+                             for s in g["tensors"] if s.numel]
         self._pptrs_flat = [s.pview.data_ptr() for g in self._groups
-                            for s in g["slots"] if s.numel]
+                            for s in g["tensors"] if s.numel]
         self._router = GradRouter(
-            [s for g in self._groups for s in g["slots"]], self._device,
+            [s for g in self._groups for s in g["tensors"]], self._device,
             self._flat_grads)
 
     def _sync_structure(self):
@@ -397,7 +397,7 @@ class _DaemonOptimizer(torch.optim.Optimizer):
             # A parameter taken out keeps its state for a return, as in
             # torch (whose state is keyed by the parameter).
             kept = {id(p) for p in group["params"]}
-            for s in g["slots"]:
+            for s in g["tensors"]:
                 if id(s.param) not in kept and s.param in state:
                     self._retired[id(s.param)] = (weakref.ref(s.param),
                                                   state[s.param])
@@ -405,9 +405,9 @@ class _DaemonOptimizer(torch.optim.Optimizer):
             self._register_group(gi, group, existing=False, replace=True)
             new = self._groups[gi]
             self._client.set_state(set_state_request(
-                new["id"], new["slots"],
+                new["id"], new["tensors"],
                 [state.get(s.param, self._take_retired(s.param))
-                 for s in new["slots"]],
+                 for s in new["tensors"]],
                 slot_names=self._slot_names(group)))
             self._sent_hyper = None
             self.state.invalidate()
@@ -425,7 +425,7 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         if devices and devices != {self._device}:
             self._reopen(devices)
             return
-        moved = [s for g in self._groups for s in g["slots"]
+        moved = [s for g in self._groups for s in g["tensors"]
                  if s.numel and s.param.data_ptr() != s.pview.data_ptr()]
         if any(s.param.dtype != s.pview.dtype and s.param.dtype in DTYPES and
                s.param.shape == s.pview.shape for s in moved):
@@ -434,7 +434,7 @@ class _DaemonOptimizer(torch.optim.Optimizer):
             self._reopen({self._device})
             return
         for g in self._groups:
-            for s in g["slots"]:
+            for s in g["tensors"]:
                 p = s.param
                 if p.data_ptr() != s.pview.data_ptr() and s.numel:
                     if p.dtype != s.pview.dtype or p.shape != s.pview.shape:
@@ -601,14 +601,14 @@ class _DaemonOptimizer(torch.optim.Optimizer):
     def _fetch_state(self):
         # Tensor by tensor in batches, so that no reply nears the daemon's
         # per-reply limit.
-        names = [s.name for g in self._groups for s in g["slots"]
+        names = [s.name for g in self._groups for s in g["tensors"]
                  if not s.frozen]
         by_group = {gs.group_id: gs for gs in
                     self._client.get_state(metadata_only=True).groups}
         budget, batch, batches = 256 << 20, [], []
         size = 0
         sizes = {s.name: s.numel * 16 for g in self._groups
-                 for s in g["slots"]}
+                 for s in g["tensors"]}
         for n in names:
             if batch and size + sizes[n] > budget:
                 batches.append(batch)
@@ -628,7 +628,7 @@ class _DaemonOptimizer(torch.optim.Optimizer):
             blobs = {}
             for t in gs.tensors:
                 blobs.setdefault(t.tensor, {})[t.kind] = t
-            for s in g["slots"]:
+            for s in g["tensors"]:
                 if s.frozen:
                     continue
                 mine = blobs.get(s.name, {})
@@ -697,7 +697,7 @@ class _DaemonOptimizer(torch.optim.Optimizer):
             if self._layout_of(g) != mine["snapshot"]:
                 self._reregister(gi, g, mine)
             self._client.set_state(set_state_request(
-                mine["id"], mine["slots"],
+                mine["id"], mine["tensors"],
                 [saved_state.get(pid) for pid in sg["params"]],
                 slot_names=self._slot_names(g)))
         self._sent_hyper = None  # the next step sends them all again
@@ -709,13 +709,13 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         caller's to write)."""
         self._client.unregister_group(mine["id"])
         seg_p = mine["segments"][0]
-        slots = list(zip(mine["slots"], _param_offsets(mine)))
-        request = self._group_request(gi, group, slots, seg_p)
+        tensors = list(zip(mine["tensors"], _param_offsets(mine)))
+        request = self._group_request(gi, group, tensors, seg_p)
         self._client.register_group(request)
         mine["snapshot"] = self._layout_of(group)
         mine["request"] = request
         # Registered afresh: every gradient is absent to the daemon.
-        for s in mine["slots"]:
+        for s in mine["tensors"]:
             s.sent_ptr = 0
         self._index_buffers()
 
@@ -723,11 +723,11 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         """Hyperparameters that steps do not carry (_layout_of) edited in
         param_groups: followed as torch does, keeping the state."""
         state = self._fetch_state()
-        slots_state = [state.get(s.param) for s in mine["slots"]]
-        self._check_layout_change(gi, group, mine["snapshot"], slots_state)
+        tensors_state = [state.get(s.param) for s in mine["tensors"]]
+        self._check_layout_change(gi, group, mine["snapshot"], tensors_state)
         self._reregister(gi, group, mine)
         self._client.set_state(set_state_request(
-            mine["id"], mine["slots"], slots_state,
+            mine["id"], mine["tensors"], tensors_state,
             slot_names=self._slot_names(group)))
         self._sent_hyper = None
         self.state.invalidate()
@@ -741,8 +741,8 @@ class _DaemonOptimizer(torch.optim.Optimizer):
             return
         for g, group in zip(self._groups, self.param_groups):
             self._client.set_state(set_state_request(
-                g["id"], g["slots"], [written.get(s.param) for s in
-                                      g["slots"]],
+                g["id"], g["tensors"], [written.get(s.param) for s in
+                                      g["tensors"]],
                 slot_names=self._slot_names(group)))
         self.state.invalidate()
 
@@ -960,10 +960,10 @@ class AdamW(_DaemonOptimizer):
         return ("exp_avg", "exp_avg_sq") + (
             ("max_exp_avg_sq",) if group["amsgrad"] else ())
 
-    def _check_layout_change(self, gi, group, snapshot, slots_state):
+    def _check_layout_change(self, gi, group, snapshot, tensors_state):
         # Turning amsgrad on once the group has state fails in torch too
         # (its step finds no max_exp_avg_sq).
-        if group["amsgrad"] and not snapshot["amsgrad"] and any(slots_state):
+        if group["amsgrad"] and not snapshot["amsgrad"] and any(tensors_state):
             raise ValueError(
                 "param_groups[%d]['amsgrad'] was turned on after steps: the "
                 "state has no max_exp_avg_sq (torch.optim.AdamW fails the "
@@ -1048,7 +1048,7 @@ class SGD(_DaemonOptimizer):
     def _slot_names(self, group):
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
 
-    def _check_layout_change(self, gi, group, snapshot, slots_state):
+    def _check_layout_change(self, gi, group, snapshot, tensors_state):
         pass
 
 
@@ -1121,7 +1121,7 @@ class Lion(_DaemonOptimizer):
     def _slot_names(self, group):
         return ("exp_avg",)
 
-    def _check_layout_change(self, gi, group, snapshot, slots_state):
+    def _check_layout_change(self, gi, group, snapshot, tensors_state):
         pass
 
 
@@ -1175,7 +1175,7 @@ class _CudaSegment:
 def _param_offsets(group):
     seg_p = group["segments"][0]
     return [s.pview.data_ptr() - seg_p.base_ptr() if s.numel else 0
-            for s in group["slots"]]
+            for s in group["tensors"]]
 
 
 def _warn_in_user_code(message):
