@@ -97,49 +97,30 @@ absl::Status Client::CloseSession() {
     stream_.reset();
     stream_context_.reset();
   }
-  grpc::ClientContext context;
-  Prepare(&context);
-  v1::CloseSessionResponse response;
-  absl::Status s = FromGrpcStatus(
-      stub_->CloseSession(&context, v1::CloseSessionRequest(), &response));
+  absl::Status s =
+      Call(&v1::Optimizer::Stub::CloseSession, v1::CloseSessionRequest())
+          .status();
   if (s.ok()) token_.clear();
   return s;
 }
 
 absl::StatusOr<v1::RegisterGroupResponse> Client::RegisterGroup(
     const v1::RegisterGroupRequest& request) {
-  grpc::ClientContext context;
-  Prepare(&context);
-  v1::RegisterGroupResponse response;
-  absl::Status s =
-      FromGrpcStatus(stub_->RegisterGroup(&context, request, &response));
-  if (!s.ok()) return s;
-  return response;
+  return Call(&v1::Optimizer::Stub::RegisterGroup, request);
 }
 
 absl::Status Client::UnregisterGroup(const std::string& group_id) {
-  grpc::ClientContext context;
-  Prepare(&context);
   v1::UnregisterGroupRequest request;
   request.set_group_id(group_id);
-  v1::UnregisterGroupResponse response;
-  return FromGrpcStatus(stub_->UnregisterGroup(&context, request, &response));
+  return Call(&v1::Optimizer::Stub::UnregisterGroup, request).status();
 }
 
 absl::Status Client::UpdateBuffers(const v1::UpdateBuffersRequest& request) {
-  grpc::ClientContext context;
-  Prepare(&context);
-  v1::UpdateBuffersResponse response;
-  return FromGrpcStatus(stub_->UpdateBuffers(&context, request, &response));
+  return Call(&v1::Optimizer::Stub::UpdateBuffers, request).status();
 }
 
 absl::StatusOr<v1::StepResponse> Client::Step(const v1::StepRequest& request) {
-  grpc::ClientContext context;
-  Prepare(&context);
-  v1::StepResponse response;
-  absl::Status s = FromGrpcStatus(stub_->Step(&context, request, &response));
-  if (!s.ok()) return s;
-  return response;
+  return Call(&v1::Optimizer::Stub::Step, request);
 }
 
 absl::StatusOr<v1::StepResponse> Client::StreamStep(
@@ -165,61 +146,89 @@ absl::StatusOr<v1::StepResponse> Client::StreamStep(
 
 absl::StatusOr<v1::GetParamsResponse> Client::GetParams(
     const v1::GetParamsRequest& request) {
-  grpc::ClientContext context;
-  Prepare(&context);
-  v1::GetParamsResponse response;
-  absl::Status s =
-      FromGrpcStatus(stub_->GetParams(&context, request, &response));
-  if (!s.ok()) return s;
-  return response;
+  return Call(&v1::Optimizer::Stub::GetParams, request);
 }
 
 absl::StatusOr<v1::GetStateResponse> Client::GetState(
     const v1::GetStateRequest& request) {
-  grpc::ClientContext context;
-  Prepare(&context);
-  v1::GetStateResponse response;
-  absl::Status s =
-      FromGrpcStatus(stub_->GetState(&context, request, &response));
-  if (!s.ok()) return s;
-  return response;
+  return Call(&v1::Optimizer::Stub::GetState, request);
 }
 
 absl::Status Client::SetState(const v1::SetStateRequest& request) {
+  return Call(&v1::Optimizer::Stub::SetState, request).status();
+}
+
+absl::StatusOr<v1::SaveStateResponse> Client::SaveState(
+    const v1::SaveStateRequest& request) {
+  return Call(&v1::Optimizer::Stub::SaveState, request);
+}
+
+absl::StatusOr<v1::GetSaveStatusResponse> Client::GetSaveStatus() {
+  return Call(&v1::Optimizer::Stub::GetSaveStatus, v1::GetSaveStatusRequest());
+}
+
+absl::StatusOr<v1::LoadStateResponse> Client::LoadState(
+    const std::string& directory) {
+  v1::LoadStateRequest request;
+  request.set_directory(directory);
+  return Call(&v1::Optimizer::Stub::LoadState, request);
+}
+
+absl::StatusOr<uint64_t> Client::SaveStateStream(
+    const v1::SaveStateStreamRequest& request,
+    const std::function<absl::Status(const v1::StateChunk&)>& sink) {
   grpc::ClientContext context;
   Prepare(&context);
-  v1::SetStateResponse response;
-  return FromGrpcStatus(stub_->SetState(&context, request, &response));
+  auto reader = stub_->SaveStateStream(&context, request);
+  v1::StateChunk chunk;
+  uint64_t total = 0;
+  absl::Status refused;
+  while (refused.ok() && reader->Read(&chunk)) {
+    total = chunk.total_bytes();
+    refused = sink(chunk);
+  }
+  if (!refused.ok()) {
+    context.TryCancel();
+    while (reader->Read(&chunk)) {
+    }
+  }
+  const absl::Status s = FromGrpcStatus(reader->Finish());
+  if (!refused.ok()) return refused;
+  if (!s.ok()) return s;
+  return total;
+}
+
+absl::StatusOr<v1::LoadStateResponse> Client::LoadStateStream(
+    const std::function<bool(v1::StateChunk*)>& source) {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::LoadStateResponse response;
+  auto writer = stub_->LoadStateStream(&context, &response);
+  v1::StateChunk chunk;
+  while (source(&chunk)) {
+    // A failed write means the daemon ended the call: Finish says why.
+    if (!writer->Write(chunk)) break;
+    chunk.Clear();
+  }
+  writer->WritesDone();
+  absl::Status s = FromGrpcStatus(writer->Finish());
+  if (!s.ok()) return s;
+  return response;
 }
 
 absl::StatusOr<v1::ListSessionsResponse> Client::ListSessions() {
-  grpc::ClientContext context;
-  Prepare(&context);
-  v1::ListSessionsResponse response;
-  absl::Status s = FromGrpcStatus(
-      stub_->ListSessions(&context, v1::ListSessionsRequest(), &response));
-  if (!s.ok()) return s;
-  return response;
+  return Call(&v1::Optimizer::Stub::ListSessions, v1::ListSessionsRequest());
 }
 
 absl::Status Client::EvictSession(const std::string& job_id, uint32_t rank) {
-  grpc::ClientContext context;
-  Prepare(&context);
   v1::EvictSessionRequest request;
   request.set_job_id(job_id);
   request.set_rank(rank);
-  v1::EvictSessionResponse response;
-  return FromGrpcStatus(stub_->EvictSession(&context, request, &response));
+  return Call(&v1::Optimizer::Stub::EvictSession, request).status();
 }
 
 absl::StatusOr<v1::GetMetricsResponse> Client::GetMetrics() {
-  grpc::ClientContext context;
-  Prepare(&context);
-  v1::GetMetricsResponse response;
-  absl::Status s = FromGrpcStatus(
-      stub_->GetMetrics(&context, v1::GetMetricsRequest(), &response));
-  if (!s.ok()) return s;
-  return response;
+  return Call(&v1::Optimizer::Stub::GetMetrics, v1::GetMetricsRequest());
 }
 
 absl::StatusOr<std::string> Client::Health() {

@@ -4,6 +4,7 @@
 #ifndef OPTIMD_CLIENT_CLIENT_H_
 #define OPTIMD_CLIENT_CLIENT_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -38,6 +39,9 @@ absl::Status LoadTlsFiles(const std::string& ca_path,
                           const std::string& cert_path,
                           const std::string& key_path, ClientOptions* options);
 
+// gRPC status to absl::Status (same code table), keeping the message.
+absl::Status FromGrpcStatus(const grpc::Status& s);
+
 class Client {
  public:
   // Connects to `target` ("unix:/path", or "host:port" over TLS);
@@ -65,6 +69,24 @@ class Client {
   absl::StatusOr<v1::GetStateResponse> GetState(
       const v1::GetStateRequest& request);
   absl::Status SetState(const v1::SetStateRequest& request);
+
+  // Checkpoints written and read by the daemon (a directory on its
+  // machine), and the progress of a background save.
+  absl::StatusOr<v1::SaveStateResponse> SaveState(
+      const v1::SaveStateRequest& request);
+  absl::StatusOr<v1::GetSaveStatusResponse> GetSaveStatus();
+  absl::StatusOr<v1::LoadStateResponse> LoadState(const std::string& directory);
+  // The session's checkpoint file streamed to this process: `sink` gets
+  // each chunk in order (a non-OK status from it cancels the stream and is
+  // returned). The file's size on success.
+  absl::StatusOr<uint64_t> SaveStateStream(
+      const v1::SaveStateStreamRequest& request,
+      const std::function<absl::Status(const v1::StateChunk&)>& sink);
+  // A checkpoint file streamed from this process: `source` fills the next
+  // chunk and returns true, or returns false after the last.
+  absl::StatusOr<v1::LoadStateResponse> LoadStateStream(
+      const std::function<bool(v1::StateChunk*)>& source);
+
   absl::StatusOr<v1::ListSessionsResponse> ListSessions();
   // Closes the session of `job_id` and `rank` (an operator's eviction).
   absl::Status EvictSession(const std::string& job_id, uint32_t rank);
@@ -79,6 +101,21 @@ class Client {
  private:
   Client(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options);
   void Prepare(grpc::ClientContext* context) const;
+  // One unary call: a context with the deadline and the session's (and
+  // admin) metadata, the stub's `method`, its status as absl::Status.
+  template <class Response, class Request>
+  absl::StatusOr<Response> Call(
+      grpc::Status (v1::Optimizer::Stub::*method)(grpc::ClientContext*,
+                                                  const Request&, Response*),
+      const Request& request) {
+    grpc::ClientContext context;
+    Prepare(&context);
+    Response response;
+    absl::Status s =
+        FromGrpcStatus((stub_.get()->*method)(&context, request, &response));
+    if (!s.ok()) return s;
+    return response;
+  }
 
   const ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
@@ -88,9 +125,6 @@ class Client {
   std::unique_ptr<grpc::ClientReaderWriter<v1::StepRequest, v1::StepResponse>>
       stream_;
 };
-
-// gRPC status to absl::Status (same code table), keeping the message.
-absl::Status FromGrpcStatus(const grpc::Status& s);
 
 }  // namespace optimd
 

@@ -7,7 +7,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <random>
@@ -195,6 +197,83 @@ TEST_F(E2eTest, LrOverrideAndGetParams) {
   ASSERT_TRUE(gp.ok()) << gp.status();
   EXPECT_EQ(gp->tensors_written(), 1u);
   for (int i = 0; i < 16; ++i) EXPECT_EQ(p[i], after[i]);
+}
+
+// Checkpoints from the C++ client: a save to a directory (in the
+// foreground and in the background, with its progress), a load back, and
+// the same file streamed out and in again; each load restores the weights
+// and state of the save.
+TEST_F(E2eTest, CheckpointsFromTheCppClient) {
+  OpenSession(client_.get());
+  ASSERT_TRUE(client_->RegisterGroup(Group("g", {Tensor("w", 64, 0)})).ok());
+  float* p = params_->as<float>();
+  for (int i = 0; i < 64; ++i) grads_->as<float>()[i] = 0.01f * i - 0.3f;
+  ASSERT_TRUE(client_->Step(v1::StepRequest()).ok());
+  const std::vector<float> saved(p, p + 64);
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  std::string dir =
+      std::string(tmp != nullptr ? tmp : "/tmp") + "/optimd-e2e-ckpt-XXXXXX";
+  ASSERT_NE(mkdtemp(dir.data()), nullptr);
+  v1::SaveStateRequest save;
+  save.set_directory(dir);
+  auto written = client_->SaveState(save);
+  ASSERT_TRUE(written.ok()) << written.status();
+  EXPECT_EQ(written->path(), dir + "/rank-0.safetensors");
+  EXPECT_GT(written->bytes(), 64u * 12);
+  // Streamed out: the same bytes as the file.
+  std::string streamed;
+  auto total = client_->SaveStateStream(
+      v1::SaveStateStreamRequest(), [&](const v1::StateChunk& c) {
+        EXPECT_EQ(c.offset(), streamed.size());
+        streamed += c.data();
+        return absl::OkStatus();
+      });
+  ASSERT_TRUE(total.ok()) << total.status();
+  EXPECT_EQ(*total, written->bytes());
+  EXPECT_EQ(streamed.size(), written->bytes());
+  // A sink that refuses ends the stream with its own status.
+  auto refused = client_->SaveStateStream(
+      v1::SaveStateStreamRequest(),
+      [](const v1::StateChunk&) { return absl::AbortedError("enough"); });
+  EXPECT_EQ(refused.status().code(), StatusCode::kAborted);
+  // Steps move the weights; each load brings the saved ones back.
+  auto restored = [&] {
+    return std::equal(saved.begin(), saved.end(), params_->as<float>());
+  };
+  ASSERT_TRUE(client_->Step(v1::StepRequest()).ok());
+  ASSERT_FALSE(restored());
+  auto loaded = client_->LoadState(dir);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_TRUE(restored());
+  ASSERT_TRUE(client_->Step(v1::StepRequest()).ok());
+  size_t sent = 0;
+  auto streamed_in = client_->LoadStateStream([&](v1::StateChunk* c) {
+    if (sent == streamed.size()) return false;
+    const size_t n = std::min<size_t>(1000, streamed.size() - sent);
+    c->set_offset(sent);
+    c->set_total_bytes(streamed.size());
+    c->set_data(streamed.substr(sent, n));
+    sent += n;
+    return true;
+  });
+  ASSERT_TRUE(streamed_in.ok()) << streamed_in.status();
+  EXPECT_TRUE(restored());
+  // A background save reports its progress until it is done.
+  save.set_background(true);
+  ASSERT_TRUE(client_->SaveState(save).ok());
+  absl::StatusOr<v1::GetSaveStatusResponse> status;
+  for (int i = 0; i < 1000; ++i) {
+    status = client_->GetSaveStatus();
+    ASSERT_TRUE(status.ok()) << status.status();
+    if (status->state() != v1::SAVE_STATE_RUNNING) break;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_EQ(status->state(), v1::SAVE_STATE_SUCCEEDED) << status->error();
+  EXPECT_EQ(status->bytes_written(), status->total_bytes());
+  // A load of a directory without a checkpoint changes nothing.
+  EXPECT_EQ(client_->LoadState(dir + "/none").status().code(),
+            StatusCode::kNotFound);
+  EXPECT_TRUE(restored());
 }
 
 TEST_F(E2eTest, ResumeKeepsState) {
