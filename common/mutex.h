@@ -82,6 +82,30 @@ class ABSL_LOCKABLE Mutex {
         &eval));
     Announce(true);
   }
+  // As Await, giving up at `deadline`: whether pred(arg) holds on return.
+  template <typename T>
+  bool AwaitWithDeadline(bool (*pred)(T*), T* arg, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(this) {
+    struct Eval {
+      Mutex* mu;
+      bool (*pred)(T*);
+      T* arg;
+    };
+    Eval eval{this, pred, arg};
+    Announce(false);
+    const bool holds = mu_.AwaitWithDeadline(absl::Condition(
+                                                 +[](Eval* e) {
+                                                   e->mu->Announce(true);
+                                                   const bool held =
+                                                       e->pred(e->arg);
+                                                   e->mu->Announce(false);
+                                                   return held;
+                                                 },
+                                                 &eval),
+                                             deadline);
+    Announce(true);
+    return holds;
+  }
   void AssertHeld() const ABSL_ASSERT_EXCLUSIVE_LOCK() { mu_.AssertHeld(); }
 
  private:

@@ -14,7 +14,8 @@ inline constexpr char kVersion[] = "0.4.0";
 //    saved sessions across restarts.
 // 3: staged steps (StepRequest.staged, TensorSpec.stage), resume secrets.
 // 4: optimizers (Hyperparameters.optimizer: SGD and Lion beside AdamW),
-//    GroupOverride.momentum.
+//    GroupOverride.momentum; CreateSessionRequest.gradient_sharding (ranks
+//    agree on the gradient norm and skip, CPU backend).
 inline constexpr uint32_t kApiRevision = 4;
 
 }  // namespace optimd

@@ -14,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "core/buffer.h"
 #include "core/group.h"
+#include "core/rank_exchange.h"
 
 namespace optimd {
 
@@ -61,6 +62,17 @@ struct StepOptions {
   // runs stage by stage (TensorEntry::stage) and writes step_flags[2] =
   // s + 1 after stage s.
   bool staged = false;
+  // The ranks of the session's job agree on the statistics
+  // (core/rank_exchange.h): the backend contributes this rank's sum of
+  // squares and steps with the job's, giving up at the deadline with
+  // nothing changed. Null: the session's own statistics. CPU backend only.
+  RankExchange* exchange = nullptr;
+  uint32_t rank = 0;
+  absl::Time exchange_deadline;
+  // Set to true by the backend once it contributed to the exchange (the
+  // session contributes a non-finite sum for a step that failed before, so
+  // that the other ranks skip that step instead of waiting for this one).
+  bool* exchanged = nullptr;
 };
 
 struct StepOutcome {

@@ -169,6 +169,8 @@ Session::~Session() {
     if (save_ != nullptr && save_->thread.joinable()) save_->thread.join();
   }
   budget_->Release(state_bytes_);
+  // Ranks waiting for this one's statistics stop waiting.
+  if (exchange_ != nullptr) exchange_->Leave(identity_.rank);
 }
 
 absl::StatusOr<BufferRef> Session::ResolveRegion(const std::string& tensor,
@@ -556,10 +558,18 @@ absl::StatusOr<StepResult> Session::Step(const StepRequestSpec& request) {
   MutexLock lock(&mu_);
   StepOptions options = request.options;
   absl::Status bound = BindStepFlags(request, &options);
-  absl::StatusOr<StepResult> result = !bound.ok() ? bound
-                                      : !request.refused.ok()
-                                          ? request.refused
-                                          : StepLocked(request, options);
+  bool exchanged = false;
+  absl::StatusOr<StepResult> result =
+      !bound.ok()             ? bound
+      : !request.refused.ok() ? request.refused
+                              : StepLocked(request, options, &exchanged);
+  if (exchange_ != nullptr && !result.ok() && !exchanged) {
+    // The other ranks skip this step rather than wait for this rank.
+    exchange_
+        ->Reduce(identity_.rank, std::numeric_limits<double>::quiet_NaN(),
+                 absl::Now() + rank_timeout_)
+        .IgnoreError();
+  }
   if (options.step_flags != nullptr) {
     if (!result.ok()) {
       // The trainer's stream waits for this step's done flag: release it
@@ -648,7 +658,8 @@ absl::Status Session::CheckOverrides(
 }
 
 absl::StatusOr<StepResult> Session::StepLocked(const StepRequestSpec& request,
-                                               const StepOptions& o) {
+                                               const StepOptions& o,
+                                               bool* exchanged) {
   for (const auto& [group_id, updates] : request.buffer_updates) {
     OPTIMD_RETURN_IF_ERROR(UpdateBuffersLocked(group_id, updates));
   }
@@ -674,7 +685,12 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequestSpec& request,
     g->hyper = WithOverride(g->hyper, o);
   }
 
-  auto stepped = backend_->Step(context_.get(), step_groups_, o);
+  StepOptions with_exchange = o;
+  with_exchange.exchange = exchange_.get();
+  with_exchange.rank = identity_.rank;
+  with_exchange.exchange_deadline = absl::Now() + rank_timeout_;
+  with_exchange.exchanged = exchanged;
+  auto stepped = backend_->Step(context_.get(), step_groups_, with_exchange);
   if (!stepped.ok()) {
     // DATA_LOSS: the state was partly updated (a segment shrank mid-step).
     if (stepped.status().code() == absl::StatusCode::kDataLoss) {

@@ -25,6 +25,7 @@
 #include "core/backend.h"
 #include "core/checkpoint.h"
 #include "core/group.h"
+#include "core/rank_exchange.h"
 #include "core/state_budget.h"
 
 namespace optimd {
@@ -34,6 +35,10 @@ struct SessionIdentity {
   uint32_t rank = 0;
   uint32_t world_size = 1;
   int device = -1;
+  // How the job's gradients lie across its ranks: with kReplicated or
+  // kSharded (and world_size > 1) the ranks agree on every step's norm and
+  // skip (core/rank_exchange.h).
+  GradientSharding sharding = GradientSharding::kNone;
 };
 
 struct RegisterResult {
@@ -138,6 +143,16 @@ class Session {
   // What a resume of this session must present (SessionRegistry::Create).
   const std::string& resume_secret() const { return resume_secret_; }
   void set_resume_secret(std::string s) { resume_secret_ = std::move(s); }
+  // The job's exchange of gradient statistics, for sessions whose ranks
+  // agree on them (set by SessionRegistry::Create before the session is
+  // shared); each step waits at most `timeout` for the other ranks.
+  void set_rank_exchange(std::shared_ptr<RankExchange> exchange,
+                         absl::Duration timeout) {
+    exchange_ = std::move(exchange);
+    rank_timeout_ = timeout;
+  }
+  // Whether steps wait for the job's other ranks (a thread of its own).
+  bool exchanges_statistics() const { return exchange_ != nullptr; }
 
   // Validates the whole group first; on any error nothing is registered.
   absl::StatusOr<RegisterResult> RegisterGroup(const GroupSpec& spec)
@@ -280,8 +295,11 @@ class Session {
   absl::Status BindStepFlags(const StepRequestSpec& request,
                              StepOptions* options)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The step proper; *exchanged tells whether the backend contributed to
+  // the job's exchange of statistics.
   absl::StatusOr<StepResult> StepLocked(const StepRequestSpec& request,
-                                        const StepOptions& options)
+                                        const StepOptions& options,
+                                        bool* exchanged)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Keeps `old_mapping` among the recently used mappings when `mapping`
   // replaces it; returns whether it was replaced.
@@ -330,6 +348,8 @@ class Session {
 
   // Constant after construction.
   const SessionIdentity identity_;
+  std::shared_ptr<RankExchange> exchange_;
+  absl::Duration rank_timeout_;
   Backend* const backend_;
   StateBudget* const budget_;
   const std::unique_ptr<SessionContext> context_;

@@ -3,6 +3,7 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace optimd {
 
@@ -89,12 +90,18 @@ absl::StatusOr<SessionRegistry::Created> SessionRegistry::Create(
           "the daemon already holds ", by_token_.size(),
           " sessions, its limit; close sessions that are no longer used"));
     }
+    OPTIMD_ASSIGN_OR_RETURN(std::shared_ptr<RankExchange> exchange,
+                            ExchangeFor(identity, **backend));
     std::string done_event;
     auto context =
         (*backend)->OpenSession(identity.device, ready_event, &done_event);
     if (!context.ok()) return context.status();
     created.session = std::make_shared<Session>(identity, *backend, budget_,
                                                 *std::move(context));
+    if (exchange != nullptr) {
+      exchange->Join(identity.rank);
+      created.session->set_rank_exchange(std::move(exchange), rank_timeout_);
+    }
     created.session->set_done_event(done_event);
     created.session->set_resume_secret(
         resume && !resume_secret.empty() ? resume_secret : NewSessionToken());
@@ -103,6 +110,38 @@ absl::StatusOr<SessionRegistry::Created> SessionRegistry::Create(
   token_by_rank_[key] = created.token;
   trainers_[created.token].process = FindTrainerProcess(trainer_pid);
   return created;
+}
+
+absl::StatusOr<std::shared_ptr<RankExchange>> SessionRegistry::ExchangeFor(
+    const SessionIdentity& identity, const Backend& backend) {
+  if (identity.sharding == GradientSharding::kNone ||
+      identity.world_size == 1) {
+    return std::shared_ptr<RankExchange>();
+  }
+  if (backend.kind() != BackendKind::kCpu) {
+    return absl::UnimplementedError(
+        "the ranks of a job agree on the gradient norm on the CPU backend "
+        "only so far; on CUDA leave gradient_sharding unset and clip in the "
+        "trainer (torch.nn.utils.clip_grad_norm_)");
+  }
+  for (auto it = exchanges_.begin(); it != exchanges_.end();) {
+    it = it->second.expired() ? exchanges_.erase(it) : std::next(it);
+  }
+  std::shared_ptr<RankExchange> x = exchanges_[identity.job_id].lock();
+  if (x == nullptr) {
+    x = std::make_shared<RankExchange>(identity.job_id, identity.world_size,
+                                       identity.sharding);
+    exchanges_[identity.job_id] = x;
+  } else if (x->world_size() != identity.world_size ||
+             x->sharding() != identity.sharding) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job '", identity.job_id, "' has world_size ", x->world_size(),
+        " with ", GradientShardingName(x->sharding()),
+        " gradients; this rank says world_size ", identity.world_size, " with ",
+        GradientShardingName(identity.sharding),
+        ": every rank of a job must say the same"));
+  }
+  return x;
 }
 
 SessionRegistry::SessionRegistry(std::vector<Backend*> backends,

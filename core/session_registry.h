@@ -94,12 +94,16 @@ class SessionRegistry {
   // The backend serving `device`, or FAILED_PRECONDITION.
   absl::StatusOr<Backend*> BackendFor(int device) const;
   StateBudget* budget() const { return budget_; }
+  // How long a step of a session whose ranks exchange statistics waits for
+  // the other ranks (the daemon's --rank_timeout). Set before serving.
+  void set_rank_timeout(absl::Duration t) { rank_timeout_ = t; }
 
  private:
   const std::vector<Backend*> backends_;
   std::vector<Backend*> gpus_;  // by CUDA device
   Backend* cpu_ = nullptr;      // device -1, if any
   StateBudget* const budget_;
+  absl::Duration rank_timeout_ = absl::Minutes(10);
 
   mutable Mutex mu_;
   std::map<std::string, std::shared_ptr<Session>> by_token_
@@ -113,6 +117,17 @@ class SessionRegistry {
     std::optional<absl::Time> orphaned_since;
   };
   std::map<std::string, Trainer> trainers_ ABSL_GUARDED_BY(mu_);
+
+  // The exchanges of statistics of jobs whose ranks agree on them, by job
+  // id; an entry lives as long as a session of the job holds it.
+  std::map<std::string, std::weak_ptr<RankExchange>> exchanges_
+      ABSL_GUARDED_BY(mu_);
+  // The job's exchange for a new session of `identity` on `backend` (null
+  // when its ranks do not exchange); refuses a mismatch with the job's
+  // other ranks.
+  absl::StatusOr<std::shared_ptr<RankExchange>> ExchangeFor(
+      const SessionIdentity& identity, const Backend& backend)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Removes the session of `token` from every map.
   void EraseLocked(const std::string& token) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

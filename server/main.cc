@@ -15,6 +15,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -94,6 +95,11 @@ ABSL_FLAG(int, orphan_grace_s, 600,
           "how long the session of a trainer gone without closing it (killed) "
           "is kept for a resume before it is freed; negative: kept until "
           "evicted (optimctl evict)");
+ABSL_FLAG(double, rank_timeout_s, 600,
+          "how long a step of a job whose ranks agree on the gradient norm "
+          "(CreateSession gradient_sharding) waits for the same step of the "
+          "other ranks before it fails with DEADLINE_EXCEEDED, changing "
+          "nothing");
 ABSL_FLAG(int, shutdown_grace_s, 30,
           "On SIGINT/SIGTERM, how long in-flight calls may run before they "
           "are cancelled.");
@@ -469,6 +475,8 @@ int main(int argc, char** argv) {
     worker_ptrs.push_back(workers.back().get());
   }
   optimd::SessionRegistry registry(backend_ptrs, &budget);
+  registry.set_rank_timeout(
+      absl::Seconds(std::max(0.0, absl::GetFlag(FLAGS_rank_timeout_s))));
   optimd::CheckpointOptions checkpoint_options;
   checkpoint_options.state_dir = absl::GetFlag(FLAGS_state_dir);
   optimd::OptimizerServiceImpl service(&registry, worker_ptrs,

@@ -68,10 +68,27 @@ OptimizerServiceImpl::OptimizerServiceImpl(SessionRegistry* registry,
   RemoveStaleSpoolFiles(SpoolDirectory(checkpoint_options_));
 }
 
-DeviceWorker* OptimizerServiceImpl::WorkerFor(const Session& session) const {
+DeviceWorker* OptimizerServiceImpl::WorkerFor(
+    const std::shared_ptr<Session>& session) const {
+  if (session->exchanges_statistics()) {
+    MutexLock lock(&rank_workers_mu_);
+    RankWorker& mine = rank_workers_[session.get()];
+    if (mine.session.lock() != session) {
+      // A new session (perhaps where a freed one lived): drop the workers
+      // of freed sessions, then make this one's.
+      for (auto it = rank_workers_.begin(); it != rank_workers_.end();) {
+        it = it->second.session.expired() && &it->second != &mine
+                 ? rank_workers_.erase(it)
+                 : std::next(it);
+      }
+      mine.session = session;
+      mine.worker = std::make_unique<DeviceWorker>("optimd-rank");
+    }
+    return mine.worker.get();
+  }
   const std::vector<Backend*>& backends = registry_->backends();
   for (size_t i = 0; i < backends.size() && i < workers_.size(); ++i) {
-    if (backends[i] == session.backend()) return workers_[i];
+    if (backends[i] == session->backend()) return workers_[i];
   }
   return workers_[0];  // not reached: every session has a registry backend
 }
@@ -79,6 +96,8 @@ DeviceWorker* OptimizerServiceImpl::WorkerFor(const Session& session) const {
 int OptimizerServiceImpl::Pending() const {
   int n = io_worker_.pending();
   for (const DeviceWorker* w : workers_) n += w->pending();
+  MutexLock lock(&rank_workers_mu_);
+  for (const auto& [session, w] : rank_workers_) n += w.worker->pending();
   return n;
 }
 
@@ -120,7 +139,7 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::OnWorker(
   }
   DeviceWorker* worker = file_io && (*session)->backend()->HostAddressable()
                              ? &io_worker_
-                             : WorkerFor(**session);
+                             : WorkerFor(*session);
   worker->Post([reactor, work = std::move(work),
                 session = *std::move(session)]() mutable {
     reactor->Finish(ToGrpcStatus(work(*session)));
@@ -138,6 +157,23 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::CreateSession(
   id.rank = request->rank();
   id.world_size = request->world_size();
   id.device = request->device();
+  switch (request->gradient_sharding()) {
+    case v1::GRADIENT_SHARDING_UNSPECIFIED:
+      break;
+    case v1::GRADIENT_SHARDING_REPLICATED:
+      id.sharding = GradientSharding::kReplicated;
+      break;
+    case v1::GRADIENT_SHARDING_SHARDED:
+      id.sharding = GradientSharding::kSharded;
+      break;
+    default:
+      reactor->Finish(
+          grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                       absl::StrCat("unknown gradient_sharding ",
+                                    request->gradient_sharding(),
+                                    " (0: none, 1: replicated, 2: sharded)")));
+      return reactor;
+  }
   if (!request->ready_event().empty() && request->ready_event().size() != 64) {
     reactor->Finish(grpc::Status(
         grpc::StatusCode::INVALID_ARGUMENT,
@@ -174,10 +210,14 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::CreateSession(
   response->set_resume_secret(created->session->resume_secret());
   response->set_daemon_version(kVersion);
   response->set_api_revision(kApiRevision);
-  log::Info(absl::StrCat("session ", created->resumed ? "resumed" : "created",
-                         ": ", SessionName(id), " device ", id.device,
-                         " world_size ", id.world_size, " trainer pid ",
-                         request->trainer_pid()));
+  log::Info(absl::StrCat(
+      "session ", created->resumed ? "resumed" : "created", ": ",
+      SessionName(id), " device ", id.device, " world_size ", id.world_size,
+      id.sharding == GradientSharding::kNone
+          ? ""
+          : absl::StrCat(" (", GradientShardingName(id.sharding),
+                         " gradients, ranks agree)"),
+      " trainer pid ", request->trainer_pid()));
   if (saved_dir) {
     response->set_saved_state_dir(*saved_dir);
     created->session->SetRestartCheckpoint(
@@ -210,7 +250,7 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::CloseSession(
       absl::StrCat("session closed: ", SessionName((*session)->identity())));
   // Freeing the state can take a while; the worker drops the last reference
   // after any step of this session already queued.
-  DeviceWorker* worker = WorkerFor(**session);
+  DeviceWorker* worker = WorkerFor(*session);
   worker->Post([reactor, s = *std::move(session)]() mutable {
     s.reset();
     reactor->Finish(grpc::Status::OK);
@@ -354,7 +394,7 @@ OptimizerServiceImpl::StepStream(grpc::CallbackServerContext* context) {
                                           "optimd is shutting down")
                            : ToGrpcStatus(session.status()));
   }
-  DeviceWorker* worker = WorkerFor(**session);
+  DeviceWorker* worker = WorkerFor(*session);
   return new StepStreamReactor(this, *std::move(session), worker);
 }
 
@@ -614,7 +654,7 @@ grpc::ServerWriteReactor<v1::StateChunk>* OptimizerServiceImpl::SaveStateStream(
                            : grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                                           "chunk_bytes may be at most 64 MiB"));
   }
-  DeviceWorker* worker = WorkerFor(**session);
+  DeviceWorker* worker = WorkerFor(*session);
   return new SaveStreamReactor(*std::move(session), worker, chunk);
 }
 
@@ -762,7 +802,7 @@ grpc::ServerReadReactor<v1::StateChunk>* OptimizerServiceImpl::LoadStateStream(
     };
     return new Refused(ToGrpcStatus(session.status()));
   }
-  DeviceWorker* worker = WorkerFor(**session);
+  DeviceWorker* worker = WorkerFor(*session);
   return new LoadStreamReactor(context, *std::move(session), worker,
                                checkpoint_options_, response);
 }

@@ -139,9 +139,14 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
   SessionRegistry* const registry_;
   const RestartStore* restart_store_ = nullptr;
   AdminGuard admin_;
-  DeviceWorker* WorkerFor(const Session& session) const;
+  // The worker that runs `session`'s work: its backend's, or, for a
+  // session whose steps wait for the job's other ranks, a thread of its
+  // own (so that one rank's wait never holds up another session). Called
+  // from gRPC threads only: it may end the threads of freed sessions.
+  DeviceWorker* WorkerFor(const std::shared_ptr<Session>& session) const
+      ABSL_LOCKS_EXCLUDED(rank_workers_mu_);
   // Tasks queued or running on all workers.
-  int Pending() const;
+  int Pending() const ABSL_LOCKS_EXCLUDED(rank_workers_mu_);
 
   const std::vector<DeviceWorker*> workers_;
   const CheckpointOptions checkpoint_options_;
@@ -151,6 +156,16 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
   std::atomic<uint64_t> checkpoint_loads_{0}, checkpoint_load_bytes_{0};
   std::atomic<uint64_t> checkpoint_failures_{0};
   std::atomic<bool> draining_{false};
+  // Workers of sessions whose ranks exchange statistics, by session; an
+  // entry whose session is gone is dropped (its thread ended) when the next
+  // such session's worker is made.
+  struct RankWorker {
+    std::weak_ptr<Session> session;
+    std::unique_ptr<DeviceWorker> worker;
+  };
+  mutable Mutex rank_workers_mu_;
+  mutable std::map<const Session*, RankWorker> rank_workers_
+      ABSL_GUARDED_BY(rank_workers_mu_);
   // Last: destroyed first, finishing its tasks while the rest still lives.
   DeviceWorker io_worker_{"optimd-io"};
 };

@@ -14,6 +14,7 @@
 #include <fstream>
 #include <random>
 #include <sstream>
+#include <thread>
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
@@ -274,6 +275,56 @@ TEST_F(E2eTest, CheckpointsFromTheCppClient) {
   EXPECT_EQ(client_->LoadState(dir + "/none").status().code(),
             StatusCode::kNotFound);
   EXPECT_TRUE(restored());
+}
+
+// Two ranks of a job with sharded gradients, each stepping from a thread
+// of its own: both get the job's norm (the square root of the sum of their
+// sums of squares), and a rank alone waits until the daemon's
+// --rank_timeout_s, then fails with nothing changed.
+TEST_F(E2eTest, RanksAgreeOnTheJobsGradientNorm) {
+  daemon_->Stop();
+  auto d = DaemonProcess::Start({"--rank_timeout_s=1"});
+  ASSERT_TRUE(d.ok()) << d.status();
+  daemon_ = *std::move(d);
+  std::unique_ptr<Client> clients[2] = {Connect(), Connect()};
+  for (int r = 0; r < 2; ++r) {
+    v1::CreateSessionRequest cs = CpuSession("job", r);
+    cs.set_world_size(2);
+    cs.set_gradient_sharding(v1::GRADIENT_SHARDING_SHARDED);
+    ASSERT_TRUE(clients[r]->CreateSession(cs).ok());
+    ASSERT_TRUE(
+        clients[r]->RegisterGroup(Group("g", {Tensor("w", 4, 256 * r)})).ok());
+    for (int i = 0; i < 4; ++i) grads_->as<float>()[64 * r + i] = 1.0f + r;
+  }
+  // Rank 0 alone: DEADLINE_EXCEEDED naming rank 1, weights unchanged.
+  const std::vector<float> before(params_->as<float>(),
+                                  params_->as<float>() + 4);
+  auto alone = clients[0]->Step(v1::StepRequest());
+  EXPECT_EQ(alone.status().code(), StatusCode::kDeadlineExceeded);
+  EXPECT_NE(alone.status().message().find("ranks 1 "), std::string::npos)
+      << alone.status();
+  EXPECT_TRUE(std::equal(before.begin(), before.end(), params_->as<float>()));
+  absl::StatusOr<v1::StepResponse> replies[2];
+  for (int step = 0; step < 3; ++step) {
+    std::thread other(
+        [&] { replies[1] = clients[1]->Step(v1::StepRequest()); });
+    replies[0] = clients[0]->Step(v1::StepRequest());
+    other.join();
+    for (const auto& reply : replies) {
+      ASSERT_TRUE(reply.ok()) << reply.status();
+      // 4 * 1^2 + 4 * 2^2 = 20.
+      EXPECT_NEAR(reply->grad_norm(), std::sqrt(20.0), 1e-9);
+    }
+  }
+  // A bad step of one rank makes the other skip that step.
+  v1::StepRequest bad;
+  bad.set_max_grad_norm(-1);
+  std::thread other([&] { replies[1] = clients[1]->Step(v1::StepRequest()); });
+  replies[0] = clients[0]->Step(bad);
+  other.join();
+  EXPECT_EQ(replies[0].status().code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(replies[1].ok()) << replies[1].status();
+  EXPECT_TRUE(replies[1]->skipped());
 }
 
 TEST_F(E2eTest, ResumeKeepsState) {

@@ -69,7 +69,8 @@ bazel --output_base="$tsan_base" test --config=tsan --define=cuda=off \
   --build_tag_filters=-cuda --test_tag_filters=-gpu \
   --test_env=TSAN_OPTIONS="suppressions=$PWD/tools/tsan.supp" \
   --test_arg=--gtest_filter=-*LongNamesAndTooManyTensors*:*ManyTensors*:*Million*:*HeaderPastTheLimit*:*PackedFormatHolds*:*PackedFormatDetects* \
-  //common:thread_pool_test //tests/core:session_test //tests/core:checkpoint_test \
+  //common:thread_pool_test //core:rank_exchange_test \
+  //tests/core:session_test //tests/core:checkpoint_test \
   //server:device_worker_test //server:refusal_log_test //tests:e2e_test
 bazel --output_base="$tsan_base" shutdown
 

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/fault_guard.h"
+#include "common/status_macros.h"
 #include "kernels/adamw_cpu.h"
 #include "kernels/step_cpu.h"
 
@@ -16,6 +17,7 @@ namespace optimd {
 
 CpuBackend::CpuBackend(const Options& options)
     : options_(options), pool_(options.threads) {
+  MutexLock lock(&pool_mu_);
   partial_sums_.assign(static_cast<size_t>(pool_.size()) * 8, 0.0);
 }
 
@@ -50,6 +52,7 @@ absl::StatusOr<StateStorage> CpuBackend::AllocateState(uint64_t bytes) {
 }
 
 absl::Status CpuBackend::PrepareGroup(Group& group) {
+  MutexLock lock(&pool_mu_);
   BuildPlan(group, options_.chunk_elements);
   counters().plan_builds.fetch_add(1, std::memory_order_relaxed);
   const Plan& plan = group.plan;
@@ -140,6 +143,8 @@ double CpuBackend::SumSquares(const std::vector<Group*>& groups) {
     const Plan& plan = g->plan;
     if (plan.items.empty()) continue;
     std::fill(partial_sums_.begin(), partial_sums_.end(), 0.0);
+    // The pool's threads write the sums while this thread holds pool_mu_.
+    double* partials = partial_sums_.data();
     pool_.ParallelFor(plan.tasks.size(), [&](uint64_t t, int worker) {
       double sum = 0;
       const absl::Status s = GuardMemoryFaults(
@@ -156,7 +161,7 @@ double CpuBackend::SumSquares(const std::vector<Group*>& groups) {
           },
           "step");
       if (!s.ok()) fault_ = true;
-      partial_sums_[static_cast<size_t>(worker) * 8] += sum;
+      partials[static_cast<size_t>(worker) * 8] += sum;
     });
     for (int w = 0; w < pool_.size(); ++w) sumsq += partial_sums_[w * 8];
   }
@@ -189,17 +194,41 @@ void CpuBackend::Update(const std::vector<Group*>& groups, double scale,
   }
 }
 
+absl::StatusOr<double> CpuBackend::Statistics(const std::vector<Group*>& groups,
+                                              const StepOptions& options) {
+  double sumsq = 0.0;
+  bool faulted = false;
+  {
+    MutexLock lock(&pool_mu_);
+    sumsq = SumSquares(groups);
+    faulted = fault_.exchange(false);
+  }
+  // A fault: nothing has changed yet.
+  if (options.exchange == nullptr) {
+    if (faulted) return fault_guard_internal::FaultStatus("step");
+    return sumsq;
+  }
+  if (options.exchanged != nullptr) *options.exchanged = true;
+  // A faulted rank contributes NaN, so that every rank skips this step.
+  absl::StatusOr<double> job = options.exchange->Reduce(
+      options.rank, faulted ? std::numeric_limits<double>::quiet_NaN() : sumsq,
+      options.exchange_deadline);
+  if (faulted) return fault_guard_internal::FaultStatus("step");
+  return job;
+}
+
 absl::StatusOr<StepOutcome> CpuBackend::Step(SessionContext* session,
                                              const std::vector<Group*>& groups,
                                              const StepOptions& options) {
   auto* totals = static_cast<CpuSession*>(session);
   StepOutcome out;
-  // Pass 1: the sum of squares of every gradient of the session.
-  const bool statistics = !options.assume_finite || options.max_grad_norm > 0;
-  const double sumsq = statistics ? SumSquares(groups) : 0.0;
-  if (fault_.exchange(false)) {
-    // Nothing has changed yet.
-    return fault_guard_internal::FaultStatus("step");
+  // Pass 1: the sum of squares of every gradient of the session (of the
+  // job, when its ranks exchange them).
+  const bool statistics = !options.assume_finite || options.max_grad_norm > 0 ||
+                          options.exchange != nullptr;
+  double sumsq = 0.0;
+  if (statistics) {
+    OPTIMD_ASSIGN_OR_RETURN(sumsq, Statistics(groups, options));
   }
   const double scale = options.grad_scale > 0 ? options.grad_scale : 1.0;
   if (!std::isfinite(sumsq)) {
@@ -217,6 +246,7 @@ absl::StatusOr<StepOutcome> CpuBackend::Step(SessionContext* session,
     clip = std::min(1.0, options.max_grad_norm / (out.grad_norm + 1e-6));
   }
   // Pass 2: the update, one parallel loop per group.
+  MutexLock lock(&pool_mu_);
   Update(groups, scale, clip);
   if (fault_.exchange(false)) {
     return absl::DataLossError(

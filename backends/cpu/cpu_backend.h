@@ -9,6 +9,7 @@
 #include <memory>
 
 #include "backends/cpu/shm_segment.h"
+#include "common/mutex.h"
 #include "common/thread_pool.h"
 #include "core/backend.h"
 
@@ -56,16 +57,28 @@ class CpuBackend final : public Backend {
  private:
   // The sum of squares of every gradient of `groups` (non-finite when an
   // element is); sets fault_ when a trainer's segment faulted.
-  double SumSquares(const std::vector<Group*>& groups);
+  double SumSquares(const std::vector<Group*>& groups)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool_mu_);
   // One update of every group with the session's scale and clip
   // coefficient; sets fault_ when a trainer's segment faulted.
-  void Update(const std::vector<Group*>& groups, double scale, double clip);
+  void Update(const std::vector<Group*>& groups, double scale, double clip)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool_mu_);
+  // The statistics pass of a step, and the job's sum of squares when the
+  // session's ranks exchange them (waiting without holding pool_mu_).
+  absl::StatusOr<double> Statistics(const std::vector<Group*>& groups,
+                                    const StepOptions& options)
+      ABSL_LOCKS_EXCLUDED(pool_mu_);
 
   const Options options_;
   SegmentCache segments_;
+  // Steps of sessions whose ranks exchange statistics run on threads of
+  // their own (the daemon's per-session workers), so the pool, the partial
+  // sums and the fault flag are used under this lock; a step waiting for
+  // other ranks does not hold it.
+  Mutex pool_mu_;
   ThreadPool pool_;
   // Per-worker partial sums, reused across steps (no allocation per step).
-  std::vector<double> partial_sums_;
+  std::vector<double> partial_sums_ ABSL_GUARDED_BY(pool_mu_);
   // Set by a worker whose access faulted (a segment shrank mid-step).
   std::atomic<bool> fault_{false};
 };

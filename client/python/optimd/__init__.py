@@ -9,7 +9,8 @@ import pkgutil
 # Generated stubs may live under another sys.path root (Bazel, pip builds).
 __path__ = pkgutil.extend_path(__path__, __name__)
 
-from optimd.errors import (AlreadyExistsError, DaemonUnavailableError,  # noqa: E402
+from optimd.errors import (AbortedError, AlreadyExistsError,  # noqa: E402
+                           DaemonUnavailableError, DeadlineExceededError,
                            FailedPreconditionError, IncompatibleDaemonError,
                            InvalidArgumentError,
                            NotFoundError, OptimdError, PermissionDeniedError,
@@ -22,6 +23,7 @@ __all__ = [
     "SessionError", "NotFoundError", "AlreadyExistsError",
     "InvalidArgumentError", "ResourceExhaustedError",
     "FailedPreconditionError", "IncompatibleDaemonError",
-    "PermissionDeniedError", "__version__",
+    "PermissionDeniedError", "DeadlineExceededError", "AbortedError",
+    "__version__",
     "API_REVISION",
 ]

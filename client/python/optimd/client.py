@@ -161,13 +161,17 @@ class Client:
 
     # Sessions.
     def create_session(self, job_id, rank=0, world_size=1, device=-1,
-                       resume=False, ready_event=b"", resume_secret=""):
+                       resume=False, ready_event=b"", resume_secret="",
+                       gradient_sharding=0):
         """Opens (or resumes) a session; the daemon watches this process and
-        orphans the session if the process ends without closing it."""
+        orphans the session if the process ends without closing it.
+        `gradient_sharding` (pb.GRADIENT_SHARDING_*): the job's ranks agree
+        on each step's gradient norm and skip."""
         reply = self._call("CreateSession", pb.CreateSessionRequest(
             job_id=job_id, rank=rank, world_size=world_size, device=device,
             resume=resume, ready_event=ready_event, trainer_pid=os.getpid(),
-            resume_secret=resume_secret))
+            resume_secret=resume_secret,
+            gradient_sharding=gradient_sharding))
         if reply.api_revision < API_REVISION:
             # Too old to speak what this client sends: leave no session.
             self.token = reply.session_token

@@ -69,6 +69,21 @@ class PermissionDeniedError(OptimdError, PermissionError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
+class DeadlineExceededError(OptimdError, TimeoutError):
+    """A step waited for the job's other ranks longer than the daemon's
+    --rank_timeout_s (the message names the missing ranks); nothing
+    changed. Or the call itself outlived the client's timeout."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class AbortedError(OptimdError):
+    """The call was given up because of another party: a rank of the job
+    closed its session while this step waited for it."""
+
+    code = grpc.StatusCode.ABORTED
+
+
 class IncompatibleDaemonError(OptimdError):
     """The daemon is older than this client: it does not speak the API
     revision the client needs (the message names both versions)."""
@@ -81,7 +96,7 @@ _BY_CODE = {
     for c in (DaemonUnavailableError, SessionError, NotFoundError,
               AlreadyExistsError, InvalidArgumentError,
               ResourceExhaustedError, FailedPreconditionError,
-              PermissionDeniedError)
+              PermissionDeniedError, DeadlineExceededError, AbortedError)
 }
 
 

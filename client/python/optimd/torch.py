@@ -50,6 +50,10 @@ from optimd.shm import SharedSegment, align
 from optimd.v1 import optimd_pb2 as pb
 
 _TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
+# gradient_sharding= -> the API's GradientSharding.
+_SHARDING = {None: pb.GRADIENT_SHARDING_UNSPECIFIED,
+             "replicated": pb.GRADIENT_SHARDING_REPLICATED,
+             "sharded": pb.GRADIENT_SHARDING_SHARDED}
 
 
 def _torch_defaults(cls):
@@ -93,7 +97,7 @@ class _DaemonOptimizer(torch.optim.Optimizer):
 
     def _start(self, params, defaults, *, address, job_id, rank, world_size,
                resume, max_grad_norm, grad_scale, assume_finite, keep_fp32,
-               overlap, resume_secret, timeout):
+               overlap, resume_secret, timeout, gradient_sharding):
         """The shared part of construction, once the subclass has checked
         its arguments and made `defaults`."""
         self._names = {}
@@ -126,9 +130,17 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         # needs the job id of the session to take over.
         job = job_id or "%s-%d-%s" % (socket.gethostname(), os.getpid(),
                                       secrets.token_hex(4))
+        if gradient_sharding not in _SHARDING:
+            raise ValueError("gradient_sharding must be None, 'replicated' or "
+                             "'sharded', not %r" % (gradient_sharding,))
+        if gradient_sharding is not None:
+            # A step may wait for the other ranks up to the daemon's
+            # --rank_timeout_s (600 s by default): the call must outlast it.
+            timeout = max(timeout, 900.0)
         self._identity = dict(address=address, timeout=timeout, job=job,
                               rank=rank, world_size=world_size,
-                              overlap=overlap)
+                              overlap=overlap,
+                              sharding=_SHARDING[gradient_sharding])
         self._open(resume, resume_secret)
 
     @classmethod
@@ -167,7 +179,8 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         reply = self._client.create_session(
             job, rank=rank, world_size=ident["world_size"],
             device=-1 if self._device.type == "cpu" else self._device.index,
-            resume=bool(resume), resume_secret=resume_secret or "")
+            resume=bool(resume), resume_secret=resume_secret or "",
+            gradient_sharding=ident["sharding"])
         self.resumed = reply.resumed
         # What a restarted trainer must present to resume this session.
         self.resume_secret = reply.resume_secret
@@ -506,6 +519,7 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         updates = self._router.updates()
         overrides = self._overrides()
         if (self.max_grad_norm and self._sharded
+                and not self._identity["sharding"]
                 and not self._warned_rank_norm):
             self._warned_rank_norm = True
             # Replicated gradients (DDP) have the same norm on every rank;
@@ -870,11 +884,20 @@ class AdamW(_DaemonOptimizer):
       store_param_remainders: bf16 parameters keep an int16 remainder instead
         of an fp32 master (exact; 4 bytes less per parameter).
       exp_avg_dtype: torch.float32 or torch.bfloat16 moments.
-      max_grad_norm: clip by the norm of this rank's gradients (0: off).
-        Ranks do not agree on it: with world_size > 1 and gradients sharded
-        across ranks (FSDP2, ZeRO), clip with
-        torch.nn.utils.clip_grad_norm_ instead (it reduces across ranks);
-        a step warns once when both are set.
+      max_grad_norm: clip by the gradient norm (0: off): this rank's, or
+        the job's with gradient_sharding.
+      gradient_sharding: with world_size > 1, how the job's gradients lie
+        across its ranks: "replicated" (DDP: each rank holds the whole
+        gradient) or "sharded" (FSDP2, ZeRO: each rank a shard). The
+        ranks' sessions then agree on every step: the job's gradient norm
+        (the square root of the sum over the shards' sums of squares),
+        clipping by it, and the skip when any rank's gradients hold inf or
+        NaN; each step waits for the same step of every rank (the daemon's
+        --rank_timeout_s; calls then wait up to at least 900 s). CPU
+        backend only so far; on CUDA clip with
+        torch.nn.utils.clip_grad_norm_ (a step warns once when
+        max_grad_norm is set with sharded parameters and no
+        gradient_sharding).
       grad_scale: divide gradients by this (loss scaling) before use.
       assume_finite: the gradients are known finite (e.g. a GradScaler
         checked them): without max_grad_norm the daemon skips its gradient
@@ -909,7 +932,7 @@ class AdamW(_DaemonOptimizer):
                  max_grad_norm=0.0, grad_scale=None, assume_finite=False,
                  keep_fp32=(), overlap=False, resume_secret=None,
                  adam_w_mode=True, bias_correction=True, timeout=60.0,
-                 **torch_options):
+                 gradient_sharding=None, **torch_options):
         if not 0.0 <= lr:
             raise ValueError("Invalid learning rate: {}".format(lr))
         if not 0.0 <= eps:
@@ -933,7 +956,7 @@ class AdamW(_DaemonOptimizer):
                     max_grad_norm=max_grad_norm, grad_scale=grad_scale,
                     assume_finite=assume_finite, keep_fp32=keep_fp32,
                     overlap=overlap, resume_secret=resume_secret,
-                    timeout=timeout)
+                    timeout=timeout, gradient_sharding=gradient_sharding)
 
     _kind = pb.OPTIMIZER_KIND_ADAMW
 
@@ -981,9 +1004,9 @@ class SGD(_DaemonOptimizer):
 
     Besides torch's arguments:
       address, job_id, rank, world_size, resume, resume_secret,
-        master_weights, store_param_remainders, max_grad_norm, grad_scale,
-        assume_finite, keep_fp32, overlap, timeout: as optimd.torch.AdamW
-        has them.
+        master_weights, store_param_remainders, max_grad_norm,
+        gradient_sharding, grad_scale, assume_finite, keep_fp32, overlap,
+        timeout: as optimd.torch.AdamW has them.
       state_dtype: torch.float32 or torch.bfloat16 momentum buffers.
     Parameters may be given as (name, tensor) pairs to name their state.
     The CUDA backend does not run SGD yet (the daemon refuses the group).
@@ -1000,7 +1023,7 @@ class SGD(_DaemonOptimizer):
                  store_param_remainders=False, state_dtype=torch.float32,
                  max_grad_norm=0.0, grad_scale=None, assume_finite=False,
                  keep_fp32=(), overlap=False, resume_secret=None,
-                 timeout=60.0, **torch_options):
+                 timeout=60.0, gradient_sharding=None, **torch_options):
         if not 0.0 <= lr:
             raise ValueError("Invalid learning rate: {}".format(lr))
         if momentum < 0.0:
@@ -1025,7 +1048,7 @@ class SGD(_DaemonOptimizer):
                     max_grad_norm=max_grad_norm, grad_scale=grad_scale,
                     assume_finite=assume_finite, keep_fp32=keep_fp32,
                     overlap=overlap, resume_secret=resume_secret,
-                    timeout=timeout)
+                    timeout=timeout, gradient_sharding=gradient_sharding)
 
     def _fill_hyper(self, h, group):
         h.lr = float(group["lr"])
@@ -1063,9 +1086,9 @@ class Lion(_DaemonOptimizer):
 
     Besides lr, betas, weight_decay and maximize:
       address, job_id, rank, world_size, resume, resume_secret,
-        master_weights, store_param_remainders, max_grad_norm, grad_scale,
-        assume_finite, keep_fp32, overlap, timeout: as optimd.torch.AdamW
-        has them.
+        master_weights, store_param_remainders, max_grad_norm,
+        gradient_sharding, grad_scale, assume_finite, keep_fp32, overlap,
+        timeout: as optimd.torch.AdamW has them.
       state_dtype: torch.float32 or torch.bfloat16 momentum.
     Parameters may be given as (name, tensor) pairs to name their state.
     The CUDA backend does not run Lion yet (the daemon refuses the group).
@@ -1082,7 +1105,7 @@ class Lion(_DaemonOptimizer):
                  store_param_remainders=False, state_dtype=torch.float32,
                  max_grad_norm=0.0, grad_scale=None, assume_finite=False,
                  keep_fp32=(), overlap=False, resume_secret=None,
-                 timeout=60.0, **torch_options):
+                 timeout=60.0, gradient_sharding=None, **torch_options):
         if not 0.0 <= lr:
             raise ValueError("Invalid learning rate: {}".format(lr))
         if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
@@ -1102,7 +1125,7 @@ class Lion(_DaemonOptimizer):
                     max_grad_norm=max_grad_norm, grad_scale=grad_scale,
                     assume_finite=assume_finite, keep_fp32=keep_fp32,
                     overlap=overlap, resume_secret=resume_secret,
-                    timeout=timeout)
+                    timeout=timeout, gradient_sharding=gradient_sharding)
 
     def _fill_hyper(self, h, group):
         h.lr = float(group["lr"])

@@ -1,0 +1,113 @@
+#include "core/rank_exchange.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+
+namespace optimd {
+
+absl::string_view GradientShardingName(GradientSharding s) {
+  switch (s) {
+    case GradientSharding::kNone:
+      return "none";
+    case GradientSharding::kReplicated:
+      return "replicated";
+    case GradientSharding::kSharded:
+      return "sharded";
+  }
+  return "unknown";
+}
+
+RankExchange::RankExchange(std::string job_id, uint32_t world_size,
+                           GradientSharding sharding)
+    : job_id_(std::move(job_id)),
+      world_size_(world_size),
+      sharding_(sharding),
+      arrived_(world_size, false),
+      sums_(world_size, 0.0),
+      left_(world_size, false) {}
+
+std::string RankExchange::Missing() const {
+  std::string out;
+  for (uint32_t r = 0; r < world_size_; ++r) {
+    if (!arrived_[r]) absl::StrAppend(&out, out.empty() ? "" : ", ", r);
+  }
+  return out;
+}
+
+absl::StatusOr<double> RankExchange::Reduce(uint32_t rank, double sumsq,
+                                            absl::Time deadline) {
+  MutexLock lock(&mu_);
+  for (uint32_t r = 0; r < world_size_; ++r) {
+    if (left_[r] && r != rank) {
+      return absl::AbortedError(absl::StrCat(
+          "rank ", r, " of job '", job_id_,
+          "' closed its session; the ranks cannot agree on the gradient "
+          "norm until it is back (resume it, or restart the job)"));
+    }
+  }
+  if (arrived_[rank]) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("rank ", rank, " of job '", job_id_,
+                     "' is already waiting for this step's statistics"));
+  }
+  const uint64_t mine = round_;
+  arrived_[rank] = true;
+  sums_[rank] = sumsq;
+  if (++arrivals_ == world_size_) {
+    double total = 0.0;
+    if (sharding_ == GradientSharding::kSharded) {
+      for (double s : sums_) total += s;  // rank order: the same every round
+    } else {
+      total = sums_[0];
+      // Replicated gradients: any rank's non-finite element skips all.
+      for (double s : sums_) {
+        if (!std::isfinite(s)) total = s;
+      }
+    }
+    result_ = total;
+    completed_ = mine + 1;
+    ++round_;
+    arrivals_ = 0;
+    arrived_.assign(world_size_, false);
+    return total;
+  }
+  struct Wait {
+    RankExchange* x;
+    uint64_t round, leaves;
+  } wait{this, mine, leaves_};
+  const bool done = mu_.AwaitWithDeadline(
+      +[](Wait* w) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        return w->x->completed_ > w->round || w->x->leaves_ != w->leaves;
+      },
+      &wait, deadline);
+  if (completed_ > mine) return result_;
+  const std::string missing = Missing();
+  // Withdrawn: the round waits for this rank again.
+  arrived_[rank] = false;
+  --arrivals_;
+  if (done) {
+    return absl::AbortedError(absl::StrCat(
+        "a rank of job '", job_id_,
+        "' closed its session while this step waited for its statistics"));
+  }
+  return absl::DeadlineExceededError(absl::StrCat(
+      "rank ", rank, " of job '", job_id_,
+      "' waited for the gradient statistics of ranks ", missing,
+      " and gave up (the daemon's --rank_timeout); is that rank alive and "
+      "stepping? Nothing changed"));
+}
+
+void RankExchange::Leave(uint32_t rank) {
+  MutexLock lock(&mu_);
+  if (rank >= world_size_) return;
+  left_[rank] = true;
+  ++leaves_;
+}
+
+void RankExchange::Join(uint32_t rank) {
+  MutexLock lock(&mu_);
+  if (rank < world_size_) left_[rank] = false;
+}
+
+}  // namespace optimd
