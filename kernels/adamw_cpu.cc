@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/step_math.h"
 #include "kernels/cpu_layout.h"
 
 namespace optimd {
@@ -134,10 +135,8 @@ AdamWScalars MakeAdamWScalars(const OptimizerHyper& h, uint64_t t,
   const double bc2 = h.bias_correction ? 1.0 - std::pow(h.beta2, td) : 1.0;
   s.step_size = static_cast<float>(h.lr / bc1);
   s.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
-  const double scale = grad_scale > 0 ? grad_scale : 1.0;
-  double mul = clip_coef / scale;
-  if (h.maximize) mul = -mul;
-  s.grad_mul = static_cast<float>(mul);
+  s.grad_mul =
+      static_cast<float>(GradMultiplier(grad_scale, clip_coef, h.maximize));
   return s;
 }
 

@@ -1,5 +1,6 @@
 #include "kernels/lion_cpu.h"
 
+#include "core/step_math.h"
 #include "kernels/cpu_layout.h"
 
 namespace optimd {
@@ -50,10 +51,8 @@ LionScalars MakeLionScalars(const OptimizerHyper& h, double grad_scale,
   s.one_minus_beta1 = static_cast<float>(1.0 - h.beta1);
   s.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
   s.decay = static_cast<float>(1.0 - h.lr * h.weight_decay);
-  const double scale = grad_scale > 0 ? grad_scale : 1.0;
-  double mul = clip_coef / scale;
-  if (h.maximize) mul = -mul;
-  s.grad_mul = static_cast<float>(mul);
+  s.grad_mul =
+      static_cast<float>(GradMultiplier(grad_scale, clip_coef, h.maximize));
   return s;
 }
 

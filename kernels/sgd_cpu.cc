@@ -1,5 +1,6 @@
 #include "kernels/sgd_cpu.h"
 
+#include "core/step_math.h"
 #include "kernels/cpu_layout.h"
 
 namespace optimd {
@@ -61,10 +62,8 @@ SgdScalars MakeSgdScalars(const OptimizerHyper& h, uint64_t t,
   s.weight_decay = static_cast<float>(h.weight_decay);
   s.nesterov = h.nesterov;
   s.first = t == 1;
-  const double scale = grad_scale > 0 ? grad_scale : 1.0;
-  double mul = clip_coef / scale;
-  if (h.maximize) mul = -mul;
-  s.grad_mul = static_cast<float>(mul);
+  s.grad_mul =
+      static_cast<float>(GradMultiplier(grad_scale, clip_coef, h.maximize));
   return s;
 }
 

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/fault_guard.h"
 #include "common/status_macros.h"
+#include "core/step_math.h"
 #include "kernels/adamw_cpu.h"
 #include "kernels/step_cpu.h"
 
@@ -230,7 +231,7 @@ absl::StatusOr<StepOutcome> CpuBackend::Step(SessionContext* session,
   if (statistics) {
     OPTIMD_ASSIGN_OR_RETURN(sumsq, Statistics(groups, options));
   }
-  const double scale = options.grad_scale > 0 ? options.grad_scale : 1.0;
+  const double scale = EffectiveGradScale(options.grad_scale);
   if (!std::isfinite(sumsq)) {
     out.skipped = true;
     out.grad_norm = std::numeric_limits<double>::quiet_NaN();
@@ -240,11 +241,7 @@ absl::StatusOr<StepOutcome> CpuBackend::Step(SessionContext* session,
   }
   out.grad_norm = statistics ? std::sqrt(sumsq) / scale
                              : std::numeric_limits<double>::quiet_NaN();
-  double clip = 1.0;
-  if (options.max_grad_norm > 0) {
-    // torch.nn.utils.clip_grad_norm_: coef = max / (norm + 1e-6), at most 1.
-    clip = std::min(1.0, options.max_grad_norm / (out.grad_norm + 1e-6));
-  }
+  const double clip = ClipCoefficient(options.max_grad_norm, out.grad_norm);
   // Pass 2: the update, one parallel loop per group.
   MutexLock lock(&pool_mu_);
   Update(groups, scale, clip);

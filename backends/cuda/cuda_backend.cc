@@ -16,6 +16,7 @@
 #include "backends/cuda/cuda_status.h"
 #include "common/mutex.h"
 #include "common/status_macros.h"
+#include "core/step_math.h"
 #include "kernels/adamw_cuda.h"
 
 namespace optimd {
@@ -961,7 +962,7 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
   s.sequence = seq;
   record.groups = n;
   record.sequence = seq;
-  record.grad_scale = options.grad_scale > 0 ? options.grad_scale : 1.0;
+  record.grad_scale = EffectiveGradScale(options.grad_scale);
   record.statistics = statistics;
 
   StepOutcome out;
