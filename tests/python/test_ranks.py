@@ -141,16 +141,17 @@ class Ranks(unittest.TestCase):
         o0.close()
 
 
-def _ddp_rank(rank, init_file, address, job, steps, inf_step, out):
+def _ddp_rank(rank, init_file, address, steps, inf_step, out):
     """One rank of a two-process gloo DDP job stepping through optimd."""
     dist.init_process_group("gloo", init_method="file://" + init_file,
                             rank=rank, world_size=2)
     torch.manual_seed(0)  # the same model on both ranks
     model = torch.nn.Linear(8, 4)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    opt = AdamW(ddp.parameters(), lr=1e-2, address=address, job_id=job,
-                rank=rank, world_size=2, gradient_sharding="replicated",
-                max_grad_norm=1.0)
+    # Rank, world size and a common job id from torch.distributed.
+    opt = AdamW(ddp.parameters(), lr=1e-2, address=address,
+                gradient_sharding="replicated", max_grad_norm=1.0)
+    assert (opt._identity["rank"], opt._identity["world_size"]) == (rank, 2)
     skipped = []
     data = torch.Generator().manual_seed(100 + rank)
     for step in range(steps):
@@ -175,8 +176,8 @@ class DdpJob(unittest.TestCase):
             out = os.path.join(scratch, "rank%d.pt")
             mp.start_processes(
                 _ddp_rank, nprocs=2, start_method="spawn",
-                args=(os.path.join(scratch, "init"), daemon.address,
-                      "ddp-" + os.path.basename(scratch), 8, 3, out))
+                args=(os.path.join(scratch, "init"), daemon.address, 8, 3,
+                      out))
             results = [torch.load(out % r) for r in (0, 1)]
         for r in results:
             self.assertEqual(r["skipped"], [s == 3 for s in range(8)])

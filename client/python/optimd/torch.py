@@ -111,7 +111,6 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         torch.optim.Optimizer.__init__(self, params, defaults)
         self.state = DaemonState(self._fetch_state)
         self.max_grad_norm = max_grad_norm
-        self._world_size = world_size
         self._warned_rank_norm = False
         self.grad_scale = grad_scale
         self.assume_finite = assume_finite
@@ -128,11 +127,15 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         # One session per optimizer object: two optimizers of one process
         # (a GAN, a notebook cell run twice) never collide. resume=True
         # needs the job id of the session to take over.
-        job = job_id or "%s-%d-%s" % (socket.gethostname(), os.getpid(),
-                                      secrets.token_hex(4))
         if gradient_sharding not in _SHARDING:
             raise ValueError("gradient_sharding must be None, 'replicated' or "
                              "'sharded', not %r" % (gradient_sharding,))
+        rank, world_size = _dist_identity(rank, world_size)
+        self._world_size = world_size
+        if job_id is None and gradient_sharding and world_size > 1:
+            job_id = _shared_job_id()
+        job = job_id or "%s-%d-%s" % (socket.gethostname(), os.getpid(),
+                                      secrets.token_hex(4))
         if gradient_sharding is not None:
             # A step may wait for the other ranks up to the daemon's
             # --rank_timeout_s (600 s by default): the call must outlast it.
@@ -869,7 +872,10 @@ class AdamW(_DaemonOptimizer):
     Besides torch's arguments:
       address: the daemon (default: its default socket, or $OPTIMD_ADDRESS).
       job_id, rank, world_size: the session's identity (default: a job id
-        of this optimizer's own); resume=True takes over the session of the
+        of this optimizer's own, or with gradient_sharding one rank 0 makes
+        and torch.distributed carries to the others; rank and world size
+        from torch.distributed when it is initialized, else 0 and 1);
+        resume=True takes over the session of the
         same job id and rank (a restarted trainer's, kept by the daemon, or
         one the daemon saved when it stopped, with its --save_dir), restores
         its weights and state, and raises optimd.NotFoundError when there is
@@ -926,7 +932,7 @@ class AdamW(_DaemonOptimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=1e-2, amsgrad=False, *, maximize=False,
-                 address=None, job_id=None, rank=0, world_size=1,
+                 address=None, job_id=None, rank=None, world_size=None,
                  resume=False, master_weights=None,
                  store_param_remainders=False, exp_avg_dtype=torch.float32,
                  max_grad_norm=0.0, grad_scale=None, assume_finite=False,
@@ -1018,7 +1024,7 @@ class SGD(_DaemonOptimizer):
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0,
                  weight_decay=0.0, nesterov=False, *, maximize=False,
-                 address=None, job_id=None, rank=0, world_size=1,
+                 address=None, job_id=None, rank=None, world_size=None,
                  resume=False, master_weights=None,
                  store_param_remainders=False, state_dtype=torch.float32,
                  max_grad_norm=0.0, grad_scale=None, assume_finite=False,
@@ -1100,7 +1106,7 @@ class Lion(_DaemonOptimizer):
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0,
                  *, maximize=False,
-                 address=None, job_id=None, rank=0, world_size=1,
+                 address=None, job_id=None, rank=None, world_size=None,
                  resume=False, master_weights=None,
                  store_param_remainders=False, state_dtype=torch.float32,
                  max_grad_norm=0.0, grad_scale=None, assume_finite=False,
@@ -1214,6 +1220,35 @@ def _warn_in_user_code(message):
 
 
 _requires_grad = operator.attrgetter("requires_grad")
+
+
+def _dist_identity(rank, world_size):
+    """rank and world_size as given, else torch.distributed's when it is
+    initialized, else 0 and 1."""
+    initialized = torch.distributed.is_available() and \
+        torch.distributed.is_initialized()
+    if rank is None:
+        rank = torch.distributed.get_rank() if initialized else 0
+    if world_size is None:
+        world_size = torch.distributed.get_world_size() if initialized else 1
+    return rank, world_size
+
+
+def _shared_job_id():
+    """A job id for every rank: rank 0 makes it and the trainers' own
+    process group carries it to the others (a collective: every rank
+    constructs its optimizer at the same point, as with torch's
+    ZeroRedundancyOptimizer)."""
+    if not (torch.distributed.is_available() and
+            torch.distributed.is_initialized()):
+        raise ValueError(
+            "gradient_sharding with world_size > 1 needs the job's ranks to "
+            "share a job id: pass job_id= (the same on every rank) or "
+            "initialize torch.distributed first")
+    box = ["%s-%d-%s" % (socket.gethostname(), os.getpid(),
+                         secrets.token_hex(4))]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _close_session(client, job, rank):
