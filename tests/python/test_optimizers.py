@@ -1,4 +1,5 @@
-"""optimd.torch.SGD against torch.optim.SGD and optimd.torch.Lion against
+"""optimd.torch.SGD against torch.optim.SGD, optimd.torch.Adam against
+torch.optim.Adam, and optimd.torch.Lion against
 a reference written with torch ops (the published update), through the
 real daemon (CPU backend): every option, schedulers that change momentum,
 parameters whose first gradient comes late, state dicts both ways, layout
@@ -15,7 +16,7 @@ import torch
 
 import optimd
 from optimd.testing import Daemon
-from optimd.torch import SGD, Lion
+from optimd.torch import SGD, Adam, Lion
 
 SEED = int(os.environ.get("OPTIMD_TEST_SEED", random.randrange(1 << 30)))
 print("seed", SEED)
@@ -223,6 +224,29 @@ class SgdParity(Base):
             SGD(p, lr=0.1, nesterov=True, address=self.daemon.address)
         with self.assertRaises(ValueError):
             SGD(p, lr=-1.0, address=self.daemon.address)
+
+
+class AdamParity(Base):
+    def test_adam_is_torch_adam(self):
+        for wd, amsgrad in itertools.product((0.0, 0.01), (False, True)):
+            with self.subTest(weight_decay=wd, amsgrad=amsgrad):
+                ours, theirs = self.twins()
+                opt = self.make(Adam, ours, lr=1e-2, weight_decay=wd,
+                                amsgrad=amsgrad)
+                ref = torch.optim.Adam(theirs, lr=1e-2, weight_decay=wd,
+                                       amsgrad=amsgrad)
+                self.assertEqual(opt.param_groups[0]["weight_decay"], wd)
+                for step in range(50):
+                    self.grads(ours, theirs)
+                    opt.step()
+                    ref.step()
+                    self.assert_close(ours, theirs, 1e-5, "step %d" % step)
+        with self.assertRaises(TypeError):
+            Adam([torch.nn.Parameter(torch.zeros(2))], adam_w_mode=True)
+        # torch.optim.Adam's default: no weight decay.
+        p = [torch.nn.Parameter(torch.zeros(2))]
+        self.assertEqual(self.make(Adam, p).param_groups[0]["weight_decay"],
+                         0.0)
 
 
 class LionParity(Base):

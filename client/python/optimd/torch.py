@@ -1,5 +1,5 @@
-"""optimd.torch.AdamW, SGD and Lion: drop-in torch optimizers whose step
-runs in the optimd daemon.
+"""optimd.torch.AdamW, Adam, SGD and Lion: drop-in torch optimizers whose
+step runs in the optimd daemon.
 
     from optimd.torch import AdamW
     opt = AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2)
@@ -949,7 +949,7 @@ class AdamW(_DaemonOptimizer):
             raise ValueError(
                 "Invalid weight_decay value: {}".format(weight_decay))
         self._check_options(torch_options, exp_avg_dtype)
-        defaults = _torch_defaults(torch.optim.AdamW)
+        defaults = _torch_defaults(self._torch_class)
         defaults.update(torch_options)
         defaults.update(dict(
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
@@ -965,6 +965,8 @@ class AdamW(_DaemonOptimizer):
                     timeout=timeout, gradient_sharding=gradient_sharding)
 
     _kind = pb.OPTIMIZER_KIND_ADAMW
+    # Whose keyword defaults the param_groups carry.
+    _torch_class = torch.optim.AdamW
 
     def _fill_hyper(self, h, group):
         h.lr = float(group["lr"])
@@ -997,6 +999,24 @@ class AdamW(_DaemonOptimizer):
                 "param_groups[%d]['amsgrad'] was turned on after steps: the "
                 "state has no max_exp_avg_sq (torch.optim.AdamW fails the "
                 "same way); set amsgrad before the first step" % gi)
+
+
+class Adam(AdamW):
+    """torch.optim.Adam with the step in the optimd daemon: AdamW with
+    Adam's L2 weight decay (folded into the gradient) and torch.optim.Adam's
+    defaults (weight_decay=0), so that a torch.optim.Adam user changes only
+    the import. The optimd arguments are those of optimd.torch.AdamW."""
+
+    _torch_class = torch.optim.Adam
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=0.0, amsgrad=False, **kwargs):
+        if "adam_w_mode" in kwargs:
+            raise TypeError("optimd.torch.Adam is Adam (L2 decay); use "
+                            "optimd.torch.AdamW for decoupled decay")
+        super().__init__(params, lr=lr, betas=betas, eps=eps,
+                         weight_decay=weight_decay, amsgrad=amsgrad,
+                         adam_w_mode=False, **kwargs)
 
 
 class SGD(_DaemonOptimizer):
