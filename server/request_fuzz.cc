@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <memory>
+#include <tuple>
 
 #include "backends/cpu/cpu_backend.h"
 #include "core/session.h"
@@ -51,6 +52,18 @@ v1::RegisterGroupRequest BaseGroup(const std::string& id, uint64_t offset) {
     *t->mutable_param() = Handle(kParams, at, i == 0 ? 64 : 32);
     *t->mutable_grad() = Handle(kGrads, at, i == 0 ? 64 : 32);
   }
+  return r;
+}
+
+// BaseGroup with another optimizer.
+v1::RegisterGroupRequest OptimizerGroup(const std::string& id, uint64_t offset,
+                                        v1::OptimizerKind kind) {
+  v1::RegisterGroupRequest r = BaseGroup(id, offset);
+  r.mutable_hyperparameters()->set_optimizer(kind);
+  r.mutable_hyperparameters()->set_momentum(0.9);
+  r.mutable_hyperparameters()->set_nesterov(kind == v1::OPTIMIZER_KIND_SGD);
+  r.mutable_hyperparameters()->set_beta1(0.9);
+  r.mutable_hyperparameters()->set_beta2(0.99);
   return r;
 }
 
@@ -120,8 +133,12 @@ absl::Status ApplyFuzzRequest(const uint8_t* data, size_t size) {
   std::string done;
   Session s(SessionIdentity{"fuzz", 0, 1, -1}, &backend, &budget,
             *backend.OpenSession(-1, "", &done));
+  // An AdamW group "g" and an SGD group "s" (momentum, nesterov).
   auto base = GroupSpecFromProto(BaseGroup("g", 0));
   if (!base.ok() || !s.RegisterGroup(*base).ok()) std::abort();
+  auto sgd =
+      GroupSpecFromProto(OptimizerGroup("s", 512, v1::OPTIMIZER_KIND_SGD));
+  if (!sgd.ok() || !s.RegisterGroup(*sgd).ok()) std::abort();
   const absl::Status status =
       Apply(s, static_cast<char>(data[0]),
             std::string(reinterpret_cast<const char*>(data) + 1, size - 1));
@@ -154,6 +171,16 @@ absl::Status WriteRequestSeeds(const std::string& dir) {
   st->set_data(std::string(64, '\0'));
   v1::GetStateRequest get;
   get.add_tensor_names("g.h");
+  v1::StepRequest momentum;
+  auto* mo = momentum.add_overrides();
+  mo->set_group_id("s");
+  mo->set_momentum(0.8);
+  v1::StepRequest momentum_off = momentum;
+  momentum_off.mutable_overrides(0)->set_momentum(0);
+  v1::SetStateRequest buffer = set;
+  buffer.set_group_id("s");
+  buffer.mutable_tensors(0)->set_tensor("s.w");
+  buffer.mutable_tensors(0)->set_kind("momentum_buffer");
   const std::pair<const char*, std::string> seeds[] = {
       {"valid-register", BaseGroup("n", 2048).SerializeAsString()},
       {"valid-update", update.SerializeAsString()},
@@ -164,6 +191,18 @@ absl::Status WriteRequestSeeds(const std::string& dir) {
   for (const auto& [name, bytes] : seeds) {
     std::ofstream out(dir + "/" + name, std::ios::binary);
     out << kind++ << bytes;
+    if (!out) return absl::InternalError(dir + "/" + name);
+  }
+  // SGD and Lion: (kind, name, request).
+  const std::tuple<char, const char*, std::string> more[] = {
+      {0, "valid-register-lion",
+       OptimizerGroup("l", 3072, v1::OPTIMIZER_KIND_LION).SerializeAsString()},
+      {2, "valid-step-momentum", momentum.SerializeAsString()},
+      {2, "step-momentum-off", momentum_off.SerializeAsString()},
+      {3, "valid-setstate-momentum-buffer", buffer.SerializeAsString()}};
+  for (const auto& [k, name, bytes] : more) {
+    std::ofstream out(dir + "/" + name, std::ios::binary);
+    out << k << bytes;
     if (!out) return absl::InternalError(dir + "/" + name);
   }
   return absl::OkStatus();

@@ -17,12 +17,6 @@ runs="${1:-100000}"
 out="$(mktemp -d /tmp/optimd-fuzz-XXXXXX)"
 trap 'rm -rf "$out"' EXIT
 
-core=(core/checkpoint.cc core/checkpoint_header.cc common/crc32c.cc
-      common/fault_guard.cc core/group.cc core/layout.cc core/dtype.cc
-      core/optimizer.cc backends/cpu/cpu_backend.cc
-      backends/cpu/shm_segment.cc common/thread_pool.cc core/session.cc
-      core/session_state.cc core/state_budget.cc kernels/adamw_cpu.cc
-      kernels/sgd_cpu.cc kernels/lion_cpu.cc kernels/step_cpu.cc)
 absl=(-labsl_statusor -labsl_status -labsl_cord -labsl_cordz_info
       -labsl_cord_internal -labsl_cordz_functions -labsl_cordz_handle
       -labsl_exponential_biased -labsl_synchronization
@@ -45,7 +39,7 @@ fuzz() {
   shift
   libs=("$@")
   echo "== building $name (clang, libFuzzer, ASan, UBSan)"
-  "${cxx[@]}" "${srcs[@]}" "${core[@]}" -o "$out/$name" "${absl[@]}" \
+  "${cxx[@]}" "${srcs[@]}" -o "$out/$name" "${absl[@]}" \
     "${libs[@]}" -lisal -lpthread -lrt
   mkdir "$out/$name.corpus"
   echo "== fuzzing $name: $runs executions"
@@ -61,9 +55,20 @@ fuzz() {
   fi
 }
 
+# The C++ sources a Bazel target is built from (this repository's, not the
+# generated ones), so that the fuzz builds follow the BUILD files.
+sources_of() {
+  bazel query --noshow_progress "kind('source file', deps($1))" 2>/dev/null |
+    grep -E '^//[a-z][^:]*:[^:]*\.cc$' | sed 's#^//##; s#:#/#' |
+    grep -v '_test\.cc$'
+}
+
 bazel build //proto:optimd_cc_proto >/dev/null
-fuzz checkpoint_fuzz tests/core/testdata/checkpoint_corpus tests/core/checkpoint_fuzz.cc --
-fuzz request_fuzz server/testdata/request_corpus server/request_fuzz.cc \
-  server/convert.cc bazel-bin/proto/optimd/v1/optimd.pb.cc -- \
+mapfile -t checkpoint_srcs < <(sources_of //tests/core:checkpoint_fuzz)
+mapfile -t request_srcs < <(sources_of //server:request_fuzz)
+fuzz checkpoint_fuzz tests/core/testdata/checkpoint_corpus \
+  "${checkpoint_srcs[@]}" --
+fuzz request_fuzz server/testdata/request_corpus "${request_srcs[@]}" \
+  bazel-bin/proto/optimd/v1/optimd.pb.cc -- \
   -lgrpc++ -lgrpc -lgpr -lprotobuf
 echo "== no crashes in $runs executions of each target"
