@@ -9,9 +9,9 @@
 #include "core/layout.h"
 #include "core/optimizer.h"
 #include "core/step_types.h"
-#include "kernels/adamw_cpu.h"
-#include "kernels/lion_cpu.h"
-#include "kernels/sgd_cpu.h"
+#include "kernels/adamw/adamw_cpu.h"
+#include "kernels/lion/lion_cpu.h"
+#include "kernels/sgd/sgd_cpu.h"
 
 namespace optimd {
 

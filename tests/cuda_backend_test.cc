@@ -21,7 +21,7 @@
 #include "client/shm_tensor.h"
 #include "core/session.h"
 #include "gtest/gtest.h"
-#include "kernels/adamw_cpu.h"
+#include "kernels/adamw/adamw_cpu.h"
 #include "testing/ipc_trainer.h"
 
 namespace optimd {

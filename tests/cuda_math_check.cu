@@ -57,7 +57,7 @@ struct Bf16Check {
   }
 };
 
-// The remainder split as kernels/adamw_cpu.h defines it.
+// The remainder split as kernels/adamw/adamw_cpu.h defines it.
 struct RemainderCheck {
   __device__ bool operator()(uint32_t u) const {
     const int16_t r = static_cast<int16_t>(static_cast<uint16_t>(u & 0xffffu));

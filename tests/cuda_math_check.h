@@ -27,8 +27,8 @@ MathCheck CheckDivisionByRecip(float b);
 // NaNs where they differ, plus the canonical NaN 0x7fffffff if it differs.
 MathCheck CheckBf16Rounding();
 
-// Compares SplitToRemainder with kernels/adamw_cpu.h's definition for every
-// float, and ReconstructFromRemainder with the float it came from (the
+// Compares SplitToRemainder with kernels/adamw/adamw_cpu.h's definition for
+// every float, and ReconstructFromRemainder with the float it came from (the
 // split is a bijection, so this covers every high half and remainder).
 MathCheck CheckRemainderSplit();
 

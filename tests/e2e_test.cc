@@ -23,7 +23,7 @@
 #include "client/shm_tensor.h"
 #include "core/backend.h"
 #include "gtest/gtest.h"
-#include "kernels/adamw_cpu.h"
+#include "kernels/adamw/adamw_cpu.h"
 #include "tests/daemon_process.h"
 
 namespace optimd {

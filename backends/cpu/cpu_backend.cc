@@ -11,7 +11,7 @@
 #include "common/fault_guard.h"
 #include "common/status_macros.h"
 #include "core/step_math.h"
-#include "kernels/adamw_cpu.h"
+#include "kernels/adamw/adamw_cpu.h"
 #include "kernels/step_cpu.h"
 
 namespace optimd {

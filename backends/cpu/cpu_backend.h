@@ -1,6 +1,6 @@
 // The CPU backend: trainer buffers are POSIX shared-memory segments, state
 // lives in the daemon's heap, and steps run the reference kernels of
-// kernels/adamw_cpu.h over a thread pool. The embedded default, and the
+// kernels/adamw/adamw_cpu.h over a thread pool. The embedded default, and the
 // reference every other backend is checked against.
 #ifndef OPTIMD_BACKENDS_CPU_CPU_BACKEND_H_
 #define OPTIMD_BACKENDS_CPU_CPU_BACKEND_H_

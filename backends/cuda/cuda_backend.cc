@@ -17,7 +17,7 @@
 #include "common/mutex.h"
 #include "common/status_macros.h"
 #include "core/step_math.h"
-#include "kernels/adamw_cuda.h"
+#include "kernels/adamw/adamw_cuda.h"
 
 namespace optimd {
 namespace {

@@ -1,5 +1,5 @@
 // Fused multi-tensor AdamW and gradient statistics on CUDA. The arithmetic
-// follows kernels/adamw_cpu.h operation by operation (this file is built
+// follows kernels/adamw/adamw_cpu.h operation by operation (this file is built
 // with -fmad=false, IEEE division and square root), so results equal the CPU
 // reference bit for bit given the same step scalars.
 #include <cuda_bf16.h>
@@ -11,7 +11,7 @@
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/adamw_cuda.h"
+#include "kernels/adamw/adamw_cuda.h"
 #include "kernels/cuda_math.cuh"
 
 namespace optimd {

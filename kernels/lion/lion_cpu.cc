@@ -1,4 +1,4 @@
-#include "kernels/lion_cpu.h"
+#include "kernels/lion/lion_cpu.h"
 
 #include "core/step_math.h"
 #include "kernels/cpu_layout.h"

@@ -1,4 +1,4 @@
-#include "kernels/sgd_cpu.h"
+#include "kernels/sgd/sgd_cpu.h"
 
 #include "core/step_math.h"
 #include "kernels/cpu_layout.h"

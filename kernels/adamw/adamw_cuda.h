@@ -19,8 +19,8 @@
 // clip coefficient are read by the kernels from device memory. Per-step
 // arguments travel in pinned host memory that the kernels read directly,
 // so a step of one group with one layout is four launches.
-#ifndef OPTIMD_KERNELS_ADAMW_CUDA_H_
-#define OPTIMD_KERNELS_ADAMW_CUDA_H_
+#ifndef OPTIMD_KERNELS_ADAMW_ADAMW_CUDA_H_
+#define OPTIMD_KERNELS_ADAMW_ADAMW_CUDA_H_
 
 #include <cstdint>
 
@@ -181,4 +181,4 @@ absl::Status LaunchConvert(DType src_dtype, const void* src, DType dst_dtype,
 }  // namespace cuda
 }  // namespace optimd
 
-#endif  // OPTIMD_KERNELS_ADAMW_CUDA_H_
+#endif  // OPTIMD_KERNELS_ADAMW_ADAMW_CUDA_H_

@@ -10,8 +10,8 @@
 //   p = p - lr*g
 // The momentum buffer is stored in the group's moment dtype; the update
 // uses its unrounded value.
-#ifndef OPTIMD_KERNELS_SGD_CPU_H_
-#define OPTIMD_KERNELS_SGD_CPU_H_
+#ifndef OPTIMD_KERNELS_SGD_SGD_CPU_H_
+#define OPTIMD_KERNELS_SGD_SGD_CPU_H_
 
 #include <cstdint>
 
@@ -46,4 +46,4 @@ void SgdStepRange(const Layout& layout, const TensorPointers& t, uint64_t begin,
 
 }  // namespace optimd
 
-#endif  // OPTIMD_KERNELS_SGD_CPU_H_
+#endif  // OPTIMD_KERNELS_SGD_SGD_CPU_H_

@@ -18,8 +18,8 @@
 //
 // Functions here are pure and thread-compatible: callers split a tensor into
 // disjoint element ranges and may run ranges on different threads.
-#ifndef OPTIMD_KERNELS_ADAMW_CPU_H_
-#define OPTIMD_KERNELS_ADAMW_CPU_H_
+#ifndef OPTIMD_KERNELS_ADAMW_ADAMW_CPU_H_
+#define OPTIMD_KERNELS_ADAMW_ADAMW_CPU_H_
 
 #include <cstdint>
 
@@ -74,4 +74,4 @@ void WriteParamFromMasterRange(const Layout& layout, const TensorPointers& t,
 
 }  // namespace optimd
 
-#endif  // OPTIMD_KERNELS_ADAMW_CPU_H_
+#endif  // OPTIMD_KERNELS_ADAMW_ADAMW_CPU_H_

@@ -8,8 +8,8 @@
 //   p = p - lr*sign(c)         (sign(0) = 0)
 //   m = m*beta2 + (1-beta2)*g
 // The momentum m ("exp_avg") is stored in the group's moment dtype.
-#ifndef OPTIMD_KERNELS_LION_CPU_H_
-#define OPTIMD_KERNELS_LION_CPU_H_
+#ifndef OPTIMD_KERNELS_LION_LION_CPU_H_
+#define OPTIMD_KERNELS_LION_LION_CPU_H_
 
 #include <cstdint>
 
@@ -43,4 +43,4 @@ void LionStepRange(const Layout& layout, const TensorPointers& t,
 
 }  // namespace optimd
 
-#endif  // OPTIMD_KERNELS_LION_CPU_H_
+#endif  // OPTIMD_KERNELS_LION_LION_CPU_H_

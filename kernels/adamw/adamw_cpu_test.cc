@@ -1,4 +1,4 @@
-#include "kernels/adamw_cpu.h"
+#include "kernels/adamw/adamw_cpu.h"
 
 #include <cmath>
 #include <random>
