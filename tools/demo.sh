@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 ./tools/setup.sh
 
 flags=()
-[ -x /usr/local/cuda/bin/nvcc ] || flags+=(--define=cuda=off)
+[ -x /usr/local/cuda/bin/nvcc ] || flags+=(--config=nocuda)
 
 echo "== building"
 bazel build "${flags[@]}" //server:optimd //client:optimctl //examples:mlp_trainer

@@ -15,7 +15,7 @@ cache_root="${XDG_CACHE_HOME:-$HOME/.cache}"
 flags=()
 if [ ! -x /usr/local/cuda/bin/nvcc ]; then
   echo "== no CUDA toolkit at /usr/local/cuda: building the CPU backend only"
-  flags+=(--define=cuda=off --build_tag_filters=-cuda)
+  flags+=(--config=nocuda)
 fi
 
 echo "== bazel test (GPU tests excluded)"
@@ -30,8 +30,7 @@ bazel test "${flags[@]}" --test_tag_filters=-gpu //...
 # 5 with a warm cache).
 echo "== C++ tests under ASan and UBSan"
 asan_base="$cache_root/optimd-asan-$checkout_key"
-bazel --output_base="$asan_base" test --config=asan --define=cuda=off \
-  --build_tag_filters=-cuda --test_tag_filters=-gpu \
+bazel --output_base="$asan_base" test --config=asan --config=nocuda \
   //common/... //core/... //kernels/... //backends/... //server/... \
   //tests/core/... \
   //tests:e2e_test //tests:random_requests_test
@@ -65,8 +64,7 @@ if "$control/race" 2>"$control/race.log" ||
 fi
 rm -rf "$control"
 tsan_base="$cache_root/optimd-tsan-$checkout_key"
-bazel --output_base="$tsan_base" test --config=tsan --define=cuda=off \
-  --build_tag_filters=-cuda --test_tag_filters=-gpu \
+bazel --output_base="$tsan_base" test --config=tsan --config=nocuda \
   --test_env=TSAN_OPTIONS="suppressions=$PWD/tools/tsan.supp" \
   --test_arg=--gtest_filter=-*LongNamesAndTooManyTensors*:*ManyTensors*:*Million*:*HeaderPastTheLimit*:*PackedFormatHolds*:*PackedFormatDetects* \
   //common:thread_pool_test //core:rank_exchange_test \
