@@ -119,8 +119,7 @@ absl::StatusOr<BufferRef> SegmentCache::Resolve(const BufferHandle& handle,
   std::shared_ptr<SharedMemorySegment> segment;
   {
     MutexLock lock(&mu_);
-    auto it = segments_.find(handle.segment_name);
-    if (it != segments_.end()) segment = it->second.lock();
+    segment = segments_.Find(handle.segment_name);
     // A name unlinked or recreated since it was cached: open what it names
     // now (tensors registered earlier keep their own mapping).
     if (segment != nullptr && !segment->StillNamed()) segment = nullptr;
@@ -132,12 +131,8 @@ absl::StatusOr<BufferRef> SegmentCache::Resolve(const BufferHandle& handle,
             absl::StrCat(what, ": ", opened.status().message()));
       }
       segment = *std::move(opened);
-      segments_[handle.segment_name] = segment;
+      segments_.Put(handle.segment_name, segment);
       ++opens_;
-      // Drop entries whose segments are gone so the map does not grow.
-      for (auto i = segments_.begin(); i != segments_.end();) {
-        i = i->second.expired() ? segments_.erase(i) : std::next(i);
-      }
     }
   }
   if (handle.offset > segment->size() ||
@@ -161,9 +156,7 @@ absl::StatusOr<BufferRef> SegmentCache::Resolve(const BufferHandle& handle,
 
 int SegmentCache::OpenSegments() const {
   MutexLock lock(&mu_);
-  int n = 0;
-  for (const auto& [name, weak] : segments_) n += weak.expired() ? 0 : 1;
-  return n;
+  return segments_.Live();
 }
 
 uint64_t SegmentCache::opens() const {

@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/mutex.h"
+#include "common/weak_cache.h"
 #include "core/buffer.h"
 
 namespace optimd {
@@ -87,8 +88,7 @@ class SegmentCache {
 
  private:
   mutable Mutex mu_;
-  std::map<std::string, std::weak_ptr<SharedMemorySegment>> segments_
-      ABSL_GUARDED_BY(mu_);
+  WeakCache<SharedMemorySegment> segments_ ABSL_GUARDED_BY(mu_);
   uint64_t opens_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

@@ -16,6 +16,7 @@
 #include "backends/cuda/cuda_status.h"
 #include "common/mutex.h"
 #include "common/status_macros.h"
+#include "common/weak_cache.h"
 #include "core/step_math.h"
 #include "kernels/adamw/adamw_cuda.h"
 
@@ -278,8 +279,7 @@ class CudaBackend final : public Backend {
   uint64_t next_plan_id_ = 1;
 
   Mutex mu_;
-  std::map<std::string, std::weak_ptr<IpcMapping>> mappings_
-      ABSL_GUARDED_BY(mu_);
+  WeakCache<IpcMapping> mappings_ ABSL_GUARDED_BY(mu_);
 
   // Per-step scratch: per group of the stepping session, its sum of squares
   // and a device copy of its arguments.
@@ -311,8 +311,7 @@ absl::StatusOr<BufferRef> CudaBackend::ResolveBuffer(const BufferHandle& handle,
   std::shared_ptr<IpcMapping> mapping;
   {
     MutexLock lock(&mu_);
-    auto it = mappings_.find(handle.ipc_handle);
-    if (it != mappings_.end()) mapping = it->second.lock();
+    mapping = mappings_.Find(handle.ipc_handle);
     if (mapping == nullptr) {
       cudaSetDevice(device_);
       cudaIpcMemHandle_t h;
@@ -341,10 +340,7 @@ absl::StatusOr<BufferRef> CudaBackend::ResolveBuffer(const BufferHandle& handle,
           range_size - (reinterpret_cast<uint64_t>(base) - range_base);
       mapping = std::make_shared<IpcMapping>(
           device_, stream_, static_cast<uint8_t*>(base), usable);
-      mappings_[handle.ipc_handle] = mapping;
-      for (auto i = mappings_.begin(); i != mappings_.end();) {
-        i = i->second.expired() ? mappings_.erase(i) : std::next(i);
-      }
+      mappings_.Put(handle.ipc_handle, mapping);
     }
   }
   if (handle.offset > mapping->size() ||
