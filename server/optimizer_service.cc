@@ -57,6 +57,21 @@ void RemoveStaleSpoolFiles(const std::string& dir) {
   closedir(d);
 }
 
+// The API's GradientSharding; INVALID_ARGUMENT for an unknown value.
+absl::StatusOr<GradientSharding> ShardingFromProto(int sharding) {
+  switch (sharding) {
+    case v1::GRADIENT_SHARDING_UNSPECIFIED:
+      return GradientSharding::kNone;
+    case v1::GRADIENT_SHARDING_REPLICATED:
+      return GradientSharding::kReplicated;
+    case v1::GRADIENT_SHARDING_SHARDED:
+      return GradientSharding::kSharded;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown gradient_sharding ", sharding,
+                   " (0: none, 1: replicated, 2: sharded)"));
+}
+
 }  // namespace
 
 OptimizerServiceImpl::OptimizerServiceImpl(SessionRegistry* registry,
@@ -157,23 +172,12 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::CreateSession(
   id.rank = request->rank();
   id.world_size = request->world_size();
   id.device = request->device();
-  switch (request->gradient_sharding()) {
-    case v1::GRADIENT_SHARDING_UNSPECIFIED:
-      break;
-    case v1::GRADIENT_SHARDING_REPLICATED:
-      id.sharding = GradientSharding::kReplicated;
-      break;
-    case v1::GRADIENT_SHARDING_SHARDED:
-      id.sharding = GradientSharding::kSharded;
-      break;
-    default:
-      reactor->Finish(
-          grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                       absl::StrCat("unknown gradient_sharding ",
-                                    request->gradient_sharding(),
-                                    " (0: none, 1: replicated, 2: sharded)")));
-      return reactor;
+  auto sharding = ShardingFromProto(request->gradient_sharding());
+  if (!sharding.ok()) {
+    reactor->Finish(ToGrpcStatus(sharding.status()));
+    return reactor;
   }
+  id.sharding = *sharding;
   if (!request->ready_event().empty() && request->ready_event().size() != 64) {
     reactor->Finish(grpc::Status(
         grpc::StatusCode::INVALID_ARGUMENT,

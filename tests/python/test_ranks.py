@@ -139,6 +139,12 @@ class Ranks(unittest.TestCase):
             self.optimizer([torch.nn.Parameter(torch.zeros(4))], job, 1,
                            gradient_sharding="fsdp")
         o0.close()
+        client = optimd.Client(self.daemon.address)
+        with self.assertRaises(optimd.InvalidArgumentError) as e:
+            client.create_session(job + "-raw", rank=0, world_size=2,
+                                  gradient_sharding=7)
+        self.assertIn("unknown gradient_sharding 7", str(e.exception))
+        client.close()
 
 
 def _ddp_rank(rank, init_file, address, steps, inf_step, out):
