@@ -268,6 +268,26 @@ class CudaBackend final : public Backend {
                             cudaStream_t stream);
   absl::Status ReadRecord(CudaSession& s, StepRecord& record,
                           const std::vector<Group*>& groups, StepOutcome* out);
+  // The parts of Step, in order. RecycleRecord: waits for the record's
+  // earlier step and reads it if unread. RefreshGraphKey: drops the step
+  // graphs when the groups, scratch, statistics flag or progress word
+  // changed (compared in place: no allocation on a step that keeps them).
+  // FillRecord: the record's memory and every group's arguments.
+  // LaunchStep: waits for the trainer's ready flag, runs the step (its
+  // graph, captured once per record), writes the done flag. Outcome: the
+  // step's own outcome (wait) or the last completed one's.
+  absl::Status RecycleRecord(CudaSession& s, StepRecord& record,
+                             const std::vector<Group*>& groups);
+  void RefreshGraphKey(CudaSession& s, const std::vector<Group*>& groups,
+                       bool statistics, uint32_t* progress);
+  absl::Status FillRecord(StepRecord& record, const std::vector<Group*>& groups,
+                          const StepOptions& options);
+  absl::Status LaunchStep(CudaSession& s, const std::vector<Group*>& groups,
+                          StepRecord& record, const StepOptions& options,
+                          bool statistics, uint32_t* progress);
+  absl::StatusOr<StepOutcome> Outcome(CudaSession& s, StepRecord& record,
+                                      const std::vector<Group*>& groups,
+                                      bool wait, uint64_t seq);
 
   const int device_;
   const CudaBackendOptions options_;
@@ -835,19 +855,8 @@ absl::Status CudaBackend::EnqueueStep(CudaSession& s,
       record.host, stream);
 }
 
-absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
-                                              const std::vector<Group*>& groups,
-                                              const StepOptions& options) {
-  auto& s = *static_cast<CudaSession*>(session);
-  OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
-  const uint32_t n = static_cast<uint32_t>(groups.size());
-  OPTIMD_RETURN_IF_ERROR(EnsureScratch(std::max<uint32_t>(n, 1)));
-  const bool statistics = !options.assume_finite || options.max_grad_norm > 0;
-
-  // The step's record: its earlier step must have completed (this blocks only
-  // when more steps than records are in flight).
-  const uint64_t seq = s.sequence + 1;
-  StepRecord& record = s.records[seq % s.records.size()];
+absl::Status CudaBackend::RecycleRecord(CudaSession& s, StepRecord& record,
+                                        const std::vector<Group*>& groups) {
   if (record.sequence != 0) {
     OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(record.event));
     if (record.sequence > s.last_sequence) {
@@ -856,9 +865,13 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
     }
     record.sequence = 0;
   }
-  // Graphs built for other groups (or other scratch memory) are stale. The
-  // key is compared in place: no allocation on a step that keeps it.
-  uint32_t* progress = options.staged ? options.step_flags + 2 : nullptr;
+  return absl::OkStatus();
+}
+
+void CudaBackend::RefreshGraphKey(CudaSession& s,
+                                  const std::vector<Group*>& groups,
+                                  bool statistics, uint32_t* progress) {
+  const uint32_t n = static_cast<uint32_t>(groups.size());
   const auto key_at = [&](size_t i) -> uint64_t {
     if (i == 0) return statistics ? 1 : 0;
     if (i == 1) return scratch_generation_;
@@ -879,6 +892,12 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
     s.graph_key.resize(key_size);
     for (size_t i = 0; i < key_size; ++i) s.graph_key[i] = key_at(i);
   }
+}
+
+absl::Status CudaBackend::FillRecord(StepRecord& record,
+                                     const std::vector<Group*>& groups,
+                                     const StepOptions& options) {
+  const uint32_t n = static_cast<uint32_t>(groups.size());
   if (record.capacity < n || record.memory == nullptr) {
     if (record.memory != nullptr) cudaFreeHost(record.memory);
     record.memory = nullptr;
@@ -914,7 +933,14 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
     a.absent = reinterpret_cast<const uint32_t*>(plan->absent_d.data());
     a.missed = reinterpret_cast<uint32_t*>(plan->missed_d.data());
   }
+  return absl::OkStatus();
+}
 
+absl::Status CudaBackend::LaunchStep(CudaSession& s,
+                                     const std::vector<Group*>& groups,
+                                     StepRecord& record,
+                                     const StepOptions& options,
+                                     bool statistics, uint32_t* progress) {
   if (options.step_flags != nullptr) {
     OPTIMD_RETURN_IF_ERROR(StreamValue(driver_.stream_wait_value32,
                                        options.step_flags, options.sequence,
@@ -953,16 +979,14 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
                                        options.step_flags + 1, options.sequence,
                                        CU_STREAM_WRITE_VALUE_DEFAULT));
   }
-  OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventRecord(s.done, stream_));
-  OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventRecord(record.event, stream_));
-  s.sequence = seq;
-  record.groups = n;
-  record.sequence = seq;
-  record.grad_scale = EffectiveGradScale(options.grad_scale);
-  record.statistics = statistics;
+  return absl::OkStatus();
+}
 
+absl::StatusOr<StepOutcome> CudaBackend::Outcome(
+    CudaSession& s, StepRecord& record, const std::vector<Group*>& groups,
+    bool wait, uint64_t seq) {
   StepOutcome out;
-  if (options.wait) {
+  if (wait) {
     OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(record.event));
     OPTIMD_RETURN_IF_ERROR(ReadRecord(s, record, groups, &out));
     out.current = true;
@@ -985,6 +1009,36 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
     out.current = s.last_sequence == seq;
   }
   return out;
+}
+
+absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
+                                              const std::vector<Group*>& groups,
+                                              const StepOptions& options) {
+  auto& s = *static_cast<CudaSession*>(session);
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
+  const uint32_t n = static_cast<uint32_t>(groups.size());
+  OPTIMD_RETURN_IF_ERROR(EnsureScratch(std::max<uint32_t>(n, 1)));
+  const bool statistics = !options.assume_finite || options.max_grad_norm > 0;
+
+  // The step's record: its earlier step must have completed (this blocks only
+  // when more steps than records are in flight).
+  const uint64_t seq = s.sequence + 1;
+  StepRecord& record = s.records[seq % s.records.size()];
+  OPTIMD_RETURN_IF_ERROR(RecycleRecord(s, record, groups));
+  // Graphs built for other groups (or other scratch memory) are stale.
+  uint32_t* progress = options.staged ? options.step_flags + 2 : nullptr;
+  RefreshGraphKey(s, groups, statistics, progress);
+  OPTIMD_RETURN_IF_ERROR(FillRecord(record, groups, options));
+  OPTIMD_RETURN_IF_ERROR(
+      LaunchStep(s, groups, record, options, statistics, progress));
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventRecord(s.done, stream_));
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventRecord(record.event, stream_));
+  s.sequence = seq;
+  record.groups = n;
+  record.sequence = seq;
+  record.grad_scale = EffectiveGradScale(options.grad_scale);
+  record.statistics = statistics;
+  return Outcome(s, record, groups, options.wait, seq);
 }
 
 absl::Status CudaBackend::StreamValue(StreamValue32Fn fn, uint32_t* word,
