@@ -65,22 +65,7 @@ class ABSL_LOCKABLE Mutex {
   // under TSan each evaluation is announced as a lock of its own.
   template <typename T>
   void Await(bool (*pred)(T*), T* arg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(this) {
-    struct Eval {
-      Mutex* mu;
-      bool (*pred)(T*);
-      T* arg;
-    };
-    Eval eval{this, pred, arg};
-    Announce(false);
-    mu_.Await(absl::Condition(
-        +[](Eval* e) {
-          e->mu->Announce(true);
-          const bool holds = e->pred(e->arg);
-          e->mu->Announce(false);
-          return holds;
-        },
-        &eval));
-    Announce(true);
+    AwaitWithDeadline(pred, arg, absl::InfiniteFuture());
   }
   // As Await, giving up at `deadline`: whether pred(arg) holds on return.
   template <typename T>
@@ -93,16 +78,15 @@ class ABSL_LOCKABLE Mutex {
     };
     Eval eval{this, pred, arg};
     Announce(false);
-    const bool holds = mu_.AwaitWithDeadline(absl::Condition(
-                                                 +[](Eval* e) {
-                                                   e->mu->Announce(true);
-                                                   const bool held =
-                                                       e->pred(e->arg);
-                                                   e->mu->Announce(false);
-                                                   return held;
-                                                 },
-                                                 &eval),
-                                             deadline);
+    const absl::Condition condition(
+        +[](Eval* e) {
+          e->mu->Announce(true);
+          const bool held = e->pred(e->arg);
+          e->mu->Announce(false);
+          return held;
+        },
+        &eval);
+    const bool holds = mu_.AwaitWithDeadline(condition, deadline);
     Announce(true);
     return holds;
   }
