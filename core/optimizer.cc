@@ -7,57 +7,64 @@
 namespace optimd {
 namespace {
 
-// Slot names by optimizer, in slot order.
-constexpr absl::string_view kAdamWSlots[] = {"exp_avg", "exp_avg_sq",
-                                             "max_exp_avg_sq"};
-constexpr absl::string_view kSgdSlots[] = {"momentum_buffer"};
-constexpr absl::string_view kLionSlots[] = {"exp_avg"};
+// Each optimizer's traits; a new optimizer adds one row (and its kernels).
+struct Traits {
+  OptimizerKind kind;
+  const char* name;
+  // Its state slots, in slot order ("" past the last).
+  const char* slots[kMaxStateSlots];
+  // How many of them a tensor of a group with `h` holds.
+  int (*slot_count)(const OptimizerHyper& h);
+};
+
+constexpr Traits kOptimizers[] = {
+    {OptimizerKind::kAdamW,
+     "adamw",
+     {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"},
+     [](const OptimizerHyper& h) { return h.amsgrad ? 3 : 2; }},
+    {OptimizerKind::kSgd,
+     "sgd",
+     {"momentum_buffer", "", ""},
+     [](const OptimizerHyper& h) { return h.momentum != 0 ? 1 : 0; }},
+    {OptimizerKind::kLion,
+     "lion",
+     {"exp_avg", "", ""},
+     [](const OptimizerHyper&) { return 1; }},
+};
+
+const Traits* TraitsOf(OptimizerKind kind) {
+  for (const Traits& t : kOptimizers) {
+    if (t.kind == kind) return &t;
+  }
+  return nullptr;
+}
 
 }  // namespace
 
 absl::string_view OptimizerName(OptimizerKind kind) {
-  switch (kind) {
-    case OptimizerKind::kAdamW:
-      return "adamw";
-    case OptimizerKind::kSgd:
-      return "sgd";
-    case OptimizerKind::kLion:
-      return "lion";
-  }
-  return "unknown";
+  const Traits* t = TraitsOf(kind);
+  return t != nullptr ? t->name : "unknown";
 }
 
 absl::StatusOr<OptimizerKind> OptimizerFromName(absl::string_view name) {
-  for (OptimizerKind k :
-       {OptimizerKind::kAdamW, OptimizerKind::kSgd, OptimizerKind::kLion}) {
-    if (name == OptimizerName(k)) return k;
+  std::string known;
+  for (const Traits& t : kOptimizers) {
+    if (name == t.name) return t.kind;
+    absl::StrAppend(&known, known.empty() ? "" : ", ", t.name);
   }
   return absl::InvalidArgumentError(
-      absl::StrCat("unknown optimizer '", name, "' (known: adamw, sgd, lion)"));
+      absl::StrCat("unknown optimizer '", name, "' (known: ", known, ")"));
 }
 
 int StateSlotCount(const OptimizerHyper& h) {
-  switch (h.kind) {
-    case OptimizerKind::kAdamW:
-      return h.amsgrad ? 3 : 2;
-    case OptimizerKind::kSgd:
-      return h.momentum != 0 ? 1 : 0;
-    case OptimizerKind::kLion:
-      return 1;
-  }
-  return 0;
+  const Traits* t = TraitsOf(h.kind);
+  return t != nullptr ? t->slot_count(h) : 0;
 }
 
 absl::string_view StateSlotName(OptimizerKind kind, int slot) {
-  switch (kind) {
-    case OptimizerKind::kAdamW:
-      return slot >= 0 && slot < 3 ? kAdamWSlots[slot] : "";
-    case OptimizerKind::kSgd:
-      return slot == 0 ? kSgdSlots[0] : "";
-    case OptimizerKind::kLion:
-      return slot == 0 ? kLionSlots[0] : "";
-  }
-  return "";
+  const Traits* t = TraitsOf(kind);
+  if (t == nullptr || slot < 0 || slot >= kMaxStateSlots) return "";
+  return t->slots[slot];
 }
 
 int StateSlotIndex(OptimizerKind kind, int count, absl::string_view name) {
