@@ -38,6 +38,7 @@ std::string RankExchange::Missing() const {
 absl::StatusOr<double> RankExchange::Reduce(uint32_t rank, double sumsq,
                                             absl::Time deadline) {
   MutexLock lock(&mu_);
+  if (!aborted_.empty()) return absl::AbortedError(aborted_);
   for (uint32_t r = 0; r < world_size_; ++r) {
     if (left_[r] && r != rank) {
       return absl::AbortedError(absl::StrCat(
@@ -86,6 +87,7 @@ absl::StatusOr<double> RankExchange::Reduce(uint32_t rank, double sumsq,
   // Withdrawn: the round waits for this rank again.
   arrived_[rank] = false;
   --arrivals_;
+  if (!aborted_.empty()) return absl::AbortedError(aborted_);
   if (done) {
     return absl::AbortedError(absl::StrCat(
         "a rank of job '", job_id_,
@@ -102,6 +104,12 @@ void RankExchange::Leave(uint32_t rank) {
   MutexLock lock(&mu_);
   if (rank >= world_size_) return;
   left_[rank] = true;
+  ++leaves_;
+}
+
+void RankExchange::Abort(const std::string& why) {
+  MutexLock lock(&mu_);
+  aborted_ = why.empty() ? std::string("aborted") : why;
   ++leaves_;
 }
 

@@ -54,6 +54,9 @@ class RankExchange {
   // and so do later ones until a session of that rank joins again.
   void Leave(uint32_t rank) ABSL_LOCKS_EXCLUDED(mu_);
   void Join(uint32_t rank) ABSL_LOCKS_EXCLUDED(mu_);
+  // Ends the exchange for good (the daemon is stopping): waiting and later
+  // rounds fail at once with ABORTED naming `why`.
+  void Abort(const std::string& why) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   // The ranks that have not contributed to the current round, for errors.
@@ -74,6 +77,7 @@ class RankExchange {
   double result_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<bool> left_ ABSL_GUARDED_BY(mu_);
   uint64_t leaves_ ABSL_GUARDED_BY(mu_) = 0;  // grows with every Leave
+  std::string aborted_ ABSL_GUARDED_BY(mu_);  // why, once Abort ran
 };
 
 }  // namespace optimd

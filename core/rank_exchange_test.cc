@@ -70,5 +70,19 @@ TEST(RankExchangeTest, LeavingRankAbortsTheOthers) {
   for (const auto& r : Round(x, {1.0, 2.0})) EXPECT_EQ(*r, 3.0);
 }
 
+// The daemon stopping ends every wait at once, and every later round.
+TEST(RankExchangeTest, AbortEndsWaitsAtOnce) {
+  RankExchange x("job", 2, GradientSharding::kSharded);
+  absl::StatusOr<double> waiting = 0.0;
+  std::thread t([&] { waiting = x.Reduce(0, 1.0, Soon()); });
+  absl::SleepFor(absl::Milliseconds(50));
+  x.Abort("the daemon is stopping");
+  t.join();
+  EXPECT_EQ(waiting.status().code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(waiting.status().message(), "the daemon is stopping");
+  EXPECT_EQ(x.Reduce(1, 1.0, Soon()).status().code(),
+            absl::StatusCode::kAborted);
+}
+
 }  // namespace
 }  // namespace optimd

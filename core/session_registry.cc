@@ -144,6 +144,13 @@ absl::StatusOr<std::shared_ptr<RankExchange>> SessionRegistry::ExchangeFor(
   return x;
 }
 
+void SessionRegistry::AbortExchanges(const std::string& why) {
+  MutexLock lock(&mu_);
+  for (auto& [job, weak] : exchanges_) {
+    if (auto x = weak.lock()) x->Abort(why);
+  }
+}
+
 SessionRegistry::SessionRegistry(std::vector<Backend*> backends,
                                  StateBudget* budget)
     : backends_(std::move(backends)), budget_(budget) {

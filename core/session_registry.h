@@ -94,6 +94,9 @@ class SessionRegistry {
   // The backend serving `device`, or FAILED_PRECONDITION.
   absl::StatusOr<Backend*> BackendFor(int device) const;
   StateBudget* budget() const { return budget_; }
+  // Ends every job's exchange of statistics (the daemon is stopping):
+  // steps waiting for other ranks return ABORTED naming `why` at once.
+  void AbortExchanges(const std::string& why) ABSL_LOCKS_EXCLUDED(mu_);
   // How long a step of a session whose ranks exchange statistics waits for
   // the other ranks (the daemon's --rank_timeout). Set before serving.
   void set_rank_timeout(absl::Duration t) { rank_timeout_ = t; }

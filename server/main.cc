@@ -428,6 +428,9 @@ void AwaitShutdown(const sigset_t& signals,
   // workers still hold. gRPC's own Shutdown then has nothing left to wait
   // for (given a deadline, it would also wait on idle client connections).
   service.StartDraining();
+  // Steps waiting for the other ranks of their job would hold their
+  // sessions (and the save below) until --rank_timeout_s: end those waits.
+  registry.AbortExchanges("the daemon is stopping");
   const absl::Time deadline =
       absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_shutdown_grace_s));
   while (service.pending() > 0 && absl::Now() < deadline) {

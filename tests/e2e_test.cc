@@ -327,6 +327,31 @@ TEST_F(E2eTest, RanksAgreeOnTheJobsGradientNorm) {
   EXPECT_TRUE(replies[1]->skipped());
 }
 
+// A daemon told to stop while a rank waits for the others of its job ends
+// that wait at once (ABORTED) instead of holding its shutdown until
+// --rank_timeout_s.
+TEST_F(E2eTest, StoppingDaemonEndsRankWaits) {
+  daemon_->Stop();
+  auto d = DaemonProcess::Start({"--rank_timeout_s=300"});
+  ASSERT_TRUE(d.ok()) << d.status();
+  daemon_ = *std::move(d);
+  auto c = Connect();
+  v1::CreateSessionRequest cs = CpuSession("job", 0);
+  cs.set_world_size(2);
+  cs.set_gradient_sharding(v1::GRADIENT_SHARDING_REPLICATED);
+  ASSERT_TRUE(c->CreateSession(cs).ok());
+  ASSERT_TRUE(c->RegisterGroup(Group("g", {Tensor("w", 4, 0)})).ok());
+  absl::StatusOr<v1::StepResponse> waiting;
+  std::thread t([&] { waiting = c->Step(v1::StepRequest()); });
+  absl::SleepFor(absl::Milliseconds(300));
+  const absl::Time start = absl::Now();
+  EXPECT_EQ(daemon_->Stop(), 0);
+  t.join();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+  EXPECT_FALSE(waiting.ok());
+  daemon_.reset();  // stopped: TearDown has nothing to check
+}
+
 TEST_F(E2eTest, ResumeKeepsState) {
   OpenSession(client_.get(), "job", 0);
   ASSERT_TRUE(client_->RegisterGroup(Group("g", {Tensor("w", 4, 0)})).ok());
