@@ -152,7 +152,11 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::OnWorker(
     reactor->Finish(ToGrpcStatus(session.status()));
     return reactor;
   }
-  DeviceWorker* worker = file_io && (*session)->backend()->HostAddressable()
+  // File I/O of host-addressable sessions runs on the I/O worker, so that
+  // other sessions keep stepping; not for sessions whose steps may wait for
+  // other ranks while holding the session (the I/O worker would wait too).
+  DeviceWorker* worker = file_io && (*session)->backend()->HostAddressable() &&
+                                 !(*session)->exchanges_statistics()
                              ? &io_worker_
                              : WorkerFor(*session);
   worker->Post([reactor, work = std::move(work),
