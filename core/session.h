@@ -368,7 +368,8 @@ class Session {
   // open, closing one a wait for the device. At most kRecentMappings.
   static constexpr size_t kRecentMappings = 64;
   std::deque<std::shared_ptr<const void>> recent_mappings_ ABSL_GUARDED_BY(mu_);
-  // Reused by Step so that a step allocates nothing.
+  // The groups in registration order, kept so that a step need not build
+  // the list.
   std::vector<Group*> step_groups_ ABSL_GUARDED_BY(mu_);
   uint64_t state_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   // Bytes of the trainers' parameters registered (at most kMaxSessionBytes).

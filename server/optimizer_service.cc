@@ -221,7 +221,7 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::CreateSession(
   log::Info(absl::StrCat(
       "session ", created->resumed ? "resumed" : "created", ": ",
       SessionName(id), " device ", id.device, " world_size ", id.world_size,
-      id.sharding == GradientSharding::kNone
+      !created->session->exchanges_statistics()
           ? ""
           : absl::StrCat(" (", GradientShardingName(id.sharding),
                          " gradients, ranks agree)"),

@@ -62,7 +62,10 @@ TEST(RandomRequestsTest, DaemonSurvivesAndStaysConsistent) {
   const uint32_t seed = std::random_device{}();
   std::printf("seed %u\n", seed);
   Random r(seed);
-  auto daemon = DaemonProcess::Start({"--max_state_bytes=100000000"});
+  // Sessions that say their ranks exchange statistics wait for the
+  // others: briefly, so that random steps of a lone rank time out fast.
+  auto daemon = DaemonProcess::Start(
+      {"--max_state_bytes=100000000", "--rank_timeout_s=0.01"});
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   auto client = *(*daemon)->Connect();
   auto seg = *SharedMemoryRegion::Create(1 << 20);
@@ -94,6 +97,10 @@ TEST(RandomRequestsTest, DaemonSurvivesAndStaysConsistent) {
       cs.set_device(static_cast<int32_t>(r.U(3)) - 1);
       cs.set_resume(true);
       if (r.U(10) == 0) cs.set_ready_event(std::string(r.U(80), 'e'));
+      if (r.U(4) == 0) {
+        cs.set_gradient_sharding(
+            static_cast<v1::GradientSharding>(r.U(4)));  // 3: unknown
+      }
       (void)client->CreateSession(cs);
       ++answered;
       continue;
@@ -104,6 +111,11 @@ TEST(RandomRequestsTest, DaemonSurvivesAndStaysConsistent) {
       g.set_group_id("g" + std::to_string(r.U(4)));
       g.mutable_hyperparameters()->set_lr(1e-3);
       g.mutable_hyperparameters()->set_amsgrad(r.Coin());
+      // AdamW, SGD (with momentum or without) or Lion.
+      g.mutable_hyperparameters()->set_optimizer(
+          static_cast<v1::OptimizerKind>(r.U(4)));
+      g.mutable_hyperparameters()->set_momentum(r.Coin() ? 0.9 : 0);
+      g.mutable_hyperparameters()->set_beta2(0.99);
       for (uint64_t t = 1 + r.U(3); t > 0; --t) {
         auto* ts = g.add_tensors();
         ts->set_name("v" + std::to_string(r.U(1000)));
@@ -133,6 +145,10 @@ TEST(RandomRequestsTest, DaemonSurvivesAndStaysConsistent) {
         h->set_weight_decay(r.Real());
         h->set_mode(static_cast<v1::AdamMode>(r.U(4)));
         h->set_amsgrad(r.Coin());
+        h->set_optimizer(static_cast<v1::OptimizerKind>(r.U(5)));
+        h->set_momentum(r.Coin() ? 0 : r.Real());
+        h->set_dampening(r.Real());
+        h->set_nesterov(r.Coin());
         g.mutable_layout()->set_master_weights(
             static_cast<v1::MasterWeights>(r.U(5)));
         g.mutable_layout()->set_moment_dtype(r.DType());
@@ -160,6 +176,7 @@ TEST(RandomRequestsTest, DaemonSurvivesAndStaysConsistent) {
           o->set_group_id(r.Coin() ? "g" : r.Name());
           o->set_lr(r.Real());
           if (r.Coin()) o->set_beta1(r.Real());
+          if (r.Coin()) o->set_momentum(r.Coin() ? 0 : r.Real());
         }
         if (r.U(4) == 0) {
           auto* u = s.add_buffer_updates();
