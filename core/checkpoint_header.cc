@@ -133,7 +133,7 @@ json LayoutJson(const Layout& l) {
               {"master", std::string(MasterKindName(l.master))},
               {"optimizer", std::string(OptimizerName(l.optimizer))},
               {"state_slots", l.state_slots},
-              {"amsgrad", l.amsgrad}};
+              {"amsgrad", l.amsgrad()}};
 }
 
 std::string CrcHex(uint32_t crc) {

@@ -36,7 +36,7 @@ std::string Layout::DebugString() const {
   return absl::StrCat(
       "param=", DTypeName(param_dtype), " grad=", DTypeName(grad_dtype),
       " moments=", DTypeName(moment_dtype), " master=", MasterKindName(master),
-      " optimizer=", OptimizerName(optimizer), amsgrad ? " amsgrad" : "");
+      " optimizer=", OptimizerName(optimizer), amsgrad() ? " amsgrad" : "");
 }
 
 absl::StatusOr<Layout> ResolveLayout(const std::string& tensor,
@@ -49,7 +49,6 @@ absl::StatusOr<Layout> ResolveLayout(const std::string& tensor,
   layout.grad_dtype = grad_dtype;
   layout.optimizer = hyper.kind;
   layout.state_slots = static_cast<uint8_t>(StateSlotCount(hyper));
-  layout.amsgrad = hyper.kind == OptimizerKind::kAdamW && hyper.amsgrad;
   if (moment_dtype != DType::kFloat32 && moment_dtype != DType::kBFloat16) {
     return absl::InvalidArgumentError(
         absl::StrCat("tensor '", tensor,

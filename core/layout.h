@@ -38,8 +38,11 @@ struct Layout {
   // holds (StateSlotCount), each of moment_dtype.
   OptimizerKind optimizer = OptimizerKind::kAdamW;
   uint8_t state_slots = 2;
-  // AdamW: the third slot is the running maximum of the second moment.
-  bool amsgrad = false;
+
+  // AdamW with a third slot: the running maximum of the second moment.
+  bool amsgrad() const {
+    return optimizer == OptimizerKind::kAdamW && state_slots == 3;
+  }
 
   // Bytes of daemon-held state per element: master + state slots.
   uint64_t StateBytesPerElement() const;
@@ -50,8 +53,7 @@ struct Layout {
   bool operator==(const Layout& o) const {
     return param_dtype == o.param_dtype && grad_dtype == o.grad_dtype &&
            moment_dtype == o.moment_dtype && master == o.master &&
-           optimizer == o.optimizer && state_slots == o.state_slots &&
-           amsgrad == o.amsgrad;
+           optimizer == o.optimizer && state_slots == o.state_slots;
   }
   std::string DebugString() const;
 };

@@ -60,7 +60,7 @@ struct AdamWRange {
 
   template <class P, class G, class M, MasterKind K>
   void Run() {
-    if (layout.amsgrad) {
+    if (layout.amsgrad()) {
       if (s.adamw) return StepKernel<P, G, M, K, true, true>(t, begin, end, s);
       return StepKernel<P, G, M, K, true, false>(t, begin, end, s);
     }

@@ -11,7 +11,7 @@ namespace {
 
 Layout Fp32Layout(bool amsgrad = false) {
   Layout l;
-  l.amsgrad = amsgrad;
+  l.state_slots = amsgrad ? 3 : 2;
   return l;
 }
 

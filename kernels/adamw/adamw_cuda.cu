@@ -561,7 +561,7 @@ absl::Status Launch(const Args& a) {
 
 template <class P, class G, class M, MasterKind K>
 absl::Status DispatchFlags(const Layout& l, const Args& a) {
-  if (l.amsgrad) {
+  if (l.amsgrad()) {
     return a.adamw ? Launch<P, G, M, K, true, true>(a)
                    : Launch<P, G, M, K, true, false>(a);
   }
