@@ -1,5 +1,6 @@
 #include "core/optimizer.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
@@ -65,6 +66,19 @@ absl::string_view StateSlotName(OptimizerKind kind, int slot) {
   const Traits* t = TraitsOf(kind);
   if (t == nullptr || slot < 0 || slot >= kMaxStateSlots) return "";
   return t->slots[slot];
+}
+
+std::vector<std::string> AllStateSlotNames() {
+  std::vector<std::string> out;
+  for (const Traits& t : kOptimizers) {
+    for (const char* slot : t.slots) {
+      if (*slot != '\0' &&
+          std::find(out.begin(), out.end(), slot) == out.end()) {
+        out.push_back(slot);
+      }
+    }
+  }
+  return out;
 }
 
 int StateSlotIndex(OptimizerKind kind, int count, absl::string_view name) {

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -66,6 +67,9 @@ int StateSlotCount(const OptimizerHyper& h);
 // daemon's checkpoints call it: AdamW exp_avg, exp_avg_sq, max_exp_avg_sq;
 // SGD momentum_buffer; Lion exp_avg.
 absl::string_view StateSlotName(OptimizerKind kind, int slot);
+
+// Every optimizer's state slot names, each once, in table order.
+std::vector<std::string> AllStateSlotNames();
 
 // The slot of `kind` named `name` among the first `count` slots, or -1.
 int StateSlotIndex(OptimizerKind kind, int count, absl::string_view name);

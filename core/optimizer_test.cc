@@ -32,6 +32,9 @@ TEST(OptimizerTest, NamesSlotsAndChecks) {
   EXPECT_EQ(StateSlotIndex(OptimizerKind::kSgd, 3, ""), -1);
   EXPECT_EQ(StateSlotName(OptimizerKind::kLion, 0), "exp_avg");
   EXPECT_EQ(StateSlotName(OptimizerKind::kLion, 1), "");
+  EXPECT_EQ(AllStateSlotNames(),
+            (std::vector<std::string>{"exp_avg", "exp_avg_sq", "max_exp_avg_sq",
+                                      "momentum_buffer"}));
 
   // torch's argument checks.
   EXPECT_TRUE(CheckHyperparameters(h, "g").ok());

@@ -90,15 +90,22 @@ absl::Status CheckCounts(const GroupSpec& spec, size_t groups, size_t tensors) {
 // suffixes (core/checkpoint.h); "__metadata__" is the safetensors header's.
 // Every optimizer's slot names are refused alike, so that a name stays
 // valid whatever optimizer a later group uses.
-constexpr const char* kStateKeySuffixes[] = {
-    ".master",     ".remainder",      ".exp_avg",
-    ".exp_avg_sq", ".max_exp_avg_sq", ".momentum_buffer"};
+const std::vector<std::string>& StateKeySuffixes() {
+  static const std::vector<std::string>* suffixes = [] {
+    auto* out = new std::vector<std::string>{".master", ".remainder"};
+    for (const std::string& slot : AllStateSlotNames()) {
+      out->push_back("." + slot);
+    }
+    return out;
+  }();
+  return *suffixes;
+}
 
 // Refuses names whose checkpoint keys would collide with another tensor's
 // (`w` and `w.exp_avg`: one's moment would load as the other's parameter).
 absl::Status CheckCheckpointKeys(const std::set<std::string>& fresh,
                                  const std::set<std::string>& registered) {
-  auto collision = [](const std::string& base, const char* suffix) {
+  auto collision = [](const std::string& base, const std::string& suffix) {
     return absl::InvalidArgumentError(
         absl::StrCat("tensor names '", base, "' and '", base, suffix,
                      "' collide in checkpoints, where the state of '", base,
@@ -112,9 +119,9 @@ absl::Status CheckCheckpointKeys(const std::set<std::string>& fresh,
   // A new name that ends in a suffix, whose stem is any tensor's name
   // (suffix checks are cheap; lookups only for the rare suffixed names).
   for (const std::string& n : fresh) {
-    for (const char* suffix : kStateKeySuffixes) {
+    for (const std::string& suffix : StateKeySuffixes()) {
       if (!absl::EndsWith(n, suffix)) continue;
-      const std::string stem = n.substr(0, n.size() - strlen(suffix));
+      const std::string stem = n.substr(0, n.size() - suffix.size());
       if (fresh.count(stem) > 0 || registered.count(stem) > 0) {
         return collision(stem, suffix);
       }
@@ -123,7 +130,7 @@ absl::Status CheckCheckpointKeys(const std::set<std::string>& fresh,
   // A registered name that is a new name plus a suffix.
   if (registered.empty()) return absl::OkStatus();
   for (const std::string& n : fresh) {
-    for (const char* suffix : kStateKeySuffixes) {
+    for (const std::string& suffix : StateKeySuffixes()) {
       if (registered.count(n + suffix) > 0) return collision(n, suffix);
     }
   }
