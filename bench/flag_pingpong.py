@@ -1,0 +1,86 @@
+"""How long one hand-off through stream memory operations takes: two CUDA
+streams (in one process, or in two processes over CUDA IPC) order each
+other through 32-bit flags, as the trainer's and the daemon's streams do
+with step flags. Per round: A writes ready=i and waits done>=i; B waits
+ready>=i, runs `work` (a small kernel or nothing) and writes done=i.
+
+    PYTHONPATH=client/python python3 bench/flag_pingpong.py
+"""
+import sys
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+from optimd import cuda_ipc
+
+ROUNDS = 200
+
+
+def side_b(stream, words, work, rounds):
+    for i in range(1, rounds + 1):
+        cuda_ipc.stream_wait_value32(stream, words.data_ptr(), i)
+        if work is not None:
+            with torch.cuda.stream(stream):
+                work.add_(1)
+        cuda_ipc.stream_write_value32(stream, words.data_ptr() + 4, i)
+
+
+def side_a(stream, words, rounds):
+    for i in range(1, rounds + 1):
+        cuda_ipc.stream_write_value32(stream, words.data_ptr(), i)
+        cuda_ipc.stream_wait_value32(stream, words.data_ptr() + 4, i)
+
+
+def one_process(where, with_work):
+    if where == "device":
+        words = torch.zeros(2, dtype=torch.int32, device="cuda")
+    else:
+        words = torch.zeros(2, dtype=torch.int32).pin_memory()
+    work = torch.zeros(1024, device="cuda") if with_work else None
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    side_b(b, words, work, ROUNDS)
+    side_a(a, words, ROUNDS)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / ROUNDS * 1e6
+
+
+def child(words, work, ready, rounds):
+    stream = torch.cuda.Stream()
+    side_b(stream, words, work, rounds)
+    ready.put(1)
+    stream.synchronize()
+
+
+def two_processes(with_work):
+    words = torch.zeros(2, dtype=torch.int32, device="cuda")
+    work = torch.zeros(1024, device="cuda") if with_work else None
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=child, args=(words, work, q, ROUNDS))
+    p.start()
+    q.get()  # the child has enqueued its side
+    a = torch.cuda.Stream()
+    t0 = time.perf_counter()
+    side_a(a, words, ROUNDS)
+    a.synchronize()
+    us = (time.perf_counter() - t0) / ROUNDS * 1e6
+    p.join()
+    return us
+
+
+def main():
+    for where in ("device",):
+        for with_work in (False, True):
+            print("one process, flags in %-11s work=%-5s: %8.1f us per round"
+                  % (where, with_work, one_process(where, with_work)))
+    for with_work in (False, True):
+        print("two processes, flags in device      work=%-5s: %8.1f us per "
+              "round" % (with_work, two_processes(with_work)))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
