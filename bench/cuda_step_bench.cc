@@ -46,6 +46,8 @@ ABSL_FLAG(std::vector<std::string>, modes, {"default"},
           "Step modes to time: default, assume_finite, clip.");
 ABSL_FLAG(std::vector<std::string>, chunk_elements, {"0"},
           "Elements per plan chunk to time (0: the backend's default).");
+ABSL_FLAG(std::string, optimizer, "adamw",
+          "The groups' optimizer: adamw, sgd (momentum 0.9) or lion.");
 ABSL_FLAG(std::vector<std::string>, graphs, {"1"},
           "CudaBackendOptions::use_graphs values to time (0, 1).");
 
@@ -155,6 +157,18 @@ int Run(IpcTrainer* trainer) {
       variants.push_back(options);
     }
   }
+  OptimizerHyper hyper;
+  const std::string optimizer = absl::GetFlag(FLAGS_optimizer);
+  if (optimizer == "sgd") {
+    hyper.kind = OptimizerKind::kSgd;
+    hyper.momentum = 0.9;
+  } else if (optimizer == "lion") {
+    hyper.kind = OptimizerKind::kLion;
+    hyper.beta2 = 0.99;
+  } else if (optimizer != "adamw") {
+    std::fprintf(stderr, "unknown --optimizer %s\n", optimizer.c_str());
+    return 1;
+  }
   for (const std::string& m : absl::GetFlag(FLAGS_modes)) {
     if (m != "default" && m != "assume_finite" && m != "clip") {
       std::fprintf(stderr, "unknown mode %s\n", m.c_str());
@@ -177,14 +191,14 @@ int Run(IpcTrainer* trainer) {
       std::fprintf(stderr, "trainer allocation failed\n");
       return 1;
     }
-    Layout l = *ResolveLayout("t", c.param, c.grad, c.moment, c.master, false,
-                              OptimizerHyper());
-    // Bytes one step must move: read grad, moments and master (or the
+    Layout l =
+        *ResolveLayout("t", c.param, c.grad, c.moment, c.master, false, hyper);
+    // Bytes one step must move: read grad, state slots and master (or the
     // parameter where the master is not a separate fp32 copy), write them
     // back. The same for every backend variant: one copy baseline per
     // configuration.
     const uint64_t bpp = gs + l.MasterBytesPerElement() * 2 +
-                         l.MomentBytesPerElement() * 4 +
+                         l.MomentBytesPerElement() * 2 * l.state_slots +
                          (c.master == MasterRequest::kFp32 ? ps : 2 * ps);
     const double copy_ms = CopyMs(per * c.tensors * bpp / 2, 10);
     for (size_t bi = 0; bi < backends.size(); ++bi) {
@@ -203,6 +217,7 @@ int Run(IpcTrainer* trainer) {
         spec.id = "g";
         spec.master = c.master;
         spec.moment_dtype = c.moment;
+        spec.hyper = hyper;
         for (uint64_t i = 0; i < c.tensors; ++i) {
           TensorSpec t;
           t.name = "t" + std::to_string(i);

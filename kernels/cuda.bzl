@@ -12,6 +12,18 @@ CUDART_LINKOPTS = [
     "-lpthread",
 ]
 
+# Every header a CUDA step kernel's .cu may include (nvcc runs in the
+# genrule's sandbox, which holds only the files named).
+CUDA_KERNEL_HDRS = [
+    "//core:dtype.h",
+    "//core:layout.h",
+    "//core:optimizer.h",
+    "//core:step_math.h",
+    "//kernels:cuda_math.cuh",
+    "//kernels:cuda_step_types.h",
+    "//kernels:cuda_walk.cuh",
+]
+
 def cuda_object(name, src, hdrs = [], tags = []):
     """A .o from one .cu file: sm_90 code plus compute_90 PTX, IEEE math,
     no contraction into FMA (results match the CPU reference)."""

@@ -18,7 +18,7 @@
 #include "common/status_macros.h"
 #include "common/weak_cache.h"
 #include "core/step_math.h"
-#include "kernels/adamw/adamw_cuda.h"
+#include "kernels/step_cuda.h"
 
 namespace optimd {
 namespace {
@@ -399,9 +399,7 @@ void SetStreams(const TensorPointers& p, DeviceChunk* c) {
   c->param = p.param;
   c->grad = p.grad;
   c->master = p.master;
-  c->exp_avg = p.state[0];
-  c->exp_avg_sq = p.state[1];
-  c->max_exp_avg_sq = p.state[2];
+  for (int k = 0; k < cuda::kDeviceStateSlots; ++k) c->state[k] = p.state[k];
 }
 
 uint32_t ChunkTiles(const DeviceChunk& chunk, const Layout& layout);
@@ -445,12 +443,10 @@ uint32_t ChunkTiles(const DeviceChunk& chunk, const Layout& layout) {
   };
   const uint64_t xs = layout.MasterBytesPerElement();
   const uint64_t ms = DTypeSize(layout.moment_dtype);
-  const bool vector = aligned(chunk.param, DTypeSize(layout.param_dtype)) &&
-                      aligned(chunk.grad, DTypeSize(layout.grad_dtype)) &&
-                      aligned(chunk.exp_avg, ms) &&
-                      aligned(chunk.exp_avg_sq, ms) &&
-                      aligned(chunk.max_exp_avg_sq, ms) &&
-                      (xs == 0 || aligned(chunk.master, xs));
+  bool vector = aligned(chunk.param, DTypeSize(layout.param_dtype)) &&
+                aligned(chunk.grad, DTypeSize(layout.grad_dtype)) &&
+                (xs == 0 || aligned(chunk.master, xs));
+  for (const void* slot : chunk.state) vector = vector && aligned(slot, ms);
   return vector ? static_cast<uint32_t>((chunk.end - chunk.begin) /
                                         cuda::kTileElements)
                 : 0;
@@ -558,14 +554,6 @@ absl::Status CudaBackend::UploadAbsent(DevicePlan& plan) {
 }
 
 absl::Status CudaBackend::PrepareGroup(Group& group) {
-  if (group.hyper.kind != OptimizerKind::kAdamW) {
-    return absl::UnimplementedError(
-        absl::StrCat("group '", group.id,
-                     "': the CUDA backend runs AdamW and Adam only "
-                     "so far; ",
-                     OptimizerName(group.hyper.kind),
-                     " runs on the CPU backend (--backend=cpu)"));
-  }
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
   BuildPlan(group, options_.chunk_elements);
   counters().plan_builds.fetch_add(1, std::memory_order_relaxed);
@@ -782,8 +770,8 @@ absl::Status CudaBackend::LaunchUpdate(const Group& group, const Launch& launch,
   const auto* plan = PlanOf(group);
   auto* scalars = reinterpret_cast<cuda::DeviceScalars*>(
       const_cast<uint8_t*>(plan->scalars_d.data()));
-  return cuda::LaunchAdamW(launch.layout, group.hyper.adamw,
-                           LaunchWork(*plan, launch, 0), scalars, stream);
+  return cuda::LaunchUpdate(group.hyper.kind, group.hyper.adamw, launch.layout,
+                            LaunchWork(*plan, launch, 0), scalars, stream);
 }
 
 absl::Status CudaBackend::EnqueueStagedUpdates(
@@ -877,7 +865,10 @@ void CudaBackend::RefreshGraphKey(CudaSession& s,
     if (i == 1) return scratch_generation_;
     if (i == 2) return reinterpret_cast<uintptr_t>(progress);
     const Group* g = groups[(i - 3) / 2];
-    return (i % 2 == 1) ? PlanOf(*g)->id : (g->hyper.adamw ? 1 : 0);
+    // The plan, and what picks the update kernel beside the plan's layouts.
+    return (i % 2 == 1) ? PlanOf(*g)->id
+                        : (static_cast<uint64_t>(g->hyper.kind) << 1) |
+                              (g->hyper.adamw ? 1 : 0);
   };
   const size_t key_size = 3 + 2 * static_cast<size_t>(n);
   bool same_key = s.graph_key.size() == key_size;
@@ -923,9 +914,14 @@ absl::Status CudaBackend::FillRecord(StepRecord& record,
                h.weight_decay,
                options.grad_scale,
                options.max_grad_norm,
+               h.momentum,
+               h.dampening,
+               static_cast<int32_t>(h.kind),
                h.adamw ? 1 : 0,
                h.bias_correction ? 1 : 0,
-               h.maximize ? 1 : 0};
+               h.maximize ? 1 : 0,
+               h.nesterov ? 1 : 0,
+               0};
     a.partials = reinterpret_cast<const double*>(plan->partials_d.data());
     a.num_partials = static_cast<uint32_t>(plan->tables[1].blocks.size());
     a.state = reinterpret_cast<DeviceGroupState*>(plan->state_d.data());

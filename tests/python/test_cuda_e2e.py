@@ -20,7 +20,7 @@ import torch
 
 import optimd
 from optimd.testing import Daemon
-from optimd.torch import AdamW
+from optimd.torch import SGD, AdamW, Lion
 
 SEED = int(os.environ.get("OPTIMD_TEST_SEED", random.randrange(1 << 30)))
 print("seed", SEED)
@@ -50,19 +50,21 @@ class CudaEndToEnd(unittest.TestCase):
         assert cls.cpu.stop() == 0
 
     def run_both(self, dtype, steps=100, cpu_daemon=None,
-                 absent=lambda step, i: False, zero=None, **kw):
+                 absent=lambda step, i: False, zero=None, optimizer=AdamW,
+                 **kw):
         """`absent(step, i)`: tensor i has no gradient at `step`; `zero`:
         zero_grad(set_to_none=zero) before each step's gradients, which
-        then accumulate (None: gradients are assigned fresh)."""
+        then accumulate (None: gradients are assigned fresh); `optimizer`:
+        optimd's class for both sessions."""
         g = torch.Generator().manual_seed(SEED)
         init = [torch.randn(*s, generator=g).to(dtype) for s in SHAPES]
         on_gpu = [torch.nn.Parameter(t.clone().cuda()) for t in init]
         on_cpu = [torch.nn.Parameter(t.clone()) for t in init]
-        opt_g = AdamW(on_gpu, lr=1e-2, address=self.gpu.address,
-                      job_id="gpu-" + self.id(), **kw)
-        opt_c = AdamW(on_cpu, lr=1e-2,
-                      address=(cpu_daemon or self.cpu).address,
-                      job_id="cpu-" + self.id(), **kw)
+        opt_g = optimizer(on_gpu, lr=1e-2, address=self.gpu.address,
+                          job_id="gpu-" + self.id(), **kw)
+        opt_c = optimizer(on_cpu, lr=1e-2,
+                          address=(cpu_daemon or self.cpu).address,
+                          job_id="cpu-" + self.id(), **kw)
         for step in range(steps):
             if zero is not None:
                 opt_g.zero_grad(set_to_none=zero)
@@ -220,6 +222,20 @@ class CudaEndToEnd(unittest.TestCase):
         # The steps were staged: the progress word is past every stage.
         self.assertEqual(opt._flags.words[2].item(), 0x7FFFFFFF)
         opt.close()
+
+    def test_sgd_and_lion_give_the_cpu_reference_bits(self):
+        # Parameters without a gradient now and then: SGD's momentum buffer
+        # starts at each tensor's own first step.
+        sometimes = lambda step, i: (step + i) % 7 == 3
+        for dtype in (torch.float32, torch.bfloat16):
+            with self.subTest(dtype=dtype):
+                self.run_both(dtype, steps=30, optimizer=SGD, momentum=0.9,
+                              nesterov=True, weight_decay=0.01,
+                              absent=sometimes)
+                self.run_both(dtype, steps=30, optimizer=SGD,
+                              weight_decay=0.01, maximize=True)
+                self.run_both(dtype, steps=30, optimizer=Lion,
+                              weight_decay=0.1, absent=sometimes)
 
     def test_one_daemon_serves_cuda_and_cpu_sessions(self):
         # The CUDA daemon keeps CPU tensors' state on its CPU backend: both

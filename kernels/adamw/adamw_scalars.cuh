@@ -1,0 +1,56 @@
+// AdamW's step scalars on the device (see adamw_cpu.cc's MakeAdamWScalars:
+// the same double arithmetic, rounded to float once). Included by the
+// step's prepare kernel and by the AdamW update (for tensors that missed
+// steps).
+#ifndef OPTIMD_KERNELS_ADAMW_ADAMW_SCALARS_CUH_
+#define OPTIMD_KERNELS_ADAMW_ADAMW_SCALARS_CUH_
+
+#include <cstdint>
+
+#include "kernels/cuda_step_types.h"
+
+namespace optimd {
+namespace cuda {
+
+// The scalars that depend on the step number t.
+struct BiasScalars {
+  float neg_step, bc2, rbc2;
+};
+__device__ inline BiasScalars MakeBias(double lr, double beta1, double beta2,
+                                       bool bias_correction,
+                                       uint64_t step_number) {
+  const double t = static_cast<double>(step_number);
+  const double bc1 = bias_correction ? 1.0 - pow(beta1, t) : 1.0;
+  const double bc2 = bias_correction ? 1.0 - pow(beta2, t) : 1.0;
+  BiasScalars b;
+  b.bc2 = static_cast<float>(sqrt(bc2));
+  b.rbc2 = __fdiv_rn(1.0f, b.bc2);
+  b.neg_step = -static_cast<float>(lr / bc1);
+  return b;
+}
+
+// AdamW's fields of `s` for step number `t` (skip, grad_mul and t are
+// the caller's).
+__device__ inline void MakeAdamWScalars(const StepHyper& h, uint64_t t,
+                                        DeviceScalars* s) {
+  const BiasScalars b = MakeBias(h.lr, h.beta1, h.beta2, h.bias_correction, t);
+  s->lr = h.lr;
+  s->beta1_d = h.beta1;
+  s->beta2_d = h.beta2;
+  s->bias_correction = h.bias_correction;
+  s->beta1 = static_cast<float>(h.beta1);
+  s->beta2 = static_cast<float>(h.beta2);
+  s->omb1 = static_cast<float>(1.0 - h.beta1);
+  s->omb2 = static_cast<float>(1.0 - h.beta2);
+  s->eps = static_cast<float>(h.eps);
+  s->decay = h.adamw ? static_cast<float>(1.0 - h.lr * h.weight_decay) : 1.0f;
+  s->l2 = h.adamw ? 0.0f : static_cast<float>(h.weight_decay);
+  s->bc2 = b.bc2;
+  s->rbc2 = b.rbc2;
+  s->neg_step = b.neg_step;
+}
+
+}  // namespace cuda
+}  // namespace optimd
+
+#endif  // OPTIMD_KERNELS_ADAMW_ADAMW_SCALARS_CUH_

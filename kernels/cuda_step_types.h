@@ -1,0 +1,143 @@
+// What the host and the CUDA step kernels of every optimizer share: work
+// descriptors (chunks and work blocks of a plan), per-group step arguments,
+// device-resident counters and step scalars. Plain C++: no CUDA headers, so
+// that host code including this file builds without nvcc.
+#ifndef OPTIMD_KERNELS_CUDA_STEP_TYPES_H_
+#define OPTIMD_KERNELS_CUDA_STEP_TYPES_H_
+
+#include <cstdint>
+
+#include "core/optimizer.h"
+
+struct CUstream_st;
+
+namespace optimd {
+namespace cuda {
+
+using Stream = CUstream_st*;
+
+// The most state slots of a tensor (core/optimizer.h), on the device.
+constexpr int kDeviceStateSlots = 3;
+static_assert(kDeviceStateSlots == kMaxStateSlots, "one slot count");
+
+// Elements [begin, end) of one tensor, with the tensor's stream pointers
+// (nullptr where the layout has no such stream; state[k] is the optimizer's
+// state slot k, as TensorPointers::state), so that a kernel reaches the
+// data through one descriptor. The chunk's first `tiles` * 256 elements
+// form tiles: 256 consecutive elements that one warp updates with fully
+// coalesced 8- or 16-byte accesses (a chunk has tiles only when every
+// stream is 16-byte aligned at `begin`). The rest are scalar elements,
+// updated one per thread.
+struct DeviceChunk {
+  void* param;
+  const void* grad;
+  void* master;
+  void* state[kDeviceStateSlots];
+  uint64_t begin;
+  uint64_t end;
+  uint32_t tiles;
+  uint32_t entry;  // the plan entry (tensor) the chunk belongs to
+  uint32_t pad[2];
+};
+static_assert(sizeof(DeviceChunk) % 16 == 0, "copied in 16-byte pieces");
+
+constexpr uint32_t kTileElements = 256;
+
+// One work block, one thread block's work: chunks [first, end) of the
+// plan's chunk table, at most kMaxChunksPerBlock of them, walked as one
+// flattened space of `tiles` tiles and one of `scalars` scalar elements.
+// Small tensors share a work block, so a launch over 1e5 small tensors
+// keeps its threads as busy as over a few large ones.
+struct DeviceBlock {
+  uint32_t first;
+  uint32_t end;
+  uint32_t tiles;
+  uint32_t scalars;
+};
+constexpr uint32_t kMaxChunksPerBlock = 32;
+
+// Hyperparameters of a group for one step, passed in pinned memory.
+struct StepHyper {
+  double lr;
+  double beta1;
+  double beta2;
+  double eps;
+  double weight_decay;
+  double grad_scale;     // >= 1 effective; <= 0 means 1
+  double max_grad_norm;  // <= 0: no clipping
+  double momentum;       // SGD
+  double dampening;      // SGD
+  int32_t optimizer;     // OptimizerKind
+  int32_t adamw;
+  int32_t bias_correction;
+  int32_t maximize;
+  int32_t nesterov;  // SGD
+  int32_t pad;
+};
+
+// The device-resident per-group counters.
+// Also used for a session's totals (step = applied steps).
+struct DeviceGroupState {
+  uint64_t step;         // applied steps
+  uint64_t skipped;      // skipped steps
+  double last_sumsq;     // sum of squares of the last step's gradients
+  int32_t last_skipped;  // 1 when the last step was skipped
+  int32_t pad;
+};
+
+// Step scalars derived on the device once per group and step, with the
+// same double arithmetic as the CPU reference's Make*Scalars, rounded to
+// float once; read by every block of the update. Which fields an update
+// reads depends on the optimizer:
+//   AdamW: beta1, beta2, omb1, omb2, eps, decay, l2, bc2, rbc2, neg_step
+//     (rbc2 is 1/bc2 rounded to nearest: dividing by bc2 then takes three
+//     operations and stays correctly rounded, kernels/cuda_math.cuh). The
+//     inputs of the bias corrections ride along (lr, beta1_d, beta2_d,
+//     bias_correction), so that the update can derive them for a tensor
+//     whose own step count is lower (it missed steps without a gradient:
+//     Work::missed) with the same arithmetic.
+//   SGD: neg_lr, momentum, dampening_mul, l2 (weight decay), nesterov.
+//   Lion: beta1, beta2, omb1, omb2, decay, neg_lr.
+// Every optimizer: grad_mul, skip, t.
+struct DeviceScalars {
+  float beta1, beta2, omb1, omb2, eps, decay, l2, bc2, rbc2, neg_step, grad_mul;
+  float neg_lr, momentum, dampening_mul;
+  int32_t skip;
+  int32_t nesterov;
+  double lr, beta1_d, beta2_d;
+  uint64_t t;  // the group's step number (applied steps + 1)
+  int32_t bias_correction;
+  int32_t pad;
+};
+
+constexpr int kThreadsPerBlock = 256;
+
+// Work of one launch: one thread block per work block.
+struct Work {
+  const DeviceBlock* blocks;
+  uint32_t num_blocks;
+  const DeviceChunk* chunks;
+  // Per plan entry, the group's applied steps in which the tensor had no
+  // gradient (its own step number is t - missed[entry]).
+  const uint32_t* missed;
+};
+
+// One group's step arguments, written by the host into pinned memory.
+struct alignas(16) GroupStep {
+  StepHyper hyper;
+  const double* partials;  // the group's partial sums of squares
+  uint32_t num_partials;
+  uint32_t pad;
+  DeviceGroupState* state;  // the group's device-resident counters
+  DeviceScalars* scalars;   // out: the group's step scalars
+  // The plan entries without a gradient this step: absent[0] entries,
+  // listed from absent[1]; an applied step adds one to their `missed`.
+  const uint32_t* absent;
+  uint32_t* missed;
+};
+static_assert(sizeof(GroupStep) % 16 == 0, "copied in 16-byte pieces");
+
+}  // namespace cuda
+}  // namespace optimd
+
+#endif  // OPTIMD_KERNELS_CUDA_STEP_TYPES_H_

@@ -1,0 +1,395 @@
+// Device code every CUDA step kernel shares: element types and their
+// conversions, vector tile accesses, fp32 masters kept as remainders, the
+// walk over a work block, a weight's load and store for each master kind,
+// and block sums. Included by the .cu files of kernels/ only (nvcc).
+#ifndef OPTIMD_KERNELS_CUDA_WALK_CUH_
+#define OPTIMD_KERNELS_CUDA_WALK_CUH_
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "core/layout.h"
+#include "kernels/cuda_math.cuh"
+#include "kernels/cuda_step_types.h"
+
+namespace optimd {
+namespace cuda {
+
+// Element types. Store: round to nearest even, keeping a NaN's sign and
+// payload (as the CPU reference does). Round: the same for every value but
+// NaN, which it may make the canonical NaN: the step kernels store with it
+// only results of GPU arithmetic, whose NaNs are canonical already, and for
+// those both agree (tests/cuda_math_test checks every float).
+//
+// A lane's share of a tile (8 elements, see LoadTile) travels as kTileWords
+// 32-bit words: Unpack turns them into floats, Pack rounds floats into
+// them as Round does (two 16-bit elements per word: one conversion
+// instruction).
+struct F32 {
+  using T = float;
+  static constexpr int kTileWords = 8;
+  __device__ static float Load(T x) { return x; }
+  __device__ static T Store(float x) { return x; }
+  __device__ static T Round(float x) { return x; }
+  __device__ static void Unpack(const uint32_t* w, float* x) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) x[k] = __uint_as_float(w[k]);
+  }
+  __device__ static void Pack(const float* x, uint32_t* w) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) w[k] = __float_as_uint(x[k]);
+  }
+};
+struct BF16 {
+  using T = uint16_t;
+  static constexpr int kTileWords = 4;
+  __device__ static float Load(T x) {
+    return __uint_as_float(static_cast<uint32_t>(x) << 16);
+  }
+  __device__ static T Store(float x) { return Bf16FromFloat(x); }
+  // One conversion instruction instead of about seven.
+  __device__ static T Round(float x) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+  }
+  __device__ static void Unpack(const uint32_t* w, float* x) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) UnpackBf16x2(w[j], &x[2 * j], &x[2 * j + 1]);
+  }
+  __device__ static void Pack(const float* x, uint32_t* w) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) w[j] = PackBf16x2(x[2 * j], x[2 * j + 1]);
+  }
+};
+struct F16 {
+  using T = uint16_t;
+  static constexpr int kTileWords = 4;
+  __device__ static float Load(T x) {
+    return __half2float(__ushort_as_half(x));
+  }
+  __device__ static T Store(float x) {
+    return __half_as_ushort(__float2half_rn(x));
+  }
+  __device__ static T Round(float x) { return Store(x); }
+  __device__ static void Unpack(const uint32_t* w, float* x) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) UnpackF16x2(w[j], &x[2 * j], &x[2 * j + 1]);
+  }
+  __device__ static void Pack(const float* x, uint32_t* w) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) w[j] = PackF16x2(x[2 * j], x[2 * j + 1]);
+  }
+};
+
+// Plain (weak, default-cached) global vector accesses. The compiler cannot
+// tell that a pointer read from a shared-memory descriptor is global: it
+// emitted generic accesses, and split some vector stores. Explicit
+// ld/st.global measured 4% faster for 100,000 tensors of 10,000 elements
+// on the H200, the same for large ones (bench/RESULTS.md). (The
+// cache-operator intrinsics __ldca/__stwb compile to strong .STRONG.SM
+// accesses; streaming hints, ld/st.global.cs, and 256-byte L2 prefetch
+// hints measured 3-5% slower for fp32.)
+__device__ __forceinline__ uint4 LoadGlobal(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint2 LoadGlobal(const uint2* p) {
+  uint2 v;
+  asm volatile("ld.global.v2.u32 {%0, %1}, [%2];"
+               : "=r"(v.x), "=r"(v.y)
+               : "l"(p));
+  return v;
+}
+__device__ __forceinline__ void StoreGlobal(uint4* p, uint4 v) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x),
+               "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+__device__ __forceinline__ void StoreGlobal(uint2* p, uint2 v) {
+  asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(v.x), "r"(v.y)
+               : "memory");
+}
+
+// A lane's share of the tile at i - 4 * lane, as 32-bit words: elements
+// i..i+3 and i+128..i+131, so each access of a warp covers 32 consecutive
+// 8- or 16-byte pieces.
+template <int kBytes>
+__device__ __forceinline__ void LoadTile(const void* base, uint64_t i,
+                                         uint32_t* w) {
+  if constexpr (kBytes == 4) {
+    const uint4* p =
+        reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(base) + i);
+    const uint4 a = LoadGlobal(p), b = LoadGlobal(p + kTileElements / 8);
+    w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w;
+    w[4] = b.x, w[5] = b.y, w[6] = b.z, w[7] = b.w;
+  } else {
+    static_assert(kBytes == 2, "2- or 4-byte elements");
+    const uint2* p =
+        reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(base) + i);
+    const uint2 a = LoadGlobal(p), b = LoadGlobal(p + kTileElements / 8);
+    w[0] = a.x, w[1] = a.y, w[2] = b.x, w[3] = b.y;
+  }
+}
+
+template <int kBytes>
+__device__ __forceinline__ void StoreTile(void* base, uint64_t i,
+                                          const uint32_t* w) {
+  if constexpr (kBytes == 4) {
+    uint4* p = reinterpret_cast<uint4*>(static_cast<uint32_t*>(base) + i);
+    StoreGlobal(p, make_uint4(w[0], w[1], w[2], w[3]));
+    StoreGlobal(p + kTileElements / 8, make_uint4(w[4], w[5], w[6], w[7]));
+  } else {
+    static_assert(kBytes == 2, "2- or 4-byte elements");
+    uint2* p = reinterpret_cast<uint2*>(static_cast<uint16_t*>(base) + i);
+    StoreGlobal(p, make_uint2(w[0], w[1]));
+    StoreGlobal(p + kTileElements / 8, make_uint2(w[2], w[3]));
+  }
+}
+
+// Elements of one stream of type X as floats. N == 8: a lane's share of a
+// tile (LoadTile). N == 1: element i alone.
+template <int N, class X>
+__device__ __forceinline__ void LoadF(const void* base, uint64_t i, float* x) {
+  if constexpr (N == 1) {
+    x[0] = X::Load(static_cast<const typename X::T*>(base)[i]);
+  } else {
+    static_assert(N == 8, "a tile lane holds 8 elements");
+    uint32_t w[X::kTileWords];
+    LoadTile<sizeof(typename X::T)>(base, i, w);
+    X::Unpack(w, x);
+  }
+}
+
+// Stores floats rounded to X (X::Round: results of GPU arithmetic only).
+template <int N, class X>
+__device__ __forceinline__ void StoreF(void* base, uint64_t i, const float* x) {
+  if constexpr (N == 1) {
+    static_cast<typename X::T*>(base)[i] = X::Round(x[0]);
+  } else {
+    static_assert(N == 8, "a tile lane holds 8 elements");
+    uint32_t w[X::kTileWords];
+    X::Pack(x, w);
+    StoreTile<sizeof(typename X::T)>(base, i, w);
+  }
+}
+
+// fp32 masters kept as bfloat16 parameters and 16-bit remainders.
+template <int N>
+__device__ __forceinline__ void LoadRemainderMasters(const void* param,
+                                                     const void* rem,
+                                                     uint64_t i, float* x) {
+  if constexpr (N == 1) {
+    x[0] = ReconstructFromRemainder(static_cast<const uint16_t*>(param)[i],
+                                    static_cast<const int16_t*>(rem)[i]);
+  } else {
+    uint32_t h[4], r[4];
+    LoadTile<2>(param, i, h);
+    LoadTile<2>(rem, i, r);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      ReconstructFromRemainder2(h[j], r[j], &x[2 * j], &x[2 * j + 1]);
+    }
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void StoreRemainderMasters(void* param, void* rem,
+                                                      uint64_t i,
+                                                      const float* x) {
+  if constexpr (N == 1) {
+    SplitToRemainder(x[0], static_cast<uint16_t*>(param) + i,
+                     static_cast<int16_t*>(rem) + i);
+  } else {
+    uint32_t h[4], r[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      SplitToRemainder2(x[2 * j], x[2 * j + 1], &h[j], &r[j]);
+    }
+    StoreTile<2>(param, i, h);
+    StoreTile<2>(rem, i, r);
+  }
+}
+
+// Walks work block blockIdx.x of `work`: its chunk descriptors are copied
+// into shared memory once, then the block is one flattened space of tiles
+// (one warp each) and one of scalar elements (one thread each), so tensor
+// boundaries cost no idle lanes beyond a chunk's last partial tile and no
+// dependent loads of descriptors. body.Prepare(chunks, n), run by every
+// thread once the descriptors are in shared memory, derives per-chunk
+// values for the walk; body.Tile(chunk, k, i) handles a lane's share of the
+// tile at i - 4 * lane of the block's chunk k; body.Scalar(chunk, k, i)
+// element i.
+// (Fewer thread blocks, each walking many work blocks and prefetching the
+// next one's descriptors, measured slower on the H200: bench/RESULTS.md.)
+template <class Body>
+__device__ __forceinline__ void Walk(const Work& work, Body& body) {
+  __shared__ uint4 buffer[kMaxChunksPerBlock * sizeof(DeviceChunk) / 16];
+  // tile_end[k], scalar_end[k]: tiles and scalar elements of chunks <= k.
+  __shared__ uint32_t tile_end[kMaxChunksPerBlock];
+  __shared__ uint32_t scalar_end[kMaxChunksPerBlock];
+  const DeviceChunk* cs = reinterpret_cast<const DeviceChunk*>(buffer);
+  const DeviceBlock block = work.blocks[blockIdx.x];
+  const uint32_t n = block.end - block.first;
+  const uint4* src = reinterpret_cast<const uint4*>(work.chunks + block.first);
+  const uint32_t pieces = n * static_cast<uint32_t>(sizeof(DeviceChunk) / 16);
+  for (uint32_t i = threadIdx.x; i < pieces; i += blockDim.x) {
+    buffer[i] = src[i];
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint32_t tiles = 0, scalars = 0;
+    for (uint32_t k = 0; k < n; ++k) {
+      tiles += cs[k].tiles;
+      scalars += static_cast<uint32_t>(cs[k].end - cs[k].begin) -
+                 cs[k].tiles * kTileElements;
+      tile_end[k] = tiles;
+      scalar_end[k] = scalars;
+    }
+  }
+  body.Prepare(cs, n);
+  __syncthreads();
+  const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5,
+                 warps = blockDim.x >> 5;
+  uint32_t k = 0;
+  for (uint32_t t = warp; t < block.tiles; t += warps) {
+    while (t >= tile_end[k]) ++k;
+    const DeviceChunk& c = cs[k];
+    const uint32_t first = tile_end[k] - c.tiles;
+    body.Tile(
+        c, k,
+        c.begin + static_cast<uint64_t>(t - first) * kTileElements + 4 * lane);
+  }
+  k = 0;
+  for (uint32_t e = threadIdx.x; e < block.scalars; e += blockDim.x) {
+    while (e >= scalar_end[k]) ++k;
+    const DeviceChunk& c = cs[k];
+    const uint32_t first = k == 0 ? 0 : scalar_end[k - 1];
+    body.Scalar(
+        c, k,
+        c.begin + static_cast<uint64_t>(c.tiles) * kTileElements + (e - first));
+  }
+}
+
+// A weight's value (N elements as LoadF): the fp32 master where there is
+// one (the old parameter is never read), the value rebuilt from the
+// parameter and its remainder, or the parameter itself.
+template <int N, class P, MasterKind K>
+__device__ __forceinline__ void LoadWeight(const DeviceChunk& t, uint64_t i,
+                                           float* p) {
+  if constexpr (K == MasterKind::kFp32) {
+    LoadF<N, F32>(t.master, i, p);
+  } else if constexpr (K == MasterKind::kRemainder) {
+    LoadRemainderMasters<N>(t.param, t.master, i, p);
+  } else {
+    LoadF<N, P>(t.param, i, p);
+  }
+}
+
+// Writes new weights back: master and rounded parameter, the parameter
+// and remainder that rebuild them exactly, or the parameter.
+template <int N, class P, MasterKind K>
+__device__ __forceinline__ void StoreWeight(const DeviceChunk& t, uint64_t i,
+                                            const float* p) {
+  if constexpr (K == MasterKind::kFp32) {
+    StoreF<N, F32>(t.master, i, p);
+    StoreF<N, P>(t.param, i, p);
+  } else if constexpr (K == MasterKind::kRemainder) {
+    StoreRemainderMasters<N>(t.param, t.master, i, p);
+  } else {
+    StoreF<N, P>(t.param, i, p);
+  }
+}
+
+// Sums session_sums in a fixed order: the same total in every block.
+__device__ __forceinline__ double SessionTotal(const double* sums, uint32_t n) {
+  double total = 0;
+  for (uint32_t i = 0; i < n; ++i) total += sums[i];
+  return total;
+}
+
+template <int kThreads>
+__device__ double BlockSum(double v) {
+  __shared__ double warp_sums[kThreads / 32];
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) warp_sums[warp] = v;
+  __syncthreads();
+  double total = 0;
+  if (threadIdx.x == 0) {
+    for (int w = 0; w < kThreads / 32; ++w) total += warp_sums[w];
+  }
+  return total;  // valid in thread 0
+}
+
+// The status of the kernel launch just made.
+inline absl::Status LaunchStatus(const char* what) {
+  const cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorName(e), ": ",
+                                          cudaGetErrorString(e)));
+}
+
+// Calls body.template Run<P, G, M, K>() for the element types and master
+// kind of `layout` (an update kernel's launcher), or says there is no such
+// kernel: fp32 parameters have no master, remainders go with bf16.
+template <class Body>
+absl::Status DispatchLayout(const Layout& l, Body& body) {
+  auto master = [&](auto p, auto g, auto m) -> absl::Status {
+    using P = decltype(p);
+    using G = decltype(g);
+    using M = decltype(m);
+    switch (l.master) {
+      case MasterKind::kNone:
+        if constexpr (std::is_same_v<P, F32>) {
+          return body.template Run<P, G, M, MasterKind::kNone>();
+        }
+        break;
+      case MasterKind::kFp32:
+        return body.template Run<P, G, M, MasterKind::kFp32>();
+      case MasterKind::kRemainder:
+        if constexpr (std::is_same_v<P, BF16>) {
+          return body.template Run<P, G, M, MasterKind::kRemainder>();
+        }
+        break;
+    }
+    return absl::InvalidArgumentError(
+        absl::StrCat("no CUDA kernel for layout ", l.DebugString()));
+  };
+  auto moment = [&](auto p, auto g) -> absl::Status {
+    if (l.moment_dtype == DType::kBFloat16) return master(p, g, BF16{});
+    return master(p, g, F32{});
+  };
+  auto grad = [&](auto p) -> absl::Status {
+    switch (l.grad_dtype) {
+      case DType::kFloat32:
+        return moment(p, F32{});
+      case DType::kBFloat16:
+        return moment(p, BF16{});
+      case DType::kFloat16:
+        return moment(p, F16{});
+    }
+    return absl::InvalidArgumentError("unknown gradient dtype");
+  };
+  switch (l.param_dtype) {
+    case DType::kFloat32:
+      return grad(F32{});
+    case DType::kBFloat16:
+      return grad(BF16{});
+    case DType::kFloat16:
+      return grad(F16{});
+  }
+  return absl::InvalidArgumentError("unknown parameter dtype");
+}
+
+}  // namespace cuda
+}  // namespace optimd
+
+#endif  // OPTIMD_KERNELS_CUDA_WALK_CUH_

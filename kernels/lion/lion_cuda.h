@@ -1,0 +1,21 @@
+// The Lion update kernel on CUDA (step 3 of kernels/step_cuda.h). Plain
+// C++: no CUDA headers.
+#ifndef OPTIMD_KERNELS_LION_LION_CUDA_H_
+#define OPTIMD_KERNELS_LION_LION_CUDA_H_
+
+#include "absl/status/status.h"
+#include "core/layout.h"
+#include "kernels/cuda_step_types.h"
+
+namespace optimd {
+namespace cuda {
+
+// Updates the chunks of `work` with the scalars of a group (unless they
+// say skip).
+absl::Status LaunchLion(const Layout& layout, const Work& work,
+                        const DeviceScalars* scalars, Stream stream);
+
+}  // namespace cuda
+}  // namespace optimd
+
+#endif  // OPTIMD_KERNELS_LION_LION_CUDA_H_

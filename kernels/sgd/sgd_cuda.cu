@@ -1,0 +1,101 @@
+// The fused multi-tensor SGD update on CUDA: torch.optim.SGD's arithmetic
+// as kernels/sgd/sgd_cpu.h writes it, operation by operation (built with
+// -fmad=false), so results equal the CPU reference bit for bit.
+#include <cstdint>
+
+#include "kernels/cuda_walk.cuh"
+#include "kernels/sgd/sgd_cuda.h"
+
+namespace optimd {
+namespace cuda {
+namespace {
+
+// State slot 0: the momentum buffer (without momentum there is none).
+// `first`: the tensor's first step (the
+// buffer starts as the gradient).
+template <int N, class P, class G, class M, MasterKind K, bool kMomentum>
+__device__ __forceinline__ void UpdateN(const DeviceChunk& t, uint64_t i,
+                                        const DeviceScalars& s, bool first) {
+  float p[N], g[N], b[N];
+  LoadWeight<N, P, K>(t, i, p);
+  LoadF<N, G>(t.grad, i, g);
+  if constexpr (kMomentum) {
+    if (!first) LoadF<N, M>(t.state[0], i, b);
+  }
+  const bool decay = s.l2 != 0.0f;
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    float gk = g[k] * s.grad_mul;
+    if (decay) gk = gk + s.l2 * p[k];
+    if constexpr (kMomentum) {
+      b[k] = first ? gk : b[k] * s.momentum + s.dampening_mul * gk;
+      gk = s.nesterov ? gk + s.momentum * b[k] : b[k];
+    }
+    p[k] = p[k] + s.neg_lr * gk;
+  }
+  if constexpr (kMomentum) StoreF<N, M>(t.state[0], i, b);
+  StoreWeight<N, P, K>(t, i, p);
+}
+
+// The update of a work block; whether a chunk's tensor takes its first
+// step comes from its own step number (t minus the steps it missed).
+template <class P, class G, class M, MasterKind K, bool kMomentum>
+struct Update {
+  const DeviceScalars& s;
+  const uint32_t* missed;
+  bool* first;  // shared memory, one per chunk of the block
+  __device__ void Prepare(const DeviceChunk* cs, uint32_t n) {
+    if (threadIdx.x >= n) return;
+    first[threadIdx.x] = s.t - missed[cs[threadIdx.x].entry] == 1;
+  }
+  __device__ void Tile(const DeviceChunk& c, uint32_t k, uint64_t i) {
+    UpdateN<8, P, G, M, K, kMomentum>(c, i, s, first[k]);
+  }
+  __device__ void Scalar(const DeviceChunk& c, uint32_t k, uint64_t i) {
+    UpdateN<1, P, G, M, K, kMomentum>(c, i, s, first[k]);
+  }
+};
+
+template <class P, class G, class M, MasterKind K, bool kMomentum>
+__global__ void __launch_bounds__(kThreadsPerBlock, 4)
+    SgdKernel(const Work work, const DeviceScalars* __restrict__ scalars) {
+  const DeviceScalars s = *scalars;
+  if (s.skip) return;
+  __shared__ bool first[kMaxChunksPerBlock];
+  Update<P, G, M, K, kMomentum> body{s, work.missed, first};
+  Walk(work, body);
+}
+
+// The kernel for one layout; momentum (a state slot: the layout says) as a
+// template flag. Nesterov is read from the step scalars (one uniform
+// branch), so a step graph does not depend on it.
+struct SgdLaunch {
+  const Layout& layout;
+  const Work& work;
+  const DeviceScalars* scalars;
+  Stream stream;
+
+  template <bool kMomentum, class P, class G, class M, MasterKind K>
+  absl::Status Go() {
+    SgdKernel<P, G, M, K, kMomentum>
+        <<<work.num_blocks, kThreadsPerBlock, 0, stream>>>(work, scalars);
+    return LaunchStatus("SGD kernel launch");
+  }
+  template <class P, class G, class M, MasterKind K>
+  absl::Status Run() {
+    if (layout.state_slots == 0) return Go<false, P, G, M, K>();
+    return Go<true, P, G, M, K>();
+  }
+};
+
+}  // namespace
+
+absl::Status LaunchSgd(const Layout& layout, const Work& work,
+                       const DeviceScalars* scalars, Stream stream) {
+  if (work.num_blocks == 0) return absl::OkStatus();
+  SgdLaunch launch{layout, work, scalars, stream};
+  return DispatchLayout(layout, launch);
+}
+
+}  // namespace cuda
+}  // namespace optimd

@@ -1,0 +1,261 @@
+// The step kernels every optimizer shares: gradient statistics, the
+// prepare and commit kernels around the updates, progress words and dtype
+// conversion; and the dispatch to each optimizer's update kernel.
+#include <algorithm>
+#include <cstdint>
+
+#include "core/step_math.h"
+#include "kernels/adamw/adamw_cuda.h"
+#include "kernels/adamw/adamw_scalars.cuh"
+#include "kernels/cuda_walk.cuh"
+#include "kernels/lion/lion_cuda.h"
+#include "kernels/lion/lion_scalars.cuh"
+#include "kernels/sgd/sgd_cuda.h"
+#include "kernels/sgd/sgd_scalars.cuh"
+#include "kernels/step_cuda.h"
+
+namespace optimd {
+namespace cuda {
+namespace {
+
+template <class G>
+struct SumSquares {
+  double acc = 0;
+  template <int N>
+  __device__ __forceinline__ void Add(const DeviceChunk& c, uint64_t i) {
+    float g[N];
+    LoadF<N, G>(c.grad, i, g);
+#pragma unroll
+    for (int q = 0; q < N; ++q) {
+      const double x = g[q];
+      acc += x * x;
+    }
+  }
+  __device__ void Prepare(const DeviceChunk*, uint32_t) {}
+  __device__ void Tile(const DeviceChunk& c, uint32_t, uint64_t i) {
+    Add<8>(c, i);
+  }
+  __device__ void Scalar(const DeviceChunk& c, uint32_t, uint64_t i) {
+    Add<1>(c, i);
+  }
+};
+
+template <class G>
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    GradSumSquaresKernel(const Work work, double* __restrict__ partials) {
+  SumSquares<G> body;
+  Walk(work, body);
+  const double total = BlockSum<kThreadsPerBlock>(body.acc);
+  if (threadIdx.x == 0) partials[blockIdx.x] = total;
+}
+
+template <class S, class D>
+__global__ void ConvertKernel(const void* __restrict__ src,
+                              void* __restrict__ dst, uint64_t n) {
+  const auto* in = static_cast<const typename S::T*>(src);
+  auto* out = static_cast<typename D::T*>(dst);
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  for (uint64_t i =
+           static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i < n; i += stride) {
+    out[i] = D::Store(S::Load(in[i]));
+  }
+}
+
+// The step scalars of one group: skipped when the session's total sum of
+// squares is not finite; else the gradient multiplier (loss scale, clip
+// coefficient, maximize: core/step_math.h) and the optimizer's own.
+__device__ DeviceScalars MakeScalars(const StepHyper& h, double total,
+                                     uint64_t step) {
+  DeviceScalars s{};
+  s.skip = isfinite(total) ? 0 : 1;
+  if (s.skip) return s;
+  const double norm = sqrt(total) / EffectiveGradScale(h.grad_scale);
+  const double clip = ClipCoefficient(h.max_grad_norm, norm);
+  s.grad_mul =
+      static_cast<float>(GradMultiplier(h.grad_scale, clip, h.maximize != 0));
+  s.t = step + 1;
+  switch (static_cast<OptimizerKind>(h.optimizer)) {
+    case OptimizerKind::kAdamW:
+      MakeAdamWScalars(h, s.t, &s);
+      break;
+    case OptimizerKind::kSgd:
+      MakeSgdScalars(h, &s);
+      break;
+    case OptimizerKind::kLion:
+      MakeLionScalars(h, &s);
+      break;
+  }
+  return s;
+}
+
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    PrepareStepsKernel(const GroupStep* __restrict__ args,
+                       GroupStep* __restrict__ scratch, uint32_t n,
+                       int statistics, double* __restrict__ sums) {
+  // One pass over pinned host memory, all threads at once.
+  {
+    const uint4* src = reinterpret_cast<const uint4*>(args);
+    uint4* dst = reinterpret_cast<uint4*>(scratch);
+    const uint32_t pieces = n * static_cast<uint32_t>(sizeof(GroupStep) / 16);
+    for (uint32_t i = threadIdx.x; i < pieces; i += blockDim.x) {
+      dst[i] = src[i];
+    }
+  }
+  __syncthreads();
+  for (uint32_t g = 0; g < n; ++g) {
+    double acc = 0;
+    if (statistics) {
+      const double* partials = scratch[g].partials;
+      const uint32_t count = scratch[g].num_partials;
+      for (uint32_t i = threadIdx.x; i < count; i += blockDim.x) {
+        acc += partials[i];
+      }
+    }
+    const double sum = BlockSum<kThreadsPerBlock>(acc);
+    if (threadIdx.x == 0) sums[g] = sum;
+    __syncthreads();  // BlockSum's shared memory is reused next round
+  }
+  __shared__ double total;
+  if (threadIdx.x == 0) total = SessionTotal(sums, n);
+  __syncthreads();
+  for (uint32_t g = threadIdx.x; g < n; g += blockDim.x) {
+    const GroupStep& a = scratch[g];
+    *a.scalars = MakeScalars(a.hyper, total, a.state->step);
+  }
+}
+
+__global__ void CommitStepsKernel(const GroupStep* __restrict__ scratch,
+                                  uint32_t n, const double* __restrict__ sums,
+                                  DeviceGroupState* __restrict__ totals,
+                                  DeviceGroupState* __restrict__ report) {
+  const double total = SessionTotal(sums, n);
+  const bool skipped = !isfinite(total);
+  for (uint32_t g = threadIdx.x; g <= n; g += blockDim.x) {
+    DeviceGroupState* state = g == 0 ? totals : scratch[g - 1].state;
+    DeviceGroupState s = *state;
+    s.last_sumsq = total;
+    s.last_skipped = skipped ? 1 : 0;
+    if (skipped) {
+      s.skipped += 1;
+    } else {
+      s.step += 1;
+    }
+    *state = s;
+    report[g] = s;
+  }
+  if (skipped) return;
+  for (uint32_t g = 0; g < n; ++g) {
+    const uint32_t* absent = scratch[g].absent;
+    for (uint32_t i = threadIdx.x; i < absent[0]; i += blockDim.x) {
+      scratch[g].missed[absent[1 + i]] += 1;
+    }
+  }
+}
+
+__global__ void WriteProgressKernel(uint32_t* word, uint32_t value) {
+  // Kernels before this one in the stream have completed and their writes
+  // are visible; the fence orders this store after them for observers
+  // outside this context (the trainer's stream).
+  __threadfence_system();
+  *reinterpret_cast<volatile uint32_t*>(word) = value;
+}
+
+template <class S>
+absl::Status ConvertTo(DType dst_dtype, const void* src, void* dst, uint64_t n,
+                       Stream stream) {
+  const unsigned blocks = static_cast<unsigned>(
+      std::min<uint64_t>((n + kThreadsPerBlock - 1) / kThreadsPerBlock, 65536));
+  switch (dst_dtype) {
+    case DType::kFloat32:
+      ConvertKernel<S, F32>
+          <<<blocks, kThreadsPerBlock, 0, stream>>>(src, dst, n);
+      break;
+    case DType::kBFloat16:
+      ConvertKernel<S, BF16>
+          <<<blocks, kThreadsPerBlock, 0, stream>>>(src, dst, n);
+      break;
+    case DType::kFloat16:
+      ConvertKernel<S, F16>
+          <<<blocks, kThreadsPerBlock, 0, stream>>>(src, dst, n);
+      break;
+  }
+  return LaunchStatus("convert kernel launch");
+}
+
+}  // namespace
+
+absl::Status LaunchGradSumSquares(DType grad_dtype, const Work& work,
+                                  double* partials, Stream stream) {
+  if (work.num_blocks == 0) return absl::OkStatus();
+  switch (grad_dtype) {
+    case DType::kFloat32:
+      GradSumSquaresKernel<F32>
+          <<<work.num_blocks, kThreadsPerBlock, 0, stream>>>(work, partials);
+      break;
+    case DType::kBFloat16:
+      GradSumSquaresKernel<BF16>
+          <<<work.num_blocks, kThreadsPerBlock, 0, stream>>>(work, partials);
+      break;
+    case DType::kFloat16:
+      GradSumSquaresKernel<F16>
+          <<<work.num_blocks, kThreadsPerBlock, 0, stream>>>(work, partials);
+      break;
+  }
+  return LaunchStatus("gradient statistics kernel launch");
+}
+
+absl::Status LaunchPrepareSteps(const GroupStep* args, GroupStep* scratch,
+                                uint32_t n, bool statistics, double* sums,
+                                Stream stream) {
+  if (n == 0) return absl::OkStatus();
+  PrepareStepsKernel<<<1, kThreadsPerBlock, 0, stream>>>(
+      args, scratch, n, statistics ? 1 : 0, sums);
+  return LaunchStatus("prepare kernel launch");
+}
+
+absl::Status LaunchUpdate(OptimizerKind kind, bool adamw, const Layout& layout,
+                          const Work& work, const DeviceScalars* scalars,
+                          Stream stream) {
+  if (work.num_blocks == 0) return absl::OkStatus();
+  switch (kind) {
+    case OptimizerKind::kAdamW:
+      return LaunchAdamW(layout, adamw, work, scalars, stream);
+    case OptimizerKind::kSgd:
+      return LaunchSgd(layout, work, scalars, stream);
+    case OptimizerKind::kLion:
+      return LaunchLion(layout, work, scalars, stream);
+  }
+  return absl::InvalidArgumentError("unknown optimizer");
+}
+
+absl::Status LaunchCommitSteps(const GroupStep* scratch, uint32_t n,
+                               const double* sums, DeviceGroupState* totals,
+                               DeviceGroupState* report, Stream stream) {
+  CommitStepsKernel<<<1, kThreadsPerBlock, 0, stream>>>(scratch, n, sums,
+                                                        totals, report);
+  return LaunchStatus("commit kernel launch");
+}
+
+absl::Status LaunchWriteProgress(uint32_t* word, uint32_t value,
+                                 Stream stream) {
+  WriteProgressKernel<<<1, 1, 0, stream>>>(word, value);
+  return LaunchStatus("progress kernel launch");
+}
+
+absl::Status LaunchConvert(DType src_dtype, const void* src, DType dst_dtype,
+                           void* dst, uint64_t n, Stream stream) {
+  if (n == 0) return absl::OkStatus();
+  switch (src_dtype) {
+    case DType::kFloat32:
+      return ConvertTo<F32>(dst_dtype, src, dst, n, stream);
+    case DType::kBFloat16:
+      return ConvertTo<BF16>(dst_dtype, src, dst, n, stream);
+    case DType::kFloat16:
+      return ConvertTo<F16>(dst_dtype, src, dst, n, stream);
+  }
+  return absl::InvalidArgumentError("unknown dtype");
+}
+
+}  // namespace cuda
+}  // namespace optimd

@@ -1,0 +1,79 @@
+// Launchers of one session's CUDA step, for every optimizer. Plain C++: no
+// CUDA headers, so that host code including this file builds without nvcc.
+// The __global__ code is private to step_cuda.cu and to each optimizer's
+// kernels/<optimizer>/<optimizer>_cuda.cu.
+//
+// A step of one session on one GPU is, all on one stream:
+//   1. LaunchGradSumSquares per plan launch of every group: one partial sum
+//      of squares (double) per work block.
+//   2. LaunchPrepareSteps, once: reduces each group's partials in a fixed
+//      order (deterministic: no atomics), adds the groups' sums in order; if
+//      the total is not finite the step is skipped; otherwise derives the
+//      clip coefficient and, from each group's device-resident step counter
+//      and optimizer, its step scalars, into the group's DeviceScalars.
+//   3. LaunchUpdate per plan launch of every group: unless skipped, updates
+//      its chunks with the group's optimizer (AdamW/Adam, SGD, Lion).
+//   4. LaunchCommitSteps, once: advances the counters unless skipped,
+//      records the step's norm and skipped flag, and writes them to the
+//      step's report slot in pinned host memory.
+// The host never waits for the GPU in between: the skip decision and the
+// clip coefficient are read by the kernels from device memory. Per-step
+// arguments travel in pinned host memory that the kernels read directly,
+// so a step of one group with one layout is four launches.
+#ifndef OPTIMD_KERNELS_STEP_CUDA_H_
+#define OPTIMD_KERNELS_STEP_CUDA_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "core/layout.h"
+#include "core/optimizer.h"
+#include "kernels/cuda_step_types.h"
+
+namespace optimd {
+namespace cuda {
+
+// One partial sum of squares per work block: partials[b] for blocks[b],
+// each summed in a fixed order (the same total on every run of the same
+// plan). The statistics pass reads one stream where the update reads four
+// or more, so its work blocks are coarser (cuda_backend.cc).
+absl::Status LaunchGradSumSquares(DType grad_dtype, const Work& work,
+                                  double* partials, Stream stream);
+
+// Step 2 above for n >= 1 groups. `args`: n GroupSteps in pinned host
+// memory (device-accessible); copied to `scratch` (device memory, n
+// GroupSteps) for step 4. sums: device memory for n doubles. Without
+// `statistics` every sum is zero (nothing is skipped, nothing clipped).
+absl::Status LaunchPrepareSteps(const GroupStep* args, GroupStep* scratch,
+                                uint32_t n, bool statistics, double* sums,
+                                Stream stream);
+
+// Step 3 above: the update kernel of `kind` for `layout` over `work`;
+// `adamw` picks AdamW's decoupled decay over Adam's L2 (AdamW only).
+absl::Status LaunchUpdate(OptimizerKind kind, bool adamw, const Layout& layout,
+                          const Work& work, const DeviceScalars* scalars,
+                          Stream stream);
+
+// Step 4 above: advances each group's counters and `totals` (the session's)
+// and its absent tensors' missed steps unless the step was skipped, and
+// copies the counters to report[0] (totals) and report[1 + g] (pinned host
+// memory, n + 1 entries).
+absl::Status LaunchCommitSteps(const GroupStep* scratch, uint32_t n,
+                               const double* sums, DeviceGroupState* totals,
+                               DeviceGroupState* report, Stream stream);
+
+// *word = value, once the work before it in `stream` is complete: a staged
+// step's progress (StepRequest.staged), which the trainer's stream waits
+// for with cuStreamWaitValue32. A kernel, not a stream memory operation, so
+// that it is captured into the step graph like the updates around it.
+absl::Status LaunchWriteProgress(uint32_t* word, uint32_t value, Stream stream);
+
+// dst[i] = src[i] converted (exact widening, or rounding to nearest even),
+// for i < n. Used for master weights at registration and GetParams.
+absl::Status LaunchConvert(DType src_dtype, const void* src, DType dst_dtype,
+                           void* dst, uint64_t n, Stream stream);
+
+}  // namespace cuda
+}  // namespace optimd
+
+#endif  // OPTIMD_KERNELS_STEP_CUDA_H_
