@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <set>
@@ -197,10 +198,17 @@ class Session {
   // result's `bytes` is the snapshot's size) and writes it on a thread of its
   // own while steps go on; SaveStatus reports progress. A save requested
   // while a background save is still writing is FAILED_PRECONDITION.
-  absl::StatusOr<CheckpointResult> SaveState(const std::string& directory,
-                                             const CheckpointOptions& options,
-                                             bool background = false)
+  // `on_written`, if given, is called on the writing thread once a
+  // background save has ended (succeeded or failed).
+  struct SaveStatusInfo;
+  absl::StatusOr<CheckpointResult> SaveState(
+      const std::string& directory, const CheckpointOptions& options,
+      bool background = false,
+      std::function<void(const SaveStatusInfo&)> on_written = nullptr)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Waits until a background save that is still writing has ended; true
+  // when there was one.
+  bool WaitForBackgroundSave() ABSL_LOCKS_EXCLUDED(save_mu_);
 
   // A consistent snapshot of the session's state, for streaming it out.
   absl::StatusOr<std::unique_ptr<CheckpointSnapshot>> Snapshot()
@@ -399,6 +407,8 @@ class Session {
     absl::Status result;  // valid once done
     double started = 0, seconds = 0;
   };
+  // A background save's progress and outcome.
+  static SaveStatusInfo StatusOf(const BackgroundSave& save);
   mutable Mutex save_mu_ ABSL_ACQUIRED_AFTER(mu_);
   std::unique_ptr<BackgroundSave> save_ ABSL_GUARDED_BY(save_mu_);
 

@@ -299,7 +299,7 @@ absl::StatusOr<std::vector<uint64_t>> Session::MissedSteps(
 
 absl::StatusOr<CheckpointResult> Session::SaveState(
     const std::string& directory, const CheckpointOptions& options,
-    bool background) {
+    bool background, std::function<void(const SaveStatusInfo&)> on_written) {
   MutexLock lock(&mu_);
   if (needs_load_) {
     return absl::FailedPreconditionError(
@@ -335,13 +335,14 @@ absl::StatusOr<CheckpointResult> Session::SaveState(
   save->path = path;
   BackgroundSave* raw = save.get();
   raw->started = std::chrono::duration<double>(t0.time_since_epoch()).count();
-  raw->thread = std::thread([raw, snapshot, options, t0] {
+  raw->thread = std::thread([raw, snapshot, options, t0, on_written] {
     auto r = WriteSnapshot(raw->path, *snapshot, options, &raw->progress);
     raw->result = r.status();
     raw->seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
             .count();
     raw->done.store(true);
+    if (on_written) on_written(StatusOf(*raw));
   });
   CheckpointResult result;
   result.path = path;
@@ -354,22 +355,34 @@ absl::StatusOr<CheckpointResult> Session::SaveState(
   return result;
 }
 
-Session::SaveStatusInfo Session::SaveStatus() const {
-  MutexLock lock(&save_mu_);
+Session::SaveStatusInfo Session::StatusOf(const BackgroundSave& save) {
   SaveStatusInfo info;
-  if (save_ == nullptr) return info;
-  info.path = save_->path;
-  info.bytes_written = save_->progress.bytes_written.load();
-  info.total_bytes = save_->progress.total_bytes.load();
-  if (!save_->done.load()) {
+  info.path = save.path;
+  info.bytes_written = save.progress.bytes_written.load();
+  info.total_bytes = save.progress.total_bytes.load();
+  if (!save.done.load()) {
     info.state = SaveStatusInfo::kRunning;
     return info;
   }
   info.state =
-      save_->result.ok() ? SaveStatusInfo::kSucceeded : SaveStatusInfo::kFailed;
-  info.error = save_->result;
-  info.seconds = save_->seconds;
+      save.result.ok() ? SaveStatusInfo::kSucceeded : SaveStatusInfo::kFailed;
+  info.error = save.result;
+  info.seconds = save.seconds;
   return info;
+}
+
+Session::SaveStatusInfo Session::SaveStatus() const {
+  MutexLock lock(&save_mu_);
+  if (save_ == nullptr) return SaveStatusInfo();
+  return StatusOf(*save_);
+}
+
+bool Session::WaitForBackgroundSave() {
+  MutexLock lock(&save_mu_);
+  if (save_ == nullptr || !save_->thread.joinable()) return false;
+  const bool running = !save_->done.load();
+  save_->thread.join();
+  return running;
 }
 
 absl::StatusOr<std::unique_ptr<CheckpointSnapshot>> Session::Snapshot() {

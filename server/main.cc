@@ -442,7 +442,7 @@ void AwaitShutdown(const sigset_t& signals,
   server.Shutdown(absl::ToChronoTime(absl::Now()));
   // Nothing runs on the workers now: every session's state is at a step
   // boundary.
-  restart_store.SaveAll(registry, Log);
+  restart_store.SaveAll(registry, Log, optimd::log::Warn);
 }
 
 }  // namespace

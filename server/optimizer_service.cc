@@ -456,6 +456,24 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::SetState(
   });
 }
 
+std::function<void(const Session::SaveStatusInfo&)>
+OptimizerServiceImpl::BackgroundSaveLogger(const SessionIdentity& id) {
+  // Runs on the session's writing thread; the daemon joins every writing
+  // thread before the service goes (sessions' ends, RestartStore::SaveAll).
+  return [this, name = SessionName(id)](const Session::SaveStatusInfo& info) {
+    if (info.state == Session::SaveStatusInfo::kSucceeded) {
+      log::Info(absl::StrCat("checkpoint saved (background): ", name, " to ",
+                             info.path, ", ", info.bytes_written, " bytes, ",
+                             absl::StrFormat("%.3f", info.seconds), " s"));
+      return;
+    }
+    checkpoint_failures_.fetch_add(1);
+    log::Warn(absl::StrCat("checkpoint save failed (background): ", name,
+                           " to ", info.path, ": ",
+                           info.error.ToString().substr(0, 500)));
+  };
+}
+
 grpc::ServerUnaryReactor* OptimizerServiceImpl::SaveState(
     grpc::CallbackServerContext* context, const v1::SaveStateRequest* request,
     v1::SaveStateResponse* response) {
@@ -467,7 +485,8 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::SaveState(
                          " to ", request->directory().substr(0, 512),
                          request->background() ? " (background)" : ""));
         auto r = s.SaveState(request->directory(), checkpoint_options_,
-                             request->background());
+                             request->background(),
+                             BackgroundSaveLogger(s.identity()));
         if (!r.ok()) {
           checkpoint_failures_.fetch_add(1);
           log::Warn(absl::StrCat(

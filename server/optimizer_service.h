@@ -7,6 +7,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <atomic>
+#include <functional>
 #include <memory>
 
 #include "core/session_registry.h"
@@ -122,6 +123,10 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
       grpc::CallbackServerContext* context) const;
   std::string TokenOf(grpc::CallbackServerContext* context) const;
   void FillMetrics(v1::GetMetricsResponse* response) const;
+  // Logs a background save's end (and counts a failure), on the session's
+  // writing thread.
+  std::function<void(const Session::SaveStatusInfo&)> BackgroundSaveLogger(
+      const SessionIdentity& id);
   // OK when the caller may make the admin call `call` (AdminGuard).
   absl::Status CheckAdmin(grpc::CallbackServerContext* context,
                           const char* call) const;

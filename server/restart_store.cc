@@ -78,8 +78,17 @@ std::optional<std::string> RestartStore::SavedSecret(const std::string& job_id,
 
 int RestartStore::SaveAll(
     SessionRegistry& registry,
-    const std::function<void(const std::string&)>& log) const {
+    const std::function<void(const std::string&)>& log,
+    const std::function<void(const std::string&)>& warn) const {
   const auto sessions = registry.List();
+  // A background save still writing finishes first: its file is the
+  // trainer's, and the restart save below needs the session's snapshot.
+  for (const auto& s : sessions) {
+    if (s->WaitForBackgroundSave()) {
+      log(absl::StrCat("waited for the background save of job '",
+                       s->identity().job_id, "' rank ", s->identity().rank));
+    }
+  }
   if (!enabled()) {
     if (!sessions.empty()) {
       log(absl::StrCat(sessions.size(),
@@ -113,8 +122,10 @@ int RestartStore::SaveAll(
                        saved->path));
     } else {
       ++failed;
-      log(absl::StrCat("cannot save job '", id.job_id, "' rank ", id.rank, ": ",
-                       saved.status().ToString(), "; its state is lost"));
+      rmdir(dir.c_str());  // only if nothing else of the job is there
+      warn(absl::StrCat("cannot save job '", id.job_id, "' rank ", id.rank,
+                        ": ", saved.status().ToString(),
+                        "; its state is lost"));
     }
   }
   return failed;

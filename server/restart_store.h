@@ -40,10 +40,12 @@ class RestartStore {
   std::optional<std::string> SavedSecret(const std::string& job_id,
                                          uint32_t rank) const;
 
-  // Saves every session of `registry`, logging each; returns how many
-  // could not be saved.
+  // Saves every session of `registry` (after any background save still
+  // writing has ended), logging each (`warn`: a session that could not be
+  // saved); returns how many could not be saved.
   int SaveAll(SessionRegistry& registry,
-              const std::function<void(const std::string&)>& log) const;
+              const std::function<void(const std::string&)>& log,
+              const std::function<void(const std::string&)>& warn) const;
 
   // "<job id reduced to at most 48 of [A-Za-z0-9._-]>-<crc32c of the id>".
   static std::string JobDirectory(const std::string& job_id);

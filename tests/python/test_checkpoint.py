@@ -618,6 +618,48 @@ class CheckpointTest(unittest.TestCase):
                               if f.startswith(".optimd-load")], [])
             ob.close()
 
+    def test_stop_during_a_background_save_keeps_everything(self):
+        """SIGTERM while a background save is writing: the daemon lets it
+        finish (the trainer's checkpoint is complete and logged), then saves
+        the session for its restart, and the restarted daemon resumes it
+        bit-exactly."""
+        from optimd.v1 import optimd_pb2 as pb
+        n = 50_000_000  # a 600 MB file: the write takes a while
+        save_dir = os.path.join(self.dir, "saved")
+        log_path = os.path.join(self.dir, "daemon.log")
+        flags = ["--save_dir=" + save_dir]
+        with open(log_path, "w") as log:
+            d1 = Daemon(flags=flags, stderr=log)
+        try:
+            p = torch.nn.Parameter(torch.randn(n))
+            opt = AdamW([("w", p)], address=d1.address, job_id="bg-stop")
+            for _ in range(2):
+                p.grad = torch.randn_like(p)
+                opt.step()
+            expected = {k: v.clone() for k, v in opt.state[p].items()
+                        if torch.is_tensor(v)}
+            reply = opt.save_checkpoint(self.dir, background=True)
+            self.assertEqual(opt.save_status().state, pb.SAVE_STATE_RUNNING)
+            self.assertEqual(d1.stop(), 0)
+        finally:
+            d1.stop()
+        with open(log_path) as f:
+            log = f.read()
+        self.assertIn("waited for the background save of job 'bg-stop'", log)
+        self.assertIn("checkpoint saved (background): job 'bg-stop'", log)
+        self.assertIn("saved job 'bg-stop' rank 0", log)
+        _, written = read_safetensors(reply.path)
+        self.assertTrue(torch.equal(written["w"], p.detach()))
+        with Daemon(flags=flags) as d2:
+            q = torch.nn.Parameter(torch.zeros(n))
+            resumed = AdamW([("w", q)], address=d2.address, job_id="bg-stop",
+                            resume=True)
+            self.assertTrue(resumed.resumed)
+            self.assertTrue(torch.equal(q.detach(), p.detach()))
+            for k, v in expected.items():
+                self.assertTrue(torch.equal(resumed.state[q][k], v), k)
+            resumed.close()
+
     def test_daemon_killed_mid_save_keeps_the_previous_checkpoint(self):
         """SIGKILL while a save is writing: the previous checkpoint is intact,
         and the next save to that file removes the dead save's temporary."""
@@ -700,6 +742,8 @@ class CheckpointTest(unittest.TestCase):
             self.assertIn("renaming", str(cm.exception))
             from optimd.v1 import optimd_pb2 as pb
             self.assertEqual(opt.save_status().state, pb.SAVE_STATE_FAILED)
+            # The failure counts in the daemon's metrics.
+            self.assertEqual(opt._client.get_metrics().checkpoint_failures, 1)
             # Nothing half-written is left; the next save works.
             self.assertEqual(os.listdir(self.dir),
                              ["rank-0.safetensors"])
