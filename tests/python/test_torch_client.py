@@ -478,6 +478,50 @@ class TorchClientTest(unittest.TestCase):
         self.assertEqual(float(opt.state[ours[0]]["step"]), 1.0)
         opt.close()
 
+    def test_held_state_tensors_stay_live_as_in_torch(self):
+        # A tensor taken from optimizer.state and held across steps is the
+        # state itself in torch: steps update it in place and writes into
+        # it are the state. The same here, side by side.
+        _, _, opt, ref = self.fixed_seed_twins()
+        ours = opt.param_groups[0]["params"]
+        theirs = ref.param_groups[0]["params"]
+
+        def step_both():
+            for p, q in zip(ours, theirs):
+                g = torch.randn(p.shape)
+                p.grad, q.grad = g.clone(), g.clone()
+            opt.step()
+            ref.step()
+
+        def same_weights():
+            for p, q in zip(ours, theirs):
+                self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6)
+        step_both()
+        held = [o.state[ps[0]]["exp_avg"] for o, ps in
+                ((opt, ours), (ref, theirs))]
+        entries = [o.state[ps[1]] for o, ps in ((opt, ours), (ref, theirs))]
+        for _ in range(2):
+            step_both()
+        self.assertIs(opt.state[ours[0]]["exp_avg"], held[0])
+        self.assertIs(opt.state[ours[1]], entries[0])
+        self.assertLessEqual(scale_err(held[0], held[1]), 1e-5)
+        for k in ("step", "exp_avg", "exp_avg_sq"):
+            self.assertLessEqual(
+                scale_err(entries[0][k].float(), entries[1][k].float()),
+                1e-5, k)
+        # Writes into the held tensors, without reading optimizer.state
+        # again: zeroed, then (after a step) scaled.
+        for t in held:
+            t.zero_()
+        step_both()
+        same_weights()
+        for e in entries:
+            e["exp_avg_sq"].mul_(0.5)
+        step_both()
+        same_weights()
+        self.assertLessEqual(scale_err(held[0], held[1]), 1e-5)
+        opt.close()
+
     def test_edited_param_groups_and_unfrozen_parameters(self):
         _, _, opt, ref = self.fixed_seed_twins()
         ours = opt.param_groups[0]["params"]

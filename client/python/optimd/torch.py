@@ -109,7 +109,8 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         # id(param) -> (weak reference to it, its state).
         self._retired = {}
         torch.optim.Optimizer.__init__(self, params, defaults)
-        self.state = DaemonState(self._fetch_state)
+        self.state = DaemonState(self._fetch_daemon_state,
+                                 self._retired_state)
         self.max_grad_norm = max_grad_norm
         self._warned_rank_norm = False
         self.grad_scale = grad_scale
@@ -546,6 +547,7 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         if overrides:
             self._sent_hyper = overrides[1]
         self.state.invalidate()
+        self.state.follow()  # state tensors the trainer holds, as in torch
         return loss
 
     def _step_with_flags(self, request):
@@ -616,6 +618,13 @@ class _DaemonOptimizer(torch.optim.Optimizer):
 
     # State.
     def _fetch_state(self):
+        """The state in torch's format: the daemon's, and that of
+        parameters taken out of their group."""
+        out = self._fetch_daemon_state()
+        out.update(self._retired_state())
+        return out
+
+    def _fetch_daemon_state(self):
         # Tensor by tensor in batches, so that no reply nears the daemon's
         # per-reply limit.
         names = [s.name for g in self._groups for s in g["tensors"]
@@ -663,8 +672,14 @@ class _DaemonOptimizer(torch.optim.Optimizer):
                             continue
                     entry[kind] = value
                 out[s.param] = entry
+        return out
+
+    def _retired_state(self):
+        """{param: entry} of the parameters taken out of their group, kept
+        for a return."""
+        out = {}
         for key, (ref, entry) in list(self._retired.items()):
-            p = ref()  # taken out of its group, kept for a return
+            p = ref()
             if p is None:
                 del self._retired[key]
             else:
@@ -718,7 +733,9 @@ class _DaemonOptimizer(torch.optim.Optimizer):
                 [saved_state.get(pid) for pid in sg["params"]],
                 slot_names=self._slot_names(g)))
         self._sent_hyper = None  # the next step sends them all again
-        self.state.invalidate()
+        # New state, as torch's load makes new tensors: what was handed out
+        # before is let go.
+        self.state.invalidate(follow=False)
 
     def _reregister(self, gi, group, mine):
         """New hyperparameters that steps do not carry (_layout_of): the
@@ -844,7 +861,7 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         for group, g in zip(self.param_groups, groups):
             group["lr"] = g.hyperparameters.lr
         self._sent_hyper = None  # the next step sends them all again
-        self.state.invalidate()
+        self.state.invalidate(follow=False)
 
     # Daemon access.
     @property
