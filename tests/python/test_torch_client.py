@@ -522,6 +522,50 @@ class TorchClientTest(unittest.TestCase):
         self.assertLessEqual(scale_err(held[0], held[1]), 1e-5)
         opt.close()
 
+    def test_lazy_parameters_as_in_torch(self):
+        # Both optimizers are built before the first forward materializes
+        # the lazy layer's parameters; both then train them.
+        def build():
+            return torch.nn.Sequential(torch.nn.LazyLinear(8),
+                                       torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "lazy modules are new"
+            ours, theirs = build(), build()
+        opt = self.make(ours.parameters(), lr=1e-2)
+        ref = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
+        lazy = next(ours.parameters())
+        self.assertEqual(dict(opt.state[lazy]), {})
+        for model in (ours, theirs):
+            model(self.x[:1])
+        theirs.load_state_dict(ours.state_dict())
+        for _ in range(4):
+            self.train_step(ours, opt)
+            self.train_step(theirs, ref)
+            for p, q in zip(ours.parameters(), theirs.parameters()):
+                self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6)
+        steps = [float(o.state[p]["step"]) for o, m in ((opt, ours),
+                                                         (ref, theirs))
+                 for p in m.parameters()]
+        self.assertEqual(steps, [4.0] * 8)
+        opt.close()
+        # Resumed as torch users do, before the first forward: the model's
+        # load_state_dict materializes the lazy layer, then the optimizer's
+        # loads torch's state dict; both go on alike.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            again = build()
+        opt = self.make(again.parameters(), lr=1e-2, job_id="resumed")
+        again.load_state_dict(theirs.state_dict())
+        opt.load_state_dict(ref.state_dict())
+        for _ in range(2):
+            self.train_step(again, opt)
+            self.train_step(theirs, ref)
+        for p, q in zip(again.parameters(), theirs.parameters()):
+            self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6)
+        self.assertEqual(float(opt.state[next(again.parameters())]["step"]),
+                         6.0)
+        opt.close()
+
     def test_edited_param_groups_and_unfrozen_parameters(self):
         _, _, opt, ref = self.fixed_seed_twins()
         ours = opt.param_groups[0]["params"]

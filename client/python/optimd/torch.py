@@ -105,7 +105,8 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         self._ready = False
         self._sent_hyper = None  # the hyperparameters the daemon has
         self._groups = []  # per group: dict(id, tensors, segments, snapshot)
-        # State of parameters taken out of their group, for their return:
+        # State of parameters taken out of their group, for their return,
+        # and of lazy ones loaded before they are materialized:
         # id(param) -> (weak reference to it, its state).
         self._retired = {}
         torch.optim.Optimizer.__init__(self, params, defaults)
@@ -304,14 +305,12 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         tensors = []
         p_bytes = 0
         for pi, p in enumerate(group["params"]):
-            if p.dtype not in DTYPES:
-                raise TypeError(
-                    "optimd.torch supports float32, bfloat16 and "
-                    "float16 parameters; parameter %s is %s" %
-                    (self._names.get(id(p), "%d.%d" % (gi, pi)), p.dtype))
-            if p.is_sparse:
-                raise TypeError("optimd.torch does not support sparse "
-                                "parameters")
+            if _is_lazy(p):
+                # Not materialized yet (a lazy module before its first
+                # forward): absent, without state, as torch has it, until
+                # _sync_structure finds it materialized.
+                continue
+            self._check_param(gi, pi, p)
             s = _TensorEntry()
             s.param = p
             s.name = self._names.get(id(p), "group%d.param%d" % (gi, pi))
@@ -347,7 +346,8 @@ class _DaemonOptimizer(torch.optim.Optimizer):
                  request=request,
                  # What _sync_structure compares the group with each step.
                  param_ids=[id(p) for p in group["params"]],
-                 frozen=[s.param for s, _ in tensors if s.frozen])
+                 frozen=[s.param for s, _ in tensors if s.frozen],
+                 lazy=[p for p in group["params"] if _is_lazy(p)])
         if replace:
             self._groups[gi] = g
         else:
@@ -355,6 +355,17 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         if self._device.type == "cpu":
             self._flat_grads(g["id"])  # the daemon reads shared memory only
         self._index_buffers()
+
+    def _check_param(self, gi, pi, p):
+        """Raises for a parameter the daemon cannot step."""
+        if p.dtype not in DTYPES:
+            raise TypeError(
+                "optimd.torch supports float32, bfloat16 and "
+                "float16 parameters; parameter %s is %s" %
+                (self._names.get(id(p), "%d.%d" % (gi, pi)), p.dtype))
+        if p.is_sparse:
+            raise TypeError("optimd.torch does not support sparse "
+                            "parameters")
 
     def _flat_grads(self, group_id):
         """The group's flat gradient segment, made on first use, with a
@@ -401,14 +412,16 @@ class _DaemonOptimizer(torch.optim.Optimizer):
     def _sync_structure(self):
         """A group whose parameters were added or removed since it was
         registered (param_groups[i]["params"] edited), or which has a
-        parameter frozen then and trained now, is registered anew over its
-        current parameters, keeping the state of those it had (torch picks
-        such changes up at its next step)."""
+        parameter frozen then and trained now, or a lazy one materialized
+        since, is registered anew over its current parameters, keeping the
+        state of those it had (torch picks such changes up at its next
+        step)."""
         for gi, (g, group) in enumerate(zip(self._groups, self.param_groups)):
             same = list(map(id, group["params"])) == g["param_ids"]
             unfrozen = any(map(_requires_grad, g["frozen"])) and any(
                 p.requires_grad and p.grad is not None for p in g["frozen"])
-            if same and not unfrozen:
+            materialized = g["lazy"] and not all(map(_is_lazy, g["lazy"]))
+            if same and not unfrozen and not materialized:
                 continue
             state = self._fetch_state()
             # A parameter taken out keeps its state for a return, as in
@@ -710,6 +723,9 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         return {"state": packed_state, "param_groups": groups}
 
     def load_state_dict(self, state_dict):
+        # Parameters edited or materialized (a lazy module's, by the
+        # model's own load_state_dict) are registered before their state.
+        self._sync_structure()
         self._sync_params()
         groups = self.param_groups
         saved = state_dict["param_groups"]
@@ -728,9 +744,15 @@ class _DaemonOptimizer(torch.optim.Optimizer):
                     g[k] = tuple(v) if k == "betas" else v
             if self._layout_of(g) != mine["snapshot"]:
                 self._reregister(gi, g, mine)
+            entries = {id(p): saved_state.get(pid)
+                       for p, pid in zip(g["params"], sg["params"])}
+            for p in mine["lazy"]:
+                # Kept until the parameter is materialized and registered.
+                if entries.get(id(p)):
+                    self._retired[id(p)] = (weakref.ref(p), entries[id(p)])
             self._client.set_state(set_state_request(
                 mine["id"], mine["tensors"],
-                [saved_state.get(pid) for pid in sg["params"]],
+                [entries.get(id(s.param)) for s in mine["tensors"]],
                 slot_names=self._slot_names(g)))
         self._sent_hyper = None  # the next step sends them all again
         # New state, as torch's load makes new tensors: what was handed out
@@ -1257,6 +1279,8 @@ def _warn_in_user_code(message):
 
 
 _requires_grad = operator.attrgetter("requires_grad")
+# An UninitializedParameter (a lazy module's before its first forward).
+_is_lazy = torch.nn.parameter.is_lazy
 
 
 def _dist_identity(rank, world_size):
