@@ -826,17 +826,24 @@ class TorchClientTest(unittest.TestCase):
                 opt.step()
             if isinstance(opt, AdamW):
                 opt.close()
-        # amsgrad turned on after steps: torch's step fails (no
-        # max_exp_avg_sq in the state); optimd says so at once.
-        q = torch.nn.Parameter(torch.randn(3))
-        opt = self.make([q], job_id="amsgrad")
-        q.grad = torch.randn(3)
-        opt.step()
-        opt.param_groups[0]["amsgrad"] = True
-        with self.assertRaises(ValueError) as cm:
+        # amsgrad turned on after steps: torch's step raises KeyError (no
+        # max_exp_avg_sq in the state); so does optimd's, saying why (and
+        # still a ValueError, as it was before).
+        for make in (lambda ps: self.make(ps, job_id="amsgrad"),
+                     torch.optim.AdamW):
+            q = torch.nn.Parameter(torch.randn(3))
+            opt = make([q])
+            q.grad = torch.randn(3)
             opt.step()
-        self.assertIn("amsgrad", str(cm.exception))
-        opt.close()
+            opt.param_groups[0]["amsgrad"] = True
+            with self.assertRaises(KeyError) as cm:
+                opt.step()
+            if isinstance(opt, AdamW):
+                self.assertIsInstance(cm.exception, ValueError)
+                self.assertIsInstance(cm.exception, optimd.MissingStateError)
+                self.assertTrue(str(cm.exception).startswith(
+                    "param_groups[0]['amsgrad'] was turned on after steps"))
+                opt.close()
 
     def test_amsgrad_and_maximize_edits_follow_torch(self):
         # amsgrad set before the first step, maximize flipped mid-training:

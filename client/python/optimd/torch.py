@@ -15,16 +15,30 @@ fresh ones, and each step tells the daemon only which moved or went away
 The optimizer state (moments, master weights, step counters) lives in the
 daemon; `state_dict()` and `optimizer.state[p]` fetch it on demand.
 
-Differences from torch.optim.AdamW, all deliberate:
-  * amsgrad and maximize decide the state's layout: changing them on a live
-    group raises ValueError (load_state_dict may change them).
+Followed as torch follows them: zero_grad both ways; edits of
+param_groups (hyperparameters, amsgrad and maximize, parameters added,
+removed or unfrozen: a parameter taken out keeps its state for a return);
+lazy parameters once materialized; writes to optimizer.state, and state
+tensors held across steps (updated in place); parameters moved to another
+device or converted to bf16 or fp16 after construction; channels_last and
+other dense layouts (kept); sparse gradients (torch's RuntimeError).
+Turning amsgrad on
+after steps raises KeyError (optimd.MissingStateError) at the next step, as
+torch's step does.
+
+Differences from torch.optim.AdamW, all deliberate (README, "Deliberate
+differences"):
   * A step whose gradients hold inf or NaN is skipped entirely (nothing
-    changes); `opt.skipped` says so and `opt.grad_norm` is the gradient norm.
-  * A parameter listed twice in a group, or whose dtype or shape changes
-    after construction (model.double()), raises at construction or at the
-    next step instead of being stepped twice or in the new dtype.
-  * A parameter removed from param_groups[i]["params"] loses its state
-    (torch keeps it, should the parameter come back).
+    changes; torch would write NaN into the weights); `opt.skipped` says so
+    and `opt.grad_norm` is the gradient norm. assume_finite=True applies
+    it as torch does.
+  * float64 parameters raise, at construction or, after model.double(), at
+    the next step (the daemon steps fp32, bf16 and fp16).
+  * A parameter listed twice in a group raises (torch steps it twice per
+    step; the daemon keeps one state per tensor); so do parameters on
+    several devices (a session lives on one device).
+  * max_grad_norm (optimd's own) clips by the norm of this rank's
+    gradients, or of the job's with gradient_sharding.
 """
 import collections
 import inspect
@@ -965,8 +979,8 @@ class AdamW(_DaemonOptimizer):
     Where it differs from torch.optim.AdamW (README, "Deliberate
     differences"): a step with inf/NaN gradients is skipped (opt.skipped;
     assume_finite=True applies them as torch does); float64 parameters, a
-    parameter listed twice in a group, parameters on several devices, and
-    amsgrad turned on after steps raise.
+    parameter listed twice in a group and parameters on several devices
+    raise.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
@@ -1032,12 +1046,13 @@ class AdamW(_DaemonOptimizer):
 
     def _check_layout_change(self, gi, group, snapshot, tensors_state):
         # Turning amsgrad on once the group has state fails in torch too
-        # (its step finds no max_exp_avg_sq).
+        # (its step finds no max_exp_avg_sq: KeyError).
         if group["amsgrad"] and not snapshot["amsgrad"] and any(tensors_state):
-            raise ValueError(
+            raise errors.MissingStateError(
                 "param_groups[%d]['amsgrad'] was turned on after steps: the "
-                "state has no max_exp_avg_sq (torch.optim.AdamW fails the "
-                "same way); set amsgrad before the first step" % gi)
+                "state has no max_exp_avg_sq (torch.optim.AdamW's step "
+                "raises KeyError too); set amsgrad before the first step" %
+                gi)
 
 
 class Adam(AdamW):
