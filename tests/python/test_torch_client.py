@@ -646,6 +646,39 @@ class TorchClientTest(unittest.TestCase):
                 1e-6)
         opt.close()
 
+    def test_parameter_not_dense_in_memory_is_a_clear_error(self):
+        # A view with gaps (every other column): torch steps it in place,
+        # strides and all. The daemon steps each tensor as one dense run
+        # of memory, so optimd refuses it (naming it) rather than silently
+        # giving it new strides; nothing is left in the daemon.
+        def strided():
+            return torch.nn.Parameter(torch.randn(4, 6)[:, ::2])
+        theirs = strided()
+        ref = torch.optim.AdamW([theirs])
+        theirs.grad = torch.randn(4, 3)
+        ref.step()
+        self.assertEqual(theirs.stride(), (6, 2))
+        client = optimd.Client(self.daemon.address)
+        before = len(client.list_sessions().sessions)
+        good = torch.nn.Parameter(torch.randn(3))
+        with self.assertRaises(ValueError) as cm:
+            self.make([("good", good), ("encoder.gappy", strided())])
+        self.assertIn("encoder.gappy", str(cm.exception))
+        self.assertIn("contiguous", str(cm.exception))
+        self.assertEqual(len(client.list_sessions().sessions), before)
+        client.close()
+        # Appended to a live group: refused at the next step, and the
+        # optimizer goes on once it is taken out again.
+        opt = self.make([good])
+        opt.param_groups[0]["params"].append(strided())
+        good.grad = torch.randn(3)
+        with self.assertRaisesRegex(ValueError, "contiguous"):
+            opt.step()
+        opt.param_groups[0]["params"].pop()
+        opt.step()
+        self.assertEqual(float(opt.state[good]["step"]), 1.0)
+        opt.close()
+
     def test_parameters_keep_identity_and_zero_grad_follows_torch(self):
         model = mlp()
         before = [id(p) for p in model.parameters()]

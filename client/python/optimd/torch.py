@@ -37,6 +37,9 @@ differences"):
   * A parameter listed twice in a group raises (torch steps it twice per
     step; the daemon keeps one state per tensor); so do parameters on
     several devices (a session lives on one device).
+  * A parameter not dense in memory (a view with gaps, base[:, ::2], or an
+    expanded tensor) raises ValueError: the daemon steps each parameter as
+    one run of memory; make it contiguous.
   * max_grad_norm (optimd's own) clips by the norm of this rank's
     gradients, or of the job's with gradient_sharding.
 """
@@ -54,7 +57,7 @@ import torch
 
 from optimd import errors
 from optimd._grads import GradRouter
-from optimd._layout import view_like
+from optimd._layout import is_dense, view_like
 from optimd._state import DTYPES, DaemonState, set_state_request
 from optimd import _secrets
 from optimd._overlap import Overlap, assign_stages
@@ -311,11 +314,7 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         return request
 
     def _register_group(self, gi, group, existing, replace=False):
-        if len({id(p) for p in group["params"]}) != len(group["params"]):
-            raise ValueError(
-                "parameter group %d holds a parameter twice; torch steps it "
-                "twice per step, optimd.torch refuses: list each "
-                "parameter once" % gi)
+        self._check_group(gi, group)
         tensors = []
         p_bytes = 0
         for pi, p in enumerate(group["params"]):
@@ -324,7 +323,6 @@ class _DaemonOptimizer(torch.optim.Optimizer):
                 # forward): absent, without state, as torch has it, until
                 # _sync_structure finds it materialized.
                 continue
-            self._check_param(gi, pi, p)
             s = _TensorEntry()
             s.param = p
             s.name = self._names.get(id(p), "group%d.param%d" % (gi, pi))
@@ -370,16 +368,28 @@ class _DaemonOptimizer(torch.optim.Optimizer):
             self._flat_grads(g["id"])  # the daemon reads shared memory only
         self._index_buffers()
 
-    def _check_param(self, gi, pi, p):
-        """Raises for a parameter the daemon cannot step."""
-        if p.dtype not in DTYPES:
-            raise TypeError(
-                "optimd.torch supports float32, bfloat16 and "
-                "float16 parameters; parameter %s is %s" %
-                (self._names.get(id(p), "%d.%d" % (gi, pi)), p.dtype))
-        if p.is_sparse:
-            raise TypeError("optimd.torch does not support sparse "
-                            "parameters")
+    def _check_group(self, gi, group):
+        """Raises for a group the daemon cannot step, before anything of it
+        is registered."""
+        if len({id(p) for p in group["params"]}) != len(group["params"]):
+            raise ValueError(
+                "parameter group %d holds a parameter twice; torch steps it "
+                "twice per step, optimd.torch refuses: list each "
+                "parameter once" % gi)
+        for pi, p in enumerate(group["params"]):
+            if _is_lazy(p):
+                continue
+            name = self._names.get(id(p), "%d.%d" % (gi, pi))
+            if p.dtype not in DTYPES:
+                raise TypeError(
+                    "optimd.torch supports float32, bfloat16 and "
+                    "float16 parameters; parameter %s is %s" %
+                    (name, p.dtype))
+            if p.is_sparse:
+                raise TypeError("optimd.torch does not support sparse "
+                                "parameters")
+            if p.numel() and not is_dense(p):
+                raise _not_dense_error(name, p)
 
     def _flat_grads(self, group_id):
         """The group's flat gradient segment, made on first use, with a
@@ -437,6 +447,7 @@ class _DaemonOptimizer(torch.optim.Optimizer):
             materialized = g["lazy"] and not all(map(_is_lazy, g["lazy"]))
             if same and not unfrozen and not materialized:
                 continue
+            self._check_group(gi, group)  # before it is unregistered
             state = self._fetch_state()
             # A parameter taken out keeps its state for a return, as in
             # torch (whose state is keyed by the parameter).
@@ -491,6 +502,8 @@ class _DaemonOptimizer(torch.optim.Optimizer):
                             "the optimizer (or create a new one)" %
                             (s.name, p.dtype, tuple(p.shape),
                              s.pview.dtype, tuple(s.pview.shape)))
+                    if not is_dense(p):  # p.data = a view with gaps
+                        raise _not_dense_error(s.name, p)
                     s.pview.copy_(p.detach())
                     p.data = s.pview
 
@@ -979,8 +992,8 @@ class AdamW(_DaemonOptimizer):
     Where it differs from torch.optim.AdamW (README, "Deliberate
     differences"): a step with inf/NaN gradients is skipped (opt.skipped;
     assume_finite=True applies them as torch does); float64 parameters, a
-    parameter listed twice in a group and parameters on several devices
-    raise.
+    parameter listed twice in a group, parameters on several devices and
+    parameters not dense in memory raise.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
@@ -1273,6 +1286,16 @@ class _CudaSegment:
 
     def zero_(self):
         self.buffer.zero_()
+
+
+def _not_dense_error(name, p):
+    """The daemon steps a tensor as one run of memory: a view with gaps
+    (base[:, ::2]) or repeats (expand) would silently lose its strides."""
+    return ValueError(
+        "parameter %s (shape %s, strides %s) is not dense in memory; "
+        "optimd.torch steps each parameter as one run of memory: make it "
+        "contiguous, e.g. torch.nn.Parameter(t.contiguous())" %
+        (name, tuple(p.shape), p.stride()))
 
 
 def _param_offsets(group):
