@@ -303,6 +303,57 @@ class CheckpointTest(unittest.TestCase):
                                      1e-6 * q.detach().abs().max().item())
             opt.close()
 
+    def test_torch_state_dict_keeps_each_tensors_own_step(self):
+        """An MoE-like model: expert 1 has no gradient at some steps and
+        expert 2 never has one. The converted checkpoint is torch's own
+        state_dict(): the same entries (none for expert 2, which torch never
+        stepped), each tensor's own step, the same moments."""
+        from optimd.checkpoint import to_torch_state_dict
+
+        def build():
+            torch.manual_seed(SEED)
+            return torch.nn.ModuleDict(dict(
+                shared=torch.nn.Linear(6, 6),
+                experts=torch.nn.ModuleList(
+                    [torch.nn.Linear(6, 1) for _ in range(3)])))
+        ours, theirs = build(), build()
+        x = torch.randn(8, 6)
+        with Daemon() as d:
+            opt = AdamW(ours.named_parameters(), lr=1e-2, weight_decay=0.1,
+                        address=d.address, job_id="moe")
+            ref = torch.optim.AdamW(theirs.parameters(), lr=1e-2,
+                                    weight_decay=0.1)
+            for step in range(7):
+                for o in (opt, ref):
+                    o.zero_grad()
+                expert = 1 if step in (1, 4) else 0
+                h = torch.tanh(ours["shared"](x))
+                ours["experts"][expert](h).square().mean().backward()
+                # The same gradients (None where ours have none) for torch,
+                # so that only the optimizers are compared.
+                for p, q in zip(ours.parameters(), theirs.parameters()):
+                    q.grad = None if p.grad is None else p.grad.clone()
+                opt.step()
+                ref.step()
+            shapes = {n: p.shape for n, p in ours.named_parameters()}
+            sd, _, _ = to_torch_state_dict(
+                opt.save_checkpoint(self.dir).path, shapes)
+            opt.close()
+        want = ref.state_dict()
+        self.assertEqual(sorted(sd["state"]), sorted(want["state"]))
+        self.assertEqual([g["params"] for g in sd["param_groups"]],
+                         [g["params"] for g in want["param_groups"]])
+        for i, entry in want["state"].items():
+            self.assertEqual(sorted(sd["state"][i]), sorted(entry), i)
+            self.assertEqual(float(sd["state"][i]["step"]),
+                             float(entry["step"]), i)
+            for k in ("exp_avg", "exp_avg_sq"):
+                got, exp = sd["state"][i][k], entry[k]
+                self.assertEqual(got.shape, exp.shape, (i, k))
+                err = (got - exp).abs().max().item()
+                self.assertLessEqual(err, 1e-6 * exp.abs().max().item(),
+                                     (i, k))
+
     def test_packed_checkpoint_reads_as_torch_state_dict(self):
         """A session whose per-tensor header would not fit is saved packed
         (format 2); to_torch_state_dict reads it like any other."""

@@ -478,6 +478,94 @@ class TorchClientTest(unittest.TestCase):
         self.assertEqual(float(opt.state[ours[0]]["step"]), 1.0)
         opt.close()
 
+    def test_held_state_tensors_stay_live_as_in_torch(self):
+        # A tensor taken from optimizer.state and held across steps is the
+        # state itself in torch: steps update it in place and writes into
+        # it are the state. The same here, side by side.
+        _, _, opt, ref = self.fixed_seed_twins()
+        ours = opt.param_groups[0]["params"]
+        theirs = ref.param_groups[0]["params"]
+
+        def step_both():
+            for p, q in zip(ours, theirs):
+                g = torch.randn(p.shape)
+                p.grad, q.grad = g.clone(), g.clone()
+            opt.step()
+            ref.step()
+
+        def same_weights():
+            for p, q in zip(ours, theirs):
+                self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6)
+        step_both()
+        held = [o.state[ps[0]]["exp_avg"] for o, ps in
+                ((opt, ours), (ref, theirs))]
+        entries = [o.state[ps[1]] for o, ps in ((opt, ours), (ref, theirs))]
+        for _ in range(2):
+            step_both()
+        self.assertIs(opt.state[ours[0]]["exp_avg"], held[0])
+        self.assertIs(opt.state[ours[1]], entries[0])
+        self.assertLessEqual(scale_err(held[0], held[1]), 1e-5)
+        for k in ("step", "exp_avg", "exp_avg_sq"):
+            self.assertLessEqual(
+                scale_err(entries[0][k].float(), entries[1][k].float()),
+                1e-5, k)
+        # Writes into the held tensors, without reading optimizer.state
+        # again: zeroed, then (after a step) scaled.
+        for t in held:
+            t.zero_()
+        step_both()
+        same_weights()
+        for e in entries:
+            e["exp_avg_sq"].mul_(0.5)
+        step_both()
+        same_weights()
+        self.assertLessEqual(scale_err(held[0], held[1]), 1e-5)
+        opt.close()
+
+    def test_lazy_parameters_as_in_torch(self):
+        # Both optimizers are built before the first forward materializes
+        # the lazy layer's parameters; both then train them.
+        def build():
+            return torch.nn.Sequential(torch.nn.LazyLinear(8),
+                                       torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "lazy modules are new"
+            ours, theirs = build(), build()
+        opt = self.make(ours.parameters(), lr=1e-2)
+        ref = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
+        lazy = next(ours.parameters())
+        self.assertEqual(dict(opt.state[lazy]), {})
+        for model in (ours, theirs):
+            model(self.x[:1])
+        theirs.load_state_dict(ours.state_dict())
+        for _ in range(4):
+            self.train_step(ours, opt)
+            self.train_step(theirs, ref)
+            for p, q in zip(ours.parameters(), theirs.parameters()):
+                self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6)
+        steps = [float(o.state[p]["step"]) for o, m in ((opt, ours),
+                                                         (ref, theirs))
+                 for p in m.parameters()]
+        self.assertEqual(steps, [4.0] * 8)
+        opt.close()
+        # Resumed as torch users do, before the first forward: the model's
+        # load_state_dict materializes the lazy layer, then the optimizer's
+        # loads torch's state dict; both go on alike.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            again = build()
+        opt = self.make(again.parameters(), lr=1e-2, job_id="resumed")
+        again.load_state_dict(theirs.state_dict())
+        opt.load_state_dict(ref.state_dict())
+        for _ in range(2):
+            self.train_step(again, opt)
+            self.train_step(theirs, ref)
+        for p, q in zip(again.parameters(), theirs.parameters()):
+            self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6)
+        self.assertEqual(float(opt.state[next(again.parameters())]["step"]),
+                         6.0)
+        opt.close()
+
     def test_edited_param_groups_and_unfrozen_parameters(self):
         _, _, opt, ref = self.fixed_seed_twins()
         ours = opt.param_groups[0]["params"]
@@ -556,6 +644,39 @@ class TorchClientTest(unittest.TestCase):
             self.assertLessEqual(
                 scale_err(opt.state[p]["exp_avg"], ref.state[q]["exp_avg"]),
                 1e-6)
+        opt.close()
+
+    def test_parameter_not_dense_in_memory_is_a_clear_error(self):
+        # A view with gaps (every other column): torch steps it in place,
+        # strides and all. The daemon steps each tensor as one dense run
+        # of memory, so optimd refuses it (naming it) rather than silently
+        # giving it new strides; nothing is left in the daemon.
+        def strided():
+            return torch.nn.Parameter(torch.randn(4, 6)[:, ::2])
+        theirs = strided()
+        ref = torch.optim.AdamW([theirs])
+        theirs.grad = torch.randn(4, 3)
+        ref.step()
+        self.assertEqual(theirs.stride(), (6, 2))
+        client = optimd.Client(self.daemon.address)
+        before = len(client.list_sessions().sessions)
+        good = torch.nn.Parameter(torch.randn(3))
+        with self.assertRaises(ValueError) as cm:
+            self.make([("good", good), ("encoder.gappy", strided())])
+        self.assertIn("encoder.gappy", str(cm.exception))
+        self.assertIn("contiguous", str(cm.exception))
+        self.assertEqual(len(client.list_sessions().sessions), before)
+        client.close()
+        # Appended to a live group: refused at the next step, and the
+        # optimizer goes on once it is taken out again.
+        opt = self.make([good])
+        opt.param_groups[0]["params"].append(strided())
+        good.grad = torch.randn(3)
+        with self.assertRaisesRegex(ValueError, "contiguous"):
+            opt.step()
+        opt.param_groups[0]["params"].pop()
+        opt.step()
+        self.assertEqual(float(opt.state[good]["step"]), 1.0)
         opt.close()
 
     def test_parameters_keep_identity_and_zero_grad_follows_torch(self):
@@ -738,17 +859,24 @@ class TorchClientTest(unittest.TestCase):
                 opt.step()
             if isinstance(opt, AdamW):
                 opt.close()
-        # amsgrad turned on after steps: torch's step fails (no
-        # max_exp_avg_sq in the state); optimd says so at once.
-        q = torch.nn.Parameter(torch.randn(3))
-        opt = self.make([q], job_id="amsgrad")
-        q.grad = torch.randn(3)
-        opt.step()
-        opt.param_groups[0]["amsgrad"] = True
-        with self.assertRaises(ValueError) as cm:
+        # amsgrad turned on after steps: torch's step raises KeyError (no
+        # max_exp_avg_sq in the state); so does optimd's, saying why (and
+        # still a ValueError, as it was before).
+        for make in (lambda ps: self.make(ps, job_id="amsgrad"),
+                     torch.optim.AdamW):
+            q = torch.nn.Parameter(torch.randn(3))
+            opt = make([q])
+            q.grad = torch.randn(3)
             opt.step()
-        self.assertIn("amsgrad", str(cm.exception))
-        opt.close()
+            opt.param_groups[0]["amsgrad"] = True
+            with self.assertRaises(KeyError) as cm:
+                opt.step()
+            if isinstance(opt, AdamW):
+                self.assertIsInstance(cm.exception, ValueError)
+                self.assertIsInstance(cm.exception, optimd.MissingStateError)
+                self.assertTrue(str(cm.exception).startswith(
+                    "param_groups[0]['amsgrad'] was turned on after steps"))
+                opt.close()
 
     def test_amsgrad_and_maximize_edits_follow_torch(self):
         # amsgrad set before the first step, maximize flipped mid-training:

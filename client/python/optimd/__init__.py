@@ -12,7 +12,7 @@ __path__ = pkgutil.extend_path(__path__, __name__)
 from optimd.errors import (AbortedError, AlreadyExistsError,  # noqa: E402
                            DaemonUnavailableError, DeadlineExceededError,
                            FailedPreconditionError, IncompatibleDaemonError,
-                           InvalidArgumentError,
+                           InvalidArgumentError, MissingStateError,
                            NotFoundError, OptimdError, PermissionDeniedError,
                            ResourceExhaustedError, SessionError)
 from optimd.client import (API_REVISION, Client, __version__,  # noqa: E402
@@ -24,6 +24,7 @@ __all__ = [
     "InvalidArgumentError", "ResourceExhaustedError",
     "FailedPreconditionError", "IncompatibleDaemonError",
     "PermissionDeniedError", "DeadlineExceededError", "AbortedError",
+    "MissingStateError",
     "__version__",
     "API_REVISION",
 ]

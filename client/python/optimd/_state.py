@@ -8,7 +8,16 @@ changed in place (its version counter moved), replaced, added or removed,
 or the whole state cleared. The optimizer writes such changes back before
 its next step (`written()`), so `opt.state[p]["exp_avg"].zero_()` or
 `opt.state.clear()` act as they do in torch.
+
+What it hands out stays the state, as torch's tensors do: an entry or a
+tensor still held by the trainer after a step (`ref =
+opt.state[p]["exp_avg"]`) takes the new values in place (`follow()`), so
+it reads them and a write into it reaches the next step. Only what is held
+is followed: the optimizer keeps weak references to what it handed out,
+and a step fetches the state again only while one of them is alive.
 """
+import weakref
+
 import torch
 
 from optimd._layout import memory_order
@@ -22,24 +31,80 @@ DTYPES = {
 }
 
 
+class _Entry(dict):
+    """A parameter's state entry: a dict, as torch's, that can be referenced
+    weakly (so that one held by the trainer is followed)."""
+
+    __slots__ = ("__weakref__",)
+
+
 class DaemonState(dict):
-    def __init__(self, fetch):
+    """optimizer.state. `fetch()` gives the daemon's state ({param: entry});
+    `local()` the entries the optimizer keeps itself (parameters taken out
+    of their group), handed out as they are and never followed.
+
+    Invariant: while fresh, the dict holds what the last fetch gave
+    (changed only by the trainer's writes); while not, it is empty and
+    `_held` weakly references what was handed out before."""
+
+    def __init__(self, fetch, local=dict):
         super().__init__()
         self._fetch = fetch
+        self._local = local
         self._fresh = False
         self._seen = None  # what was handed out, to notice writes
         self._dirty = False
+        # id(param) -> (weak param, weak entry or None, {key: weak tensor}).
+        self._held = {}
+        self._local_ids = set()
 
-    def invalidate(self):
+    def invalidate(self, follow=True):
+        """The daemon's state changed. With `follow`, what was handed out
+        is remembered weakly, to take the new values if it is still held
+        (follow()); without (a load: torch's load_state_dict makes new
+        tensors), it is let go."""
+        if not follow:
+            self._held = {}
+        elif self._fresh:
+            self._remember()
+        dict.clear(self)
+        self._seen = None
+        self._dirty = False
         self._fresh = False
 
+    def follow(self):
+        """After a step: fetches the state now if an entry or tensor handed
+        out is still held, so that it holds the new values before the
+        trainer reads or writes it (as torch's step updates it in place)."""
+        self._held = {k: h for k, h in self._held.items() if _alive(h)}
+        if self._held:
+            self._refresh()
+
+    def _remember(self):
+        for p, e in dict.items(self):
+            if id(p) in self._local_ids:
+                continue  # the optimizer's own objects: always current
+            try:
+                entry_ref = weakref.ref(e)
+            except TypeError:  # a plain dict the trainer put there
+                entry_ref = None
+            self._held[id(p)] = (weakref.ref(p), entry_ref, {
+                k: weakref.ref(t) for k, t in e.items()
+                if isinstance(t, torch.Tensor)})
+
     def _refresh(self):
-        if not self._fresh:
-            dict.clear(self)
-            dict.update(self, self._fetch())
-            self._seen = self._fingerprint()
-            self._dirty = False
-            self._fresh = True
+        if self._fresh:
+            return
+        fetched, local = self._fetch(), self._local()
+        held, self._held = self._held, {}
+        dict.clear(self)
+        for p, entry in fetched.items():
+            dict.__setitem__(self, p, _into_held(held.get(id(p)), p, entry))
+        dict.update(self, local)
+        self._local_ids = {id(p) for p in local}
+        self._seen = self._fingerprint()
+        self._dirty = False
+        self._fresh = True
 
     def _fingerprint(self):
         # Empty entries are what reading a parameter without state leaves.
@@ -60,7 +125,7 @@ class DaemonState(dict):
     def __getitem__(self, p):
         self._refresh()
         if not dict.__contains__(self, p):
-            dict.__setitem__(self, p, {})
+            dict.__setitem__(self, p, _Entry())
         return dict.__getitem__(self, p)
 
     def __contains__(self, p):
@@ -116,6 +181,40 @@ class DaemonState(dict):
         self._refresh()
         dict.update(self, *args, **kw)
         self._dirty = True
+
+
+def _alive(held):
+    p, entry, tensors = held
+    return p() is not None and (
+        (entry is not None and entry() is not None) or
+        any(t() is not None for t in tensors.values()))
+
+
+def _into_held(held, p, new):
+    """The fetched entry `new` of `p`, in the objects handed out for p
+    before where they are still alive: the same entry dict, and tensors of
+    the same shape, dtype and device taking the new values in place."""
+    new = dict(new)
+    if held is None or held[0]() is not p:
+        return _Entry(new)
+    _, entry_ref, tensors = held
+    with torch.no_grad():
+        for k, v in new.items():
+            old = tensors[k]() if k in tensors else None
+            if old is not None and old is not v and _same_kind(old, v):
+                old.copy_(v)
+                new[k] = old
+    entry = entry_ref() if entry_ref is not None else None
+    if entry is None:
+        return _Entry(new)
+    dict.clear(entry)
+    dict.update(entry, new)
+    return entry
+
+
+def _same_kind(a, b):
+    return isinstance(b, torch.Tensor) and a.shape == b.shape and \
+        a.dtype == b.dtype and a.device == b.device
 
 
 def set_state_request(group_id, tensors, entries, slot_names):

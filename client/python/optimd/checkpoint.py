@@ -8,14 +8,16 @@ from earlier versions):
     maximize; Lion: lr, betas, weight_decay, maximize) and `params`: the
     indices of its tensors, numbered across groups in order, as torch
     numbers them.
-  * state[index]: for each tensor with optimizer state, its optimizer's
-    state slots (AdamW: `step` as a float tensor, torch's convention,
-    `exp_avg`, `exp_avg_sq` and, with amsgrad, `max_exp_avg_sq`; SGD:
-    `momentum_buffer`; Lion: `exp_avg`), shaped as the parameter (the file
-    keeps each tensor's
-    shape; packed files, for sessions of very many tensors, keep those of
-    more than one dimension in their metadata; files from before that keep
-    them 1-D: pass `shapes` for those).
+  * state[index]: for each tensor with optimizer state (stepped at least
+    once: a tensor that never had a gradient has no entry, as in torch),
+    its optimizer's state slots (AdamW: `step`, the tensor's own step count
+    (the group's less the steps it missed without a gradient) as a float
+    tensor, torch's convention, `exp_avg`, `exp_avg_sq` and, with amsgrad,
+    `max_exp_avg_sq`; SGD: `momentum_buffer`; Lion: `exp_avg`), shaped as
+    the parameter (the file keeps each tensor's shape; packed files, for
+    sessions of very many tensors, keep those of more than one dimension in
+    their metadata; files from before that keep them 1-D: pass `shapes` for
+    those).
   * Parameters themselves are returned separately (`<name>` tensors), with
     fp32 masters as `<name>.master` where the layout keeps one (remainder
     layouts: the master rebuilt from the bf16 parameter and its int16
@@ -142,7 +144,8 @@ def to_torch_state_dict(path, shapes=None):
         h = g["hyperparameters"]
         kind = h.get("optimizer", "adamw")
         ids = []
-        for t in g["tensors"]:
+        missed = _missed_steps(g)
+        for ti, t in enumerate(g["tensors"]):
             name = t["name"]
             # The file's own shape (per-tensor format), else `shapes`, else
             # 1-D (packed format).
@@ -151,8 +154,12 @@ def to_torch_state_dict(path, shapes=None):
             m = _master(name, tensors)
             if m is not None:
                 masters[name] = m.reshape(shape)
-            if not t["frozen"] and g["step"] > 0:
-                entry = {"step": torch.tensor(float(g["step"]))} \
+            # The tensor's own step, as torch counts it: the group's less
+            # the steps it missed without a gradient. Never stepped: torch
+            # has no state entry for it.
+            own = g["step"] - missed.get(ti, 0)
+            if not t["frozen"] and own > 0:
+                entry = {"step": torch.tensor(float(own))} \
                     if kind == "adamw" else {}
                 for k in _slots(t["layout"]):
                     entry[k] = tensors[name + "." + k].reshape(shape)
@@ -162,6 +169,12 @@ def to_torch_state_dict(path, shapes=None):
             index += 1
         groups.append(dict(_torch_hyperparameters(h), params=ids))
     return {"state": state, "param_groups": groups}, params, masters
+
+
+def _missed_steps(group):
+    """{tensor index in the group: steps it missed without a gradient}, from
+    the group's optional [index, missed] pairs (core/checkpoint_header.cc)."""
+    return {int(i): int(n) for i, n in group.get("missed_steps", ())}
 
 
 def _torch_hyperparameters(h):

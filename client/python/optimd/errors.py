@@ -1,7 +1,9 @@
 """Exceptions of the optimd client: one class per daemon status code.
 
 Every RPC failure surfaces as an OptimdError subclass carrying the daemon's
-message, never as a raw gRPC traceback.
+message, never as a raw gRPC traceback. MissingStateError is the client's
+own: optimd.torch raises it where torch's optimizer would fail on a missing
+state entry.
 """
 import grpc
 
@@ -89,6 +91,15 @@ class IncompatibleDaemonError(OptimdError):
     revision the client needs (the message names both versions)."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class MissingStateError(KeyError, ValueError):
+    """An optimizer setting needs state the parameters do not have (amsgrad
+    turned on after steps: no max_exp_avg_sq). A KeyError, as torch's step
+    raises then, and a ValueError, as optimd.torch raised before."""
+
+    def __str__(self):
+        return Exception.__str__(self)  # the message, not its repr
 
 
 _BY_CODE = {

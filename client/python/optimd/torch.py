@@ -15,16 +15,33 @@ fresh ones, and each step tells the daemon only which moved or went away
 The optimizer state (moments, master weights, step counters) lives in the
 daemon; `state_dict()` and `optimizer.state[p]` fetch it on demand.
 
-Differences from torch.optim.AdamW, all deliberate:
-  * amsgrad and maximize decide the state's layout: changing them on a live
-    group raises ValueError (load_state_dict may change them).
+Followed as torch follows them: zero_grad both ways; edits of
+param_groups (hyperparameters, amsgrad and maximize, parameters added,
+removed or unfrozen: a parameter taken out keeps its state for a return);
+lazy parameters once materialized; writes to optimizer.state, and state
+tensors held across steps (updated in place); parameters moved to another
+device or converted to bf16 or fp16 after construction; channels_last and
+other dense layouts (kept); sparse gradients (torch's RuntimeError).
+Turning amsgrad on
+after steps raises KeyError (optimd.MissingStateError) at the next step, as
+torch's step does.
+
+Differences from torch.optim.AdamW, all deliberate (README, "Deliberate
+differences"):
   * A step whose gradients hold inf or NaN is skipped entirely (nothing
-    changes); `opt.skipped` says so and `opt.grad_norm` is the gradient norm.
-  * A parameter listed twice in a group, or whose dtype or shape changes
-    after construction (model.double()), raises at construction or at the
-    next step instead of being stepped twice or in the new dtype.
-  * A parameter removed from param_groups[i]["params"] loses its state
-    (torch keeps it, should the parameter come back).
+    changes; torch would write NaN into the weights); `opt.skipped` says so
+    and `opt.grad_norm` is the gradient norm. assume_finite=True applies
+    it as torch does.
+  * float64 parameters raise, at construction or, after model.double(), at
+    the next step (the daemon steps fp32, bf16 and fp16).
+  * A parameter listed twice in a group raises (torch steps it twice per
+    step; the daemon keeps one state per tensor); so do parameters on
+    several devices (a session lives on one device).
+  * A parameter not dense in memory (a view with gaps, base[:, ::2], or an
+    expanded tensor) raises ValueError: the daemon steps each parameter as
+    one run of memory; make it contiguous.
+  * max_grad_norm (optimd's own) clips by the norm of this rank's
+    gradients, or of the job's with gradient_sharding.
 """
 import collections
 import inspect
@@ -40,7 +57,7 @@ import torch
 
 from optimd import errors
 from optimd._grads import GradRouter
-from optimd._layout import view_like
+from optimd._layout import is_dense, view_like
 from optimd._state import DTYPES, DaemonState, set_state_request
 from optimd import _secrets
 from optimd._overlap import Overlap, assign_stages
@@ -105,11 +122,13 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         self._ready = False
         self._sent_hyper = None  # the hyperparameters the daemon has
         self._groups = []  # per group: dict(id, tensors, segments, snapshot)
-        # State of parameters taken out of their group, for their return:
+        # State of parameters taken out of their group, for their return,
+        # and of lazy ones loaded before they are materialized:
         # id(param) -> (weak reference to it, its state).
         self._retired = {}
         torch.optim.Optimizer.__init__(self, params, defaults)
-        self.state = DaemonState(self._fetch_state)
+        self.state = DaemonState(self._fetch_daemon_state,
+                                 self._retired_state)
         self.max_grad_norm = max_grad_norm
         self._warned_rank_norm = False
         self.grad_scale = grad_scale
@@ -295,22 +314,15 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         return request
 
     def _register_group(self, gi, group, existing, replace=False):
-        if len({id(p) for p in group["params"]}) != len(group["params"]):
-            raise ValueError(
-                "parameter group %d holds a parameter twice; torch steps it "
-                "twice per step, optimd.torch refuses: list each "
-                "parameter once" % gi)
+        self._check_group(gi, group)
         tensors = []
         p_bytes = 0
         for pi, p in enumerate(group["params"]):
-            if p.dtype not in DTYPES:
-                raise TypeError(
-                    "optimd.torch supports float32, bfloat16 and "
-                    "float16 parameters; parameter %s is %s" %
-                    (self._names.get(id(p), "%d.%d" % (gi, pi)), p.dtype))
-            if p.is_sparse:
-                raise TypeError("optimd.torch does not support sparse "
-                                "parameters")
+            if _is_lazy(p):
+                # Not materialized yet (a lazy module before its first
+                # forward): absent, without state, as torch has it, until
+                # _sync_structure finds it materialized.
+                continue
             s = _TensorEntry()
             s.param = p
             s.name = self._names.get(id(p), "group%d.param%d" % (gi, pi))
@@ -346,7 +358,8 @@ class _DaemonOptimizer(torch.optim.Optimizer):
                  request=request,
                  # What _sync_structure compares the group with each step.
                  param_ids=[id(p) for p in group["params"]],
-                 frozen=[s.param for s, _ in tensors if s.frozen])
+                 frozen=[s.param for s, _ in tensors if s.frozen],
+                 lazy=[p for p in group["params"] if _is_lazy(p)])
         if replace:
             self._groups[gi] = g
         else:
@@ -354,6 +367,29 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         if self._device.type == "cpu":
             self._flat_grads(g["id"])  # the daemon reads shared memory only
         self._index_buffers()
+
+    def _check_group(self, gi, group):
+        """Raises for a group the daemon cannot step, before anything of it
+        is registered."""
+        if len({id(p) for p in group["params"]}) != len(group["params"]):
+            raise ValueError(
+                "parameter group %d holds a parameter twice; torch steps it "
+                "twice per step, optimd.torch refuses: list each "
+                "parameter once" % gi)
+        for pi, p in enumerate(group["params"]):
+            if _is_lazy(p):
+                continue
+            name = self._names.get(id(p), "%d.%d" % (gi, pi))
+            if p.dtype not in DTYPES:
+                raise TypeError(
+                    "optimd.torch supports float32, bfloat16 and "
+                    "float16 parameters; parameter %s is %s" %
+                    (name, p.dtype))
+            if p.is_sparse:
+                raise TypeError("optimd.torch does not support sparse "
+                                "parameters")
+            if p.numel() and not is_dense(p):
+                raise _not_dense_error(name, p)
 
     def _flat_grads(self, group_id):
         """The group's flat gradient segment, made on first use, with a
@@ -400,15 +436,18 @@ class _DaemonOptimizer(torch.optim.Optimizer):
     def _sync_structure(self):
         """A group whose parameters were added or removed since it was
         registered (param_groups[i]["params"] edited), or which has a
-        parameter frozen then and trained now, is registered anew over its
-        current parameters, keeping the state of those it had (torch picks
-        such changes up at its next step)."""
+        parameter frozen then and trained now, or a lazy one materialized
+        since, is registered anew over its current parameters, keeping the
+        state of those it had (torch picks such changes up at its next
+        step)."""
         for gi, (g, group) in enumerate(zip(self._groups, self.param_groups)):
             same = list(map(id, group["params"])) == g["param_ids"]
             unfrozen = any(map(_requires_grad, g["frozen"])) and any(
                 p.requires_grad and p.grad is not None for p in g["frozen"])
-            if same and not unfrozen:
+            materialized = g["lazy"] and not all(map(_is_lazy, g["lazy"]))
+            if same and not unfrozen and not materialized:
                 continue
+            self._check_group(gi, group)  # before it is unregistered
             state = self._fetch_state()
             # A parameter taken out keeps its state for a return, as in
             # torch (whose state is keyed by the parameter).
@@ -463,6 +502,8 @@ class _DaemonOptimizer(torch.optim.Optimizer):
                             "the optimizer (or create a new one)" %
                             (s.name, p.dtype, tuple(p.shape),
                              s.pview.dtype, tuple(s.pview.shape)))
+                    if not is_dense(p):  # p.data = a view with gaps
+                        raise _not_dense_error(s.name, p)
                     s.pview.copy_(p.detach())
                     p.data = s.pview
 
@@ -546,6 +587,7 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         if overrides:
             self._sent_hyper = overrides[1]
         self.state.invalidate()
+        self.state.follow()  # state tensors the trainer holds, as in torch
         return loss
 
     def _step_with_flags(self, request):
@@ -616,6 +658,13 @@ class _DaemonOptimizer(torch.optim.Optimizer):
 
     # State.
     def _fetch_state(self):
+        """The state in torch's format: the daemon's, and that of
+        parameters taken out of their group."""
+        out = self._fetch_daemon_state()
+        out.update(self._retired_state())
+        return out
+
+    def _fetch_daemon_state(self):
         # Tensor by tensor in batches, so that no reply nears the daemon's
         # per-reply limit.
         names = [s.name for g in self._groups for s in g["tensors"]
@@ -663,8 +712,14 @@ class _DaemonOptimizer(torch.optim.Optimizer):
                             continue
                     entry[kind] = value
                 out[s.param] = entry
+        return out
+
+    def _retired_state(self):
+        """{param: entry} of the parameters taken out of their group, kept
+        for a return."""
+        out = {}
         for key, (ref, entry) in list(self._retired.items()):
-            p = ref()  # taken out of its group, kept for a return
+            p = ref()
             if p is None:
                 del self._retired[key]
             else:
@@ -695,6 +750,9 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         return {"state": packed_state, "param_groups": groups}
 
     def load_state_dict(self, state_dict):
+        # Parameters edited or materialized (a lazy module's, by the
+        # model's own load_state_dict) are registered before their state.
+        self._sync_structure()
         self._sync_params()
         groups = self.param_groups
         saved = state_dict["param_groups"]
@@ -713,12 +771,20 @@ class _DaemonOptimizer(torch.optim.Optimizer):
                     g[k] = tuple(v) if k == "betas" else v
             if self._layout_of(g) != mine["snapshot"]:
                 self._reregister(gi, g, mine)
+            entries = {id(p): saved_state.get(pid)
+                       for p, pid in zip(g["params"], sg["params"])}
+            for p in mine["lazy"]:
+                # Kept until the parameter is materialized and registered.
+                if entries.get(id(p)):
+                    self._retired[id(p)] = (weakref.ref(p), entries[id(p)])
             self._client.set_state(set_state_request(
                 mine["id"], mine["tensors"],
-                [saved_state.get(pid) for pid in sg["params"]],
+                [entries.get(id(s.param)) for s in mine["tensors"]],
                 slot_names=self._slot_names(g)))
         self._sent_hyper = None  # the next step sends them all again
-        self.state.invalidate()
+        # New state, as torch's load makes new tensors: what was handed out
+        # before is let go.
+        self.state.invalidate(follow=False)
 
     def _reregister(self, gi, group, mine):
         """New hyperparameters that steps do not carry (_layout_of): the
@@ -844,7 +910,7 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         for group, g in zip(self.param_groups, groups):
             group["lr"] = g.hyperparameters.lr
         self._sent_hyper = None  # the next step sends them all again
-        self.state.invalidate()
+        self.state.invalidate(follow=False)
 
     # Daemon access.
     @property
@@ -926,8 +992,8 @@ class AdamW(_DaemonOptimizer):
     Where it differs from torch.optim.AdamW (README, "Deliberate
     differences"): a step with inf/NaN gradients is skipped (opt.skipped;
     assume_finite=True applies them as torch does); float64 parameters, a
-    parameter listed twice in a group, parameters on several devices, and
-    amsgrad turned on after steps raise.
+    parameter listed twice in a group, parameters on several devices and
+    parameters not dense in memory raise.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
@@ -993,12 +1059,13 @@ class AdamW(_DaemonOptimizer):
 
     def _check_layout_change(self, gi, group, snapshot, tensors_state):
         # Turning amsgrad on once the group has state fails in torch too
-        # (its step finds no max_exp_avg_sq).
+        # (its step finds no max_exp_avg_sq: KeyError).
         if group["amsgrad"] and not snapshot["amsgrad"] and any(tensors_state):
-            raise ValueError(
+            raise errors.MissingStateError(
                 "param_groups[%d]['amsgrad'] was turned on after steps: the "
-                "state has no max_exp_avg_sq (torch.optim.AdamW fails the "
-                "same way); set amsgrad before the first step" % gi)
+                "state has no max_exp_avg_sq (torch.optim.AdamW's step "
+                "raises KeyError too); set amsgrad before the first step" %
+                gi)
 
 
 class Adam(AdamW):
@@ -1221,6 +1288,16 @@ class _CudaSegment:
         self.buffer.zero_()
 
 
+def _not_dense_error(name, p):
+    """The daemon steps a tensor as one run of memory: a view with gaps
+    (base[:, ::2]) or repeats (expand) would silently lose its strides."""
+    return ValueError(
+        "parameter %s (shape %s, strides %s) is not dense in memory; "
+        "optimd.torch steps each parameter as one run of memory: make it "
+        "contiguous, e.g. torch.nn.Parameter(t.contiguous())" %
+        (name, tuple(p.shape), p.stride()))
+
+
 def _param_offsets(group):
     seg_p = group["segments"][0]
     return [s.pview.data_ptr() - seg_p.base_ptr() if s.numel else 0
@@ -1240,6 +1317,8 @@ def _warn_in_user_code(message):
 
 
 _requires_grad = operator.attrgetter("requires_grad")
+# An UninitializedParameter (a lazy module's before its first forward).
+_is_lazy = torch.nn.parameter.is_lazy
 
 
 def _dist_identity(rank, world_size):
