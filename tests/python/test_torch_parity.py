@@ -10,6 +10,7 @@ import os
 import random
 import struct
 import unittest
+import zlib
 
 import tempfile
 
@@ -34,9 +35,11 @@ def _as_grad(p, g):
         p.shape).clone()
 
 
-def rel_err(a, b):
-    """max_i |a_i - b_i| / max_i |b_i|: the largest element error relative to
-    the tensor's scale.
+def rel_err(a, b, step_size=0.0):
+    """max_i |a_i - b_i| / max(max_i |b_i|, step_size): the largest element
+    error relative to the tensor's scale, or to one update's size where the
+    tensor is smaller than that (a one-element bias crossing zero has no
+    scale of its own: there the update's last bits are what differ).
 
     An element-by-element ratio is meaningless where a parameter crosses zero
     (a one-ulp difference in the operands of p - update is then an arbitrary
@@ -46,7 +49,8 @@ def rel_err(a, b):
     """
     a = a.double()
     b = b.double()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+    scale = b.abs().max().clamp_min(max(step_size, 1e-30))
+    return ((a - b).abs().max() / scale).item()
 
 
 def bits(t):
@@ -64,7 +68,9 @@ class DaemonTest(unittest.TestCase):
         assert cls.daemon.stop() == 0
 
     def setUp(self):
-        self.gen = torch.Generator().manual_seed(SEED + hash(self.id()) % 1000)
+        # The same numbers for a test in every process (hash() is salted).
+        self.gen = torch.Generator().manual_seed(
+            SEED + zlib.crc32(self.id().encode()) % 1000)
         self.opts = []
 
     def tearDown(self):
@@ -357,8 +363,9 @@ class GradientsWhereAutogradPutsThem(DaemonTest):
             ref.step()
             for (name, p), q in zip(ours.named_parameters(),
                                     theirs.parameters()):
-                self.assertLessEqual(rel_err(p.detach(), q.detach()), 1e-6,
-                                     "%s at step %d" % (name, step))
+                self.assertLessEqual(
+                    rel_err(p.detach(), q.detach(), step_size=1e-2), 1e-6,
+                    "%s at step %d" % (name, step))
                 self.assertEqual(p.grad is None, q.grad is None, name)
         return opt, ref
 
