@@ -9,14 +9,15 @@
 
 namespace optimd {
 
-inline constexpr char kVersion[] = "0.4.0";
+inline constexpr char kVersion[] = "0.5.0";
 // 2: step flags, absent gradients, tensor steps and shapes, EvictSession,
 //    saved sessions across restarts.
 // 3: staged steps (StepRequest.staged, TensorSpec.stage), resume secrets.
 // 4: optimizers (Hyperparameters.optimizer: SGD and Lion beside AdamW),
 //    GroupOverride.momentum; CreateSessionRequest.gradient_sharding (ranks
 //    agree on the gradient norm and skip, CPU backend).
-inline constexpr uint32_t kApiRevision = 4;
+// 5: gradient_sharding on CUDA through NCCL (nccl_unique_id).
+inline constexpr uint32_t kApiRevision = 5;
 
 }  // namespace optimd
 

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "core/buffer.h"
 #include "core/group.h"
 #include "core/rank_exchange.h"
@@ -140,6 +141,27 @@ class Backend {
   virtual absl::StatusOr<StepOutcome> Step(SessionContext* session,
                                            const std::vector<Group*>& groups,
                                            const StepOptions& options) = 0;
+
+  // The sessions of one job agreeing on each step's statistics on the
+  // device (CUDA: one NCCL communicator per job): `session` joins as `rank`
+  // of `world_size`, with rank 0's `unique_id` (empty on rank 0: the
+  // backend makes one). Returns the job's unique id, for the other ranks.
+  // The join completes in the background; steps wait for it at most
+  // `timeout`, and a step that waits longer than `timeout` for the other
+  // ranks ends the job's communicator (DEADLINE_EXCEEDED). UNIMPLEMENTED
+  // where the ranks meet in the daemon instead (core/rank_exchange.h).
+  struct DeviceJob {
+    uint32_t rank = 0;
+    uint32_t world_size = 1;
+    GradientSharding sharding = GradientSharding::kNone;
+    std::string unique_id;
+    absl::Duration timeout = absl::Seconds(600);
+  };
+  virtual absl::StatusOr<std::string> JoinJob(SessionContext* session,
+                                              const DeviceJob& job) {
+    return absl::UnimplementedError(
+        "this backend's ranks agree in the daemon, not on the device");
+  }
 
   // A step with step flags that failed or was refused: writes done =
   // options.sequence (and the progress word, if any, past every stage) in

@@ -180,6 +180,12 @@ Session::~Session() {
   if (exchange_ != nullptr) exchange_->Leave(identity_.rank);
 }
 
+absl::Status Session::JoinDeviceJob(const Backend::DeviceJob& job) {
+  OPTIMD_ASSIGN_OR_RETURN(nccl_unique_id_,
+                          backend_->JoinJob(context_.get(), job));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<BufferRef> Session::ResolveRegion(const std::string& tensor,
                                                  const char* which,
                                                  const BufferHandle& handle,

@@ -141,6 +141,10 @@ class Session {
   // The interprocess event the daemon records after each step (CUDA).
   const std::string& done_event() const { return done_event_; }
   void set_done_event(std::string e) { done_event_ = std::move(e); }
+  // Joins the job's ranks on the device (Backend::JoinJob); keeps the job's
+  // NCCL unique id, which CreateSession returns (also on a resume).
+  absl::Status JoinDeviceJob(const Backend::DeviceJob& job);
+  const std::string& nccl_unique_id() const { return nccl_unique_id_; }
   // What a resume of this session must present (SessionRegistry::Create).
   const std::string& resume_secret() const { return resume_secret_; }
   void set_resume_secret(std::string s) { resume_secret_ = std::move(s); }
@@ -361,8 +365,9 @@ class Session {
   Backend* const backend_;
   StateBudget* const budget_;
   const std::unique_ptr<SessionContext> context_;
-  std::string done_event_;     // set once, before the session is shared
-  std::string resume_secret_;  // likewise
+  std::string nccl_unique_id_;  // set once, at creation
+  std::string done_event_;      // set once, before the session is shared
+  std::string resume_secret_;   // likewise
 
   mutable Mutex mu_;
   // In registration order.

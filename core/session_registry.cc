@@ -32,7 +32,7 @@ bool SameSecret(const std::string& a, const std::string& b) {
 absl::StatusOr<SessionRegistry::Created> SessionRegistry::Create(
     const SessionIdentity& identity, bool resume,
     const std::string& ready_event, uint32_t trainer_pid,
-    const std::string& resume_secret) {
+    const std::string& resume_secret, const std::string& nccl_unique_id) {
   if (resume_secret.size() > kMaxSecretBytes) {
     return absl::InvalidArgumentError(
         absl::StrCat("resume_secret is ", resume_secret.size(),
@@ -57,6 +57,11 @@ absl::StatusOr<SessionRegistry::Created> SessionRegistry::Create(
   }
   auto backend = BackendFor(identity.device);
   if (!backend.ok()) return backend.status();
+  if (!nccl_unique_id.empty() && !NeedsDeviceJob(identity, **backend)) {
+    return absl::InvalidArgumentError(
+        "nccl_unique_id is only for the ranks of a CUDA job with "
+        "gradient_sharding and world_size > 1");
+  }
   MutexLock lock(&mu_);
   const auto key = std::make_pair(identity.job_id, identity.rank);
   Created created;
@@ -103,6 +108,11 @@ absl::StatusOr<SessionRegistry::Created> SessionRegistry::Create(
       created.session->set_rank_exchange(std::move(exchange), rank_timeout_);
     }
     created.session->set_done_event(done_event);
+    if (NeedsDeviceJob(identity, **backend)) {
+      Backend::DeviceJob job{identity.rank, identity.world_size,
+                             identity.sharding, nccl_unique_id, rank_timeout_};
+      OPTIMD_RETURN_IF_ERROR(created.session->JoinDeviceJob(job));
+    }
     created.session->set_resume_secret(
         resume && !resume_secret.empty() ? resume_secret : NewSessionToken());
   }
@@ -112,18 +122,21 @@ absl::StatusOr<SessionRegistry::Created> SessionRegistry::Create(
   return created;
 }
 
+bool SessionRegistry::NeedsDeviceJob(const SessionIdentity& identity,
+                                     const Backend& backend) {
+  return identity.sharding != GradientSharding::kNone &&
+         identity.world_size > 1 && backend.kind() != BackendKind::kCpu;
+}
+
 absl::StatusOr<std::shared_ptr<RankExchange>> SessionRegistry::ExchangeFor(
     const SessionIdentity& identity, const Backend& backend) {
   if (identity.sharding == GradientSharding::kNone ||
       identity.world_size == 1) {
     return std::shared_ptr<RankExchange>();
   }
-  if (backend.kind() != BackendKind::kCpu) {
-    return absl::UnimplementedError(
-        "the ranks of a job agree on the gradient norm on the CPU backend "
-        "only so far; on CUDA leave gradient_sharding unset and clip in the "
-        "trainer (torch.nn.utils.clip_grad_norm_)");
-  }
+  // Elsewhere the ranks agree on the device (Backend::JoinJob).
+  if (backend.kind() != BackendKind::kCpu)
+    return std::shared_ptr<RankExchange>();
   for (auto it = exchanges_.begin(); it != exchanges_.end();) {
     it = it->second.expired() ? exchanges_.erase(it) : std::next(it);
   }

@@ -59,10 +59,13 @@ class SessionRegistry {
   // `resume_secret`: a resume must present the session's secret
   // (PERMISSION_DENIED otherwise, nothing changed); a session made anew
   // under `resume` adopts a non-empty one, any other gets a fresh one.
+  // `nccl_unique_id`: rank 0's, for the other ranks of a job whose ranks
+  // agree on the device (Backend::JoinJob).
   absl::StatusOr<Created> Create(const SessionIdentity& identity, bool resume,
                                  const std::string& ready_event = "",
                                  uint32_t trainer_pid = 0,
-                                 const std::string& resume_secret = "")
+                                 const std::string& resume_secret = "",
+                                 const std::string& nccl_unique_id = "")
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // UNAUTHENTICATED for a missing or unknown token.
@@ -128,6 +131,10 @@ class SessionRegistry {
   // The job's exchange for a new session of `identity` on `backend` (null
   // when its ranks do not exchange); refuses a mismatch with the job's
   // other ranks.
+  // The job's ranks agree on the device (Backend::JoinJob), not in the
+  // daemon.
+  static bool NeedsDeviceJob(const SessionIdentity& identity,
+                             const Backend& backend);
   absl::StatusOr<std::shared_ptr<RankExchange>> ExchangeFor(
       const SessionIdentity& identity, const Backend& backend)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -89,10 +89,23 @@ __device__ DeviceScalars MakeScalars(const StepHyper& h, double total,
   return s;
 }
 
+// The job's sum of squares from sums[n] (this session's share, or the
+// ranks' all-reduced), sums[n + 1] (how many ranks' gradients were not
+// finite) and sums[n + 2] (how many ranks contributed): NaN when any
+// rank's gradients were not finite, or when not every rank's values are
+// in (an all-reduce ended part-way: the step is skipped).
+__device__ __forceinline__ double JobTotal(const double* sums, uint32_t n,
+                                           uint32_t ranks) {
+  const bool whole = sums[n + 2] == static_cast<double>(ranks);
+  return sums[n + 1] != 0 || !whole ? __longlong_as_double(0x7ff8000000000000ll)
+                                    : sums[n];
+}
+
 __global__ void __launch_bounds__(kThreadsPerBlock)
-    PrepareStepsKernel(const GroupStep* __restrict__ args,
-                       GroupStep* __restrict__ scratch, uint32_t n,
-                       int statistics, double* __restrict__ sums) {
+    ReduceSumsKernel(const GroupStep* __restrict__ args,
+                     GroupStep* __restrict__ scratch, uint32_t n,
+                     int statistics, int contributes,
+                     double* __restrict__ sums) {
   // One pass over pinned host memory, all threads at once.
   {
     const uint4* src = reinterpret_cast<const uint4*>(args);
@@ -116,9 +129,19 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
     if (threadIdx.x == 0) sums[g] = sum;
     __syncthreads();  // BlockSum's shared memory is reused next round
   }
-  __shared__ double total;
-  if (threadIdx.x == 0) total = SessionTotal(sums, n);
-  __syncthreads();
+  if (threadIdx.x == 0) {
+    const double total = SessionTotal(sums, n);
+    const bool finite = isfinite(total);
+    sums[n] = contributes && finite ? total : 0.0;
+    sums[n + 1] = finite ? 0.0 : 1.0;
+    sums[n + 2] = 1.0;
+  }
+}
+
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    MakeScalarsKernel(const GroupStep* __restrict__ scratch, uint32_t n,
+                      const double* __restrict__ sums, uint32_t ranks) {
+  const double total = JobTotal(sums, n, ranks);
   for (uint32_t g = threadIdx.x; g < n; g += blockDim.x) {
     const GroupStep& a = scratch[g];
     *a.scalars = MakeScalars(a.hyper, total, a.state->step);
@@ -127,9 +150,10 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
 
 __global__ void CommitStepsKernel(const GroupStep* __restrict__ scratch,
                                   uint32_t n, const double* __restrict__ sums,
+                                  uint32_t ranks,
                                   DeviceGroupState* __restrict__ totals,
                                   DeviceGroupState* __restrict__ report) {
-  const double total = SessionTotal(sums, n);
+  const double total = JobTotal(sums, n, ranks);
   const bool skipped = !isfinite(total);
   for (uint32_t g = threadIdx.x; g <= n; g += blockDim.x) {
     DeviceGroupState* state = g == 0 ? totals : scratch[g - 1].state;
@@ -205,13 +229,21 @@ absl::Status LaunchGradSumSquares(DType grad_dtype, const Work& work,
   return LaunchStatus("gradient statistics kernel launch");
 }
 
-absl::Status LaunchPrepareSteps(const GroupStep* args, GroupStep* scratch,
-                                uint32_t n, bool statistics, double* sums,
-                                Stream stream) {
+absl::Status LaunchReduceSums(const GroupStep* args, GroupStep* scratch,
+                              uint32_t n, bool statistics, bool contributes,
+                              double* sums, Stream stream) {
+  ReduceSumsKernel<<<1, kThreadsPerBlock, 0, stream>>>(
+      args, scratch, n, statistics ? 1 : 0, contributes ? 1 : 0, sums);
+  return LaunchStatus("gradient sums kernel launch");
+}
+
+absl::Status LaunchMakeScalars(const GroupStep* scratch, uint32_t n,
+                               const double* sums, uint32_t ranks,
+                               Stream stream) {
   if (n == 0) return absl::OkStatus();
-  PrepareStepsKernel<<<1, kThreadsPerBlock, 0, stream>>>(
-      args, scratch, n, statistics ? 1 : 0, sums);
-  return LaunchStatus("prepare kernel launch");
+  MakeScalarsKernel<<<1, kThreadsPerBlock, 0, stream>>>(scratch, n, sums,
+                                                        ranks);
+  return LaunchStatus("step scalars kernel launch");
 }
 
 absl::Status LaunchUpdate(OptimizerKind kind, bool adamw, const Layout& layout,
@@ -230,9 +262,10 @@ absl::Status LaunchUpdate(OptimizerKind kind, bool adamw, const Layout& layout,
 }
 
 absl::Status LaunchCommitSteps(const GroupStep* scratch, uint32_t n,
-                               const double* sums, DeviceGroupState* totals,
+                               const double* sums, uint32_t ranks,
+                               DeviceGroupState* totals,
                                DeviceGroupState* report, Stream stream) {
-  CommitStepsKernel<<<1, kThreadsPerBlock, 0, stream>>>(scratch, n, sums,
+  CommitStepsKernel<<<1, kThreadsPerBlock, 0, stream>>>(scratch, n, sums, ranks,
                                                         totals, report);
   return LaunchStatus("commit kernel launch");
 }

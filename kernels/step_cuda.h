@@ -6,11 +6,14 @@
 // A step of one session on one GPU is, all on one stream:
 //   1. LaunchGradSumSquares per plan launch of every group: one partial sum
 //      of squares (double) per work block.
-//   2. LaunchPrepareSteps, once: reduces each group's partials in a fixed
-//      order (deterministic: no atomics), adds the groups' sums in order; if
-//      the total is not finite the step is skipped; otherwise derives the
-//      clip coefficient and, from each group's device-resident step counter
-//      and optimizer, its step scalars, into the group's DeviceScalars.
+//   2. LaunchReduceSums, once: reduces each group's partials in a fixed
+//      order (deterministic: no atomics), adds the groups' sums in order
+//      into the session's total; then, for the ranks of a job, the job's
+//      all-reduce of that total (backends/cuda/nccl_job.h); then
+//      LaunchMakeScalars, once: if the job's total is not finite the step
+//      is skipped; otherwise it derives the clip coefficient and, from each
+//      group's device-resident step counter and optimizer, its step
+//      scalars, into the group's DeviceScalars.
 //   3. LaunchUpdate per plan launch of every group: unless skipped, updates
 //      its chunks with the group's optimizer (AdamW/Adam, SGD, Lion).
 //   4. LaunchCommitSteps, once: advances the counters unless skipped,
@@ -40,13 +43,23 @@ namespace cuda {
 absl::Status LaunchGradSumSquares(DType grad_dtype, const Work& work,
                                   double* partials, Stream stream);
 
-// Step 2 above for n >= 1 groups. `args`: n GroupSteps in pinned host
-// memory (device-accessible); copied to `scratch` (device memory, n
-// GroupSteps) for step 4. sums: device memory for n doubles. Without
-// `statistics` every sum is zero (nothing is skipped, nothing clipped).
-absl::Status LaunchPrepareSteps(const GroupStep* args, GroupStep* scratch,
-                                uint32_t n, bool statistics, double* sums,
-                                Stream stream);
+// The first half of step 2 for n groups. `args`: n GroupSteps in pinned
+// host memory (device-accessible); copied to `scratch` (device memory, n
+// GroupSteps) for the rest of the step. sums: device memory for n + 3
+// doubles: each group's sum of squares, then the session's share of the
+// job's total (0 unless `contributes`; 0 when not finite), 1 when the
+// session's total is not finite (else 0), and 1 (the three summed across
+// a job's ranks). Without `statistics` every sum is zero (nothing is skipped,
+// nothing clipped).
+absl::Status LaunchReduceSums(const GroupStep* args, GroupStep* scratch,
+                              uint32_t n, bool statistics, bool contributes,
+                              double* sums, Stream stream);
+// The second half of step 2: each group's step scalars from the job's
+// total in sums[n..n + 2] over `ranks` ranks (1 without a job): skipped
+// when any rank's was not finite or not every rank's is in.
+absl::Status LaunchMakeScalars(const GroupStep* scratch, uint32_t n,
+                               const double* sums, uint32_t ranks,
+                               Stream stream);
 
 // Step 3 above: the update kernel of `kind` for `layout` over `work`;
 // `adamw` picks AdamW's decoupled decay over Adam's L2 (AdamW only).
@@ -54,12 +67,14 @@ absl::Status LaunchUpdate(OptimizerKind kind, bool adamw, const Layout& layout,
                           const Work& work, const DeviceScalars* scalars,
                           Stream stream);
 
-// Step 4 above: advances each group's counters and `totals` (the session's)
+// Step 4 above (the job's total as LaunchMakeScalars reads it): advances
+// each group's counters and `totals` (the session's)
 // and its absent tensors' missed steps unless the step was skipped, and
 // copies the counters to report[0] (totals) and report[1 + g] (pinned host
 // memory, n + 1 entries).
 absl::Status LaunchCommitSteps(const GroupStep* scratch, uint32_t n,
-                               const double* sums, DeviceGroupState* totals,
+                               const double* sums, uint32_t ranks,
+                               DeviceGroupState* totals,
                                DeviceGroupState* report, Stream stream);
 
 // *word = value, once the work before it in `stream` is complete: a staged

@@ -189,9 +189,9 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::CreateSession(
             std::to_string(request->ready_event().size()) + " bytes"));
     return reactor;
   }
-  auto created =
-      registry_->Create(id, request->resume(), request->ready_event(),
-                        request->trainer_pid(), request->resume_secret());
+  auto created = registry_->Create(
+      id, request->resume(), request->ready_event(), request->trainer_pid(),
+      request->resume_secret(), request->nccl_unique_id());
   if (!created.ok()) {
     reactor->Finish(ToGrpcStatus(created.status()));
     return reactor;
@@ -221,7 +221,8 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::CreateSession(
   log::Info(absl::StrCat(
       "session ", created->resumed ? "resumed" : "created", ": ",
       SessionName(id), " device ", id.device, " world_size ", id.world_size,
-      !created->session->exchanges_statistics()
+      !created->session->exchanges_statistics() &&
+              created->session->nccl_unique_id().empty()
           ? ""
           : absl::StrCat(" (", GradientShardingName(id.sharding),
                          " gradients, ranks agree)"),
@@ -232,6 +233,7 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::CreateSession(
         absl::StrCat(*saved_dir, "/", CheckpointFileName(id.rank)));
   }
   response->set_done_event(created->session->done_event());
+  response->set_nccl_unique_id(created->session->nccl_unique_id());
   for (const auto& gid : created->session->GroupIds()) {
     response->add_group_ids(gid);
   }

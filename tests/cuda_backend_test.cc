@@ -730,13 +730,34 @@ TEST_F(CudaBackendTest, SgdAndLionMatchTheCpuReferenceBitForBit) {
   }
 }
 
-TEST_F(CudaBackendTest, RankExchangeNotYetOnCudaIsRefused) {
+// The sessions of a CUDA job join one NCCL communicator: rank 0's daemon
+// makes its unique id; other ranks must bring it (128 bytes); only such
+// sessions take one. (Steps across ranks: tests/python/test_cuda_ranks.py,
+// on two GPUs.)
+TEST_F(CudaBackendTest, JobSessionsTakeTheJobsNcclUniqueId) {
   StateBudget budget(0);
   SessionRegistry registry({gpu_.get()}, &budget);
-  SessionIdentity job{"job", 0, 2, 0};
-  job.sharding = GradientSharding::kSharded;
-  EXPECT_EQ(registry.Create(job, false).status().code(),
-            absl::StatusCode::kUnimplemented);
+  SessionIdentity rank0{"job", 0, 2, 0};
+  rank0.sharding = GradientSharding::kSharded;
+  auto first = registry.Create(rank0, false);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->session->nccl_unique_id().size(), 128u);
+  SessionIdentity rank1 = rank0;
+  rank1.rank = 1;
+  EXPECT_EQ(registry.Create(rank1, false).status().code(),
+            absl::StatusCode::kInvalidArgument);  // no id
+  EXPECT_EQ(registry.Create(rank1, false, "", 0, "", std::string(12, 'x'))
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);  // not an id
+  SessionIdentity alone{"alone", 0, 1, 0};
+  EXPECT_EQ(registry.Create(alone, false, "", 0, "", std::string(128, 'x'))
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);  // no job to join
+  auto plain = registry.Create(alone, false);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_TRUE(plain->session->nccl_unique_id().empty());
 }
 
 TEST_F(CudaBackendTest, TensorOver2To31Elements) {

@@ -8,12 +8,16 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <memory>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "backends/cuda/cuda_status.h"
+#include "backends/cuda/nccl_job.h"
 #include "common/mutex.h"
 #include "common/status_macros.h"
 #include "common/weak_cache.h"
@@ -180,6 +184,8 @@ class CudaSession : public SessionContext {
   // What the records' graphs were built for: the statistics flag, the
   // backend's scratch generation, and each group's plan and update flavour.
   std::vector<uint64_t> graph_key;
+  // The job's ranks agreeing on the device (JoinJob); null otherwise.
+  std::shared_ptr<NcclJob> job;
 };
 
 class CudaBackend final : public Backend {
@@ -213,6 +219,8 @@ class CudaBackend final : public Backend {
   absl::StatusOr<std::unique_ptr<SessionContext>> OpenSession(
       int device, const std::string& ready_event,
       std::string* done_event) override;
+  absl::StatusOr<std::string> JoinJob(SessionContext* session,
+                                      const DeviceJob& job) override;
   absl::StatusOr<StepOutcome> Step(SessionContext* session,
                                    const std::vector<Group*>& groups,
                                    const StepOptions& options) override;
@@ -255,6 +263,12 @@ class CudaBackend final : public Backend {
   cuda::Work LaunchWork(const DevicePlan& plan, const Launch& launch,
                         int table) const;
   absl::Status EnsureScratch(uint32_t groups);
+  // Waits for stream_. A job's step waiting for ranks that are gone would
+  // hold it forever: after the longest job timeout every job of this
+  // backend is ended, which lets the stream go on.
+  absl::Status SyncStream() ABSL_LOCKS_EXCLUDED(mu_);
+  // Waits for a step's event of session `s` (bounded for a job's steps).
+  absl::Status WaitStep(CudaSession& s, cudaEvent_t event);
   // Enqueues a step's kernels for `groups` on `stream`, with `record`'s
   // arguments and report; with `progress`, a staged step's updates.
   absl::Status EnqueueStep(CudaSession& s, const std::vector<Group*>& groups,
@@ -300,6 +314,8 @@ class CudaBackend final : public Backend {
 
   Mutex mu_;
   WeakCache<IpcMapping> mappings_ ABSL_GUARDED_BY(mu_);
+  // The jobs of this backend's sessions (SyncStream).
+  std::vector<std::weak_ptr<NcclJob>> jobs_ ABSL_GUARDED_BY(mu_);
 
   // Per-step scratch: per group of the stepping session, its sum of squares
   // and a device copy of its arguments.
@@ -389,7 +405,7 @@ absl::StatusOr<StateStorage> CudaBackend::AllocateState(uint64_t bytes) {
   OPTIMD_ASSIGN_OR_RETURN(StateStorage s, DeviceAlloc(device_, bytes));
   if (bytes > 0) {
     OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(s.data(), 0, bytes, stream_));
-    OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+    OPTIMD_RETURN_IF_ERROR(SyncStream());
   }
   return s;
 }
@@ -620,7 +636,7 @@ absl::Status CudaBackend::PrepareGroup(Group& group) {
           t.numel, stream_));
     }
   }
-  OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+  OPTIMD_RETURN_IF_ERROR(SyncStream());
   group.backend_plan = plan;
   return absl::OkStatus();
 }
@@ -727,16 +743,18 @@ absl::StatusOr<std::unique_ptr<SessionContext>> CudaBackend::OpenSession(
     OPTIMD_RETURN_IF_CUDA_ERROR(
         cudaEventCreateWithFlags(&record.event, cudaEventDisableTiming));
   }
-  OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+  OPTIMD_RETURN_IF_ERROR(SyncStream());
   s->last.known = false;
   return std::unique_ptr<SessionContext>(std::move(s));
 }
 
 absl::Status CudaBackend::EnsureScratch(uint32_t groups) {
   if (groups <= scratch_capacity_) return absl::OkStatus();
-  OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+  OPTIMD_RETURN_IF_ERROR(SyncStream());
   const uint32_t cap = std::max<uint32_t>(groups, 2 * scratch_capacity_);
-  OPTIMD_ASSIGN_OR_RETURN(sums_d_, DeviceAlloc(device_, cap * sizeof(double)));
+  // Each group's sum, then the job's total, non-finite and rank counts.
+  OPTIMD_ASSIGN_OR_RETURN(sums_d_,
+                          DeviceAlloc(device_, (cap + 3) * sizeof(double)));
   OPTIMD_ASSIGN_OR_RETURN(steps_d_,
                           DeviceAlloc(device_, cap * sizeof(cuda::GroupStep)));
   scratch_capacity_ = cap;
@@ -826,8 +844,15 @@ absl::Status CudaBackend::EnqueueStep(CudaSession& s,
           partials + launch.first_block[1], stream));
     }
   }
-  OPTIMD_RETURN_IF_ERROR(cuda::LaunchPrepareSteps(record.args, steps, n,
-                                                  statistics, sums, stream));
+  OPTIMD_RETURN_IF_ERROR(cuda::LaunchReduceSums(
+      record.args, steps, n, statistics,
+      s.job == nullptr || s.job->contributes_norm(), sums, stream));
+  if (s.job != nullptr) {
+    OPTIMD_RETURN_IF_ERROR(s.job->EnqueueAllReduce(sums + n, stream));
+  }
+  const uint32_t ranks = s.job == nullptr ? 1 : s.job->world_size();
+  OPTIMD_RETURN_IF_ERROR(
+      cuda::LaunchMakeScalars(steps, n, sums, ranks, stream));
   if (progress != nullptr) {
     OPTIMD_RETURN_IF_ERROR(EnqueueStagedUpdates(groups, progress, stream));
   } else {
@@ -839,14 +864,15 @@ absl::Status CudaBackend::EnqueueStep(CudaSession& s,
     }
   }
   return cuda::LaunchCommitSteps(
-      steps, n, sums, reinterpret_cast<DeviceGroupState*>(s.totals_d.data()),
-      record.host, stream);
+      steps, n, sums, ranks,
+      reinterpret_cast<DeviceGroupState*>(s.totals_d.data()), record.host,
+      stream);
 }
 
 absl::Status CudaBackend::RecycleRecord(CudaSession& s, StepRecord& record,
                                         const std::vector<Group*>& groups) {
   if (record.sequence != 0) {
-    OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(record.event));
+    OPTIMD_RETURN_IF_ERROR(WaitStep(s, record.event));
     if (record.sequence > s.last_sequence) {
       StepOutcome ignored;
       OPTIMD_RETURN_IF_ERROR(ReadRecord(s, record, groups, &ignored));
@@ -983,7 +1009,7 @@ absl::StatusOr<StepOutcome> CudaBackend::Outcome(
     bool wait, uint64_t seq) {
   StepOutcome out;
   if (wait) {
-    OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(record.event));
+    OPTIMD_RETURN_IF_ERROR(WaitStep(s, record.event));
     OPTIMD_RETURN_IF_ERROR(ReadRecord(s, record, groups, &out));
     out.current = true;
   } else {
@@ -1007,6 +1033,57 @@ absl::StatusOr<StepOutcome> CudaBackend::Outcome(
   return out;
 }
 
+absl::StatusOr<std::string> CudaBackend::JoinJob(SessionContext* session,
+                                                 const DeviceJob& job) {
+  auto& s = *static_cast<CudaSession*>(session);
+  OPTIMD_ASSIGN_OR_RETURN(std::unique_ptr<NcclJob> joined,
+                          NcclJob::Join(device_, job));
+  s.job = std::move(joined);
+  MutexLock lock(&mu_);
+  jobs_.erase(std::remove_if(
+                  jobs_.begin(), jobs_.end(),
+                  [](const std::weak_ptr<NcclJob>& j) { return j.expired(); }),
+              jobs_.end());
+  jobs_.push_back(s.job);
+  return s.job->unique_id();
+}
+
+absl::Status CudaBackend::WaitStep(CudaSession& s, cudaEvent_t event) {
+  if (s.job != nullptr) return s.job->Wait(event);
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(event));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::SyncStream() {
+  std::vector<std::shared_ptr<NcclJob>> jobs;
+  {
+    MutexLock lock(&mu_);
+    for (const auto& weak : jobs_) {
+      if (auto j = weak.lock()) jobs.push_back(std::move(j));
+    }
+  }
+  if (jobs.empty()) {
+    OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+    return absl::OkStatus();
+  }
+  absl::Duration longest;
+  for (const auto& j : jobs) longest = std::max(longest, j->timeout());
+  const absl::Time deadline = absl::Now() + longest;
+  cudaError_t e;
+  while ((e = cudaStreamQuery(stream_)) == cudaErrorNotReady &&
+         absl::Now() < deadline) {
+    absl::SleepFor(absl::Microseconds(100));
+  }
+  if (e == cudaErrorNotReady) {
+    for (const auto& j : jobs) {
+      j->Abort("the device's stream waited for its ranks longer than " +
+               absl::FormatDuration(longest));
+    }
+  }
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
                                               const std::vector<Group*>& groups,
                                               const StepOptions& options) {
@@ -1015,6 +1092,7 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
   const uint32_t n = static_cast<uint32_t>(groups.size());
   OPTIMD_RETURN_IF_ERROR(EnsureScratch(std::max<uint32_t>(n, 1)));
   const bool statistics = !options.assume_finite || options.max_grad_norm > 0;
+  if (s.job != nullptr) OPTIMD_RETURN_IF_ERROR(s.job->AwaitReady(stream_));
 
   // The step's record: its earlier step must have completed (this blocks only
   // when more steps than records are in flight).
@@ -1034,7 +1112,10 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
   record.sequence = seq;
   record.grad_scale = EffectiveGradScale(options.grad_scale);
   record.statistics = statistics;
-  return Outcome(s, record, groups, options.wait, seq);
+  // A job's step is waited for here, bounded (NcclJob::Wait): a rank
+  // that is gone must end in an error, not in a trainer stream that waits
+  // for a done flag forever.
+  return Outcome(s, record, groups, options.wait || s.job != nullptr, seq);
 }
 
 absl::Status CudaBackend::StreamValue(StreamValue32Fn fn, uint32_t* word,
@@ -1066,7 +1147,7 @@ absl::Status CudaBackend::ReleaseStep(SessionContext*,
 
 absl::Status CudaBackend::SyncGroupCounters(const std::vector<Group*>& groups) {
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
-  OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+  OPTIMD_RETURN_IF_ERROR(SyncStream());
   for (Group* g : groups) {
     auto* plan = PlanOf(*g);
     DeviceGroupState state;
@@ -1088,7 +1169,7 @@ absl::Status CudaBackend::SetGroupStep(Group& group, uint64_t step) {
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
   auto* plan = PlanOf(group);
   DeviceGroupState state;
-  OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+  OPTIMD_RETURN_IF_ERROR(SyncStream());
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpy(
       &state, plan->state_d.data(), sizeof(state), cudaMemcpyDeviceToHost));
   state.step = step;
@@ -1116,7 +1197,7 @@ absl::Status CudaBackend::WriteParams(Group& group) {
           t.numel, stream_));
     }
   }
-  OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+  OPTIMD_RETURN_IF_ERROR(SyncStream());
   return absl::OkStatus();
 }
 
@@ -1126,7 +1207,7 @@ absl::Status CudaBackend::CopyToHost(const uint8_t* src, uint8_t* dst,
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
   OPTIMD_RETURN_IF_CUDA_ERROR(
       cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
-  OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+  OPTIMD_RETURN_IF_ERROR(SyncStream());
   return absl::OkStatus();
 }
 
@@ -1136,7 +1217,7 @@ absl::Status CudaBackend::CopyFromHost(const uint8_t* src, uint8_t* dst,
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
   OPTIMD_RETURN_IF_CUDA_ERROR(
       cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
-  OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+  OPTIMD_RETURN_IF_ERROR(SyncStream());
   return absl::OkStatus();
 }
 

@@ -40,7 +40,7 @@ class BuildWithStubs(build_py):
 
 setup(
     name="optimd",
-    version="0.4.0",
+    version="0.5.0",
     description="Python client of the optimd optimizer-step daemon, with "
                 "optimd.torch.AdamW, a drop-in torch.optim.AdamW",
     packages=["optimd", "optimd.v1"],

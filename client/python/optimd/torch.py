@@ -198,11 +198,18 @@ class _DaemonOptimizer(torch.optim.Optimizer):
                 lambda *a: method() is not None and method()(*a)
         if resume and resume_secret is None:
             resume_secret = _secrets.load(job, rank)
+        # A CUDA job's ranks form one NCCL communicator: rank 0's daemon
+        # makes its id, the trainers' process group carries it.
+        nccl_job = (self._device.type == "cuda" and ident["sharding"] and
+                    ident["world_size"] > 1)
+        nccl_id = _shared_nccl_id(None) if nccl_job and rank != 0 else b""
         reply = self._client.create_session(
             job, rank=rank, world_size=ident["world_size"],
             device=-1 if self._device.type == "cpu" else self._device.index,
             resume=bool(resume), resume_secret=resume_secret or "",
-            gradient_sharding=ident["sharding"])
+            gradient_sharding=ident["sharding"], nccl_unique_id=nccl_id)
+        if nccl_job and rank == 0:
+            _shared_nccl_id(reply.nccl_unique_id)
         self.resumed = reply.resumed
         # What a restarted trainer must present to resume this session.
         self.resume_secret = reply.resume_secret
@@ -965,11 +972,11 @@ class AdamW(_DaemonOptimizer):
         (the square root of the sum over the shards' sums of squares),
         clipping by it, and the skip when any rank's gradients hold inf or
         NaN; each step waits for the same step of every rank (the daemon's
-        --rank_timeout_s; calls then wait up to at least 900 s). CPU
-        backend only so far; on CUDA clip with
-        torch.nn.utils.clip_grad_norm_ (a step warns once when
-        max_grad_norm is set with sharded parameters and no
-        gradient_sharding).
+        --rank_timeout_s; calls then wait up to at least 900 s). On CUDA
+        the ranks form one NCCL communicator (its id travels through
+        torch.distributed, which must be initialized) and agree on the
+        device inside each step. Without gradient_sharding a step warns
+        once when max_grad_norm is set with sharded parameters.
       grad_scale: divide gradients by this (loss scaling) before use.
       assume_finite: the gradients are known finite (e.g. a GradScaler
         checked them): without max_grad_norm the daemon skips its gradient
@@ -1346,6 +1353,20 @@ def _shared_job_id():
             "initialize torch.distributed first")
     box = ["%s-%d-%s" % (socket.gethostname(), os.getpid(),
                          secrets.token_hex(4))]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _shared_nccl_id(mine):
+    """Rank 0 sends `mine` (its daemon's NCCL unique id for the job); every
+    other rank gets it (a collective, at optimizer construction)."""
+    if not (torch.distributed.is_available() and
+            torch.distributed.is_initialized()):
+        raise ValueError(
+            "gradient_sharding on CUDA with world_size > 1 needs "
+            "torch.distributed initialized: the ranks' daemons join one NCCL "
+            "communicator whose id the trainers' process group carries")
+    box = [mine]
     torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
 

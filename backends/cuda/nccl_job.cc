@@ -1,0 +1,188 @@
+#include "backends/cuda/nccl_job.h"
+
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace optimd {
+namespace {
+
+absl::Status NcclError(ncclResult_t r, const std::string& what) {
+  return absl::InternalError(
+      absl::StrCat(what, ": NCCL error ", r, ": ", ncclGetErrorString(r)));
+}
+
+// Polls done() every 50 us (the first millisecond by yielding only) until
+// it returns true or `deadline` passes; returns whether it did.
+template <class Done>
+bool PollUntil(absl::Time deadline, Done done) {
+  const absl::Time start = absl::Now();
+  while (!done()) {
+    const absl::Time now = absl::Now();
+    if (now >= deadline) return false;
+    if (now - start < absl::Milliseconds(1)) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<NcclJob>> NcclJob::Join(
+    int device, const Backend::DeviceJob& job) {
+  if (job.rank != 0 && job.unique_id.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rank ", job.rank,
+        " of a CUDA job with gradient_sharding needs the nccl_unique_id that "
+        "rank 0's CreateSession returned"));
+  }
+  if (!job.unique_id.empty() && job.unique_id.size() != sizeof(ncclUniqueId)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("nccl_unique_id must be ", sizeof(ncclUniqueId),
+                     " bytes, got ", job.unique_id.size()));
+  }
+  std::unique_ptr<NcclJob> j(new NcclJob(device, job));
+  ncclUniqueId id;
+  if (job.unique_id.empty()) {
+    const ncclResult_t r = ncclGetUniqueId(&id);
+    if (r != ncclSuccess) return NcclError(r, "making the job's unique id");
+  } else {
+    std::memcpy(&id, job.unique_id.data(), sizeof(id));
+  }
+  j->unique_id_.assign(reinterpret_cast<const char*>(&id), sizeof(id));
+  if (cudaSetDevice(device) != cudaSuccess ||
+      cudaMalloc(&j->warm_d_, 3 * sizeof(double)) != cudaSuccess ||
+      cudaMemset(j->warm_d_, 0, 3 * sizeof(double)) != cudaSuccess) {
+    return absl::InternalError(
+        absl::StrCat("cannot prepare the job's communicator on device ", device,
+                     ": ", cudaGetErrorString(cudaGetLastError())));
+  }
+  // Non-blocking: the other ranks join later; steps wait (AwaitReady).
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  const ncclResult_t r =
+      ncclCommInitRankConfig(&j->comm_, static_cast<int>(job.world_size), id,
+                             static_cast<int>(job.rank), &config);
+  if (r != ncclSuccess && r != ncclInProgress) {
+    j->comm_ = nullptr;
+    return NcclError(r, absl::StrCat("joining ", j->Name()));
+  }
+  j->joined_ = absl::Now();
+  return j;
+}
+
+NcclJob::~NcclJob() {
+  // Abort, not destroy: it never waits for ranks that may be gone.
+  if (comm_ != nullptr) ncclCommAbort(comm_);
+  if (warm_d_ != nullptr) cudaFree(warm_d_);
+}
+
+std::string NcclJob::Name() const {
+  return absl::StrCat("rank ", job_.rank, " of ", job_.world_size,
+                      " in the job's NCCL communicator");
+}
+
+bool NcclJob::contributes_norm() const {
+  return job_.sharding == GradientSharding::kSharded || job_.rank == 0;
+}
+
+absl::Status NcclJob::Settle(absl::Time deadline, const char* what) {
+  ncclResult_t state = ncclInProgress;
+  const bool settled = PollUntil(deadline, [&] {
+    const ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
+    if (r != ncclSuccess) state = r;
+    return state != ncclInProgress;
+  });
+  if (!settled) {
+    Abort(absl::StrCat("the other ranks did not ", what, " within ",
+                       absl::FormatDuration(job_.timeout)));
+    return absl::DeadlineExceededError(
+        absl::StrCat(Name(), ": ", ended_.message()));
+  }
+  if (state != ncclSuccess) {
+    const absl::Status e = NcclError(state, absl::StrCat(Name(), ": ", what));
+    Abort(std::string(e.message()));
+    return e;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status NcclJob::AwaitReady(cudaStream_t stream) {
+  if (!ended_.ok()) return ended_;
+  if (ready_) return absl::OkStatus();
+  const absl::Time deadline = joined_ + job_.timeout;
+  OPTIMD_RETURN_IF_ERROR(Settle(deadline, "join"));
+  // The first collective makes the connections: not inside a capture.
+  OPTIMD_RETURN_IF_ERROR(EnqueueAllReduce(warm_d_, stream));
+  cudaEvent_t event = nullptr;
+  if (cudaEventCreateWithFlags(&event, cudaEventDisableTiming) != cudaSuccess ||
+      cudaEventRecord(event, stream) != cudaSuccess) {
+    if (event != nullptr) cudaEventDestroy(event);
+    return absl::InternalError("recording the warm-up all-reduce failed");
+  }
+  const bool done = PollUntil(
+      deadline, [&] { return cudaEventQuery(event) != cudaErrorNotReady; });
+  if (!done) {
+    Abort(absl::StrCat("the other ranks did not make their connections within ",
+                       absl::FormatDuration(job_.timeout)));
+  }
+  const cudaError_t e = cudaEventSynchronize(event);
+  cudaEventDestroy(event);
+  if (!ended_.ok()) return absl::DeadlineExceededError(ended_.message());
+  if (e != cudaSuccess) {
+    return absl::InternalError(
+        absl::StrCat("the warm-up all-reduce failed: ", cudaGetErrorString(e)));
+  }
+  ready_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status NcclJob::EnqueueAllReduce(double* values, cudaStream_t stream) {
+  if (!ended_.ok()) return ended_;
+  const ncclResult_t r =
+      ncclAllReduce(values, values, 3, ncclFloat64, ncclSum, comm_, stream);
+  if (r == ncclInProgress) {
+    return Settle(absl::Now() + job_.timeout, "take the step's all-reduce");
+  }
+  if (r != ncclSuccess) {
+    return NcclError(r, absl::StrCat(Name(), ": the step's all-reduce"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status NcclJob::Wait(cudaEvent_t event) {
+  const bool done = PollUntil(absl::Now() + job_.timeout, [&] {
+    return cudaEventQuery(event) != cudaErrorNotReady;
+  });
+  if (!done) {
+    Abort(absl::StrCat("a step waited more than ",
+                       absl::FormatDuration(job_.timeout),
+                       " for the other ranks' same step"));
+  }
+  const cudaError_t e = cudaEventSynchronize(event);
+  if (!done)
+    return absl::DeadlineExceededError(
+        absl::StrCat(Name(), ": ", ended_.message()));
+  if (e != cudaSuccess) {
+    return absl::InternalError(
+        absl::StrCat("a step of ", Name(), " failed: ", cudaGetErrorString(e)));
+  }
+  return absl::OkStatus();
+}
+
+void NcclJob::Abort(const std::string& why) {
+  if (!ended_.ok()) return;
+  ended_ = absl::FailedPreconditionError(
+      absl::StrCat("the job's NCCL communicator was ended: ", why,
+                   "; close this session and start the job's ranks again"));
+  if (comm_ != nullptr) ncclCommAbort(comm_);
+  comm_ = nullptr;
+}
+
+}  // namespace optimd
