@@ -33,6 +33,7 @@
 #include "common/default_address.h"
 #include "common/pem_file.h"
 #include "common/version.h"
+#include "core/checkpoint_temporaries.h"
 #include "core/session_registry.h"
 #include "server/device_worker.h"
 #include "server/log.h"
@@ -271,6 +272,24 @@ int OpenListener(Listener* l) {
   return 0;
 }
 
+// Saves that were killed midway (the daemon killed while saving) leave
+// temporaries as large as their checkpoints: removes those of writers that
+// are gone from the directories the daemon owns. Saves elsewhere remove
+// theirs at the next save of the same file.
+void RemoveStaleCheckpointTemporaries(const std::vector<std::string>& dirs) {
+  for (const std::string& dir : dirs) {
+    if (dir.empty()) continue;
+    const int removed =
+        optimd::RemoveStaleTemporariesUnder(dir, optimd::kTemporarySearchDepth);
+    if (removed > 0) {
+      Log(absl::StrCat("removed ", removed,
+                       " temporary files of interrupted checkpoint saves "
+                       "under ",
+                       dir));
+    }
+  }
+}
+
 // --save_dir, --admin_token_file and the service's hooks; the exit code on
 // failure (logged), else 0. `restart_store` must outlive the service.
 int ConfigureService(optimd::OptimizerServiceImpl& service,
@@ -286,6 +305,7 @@ int ConfigureService(optimd::OptimizerServiceImpl& service,
                      save_dir, "'"));
     return 1;
   }
+  RemoveStaleCheckpointTemporaries({save_dir, checkpoint_options.state_dir});
   optimd::CheckpointOptions save_options = checkpoint_options;
   save_options.state_dir.clear();  // the operator's own directory
   *restart_store =
