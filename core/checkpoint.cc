@@ -1,9 +1,7 @@
 #include "core/checkpoint.h"
 
-#include <dirent.h>
 #include <fcntl.h>
 #include <limits.h>
-#include <signal.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -13,7 +11,6 @@
 #include <cstdio>
 #include <cstring>
 #include <future>
-#include <random>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -21,6 +18,7 @@
 #include "common/fault_guard.h"
 #include "common/status_macros.h"
 #include "core/checkpoint_header.h"
+#include "core/checkpoint_temporaries.h"
 #include "nlohmann/json.hpp"
 
 namespace optimd {
@@ -360,52 +358,6 @@ absl::StatusOr<std::string> ResolveCheckpointDir(
 
 namespace {
 
-// The pid in the name of a temporary file of ours, "<final>.tmp-<pid>-<n>",
-// or -1 when `name` is not one for `final_name`.
-long TemporaryOwner(const std::string& name, const std::string& final_name) {
-  const std::string prefix = final_name + ".tmp-";
-  if (!absl::StartsWith(name, prefix)) return -1;
-  const std::string rest = name.substr(prefix.size());
-  const size_t dash = rest.find('-');
-  if (dash == 0 || dash == std::string::npos || dash > 9 ||
-      dash + 1 == rest.size()) {
-    return -1;
-  }
-  for (size_t i = 0; i < rest.size(); ++i) {
-    if (i != dash && (rest[i] < '0' || rest[i] > '9')) return -1;
-  }
-  return std::stol(rest.substr(0, dash));
-}
-
-}  // namespace
-
-int RemoveStaleTemporaries(const std::string& dir,
-                           const std::string& final_name, time_t before) {
-  DIR* d = opendir(dir.c_str());
-  if (d == nullptr) return 0;
-  int removed = 0;
-  while (const dirent* e = readdir(d)) {
-    const long pid = TemporaryOwner(e->d_name, final_name);
-    if (pid <= 0) continue;
-    // Another live process's save (a pid of ours is never mid-save on
-    // this name: a session saves one file at a time).
-    if (pid != getpid() &&
-        (kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM)) {
-      continue;
-    }
-    struct stat st;
-    if (fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
-        !S_ISREG(st.st_mode) || st.st_mtime >= before) {
-      continue;
-    }
-    if (unlinkat(dirfd(d), e->d_name, 0) == 0) ++removed;
-  }
-  closedir(d);
-  return removed;
-}
-
-namespace {
-
 // Writes `entries` (data in `backend` memory) atomically to `path`.
 absl::StatusOr<CheckpointResult> WriteCheckpoint(
     const std::string& path, const json& meta, std::vector<Entry> entries,
@@ -423,8 +375,7 @@ absl::StatusOr<CheckpointResult> WriteCheckpoint(
   // Temporaries of saves that were killed (a daemon killed mid-write) would
   // otherwise stay forever.
   RemoveStaleTemporaries(dir, path.substr(dir.size() + 1), time(nullptr));
-  const std::string tmp =
-      absl::StrCat(path, ".tmp-", getpid(), "-", std::random_device{}());
+  const std::string tmp = CheckpointTemporaryPath(path);
   // 0666: the daemon's umask decides who may read checkpoints.
   Fd fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666));
   if (fd.get() < 0) {

@@ -90,14 +90,6 @@ std::string LegacyCheckpointFileName(const std::string& job_id, uint32_t rank);
 absl::StatusOr<std::string> ResolveCheckpointDir(
     const std::string& directory, const CheckpointOptions& options);
 
-// Removes temporary files that saves to `dir`/`final_name` left behind
-// ("<final_name>.tmp-<pid>-<n>", regular files only) when their process is
-// gone (or is this one) and they were last written before `before`.
-// Files of any other name are never touched. Returns how many it removed.
-// SaveCheckpoint and WriteSnapshot call it before each write.
-int RemoveStaleTemporaries(const std::string& dir,
-                           const std::string& final_name, time_t before);
-
 // Writes the groups' state. The caller holds the session's lock, so the
 // state is consistent at a step boundary.
 absl::StatusOr<CheckpointResult> SaveCheckpoint(

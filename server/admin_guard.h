@@ -31,8 +31,9 @@ class AdminGuard {
   static absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
 
   // OK for an admin: `peer` (grpc's ServerContext::peer()) is a Unix
-  // socket, or `sent_token` equals the token. PERMISSION_DENIED naming
-  // `call` otherwise.
+  // socket ("unix:..." or "fd:<n>", as the daemon's own listener hands its
+  // connections over), or `sent_token` equals the token. PERMISSION_DENIED
+  // naming `call` otherwise.
   absl::Status Check(const std::string& peer, const std::string& sent_token,
                      const char* call) const;
 

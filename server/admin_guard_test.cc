@@ -69,6 +69,9 @@ TEST_F(AdminGuardTest, UnixCallersOrTheTokenAreAdmins) {
   EXPECT_EQ(none.Check("ipv6:[::1]:5000", "", "ListSessions").code(),
             absl::StatusCode::kPermissionDenied);
   EXPECT_TRUE(none.Check("unix:/run/optimd.sock", "", "ListSessions").ok());
+  // How gRPC names the connections the daemon's Unix socket listener
+  // accepts and hands over.
+  EXPECT_TRUE(none.Check("fd:12", "", "ListSessions").ok());
 }
 
 }  // namespace

@@ -3,16 +3,12 @@
 // Serves optimd.v1.Optimizer, grpc.health.v1 and server reflection on a Unix
 // domain socket (default) or, with TLS, on TCP. Shuts down cleanly on
 // SIGINT/SIGTERM: in-flight calls finish, the socket file is removed.
-#include <fcntl.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <signal.h>
-#include <sys/file.h>
 #include <sys/resource.h>
-#include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -37,6 +33,7 @@
 #include "common/default_address.h"
 #include "common/pem_file.h"
 #include "common/version.h"
+#include "core/checkpoint_temporaries.h"
 #include "core/session_registry.h"
 #include "server/device_worker.h"
 #include "server/log.h"
@@ -45,6 +42,7 @@
 #include "server/refusal_log.h"
 #include "server/restart_store.h"
 #include "server/session_reaper.h"
+#include "server/unix_socket_listener.h"
 
 #ifdef OPTIMD_WITH_CUDA
 #include "backends/cuda/cuda_backend.h"
@@ -120,11 +118,12 @@ bool ReadPem(const std::string& flag, const std::string& path,
   return true;
 }
 
-// Raises the soft limit on open files to the hard one. Every client
-// connection, mapped segment and checkpoint file takes a descriptor, and
-// Debian's gRPC 1.51 never accepts a connection again after accept() once
-// failed with EMFILE (grpc/grpc#16058, #20418, #31080): a high limit keeps
-// the daemon far from that state. Returns the soft limit now in force.
+// Raises the soft limit on open files to the hard one: every client
+// connection, mapped segment and checkpoint file takes a descriptor. (The
+// Unix socket survives running out of them: see UnixSocketListener; a TCP
+// listener, gRPC's own, stops accepting for good, as Debian's gRPC 1.51
+// does: grpc/grpc#16058, #20418, #31080.) Returns the soft limit now in
+// force.
 rlim_t RaiseFileLimit() {
   rlimit limit{};
   if (getrlimit(RLIMIT_NOFILE, &limit) != 0) return 0;
@@ -134,69 +133,6 @@ rlim_t RaiseFileLimit() {
     if (setrlimit(RLIMIT_NOFILE, &raised) == 0) return raised.rlim_cur;
   }
   return limit.rlim_cur;
-}
-
-// Takes the lock file beside the socket ("<socket>.lock", flock'd for the
-// daemon's lifetime), so that of daemons started at the same moment on one
-// socket exactly one goes on; the others exit. Returns the locked fd, or -1
-// (logged). The lock is re-checked against the path after locking: a
-// daemon that is stopping unlinks its lock file, and a lock taken on that
-// unlinked file would guard nothing.
-int LockSocketPath(const std::string& socket_path) {
-  const std::string lock_path = socket_path + ".lock";
-  for (int attempt = 0; attempt < 10; ++attempt) {
-    const int fd = open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
-    if (fd < 0) {
-      Log(absl::StrCat("cannot open the lock file ", lock_path, ": ",
-                       std::strerror(errno)));
-      return -1;
-    }
-    if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
-      const int err = errno;
-      close(fd);
-      Log(err == EWOULDBLOCK
-              ? absl::StrCat("another daemon holds ", lock_path, " (it serves ",
-                             socket_path, "); stop it or pass another --listen")
-              : absl::StrCat("cannot lock ", lock_path, ": ",
-                             std::strerror(err)));
-      return -1;
-    }
-    struct stat locked, named;
-    if (fstat(fd, &locked) == 0 && stat(lock_path.c_str(), &named) == 0 &&
-        locked.st_dev == named.st_dev && locked.st_ino == named.st_ino) {
-      return fd;
-    }
-    close(fd);  // the file was replaced meanwhile: lock the new one
-  }
-  Log(absl::StrCat("cannot lock ", lock_path, ": it keeps being replaced"));
-  return -1;
-}
-
-// Removes a stale socket file left by a daemon that died; refuses to start
-// over a live one. Called with the socket's lock held.
-bool PrepareSocketPath(const std::string& path) {
-  struct stat st;
-  if (lstat(path.c_str(), &st) != 0) return true;
-  if (!S_ISSOCK(st.st_mode)) {
-    Log(absl::StrCat(path,
-                     " exists and is not a socket; refusing to replace "
-                     "it"));
-    return false;
-  }
-  const int fd = socket(AF_UNIX, SOCK_STREAM, 0);
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
-  const bool live =
-      connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
-  close(fd);
-  if (live) {
-    Log(absl::StrCat("another daemon is listening on ", path,
-                     "; stop it or pass another --listen"));
-    return false;
-  }
-  unlink(path.c_str());
-  return true;
 }
 
 // --help lists this file's flags (absl matches flags to the program by file
@@ -271,8 +207,9 @@ std::vector<std::unique_ptr<optimd::Backend>> MakeBackends() {
 // Where the daemon listens (--listen, --tls_*).
 struct Listener {
   std::string address;
-  std::string socket_path;  // empty on TCP
-  int socket_lock = -1;     // held until exit (see LockSocketPath)
+  // The Unix socket, accepted by the daemon itself; null on TCP, which
+  // gRPC serves with `credentials`.
+  std::unique_ptr<optimd::UnixSocketListener> unix_socket;
   std::shared_ptr<grpc::ServerCredentials> credentials;
 };
 
@@ -308,7 +245,7 @@ std::shared_ptr<grpc::ServerCredentials> TlsCredentials(
 }
 
 // Fills *l from the flags; the daemon's exit code on failure (logged), else
-// 0. A Unix socket path is locked and a stale socket file removed.
+// 0. A Unix socket path is claimed (locked, a stale socket file removed).
 int OpenListener(Listener* l) {
   l->address = absl::GetFlag(FLAGS_listen);
   if (l->address.empty()) l->address = optimd::DefaultAddress();
@@ -324,14 +261,33 @@ int OpenListener(Listener* l) {
         "mode (0600) instead");
     return 2;
   }
-  l->socket_path = l->address.substr(5);
-  if (absl::StartsWith(l->socket_path, "//")) {
-    l->socket_path = l->socket_path.substr(2);
+  std::string path = l->address.substr(5);
+  if (absl::StartsWith(path, "//")) path = path.substr(2);
+  auto claimed = optimd::UnixSocketListener::Claim(path);
+  if (!claimed.ok()) {
+    Log(std::string(claimed.status().message()));
+    return 1;
   }
-  l->socket_lock = LockSocketPath(l->socket_path);
-  if (l->socket_lock < 0 || !PrepareSocketPath(l->socket_path)) return 1;
-  l->credentials = grpc::InsecureServerCredentials();
+  l->unix_socket = *std::move(claimed);
   return 0;
+}
+
+// Saves that were killed midway (the daemon killed while saving) leave
+// temporaries as large as their checkpoints: removes those of writers that
+// are gone from the directories the daemon owns. Saves elsewhere remove
+// theirs at the next save of the same file.
+void RemoveStaleCheckpointTemporaries(const std::vector<std::string>& dirs) {
+  for (const std::string& dir : dirs) {
+    if (dir.empty()) continue;
+    const int removed =
+        optimd::RemoveStaleTemporariesUnder(dir, optimd::kTemporarySearchDepth);
+    if (removed > 0) {
+      Log(absl::StrCat("removed ", removed,
+                       " temporary files of interrupted checkpoint saves "
+                       "under ",
+                       dir));
+    }
+  }
 }
 
 // --save_dir, --admin_token_file and the service's hooks; the exit code on
@@ -349,6 +305,7 @@ int ConfigureService(optimd::OptimizerServiceImpl& service,
                      save_dir, "'"));
     return 1;
   }
+  RemoveStaleCheckpointTemporaries({save_dir, checkpoint_options.state_dir});
   optimd::CheckpointOptions save_options = checkpoint_options;
   save_options.state_dir.clear();  // the operator's own directory
   *restart_store =
@@ -366,8 +323,8 @@ int ConfigureService(optimd::OptimizerServiceImpl& service,
   return 0;
 }
 
-// Builds and starts the gRPC server (null, logged, when it cannot listen).
-// The socket file is created by BuildAndStart: only its owner may connect.
+// Builds and starts the gRPC server, then the Unix socket's accept loop
+// (null, logged, when it cannot listen).
 std::unique_ptr<grpc::Server> StartServer(Listener& l,
                                           optimd::OptimizerServiceImpl& service,
                                           optimd::RefusalLog* refusals) {
@@ -375,8 +332,9 @@ std::unique_ptr<grpc::Server> StartServer(Listener& l,
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(l.address, l.credentials,
-                           l.socket_path.empty() ? &port : nullptr);
+  if (l.unix_socket == nullptr) {
+    builder.AddListeningPort(l.address, l.credentials, &port);
+  }
   builder.SetMaxReceiveMessageSize(1 << 30);
   builder.SetMaxSendMessageSize(1 << 30);
   builder.RegisterService(&service);
@@ -385,15 +343,18 @@ std::unique_ptr<grpc::Server> StartServer(Listener& l,
       interceptors;
   interceptors.push_back(std::make_unique<optimd::RefusalLogFactory>(refusals));
   builder.experimental().SetInterceptorCreators(std::move(interceptors));
-  const mode_t old_umask = umask(0177);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  umask(old_umask);
   if (server == nullptr) {
     Log(absl::StrCat("cannot listen on ", l.address));
     return nullptr;
   }
-  if (!l.socket_path.empty()) chmod(l.socket_path.c_str(), 0600);
-  if (l.socket_path.empty() && absl::EndsWith(l.address, ":0")) {
+  if (l.unix_socket != nullptr) {
+    if (absl::Status s = l.unix_socket->Start(server.get()); !s.ok()) {
+      Log(std::string(s.message()));
+      server->Shutdown();
+      return nullptr;
+    }
+  } else if (absl::EndsWith(l.address, ":0")) {
     // Port 0: the kernel picked one; say which.
     l.address = absl::StrCat(l.address.substr(0, l.address.size() - 1), port);
   }
@@ -403,10 +364,10 @@ std::unique_ptr<grpc::Server> StartServer(Listener& l,
 void LogListening(const Listener& l, rlim_t files, uint64_t state_limit) {
   Log(absl::StrCat(
       "listening on ", l.address,
-      l.socket_path.empty() ? (absl::GetFlag(FLAGS_tls_client_ca).empty()
-                                   ? " (TLS)"
-                                   : " (TLS, client certificates required)")
-                            : "",
+      l.unix_socket == nullptr ? (absl::GetFlag(FLAGS_tls_client_ca).empty()
+                                      ? " (TLS)"
+                                      : " (TLS, client certificates required)")
+                               : "",
       "; open files limit ",
       files == RLIM_INFINITY ? std::string("unlimited") : absl::StrCat(files),
       "; max_state_bytes=",
@@ -418,6 +379,7 @@ void LogListening(const Listener& l, rlim_t files, uint64_t state_limit) {
 // and every session is saved to --save_dir.
 void AwaitShutdown(const sigset_t& signals,
                    optimd::OptimizerServiceImpl& service, grpc::Server& server,
+                   optimd::UnixSocketListener* unix_socket,
                    const optimd::RestartStore& restart_store,
                    optimd::SessionRegistry& registry) {
   int sig = 0;
@@ -439,6 +401,8 @@ void AwaitShutdown(const sigset_t& signals,
   if (service.pending() > 0) {
     Log("grace period over; cancelling the calls still running");
   }
+  // No connection may reach the server once it shuts down.
+  if (unix_socket != nullptr) unix_socket->Stop();
   server.Shutdown(absl::ToChronoTime(absl::Now()));
   // Nothing runs on the workers now: every session's state is at a step
   // boundary.
@@ -519,17 +483,13 @@ int main(int argc, char** argv) {
   if (server == nullptr) return 1;
   LogListening(listener, files, budget.limit());
   std::thread waiter([&] {
-    AwaitShutdown(signals, service, *server, *restart_store, registry);
+    AwaitShutdown(signals, service, *server, listener.unix_socket.get(),
+                  *restart_store, registry);
   });
   server->Wait();
   waiter.join();
-  workers.clear();  // runs what is still queued
-  if (!listener.socket_path.empty()) {
-    // Still holding the lock: no other daemon can have taken the path.
-    unlink(listener.socket_path.c_str());
-    unlink((listener.socket_path + ".lock").c_str());
-    close(listener.socket_lock);
-  }
+  workers.clear();               // runs what is still queued
+  listener.unix_socket.reset();  // removes the socket file and its lock
   Log("stopped");
   return 0;
 }

@@ -13,7 +13,7 @@
 namespace optimd {
 
 absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(
-    const std::vector<std::string>& extra_flags) {
+    const std::vector<std::string>& extra_flags, rlim_t open_files_limit) {
   static std::atomic<int> counter{0};
   // Unix socket paths are limited to 107 bytes; Bazel's TEST_TMPDIR can be
   // longer, so the socket lives directly under /tmp.
@@ -35,6 +35,10 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(
   const pid_t pid = fork();
   if (pid < 0) return absl::InternalError("fork failed");
   if (pid == 0) {
+    if (open_files_limit > 0) {
+      const rlimit limit = {open_files_limit, open_files_limit};
+      if (setrlimit(RLIMIT_NOFILE, &limit) != 0) _exit(126);
+    }
     execv(argv[0], argv.data());
     _exit(127);
   }

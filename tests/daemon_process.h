@@ -3,6 +3,7 @@
 #ifndef OPTIMD_TESTS_DAEMON_PROCESS_H_
 #define OPTIMD_TESTS_DAEMON_PROCESS_H_
 
+#include <sys/resource.h>
 #include <sys/types.h>
 
 #include <memory>
@@ -18,9 +19,11 @@ class DaemonProcess {
  public:
   // Starts `binary` (default: server/optimd in the test's runfiles) with
   // --listen on a fresh socket plus `extra_flags`, and waits until its
-  // health service answers SERVING.
+  // health service answers SERVING. `open_files_limit` > 0 sets the
+  // daemon's soft and hard limits on open files (RLIMIT_NOFILE) to it.
   static absl::StatusOr<std::unique_ptr<DaemonProcess>> Start(
-      const std::vector<std::string>& extra_flags = {});
+      const std::vector<std::string>& extra_flags = {},
+      rlim_t open_files_limit = 0);
 
   DaemonProcess(const DaemonProcess&) = delete;
   DaemonProcess& operator=(const DaemonProcess&) = delete;

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <random>
 #include <sstream>
@@ -1193,6 +1194,43 @@ TEST(E2eStartupTest, RemovesSpoolFilesOfDeadDaemons) {
   EXPECT_EQ((*d)->Stop(), 0);
   unlink(stale.c_str());
   EXPECT_EQ(rmdir(dir), 0);
+}
+
+// A daemon killed while saving left the checkpoint's temporary file (as
+// large as the checkpoint) until the next save of that same file; the next
+// daemon removes those of dead writers in its --save_dir and --state_dir
+// (only those).
+TEST(E2eStartupTest, RemovesCheckpointTemporariesOfDeadWriters) {
+  char save_dir[] = "/tmp/optimd-save-test-XXXXXX";
+  char state_dir[] = "/tmp/optimd-state-test-XXXXXX";
+  ASSERT_NE(mkdtemp(save_dir), nullptr);
+  ASSERT_NE(mkdtemp(state_dir), nullptr);
+  const std::string job = std::string(save_dir) + "/job-0123abcd";
+  const std::string nested = std::string(state_dir) + "/run/step-100";
+  ASSERT_EQ(mkdir(job.c_str(), 0700), 0);
+  ASSERT_EQ(mkdir((std::string(state_dir) + "/run").c_str(), 0700), 0);
+  ASSERT_EQ(mkdir(nested.c_str(), 0700), 0);
+  // pid 999999999 is past any pid_max: that writer is gone.
+  const std::vector<std::string> stale = {
+      job + "/rank-0.safetensors.tmp-999999999-17",
+      nested + "/rank-3.safetensors.tmp-999999999-4"};
+  const std::vector<std::string> kept = {
+      // This test's own pid: a writer that is alive.
+      job + absl::StrCat("/rank-1.safetensors.tmp-", getpid(), "-17"),
+      nested + absl::StrCat("/rank-2.safetensors.tmp-", getpid(), "-5"),
+      job + "/rank-0.safetensors",                  // a checkpoint
+      job + "/rank-0.safetensors.tmp-999999999-x",  // not the pattern
+      nested + "/notes.txt.tmp-999999999-4"};       // not a checkpoint
+  for (const auto& f : stale) std::ofstream(f) << "partial checkpoint";
+  for (const auto& f : kept) std::ofstream(f) << "keep";
+  auto d = DaemonProcess::Start({std::string("--save_dir=") + save_dir,
+                                 std::string("--state_dir=") + state_dir});
+  ASSERT_TRUE(d.ok()) << d.status();
+  for (const auto& f : stale) EXPECT_NE(access(f.c_str(), F_OK), 0) << f;
+  for (const auto& f : kept) EXPECT_EQ(access(f.c_str(), F_OK), 0) << f;
+  EXPECT_EQ((*d)->Stop(), 0);
+  std::filesystem::remove_all(save_dir);
+  std::filesystem::remove_all(state_dir);
 }
 
 // Daemons started at the same moment on one socket: exactly one stays up

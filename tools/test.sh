@@ -33,17 +33,18 @@ asan_base="$cache_root/optimd-asan-$checkout_key"
 bazel --output_base="$asan_base" test --config=asan --config=nocuda \
   //common/... //core/... //kernels/... //backends/... //server/... \
   //tests/core/... \
-  //tests:e2e_test //tests:random_requests_test
+  //tests:e2e_test //tests:random_requests_test \
+  //tests:descriptor_exhaustion_test
 bazel --output_base="$asan_base" shutdown
 
 # The threaded parts under ThreadSanitizer: the thread pool, the device
 # worker, the session registry, the checkpoint writer, and the daemon itself
-# (stream reactors, reaper, metrics) through the end-to-end tests. Locks go
-# through optimd::Mutex, which tells TSan of them; tools/tsan.supp silences
-# what Debian's uninstrumented gRPC, protobuf and Abseil do inside
-# themselves. The slowest tests (a million tensors) are left to the other
-# runs. A racy control program first proves that TSan reports. About 8
-# minutes on two cores from nothing.
+# (stream reactors, reaper, metrics, the Unix socket's accept loop) through
+# the end-to-end tests. Locks go through optimd::Mutex, which tells TSan of
+# them; tools/tsan.supp silences what Debian's uninstrumented gRPC,
+# protobuf and Abseil do inside themselves. The slowest tests (a million
+# tensors) are left to the other runs. A racy control program first proves
+# that TSan reports. About 8 minutes on two cores from nothing.
 echo "== threaded parts under ThreadSanitizer"
 control="$(mktemp -d /tmp/optimd-tsan-control.XXXXXX)"
 cat >"$control/race.cc" <<'CC'
@@ -69,7 +70,8 @@ bazel --output_base="$tsan_base" test --config=tsan --config=nocuda \
   --test_arg=--gtest_filter=-*LongNamesAndTooManyTensors*:*ManyTensors*:*Million*:*HeaderPastTheLimit*:*PackedFormatHolds*:*PackedFormatDetects* \
   //common:thread_pool_test //core:rank_exchange_test \
   //tests/core:session_test //tests/core:checkpoint_test \
-  //server:device_worker_test //server:refusal_log_test //tests:e2e_test
+  //server:device_worker_test //server:refusal_log_test //tests:e2e_test \
+  //tests:descriptor_exhaustion_test
 bazel --output_base="$tsan_base" shutdown
 
 # A short fuzz run of checkpoint loading under ASan and UBSan (about a

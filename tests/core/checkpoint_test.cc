@@ -12,9 +12,11 @@
 #include <functional>
 #include <memory>
 
+#include "absl/strings/str_cat.h"
 #include "backends/cpu/cpu_backend.h"
 #include "client/shm_tensor.h"
 #include "common/crc32c.h"
+#include "core/checkpoint_temporaries.h"
 #include "core/session.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -336,6 +338,50 @@ TEST(CheckpointTest, StaleTemporariesAreRemovedAtTheNextSave) {
   for (const auto& f : kept) EXPECT_EQ(access(f.c_str(), F_OK), 0) << f;
   EXPECT_EQ(access(fresh.c_str(), F_OK), 0);
   EXPECT_EQ(access(saved->path.c_str(), F_OK), 0);
+}
+
+// At the daemon's start, checkpoint temporaries whose writer is gone are
+// removed throughout the tree of a directory it owns, down to
+// kTemporarySearchDepth levels and never through a symbolic link; nothing
+// else is.
+TEST(CheckpointTest, StaleTemporariesUnderATreeAreRemovedAtStart) {
+  ScratchDir root;
+  ScratchDir outside;
+  std::string deepest = root.path();
+  for (int level = 1; level <= kTemporarySearchDepth + 1; ++level) {
+    deepest += absl::StrCat("/d", level);
+    ASSERT_EQ(mkdir(deepest.c_str(), 0700), 0) << deepest;
+  }
+  const std::string reached = deepest.substr(0, deepest.rfind('/'));
+  ASSERT_EQ(symlink(outside.path().c_str(), (root.path() + "/link").c_str()),
+            0);
+  // pid 999999999 is past any pid_max: that writer is gone.
+  const std::vector<std::string> stale = {
+      root.path() + "/rank-0.safetensors.tmp-999999999-1",
+      reached + "/rank-0.safetensors.tmp-999999999-2",
+      root.path() + "/job.rank-2.safetensors.tmp-999999999-3",  // legacy name
+      // This process's pid: an earlier process's, since nothing is being
+      // saved at start.
+      root.path() + absl::StrCat("/rank-5.safetensors.tmp-", getpid(), "-4")};
+  const std::vector<std::string> kept = {
+      deepest + "/rank-0.safetensors.tmp-999999999-5",         // too deep
+      outside.path() + "/rank-0.safetensors.tmp-999999999-6",  // via link
+      root.path() + "/rank-1.safetensors.tmp-1-7",             // init is alive
+      root.path() + "/rank-0.safetensors",                     // a checkpoint
+      root.path() + "/notes.txt.tmp-999999999-8",           // not a checkpoint
+      root.path() + "/rank-0.safetensors.tmp-999999999-x",  // not the pattern
+      root.path() + "/rank-0.safetensors.tmp--9"};          // not the pattern
+  for (const auto& f : stale) WriteFile(f, "partial");
+  for (const auto& f : kept) WriteFile(f, "keep");
+  // A directory named like a temporary is not removed either.
+  const std::string dir_named =
+      root.path() + "/rank-9.safetensors.tmp-999999999-10";
+  ASSERT_EQ(mkdir(dir_named.c_str(), 0700), 0);
+  EXPECT_EQ(RemoveStaleTemporariesUnder(root.path(), kTemporarySearchDepth),
+            static_cast<int>(stale.size()));
+  for (const auto& f : stale) EXPECT_NE(access(f.c_str(), F_OK), 0) << f;
+  for (const auto& f : kept) EXPECT_EQ(access(f.c_str(), F_OK), 0) << f;
+  EXPECT_EQ(access(dir_named.c_str(), F_OK), 0);
 }
 
 // A header past the safetensors limit used to be written (replacing the

@@ -1,0 +1,114 @@
+// End-to-end: the real daemon, started with a low limit on open files, runs
+// out of descriptors on its Unix socket and serves again once they come
+// free. Debian's gRPC 1.51, when it accepted the socket itself, never
+// accepted a connection again after that (grpc/grpc#16058, #20418,
+// #31080).
+#include <dirent.h>
+#include <poll.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "client/client.h"
+#include "common/unique_fd.h"
+#include "gtest/gtest.h"
+#include "tests/daemon_process.h"
+
+namespace optimd {
+namespace {
+
+constexpr rlim_t kDaemonFiles = 64;
+constexpr int kConnections = 3 * kDaemonFiles;
+
+// A connection to the Unix socket at `path` that says nothing; invalid when
+// the socket's queue is full.
+UniqueFd ConnectRaw(const std::string& path) {
+  UniqueFd fd(socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  if (connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) !=
+      0) {
+    fd.reset();
+  }
+  return fd;
+}
+
+// How many descriptors process `pid` has open.
+int OpenDescriptors(pid_t pid) {
+  DIR* d = opendir(absl::StrCat("/proc/", pid, "/fd").c_str());
+  if (d == nullptr) return -1;
+  int n = 0;
+  while (const dirent* e = readdir(d)) n += e->d_name[0] != '.';
+  closedir(d);
+  return n;
+}
+
+// How many of `conns` the other end has closed.
+int ClosedByPeer(const std::vector<UniqueFd>& conns) {
+  int closed = 0;
+  for (const UniqueFd& c : conns) {
+    pollfd p = {c.get(), POLLIN, 0};
+    char byte;
+    if (poll(&p, 1, 0) == 1 && recv(c.get(), &byte, 1, MSG_DONTWAIT) == 0) {
+      ++closed;
+    }
+  }
+  return closed;
+}
+
+TEST(DescriptorExhaustionTest, ServesAgainAfterRunningOutOfDescriptors) {
+  rlimit mine{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &mine), 0);
+  if (mine.rlim_cur < kConnections + 256) {
+    GTEST_SKIP() << "this test's own open-files limit is too low";
+  }
+  auto d = DaemonProcess::Start({}, kDaemonFiles);
+  ASSERT_TRUE(d.ok()) << d.status();
+  std::vector<UniqueFd> conns;
+  for (int i = 0; i < kConnections; ++i) {
+    UniqueFd c = ConnectRaw((*d)->socket_path());
+    if (c.valid()) conns.push_back(std::move(c));
+  }
+  ASSERT_GT(conns.size(), kDaemonFiles);
+  // The daemon runs out (every descriptor it may have is open), and closes
+  // the connections it cannot serve rather than leaving them waiting.
+  int open = 0, closed = 0;
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while ((open < static_cast<int>(kDaemonFiles) || closed == 0) &&
+         absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(20));
+    open = std::max(open, OpenDescriptors((*d)->pid()));
+    closed = ClosedByPeer(conns);
+  }
+  EXPECT_EQ(open, static_cast<int>(kDaemonFiles)) << "never ran out";
+  EXPECT_GT(closed, 0) << "connections past the limit were left waiting";
+  ASSERT_TRUE((*d)->Alive());
+
+  // Once the connections are gone, a normal call succeeds within seconds.
+  conns.clear();
+  absl::Status last = absl::UnknownError("no call made");
+  const absl::Time serve_deadline = absl::Now() + absl::Seconds(5);
+  while (!last.ok() && absl::Now() < serve_deadline) {
+    ClientOptions o;
+    o.connect_timeout = absl::Seconds(1);
+    o.timeout = absl::Seconds(1);
+    auto c = Client::Create((*d)->address(), o);
+    last = c.ok() ? (*c)->GetMetrics().status() : c.status();
+    if (!last.ok()) absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_TRUE(last.ok()) << "not served again after running out: " << last;
+  EXPECT_TRUE((*d)->Alive());
+  EXPECT_EQ((*d)->Stop(), 0);
+  EXPECT_NE(access((*d)->socket_path().c_str(), F_OK), 0) << "socket left";
+}
+
+}  // namespace
+}  // namespace optimd
