@@ -13,6 +13,9 @@ rm -rf .gpu
 "$bundle" .gpu bazel-bin/tests/cuda_backend_test bazel-bin/tests/cuda_math_test \
     bazel-bin/bench/cuda_step_bench bazel-bin/bench/step_latency \
     bazel-bin/server/optimd
+# NCCL (over 200 MB) is not bundled: the GPU machine has torch's own
+# (nvidia-nccl-cu13), which tools/gpu_test.sh puts on the library path.
+rm -f .gpu/lib/libnccl.so*
 ./tools/gen_python_proto.sh
 mkdir -p .gpu/py/optimd/v1
 cp client/python/optimd/v1/optimd_pb2*.py .gpu/py/optimd/v1/

@@ -4,7 +4,9 @@
 # too. Exits non-zero if any test fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export LD_LIBRARY_PATH=.gpu/lib OPTIMD_BINARY=.gpu/optimd
+# torch's NCCL (the bundle has none of its own).
+nccl_lib=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)
+export LD_LIBRARY_PATH=.gpu/lib${nccl_lib:+:$nccl_lib} OPTIMD_BINARY=.gpu/optimd
 export PYTHONPATH=client/python:.gpu/py
 failed=0
 run() {
