@@ -1112,10 +1112,10 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
   record.sequence = seq;
   record.grad_scale = EffectiveGradScale(options.grad_scale);
   record.statistics = statistics;
-  // A job's step is waited for here, bounded (NcclJob::Wait): a rank
-  // that is gone must end in an error, not in a trainer stream that waits
-  // for a done flag forever.
-  return Outcome(s, record, groups, options.wait || s.job != nullptr, seq);
+  // A job's step is followed by its watchdog: a rank that is gone ends the
+  // job (the trainer's stream goes on; later steps are refused).
+  if (s.job != nullptr) OPTIMD_RETURN_IF_ERROR(s.job->Watch(stream_));
+  return Outcome(s, record, groups, options.wait, seq);
 }
 
 absl::Status CudaBackend::StreamValue(StreamValue32Fn fn, uint32_t* word,

@@ -3,8 +3,10 @@
 #include <chrono>
 #include <cstring>
 #include <thread>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/status_macros.h"
 
 namespace optimd {
@@ -74,13 +76,75 @@ absl::StatusOr<std::unique_ptr<NcclJob>> NcclJob::Join(
     return NcclError(r, absl::StrCat("joining ", j->Name()));
   }
   j->joined_ = absl::Now();
+  NcclJob* raw = j.get();
+  j->watchdog_ = std::thread([raw] { raw->WatchSteps(); });
   return j;
 }
 
 NcclJob::~NcclJob() {
+  {
+    MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  if (watchdog_.joinable()) watchdog_.join();
   // Abort, not destroy: it never waits for ranks that may be gone.
-  if (comm_ != nullptr) ncclCommAbort(comm_);
+  Abort("the session closed");
+  MutexLock lock(&mu_);
+  for (auto& [event, since] : pending_) cudaEventDestroy(event);
+  for (cudaEvent_t event : spare_events_) cudaEventDestroy(event);
   if (warm_d_ != nullptr) cudaFree(warm_d_);
+}
+
+absl::Status NcclJob::Ended() const {
+  MutexLock lock(&mu_);
+  return ended_;
+}
+
+absl::Status NcclJob::Watch(cudaStream_t stream) {
+  MutexLock lock(&mu_);
+  cudaEvent_t event = nullptr;
+  if (!spare_events_.empty()) {
+    event = spare_events_.back();
+    spare_events_.pop_back();
+  } else if (cudaEventCreateWithFlags(&event, cudaEventDisableTiming) !=
+             cudaSuccess) {
+    return absl::InternalError("cannot create an event to follow a step");
+  }
+  if (cudaEventRecord(event, stream) != cudaSuccess) {
+    spare_events_.push_back(event);
+    return absl::InternalError("cannot record an event to follow a step");
+  }
+  pending_.emplace_back(event, absl::Now());
+  return absl::OkStatus();
+}
+
+void NcclJob::WatchSteps() {
+  cudaSetDevice(device_);
+  for (;;) {
+    cudaEvent_t oldest = nullptr;
+    absl::Time since;
+    {
+      MutexLock lock(&mu_);
+      if (stopping_) return;
+      if (!pending_.empty()) std::tie(oldest, since) = pending_.front();
+    }
+    if (oldest == nullptr) {
+      absl::SleepFor(absl::Milliseconds(1));
+      continue;
+    }
+    if (cudaEventQuery(oldest) != cudaErrorNotReady) {
+      MutexLock lock(&mu_);
+      pending_.pop_front();
+      spare_events_.push_back(oldest);
+      continue;
+    }
+    if (absl::Now() - since > job_.timeout) {
+      Abort(absl::StrCat("a step waited more than ",
+                         absl::FormatDuration(job_.timeout),
+                         " for the other ranks' same step"));
+    }
+    absl::SleepFor(absl::Microseconds(200));
+  }
 }
 
 std::string NcclJob::Name() const {
@@ -103,7 +167,7 @@ absl::Status NcclJob::Settle(absl::Time deadline, const char* what) {
     Abort(absl::StrCat("the other ranks did not ", what, " within ",
                        absl::FormatDuration(job_.timeout)));
     return absl::DeadlineExceededError(
-        absl::StrCat(Name(), ": ", ended_.message()));
+        absl::StrCat(Name(), ": ", Ended().message()));
   }
   if (state != ncclSuccess) {
     const absl::Status e = NcclError(state, absl::StrCat(Name(), ": ", what));
@@ -114,7 +178,7 @@ absl::Status NcclJob::Settle(absl::Time deadline, const char* what) {
 }
 
 absl::Status NcclJob::AwaitReady(cudaStream_t stream) {
-  if (!ended_.ok()) return ended_;
+  OPTIMD_RETURN_IF_ERROR(Ended());
   if (ready_) return absl::OkStatus();
   const absl::Time deadline = joined_ + job_.timeout;
   OPTIMD_RETURN_IF_ERROR(Settle(deadline, "join"));
@@ -134,7 +198,9 @@ absl::Status NcclJob::AwaitReady(cudaStream_t stream) {
   }
   const cudaError_t e = cudaEventSynchronize(event);
   cudaEventDestroy(event);
-  if (!ended_.ok()) return absl::DeadlineExceededError(ended_.message());
+  if (const absl::Status ended = Ended(); !ended.ok()) {
+    return absl::DeadlineExceededError(ended.message());
+  }
   if (e != cudaSuccess) {
     return absl::InternalError(
         absl::StrCat("the warm-up all-reduce failed: ", cudaGetErrorString(e)));
@@ -144,7 +210,7 @@ absl::Status NcclJob::AwaitReady(cudaStream_t stream) {
 }
 
 absl::Status NcclJob::EnqueueAllReduce(double* values, cudaStream_t stream) {
-  if (!ended_.ok()) return ended_;
+  OPTIMD_RETURN_IF_ERROR(Ended());
   const ncclResult_t r =
       ncclAllReduce(values, values, 3, ncclFloat64, ncclSum, comm_, stream);
   if (r == ncclInProgress) {
@@ -166,9 +232,10 @@ absl::Status NcclJob::Wait(cudaEvent_t event) {
                        " for the other ranks' same step"));
   }
   const cudaError_t e = cudaEventSynchronize(event);
-  if (!done)
+  if (!done) {
     return absl::DeadlineExceededError(
-        absl::StrCat(Name(), ": ", ended_.message()));
+        absl::StrCat(Name(), ": ", Ended().message()));
+  }
   if (e != cudaSuccess) {
     return absl::InternalError(
         absl::StrCat("a step of ", Name(), " failed: ", cudaGetErrorString(e)));
@@ -177,12 +244,13 @@ absl::Status NcclJob::Wait(cudaEvent_t event) {
 }
 
 void NcclJob::Abort(const std::string& why) {
+  MutexLock lock(&mu_);
   if (!ended_.ok()) return;
   ended_ = absl::FailedPreconditionError(
       absl::StrCat("the job's NCCL communicator was ended: ", why,
                    "; close this session and start the job's ranks again"));
+  // From any thread: NCCL's way to end collectives that wait for peers.
   if (comm_ != nullptr) ncclCommAbort(comm_);
-  comm_ = nullptr;
 }
 
 }  // namespace optimd

@@ -6,22 +6,29 @@
 // graph: no host waits there.
 //
 // A rank that never joins, or stops stepping, would leave the others'
-// streams waiting in NCCL forever: every host wait for such a step is
-// bounded by the job's timeout, after which the communicator is ended
-// (ncclCommAbort), its pending collectives return, and the session's later
-// steps are refused with the reason.
+// streams waiting in NCCL forever: a watchdog thread follows every step
+// of the job (Watch) and every host wait for one is bounded by the job's
+// timeout, after which the communicator is ended (ncclCommAbort), its
+// pending collectives return (the step they were in is skipped: not every
+// rank's values are in), and the session's later steps are refused with
+// the reason. Thread-safe: the backend's worker steps, the watchdog ends.
 #ifndef OPTIMD_BACKENDS_CUDA_NCCL_JOB_H_
 #define OPTIMD_BACKENDS_CUDA_NCCL_JOB_H_
 
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <deque>
 #include <memory>
 #include <string>
+#include <thread>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/mutex.h"
 #include "core/backend.h"
 
 namespace optimd {
@@ -50,12 +57,15 @@ class NcclJob {
   // Enqueues the all-reduce (sum) of values[0..2] in place on `stream`
   // (eagerly or into a graph being captured).
   absl::Status EnqueueAllReduce(double* values, cudaStream_t stream);
+  // Follows the step just enqueued on `stream`: if it has not completed
+  // within the job's timeout, the watchdog ends the job.
+  absl::Status Watch(cudaStream_t stream) ABSL_LOCKS_EXCLUDED(mu_);
   // Waits for `event` (recorded after a step of this job); a wait longer
   // than the job's timeout ends the job (DEADLINE_EXCEEDED).
   absl::Status Wait(cudaEvent_t event);
   // Ends the communicator (its pending collectives return); later calls
   // fail with FAILED_PRECONDITION naming `why`.
-  void Abort(const std::string& why);
+  void Abort(const std::string& why) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Duration timeout() const { return job_.timeout; }
   uint32_t world_size() const { return job_.world_size; }
 
@@ -65,15 +75,27 @@ class NcclJob {
   // until `deadline`.
   absl::Status Settle(absl::Time deadline, const char* what);
   std::string Name() const;
+  // Not OK once the job has ended.
+  absl::Status Ended() const ABSL_LOCKS_EXCLUDED(mu_);
+  // The watchdog: ends the job when the oldest step it follows is late.
+  void WatchSteps() ABSL_LOCKS_EXCLUDED(mu_);
 
   const int device_;
   const Backend::DeviceJob job_;
   std::string unique_id_;
+  // Set once at Join; ncclCommAbort'ed once (Abort or the destructor).
   ncclComm_t comm_ = nullptr;
   absl::Time joined_;
-  bool ready_ = false;
-  absl::Status ended_;  // not OK once aborted
+  bool ready_ = false;  // the worker's only
   double* warm_d_ = nullptr;
+
+  mutable Mutex mu_;
+  absl::Status ended_ ABSL_GUARDED_BY(mu_);
+  // Steps followed: an event recorded after each, and when it was.
+  std::deque<std::pair<cudaEvent_t, absl::Time>> pending_ ABSL_GUARDED_BY(mu_);
+  std::vector<cudaEvent_t> spare_events_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread watchdog_;
 };
 
 }  // namespace optimd

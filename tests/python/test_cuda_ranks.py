@@ -69,20 +69,24 @@ def _rank(rank, init_file, addresses, sharding, out, die_at):
     params = [torch.nn.Parameter(full[i].clone().cuda(rank)) for i in mine]
     opt = AdamW(params, lr=1e-2, address=addresses[rank],
                 max_grad_norm=MAX_NORM, gradient_sharding=sharding)
+    opt.wait_for_step = True  # each step's own norm and skip in its reply
     rec = {"skipped": [], "norm": [], "error": None}
+    started = {}
     for step, g in enumerate(grads):
+        started[step] = time.time()
         if rank == 1 and step == die_at:
             os._exit(0)  # killed: no close, no goodbye
         for p, i in zip(params, mine):
             p.grad = g[i].clone().cuda(rank)
         if rank == 1 and step == INF_STEP:
             params[0].grad.view(-1)[0] = float("inf")
-        t0 = time.time()
         try:
             opt.step()
             opt.synchronize()
         except optimd.OptimdError as e:
-            rec["error"] = (type(e).__name__, str(e), step, time.time() - t0)
+            # Seconds since the first step the dead rank missed.
+            since = time.time() - started.get(die_at, started[step])
+            rec["error"] = (type(e).__name__, str(e), step, since)
             break
         rec["skipped"].append(bool(opt.skipped))
         rec["norm"].append(float(opt.grad_norm))
@@ -152,11 +156,15 @@ class CudaRanks(unittest.TestCase):
     def test_a_killed_rank_ends_in_errors_not_hangs(self):
         with Daemon(backend="cuda", flags=["--rank_timeout_s=5"]) as d:
             r0 = self.run_job([d.address] * 2, "sharded", die_at=3)
+            # The step rank 1 missed, or one after it (steps are
+            # asynchronous: the watchdog ends the job once that step is
+            # --rank_timeout_s late, and the next step is refused).
             name, message, step, seconds = r0["error"]
-            self.assertEqual(name, "DeadlineExceededError", message)
-            self.assertEqual(step, 3)
+            self.assertIn(name, ("DeadlineExceededError",
+                                 "FailedPreconditionError"), message)
+            self.assertGreaterEqual(step, 3)
             self.assertLess(seconds, 30)
-            self.assertIn("other ranks", message)
+            self.assertIn("other ranks' same step", message)
             # The daemon serves other sessions as before.
             p = torch.nn.Parameter(torch.zeros(8, device="cuda"))
             opt = AdamW([p], lr=1e-2, address=d.address)
