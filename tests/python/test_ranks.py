@@ -144,6 +144,12 @@ class Ranks(unittest.TestCase):
             client.create_session(job + "-raw", rank=0, world_size=2,
                                   gradient_sharding=7)
         self.assertIn("unknown gradient_sharding 7", str(e.exception))
+        # The CPU backend's ranks meet in the daemon: no NCCL id to take.
+        with self.assertRaises(optimd.InvalidArgumentError) as e:
+            client.create_session(job + "-nccl", rank=1, world_size=2,
+                                  gradient_sharding=2,
+                                  nccl_unique_id=b"x" * 128)
+        self.assertIn("only for the ranks of a CUDA job", str(e.exception))
         client.close()
 
 
