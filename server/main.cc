@@ -35,6 +35,7 @@
 #include "common/version.h"
 #include "core/checkpoint_temporaries.h"
 #include "core/session_registry.h"
+#include "core/stale_segments.h"
 #include "server/device_worker.h"
 #include "server/log.h"
 #include "server/metrics_http.h"
@@ -306,6 +307,12 @@ int ConfigureService(optimd::OptimizerServiceImpl& service,
     return 1;
   }
   RemoveStaleCheckpointTemporaries({save_dir, checkpoint_options.state_dir});
+  // Trainers' shared-memory segments left when a trainer and the daemon
+  // died together.
+  if (const int removed = optimd::RemoveStaleSegments("/dev/shm"); removed) {
+    Log(absl::StrCat("removed ", removed,
+                     " shared-memory segments of trainers that are gone"));
+  }
   optimd::CheckpointOptions save_options = checkpoint_options;
   save_options.state_dir.clear();  // the operator's own directory
   *restart_store =

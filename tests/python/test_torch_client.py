@@ -259,6 +259,28 @@ class TorchClientTest(unittest.TestCase):
         self.assertEqual(len(client.list_sessions().sessions), before)
         client.close()
 
+    def test_a_starting_daemon_removes_dead_trainers_segments(self):
+        # A trainer and the daemon killed together leave the trainer's
+        # shared-memory segments behind: the next daemon removes them (a
+        # live trainer's stay).
+        import secrets
+        child = subprocess.Popen([sys.executable, "-c", "pass"])
+        child.wait()  # its pid is gone now
+        tag = secrets.token_hex(6)
+        dead = "/dev/shm/optimd-py-%d-%s" % (child.pid, tag)
+        live = "/dev/shm/optimd-py-%d-%s" % (os.getpid(), tag)
+        for path in (dead, live):
+            with open(path, "wb") as f:
+                f.write(b"x" * 4096)
+        try:
+            with Daemon():
+                self.assertFalse(os.path.exists(dead))
+                self.assertTrue(os.path.exists(live))
+        finally:
+            for path in (dead, live):
+                if os.path.exists(path):
+                    os.unlink(path)
+
     def test_killed_trainer_leaves_an_orphan_then_nothing(self):
         # A trainer killed mid-training (no close): its session is shown
         # orphaned, kept for the daemon's grace for a resume, then freed.
