@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/step_math.h"
+#include "kernels/adamw/adamw_math.h"
 #include "kernels/cpu_layout.h"
 
 namespace optimd {
@@ -21,30 +22,20 @@ void StepKernel(const TensorPointers& t, uint64_t begin, uint64_t end,
   auto* __restrict m = static_cast<typename M::T*>(t.state[0]);
   auto* __restrict v = static_cast<typename M::T*>(t.state[1]);
   auto* __restrict vmax = static_cast<typename M::T*>(t.state[2]);
-  const float grad_mul = s.grad_mul, decay = s.decay;
-  const float l2 = s.adamw ? 0.0f : s.weight_decay;
-  const float b1 = s.beta1, b2 = s.beta2;
-  const float omb1 = s.one_minus_beta1, omb2 = s.one_minus_beta2;
-  const float eps = s.eps, bc2 = s.bc2_sqrt, neg_step = -s.step_size;
+  const AdamWElementScalars e{
+      s.grad_mul,        s.decay, s.adamw ? 0.0f : s.weight_decay,
+      s.beta1,           s.beta2, s.one_minus_beta1,
+      s.one_minus_beta2, s.eps,   -s.step_size};
+  const float bc2 = s.bc2_sqrt;
+  const auto div_bc2 = [bc2](float a) { return a / bc2; };
   for (uint64_t i = begin; i < end; ++i) {
-    float g = G::Load(grad[i]) * grad_mul;
-    float p = w.Load(i);
-    if constexpr (kAdamW) {
-      p = p * decay;
-    } else {
-      g = g + l2 * p;
-    }
-    float mi = M::Load(m[i]) * b1 + omb1 * g;
-    float vi = M::Load(v[i]) * b2 + omb2 * g * g;
+    float mi = M::Load(m[i]), vi = M::Load(v[i]);
+    float xi = kAmsgrad ? M::Load(vmax[i]) : 0.0f;
+    const float p = AdamWElement<kAmsgrad, kAdamW>(G::Load(grad[i]), w.Load(i),
+                                                   mi, vi, xi, e, div_bc2);
     m[i] = M::Store(mi);
     v[i] = M::Store(vi);
-    float vd = vi;
-    if constexpr (kAmsgrad) {
-      vd = std::max(M::Load(vmax[i]), vi);
-      vmax[i] = M::Store(vd);
-    }
-    const float denom = std::sqrt(vd) / bc2 + eps;
-    p = p + neg_step * (mi / denom);
+    if constexpr (kAmsgrad) vmax[i] = M::Store(xi);
     w.Store(i, p);
   }
 }

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "kernels/adamw/adamw_cuda.h"
+#include "kernels/adamw/adamw_math.h"
 #include "kernels/adamw/adamw_scalars.cuh"
 #include "kernels/cuda_walk.cuh"
 
@@ -24,24 +25,12 @@ __device__ __forceinline__ void UpdateN(const DeviceChunk& t, uint64_t i,
   LoadF<N, M>(t.state[0], i, m);
   LoadF<N, M>(t.state[1], i, v);
   if constexpr (kAms) LoadF<N, M>(t.state[2], i, x);
+  const AdamWElementScalars e{s.grad_mul, s.decay, s.l2,  s.beta1,   s.beta2,
+                              s.omb1,     s.omb2,  s.eps, b.neg_step};
+  const auto div_bc2 = [&b](float a) { return DivByRecip(a, b.bc2, b.rbc2); };
 #pragma unroll
   for (int k = 0; k < N; ++k) {
-    float gk = g[k] * s.grad_mul;
-    float pk = p[k];
-    if constexpr (kAdamW) {
-      pk = pk * s.decay;
-    } else {
-      gk = gk + s.l2 * pk;
-    }
-    m[k] = m[k] * s.beta1 + s.omb1 * gk;
-    v[k] = v[k] * s.beta2 + s.omb2 * gk * gk;
-    float vd = v[k];
-    if constexpr (kAms) {
-      vd = fmaxf(x[k], vd);
-      x[k] = vd;
-    }
-    const float denom = DivByRecip(sqrtf(vd), b.bc2, b.rbc2) + s.eps;
-    p[k] = pk + b.neg_step * (m[k] / denom);
+    p[k] = AdamWElement<kAms, kAdamW>(g[k], p[k], m[k], v[k], x[k], e, div_bc2);
   }
   StoreF<N, M>(t.state[0], i, m);
   StoreF<N, M>(t.state[1], i, v);

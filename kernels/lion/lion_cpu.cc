@@ -2,6 +2,7 @@
 
 #include "core/step_math.h"
 #include "kernels/cpu_layout.h"
+#include "kernels/lion/lion_math.h"
 
 namespace optimd {
 namespace {
@@ -12,17 +13,13 @@ void LionKernel(const TensorPointers& t, uint64_t begin, uint64_t end,
   const cpu::Weight<P, K> w(t);
   const auto* __restrict grad = static_cast<const typename G::T*>(t.grad);
   auto* __restrict m = static_cast<typename M::T*>(t.state[0]);
-  const float grad_mul = s.grad_mul, decay = s.decay, neg_lr = -s.lr;
-  const float b1 = s.beta1, b2 = s.beta2;
-  const float omb1 = s.one_minus_beta1, omb2 = s.one_minus_beta2;
+  const LionElementScalars e{s.grad_mul, s.decay,           s.beta1,
+                             s.beta2,    s.one_minus_beta1, s.one_minus_beta2,
+                             -s.lr};
   for (uint64_t i = begin; i < end; ++i) {
-    const float g = G::Load(grad[i]) * grad_mul;
-    float p = w.Load(i) * decay;
-    const float mi = M::Load(m[i]);
-    const float c = mi * b1 + omb1 * g;
-    const float sign = (c > 0.0f ? 1.0f : 0.0f) - (c < 0.0f ? 1.0f : 0.0f);
-    p = p + neg_lr * sign;
-    m[i] = M::Store(mi * b2 + omb2 * g);
+    float mi = M::Load(m[i]);
+    const float p = LionElement(G::Load(grad[i]), w.Load(i), mi, e);
+    m[i] = M::Store(mi);
     w.Store(i, p);
   }
 }

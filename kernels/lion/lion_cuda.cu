@@ -5,6 +5,7 @@
 
 #include "kernels/cuda_walk.cuh"
 #include "kernels/lion/lion_cuda.h"
+#include "kernels/lion/lion_math.h"
 
 namespace optimd {
 namespace cuda {
@@ -18,15 +19,10 @@ __device__ __forceinline__ void UpdateN(const DeviceChunk& t, uint64_t i,
   LoadWeight<N, P, K>(t, i, p);
   LoadF<N, G>(t.grad, i, g);
   LoadF<N, M>(t.state[0], i, m);
+  const LionElementScalars e{s.grad_mul, s.decay, s.beta1, s.beta2,
+                             s.omb1,     s.omb2,  s.neg_lr};
 #pragma unroll
-  for (int k = 0; k < N; ++k) {
-    const float gk = g[k] * s.grad_mul;
-    const float pk = p[k] * s.decay;
-    const float c = m[k] * s.beta1 + s.omb1 * gk;
-    const float sign = (c > 0.0f ? 1.0f : 0.0f) - (c < 0.0f ? 1.0f : 0.0f);
-    p[k] = pk + s.neg_lr * sign;
-    m[k] = m[k] * s.beta2 + s.omb2 * gk;
-  }
+  for (int k = 0; k < N; ++k) p[k] = LionElement(g[k], p[k], m[k], e);
   StoreF<N, M>(t.state[0], i, m);
   StoreWeight<N, P, K>(t, i, p);
 }

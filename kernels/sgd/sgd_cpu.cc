@@ -2,34 +2,28 @@
 
 #include "core/step_math.h"
 #include "kernels/cpu_layout.h"
+#include "kernels/sgd/sgd_math.h"
 
 namespace optimd {
 namespace {
 
-template <class P, class G, class M, MasterKind K, bool kMomentum,
-          bool kNesterov>
+template <class P, class G, class M, MasterKind K, bool kMomentum>
 void SgdKernel(const TensorPointers& t, uint64_t begin, uint64_t end,
                const SgdScalars& s) {
   const cpu::Weight<P, K> w(t);
   const auto* __restrict grad = static_cast<const typename G::T*>(t.grad);
   auto* __restrict buf = static_cast<typename M::T*>(t.state[0]);
-  const float grad_mul = s.grad_mul, wd = s.weight_decay;
-  const bool decay = s.weight_decay != 0, first = s.first;
-  const float mom = s.momentum, damp = s.dampening_mul, neg_lr = -s.lr;
+  const SgdElementScalars e{s.grad_mul,      s.weight_decay, s.momentum,
+                            s.dampening_mul, -s.lr,          s.nesterov};
+  const bool first = s.first;
   for (uint64_t i = begin; i < end; ++i) {
-    float g = G::Load(grad[i]) * grad_mul;
-    float p = w.Load(i);
-    if (decay) g = g + wd * p;
+    float b = 0.0f;
     if constexpr (kMomentum) {
-      const float b = first ? g : M::Load(buf[i]) * mom + damp * g;
-      buf[i] = M::Store(b);
-      if constexpr (kNesterov) {
-        g = g + mom * b;
-      } else {
-        g = b;
-      }
+      if (!first) b = M::Load(buf[i]);
     }
-    p = p + neg_lr * g;
+    const float p =
+        SgdElement<kMomentum>(G::Load(grad[i]), w.Load(i), b, first, e);
+    if constexpr (kMomentum) buf[i] = M::Store(b);
     w.Store(i, p);
   }
 }
@@ -44,10 +38,9 @@ struct SgdRange {
   template <class P, class G, class M, MasterKind K>
   void Run() {
     if (layout.state_slots == 0) {
-      return SgdKernel<P, G, M, K, false, false>(t, begin, end, s);
+      return SgdKernel<P, G, M, K, false>(t, begin, end, s);
     }
-    if (s.nesterov) return SgdKernel<P, G, M, K, true, true>(t, begin, end, s);
-    return SgdKernel<P, G, M, K, true, false>(t, begin, end, s);
+    return SgdKernel<P, G, M, K, true>(t, begin, end, s);
   }
 };
 

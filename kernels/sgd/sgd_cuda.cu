@@ -5,6 +5,7 @@
 
 #include "kernels/cuda_walk.cuh"
 #include "kernels/sgd/sgd_cuda.h"
+#include "kernels/sgd/sgd_math.h"
 
 namespace optimd {
 namespace cuda {
@@ -22,16 +23,11 @@ __device__ __forceinline__ void UpdateN(const DeviceChunk& t, uint64_t i,
   if constexpr (kMomentum) {
     if (!first) LoadF<N, M>(t.state[0], i, b);
   }
-  const bool decay = s.l2 != 0.0f;
+  const SgdElementScalars e{s.grad_mul,      s.l2,     s.momentum,
+                            s.dampening_mul, s.neg_lr, s.nesterov != 0};
 #pragma unroll
   for (int k = 0; k < N; ++k) {
-    float gk = g[k] * s.grad_mul;
-    if (decay) gk = gk + s.l2 * p[k];
-    if constexpr (kMomentum) {
-      b[k] = first ? gk : b[k] * s.momentum + s.dampening_mul * gk;
-      gk = s.nesterov ? gk + s.momentum * b[k] : b[k];
-    }
-    p[k] = p[k] + s.neg_lr * gk;
+    p[k] = SgdElement<kMomentum>(g[k], p[k], b[k], first, e);
   }
   if constexpr (kMomentum) StoreF<N, M>(t.state[0], i, b);
   StoreWeight<N, P, K>(t, i, p);
