@@ -34,6 +34,7 @@ absl::Status LoadTlsFiles(const std::string& ca_path,
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Create(
     const std::string& target, const ClientOptions& options) {
+  if (absl::Status s = CheckAddress(target); !s.ok()) return s;
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
   args.SetMaxSendMessageSize(-1);

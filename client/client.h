@@ -52,6 +52,9 @@ class Client {
   // Connects to `target` ("unix:/path", or "host:port" over TLS);
   // UNAVAILABLE if no daemon answers within options.connect_timeout,
   // INVALID_ARGUMENT for a TCP target without options.tls_root_certs.
+  // What cannot reach a daemon is refused at once, saying why
+  // (CheckAddress: a bare socket path, a missing socket file, another
+  // user's socket).
   static absl::StatusOr<std::unique_ptr<Client>> Create(
       const std::string& target, const ClientOptions& options = {});
 

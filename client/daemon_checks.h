@@ -13,6 +13,17 @@
 
 namespace optimd {
 
+// Refuses at once, saying why, a target that cannot reach a daemon:
+//   - a bare socket path ("/run/optimd.sock", "x.sock"): without the unix:
+//     prefix gRPC takes it for a TCP address, which the daemon serves over
+//     TLS only; INVALID_ARGUMENT telling to write unix:<path>;
+//   - a unix: socket file that does not exist: no daemon listens there, so
+//     waiting for one is pointless; UNAVAILABLE naming the path;
+//   - a socket this user may not open (the daemon creates it 0600):
+//     UNAVAILABLE naming its owner and mode.
+// OK for anything else (a TCP "host:port", a socket that may answer).
+absl::Status CheckAddress(const std::string& target);
+
 // FAILED_PRECONDITION naming both versions when the daemon at `target`,
 // which says it is optimd `daemon_version` speaking `daemon_revision` of the
 // API, is older than the `required` revision; OK otherwise. A daemon that

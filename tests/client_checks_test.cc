@@ -1,15 +1,27 @@
-// The C++ client and optimctl before a daemon they cannot use: one older
-// than the API revision they need (the real daemon with the client's need
-// raised, and a stand-in for an older release).
+// The C++ client and optimctl before a daemon they cannot use, and what
+// they say: one older than the API revision they need (the real daemon with
+// the client's need raised, and a stand-in for an older release), a bare
+// socket path, a missing socket file, another user's socket, a socket file
+// nobody listens on.
+#include <fcntl.h>
+#include <grp.h>
 #include <grpcpp/grpcpp.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <functional>
 #include <string>
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "client/client.h"
 #include "common/version.h"
 #include "gtest/gtest.h"
@@ -128,6 +140,150 @@ TEST(ClientChecksTest, OptimctlRefusesAnOlderDaemonNamingBothVersions) {
     }
     server->Shutdown();
   }
+}
+
+TEST(ClientChecksTest, ABareSocketPathIsRefusedSayingWriteUnix) {
+  for (const std::string path : {"/tmp/optimd-checks.sock", "optimd.sock"}) {
+    const auto c = Client::Create(path);
+    EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(
+        c.status().message(),
+        absl::StrCat("'", path, "' looks like a socket path: write unix:", path,
+                     " (without the prefix it is a TCP address, which "
+                     "the daemon serves over TLS only)"));
+    auto [rc, out] = Optimctl("--target=" + path + " health");
+    EXPECT_EQ(rc, 1) << out;
+    EXPECT_NE(out.find("INVALID_ARGUMENT: '" + path +
+                       "' looks like a socket path: write unix:" + path),
+              std::string::npos)
+        << out;
+  }
+}
+
+TEST(ClientChecksTest, AMissingSocketFileFailsAtOnceNamingIt) {
+  const std::string path = SocketPath("missing.sock");
+  const std::string expected = absl::StrCat(
+      "no optimd daemon at unix:", path, ": the socket file ", path,
+      " does not exist, so no daemon listens there; start one with `optimd "
+      "--listen=unix:",
+      path, "`");
+  ClientOptions patient;
+  patient.connect_timeout = absl::Seconds(10);
+  const absl::Time start = absl::Now();
+  const auto c = Client::Create("unix:" + path, patient);
+  EXPECT_EQ(c.status().code(), StatusCode::kUnavailable);
+  EXPECT_EQ(c.status().message(), expected);
+  auto [rc, out] = Optimctl("--timeout_s=10 --target=unix:" + path + " health");
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("UNAVAILABLE: " + expected), std::string::npos) << out;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5)) << "waited for nothing";
+}
+
+// A socket file left by a daemon that died without removing it: the file
+// exists, so the client waits its connect timeout, then says nobody answers.
+TEST(ClientChecksTest, ASocketNobodyListensOnWaitsThenSaysSo) {
+  const std::string path = SocketPath("stale.sock");
+  const int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  close(fd);
+  ClientOptions brief;
+  brief.connect_timeout = absl::Seconds(1);
+  const auto c = Client::Create("unix:" + path, brief);
+  EXPECT_EQ(c.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(c.status().message().find(
+                "no optimd daemon answers at unix:" + path + " (waited 1s)"),
+            std::string::npos)
+      << c.status();
+  unlink(path.c_str());
+}
+
+// Runs `fn` in a child process under `uid` (its own group too, no
+// supplementary groups) and returns what the child wrote to the returned
+// pipe's write end `fd`: `fn` writes its result there, or execs with it as
+// its stdout and stderr.
+std::string AsUser(uid_t uid, const std::function<void(int fd)>& fn) {
+  int pipe_fds[2];
+  if (pipe(pipe_fds) != 0) return "pipe failed";
+  const pid_t pid = fork();
+  if (pid == 0) {
+    close(pipe_fds[0]);
+    if (setgroups(0, nullptr) != 0 || setgid(uid) != 0 || setuid(uid) != 0) {
+      (void)!write(pipe_fds[1], "setuid failed", 13);
+      _exit(1);
+    }
+    fn(pipe_fds[1]);
+    _exit(0);
+  }
+  close(pipe_fds[1]);
+  std::string out;
+  char buf[4096];
+  ssize_t n;
+  while ((n = read(pipe_fds[0], buf, sizeof(buf))) > 0) out.append(buf, n);
+  close(pipe_fds[0]);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return out;
+}
+
+// The message for a socket this user may not open; `mode` as octal digits.
+std::string NotYours(const std::string& path, const std::string& owner,
+                     const std::string& mode) {
+  return absl::StrCat("the daemon socket ", path, " belongs to ", owner,
+                      " and only it may connect (mode ", mode,
+                      "); run as that user, or start a daemon of your own on "
+                      "another socket (optimd --listen=unix:/path)");
+}
+
+TEST(ClientChecksTest, AnotherUsersSocketNamesItsOwner) {
+  auto d = DaemonProcess::Start();  // its socket: ours, mode 0600
+  ASSERT_TRUE(d.ok()) << d.status();
+  const std::string address = (*d)->address();
+  if (geteuid() != 0) {
+    // Only root can make a socket of another user; a socket closed even to
+    // its owner takes the same path.
+    const std::string path = (*d)->socket_path();
+    ASSERT_EQ(chmod(path.c_str(), 0), 0);
+    const absl::Status s = Client::Create(address).status();
+    ASSERT_EQ(chmod(path.c_str(), 0600), 0);
+    EXPECT_EQ(s.code(), StatusCode::kUnavailable);
+    EXPECT_NE(s.message().find(" belongs to user "), std::string::npos) << s;
+    EXPECT_NE(s.message().find("only it may connect (mode 0)"),
+              std::string::npos)
+        << s;
+    return;
+  }
+  const std::string expected =
+      NotYours((*d)->socket_path(), "user root (uid 0)", "600");
+  constexpr uid_t kNobody = 65534;
+  const std::string said = AsUser(kNobody, [&address](int fd) {
+    const std::string m = Client::Create(address).status().ToString();
+    (void)!write(fd, m.data(), m.size());
+  });
+  EXPECT_EQ(said, "UNAVAILABLE: " + expected);
+
+  // optimctl too, from a copy that user may run (the runfiles tree may be
+  // closed to it).
+  const std::string dir = SocketPath("bin");
+  std::filesystem::create_directory(dir);
+  chmod(dir.c_str(), 0755);
+  const std::string optimctl = dir + "/optimctl";
+  std::filesystem::copy_file("client/optimctl", optimctl);
+  chmod(optimctl.c_str(), 0755);
+  const std::string target = "--target=" + address;
+  const std::string out = AsUser(kNobody, [&](int fd) {
+    dup2(fd, 1);
+    dup2(fd, 2);
+    execl(optimctl.c_str(), optimctl.c_str(), target.c_str(), "health",
+          nullptr);
+  });
+  EXPECT_NE(out.find("optimctl: UNAVAILABLE: " + expected), std::string::npos)
+      << out;
+  std::filesystem::remove_all(dir);
+  // Root itself may use any socket: no diagnosis there.
+  EXPECT_TRUE(Client::Create(address).ok());
 }
 
 }  // namespace
