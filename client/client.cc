@@ -3,6 +3,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
+#include "client/daemon_checks.h"
 #include "common/pem_file.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
@@ -33,6 +34,7 @@ absl::Status LoadTlsFiles(const std::string& ca_path,
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Create(
     const std::string& target, const ClientOptions& options) {
+  if (absl::Status s = CheckAddress(target); !s.ok()) return s;
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
   args.SetMaxSendMessageSize(-1);
@@ -61,12 +63,14 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(
         absl::FormatDuration(options.connect_timeout),
         "); start it with bazel-bin/server/optimd --listen=", target));
   }
-  return std::unique_ptr<Client>(new Client(std::move(channel), options));
+  return std::unique_ptr<Client>(
+      new Client(target, std::move(channel), options));
 }
 
-Client::Client(std::shared_ptr<grpc::Channel> channel,
+Client::Client(std::string target, std::shared_ptr<grpc::Channel> channel,
                const ClientOptions& options)
     : options_(options),
+      target_(std::move(target)),
       channel_(std::move(channel)),
       stub_(v1::Optimizer::NewStub(channel_)) {}
 
@@ -87,7 +91,23 @@ absl::StatusOr<v1::CreateSessionResponse> Client::CreateSession(
       FromGrpcStatus(stub_->CreateSession(&context, request, &response));
   if (!s.ok()) return s;
   token_ = response.session_token();
+  s = CheckApiRevision(target_, response.daemon_version(),
+                       response.api_revision(), options_.required_api_revision);
+  if (!s.ok()) {
+    // Too old to speak what this client sends: leave no session behind.
+    (void)CloseSession();
+    token_.clear();
+    return s;
+  }
   return response;
+}
+
+absl::Status Client::CheckDaemonVersion() {
+  auto metrics = GetMetrics();
+  if (!metrics.ok()) return metrics.status();
+  return CheckApiRevision(target_, metrics->daemon_version(),
+                          metrics->api_revision(),
+                          options_.required_api_revision);
 }
 
 absl::Status Client::CloseSession() {

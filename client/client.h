@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/version.h"
 #include "optimd/v1/optimd.grpc.pb.h"
 
 namespace optimd {
@@ -31,6 +32,10 @@ struct ClientOptions {
   // x-optimd-admin metadata of every call when set: admin calls
   // (ListSessions, EvictSession) over TCP need it.
   std::string admin_token;
+  // The API revision this client needs of a daemon (common/version.h says
+  // what each added): CreateSession and CheckDaemonVersion refuse an older
+  // daemon. Tests raise it to see the refusal against a current daemon.
+  uint32_t required_api_revision = kApiRevision;
 };
 
 // Fills the TLS fields of *options from PEM files; an empty path leaves its
@@ -47,13 +52,23 @@ class Client {
   // Connects to `target` ("unix:/path", or "host:port" over TLS);
   // UNAVAILABLE if no daemon answers within options.connect_timeout,
   // INVALID_ARGUMENT for a TCP target without options.tls_root_certs.
+  // What cannot reach a daemon is refused at once, saying why
+  // (CheckAddress: a bare socket path, a missing socket file, another
+  // user's socket).
   static absl::StatusOr<std::unique_ptr<Client>> Create(
       const std::string& target, const ClientOptions& options = {});
 
   Client(const Client&) = delete;
   Client& operator=(const Client&) = delete;
 
-  // Opens a session; later calls carry its token.
+  // FAILED_PRECONDITION, naming both versions, when the daemon speaks an
+  // API revision below options.required_api_revision (asked by GetMetrics);
+  // the error of that call when it fails.
+  absl::Status CheckDaemonVersion();
+
+  // Opens a session; later calls carry its token. A daemon older than
+  // options.required_api_revision is refused (FAILED_PRECONDITION naming
+  // both versions) and the session it opened is closed again.
   absl::StatusOr<v1::CreateSessionResponse> CreateSession(
       const v1::CreateSessionRequest& request);
   absl::Status CloseSession();
@@ -99,7 +114,8 @@ class Client {
   void set_session_token(std::string token) { token_ = std::move(token); }
 
  private:
-  Client(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options);
+  Client(std::string target, std::shared_ptr<grpc::Channel> channel,
+         const ClientOptions& options);
   void Prepare(grpc::ClientContext* context) const;
   // One unary call: a context with the deadline and the session's (and
   // admin) metadata, the stub's `method`, its status as absl::Status.
@@ -118,6 +134,7 @@ class Client {
   }
 
   const ClientOptions options_;
+  const std::string target_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Optimizer::Stub> stub_;
   std::string token_;

@@ -6,7 +6,8 @@
 //   optimctl [--target=unix:/path] evict JOB RANK   close that session
 // A TCP target ("host:port") needs --tls_ca (and --tls_cert/--tls_key when
 // the daemon requires client certificates), and --admin_token_file for the
-// admin calls (sessions, evict).
+// admin calls (sessions, evict). A daemon older than this build's API
+// revision is refused, naming both versions (health excepted).
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -61,6 +62,69 @@ int Usage() {
   return 2;
 }
 
+// The client options the flags give: deadlines, TLS files, admin token.
+absl::StatusOr<optimd::ClientOptions> OptionsFromFlags() {
+  optimd::ClientOptions options;
+  options.timeout = absl::Seconds(absl::GetFlag(FLAGS_timeout_s));
+  options.connect_timeout = options.timeout;
+  if (absl::Status s = optimd::LoadTlsFiles(
+          absl::GetFlag(FLAGS_tls_ca), absl::GetFlag(FLAGS_tls_cert),
+          absl::GetFlag(FLAGS_tls_key), &options);
+      !s.ok()) {
+    return s;
+  }
+  if (!absl::GetFlag(FLAGS_admin_token_file).empty()) {
+    auto token = ReadToken(absl::GetFlag(FLAGS_admin_token_file));
+    if (!token.ok()) return token.status();
+    options.admin_token = *token;
+  }
+  return options;
+}
+
+int PrintSessions(optimd::Client& client) {
+  auto sessions = client.ListSessions();
+  if (!sessions.ok()) return Fail(sessions.status());
+  std::printf("%-24s %5s %5s %6s %10s %10s %14s  %s\n", "JOB", "RANK", "WORLD",
+              "DEVICE", "STEPS", "SKIPPED", "STATE_BYTES", "GROUPS");
+  for (const auto& s : sessions->sessions()) {
+    std::printf("%-24s %5u %5u %6d %10llu %10llu %14llu  %s\n",
+                s.job_id().c_str(), s.rank(), s.world_size(), s.device(),
+                static_cast<unsigned long long>(s.steps()),
+                static_cast<unsigned long long>(s.skipped_steps()),
+                static_cast<unsigned long long>(s.state_bytes()),
+                absl::StrJoin(s.group_ids(), ",").c_str());
+  }
+  return 0;
+}
+
+// Runs a checked command on a connected client; the process's exit status.
+int Run(optimd::Client& client, const std::string& command,
+        const std::vector<char*>& args, uint32_t rank) {
+  if (command == "health") {
+    auto status = client.Health();
+    if (!status.ok()) return Fail(status.status());
+    std::printf("%s\n", status->c_str());
+    return *status == "SERVING" ? 0 : 1;
+  }
+  // Health is grpc.health.v1, which every daemon speaks; the other commands
+  // need the daemon's API at this build's revision.
+  if (absl::Status s = client.CheckDaemonVersion(); !s.ok()) return Fail(s);
+  if (command == "metrics") {
+    auto metrics = client.GetMetrics();
+    if (!metrics.ok()) return Fail(metrics.status());
+    std::fputs(metrics->prometheus_text().c_str(), stdout);
+    return 0;
+  }
+  if (command == "evict") {
+    if (absl::Status s = client.EvictSession(args[2], rank); !s.ok()) {
+      return Fail(s);
+    }
+    std::printf("evicted job '%s' rank %u\n", args[2], rank);
+    return 0;
+  }
+  return PrintSessions(client);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -85,53 +149,9 @@ int main(int argc, char** argv) {
   }
   std::string target = absl::GetFlag(FLAGS_target);
   if (target.empty()) target = optimd::DefaultAddress();
-  optimd::ClientOptions options;
-  options.timeout = absl::Seconds(absl::GetFlag(FLAGS_timeout_s));
-  options.connect_timeout = options.timeout;
-  if (absl::Status s = optimd::LoadTlsFiles(
-          absl::GetFlag(FLAGS_tls_ca), absl::GetFlag(FLAGS_tls_cert),
-          absl::GetFlag(FLAGS_tls_key), &options);
-      !s.ok()) {
-    return Fail(s);
-  }
-  if (!absl::GetFlag(FLAGS_admin_token_file).empty()) {
-    auto token = ReadToken(absl::GetFlag(FLAGS_admin_token_file));
-    if (!token.ok()) return Fail(token.status());
-    options.admin_token = *token;
-  }
-  auto client = optimd::Client::Create(target, options);
+  auto options = OptionsFromFlags();
+  if (!options.ok()) return Fail(options.status());
+  auto client = optimd::Client::Create(target, *options);
   if (!client.ok()) return Fail(client.status());
-
-  if (command == "health") {
-    auto status = (*client)->Health();
-    if (!status.ok()) return Fail(status.status());
-    std::printf("%s\n", status->c_str());
-    return *status == "SERVING" ? 0 : 1;
-  }
-  if (command == "metrics") {
-    auto metrics = (*client)->GetMetrics();
-    if (!metrics.ok()) return Fail(metrics.status());
-    std::fputs(metrics->prometheus_text().c_str(), stdout);
-    return 0;
-  }
-  if (command == "evict") {
-    if (absl::Status s = (*client)->EvictSession(args[2], rank); !s.ok()) {
-      return Fail(s);
-    }
-    std::printf("evicted job '%s' rank %u\n", args[2], rank);
-    return 0;
-  }
-  auto sessions = (*client)->ListSessions();
-  if (!sessions.ok()) return Fail(sessions.status());
-  std::printf("%-24s %5s %5s %6s %10s %10s %14s  %s\n", "JOB", "RANK", "WORLD",
-              "DEVICE", "STEPS", "SKIPPED", "STATE_BYTES", "GROUPS");
-  for (const auto& s : sessions->sessions()) {
-    std::printf("%-24s %5u %5u %6d %10llu %10llu %14llu  %s\n",
-                s.job_id().c_str(), s.rank(), s.world_size(), s.device(),
-                static_cast<unsigned long long>(s.steps()),
-                static_cast<unsigned long long>(s.skipped_steps()),
-                static_cast<unsigned long long>(s.state_bytes()),
-                absl::StrJoin(s.group_ids(), ",").c_str());
-  }
-  return 0;
+  return Run(**client, command, args, rank);
 }

@@ -1,10 +1,11 @@
 #include "server/metrics.h"
 
 #include <algorithm>
-#include <charconv>
+#include <utility>
 
-#include "absl/strings/str_cat.h"
-#include "absl/strings/str_replace.h"
+#include "prometheus/client_metric.h"
+#include "prometheus/metric_type.h"
+#include "prometheus/text_serializer.h"
 
 namespace optimd {
 
@@ -37,83 +38,109 @@ void LatencyHistogram::ToProto(v1::Histogram* out) const {
 
 namespace {
 
-// The shortest text that reads back as exactly `v` (Prometheus parses
-// floats; StrCat would keep 6 significant digits).
-std::string Exact(double v) {
-  char buf[32];
-  const auto r = std::to_chars(buf, buf + sizeof(buf), v);
-  return std::string(buf, r.ptr);
+using prometheus::ClientMetric;
+using prometheus::MetricFamily;
+using prometheus::MetricType;
+
+MetricFamily Family(const char* name, const char* help, MetricType type) {
+  MetricFamily f;
+  f.name = name;
+  f.help = help;
+  f.type = type;
+  return f;
 }
 
-std::string Escape(const std::string& s) {
-  return absl::StrReplaceAll(s,
-                             {{"\\", "\\\\"}, {"\"", "\\\""}, {"\n", "\\n"}});
+// A family of one unlabelled counter or gauge. prometheus-cpp holds every
+// value as a double: integers are exact up to 2^53, far above any count or
+// byte total the daemon reaches.
+MetricFamily Scalar(const char* name, const char* help, uint64_t v,
+                    MetricType type = MetricType::Counter) {
+  MetricFamily f = Family(name, help, type);
+  ClientMetric m;
+  (type == MetricType::Counter ? m.counter.value : m.gauge.value) =
+      static_cast<double>(v);
+  f.metric.push_back(std::move(m));
+  return f;
 }
 
-void Histogram(std::string* out, const char* name, const char* help,
-               const v1::Histogram& h) {
-  absl::StrAppend(out, "# HELP ", name, " ", help, "\n# TYPE ", name,
-                  " histogram\n");
-  for (int i = 0; i < h.bounds_size(); ++i) {
-    absl::StrAppend(out, name, "_bucket{le=\"", Exact(h.bounds(i)), "\"} ",
-                    h.counts(i), "\n");
+// The proto's buckets are cumulative already, as the text format wants;
+// the serializer adds the +Inf bucket from the total count.
+MetricFamily Histogram(const char* name, const char* help,
+                       const v1::Histogram& h) {
+  MetricFamily f = Family(name, help, MetricType::Histogram);
+  ClientMetric m;
+  m.histogram.sample_count = h.count();
+  m.histogram.sample_sum = h.sum();
+  for (int i = 0; i < h.bounds_size() && i < h.counts_size(); ++i) {
+    m.histogram.bucket.push_back({h.counts(i), h.bounds(i)});
   }
-  absl::StrAppend(out, name, "_bucket{le=\"+Inf\"} ", h.count(), "\n", name,
-                  "_sum ", Exact(h.sum()), "\n", name, "_count ", h.count(),
-                  "\n");
+  f.metric.push_back(std::move(m));
+  return f;
 }
 
-void Counter(std::string* out, const char* name, const char* help, uint64_t v,
-             const char* type = "counter") {
-  absl::StrAppend(out, "# HELP ", name, " ", help, "\n# TYPE ", name, " ", type,
-                  "\n", name, " ", v, "\n");
+// One series per session, labelled job_id and rank (not `job`, which is
+// Prometheus's own label for the scrape target).
+MetricFamily PerSession(const char* name, const char* help, MetricType type,
+                        const v1::GetMetricsResponse& r,
+                        uint64_t (v1::SessionInfo::*field)() const) {
+  MetricFamily f = Family(name, help, type);
+  f.metric.reserve(r.session_infos_size());
+  for (const v1::SessionInfo& s : r.session_infos()) {
+    ClientMetric m;
+    m.label = {{"job_id", s.job_id()}, {"rank", std::to_string(s.rank())}};
+    const double v = static_cast<double>((s.*field)());
+    (type == MetricType::Counter ? m.counter.value : m.gauge.value) = v;
+    f.metric.push_back(std::move(m));
+  }
+  return f;
 }
 
 }  // namespace
 
-std::string RenderPrometheus(const v1::GetMetricsResponse& m) {
-  std::string out;
-  Counter(&out, "optimd_steps_total", "Optimizer steps applied.", m.steps());
-  Counter(&out, "optimd_skipped_steps_total",
-          "Steps skipped for non-finite gradients.", m.skipped_steps());
-  Counter(&out, "optimd_plan_builds_total", "Group plans built.",
-          m.plan_builds());
-  Counter(&out, "optimd_plan_entry_updates_total",
-          "Single plan entries updated in place.", m.plan_entry_updates());
-  Counter(&out, "optimd_sessions", "Open sessions.", m.sessions(), "gauge");
-  Counter(&out, "optimd_state_bytes", "Optimizer state bytes held.",
-          m.state_bytes(), "gauge");
-  Counter(&out, "optimd_checkpoint_saves_total", "Checkpoints saved.",
-          m.checkpoint_saves());
-  Counter(&out, "optimd_checkpoint_save_bytes_total", "Checkpoint bytes saved.",
-          m.checkpoint_save_bytes());
-  Counter(&out, "optimd_checkpoint_loads_total", "Checkpoints loaded.",
-          m.checkpoint_loads());
-  Counter(&out, "optimd_checkpoint_load_bytes_total",
-          "Checkpoint bytes loaded.", m.checkpoint_load_bytes());
-  Counter(&out, "optimd_checkpoint_failures_total",
-          "Checkpoint calls that failed.", m.checkpoint_failures());
-  Histogram(&out, "optimd_step_latency_seconds",
-            "Time from a Step request to its reply.", m.step_latency());
-  Histogram(&out, "optimd_step_host_seconds",
-            "Host time of a Step on its device worker.", m.step_host_time());
-  absl::StrAppend(&out,
-                  "# HELP optimd_session_state_bytes Optimizer state bytes "
-                  "per session.\n# TYPE optimd_session_state_bytes gauge\n");
-  for (const auto& s : m.session_infos()) {
-    absl::StrAppend(&out, "optimd_session_state_bytes{job_id=\"",
-                    Escape(s.job_id()), "\",rank=\"", s.rank(), "\"} ",
-                    s.state_bytes(), "\n");
-  }
-  absl::StrAppend(&out,
-                  "# HELP optimd_session_steps_total Steps applied per "
-                  "session.\n# TYPE optimd_session_steps_total counter\n");
-  for (const auto& s : m.session_infos()) {
-    absl::StrAppend(&out, "optimd_session_steps_total{job_id=\"",
-                    Escape(s.job_id()), "\",rank=\"", s.rank(), "\"} ",
-                    s.steps(), "\n");
-  }
+std::vector<MetricFamily> MetricFamilies(const v1::GetMetricsResponse& m) {
+  std::vector<MetricFamily> out;
+  out.push_back(
+      Scalar("optimd_steps_total", "Optimizer steps applied.", m.steps()));
+  out.push_back(Scalar("optimd_skipped_steps_total",
+                       "Steps skipped for non-finite gradients.",
+                       m.skipped_steps()));
+  out.push_back(Scalar("optimd_plan_builds_total", "Group plans built.",
+                       m.plan_builds()));
+  out.push_back(Scalar("optimd_plan_entry_updates_total",
+                       "Single plan entries updated in place.",
+                       m.plan_entry_updates()));
+  out.push_back(Scalar("optimd_sessions", "Open sessions.", m.sessions(),
+                       MetricType::Gauge));
+  out.push_back(Scalar("optimd_state_bytes", "Optimizer state bytes held.",
+                       m.state_bytes(), MetricType::Gauge));
+  out.push_back(Scalar("optimd_checkpoint_saves_total", "Checkpoints saved.",
+                       m.checkpoint_saves()));
+  out.push_back(Scalar("optimd_checkpoint_save_bytes_total",
+                       "Checkpoint bytes saved.", m.checkpoint_save_bytes()));
+  out.push_back(Scalar("optimd_checkpoint_loads_total", "Checkpoints loaded.",
+                       m.checkpoint_loads()));
+  out.push_back(Scalar("optimd_checkpoint_load_bytes_total",
+                       "Checkpoint bytes loaded.", m.checkpoint_load_bytes()));
+  out.push_back(Scalar("optimd_checkpoint_failures_total",
+                       "Checkpoint calls that failed.",
+                       m.checkpoint_failures()));
+  out.push_back(Histogram("optimd_step_latency_seconds",
+                          "Time from a Step request to its reply.",
+                          m.step_latency()));
+  out.push_back(Histogram("optimd_step_host_seconds",
+                          "Host time of a Step on its device worker.",
+                          m.step_host_time()));
+  out.push_back(PerSession(
+      "optimd_session_state_bytes", "Optimizer state bytes per session.",
+      MetricType::Gauge, m, &v1::SessionInfo::state_bytes));
+  out.push_back(PerSession("optimd_session_steps_total",
+                           "Steps applied per session.", MetricType::Counter, m,
+                           &v1::SessionInfo::steps));
   return out;
+}
+
+std::string RenderPrometheus(const v1::GetMetricsResponse& m) {
+  return prometheus::TextSerializer().Serialize(MetricFamilies(m));
 }
 
 }  // namespace optimd

@@ -1,5 +1,6 @@
-// Daemon metrics: latency histograms and the Prometheus text rendering of a
-// GetMetricsResponse.
+// Daemon metrics: latency histograms, and a GetMetricsResponse as Prometheus
+// metric families and text (through prometheus-cpp, Debian's
+// prometheus-cpp-dev).
 #ifndef OPTIMD_SERVER_METRICS_H_
 #define OPTIMD_SERVER_METRICS_H_
 
@@ -11,6 +12,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/mutex.h"
 #include "optimd/v1/optimd.pb.h"
+#include "prometheus/metric_family.h"
 
 namespace optimd {
 
@@ -31,8 +33,18 @@ class LatencyHistogram {
   double sum_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-// Renders every field of `m` (except prometheus_text) in the Prometheus
-// text exposition format, version 0.0.4.
+// Every field of `m` (except prometheus_text) as Prometheus metric families,
+// in the order of the proto: counters and gauges, the two histograms, then
+// per-session state bytes and steps labelled job_id and rank. The response
+// is already a snapshot, so the families are built from it directly rather
+// than through a prometheus::Registry of live metrics.
+std::vector<prometheus::MetricFamily> MetricFamilies(
+    const v1::GetMetricsResponse& m);
+
+// MetricFamilies(m) in the Prometheus text exposition format, version
+// 0.0.4, by prometheus::TextSerializer. It writes values to 16 significant
+// digits: integers are exact (up to 2^53), a histogram sum reads back
+// within one unit of its 16th digit; GetMetricsResponse keeps every bit.
 std::string RenderPrometheus(const v1::GetMetricsResponse& m);
 
 }  // namespace optimd

@@ -1,6 +1,10 @@
 #include "server/metrics.h"
 
+#include <set>
+#include <string>
+
 #include "gtest/gtest.h"
+#include "prometheus/check_names.h"
 
 namespace optimd {
 namespace {
@@ -49,6 +53,78 @@ TEST(MetricsTest, PrometheusText) {
             std::string::npos);
   m.mutable_step_latency()->set_sum(1234.56789012345);
   EXPECT_NE(RenderPrometheus(m).find("_sum 1234.56789012345\n"),
+            std::string::npos);
+}
+
+// Every family the daemon has exposed so far, by name and type: a renamed or
+// dropped series breaks dashboards, so it must be a decision, not a side
+// effect.
+TEST(MetricsTest, EveryFamilyKeepsItsNameAndType) {
+  v1::GetMetricsResponse m;
+  m.add_session_infos()->set_job_id("j");
+  std::set<std::string> seen;
+  for (const prometheus::MetricFamily& f : MetricFamilies(m)) {
+    EXPECT_TRUE(prometheus::CheckMetricName(f.name)) << f.name;
+    for (const auto& metric : f.metric) {
+      for (const auto& label : metric.label) {
+        EXPECT_TRUE(prometheus::CheckLabelName(label.name)) << label.name;
+      }
+    }
+    seen.insert(f.name + " " + std::to_string(static_cast<int>(f.type)));
+  }
+  const auto type = [](prometheus::MetricType t) {
+    return " " + std::to_string(static_cast<int>(t));
+  };
+  const auto counter = type(prometheus::MetricType::Counter);
+  const auto gauge = type(prometheus::MetricType::Gauge);
+  const auto histogram = type(prometheus::MetricType::Histogram);
+  EXPECT_EQ(seen, (std::set<std::string>{
+                      "optimd_steps_total" + counter,
+                      "optimd_skipped_steps_total" + counter,
+                      "optimd_plan_builds_total" + counter,
+                      "optimd_plan_entry_updates_total" + counter,
+                      "optimd_sessions" + gauge,
+                      "optimd_state_bytes" + gauge,
+                      "optimd_checkpoint_saves_total" + counter,
+                      "optimd_checkpoint_save_bytes_total" + counter,
+                      "optimd_checkpoint_loads_total" + counter,
+                      "optimd_checkpoint_load_bytes_total" + counter,
+                      "optimd_checkpoint_failures_total" + counter,
+                      "optimd_step_latency_seconds" + histogram,
+                      "optimd_step_host_seconds" + histogram,
+                      "optimd_session_state_bytes" + gauge,
+                      "optimd_session_steps_total" + counter,
+                  }));
+}
+
+// Values as the text carries them: integers exact up to 2^53, label values
+// escaped, bucket bounds as Prometheus's own clients write them.
+TEST(MetricsTest, TextValuesAndLabels) {
+  v1::GetMetricsResponse m;
+  m.set_state_bytes(uint64_t{1} << 53);
+  m.set_checkpoint_load_bytes(123456789012345);
+  auto* s = m.add_session_infos();
+  s->set_job_id("a\\b\n\"c");
+  s->set_rank(3);
+  s->set_steps(7);
+  LatencyHistogram h;
+  h.Observe(3e-4);
+  h.ToProto(m.mutable_step_host_time());
+  const std::string text = RenderPrometheus(m);
+  EXPECT_NE(text.find("\noptimd_state_bytes 9007199254740992\n"),
+            std::string::npos);
+  EXPECT_NE(text.find("\noptimd_checkpoint_load_bytes_total 123456789012345\n"),
+            std::string::npos);
+  EXPECT_NE(text.find("\noptimd_session_steps_total{job_id=\"a\\\\b\\n\\\"c\","
+                      "rank=\"3\"} 7\n"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("\noptimd_step_host_seconds_bucket{le=\"0.00025\"} 0\n"
+                      "optimd_step_host_seconds_bucket{le=\"0.0005\"} 1\n"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("# HELP optimd_sessions Open sessions.\n"
+                      "# TYPE optimd_sessions gauge\noptimd_sessions 0\n"),
             std::string::npos);
 }
 

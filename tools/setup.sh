@@ -11,6 +11,7 @@ PACKAGES=(
   python3-pip python3-setuptools python3-venv
   openssl
   clang clang-format libspdlog-dev libisal-dev libmicrohttpd-dev
+  prometheus-cpp-dev
   python3-prometheus-client
 )
 
