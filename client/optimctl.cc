@@ -8,6 +8,7 @@
 // the daemon requires client certificates), and --admin_token_file for the
 // admin calls (sessions, evict). A daemon older than this build's API
 // revision is refused, naming both versions (health excepted).
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -19,7 +20,10 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "client/client.h"
 #include "common/default_address.h"
 
@@ -81,17 +85,27 @@ absl::StatusOr<optimd::ClientOptions> OptionsFromFlags() {
   return options;
 }
 
+// "-" for a session whose trainer runs, else how long ago it went
+// (orphaned: kept for a resume until the daemon's --orphan_grace_s).
+std::string OrphanedFor(double orphaned_since) {
+  if (orphaned_since <= 0) return "-";
+  const double now = absl::ToUnixMicros(absl::Now()) * 1e-6;
+  return absl::StrFormat("%.0fs", std::max(0.0, now - orphaned_since));
+}
+
 int PrintSessions(optimd::Client& client) {
   auto sessions = client.ListSessions();
   if (!sessions.ok()) return Fail(sessions.status());
-  std::printf("%-24s %5s %5s %6s %10s %10s %14s  %s\n", "JOB", "RANK", "WORLD",
-              "DEVICE", "STEPS", "SKIPPED", "STATE_BYTES", "GROUPS");
+  std::printf("%-24s %5s %5s %6s %10s %10s %14s %9s  %s\n", "JOB", "RANK",
+              "WORLD", "DEVICE", "STEPS", "SKIPPED", "STATE_BYTES", "ORPHANED",
+              "GROUPS");
   for (const auto& s : sessions->sessions()) {
-    std::printf("%-24s %5u %5u %6d %10llu %10llu %14llu  %s\n",
+    std::printf("%-24s %5u %5u %6d %10llu %10llu %14llu %9s  %s\n",
                 s.job_id().c_str(), s.rank(), s.world_size(), s.device(),
                 static_cast<unsigned long long>(s.steps()),
                 static_cast<unsigned long long>(s.skipped_steps()),
                 static_cast<unsigned long long>(s.state_bytes()),
+                OrphanedFor(s.orphaned_since()).c_str(),
                 absl::StrJoin(s.group_ids(), ",").c_str());
   }
   return 0;

@@ -1,6 +1,7 @@
 // End-to-end tests: the real optimd binary on a real Unix socket, the real
 // C++ client, real POSIX shared memory.
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -754,7 +755,9 @@ TEST_F(E2eTest, OptimctlReportsHealthMetricsAndSessions) {
       << out;
   std::tie(rc, out) = RunCommand(ctl + "sessions");
   EXPECT_EQ(rc, 0);
+  EXPECT_NE(out.find("ORPHANED"), std::string::npos) << out;
   EXPECT_NE(out.find("ctl-job"), std::string::npos) << out;
+  EXPECT_NE(out.find(" - "), std::string::npos) << out;  // not orphaned
   std::tie(rc, out) = RunCommand(ctl + "bogus 2>/dev/null");
   EXPECT_EQ(rc, 2);
   std::tie(rc, out) = RunCommand(
@@ -764,6 +767,41 @@ TEST_F(E2eTest, OptimctlReportsHealthMetricsAndSessions) {
   EXPECT_NE(out.find("the socket file /tmp/optimd-nobody.sock does not exist"),
             std::string::npos)
       << out;
+}
+
+// optimctl shows a session whose trainer is gone as orphaned, and evicts
+// it.
+TEST(E2eOptimctlTest, OrphanedSessionsShownAndEvicted) {
+  auto d = DaemonProcess::Start({"--orphan_grace_s=600"});
+  ASSERT_TRUE(d.ok()) << d.status();
+  auto c = *(*d)->Connect();
+  const pid_t trainer = fork();
+  if (trainer == 0) {
+    pause();  // a trainer, until killed
+    _exit(0);
+  }
+  v1::CreateSessionRequest r = CpuSession("gone-job");
+  r.set_trainer_pid(static_cast<uint32_t>(trainer));
+  ASSERT_TRUE(c->CreateSession(r).ok());
+  kill(trainer, SIGKILL);
+  waitpid(trainer, nullptr, 0);
+  const std::string ctl = "client/optimctl --target=" + (*d)->address() + " ";
+  std::string out;
+  int rc = 0;
+  for (int i = 0; i < 100 && out.find("gone-job") == std::string::npos; ++i) {
+    std::tie(rc, out) = RunCommand(ctl +
+                                   "sessions | grep gone-job | "
+                                   "grep -E ' [0-9]+s '");
+    absl::SleepFor(absl::Milliseconds(50));  // the reaper's next look
+  }
+  EXPECT_NE(out.find("gone-job"), std::string::npos) << "never orphaned";
+  std::tie(rc, out) = RunCommand(ctl + "evict gone-job 0");
+  EXPECT_EQ(rc, 0);
+  EXPECT_EQ(out, "evicted job 'gone-job' rank 0\n");
+  std::tie(rc, out) = RunCommand(ctl + "sessions");
+  EXPECT_EQ(out.find("gone-job"), std::string::npos) << out;
+  std::tie(rc, out) = RunCommand(ctl + "evict gone-job 0 2>&1");
+  EXPECT_EQ(rc, 1) << out;
 }
 
 TEST(E2eBudgetTest, RegistrationPastMaxStateBytes) {
