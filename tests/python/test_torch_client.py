@@ -637,6 +637,37 @@ class TorchClientTest(unittest.TestCase):
                          float(ref.state[removed_twin]["step"]))
         opt.close()
 
+    def test_channels_last_checkpoints_keep_the_memory_order(self):
+        # The bytes of a channels_last weight are stored under its memory-
+        # order shape (N, H, W, C), never under the logical shape they do
+        # not have; given the parameters, to_torch_state_dict gives torch's
+        # layout back.
+        from optimd.checkpoint import read_checkpoint, to_torch_state_dict
+        torch.manual_seed(3)
+        conv = torch.nn.Conv2d(3, 8, (3, 5)).to(
+            memory_format=torch.channels_last)
+        named = dict(conv.named_parameters())
+        opt = self.make(list(named.items()), lr=1e-2)
+        x = torch.randn(2, 3, 6, 6).to(memory_format=torch.channels_last)
+        for _ in range(3):
+            opt.zero_grad()
+            conv(x).square().mean().backward()
+            opt.step()
+        scratch = tempfile.mkdtemp(prefix="optimd-cl-")
+        path = opt.save_checkpoint(scratch).path
+        w = named["weight"]
+        stored = read_checkpoint(path)[1]["weight"]
+        self.assertEqual(tuple(stored.shape), (8, 3, 5, 3))
+        self.assertTrue(torch.equal(stored,
+                                    w.detach().permute(0, 2, 3, 1)))
+        state, params, _ = to_torch_state_dict(path, params=named)
+        self.assertTrue(torch.equal(params["weight"], w.detach()))
+        self.assertEqual(params["weight"].stride(), w.stride())
+        ours = opt.state[w]["exp_avg"]
+        index = list(named).index("weight")
+        self.assertTrue(torch.equal(state["state"][index]["exp_avg"], ours))
+        opt.close()
+
     def test_channels_last_parameters_keep_their_layout(self):
         torch.manual_seed(7)
         convs = [torch.nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)

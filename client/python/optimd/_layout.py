@@ -25,6 +25,30 @@ def keeps_layout(t):
     return t.dim() > 1 and not t.is_contiguous() and is_dense(t)
 
 
+def dim_order(p):
+    """p's dimensions from outermost to innermost in its memory."""
+    return sorted(range(p.dim()), key=lambda d: (p.stride(d), p.size(d)),
+                  reverse=True)
+
+
+def memory_shape(p):
+    """p's shape with its dimensions in the order its buffer keeps them
+    (channels_last: N, H, W, C): the bytes the daemon holds and checkpoints
+    have this shape."""
+    if not keeps_layout(p):
+        return tuple(p.shape)
+    return tuple(p.size(d) for d in dim_order(p))
+
+
+def from_memory_shape(value, p):
+    """`value` in memory_shape(p) as a tensor of p's shape and strides (a
+    view)."""
+    if not keeps_layout(p) or tuple(value.shape) != memory_shape(p):
+        return value
+    order = dim_order(p)
+    return value.permute([order.index(d) for d in range(p.dim())])
+
+
 def view_like(flat, p):
     """The 1-D `flat` (p.numel() elements) with p's shape, and p's strides
     when p keeps its layout."""

@@ -32,6 +32,8 @@ import struct
 
 import torch
 
+from optimd._layout import from_memory_shape
+
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16,
            "F16": torch.float16, "I16": torch.int16}
 
@@ -132,12 +134,18 @@ def _master(name, tensors):
     return None
 
 
-def to_torch_state_dict(path, shapes=None):
+def to_torch_state_dict(path, shapes=None, params=None):
     """A daemon checkpoint as (optimizer state_dict in torch's format,
     {parameter name: tensor}, {parameter name: fp32 master}).
 
-    `shapes`: optional {parameter name: shape} to reshape state tensors."""
+    `shapes`: optional {parameter name: shape} to reshape state tensors.
+    A parameter that keeps a non-contiguous dense layout (channels_last) is
+    stored in its memory order (N, H, W, C); `params` ({parameter name:
+    the parameter, or a tensor of its shape and strides}) gives such
+    tensors back in the parameter's shape and strides, as torch's state
+    has them (without it they keep the file's memory-order shape)."""
     meta, tensors = read_checkpoint(path)
+    params_like = params
     state, groups, params, masters = {}, [], {}, {}
     index = 0
     for g in meta["groups"]:
@@ -150,10 +158,11 @@ def to_torch_state_dict(path, shapes=None):
             # The file's own shape (per-tensor format), else `shapes`, else
             # 1-D (packed format).
             shape = (shapes or {}).get(name, tuple(tensors[name].shape))
-            params[name] = tensors[name].reshape(shape)
+            like = (params_like or {}).get(name)
+            params[name] = _shaped(tensors[name], shape, like)
             m = _master(name, tensors)
             if m is not None:
-                masters[name] = m.reshape(shape)
+                masters[name] = _shaped(m, shape, like)
             # The tensor's own step, as torch counts it: the group's less
             # the steps it missed without a gradient. Never stepped: torch
             # has no state entry for it.
@@ -162,13 +171,20 @@ def to_torch_state_dict(path, shapes=None):
                 entry = {"step": torch.tensor(float(own))} \
                     if kind == "adamw" else {}
                 for k in _slots(t["layout"]):
-                    entry[k] = tensors[name + "." + k].reshape(shape)
+                    entry[k] = _shaped(tensors[name + "." + k], shape, like)
                 if entry:
                     state[index] = entry
             ids.append(index)
             index += 1
         groups.append(dict(_torch_hyperparameters(h), params=ids))
     return {"state": state, "param_groups": groups}, params, masters
+
+
+def _shaped(x, shape, like):
+    """`x` reshaped to the file's `shape`, then, given the parameter
+    (`like`), in its shape and strides."""
+    x = x.reshape(shape)
+    return x if like is None else from_memory_shape(x, like)
 
 
 def _missed_steps(group):

@@ -57,7 +57,7 @@ import torch
 
 from optimd import errors
 from optimd._grads import GradRouter
-from optimd._layout import is_dense, view_like
+from optimd._layout import is_dense, memory_shape, view_like
 from optimd._state import DTYPES, DaemonState, set_state_request
 from optimd import _secrets
 from optimd._overlap import Overlap, assign_stages
@@ -309,7 +309,8 @@ class _DaemonOptimizer(torch.optim.Optimizer):
             t = request.tensors.add(name=s.name, numel=s.numel,
                                     param_dtype=DTYPES[s.param.dtype],
                                     keep_fp32=id(s.param) in self._keep_fp32,
-                                    frozen=s.frozen, shape=s.param.shape,
+                                    frozen=s.frozen,
+                                    shape=memory_shape(s.param),
                                     stage=s.stage)
             if not s.frozen:
                 # Steps tell the daemon where gradients are (_grads.py).
