@@ -9,6 +9,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -17,10 +18,10 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "backends/cuda/cuda_status.h"
+#include "backends/cuda/ipc_mapping.h"
 #include "backends/cuda/nccl_job.h"
 #include "common/mutex.h"
 #include "common/status_macros.h"
-#include "common/weak_cache.h"
 #include "core/step_math.h"
 #include "kernels/step_cuda.h"
 
@@ -31,7 +32,6 @@ using cuda::DeviceBlock;
 using cuda::DeviceChunk;
 using cuda::DeviceGroupState;
 
-using MemGetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
 using StreamValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t,
                                      unsigned int);
 
@@ -41,27 +41,6 @@ struct DriverFns {
   MemGetAddressRangeFn mem_get_address_range = nullptr;
   StreamValue32Fn stream_wait_value32 = nullptr;
   StreamValue32Fn stream_write_value32 = nullptr;
-};
-
-// One opened IPC allocation. Closing waits for the device's stream, so a
-// mapping is never closed under a step that uses it.
-class IpcMapping {
- public:
-  IpcMapping(int device, cudaStream_t stream, uint8_t* base, uint64_t size)
-      : device_(device), stream_(stream), base_(base), size_(size) {}
-  ~IpcMapping() {
-    cudaSetDevice(device_);
-    cudaStreamSynchronize(stream_);
-    cudaIpcCloseMemHandle(base_);
-  }
-  uint8_t* base() const { return base_; }
-  uint64_t size() const { return size_; }
-
- private:
-  const int device_;
-  const cudaStream_t stream_;
-  uint8_t* const base_;
-  const uint64_t size_;
 };
 
 // Device memory with a cudaFree deleter.
@@ -197,8 +176,8 @@ class CudaBackend final : public Backend {
         options_(options),
         stream_(stream),
         capture_stream_(capture_stream),
-        mem_get_address_range_(driver.mem_get_address_range),
-        driver_(driver) {}
+        driver_(driver),
+        ipc_mappings_(device, stream, driver.mem_get_address_range) {}
 
   ~CudaBackend() override {
     cudaSetDevice(device_);
@@ -211,7 +190,9 @@ class CudaBackend final : public Backend {
 
   absl::StatusOr<BufferRef> ResolveBuffer(const BufferHandle& handle,
                                           uint64_t alignment,
-                                          const std::string& what) override;
+                                          const std::string& what) override {
+    return ipc_mappings_.Resolve(handle, alignment, what);
+  }
   absl::StatusOr<StateStorage> AllocateState(uint64_t bytes) override;
   absl::Status PrepareGroup(Group& group) override;
   absl::Status UpdatePlanEntries(Group& group,
@@ -308,12 +289,11 @@ class CudaBackend final : public Backend {
   const cudaStream_t stream_;
   // Never runs work: step graphs are captured on it.
   const cudaStream_t capture_stream_;
-  const MemGetAddressRangeFn mem_get_address_range_;
   const DriverFns driver_;
   uint64_t next_plan_id_ = 1;
+  IpcMappingCache ipc_mappings_;
 
   Mutex mu_;
-  WeakCache<IpcMapping> mappings_ ABSL_GUARDED_BY(mu_);
   // The jobs of this backend's sessions (SyncStream).
   std::vector<std::weak_ptr<NcclJob>> jobs_ ABSL_GUARDED_BY(mu_);
 
@@ -323,82 +303,6 @@ class CudaBackend final : public Backend {
   uint32_t scratch_capacity_ = 0;
   uint64_t scratch_generation_ = 0;  // bumped when reallocated
 };
-
-absl::StatusOr<BufferRef> CudaBackend::ResolveBuffer(const BufferHandle& handle,
-                                                     uint64_t alignment,
-                                                     const std::string& what) {
-  if (handle.kind != BufferHandle::Kind::kCudaIpc) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what,
-                     ": the CUDA backend needs a cuda_ipc buffer handle, not a "
-                     "shared-memory one"));
-  }
-  if (handle.ipc_handle.size() != sizeof(cudaIpcMemHandle_t)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        what, ": ipc_handle must be ", sizeof(cudaIpcMemHandle_t),
-        " bytes (a cudaIpcMemHandle_t), got ", handle.ipc_handle.size()));
-  }
-  if (handle.device != device_) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": the buffer is on GPU ", handle.device,
-                     " but this session's state lives on GPU ", device_,
-                     "; one session's tensors must share its device"));
-  }
-  std::shared_ptr<IpcMapping> mapping;
-  {
-    MutexLock lock(&mu_);
-    mapping = mappings_.Find(handle.ipc_handle);
-    if (mapping == nullptr) {
-      cudaSetDevice(device_);
-      cudaIpcMemHandle_t h;
-      std::memcpy(&h, handle.ipc_handle.data(), sizeof(h));
-      void* base = nullptr;
-      const cudaError_t e =
-          cudaIpcOpenMemHandle(&base, h, cudaIpcMemLazyEnablePeerAccess);
-      if (e != cudaSuccess) {
-        cudaGetLastError();  // not sticky; clear it
-        return absl::InvalidArgumentError(absl::StrCat(
-            what, ": cannot open the CUDA IPC handle (", cudaGetErrorName(e),
-            ": ", cudaGetErrorString(e),
-            "); is it stale (freed by the trainer), from another GPU or "
-            "machine, or from this process?"));
-      }
-      CUdeviceptr range_base = 0;
-      size_t range_size = 0;
-      if (mem_get_address_range_(&range_base, &range_size,
-                                 reinterpret_cast<CUdeviceptr>(base)) !=
-          CUDA_SUCCESS) {
-        cudaIpcCloseMemHandle(base);
-        return absl::InvalidArgumentError(absl::StrCat(
-            what, ": cannot query the size of the IPC allocation"));
-      }
-      const uint64_t usable =
-          range_size - (reinterpret_cast<uint64_t>(base) - range_base);
-      mapping = std::make_shared<IpcMapping>(
-          device_, stream_, static_cast<uint8_t*>(base), usable);
-      mappings_.Put(handle.ipc_handle, mapping);
-    }
-  }
-  if (handle.offset > mapping->size() ||
-      handle.size > mapping->size() - handle.offset) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        what, ": region [", handle.offset, ", ", handle.offset, " + ",
-        handle.size, ") lies past the end of its CUDA allocation (",
-        mapping->size(), " bytes)"));
-  }
-  if (alignment > 1 &&
-      (reinterpret_cast<uint64_t>(mapping->base()) + handle.offset) %
-              alignment !=
-          0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        what, ": offset ", handle.offset, " is not element-aligned"));
-  }
-  BufferRef ref;
-  ref.data = mapping->base() + handle.offset;
-  ref.size = handle.size;
-  ref.mapping = std::move(mapping);
-  return ref;
-}
 
 absl::StatusOr<StateStorage> CudaBackend::AllocateState(uint64_t bytes) {
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
