@@ -7,7 +7,6 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -18,6 +17,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "backends/cuda/cuda_status.h"
+#include "backends/cuda/device_plan.h"
 #include "backends/cuda/ipc_mapping.h"
 #include "backends/cuda/nccl_job.h"
 #include "common/mutex.h"
@@ -28,9 +28,14 @@
 namespace optimd {
 namespace {
 
+using cuda::BlockTable;
 using cuda::DeviceBlock;
 using cuda::DeviceChunk;
 using cuda::DeviceGroupState;
+using cuda::DevicePlan;
+using cuda::Launch;
+using cuda::LaunchWork;
+using cuda::PlanOf;
 
 using StreamValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t,
                                      unsigned int);
@@ -60,62 +65,9 @@ absl::StatusOr<StateStorage> DeviceAlloc(int device, uint64_t bytes) {
   });
 }
 
-// Work blocks over chunks of one layout. The update's work blocks hold
-// about chunk_elements elements, twice that with 16-bit moments (fewer bytes
-// per element); the statistics pass, which reads one stream where the
-// update reads four or more, walks work blocks kStatsBlockFactor times
-// larger, so that starting a thread block costs it as little relative to
-// its bytes. All three measured on the H200 (bench/RESULTS.md).
-struct BlockTable {
-  std::vector<DeviceBlock> blocks;
-  StateStorage blocks_d;
-};
-constexpr uint64_t kStatsBlockFactor = 8;
 // A progress word's value past every stage (the trainer's waits compare
 // with cuStreamWaitValue32's cyclic >=, so values stay below 2^31).
 constexpr uint32_t kPastEveryStage = 0x7FFFFFFF;
-
-uint64_t UpdateBlockElements(const Layout& l, uint64_t chunk_elements) {
-  return DTypeSize(l.moment_dtype) == 2 ? 2 * chunk_elements : chunk_elements;
-}
-
-// One kernel launch of a step: the chunks of the plan's tensors of one
-// (stage, layout) pair, and their work blocks in each block table.
-struct Launch {
-  Layout layout;
-  uint32_t stage = 0;  // of its tensors (TensorEntry::stage)
-  uint32_t first_chunk = 0;
-  uint32_t num_chunks = 0;
-  uint32_t first_block[2] = {0, 0};  // [0]: update, [1]: statistics
-  uint32_t num_blocks[2] = {0, 0};
-};
-
-// The device-resident plan of one group. chunks: as in device memory;
-// chunk_end[c]: the end of chunk c's element range (its `end` is `begin`
-// while its tensor has no gradient); entry_chunks[e]: the chunks [first,
-// end) of plan entry e, consecutive since an entry has one layout;
-// tables[0]: the update's work blocks, tables[1]: the statistics pass's
-// (one partial sum each).
-struct DevicePlan : BackendPlan {
-  uint64_t id = 0;  // unique within the backend
-  std::vector<DeviceChunk> chunks;
-  std::vector<uint64_t> chunk_end;
-  std::vector<std::pair<uint32_t, uint32_t>> entry_chunks;
-  std::vector<Launch> launches;
-  BlockTable tables[2];
-  StateStorage chunks_d, partials_d, state_d, scalars_d;
-  // Per entry, the group's applied steps it missed (no gradient); advanced
-  // by the commit kernel for the entries listed in absent_d ([0]: count,
-  // then entries), whose host copy is `absent`.
-  StateStorage missed_d, absent_d;
-  std::vector<uint32_t> absent;
-};
-
-// The CUDA plan of `group`: PrepareGroup sets it on every group this
-// backend steps, and no other backend sees those groups.
-DevicePlan* PlanOf(const Group& group) {
-  return static_cast<DevicePlan*>(group.backend_plan.get());
-}
 
 // Pinned records, one per step in flight: the step's arguments, which its
 // kernels read, and its counters, which they write, so that a reply can
@@ -240,9 +192,6 @@ class CudaBackend final : public Backend {
   // Uploads the list of the plan's entries without a gradient, if it
   // changed.
   absl::Status UploadAbsent(DevicePlan& plan);
-  // The work of one launch over block table `table`.
-  cuda::Work LaunchWork(const DevicePlan& plan, const Launch& launch,
-                        int table) const;
   absl::Status EnsureScratch(uint32_t groups);
   // Waits for stream_. A job's step waiting for ranks that are gone would
   // hold it forever: after the longest job timeout every job of this
@@ -314,106 +263,6 @@ absl::StatusOr<StateStorage> CudaBackend::AllocateState(uint64_t bytes) {
   return s;
 }
 
-// A chunk's stream pointers: its tensor's.
-void SetStreams(const TensorPointers& p, DeviceChunk* c) {
-  c->param = p.param;
-  c->grad = p.grad;
-  c->master = p.master;
-  for (int k = 0; k < cuda::kDeviceStateSlots; ++k) c->state[k] = p.state[k];
-}
-
-uint32_t ChunkTiles(const DeviceChunk& chunk, const Layout& layout);
-
-// Chunk [begin, end) of a tensor with pointers `p`. A tensor without a
-// gradient keeps its chunks with no elements, so every kernel passes over
-// them (and the work blocks' shapes, hence the step graphs, stay the same).
-void FillChunk(const TensorPointers& p, uint32_t entry, uint64_t begin,
-               uint64_t end, const Layout& layout, DeviceChunk* c) {
-  SetStreams(p, c);
-  c->entry = entry;
-  c->begin = begin;
-  c->end = p.grad == nullptr ? begin : end;
-  c->tiles = ChunkTiles(*c, layout);
-}
-
-// Sorted, merged [first, end) ranges; ranges at most `gap` apart are joined,
-// so that a few copies carry many small changes.
-std::vector<std::pair<uint32_t, uint32_t>> MergeRanges(
-    std::vector<std::pair<uint32_t, uint32_t>> ranges, uint32_t gap) {
-  std::sort(ranges.begin(), ranges.end());
-  std::vector<std::pair<uint32_t, uint32_t>> out;
-  for (const auto& r : ranges) {
-    if (r.first >= r.second) continue;
-    if (!out.empty() && r.first <= out.back().second + gap) {
-      out.back().second = std::max(out.back().second, r.second);
-    } else {
-      out.push_back(r);
-    }
-  }
-  return out;
-}
-
-// Tiles of a chunk: whole tiles when every stream is 16-byte aligned at
-// the chunk's first element (tiles access them in 8- or 16-byte pieces),
-// else none.
-uint32_t ChunkTiles(const DeviceChunk& chunk, const Layout& layout) {
-  auto aligned = [&](const void* p, uint64_t esize) {
-    if (p == nullptr) return true;
-    return (reinterpret_cast<uint64_t>(p) + chunk.begin * esize) % 16 == 0;
-  };
-  const uint64_t xs = layout.MasterBytesPerElement();
-  const uint64_t ms = DTypeSize(layout.moment_dtype);
-  bool vector = aligned(chunk.param, DTypeSize(layout.param_dtype)) &&
-                aligned(chunk.grad, DTypeSize(layout.grad_dtype)) &&
-                (xs == 0 || aligned(chunk.master, xs));
-  for (const void* slot : chunk.state) vector = vector && aligned(slot, ms);
-  return vector ? static_cast<uint32_t>((chunk.end - chunk.begin) /
-                                        cuda::kTileElements)
-                : 0;
-}
-
-// A block's totals from its chunks.
-void CountBlock(const std::vector<DeviceChunk>& chunks, DeviceBlock* b) {
-  b->tiles = 0;
-  b->scalars = 0;
-  for (uint32_t c = b->first; c < b->end; ++c) {
-    b->tiles += chunks[c].tiles;
-    b->scalars += static_cast<uint32_t>(chunks[c].end - chunks[c].begin) -
-                  chunks[c].tiles * cuda::kTileElements;
-  }
-}
-
-// Appends work blocks over chunks [first, end): consecutive chunks of about
-// `target` elements in all, and at most kMaxChunksPerBlock of them.
-void AppendBlocks(const std::vector<DeviceChunk>& chunks, uint32_t first,
-                  uint32_t end, uint64_t target,
-                  std::vector<DeviceBlock>* out) {
-  const size_t start = out->size();
-  uint64_t in_block = 0;
-  for (uint32_t c = first; c < end; ++c) {
-    if (out->size() == start || in_block >= target ||
-        out->back().end - out->back().first >= cuda::kMaxChunksPerBlock) {
-      out->push_back({c, c, 0, 0});
-      in_block = 0;
-    }
-    out->back().end = c + 1;
-    in_block += chunks[c].end - chunks[c].begin;
-  }
-  for (size_t b = start; b < out->size(); ++b) CountBlock(chunks, &(*out)[b]);
-}
-
-cuda::Work CudaBackend::LaunchWork(const DevicePlan& plan, const Launch& launch,
-                                   int table) const {
-  cuda::Work w;
-  w.blocks =
-      reinterpret_cast<const DeviceBlock*>(plan.tables[table].blocks_d.data()) +
-      launch.first_block[table];
-  w.num_blocks = launch.num_blocks[table];
-  w.chunks = reinterpret_cast<const DeviceChunk*>(plan.chunks_d.data());
-  w.missed = reinterpret_cast<const uint32_t*>(plan.missed_d.data());
-  return w;
-}
-
 absl::Status CudaBackend::UploadPlan(DevicePlan& plan) {
   OPTIMD_ASSIGN_OR_RETURN(
       plan.chunks_d,
@@ -456,14 +305,7 @@ absl::Status CudaBackend::UploadPlan(DevicePlan& plan) {
 }
 
 absl::Status CudaBackend::UploadAbsent(DevicePlan& plan) {
-  std::vector<uint32_t> absent = {0};
-  for (uint32_t e = 0; e < plan.entry_chunks.size(); ++e) {
-    const auto [first, end] = plan.entry_chunks[e];
-    if (first < end && plan.chunks[first].grad == nullptr) {
-      absent.push_back(e);
-    }
-  }
-  absent[0] = static_cast<uint32_t>(absent.size() - 1);
+  std::vector<uint32_t> absent = cuda::AbsentEntries(plan);
   if (absent == plan.absent) return absl::OkStatus();
   plan.absent = std::move(absent);
   // Pageable: staged when enqueued, so plan.absent may change right after.
@@ -479,58 +321,7 @@ absl::Status CudaBackend::PrepareGroup(Group& group) {
   counters().plan_builds.fetch_add(1, std::memory_order_relaxed);
   auto plan = std::make_shared<DevicePlan>();
   plan->id = next_plan_id_++;
-  const Plan& host = group.plan;
-  plan->entry_chunks.assign(host.entries.size(), {0, 0});
-  // One launch per distinct (stage, layout), by stage, then by the
-  // layout's first appearance; each covers all the chunks of its pair.
-  std::vector<Layout> layouts;
-  std::vector<uint32_t> layout_of(host.entries.size());
-  for (uint32_t e = 0; e < host.entries.size(); ++e) {
-    auto it = std::find(layouts.begin(), layouts.end(), host.layouts[e]);
-    if (it == layouts.end()) it = layouts.insert(it, host.layouts[e]);
-    layout_of[e] = static_cast<uint32_t>(it - layouts.begin());
-  }
-  const auto kind_of = [&](uint32_t entry) -> uint64_t {
-    return group.tensors[host.tensor_index[entry]].stage * layouts.size() +
-           layout_of[entry];
-  };
-  std::map<uint64_t, std::vector<uint32_t>> items_of_kind;
-  for (uint32_t i = 0; i < host.items.size(); ++i) {
-    items_of_kind[kind_of(host.items[i].entry)].push_back(i);
-  }
-  for (const auto& [kind, items] : items_of_kind) {
-    const Layout& l = layouts[kind % layouts.size()];
-    Launch launch;
-    launch.layout = l;
-    launch.stage = static_cast<uint32_t>(kind / layouts.size());
-    launch.first_chunk = static_cast<uint32_t>(plan->chunks.size());
-    for (uint32_t i : items) {
-      const PlanItem& item = host.items[i];
-      const uint32_t index = static_cast<uint32_t>(plan->chunks.size());
-      auto& range = plan->entry_chunks[item.entry];
-      if (range.first == range.second) range.first = index;
-      range.second = index + 1;
-      DeviceChunk c{};
-      FillChunk(host.entries[item.entry], item.entry, item.begin, item.end, l,
-                &c);
-      plan->chunks.push_back(c);
-      plan->chunk_end.push_back(item.end);
-    }
-    launch.num_chunks =
-        static_cast<uint32_t>(plan->chunks.size()) - launch.first_chunk;
-    for (int t = 0; t < 2; ++t) {
-      std::vector<DeviceBlock>& blocks = plan->tables[t].blocks;
-      launch.first_block[t] = static_cast<uint32_t>(blocks.size());
-      AppendBlocks(plan->chunks, launch.first_chunk,
-                   launch.first_chunk + launch.num_chunks,
-                   t == 0 ? UpdateBlockElements(l, options_.chunk_elements)
-                          : options_.chunk_elements * kStatsBlockFactor,
-                   &blocks);
-      launch.num_blocks[t] =
-          static_cast<uint32_t>(blocks.size()) - launch.first_block[t];
-    }
-    plan->launches.push_back(launch);
-  }
+  cuda::BuildDeviceTables(group, options_.chunk_elements, plan.get());
   OPTIMD_RETURN_IF_ERROR(UploadPlan(*plan));
   // Master weights from the parameters (remainders start at zero).
   for (const TensorEntry& t : group.tensors) {
@@ -550,59 +341,30 @@ absl::Status CudaBackend::UpdatePlanEntries(
   if (entries.empty()) return absl::OkStatus();
   auto* plan = PlanOf(group);
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
-  std::vector<std::pair<uint32_t, uint32_t>> ranges;
-  ranges.reserve(entries.size());
-  bool absence_changed = false;
-  for (uint32_t entry : entries) {
-    const TensorPointers p =
-        group.tensors[group.plan.tensor_index[entry]].Pointers();
-    absence_changed |=
-        (p.grad == nullptr) != (group.plan.entries[entry].grad == nullptr);
-    group.plan.entries[entry] = p;
-    const auto [first, end] = plan->entry_chunks[entry];
-    for (uint32_t c = first; c < end; ++c) {
-      FillChunk(p, entry, plan->chunks[c].begin, plan->chunk_end[c],
-                group.plan.layouts[entry], &plan->chunks[c]);
-    }
-    ranges.emplace_back(first, end);
-  }
+  const cuda::TableChanges changes = cuda::RefreshEntries(group, entries, plan);
   // Copies from pageable memory are staged when enqueued, so the host
   // tables may change again at once; stream order puts them after the
   // steps already queued and before the next.
-  ranges = MergeRanges(std::move(ranges), 16);
   auto* chunks_d = reinterpret_cast<DeviceChunk*>(plan->chunks_d.data());
-  for (const auto& [first, end] : ranges) {
+  for (const auto& [first, end] : changes.chunks) {
     OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(
         chunks_d + first, &plan->chunks[first],
         (end - first) * sizeof(DeviceChunk), cudaMemcpyHostToDevice, stream_));
   }
-  // New pointers may change which chunks have tiles, and absent gradients
-  // their element counts: recount the work blocks holding those chunks.
-  for (BlockTable& t : plan->tables) {
-    std::vector<std::pair<uint32_t, uint32_t>> dirty;
-    for (const auto& [first, end] : ranges) {
-      auto b = std::upper_bound(
-          t.blocks.begin(), t.blocks.end(), first,
-          [](uint32_t c, const DeviceBlock& blk) { return c < blk.first; });
-      if (b != t.blocks.begin()) --b;
-      for (; b != t.blocks.end() && b->first < end; ++b) {
-        if (b->end <= first) continue;
-        CountBlock(plan->chunks, &*b);
-        const uint32_t i = static_cast<uint32_t>(b - t.blocks.begin());
-        dirty.emplace_back(i, i + 1);
-      }
-    }
-    auto* blocks_d = reinterpret_cast<DeviceBlock*>(t.blocks_d.data());
-    for (const auto& [first, end] : MergeRanges(std::move(dirty), 16)) {
+  // The work blocks holding those chunks, recounted.
+  for (int t = 0; t < 2; ++t) {
+    const BlockTable& table = plan->tables[t];
+    auto* blocks_d = reinterpret_cast<DeviceBlock*>(table.blocks_d.data());
+    for (const auto& [first, end] : changes.blocks[t]) {
       OPTIMD_RETURN_IF_CUDA_ERROR(
-          cudaMemcpyAsync(blocks_d + first, &t.blocks[first],
+          cudaMemcpyAsync(blocks_d + first, &table.blocks[first],
                           (end - first) * sizeof(DeviceBlock),
                           cudaMemcpyHostToDevice, stream_));
     }
   }
   // The absent list walks every entry: only when some absence changed, so
   // that moved gradients cost the host about their own number.
-  if (absence_changed) OPTIMD_RETURN_IF_ERROR(UploadAbsent(*plan));
+  if (changes.absence_changed) OPTIMD_RETURN_IF_ERROR(UploadAbsent(*plan));
   counters().plan_entry_updates.fetch_add(entries.size(),
                                           std::memory_order_relaxed);
   return absl::OkStatus();
