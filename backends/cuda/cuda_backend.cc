@@ -4,7 +4,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -16,6 +15,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "backends/cuda/cuda_session.h"
 #include "backends/cuda/cuda_status.h"
 #include "backends/cuda/device_plan.h"
 #include "backends/cuda/ipc_mapping.h"
@@ -68,56 +68,6 @@ absl::StatusOr<StateStorage> DeviceAlloc(int device, uint64_t bytes) {
 // A progress word's value past every stage (the trainer's waits compare
 // with cuStreamWaitValue32's cyclic >=, so values stay below 2^31).
 constexpr uint32_t kPastEveryStage = 0x7FFFFFFF;
-
-// Pinned records, one per step in flight: the step's arguments, which its
-// kernels read, and its counters, which they write, so that a reply can
-// report the last completed step without waiting. A record is reused only
-// after its event has completed.
-struct StepRecord {
-  cudaEvent_t event = nullptr;
-  void* memory = nullptr;            // cudaHostAlloc'd: args, then host
-  cuda::GroupStep* args = nullptr;   // [g]: group g's step arguments
-  DeviceGroupState* host = nullptr;  // [0]: session totals, [1+g]: groups
-  uint32_t capacity = 0;             // groups
-  uint32_t groups = 0;
-  uint64_t sequence = 0;  // 0: never used
-  // How its step was asked for: the norm it reports is unscaled by this
-  // step's own grad_scale (NaN without the statistics pass).
-  double grad_scale = 1;
-  bool statistics = true;
-  // The step's kernels as a CUDA graph bound to this record's memory, for the
-  // session's current groups (CudaSession::graph_key); nullptr until built.
-  cudaGraphExec_t exec = nullptr;
-};
-
-class CudaSession : public SessionContext {
- public:
-  ~CudaSession() override {
-    if (stream != nullptr) cudaStreamSynchronize(stream);
-    for (StepRecord& s : records) {
-      if (s.event != nullptr) cudaEventDestroy(s.event);
-      if (s.memory != nullptr) cudaFreeHost(s.memory);
-      if (s.exec != nullptr) cudaGraphExecDestroy(s.exec);
-    }
-    if (ready != nullptr) cudaEventDestroy(ready);
-    if (done != nullptr) cudaEventDestroy(done);
-  }
-
-  cudaStream_t stream = nullptr;
-  cudaEvent_t ready = nullptr;  // the trainer's, opened by IPC
-  cudaEvent_t done = nullptr;   // ours, exported by IPC
-  StateStorage totals_d;        // DeviceGroupState
-  std::vector<StepRecord> records;
-  uint64_t sequence = 0;
-  StepOutcome last;  // the newest outcome seen complete
-  uint64_t last_sequence = 0;
-  std::vector<uint64_t> last_group_steps;
-  // What the records' graphs were built for: the statistics flag, the
-  // backend's scratch generation, and each group's plan and update flavour.
-  std::vector<uint64_t> graph_key;
-  // The job's ranks agreeing on the device (JoinJob); null otherwise.
-  std::shared_ptr<NcclJob> job;
-};
 
 class CudaBackend final : public Backend {
  public:
@@ -210,22 +160,14 @@ class CudaBackend final : public Backend {
                                     uint32_t* progress, cudaStream_t stream);
   absl::Status LaunchUpdate(const Group& group, const Launch& launch,
                             cudaStream_t stream);
-  absl::Status ReadRecord(CudaSession& s, StepRecord& record,
-                          const std::vector<Group*>& groups, StepOutcome* out);
   // The parts of Step, in order. RecycleRecord: waits for the record's
-  // earlier step and reads it if unread. RefreshGraphKey: drops the step
-  // graphs when the groups, scratch, statistics flag or progress word
-  // changed (compared in place: no allocation on a step that keeps them).
-  // FillRecord: the record's memory and every group's arguments.
-  // LaunchStep: waits for the trainer's ready flag, runs the step (its
-  // graph, captured once per record), writes the done flag. Outcome: the
-  // step's own outcome (wait) or the last completed one's.
+  // earlier step and reads it if unread. Then RefreshGraphKey and
+  // FillRecord (cuda_session.h). LaunchStep: waits for the trainer's ready
+  // flag, runs the step (its graph, captured once per record), writes the
+  // done flag. Outcome: the step's own outcome (wait) or the last
+  // completed one's.
   absl::Status RecycleRecord(CudaSession& s, StepRecord& record,
                              const std::vector<Group*>& groups);
-  void RefreshGraphKey(CudaSession& s, const std::vector<Group*>& groups,
-                       bool statistics, uint32_t* progress);
-  absl::Status FillRecord(StepRecord& record, const std::vector<Group*>& groups,
-                          const StepOptions& options);
   absl::Status LaunchStep(CudaSession& s, const std::vector<Group*>& groups,
                           StepRecord& record, const StepOptions& options,
                           bool statistics, uint32_t* progress);
@@ -428,27 +370,6 @@ absl::Status CudaBackend::EnsureScratch(uint32_t groups) {
   return absl::OkStatus();
 }
 
-absl::Status CudaBackend::ReadRecord(CudaSession& s, StepRecord& record,
-                                     const std::vector<Group*>& groups,
-                                     StepOutcome* out) {
-  const DeviceGroupState& totals = record.host[0];
-  out->known = true;
-  out->skipped = totals.last_skipped != 0;
-  out->grad_norm = record.statistics
-                       ? std::sqrt(totals.last_sumsq) / record.grad_scale
-                       : std::numeric_limits<double>::quiet_NaN();
-  out->steps_applied = totals.step;
-  out->steps_skipped = totals.skipped;
-  if (record.groups == groups.size()) {
-    for (uint32_t g = 0; g < record.groups; ++g) {
-      groups[g]->step = record.host[1 + g].step;
-    }
-  }
-  s.last = *out;
-  s.last_sequence = record.sequence;
-  return absl::OkStatus();
-}
-
 absl::Status CudaBackend::LaunchUpdate(const Group& group, const Launch& launch,
                                        cudaStream_t stream) {
   const auto* plan = PlanOf(group);
@@ -544,82 +465,6 @@ absl::Status CudaBackend::RecycleRecord(CudaSession& s, StepRecord& record,
       OPTIMD_RETURN_IF_ERROR(ReadRecord(s, record, groups, &ignored));
     }
     record.sequence = 0;
-  }
-  return absl::OkStatus();
-}
-
-void CudaBackend::RefreshGraphKey(CudaSession& s,
-                                  const std::vector<Group*>& groups,
-                                  bool statistics, uint32_t* progress) {
-  const uint32_t n = static_cast<uint32_t>(groups.size());
-  const auto key_at = [&](size_t i) -> uint64_t {
-    if (i == 0) return statistics ? 1 : 0;
-    if (i == 1) return scratch_generation_;
-    if (i == 2) return reinterpret_cast<uintptr_t>(progress);
-    const Group* g = groups[(i - 3) / 2];
-    // The plan, and what picks the update kernel beside the plan's layouts.
-    return (i % 2 == 1) ? PlanOf(*g)->id
-                        : (static_cast<uint64_t>(g->hyper.kind) << 1) |
-                              (g->hyper.adamw ? 1 : 0);
-  };
-  const size_t key_size = 3 + 2 * static_cast<size_t>(n);
-  bool same_key = s.graph_key.size() == key_size;
-  for (size_t i = 0; same_key && i < key_size; ++i) {
-    same_key = s.graph_key[i] == key_at(i);
-  }
-  if (!same_key) {
-    for (StepRecord& r : s.records) {
-      if (r.exec != nullptr) cudaGraphExecDestroy(r.exec);
-      r.exec = nullptr;
-    }
-    s.graph_key.resize(key_size);
-    for (size_t i = 0; i < key_size; ++i) s.graph_key[i] = key_at(i);
-  }
-}
-
-absl::Status CudaBackend::FillRecord(StepRecord& record,
-                                     const std::vector<Group*>& groups,
-                                     const StepOptions& options) {
-  const uint32_t n = static_cast<uint32_t>(groups.size());
-  if (record.capacity < n || record.memory == nullptr) {
-    if (record.memory != nullptr) cudaFreeHost(record.memory);
-    record.memory = nullptr;
-    if (record.exec != nullptr) cudaGraphExecDestroy(record.exec);
-    record.exec = nullptr;
-    const uint32_t cap = std::max<uint32_t>(n, 1);
-    OPTIMD_RETURN_IF_CUDA_ERROR(cudaHostAlloc(
-        &record.memory,
-        cap * sizeof(cuda::GroupStep) + (cap + 1) * sizeof(DeviceGroupState),
-        cudaHostAllocMapped));
-    record.args = static_cast<cuda::GroupStep*>(record.memory);
-    record.host = reinterpret_cast<DeviceGroupState*>(record.args + cap);
-    record.capacity = cap;
-  }
-  for (uint32_t g = 0; g < n; ++g) {
-    auto* plan = PlanOf(*groups[g]);
-    const OptimizerHyper& h = groups[g]->hyper;
-    cuda::GroupStep& a = record.args[g];
-    a.hyper = {h.lr,
-               h.beta1,
-               h.beta2,
-               h.eps,
-               h.weight_decay,
-               options.grad_scale,
-               options.max_grad_norm,
-               h.momentum,
-               h.dampening,
-               static_cast<int32_t>(h.kind),
-               h.adamw ? 1 : 0,
-               h.bias_correction ? 1 : 0,
-               h.maximize ? 1 : 0,
-               h.nesterov ? 1 : 0,
-               0};
-    a.partials = reinterpret_cast<const double*>(plan->partials_d.data());
-    a.num_partials = static_cast<uint32_t>(plan->tables[1].blocks.size());
-    a.state = reinterpret_cast<DeviceGroupState*>(plan->state_d.data());
-    a.scalars = reinterpret_cast<cuda::DeviceScalars*>(plan->scalars_d.data());
-    a.absent = reinterpret_cast<const uint32_t*>(plan->absent_d.data());
-    a.missed = reinterpret_cast<uint32_t*>(plan->missed_d.data());
   }
   return absl::OkStatus();
 }
@@ -767,7 +612,7 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
   OPTIMD_RETURN_IF_ERROR(RecycleRecord(s, record, groups));
   // Graphs built for other groups (or other scratch memory) are stale.
   uint32_t* progress = options.staged ? options.step_flags + 2 : nullptr;
-  RefreshGraphKey(s, groups, statistics, progress);
+  RefreshGraphKey(s, groups, statistics, scratch_generation_, progress);
   OPTIMD_RETURN_IF_ERROR(FillRecord(record, groups, options));
   OPTIMD_RETURN_IF_ERROR(
       LaunchStep(s, groups, record, options, statistics, progress));
