@@ -4,11 +4,10 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <limits>
-#include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -16,22 +15,28 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "backends/cuda/cuda_session.h"
 #include "backends/cuda/cuda_status.h"
+#include "backends/cuda/device_plan.h"
+#include "backends/cuda/ipc_mapping.h"
 #include "backends/cuda/nccl_job.h"
 #include "common/mutex.h"
 #include "common/status_macros.h"
-#include "common/weak_cache.h"
 #include "core/step_math.h"
 #include "kernels/step_cuda.h"
 
 namespace optimd {
 namespace {
 
+using cuda::BlockTable;
 using cuda::DeviceBlock;
 using cuda::DeviceChunk;
 using cuda::DeviceGroupState;
+using cuda::DevicePlan;
+using cuda::Launch;
+using cuda::LaunchWork;
+using cuda::PlanOf;
 
-using MemGetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
 using StreamValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t,
                                      unsigned int);
 
@@ -41,27 +46,6 @@ struct DriverFns {
   MemGetAddressRangeFn mem_get_address_range = nullptr;
   StreamValue32Fn stream_wait_value32 = nullptr;
   StreamValue32Fn stream_write_value32 = nullptr;
-};
-
-// One opened IPC allocation. Closing waits for the device's stream, so a
-// mapping is never closed under a step that uses it.
-class IpcMapping {
- public:
-  IpcMapping(int device, cudaStream_t stream, uint8_t* base, uint64_t size)
-      : device_(device), stream_(stream), base_(base), size_(size) {}
-  ~IpcMapping() {
-    cudaSetDevice(device_);
-    cudaStreamSynchronize(stream_);
-    cudaIpcCloseMemHandle(base_);
-  }
-  uint8_t* base() const { return base_; }
-  uint64_t size() const { return size_; }
-
- private:
-  const int device_;
-  const cudaStream_t stream_;
-  uint8_t* const base_;
-  const uint64_t size_;
 };
 
 // Device memory with a cudaFree deleter.
@@ -81,112 +65,9 @@ absl::StatusOr<StateStorage> DeviceAlloc(int device, uint64_t bytes) {
   });
 }
 
-// Work blocks over chunks of one layout. The update's work blocks hold
-// about chunk_elements elements, twice that with 16-bit moments (fewer bytes
-// per element); the statistics pass, which reads one stream where the
-// update reads four or more, walks work blocks kStatsBlockFactor times
-// larger, so that starting a thread block costs it as little relative to
-// its bytes. All three measured on the H200 (bench/RESULTS.md).
-struct BlockTable {
-  std::vector<DeviceBlock> blocks;
-  StateStorage blocks_d;
-};
-constexpr uint64_t kStatsBlockFactor = 8;
 // A progress word's value past every stage (the trainer's waits compare
 // with cuStreamWaitValue32's cyclic >=, so values stay below 2^31).
 constexpr uint32_t kPastEveryStage = 0x7FFFFFFF;
-
-uint64_t UpdateBlockElements(const Layout& l, uint64_t chunk_elements) {
-  return DTypeSize(l.moment_dtype) == 2 ? 2 * chunk_elements : chunk_elements;
-}
-
-// One kernel launch of a step: the chunks of the plan's tensors of one
-// (stage, layout) pair, and their work blocks in each block table.
-struct Launch {
-  Layout layout;
-  uint32_t stage = 0;  // of its tensors (TensorEntry::stage)
-  uint32_t first_chunk = 0;
-  uint32_t num_chunks = 0;
-  uint32_t first_block[2] = {0, 0};  // [0]: update, [1]: statistics
-  uint32_t num_blocks[2] = {0, 0};
-};
-
-// The device-resident plan of one group. chunks: as in device memory;
-// chunk_end[c]: the end of chunk c's element range (its `end` is `begin`
-// while its tensor has no gradient); entry_chunks[e]: the chunks [first,
-// end) of plan entry e, consecutive since an entry has one layout;
-// tables[0]: the update's work blocks, tables[1]: the statistics pass's
-// (one partial sum each).
-struct DevicePlan : BackendPlan {
-  uint64_t id = 0;  // unique within the backend
-  std::vector<DeviceChunk> chunks;
-  std::vector<uint64_t> chunk_end;
-  std::vector<std::pair<uint32_t, uint32_t>> entry_chunks;
-  std::vector<Launch> launches;
-  BlockTable tables[2];
-  StateStorage chunks_d, partials_d, state_d, scalars_d;
-  // Per entry, the group's applied steps it missed (no gradient); advanced
-  // by the commit kernel for the entries listed in absent_d ([0]: count,
-  // then entries), whose host copy is `absent`.
-  StateStorage missed_d, absent_d;
-  std::vector<uint32_t> absent;
-};
-
-// The CUDA plan of `group`: PrepareGroup sets it on every group this
-// backend steps, and no other backend sees those groups.
-DevicePlan* PlanOf(const Group& group) {
-  return static_cast<DevicePlan*>(group.backend_plan.get());
-}
-
-// Pinned records, one per step in flight: the step's arguments, which its
-// kernels read, and its counters, which they write, so that a reply can
-// report the last completed step without waiting. A record is reused only
-// after its event has completed.
-struct StepRecord {
-  cudaEvent_t event = nullptr;
-  void* memory = nullptr;            // cudaHostAlloc'd: args, then host
-  cuda::GroupStep* args = nullptr;   // [g]: group g's step arguments
-  DeviceGroupState* host = nullptr;  // [0]: session totals, [1+g]: groups
-  uint32_t capacity = 0;             // groups
-  uint32_t groups = 0;
-  uint64_t sequence = 0;  // 0: never used
-  // How its step was asked for: the norm it reports is unscaled by this
-  // step's own grad_scale (NaN without the statistics pass).
-  double grad_scale = 1;
-  bool statistics = true;
-  // The step's kernels as a CUDA graph bound to this record's memory, for the
-  // session's current groups (CudaSession::graph_key); nullptr until built.
-  cudaGraphExec_t exec = nullptr;
-};
-
-class CudaSession : public SessionContext {
- public:
-  ~CudaSession() override {
-    if (stream != nullptr) cudaStreamSynchronize(stream);
-    for (StepRecord& s : records) {
-      if (s.event != nullptr) cudaEventDestroy(s.event);
-      if (s.memory != nullptr) cudaFreeHost(s.memory);
-      if (s.exec != nullptr) cudaGraphExecDestroy(s.exec);
-    }
-    if (ready != nullptr) cudaEventDestroy(ready);
-    if (done != nullptr) cudaEventDestroy(done);
-  }
-
-  cudaStream_t stream = nullptr;
-  cudaEvent_t ready = nullptr;  // the trainer's, opened by IPC
-  cudaEvent_t done = nullptr;   // ours, exported by IPC
-  StateStorage totals_d;        // DeviceGroupState
-  std::vector<StepRecord> records;
-  uint64_t sequence = 0;
-  StepOutcome last;  // the newest outcome seen complete
-  uint64_t last_sequence = 0;
-  std::vector<uint64_t> last_group_steps;
-  // What the records' graphs were built for: the statistics flag, the
-  // backend's scratch generation, and each group's plan and update flavour.
-  std::vector<uint64_t> graph_key;
-  // The job's ranks agreeing on the device (JoinJob); null otherwise.
-  std::shared_ptr<NcclJob> job;
-};
 
 class CudaBackend final : public Backend {
  public:
@@ -197,8 +78,8 @@ class CudaBackend final : public Backend {
         options_(options),
         stream_(stream),
         capture_stream_(capture_stream),
-        mem_get_address_range_(driver.mem_get_address_range),
-        driver_(driver) {}
+        driver_(driver),
+        ipc_mappings_(device, stream, driver.mem_get_address_range) {}
 
   ~CudaBackend() override {
     cudaSetDevice(device_);
@@ -211,7 +92,9 @@ class CudaBackend final : public Backend {
 
   absl::StatusOr<BufferRef> ResolveBuffer(const BufferHandle& handle,
                                           uint64_t alignment,
-                                          const std::string& what) override;
+                                          const std::string& what) override {
+    return ipc_mappings_.Resolve(handle, alignment, what);
+  }
   absl::StatusOr<StateStorage> AllocateState(uint64_t bytes) override;
   absl::Status PrepareGroup(Group& group) override;
   absl::Status UpdatePlanEntries(Group& group,
@@ -259,9 +142,6 @@ class CudaBackend final : public Backend {
   // Uploads the list of the plan's entries without a gradient, if it
   // changed.
   absl::Status UploadAbsent(DevicePlan& plan);
-  // The work of one launch over block table `table`.
-  cuda::Work LaunchWork(const DevicePlan& plan, const Launch& launch,
-                        int table) const;
   absl::Status EnsureScratch(uint32_t groups);
   // Waits for stream_. A job's step waiting for ranks that are gone would
   // hold it forever: after the longest job timeout every job of this
@@ -280,22 +160,14 @@ class CudaBackend final : public Backend {
                                     uint32_t* progress, cudaStream_t stream);
   absl::Status LaunchUpdate(const Group& group, const Launch& launch,
                             cudaStream_t stream);
-  absl::Status ReadRecord(CudaSession& s, StepRecord& record,
-                          const std::vector<Group*>& groups, StepOutcome* out);
   // The parts of Step, in order. RecycleRecord: waits for the record's
-  // earlier step and reads it if unread. RefreshGraphKey: drops the step
-  // graphs when the groups, scratch, statistics flag or progress word
-  // changed (compared in place: no allocation on a step that keeps them).
-  // FillRecord: the record's memory and every group's arguments.
-  // LaunchStep: waits for the trainer's ready flag, runs the step (its
-  // graph, captured once per record), writes the done flag. Outcome: the
-  // step's own outcome (wait) or the last completed one's.
+  // earlier step and reads it if unread. Then RefreshGraphKey and
+  // FillRecord (cuda_session.h). LaunchStep: waits for the trainer's ready
+  // flag, runs the step (its graph, captured once per record), writes the
+  // done flag. Outcome: the step's own outcome (wait) or the last
+  // completed one's.
   absl::Status RecycleRecord(CudaSession& s, StepRecord& record,
                              const std::vector<Group*>& groups);
-  void RefreshGraphKey(CudaSession& s, const std::vector<Group*>& groups,
-                       bool statistics, uint32_t* progress);
-  absl::Status FillRecord(StepRecord& record, const std::vector<Group*>& groups,
-                          const StepOptions& options);
   absl::Status LaunchStep(CudaSession& s, const std::vector<Group*>& groups,
                           StepRecord& record, const StepOptions& options,
                           bool statistics, uint32_t* progress);
@@ -308,12 +180,11 @@ class CudaBackend final : public Backend {
   const cudaStream_t stream_;
   // Never runs work: step graphs are captured on it.
   const cudaStream_t capture_stream_;
-  const MemGetAddressRangeFn mem_get_address_range_;
   const DriverFns driver_;
   uint64_t next_plan_id_ = 1;
+  IpcMappingCache ipc_mappings_;
 
   Mutex mu_;
-  WeakCache<IpcMapping> mappings_ ABSL_GUARDED_BY(mu_);
   // The jobs of this backend's sessions (SyncStream).
   std::vector<std::weak_ptr<NcclJob>> jobs_ ABSL_GUARDED_BY(mu_);
 
@@ -324,82 +195,6 @@ class CudaBackend final : public Backend {
   uint64_t scratch_generation_ = 0;  // bumped when reallocated
 };
 
-absl::StatusOr<BufferRef> CudaBackend::ResolveBuffer(const BufferHandle& handle,
-                                                     uint64_t alignment,
-                                                     const std::string& what) {
-  if (handle.kind != BufferHandle::Kind::kCudaIpc) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what,
-                     ": the CUDA backend needs a cuda_ipc buffer handle, not a "
-                     "shared-memory one"));
-  }
-  if (handle.ipc_handle.size() != sizeof(cudaIpcMemHandle_t)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        what, ": ipc_handle must be ", sizeof(cudaIpcMemHandle_t),
-        " bytes (a cudaIpcMemHandle_t), got ", handle.ipc_handle.size()));
-  }
-  if (handle.device != device_) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": the buffer is on GPU ", handle.device,
-                     " but this session's state lives on GPU ", device_,
-                     "; one session's tensors must share its device"));
-  }
-  std::shared_ptr<IpcMapping> mapping;
-  {
-    MutexLock lock(&mu_);
-    mapping = mappings_.Find(handle.ipc_handle);
-    if (mapping == nullptr) {
-      cudaSetDevice(device_);
-      cudaIpcMemHandle_t h;
-      std::memcpy(&h, handle.ipc_handle.data(), sizeof(h));
-      void* base = nullptr;
-      const cudaError_t e =
-          cudaIpcOpenMemHandle(&base, h, cudaIpcMemLazyEnablePeerAccess);
-      if (e != cudaSuccess) {
-        cudaGetLastError();  // not sticky; clear it
-        return absl::InvalidArgumentError(absl::StrCat(
-            what, ": cannot open the CUDA IPC handle (", cudaGetErrorName(e),
-            ": ", cudaGetErrorString(e),
-            "); is it stale (freed by the trainer), from another GPU or "
-            "machine, or from this process?"));
-      }
-      CUdeviceptr range_base = 0;
-      size_t range_size = 0;
-      if (mem_get_address_range_(&range_base, &range_size,
-                                 reinterpret_cast<CUdeviceptr>(base)) !=
-          CUDA_SUCCESS) {
-        cudaIpcCloseMemHandle(base);
-        return absl::InvalidArgumentError(absl::StrCat(
-            what, ": cannot query the size of the IPC allocation"));
-      }
-      const uint64_t usable =
-          range_size - (reinterpret_cast<uint64_t>(base) - range_base);
-      mapping = std::make_shared<IpcMapping>(
-          device_, stream_, static_cast<uint8_t*>(base), usable);
-      mappings_.Put(handle.ipc_handle, mapping);
-    }
-  }
-  if (handle.offset > mapping->size() ||
-      handle.size > mapping->size() - handle.offset) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        what, ": region [", handle.offset, ", ", handle.offset, " + ",
-        handle.size, ") lies past the end of its CUDA allocation (",
-        mapping->size(), " bytes)"));
-  }
-  if (alignment > 1 &&
-      (reinterpret_cast<uint64_t>(mapping->base()) + handle.offset) %
-              alignment !=
-          0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        what, ": offset ", handle.offset, " is not element-aligned"));
-  }
-  BufferRef ref;
-  ref.data = mapping->base() + handle.offset;
-  ref.size = handle.size;
-  ref.mapping = std::move(mapping);
-  return ref;
-}
-
 absl::StatusOr<StateStorage> CudaBackend::AllocateState(uint64_t bytes) {
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
   OPTIMD_ASSIGN_OR_RETURN(StateStorage s, DeviceAlloc(device_, bytes));
@@ -408,106 +203,6 @@ absl::StatusOr<StateStorage> CudaBackend::AllocateState(uint64_t bytes) {
     OPTIMD_RETURN_IF_ERROR(SyncStream());
   }
   return s;
-}
-
-// A chunk's stream pointers: its tensor's.
-void SetStreams(const TensorPointers& p, DeviceChunk* c) {
-  c->param = p.param;
-  c->grad = p.grad;
-  c->master = p.master;
-  for (int k = 0; k < cuda::kDeviceStateSlots; ++k) c->state[k] = p.state[k];
-}
-
-uint32_t ChunkTiles(const DeviceChunk& chunk, const Layout& layout);
-
-// Chunk [begin, end) of a tensor with pointers `p`. A tensor without a
-// gradient keeps its chunks with no elements, so every kernel passes over
-// them (and the work blocks' shapes, hence the step graphs, stay the same).
-void FillChunk(const TensorPointers& p, uint32_t entry, uint64_t begin,
-               uint64_t end, const Layout& layout, DeviceChunk* c) {
-  SetStreams(p, c);
-  c->entry = entry;
-  c->begin = begin;
-  c->end = p.grad == nullptr ? begin : end;
-  c->tiles = ChunkTiles(*c, layout);
-}
-
-// Sorted, merged [first, end) ranges; ranges at most `gap` apart are joined,
-// so that a few copies carry many small changes.
-std::vector<std::pair<uint32_t, uint32_t>> MergeRanges(
-    std::vector<std::pair<uint32_t, uint32_t>> ranges, uint32_t gap) {
-  std::sort(ranges.begin(), ranges.end());
-  std::vector<std::pair<uint32_t, uint32_t>> out;
-  for (const auto& r : ranges) {
-    if (r.first >= r.second) continue;
-    if (!out.empty() && r.first <= out.back().second + gap) {
-      out.back().second = std::max(out.back().second, r.second);
-    } else {
-      out.push_back(r);
-    }
-  }
-  return out;
-}
-
-// Tiles of a chunk: whole tiles when every stream is 16-byte aligned at
-// the chunk's first element (tiles access them in 8- or 16-byte pieces),
-// else none.
-uint32_t ChunkTiles(const DeviceChunk& chunk, const Layout& layout) {
-  auto aligned = [&](const void* p, uint64_t esize) {
-    if (p == nullptr) return true;
-    return (reinterpret_cast<uint64_t>(p) + chunk.begin * esize) % 16 == 0;
-  };
-  const uint64_t xs = layout.MasterBytesPerElement();
-  const uint64_t ms = DTypeSize(layout.moment_dtype);
-  bool vector = aligned(chunk.param, DTypeSize(layout.param_dtype)) &&
-                aligned(chunk.grad, DTypeSize(layout.grad_dtype)) &&
-                (xs == 0 || aligned(chunk.master, xs));
-  for (const void* slot : chunk.state) vector = vector && aligned(slot, ms);
-  return vector ? static_cast<uint32_t>((chunk.end - chunk.begin) /
-                                        cuda::kTileElements)
-                : 0;
-}
-
-// A block's totals from its chunks.
-void CountBlock(const std::vector<DeviceChunk>& chunks, DeviceBlock* b) {
-  b->tiles = 0;
-  b->scalars = 0;
-  for (uint32_t c = b->first; c < b->end; ++c) {
-    b->tiles += chunks[c].tiles;
-    b->scalars += static_cast<uint32_t>(chunks[c].end - chunks[c].begin) -
-                  chunks[c].tiles * cuda::kTileElements;
-  }
-}
-
-// Appends work blocks over chunks [first, end): consecutive chunks of about
-// `target` elements in all, and at most kMaxChunksPerBlock of them.
-void AppendBlocks(const std::vector<DeviceChunk>& chunks, uint32_t first,
-                  uint32_t end, uint64_t target,
-                  std::vector<DeviceBlock>* out) {
-  const size_t start = out->size();
-  uint64_t in_block = 0;
-  for (uint32_t c = first; c < end; ++c) {
-    if (out->size() == start || in_block >= target ||
-        out->back().end - out->back().first >= cuda::kMaxChunksPerBlock) {
-      out->push_back({c, c, 0, 0});
-      in_block = 0;
-    }
-    out->back().end = c + 1;
-    in_block += chunks[c].end - chunks[c].begin;
-  }
-  for (size_t b = start; b < out->size(); ++b) CountBlock(chunks, &(*out)[b]);
-}
-
-cuda::Work CudaBackend::LaunchWork(const DevicePlan& plan, const Launch& launch,
-                                   int table) const {
-  cuda::Work w;
-  w.blocks =
-      reinterpret_cast<const DeviceBlock*>(plan.tables[table].blocks_d.data()) +
-      launch.first_block[table];
-  w.num_blocks = launch.num_blocks[table];
-  w.chunks = reinterpret_cast<const DeviceChunk*>(plan.chunks_d.data());
-  w.missed = reinterpret_cast<const uint32_t*>(plan.missed_d.data());
-  return w;
 }
 
 absl::Status CudaBackend::UploadPlan(DevicePlan& plan) {
@@ -552,14 +247,7 @@ absl::Status CudaBackend::UploadPlan(DevicePlan& plan) {
 }
 
 absl::Status CudaBackend::UploadAbsent(DevicePlan& plan) {
-  std::vector<uint32_t> absent = {0};
-  for (uint32_t e = 0; e < plan.entry_chunks.size(); ++e) {
-    const auto [first, end] = plan.entry_chunks[e];
-    if (first < end && plan.chunks[first].grad == nullptr) {
-      absent.push_back(e);
-    }
-  }
-  absent[0] = static_cast<uint32_t>(absent.size() - 1);
+  std::vector<uint32_t> absent = cuda::AbsentEntries(plan);
   if (absent == plan.absent) return absl::OkStatus();
   plan.absent = std::move(absent);
   // Pageable: staged when enqueued, so plan.absent may change right after.
@@ -575,58 +263,7 @@ absl::Status CudaBackend::PrepareGroup(Group& group) {
   counters().plan_builds.fetch_add(1, std::memory_order_relaxed);
   auto plan = std::make_shared<DevicePlan>();
   plan->id = next_plan_id_++;
-  const Plan& host = group.plan;
-  plan->entry_chunks.assign(host.entries.size(), {0, 0});
-  // One launch per distinct (stage, layout), by stage, then by the
-  // layout's first appearance; each covers all the chunks of its pair.
-  std::vector<Layout> layouts;
-  std::vector<uint32_t> layout_of(host.entries.size());
-  for (uint32_t e = 0; e < host.entries.size(); ++e) {
-    auto it = std::find(layouts.begin(), layouts.end(), host.layouts[e]);
-    if (it == layouts.end()) it = layouts.insert(it, host.layouts[e]);
-    layout_of[e] = static_cast<uint32_t>(it - layouts.begin());
-  }
-  const auto kind_of = [&](uint32_t entry) -> uint64_t {
-    return group.tensors[host.tensor_index[entry]].stage * layouts.size() +
-           layout_of[entry];
-  };
-  std::map<uint64_t, std::vector<uint32_t>> items_of_kind;
-  for (uint32_t i = 0; i < host.items.size(); ++i) {
-    items_of_kind[kind_of(host.items[i].entry)].push_back(i);
-  }
-  for (const auto& [kind, items] : items_of_kind) {
-    const Layout& l = layouts[kind % layouts.size()];
-    Launch launch;
-    launch.layout = l;
-    launch.stage = static_cast<uint32_t>(kind / layouts.size());
-    launch.first_chunk = static_cast<uint32_t>(plan->chunks.size());
-    for (uint32_t i : items) {
-      const PlanItem& item = host.items[i];
-      const uint32_t index = static_cast<uint32_t>(plan->chunks.size());
-      auto& range = plan->entry_chunks[item.entry];
-      if (range.first == range.second) range.first = index;
-      range.second = index + 1;
-      DeviceChunk c{};
-      FillChunk(host.entries[item.entry], item.entry, item.begin, item.end, l,
-                &c);
-      plan->chunks.push_back(c);
-      plan->chunk_end.push_back(item.end);
-    }
-    launch.num_chunks =
-        static_cast<uint32_t>(plan->chunks.size()) - launch.first_chunk;
-    for (int t = 0; t < 2; ++t) {
-      std::vector<DeviceBlock>& blocks = plan->tables[t].blocks;
-      launch.first_block[t] = static_cast<uint32_t>(blocks.size());
-      AppendBlocks(plan->chunks, launch.first_chunk,
-                   launch.first_chunk + launch.num_chunks,
-                   t == 0 ? UpdateBlockElements(l, options_.chunk_elements)
-                          : options_.chunk_elements * kStatsBlockFactor,
-                   &blocks);
-      launch.num_blocks[t] =
-          static_cast<uint32_t>(blocks.size()) - launch.first_block[t];
-    }
-    plan->launches.push_back(launch);
-  }
+  cuda::BuildDeviceTables(group, options_.chunk_elements, plan.get());
   OPTIMD_RETURN_IF_ERROR(UploadPlan(*plan));
   // Master weights from the parameters (remainders start at zero).
   for (const TensorEntry& t : group.tensors) {
@@ -646,59 +283,30 @@ absl::Status CudaBackend::UpdatePlanEntries(
   if (entries.empty()) return absl::OkStatus();
   auto* plan = PlanOf(group);
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
-  std::vector<std::pair<uint32_t, uint32_t>> ranges;
-  ranges.reserve(entries.size());
-  bool absence_changed = false;
-  for (uint32_t entry : entries) {
-    const TensorPointers p =
-        group.tensors[group.plan.tensor_index[entry]].Pointers();
-    absence_changed |=
-        (p.grad == nullptr) != (group.plan.entries[entry].grad == nullptr);
-    group.plan.entries[entry] = p;
-    const auto [first, end] = plan->entry_chunks[entry];
-    for (uint32_t c = first; c < end; ++c) {
-      FillChunk(p, entry, plan->chunks[c].begin, plan->chunk_end[c],
-                group.plan.layouts[entry], &plan->chunks[c]);
-    }
-    ranges.emplace_back(first, end);
-  }
+  const cuda::TableChanges changes = cuda::RefreshEntries(group, entries, plan);
   // Copies from pageable memory are staged when enqueued, so the host
   // tables may change again at once; stream order puts them after the
   // steps already queued and before the next.
-  ranges = MergeRanges(std::move(ranges), 16);
   auto* chunks_d = reinterpret_cast<DeviceChunk*>(plan->chunks_d.data());
-  for (const auto& [first, end] : ranges) {
+  for (const auto& [first, end] : changes.chunks) {
     OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(
         chunks_d + first, &plan->chunks[first],
         (end - first) * sizeof(DeviceChunk), cudaMemcpyHostToDevice, stream_));
   }
-  // New pointers may change which chunks have tiles, and absent gradients
-  // their element counts: recount the work blocks holding those chunks.
-  for (BlockTable& t : plan->tables) {
-    std::vector<std::pair<uint32_t, uint32_t>> dirty;
-    for (const auto& [first, end] : ranges) {
-      auto b = std::upper_bound(
-          t.blocks.begin(), t.blocks.end(), first,
-          [](uint32_t c, const DeviceBlock& blk) { return c < blk.first; });
-      if (b != t.blocks.begin()) --b;
-      for (; b != t.blocks.end() && b->first < end; ++b) {
-        if (b->end <= first) continue;
-        CountBlock(plan->chunks, &*b);
-        const uint32_t i = static_cast<uint32_t>(b - t.blocks.begin());
-        dirty.emplace_back(i, i + 1);
-      }
-    }
-    auto* blocks_d = reinterpret_cast<DeviceBlock*>(t.blocks_d.data());
-    for (const auto& [first, end] : MergeRanges(std::move(dirty), 16)) {
+  // The work blocks holding those chunks, recounted.
+  for (int t = 0; t < 2; ++t) {
+    const BlockTable& table = plan->tables[t];
+    auto* blocks_d = reinterpret_cast<DeviceBlock*>(table.blocks_d.data());
+    for (const auto& [first, end] : changes.blocks[t]) {
       OPTIMD_RETURN_IF_CUDA_ERROR(
-          cudaMemcpyAsync(blocks_d + first, &t.blocks[first],
+          cudaMemcpyAsync(blocks_d + first, &table.blocks[first],
                           (end - first) * sizeof(DeviceBlock),
                           cudaMemcpyHostToDevice, stream_));
     }
   }
   // The absent list walks every entry: only when some absence changed, so
   // that moved gradients cost the host about their own number.
-  if (absence_changed) OPTIMD_RETURN_IF_ERROR(UploadAbsent(*plan));
+  if (changes.absence_changed) OPTIMD_RETURN_IF_ERROR(UploadAbsent(*plan));
   counters().plan_entry_updates.fetch_add(entries.size(),
                                           std::memory_order_relaxed);
   return absl::OkStatus();
@@ -759,27 +367,6 @@ absl::Status CudaBackend::EnsureScratch(uint32_t groups) {
                           DeviceAlloc(device_, cap * sizeof(cuda::GroupStep)));
   scratch_capacity_ = cap;
   ++scratch_generation_;
-  return absl::OkStatus();
-}
-
-absl::Status CudaBackend::ReadRecord(CudaSession& s, StepRecord& record,
-                                     const std::vector<Group*>& groups,
-                                     StepOutcome* out) {
-  const DeviceGroupState& totals = record.host[0];
-  out->known = true;
-  out->skipped = totals.last_skipped != 0;
-  out->grad_norm = record.statistics
-                       ? std::sqrt(totals.last_sumsq) / record.grad_scale
-                       : std::numeric_limits<double>::quiet_NaN();
-  out->steps_applied = totals.step;
-  out->steps_skipped = totals.skipped;
-  if (record.groups == groups.size()) {
-    for (uint32_t g = 0; g < record.groups; ++g) {
-      groups[g]->step = record.host[1 + g].step;
-    }
-  }
-  s.last = *out;
-  s.last_sequence = record.sequence;
   return absl::OkStatus();
 }
 
@@ -878,82 +465,6 @@ absl::Status CudaBackend::RecycleRecord(CudaSession& s, StepRecord& record,
       OPTIMD_RETURN_IF_ERROR(ReadRecord(s, record, groups, &ignored));
     }
     record.sequence = 0;
-  }
-  return absl::OkStatus();
-}
-
-void CudaBackend::RefreshGraphKey(CudaSession& s,
-                                  const std::vector<Group*>& groups,
-                                  bool statistics, uint32_t* progress) {
-  const uint32_t n = static_cast<uint32_t>(groups.size());
-  const auto key_at = [&](size_t i) -> uint64_t {
-    if (i == 0) return statistics ? 1 : 0;
-    if (i == 1) return scratch_generation_;
-    if (i == 2) return reinterpret_cast<uintptr_t>(progress);
-    const Group* g = groups[(i - 3) / 2];
-    // The plan, and what picks the update kernel beside the plan's layouts.
-    return (i % 2 == 1) ? PlanOf(*g)->id
-                        : (static_cast<uint64_t>(g->hyper.kind) << 1) |
-                              (g->hyper.adamw ? 1 : 0);
-  };
-  const size_t key_size = 3 + 2 * static_cast<size_t>(n);
-  bool same_key = s.graph_key.size() == key_size;
-  for (size_t i = 0; same_key && i < key_size; ++i) {
-    same_key = s.graph_key[i] == key_at(i);
-  }
-  if (!same_key) {
-    for (StepRecord& r : s.records) {
-      if (r.exec != nullptr) cudaGraphExecDestroy(r.exec);
-      r.exec = nullptr;
-    }
-    s.graph_key.resize(key_size);
-    for (size_t i = 0; i < key_size; ++i) s.graph_key[i] = key_at(i);
-  }
-}
-
-absl::Status CudaBackend::FillRecord(StepRecord& record,
-                                     const std::vector<Group*>& groups,
-                                     const StepOptions& options) {
-  const uint32_t n = static_cast<uint32_t>(groups.size());
-  if (record.capacity < n || record.memory == nullptr) {
-    if (record.memory != nullptr) cudaFreeHost(record.memory);
-    record.memory = nullptr;
-    if (record.exec != nullptr) cudaGraphExecDestroy(record.exec);
-    record.exec = nullptr;
-    const uint32_t cap = std::max<uint32_t>(n, 1);
-    OPTIMD_RETURN_IF_CUDA_ERROR(cudaHostAlloc(
-        &record.memory,
-        cap * sizeof(cuda::GroupStep) + (cap + 1) * sizeof(DeviceGroupState),
-        cudaHostAllocMapped));
-    record.args = static_cast<cuda::GroupStep*>(record.memory);
-    record.host = reinterpret_cast<DeviceGroupState*>(record.args + cap);
-    record.capacity = cap;
-  }
-  for (uint32_t g = 0; g < n; ++g) {
-    auto* plan = PlanOf(*groups[g]);
-    const OptimizerHyper& h = groups[g]->hyper;
-    cuda::GroupStep& a = record.args[g];
-    a.hyper = {h.lr,
-               h.beta1,
-               h.beta2,
-               h.eps,
-               h.weight_decay,
-               options.grad_scale,
-               options.max_grad_norm,
-               h.momentum,
-               h.dampening,
-               static_cast<int32_t>(h.kind),
-               h.adamw ? 1 : 0,
-               h.bias_correction ? 1 : 0,
-               h.maximize ? 1 : 0,
-               h.nesterov ? 1 : 0,
-               0};
-    a.partials = reinterpret_cast<const double*>(plan->partials_d.data());
-    a.num_partials = static_cast<uint32_t>(plan->tables[1].blocks.size());
-    a.state = reinterpret_cast<DeviceGroupState*>(plan->state_d.data());
-    a.scalars = reinterpret_cast<cuda::DeviceScalars*>(plan->scalars_d.data());
-    a.absent = reinterpret_cast<const uint32_t*>(plan->absent_d.data());
-    a.missed = reinterpret_cast<uint32_t*>(plan->missed_d.data());
   }
   return absl::OkStatus();
 }
@@ -1101,7 +612,7 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
   OPTIMD_RETURN_IF_ERROR(RecycleRecord(s, record, groups));
   // Graphs built for other groups (or other scratch memory) are stale.
   uint32_t* progress = options.staged ? options.step_flags + 2 : nullptr;
-  RefreshGraphKey(s, groups, statistics, progress);
+  RefreshGraphKey(s, groups, statistics, scratch_generation_, progress);
   OPTIMD_RETURN_IF_ERROR(FillRecord(record, groups, options));
   OPTIMD_RETURN_IF_ERROR(
       LaunchStep(s, groups, record, options, statistics, progress));

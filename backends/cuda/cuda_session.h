@@ -1,0 +1,95 @@
+// The CUDA backend's side of a session: its stream and interprocess events,
+// the pinned step records of the steps in flight, and the key of the step
+// graphs captured for them. Filling and reading records is here; enqueuing
+// and capturing the steps is the backend's (cuda_backend.cc). Not
+// thread-safe: used only by the device's worker.
+#ifndef OPTIMD_BACKENDS_CUDA_CUDA_SESSION_H_
+#define OPTIMD_BACKENDS_CUDA_CUDA_SESSION_H_
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "backends/cuda/nccl_job.h"
+#include "core/backend.h"
+#include "core/buffer.h"
+#include "core/group.h"
+#include "kernels/cuda_step_types.h"
+
+namespace optimd {
+
+// Pinned records, one per step in flight: the step's arguments, which its
+// kernels read, and its counters, which they write, so that a reply can
+// report the last completed step without waiting. A record is reused only
+// after its event has completed.
+struct StepRecord {
+  cudaEvent_t event = nullptr;
+  void* memory = nullptr;                  // cudaHostAlloc'd: args, then host
+  cuda::GroupStep* args = nullptr;         // [g]: group g's step arguments
+  cuda::DeviceGroupState* host = nullptr;  // [0]: session totals, [1+g]: groups
+  uint32_t capacity = 0;                   // groups
+  uint32_t groups = 0;
+  uint64_t sequence = 0;  // 0: never used
+  // How its step was asked for: the norm it reports is unscaled by this
+  // step's own grad_scale (NaN without the statistics pass).
+  double grad_scale = 1;
+  bool statistics = true;
+  // The step's kernels as a CUDA graph bound to this record's memory, for the
+  // session's current groups (CudaSession::graph_key); nullptr until built.
+  cudaGraphExec_t exec = nullptr;
+};
+
+// The backend's side of one session (core's SessionContext). Written only
+// by the backend's methods, on the device's worker.
+class CudaSession : public SessionContext {
+ public:
+  ~CudaSession() override {
+    if (stream != nullptr) cudaStreamSynchronize(stream);
+    for (StepRecord& s : records) {
+      if (s.event != nullptr) cudaEventDestroy(s.event);
+      if (s.memory != nullptr) cudaFreeHost(s.memory);
+      if (s.exec != nullptr) cudaGraphExecDestroy(s.exec);
+    }
+    if (ready != nullptr) cudaEventDestroy(ready);
+    if (done != nullptr) cudaEventDestroy(done);
+  }
+
+  cudaStream_t stream = nullptr;
+  cudaEvent_t ready = nullptr;  // the trainer's, opened by IPC
+  cudaEvent_t done = nullptr;   // ours, exported by IPC
+  StateStorage totals_d;        // DeviceGroupState
+  std::vector<StepRecord> records;
+  uint64_t sequence = 0;
+  StepOutcome last;  // the newest outcome seen complete
+  uint64_t last_sequence = 0;
+  std::vector<uint64_t> last_group_steps;
+  // What the records' graphs were built for: the statistics flag, the
+  // backend's scratch generation, and each group's plan and update flavour.
+  std::vector<uint64_t> graph_key;
+  // The job's ranks agreeing on the device (JoinJob); null otherwise.
+  std::shared_ptr<NcclJob> job;
+};
+
+// The outcome in a completed `record` of session `s`, into *out and s.last;
+// the groups' step counters from it when it was a step of `groups`.
+absl::Status ReadRecord(CudaSession& s, StepRecord& record,
+                        const std::vector<Group*>& groups, StepOutcome* out);
+
+// Drops the step graphs of `s` when the groups, the backend's scratch
+// memory (`scratch_generation`), the statistics flag or the progress word
+// changed (compared in place: no allocation on a step that keeps them).
+void RefreshGraphKey(CudaSession& s, const std::vector<Group*>& groups,
+                     bool statistics, uint64_t scratch_generation,
+                     uint32_t* progress);
+
+// The record's memory (grown to hold `groups`, dropping its graph then) and
+// every group's arguments.
+absl::Status FillRecord(StepRecord& record, const std::vector<Group*>& groups,
+                        const StepOptions& options);
+
+}  // namespace optimd
+
+#endif  // OPTIMD_BACKENDS_CUDA_CUDA_SESSION_H_

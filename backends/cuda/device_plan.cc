@@ -1,0 +1,239 @@
+#include "backends/cuda/device_plan.h"
+
+#include <algorithm>
+#include <map>
+#include <utility>
+#include <vector>
+
+namespace optimd {
+namespace cuda {
+namespace {
+
+// Ranges of table rows at most this many rows apart are copied as one.
+constexpr uint32_t kCopyGap = 16;
+
+// A chunk's stream pointers: its tensor's.
+void SetStreams(const TensorPointers& p, DeviceChunk* c) {
+  c->param = p.param;
+  c->grad = p.grad;
+  c->master = p.master;
+  for (int k = 0; k < kDeviceStateSlots; ++k) c->state[k] = p.state[k];
+}
+
+// Chunk [begin, end) of a tensor with pointers `p`. A tensor without a
+// gradient keeps its chunks with no elements, so every kernel passes over
+// them (and the work blocks' shapes, hence the step graphs, stay the same).
+void FillChunk(const TensorPointers& p, uint32_t entry, uint64_t begin,
+               uint64_t end, const Layout& layout, DeviceChunk* c) {
+  SetStreams(p, c);
+  c->entry = entry;
+  c->begin = begin;
+  c->end = p.grad == nullptr ? begin : end;
+  c->tiles = ChunkTiles(*c, layout);
+}
+
+// Sorted, merged [first, end) ranges; ranges at most `gap` apart are joined,
+// so that a few copies carry many small changes.
+std::vector<std::pair<uint32_t, uint32_t>> MergeRanges(
+    std::vector<std::pair<uint32_t, uint32_t>> ranges, uint32_t gap) {
+  std::sort(ranges.begin(), ranges.end());
+  std::vector<std::pair<uint32_t, uint32_t>> out;
+  for (const auto& r : ranges) {
+    if (r.first >= r.second) continue;
+    if (!out.empty() && r.first <= out.back().second + gap) {
+      out.back().second = std::max(out.back().second, r.second);
+    } else {
+      out.push_back(r);
+    }
+  }
+  return out;
+}
+
+// Appends launch `launch` (its layout and stage set) over plan items
+// `items`, all of that layout and stage: their chunks, and the work blocks
+// over those chunks in both tables.
+void AppendLaunch(const Plan& host, const std::vector<uint32_t>& items,
+                  uint64_t chunk_elements, Launch launch, DevicePlan* plan) {
+  const Layout& l = launch.layout;
+  launch.first_chunk = static_cast<uint32_t>(plan->chunks.size());
+  for (uint32_t i : items) {
+    const PlanItem& item = host.items[i];
+    const uint32_t index = static_cast<uint32_t>(plan->chunks.size());
+    auto& range = plan->entry_chunks[item.entry];
+    if (range.first == range.second) range.first = index;
+    range.second = index + 1;
+    DeviceChunk c{};
+    FillChunk(host.entries[item.entry], item.entry, item.begin, item.end, l,
+              &c);
+    plan->chunks.push_back(c);
+    plan->chunk_end.push_back(item.end);
+  }
+  launch.num_chunks =
+      static_cast<uint32_t>(plan->chunks.size()) - launch.first_chunk;
+  for (int t = 0; t < 2; ++t) {
+    std::vector<DeviceBlock>& blocks = plan->tables[t].blocks;
+    launch.first_block[t] = static_cast<uint32_t>(blocks.size());
+    AppendBlocks(plan->chunks, launch.first_chunk,
+                 launch.first_chunk + launch.num_chunks,
+                 t == 0 ? UpdateBlockElements(l, chunk_elements)
+                        : chunk_elements * kStatsBlockFactor,
+                 &blocks);
+    launch.num_blocks[t] =
+        static_cast<uint32_t>(blocks.size()) - launch.first_block[t];
+  }
+  plan->launches.push_back(launch);
+}
+
+// Recounts the blocks of `blocks` that hold chunks of `ranges` (sorted,
+// merged); returns the recounted blocks' merged index ranges.
+std::vector<std::pair<uint32_t, uint32_t>> RecountBlocks(
+    const std::vector<DeviceChunk>& chunks,
+    const std::vector<std::pair<uint32_t, uint32_t>>& ranges,
+    std::vector<DeviceBlock>* blocks) {
+  std::vector<std::pair<uint32_t, uint32_t>> dirty;
+  for (const auto& [first, end] : ranges) {
+    auto b = std::upper_bound(
+        blocks->begin(), blocks->end(), first,
+        [](uint32_t c, const DeviceBlock& blk) { return c < blk.first; });
+    if (b != blocks->begin()) --b;
+    for (; b != blocks->end() && b->first < end; ++b) {
+      if (b->end <= first) continue;
+      CountBlock(chunks, &*b);
+      const uint32_t i = static_cast<uint32_t>(b - blocks->begin());
+      dirty.emplace_back(i, i + 1);
+    }
+  }
+  return MergeRanges(std::move(dirty), kCopyGap);
+}
+
+}  // namespace
+
+uint64_t UpdateBlockElements(const Layout& l, uint64_t chunk_elements) {
+  return DTypeSize(l.moment_dtype) == 2 ? 2 * chunk_elements : chunk_elements;
+}
+
+void BuildDeviceTables(const Group& group, uint64_t chunk_elements,
+                       DevicePlan* plan) {
+  const Plan& host = group.plan;
+  plan->entry_chunks.assign(host.entries.size(), {0, 0});
+  // One launch per distinct (stage, layout), by stage, then by the
+  // layout's first appearance; each covers all the chunks of its pair.
+  std::vector<Layout> layouts;
+  std::vector<uint32_t> layout_of(host.entries.size());
+  for (uint32_t e = 0; e < host.entries.size(); ++e) {
+    auto it = std::find(layouts.begin(), layouts.end(), host.layouts[e]);
+    if (it == layouts.end()) it = layouts.insert(it, host.layouts[e]);
+    layout_of[e] = static_cast<uint32_t>(it - layouts.begin());
+  }
+  const auto kind_of = [&](uint32_t entry) -> uint64_t {
+    return group.tensors[host.tensor_index[entry]].stage * layouts.size() +
+           layout_of[entry];
+  };
+  std::map<uint64_t, std::vector<uint32_t>> items_of_kind;
+  for (uint32_t i = 0; i < host.items.size(); ++i) {
+    items_of_kind[kind_of(host.items[i].entry)].push_back(i);
+  }
+  for (const auto& [kind, items] : items_of_kind) {
+    Launch launch;
+    launch.layout = layouts[kind % layouts.size()];
+    launch.stage = static_cast<uint32_t>(kind / layouts.size());
+    AppendLaunch(host, items, chunk_elements, launch, plan);
+  }
+}
+
+TableChanges RefreshEntries(Group& group, const std::vector<uint32_t>& entries,
+                            DevicePlan* plan) {
+  TableChanges changes;
+  std::vector<std::pair<uint32_t, uint32_t>> ranges;
+  ranges.reserve(entries.size());
+  for (uint32_t entry : entries) {
+    const TensorPointers p =
+        group.tensors[group.plan.tensor_index[entry]].Pointers();
+    changes.absence_changed |=
+        (p.grad == nullptr) != (group.plan.entries[entry].grad == nullptr);
+    group.plan.entries[entry] = p;
+    const auto [first, end] = plan->entry_chunks[entry];
+    for (uint32_t c = first; c < end; ++c) {
+      FillChunk(p, entry, plan->chunks[c].begin, plan->chunk_end[c],
+                group.plan.layouts[entry], &plan->chunks[c]);
+    }
+    ranges.emplace_back(first, end);
+  }
+  changes.chunks = MergeRanges(std::move(ranges), kCopyGap);
+  // New pointers may change which chunks have tiles, and absent gradients
+  // their element counts: recount the work blocks holding those chunks.
+  for (int t = 0; t < 2; ++t) {
+    changes.blocks[t] =
+        RecountBlocks(plan->chunks, changes.chunks, &plan->tables[t].blocks);
+  }
+  return changes;
+}
+
+std::vector<uint32_t> AbsentEntries(const DevicePlan& plan) {
+  std::vector<uint32_t> absent = {0};
+  for (uint32_t e = 0; e < plan.entry_chunks.size(); ++e) {
+    const auto [first, end] = plan.entry_chunks[e];
+    if (first < end && plan.chunks[first].grad == nullptr) {
+      absent.push_back(e);
+    }
+  }
+  absent[0] = static_cast<uint32_t>(absent.size() - 1);
+  return absent;
+}
+
+Work LaunchWork(const DevicePlan& plan, const Launch& launch, int table) {
+  Work w;
+  w.blocks =
+      reinterpret_cast<const DeviceBlock*>(plan.tables[table].blocks_d.data()) +
+      launch.first_block[table];
+  w.num_blocks = launch.num_blocks[table];
+  w.chunks = reinterpret_cast<const DeviceChunk*>(plan.chunks_d.data());
+  w.missed = reinterpret_cast<const uint32_t*>(plan.missed_d.data());
+  return w;
+}
+
+uint32_t ChunkTiles(const DeviceChunk& chunk, const Layout& layout) {
+  auto aligned = [&](const void* p, uint64_t esize) {
+    if (p == nullptr) return true;
+    return (reinterpret_cast<uint64_t>(p) + chunk.begin * esize) % 16 == 0;
+  };
+  const uint64_t xs = layout.MasterBytesPerElement();
+  const uint64_t ms = DTypeSize(layout.moment_dtype);
+  bool vector = aligned(chunk.param, DTypeSize(layout.param_dtype)) &&
+                aligned(chunk.grad, DTypeSize(layout.grad_dtype)) &&
+                (xs == 0 || aligned(chunk.master, xs));
+  for (const void* slot : chunk.state) vector = vector && aligned(slot, ms);
+  return vector
+             ? static_cast<uint32_t>((chunk.end - chunk.begin) / kTileElements)
+             : 0;
+}
+
+void CountBlock(const std::vector<DeviceChunk>& chunks, DeviceBlock* b) {
+  b->tiles = 0;
+  b->scalars = 0;
+  for (uint32_t c = b->first; c < b->end; ++c) {
+    b->tiles += chunks[c].tiles;
+    b->scalars += static_cast<uint32_t>(chunks[c].end - chunks[c].begin) -
+                  chunks[c].tiles * kTileElements;
+  }
+}
+
+void AppendBlocks(const std::vector<DeviceChunk>& chunks, uint32_t first,
+                  uint32_t end, uint64_t target,
+                  std::vector<DeviceBlock>* out) {
+  const size_t start = out->size();
+  uint64_t in_block = 0;
+  for (uint32_t c = first; c < end; ++c) {
+    if (out->size() == start || in_block >= target ||
+        out->back().end - out->back().first >= kMaxChunksPerBlock) {
+      out->push_back({c, c, 0, 0});
+      in_block = 0;
+    }
+    out->back().end = c + 1;
+    in_block += chunks[c].end - chunks[c].begin;
+  }
+  for (size_t b = start; b < out->size(); ++b) CountBlock(chunks, &(*out)[b]);
+}
+
+}  // namespace cuda
+}  // namespace optimd

@@ -1,0 +1,120 @@
+// The CUDA backend's plan of a group, as the host builds it: the group's
+// plan items as a chunk table (kernels/cuda_step_types.h), work blocks over
+// the chunks, and one launch per (stage, layout), with the device copies of
+// those tables beside them. Building and refreshing the host tables makes
+// no CUDA call; the backend uploads them (cuda_backend.cc). Plain C++: no
+// CUDA headers, so that the builder is tested on machines without a GPU.
+// Not thread-safe: a plan is built and changed only under its session's
+// lock (core/group.h).
+#ifndef OPTIMD_BACKENDS_CUDA_DEVICE_PLAN_H_
+#define OPTIMD_BACKENDS_CUDA_DEVICE_PLAN_H_
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "core/buffer.h"
+#include "core/group.h"
+#include "core/layout.h"
+#include "core/step_types.h"
+#include "kernels/cuda_step_types.h"
+
+namespace optimd {
+namespace cuda {
+
+// Work blocks over chunks of one layout. The update's work blocks hold
+// about chunk_elements elements, twice that with 16-bit moments (fewer bytes
+// per element); the statistics pass, which reads one stream where the
+// update reads four or more, walks work blocks kStatsBlockFactor times
+// larger, so that starting a thread block costs it as little relative to
+// its bytes. All three measured on the H200 (bench/RESULTS.md).
+struct BlockTable {
+  std::vector<DeviceBlock> blocks;
+  StateStorage blocks_d;
+};
+constexpr uint64_t kStatsBlockFactor = 8;
+
+uint64_t UpdateBlockElements(const Layout& l, uint64_t chunk_elements);
+
+// One kernel launch of a step: the chunks of the plan's tensors of one
+// (stage, layout) pair, and their work blocks in each block table.
+struct Launch {
+  Layout layout;
+  uint32_t stage = 0;  // of its tensors (TensorEntry::stage)
+  uint32_t first_chunk = 0;
+  uint32_t num_chunks = 0;
+  uint32_t first_block[2] = {0, 0};  // [0]: update, [1]: statistics
+  uint32_t num_blocks[2] = {0, 0};
+};
+
+// The device-resident plan of one group. chunks: as in device memory;
+// chunk_end[c]: the end of chunk c's element range (its `end` is `begin`
+// while its tensor has no gradient); entry_chunks[e]: the chunks [first,
+// end) of plan entry e, consecutive since an entry has one layout;
+// tables[0]: the update's work blocks, tables[1]: the statistics pass's
+// (one partial sum each).
+struct DevicePlan : BackendPlan {
+  uint64_t id = 0;  // unique within the backend
+  std::vector<DeviceChunk> chunks;
+  std::vector<uint64_t> chunk_end;
+  std::vector<std::pair<uint32_t, uint32_t>> entry_chunks;
+  std::vector<Launch> launches;
+  BlockTable tables[2];
+  StateStorage chunks_d, partials_d, state_d, scalars_d;
+  // Per entry, the group's applied steps it missed (no gradient); advanced
+  // by the commit kernel for the entries listed in absent_d ([0]: count,
+  // then entries), whose host copy is `absent`.
+  StateStorage missed_d, absent_d;
+  std::vector<uint32_t> absent;
+};
+
+// The CUDA plan of `group`: PrepareGroup sets it on every group this
+// backend steps, and no other backend sees those groups.
+inline DevicePlan* PlanOf(const Group& group) {
+  return static_cast<DevicePlan*>(group.backend_plan.get());
+}
+
+// Fills the host tables of `plan` (chunks, chunk_end, entry_chunks,
+// launches, the blocks of both tables) from `group.plan`, which BuildPlan
+// made with the same `chunk_elements`.
+void BuildDeviceTables(const Group& group, uint64_t chunk_elements,
+                       DevicePlan* plan);
+
+// What RefreshEntries changed in a plan's host tables: sorted, merged
+// [first, end) ranges of plan.chunks and of each table's blocks, for the
+// copies that bring the device's tables up to date, and whether some entry
+// gained or lost its gradient (the absent list then changes).
+struct TableChanges {
+  std::vector<std::pair<uint32_t, uint32_t>> chunks;
+  std::vector<std::pair<uint32_t, uint32_t>> blocks[2];
+  bool absence_changed = false;
+};
+
+// Points plan entries `entries` of `group` (group.plan.entries and the
+// chunks of `plan`) at their tensors' current buffers, and recounts the
+// work blocks holding their chunks.
+TableChanges RefreshEntries(Group& group, const std::vector<uint32_t>& entries,
+                            DevicePlan* plan);
+
+// The plan's entries without a gradient: [0] their count, then the entries.
+std::vector<uint32_t> AbsentEntries(const DevicePlan& plan);
+
+// The work of one launch over block table `table`, in the device copies.
+Work LaunchWork(const DevicePlan& plan, const Launch& launch, int table);
+
+// The pieces of the builder, each checked by device_plan_test.
+// Tiles of a chunk: whole tiles when every stream is 16-byte aligned at
+// the chunk's first element (tiles access them in 8- or 16-byte pieces),
+// else none.
+uint32_t ChunkTiles(const DeviceChunk& chunk, const Layout& layout);
+// A block's totals from its chunks.
+void CountBlock(const std::vector<DeviceChunk>& chunks, DeviceBlock* b);
+// Appends work blocks over chunks [first, end): consecutive chunks of about
+// `target` elements in all, and at most kMaxChunksPerBlock of them.
+void AppendBlocks(const std::vector<DeviceChunk>& chunks, uint32_t first,
+                  uint32_t end, uint64_t target, std::vector<DeviceBlock>* out);
+
+}  // namespace cuda
+}  // namespace optimd
+
+#endif  // OPTIMD_BACKENDS_CUDA_DEVICE_PLAN_H_

@@ -1,0 +1,422 @@
+#include "backends/cuda/device_plan.h"
+
+#include <cstdint>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/group.h"
+#include "core/layout.h"
+#include "gtest/gtest.h"
+#include "kernels/cuda_step_types.h"
+
+namespace optimd {
+namespace cuda {
+namespace {
+
+// The builder only computes with buffer addresses, never reads them, so the
+// tensors here point at made-up addresses chosen for their alignment.
+constexpr uint64_t kStreamSpan = uint64_t{1} << 20;  // bytes per stream
+constexpr uint64_t kTensorSpan = 8 * kStreamSpan;    // param .. state[2]
+constexpr uintptr_t kFirstAddress = uintptr_t{1} << 32;
+
+Layout MakeLayout(DType param, DType grad, DType moments, MasterKind master,
+                  OptimizerKind optimizer, uint8_t slots) {
+  Layout l;
+  l.param_dtype = param;
+  l.grad_dtype = grad;
+  l.moment_dtype = moments;
+  l.master = master;
+  l.optimizer = optimizer;
+  l.state_slots = slots;
+  return l;
+}
+
+const Layout kFp32 =
+    MakeLayout(DType::kFloat32, DType::kFloat32, DType::kFloat32,
+               MasterKind::kNone, OptimizerKind::kAdamW, 2);
+const Layout kBf16Master =
+    MakeLayout(DType::kBFloat16, DType::kBFloat16, DType::kBFloat16,
+               MasterKind::kFp32, OptimizerKind::kAdamW, 2);
+const Layout kRemainderAmsgrad =
+    MakeLayout(DType::kBFloat16, DType::kFloat32, DType::kFloat32,
+               MasterKind::kRemainder, OptimizerKind::kAdamW, 3);
+const Layout kSgd =
+    MakeLayout(DType::kFloat32, DType::kFloat32, DType::kFloat32,
+               MasterKind::kNone, OptimizerKind::kSgd, 1);
+
+uint8_t* At(uintptr_t address) { return reinterpret_cast<uint8_t*>(address); }
+
+// What a test tensor looks like: `misalign` bytes are added to its
+// parameter's address (so that its chunks have no tiles unless it is 0).
+struct TensorShape {
+  uint64_t numel = 0;
+  Layout layout = kFp32;
+  uint32_t stage = 0;
+  bool grad_absent = false;
+  bool frozen = false;
+  uint32_t misalign = 0;
+};
+
+// Tensor `index` of a group: its buffers at made-up addresses of their own.
+TensorEntry MakeTensor(uint32_t index, const TensorShape& shape) {
+  TensorEntry t;
+  t.name = "t" + std::to_string(index);
+  t.numel = shape.numel;
+  t.layout = shape.layout;
+  t.stage = shape.stage;
+  t.grad_absent = shape.grad_absent;
+  t.frozen = shape.frozen;
+  if (shape.numel == 0) return t;
+  const uintptr_t base = kFirstAddress + index * kTensorSpan;
+  t.param.data = At(base + shape.misalign);
+  t.param.size = shape.numel * DTypeSize(shape.layout.param_dtype);
+  if (shape.frozen) return t;
+  t.grad.data = At(base + kStreamSpan);
+  t.grad.size = shape.numel * DTypeSize(shape.layout.grad_dtype);
+  const uint64_t master_bytes = shape.layout.MasterBytesPerElement();
+  if (master_bytes > 0) {
+    t.master =
+        StateSlice(At(base + 2 * kStreamSpan), shape.numel * master_bytes);
+  }
+  for (int s = 0; s < shape.layout.state_slots; ++s) {
+    t.state[s] = StateSlice(At(base + (3 + s) * kStreamSpan),
+                            shape.numel * shape.layout.MomentBytesPerElement());
+  }
+  return t;
+}
+
+Group MakeGroup(const std::vector<TensorShape>& shapes,
+                uint64_t chunk_elements) {
+  Group g;
+  g.id = "g";
+  for (uint32_t i = 0; i < shapes.size(); ++i) {
+    EXPECT_LE(shapes[i].numel * 4, kStreamSpan) << "tensors overlap";
+    g.tensors.push_back(MakeTensor(i, shapes[i]));
+  }
+  g.IndexTensors();
+  BuildPlan(g, chunk_elements);
+  return g;
+}
+
+DevicePlan MakePlan(const Group& g, uint64_t chunk_elements) {
+  DevicePlan plan;
+  BuildDeviceTables(g, chunk_elements, &plan);
+  return plan;
+}
+
+bool Aligned(const void* p, uint64_t begin, uint64_t element_size) {
+  return p == nullptr ||
+         (reinterpret_cast<uintptr_t>(p) + begin * element_size) % 16 == 0;
+}
+
+// The tiles a chunk must have: all its whole tiles when every stream is
+// 16-byte aligned at its first element, none otherwise.
+uint32_t ExpectedTiles(const DeviceChunk& c, const Layout& l) {
+  bool aligned = Aligned(c.param, c.begin, DTypeSize(l.param_dtype)) &&
+                 Aligned(c.grad, c.begin, DTypeSize(l.grad_dtype)) &&
+                 (l.MasterBytesPerElement() == 0 ||
+                  Aligned(c.master, c.begin, l.MasterBytesPerElement()));
+  for (const void* s : c.state) {
+    aligned = aligned && Aligned(s, c.begin, DTypeSize(l.moment_dtype));
+  }
+  return aligned ? static_cast<uint32_t>((c.end - c.begin) / kTileElements) : 0;
+}
+
+// Every element of every steppable tensor lies in exactly one chunk of its
+// entry; each chunk carries its tensor's current pointers, no elements
+// while the tensor has no gradient, and the tiles its alignment allows.
+void CheckChunks(const Group& g, const DevicePlan& plan,
+                 uint64_t chunk_elements) {
+  const Plan& host = g.plan;
+  ASSERT_EQ(plan.chunks.size(), host.items.size());
+  ASSERT_EQ(plan.chunk_end.size(), plan.chunks.size());
+  ASSERT_EQ(plan.entry_chunks.size(), host.entries.size());
+  std::vector<int> owners(plan.chunks.size(), 0);
+  for (uint32_t e = 0; e < host.entries.size(); ++e) {
+    const TensorEntry& t = g.tensors[host.tensor_index[e]];
+    const TensorPointers p = t.Pointers();
+    const auto [first, end] = plan.entry_chunks[e];
+    ASSERT_LT(first, end) << "entry " << e << " has no chunks";
+    uint64_t next = 0;  // the first element not yet covered
+    for (uint32_t c = first; c < end; ++c) {
+      const DeviceChunk& chunk = plan.chunks[c];
+      ++owners[c];
+      EXPECT_EQ(chunk.entry, e);
+      EXPECT_EQ(chunk.begin, next) << "a gap or an overlap in entry " << e;
+      EXPECT_GT(plan.chunk_end[c], chunk.begin);
+      EXPECT_LE(plan.chunk_end[c] - chunk.begin, chunk_elements);
+      next = plan.chunk_end[c];
+      EXPECT_EQ(chunk.param, p.param);
+      EXPECT_EQ(chunk.grad, p.grad);
+      EXPECT_EQ(chunk.master, p.master);
+      for (int s = 0; s < kDeviceStateSlots; ++s) {
+        EXPECT_EQ(chunk.state[s], p.state[s]);
+      }
+      EXPECT_EQ(chunk.end, t.grad_absent ? chunk.begin : plan.chunk_end[c]);
+      EXPECT_EQ(chunk.tiles, ExpectedTiles(chunk, t.layout));
+    }
+    EXPECT_EQ(next, t.numel) << "entry " << e << " not covered to its end";
+  }
+  for (uint32_t c = 0; c < owners.size(); ++c) {
+    EXPECT_EQ(owners[c], 1)
+        << "chunk " << c << " in " << owners[c] << " entries";
+  }
+}
+
+// The launches cover the chunk table in order, one per distinct (stage,
+// layout), sorted by stage, each over chunks of its own stage and layout.
+void CheckLaunches(const Group& g, const DevicePlan& plan) {
+  uint32_t next_chunk = 0;
+  uint32_t last_stage = 0;
+  std::set<std::pair<uint32_t, std::string>> kinds;
+  for (const Launch& launch : plan.launches) {
+    EXPECT_EQ(launch.first_chunk, next_chunk);
+    EXPECT_GT(launch.num_chunks, 0u);
+    EXPECT_GE(launch.stage, last_stage) << "launches not sorted by stage";
+    last_stage = launch.stage;
+    EXPECT_TRUE(kinds.emplace(launch.stage, launch.layout.DebugString()).second)
+        << "two launches of stage " << launch.stage << " and layout "
+        << launch.layout.DebugString();
+    for (uint32_t c = launch.first_chunk;
+         c < launch.first_chunk + launch.num_chunks; ++c) {
+      const uint32_t entry = plan.chunks[c].entry;
+      EXPECT_TRUE(g.plan.layouts[entry] == launch.layout);
+      EXPECT_EQ(g.tensors[g.plan.tensor_index[entry]].stage, launch.stage);
+    }
+    next_chunk = launch.first_chunk + launch.num_chunks;
+  }
+  EXPECT_EQ(next_chunk, plan.chunks.size());
+}
+
+// Each table's blocks split each launch's chunks into consecutive runs of
+// at most kMaxChunksPerBlock chunks whose tile and scalar counts are the
+// sums of their chunks'. With `sized`, also that each block is the
+// shortest run reaching the table's target size or kMaxChunksPerBlock
+// chunks (true as built; a refresh keeps the blocks' shapes).
+void CheckBlocks(const DevicePlan& plan, uint64_t chunk_elements, bool sized) {
+  for (int t = 0; t < 2; ++t) {
+    const std::vector<DeviceBlock>& blocks = plan.tables[t].blocks;
+    uint32_t next_block = 0;
+    for (const Launch& launch : plan.launches) {
+      const uint64_t target =
+          t == 0 ? UpdateBlockElements(launch.layout, chunk_elements)
+                 : chunk_elements * kStatsBlockFactor;
+      EXPECT_EQ(launch.first_block[t], next_block);
+      EXPECT_GT(launch.num_blocks[t], 0u);
+      uint32_t next_chunk = launch.first_chunk;
+      const uint32_t end_block = launch.first_block[t] + launch.num_blocks[t];
+      ASSERT_LE(end_block, blocks.size());
+      for (uint32_t b = launch.first_block[t]; b < end_block; ++b) {
+        const DeviceBlock& block = blocks[b];
+        EXPECT_EQ(block.first, next_chunk);
+        EXPECT_GT(block.end, block.first);
+        EXPECT_LE(block.end - block.first, kMaxChunksPerBlock);
+        uint64_t tiles = 0, scalars = 0, elements = 0, before_last = 0;
+        for (uint32_t c = block.first; c < block.end; ++c) {
+          const DeviceChunk& chunk = plan.chunks[c];
+          before_last = elements;
+          elements += chunk.end - chunk.begin;
+          tiles += chunk.tiles;
+          scalars += chunk.end - chunk.begin - chunk.tiles * kTileElements;
+        }
+        EXPECT_EQ(block.tiles, tiles) << "table " << t << " block " << b;
+        EXPECT_EQ(block.scalars, scalars) << "table " << t << " block " << b;
+        if (sized) {
+          EXPECT_LT(before_last, target) << "block " << b << " too large";
+          if (b + 1 < end_block &&
+              block.end - block.first < kMaxChunksPerBlock) {
+            EXPECT_GE(elements, target) << "block " << b << " closed early";
+          }
+        }
+        next_chunk = block.end;
+      }
+      EXPECT_EQ(next_chunk, launch.first_chunk + launch.num_chunks);
+      next_block = end_block;
+    }
+    EXPECT_EQ(next_block, blocks.size()) << "table " << t;
+  }
+}
+
+// Lists the entries whose tensors have no gradient, after their count.
+void CheckAbsent(const Group& g, const DevicePlan& plan) {
+  std::vector<uint32_t> expected = {0};
+  for (uint32_t e = 0; e < g.plan.entries.size(); ++e) {
+    if (g.tensors[g.plan.tensor_index[e]].grad_absent) expected.push_back(e);
+  }
+  expected[0] = static_cast<uint32_t>(expected.size() - 1);
+  EXPECT_EQ(AbsentEntries(plan), expected);
+}
+
+void CheckPlan(const Group& g, const DevicePlan& plan, uint64_t chunk_elements,
+               bool sized = true) {
+  CheckChunks(g, plan, chunk_elements);
+  CheckLaunches(g, plan);
+  CheckBlocks(plan, chunk_elements, sized);
+  CheckAbsent(g, plan);
+}
+
+TEST(DevicePlanTest, NoSteppableTensors) {
+  std::vector<TensorShape> shapes(3);
+  shapes[0].numel = 0;
+  shapes[1].numel = 1000;
+  shapes[1].frozen = true;
+  shapes[2].numel = 0;
+  shapes[2].layout = kSgd;
+  const Group g = MakeGroup(shapes, 4096);
+  const DevicePlan plan = MakePlan(g, 4096);
+  EXPECT_TRUE(plan.chunks.empty());
+  EXPECT_TRUE(plan.launches.empty());
+  EXPECT_TRUE(plan.tables[0].blocks.empty());
+  EXPECT_TRUE(plan.tables[1].blocks.empty());
+  CheckPlan(g, plan, 4096);
+}
+
+TEST(DevicePlanTest, LargeTensorsSplitIntoChunks) {
+  for (uint64_t chunk : {uint64_t{256}, uint64_t{4096}}) {
+    SCOPED_TRACE(chunk);
+    std::vector<TensorShape> shapes(4);
+    shapes[0].numel = 10 * chunk;       // whole chunks
+    shapes[1].numel = 10 * chunk + 17;  // a scalar tail
+    shapes[2].numel = 3 * chunk + 300;  // tiles and scalars in the tail
+    shapes[3].numel = 5 * chunk + 1;
+    shapes[3].misalign = 4;  // no tiles at all
+    const Group g = MakeGroup(shapes, chunk);
+    const DevicePlan plan = MakePlan(g, chunk);
+    CheckPlan(g, plan, chunk);
+    ASSERT_EQ(plan.launches.size(), 1u);
+    const auto [first, end] = plan.entry_chunks[3];
+    for (uint32_t c = first; c < end; ++c) EXPECT_EQ(plan.chunks[c].tiles, 0u);
+    EXPECT_EQ(plan.chunks[plan.entry_chunks[0].first].tiles,
+              chunk / kTileElements);
+  }
+}
+
+TEST(DevicePlanTest, ManySmallTensorsShareWorkBlocks) {
+  std::vector<TensorShape> shapes;
+  for (uint32_t i = 0; i < 2000; ++i) {
+    TensorShape s;
+    s.numel = 1 + (i * 37) % 700;  // mostly below one tile
+    s.misalign = (i % 5 == 0) ? 8 : 0;
+    shapes.push_back(s);
+  }
+  const Group g = MakeGroup(shapes, 4096);
+  const DevicePlan plan = MakePlan(g, 4096);
+  CheckPlan(g, plan, 4096);
+  // Work blocks full by chunk count, not by elements, exist.
+  bool full = false;
+  for (const DeviceBlock& b : plan.tables[1].blocks) {
+    full |= b.end - b.first == kMaxChunksPerBlock;
+  }
+  EXPECT_TRUE(full);
+}
+
+TEST(DevicePlanTest, OneLaunchPerStageAndLayout) {
+  const Layout layouts[] = {kFp32, kBf16Master, kRemainderAmsgrad, kSgd};
+  std::vector<TensorShape> shapes;
+  for (uint32_t i = 0; i < 60; ++i) {
+    TensorShape s;
+    s.numel = 100 + (i * 1237) % 20000;
+    s.layout = layouts[i % 4];  // layouts and stages interleaved
+    s.stage = (i / 4) % 3;
+    s.misalign = (i % 7 == 3) ? 2 : 0;
+    shapes.push_back(s);
+  }
+  const Group g = MakeGroup(shapes, 4096);
+  const DevicePlan plan = MakePlan(g, 4096);
+  CheckPlan(g, plan, 4096);
+  EXPECT_EQ(plan.launches.size(), 12u);  // 3 stages x 4 layouts
+  // 16-bit moments: update blocks twice as large.
+  EXPECT_EQ(UpdateBlockElements(kBf16Master, 4096), 8192u);
+  EXPECT_EQ(UpdateBlockElements(kFp32, 4096), 4096u);
+}
+
+TEST(DevicePlanTest, AbsentGradientsHaveEmptyChunks) {
+  std::vector<TensorShape> shapes;
+  for (uint32_t i = 0; i < 40; ++i) {
+    TensorShape s;
+    s.numel = 300 + i * 500;
+    s.grad_absent = i % 3 == 1;
+    s.frozen = i % 11 == 5;
+    shapes.push_back(s);
+  }
+  const Group g = MakeGroup(shapes, 4096);
+  const DevicePlan plan = MakePlan(g, 4096);
+  CheckPlan(g, plan, 4096);
+  const std::vector<uint32_t> absent = AbsentEntries(plan);
+  ASSERT_GT(absent[0], 0u);
+  for (uint32_t k = 1; k < absent.size(); ++k) {
+    const auto [first, end] = plan.entry_chunks[absent[k]];
+    for (uint32_t c = first; c < end; ++c) {
+      EXPECT_EQ(plan.chunks[c].end, plan.chunks[c].begin);
+      EXPECT_EQ(plan.chunks[c].tiles, 0u);
+    }
+  }
+}
+
+// Moves some tensors' buffers and gradients, as Session::UpdateBuffers
+// does, and refreshes their entries.
+TEST(DevicePlanTest, RefreshedEntriesMatchTheirTensors) {
+  std::vector<TensorShape> shapes;
+  for (uint32_t i = 0; i < 300; ++i) {
+    TensorShape s;
+    s.numel = 50 + (i * 389) % 9000;
+    s.layout = i % 2 == 0 ? kFp32 : kBf16Master;
+    s.grad_absent = i % 10 == 3;
+    shapes.push_back(s);
+  }
+  Group g = MakeGroup(shapes, 4096);
+  DevicePlan plan = MakePlan(g, 4096);
+  const std::vector<DeviceBlock> blocks_before = plan.tables[0].blocks;
+  std::vector<uint32_t> moved;
+  for (uint32_t i = 0; i < shapes.size(); i += 7) {
+    TensorEntry& t = g.tensors[i];
+    t.param.data += (i % 3 == 0) ? 4 : 16;  // some lose their tiles
+    t.grad_absent = !t.grad_absent;
+    moved.push_back(g.plan.entry_of_tensor[i]);
+  }
+  const TableChanges changes = RefreshEntries(g, moved, &plan);
+  EXPECT_TRUE(changes.absence_changed);
+  for (uint32_t e = 0; e < g.plan.entries.size(); ++e) {
+    EXPECT_EQ(g.plan.entries[e].param,
+              g.tensors[g.plan.tensor_index[e]].Pointers().param);
+  }
+  CheckPlan(g, plan, 4096, /*sized=*/false);
+  // Shapes kept: the step graphs stay valid.
+  ASSERT_EQ(plan.tables[0].blocks.size(), blocks_before.size());
+  for (size_t b = 0; b < blocks_before.size(); ++b) {
+    EXPECT_EQ(plan.tables[0].blocks[b].first, blocks_before[b].first);
+    EXPECT_EQ(plan.tables[0].blocks[b].end, blocks_before[b].end);
+  }
+  // The copies cover every moved entry's chunks and the blocks over them.
+  auto covered = [](const std::vector<std::pair<uint32_t, uint32_t>>& ranges,
+                    uint32_t i) {
+    for (const auto& [first, end] : ranges) {
+      if (first <= i && i < end) return true;
+    }
+    return false;
+  };
+  for (uint32_t e : moved) {
+    const auto [first, end] = plan.entry_chunks[e];
+    for (uint32_t c = first; c < end; ++c) {
+      EXPECT_TRUE(covered(changes.chunks, c)) << "chunk " << c;
+      for (int t = 0; t < 2; ++t) {
+        const std::vector<DeviceBlock>& blocks = plan.tables[t].blocks;
+        for (uint32_t b = 0; b < blocks.size(); ++b) {
+          if (blocks[b].first <= c && c < blocks[b].end) {
+            EXPECT_TRUE(covered(changes.blocks[t], b))
+                << "table " << t << " block " << b;
+          }
+        }
+      }
+    }
+  }
+  // Pointers alone: no absence changes.
+  const TableChanges same = RefreshEntries(g, moved, &plan);
+  EXPECT_FALSE(same.absence_changed);
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace optimd
