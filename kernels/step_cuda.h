@@ -39,7 +39,7 @@ namespace cuda {
 // One partial sum of squares per work block: partials[b] for blocks[b],
 // each summed in a fixed order (the same total on every run of the same
 // plan). The statistics pass reads one stream where the update reads four
-// or more, so its work blocks are coarser (cuda_backend.cc).
+// or more, so its work blocks are coarser (backends/cuda/device_plan.cc).
 absl::Status LaunchGradSumSquares(DType grad_dtype, const Work& work,
                                   double* partials, Stream stream);
 
