@@ -150,10 +150,12 @@ class CudaBackend final : public Backend {
   // Waits for a step's event of session `s` (bounded for a job's steps).
   absl::Status WaitStep(CudaSession& s, cudaEvent_t event);
   // Enqueues a step's kernels for `groups` on `stream`, with `record`'s
-  // arguments and report; with `progress`, a staged step's updates.
+  // arguments and report; with `progress`, a staged step's updates; with
+  // `lease` (a job's session), the ranks' all-reduce.
   absl::Status EnqueueStep(CudaSession& s, const std::vector<Group*>& groups,
                            const StepRecord& record, bool statistics,
-                           uint32_t* progress, cudaStream_t stream);
+                           uint32_t* progress, NcclJob::Lease* lease,
+                           cudaStream_t stream);
   // The updates of every group stage by stage, writing *progress = s + 1
   // after stage s (past every stage after the last).
   absl::Status EnqueueStagedUpdates(const std::vector<Group*>& groups,
@@ -162,15 +164,21 @@ class CudaBackend final : public Backend {
                             cudaStream_t stream);
   // The parts of Step, in order. RecycleRecord: waits for the record's
   // earlier step and reads it if unread. Then RefreshGraphKey and
-  // FillRecord (cuda_session.h). LaunchStep: waits for the trainer's ready
-  // flag, runs the step (its graph, captured once per record), writes the
-  // done flag. Outcome: the step's own outcome (wait) or the last
-  // completed one's.
+  // FillRecord (cuda_session.h). LaunchRecorded: LaunchStep, which waits
+  // for the trainer's ready flag, runs the step (its graph, captured once
+  // per record) and writes the done flag, then RecordStep (the step's
+  // events), a job's communicator held throughout. Outcome: the step's
+  // own outcome (wait) or the last completed one's.
   absl::Status RecycleRecord(CudaSession& s, StepRecord& record,
                              const std::vector<Group*>& groups);
+  absl::Status LaunchRecorded(CudaSession& s, const std::vector<Group*>& groups,
+                              StepRecord& record, const StepOptions& options,
+                              bool statistics, uint32_t* progress);
   absl::Status LaunchStep(CudaSession& s, const std::vector<Group*>& groups,
                           StepRecord& record, const StepOptions& options,
-                          bool statistics, uint32_t* progress);
+                          bool statistics, uint32_t* progress,
+                          NcclJob::Lease* lease);
+  absl::Status RecordStep(CudaSession& s, StepRecord& record);
   absl::StatusOr<StepOutcome> Outcome(CudaSession& s, StepRecord& record,
                                       const std::vector<Group*>& groups,
                                       bool wait, uint64_t seq);
@@ -418,7 +426,8 @@ absl::Status CudaBackend::EnqueueStagedUpdates(
 absl::Status CudaBackend::EnqueueStep(CudaSession& s,
                                       const std::vector<Group*>& groups,
                                       const StepRecord& record, bool statistics,
-                                      uint32_t* progress, cudaStream_t stream) {
+                                      uint32_t* progress, NcclJob::Lease* lease,
+                                      cudaStream_t stream) {
   const uint32_t n = static_cast<uint32_t>(groups.size());
   double* sums = reinterpret_cast<double*>(sums_d_.data());
   auto* steps = reinterpret_cast<cuda::GroupStep*>(steps_d_.data());
@@ -434,8 +443,8 @@ absl::Status CudaBackend::EnqueueStep(CudaSession& s,
   OPTIMD_RETURN_IF_ERROR(cuda::LaunchReduceSums(
       record.args, steps, n, statistics,
       s.job == nullptr || s.job->contributes_norm(), sums, stream));
-  if (s.job != nullptr) {
-    OPTIMD_RETURN_IF_ERROR(s.job->EnqueueAllReduce(sums + n, stream));
+  if (lease != nullptr) {
+    OPTIMD_RETURN_IF_ERROR(lease->EnqueueAllReduce(sums + n, stream));
   }
   const uint32_t ranks = s.job == nullptr ? 1 : s.job->world_size();
   OPTIMD_RETURN_IF_ERROR(
@@ -473,7 +482,8 @@ absl::Status CudaBackend::LaunchStep(CudaSession& s,
                                      const std::vector<Group*>& groups,
                                      StepRecord& record,
                                      const StepOptions& options,
-                                     bool statistics, uint32_t* progress) {
+                                     bool statistics, uint32_t* progress,
+                                     NcclJob::Lease* lease) {
   if (options.step_flags != nullptr) {
     OPTIMD_RETURN_IF_ERROR(StreamValue(driver_.stream_wait_value32,
                                        options.step_flags, options.sequence,
@@ -483,15 +493,15 @@ absl::Status CudaBackend::LaunchStep(CudaSession& s,
   }
   if (!options_.use_graphs) {
     OPTIMD_RETURN_IF_ERROR(
-        EnqueueStep(s, groups, record, statistics, progress, stream_));
+        EnqueueStep(s, groups, record, statistics, progress, lease, stream_));
   } else {
     if (record.exec == nullptr) {
       // Capture once per record and group configuration: afterwards a step
       // is one graph launch, whatever its number of groups and layouts.
       OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamBeginCapture(
           capture_stream_, cudaStreamCaptureModeThreadLocal));
-      const absl::Status enqueued =
-          EnqueueStep(s, groups, record, statistics, progress, capture_stream_);
+      const absl::Status enqueued = EnqueueStep(
+          s, groups, record, statistics, progress, lease, capture_stream_);
       cudaGraph_t graph = nullptr;
       const cudaError_t ended = cudaStreamEndCapture(capture_stream_, &graph);
       if (!enqueued.ok()) {
@@ -615,18 +625,40 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
   RefreshGraphKey(s, groups, statistics, scratch_generation_, progress);
   OPTIMD_RETURN_IF_ERROR(FillRecord(record, groups, options));
   OPTIMD_RETURN_IF_ERROR(
-      LaunchStep(s, groups, record, options, statistics, progress));
-  OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventRecord(s.done, stream_));
-  OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventRecord(record.event, stream_));
+      LaunchRecorded(s, groups, record, options, statistics, progress));
   s.sequence = seq;
   record.groups = n;
   record.sequence = seq;
   record.grad_scale = EffectiveGradScale(options.grad_scale);
   record.statistics = statistics;
-  // A job's step is followed by its watchdog: a rank that is gone ends the
-  // job (the trainer's stream goes on; later steps are refused).
-  if (s.job != nullptr) OPTIMD_RETURN_IF_ERROR(s.job->Watch(stream_));
   return Outcome(s, record, groups, options.wait, seq);
+}
+
+absl::Status CudaBackend::LaunchRecorded(CudaSession& s,
+                                         const std::vector<Group*>& groups,
+                                         StepRecord& record,
+                                         const StepOptions& options,
+                                         bool statistics, uint32_t* progress) {
+  if (s.job == nullptr) {
+    OPTIMD_RETURN_IF_ERROR(
+        LaunchStep(s, groups, record, options, statistics, progress, nullptr));
+    return RecordStep(s, record);
+  }
+  // The job cannot end while its collectives are enqueued; its watchdog
+  // follows the step (a rank that is gone ends the job: the trainer's
+  // stream goes on, later steps are refused).
+  NcclJob::Lease lease(*s.job);
+  OPTIMD_RETURN_IF_ERROR(lease.status());
+  OPTIMD_RETURN_IF_ERROR(
+      LaunchStep(s, groups, record, options, statistics, progress, &lease));
+  OPTIMD_RETURN_IF_ERROR(RecordStep(s, record));
+  return lease.Watch(stream_);
+}
+
+absl::Status CudaBackend::RecordStep(CudaSession& s, StepRecord& record) {
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventRecord(s.done, stream_));
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventRecord(record.event, stream_));
+  return absl::OkStatus();
 }
 
 absl::Status CudaBackend::StreamValue(StreamValue32Fn fn, uint32_t* word,

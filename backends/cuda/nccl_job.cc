@@ -100,21 +100,33 @@ absl::Status NcclJob::Ended() const {
   return ended_;
 }
 
-absl::Status NcclJob::Watch(cudaStream_t stream) {
-  MutexLock lock(&mu_);
+absl::Status NcclJob::Lease::status() const {
+  job_.mu_.AssertHeld();
+  return job_.ended_;
+}
+
+absl::Status NcclJob::Lease::EnqueueAllReduce(double* values,
+                                              cudaStream_t stream) {
+  job_.mu_.AssertHeld();
+  return job_.EnqueueAllReduceLocked(values, stream);
+}
+
+absl::Status NcclJob::Lease::Watch(cudaStream_t stream) {
+  NcclJob& j = job_;
+  j.mu_.AssertHeld();
   cudaEvent_t event = nullptr;
-  if (!spare_events_.empty()) {
-    event = spare_events_.back();
-    spare_events_.pop_back();
+  if (!j.spare_events_.empty()) {
+    event = j.spare_events_.back();
+    j.spare_events_.pop_back();
   } else if (cudaEventCreateWithFlags(&event, cudaEventDisableTiming) !=
              cudaSuccess) {
     return absl::InternalError("cannot create an event to follow a step");
   }
   if (cudaEventRecord(event, stream) != cudaSuccess) {
-    spare_events_.push_back(event);
+    j.spare_events_.push_back(event);
     return absl::InternalError("cannot record an event to follow a step");
   }
-  pending_.emplace_back(event, absl::Now());
+  j.pending_.emplace_back(event, absl::Now());
   return absl::OkStatus();
 }
 
@@ -156,7 +168,7 @@ bool NcclJob::contributes_norm() const {
   return job_.sharding == GradientSharding::kSharded || job_.rank == 0;
 }
 
-absl::Status NcclJob::Settle(absl::Time deadline, const char* what) {
+absl::Status NcclJob::SettleLocked(absl::Time deadline, const char* what) {
   ncclResult_t state = ncclInProgress;
   const bool settled = PollUntil(deadline, [&] {
     const ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
@@ -164,14 +176,14 @@ absl::Status NcclJob::Settle(absl::Time deadline, const char* what) {
     return state != ncclInProgress;
   });
   if (!settled) {
-    Abort(absl::StrCat("the other ranks did not ", what, " within ",
-                       absl::FormatDuration(job_.timeout)));
+    AbortLocked(absl::StrCat("the other ranks did not ", what, " within ",
+                             absl::FormatDuration(job_.timeout)));
     return absl::DeadlineExceededError(
-        absl::StrCat(Name(), ": ", Ended().message()));
+        absl::StrCat(Name(), ": ", ended_.message()));
   }
   if (state != ncclSuccess) {
     const absl::Status e = NcclError(state, absl::StrCat(Name(), ": ", what));
-    Abort(std::string(e.message()));
+    AbortLocked(std::string(e.message()));
     return e;
   }
   return absl::OkStatus();
@@ -181,14 +193,19 @@ absl::Status NcclJob::AwaitReady(cudaStream_t stream) {
   OPTIMD_RETURN_IF_ERROR(Ended());
   if (ready_) return absl::OkStatus();
   const absl::Time deadline = joined_ + job_.timeout;
-  OPTIMD_RETURN_IF_ERROR(Settle(deadline, "join"));
-  // The first collective makes the connections: not inside a capture.
-  OPTIMD_RETURN_IF_ERROR(EnqueueAllReduce(warm_d_, stream));
   cudaEvent_t event = nullptr;
-  if (cudaEventCreateWithFlags(&event, cudaEventDisableTiming) != cudaSuccess ||
-      cudaEventRecord(event, stream) != cudaSuccess) {
-    if (event != nullptr) cudaEventDestroy(event);
-    return absl::InternalError("recording the warm-up all-reduce failed");
+  {
+    MutexLock lock(&mu_);
+    OPTIMD_RETURN_IF_ERROR(ended_);
+    OPTIMD_RETURN_IF_ERROR(SettleLocked(deadline, "join"));
+    // The first collective makes the connections: not inside a capture.
+    OPTIMD_RETURN_IF_ERROR(EnqueueAllReduceLocked(warm_d_, stream));
+    if (cudaEventCreateWithFlags(&event, cudaEventDisableTiming) !=
+            cudaSuccess ||
+        cudaEventRecord(event, stream) != cudaSuccess) {
+      if (event != nullptr) cudaEventDestroy(event);
+      return absl::InternalError("recording the warm-up all-reduce failed");
+    }
   }
   const bool done = PollUntil(
       deadline, [&] { return cudaEventQuery(event) != cudaErrorNotReady; });
@@ -209,12 +226,14 @@ absl::Status NcclJob::AwaitReady(cudaStream_t stream) {
   return absl::OkStatus();
 }
 
-absl::Status NcclJob::EnqueueAllReduce(double* values, cudaStream_t stream) {
-  OPTIMD_RETURN_IF_ERROR(Ended());
+absl::Status NcclJob::EnqueueAllReduceLocked(double* values,
+                                             cudaStream_t stream) {
+  OPTIMD_RETURN_IF_ERROR(ended_);
   const ncclResult_t r =
       ncclAllReduce(values, values, 3, ncclFloat64, ncclSum, comm_, stream);
   if (r == ncclInProgress) {
-    return Settle(absl::Now() + job_.timeout, "take the step's all-reduce");
+    return SettleLocked(absl::Now() + job_.timeout,
+                        "take the step's all-reduce");
   }
   if (r != ncclSuccess) {
     return NcclError(r, absl::StrCat(Name(), ": the step's all-reduce"));
@@ -245,6 +264,10 @@ absl::Status NcclJob::Wait(cudaEvent_t event) {
 
 void NcclJob::Abort(const std::string& why) {
   MutexLock lock(&mu_);
+  AbortLocked(why);
+}
+
+void NcclJob::AbortLocked(const std::string& why) {
   if (!ended_.ok()) return;
   ended_ = absl::FailedPreconditionError(
       absl::StrCat("the job's NCCL communicator was ended: ", why,

@@ -53,13 +53,33 @@ class NcclJob {
   // Waits until every rank has joined and the connections are made (one
   // warm-up all-reduce on `stream`, outside any graph capture), at most
   // the job's timeout from Join; then DEADLINE_EXCEEDED, and the job ends.
-  absl::Status AwaitReady(cudaStream_t stream);
-  // Enqueues the all-reduce (sum) of values[0..2] in place on `stream`
-  // (eagerly or into a graph being captured).
-  absl::Status EnqueueAllReduce(double* values, cudaStream_t stream);
-  // Follows the step just enqueued on `stream`: if it has not completed
-  // within the job's timeout, the watchdog ends the job.
-  absl::Status Watch(cudaStream_t stream) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status AwaitReady(cudaStream_t stream) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The communicator held for one step's launch: while a Lease lives the
+  // job cannot end (Abort waits for it), so no NCCL call and no graph
+  // launch meets a communicator that ncclCommAbort has freed.
+  class ABSL_SCOPED_LOCKABLE Lease {
+   public:
+    explicit Lease(NcclJob& job) ABSL_EXCLUSIVE_LOCK_FUNCTION(job.mu_)
+        : job_(job) {
+      job_.mu_.Lock();
+    }
+    ~Lease() ABSL_UNLOCK_FUNCTION() { job_.mu_.Unlock(); }
+    Lease(const Lease&) = delete;
+    Lease& operator=(const Lease&) = delete;
+
+    // Not OK once the job has ended.
+    absl::Status status() const;
+    // Enqueues the all-reduce (sum) of values[0..2] in place on `stream`
+    // (eagerly or into a graph being captured).
+    absl::Status EnqueueAllReduce(double* values, cudaStream_t stream);
+    // Follows the step just enqueued on `stream`: if it has not completed
+    // within the job's timeout, the watchdog ends the job.
+    absl::Status Watch(cudaStream_t stream);
+
+   private:
+    NcclJob& job_;
+  };
   // Waits for `event` (recorded after a step of this job); a wait longer
   // than the job's timeout ends the job (DEADLINE_EXCEEDED).
   absl::Status Wait(cudaEvent_t event);
@@ -72,8 +92,12 @@ class NcclJob {
  private:
   NcclJob(int device, Backend::DeviceJob job) : device_(device), job_(job) {}
   // Polls the communicator until its last call is no longer in progress,
-  // until `deadline`.
-  absl::Status Settle(absl::Time deadline, const char* what);
+  // until `deadline` (then the job ends).
+  absl::Status SettleLocked(absl::Time deadline, const char* what)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status EnqueueAllReduceLocked(double* values, cudaStream_t stream)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AbortLocked(const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string Name() const;
   // Not OK once the job has ended.
   absl::Status Ended() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -83,7 +107,8 @@ class NcclJob {
   const int device_;
   const Backend::DeviceJob job_;
   std::string unique_id_;
-  // Set once at Join; ncclCommAbort'ed once (Abort or the destructor).
+  // Set at Join; used only under mu_ while the job has not ended;
+  // ncclCommAbort'ed (and freed) once, by AbortLocked.
   ncclComm_t comm_ = nullptr;
   absl::Time joined_;
   bool ready_ = false;  // the worker's only
