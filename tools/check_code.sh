@@ -6,7 +6,9 @@
 #      known-bad snippet that must fail;
 #   3. the packages depend in one direction (docs/architecture.md): Bazel
 #      visibility refuses a wrong edge when it is written; this asks Bazel
-#      for the forbidden paths through the whole graph as well.
+#      for the forbidden paths through the whole graph as well;
+#   4. the Python client's gRPC stubs in the tree (so that installing it
+#      needs no compiler) are what protoc makes of the .proto now.
 # Needs clang and clang-format (tools/setup.sh) and the generated protobuf
 # headers of a Bazel build (run after `bazel build //...`). Exits non-zero
 # on the first kind of failure, listing the files.
@@ -83,5 +85,17 @@ forbid //core/... "//kernels/... + //backends/... + //server/... + //client/..."
 forbid //kernels/... "//backends/... + //server/... + //client/..."
 forbid //backends/... "//server/... + //client/..."
 forbid //server/... "//client/..."
+echo "== Python stubs current"
+stubs=$(mktemp -d)
+protoc -Iproto --python_out="$stubs" --grpc_python_out="$stubs" \
+  --plugin=protoc-gen-grpc_python=/usr/bin/grpc_python_plugin \
+  proto/optimd/v1/optimd.proto
+for f in optimd_pb2.py optimd_pb2_grpc.py; do
+  if ! cmp -s "$stubs/optimd/v1/$f" "client/python/optimd/v1/$f"; then
+    echo "client/python/optimd/v1/$f is stale: run tools/gen_python_proto.sh"
+    status=1
+  fi
+done
+rm -rf "$stubs"
 [ "$status" = 0 ] && echo "== code checks passed"
 exit "$status"

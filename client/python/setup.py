@@ -1,9 +1,11 @@
 """pip install ./client/python  (offline: add --no-build-isolation)
 
-Installs the optimd package with its gRPC stubs, generated here from
-proto/optimd/v1/optimd.proto with protoc and grpc_python_plugin (Debian's
-protobuf-compiler and protobuf-compiler-grpc) when the source tree is at
-hand. Uses the torch, grpcio and protobuf already installed.
+Installs the optimd package with its gRPC stubs: those in the tree
+(optimd/v1/, kept current with the .proto by tools/check_code.sh), or,
+where protoc and grpc_python_plugin are installed (Debian's
+protobuf-compiler and protobuf-compiler-grpc) and the source tree is at
+hand, generated anew from proto/optimd/v1/optimd.proto. Uses the torch,
+grpcio and protobuf already installed.
 """
 import os
 import shutil

@@ -32,3 +32,16 @@ with Daemon() as d:
     opt.close()
 print("installed package works")
 PY
+# Without protoc on the path, the stubs kept in the tree are installed
+# (pip needs nothing else from the path here).
+nobin="$target/nobin"
+mkdir -p "$nobin"
+ln -s /usr/bin/python3 "$nobin/python3"
+src2="$target/src2"
+cp -rL "$root/client/python" "$src2"
+test -f "$src2/optimd/v1/optimd_pb2.py"
+PATH="$nobin" python3 -m pip install --quiet --no-build-isolation --no-deps \
+  --no-index --target "$target/site2" "$src2"
+cmp "$target/site2/optimd/v1/optimd_pb2.py" "$src2/optimd/v1/optimd_pb2.py"
+PYTHONPATH="$target/site2" /usr/bin/python3 -c \
+  "import optimd.v1.optimd_pb2_grpc, optimd; print('installed without protoc')"
