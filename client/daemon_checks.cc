@@ -1,7 +1,9 @@
 #include "client/daemon_checks.h"
 
 #include <pwd.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -26,6 +28,23 @@ std::string Owner(uid_t uid) {
     return absl::StrCat("user ", found->pw_name, " (uid ", uid, ")");
   }
   return absl::StrCat("user id ", uid);
+}
+
+// Whether a daemon accepts connections on the Unix socket at `path`:
+// false only when the file is there but nothing listens (ECONNREFUSED: a
+// daemon that ended without removing it); true when that cannot be told.
+bool SomeoneListens(const std::string& path) {
+  sockaddr_un addr{};
+  if (path.size() >= sizeof(addr.sun_path)) return true;
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return true;
+  const bool refused = connect(fd, reinterpret_cast<const sockaddr*>(&addr),
+                               sizeof(addr)) != 0 &&
+                       errno == ECONNREFUSED;
+  close(fd);
+  return !refused;
 }
 
 // The file system path of a unix: target ("unix:path" or
@@ -69,6 +88,13 @@ absl::Status CheckAddress(const std::string& target) {
         "%o); run as that user, or start a daemon of your own on another "
         "socket (optimd --listen=unix:/path)",
         path, Owner(st.st_uid), st.st_mode & 0777));
+  }
+  if (!SomeoneListens(path)) {
+    return absl::UnavailableError(absl::StrCat(
+        "no optimd daemon at ", target, ": the socket file ", path,
+        " is there but nothing listens on it (a daemon that ended without "
+        "removing it); start one with `optimd --listen=",
+        target, "`, which replaces the stale file"));
   }
   return absl::OkStatus();
 }

@@ -179,9 +179,9 @@ TEST(ClientChecksTest, AMissingSocketFileFailsAtOnceNamingIt) {
   EXPECT_LT(absl::Now() - start, absl::Seconds(5)) << "waited for nothing";
 }
 
-// A socket file left by a daemon that died without removing it: the file
-// exists, so the client waits its connect timeout, then says nobody answers.
-TEST(ClientChecksTest, ASocketNobodyListensOnWaitsThenSaysSo) {
+// A socket file left by a daemon that died without removing it: nothing
+// listens, and the client says so at once instead of waiting.
+TEST(ClientChecksTest, ASocketNobodyListensOnFailsAtOnceSayingSo) {
   const std::string path = SocketPath("stale.sock");
   const int fd = socket(AF_UNIX, SOCK_STREAM, 0);
   sockaddr_un addr{};
@@ -189,14 +189,15 @@ TEST(ClientChecksTest, ASocketNobodyListensOnWaitsThenSaysSo) {
   std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
   ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
   close(fd);
-  ClientOptions brief;
-  brief.connect_timeout = absl::Seconds(1);
-  const auto c = Client::Create("unix:" + path, brief);
+  ClientOptions patient;
+  patient.connect_timeout = absl::Seconds(10);
+  const absl::Time start = absl::Now();
+  const auto c = Client::Create("unix:" + path, patient);
   EXPECT_EQ(c.status().code(), StatusCode::kUnavailable);
-  EXPECT_NE(c.status().message().find(
-                "no optimd daemon answers at unix:" + path + " (waited 1s)"),
+  EXPECT_NE(c.status().message().find("is there but nothing listens on it"),
             std::string::npos)
       << c.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5)) << "waited for nothing";
   unlink(path.c_str());
 }
 

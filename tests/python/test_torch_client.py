@@ -5,6 +5,7 @@ import gc
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -866,6 +867,17 @@ class TorchClientTest(unittest.TestCase):
                                         "does not exist"):
                 optimd.Client("unix:" + path, connect_timeout=10)
             self.assertLess(time.time() - t0, 2)
+            # A socket file nothing listens on (a daemon that ended without
+            # removing it): said at once.
+            stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            stale.bind(path)
+            t0 = time.time()
+            with self.assertRaisesRegex(optimd.DaemonUnavailableError,
+                                        "nothing listens on it"):
+                optimd.Client("unix:" + path, connect_timeout=10)
+            self.assertLess(time.time() - t0, 2)
+            stale.close()
+            os.unlink(path)
             # Another user's socket (mode 0600): only checkable when this
             # process is not root, to whom every file is open.
             if os.geteuid() != 0:

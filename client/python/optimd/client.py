@@ -5,6 +5,7 @@ token travels in the `x-optimd-session` metadata of every call. Every call
 has a deadline. Failures raise optimd.errors.OptimdError subclasses.
 """
 import os
+import socket
 
 import grpc
 
@@ -55,6 +56,27 @@ def _check_address(address):
             "connect (mode %o); run as that user, or start a daemon of your "
             "own on another socket (optimd --listen=unix:/path)" %
             (path, st.st_uid, st.st_mode & 0o777))
+    if _refused(path):
+        raise errors.DaemonUnavailableError(
+            "no optimd daemon at %s: the socket file %s is there but nothing "
+            "listens on it (a daemon that ended without removing it); start "
+            "one with `optimd --listen=%s`, which replaces the stale file" %
+            (address, path, address))
+
+
+def _refused(path):
+    """True only when the socket file is there and nothing listens on it
+    (ECONNREFUSED)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return False
 
 
 def _read_pem(what, path):
