@@ -8,6 +8,7 @@
 #include <cstring>
 #include <random>
 
+#include "absl/strings/str_cat.h"
 #include "backends/cpu/cpu_backend.h"
 #include "client/shm_tensor.h"
 #include "core/session_registry.h"
@@ -577,6 +578,41 @@ TEST(SessionRegistryTest, RoutesDevicesToBackends) {
   auto created = registry.Create({"job", 0, 1, -1}, false);
   ASSERT_TRUE(created.ok());
   EXPECT_EQ(created->session->backend(), &cpu);
+}
+
+// The caps that bound a daemon's memory on client input: the 4,097th
+// session and a session's 4,097th group are RESOURCE_EXHAUSTED and change
+// nothing; closing one makes room again.
+TEST(SessionRegistryTest, SessionAndGroupCapsAreEnforced) {
+  CpuBackend backend(CpuBackend::Options{1, 64});
+  StateBudget budget(0);
+  SessionRegistry registry(&backend, &budget);
+  std::string first_token;
+  for (size_t i = 0; i < kMaxSessions; ++i) {
+    auto c = registry.Create(SessionIdentity{absl::StrCat("job", i), 0, 1, -1},
+                             false);
+    ASSERT_TRUE(c.ok()) << i << ": " << c.status();
+    if (i == 0) first_token = c->token;
+  }
+  auto over = registry.Create(SessionIdentity{"one-more", 0, 1, -1}, false);
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(registry.List().size(), kMaxSessions);
+  ASSERT_TRUE(registry.Close(first_token).ok());
+  EXPECT_TRUE(
+      registry.Create(SessionIdentity{"one-more", 0, 1, -1}, false).ok());
+
+  Session session(SessionIdentity{"groups", 0, 1, -1}, &backend, &budget,
+                  Context(&backend));
+  for (size_t g = 0; g < kMaxGroupsPerSession; ++g) {
+    GroupSpec spec;
+    spec.id = absl::StrCat("g", g);
+    ASSERT_TRUE(session.RegisterGroup(spec).ok()) << g;
+  }
+  GroupSpec extra;
+  extra.id = "extra";
+  EXPECT_EQ(session.RegisterGroup(extra).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(session.GroupIds().size(), kMaxGroupsPerSession);
 }
 
 }  // namespace
