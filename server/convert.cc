@@ -68,6 +68,27 @@ BufferHandle BufferHandleFromProto(const v1::BufferHandle& h) {
 
 namespace {
 
+// The API's optimizer kinds and the daemon's, one row each (UNSPECIFIED is
+// read as AdamW, the default).
+struct OptimizerKinds {
+  v1::OptimizerKind proto;
+  OptimizerKind kind;
+};
+constexpr OptimizerKinds kOptimizerKinds[] = {
+    {v1::OPTIMIZER_KIND_ADAMW, OptimizerKind::kAdamW},
+    {v1::OPTIMIZER_KIND_SGD, OptimizerKind::kSgd},
+    {v1::OPTIMIZER_KIND_LION, OptimizerKind::kLion},
+};
+
+// The row of `proto`, or null for a kind this daemon does not know.
+const OptimizerKinds* KindFromProto(int proto) {
+  if (proto == v1::OPTIMIZER_KIND_UNSPECIFIED) return &kOptimizerKinds[0];
+  for (const OptimizerKinds& k : kOptimizerKinds) {
+    if (k.proto == proto) return &k;
+  }
+  return nullptr;
+}
+
 // A group's hyperparameters; INVALID_ARGUMENT for an unknown optimizer or
 // Adam mode (the values themselves are checked by the session).
 absl::StatusOr<OptimizerHyper> HyperFromProto(const v1::Hyperparameters& h,
@@ -93,22 +114,13 @@ absl::StatusOr<OptimizerHyper> HyperFromProto(const v1::Hyperparameters& h,
   out.bias_correction = h.has_bias_correction() ? h.bias_correction() : true;
   out.maximize = h.maximize();
   out.amsgrad = h.amsgrad();
-  switch (h.optimizer()) {
-    case v1::OPTIMIZER_KIND_UNSPECIFIED:
-    case v1::OPTIMIZER_KIND_ADAMW:
-      out.kind = OptimizerKind::kAdamW;
-      break;
-    case v1::OPTIMIZER_KIND_SGD:
-      out.kind = OptimizerKind::kSgd;
-      break;
-    case v1::OPTIMIZER_KIND_LION:
-      out.kind = OptimizerKind::kLion;
-      break;
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("group '", group_id, "': unknown optimizer ",
-                       h.optimizer(), " (known: adamw, sgd, lion)"));
+  const auto* kind = KindFromProto(h.optimizer());
+  if (kind == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("group '", group_id, "': unknown optimizer ",
+                     h.optimizer(), " (known: adamw, sgd, lion)"));
   }
+  out.kind = kind->kind;
   out.momentum = h.momentum();
   out.dampening = h.dampening();
   out.nesterov = h.nesterov();
@@ -247,16 +259,8 @@ void HyperToProto(const OptimizerHyper& h, v1::Hyperparameters* out) {
   out->set_bias_correction(h.bias_correction);
   out->set_maximize(h.maximize);
   out->set_amsgrad(h.amsgrad);
-  switch (h.kind) {
-    case OptimizerKind::kAdamW:
-      out->set_optimizer(v1::OPTIMIZER_KIND_ADAMW);
-      break;
-    case OptimizerKind::kSgd:
-      out->set_optimizer(v1::OPTIMIZER_KIND_SGD);
-      break;
-    case OptimizerKind::kLion:
-      out->set_optimizer(v1::OPTIMIZER_KIND_LION);
-      break;
+  for (const OptimizerKinds& k : kOptimizerKinds) {
+    if (k.kind == h.kind) out->set_optimizer(k.proto);
   }
   out->set_momentum(h.momentum);
   out->set_dampening(h.dampening);
