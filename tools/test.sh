@@ -74,8 +74,9 @@ bazel --output_base="$tsan_base" test --config=tsan --config=nocuda \
   //tests:descriptor_exhaustion_test
 bazel --output_base="$tsan_base" shutdown
 
-# A short fuzz run of checkpoint loading under ASan and UBSan (about a
-# minute, most of it the build); tools/fuzz.sh RUNS runs longer.
+# A short fuzz run of each target (checkpoint loading, request validation,
+# shared-memory handle resolution) under ASan and UBSan (a few minutes,
+# most of it the builds); tools/fuzz.sh RUNS runs longer.
 if command -v clang++ >/dev/null; then
   ./tools/fuzz.sh 20000
 else
