@@ -5,6 +5,10 @@ with step flags. Per round: A writes ready=i and waits done>=i; B waits
 ready>=i, runs `work` (a small kernel or nothing) and writes done=i.
 
     PYTHONPATH=client/python python3 bench/flag_pingpong.py
+
+Each variant runs in a process of its own with a 60 s timeout: in one
+process, a kernel between B's wait and its write hung once (run 12 in
+bench/RESULTS.md), and a hang must not hide the other variants.
 """
 import sys
 import time
@@ -71,15 +75,32 @@ def two_processes(with_work):
     return us
 
 
+VARIANTS = {
+    "one-process": lambda: one_process("device", False),
+    "one-process-kernel": lambda: one_process("device", True),
+    "two-processes": lambda: two_processes(False),
+    "two-processes-kernel": lambda: two_processes(True),
+}
+
+
 def main():
-    for where in ("device",):
-        for with_work in (False, True):
-            print("one process, flags in %-11s work=%-5s: %8.1f us per round"
-                  % (where, with_work, one_process(where, with_work)))
-    for with_work in (False, True):
-        print("two processes, flags in device      work=%-5s: %8.1f us per "
-              "round" % (with_work, two_processes(with_work)))
-    sys.stdout.flush()
+    """Each variant in a process of its own, with a timeout: a variant
+    that hangs is reported and the others still run."""
+    import subprocess
+    if len(sys.argv) == 3 and sys.argv[1] == "--variant":
+        print("%-22s %8.1f us per round" % (sys.argv[2],
+                                            VARIANTS[sys.argv[2]]()))
+        return
+    for name in ("two-processes", "one-process", "two-processes-kernel",
+                 "one-process-kernel"):
+        try:
+            out = subprocess.run([sys.executable, __file__, "--variant", name],
+                                 capture_output=True, text=True, timeout=60)
+            print(out.stdout.strip() or "%-22s failed: %s" % (
+                name, out.stderr.strip().splitlines()[-1:]))
+        except subprocess.TimeoutExpired:
+            print("%-22s did not finish within 60 s" % name)
+        sys.stdout.flush()
 
 
 if __name__ == "__main__":
