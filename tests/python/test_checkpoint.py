@@ -270,6 +270,38 @@ class CheckpointTest(unittest.TestCase):
             self.assertIn("optimd_checkpoint_saves_total 1", m.prometheus_text)
             opt.close()
 
+    def test_conversion_to_torch_reads_through_a_map(self):
+        # to_torch_state_dict of a 240 MB checkpoint, in a process of its
+        # own: its peak memory grows by far less than the file (tensors are
+        # views of a memory map; reading them in one go would cost the
+        # whole file).
+        import sys
+        n = 20_000_000
+        with Daemon() as d:
+            p = torch.nn.Parameter(torch.randn(n))
+            opt = AdamW([("w", p)], address=d.address, job_id="mapped")
+            p.grad = torch.randn_like(p)
+            opt.step()
+            path = opt.save_checkpoint(self.dir).path
+            opt.close()
+        del p, opt
+        size = os.path.getsize(path)
+        self.assertGreater(size, 200 << 20)
+        probe = (
+            "import resource, sys, torch\n"
+            "from optimd.checkpoint import to_torch_state_dict\n"
+            "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+            "state, params, masters = to_torch_state_dict(sys.argv[1])\n"
+            "assert params['w'].numel() == %d\n"
+            "after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+            "print((after - before) * 1024)\n" % n)
+        out = subprocess.run([sys.executable, "-c", probe, path],
+                             capture_output=True, text=True, check=True,
+                             env=dict(os.environ))
+        grew = int(out.stdout.strip().splitlines()[-1])
+        self.assertLess(grew, size // 8, "peak memory grew by %d bytes for "
+                        "a %d-byte checkpoint" % (grew, size))
+
     def test_checkpoint_to_torch_state_dict_and_back(self):
         from optimd.checkpoint import to_torch_state_dict
         torch.manual_seed(SEED)
