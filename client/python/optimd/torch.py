@@ -578,9 +578,10 @@ class _DaemonOptimizer(torch.optim.Optimizer):
             # sharded ones (DTensor, FSDP2) do not.
             _warn_in_user_code(
                 "optimd.torch: max_grad_norm clips by the norm of this "
-                "rank's gradient shards only; ranks do not agree on it. With "
-                "sharded gradients, clip with torch.nn.utils.clip_grad_norm_ "
-                "before step() and leave max_grad_norm at 0.")
+                "rank's gradient shards only; ranks do not agree on it. Pass "
+                "gradient_sharding='sharded' so that the ranks clip by the "
+                "job's norm (or clip with torch.nn.utils.clip_grad_norm_ "
+                "before step() and leave max_grad_norm at 0).")
         request = dict(
             lr_overrides=overrides[0] if overrides else None,
             grad_scale=float(self.grad_scale or 0.0),
