@@ -17,7 +17,6 @@ import argparse
 import os
 import subprocess
 import sys
-import time
 
 import torch
 

@@ -34,7 +34,6 @@ waits for the host), host ms are the Python call's own time; medians.
 import argparse
 import copy
 import json
-import math
 import os
 import statistics
 import time

@@ -15,7 +15,7 @@ import unittest
 import torch
 
 import optimd
-from optimd.testing import Daemon
+from optimd.testing import DaemonTestCase
 from optimd.torch import SGD, Adam, Lion
 
 SEED = int(os.environ.get("OPTIMD_TEST_SEED", random.randrange(1 << 30)))
@@ -57,22 +57,8 @@ class LionReference:
             m.mul_(b2).add_(g, alpha=1 - b2)
 
 
-class Base(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.daemon = Daemon()
-
-    @classmethod
-    def tearDownClass(cls):
-        assert cls.daemon.stop() == 0
-
-    def setUp(self):
-        self.gen = torch.Generator().manual_seed(SEED + hash(self.id()) % 1000)
-        self.opts = []
-
-    def tearDown(self):
-        for o in self.opts:
-            o.close()
+class Base(DaemonTestCase):
+    seed = SEED
 
     def randn(self, *shape):
         return torch.randn(*shape, generator=self.gen)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import optimd
-from optimd.testing import Daemon
+from optimd.testing import Daemon, DaemonTestCase
 from optimd.torch import AdamW
 
 SEED = int(os.environ.get("OPTIMD_TEST_SEED", random.randrange(1 << 30)))
@@ -54,17 +54,9 @@ def run_threads(fns):
             raise e
 
 
-class Ranks(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.daemon = Daemon(flags=["--rank_timeout_s=%d" % RANK_TIMEOUT_S])
-
-    @classmethod
-    def tearDownClass(cls):
-        assert cls.daemon.stop() == 0
-
-    def setUp(self):
-        self.gen = torch.Generator().manual_seed(SEED + hash(self.id()) % 1000)
+class Ranks(DaemonTestCase):
+    daemon_flags = ["--rank_timeout_s=%d" % RANK_TIMEOUT_S]
+    seed = SEED
 
     def optimizer(self, params, job, rank, **kw):
         return AdamW(params, address=self.daemon.address, job_id=job,

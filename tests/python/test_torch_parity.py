@@ -8,16 +8,14 @@ import itertools
 import math
 import os
 import random
-import struct
 import unittest
-import zlib
 
 import tempfile
 
 import torch
 
 import optimd
-from optimd.testing import Daemon
+from optimd.testing import DaemonTestCase
 from optimd.torch import AdamW
 
 SEED = int(os.environ.get("OPTIMD_TEST_SEED", random.randrange(1 << 30)))
@@ -58,24 +56,8 @@ def bits(t):
                                else torch.int16)
 
 
-class DaemonTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.daemon = Daemon()
-
-    @classmethod
-    def tearDownClass(cls):
-        assert cls.daemon.stop() == 0
-
-    def setUp(self):
-        # The same numbers for a test in every process (hash() is salted).
-        self.gen = torch.Generator().manual_seed(
-            SEED + zlib.crc32(self.id().encode()) % 1000)
-        self.opts = []
-
-    def tearDown(self):
-        for o in self.opts:
-            o.close()
+class DaemonTest(DaemonTestCase):
+    seed = SEED
 
     def randn(self, *shape, dtype=torch.float32):
         return torch.randn(*shape, generator=self.gen).to(dtype)

@@ -2,6 +2,9 @@
 
     with optimd.testing.Daemon() as d:
         opt = AdamW(model.parameters(), address=d.address)
+
+DaemonTestCase is a unittest base class with one private daemon per test
+class and a seeded generator per test.
 """
 import os
 import shutil
@@ -9,6 +12,8 @@ import signal
 import subprocess
 import tempfile
 import time
+import unittest
+import zlib
 
 from optimd import errors
 from optimd.client import Client
@@ -79,3 +84,33 @@ class Daemon:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+class DaemonTestCase(unittest.TestCase):
+    """One private daemon per test class (started with `daemon_flags`,
+    stopped cleanly after the class: a daemon that does not exit 0 fails
+    the class), and per test a torch generator `self.gen` seeded from
+    `seed` and the test's id (the same numbers for a test in every
+    process: Python's hash() is salted), and `self.opts`, optimizers
+    closed after the test."""
+
+    daemon_flags = ()
+    seed = 0
+
+    @classmethod
+    def setUpClass(cls):
+        cls.daemon = Daemon(flags=cls.daemon_flags)
+
+    @classmethod
+    def tearDownClass(cls):
+        assert cls.daemon.stop() == 0
+
+    def setUp(self):
+        import torch
+        self.gen = torch.Generator().manual_seed(
+            self.seed + zlib.crc32(self.id().encode()) % 1000)
+        self.opts = []
+
+    def tearDown(self):
+        for o in self.opts:
+            o.close()
