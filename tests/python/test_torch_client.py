@@ -71,6 +71,17 @@ class TorchClientTest(unittest.TestCase):
                                 weight_decay=0.01)
         return ours, theirs, opt, ref
 
+    @staticmethod
+    def step_twins(opt, ref):
+        """The same random gradient for each parameter of both optimizers'
+        first group, then a step of each."""
+        for p, q in zip(opt.param_groups[0]["params"],
+                        ref.param_groups[0]["params"]):
+            g = torch.randn(p.shape)
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+
     def make(self, params, **kw):
         kw.setdefault("address", self.daemon.address)
         kw.setdefault("job_id", self.id())
@@ -469,13 +480,6 @@ class TorchClientTest(unittest.TestCase):
         ours = opt.param_groups[0]["params"]
         theirs = ref.param_groups[0]["params"]
 
-        def step_both():
-            for p, q in zip(ours, theirs):
-                g = torch.randn(p.shape)
-                p.grad, q.grad = g.clone(), g.clone()
-            opt.step()
-            ref.step()
-
         def same():
             for p, q in zip(ours, theirs):
                 self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6)
@@ -485,18 +489,18 @@ class TorchClientTest(unittest.TestCase):
                         scale_err(opt.state[p][k].float(), v.float()), 1e-5,
                         k)
         for _ in range(3):
-            step_both()
+            self.step_twins(opt, ref)
         # An entry zeroed in place, one replaced, one removed.
         for o, ps in ((opt, ours), (ref, theirs)):
             o.state[ps[0]]["exp_avg"].zero_()
             o.state[ps[1]]["exp_avg_sq"] = torch.ones_like(ps[1])
             del o.state[ps[2]]
-        step_both()
+        self.step_twins(opt, ref)
         same()
         # The whole state cleared: every parameter starts afresh.
         opt.state.clear()
         ref.state.clear()
-        step_both()
+        self.step_twins(opt, ref)
         same()
         self.assertEqual(float(opt.state[ours[0]]["step"]), 1.0)
         opt.close()
@@ -509,22 +513,15 @@ class TorchClientTest(unittest.TestCase):
         ours = opt.param_groups[0]["params"]
         theirs = ref.param_groups[0]["params"]
 
-        def step_both():
-            for p, q in zip(ours, theirs):
-                g = torch.randn(p.shape)
-                p.grad, q.grad = g.clone(), g.clone()
-            opt.step()
-            ref.step()
-
         def same_weights():
             for p, q in zip(ours, theirs):
                 self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6)
-        step_both()
+        self.step_twins(opt, ref)
         held = [o.state[ps[0]]["exp_avg"] for o, ps in
                 ((opt, ours), (ref, theirs))]
         entries = [o.state[ps[1]] for o, ps in ((opt, ours), (ref, theirs))]
         for _ in range(2):
-            step_both()
+            self.step_twins(opt, ref)
         self.assertIs(opt.state[ours[0]]["exp_avg"], held[0])
         self.assertIs(opt.state[ours[1]], entries[0])
         self.assertLessEqual(scale_err(held[0], held[1]), 1e-5)
@@ -536,11 +533,11 @@ class TorchClientTest(unittest.TestCase):
         # again: zeroed, then (after a step) scaled.
         for t in held:
             t.zero_()
-        step_both()
+        self.step_twins(opt, ref)
         same_weights()
         for e in entries:
             e["exp_avg_sq"].mul_(0.5)
-        step_both()
+        self.step_twins(opt, ref)
         same_weights()
         self.assertLessEqual(scale_err(held[0], held[1]), 1e-5)
         opt.close()
