@@ -356,52 +356,64 @@ class CudaBackendTest : public ::testing::Test {
     return out;
   }
 
+  // Every layout the kernels have: parameter dtype and master, gradient
+  // dtype, moment dtype.
+  struct LayoutCase {
+    DType param;
+    MasterRequest master;
+    DType grad;
+    DType moment;
+  };
+  static std::vector<LayoutCase> EveryLayout() {
+    const std::pair<DType, MasterRequest> params[] = {
+        {DType::kFloat32, MasterRequest::kNone},
+        {DType::kFloat32, MasterRequest::kFp32},
+        {DType::kBFloat16, MasterRequest::kFp32},
+        {DType::kBFloat16, MasterRequest::kRemainder},
+        {DType::kFloat16, MasterRequest::kFp32}};
+    std::vector<LayoutCase> out;
+    for (const auto& [param, master] : params) {
+      for (DType g : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+        for (DType m : {DType::kFloat32, DType::kBFloat16}) {
+          out.push_back({param, master, g, m});
+        }
+      }
+    }
+    return out;
+  }
+
   std::unique_ptr<Backend> gpu_;
   std::unique_ptr<Backend> cpu_;
   std::mt19937 rng_;
 };
 
 TEST_F(CudaBackendTest, EveryLayoutMatchesTheCpuReferenceBitForBit) {
-  struct P {
-    DType param;
-    MasterRequest master;
-  } params[] = {{DType::kFloat32, MasterRequest::kNone},
-                {DType::kFloat32, MasterRequest::kFp32},
-                {DType::kBFloat16, MasterRequest::kFp32},
-                {DType::kBFloat16, MasterRequest::kRemainder},
-                {DType::kFloat16, MasterRequest::kFp32}};
-  const DType grads[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
-  const DType moments[] = {DType::kFloat32, DType::kBFloat16};
   int combo = 0;
-  for (const P& p : params) {
-    for (DType g : grads) {
-      for (DType m : moments) {
-        ++combo;
-        GroupSpec spec;
-        spec.id = "g";
-        spec.master = p.master;
-        spec.moment_dtype = m;
-        spec.hyper.lr = 1e-2;
-        spec.hyper.amsgrad = combo % 2;
-        spec.hyper.adamw = (combo / 2) % 2 == 0;
-        spec.hyper.maximize = (combo / 3) % 2;
-        spec.hyper.bias_correction = combo % 5 != 0;
-        spec.hyper.weight_decay = combo % 3 ? 0.01 : 0.0;
-        SCOPED_TRACE(::testing::Message()
-                     << "param " << DTypeName(p.param) << " master "
-                     << int(p.master) << " grad " << DTypeName(g) << " moments "
-                     << DTypeName(m) << " amsgrad " << spec.hyper.amsgrad
-                     << " adamw " << spec.hyper.adamw);
-        Twin twin(cpu_.get(), gpu_.get(), RandomTensors(p.param, g, 6), spec,
-                  &rng_);
-        ASSERT_TRUE(twin.status().ok()) << twin.status();
-        for (int step = 1; step <= 4; ++step) {
-          twin.FillGrads(/*poison=*/step == 3);
-          StepRequestSpec s;
-          s.options.grad_scale = step == 2 ? 128.0 : 1.0;
-          twin.Step(s, /*exact=*/true);
-        }
-      }
+  for (const LayoutCase& c : EveryLayout()) {
+    ++combo;
+    GroupSpec spec;
+    spec.id = "g";
+    spec.master = c.master;
+    spec.moment_dtype = c.moment;
+    spec.hyper.lr = 1e-2;
+    spec.hyper.amsgrad = combo % 2;
+    spec.hyper.adamw = (combo / 2) % 2 == 0;
+    spec.hyper.maximize = (combo / 3) % 2;
+    spec.hyper.bias_correction = combo % 5 != 0;
+    spec.hyper.weight_decay = combo % 3 ? 0.01 : 0.0;
+    SCOPED_TRACE(::testing::Message()
+                 << "param " << DTypeName(c.param) << " master "
+                 << int(c.master) << " grad " << DTypeName(c.grad)
+                 << " moments " << DTypeName(c.moment) << " amsgrad "
+                 << spec.hyper.amsgrad << " adamw " << spec.hyper.adamw);
+    Twin twin(cpu_.get(), gpu_.get(), RandomTensors(c.param, c.grad, 6), spec,
+              &rng_);
+    ASSERT_TRUE(twin.status().ok()) << twin.status();
+    for (int step = 1; step <= 4; ++step) {
+      twin.FillGrads(/*poison=*/step == 3);
+      StepRequestSpec s;
+      s.options.grad_scale = step == 2 ? 128.0 : 1.0;
+      twin.Step(s, /*exact=*/true);
     }
   }
 }
@@ -658,73 +670,52 @@ TEST_F(CudaBackendTest, AsynchronousStepsReportTheLastCompletedStep) {
   std::printf("%d of 200 replies reported an earlier step\n", earlier);
 }
 
-// A tensor of more than 2^31 elements: 64-bit indexing end to end. The
-// inputs are zero except for windows around 2^31 and at the end, which are
-// random; those windows are checked against the reference computed on the
-// host for the same elements.
-// Until their CUDA kernels equal the CPU reference on a GPU, the CUDA
-// backend refuses SGD and Lion groups, and jobs whose ranks would exchange
-// statistics (NCCL is not wired yet), with UNIMPLEMENTED and nothing kept.
 // SGD (with and without momentum, dampening, Nesterov, weight decay,
 // maximize) and Lion on every layout equal the CPU reference bit for bit,
 // through a loss scale, a skipped step, and a tensor whose gradient is
 // absent for two steps and then back (it keeps its own step count: SGD's
 // momentum buffer starts at that tensor's first step).
 TEST_F(CudaBackendTest, SgdAndLionMatchTheCpuReferenceBitForBit) {
-  struct P {
-    DType param;
-    MasterRequest master;
-  } params[] = {{DType::kFloat32, MasterRequest::kNone},
-                {DType::kFloat32, MasterRequest::kFp32},
-                {DType::kBFloat16, MasterRequest::kFp32},
-                {DType::kBFloat16, MasterRequest::kRemainder},
-                {DType::kFloat16, MasterRequest::kFp32}};
-  const DType grads[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
-  const DType moments[] = {DType::kFloat32, DType::kBFloat16};
   int combo = 0;
   for (OptimizerKind kind : {OptimizerKind::kSgd, OptimizerKind::kLion}) {
-    for (const P& p : params) {
-      for (DType g : grads) {
-        for (DType m : moments) {
-          ++combo;
-          GroupSpec spec;
-          spec.id = "g";
-          spec.master = p.master;
-          spec.moment_dtype = m;
-          spec.hyper.kind = kind;
-          spec.hyper.lr = kind == OptimizerKind::kSgd ? 1e-2 : 1e-3;
-          spec.hyper.maximize = combo % 3 == 0;
-          spec.hyper.weight_decay = combo % 2 ? 0.01 : 0.0;
-          spec.hyper.beta2 = 0.99;
-          if (kind == OptimizerKind::kSgd && combo % 4 != 0) {
-            spec.hyper.momentum = 0.9;
-            spec.hyper.dampening = combo % 4 == 2 ? 0.1 : 0.0;
-            spec.hyper.nesterov = combo % 4 == 3;
-          }
-          SCOPED_TRACE(::testing::Message()
-                       << OptimizerName(kind) << " param " << DTypeName(p.param)
-                       << " master " << int(p.master) << " grad "
-                       << DTypeName(g) << " moments " << DTypeName(m)
-                       << " momentum " << spec.hyper.momentum << " nesterov "
-                       << spec.hyper.nesterov);
-          std::vector<TensorPlan> ts = RandomTensors(p.param, g, 6);
-          std::string toggled;  // the tensor whose gradient goes and comes
-          for (const TensorPlan& t : ts) {
-            if (t.numel > 0 && toggled.empty()) toggled = t.name;
-          }
-          Twin twin(cpu_.get(), gpu_.get(), ts, spec, &rng_);
-          ASSERT_TRUE(twin.status().ok()) << twin.status();
-          for (int step = 1; step <= 6; ++step) {
-            if (!toggled.empty() && (step == 2 || step == 4)) {
-              const absl::Status s = twin.SetGradAbsent(toggled, step == 2);
-              ASSERT_TRUE(s.ok()) << s;
-            }
-            twin.FillGrads(/*poison=*/step == 5);
-            StepRequestSpec s;
-            s.options.grad_scale = step == 3 ? 128.0 : 1.0;
-            twin.Step(s, /*exact=*/true);
-          }
+    for (const LayoutCase& c : EveryLayout()) {
+      ++combo;
+      GroupSpec spec;
+      spec.id = "g";
+      spec.master = c.master;
+      spec.moment_dtype = c.moment;
+      spec.hyper.kind = kind;
+      spec.hyper.lr = kind == OptimizerKind::kSgd ? 1e-2 : 1e-3;
+      spec.hyper.maximize = combo % 3 == 0;
+      spec.hyper.weight_decay = combo % 2 ? 0.01 : 0.0;
+      spec.hyper.beta2 = 0.99;
+      if (kind == OptimizerKind::kSgd && combo % 4 != 0) {
+        spec.hyper.momentum = 0.9;
+        spec.hyper.dampening = combo % 4 == 2 ? 0.1 : 0.0;
+        spec.hyper.nesterov = combo % 4 == 3;
+      }
+      SCOPED_TRACE(::testing::Message()
+                   << OptimizerName(kind) << " param " << DTypeName(c.param)
+                   << " master " << int(c.master) << " grad "
+                   << DTypeName(c.grad) << " moments " << DTypeName(c.moment)
+                   << " momentum " << spec.hyper.momentum << " nesterov "
+                   << spec.hyper.nesterov);
+      std::vector<TensorPlan> ts = RandomTensors(c.param, c.grad, 6);
+      std::string toggled;  // the tensor whose gradient goes and comes
+      for (const TensorPlan& t : ts) {
+        if (t.numel > 0 && toggled.empty()) toggled = t.name;
+      }
+      Twin twin(cpu_.get(), gpu_.get(), ts, spec, &rng_);
+      ASSERT_TRUE(twin.status().ok()) << twin.status();
+      for (int step = 1; step <= 6; ++step) {
+        if (!toggled.empty() && (step == 2 || step == 4)) {
+          const absl::Status s = twin.SetGradAbsent(toggled, step == 2);
+          ASSERT_TRUE(s.ok()) << s;
         }
+        twin.FillGrads(/*poison=*/step == 5);
+        StepRequestSpec s;
+        s.options.grad_scale = step == 3 ? 128.0 : 1.0;
+        twin.Step(s, /*exact=*/true);
       }
     }
   }
@@ -760,6 +751,10 @@ TEST_F(CudaBackendTest, JobSessionsTakeTheJobsNcclUniqueId) {
   EXPECT_TRUE(plain->session->nccl_unique_id().empty());
 }
 
+// A tensor of more than 2^31 elements: 64-bit indexing end to end. The
+// inputs are zero except for windows around 2^31 and at the end, which are
+// random; those windows are checked against the reference computed on the
+// host for the same elements.
 TEST_F(CudaBackendTest, TensorOver2To31Elements) {
   const uint64_t n = (uint64_t{1} << 31) + 300;
   auto params = g_trainer->Alloc(n * 2);
