@@ -37,3 +37,30 @@ def cuda_object(name, src, hdrs = [], tags = []):
                "-gencode arch=compute_90,code=compute_90 " +
                "-Xcompiler -fPIC -I. -c $(location " + src + ") -o $@"),
     )
+
+def optimizer_cuda_kernel(name, extra_hdrs = []):
+    """The CUDA update kernel of optimizer `name`, in its own package:
+    `<name>_cuda.cu` (including `<name>_cuda.h`, `<name>_math.h` and
+    `extra_hdrs`) compiled into the cc_library `<name>_cuda`. Exports
+    `<name>_cuda.h` and `<name>_scalars.cuh` for //kernels:step_cuda.
+    Built unless --define=cuda=off; GPU tests run on a GPU machine."""
+    cuda_object(
+        name = name + "_cuda_o",
+        src = name + "_cuda.cu",
+        hdrs = CUDA_KERNEL_HDRS + [name + "_cuda.h", name + "_math.h"] +
+               extra_hdrs,
+        tags = ["cuda"],
+    )
+    native.cc_library(
+        name = name + "_cuda",
+        srcs = [":" + name + "_cuda_o"],
+        hdrs = [name + "_cuda.h"],
+        linkopts = CUDART_LINKOPTS,
+        tags = ["cuda"],
+        deps = [
+            "//core:layout",
+            "//kernels:cuda_step_types",
+            "@system//:absl",
+        ],
+    )
+    native.exports_files([name + "_cuda.h", name + "_scalars.cuh"])
