@@ -2,7 +2,6 @@
 
 #include <dirent.h>
 #include <fcntl.h>
-#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -12,6 +11,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "core/stale_files.h"
 
 namespace optimd {
 
@@ -41,10 +41,7 @@ bool ParseTemporaryName(const std::string& name, std::string* final_name,
 
 // Whether the save of process `pid` has ended: the process is gone, or is
 // this one (whose saves the caller tells apart by time).
-bool WriterGone(long pid) {
-  if (pid == getpid()) return true;
-  return kill(static_cast<pid_t>(pid), 0) != 0 && errno != EPERM;
-}
+bool WriterGone(long pid) { return pid == getpid() || ProcessGone(pid); }
 
 // Removes `name` in the directory `dir_fd` when it is a regular file
 // (owned by this user, if `own_only`) last written before `before`.

@@ -35,7 +35,7 @@
 #include "common/version.h"
 #include "core/checkpoint_temporaries.h"
 #include "core/session_registry.h"
-#include "core/stale_segments.h"
+#include "core/stale_files.h"
 #include "server/device_worker.h"
 #include "server/log.h"
 #include "server/metrics_http.h"

@@ -1,9 +1,6 @@
 #include "server/optimizer_service.h"
 
-#include <dirent.h>
 #include <fcntl.h>
-#include <signal.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -14,6 +11,7 @@
 #include "absl/time/clock.h"
 #include "common/mutex.h"
 #include "common/version.h"
+#include "core/stale_files.h"
 #include "server/convert.h"
 #include "server/log.h"
 
@@ -34,27 +32,19 @@ std::string SpoolDirectory(const CheckpointOptions& options) {
 // Spool files are "<dir>/.optimd-load-<pid>-XXXXXX". Removes those whose
 // daemon is gone (killed while a stream was arriving); nothing else.
 void RemoveStaleSpoolFiles(const std::string& dir) {
-  DIR* d = opendir(dir.c_str());
-  if (d == nullptr) return;
   const std::string prefix = ".optimd-load-";
-  while (const dirent* e = readdir(d)) {
-    const std::string name = e->d_name;
-    if (name.compare(0, prefix.size(), prefix) != 0) continue;
+  RemoveFilesOfGoneProcesses(dir, [&](const std::string& name, long* pid) {
+    if (name.compare(0, prefix.size(), prefix) != 0) return false;
     const size_t dash = name.find('-', prefix.size());
-    const std::string pid = name.substr(prefix.size(), dash - prefix.size());
-    if (dash == std::string::npos || pid.empty() || pid.size() > 9 ||
-        pid.find_first_not_of("0123456789") != std::string::npos) {
-      continue;
+    if (dash == std::string::npos) return false;
+    const std::string digits = name.substr(prefix.size(), dash - prefix.size());
+    if (digits.empty() || digits.size() > 9 ||
+        digits.find_first_not_of("0123456789") != std::string::npos) {
+      return false;
     }
-    const pid_t owner = static_cast<pid_t>(std::stol(pid));
-    if (owner == getpid() || kill(owner, 0) == 0 || errno == EPERM) continue;
-    struct stat st;
-    if (fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
-        S_ISREG(st.st_mode) && st.st_uid == getuid()) {
-      unlinkat(dirfd(d), e->d_name, 0);
-    }
-  }
-  closedir(d);
+    *pid = std::stol(digits);
+    return true;
+  });
 }
 
 // The API's GradientSharding; INVALID_ARGUMENT for an unknown value.

@@ -1,4 +1,4 @@
-#include "core/stale_segments.h"
+#include "core/stale_files.h"
 
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -29,7 +29,7 @@ bool Exists(const std::string& path) {
 
 void Touch(const std::string& path) { std::ofstream(path) << "x"; }
 
-TEST(StaleSegmentsTest, NamesOfBothClients) {
+TEST(StaleFilesTest, NamesOfBothClients) {
   long pid = 0;
   EXPECT_TRUE(ParseSegmentName("optimd-py-1234-0a1b2c3d4e5f", &pid));
   EXPECT_EQ(pid, 1234);
@@ -43,7 +43,7 @@ TEST(StaleSegmentsTest, NamesOfBothClients) {
   }
 }
 
-TEST(StaleSegmentsTest, RemovesOnlyDeadCreatorsSegments) {
+TEST(StaleFilesTest, RemovesOnlyDeadCreatorsSegments) {
   char tmpl[] = "/tmp/optimd-segments-XXXXXX";
   ASSERT_NE(mkdtemp(tmpl), nullptr);
   const std::string dir = tmpl;

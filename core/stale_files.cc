@@ -1,4 +1,4 @@
-#include "core/stale_segments.h"
+#include "core/stale_files.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -33,11 +33,11 @@ bool AllDigits(absl::string_view s) {
   return true;
 }
 
+}  // namespace
+
 bool ProcessGone(long pid) {
   return kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
 }
-
-}  // namespace
 
 bool ParseSegmentName(const std::string& name, long* pid) {
   if (!absl::StartsWith(name, "optimd-")) return false;
@@ -59,14 +59,15 @@ bool ParseSegmentName(const std::string& name, long* pid) {
   return false;
 }
 
-int RemoveStaleSegments(const std::string& dir) {
+int RemoveFilesOfGoneProcesses(
+    const std::string& dir,
+    const std::function<bool(const std::string& name, long* pid)>& pid_of) {
   DIR* d = opendir(dir.c_str());
   if (d == nullptr) return 0;
   int removed = 0;
   while (const dirent* e = readdir(d)) {
     long pid = 0;
-    if (!ParseSegmentName(e->d_name, &pid) || pid == getpid() ||
-        !ProcessGone(pid)) {
+    if (!pid_of(e->d_name, &pid) || pid == getpid() || !ProcessGone(pid)) {
       continue;
     }
     struct stat st;
@@ -78,6 +79,10 @@ int RemoveStaleSegments(const std::string& dir) {
   }
   closedir(d);
   return removed;
+}
+
+int RemoveStaleSegments(const std::string& dir) {
+  return RemoveFilesOfGoneProcesses(dir, ParseSegmentName);
 }
 
 }  // namespace optimd
