@@ -5,7 +5,7 @@ without (each rank on its own), in the same run; per-step wall time over
 timed steps, each waited for (opt.synchronize()).
 
     LD_LIBRARY_PATH=.gpu/lib OPTIMD_BINARY=.gpu/optimd \\
-        PYTHONPATH=client/python:.gpu/py python3 bench/cuda_ranks_bench.py
+        PYTHONPATH=client/python python3 bench/cuda_ranks_bench.py
 """
 import argparse
 import os

@@ -5,7 +5,7 @@ counters: plan builds and plan-entry updates per step show re-planning
 and moved gradients; host ms is the trainer's time inside opt.step().
 
     LD_LIBRARY_PATH=.gpu/lib OPTIMD_BINARY=.gpu/optimd \\
-        PYTHONPATH=client/python:.gpu/py python3 bench/step_time_probe.py
+        PYTHONPATH=client/python python3 bench/step_time_probe.py
 """
 import time
 

@@ -4,7 +4,7 @@ GPU, timed per iteration (zero_grad + forward + backward [+ clipping] +
 step) and per phase.
 
     LD_LIBRARY_PATH=.gpu/lib OPTIMD_BINARY=.gpu/optimd \\
-        PYTHONPATH=client/python:.gpu/py python3 bench/train_bench.py
+        PYTHONPATH=client/python python3 bench/train_bench.py
 
 Models (GPT-style decoders, fp32 parameters, bf16 autocast):
   gpt400m   d=2816, 4 layers: about 404M parameters in 52 tensors (wide

@@ -3,7 +3,6 @@
 # optimd.torch.AdamW (PyTorch) through the daemon at $OPTIMD_ADDRESS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-./tools/gen_python_proto.sh >/dev/null
 echo "== training a small transformer LM through the daemon (PyTorch client)"
 PYTHONPATH=client/python /usr/bin/python3 examples/lm_train.py \
   --address "${OPTIMD_ADDRESS:?set OPTIMD_ADDRESS}"

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds the GPU tests, benchmarks and the daemon here, and bundles them with
-# their shared libraries and the generated Python stubs into .gpu/, for a GPU
-# machine that has the CUDA driver but no Bazel, gRPC or Abseil. Then, on
-# that machine, from the repository root: tools/gpu_test.sh
+# their shared libraries into .gpu/ (the Python client and its stubs travel
+# in the tree), for a GPU machine that has the CUDA driver but no Bazel,
+# gRPC or Abseil. Then, on that machine, from the repository root:
+# tools/gpu_test.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bundle=${BUNDLE_TOOL:-../shared/tools/gpu-bundle}
@@ -16,7 +17,4 @@ rm -rf .gpu
 # NCCL (over 200 MB) is not bundled: the GPU machine has torch's own
 # (nvidia-nccl-cu13), which tools/gpu_test.sh puts on the library path.
 rm -f .gpu/lib/libnccl.so*
-./tools/gen_python_proto.sh
-mkdir -p .gpu/py/optimd/v1
-cp client/python/optimd/v1/optimd_pb2*.py .gpu/py/optimd/v1/
 echo "== bundled into .gpu; on the GPU machine run tools/gpu_test.sh [--bench]"

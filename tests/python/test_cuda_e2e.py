@@ -5,7 +5,7 @@ bit, the same run on the CPU reference backend. Also times the step against
 torch.optim.AdamW(fused=True) in the same script.
 
     LD_LIBRARY_PATH=.gpu/lib OPTIMD_BINARY=.gpu/optimd \\
-        PYTHONPATH=client/python:.gpu/py python3 -m unittest -v \\
+        PYTHONPATH=client/python python3 -m unittest -v \\
         tests/python/test_cuda_e2e.py
 """
 import os

@@ -7,7 +7,7 @@ stand-in), and a rank killed mid-job ending in errors, not hangs. Needs two
 GPUs (nvidia-h200-x2); skipped otherwise.
 
     LD_LIBRARY_PATH=.gpu/lib OPTIMD_BINARY=.gpu/optimd \\
-        PYTHONPATH=client/python:.gpu/py python3 -m unittest -v \\
+        PYTHONPATH=client/python python3 -m unittest -v \\
         tests/python/test_cuda_ranks.py
 """
 import os

@@ -5,7 +5,7 @@ checkpoint and resume. Skipped where a framework is not installed (the
 GPU machine has all three; Debian's CI image none).
 
     LD_LIBRARY_PATH=.gpu/lib OPTIMD_BINARY=.gpu/optimd \\
-        PYTHONPATH=client/python:.gpu/py python3 -m unittest -v \\
+        PYTHONPATH=client/python python3 -m unittest -v \\
         tests/python/test_frameworks.py
 
 Tolerance: the two optimizers agree to about 1e-7 relative per step; over
