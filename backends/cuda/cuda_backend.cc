@@ -434,7 +434,7 @@ absl::Status CudaBackend::EnqueueStep(CudaSession& s,
   for (uint32_t g = 0; g < (statistics ? n : 0); ++g) {
     auto* plan = PlanOf(*groups[g]);
     auto* partials = reinterpret_cast<double*>(plan->partials_d.data());
-    for (const Launch& launch : plan->launches) {
+    for (const Launch& launch : plan->whole_launches) {
       OPTIMD_RETURN_IF_ERROR(cuda::LaunchGradSumSquares(
           launch.layout.grad_dtype, LaunchWork(*plan, launch, 1),
           partials + launch.first_block[1], stream));
@@ -454,7 +454,7 @@ absl::Status CudaBackend::EnqueueStep(CudaSession& s,
   } else {
     for (const Group* g : groups) {
       auto* plan = PlanOf(*g);
-      for (const Launch& launch : plan->launches) {
+      for (const Launch& launch : plan->whole_launches) {
         OPTIMD_RETURN_IF_ERROR(LaunchUpdate(*g, launch, stream));
       }
     }

@@ -139,6 +139,21 @@ void BuildDeviceTables(const Group& group, uint64_t chunk_elements,
     launch.stage = static_cast<uint32_t>(kind / layouts.size());
     AppendLaunch(host, items, chunk_elements, launch, plan);
   }
+  plan->whole_launches = WholeLaunches(plan->launches);
+}
+
+std::vector<Launch> WholeLaunches(const std::vector<Launch>& launches) {
+  std::vector<Launch> whole;
+  for (const Launch& l : launches) {
+    if (!whole.empty() && whole.back().layout == l.layout) {
+      Launch& w = whole.back();
+      w.num_chunks += l.num_chunks;
+      for (int t = 0; t < 2; ++t) w.num_blocks[t] += l.num_blocks[t];
+    } else {
+      whole.push_back(l);
+    }
+  }
+  return whole;
 }
 
 TableChanges RefreshEntries(Group& group, const std::vector<uint32_t>& entries,

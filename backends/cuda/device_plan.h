@@ -59,6 +59,12 @@ struct DevicePlan : BackendPlan {
   std::vector<uint64_t> chunk_end;
   std::vector<std::pair<uint32_t, uint32_t>> entry_chunks;
   std::vector<Launch> launches;
+  // The same chunks and blocks in fewer, larger launches: each run of
+  // consecutive launches of one layout merged into one (stages ignored).
+  // The statistics pass and plain steps use them: every launch costs a
+  // few tens of microseconds beyond its bytes, and a small one does not
+  // fill the device. Same blocks, so the same partial sums and bits.
+  std::vector<Launch> whole_launches;
   BlockTable tables[2];
   StateStorage chunks_d, partials_d, state_d, scalars_d;
   // Per entry, the group's applied steps it missed (no gradient); advanced
@@ -79,6 +85,11 @@ inline DevicePlan* PlanOf(const Group& group) {
 // made with the same `chunk_elements`.
 void BuildDeviceTables(const Group& group, uint64_t chunk_elements,
                        DevicePlan* plan);
+
+// `launches` with each run of consecutive launches of one layout merged
+// (their chunks and blocks are adjacent in the tables: AppendLaunch appends
+// them in order).
+std::vector<Launch> WholeLaunches(const std::vector<Launch>& launches);
 
 // What RefreshEntries changed in a plan's host tables: sorted, merged
 // [first, end) ranges of plan.chunks and of each table's blocks, for the

@@ -190,6 +190,35 @@ void CheckLaunches(const Group& g, const DevicePlan& plan) {
   EXPECT_EQ(next_chunk, plan.chunks.size());
 }
 
+// The whole launches cover the same chunks and blocks as the launches, in
+// order, with no two neighbours of one layout: each is a run of launches
+// of its layout merged.
+void CheckWholeLaunches(const DevicePlan& plan) {
+  size_t next = 0;  // the first launch not yet covered
+  for (size_t w = 0; w < plan.whole_launches.size(); ++w) {
+    const Launch& whole = plan.whole_launches[w];
+    if (w > 0) EXPECT_FALSE(plan.whole_launches[w - 1].layout == whole.layout);
+    ASSERT_LT(next, plan.launches.size());
+    const Launch& first = plan.launches[next];
+    EXPECT_EQ(whole.first_chunk, first.first_chunk);
+    uint64_t chunks = 0, blocks[2] = {0, 0};
+    for (; next < plan.launches.size() &&
+           plan.launches[next].layout == whole.layout &&
+           chunks < whole.num_chunks;
+         ++next) {
+      chunks += plan.launches[next].num_chunks;
+      for (int t = 0; t < 2; ++t) {
+        EXPECT_EQ(plan.launches[next].first_block[t],
+                  whole.first_block[t] + blocks[t]);
+        blocks[t] += plan.launches[next].num_blocks[t];
+      }
+    }
+    EXPECT_EQ(chunks, whole.num_chunks);
+    for (int t = 0; t < 2; ++t) EXPECT_EQ(blocks[t], whole.num_blocks[t]);
+  }
+  EXPECT_EQ(next, plan.launches.size()) << "launches not covered";
+}
+
 // Each table's blocks split each launch's chunks into consecutive runs of
 // at most kMaxChunksPerBlock chunks whose tile and scalar counts are the
 // sums of their chunks'. With `sized`, also that each block is the
@@ -254,6 +283,7 @@ void CheckPlan(const Group& g, const DevicePlan& plan, uint64_t chunk_elements,
   CheckChunks(g, plan, chunk_elements);
   CheckLaunches(g, plan);
   CheckBlocks(plan, chunk_elements, sized);
+  CheckWholeLaunches(plan);
   CheckAbsent(g, plan);
 }
 
@@ -327,9 +357,30 @@ TEST(DevicePlanTest, OneLaunchPerStageAndLayout) {
   const DevicePlan plan = MakePlan(g, 4096);
   CheckPlan(g, plan, 4096);
   EXPECT_EQ(plan.launches.size(), 12u);  // 3 stages x 4 layouts
+  // Interleaved layouts: no two neighbouring launches share one.
+  EXPECT_EQ(plan.whole_launches.size(), 12u);
   // 16-bit moments: update blocks twice as large.
   EXPECT_EQ(UpdateBlockElements(kBf16Master, 4096), 8192u);
   EXPECT_EQ(UpdateBlockElements(kFp32, 4096), 4096u);
+}
+
+// One layout over several stages: plain steps run it as one launch.
+TEST(DevicePlanTest, StagesOfOneLayoutMakeOneWholeLaunch) {
+  std::vector<TensorShape> shapes;
+  for (uint32_t i = 0; i < 64; ++i) {
+    TensorShape s;
+    s.numel = 5000 + i;
+    s.stage = i / 4;
+    shapes.push_back(s);
+  }
+  const Group g = MakeGroup(shapes, 4096);
+  const DevicePlan plan = MakePlan(g, 4096);
+  CheckPlan(g, plan, 4096);
+  EXPECT_EQ(plan.launches.size(), 16u);
+  ASSERT_EQ(plan.whole_launches.size(), 1u);
+  EXPECT_EQ(plan.whole_launches[0].num_chunks, plan.chunks.size());
+  EXPECT_EQ(plan.whole_launches[0].num_blocks[0],
+            plan.tables[0].blocks.size());
 }
 
 TEST(DevicePlanTest, AbsentGradientsHaveEmptyChunks) {
