@@ -427,13 +427,14 @@ absl::StatusOr<CheckpointResult> WriteCheckpoint(
 
 absl::StatusOr<CheckpointResult> SaveCheckpoint(
     const std::string& path, const std::vector<Group*>& groups,
-    Backend* backend, const CheckpointOptions& options) {
+    Backend* backend, const CheckpointOptions& options,
+    SaveProgress* progress) {
   std::vector<Entry> entries = Entries(groups);
   const bool packed =
       UsePacked(entries, groups, options.packed_above_header_bytes);
   Arrange(entries, packed);
   return WriteCheckpoint(path, MetaJson(groups, packed, options.job_id),
-                         std::move(entries), backend, options, nullptr);
+                         std::move(entries), backend, options, progress);
 }
 
 struct CheckpointSnapshot::Data {

@@ -90,17 +90,18 @@ std::string LegacyCheckpointFileName(const std::string& job_id, uint32_t rank);
 absl::StatusOr<std::string> ResolveCheckpointDir(
     const std::string& directory, const CheckpointOptions& options);
 
-// Writes the groups' state. The caller holds the session's lock, so the
-// state is consistent at a step boundary.
-absl::StatusOr<CheckpointResult> SaveCheckpoint(
-    const std::string& path, const std::vector<Group*>& groups,
-    Backend* backend, const CheckpointOptions& options);
-
 // Progress of a save, readable from other threads.
 struct SaveProgress {
   std::atomic<uint64_t> bytes_written{0};
   std::atomic<uint64_t> total_bytes{0};
 };
+
+// Writes the groups' state, reporting into `progress` if given. The caller
+// holds the session's lock, so the state is consistent at a step boundary.
+absl::StatusOr<CheckpointResult> SaveCheckpoint(
+    const std::string& path, const std::vector<Group*>& groups,
+    Backend* backend, const CheckpointOptions& options,
+    SaveProgress* progress = nullptr);
 
 // A consistent host copy of a session's state (and parameters), taken at a
 // step boundary, that a background thread writes while steps go on.

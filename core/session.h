@@ -203,13 +203,14 @@ class Session {
   // own while steps go on; SaveStatus reports progress. A save requested
   // while a background save is still writing is FAILED_PRECONDITION.
   // `on_written`, if given, is called on the writing thread once a
-  // background save has ended (succeeded or failed).
+  // background save has ended (succeeded or failed). `progress`, if given,
+  // follows a save without `background` (which reports to SaveStatus).
   struct SaveStatusInfo;
   absl::StatusOr<CheckpointResult> SaveState(
       const std::string& directory, const CheckpointOptions& options,
       bool background = false,
-      std::function<void(const SaveStatusInfo&)> on_written = nullptr)
-      ABSL_LOCKS_EXCLUDED(mu_);
+      std::function<void(const SaveStatusInfo&)> on_written = nullptr,
+      SaveProgress* progress = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
   // Waits until a background save that is still writing has ended; true
   // when there was one.
   bool WaitForBackgroundSave() ABSL_LOCKS_EXCLUDED(save_mu_);

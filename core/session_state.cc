@@ -299,7 +299,8 @@ absl::StatusOr<std::vector<uint64_t>> Session::MissedSteps(
 
 absl::StatusOr<CheckpointResult> Session::SaveState(
     const std::string& directory, const CheckpointOptions& options,
-    bool background, std::function<void(const SaveStatusInfo&)> on_written) {
+    bool background, std::function<void(const SaveStatusInfo&)> on_written,
+    SaveProgress* progress) {
   MutexLock lock(&mu_);
   if (needs_load_) {
     return absl::FailedPreconditionError(
@@ -326,7 +327,7 @@ absl::StatusOr<CheckpointResult> Session::SaveState(
   CheckpointOptions with_job = options;
   with_job.job_id = identity_.job_id;
   if (!background) {
-    return SaveCheckpoint(path, step_groups_, backend_, with_job);
+    return SaveCheckpoint(path, step_groups_, backend_, with_job, progress);
   }
   const auto t0 = std::chrono::steady_clock::now();
   OPTIMD_ASSIGN_OR_RETURN(std::shared_ptr<CheckpointSnapshot> snapshot,

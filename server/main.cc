@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <memory>
@@ -102,6 +103,11 @@ ABSL_FLAG(double, rank_timeout_s, 600,
 ABSL_FLAG(int, shutdown_grace_s, 30,
           "On SIGINT/SIGTERM, how long in-flight calls may run before they "
           "are cancelled.");
+ABSL_FLAG(double, shutdown_save_s, 540,
+          "At shutdown, at most this many seconds for saving the sessions to "
+          "--save_dir (smallest first); sessions not saved by then are named "
+          "in the log and lost, and the daemon exits with status 1. Keep it "
+          "below the service manager's stop timeout (deploy/: 600 s).");
 
 namespace {
 
@@ -413,7 +419,17 @@ void AwaitShutdown(const sigset_t& signals,
   server.Shutdown(absl::ToChronoTime(absl::Now()));
   // Nothing runs on the workers now: every session's state is at a step
   // boundary.
-  restart_store.SaveAll(registry, Log, optimd::log::Warn);
+  const auto saved = restart_store.SaveAll(
+      registry, absl::Seconds(absl::GetFlag(FLAGS_shutdown_save_s)), Log,
+      optimd::log::Warn);
+  if (saved.out_of_time) {
+    // A save is still writing on its own thread, over state the normal
+    // exit would free: end here (its temporary file is removed at the next
+    // start).
+    // (The log is flushed line by line.)
+    Log("stopped before every session was saved");
+    std::_Exit(1);
+  }
 }
 
 }  // namespace

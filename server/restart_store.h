@@ -17,6 +17,8 @@
 #include <optional>
 #include <string>
 
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "core/checkpoint.h"
 #include "core/session_registry.h"
 
@@ -41,16 +43,28 @@ class RestartStore {
                                          uint32_t rank) const;
 
   // Saves every session of `registry` (after any background save still
-  // writing has ended), logging each (`warn`: a session that could not be
-  // saved); returns how many could not be saved.
-  int SaveAll(SessionRegistry& registry,
-              const std::function<void(const std::string&)>& log,
-              const std::function<void(const std::string&)>& warn) const;
+  // writing has ended), smallest first, within `bound`: logs each start,
+  // progress every 10 s and each end (`warn`: a session that could not be
+  // saved). When the bound is reached, the sessions not saved are named
+  // and `out_of_time` is set: a save is then still writing on a thread of
+  // its own, and the caller must end the process without waiting for it.
+  struct SaveAllResult {
+    int failed = 0;  // sessions not saved, out of time included
+    bool out_of_time = false;
+  };
+  SaveAllResult SaveAll(
+      SessionRegistry& registry, absl::Duration bound,
+      const std::function<void(const std::string&)>& log,
+      const std::function<void(const std::string&)>& warn) const;
 
   // "<job id reduced to at most 48 of [A-Za-z0-9._-]>-<crc32c of the id>".
   static std::string JobDirectory(const std::string& job_id);
 
  private:
+  // One session's save with its secret; nothing of it is left on failure.
+  absl::StatusOr<CheckpointResult> SaveOne(Session& s,
+                                           SaveProgress* progress) const;
+
   const std::string save_dir_;
   const CheckpointOptions options_;
 };

@@ -379,8 +379,7 @@ TEST(DevicePlanTest, StagesOfOneLayoutMakeOneWholeLaunch) {
   EXPECT_EQ(plan.launches.size(), 16u);
   ASSERT_EQ(plan.whole_launches.size(), 1u);
   EXPECT_EQ(plan.whole_launches[0].num_chunks, plan.chunks.size());
-  EXPECT_EQ(plan.whole_launches[0].num_blocks[0],
-            plan.tables[0].blocks.size());
+  EXPECT_EQ(plan.whole_launches[0].num_blocks[0], plan.tables[0].blocks.size());
 }
 
 TEST(DevicePlanTest, AbsentGradientsHaveEmptyChunks) {

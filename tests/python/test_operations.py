@@ -163,6 +163,43 @@ class OperationsTest(unittest.TestCase):
         self.assertRegex(log, r"checkpoint load started: job 'ops-0' rank 0")
         self.assertRegex(log, r"checkpoint loaded: job 'ops-0'")
 
+    def test_shutdown_save_is_bounded_and_names_what_is_lost(self):
+        """--shutdown_save_s bounds the save at SIGTERM: sessions are saved
+        smallest first, and when time runs out the daemon names the ones
+        lost, exits with status 1, and its next start removes the
+        unfinished file."""
+        self.flags.append("--shutdown_save_s=0.001")
+        d1 = self.start("first.log")
+        _, tiny = make(d1, 0, "tiny")
+        big = [torch.nn.Parameter(torch.zeros(20_000_000))]
+        big_opt = AdamW(big, address=d1.address, job_id="big")
+        for p in big:
+            p.grad = torch.ones_like(p)
+        big_opt.step()
+        self.assertEqual(d1.stop(), 1)
+        d1.log.seek(0)
+        log = d1.log.read()
+        order = re.findall(r"saving job '(\w+)' rank 0 \((\d) of 2\)", log)
+        self.assertEqual(order[0], ("tiny", "1"))
+        self.assertRegex(log, r"warning optimd: the shutdown save ran out of "
+                              r"its 1ms \(--shutdown_save_s\); not saved, "
+                              r"their state is lost: .*job 'big' rank 0")
+        self.assertRegex(log, r"stopped before every session was saved")
+        self.assertNotRegex(log, r"saved job 'big'")
+
+        d2 = self.start("second.log")
+        try:
+            self.wait_for_log(d2, r"listening on")
+            saved = os.path.join(self.dir, "saved")
+            for root, _, files in os.walk(saved):
+                for name in files:
+                    self.assertNotIn(".tmp-", name, "left: " + name)
+            with self.assertRaises(optimd.NotFoundError):
+                AdamW([torch.nn.Parameter(torch.zeros(20_000_000))],
+                      address=d2.address, job_id="big", resume=True)
+        finally:
+            self.assertEqual(d2.stop(), 0)
+
 
 if __name__ == "__main__":
     unittest.main()
