@@ -66,7 +66,7 @@ def main():
         for n, count in ((50_000_000, 100), (50_000_000, 16),
                          (200_000_000, 100), (1_000_000, 10)):
             probe(daemon, n, count)
-        probe(daemon, 50_000_000, 100, assume_finite=True)
+        probe(daemon, 50_000_000, 100, skip_nonfinite=True)
         probe(daemon, 50_000_000, 100, wait=True)
 
 

@@ -47,9 +47,14 @@ struct StepOptions {
   // run steps asynchronously (CUDA) otherwise report the last completed
   // step's outcome; the CPU backend always completes the step.
   bool wait = false;
-  // The trainer vouches that every gradient is finite: without clipping the
-  // statistics pass is skipped (4 fewer bytes read per fp32 parameter). A
-  // non-finite gradient then reaches the state.
+  // The trainer takes charge of non-finite gradients, as torch's optimizers
+  // leave it to the trainer: a step is never skipped for them. Without
+  // clipping the statistics pass is left out (4 fewer bytes read per fp32
+  // parameter) and an inf or NaN reaches the update; with clipping a
+  // non-finite norm gives torch's clip coefficient (ClipCoefficient: NaN or
+  // 0). A session whose ranks agree on the statistics (exchange, or a CUDA
+  // job) still skips: there a non-finite sum also stands for a failed rank.
+  // False: a step with a non-finite gradient is skipped, nothing changes.
   bool assume_finite = false;
   // Step flags (StepRequest.step_flags): two uint32 in device memory, [0]
   // ready, [1] done; null without. The step waits for ready >= sequence

@@ -29,11 +29,13 @@ OPTIMD_HOST_DEVICE inline double GradMultiplier(double grad_scale,
 }
 
 // torch.nn.utils.clip_grad_norm_'s coefficient for a gradient of norm
-// `norm`: max_norm / (norm + 1e-6), at most 1; 1 when max_norm <= 0.
+// `norm`: max_norm / (norm + 1e-6), at most 1; 1 when max_norm <= 0. As
+// torch.clamp does, a NaN norm gives NaN (every gradient becomes NaN) and
+// an infinite one 0 (finite elements become 0, infinite ones NaN).
 OPTIMD_HOST_DEVICE inline double ClipCoefficient(double max_norm, double norm) {
   if (max_norm <= 0) return 1.0;
   const double coef = max_norm / (norm + 1e-6);
-  return coef < 1.0 ? coef : 1.0;
+  return coef >= 1.0 ? 1.0 : coef;
 }
 
 }  // namespace optimd

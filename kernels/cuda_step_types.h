@@ -72,7 +72,9 @@ struct StepHyper {
   int32_t bias_correction;
   int32_t maximize;
   int32_t nesterov;  // SGD
-  int32_t pad;
+  // 1: a non-finite total does not skip the step; it is applied as torch
+  // applies it (StepOptions::assume_finite, for a session of its own).
+  int32_t apply_nonfinite;
 };
 
 // The device-resident per-group counters.

@@ -62,13 +62,15 @@ __global__ void ConvertKernel(const void* __restrict__ src,
   }
 }
 
-// The step scalars of one group: skipped when the session's total sum of
-// squares is not finite; else the gradient multiplier (loss scale, clip
-// coefficient, maximize: core/step_math.h) and the optimizer's own.
+// The step scalars of one group: skipped when the total sum of squares is
+// not finite, unless the step applies non-finite gradients; else the
+// gradient multiplier (loss scale, clip coefficient, maximize:
+// core/step_math.h; NaN or 0 for a non-finite norm, as torch's
+// clip_grad_norm_) and the optimizer's own.
 __device__ DeviceScalars MakeScalars(const StepHyper& h, double total,
                                      uint64_t step) {
   DeviceScalars s{};
-  s.skip = isfinite(total) ? 0 : 1;
+  s.skip = isfinite(total) || h.apply_nonfinite ? 0 : 1;
   if (s.skip) return s;
   const double norm = sqrt(total) / EffectiveGradScale(h.grad_scale);
   const double clip = ClipCoefficient(h.max_grad_norm, norm);
@@ -99,6 +101,19 @@ __device__ __forceinline__ double JobTotal(const double* sums, uint32_t n,
   const bool whole = sums[n + 2] == static_cast<double>(ranks);
   return sums[n + 1] != 0 || !whole ? __longlong_as_double(0x7ff8000000000000ll)
                                     : sums[n];
+}
+
+// The total a step goes by: the job's (JobTotal), or, for a session of its
+// own whose step applies non-finite gradients (StepHyper.apply_nonfinite,
+// the same in every group), its own sum of squares whatever it is, so that
+// a NaN and an infinite norm clip as torch's clip_grad_norm_ does.
+__device__ __forceinline__ double AppliedTotal(const GroupStep* scratch,
+                                               const double* sums, uint32_t n,
+                                               uint32_t ranks) {
+  if (ranks == 1 && n > 0 && scratch[0].hyper.apply_nonfinite) {
+    return SessionTotal(sums, n);
+  }
+  return JobTotal(sums, n, ranks);
 }
 
 __global__ void __launch_bounds__(kThreadsPerBlock)
@@ -141,7 +156,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
 __global__ void __launch_bounds__(kThreadsPerBlock)
     MakeScalarsKernel(const GroupStep* __restrict__ scratch, uint32_t n,
                       const double* __restrict__ sums, uint32_t ranks) {
-  const double total = JobTotal(sums, n, ranks);
+  const double total = AppliedTotal(scratch, sums, n, ranks);
   for (uint32_t g = threadIdx.x; g < n; g += blockDim.x) {
     const GroupStep& a = scratch[g];
     *a.scalars = MakeScalars(a.hyper, total, a.state->step);
@@ -153,8 +168,9 @@ __global__ void CommitStepsKernel(const GroupStep* __restrict__ scratch,
                                   uint32_t ranks,
                                   DeviceGroupState* __restrict__ totals,
                                   DeviceGroupState* __restrict__ report) {
-  const double total = JobTotal(sums, n, ranks);
-  const bool skipped = !isfinite(total);
+  const double total = AppliedTotal(scratch, sums, n, ranks);
+  const bool skipped =
+      !isfinite(total) && !(n > 0 && scratch[0].hyper.apply_nonfinite);
   for (uint32_t g = threadIdx.x; g <= n; g += blockDim.x) {
     DeviceGroupState* state = g == 0 ? totals : scratch[g - 1].state;
     DeviceGroupState s = *state;

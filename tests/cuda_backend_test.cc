@@ -75,6 +75,8 @@ class Twin {
   }
 
   absl::Status status() const { return status_; }
+  // Steps the CPU session skipped (Step checks the GPU's agree).
+  int skipped_steps() const { return skipped_steps_; }
   Session& gpu_session() { return *gpu_session_; }
   Session& cpu_session() { return *cpu_session_; }
 
@@ -82,7 +84,8 @@ class Twin {
   // but one in eight exactly zero and one in sixteen tiny (about 1e-20),
   // so that second moments are zero or subnormal beside normal ones in the
   // same tiles, and the kernels' square roots take their slow path there.
-  void FillGrads(bool poison) {
+  // `poison`: one element of the first stepped tensor holds `bad`.
+  void FillGrads(bool poison, float bad = NAN) {
     uint8_t* g = cpu_grads_->data();
     std::normal_distribution<float> normal(0.f, 1.f);
     std::uniform_int_distribution<int> kind(0, 15);
@@ -98,7 +101,7 @@ class Twin {
     if (poison) {
       for (const TensorPlan& t : tensors_) {
         if (t.numel > 0 && !t.frozen) {
-          Store(t.grad, g + t.grad_off + grad_shift_, t.numel / 2, NAN);
+          Store(t.grad, g + t.grad_off + grad_shift_, t.numel / 2, bad);
           break;
         }
       }
@@ -163,7 +166,14 @@ class Twin {
     ASSERT_TRUE(g.ok()) << g.status();
     ASSERT_TRUE(g->outcome.current);
     EXPECT_EQ(c->outcome.skipped, g->outcome.skipped);
-    if (!c->outcome.skipped) {
+    if (c->outcome.skipped) ++skipped_steps_;
+    if (!std::isfinite(c->outcome.grad_norm)) {
+      // Applied non-finite gradients (assume_finite): the same NaN or inf.
+      EXPECT_EQ(std::isnan(c->outcome.grad_norm),
+                std::isnan(g->outcome.grad_norm));
+      EXPECT_EQ(std::isinf(c->outcome.grad_norm),
+                std::isinf(g->outcome.grad_norm));
+    } else if (!c->outcome.skipped) {
       EXPECT_NEAR(c->outcome.grad_norm, g->outcome.grad_norm,
                   1e-12 * c->outcome.grad_norm);
     }
@@ -215,6 +225,12 @@ class Twin {
         break;
     }
   }
+  // Both NaN: the CPU keeps a NaN operand's payload, CUDA writes its own
+  // canonical NaN, so NaNs are equal whatever their bits.
+  static bool BothNan(DType d, const uint8_t* a, const uint8_t* b, uint64_t i) {
+    return std::isnan(Load(d, a, i)) && std::isnan(Load(d, b, i));
+  }
+
   static float Load(DType d, const uint8_t* base, uint64_t i) {
     switch (d) {
       case DType::kFloat32:
@@ -234,7 +250,8 @@ class Twin {
       if (std::memcmp(a, b, bytes) == 0) return;
       for (uint64_t i = 0; i < n; ++i) {
         if (std::memcmp(a + i * DTypeSize(d), b + i * DTypeSize(d),
-                        DTypeSize(d)) != 0) {
+                        DTypeSize(d)) != 0 &&
+            !BothNan(d, a, b, i)) {
           ADD_FAILURE() << what << " differs at element " << i << " of " << n
                         << ": cpu " << Load(d, a, i) << " gpu " << Load(d, b, i)
                         << " (seed " << g_seed << ")";
@@ -242,8 +259,13 @@ class Twin {
         }
       }
     }
+    if (exact) return;
     double scale = 0, err = 0;
     for (uint64_t i = 0; i < n; ++i) {
+      if (std::isnan(Load(d, a, i)) || std::isnan(Load(d, b, i))) {
+        EXPECT_TRUE(BothNan(d, a, b, i)) << what << " element " << i;
+        continue;
+      }
       scale = std::max(scale, std::fabs(double(Load(d, a, i))));
       err = std::max(err, std::fabs(double(Load(d, a, i)) - Load(d, b, i)));
     }
@@ -321,6 +343,7 @@ class Twin {
   IpcTrainer::Allocation gpu_params_, gpu_grads_;
   std::unique_ptr<Session> cpu_session_, gpu_session_;
   absl::Status status_;
+  int skipped_steps_ = 0;
 };
 
 class CudaBackendTest : public ::testing::Test {
@@ -480,6 +503,42 @@ TEST_F(CudaBackendTest, NewGradientBuffersOfAnotherAlignment) {
       for (int step = 0; step < 2; ++step) {
         twin.FillGrads(false);
         twin.Step(StepRequestSpec(), /*exact=*/true);
+      }
+    }
+  }
+}
+
+// assume_finite (optimd.torch's default): a NaN or inf gradient goes into
+// the update on both backends alike, without clipping and with it (a NaN
+// norm clips by NaN, an infinite one by 0, as torch's clip_grad_norm_), and
+// the step is not skipped. Layouts without remainders: a NaN master's
+// remainder holds the backend's own NaN bits.
+TEST_F(CudaBackendTest, AppliedNonFiniteGradientsMatchTheCpuReference) {
+  for (const LayoutCase& c : EveryLayout()) {
+    if (c.master == MasterRequest::kRemainder) continue;
+    for (double clip : {0.0, 1.0}) {
+      for (float bad : {NAN, INFINITY}) {
+        GroupSpec spec;
+        spec.id = "g";
+        spec.master = c.master;
+        spec.moment_dtype = c.moment;
+        spec.hyper.lr = 1e-2;
+        spec.hyper.weight_decay = 0.01;
+        SCOPED_TRACE(::testing::Message()
+                     << "param " << DTypeName(c.param) << " grad "
+                     << DTypeName(c.grad) << " clip " << clip << " bad "
+                     << bad);
+        Twin twin(cpu_.get(), gpu_.get(), RandomTensors(c.param, c.grad, 6),
+                  spec, &rng_);
+        ASSERT_TRUE(twin.status().ok()) << twin.status();
+        for (int step = 1; step <= 3; ++step) {
+          twin.FillGrads(/*poison=*/step == 2, bad);
+          StepRequestSpec s;
+          s.options.assume_finite = true;
+          s.options.max_grad_norm = clip;
+          twin.Step(s, /*exact=*/clip == 0);
+        }
+        EXPECT_EQ(twin.skipped_steps(), 0);
       }
     }
   }

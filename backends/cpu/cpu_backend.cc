@@ -232,7 +232,11 @@ absl::StatusOr<StepOutcome> CpuBackend::Step(SessionContext* session,
     OPTIMD_ASSIGN_OR_RETURN(sumsq, Statistics(groups, options));
   }
   const double scale = EffectiveGradScale(options.grad_scale);
-  if (!std::isfinite(sumsq)) {
+  // A non-finite sum skips the step unless the trainer takes charge of
+  // non-finite gradients (StepOptions::assume_finite); the ranks of a job
+  // always skip, since a failed rank contributes NaN.
+  const bool skips = !options.assume_finite || options.exchange != nullptr;
+  if (!std::isfinite(sumsq) && skips) {
     out.skipped = true;
     out.grad_norm = std::numeric_limits<double>::quiet_NaN();
     out.steps_applied = totals->applied;

@@ -623,7 +623,10 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
   // Graphs built for other groups (or other scratch memory) are stale.
   uint32_t* progress = options.staged ? options.step_flags + 2 : nullptr;
   RefreshGraphKey(s, groups, statistics, scratch_generation_, progress);
-  OPTIMD_RETURN_IF_ERROR(FillRecord(record, groups, options));
+  // The ranks of a job skip a non-finite step whatever the trainer asked:
+  // an all-reduce that ended part-way reads as one (StepOptions).
+  const bool apply_nonfinite = options.assume_finite && s.job == nullptr;
+  OPTIMD_RETURN_IF_ERROR(FillRecord(record, groups, options, apply_nonfinite));
   OPTIMD_RETURN_IF_ERROR(
       LaunchRecorded(s, groups, record, options, statistics, progress));
   s.sequence = seq;

@@ -62,7 +62,7 @@ void RefreshGraphKey(CudaSession& s, const std::vector<Group*>& groups,
 }
 
 absl::Status FillRecord(StepRecord& record, const std::vector<Group*>& groups,
-                        const StepOptions& options) {
+                        const StepOptions& options, bool apply_nonfinite) {
   const uint32_t n = static_cast<uint32_t>(groups.size());
   if (record.capacity < n || record.memory == nullptr) {
     if (record.memory != nullptr) cudaFreeHost(record.memory);
@@ -96,7 +96,7 @@ absl::Status FillRecord(StepRecord& record, const std::vector<Group*>& groups,
                h.bias_correction ? 1 : 0,
                h.maximize ? 1 : 0,
                h.nesterov ? 1 : 0,
-               0};
+               apply_nonfinite ? 1 : 0};
     a.partials = reinterpret_cast<const double*>(plan->partials_d.data());
     a.num_partials = static_cast<uint32_t>(plan->tables[1].blocks.size());
     a.state = reinterpret_cast<DeviceGroupState*>(plan->state_d.data());

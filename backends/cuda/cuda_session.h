@@ -86,9 +86,10 @@ void RefreshGraphKey(CudaSession& s, const std::vector<Group*>& groups,
                      uint32_t* progress);
 
 // The record's memory (grown to hold `groups`, dropping its graph then) and
-// every group's arguments.
+// every group's arguments. `apply_nonfinite`: a non-finite gradient norm
+// does not skip the step (StepOptions::assume_finite, no job).
 absl::Status FillRecord(StepRecord& record, const std::vector<Group*>& groups,
-                        const StepOptions& options);
+                        const StepOptions& options, bool apply_nonfinite);
 
 }  // namespace optimd
 

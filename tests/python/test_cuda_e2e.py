@@ -179,6 +179,7 @@ class CudaEndToEnd(unittest.TestCase):
         opt = AdamW([dict(params=decay), dict(params=other,
                                               weight_decay=0.0)],
                     lr=1e-3, max_grad_norm=1.0, overlap=overlap,
+                    skip_nonfinite=True,
                     address=self.gpu.address, job_id=self.id() + str(overlap))
         data = torch.randint(0, 1000, (iters, 32), generator=torch.Generator()
                              .manual_seed(SEED)).cuda()

@@ -231,9 +231,10 @@ class Precisions(DaemonTest):
 
 
 class GradientHandling(DaemonTest):
-    def test_non_finite_gradient_skips_everything(self):
+    def test_skip_nonfinite_skips_everything(self):
         ps = [torch.nn.Parameter(self.randn(*s)) for s in SHAPES]
-        opt = self.optimd([{"params": ps[:2]}, {"params": ps[2:]}])
+        opt = self.optimd([{"params": ps[:2]}, {"params": ps[2:]}],
+                          skip_nonfinite=True)
         for p in ps:
             p.grad = _as_grad(p, self.randn(*p.shape))
         opt.step()
@@ -281,9 +282,9 @@ class GradientHandling(DaemonTest):
             for p, q in zip(ours, theirs):
                 self.assertLessEqual(rel_err(p.detach(), q.detach()), 1e-6)
 
-    def test_assume_finite_skips_the_check_not_the_math(self):
+    def test_by_default_no_check_and_torchs_math(self):
         ours, theirs = self.twin_params()
-        opt = self.optimd(ours, lr=1e-2, assume_finite=True)
+        opt = self.optimd(ours, lr=1e-2)
         ref = torch.optim.AdamW(theirs, lr=1e-2)
         for _ in range(20):
             self.same_grads(ours, theirs)
@@ -293,16 +294,20 @@ class GradientHandling(DaemonTest):
             self.assertTrue(math.isnan(opt.grad_norm))  # no statistics pass
             for p, q in zip(ours, theirs):
                 self.assertLessEqual(rel_err(p.detach(), q.detach()), 1e-6)
-        # Vouching for finite gradients is the trainer's promise: the daemon
-        # no longer looks, so a NaN is applied instead of skipping the step.
+        # As in torch, the daemon does not look: a NaN is applied instead of
+        # skipping the step (test_nonfinite.py compares it with torch).
         ours[0].grad.view(-1)[0] = float("nan")
         opt.step()
         self.assertFalse(opt.skipped)
         self.assertTrue(torch.isnan(ours[0].detach().view(-1)[0]))
-        # With max_grad_norm the statistics pass runs again, and skips.
+        # With max_grad_norm the statistics pass runs again; the NaN norm
+        # clips every gradient to NaN, as clip_grad_norm_ does.
         opt.max_grad_norm = 1.0
         opt.step()
-        self.assertTrue(opt.skipped)
+        self.assertFalse(opt.skipped)
+        self.assertTrue(math.isnan(opt.grad_norm))
+        for p in ours:
+            self.assertTrue(torch.isnan(p.detach()).all())
 
 
 class GradientsWhereAutogradPutsThem(DaemonTest):

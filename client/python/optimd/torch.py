@@ -21,17 +21,17 @@ removed or unfrozen: a parameter taken out keeps its state for a return);
 lazy parameters once materialized; writes to optimizer.state, and state
 tensors held across steps (updated in place); parameters moved to another
 device or converted to bf16 or fp16 after construction; channels_last and
-other dense layouts (kept); sparse gradients (torch's RuntimeError).
+other dense layouts (kept); sparse gradients (torch's RuntimeError);
+inf and NaN gradients, which reach the weights as in torch's step (with
+max_grad_norm, as after torch's clip_grad_norm_: a NaN norm makes every
+stepped parameter NaN, an infinite one clips by 0); skip_nonfinite=True
+skips such a step instead (opt.skipped), as a GradScaler would.
 Turning amsgrad on
 after steps raises KeyError (optimd.MissingStateError) at the next step, as
 torch's step does.
 
 Differences from torch.optim.AdamW, all deliberate (README, "Deliberate
 differences"):
-  * A step whose gradients hold inf or NaN is skipped entirely (nothing
-    changes; torch would write NaN into the weights); `opt.skipped` says so
-    and `opt.grad_norm` is the gradient norm. assume_finite=True applies
-    it as torch does.
   * float64 parameters raise, at construction or, after model.double(), at
     the next step (the daemon steps fp32, bf16 and fp16).
   * A parameter listed twice in a group raises (torch steps it twice per
@@ -113,7 +113,7 @@ class _DaemonOptimizer(torch.optim.Optimizer):
     _state_dtype_key = "exp_avg_dtype"
 
     def _start(self, params, defaults, *, address, job_id, rank, world_size,
-               resume, max_grad_norm, grad_scale, assume_finite, keep_fp32,
+               resume, max_grad_norm, grad_scale, skip_nonfinite, keep_fp32,
                overlap, resume_secret, timeout, gradient_sharding):
         """The shared part of construction, once the subclass has checked
         its arguments and made `defaults`."""
@@ -132,7 +132,7 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self._warned_rank_norm = False
         self.grad_scale = grad_scale
-        self.assume_finite = assume_finite
+        self.skip_nonfinite = skip_nonfinite
         self._keep_fp32 = {id(p) for p in keep_fp32}
         self.skipped = False
         self.grad_norm = None
@@ -170,6 +170,12 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         if state_dtype not in (torch.float32, torch.bfloat16):
             raise TypeError("the state dtype must be torch.float32 or "
                             "torch.bfloat16, not %s" % state_dtype)
+        if "assume_finite" in torch_options:
+            raise TypeError(
+                "optimd.torch.%s: assume_finite is gone; non-finite "
+                "gradients now reach the weights as in torch's step by "
+                "default, and skip_nonfinite=True skips such steps" %
+                cls.__name__)
         for k, v in torch_options.items():
             if k in ("foreach", "fused", "capturable", "differentiable") and v:
                 raise ValueError("optimd.torch.%s runs its own fused step; "
@@ -587,7 +593,9 @@ class _DaemonOptimizer(torch.optim.Optimizer):
             grad_scale=float(self.grad_scale or 0.0),
             max_grad_norm=float(self.max_grad_norm or 0.0),
             wait=self.wait_for_step,
-            assume_finite=bool(self.assume_finite),
+            # Torch's semantics unless skipping is asked for: the daemon
+            # neither checks nor skips (proto: StepRequest.assume_finite).
+            assume_finite=not self.skip_nonfinite,
             buffer_updates=updates)
         if self._flags is None:
             self._take_reply(self._client.step(**request))
@@ -980,11 +988,17 @@ class AdamW(_DaemonOptimizer):
         device inside each step. Without gradient_sharding a step warns
         once when max_grad_norm is set with sharded parameters.
       grad_scale: divide gradients by this (loss scaling) before use.
-      assume_finite: the gradients are known finite (e.g. a GradScaler
-        checked them): without max_grad_norm the daemon skips its gradient
-        statistics pass (the fastest step; grad_norm is then NaN). A
-        non-finite gradient then corrupts the state instead of skipping the
-        step.
+      skip_nonfinite: False (torch's semantics, the default): the daemon
+        neither checks nor skips; an inf or NaN gradient reaches the update
+        as in torch's step, and with max_grad_norm a non-finite norm clips
+        as torch.nn.utils.clip_grad_norm_ does (NaN norm: every stepped
+        parameter becomes NaN; infinite norm: gradients times 0, inf
+        elements NaN). Without max_grad_norm no statistics pass runs (the
+        fastest step) and opt.grad_norm is NaN. True: the daemon sums the
+        gradients' squares and skips a step with inf or NaN entirely
+        (nothing changes, opt.skipped is True; for loss scaling with
+        grad_scale, as a GradScaler skips). With gradient_sharding the
+        ranks always skip such a step together.
       keep_fp32: parameters to update in fp32 in place (norms, router biases).
       adam_w_mode: False for Adam's L2 regularization instead of decoupled
         decay; bias_correction: False to skip (1 - beta^t).
@@ -999,8 +1013,7 @@ class AdamW(_DaemonOptimizer):
     Parameters may be given as (name, tensor) pairs to name their state.
 
     Where it differs from torch.optim.AdamW (README, "Deliberate
-    differences"): a step with inf/NaN gradients is skipped (opt.skipped;
-    assume_finite=True applies them as torch does); float64 parameters, a
+    differences"): float64 parameters, a
     parameter listed twice in a group, parameters on several devices and
     parameters not dense in memory raise.
     """
@@ -1010,7 +1023,7 @@ class AdamW(_DaemonOptimizer):
                  address=None, job_id=None, rank=None, world_size=None,
                  resume=False, master_weights=None,
                  store_param_remainders=False, exp_avg_dtype=torch.float32,
-                 max_grad_norm=0.0, grad_scale=None, assume_finite=False,
+                 max_grad_norm=0.0, grad_scale=None, skip_nonfinite=False,
                  keep_fp32=(), overlap=False, resume_secret=None,
                  adam_w_mode=True, bias_correction=True, timeout=60.0,
                  gradient_sharding=None, **torch_options):
@@ -1035,7 +1048,7 @@ class AdamW(_DaemonOptimizer):
         self._start(params, defaults, address=address, job_id=job_id,
                     rank=rank, world_size=world_size, resume=resume,
                     max_grad_norm=max_grad_norm, grad_scale=grad_scale,
-                    assume_finite=assume_finite, keep_fp32=keep_fp32,
+                    skip_nonfinite=skip_nonfinite, keep_fp32=keep_fp32,
                     overlap=overlap, resume_secret=resume_secret,
                     timeout=timeout, gradient_sharding=gradient_sharding)
 
@@ -1107,7 +1120,7 @@ class SGD(_DaemonOptimizer):
     Besides torch's arguments:
       address, job_id, rank, world_size, resume, resume_secret,
         master_weights, store_param_remainders, max_grad_norm,
-        gradient_sharding, grad_scale, assume_finite, keep_fp32, overlap,
+        gradient_sharding, grad_scale, skip_nonfinite, keep_fp32, overlap,
         timeout: as optimd.torch.AdamW has them.
       state_dtype: torch.float32 or torch.bfloat16 momentum buffers.
     Parameters may be given as (name, tensor) pairs to name their state.
@@ -1123,7 +1136,7 @@ class SGD(_DaemonOptimizer):
                  address=None, job_id=None, rank=None, world_size=None,
                  resume=False, master_weights=None,
                  store_param_remainders=False, state_dtype=torch.float32,
-                 max_grad_norm=0.0, grad_scale=None, assume_finite=False,
+                 max_grad_norm=0.0, grad_scale=None, skip_nonfinite=False,
                  keep_fp32=(), overlap=False, resume_secret=None,
                  timeout=60.0, gradient_sharding=None, **torch_options):
         if not 0.0 <= lr:
@@ -1148,7 +1161,7 @@ class SGD(_DaemonOptimizer):
         self._start(params, defaults, address=address, job_id=job_id,
                     rank=rank, world_size=world_size, resume=resume,
                     max_grad_norm=max_grad_norm, grad_scale=grad_scale,
-                    assume_finite=assume_finite, keep_fp32=keep_fp32,
+                    skip_nonfinite=skip_nonfinite, keep_fp32=keep_fp32,
                     overlap=overlap, resume_secret=resume_secret,
                     timeout=timeout, gradient_sharding=gradient_sharding)
 
@@ -1189,7 +1202,7 @@ class Lion(_DaemonOptimizer):
     Besides lr, betas, weight_decay and maximize:
       address, job_id, rank, world_size, resume, resume_secret,
         master_weights, store_param_remainders, max_grad_norm,
-        gradient_sharding, grad_scale, assume_finite, keep_fp32, overlap,
+        gradient_sharding, grad_scale, skip_nonfinite, keep_fp32, overlap,
         timeout: as optimd.torch.AdamW has them.
       state_dtype: torch.float32 or torch.bfloat16 momentum.
     Parameters may be given as (name, tensor) pairs to name their state.
@@ -1205,7 +1218,7 @@ class Lion(_DaemonOptimizer):
                  address=None, job_id=None, rank=None, world_size=None,
                  resume=False, master_weights=None,
                  store_param_remainders=False, state_dtype=torch.float32,
-                 max_grad_norm=0.0, grad_scale=None, assume_finite=False,
+                 max_grad_norm=0.0, grad_scale=None, skip_nonfinite=False,
                  keep_fp32=(), overlap=False, resume_secret=None,
                  timeout=60.0, gradient_sharding=None, **torch_options):
         if not 0.0 <= lr:
@@ -1225,7 +1238,7 @@ class Lion(_DaemonOptimizer):
         self._start(params, defaults, address=address, job_id=job_id,
                     rank=rank, world_size=world_size, resume=resume,
                     max_grad_norm=max_grad_norm, grad_scale=grad_scale,
-                    assume_finite=assume_finite, keep_fp32=keep_fp32,
+                    skip_nonfinite=skip_nonfinite, keep_fp32=keep_fp32,
                     overlap=overlap, resume_secret=resume_secret,
                     timeout=timeout, gradient_sharding=gradient_sharding)
 
