@@ -229,9 +229,10 @@ struct Group {
 };
 
 // Builds `group.plan` from its tensors, splitting each steppable tensor into
-// items of at most `chunk_elements`, rounded up to a multiple of
-// kBlock8Elements: every item starts on a block8 block (core/block8.h), so
-// one item holds whole blocks and their scales.
+// items of at most `chunk_elements` (> 0). In a group with block8 moments it
+// is rounded up to a multiple of kBlock8Elements: every item then starts on
+// a block8 block (core/block8.h) and holds whole blocks and their scales.
+// (The CUDA backend's chunk size is a multiple of 256 anyway.)
 void BuildPlan(Group& group, uint64_t chunk_elements);
 
 }  // namespace optimd
