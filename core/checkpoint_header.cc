@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/crc32c.h"
 #include "common/status_macros.h"
+#include "core/block8.h"
 #include "core/checkpoint.h"
 
 // Helpers not declared in the header live in this namespace too: the
@@ -21,6 +22,8 @@ const char* SafetensorsDType(DType d) {
       return "BF16";
     case DType::kFloat16:
       return "F16";
+    case DType::kBlock8:  // the codes; their scales are an F32 entry
+      return "U8";
   }
   return "?";
 }
@@ -60,6 +63,14 @@ std::vector<Entry> Entries(const std::vector<Group*>& groups) {
         // a terminated string that lives as long as the program.
         const absl::string_view kind = StateSlotName(l.optimizer, slot);
         add(kind.data(), absl::StrCat(".", kind), md, mb, t.state[slot].data());
+      }
+      if (l.block8() && n > 0) {
+        // One fp32 scale per block and slot (core/block8.h), saved as the
+        // [blocks, slots] array the daemon holds.
+        add("moment_scales", ".moment_scales", "F32", l.ScaleBytes(n),
+            t.scales.data());
+        out.back().numel = Block8Blocks(n) * l.state_slots;
+        out.back().shape = {Block8Blocks(n), l.state_slots};
       }
     }
   }

@@ -10,6 +10,8 @@ absl::string_view DTypeName(DType t) {
       return "bfloat16";
     case DType::kFloat16:
       return "float16";
+    case DType::kBlock8:
+      return "block8";
   }
   return "unknown";
 }

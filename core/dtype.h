@@ -16,12 +16,28 @@ enum class DType : uint8_t {
   kFloat32 = 1,
   kBFloat16 = 2,
   kFloat16 = 3,
+  // Optimizer state only: one 8-bit code per element plus one fp32 scale
+  // per block of elements (core/block8.h). Never a parameter or gradient.
+  kBlock8 = 4,
 };
 
-inline size_t DTypeSize(DType t) { return t == DType::kFloat32 ? 4 : 2; }
+// Bytes per element; for kBlock8 the code alone (its scales are counted by
+// Layout::StateBytes).
+inline size_t DTypeSize(DType t) {
+  switch (t) {
+    case DType::kFloat32:
+      return 4;
+    case DType::kBFloat16:
+    case DType::kFloat16:
+      return 2;
+    case DType::kBlock8:
+      return 1;
+  }
+  return 4;
+}
 
 // Lower-case names as used in errors, metrics and checkpoints ("float32",
-// "bfloat16", "float16"), matching torch's dtype names.
+// "bfloat16", "float16", matching torch's dtype names, and "block8").
 absl::string_view DTypeName(DType t);
 
 inline uint32_t FloatBits(float f) {

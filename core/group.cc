@@ -10,10 +10,18 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "core/backend.h"
+#include "core/block8.h"
 
 namespace optimd {
 
 void BuildPlan(Group& group, uint64_t chunk_elements) {
+  const bool block8 =
+      std::any_of(group.tensors.begin(), group.tensors.end(),
+                  [](const TensorEntry& t) { return t.layout.block8(); });
+  if (block8) {
+    chunk_elements = (chunk_elements + kBlock8Elements - 1) / kBlock8Elements *
+                     kBlock8Elements;
+  }
   Plan plan;
   plan.entry_of_tensor.assign(group.tensors.size(), Plan::kNoEntry);
   for (uint32_t i = 0; i < group.tensors.size(); ++i) {

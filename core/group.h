@@ -114,6 +114,9 @@ struct TensorEntry {
   // The optimizer's state slots, the first layout.state_slots of them
   // allocated (none for frozen tensors); core/optimizer.h names them.
   StateSlice state[kMaxStateSlots];
+  // kBlock8 moments: fp32 scales, [blocks][state_slots] (Layout::ScaleBytes);
+  // empty for other layouts and frozen tensors.
+  StateSlice scales;
 
   // True when the tensor takes part in steps.
   bool Steppable() const { return numel > 0 && !frozen; }
@@ -123,10 +126,11 @@ struct TensorEntry {
     p.grad = grad_absent ? nullptr : grad.data;
     p.master = master.data();
     for (int s = 0; s < kMaxStateSlots; ++s) p.state[s] = state[s].data();
+    p.scales = scales.data();
     return p;
   }
   uint64_t StateBytes() const {
-    uint64_t n = master.size();
+    uint64_t n = master.size() + scales.size();
     for (const StateSlice& s : state) n += s.size();
     return n;
   }
@@ -176,9 +180,9 @@ class BackendPlan {
 //  - hyper.kind never changes, and every tensor's layout.optimizer is it;
 //    layout.state_slots == StateSlotCount(hyper) for every tensor (an
 //    override that would change the count is refused).
-//  - arenas[0] holds the masters, arenas[1 + s] state slot s; a tensor's
-//    slices lie inside them, empty when it holds no such state (zero
-//    elements; frozen tensors hold no slots).
+//  - arenas[0] holds the masters, arenas[1 + s] state slot s, the last
+//    one block8 scales; a tensor's slices lie inside them, empty when it
+//    holds no such state (zero elements; frozen tensors hold no slots).
 //  - plan is built from tensors once (BuildPlan, by the backend's
 //    PrepareGroup); plan.entries[e] equals
 //    tensors[plan.tensor_index[e]].Pointers() once UpdatePlanEntries has
@@ -225,7 +229,10 @@ struct Group {
 };
 
 // Builds `group.plan` from its tensors, splitting each steppable tensor into
-// items of at most `chunk_elements`.
+// items of at most `chunk_elements` (> 0). In a group with block8 moments it
+// is rounded up to a multiple of kBlock8Elements: every item then starts on
+// a block8 block (core/block8.h) and holds whole blocks and their scales.
+// (The CUDA backend's chunk size is a multiple of 256 anyway.)
 void BuildPlan(Group& group, uint64_t chunk_elements);
 
 }  // namespace optimd

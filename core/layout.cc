@@ -1,6 +1,8 @@
 #include "core/layout.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "core/block8.h"
 
 namespace optimd {
 
@@ -32,12 +34,40 @@ uint64_t Layout::StateBytesPerElement() const {
   return MasterBytesPerElement() + MomentBytesPerElement() * state_slots;
 }
 
+uint64_t Layout::ScaleBytes(uint64_t numel) const {
+  return block8() ? Block8Blocks(numel) * 4 * state_slots : 0;
+}
+
 std::string Layout::DebugString() const {
   return absl::StrCat(
       "param=", DTypeName(param_dtype), " grad=", DTypeName(grad_dtype),
       " moments=", DTypeName(moment_dtype), " master=", MasterKindName(master),
       " optimizer=", OptimizerName(optimizer), amsgrad() ? " amsgrad" : "");
 }
+
+namespace {
+
+// block8 state is written for AdamW's two moments: other optimizers'
+// slots (and amsgrad's running maximum) have no 8-bit kernel.
+absl::Status CheckBlock8(const std::string& tensor, DType moment_dtype,
+                         const OptimizerHyper& hyper) {
+  if (moment_dtype != DType::kBlock8) return absl::OkStatus();
+  if (hyper.kind != OptimizerKind::kAdamW) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor '", tensor, "': block8 moments are for AdamW/Adam only, not ",
+        OptimizerName(hyper.kind), "; use float32 or bfloat16 state"));
+  }
+  if (hyper.amsgrad) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor '", tensor,
+                     "': block8 moments do not support amsgrad (its running "
+                     "maximum has no 8-bit form); use float32 or bfloat16 "
+                     "moments with amsgrad"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::StatusOr<Layout> ResolveLayout(const std::string& tensor,
                                      DType param_dtype, DType grad_dtype,
@@ -49,13 +79,15 @@ absl::StatusOr<Layout> ResolveLayout(const std::string& tensor,
   layout.grad_dtype = grad_dtype;
   layout.optimizer = hyper.kind;
   layout.state_slots = static_cast<uint8_t>(StateSlotCount(hyper));
-  if (moment_dtype != DType::kFloat32 && moment_dtype != DType::kBFloat16) {
+  if (moment_dtype != DType::kFloat32 && moment_dtype != DType::kBFloat16 &&
+      moment_dtype != DType::kBlock8) {
     return absl::InvalidArgumentError(
         absl::StrCat("tensor '", tensor,
-                     "': moments can be float32 or "
-                     "bfloat16, not ",
+                     "': moments can be float32, bfloat16 or "
+                     "block8, not ",
                      DTypeName(moment_dtype)));
   }
+  OPTIMD_RETURN_IF_ERROR(CheckBlock8(tensor, moment_dtype, hyper));
   layout.moment_dtype = moment_dtype;
   if (keep_fp32) {
     if (param_dtype != DType::kFloat32) {

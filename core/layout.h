@@ -44,11 +44,21 @@ struct Layout {
     return optimizer == OptimizerKind::kAdamW && state_slots == 3;
   }
 
-  // Bytes of daemon-held state per element: master + state slots.
+  // Bytes of daemon-held state per element: master + state slots (for
+  // kBlock8 moments their codes; the scales come on top, ScaleBytes).
   uint64_t StateBytesPerElement() const;
   // Bytes per element of each state buffer (0 when absent).
   uint64_t MasterBytesPerElement() const;
   uint64_t MomentBytesPerElement() const { return DTypeSize(moment_dtype); }
+
+  // kBlock8 moments: each state slot's scales, one fp32 per block
+  // (core/block8.h). Stored per tensor as [blocks][state_slots].
+  bool block8() const { return moment_dtype == DType::kBlock8; }
+  uint64_t ScaleBytes(uint64_t numel) const;
+  // All daemon-held state of a tensor of `numel` elements.
+  uint64_t StateBytes(uint64_t numel) const {
+    return numel * StateBytesPerElement() + ScaleBytes(numel);
+  }
 
   bool operator==(const Layout& o) const {
     return param_dtype == o.param_dtype && grad_dtype == o.grad_dtype &&
@@ -62,13 +72,19 @@ struct Layout {
 //  - keep_fp32 needs an fp32 parameter and always means no master copy.
 //  - kRemainder needs a bf16 parameter.
 //  - kNone needs an fp32 parameter.
-//  - moments are fp32 or bf16.
+//  - moments are fp32, bf16, or kBlock8 for AdamW without amsgrad
+//    (refused for other optimizers and amsgrad).
 // The optimizer and its state slots come from `hyper`.
 absl::StatusOr<Layout> ResolveLayout(const std::string& tensor,
                                      DType param_dtype, DType grad_dtype,
                                      DType moment_dtype, MasterRequest master,
                                      bool keep_fp32,
                                      const OptimizerHyper& hyper);
+
+// Whether state slot `slot` of a kBlock8 layout holds signed codes:
+// exp_avg does, exp_avg_sq (never negative) does not. AdamW is the only
+// optimizer with kBlock8 state (ResolveLayout).
+inline bool Block8SlotIsSigned(int slot) { return slot == 0; }
 
 // The remainder encoding of a bf16 parameter's fp32 master (kRemainder):
 // used by the kernels, state reads and writes, and checkpoints.

@@ -92,7 +92,8 @@ absl::Status CheckCounts(const GroupSpec& spec, size_t groups, size_t tensors) {
 // valid whatever optimizer a later group uses.
 const std::vector<std::string>& StateKeySuffixes() {
   static const std::vector<std::string>* suffixes = [] {
-    auto* out = new std::vector<std::string>{".master", ".remainder"};
+    auto* out =
+        new std::vector<std::string>{".master", ".remainder", ".moment_scales"};
     for (const std::string& slot : AllStateSlotNames()) {
       out->push_back("." + slot);
     }
@@ -229,26 +230,29 @@ namespace {
 
 // Lays out each kind of state of `group`'s tensors contiguously (64-byte
 // aligned slices) and allocates one arena per kind from `backend`: kind 0
-// the masters, kind 1 + s the optimizer's state slot s.
+// the masters, kind 1 + s the optimizer's state slot s, the last kind the
+// block8 moments' scales.
 absl::Status AllocateGroupState(Backend* backend, Group* group) {
   constexpr uint64_t kSliceAlign = 64;
-  constexpr int kKinds = 1 + kMaxStateSlots;
+  constexpr int kKinds = 2 + kMaxStateSlots;
+  constexpr int kScales = kKinds - 1;
   auto round_up = [](uint64_t n) {
     return (n + kSliceAlign - 1) / kSliceAlign * kSliceAlign;
   };
   uint64_t arena_bytes[kKinds] = {};
   std::vector<std::array<uint64_t, kKinds>> offsets(group->tensors.size());
-  auto per_element = [](const TensorEntry& e, int kind) -> uint64_t {
-    if (kind == 0) return e.layout.MasterBytesPerElement();
-    if (e.frozen || kind - 1 >= e.layout.state_slots) return 0;
-    return e.layout.MomentBytesPerElement();
+  auto bytes_of = [](const TensorEntry& e, int kind) -> uint64_t {
+    if (kind == 0) return e.numel * e.layout.MasterBytesPerElement();
+    if (e.frozen) return 0;
+    if (kind == kScales) return e.layout.ScaleBytes(e.numel);
+    if (kind - 1 >= e.layout.state_slots) return 0;
+    return e.numel * e.layout.MomentBytesPerElement();
   };
   for (size_t i = 0; i < group->tensors.size(); ++i) {
     for (int k = 0; k < kKinds; ++k) {
       offsets[i][k] = arena_bytes[k];
       // Bounded by the checked total plus 64 bytes per tensor.
-      arena_bytes[k] +=
-          round_up(group->tensors[i].numel * per_element(group->tensors[i], k));
+      arena_bytes[k] += round_up(bytes_of(group->tensors[i], k));
     }
   }
   for (int k = 0; k < kKinds; ++k) {
@@ -259,9 +263,11 @@ absl::Status AllocateGroupState(Backend* backend, Group* group) {
   for (size_t i = 0; i < group->tensors.size(); ++i) {
     TensorEntry& e = group->tensors[i];
     for (int k = 0; k < kKinds; ++k) {
-      const uint64_t bytes = e.numel * per_element(e, k);
+      const uint64_t bytes = bytes_of(e, k);
       if (bytes == 0) continue;
-      StateSlice& slice = k == 0 ? e.master : e.state[k - 1];
+      StateSlice& slice = k == 0         ? e.master
+                          : k == kScales ? e.scales
+                                         : e.state[k - 1];
       slice = StateSlice(group->arenas[k].data() + offsets[i][k], bytes);
     }
   }
@@ -325,9 +331,8 @@ absl::Status Session::CheckTensor(const GroupSpec& spec, const TensorSpec& t,
   }
   // numel <= kMaxNumel keeps each product far from overflow; the sums over
   // up to kMaxTensorsPerSession tensors are checked.
-  if (!AddChecked(bytes,
-                  t.numel * (t.frozen ? layout->MasterBytesPerElement()
-                                      : layout->StateBytesPerElement())) ||
+  if (!AddChecked(bytes, t.frozen ? t.numel * layout->MasterBytesPerElement()
+                                  : layout->StateBytes(t.numel)) ||
       !AddChecked(param_bytes, t.numel * DTypeSize(t.param_dtype))) {
     return TooLarge(spec.id);
   }

@@ -345,6 +345,15 @@ class Session {
   absl::Status ReadTensorState(const TensorEntry& t,
                                std::vector<StateBlob>* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // ReadTensorState's state slots of a block8 tensor, dequantized to fp32.
+  absl::Status ReadBlock8State(const TensorEntry& t,
+                               std::vector<StateBlob>* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Quantizes fp32 `values` into state slot `slot` of block8 tensor `t`
+  // (codes and that slot's scales).
+  absl::Status WriteBlock8Slot(const std::vector<float>& values, int slot,
+                               TensorEntry* t)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Checks every blob of a SetState against group `g` (known tensor and
   // state kind, sizes, no duplicates) and pairs each with its tensor.
   absl::StatusOr<std::vector<std::pair<const StateBlob*, TensorEntry*>>>

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "core/block8.h"
 #include "core/session.h"
 
 namespace optimd {
@@ -41,6 +42,8 @@ void ToFloat(DType d, const void* src, uint64_t n, float* out) {
         out[i] = HalfToFloat(static_cast<const uint16_t*>(src)[i]);
       }
       return;
+    case DType::kBlock8:  // refused for blobs (CheckStateBlobs)
+      return;
   }
 }
 
@@ -58,6 +61,8 @@ void FromFloat(DType d, const float* src, uint64_t n, void* out) {
       for (uint64_t i = 0; i < n; ++i) {
         static_cast<uint16_t*>(out)[i] = FloatToHalf(src[i]);
       }
+      return;
+    case DType::kBlock8:  // written by WriteBlock8Slot
       return;
   }
 }
@@ -96,6 +101,7 @@ absl::Status Session::ReadTensorState(const TensorEntry& t,
   }
   out->push_back(std::move(master));
   if (t.frozen) return absl::OkStatus();
+  if (t.layout.block8()) return ReadBlock8State(t, out);
   const DType md = t.layout.moment_dtype;
   const uint64_t mb = n * DTypeSize(md);
   for (int slot = 0; slot < t.layout.state_slots; ++slot) {
@@ -107,6 +113,57 @@ absl::Status Session::ReadTensorState(const TensorEntry& t,
     out->push_back(std::move(b));
   }
   return absl::OkStatus();
+}
+
+absl::Status Session::ReadBlock8State(const TensorEntry& t,
+                                      std::vector<StateBlob>* out) {
+  const uint64_t n = t.numel;
+  const int slots = t.layout.state_slots;
+  std::vector<float> scales(Block8Blocks(n) * slots);
+  if (n > 0) {
+    OPTIMD_RETURN_IF_ERROR(backend_->CopyToHost(
+        t.scales.data(), reinterpret_cast<uint8_t*>(scales.data()),
+        scales.size() * 4));
+  }
+  std::vector<uint8_t> codes(n);
+  for (int slot = 0; slot < slots; ++slot) {
+    // Dequantized: readers get the fp32 values the step computes with.
+    StateBlob b{t.name, std::string(StateSlotName(t.layout.optimizer, slot)),
+                DType::kFloat32, n, std::string(n * 4, '\0')};
+    if (n > 0) {
+      OPTIMD_RETURN_IF_ERROR(
+          backend_->CopyToHost(t.state[slot].data(), codes.data(), n));
+    }
+    float* values = reinterpret_cast<float*>(b.data.data());
+    for (uint64_t i = 0; i < n; i += kBlock8Elements) {
+      const uint64_t len = std::min(kBlock8Elements, n - i);
+      DequantizeBlock8(Block8SlotIsSigned(slot), codes.data() + i, len,
+                       scales[(i / kBlock8Elements) * slots + slot],
+                       values + i);
+    }
+    out->push_back(std::move(b));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Session::WriteBlock8Slot(const std::vector<float>& values,
+                                      int slot, TensorEntry* t) {
+  const uint64_t n = t->numel;
+  const int slots = t->layout.state_slots;
+  std::vector<float> scales(Block8Blocks(n) * slots);
+  OPTIMD_RETURN_IF_ERROR(backend_->CopyToHost(
+      t->scales.data(), reinterpret_cast<uint8_t*>(scales.data()),
+      scales.size() * 4));
+  std::vector<uint8_t> codes(n);
+  for (uint64_t i = 0; i < n; i += kBlock8Elements) {
+    const uint64_t len = std::min(kBlock8Elements, n - i);
+    scales[(i / kBlock8Elements) * slots + slot] = QuantizeBlock8(
+        Block8SlotIsSigned(slot), values.data() + i, len, codes.data() + i);
+  }
+  OPTIMD_RETURN_IF_ERROR(
+      backend_->CopyFromHost(codes.data(), t->state[slot].data(), n));
+  return backend_->CopyFromHost(reinterpret_cast<const uint8_t*>(scales.data()),
+                                t->scales.data(), scales.size() * 4);
 }
 
 absl::StatusOr<std::vector<GroupState>> Session::ReadState(
@@ -190,6 +247,12 @@ Session::CheckStateBlobs(Group* g, const std::vector<StateBlob>& blobs) {
                                                   : "it needs momentum > 0",
                        ")"));
     }
+    if (b.dtype == DType::kBlock8) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor '", b.tensor, "' ", b.kind,
+          ": state is set from float32, bfloat16 or float16 values, not "
+          "block8 codes (block8 moments are quantized by the daemon)"));
+    }
     if (b.numel != t->numel) {
       return absl::InvalidArgumentError(
           absl::StrCat("tensor '", b.tensor, "' ", b.kind, ": ", b.numel,
@@ -223,7 +286,9 @@ absl::Status Session::WriteStateBlob(const StateBlob& b, TensorEntry* t) {
   };
   const int slot =
       StateSlotIndex(t->layout.optimizer, t->layout.state_slots, b.kind);
-  if (slot >= 0) {
+  if (slot >= 0 && t->layout.block8()) {
+    OPTIMD_RETURN_IF_ERROR(WriteBlock8Slot(values, slot, t));
+  } else if (slot >= 0) {
     OPTIMD_RETURN_IF_ERROR(put(t->layout.moment_dtype, t->state[slot].data()));
   } else if (t->layout.master == MasterKind::kRemainder) {
     std::vector<uint16_t> hi(n);

@@ -16,6 +16,9 @@ struct TensorPointers {
   // The optimizer's state slots (core/optimizer.h names them), in the
   // group's moment dtype.
   void* state[kMaxStateSlots] = {nullptr, nullptr, nullptr};
+  // kBlock8 moments: their fp32 scales, [blocks][state slots]
+  // (core/block8.h); null for other layouts.
+  void* scales = nullptr;
 };
 
 }  // namespace optimd

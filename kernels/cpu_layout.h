@@ -33,6 +33,20 @@ struct F16 {
   static T Store(float x) { return FloatToHalf(x); }
 };
 
+// kBlock8 moments (core/block8.h): no per-element codec, since a block's
+// elements share a scale. Dispatched only to kernels that declare
+// `static constexpr bool kTakesBlock8 = true` (TakesBlock8) and handle M =
+// Block8 themselves; ResolveLayout refuses block8 for the others.
+struct Block8 {
+  using T = uint8_t;
+};
+
+template <class Kernel, class = void>
+struct TakesBlock8 : std::false_type {};
+template <class Kernel>
+struct TakesBlock8<Kernel, std::void_t<decltype(Kernel::kTakesBlock8)>>
+    : std::bool_constant<Kernel::kTakesBlock8> {};
+
 // A tensor's weight in fp32: its master copy (kFp32), its bf16 parameter
 // and remainder (kRemainder), or the fp32 parameter itself (kNone).
 template <class P, MasterKind K>
@@ -111,6 +125,11 @@ void DispatchMoment(const Layout& l, Kernel& k) {
       return DispatchMaster<P, G, F32>(l, k);
     case DType::kBFloat16:
       return DispatchMaster<P, G, BF16>(l, k);
+    case DType::kBlock8:
+      if constexpr (TakesBlock8<Kernel>::value) {
+        return DispatchMaster<P, G, Block8>(l, k);
+      }
+      UnsupportedLayout(l);
     default:
       UnsupportedLayout(l);
   }
@@ -125,6 +144,8 @@ void DispatchGrad(const Layout& l, Kernel& k) {
       return DispatchMoment<P, BF16>(l, k);
     case DType::kFloat16:
       return DispatchMoment<P, F16>(l, k);
+    case DType::kBlock8:  // moments only
+      break;
   }
   UnsupportedLayout(l);
 }
@@ -138,6 +159,8 @@ void DispatchLayout(const Layout& l, Kernel& k) {
       return DispatchGrad<BF16>(l, k);
     case DType::kFloat16:
       return DispatchGrad<F16>(l, k);
+    case DType::kBlock8:  // moments only
+      break;
   }
   UnsupportedLayout(l);
 }

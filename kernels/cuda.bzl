@@ -15,6 +15,7 @@ CUDART_LINKOPTS = [
 # Every header a CUDA step kernel's .cu may include (nvcc runs in the
 # genrule's sandbox, which holds only the files named).
 CUDA_KERNEL_HDRS = [
+    "//core:block8.h",
     "//core:dtype.h",
     "//core:layout.h",
     "//core:optimizer.h",

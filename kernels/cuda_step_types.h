@@ -37,7 +37,7 @@ struct DeviceChunk {
   uint64_t end;
   uint32_t tiles;
   uint32_t entry;  // the plan entry (tensor) the chunk belongs to
-  uint32_t pad[2];
+  void* scales;    // block8 moments' scales (TensorPointers::scales)
 };
 static_assert(sizeof(DeviceChunk) % 16 == 0, "copied in 16-byte pieces");
 

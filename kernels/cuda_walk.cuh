@@ -14,6 +14,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "core/block8.h"
 #include "core/layout.h"
 #include "kernels/cuda_math.cuh"
 #include "kernels/cuda_step_types.h"
@@ -229,6 +230,20 @@ __device__ __forceinline__ void StoreRemainderMasters(void* param, void* rem,
 // element i.
 // (Fewer thread blocks, each walking many work blocks and prefetching the
 // next one's descriptors, measured slower on the H200: bench/RESULTS.md.)
+// Copies the chunk descriptors of `block` into shared memory `buffer` (by
+// all threads; the caller synchronizes); returns their count.
+__device__ __forceinline__ uint32_t CopyChunks(const Work& work,
+                                               const DeviceBlock& block,
+                                               uint4* buffer) {
+  const uint32_t n = block.end - block.first;
+  const uint4* src = reinterpret_cast<const uint4*>(work.chunks + block.first);
+  const uint32_t pieces = n * static_cast<uint32_t>(sizeof(DeviceChunk) / 16);
+  for (uint32_t i = threadIdx.x; i < pieces; i += blockDim.x) {
+    buffer[i] = src[i];
+  }
+  return n;
+}
+
 template <class Body>
 __device__ __forceinline__ void Walk(const Work& work, Body& body) {
   __shared__ uint4 buffer[kMaxChunksPerBlock * sizeof(DeviceChunk) / 16];
@@ -237,12 +252,7 @@ __device__ __forceinline__ void Walk(const Work& work, Body& body) {
   __shared__ uint32_t scalar_end[kMaxChunksPerBlock];
   const DeviceChunk* cs = reinterpret_cast<const DeviceChunk*>(buffer);
   const DeviceBlock block = work.blocks[blockIdx.x];
-  const uint32_t n = block.end - block.first;
-  const uint4* src = reinterpret_cast<const uint4*>(work.chunks + block.first);
-  const uint32_t pieces = n * static_cast<uint32_t>(sizeof(DeviceChunk) / 16);
-  for (uint32_t i = threadIdx.x; i < pieces; i += blockDim.x) {
-    buffer[i] = src[i];
-  }
+  const uint32_t n = CopyChunks(work, block, buffer);
   __syncthreads();
   if (threadIdx.x == 0) {
     uint32_t tiles = 0, scalars = 0;
@@ -275,6 +285,46 @@ __device__ __forceinline__ void Walk(const Work& work, Body& body) {
     body.Scalar(
         c, k,
         c.begin + static_cast<uint64_t>(c.tiles) * kTileElements + (e - first));
+  }
+}
+
+// Walks work block blockIdx.x of `work` for block8 moments: one warp per
+// block8 block (kBlock8Elements consecutive elements of a chunk; a chunk's
+// last block may be shorter), since a block's scale is the maximum over
+// all its new values. Chunks start on block8 blocks (BuildPlan), so no
+// block straddles two chunks or two work blocks. body.Prepare as for Walk;
+// body.Block(chunk, k, first, n): the n elements from `first` of the
+// block's chunk k, by the whole warp.
+template <class Body>
+__device__ __forceinline__ void WalkBlocks8(const Work& work, Body& body) {
+  __shared__ uint4 buffer[kMaxChunksPerBlock * sizeof(DeviceChunk) / 16];
+  // block_end[k]: block8 blocks of chunks <= k.
+  __shared__ uint32_t block_end[kMaxChunksPerBlock];
+  const DeviceChunk* cs = reinterpret_cast<const DeviceChunk*>(buffer);
+  const uint32_t n = CopyChunks(work, work.blocks[blockIdx.x], buffer);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint32_t blocks = 0;
+    for (uint32_t k = 0; k < n; ++k) {
+      blocks += static_cast<uint32_t>(Block8Blocks(cs[k].end - cs[k].begin));
+      block_end[k] = blocks;
+    }
+  }
+  body.Prepare(cs, n);
+  __syncthreads();
+  if (n == 0) return;
+  const uint32_t warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  uint32_t k = 0;
+  for (uint32_t b = warp; b < block_end[n - 1]; b += warps) {
+    while (b >= block_end[k]) ++k;
+    const DeviceChunk& c = cs[k];
+    const uint32_t first = k == 0 ? 0 : block_end[k - 1];
+    const uint64_t start =
+        c.begin + static_cast<uint64_t>(b - first) * kBlock8Elements;
+    const uint64_t left = c.end - start;
+    body.Block(
+        c, k, start,
+        static_cast<uint32_t>(left < kBlock8Elements ? left : kBlock8Elements));
   }
 }
 
@@ -337,6 +387,19 @@ inline absl::Status LaunchStatus(const char* what) {
                                           cudaGetErrorString(e)));
 }
 
+// block8 moments (core/block8.h): no per-element codec, since a block's
+// elements share a scale. Dispatched as M only to launchers that declare
+// `static constexpr bool kTakesBlock8 = true` (TakesBlock8).
+struct Block8 {
+  using T = uint8_t;
+};
+
+template <class Body, class = void>
+struct TakesBlock8 : std::false_type {};
+template <class Body>
+struct TakesBlock8<Body, std::void_t<decltype(Body::kTakesBlock8)>>
+    : std::bool_constant<Body::kTakesBlock8> {};
+
 // Calls body.template Run<P, G, M, K>() for the element types and master
 // kind of `layout` (an update kernel's launcher), or says there is no such
 // kernel: fp32 parameters have no master, remainders go with bf16.
@@ -364,6 +427,11 @@ absl::Status DispatchLayout(const Layout& l, Body& body) {
         absl::StrCat("no CUDA kernel for layout ", l.DebugString()));
   };
   auto moment = [&](auto p, auto g) -> absl::Status {
+    if (l.moment_dtype == DType::kBlock8) {
+      if constexpr (TakesBlock8<Body>::value) return master(p, g, Block8{});
+      return absl::InvalidArgumentError(
+          absl::StrCat("no CUDA kernel for layout ", l.DebugString()));
+    }
     if (l.moment_dtype == DType::kBFloat16) return master(p, g, BF16{});
     return master(p, g, F32{});
   };

@@ -219,6 +219,8 @@ absl::Status ConvertTo(DType dst_dtype, const void* src, void* dst, uint64_t n,
       ConvertKernel<S, F16>
           <<<blocks, kThreadsPerBlock, 0, stream>>>(src, dst, n);
       break;
+    case DType::kBlock8:  // blockwise: core/session_state.cc converts it
+      return absl::InvalidArgumentError("no element conversion to block8");
   }
   return LaunchStatus("convert kernel launch");
 }
@@ -241,6 +243,8 @@ absl::Status LaunchGradSumSquares(DType grad_dtype, const Work& work,
       GradSumSquaresKernel<F16>
           <<<work.num_blocks, kThreadsPerBlock, 0, stream>>>(work, partials);
       break;
+    case DType::kBlock8:  // never a gradient's dtype (server/convert.cc)
+      return absl::InvalidArgumentError("a block8 gradient");
   }
   return LaunchStatus("gradient statistics kernel launch");
 }
@@ -302,6 +306,8 @@ absl::Status LaunchConvert(DType src_dtype, const void* src, DType dst_dtype,
       return ConvertTo<BF16>(dst_dtype, src, dst, n, stream);
     case DType::kFloat16:
       return ConvertTo<F16>(dst_dtype, src, dst, n, stream);
+    case DType::kBlock8:
+      break;
   }
   return absl::InvalidArgumentError("unknown dtype");
 }

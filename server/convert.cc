@@ -25,6 +25,11 @@ absl::StatusOr<DType> DTypeFromProto(v1::DType d, const std::string& what) {
       return DType::kBFloat16;
     case v1::DTYPE_FLOAT16:
       return DType::kFloat16;
+    case v1::DTYPE_BLOCK8:
+      return absl::InvalidArgumentError(
+          absl::StrCat(what,
+                       ": DTYPE_BLOCK8 is for optimizer state only "
+                       "(LayoutOptions.moment_dtype)"));
     default:
       return absl::InvalidArgumentError(absl::StrCat(
           what, ": unsupported dtype ", static_cast<int>(d),
@@ -40,6 +45,8 @@ v1::DType DTypeToProto(DType d) {
       return v1::DTYPE_BFLOAT16;
     case DType::kFloat16:
       return v1::DTYPE_FLOAT16;
+    case DType::kBlock8:
+      return v1::DTYPE_BLOCK8;
   }
   return v1::DTYPE_UNSPECIFIED;
 }
@@ -155,6 +162,8 @@ absl::StatusOr<GroupSpec> GroupSpecFromProto(
   }
   if (request.layout().moment_dtype() == v1::DTYPE_UNSPECIFIED) {
     spec.moment_dtype = DType::kFloat32;
+  } else if (request.layout().moment_dtype() == v1::DTYPE_BLOCK8) {
+    spec.moment_dtype = DType::kBlock8;  // checked by ResolveLayout
   } else {
     auto d = DTypeFromProto(request.layout().moment_dtype(),
                             absl::StrCat("group '", spec.id, "' moments"));

@@ -223,6 +223,8 @@ class Twin {
       case DType::kFloat16:
         reinterpret_cast<uint16_t*>(base)[i] = FloatToHalf(v);
         break;
+      case DType::kBlock8:  // state only, never a parameter or gradient
+        break;
     }
   }
   // Both NaN: the CPU keeps a NaN operand's payload, CUDA writes its own
@@ -239,6 +241,8 @@ class Twin {
         return BFloat16ToFloat(reinterpret_cast<const uint16_t*>(base)[i]);
       case DType::kFloat16:
         return HalfToFloat(reinterpret_cast<const uint16_t*>(base)[i]);
+      case DType::kBlock8:  // state only, never a parameter or gradient
+        break;
     }
     return 0;
   }
@@ -387,7 +391,8 @@ class CudaBackendTest : public ::testing::Test {
     DType grad;
     DType moment;
   };
-  static std::vector<LayoutCase> EveryLayout() {
+  // `moments` fp32 and bf16, or block8 alone (AdamW without amsgrad).
+  static std::vector<LayoutCase> EveryLayout(bool block8 = false) {
     const std::pair<DType, MasterRequest> params[] = {
         {DType::kFloat32, MasterRequest::kNone},
         {DType::kFloat32, MasterRequest::kFp32},
@@ -397,6 +402,10 @@ class CudaBackendTest : public ::testing::Test {
     std::vector<LayoutCase> out;
     for (const auto& [param, master] : params) {
       for (DType g : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+        if (block8) {
+          out.push_back({param, master, g, DType::kBlock8});
+          continue;
+        }
         for (DType m : {DType::kFloat32, DType::kBFloat16}) {
           out.push_back({param, master, g, m});
         }
@@ -433,6 +442,40 @@ TEST_F(CudaBackendTest, EveryLayoutMatchesTheCpuReferenceBitForBit) {
               &rng_);
     ASSERT_TRUE(twin.status().ok()) << twin.status();
     for (int step = 1; step <= 4; ++step) {
+      twin.FillGrads(/*poison=*/step == 3);
+      StepRequestSpec s;
+      s.options.grad_scale = step == 2 ? 128.0 : 1.0;
+      twin.Step(s, /*exact=*/true);
+    }
+  }
+}
+
+// block8 moments on every parameter and gradient layout: parameters and
+// the moments as GetState reads them (codes times scales, fp32) equal the
+// CPU reference bit for bit, through a loss scale, a skipped step and
+// both AdamW and Adam. Tensors of odd sizes and offsets give whole,
+// partial and unaligned (byte by byte) block8 blocks.
+TEST_F(CudaBackendTest, Block8MomentsMatchTheCpuReferenceBitForBit) {
+  int combo = 0;
+  for (const LayoutCase& c : EveryLayout(/*block8=*/true)) {
+    ++combo;
+    GroupSpec spec;
+    spec.id = "g";
+    spec.master = c.master;
+    spec.moment_dtype = c.moment;
+    spec.hyper.lr = 1e-2;
+    spec.hyper.adamw = combo % 2 == 0;
+    spec.hyper.maximize = (combo / 2) % 2;
+    spec.hyper.bias_correction = combo % 5 != 0;
+    spec.hyper.weight_decay = combo % 3 ? 0.01 : 0.0;
+    SCOPED_TRACE(::testing::Message()
+                 << "param " << DTypeName(c.param) << " master "
+                 << int(c.master) << " grad " << DTypeName(c.grad) << " adamw "
+                 << spec.hyper.adamw);
+    Twin twin(cpu_.get(), gpu_.get(), RandomTensors(c.param, c.grad, 6), spec,
+              &rng_);
+    ASSERT_TRUE(twin.status().ok()) << twin.status();
+    for (int step = 1; step <= 5; ++step) {
       twin.FillGrads(/*poison=*/step == 3);
       StepRequestSpec s;
       s.options.grad_scale = step == 2 ? 128.0 : 1.0;

@@ -18,6 +18,7 @@ void SetStreams(const TensorPointers& p, DeviceChunk* c) {
   c->grad = p.grad;
   c->master = p.master;
   for (int k = 0; k < kDeviceStateSlots; ++k) c->state[k] = p.state[k];
+  c->scales = p.scales;
 }
 
 // Chunk [begin, end) of a tensor with pointers `p`. A tensor without a
@@ -109,7 +110,7 @@ std::vector<std::pair<uint32_t, uint32_t>> RecountBlocks(
 }  // namespace
 
 uint64_t UpdateBlockElements(const Layout& l, uint64_t chunk_elements) {
-  return DTypeSize(l.moment_dtype) == 2 ? 2 * chunk_elements : chunk_elements;
+  return DTypeSize(l.moment_dtype) <= 2 ? 2 * chunk_elements : chunk_elements;
 }
 
 void BuildDeviceTables(const Group& group, uint64_t chunk_elements,

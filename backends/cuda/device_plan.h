@@ -23,9 +23,9 @@ namespace optimd {
 namespace cuda {
 
 // Work blocks over chunks of one layout. The update's work blocks hold
-// about chunk_elements elements, twice that with 16-bit moments (fewer bytes
-// per element); the statistics pass, which reads one stream where the
-// update reads four or more, walks work blocks kStatsBlockFactor times
+// about chunk_elements elements, twice that with 16-bit or block8 moments
+// (fewer bytes per element); the statistics pass, which reads one stream where
+// the update reads four or more, walks work blocks kStatsBlockFactor times
 // larger, so that starting a thread block costs it as little relative to
 // its bytes. All three measured on the H200 (bench/RESULTS.md).
 struct BlockTable {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/block8.h"
 #include "core/step_math.h"
 #include "kernels/adamw/adamw_math.h"
 #include "kernels/cpu_layout.h"
@@ -14,6 +15,17 @@ using cpu::BF16;
 using cpu::F16;
 using cpu::F32;
 
+// block8 scales per block: exp_avg's, then exp_avg_sq's (no amsgrad).
+constexpr uint64_t kBlock8Slots = 2;
+
+// What AdamWElement needs of the step's scalars.
+AdamWElementScalars ElementScalars(const AdamWScalars& s) {
+  return AdamWElementScalars{
+      s.grad_mul,        s.decay, s.adamw ? 0.0f : s.weight_decay,
+      s.beta1,           s.beta2, s.one_minus_beta1,
+      s.one_minus_beta2, s.eps,   -s.step_size};
+}
+
 template <class P, class G, class M, MasterKind K, bool kAmsgrad, bool kAdamW>
 void StepKernel(const TensorPointers& t, uint64_t begin, uint64_t end,
                 const AdamWScalars& s) {
@@ -22,10 +34,7 @@ void StepKernel(const TensorPointers& t, uint64_t begin, uint64_t end,
   auto* __restrict m = static_cast<typename M::T*>(t.state[0]);
   auto* __restrict v = static_cast<typename M::T*>(t.state[1]);
   auto* __restrict vmax = static_cast<typename M::T*>(t.state[2]);
-  const AdamWElementScalars e{
-      s.grad_mul,        s.decay, s.adamw ? 0.0f : s.weight_decay,
-      s.beta1,           s.beta2, s.one_minus_beta1,
-      s.one_minus_beta2, s.eps,   -s.step_size};
+  const AdamWElementScalars e = ElementScalars(s);
   const float bc2 = s.bc2_sqrt;
   const auto div_bc2 = [bc2](float a) { return a / bc2; };
   for (uint64_t i = begin; i < end; ++i) {
@@ -40,6 +49,43 @@ void StepKernel(const TensorPointers& t, uint64_t begin, uint64_t end,
   }
 }
 
+// AdamW over block8 moments (core/block8.h), [begin, end) starting on a
+// block (plan items do). Per block: read both moments back, update each
+// element with the same AdamWElement as every layout, then store the new
+// moments quantized with scales from their new block maxima.
+template <class P, class G, MasterKind K, bool kAdamW>
+void StepBlock8(const TensorPointers& t, uint64_t begin, uint64_t end,
+                const AdamWElementScalars& e, float bc2) {
+  const cpu::Weight<P, K> w(t);
+  const auto* __restrict grad = static_cast<const typename G::T*>(t.grad);
+  auto* __restrict mq = static_cast<uint8_t*>(t.state[0]);
+  auto* __restrict vq = static_cast<uint8_t*>(t.state[1]);
+  auto* __restrict scales = static_cast<float*>(t.scales);
+  const auto div_bc2 = [bc2](float a) { return a / bc2; };
+  float m[kBlock8Elements], v[kBlock8Elements];
+  for (uint64_t first = begin; first < end; first += kBlock8Elements) {
+    const uint64_t n = std::min(kBlock8Elements, end - first);
+    float* s = scales + (first / kBlock8Elements) * kBlock8Slots;
+    float mmax = 0.0f, vmax = 0.0f;
+    for (uint64_t j = 0; j < n; ++j) {
+      const uint64_t i = first + j;
+      m[j] = Block8Decode<true>(mq[i], s[0]);
+      v[j] = Block8Decode<false>(vq[i], s[1]);
+      float unused = 0.0f;
+      w.Store(i, AdamWElement<false, kAdamW>(G::Load(grad[i]), w.Load(i), m[j],
+                                             v[j], unused, e, div_bc2));
+      mmax = Block8Max(mmax, m[j]);
+      vmax = Block8Max(vmax, v[j]);
+    }
+    s[0] = Block8Scale(mmax);
+    s[1] = Block8Scale(vmax);
+    for (uint64_t j = 0; j < n; ++j) {
+      mq[first + j] = Block8Encode<true>(m[j], s[0]);
+      vq[first + j] = Block8Encode<false>(v[j], s[1]);
+    }
+  }
+}
+
 // The AdamW kernel for one element range, instantiated by
 // cpu::DispatchLayout; amsgrad and the decay mode are template parameters
 // too.
@@ -48,15 +94,22 @@ struct AdamWRange {
   const TensorPointers& t;
   uint64_t begin, end;
   const AdamWScalars& s;
+  static constexpr bool kTakesBlock8 = true;
 
   template <class P, class G, class M, MasterKind K>
   void Run() {
-    if (layout.amsgrad()) {
+    if constexpr (std::is_same_v<M, cpu::Block8>) {
+      const AdamWElementScalars e = ElementScalars(s);
+      if (s.adamw)
+        return StepBlock8<P, G, K, true>(t, begin, end, e, s.bc2_sqrt);
+      return StepBlock8<P, G, K, false>(t, begin, end, e, s.bc2_sqrt);
+    } else if (layout.amsgrad()) {
       if (s.adamw) return StepKernel<P, G, M, K, true, true>(t, begin, end, s);
       return StepKernel<P, G, M, K, true, false>(t, begin, end, s);
+    } else {
+      if (s.adamw) return StepKernel<P, G, M, K, false, true>(t, begin, end, s);
+      return StepKernel<P, G, M, K, false, false>(t, begin, end, s);
     }
-    if (s.adamw) return StepKernel<P, G, M, K, false, true>(t, begin, end, s);
-    return StepKernel<P, G, M, K, false, false>(t, begin, end, s);
   }
 };
 
@@ -89,6 +142,8 @@ float LoadParam(DType d, const void* p, uint64_t i) {
       return BFloat16ToFloat(static_cast<const uint16_t*>(p)[i]);
     case DType::kFloat16:
       return HalfToFloat(static_cast<const uint16_t*>(p)[i]);
+    case DType::kBlock8:  // state only, never a parameter
+      break;
   }
   return 0;
 }
@@ -103,6 +158,8 @@ void StoreParam(DType d, void* p, uint64_t i, float x) {
       return;
     case DType::kFloat16:
       static_cast<uint16_t*>(p)[i] = FloatToHalf(x);
+      return;
+    case DType::kBlock8:  // state only, never a parameter
       return;
   }
 }
@@ -147,6 +204,8 @@ double GradSumSquaresRange(DType grad_dtype, const void* grad, uint64_t begin,
       return SumSquares<BF16>(grad, begin, end);
     case DType::kFloat16:
       return SumSquares<F16>(grad, begin, end);
+    case DType::kBlock8:  // state only, never a gradient
+      break;
   }
   return 0;
 }

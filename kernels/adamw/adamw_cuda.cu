@@ -3,7 +3,9 @@
 // -fmad=false, IEEE division and square root), so results equal the CPU
 // reference bit for bit given the same step scalars.
 #include <cstdint>
+#include <type_traits>
 
+#include "core/block8.h"
 #include "kernels/adamw/adamw_cuda.h"
 #include "kernels/adamw/adamw_math.h"
 #include "kernels/adamw/adamw_scalars.cuh"
@@ -61,6 +63,182 @@ struct Update {
   }
 };
 
+// A lane's 8 elements of a block8 block at `first` (n of them valid):
+// first + 4 * lane + j and first + 128 + 4 * lane + j - 4, as tiles lay
+// them out.
+__device__ __forceinline__ uint32_t Block8Offset(int j) {
+  const uint32_t lane = threadIdx.x & 31;
+  return (j < 4 ? 0 : 128 - 4) + 4 * lane + j;
+}
+
+// A block8 block's codes of one slot: 4 bytes at first + 4 * lane and 4 at
+// first + 128 + 4 * lane when the block is whole and aligned, else byte by
+// byte (invalid elements: code 0).
+__device__ __forceinline__ void LoadCodes(const uint8_t* q, uint64_t first,
+                                          uint32_t n, bool vector, uint8_t* c) {
+  if (vector) {
+    const uint32_t lane = threadIdx.x & 31;
+    const uint32_t a = *reinterpret_cast<const uint32_t*>(q + first + 4 * lane);
+    const uint32_t b =
+        *reinterpret_cast<const uint32_t*>(q + first + 128 + 4 * lane);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      c[j] = static_cast<uint8_t>(a >> (8 * j));
+      c[j + 4] = static_cast<uint8_t>(b >> (8 * j));
+    }
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const uint32_t e = Block8Offset(j);
+    c[j] = e < n ? q[first + e] : 0;
+  }
+}
+
+__device__ __forceinline__ void StoreCodes(uint8_t* q, uint64_t first,
+                                           uint32_t n, bool vector,
+                                           const uint8_t* c) {
+  if (vector) {
+    const uint32_t lane = threadIdx.x & 31;
+    uint32_t a = 0, b = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      a |= static_cast<uint32_t>(c[j]) << (8 * j);
+      b |= static_cast<uint32_t>(c[j + 4]) << (8 * j);
+    }
+    *reinterpret_cast<uint32_t*>(q + first + 4 * lane) = a;
+    *reinterpret_cast<uint32_t*>(q + first + 128 + 4 * lane) = b;
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const uint32_t e = Block8Offset(j);
+    if (e < n) q[first + e] = c[j];
+  }
+}
+
+// The block maximum of every lane's `x` (Block8Max: the same value in any
+// order), then the block's scale, in every lane.
+__device__ __forceinline__ float WarpBlock8Scale(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    x = Block8Max(x, __shfl_xor_sync(0xffffffffu, x, o));
+  }
+  return Block8Scale(x);
+}
+
+// The weights (N = 8: a tile lane's share; N = 1: one element) of a block8
+// block's lane, from valid elements only.
+template <class P, class G, MasterKind K>
+__device__ __forceinline__ void LoadBlock8Lane(const DeviceChunk& c,
+                                               uint64_t first, uint32_t n,
+                                               bool vector, float* p,
+                                               float* g) {
+  if (vector) {
+    const uint64_t i = first + 4 * (threadIdx.x & 31);
+    LoadWeight<8, P, K>(c, i, p);
+    LoadF<8, G>(c.grad, i, g);
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const uint32_t e = Block8Offset(j);
+    p[j] = g[j] = 0.0f;
+    if (e < n) {
+      LoadWeight<1, P, K>(c, first + e, &p[j]);
+      LoadF<1, G>(c.grad, first + e, &g[j]);
+    }
+  }
+}
+
+template <class P, MasterKind K>
+__device__ __forceinline__ void StoreBlock8Lane(const DeviceChunk& c,
+                                                uint64_t first, uint32_t n,
+                                                bool vector, const float* p) {
+  if (vector) {
+    StoreWeight<8, P, K>(c, first + 4 * (threadIdx.x & 31), p);
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const uint32_t e = Block8Offset(j);
+    if (e < n) StoreWeight<1, P, K>(c, first + e, &p[j]);
+  }
+}
+
+// AdamW over block8 moments: the CPU reference's StepBlock8
+// (kernels/adamw/adamw_cpu.cc) with one warp per block8 block. Each lane
+// reads its elements' moments back, updates them with AdamWElement, then
+// the warp takes the block's new maxima and every lane stores its codes.
+template <class P, class G, MasterKind K, bool kAdamW>
+struct UpdateBlock8 {
+  const DeviceScalars& s;
+  const uint32_t* missed;
+  BiasScalars* bias;  // shared memory, one per chunk of the block
+  __device__ void Prepare(const DeviceChunk* cs, uint32_t n) {
+    if (threadIdx.x >= n) return;
+    const uint32_t m = missed[cs[threadIdx.x].entry];
+    bias[threadIdx.x] = m == 0 ? BiasScalars{s.neg_step, s.bc2, s.rbc2}
+                               : MakeBias(s.lr, s.beta1_d, s.beta2_d,
+                                          s.bias_correction, s.t - m);
+  }
+  __device__ void Block(const DeviceChunk& c, uint32_t k, uint64_t first,
+                        uint32_t n) {
+    const bool vector = n == kBlock8Elements && c.tiles > 0;
+    float p[8], g[8], m[8] = {}, v[8] = {};
+    uint8_t mq[8], vq[8];
+    LoadBlock8Lane<P, G, K>(c, first, n, vector, p, g);
+    LoadCodes(static_cast<const uint8_t*>(c.state[0]), first, n, vector, mq);
+    LoadCodes(static_cast<const uint8_t*>(c.state[1]), first, n, vector, vq);
+    float* scales = static_cast<float*>(c.scales) +
+                    (first / kBlock8Elements) * kBlock8Slots;
+    const float sm = scales[0], sv = scales[1];
+    const BiasScalars& b = bias[k];
+    const AdamWElementScalars e{s.grad_mul, s.decay, s.l2,  s.beta1,   s.beta2,
+                                s.omb1,     s.omb2,  s.eps, b.neg_step};
+    const auto div_bc2 = [&b](float a) { return DivByRecip(a, b.bc2, b.rbc2); };
+    float mmax = 0.0f, vmax = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (!vector && Block8Offset(j) >= n) continue;
+      m[j] = Block8Decode<true>(mq[j], sm);
+      v[j] = Block8Decode<false>(vq[j], sv);
+      float unused = 0.0f;
+      p[j] = AdamWElement<false, kAdamW>(g[j], p[j], m[j], v[j], unused, e,
+                                         div_bc2);
+      mmax = Block8Max(mmax, m[j]);
+      vmax = Block8Max(vmax, v[j]);
+    }
+    const float new_sm = WarpBlock8Scale(mmax);
+    const float new_sv = WarpBlock8Scale(vmax);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      mq[j] = Block8Encode<true>(m[j], new_sm);
+      vq[j] = Block8Encode<false>(v[j], new_sv);
+    }
+    StoreBlock8Lane<P, K>(c, first, n, vector, p);
+    StoreCodes(static_cast<uint8_t*>(c.state[0]), first, n, vector, mq);
+    StoreCodes(static_cast<uint8_t*>(c.state[1]), first, n, vector, vq);
+    __syncwarp();  // every lane has read the old scales
+    if ((threadIdx.x & 31) == 0) {
+      scales[0] = new_sm;
+      scales[1] = new_sv;
+    }
+  }
+  static constexpr uint64_t kBlock8Slots = 2;  // exp_avg, exp_avg_sq
+};
+
+template <class P, class G, MasterKind K, bool kAdamW>
+__global__ void __launch_bounds__(kThreadsPerBlock, 4)
+    AdamWBlock8Kernel(const Work work,
+                      const DeviceScalars* __restrict__ scalars) {
+  const DeviceScalars s = *scalars;
+  if (s.skip) return;
+  __shared__ BiasScalars bias[kMaxChunksPerBlock];
+  UpdateBlock8<P, G, K, kAdamW> body{s, work.missed, bias};
+  WalkBlocks8(work, body);
+}
+
 // At most 64 registers a thread: four resident blocks per multiprocessor,
 // enough bytes in flight to keep HBM busy.
 template <class P, class G, class M, MasterKind K, bool kAms, bool kAdamW>
@@ -88,14 +266,24 @@ struct AdamWLaunch {
         <<<work.num_blocks, kThreadsPerBlock, 0, stream>>>(work, scalars);
     return LaunchStatus("AdamW kernel launch");
   }
+  template <bool kAdamW, class P, class G, MasterKind K>
+  absl::Status GoBlock8() {
+    AdamWBlock8Kernel<P, G, K, kAdamW>
+        <<<work.num_blocks, kThreadsPerBlock, 0, stream>>>(work, scalars);
+    return LaunchStatus("AdamW block8 kernel launch");
+  }
+  static constexpr bool kTakesBlock8 = true;
   template <class P, class G, class M, MasterKind K>
   absl::Status Run() {
-    if (layout.amsgrad()) {
+    if constexpr (std::is_same_v<M, Block8>) {
+      return adamw ? GoBlock8<true, P, G, K>() : GoBlock8<false, P, G, K>();
+    } else if (layout.amsgrad()) {
       return adamw ? Go<true, true, P, G, M, K>()
                    : Go<true, false, P, G, M, K>();
+    } else {
+      return adamw ? Go<false, true, P, G, M, K>()
+                   : Go<false, false, P, G, M, K>();
     }
-    return adamw ? Go<false, true, P, G, M, K>()
-                 : Go<false, false, P, G, M, K>();
   }
 };
 

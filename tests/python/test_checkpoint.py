@@ -37,6 +37,9 @@ LAYOUTS = {
                                       exp_avg_dtype=torch.bfloat16,
                                       amsgrad=True, adam_w_mode=False,
                                       weight_decay=0.01),
+    "block8_moments_bf16_remainder": dict(dtype=torch.bfloat16,
+                                          store_param_remainders=True,
+                                          exp_avg_dtype=optimd.torch.BLOCK8),
 }
 
 
@@ -54,7 +57,7 @@ def read_safetensors(path):
     header = json.loads(data[8:8 + n])
     body = data[8 + n:]
     dtypes = {"F32": torch.float32, "BF16": torch.bfloat16,
-              "F16": torch.float16, "I16": torch.int16}
+              "F16": torch.float16, "I16": torch.int16, "U8": torch.uint8}
     tensors = {}
     for name, info in header.items():
         if name == "__metadata__":

@@ -13,7 +13,8 @@ from earlier versions):
     its optimizer's state slots (AdamW: `step`, the tensor's own step count
     (the group's less the steps it missed without a gradient) as a float
     tensor, torch's convention, `exp_avg`, `exp_avg_sq` and, with amsgrad,
-    `max_exp_avg_sq`; SGD: `momentum_buffer`; Lion: `exp_avg`), shaped as
+    `max_exp_avg_sq`; SGD: `momentum_buffer`; Lion: `exp_avg`; block8
+    moments dequantized to fp32 with their `<name>.moment_scales`), shaped as
     the parameter (the file keeps each tensor's shape; packed files, for
     sessions of very many tensors, keep those of more than one dimension in
     their metadata; files from before that keep them 1-D: pass `shapes` for
@@ -35,11 +36,14 @@ import torch
 from optimd._layout import from_memory_shape
 
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16,
-           "F16": torch.float16, "I16": torch.int16}
+           "F16": torch.float16, "I16": torch.int16, "U8": torch.uint8}
 
 
 _SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16",
-                       "float16": "F16"}
+                       "float16": "F16", "block8": "U8"}
+
+# block8 moments (core/block8.h): elements per scale.
+_BLOCK8_ELEMENTS = 256
 
 # Each optimizer's state slots in the daemon's order (core/optimizer.cc).
 _SLOTS = {"adamw": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
@@ -54,18 +58,51 @@ def _slots(layout):
     return _SLOTS[layout["optimizer"]][:layout["state_slots"]]
 
 
-def _pieces(layout, frozen):
-    """(kind, key suffix, dtype) of a tensor's pieces of state, in file order
-    within its group (core/checkpoint.cc, Entries)."""
-    out = [("param", "", _SAFETENSORS_DTYPES[layout["param_dtype"]])]
+def _pieces(layout, frozen, numel):
+    """(kind, key suffix, dtype, elements) of a tensor's pieces of state, in
+    file order within its group (core/checkpoint_header.cc, Entries)."""
+    out = [("param", "", _SAFETENSORS_DTYPES[layout["param_dtype"]], numel)]
     if layout["master"] == "fp32":
-        out.append(("master", ".master", "F32"))
+        out.append(("master", ".master", "F32", numel))
     elif layout["master"] == "remainder":
-        out.append(("remainder", ".remainder", "I16"))
+        out.append(("remainder", ".remainder", "I16", numel))
     if not frozen:
         md = _SAFETENSORS_DTYPES[layout["moment_dtype"]]
-        out += [(k, "." + k, md) for k in _slots(layout)]
+        slots = _slots(layout)
+        out += [(k, "." + k, md, numel) for k in slots]
+        if layout["moment_dtype"] == "block8" and numel > 0:
+            blocks = -(-numel // _BLOCK8_ELEMENTS)
+            out.append(("moment_scales", ".moment_scales", "F32",
+                        blocks * len(slots)))
     return out
+
+
+def _block8_table(signed):
+    """The value of each 8-bit code before scaling (core/block8.h): sign
+    and 4 exponent bits, or 5 exponent bits; 3 mantissa bits."""
+    exp_bits = 4 if signed else 5
+    max_exp = (1 << exp_bits) - 1
+    values = []
+    for c in range(256):
+        mag = c & 0x7F if signed else c
+        e, m = mag >> 3, mag & 7
+        v = 2.0 ** (e - max_exp) * (1 + m / 8) if e else \
+            m * 2.0 ** (1 - max_exp - 3)
+        if e > max_exp:
+            v = float("nan")  # not a code the daemon writes
+        values.append(-v if signed and c & 0x80 else v)
+    return torch.tensor(values, dtype=torch.float64).to(torch.float32)
+
+
+def block8_values(codes, scales, signed):
+    """fp32 values of a block8 state slot: `codes` (uint8, one per element)
+    and `scales` (fp32, one per 256 elements), each the code's value times
+    its block's scale: the same bits as the daemon reads."""
+    codes = codes.reshape(-1)
+    if codes.numel() == 0:
+        return torch.empty(0, dtype=torch.float32)
+    block = torch.arange(codes.numel()) // _BLOCK8_ELEMENTS
+    return _block8_table(signed)[codes.long()] * scales.reshape(-1)[block]
 
 
 def _unpack(meta, tensors):
@@ -82,13 +119,13 @@ def _unpack(meta, tensors):
             frozen = bool(flags & 1)
             unpacked.append(dict(name=name, numel=numel, frozen=frozen,
                                  keep_fp32=bool(flags & 2), layout=layout))
-            for kind, suffix, dtype in _pieces(layout, frozen):
+            for kind, suffix, dtype, count in _pieces(layout, frozen, numel):
                 key = "g%d.%s.%s" % (gi, kind, dtype)
                 start = taken.get(key, 0)
-                piece = tensors[key][start:start + numel]
-                out[name + suffix] = piece.reshape(shape[0]) if shape \
-                    else piece
-                taken[key] = start + numel
+                piece = tensors[key][start:start + count]
+                out[name + suffix] = piece.reshape(shape[0]) \
+                    if shape and count == numel else piece
+                taken[key] = start + count
         g["tensors"] = unpacked
     return out
 
@@ -170,14 +207,25 @@ def to_torch_state_dict(path, shapes=None, params=None):
             if not t["frozen"] and own > 0:
                 entry = {"step": torch.tensor(float(own))} \
                     if kind == "adamw" else {}
-                for k in _slots(t["layout"]):
-                    entry[k] = _shaped(tensors[name + "." + k], shape, like)
+                for k, value in _slot_values(name, t, tensors):
+                    entry[k] = _shaped(value, shape, like)
                 if entry:
                     state[index] = entry
             ids.append(index)
             index += 1
         groups.append(dict(_torch_hyperparameters(h), params=ids))
     return {"state": state, "param_groups": groups}, params, masters
+
+
+def _slot_values(name, t, tensors):
+    """(slot name, values) of tensor `name`'s state slots, block8 codes
+    dequantized to fp32 (the dtype torch's AdamW keeps)."""
+    slots = _slots(t["layout"])
+    if t["layout"]["moment_dtype"] != "block8":
+        return [(k, tensors[name + "." + k]) for k in slots]
+    scales = tensors[name + ".moment_scales"].reshape(-1, len(slots))
+    return [(k, block8_values(tensors[name + "." + k], scales[:, s], s == 0))
+            for s, k in enumerate(slots)]
 
 
 def _shaped(x, shape, like):

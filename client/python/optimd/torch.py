@@ -67,6 +67,14 @@ from optimd.shm import SharedSegment, align
 from optimd.v1 import optimd_pb2 as pb
 
 _TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
+
+# AdamW's exp_avg_dtype for blockwise 8-bit moments: 2 bytes per parameter
+# for both instead of 8 (fp32) or 4 (bf16); one fp32 scale per 256
+# elements (docs/block8_moments.md). Its state dicts hold fp32 moments.
+BLOCK8 = "block8"
+_MOMENT_DTYPES = {torch.float32: pb.DTYPE_FLOAT32,
+                  torch.bfloat16: pb.DTYPE_BFLOAT16,
+                  BLOCK8: pb.DTYPE_BLOCK8}
 # gradient_sharding= -> the API's GradientSharding.
 _SHARDING = {None: pb.GRADIENT_SHARDING_UNSPECIFIED,
              "replicated": pb.GRADIENT_SHARDING_REPLICATED,
@@ -165,11 +173,22 @@ class _DaemonOptimizer(torch.optim.Optimizer):
                               sharding=_SHARDING[gradient_sharding])
         self._open(resume, resume_secret)
 
+    # Whether the optimizer's state may be block8 (AdamW only).
+    _takes_block8 = False
+
     @classmethod
     def _check_options(cls, torch_options, state_dtype):
-        if state_dtype not in (torch.float32, torch.bfloat16):
+        if isinstance(state_dtype, str) and state_dtype == BLOCK8:
+            if not cls._takes_block8:
+                raise ValueError(
+                    "optimd.torch.%s: block8 state is for AdamW/Adam "
+                    "moments only; use torch.float32 or torch.bfloat16"
+                    % cls.__name__)
+        elif state_dtype not in (torch.float32, torch.bfloat16):
             raise TypeError("the state dtype must be torch.float32 or "
-                            "torch.bfloat16, not %s" % state_dtype)
+                            "torch.bfloat16%s, not %s" %
+                            (" or optimd.torch.BLOCK8"
+                             if cls._takes_block8 else "", state_dtype))
         if "assume_finite" in torch_options:
             raise TypeError(
                 "optimd.torch.%s: assume_finite is gone; non-finite "
@@ -306,8 +325,8 @@ class _DaemonOptimizer(torch.optim.Optimizer):
             request.layout.master_weights = pb.MASTER_WEIGHTS_FP32
         elif mw is False:
             request.layout.master_weights = pb.MASTER_WEIGHTS_NONE
-        request.layout.moment_dtype = DTYPES[group.get(self._state_dtype_key,
-                                                        torch.float32)]
+        request.layout.moment_dtype = _MOMENT_DTYPES[
+            group.get(self._state_dtype_key, torch.float32)]
         assign_stages([s for s, _ in tensors])
         if self._overlap is not None:
             self._overlap.set_stages([s for s, _ in tensors])
@@ -972,7 +991,10 @@ class AdamW(_DaemonOptimizer):
         True (always, so a crashed trainer can get fp32 weights back), False.
       store_param_remainders: bf16 parameters keep an int16 remainder instead
         of an fp32 master (exact; 4 bytes less per parameter).
-      exp_avg_dtype: torch.float32 or torch.bfloat16 moments.
+      exp_avg_dtype: torch.float32 or torch.bfloat16 moments, or
+        optimd.torch.BLOCK8: both moments in 8 bits with one fp32 scale per
+        256 elements (2 bytes per parameter; not with amsgrad). State dicts
+        hold them as fp32, as torch's AdamW does.
       max_grad_norm: clip by the gradient norm (0: off): this rank's, or
         the job's with gradient_sharding.
       gradient_sharding: with world_size > 1, how the job's gradients lie
@@ -1037,6 +1059,10 @@ class AdamW(_DaemonOptimizer):
             raise ValueError(
                 "Invalid weight_decay value: {}".format(weight_decay))
         self._check_options(torch_options, exp_avg_dtype)
+        if amsgrad and isinstance(exp_avg_dtype, str):
+            raise ValueError("amsgrad needs torch.float32 or torch.bfloat16 "
+                             "moments, not block8 (its running maximum has "
+                             "no 8-bit form)")
         defaults = _torch_defaults(self._torch_class)
         defaults.update(torch_options)
         defaults.update(dict(
@@ -1053,6 +1079,7 @@ class AdamW(_DaemonOptimizer):
                     timeout=timeout, gradient_sharding=gradient_sharding)
 
     _kind = pb.OPTIMIZER_KIND_ADAMW
+    _takes_block8 = True
     # Whose keyword defaults the param_groups carry.
     _torch_class = torch.optim.AdamW
 

@@ -1,0 +1,171 @@
+// Blockwise 8-bit optimizer state (DType::kBlock8): the code of one
+// element, and the block rule every backend, state read and checkpoint
+// converter follows. See docs/block8_moments.md for the design.
+//
+// A state slot of kBlock8 holds one byte per element and, per block of
+// kBlock8Elements consecutive elements of a tensor (the last block may be
+// shorter), one fp32 scale: the largest magnitude in the block. An element
+// is stored as an 8-bit minifloat of value / scale, which lies in [-1, 1]:
+//  - signed slots (exp_avg): a sign bit and a 7-bit magnitude with 4
+//    exponent and 3 mantissa bits, values down to 2^-17;
+//  - unsigned slots (exp_avg_sq, never negative): 5 exponent and 3 mantissa
+//    bits, values down to 2^-33, since the second moment spans a far wider
+//    range within a block than the first.
+// Rounding is to nearest, ties to even, by integer operations on the
+// float's bits; the value read back is the code's value times the scale
+// (one fp32 multiply). Every step is exact or one correctly rounded IEEE
+// operation, so plain C++ and CUDA (-fmad=false) give the same bits.
+//
+// Pure functions; thread-compatible.
+#ifndef OPTIMD_CORE_BLOCK8_H_
+#define OPTIMD_CORE_BLOCK8_H_
+
+#include <cstdint>
+
+#include "core/dtype.h"
+#include "core/step_math.h"
+
+namespace optimd {
+
+// Elements per scale. Plans split tensors at multiples of it (BuildPlan),
+// so one unit of work always holds whole blocks.
+inline constexpr uint64_t kBlock8Elements = 256;
+
+// Blocks (scales per slot) of a tensor of `n` elements.
+OPTIMD_HOST_DEVICE inline uint64_t Block8Blocks(uint64_t n) {
+  return (n + kBlock8Elements - 1) / kBlock8Elements;
+}
+
+namespace block8 {
+
+OPTIMD_HOST_DEVICE inline uint32_t Bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  return FloatBits(f);
+#endif
+}
+
+OPTIMD_HOST_DEVICE inline float FromBits(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  return BitsToFloat(u);
+#endif
+}
+
+constexpr int kMantissaBits = 3;
+
+// The code of |x| (sign ignored; NaN and values above 1 read as 1) in an
+// unsigned minifloat with kExp exponent bits and 3 mantissa bits, whose
+// largest exponent holds [1, 2): codes 0 .. (2^kExp - 1) << 3.
+template <int kExp>
+OPTIMD_HOST_DEVICE inline uint32_t EncodeUnit(float x) {
+  constexpr uint32_t kMaxExp = (1u << kExp) - 1;
+  constexpr int kShift = 23 - kMantissaBits;
+  uint32_t u = Bits(x) & 0x7fffffffu;
+  if (!(u <= 0x3f800000u)) u = 0x3f800000u;  // NaN or above 1: 1
+  const uint32_t fexp = u >> 23;
+  if (fexp >= 128 - kMaxExp) {
+    // Normal: round the mantissa to 3 bits (a carry bumps the exponent),
+    // then rebias the exponent from 127 to kMaxExp.
+    const uint32_t r = u + ((1u << (kShift - 1)) - 1) + ((u >> kShift) & 1u);
+    return (r >> kShift) - ((127u - kMaxExp) << kMantissaBits);
+  }
+  // Subnormal: multiples of 2^(1 - kMaxExp - 3). q is x scaled by a power
+  // of two (exact), at most 8; its integer part and fraction are exact.
+  const float q =
+      FromBits(u) * FromBits((127u + kMaxExp - 1 + kMantissaBits) << 23);
+  const uint32_t whole = static_cast<uint32_t>(q);
+  const float frac = q - static_cast<float>(whole);
+  const bool up = frac > 0.5f || (frac == 0.5f && (whole & 1u) != 0);
+  return whole + (up ? 1u : 0u);
+}
+
+template <int kExp>
+OPTIMD_HOST_DEVICE inline float DecodeUnit(uint32_t c) {
+  constexpr uint32_t kMaxExp = (1u << kExp) - 1;
+  const uint32_t e = c >> kMantissaBits;
+  const uint32_t m = c & ((1u << kMantissaBits) - 1);
+  if (e != 0) {
+    return FromBits(((e + 127u - kMaxExp) << 23) | (m << (23 - kMantissaBits)));
+  }
+  return static_cast<float>(m) *
+         FromBits((127u + 1 - kMaxExp - kMantissaBits) << 23);
+}
+
+}  // namespace block8
+
+// exp_avg's code: sign bit 7, magnitude EncodeUnit<4>. Zero keeps its sign
+// bit only in the code; it reads back as zero.
+OPTIMD_HOST_DEVICE inline uint8_t EncodeSigned8(float x) {
+  const uint32_t sign = (block8::Bits(x) >> 24) & 0x80u;
+  return static_cast<uint8_t>(sign | block8::EncodeUnit<4>(x));
+}
+
+OPTIMD_HOST_DEVICE inline float DecodeSigned8(uint8_t c) {
+  const float mag = block8::DecodeUnit<4>(c & 0x7fu);
+  return (c & 0x80u) != 0 ? -mag : mag;
+}
+
+// exp_avg_sq's code: EncodeUnit<5> of |x|.
+OPTIMD_HOST_DEVICE inline uint8_t EncodeUnsigned8(float x) {
+  return static_cast<uint8_t>(block8::EncodeUnit<5>(x));
+}
+
+OPTIMD_HOST_DEVICE inline float DecodeUnsigned8(uint8_t c) {
+  return block8::DecodeUnit<5>(c);
+}
+
+// The larger of a block's running maximum and |x|; NaN wins. Magnitudes
+// only, so the result is the same in any order of the block's elements
+// (NaNs are made canonical by Block8Scale).
+OPTIMD_HOST_DEVICE inline float Block8Max(float running, float x) {
+  const float a = block8::FromBits(block8::Bits(x) & 0x7fffffffu);
+  return (a > running || a != a) ? a : running;
+}
+
+// The scale stored for a block whose Block8Max over its values is `max`:
+// `max` itself, NaN made canonical.
+OPTIMD_HOST_DEVICE inline float Block8Scale(float max) {
+  return max != max ? block8::FromBits(0x7fc00000u) : max;
+}
+
+// The code of x in a block of scale `scale` (kSigned: exp_avg). A zero
+// scale (an all-zero block) stores zeros.
+template <bool kSigned>
+OPTIMD_HOST_DEVICE inline uint8_t Block8Encode(float x, float scale) {
+  const float unit = scale == 0.0f ? 0.0f : x / scale;
+  return kSigned ? EncodeSigned8(unit) : EncodeUnsigned8(unit);
+}
+
+template <bool kSigned>
+OPTIMD_HOST_DEVICE inline float Block8Decode(uint8_t c, float scale) {
+  return (kSigned ? DecodeSigned8(c) : DecodeUnsigned8(c)) * scale;
+}
+
+// Host helpers for state reads, writes and tests: one block of n <=
+// kBlock8Elements values to codes and scale, and back.
+inline float QuantizeBlock8(bool is_signed, const float* x, uint64_t n,
+                            uint8_t* codes) {
+  float max = 0.0f;
+  for (uint64_t i = 0; i < n; ++i) max = Block8Max(max, x[i]);
+  const float scale = Block8Scale(max);
+  for (uint64_t i = 0; i < n; ++i) {
+    codes[i] = is_signed ? Block8Encode<true>(x[i], scale)
+                         : Block8Encode<false>(x[i], scale);
+  }
+  return scale;
+}
+
+inline void DequantizeBlock8(bool is_signed, const uint8_t* codes, uint64_t n,
+                             float scale, float* x) {
+  for (uint64_t i = 0; i < n; ++i) {
+    x[i] = is_signed ? Block8Decode<true>(codes[i], scale)
+                     : Block8Decode<false>(codes[i], scale);
+  }
+}
+
+}  // namespace optimd
+
+#endif  // OPTIMD_CORE_BLOCK8_H_
