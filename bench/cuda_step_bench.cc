@@ -135,6 +135,10 @@ int Run(IpcTrainer* trainer) {
        DType::kBFloat16, MasterRequest::kRemainder},
       {"bf16_fp32master", 1000, DType::kBFloat16, DType::kBFloat16,
        DType::kFloat32, MasterRequest::kFp32},
+      {"fp32_block8m", 1000, DType::kFloat32, DType::kFloat32, DType::kBlock8,
+       MasterRequest::kNone},
+      {"bf16_rem_block8m", 1000, DType::kBFloat16, DType::kBFloat16,
+       DType::kBlock8, MasterRequest::kRemainder},
   };
   std::vector<std::unique_ptr<Backend>> backends;
   std::vector<CudaBackendOptions> variants;
