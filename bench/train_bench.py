@@ -224,9 +224,18 @@ def compare(name, cfg, batch, seq, clip, daemon, args):
     blocks = {k: [] for k in peers}
     client = peers["optimd"].opt.client
     moved_before = client.get_metrics().plan_entry_updates
+    # The daemon's own timing of each peer's steps (CUDA): device time of
+    # the step's work, and its stream's wait for the trainer's ready flag.
+    device = {k: [0, 0.0, 0.0] for k in peers}
     for _ in range(args.blocks):
         for k, t in peers.items():
+            m0 = client.get_metrics()
             blocks[k].append(t.block_ms(args.iters))
+            m1 = client.get_metrics()
+            device[k][0] += m1.step_device_time.count - \
+                m0.step_device_time.count
+            device[k][1] += m1.step_device_time.sum - m0.step_device_time.sum
+            device[k][2] += m1.step_ready_wait.sum - m0.step_ready_wait.sum
     # Plan entries the daemon rewrote per step (gradients the allocator
     # moved): 0 in the steady state.
     moved = (client.get_metrics().plan_entry_updates - moved_before) / (
@@ -243,6 +252,8 @@ def compare(name, cfg, batch, seq, clip, daemon, args):
                        for k, v in phases.items()},
                iteration_ms=it,
                moved_entries_per_step=moved,
+               daemon_device_ms={k: (v[1] / v[0] * 1e3, v[2] / v[0] * 1e3)
+                                 for k, v in device.items() if v[0]},
                skip_nonfinite=bool(args.skip_nonfinite),
                loss_after_warmup=losses)
     if args.overlap:
@@ -278,6 +289,9 @@ def print_row(r):
           (" ".join("%s %.5f" % kv for kv in r["loss_after_warmup"].items()),
            r["moved_entries_per_step"],
            "; optimd with skip_nonfinite" if r["skip_nonfinite"] else ""))
+    for peer, (run, wait) in r.get("daemon_device_ms", {}).items():
+        print("    daemon, %s steps: device %.3f ms, ready wait %.3f ms "
+              "(means)" % (peer, run, wait))
     if "overlap_ratio" in r:
         it = r["iteration_ms"]
         print("    overlap %.3f ms (ratio %.3f), without optimizer %.3f ms; "

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -93,6 +94,14 @@ struct StepOutcome {
   // The session's totals as of the reported step.
   uint64_t steps_applied = 0;
   uint64_t steps_skipped = 0;
+  // Device timing of the reported step, on backends that time their steps
+  // (CUDA): how long the device's stream waited for the trainer's ready
+  // flag once it reached the step, and how long the step's own work ran.
+  // NaN where not timed. `timing_fresh`: the reported step was read by
+  // this call (an asynchronous outcome can repeat an earlier one).
+  double device_wait_seconds = std::numeric_limits<double>::quiet_NaN();
+  double device_seconds = std::numeric_limits<double>::quiet_NaN();
+  bool timing_fresh = false;
 };
 
 // Per-session backend state (the CUDA backend's interprocess events and

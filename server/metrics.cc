@@ -130,6 +130,13 @@ std::vector<MetricFamily> MetricFamilies(const v1::GetMetricsResponse& m) {
   out.push_back(Histogram("optimd_step_host_seconds",
                           "Host time of a Step on its device worker.",
                           m.step_host_time()));
+  out.push_back(Histogram("optimd_step_device_seconds",
+                          "Device time of a step's own work (CUDA).",
+                          m.step_device_time()));
+  out.push_back(Histogram(
+      "optimd_step_ready_wait_seconds",
+      "Time the device's stream waited for the trainer's ready flag (CUDA).",
+      m.step_ready_wait()));
   out.push_back(PerSession(
       "optimd_session_state_bytes", "Optimizer state bytes per session.",
       MetricType::Gauge, m, &v1::SessionInfo::state_bytes));

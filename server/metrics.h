@@ -34,7 +34,7 @@ class LatencyHistogram {
 };
 
 // Every field of `m` (except prometheus_text) as Prometheus metric families,
-// in the order of the proto: counters and gauges, the two histograms, then
+// in the order of the proto: counters and gauges, the histograms, then
 // per-session state bytes and steps labelled job_id and rank. The response
 // is already a snapshot, so the families are built from it directly rather
 // than through a prometheus::Registry of live metrics.

@@ -92,6 +92,8 @@ TEST(MetricsTest, EveryFamilyKeepsItsNameAndType) {
                       "optimd_checkpoint_failures_total" + counter,
                       "optimd_step_latency_seconds" + histogram,
                       "optimd_step_host_seconds" + histogram,
+                      "optimd_step_device_seconds" + histogram,
+                      "optimd_step_ready_wait_seconds" + histogram,
                       "optimd_session_state_bytes" + gauge,
                       "optimd_session_steps_total" + counter,
                   }));

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <thread>
 
@@ -308,6 +309,11 @@ absl::Status OptimizerServiceImpl::RunStep(Session& s,
   auto result = s.Step(*spec);
   if (!result.ok()) return result.status();
   step_host_time_.Observe(absl::ToDoubleSeconds(absl::Now() - host_start));
+  const StepOutcome& outcome = result->outcome;
+  if (outcome.timing_fresh && std::isfinite(outcome.device_seconds)) {
+    step_device_time_.Observe(outcome.device_seconds);
+    step_ready_wait_.Observe(outcome.device_wait_seconds);
+  }
   response->set_known(result->outcome.known);
   response->set_current(result->outcome.current);
   response->set_skipped(result->outcome.skipped);
@@ -920,6 +926,8 @@ void OptimizerServiceImpl::FillMetrics(v1::GetMetricsResponse* response) const {
   response->set_state_bytes(registry_->budget()->used());
   step_latency_.ToProto(response->mutable_step_latency());
   step_host_time_.ToProto(response->mutable_step_host_time());
+  step_device_time_.ToProto(response->mutable_step_device_time());
+  step_ready_wait_.ToProto(response->mutable_step_ready_wait());
   response->set_session_infos_omitted(
       AddSessionInfos(sessions, response->mutable_session_infos()));
   response->set_checkpoint_saves(checkpoint_saves_.load());

@@ -157,6 +157,8 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
   const CheckpointOptions checkpoint_options_;
   LatencyHistogram step_latency_;
   LatencyHistogram step_host_time_;
+  LatencyHistogram step_device_time_;
+  LatencyHistogram step_ready_wait_;
   std::atomic<uint64_t> checkpoint_saves_{0}, checkpoint_save_bytes_{0};
   std::atomic<uint64_t> checkpoint_loads_{0}, checkpoint_load_bytes_{0};
   std::atomic<uint64_t> checkpoint_failures_{0};

@@ -356,8 +356,9 @@ absl::StatusOr<std::unique_ptr<SessionContext>> CudaBackend::OpenSession(
       s->totals_d.data(), 0, sizeof(DeviceGroupState), stream_));
   s->records.resize(std::max(2, options_.step_records));
   for (StepRecord& record : s->records) {
-    OPTIMD_RETURN_IF_CUDA_ERROR(
-        cudaEventCreateWithFlags(&record.event, cudaEventDisableTiming));
+    for (cudaEvent_t* e : {&record.queued, &record.began, &record.event}) {
+      OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventCreate(e));  // timing events
+    }
   }
   OPTIMD_RETURN_IF_ERROR(SyncStream());
   s->last.known = false;
@@ -484,6 +485,7 @@ absl::Status CudaBackend::LaunchStep(CudaSession& s,
                                      const StepOptions& options,
                                      bool statistics, uint32_t* progress,
                                      NcclJob::Lease* lease) {
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventRecord(record.queued, stream_));
   if (options.step_flags != nullptr) {
     OPTIMD_RETURN_IF_ERROR(StreamValue(driver_.stream_wait_value32,
                                        options.step_flags, options.sequence,
@@ -491,6 +493,7 @@ absl::Status CudaBackend::LaunchStep(CudaSession& s,
   } else if (s.ready != nullptr) {
     OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(stream_, s.ready, 0));
   }
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventRecord(record.began, stream_));
   if (!options_.use_graphs) {
     OPTIMD_RETURN_IF_ERROR(
         EnqueueStep(s, groups, record, statistics, progress, lease, stream_));
@@ -533,6 +536,7 @@ absl::StatusOr<StepOutcome> CudaBackend::Outcome(
     OPTIMD_RETURN_IF_ERROR(WaitStep(s, record.event));
     OPTIMD_RETURN_IF_ERROR(ReadRecord(s, record, groups, &out));
     out.current = true;
+    out.timing_fresh = true;
   } else {
     // Steps complete in stream order: the oldest unread record first, up to
     // the first one still running.
@@ -550,6 +554,7 @@ absl::StatusOr<StepOutcome> CudaBackend::Outcome(
     }
     out = s.last;
     out.current = s.last_sequence == seq;
+    out.timing_fresh = newest != nullptr;
   }
   return out;
 }

@@ -22,6 +22,17 @@ absl::Status ReadRecord(CudaSession& s, StepRecord& record,
                        : std::numeric_limits<double>::quiet_NaN();
   out->steps_applied = totals.step;
   out->steps_skipped = totals.skipped;
+  // The step has completed: its events can be read.
+  float wait_ms = 0, run_ms = 0;
+  if (cudaEventElapsedTime(&wait_ms, record.queued, record.began) ==
+          cudaSuccess &&
+      cudaEventElapsedTime(&run_ms, record.began, record.event) ==
+          cudaSuccess) {
+    out->device_wait_seconds = wait_ms * 1e-3;
+    out->device_seconds = run_ms * 1e-3;
+  } else {
+    cudaGetLastError();  // not sticky; the outcome is untimed
+  }
   if (record.groups == groups.size()) {
     for (uint32_t g = 0; g < record.groups; ++g) {
       groups[g]->step = record.host[1 + g].step;

@@ -26,6 +26,11 @@ namespace optimd {
 // report the last completed step without waiting. A record is reused only
 // after its event has completed.
 struct StepRecord {
+  // Timing events on the device's stream: `queued` where it reached the
+  // step, `began` after the wait for the trainer's ready flag, `event` at
+  // its end (and what completion is waited on).
+  cudaEvent_t queued = nullptr;
+  cudaEvent_t began = nullptr;
   cudaEvent_t event = nullptr;
   void* memory = nullptr;                  // cudaHostAlloc'd: args, then host
   cuda::GroupStep* args = nullptr;         // [g]: group g's step arguments
@@ -49,7 +54,9 @@ class CudaSession : public SessionContext {
   ~CudaSession() override {
     if (stream != nullptr) cudaStreamSynchronize(stream);
     for (StepRecord& s : records) {
-      if (s.event != nullptr) cudaEventDestroy(s.event);
+      for (cudaEvent_t e : {s.queued, s.began, s.event}) {
+        if (e != nullptr) cudaEventDestroy(e);
+      }
       if (s.memory != nullptr) cudaFreeHost(s.memory);
       if (s.exec != nullptr) cudaGraphExecDestroy(s.exec);
     }
