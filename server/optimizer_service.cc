@@ -678,26 +678,31 @@ grpc::ServerWriteReactor<v1::StateChunk>* OptimizerServiceImpl::SaveStateStream(
 }
 
 // Spools the streamed file to a private temporary file, then loads it on
-// the session's worker.
+// the session's worker, as LoadState loads a file: verified whole before
+// any state changes. The spool file is removed on every path (and by a
+// later daemon if this one is killed); `on_end` runs once, before the call
+// finishes (so that the client may start its next stream at once).
 class OptimizerServiceImpl::LoadStreamReactor final
     : public grpc::ServerReadReactor<v1::StateChunk> {
  public:
   LoadStreamReactor(grpc::CallbackServerContext* context,
                     std::shared_ptr<Session> session, DeviceWorker* worker,
-                    CheckpointOptions options, v1::LoadStateResponse* response)
+                    CheckpointOptions options, v1::LoadStateResponse* response,
+                    std::function<void()> on_end)
       : context_(context),
         session_(std::move(session)),
         worker_(worker),
         options_(std::move(options)),
-        response_(response) {
+        response_(response),
+        on_end_(std::move(on_end)) {
     const std::string dir = SpoolDirectory(options_);
     // The pid lets a later daemon remove the file if this one is killed.
     path_ = dir + "/.optimd-load-" + std::to_string(getpid()) + "-XXXXXX";
     fd_ = mkstemp(path_.data());
     if (fd_ < 0) {
-      Finish(grpc::Status(grpc::StatusCode::INTERNAL,
-                          "cannot create a spool file in " + dir + ": " +
-                              std::strerror(errno)));
+      End(grpc::Status(grpc::StatusCode::INTERNAL,
+                       "cannot create a spool file in " + dir + ": " +
+                           std::strerror(errno)));
       return;
     }
     StartRead(&chunk_);
@@ -766,16 +771,15 @@ class OptimizerServiceImpl::LoadStreamReactor final
     }
     worker_->Post([this] {
       auto r = session_->LoadStateFile(path_, options_);
-      Cleanup();
       if (!r.ok()) {
-        Finish(ToGrpcStatus(r.status()));
+        End(ToGrpcStatus(r.status()));
         return;
       }
       response_->set_path("(stream)");
       response_->set_bytes(r->bytes);
       response_->set_peak_staging_bytes(r->peak_staging_bytes);
       response_->set_seconds(r->seconds);
-      Finish(grpc::Status::OK);
+      End(grpc::Status::OK);
     });
   }
 
@@ -785,8 +789,12 @@ class OptimizerServiceImpl::LoadStreamReactor final
   }
 
  private:
-  void Fail(grpc::Status s) {
+  void Fail(grpc::Status s) { End(std::move(s)); }
+
+  // Removes the spool file, ends the session's claim, then finishes.
+  void End(grpc::Status s) {
     Cleanup();
+    on_end_();
     Finish(std::move(s));
   }
 
@@ -803,6 +811,7 @@ class OptimizerServiceImpl::LoadStreamReactor final
   DeviceWorker* const worker_;
   const CheckpointOptions options_;
   v1::LoadStateResponse* const response_;
+  const std::function<void()> on_end_;
   std::string path_;
   int fd_ = -1;
   v1::StateChunk chunk_;
@@ -810,20 +819,36 @@ class OptimizerServiceImpl::LoadStreamReactor final
   uint64_t total_ = 0;
 };
 
+bool OptimizerServiceImpl::ClaimLoadStream(const Session* session) {
+  MutexLock lock(&load_streams_mu_);
+  return load_streams_.insert(session).second;
+}
+
+void OptimizerServiceImpl::ReleaseLoadStream(const Session* session) {
+  MutexLock lock(&load_streams_mu_);
+  load_streams_.erase(session);
+}
+
 grpc::ServerReadReactor<v1::StateChunk>* OptimizerServiceImpl::LoadStateStream(
     grpc::CallbackServerContext* context, v1::LoadStateResponse* response) {
+  class Refused final : public grpc::ServerReadReactor<v1::StateChunk> {
+   public:
+    explicit Refused(grpc::Status s) { Finish(std::move(s)); }
+    void OnDone() override { delete this; }
+  };
   auto session = SessionOf(context);
-  if (!session.ok()) {
-    class Refused final : public grpc::ServerReadReactor<v1::StateChunk> {
-     public:
-      explicit Refused(grpc::Status s) { Finish(std::move(s)); }
-      void OnDone() override { delete this; }
-    };
-    return new Refused(ToGrpcStatus(session.status()));
+  if (!session.ok()) return new Refused(ToGrpcStatus(session.status()));
+  const Session* key = session->get();
+  if (!ClaimLoadStream(key)) {
+    return new Refused(grpc::Status(
+        grpc::StatusCode::FAILED_PRECONDITION,
+        "another LoadStateStream of this session is still arriving; a "
+        "session loads one stream at a time (wait for it to end)"));
   }
   DeviceWorker* worker = WorkerFor(*session);
   return new LoadStreamReactor(context, *std::move(session), worker,
-                               checkpoint_options_, response);
+                               checkpoint_options_, response,
+                               [this, key] { ReleaseLoadStream(key); });
 }
 
 namespace {
