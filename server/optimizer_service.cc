@@ -14,6 +14,7 @@
 #include "core/stale_files.h"
 #include "server/convert.h"
 #include "server/log.h"
+#include "server/session_listing.h"
 
 namespace optimd {
 
@@ -853,28 +854,11 @@ grpc::ServerReadReactor<v1::StateChunk>* OptimizerServiceImpl::LoadStateStream(
 
 namespace {
 
-// Appends the sessions' descriptions while they fit in 256 MiB (a session
-// lists up to kMaxGroupsPerSession ids of kMaxNameBytes: a few MiB at
-// most), so that no listing approaches gRPC's message limits; returns how
-// many were left out.
-uint32_t AddSessionInfos(
-    const std::vector<std::shared_ptr<Session>>& sessions,
-    google::protobuf::RepeatedPtrField<v1::SessionInfo>* out) {
-  constexpr size_t kMaxListingBytes = size_t{256} << 20;
-  size_t bytes = 0;
-  uint32_t omitted = 0;
-  for (const auto& s : sessions) {
-    v1::SessionInfo info;
-    SessionInfoToProto(s->Info(), &info);
-    const size_t n = info.ByteSizeLong() + 8;
-    if (bytes + n > kMaxListingBytes) {
-      ++omitted;
-      continue;
-    }
-    bytes += n;
-    *out->Add() = std::move(info);
-  }
-  return omitted;
+// The listing of `sessions` (AddSessionInfos) into *out.
+uint32_t ListInto(const std::vector<std::shared_ptr<Session>>& sessions,
+                  google::protobuf::RepeatedPtrField<v1::SessionInfo>* out) {
+  return AddSessionInfos(
+      sessions.size(), [&](size_t i) { return sessions[i]->Info(); }, out);
 }
 
 }  // namespace
@@ -908,7 +892,7 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::ListSessions(
     return reactor;
   }
   response->set_sessions_omitted(
-      AddSessionInfos(registry_->List(), response->mutable_sessions()));
+      ListInto(registry_->List(), response->mutable_sessions()));
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }
@@ -946,7 +930,7 @@ void OptimizerServiceImpl::FillMetrics(v1::GetMetricsResponse* response) const {
   step_latency_.ToProto(response->mutable_step_latency());
   step_host_time_.ToProto(response->mutable_step_host_time());
   response->set_session_infos_omitted(
-      AddSessionInfos(sessions, response->mutable_session_infos()));
+      ListInto(sessions, response->mutable_session_infos()));
   response->set_checkpoint_saves(checkpoint_saves_.load());
   response->set_checkpoint_save_bytes(checkpoint_save_bytes_.load());
   response->set_checkpoint_loads(checkpoint_loads_.load());
