@@ -526,9 +526,49 @@ absl::StatusOr<CheckpointResult> WriteSnapshot(
 
 namespace {
 
-// Opens a checkpoint for a load into *fd; returns its size.
-absl::StatusOr<uint64_t> OpenForLoad(const std::string& path,
-                                     const CheckpointOptions& options, Fd* fd) {
+// What identifies a checkpoint file's bytes between the two passes of a
+// load: the same object (device, inode) of the same size, not written to
+// (mtime) and not otherwise changed (ctime) since it was opened.
+struct FileIdentity {
+  dev_t dev = 0;
+  ino_t ino = 0;
+  uint64_t size = 0;
+  timespec mtime{};
+  timespec ctime{};
+};
+
+FileIdentity IdentityOf(const struct stat& st) {
+  return {st.st_dev, st.st_ino, static_cast<uint64_t>(st.st_size), st.st_mtim,
+          st.st_ctim};
+}
+
+bool SameTime(const timespec& a, const timespec& b) {
+  return a.tv_sec == b.tv_sec && a.tv_nsec == b.tv_nsec;
+}
+
+// ABORTED when the open file is no longer what `opened` describes: another
+// process wrote to it (or truncated it) while it was being verified, so the
+// verification says nothing about what the load would read.
+absl::Status CheckUnchanged(int fd, const FileIdentity& opened,
+                            const std::string& path) {
+  struct stat st;
+  if (fstat(fd, &st) != 0) return ErrnoStatus(errno, path);
+  const FileIdentity now = IdentityOf(st);
+  if (now.dev != opened.dev || now.ino != opened.ino ||
+      now.size != opened.size || !SameTime(now.mtime, opened.mtime) ||
+      !SameTime(now.ctime, opened.ctime)) {
+    return absl::AbortedError(absl::StrCat(
+        path, " changed while its checksums were verified (another process ",
+        "is writing it); nothing was loaded: load it again once it is ",
+        "complete"));
+  }
+  return absl::OkStatus();
+}
+
+// Opens a checkpoint for a load into *fd; returns what identifies it.
+absl::StatusOr<FileIdentity> OpenForLoad(const std::string& path,
+                                         const CheckpointOptions& options,
+                                         Fd* fd) {
   // O_NONBLOCK: opening a FIFO placed at the path must not wait for a
   // writer (it would hold the device worker and every session on it); the
   // flag changes nothing for a regular file.
@@ -552,12 +592,12 @@ absl::StatusOr<uint64_t> OpenForLoad(const std::string& path,
                      " is not a regular file (a directory, FIFO or device); a "
                      "checkpoint is a file written by SaveState"));
   }
-  const uint64_t size = static_cast<uint64_t>(st.st_size);
-  if (size < 8) {
+  const FileIdentity id = IdentityOf(st);
+  if (id.size < 8) {
     return absl::DataLossError(absl::StrCat(
-        path, " is ", size, " bytes: too short for a safetensors file"));
+        path, " is ", id.size, " bytes: too short for a safetensors file"));
   }
-  return size;
+  return id;
 }
 
 // The safetensors header's JSON text (after its 8-byte length).
@@ -668,7 +708,8 @@ absl::Status StreamData(int fd, const std::vector<Entry>& entries,
     if (p.done + p.n == e.bytes && RunEnds(entries, p.entry) && crc != e.crc) {
       return fail(absl::DataLossError(absl::StrCat(
           "checksum mismatch in tensor '", e.key, "' of ", path,
-          ": the file is corrupt. The session's state is now partly "
+          ": the file changed after its checksums were verified (another "
+          "process wrote into it). The session's state is now partly "
           "loaded; steps are refused until a load succeeds")));
     }
   }
@@ -684,7 +725,9 @@ absl::StatusOr<CheckpointResult> LoadCheckpoint(
   *partially_written = false;
   const double t0 = Seconds();
   Fd fd(-1);
-  OPTIMD_ASSIGN_OR_RETURN(const uint64_t size, OpenForLoad(path, options, &fd));
+  OPTIMD_ASSIGN_OR_RETURN(const FileIdentity opened,
+                          OpenForLoad(path, options, &fd));
+  const uint64_t size = opened.size;
   OPTIMD_ASSIGN_OR_RETURN(const std::string header,
                           ReadHeaderText(fd.get(), size, path));
   const uint64_t data_start = 8 + header.size();
@@ -692,11 +735,13 @@ absl::StatusOr<CheckpointResult> LoadCheckpoint(
   OPTIMD_ASSIGN_OR_RETURN(
       std::vector<GroupHeader> headers,
       ParseHeader(header, groups, entries, size - data_start, path));
-  if (size <= options.verify_first_max_bytes) {
-    OPTIMD_RETURN_IF_ERROR(
-        VerifyChecksums(fd.get(), entries, data_start, path));
-  }
-  // Everything matches: stream the data in.
+  // First pass, whatever the file's size: every checksum, changing nothing
+  // (a corrupt file is refused whole and the session keeps its state). It
+  // reads in pieces, so memory stays bounded.
+  OPTIMD_RETURN_IF_ERROR(VerifyChecksums(fd.get(), entries, data_start, path));
+  OPTIMD_RETURN_IF_ERROR(CheckUnchanged(fd.get(), opened, path));
+  // Second pass: stream the data in, checking the checksums again (only a
+  // write into the file during this pass can fail them now).
   uint64_t peak_staging = 0;
   OPTIMD_RETURN_IF_ERROR(StreamData(fd.get(), entries, data_start, backend,
                                     options, path, partially_written,

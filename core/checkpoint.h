@@ -19,8 +19,9 @@
 // Saving writes a temporary file in the target directory, fsyncs it, renames
 // it over the final name and fsyncs the directory: a crash or a full disk
 // leaves the previous checkpoint intact. Loading checks every name, shape,
-// dtype and layout against the registered groups before any state changes,
-// then streams the data in place.
+// dtype and layout against the registered groups, then reads the file twice
+// whatever its size: a first pass verifies every checksum and changes
+// nothing, the second streams the data in place, checking them again.
 #ifndef OPTIMD_CORE_CHECKPOINT_H_
 #define OPTIMD_CORE_CHECKPOINT_H_
 
@@ -56,13 +57,6 @@ struct CheckpointOptions {
   uint64_t packed_above_header_bytes = kMaxCheckpointHeaderBytes / 2;
   // Written into the metadata ("job_id") of saves, for the record.
   std::string job_id;
-  // Checkpoint files of at most this many bytes are read twice on load:
-  // first every checksum is verified, changing nothing (a corrupt file is
-  // refused whole and the session keeps its state), then the data is
-  // loaded. Larger files are checked while they load, which reads them
-  // once; a corrupt one then leaves the state mixed and the session
-  // refusing steps until a load succeeds.
-  uint64_t verify_first_max_bytes = uint64_t{1} << 30;
 };
 
 struct CheckpointResult {
@@ -145,9 +139,11 @@ absl::StatusOr<CheckpointResult> WriteSnapshot(
     const std::string& path, const CheckpointSnapshot& snapshot,
     const CheckpointOptions& options, SaveProgress* progress);
 
-// Loads state in place. On a checksum mismatch found part-way, returns
-// DATA_LOSS with *partially_written set: the state is then a mix and must
-// not be stepped until a load succeeds.
+// Loads state in place. A corrupt file is DATA_LOSS, and a file that
+// changed during the verifying pass ABORTED, with nothing changed. Only a
+// file written into by another process during the second pass can fail its
+// checksums part-way: then DATA_LOSS with *partially_written set, and the
+// state is a mix that must not be stepped until a load succeeds.
 absl::StatusOr<CheckpointResult> LoadCheckpoint(
     const std::string& path, const std::vector<Group*>& groups,
     Backend* backend, const CheckpointOptions& options,

@@ -6,6 +6,7 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/resource_quota.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -100,6 +101,12 @@ ABSL_FLAG(double, rank_timeout_s, 600,
           "(CreateSession gradient_sharding) waits for the same step of the "
           "other ranks before it fails with DEADLINE_EXCEEDED, changing "
           "nothing");
+ABSL_FLAG(uint64_t, max_request_memory_bytes, uint64_t{4} << 30,
+          "Memory gRPC may hold for calls being received and sent, all "
+          "connections together (a grpc::ResourceQuota); past it calls are "
+          "reset (RESOURCE_EXHAUSTED, or UNAVAILABLE for a reclaimed "
+          "connection). A message alone may be 1 GiB: keep it above that. "
+          "0: no bound.");
 ABSL_FLAG(int, shutdown_grace_s, 30,
           "On SIGINT/SIGTERM, how long in-flight calls may run before they "
           "are cancelled.");
@@ -350,6 +357,15 @@ std::unique_ptr<grpc::Server> StartServer(Listener& l,
   }
   builder.SetMaxReceiveMessageSize(1 << 30);
   builder.SetMaxSendMessageSize(1 << 30);
+  // Requests arriving at once are bounded together, not only one by one:
+  // gRPC charges its read and write buffers to this quota and refuses what
+  // does not fit.
+  grpc::ResourceQuota quota("optimd-calls");
+  if (const uint64_t bytes = absl::GetFlag(FLAGS_max_request_memory_bytes);
+      bytes > 0) {
+    quota.Resize(bytes);
+    builder.SetResourceQuota(quota);
+  }
   builder.RegisterService(&service);
   std::vector<
       std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>

@@ -15,6 +15,7 @@
 #include "core/stale_files.h"
 #include "server/convert.h"
 #include "server/log.h"
+#include "server/session_listing.h"
 
 namespace optimd {
 
@@ -684,26 +685,31 @@ grpc::ServerWriteReactor<v1::StateChunk>* OptimizerServiceImpl::SaveStateStream(
 }
 
 // Spools the streamed file to a private temporary file, then loads it on
-// the session's worker.
+// the session's worker, as LoadState loads a file: verified whole before
+// any state changes. The spool file is removed on every path (and by a
+// later daemon if this one is killed); `on_end` runs once, before the call
+// finishes (so that the client may start its next stream at once).
 class OptimizerServiceImpl::LoadStreamReactor final
     : public grpc::ServerReadReactor<v1::StateChunk> {
  public:
   LoadStreamReactor(grpc::CallbackServerContext* context,
                     std::shared_ptr<Session> session, DeviceWorker* worker,
-                    CheckpointOptions options, v1::LoadStateResponse* response)
+                    CheckpointOptions options, v1::LoadStateResponse* response,
+                    std::function<void()> on_end)
       : context_(context),
         session_(std::move(session)),
         worker_(worker),
         options_(std::move(options)),
-        response_(response) {
+        response_(response),
+        on_end_(std::move(on_end)) {
     const std::string dir = SpoolDirectory(options_);
     // The pid lets a later daemon remove the file if this one is killed.
     path_ = dir + "/.optimd-load-" + std::to_string(getpid()) + "-XXXXXX";
     fd_ = mkstemp(path_.data());
     if (fd_ < 0) {
-      Finish(grpc::Status(grpc::StatusCode::INTERNAL,
-                          "cannot create a spool file in " + dir + ": " +
-                              std::strerror(errno)));
+      End(grpc::Status(grpc::StatusCode::INTERNAL,
+                       "cannot create a spool file in " + dir + ": " +
+                           std::strerror(errno)));
       return;
     }
     StartRead(&chunk_);
@@ -772,16 +778,15 @@ class OptimizerServiceImpl::LoadStreamReactor final
     }
     worker_->Post([this] {
       auto r = session_->LoadStateFile(path_, options_);
-      Cleanup();
       if (!r.ok()) {
-        Finish(ToGrpcStatus(r.status()));
+        End(ToGrpcStatus(r.status()));
         return;
       }
       response_->set_path("(stream)");
       response_->set_bytes(r->bytes);
       response_->set_peak_staging_bytes(r->peak_staging_bytes);
       response_->set_seconds(r->seconds);
-      Finish(grpc::Status::OK);
+      End(grpc::Status::OK);
     });
   }
 
@@ -791,8 +796,12 @@ class OptimizerServiceImpl::LoadStreamReactor final
   }
 
  private:
-  void Fail(grpc::Status s) {
+  void Fail(grpc::Status s) { End(std::move(s)); }
+
+  // Removes the spool file, ends the session's claim, then finishes.
+  void End(grpc::Status s) {
     Cleanup();
+    on_end_();
     Finish(std::move(s));
   }
 
@@ -809,6 +818,7 @@ class OptimizerServiceImpl::LoadStreamReactor final
   DeviceWorker* const worker_;
   const CheckpointOptions options_;
   v1::LoadStateResponse* const response_;
+  const std::function<void()> on_end_;
   std::string path_;
   int fd_ = -1;
   v1::StateChunk chunk_;
@@ -816,46 +826,45 @@ class OptimizerServiceImpl::LoadStreamReactor final
   uint64_t total_ = 0;
 };
 
+bool OptimizerServiceImpl::ClaimLoadStream(const Session* session) {
+  MutexLock lock(&load_streams_mu_);
+  return load_streams_.insert(session).second;
+}
+
+void OptimizerServiceImpl::ReleaseLoadStream(const Session* session) {
+  MutexLock lock(&load_streams_mu_);
+  load_streams_.erase(session);
+}
+
 grpc::ServerReadReactor<v1::StateChunk>* OptimizerServiceImpl::LoadStateStream(
     grpc::CallbackServerContext* context, v1::LoadStateResponse* response) {
+  class Refused final : public grpc::ServerReadReactor<v1::StateChunk> {
+   public:
+    explicit Refused(grpc::Status s) { Finish(std::move(s)); }
+    void OnDone() override { delete this; }
+  };
   auto session = SessionOf(context);
-  if (!session.ok()) {
-    class Refused final : public grpc::ServerReadReactor<v1::StateChunk> {
-     public:
-      explicit Refused(grpc::Status s) { Finish(std::move(s)); }
-      void OnDone() override { delete this; }
-    };
-    return new Refused(ToGrpcStatus(session.status()));
+  if (!session.ok()) return new Refused(ToGrpcStatus(session.status()));
+  const Session* key = session->get();
+  if (!ClaimLoadStream(key)) {
+    return new Refused(grpc::Status(
+        grpc::StatusCode::FAILED_PRECONDITION,
+        "another LoadStateStream of this session is still arriving; a "
+        "session loads one stream at a time (wait for it to end)"));
   }
   DeviceWorker* worker = WorkerFor(*session);
   return new LoadStreamReactor(context, *std::move(session), worker,
-                               checkpoint_options_, response);
+                               checkpoint_options_, response,
+                               [this, key] { ReleaseLoadStream(key); });
 }
 
 namespace {
 
-// Appends the sessions' descriptions while they fit in 256 MiB (a session
-// lists up to kMaxGroupsPerSession ids of kMaxNameBytes: a few MiB at
-// most), so that no listing approaches gRPC's message limits; returns how
-// many were left out.
-uint32_t AddSessionInfos(
-    const std::vector<std::shared_ptr<Session>>& sessions,
-    google::protobuf::RepeatedPtrField<v1::SessionInfo>* out) {
-  constexpr size_t kMaxListingBytes = size_t{256} << 20;
-  size_t bytes = 0;
-  uint32_t omitted = 0;
-  for (const auto& s : sessions) {
-    v1::SessionInfo info;
-    SessionInfoToProto(s->Info(), &info);
-    const size_t n = info.ByteSizeLong() + 8;
-    if (bytes + n > kMaxListingBytes) {
-      ++omitted;
-      continue;
-    }
-    bytes += n;
-    *out->Add() = std::move(info);
-  }
-  return omitted;
+// The listing of `sessions` (AddSessionInfos) into *out.
+uint32_t ListInto(const std::vector<std::shared_ptr<Session>>& sessions,
+                  google::protobuf::RepeatedPtrField<v1::SessionInfo>* out) {
+  return AddSessionInfos(
+      sessions.size(), [&](size_t i) { return sessions[i]->Info(); }, out);
 }
 
 }  // namespace
@@ -889,7 +898,7 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::ListSessions(
     return reactor;
   }
   response->set_sessions_omitted(
-      AddSessionInfos(registry_->List(), response->mutable_sessions()));
+      ListInto(registry_->List(), response->mutable_sessions()));
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }
@@ -929,7 +938,7 @@ void OptimizerServiceImpl::FillMetrics(v1::GetMetricsResponse* response) const {
   step_device_time_.ToProto(response->mutable_step_device_time());
   step_ready_wait_.ToProto(response->mutable_step_ready_wait());
   response->set_session_infos_omitted(
-      AddSessionInfos(sessions, response->mutable_session_infos()));
+      ListInto(sessions, response->mutable_session_infos()));
   response->set_checkpoint_saves(checkpoint_saves_.load());
   response->set_checkpoint_save_bytes(checkpoint_save_bytes_.load());
   response->set_checkpoint_loads(checkpoint_loads_.load());

@@ -8,7 +8,9 @@
 
 #include <atomic>
 #include <functional>
+#include <map>
 #include <memory>
+#include <set>
 
 #include "core/session_registry.h"
 #include "optimd/v1/optimd.grpc.pb.h"
@@ -173,6 +175,15 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
   mutable Mutex rank_workers_mu_;
   mutable std::map<const Session*, RankWorker> rank_workers_
       ABSL_GUARDED_BY(rank_workers_mu_);
+  // Sessions with a LoadStateStream arriving: one at a time per session, so
+  // that spool files hold at most one checkpoint of each session.
+  // Claim: false when one is arriving already.
+  bool ClaimLoadStream(const Session* session)
+      ABSL_LOCKS_EXCLUDED(load_streams_mu_);
+  void ReleaseLoadStream(const Session* session)
+      ABSL_LOCKS_EXCLUDED(load_streams_mu_);
+  Mutex load_streams_mu_;
+  std::set<const Session*> load_streams_ ABSL_GUARDED_BY(load_streams_mu_);
   // Last: destroyed first, finishing its tasks while the rest still lives.
   DeviceWorker io_worker_{"optimd-io"};
 };

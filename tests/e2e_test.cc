@@ -43,6 +43,26 @@ v1::CreateSessionRequest CpuSession(const std::string& job, int rank = 0) {
   return r;
 }
 
+// A fresh directory under $TEST_TMPDIR (else /tmp), removed with what it
+// holds at the end of the test.
+class ScratchDirForTest {
+ public:
+  ScratchDirForTest() {
+    const char* tmp = std::getenv("TEST_TMPDIR");
+    path_ = std::string(tmp != nullptr ? tmp : "/tmp") + "/optimd-e2e-XXXXXX";
+    if (mkdtemp(path_.data()) == nullptr) path_.clear();
+  }
+  ~ScratchDirForTest() {
+    if (!path_.empty()) std::filesystem::remove_all(path_);
+  }
+  ScratchDirForTest(const ScratchDirForTest&) = delete;
+  ScratchDirForTest& operator=(const ScratchDirForTest&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
 class E2eTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -277,6 +297,170 @@ TEST_F(E2eTest, CheckpointsFromTheCppClient) {
   EXPECT_EQ(client_->LoadState(dir + "/none").status().code(),
             StatusCode::kNotFound);
   EXPECT_TRUE(restored());
+}
+
+// A session of one fp32 tensor of `numel` elements over regions of its own,
+// for tests that compare two sessions stepped alike.
+struct OwnTensorSession {
+  std::unique_ptr<Client> client;
+  std::unique_ptr<SharedMemoryRegion> params, grads;
+
+  // Registers group "g" with tensor "w", parameters from `seed`.
+  void Open(const DaemonProcess& daemon, const std::string& job, uint64_t numel,
+            uint32_t seed) {
+    client = *daemon.Connect();
+    ASSERT_TRUE(client->CreateSession(CpuSession(job)).ok());
+    params = *SharedMemoryRegion::Create(numel * 4);
+    grads = *SharedMemoryRegion::Create(numel * 4);
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> normal;
+    for (uint64_t i = 0; i < numel; ++i) params->as<float>()[i] = normal(rng);
+    v1::RegisterGroupRequest r;
+    r.set_group_id("g");
+    r.mutable_hyperparameters()->set_lr(1e-2);
+    r.mutable_hyperparameters()->set_beta1(0.9);
+    r.mutable_hyperparameters()->set_beta2(0.999);
+    r.mutable_hyperparameters()->set_eps(1e-8);
+    v1::TensorSpec* t = r.add_tensors();
+    t->set_name("w");
+    t->set_numel(numel);
+    t->set_param_dtype(v1::DTYPE_FLOAT32);
+    t->set_grad_dtype(v1::DTYPE_FLOAT32);
+    *t->mutable_param() = params->Handle(0, numel * 4);
+    *t->mutable_grad() = grads->Handle(0, numel * 4);
+    auto reg = client->RegisterGroup(r);
+    ASSERT_TRUE(reg.ok()) << reg.status();
+  }
+
+  // One step with gradients from `seed`.
+  absl::Status Step(uint32_t seed) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> normal;
+    const size_t n = grads->size() / 4;
+    for (size_t i = 0; i < n; ++i) grads->as<float>()[i] = normal(rng);
+    return client->Step(v1::StepRequest()).status();
+  }
+
+  // Parameters, moments and step counter, as bytes.
+  std::string State() {
+    auto s = client->GetState(v1::GetStateRequest());
+    EXPECT_TRUE(s.ok()) << s.status();
+    return std::string(reinterpret_cast<const char*>(params->data()),
+                       params->size()) +
+           (s.ok() ? s->SerializeAsString() : "");
+  }
+};
+
+// A corrupt checkpoint of several MiB, loaded from a file and streamed in,
+// is refused with DATA_LOSS and changes nothing: the session keeps stepping
+// with its old state, bit for bit the same as a twin that never loaded.
+// Every load verifies all checksums before it writes anything, whatever the
+// file's size (the daemon once loaded files past 1 GiB in one pass, leaving
+// the state mixed and the session refusing steps).
+TEST_F(E2eTest, CorruptLargeCheckpointChangesNothing) {
+  constexpr uint64_t kNumel = uint64_t{1} << 20;  // a 12 MiB checkpoint
+  OwnTensorSession a, twin;
+  a.Open(*daemon_, "a", kNumel, 7);
+  twin.Open(*daemon_, "twin", kNumel, 7);
+  ASSERT_TRUE(a.Step(1).ok());
+  ASSERT_TRUE(twin.Step(1).ok());
+  ScratchDirForTest scratch;
+  const std::string& dir = scratch.path();
+  ASSERT_FALSE(dir.empty());
+  v1::SaveStateRequest save;
+  save.set_directory(dir);
+  auto written = a.client->SaveState(save);
+  ASSERT_TRUE(written.ok()) << written.status();
+  ASSERT_TRUE(a.Step(2).ok());
+  ASSERT_TRUE(twin.Step(2).ok());
+  // One bit of the last moment flipped: found only after every other byte.
+  std::string file;
+  {
+    std::ifstream in(written->path(), std::ios::binary);
+    file.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  ASSERT_GT(file.size(), 12u << 20);
+  file[file.size() - 2] ^= 0x10;
+  std::ofstream(written->path(), std::ios::binary | std::ios::trunc) << file;
+  const std::string before = a.State();
+  ASSERT_TRUE(before == twin.State());
+  auto loaded = a.client->LoadState(dir);
+  EXPECT_EQ(loaded.status().code(), StatusCode::kDataLoss) << loaded.status();
+  EXPECT_NE(loaded.status().message().find("nothing was loaded"),
+            std::string::npos)
+      << loaded.status();
+  EXPECT_TRUE(a.State() == before);
+  size_t sent = 0;
+  auto streamed = a.client->LoadStateStream([&](v1::StateChunk* c) {
+    if (sent == file.size()) return false;
+    const size_t n = std::min<size_t>(1 << 20, file.size() - sent);
+    c->set_offset(sent);
+    c->set_total_bytes(file.size());
+    c->set_data(file.substr(sent, n));
+    sent += n;
+    return true;
+  });
+  EXPECT_EQ(streamed.status().code(), StatusCode::kDataLoss)
+      << streamed.status();
+  EXPECT_TRUE(a.State() == before);
+  // The session steps on from its old state, as its twin does.
+  for (uint32_t step = 3; step <= 4; ++step) {
+    const absl::Status stepped = a.Step(step);
+    ASSERT_TRUE(stepped.ok()) << stepped;
+    ASSERT_TRUE(twin.Step(step).ok());
+  }
+  EXPECT_TRUE(a.State() == twin.State());
+}
+
+// A session takes one LoadStateStream at a time (each spools up to a
+// checkpoint's size to disk): a second one while the first is arriving is
+// FAILED_PRECONDITION; the first then loads, and its spool file is gone.
+TEST_F(E2eTest, OneLoadStreamPerSessionAtATime) {
+  daemon_->Stop();
+  ScratchDirForTest state_dir;
+  auto d = DaemonProcess::Start({"--state_dir=" + state_dir.path()});
+  ASSERT_TRUE(d.ok()) << d.status();
+  daemon_ = *std::move(d);
+  client_ = Connect();
+  OpenSession(client_.get());
+  ASSERT_TRUE(client_->RegisterGroup(Group("g", {Tensor("w", 64, 0)})).ok());
+  std::string file;
+  ASSERT_TRUE(client_
+                  ->SaveStateStream(v1::SaveStateStreamRequest(),
+                                    [&](const v1::StateChunk& c) {
+                                      file += c.data();
+                                      return absl::OkStatus();
+                                    })
+                  .ok());
+  auto second = Connect();
+  second->set_session_token(client_->session_token());
+  absl::Status refused;
+  size_t sent = 0;
+  auto first = client_->LoadStateStream([&](v1::StateChunk* c) {
+    if (sent == file.size()) return false;
+    if (sent > 0) {
+      // The first stream is open (its first chunk sent): a second is
+      // refused once the daemon has seen the first (retried until then).
+      for (int i = 0;
+           i < 200 && refused.code() != StatusCode::kFailedPrecondition; ++i) {
+        refused = second->LoadStateStream([](v1::StateChunk*) { return false; })
+                      .status();
+        if (refused.code() != StatusCode::kFailedPrecondition) {
+          absl::SleepFor(absl::Milliseconds(10));
+        }
+      }
+    }
+    const size_t n = std::min<size_t>(100, file.size() - sent);
+    c->set_offset(sent);
+    c->set_total_bytes(file.size());
+    c->set_data(file.substr(sent, n));
+    sent += n;
+    return true;
+  });
+  EXPECT_EQ(refused.code(), StatusCode::kFailedPrecondition) << refused;
+  EXPECT_NE(refused.message().find("one stream at a time"), std::string::npos);
+  EXPECT_TRUE(first.ok()) << first.status();
+  EXPECT_TRUE(std::filesystem::is_empty(state_dir.path()));
 }
 
 // Two ranks of a job with sharded gradients, each stepping from a thread

@@ -476,9 +476,8 @@ class CheckpointTest(unittest.TestCase):
                 opt.load_checkpoint(self.dir)
             self.assertIn("newer", str(cm.exception))
             unchanged()
-            # Corrupt data: a checkpoint this small is verified before
-            # anything changes (larger ones are checked while loading; see
-            # the checkpoint tests of core).
+            # Corrupt data: every checksum is verified before anything
+            # changes (test_corrupt_large_checkpoint_changes_nothing).
             corrupt = bytearray(good)
             corrupt[-5] ^= 0xFF
             with open(path, "wb") as f:
@@ -506,6 +505,55 @@ class CheckpointTest(unittest.TestCase):
             self.assertIn("'w'", str(cm.exception))
             self.assertTrue(torch.equal(q.detach(), q_before))
             opt.close()
+
+    def test_corrupt_large_checkpoint_changes_nothing(self):
+        """A corrupt checkpoint of 12 MiB, loaded from its file or streamed
+        in, is DATA_LOSS and changes nothing: the optimizer steps on from
+        its old state, bit for bit as a twin that never loaded (every load
+        verifies all checksums first, whatever the file's size)."""
+        n = 1 << 20
+        init = torch.randn(n, generator=torch.Generator().manual_seed(SEED))
+        with Daemon(flags=["--state_dir=" + self.dir]) as d:
+            pa = torch.nn.Parameter(init.clone())
+            pt = torch.nn.Parameter(init.clone())
+            oa = AdamW([("w", pa)], lr=1e-2, address=d.address, job_id="a")
+            ot = AdamW([("w", pt)], lr=1e-2, address=d.address, job_id="t")
+
+            def step(seed):
+                g = torch.randn(n, generator=torch.Generator().manual_seed(
+                    SEED + seed))
+                for p, o in ((pa, oa), (pt, ot)):
+                    p.grad = g.clone()
+                    o.step()
+
+            def same():
+                self.assertTrue(torch.equal(pa.detach(), pt.detach()))
+                for k, v in oa.state[pa].items():
+                    self.assertTrue(torch.equal(v, ot.state[pt][k]), k)
+
+            step(1)
+            path = oa.save_checkpoint(self.dir).path
+            step(2)
+            with open(path, "rb") as f:
+                data = bytearray(f.read())
+            data[-2] ^= 0x10  # the last moment: found after every other byte
+            with open(path, "wb") as f:
+                f.write(bytes(data))
+            loads = [lambda: oa.load_checkpoint(self.dir),
+                     lambda: oa.load_state_bytes(
+                         bytes(data[i:i + (1 << 20)])
+                         for i in range(0, len(data), 1 << 20))]
+            for load in loads:
+                with self.assertRaises(optimd.OptimdError) as cm:
+                    load()
+                self.assertEqual(cm.exception.code.name, "DATA_LOSS")
+                self.assertIn("nothing was loaded", str(cm.exception))
+                same()
+            step(3)
+            step(4)
+            same()
+            oa.close()
+            ot.close()
 
     def test_malformed_metadata_through_the_stream_keeps_the_daemon_up(self):
         """Wrong-typed or out-of-range header fields, streamed in: each is
