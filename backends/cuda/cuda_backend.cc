@@ -20,6 +20,7 @@
 #include "backends/cuda/device_plan.h"
 #include "backends/cuda/ipc_mapping.h"
 #include "backends/cuda/nccl_job.h"
+#include "backends/cuda/step_graph.h"
 #include "common/mutex.h"
 #include "common/status_macros.h"
 #include "core/step_math.h"
@@ -499,23 +500,13 @@ absl::Status CudaBackend::LaunchStep(CudaSession& s,
         EnqueueStep(s, groups, record, statistics, progress, lease, stream_));
   } else {
     if (record.exec == nullptr) {
-      // Capture once per record and group configuration: afterwards a step
-      // is one graph launch, whatever its number of groups and layouts.
-      OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamBeginCapture(
-          capture_stream_, cudaStreamCaptureModeThreadLocal));
-      const absl::Status enqueued = EnqueueStep(
-          s, groups, record, statistics, progress, lease, capture_stream_);
-      cudaGraph_t graph = nullptr;
-      const cudaError_t ended = cudaStreamEndCapture(capture_stream_, &graph);
-      if (!enqueued.ok()) {
-        if (graph != nullptr) cudaGraphDestroy(graph);
-        return enqueued;
-      }
-      OPTIMD_RETURN_IF_CUDA_ERROR(ended);
-      const cudaError_t made = cudaGraphInstantiate(&record.exec, graph, 0);
-      cudaGraphDestroy(graph);
-      if (made != cudaSuccess) record.exec = nullptr;
-      OPTIMD_RETURN_IF_CUDA_ERROR(made);
+      // Once per record and group configuration (CudaSession::graph_key).
+      OPTIMD_ASSIGN_OR_RETURN(
+          record.exec,
+          CaptureStepGraph(capture_stream_, [&](cudaStream_t stream) {
+            return EnqueueStep(s, groups, record, statistics, progress, lease,
+                               stream);
+          }));
     }
     OPTIMD_RETURN_IF_CUDA_ERROR(cudaGraphLaunch(record.exec, stream_));
   }
