@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_replace.h"
 #include "absl/time/clock.h"
 #include "common/mutex.h"
 #include "common/version.h"
@@ -779,7 +780,12 @@ class OptimizerServiceImpl::LoadStreamReactor final
     worker_->Post([this] {
       auto r = session_->LoadStateFile(path_, options_);
       if (!r.ok()) {
-        End(ToGrpcStatus(r.status()));
+        // The spool file is the daemon's own: the client knows its data
+        // as the stream.
+        End(ToGrpcStatus(absl::Status(
+            r.status().code(),
+            absl::StrReplaceAll(r.status().message(),
+                                {{path_, "the streamed checkpoint"}}))));
         return;
       }
       response_->set_path("(stream)");

@@ -543,11 +543,14 @@ class CheckpointTest(unittest.TestCase):
                      lambda: oa.load_state_bytes(
                          bytes(data[i:i + (1 << 20)])
                          for i in range(0, len(data), 1 << 20))]
-            for load in loads:
+            for load, source in zip(loads, (path, "the streamed checkpoint")):
                 with self.assertRaises(optimd.OptimdError) as cm:
                     load()
                 self.assertEqual(cm.exception.code.name, "DATA_LOSS")
                 self.assertIn("nothing was loaded", str(cm.exception))
+                # Named as the client knows it (not the daemon's spool file).
+                self.assertIn(source, str(cm.exception))
+                self.assertNotIn(".optimd-load", str(cm.exception))
                 same()
             step(3)
             step(4)
