@@ -17,7 +17,8 @@ inline constexpr char kVersion[] = "0.5.0";
 //    GroupOverride.momentum; CreateSessionRequest.gradient_sharding (ranks
 //    agree on the gradient norm and skip, CPU backend).
 // 5: gradient_sharding on CUDA through NCCL (nccl_unique_id).
-inline constexpr uint32_t kApiRevision = 5;
+// 6: TensorSpec.aliases (the other names of a tied weight).
+inline constexpr uint32_t kApiRevision = 6;
 
 }  // namespace optimd
 

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <string_view>
+#include <unordered_set>
 
 #include "absl/strings/str_cat.h"
 #include "common/crc32c.h"
@@ -116,7 +118,14 @@ bool UsePacked(const std::vector<Entry>& entries,
   uint64_t estimate = 0;
   for (const Entry& e : entries) estimate += 2 * e.name.size() + 130;
   for (const Group* g : groups) {
-    for (const TensorEntry& t : g->tensors) estimate += t.name.size() + 260;
+    for (const TensorEntry& t : g->tensors) {
+      estimate += t.name.size() + 260;
+      // The group's "aliases" entry of the tensor: its index and brackets,
+      // and each alias quoted (twice escaped: the metadata is a JSON string
+      // inside the header's JSON).
+      if (!t.aliases.empty()) estimate += 32;
+      for (const std::string& a : t.aliases) estimate += a.size() + 16;
+    }
   }
   return estimate > threshold;
 }
@@ -181,6 +190,19 @@ bool IsShapeOf(const json& shape, uint64_t numel) {
   return product == numel;
 }
 
+// A group's aliases in its metadata: [tensor index, [alias, ...]] pairs,
+// only for tensors that have aliases (most groups have none, and then the
+// key is left out).
+json AliasesJson(const Group& g) {
+  json out = json::array();
+  for (size_t i = 0; i < g.tensors.size(); ++i) {
+    if (!g.tensors[i].aliases.empty()) {
+      out.push_back(json::array({i, g.tensors[i].aliases}));
+    }
+  }
+  return out;
+}
+
 // The checkpoint's metadata, without the crc32c values: version 1 (a
 // tensor's metadata as an object) or, packed, version 2 (as an array, its
 // layout an index into one table).
@@ -218,6 +240,8 @@ json MetaJson(const std::vector<Group*>& groups, bool packed,
       }
     }
     if (!missed.empty()) jg["missed_steps"] = missed;
+    json aliases = AliasesJson(*g);
+    if (!aliases.empty()) jg["aliases"] = std::move(aliases);
     jgroups.push_back(jg);
   }
   meta["groups"] = jgroups;
@@ -446,6 +470,71 @@ absl::StatusOr<std::vector<uint64_t>> ParseMissedSteps(const json& jg,
   return missed;
 }
 
+// The names a file's aliases must not repeat: its tensor names (which
+// ParseGroup has matched with the registered ones) and the aliases read so
+// far. The tensor names are indexed on the first alias only, so that a
+// file without aliases costs nothing more to load.
+class FileNames {
+ public:
+  explicit FileNames(const std::vector<Group*>& groups) : groups_(groups) {}
+
+  // Takes `alias`; false when it is a tensor name or was taken before.
+  bool Take(const std::string& alias) {
+    if (!indexed_) {
+      for (const Group* g : groups_) {
+        for (const TensorEntry& t : g->tensors) tensor_names_.insert(t.name);
+      }
+      indexed_ = true;
+    }
+    return tensor_names_.count(alias) == 0 && aliases_.insert(alias).second;
+  }
+
+ private:
+  const std::vector<Group*>& groups_;
+  bool indexed_ = false;
+  std::unordered_set<std::string_view> tensor_names_;
+  std::unordered_set<std::string> aliases_;
+};
+
+// The optional "aliases" of a group: [tensor index, [alias, ...]] pairs,
+// each index once and below `tensors`, each with 1 to kMaxAliasesPerTensor
+// aliases of 1 to kMaxNameBytes bytes, none a tensor name of the file or
+// another alias in it. Per tensor, its aliases (empty without the key).
+absl::StatusOr<std::vector<std::vector<std::string>>> ParseAliases(
+    const json& jg, const Fields& f, size_t tensors, FileNames* names) {
+  std::vector<std::vector<std::string>> out(tensors);
+  if (!jg.contains("aliases")) return out;
+  OPTIMD_ASSIGN_OR_RETURN(const json* pairs, f.Array("aliases"));
+  for (const json& p : *pairs) {
+    if (!p.is_array() || p.size() != 2 || !p[0].is_number_unsigned() ||
+        p[0].get<uint64_t>() >= tensors || !p[1].is_array() || p[1].empty() ||
+        p[1].size() > kMaxAliasesPerTensor ||
+        !out[p[0].get<size_t>()].empty()) {
+      return f.Bad(
+          "aliases",
+          absl::StrCat("not a list of distinct [tensor index < ", tensors,
+                       ", [1 to ", kMaxAliasesPerTensor, " names]] pairs"));
+    }
+    std::vector<std::string>& mine = out[p[0].get<size_t>()];
+    for (const json& a : p[1]) {
+      if (!a.is_string() || a.get_ref<const std::string&>().empty() ||
+          a.get_ref<const std::string&>().size() > kMaxNameBytes) {
+        return f.Bad("aliases", absl::StrCat("listing an alias that is not a "
+                                             "string of 1 to ",
+                                             kMaxNameBytes, " bytes"));
+      }
+      const std::string& alias = a.get_ref<const std::string&>();
+      if (!names->Take(alias)) {
+        return f.Bad("aliases", absl::StrCat("listing '", alias.substr(0, 64),
+                                             "', a tensor name or an alias "
+                                             "listed before"));
+      }
+      mine.push_back(alias);
+    }
+  }
+  return out;
+}
+
 absl::StatusOr<OptimizerHyper> ParseHyper(const Fields& g,
                                           const std::string& path) {
   OPTIMD_ASSIGN_OR_RETURN(const json* jh, g.Get("hyperparameters"));
@@ -534,8 +623,10 @@ absl::StatusOr<TensorHeader> ParsePackedTensor(const json& j,
 
 // Checks one group of the header against the registered group `g`.
 // `layouts`: the packed format's layout table; null for version 1.
+// `names`: the file's tensor names and the aliases of earlier groups.
 absl::StatusOr<GroupHeader> ParseGroup(const json& jg, const Group& g,
                                        size_t index, const json* layouts,
+                                       FileNames* names,
                                        const std::string& path) {
   OPTIMD_ASSIGN_OR_RETURN(Fields f,
                           Fields::Of(jg, absl::StrCat("group ", index), path));
@@ -578,6 +669,8 @@ absl::StatusOr<GroupHeader> ParseGroup(const json& jg, const Group& g,
           t.numel, " elements, layout ", LayoutJson(t.layout).dump()));
     }
   }
+  OPTIMD_ASSIGN_OR_RETURN(out.aliases,
+                          ParseAliases(jg, f, g.tensors.size(), names));
   return out;
 }
 
@@ -686,11 +779,12 @@ absl::StatusOr<std::vector<GroupHeader>> ParseHeader(
     OPTIMD_ASSIGN_OR_RETURN(layouts, m.Array("layouts"));
   }
   std::vector<GroupHeader> out;
+  FileNames names(groups);
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     OPTIMD_ASSIGN_OR_RETURN(
         GroupHeader g,
-        ParseGroup((*jgroups)[gi], *groups[gi], gi, layouts, path));
-    out.push_back(g);
+        ParseGroup((*jgroups)[gi], *groups[gi], gi, layouts, &names, path));
+    out.push_back(std::move(g));
   }
   OPTIMD_ASSIGN_OR_RETURN(const json* crcs, m.Get("crc32c"));
   if (!crcs->is_object()) return m.Bad("crc32c", "not an object");

@@ -7,6 +7,7 @@
 #define OPTIMD_CORE_CHECKPOINT_HEADER_H_
 
 #include <cstdint>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -75,6 +76,10 @@ struct GroupHeader {
   OptimizerHyper hyper;
   // Per tensor of the group, its missed steps (TensorEntry::missed_steps).
   std::vector<uint64_t> missed;
+  // Per tensor of the group, the aliases the file lists for it (none in
+  // files written before aliases existed). Informational: a load keeps
+  // the aliases the session registered.
+  std::vector<std::vector<std::string>> aliases;
 };
 
 // Parses and checks a whole header against the registered groups, setting

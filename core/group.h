@@ -25,6 +25,9 @@ inline constexpr size_t kMaxNameBytes = 1024;
 inline constexpr size_t kMaxTensorsPerSession = size_t{1} << 20;
 // Groups in one session.
 inline constexpr size_t kMaxGroupsPerSession = 4096;
+// Aliases of one tensor (TensorSpec::aliases); a session holds at most
+// kMaxTensorsPerSession aliases in all.
+inline constexpr size_t kMaxAliasesPerTensor = 64;
 // Largest step counter accepted from a client or a checkpoint: exact as a
 // double (bias corrections take t as a double) and far from wrapping.
 inline constexpr uint64_t kMaxStepCounter = uint64_t{1} << 53;
@@ -62,6 +65,9 @@ struct TensorSpec {
   std::vector<uint64_t> shape;
   // The stage of a staged step in which it is updated (TensorSpec.stage).
   uint32_t stage = 0;
+  // The tensor's other names (a weight tied between modules), each
+  // distinct from every name and alias of the session.
+  std::vector<std::string> aliases;
 };
 
 // A group as a client describes it, before validation.
@@ -108,6 +114,9 @@ struct TensorEntry {
   std::vector<uint64_t> shape;
   // The stage of a staged step in which it is updated (at most kMaxStage).
   uint32_t stage = 0;
+  // Other names of this tensor (TensorSpec::aliases), kept for checkpoints'
+  // metadata; state is always addressed by `name`.
+  std::vector<std::string> aliases;
   BufferRef param;  // null data for zero-element tensors
   BufferRef grad;   // null for frozen and zero-element tensors
   StateSlice master;

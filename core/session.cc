@@ -277,7 +277,7 @@ absl::Status AllocateGroupState(Backend* backend, Group* group) {
 }  // namespace
 
 absl::Status Session::CheckTensor(const GroupSpec& spec, const TensorSpec& t,
-                                  std::set<std::string>* names, uint64_t* bytes,
+                                  NameTable* names, uint64_t* bytes,
                                   uint64_t* param_bytes, Layout* layout) {
   if (t.name.empty()) {
     return absl::InvalidArgumentError(
@@ -289,10 +289,13 @@ absl::Status Session::CheckTensor(const GroupSpec& spec, const TensorSpec& t,
                      " bytes (starting '", t.name.substr(0, 64),
                      "') is longer than ", kMaxNameBytes, " bytes"));
   }
-  if (!names->insert(t.name).second || tensor_names_.count(t.name) > 0) {
+  if (!names->group_names.insert(t.name).second ||
+      tensor_names_.count(t.name) > 0) {
     return absl::AlreadyExistsError(absl::StrCat(
         "tensor '", t.name, "' is already registered in this session"));
   }
+  OPTIMD_RETURN_IF_ERROR(CheckNameIsNoAlias(spec.id, t.name, *names));
+  OPTIMD_RETURN_IF_ERROR(CheckAliases(spec.id, t, names));
   if (!t.param_dtype_set) {
     return absl::InvalidArgumentError(
         absl::StrCat("tensor '", t.name, "': param_dtype is unspecified"));
@@ -353,6 +356,7 @@ absl::Status Session::MapTensors(const GroupSpec& spec,
     e.grad_absent = t.grad_absent && !t.frozen;
     e.shape = t.shape;
     e.stage = t.stage;
+    e.aliases = t.aliases;
     if (t.numel > 0) {
       OPTIMD_ASSIGN_OR_RETURN(e.param, ResolveRegion(t.name, "param", t.param,
                                                      t.numel, t.param_dtype));
@@ -384,14 +388,24 @@ absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
   group->moment_dtype = spec.moment_dtype;
 
   // Pass 1: everything that needs no memory.
-  std::set<std::string> names;
+  NameTable names;
+  names.session_names = &tensor_names_;
+  names.session_aliases = &alias_names_;
   uint64_t bytes = 0, param_bytes = 0;
   std::vector<Layout> layouts(spec.tensors.size());
   for (size_t i = 0; i < spec.tensors.size(); ++i) {
     OPTIMD_RETURN_IF_ERROR(CheckTensor(spec, spec.tensors[i], &names, &bytes,
                                        &param_bytes, &layouts[i]));
   }
-  OPTIMD_RETURN_IF_ERROR(CheckCheckpointKeys(names, tensor_names_));
+  if (names.group_aliases.size() >
+      kMaxTensorsPerSession - alias_names_.size()) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("group '", spec.id, "' has ", names.group_aliases.size(),
+                     " aliases; with the ", alias_names_.size(),
+                     " registered that is more than ", kMaxTensorsPerSession,
+                     " in one session"));
+  }
+  OPTIMD_RETURN_IF_ERROR(CheckCheckpointKeys(names.group_names, tensor_names_));
   if (!AddChecked(&bytes, state_bytes_) || bytes > kMaxSessionBytes ||
       !AddChecked(&param_bytes, param_bytes_) ||
       param_bytes > kMaxSessionBytes) {
@@ -429,6 +443,7 @@ absl::StatusOr<RegisterResult> Session::RegisterGroup(const GroupSpec& spec) {
   result.plan_items = group->plan.items.size();
   for (const TensorEntry& t : group->tensors) {
     tensor_names_.insert(t.name);
+    alias_names_.insert(t.aliases.begin(), t.aliases.end());
     param_bytes_ += t.numel * DTypeSize(t.layout.param_dtype);
   }
   state_bytes_ += bytes;
@@ -445,6 +460,7 @@ absl::Status Session::UnregisterGroup(const std::string& id) {
     const uint64_t bytes = (*it)->StateBytes();
     for (const TensorEntry& t : (*it)->tensors) {
       tensor_names_.erase(t.name);
+      for (const std::string& a : t.aliases) alias_names_.erase(a);
       param_bytes_ -= t.numel * DTypeSize(t.layout.param_dtype);
     }
     groups_.erase(it);

@@ -28,6 +28,7 @@
 #include "core/group.h"
 #include "core/rank_exchange.h"
 #include "core/state_budget.h"
+#include "core/tensor_aliases.h"
 
 namespace optimd {
 
@@ -275,11 +276,12 @@ class Session {
   absl::StatusOr<std::unique_ptr<Group>> BuildGroup(const GroupSpec& spec,
                                                     uint64_t* state_bytes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // BuildGroup's checks of one tensor, which need no memory: its name
-  // (unique, added to *names), dtypes, shape, stage, layout (into *layout)
-  // and buffer regions; adds its state and parameter bytes to the sums.
+  // BuildGroup's checks of one tensor, which need no memory: its name and
+  // aliases (unique in the session, added to *names), dtypes, shape,
+  // stage, layout (into *layout) and buffer regions; adds its state and
+  // parameter bytes to the sums.
   absl::Status CheckTensor(const GroupSpec& spec, const TensorSpec& t,
-                           std::set<std::string>* names, uint64_t* bytes,
+                           NameTable* names, uint64_t* bytes,
                            uint64_t* param_bytes, Layout* layout)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Maps every tensor's buffers into group->tensors (cached mappings).
@@ -383,6 +385,9 @@ class Session {
   // In registration order.
   std::vector<std::unique_ptr<Group>> groups_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> tensor_names_ ABSL_GUARDED_BY(mu_);
+  // Every registered tensor's aliases (TensorEntry::aliases), none of them
+  // in tensor_names_.
+  std::set<std::string> alias_names_ ABSL_GUARDED_BY(mu_);
   // Distinct buffer mappings the groups use, checked before each step.
   std::vector<std::shared_ptr<const void>> mappings_ ABSL_GUARDED_BY(mu_);
   // Mappings buffers moved away from, most recent first, kept open: a

@@ -194,6 +194,7 @@ absl::StatusOr<GroupSpec> GroupSpecFromProto(
     ts.grad_absent = t.grad_absent();
     ts.shape.assign(t.shape().begin(), t.shape().end());
     ts.stage = t.stage();
+    ts.aliases.assign(t.aliases().begin(), t.aliases().end());
     spec.tensors.push_back(std::move(ts));
   }
   return spec;

@@ -34,6 +34,12 @@ TEST(ConvertTest, GroupSpecDefaultsAndErrors) {
   EXPECT_FALSE(spec->tensors[0].grad_dtype_set);
   EXPECT_EQ(spec->tensors[0].param.kind, BufferHandle::Kind::kSharedMemory);
   EXPECT_EQ(spec->tensors[0].grad.kind, BufferHandle::Kind::kNone);
+  EXPECT_TRUE(spec->tensors[0].aliases.empty());
+  // A tied weight's other names travel in order.
+  t->add_aliases("head.weight");
+  t->add_aliases("dec.weight");
+  EXPECT_EQ(GroupSpecFromProto(r)->tensors[0].aliases,
+            (std::vector<std::string>{"head.weight", "dec.weight"}));
 
   r.mutable_hyperparameters()->set_bias_correction(false);
   EXPECT_FALSE(GroupSpecFromProto(r)->hyper.bias_correction);

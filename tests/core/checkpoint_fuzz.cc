@@ -54,9 +54,10 @@ TensorSpec Tensor(const std::string& name, uint64_t numel, DType dtype,
   return t;
 }
 
-// The session every input is loaded into: group "a" (fp32, bf16 with an
-// fp32 master, frozen, zero-element tensors) and group "b" (amsgrad, bf16
-// moments), stepped once. Its checkpoint file is a memfd.
+// The session every input is loaded into: group "a" (fp32 with two
+// aliases, bf16 with an fp32 master, frozen, zero-element tensors) and
+// group "b" (amsgrad, bf16 moments), stepped once. Its checkpoint file is a
+// memfd.
 class FuzzSession {
  public:
   static FuzzSession& Get() {
@@ -84,6 +85,7 @@ class FuzzSession {
                  Tensor("h", 4, DType::kBFloat16, params, grads, 64),
                  Tensor("f", 4, DType::kFloat32, params, grads, 128),
                  Tensor("z", 0, DType::kFloat32, params, grads, 0)};
+    a.tensors[0].aliases = {"head.w", "dec.w"};
     a.tensors[2].frozen = true;
     a.tensors[2].grad = BufferHandle();
     b.id = "b";

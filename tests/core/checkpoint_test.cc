@@ -55,7 +55,9 @@ void WriteFile(const std::string& path, const std::string& bytes) {
 // shared memory, stepped once.
 class OneTensorSession {
  public:
-  OneTensorSession() : backend_(CpuBackend::Options{1, 1024}), budget_(0) {
+  // `aliases`: the tensor's other names (a tied weight's).
+  explicit OneTensorSession(std::vector<std::string> aliases = {})
+      : backend_(CpuBackend::Options{1, 1024}), budget_(0) {
     session_ = std::make_unique<Session>(SessionIdentity{"hdr", 0, 1, -1},
                                          &backend_, &budget_,
                                          *backend_.OpenSession(-1, "", &done_));
@@ -76,6 +78,7 @@ class OneTensorSession {
     t.param.segment_name = params_->name();
     t.grad.segment_name = grads_->name();
     t.param.size = t.grad.size = 400;
+    t.aliases = std::move(aliases);
     spec.tensors = {t};
     EXPECT_TRUE(session_->RegisterGroup(spec).ok());
     EXPECT_TRUE(session_->Step({}).ok());
@@ -620,6 +623,106 @@ TEST(CheckpointTest, MalformedHeaderFieldsAreRefusedAndChangeNothing) {
   WriteFile(saved->path, good);
   EXPECT_TRUE(s.session().LoadState(dir.path(), CheckpointOptions()).ok());
   EXPECT_TRUE(s.session().Step({}).ok());
+}
+
+// A tied weight's aliases are written into its group's metadata in both
+// formats (only where there are any), read back and checked by the loader;
+// files without them (all older files) load into a session with aliases.
+TEST(CheckpointTest, AliasesRoundTripInBothFormats) {
+  const std::vector<std::string> aliases = {"lm_head.weight", "dec.weight"};
+  for (const bool packed : {false, true}) {
+    SCOPED_TRACE(packed ? "packed" : "per tensor");
+    OneTensorSession s(aliases);
+    ScratchDir dir;
+    CheckpointOptions options;
+    options.packed_above_header_bytes = packed ? 0 : ~uint64_t{0};
+    auto saved = s.session().SaveState(dir.path(), options);
+    ASSERT_TRUE(saved.ok()) << saved.status();
+    const std::string good = ReadFile(saved->path);
+    HeaderParts p = SplitCheckpoint(good);
+    EXPECT_EQ(p.meta["format_version"], packed ? 2 : 1);
+    EXPECT_EQ(p.meta["groups"][0]["aliases"],
+              nlohmann::json::array({nlohmann::json::array({0, aliases})}));
+    const std::string before = s.Fingerprint();
+    ASSERT_TRUE(s.session().Step({}).ok());
+    ASSERT_TRUE(s.session().LoadState(dir.path(), CheckpointOptions()).ok());
+    EXPECT_EQ(s.Fingerprint(), before);
+    // Without the key, as files written before aliases existed.
+    p.meta["groups"][0].erase("aliases");
+    WriteFile(saved->path, JoinCheckpoint(p));
+    EXPECT_TRUE(s.session().LoadState(dir.path(), CheckpointOptions()).ok());
+  }
+  // A session without aliases writes no key.
+  OneTensorSession plain;
+  ScratchDir dir;
+  auto saved = plain.session().SaveState(dir.path(), CheckpointOptions());
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  EXPECT_FALSE(SplitCheckpoint(ReadFile(saved->path))
+                   .meta["groups"][0]
+                   .contains("aliases"));
+}
+
+// The aliases count in the estimate that chooses the packed format: a
+// session whose names are short but whose aliases are long is packed.
+TEST(CheckpointTest, AliasesCountTowardsThePackedFormat) {
+  CheckpointOptions options;
+  options.packed_above_header_bytes = 16 << 10;
+  // Sixteen aliases of 1000 bytes: about 16 KB of header.
+  std::vector<std::string> long_names;
+  for (char c = 'a'; c < 'q'; ++c) long_names.push_back(std::string(1000, c));
+  for (const bool long_aliases : {false, true}) {
+    OneTensorSession s(long_aliases ? long_names
+                                    : std::vector<std::string>{"tied"});
+    ScratchDir dir;
+    auto saved = s.session().SaveState(dir.path(), options);
+    ASSERT_TRUE(saved.ok()) << saved.status();
+    EXPECT_EQ(SplitCheckpoint(ReadFile(saved->path)).meta["format_version"],
+              long_aliases ? 2 : 1);
+  }
+}
+
+// Every malformed "aliases" key is INVALID_ARGUMENT naming the field, and
+// changes nothing.
+TEST(CheckpointTest, MalformedAliasesAreRefusedAndChangeNothing) {
+  using nlohmann::json;
+  OneTensorSession s({"tied"});
+  ScratchDir dir;
+  auto saved = s.session().SaveState(dir.path(), CheckpointOptions());
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  const std::string good = ReadFile(saved->path);
+  ASSERT_TRUE(s.session().Step({}).ok());
+  const std::string before = s.Fingerprint();
+  const std::vector<std::pair<std::string, json>> edits = {
+      {"a number", 3},
+      {"an object", json::object()},
+      {"a pair of three", json::array({json::array({0, {"a"}, 1})})},
+      {"an index past the tensors", json::array({json::array({1, {"a"}})})},
+      {"a negative index", json::array({json::array({-1, {"a"}})})},
+      {"an index twice",
+       json::array({json::array({0, {"a"}}), json::array({0, {"b"}})})},
+      {"no names", json::array({json::array({0, json::array()})})},
+      {"names a string", json::array({json::array({0, "a"})})},
+      {"a name a number", json::array({json::array({0, {7}})})},
+      {"an empty name", json::array({json::array({0, {""}})})},
+      {"a name too long",
+       json::array({json::array({0, {std::string(kMaxNameBytes + 1, 'x')}})})},
+      {"too many names",
+       json::array({json::array(
+           {0, std::vector<std::string>(kMaxAliasesPerTensor + 1, "x")})})},
+      {"a tensor's name", json::array({json::array({0, {"w"}})})},
+      {"a name twice", json::array({json::array({0, {"a", "a"}})})},
+  };
+  for (const auto& [what, aliases] : edits) {
+    SCOPED_TRACE(what);
+    HeaderParts p = SplitCheckpoint(good);
+    p.meta["groups"][0]["aliases"] = aliases;
+    WriteFile(saved->path, JoinCheckpoint(p));
+    auto loaded = s.session().LoadState(dir.path(), CheckpointOptions());
+    EXPECT_EQ(loaded.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(loaded.status().message().find("'aliases'"), std::string::npos)
+        << loaded.status();
+    EXPECT_EQ(s.Fingerprint(), before);
+  }
 }
 
 // A damaged learning rate or step counter is valid JSON in range; the

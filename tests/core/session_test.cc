@@ -260,6 +260,51 @@ TEST_F(SessionTest, ShapeMustHoldNumel) {
   EXPECT_TRUE(session_.RegisterGroup(spec).ok());
 }
 
+// A tied weight's other names (aliases) are names like any other: each
+// refused with INVALID_ARGUMENT and a message naming the problem when
+// empty, too long, too many, or already taken in the session; accepted
+// ones are freed with their group.
+TEST_F(SessionTest, AliasesAreCheckedLikeNames) {
+  GroupSpec first;
+  first.id = "first";
+  first.tensors = {Fp32Tensor("other", 4, 256)};
+  first.tensors[0].aliases = {"other.alias"};
+  ASSERT_TRUE(session_.RegisterGroup(first).ok());
+  GroupSpec spec;
+  spec.id = "g";
+  spec.tensors = {Fp32Tensor("emb", 4, 0), Fp32Tensor("b", 4, 64)};
+  const std::vector<std::pair<std::vector<std::string>, std::string>> bad = {
+      {{""}, "is empty"},
+      {{std::string(kMaxNameBytes + 1, 'x')}, "longer than"},
+      {std::vector<std::string>(kMaxAliasesPerTensor + 1, "y"), "aliases; at"},
+      {{"emb"}, "the tensor's own name"},
+      // Tensor b, checked after emb's aliases, finds its name taken.
+      {{"b"}, "tensor name 'b' is already an alias of another tensor"},
+      {{"other"}, "another tensor's name"},
+      {{"head", "head"}, "already an alias"},
+      {{"other.alias"}, "already an alias"},
+  };
+  for (const auto& [aliases, message] : bad) {
+    SCOPED_TRACE(message);
+    spec.tensors[0].aliases = aliases;
+    auto r = session_.RegisterGroup(spec);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find(message), absl::string_view::npos)
+        << r.status();
+  }
+  EXPECT_EQ(session_.Info().group_ids.size(), 1u);
+  spec.tensors[0].aliases = {"head.weight", "decoder.weight"};
+  ASSERT_TRUE(session_.RegisterGroup(spec).ok());
+  // Taken now; free again once the group is gone.
+  GroupSpec again;
+  again.id = "again";
+  again.tensors = {Fp32Tensor("head.weight", 4, 128)};
+  EXPECT_EQ(session_.RegisterGroup(again).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(session_.UnregisterGroup("g").ok());
+  EXPECT_TRUE(session_.RegisterGroup(again).ok());
+}
+
 TEST_F(SessionTest, StageAboveTheLimitIsRefusedAndStagedStepsNeedFlags) {
   GroupSpec spec;
   spec.id = "g";

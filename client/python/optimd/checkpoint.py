@@ -23,6 +23,14 @@ from earlier versions):
     fp32 masters as `<name>.master` where the layout keeps one (remainder
     layouts: the master rebuilt from the bf16 parameter and its int16
     remainder).
+  * A weight tied between modules is stored once, under the name it was
+    registered with; its other names (aliases, optimd/_names.py) are listed
+    in the metadata (a group's "aliases": [tensor index, [alias, ...]]
+    pairs; `aliases(meta)` reads them) and the parameters and masters
+    returned hold it under each alias too (the same tensor), so that
+    model.load_state_dict(params, strict=True) loads a tied model.
+    safetensors.torch.load_file shows it under its registered name only
+    (safetensors stores one tensor per name).
 The other way needs no conversion: the optimd.torch optimizers'
 load_state_dict takes torch's format directly.
 """
@@ -159,6 +167,24 @@ def read_checkpoint(path):
     return meta, tensors
 
 
+def aliases(meta):
+    """{alias: the name the tensor is stored under} of a checkpoint's
+    metadata (read_checkpoint's first value, or json.loads of
+    safe_open(path, "pt").metadata()["optimd"]); empty for files without
+    aliases (every file written before they existed)."""
+    out = {}
+    for g in meta["groups"]:
+        for index, names in g.get("aliases", ()):
+            for alias in names:
+                out[alias] = _name_of(g["tensors"][index])
+    return out
+
+
+def _name_of(t):
+    """A tensor's name in format 1 (an object) or 2 (an array) metadata."""
+    return t["name"] if isinstance(t, dict) else t[0]
+
+
 def _master(name, tensors):
     if name + ".master" in tensors:
         return tensors[name + ".master"]
@@ -173,7 +199,8 @@ def _master(name, tensors):
 
 def to_torch_state_dict(path, shapes=None, params=None):
     """A daemon checkpoint as (optimizer state_dict in torch's format,
-    {parameter name: tensor}, {parameter name: fp32 master}).
+    {parameter name: tensor}, {parameter name: fp32 master}); a tied
+    weight is in both dicts under its registered name and each alias.
 
     `shapes`: optional {parameter name: shape} to reshape state tensors.
     A parameter that keeps a non-contiguous dense layout (channels_last) is
@@ -190,6 +217,7 @@ def to_torch_state_dict(path, shapes=None, params=None):
         kind = h.get("optimizer", "adamw")
         ids = []
         missed = _missed_steps(g)
+        tied = {int(i): names for i, names in g.get("aliases", ())}
         for ti, t in enumerate(g["tensors"]):
             name = t["name"]
             # The file's own shape (per-tensor format), else `shapes`, else
@@ -200,6 +228,12 @@ def to_torch_state_dict(path, shapes=None, params=None):
             m = _master(name, tensors)
             if m is not None:
                 masters[name] = _shaped(m, shape, like)
+            # A tied weight under each of its other names too, as the
+            # model's state_dict() has it.
+            for alias in tied.get(ti, ()):
+                params[alias] = params[name]
+                if m is not None:
+                    masters[alias] = masters[name]
             # The tensor's own step, as torch counts it: the group's less
             # the steps it missed without a gradient. Never stepped: torch
             # has no state entry for it.

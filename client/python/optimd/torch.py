@@ -35,8 +35,10 @@ differences"):
   * float64 parameters raise, at construction or, after model.double(), at
     the next step (the daemon steps fp32, bf16 and fp16).
   * A parameter listed twice in a group raises (torch steps it twice per
-    step; the daemon keeps one state per tensor); so do parameters on
-    several devices (a session lives on one device).
+    step; the daemon keeps one state per tensor), unless under two names:
+    a tied weight, registered once with the second name as its alias
+    (optimd/_names.py); parameters on several devices raise too (a
+    session lives on one device).
   * A parameter not dense in memory (a view with gaps, base[:, ::2], or an
     expanded tensor) raises ValueError: the daemon steps each parameter as
     one run of memory; make it contiguous.
@@ -58,6 +60,9 @@ import torch
 from optimd import errors
 from optimd._grads import GradRouter
 from optimd._layout import is_dense, memory_shape, view_like
+from optimd._names import ParamNames
+# Public as optimd.torch.tied_named_parameters(model).
+from optimd._names import tied_named_parameters  # noqa: F401
 from optimd._state import DTYPES, DaemonState, set_state_request
 from optimd import _secrets
 from optimd._overlap import Overlap, assign_stages
@@ -125,7 +130,7 @@ class _DaemonOptimizer(torch.optim.Optimizer):
                overlap, resume_secret, timeout, gradient_sharding):
         """The shared part of construction, once the subclass has checked
         its arguments and made `defaults`."""
-        self._names = {}
+        self._names = ParamNames()
         params = self._strip_names(params)
         self._ready = False
         self._sent_hyper = None  # the hyperparameters the daemon has
@@ -272,24 +277,13 @@ class _DaemonOptimizer(torch.optim.Optimizer):
 
     # Construction helpers.
     def _strip_names(self, params):
+        """`params` without names (optimd/_names.py keeps them, and the
+        aliases of tied weights)."""
         if isinstance(params, torch.Tensor):
             raise TypeError("params argument given to the optimizer should be "
                             "an iterable of Tensors or dicts, but got " +
                             torch.typename(params))
-        params = list(params)
-        out = []
-        for item in params:
-            if isinstance(item, dict):
-                group = dict(item)
-                group["params"] = self._strip_names(group["params"])
-                out.append(group)
-            elif isinstance(item, (tuple, list)) and len(item) == 2 and \
-                    isinstance(item[0], str):
-                self._names[id(item[1])] = item[0]
-                out.append(item[1])
-            else:
-                out.append(item)
-        return out
+        return self._names.strip(params)
 
     def _check_devices(self):
         devices = {p.device for g in self.param_groups for p in g["params"]}
@@ -336,7 +330,8 @@ class _DaemonOptimizer(torch.optim.Optimizer):
                                     keep_fp32=id(s.param) in self._keep_fp32,
                                     frozen=s.frozen,
                                     shape=memory_shape(s.param),
-                                    stage=s.stage)
+                                    stage=s.stage,
+                                    aliases=self._names.aliases_of(s.param))
             if not s.frozen:
                 # Steps tell the daemon where gradients are (_grads.py).
                 t.grad_dtype = DTYPES[s.param.dtype]
@@ -1032,7 +1027,11 @@ class AdamW(_DaemonOptimizer):
         module's weight used functionally, model.state_dict()). Same
         results as without. No effect on CPU parameters (the CPU step
         completes before step() returns).
-    Parameters may be given as (name, tensor) pairs to name their state.
+    Parameters may be given as (name, tensor) pairs to name their state;
+    a tied weight given under each of its names (tied_named_parameters(
+    model), or torch 2.x's named_parameters(remove_duplicate=False)) is
+    registered once, its other names kept as aliases that checkpoints list
+    and exports load by (optimd/_names.py).
 
     Where it differs from torch.optim.AdamW (README, "Deliberate
     differences"): float64 parameters, a
@@ -1150,7 +1149,11 @@ class SGD(_DaemonOptimizer):
         gradient_sharding, grad_scale, skip_nonfinite, keep_fp32, overlap,
         timeout: as optimd.torch.AdamW has them.
       state_dtype: torch.float32 or torch.bfloat16 momentum buffers.
-    Parameters may be given as (name, tensor) pairs to name their state.
+    Parameters may be given as (name, tensor) pairs to name their state;
+    a tied weight given under each of its names (tied_named_parameters(
+    model), or torch 2.x's named_parameters(remove_duplicate=False)) is
+    registered once, its other names kept as aliases that checkpoints list
+    and exports load by (optimd/_names.py).
     The CUDA backend does not run SGD yet (the daemon refuses the group).
     """
 
@@ -1232,7 +1235,11 @@ class Lion(_DaemonOptimizer):
         gradient_sharding, grad_scale, skip_nonfinite, keep_fp32, overlap,
         timeout: as optimd.torch.AdamW has them.
       state_dtype: torch.float32 or torch.bfloat16 momentum.
-    Parameters may be given as (name, tensor) pairs to name their state.
+    Parameters may be given as (name, tensor) pairs to name their state;
+    a tied weight given under each of its names (tied_named_parameters(
+    model), or torch 2.x's named_parameters(remove_duplicate=False)) is
+    registered once, its other names kept as aliases that checkpoints list
+    and exports load by (optimd/_names.py).
     The CUDA backend does not run Lion yet (the daemon refuses the group).
     """
 
