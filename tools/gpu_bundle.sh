@@ -7,13 +7,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bundle=${BUNDLE_TOOL:-../shared/tools/gpu-bundle}
-targets=(//tests:cuda_backend_test //tests:cuda_math_test
-         //bench:cuda_step_bench //bench:step_latency //server:optimd)
+# --tests_only leaves out the two C++ benchmarks: the device machine takes
+# the tree and the bundle together up to 64 MiB, and the full bundle is
+# close to that.
+targets=(//tests:cuda_backend_test //tests:cuda_math_test //server:optimd)
+if [ "${1:-}" != "--tests_only" ]; then
+  targets+=(//bench:cuda_step_bench //bench:step_latency)
+fi
 bazel build "${targets[@]}"
 rm -rf .gpu
-"$bundle" .gpu bazel-bin/tests/cuda_backend_test bazel-bin/tests/cuda_math_test \
-    bazel-bin/bench/cuda_step_bench bazel-bin/bench/step_latency \
-    bazel-bin/server/optimd
+binaries=()
+for t in "${targets[@]}"; do binaries+=("bazel-bin/$(echo "${t#//}" | tr : /)"); done
+"$bundle" .gpu "${binaries[@]}"
 # NCCL (over 200 MB) is not bundled: the GPU machine has torch's own
 # (nvidia-nccl-cu13), which tools/gpu_test.sh puts on the library path.
 rm -f .gpu/lib/libnccl.so*
