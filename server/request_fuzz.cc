@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <memory>
@@ -124,6 +125,19 @@ absl::Status Apply(Session& s, char kind, const std::string& bytes) {
   }
 }
 
+// The harness's own groups must register in every fresh session: a
+// failure is a finding (state leaking between inputs), reported with its
+// status before the abort that libFuzzer records.
+void RegisterOrDie(Session& s, absl::StatusOr<GroupSpec> spec) {
+  absl::Status st = spec.ok() ? s.RegisterGroup(*spec).status() : spec.status();
+  if (!st.ok()) {
+    std::fprintf(stderr,
+                 "request_fuzz: the harness's group did not register: %s\n",
+                 st.ToString().c_str());
+    std::abort();
+  }
+}
+
 }  // namespace
 
 absl::Status ApplyFuzzRequest(const uint8_t* data, size_t size) {
@@ -134,11 +148,9 @@ absl::Status ApplyFuzzRequest(const uint8_t* data, size_t size) {
   Session s(SessionIdentity{"fuzz", 0, 1, -1}, &backend, &budget,
             *backend.OpenSession(-1, "", &done));
   // An AdamW group "g" and an SGD group "s" (momentum, nesterov).
-  auto base = GroupSpecFromProto(BaseGroup("g", 0));
-  if (!base.ok() || !s.RegisterGroup(*base).ok()) std::abort();
-  auto sgd =
-      GroupSpecFromProto(OptimizerGroup("s", 512, v1::OPTIMIZER_KIND_SGD));
-  if (!sgd.ok() || !s.RegisterGroup(*sgd).ok()) std::abort();
+  RegisterOrDie(s, GroupSpecFromProto(BaseGroup("g", 0)));
+  RegisterOrDie(
+      s, GroupSpecFromProto(OptimizerGroup("s", 512, v1::OPTIMIZER_KIND_SGD)));
   const absl::Status status =
       Apply(s, static_cast<char>(data[0]),
             std::string(reinterpret_cast<const char*>(data) + 1, size - 1));

@@ -40,11 +40,10 @@ __device__ __forceinline__ void UpdateN(const DeviceChunk& t, uint64_t i,
   StoreWeight<N, P, K>(t, i, p);
 }
 
-// The update of a work block. Each chunk's bias scalars are the group's,
-// or, for a tensor that missed steps without a gradient, those of its own
-// step number (torch counts steps per parameter).
-template <class P, class G, class M, MasterKind K, bool kAms, bool kAdamW>
-struct Update {
+// The bias scalars of each chunk of a work block: the group's, or, for a
+// tensor that missed steps without a gradient, those of its own step
+// number (torch counts steps per parameter). The walk's Prepare.
+struct ChunkBias {
   const DeviceScalars& s;
   const uint32_t* missed;
   BiasScalars* bias;  // shared memory, one per chunk of the block
@@ -55,6 +54,11 @@ struct Update {
                                : MakeBias(s.lr, s.beta1_d, s.beta2_d,
                                           s.bias_correction, s.t - m);
   }
+};
+
+// The update of a work block.
+template <class P, class G, class M, MasterKind K, bool kAms, bool kAdamW>
+struct Update : ChunkBias {
   __device__ void Tile(const DeviceChunk& c, uint32_t k, uint64_t i) {
     UpdateN<8, P, G, M, K, kAms, kAdamW>(c, i, s, bias[k]);
   }
@@ -171,17 +175,7 @@ __device__ __forceinline__ void StoreBlock8Lane(const DeviceChunk& c,
 // reads its elements' moments back, updates them with AdamWElement, then
 // the warp takes the block's new maxima and every lane stores its codes.
 template <class P, class G, MasterKind K, bool kAdamW>
-struct UpdateBlock8 {
-  const DeviceScalars& s;
-  const uint32_t* missed;
-  BiasScalars* bias;  // shared memory, one per chunk of the block
-  __device__ void Prepare(const DeviceChunk* cs, uint32_t n) {
-    if (threadIdx.x >= n) return;
-    const uint32_t m = missed[cs[threadIdx.x].entry];
-    bias[threadIdx.x] = m == 0 ? BiasScalars{s.neg_step, s.bc2, s.rbc2}
-                               : MakeBias(s.lr, s.beta1_d, s.beta2_d,
-                                          s.bias_correction, s.t - m);
-  }
+struct UpdateBlock8 : ChunkBias {
   __device__ void Block(const DeviceChunk& c, uint32_t k, uint64_t first,
                         uint32_t n) {
     const bool vector = n == kBlock8Elements && c.tiles > 0;
@@ -235,7 +229,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 4)
   const DeviceScalars s = *scalars;
   if (s.skip) return;
   __shared__ BiasScalars bias[kMaxChunksPerBlock];
-  UpdateBlock8<P, G, K, kAdamW> body{s, work.missed, bias};
+  UpdateBlock8<P, G, K, kAdamW> body{{s, work.missed, bias}};
   WalkBlocks8(work, body);
 }
 
@@ -247,7 +241,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 4)
   const DeviceScalars s = *scalars;
   if (s.skip) return;
   __shared__ BiasScalars bias[kMaxChunksPerBlock];
-  Update<P, G, M, K, kAms, kAdamW> body{s, work.missed, bias};
+  Update<P, G, M, K, kAms, kAdamW> body{{s, work.missed, bias}};
   Walk(work, body);
 }
 
