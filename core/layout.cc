@@ -47,22 +47,15 @@ std::string Layout::DebugString() const {
 
 namespace {
 
-// block8 state is written for AdamW's two moments: other optimizers'
-// slots (and amsgrad's running maximum) have no 8-bit kernel.
+// block8 state only for optimizers whose kernels take it (their traits).
 absl::Status CheckBlock8(const std::string& tensor, DType moment_dtype,
                          const OptimizerHyper& hyper) {
   if (moment_dtype != DType::kBlock8) return absl::OkStatus();
-  if (hyper.kind != OptimizerKind::kAdamW) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "tensor '", tensor, "': block8 moments are for AdamW/Adam only, not ",
-        OptimizerName(hyper.kind), "; use float32 or bfloat16 state"));
-  }
-  if (hyper.amsgrad) {
+  if (const char* refusal = Block8Refusal(hyper)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("tensor '", tensor,
-                     "': block8 moments do not support amsgrad (its running "
-                     "maximum has no 8-bit form); use float32 or bfloat16 "
-                     "moments with amsgrad"));
+        absl::StrCat("tensor '", tensor, "' (", OptimizerName(hyper.kind),
+                     hyper.amsgrad ? ", amsgrad" : "", "): ", refusal,
+                     "; use float32 or bfloat16 moments"));
   }
   return absl::OkStatus();
 }

@@ -60,6 +60,35 @@ TEST(LayoutTest, RefusesInvalidCombinationsNamingTheTensor) {
   }
 }
 
+// Block8 moments only where the optimizer's kernels take them (its
+// traits): AdamW without amsgrad; each refusal names the tensor and why.
+TEST(LayoutTest, Block8MomentsOnlyWhereTheOptimizerTakesThem) {
+  auto adamw = ResolveLayout("w", F::kFloat32, F::kFloat32, F::kBlock8,
+                             MasterRequest::kDefault, false, OptimizerHyper());
+  ASSERT_TRUE(adamw.ok()) << adamw.status();
+  EXPECT_TRUE(adamw->block8());
+  OptimizerHyper sgd;
+  sgd.kind = OptimizerKind::kSgd;
+  sgd.momentum = 0.9;
+  OptimizerHyper lion;
+  lion.kind = OptimizerKind::kLion;
+  const struct {
+    OptimizerHyper hyper;
+    const char* why;
+  } refused[] = {{Amsgrad(), "do not support amsgrad"},
+                 {sgd, "for AdamW/Adam only"},
+                 {lion, "for AdamW/Adam only"}};
+  for (const auto& c : refused) {
+    auto l = ResolveLayout("layer.3.w", F::kFloat32, F::kFloat32, F::kBlock8,
+                           MasterRequest::kDefault, false, c.hyper);
+    ASSERT_FALSE(l.ok());
+    EXPECT_EQ(l.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(l.status().message().find("layer.3.w"), absl::string_view::npos);
+    EXPECT_NE(l.status().message().find(c.why), absl::string_view::npos)
+        << l.status();
+  }
+}
+
 TEST(LayoutTest, KeepFp32StaysInPlaceEvenWhenGroupWantsMaster) {
   auto l = ResolveLayout("norm", F::kFloat32, F::kBFloat16, F::kBFloat16,
                          MasterRequest::kDefault, true, OptimizerHyper());

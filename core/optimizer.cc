@@ -16,21 +16,33 @@ struct Traits {
   const char* slots[kMaxStateSlots];
   // How many of them a tensor of a group with `h` holds.
   int (*slot_count)(const OptimizerHyper& h);
+  // Why its kernels cannot take block8 moments for `h`; nullptr if they can.
+  const char* (*block8_refusal)(const OptimizerHyper& h);
 };
+
+constexpr const char* kNoBlock8Kernel =
+    "block8 moments are for AdamW/Adam only";
 
 constexpr Traits kOptimizers[] = {
     {OptimizerKind::kAdamW,
      "adamw",
      {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"},
-     [](const OptimizerHyper& h) { return h.amsgrad ? 3 : 2; }},
+     [](const OptimizerHyper& h) { return h.amsgrad ? 3 : 2; },
+     [](const OptimizerHyper& h) -> const char* {
+       return h.amsgrad ? "block8 moments do not support amsgrad (its "
+                          "running maximum has no 8-bit form)"
+                        : nullptr;
+     }},
     {OptimizerKind::kSgd,
      "sgd",
      {"momentum_buffer", "", ""},
-     [](const OptimizerHyper& h) { return h.momentum != 0 ? 1 : 0; }},
+     [](const OptimizerHyper& h) { return h.momentum != 0 ? 1 : 0; },
+     [](const OptimizerHyper&) { return kNoBlock8Kernel; }},
     {OptimizerKind::kLion,
      "lion",
      {"exp_avg", "", ""},
-     [](const OptimizerHyper&) { return 1; }},
+     [](const OptimizerHyper&) { return 1; },
+     [](const OptimizerHyper&) { return kNoBlock8Kernel; }},
 };
 
 const Traits* TraitsOf(OptimizerKind kind) {
@@ -55,6 +67,11 @@ absl::StatusOr<OptimizerKind> OptimizerFromName(absl::string_view name) {
   }
   return absl::InvalidArgumentError(
       absl::StrCat("unknown optimizer '", name, "' (known: ", known, ")"));
+}
+
+const char* Block8Refusal(const OptimizerHyper& h) {
+  const Traits* t = TraitsOf(h.kind);
+  return t != nullptr ? t->block8_refusal(h) : kNoBlock8Kernel;
 }
 
 int StateSlotCount(const OptimizerHyper& h) {

@@ -68,6 +68,11 @@ int StateSlotCount(const OptimizerHyper& h);
 // SGD momentum_buffer; Lion exp_avg.
 absl::string_view StateSlotName(OptimizerKind kind, int slot);
 
+// Why a group with `h` cannot hold block8 moments (core/block8.h), or
+// nullptr when it can: only optimizers whose kernels take them (AdamW,
+// without amsgrad, whose running maximum has no 8-bit form).
+const char* Block8Refusal(const OptimizerHyper& h);
+
 // Every optimizer's state slot names, each once, in table order.
 std::vector<std::string> AllStateSlotNames();
 
