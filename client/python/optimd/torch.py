@@ -99,6 +99,20 @@ def _torch_defaults(cls):
     return out
 
 
+# The keywords every optimd.torch optimizer takes for the daemon's session
+# and step (not torch's hyperparameters): each constructor lists them in
+# its own signature and hands them on with _service_options(locals()).
+_SERVICE_OPTIONS = ("address", "job_id", "rank", "world_size", "resume",
+                    "max_grad_norm", "grad_scale", "skip_nonfinite",
+                    "keep_fp32", "overlap", "resume_secret", "timeout",
+                    "gradient_sharding")
+
+
+def _service_options(arguments):
+    """The service keywords among a constructor's `arguments` (locals())."""
+    return {k: arguments[k] for k in _SERVICE_OPTIONS}
+
+
 class _TensorEntry:
     """Where one parameter lives in the group's shared segments."""
 
@@ -1070,12 +1084,7 @@ class AdamW(_DaemonOptimizer):
             store_param_remainders=store_param_remainders,
             exp_avg_dtype=exp_avg_dtype, adam_w_mode=adam_w_mode,
             bias_correction=bias_correction))
-        self._start(params, defaults, address=address, job_id=job_id,
-                    rank=rank, world_size=world_size, resume=resume,
-                    max_grad_norm=max_grad_norm, grad_scale=grad_scale,
-                    skip_nonfinite=skip_nonfinite, keep_fp32=keep_fp32,
-                    overlap=overlap, resume_secret=resume_secret,
-                    timeout=timeout, gradient_sharding=gradient_sharding)
+        self._start(params, defaults, **_service_options(locals()))
 
     _kind = pb.OPTIMIZER_KIND_ADAMW
     _takes_block8 = True
@@ -1188,12 +1197,7 @@ class SGD(_DaemonOptimizer):
             master_weights=master_weights,
             store_param_remainders=store_param_remainders,
             state_dtype=state_dtype))
-        self._start(params, defaults, address=address, job_id=job_id,
-                    rank=rank, world_size=world_size, resume=resume,
-                    max_grad_norm=max_grad_norm, grad_scale=grad_scale,
-                    skip_nonfinite=skip_nonfinite, keep_fp32=keep_fp32,
-                    overlap=overlap, resume_secret=resume_secret,
-                    timeout=timeout, gradient_sharding=gradient_sharding)
+        self._start(params, defaults, **_service_options(locals()))
 
     def _fill_hyper(self, h, group):
         h.lr = float(group["lr"])
@@ -1269,12 +1273,7 @@ class Lion(_DaemonOptimizer):
             maximize=maximize, master_weights=master_weights,
             store_param_remainders=store_param_remainders,
             state_dtype=state_dtype))
-        self._start(params, defaults, address=address, job_id=job_id,
-                    rank=rank, world_size=world_size, resume=resume,
-                    max_grad_norm=max_grad_norm, grad_scale=grad_scale,
-                    skip_nonfinite=skip_nonfinite, keep_fp32=keep_fp32,
-                    overlap=overlap, resume_secret=resume_secret,
-                    timeout=timeout, gradient_sharding=gradient_sharding)
+        self._start(params, defaults, **_service_options(locals()))
 
     def _fill_hyper(self, h, group):
         h.lr = float(group["lr"])
