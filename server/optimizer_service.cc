@@ -833,22 +833,8 @@ class OptimizerServiceImpl::LoadStreamReactor final
 };
 
 bool OptimizerServiceImpl::ClaimLoadStream(const Session* session) {
-  // A client that broke off its stream (its own error, a cancel) and starts
-  // the next at once gets here before the daemon has seen the break, which
-  // takes milliseconds: the earlier stream gets a moment to end.
-  constexpr absl::Duration kEarlierStreamGrace = absl::Seconds(1);
-  struct Free {
-    std::set<const Session*>* streams;
-    const Session* session;
-  } free{&load_streams_, session};
   MutexLock lock(&load_streams_mu_);
-  if (!load_streams_mu_.AwaitWithDeadline(
-          +[](Free* f) { return f->streams->count(f->session) == 0; }, &free,
-          absl::Now() + kEarlierStreamGrace)) {
-    return false;
-  }
-  load_streams_.insert(session);
-  return true;
+  return load_streams_.insert(session).second;
 }
 
 void OptimizerServiceImpl::ReleaseLoadStream(const Session* session) {
