@@ -7,6 +7,7 @@ import shutil
 import struct
 import subprocess
 import tempfile
+import time
 import unittest
 
 import torch
@@ -743,8 +744,19 @@ class CheckpointTest(unittest.TestCase):
             # can hold is refused before anything is spooled.
             from optimd.v1 import optimd_pb2 as pb
             with self.assertRaises(optimd.InvalidArgumentError):
-                ob.client.load_state_stream([pb.StateChunk(
-                    offset=0, total_bytes=1 << 50, data=b"x")])
+                # The broken stream above may still be ending in the daemon
+                # (it learns of the break asynchronously): as the refusal
+                # says, wait for it to end.
+                deadline = time.monotonic() + 5
+                while True:
+                    try:
+                        ob.client.load_state_stream([pb.StateChunk(
+                            offset=0, total_bytes=1 << 50, data=b"x")])
+                        break
+                    except optimd.FailedPreconditionError as e:
+                        self.assertIn("still arriving", str(e))
+                        self.assertLess(time.monotonic(), deadline)
+                        time.sleep(0.01)
             ob.load_state_bytes(streamed[i:i + 777]
                                 for i in range(0, len(streamed), 777))
             self.run_steps(ob, pb_, 10, 20, dtype)
