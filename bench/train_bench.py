@@ -321,12 +321,17 @@ def main():
     ap.add_argument("--daemon_env", action="append", default=[],
                     help="KEY=VALUE for the daemon's environment only (e.g. "
                          "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=30 under MPS)")
+    ap.add_argument("--daemon_flag", action="append", default=[],
+                    help="a flag for the daemon (e.g. --cuda_graphs=false)")
+    ap.add_argument("--clips", default="none,1.0",
+                    help="which clip rows: none, 1.0, or both")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     rows = []
     saved = dict(os.environ)
     os.environ.update(kv.split("=", 1) for kv in args.daemon_env)
-    daemon = Daemon(backend="cuda")  # inherits them; this process does not
+    # The daemon inherits them; this process does not.
+    daemon = Daemon(backend="cuda", flags=args.daemon_flag)
     os.environ.clear()
     os.environ.update(saved)
     with daemon:
@@ -335,7 +340,8 @@ def main():
             for which in args.batches.split(","):
                 batch, seq = {"heavy": heavy, "users": users,
                               "mid": MID[name]}[which]
-                for clip in (None, 1.0):
+                for clip in [None if c == "none" else float(c)
+                             for c in args.clips.split(",")]:
                     if which == "users" and clip is None and name != "gpt400m":
                         continue
                     r = compare(name, cfg, batch, seq, clip, daemon, args)
