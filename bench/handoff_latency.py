@@ -23,7 +23,11 @@ update of UPDATE_N fp32 elements (a stand-in for the optimizer step) runs
 either on A's own stream ("local") or in B behind the flags; milliseconds
 per iteration.
 
-    PYTHONPATH=client/python python3 bench/handoff_latency.py [ROUNDS [UPDATE_N]]
+    PYTHONPATH=client/python python3 bench/handoff_latency.py \
+        [ROUNDS [UPDATE_N [gpt]]]
+
+(gpt: the loop's compute is train_bench's 405M GPT forward and backward
+instead of matmuls.)
 """
 import statistics
 import sys
@@ -160,17 +164,40 @@ def loop_case(a, words, host_dev, inbox, outbox, first, rounds, mode,
     return start.elapsed_time(end) / rounds
 
 
-def run_loops(a, words, host_words, inbox, outbox, first, rounds, update_n):
+def matmuls():
     x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
 
     def compute():
         y = x
         for _ in range(16):
             y = torch.mm(y, x) * 0.01
+    return compute, "16 bf16 4096^3 matmuls"
+
+
+def gpt_step():
+    """train_bench's 405M GPT, forward and backward at 512 tokens (many
+    kernels, a host barely ahead of its GPU)."""
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    import train_bench
+    cfg, (batch, seq), _ = train_bench.MODELS["gpt400m"]
+    model = train_bench.GPT(seq=seq, **cfg).cuda()
+    (x, y), = train_bench.batches(cfg, batch, seq, n=1)
+
+    def compute():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x, y)
+        loss.backward()
+    return compute, "gpt400m forward and backward"
+
+
+def run_loops(a, words, host_words, inbox, outbox, first, rounds, update_n,
+              gpt):
     with torch.cuda.stream(a):
+        compute, what = gpt_step() if gpt else matmuls()
         update = Update(update_n)
-    print("%-9s %12s   (compute: 16 bf16 4096^3 matmuls; update: %.0e "
-          "fp32 elements)" % ("loop mode", "ms per iter", update_n))
+    print("%-9s %12s   (compute: %s; update: %.0e fp32 elements)" % (
+        "loop mode", "ms per iter", what, update_n))
     for mode in ("local", "flag", "hostpoll", "local", "flag", "hostpoll"):
         ms = loop_case(a, words, host_words.data_ptr(), inbox, outbox, first,
                        rounds, mode, compute, update)
@@ -183,6 +210,7 @@ def run_loops(a, words, host_words, inbox, outbox, first, rounds, update_n):
 def main():
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 60
     update_n = int(float(sys.argv[2])) if len(sys.argv) > 2 else 0
+    gpt = len(sys.argv) > 3 and sys.argv[3] == "gpt"
     per_us = cycles_per_us()
     words = torch.zeros(2, dtype=torch.int32, device="cuda")
     host_words = torch.zeros(2, dtype=torch.int32).share_memory_()
@@ -201,7 +229,7 @@ def main():
     first = 1
     if update_n:
         first = run_loops(a, words, host_words, inbox, outbox, first,
-                          rounds, update_n)
+                          rounds, update_n, gpt)
     for mode, a_us, b_us in CASES:
         us = run_case(a, words, host_words.data_ptr(), inbox, outbox, first,
                       rounds, mode, int(a_us * per_us), int(b_us * per_us))
