@@ -26,8 +26,10 @@ forward, backward), from which the optimizer time still visible in an iteration 
 (iteration - iteration without optimizer) / the step's own GPU time.
 
 Iteration time: back-to-back iterations, wall clock over a block of them
-with a device sync at the end, alternating torch and optimd blocks; the
-median block. Phases: CUDA events and host clocks around each phase of
+with a device sync at the end, alternating torch and optimd blocks (every
+other round in reverse order); the median block, and the median of the
+ratios of the blocks of one round ("paired": steadier where the host's
+speed drifts during the run). Phases: CUDA events and host clocks around each phase of
 separate iterations; GPU ms are event gaps (they include time the GPU
 waits for the host), host ms are the Python call's own time; medians.
 """
@@ -227,8 +229,11 @@ def compare(name, cfg, batch, seq, clip, daemon, args):
     # The daemon's own timing of each peer's steps (CUDA): device time of
     # the step's work, and its stream's wait for the trainer's ready flag.
     device = {k: [0, 0.0, 0.0] for k in peers}
-    for _ in range(args.blocks):
-        for k, t in peers.items():
+    for b in range(args.blocks):
+        # Every other round in reverse order, so that a drift of the
+        # machine (its host clock) weighs on every peer alike.
+        order = list(peers.items())
+        for k, t in (order[::-1] if b % 2 else order):
             m0 = client.get_metrics()
             blocks[k].append(t.block_ms(args.iters))
             m1 = client.get_metrics()
@@ -242,10 +247,15 @@ def compare(name, cfg, batch, seq, clip, daemon, args):
         args.blocks * args.iters)
     phases = {k: t.phase_ms(args.iters) for k, t in peers.items()}
     it = {k: statistics.median(v) for k, v in blocks.items()}
+    # Ratios of the blocks of one round (run next to each other): steadier
+    # than the ratio of medians where the host's speed drifts.
+    paired = sorted(o / t for o, t in zip(blocks["optimd"], blocks["torch"]))
     row = dict(model=name, params=params, tensors=tensors, batch=batch,
                seq=seq, tokens=batch * seq, clip=clip,
                torch_ms=it["torch"], optimd_ms=it["optimd"],
                ratio=it["optimd"] / it["torch"],
+               paired_ratio=statistics.median(paired),
+               paired_range=(paired[0], paired[-1]),
                torch_step_share=phases["torch"][0]["step"] / it["torch"],
                optimd_step_share=phases["optimd"][0]["step"] / it["optimd"],
                phases={k: dict(gpu=v[0], host=v[1])
@@ -281,6 +291,8 @@ def print_row(r):
                        r["optimd_ms"], r["ratio"],
                        100 * r["torch_step_share"],
                        100 * r["optimd_step_share"]))
+    print("    ratio of the blocks of each round: median %.3f, %.3f-%.3f" %
+          ((r["paired_ratio"],) + tuple(r["paired_range"])))
     for peer, ph in r["phases"].items():
         print("    %-6s " % peer + "  ".join(
             "%s %.3f/%.3f" % (k, ph["gpu"][k], ph["host"][k])
@@ -349,9 +361,10 @@ def main():
                     rows.append(r)
     print("\n== iteration time, optimd / torch fused (same run)")
     for r in rows:
-        print("%-9s tokens %6d clip %-4s ratio %.3f (torch step %4.1f%% of "
-              "its iteration)%s" % (
+        print("%-9s tokens %6d clip %-4s ratio %.3f, paired %.3f (torch step "
+              "%4.1f%% of its iteration)%s" % (
                   r["model"], r["tokens"], r["clip"], r["ratio"],
+                  r["paired_ratio"],
                   100 * r["torch_step_share"],
                   "  overlap ratio %.3f, visible %.0f%%" % (
                       r["overlap_ratio"], 100 * r["visible_overlap"])
