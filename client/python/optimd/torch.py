@@ -194,6 +194,9 @@ class _DaemonOptimizer(torch.optim.Optimizer):
 
     # Whether the optimizer's state may be block8 (AdamW only).
     _takes_block8 = False
+    # Whether it steps float64 parameters (AdamW only: the daemon has a
+    # float64 kernel for AdamW alone).
+    _takes_float64 = False
 
     @classmethod
     def _check_options(cls, torch_options, state_dtype):
@@ -333,8 +336,12 @@ class _DaemonOptimizer(torch.optim.Optimizer):
             request.layout.master_weights = pb.MASTER_WEIGHTS_FP32
         elif mw is False:
             request.layout.master_weights = pb.MASTER_WEIGHTS_NONE
-        request.layout.moment_dtype = _MOMENT_DTYPES[
-            group.get(self._state_dtype_key, torch.float32)]
+        state_dtype = group.get(self._state_dtype_key, torch.float32)
+        # float32 (the default) is left unspecified: the daemon then keeps
+        # a float64 parameter's moments in float64, as torch does.
+        request.layout.moment_dtype = (
+            pb.DTYPE_UNSPECIFIED if state_dtype is torch.float32
+            else _MOMENT_DTYPES[state_dtype])
         assign_stages([s for s, _ in tensors])
         if self._overlap is not None:
             self._overlap.set_stages([s for s, _ in tensors])
@@ -424,9 +431,14 @@ class _DaemonOptimizer(torch.optim.Optimizer):
             name = self._names.get(id(p), "%d.%d" % (gi, pi))
             if p.dtype not in DTYPES:
                 raise TypeError(
-                    "optimd.torch supports float32, bfloat16 and "
-                    "float16 parameters; parameter %s is %s" %
+                    "optimd.torch supports float32, bfloat16, float16 and "
+                    "float64 parameters; parameter %s is %s" %
                     (name, p.dtype))
+            if p.dtype == torch.float64 and not self._takes_float64:
+                raise TypeError(
+                    "optimd.torch.%s steps float32, bfloat16 and float16 "
+                    "parameters; parameter %s is float64 (optimd.torch.AdamW "
+                    "and Adam step float64)" % (type(self).__name__, name))
             if p.is_sparse:
                 raise TypeError("optimd.torch does not support sparse "
                                 "parameters")
@@ -526,8 +538,11 @@ class _DaemonOptimizer(torch.optim.Optimizer):
                  if s.numel and s.param.data_ptr() != s.pview.data_ptr()]
         if any(s.param.dtype != s.pview.dtype and s.param.dtype in DTYPES and
                s.param.shape == s.pview.shape for s in moved):
-            # model.half() or .bfloat16() after construction: followed
-            # (registered anew in the new dtype, the state carried).
+            # model.half(), .bfloat16() or .double() after construction:
+            # followed (registered anew in the new dtype, the state carried
+            # over and cast to it, as torch's load_state_dict casts state).
+            for gi, group in enumerate(self.param_groups):
+                self._check_group(gi, group)  # before the session closes
             self._reopen({self._device})
             return
         for g in self._groups:
@@ -535,9 +550,8 @@ class _DaemonOptimizer(torch.optim.Optimizer):
                 p = s.param
                 if p.data_ptr() != s.pview.data_ptr() and s.numel:
                     if p.dtype != s.pview.dtype or p.shape != s.pview.shape:
-                        # e.g. model.double() after construction: torch
-                        # would go on in float64, which optimd does not
-                        # step; we cannot silently.
+                        # A dtype the daemon does not step, or a new
+                        # shape: we cannot go on silently.
                         raise TypeError(
                             "parameter %s is now %s %s; it was registered "
                             "as %s %s. Convert the model before creating "
@@ -752,8 +766,9 @@ class _DaemonOptimizer(torch.optim.Optimizer):
                     value = view_like(_blob_tensor(t), s.param).to(
                         s.param.device)
                     if kind == "master":
-                        # fp32 parameters need no master in torch's format.
-                        if s.param.dtype == torch.float32:
+                        # fp32 and float64 parameters need no master in
+                        # torch's format.
+                        if s.param.dtype in (torch.float32, torch.float64):
                             continue
                     entry[kind] = value
                 out[s.param] = entry
@@ -1088,6 +1103,7 @@ class AdamW(_DaemonOptimizer):
 
     _kind = pb.OPTIMIZER_KIND_ADAMW
     _takes_block8 = True
+    _takes_float64 = True
     # Whose keyword defaults the param_groups carry.
     _torch_class = torch.optim.AdamW
 
