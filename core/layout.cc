@@ -76,7 +76,7 @@ absl::Status CheckFloat64(const std::string& tensor, DType param_dtype,
     }
     return absl::OkStatus();
   }
-  if (hyper.kind != OptimizerKind::kAdamW) {
+  if (!TakesFloat64(hyper.kind)) {
     return absl::InvalidArgumentError(
         absl::StrCat("tensor '", tensor,
                      "': float64 parameters are stepped by AdamW (and "

@@ -186,9 +186,8 @@ AdamWScalars MakeAdamWScalars(const OptimizerHyper& h, uint64_t t,
   s.weight_decay = h.weight_decay;
   s.adamw = h.adamw;
   s.decay = h.adamw ? 1.0 - h.lr * h.weight_decay : 1.0;
-  const double td = static_cast<double>(t);
-  const double bc1 = h.bias_correction ? 1.0 - std::pow(h.beta1, td) : 1.0;
-  const double bc2 = h.bias_correction ? 1.0 - std::pow(h.beta2, td) : 1.0;
+  const double bc1 = h.bias_correction ? 1.0 - BetaPower(h.beta1, t) : 1.0;
+  const double bc2 = h.bias_correction ? 1.0 - BetaPower(h.beta2, t) : 1.0;
   s.step_size = h.lr / bc1;
   s.bc2_sqrt = std::sqrt(bc2);
   s.grad_mul = GradMultiplier(grad_scale, clip_coef, h.maximize);

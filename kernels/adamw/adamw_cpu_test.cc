@@ -5,6 +5,7 @@
 #include <random>
 #include <vector>
 
+#include "core/step_math.h"
 #include "gtest/gtest.h"
 
 namespace optimd {
@@ -238,7 +239,9 @@ TEST(AdamWCpuTest, BFloat16MomentsTrackFp32Moments) {
 }
 
 // torch.optim.AdamW's (and Adam's) single-tensor step on float64 values,
-// written out as torch 1.13 orders it, with its scalars in double.
+// written out as torch 1.13 orders it, with its scalars in double (beta^t
+// as BetaPower gives it: pow's result but for rare last-bit differences,
+// core/step_math_test.cc).
 struct TorchFloat64Step {
   double lr = 1e-2, beta1 = 0.9, beta2 = 0.99, eps = 1e-8, wd = 0.05;
   bool adamw = true, amsgrad = false;
@@ -251,8 +254,8 @@ struct TorchFloat64Step {
     }
     m = m * beta1 + (1 - beta1) * g;
     v = v * beta2 + (1 - beta2) * g * g;
-    const double bc1 = 1 - std::pow(beta1, step);
-    const double bc2_sqrt = std::sqrt(1 - std::pow(beta2, step));
+    const double bc1 = 1 - BetaPower(beta1, step);
+    const double bc2_sqrt = std::sqrt(1 - BetaPower(beta2, step));
     double vd = v;
     if (amsgrad) vd = vmax = std::max(vmax, v);
     p = p + -(lr / bc1) * (m / (std::sqrt(vd) / bc2_sqrt + eps));

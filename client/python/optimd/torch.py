@@ -20,7 +20,9 @@ param_groups (hyperparameters, amsgrad and maximize, parameters added,
 removed or unfrozen: a parameter taken out keeps its state for a return);
 lazy parameters once materialized; writes to optimizer.state, and state
 tensors held across steps (updated in place); parameters moved to another
-device or converted to bf16 or fp16 after construction; channels_last and
+device or converted to bf16, fp16 or float64 after construction; float64
+parameters (AdamW and Adam: stepped in float64 with float64 moments, as
+torch steps them; exp_avg_dtype applies to the other dtypes); channels_last and
 other dense layouts (kept); sparse gradients (torch's RuntimeError);
 inf and NaN gradients, which reach the weights as in torch's step (with
 max_grad_norm, as after torch's clip_grad_norm_: a NaN norm makes every
@@ -32,8 +34,11 @@ torch's step does.
 
 Differences from torch.optim.AdamW, all deliberate (README, "Deliberate
 differences"):
-  * float64 parameters raise, at construction or, after model.double(), at
-    the next step (the daemon steps fp32, bf16 and fp16).
+  * After model.double() the state is carried over cast to float64 (as
+    torch's load_state_dict casts it), so the moments are float64 from
+    then on; torch's own step would go on with float32 moments.
+  * SGD and Lion raise TypeError for float64 parameters (the daemon has a
+    float64 kernel for AdamW and Adam only).
   * A parameter listed twice in a group raises (torch steps it twice per
     step; the daemon keeps one state per tensor), unless under two names:
     a tied weight, registered once with the second name as its alias
@@ -1018,7 +1023,9 @@ class AdamW(_DaemonOptimizer):
       exp_avg_dtype: torch.float32 or torch.bfloat16 moments, or
         optimd.torch.BLOCK8: both moments in 8 bits with one fp32 scale per
         256 elements (2 bytes per parameter; not with amsgrad). State dicts
-        hold them as fp32, as torch's AdamW does.
+        hold them as fp32, as torch's AdamW does. float64 parameters keep
+        float64 moments whatever the default float32 says, and refuse the
+        others.
       max_grad_norm: clip by the gradient norm (0: off): this rank's, or
         the job's with gradient_sharding.
       gradient_sharding: with world_size > 1, how the job's gradients lie
@@ -1062,10 +1069,15 @@ class AdamW(_DaemonOptimizer):
     registered once, its other names kept as aliases that checkpoints list
     and exports load by (optimd/_names.py).
 
+    float64 parameters are stepped in float64 with float64 moments, as
+    torch steps them (a group may mix them with float32 ones);
+    exp_avg_dtype applies to float32, bf16 and fp16 parameters.
+
     Where it differs from torch.optim.AdamW (README, "Deliberate
-    differences"): float64 parameters, a
-    parameter listed twice in a group, parameters on several devices and
-    parameters not dense in memory raise.
+    differences"): a parameter listed twice in a group, parameters on
+    several devices and parameters not dense in memory raise; after
+    model.double() the moments are cast to float64 (torch's step would
+    keep them float32).
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
