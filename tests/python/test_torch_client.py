@@ -467,6 +467,44 @@ class TorchClientTest(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "twice"):
             self.make([p, p], job_id="twice")
 
+    def test_parameters_on_several_devices_raise_clearly(self):
+        # torch.optim.AdamW takes parameters on several devices; an optimd
+        # optimizer's session lives on one, so it raises ValueError naming
+        # each device's parameters: at construction (leaving no session),
+        # at add_param_group (leaving param_groups as they were) and at the
+        # step after a parameter moved (with a GPU). "meta" stands in for a
+        # second device where there is no GPU.
+        other = "cuda" if torch.cuda.is_available() else "meta"
+        client = optimd.Client(self.daemon.address)
+        before = len(client.list_sessions().sessions)
+        w = torch.nn.Parameter(torch.randn(3))
+        b = torch.nn.Parameter(torch.randn(2, device=other))
+        with self.assertRaisesRegex(
+                ValueError, r"several devices \(cpu: w; %s\S*: b\).*one "
+                "optimizer per device" % other):
+            self.make([("w", w), ("b", b)], job_id="two-devices")
+        self.assertEqual(len(client.list_sessions().sessions), before)
+        client.close()
+        model = mlp()
+        opt = self.make(model.parameters(), job_id="add-other-device")
+        with self.assertRaisesRegex(ValueError, "several devices"):
+            opt.add_param_group({"params": [b]})
+        self.assertEqual(len(opt.param_groups), 1)
+        # Any group the daemon refuses leaves param_groups as they were.
+        with self.assertRaisesRegex(TypeError, "complex64"):
+            opt.add_param_group({"params": [torch.nn.Parameter(
+                torch.randn(2, dtype=torch.complex64))]})
+        self.assertEqual(len(opt.param_groups), 1)
+        first = next(model.parameters())
+        before_step = first.detach().clone()
+        self.train_step(model, opt)  # still steps its own group
+        self.assertFalse(torch.equal(first.detach(), before_step))
+        if other == "cuda":  # a CPU tensor's .data cannot become meta
+            first.data = first.data.to(other)
+            with self.assertRaisesRegex(ValueError, "now on several devices"):
+                opt.step()
+        opt.close()
+
     def test_model_converted_to_float64_is_followed(self):
         # model.double() after construction and steps: the parameters are
         # registered anew in float64 (float64 moments, no master) and the

@@ -42,8 +42,14 @@ differences"):
   * A parameter listed twice in a group raises (torch steps it twice per
     step; the daemon keeps one state per tensor), unless under two names:
     a tied weight, registered once with the second name as its alias
-    (optimd/_names.py); parameters on several devices raise too (a
-    session lives on one device).
+    (optimd/_names.py).
+  * Parameters on several devices (CPU and CUDA, cuda:0 and cuda:1), which
+    torch's optimizers take, raise ValueError naming each device's
+    parameters: at construction (nothing is left in the daemon), at
+    add_param_group (param_groups stay as they were) or at the step after
+    a parameter moved. An optimizer's session lives on one device, where
+    the daemon keeps its state and writes the updated parameters; make one
+    optimizer per device instead.
   * A parameter not dense in memory (a view with gaps, base[:, ::2], or an
     expanded tensor) raises ValueError: the daemon steps each parameter as
     one run of memory; make it contiguous.
@@ -308,12 +314,16 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         return self._names.strip(params)
 
     def _check_devices(self):
-        devices = {p.device for g in self.param_groups for p in g["params"]}
-        if len(devices) > 1:
-            raise ValueError("optimd.torch: all parameters must be on "
-                             "one device, got %s" %
-                             ", ".join(sorted(str(d) for d in devices)))
-        device = devices.pop() if devices else torch.device("cpu")
+        """The one device of every parameter; raises ValueError naming the
+        parameters of each device when they are on several."""
+        by_device = {}
+        for gi, g in enumerate(self.param_groups):
+            for pi, p in enumerate(g["params"]):
+                by_device.setdefault(p.device, []).append(
+                    self._names.get(id(p), "%d.%d" % (gi, pi)))
+        if len(by_device) > 1:
+            raise _several_devices_error(type(self).__name__, by_device)
+        device = next(iter(by_device), torch.device("cpu"))
         if device.type not in ("cpu", "cuda"):
             raise ValueError("optimd.torch supports CPU and CUDA "
                              "parameters, not %s" % device)
@@ -325,9 +335,16 @@ class _DaemonOptimizer(torch.optim.Optimizer):
             param_group["params"] = self._strip_names(param_group["params"])
         super().add_param_group(param_group)
         if self._ready:
-            self._check_devices()
             gi = len(self.param_groups) - 1
-            self._register_group(gi, self.param_groups[gi], existing=False)
+            try:
+                self._check_devices()
+                self._register_group(gi, self.param_groups[gi],
+                                     existing=False)
+            except BaseException:
+                # Refused: the optimizer stays as it was, no group half
+                # added (one in param_groups that the daemon never steps).
+                self.param_groups.pop()
+                raise
 
     def _group_request(self, gi, group, tensors, seg_p):
         request = pb.RegisterGroupRequest(group_id=str(gi))
@@ -576,9 +593,12 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         are, and carries the state over (as torch's optimizer would go on
         with the changed parameters)."""
         if len(devices) > 1:
-            raise ValueError(
-                "the parameters are now on %s; optimd.torch needs "
-                "them on one device" % ", ".join(sorted(map(str, devices))))
+            by_device = {}
+            for g in self._groups:
+                for s in g["tensors"]:
+                    by_device.setdefault(s.param.device, []).append(s.name)
+            raise _several_devices_error(type(self).__name__, by_device,
+                                         now=True)
         device = devices.pop()
         if device.type not in ("cpu", "cuda"):
             raise ValueError("the parameters moved to %s; optimd.torch "
@@ -1075,9 +1095,9 @@ class AdamW(_DaemonOptimizer):
 
     Where it differs from torch.optim.AdamW (README, "Deliberate
     differences"): a parameter listed twice in a group, parameters on
-    several devices and parameters not dense in memory raise; after
-    model.double() the moments are cast to float64 (torch's step would
-    keep them float32).
+    several devices (one optimizer per device instead) and parameters not
+    dense in memory raise; after model.double() the moments are cast to
+    float64 (torch's step would keep them float32).
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
@@ -1369,6 +1389,25 @@ class _CudaSegment:
 
     def zero_(self):
         self.buffer.zero_()
+
+
+def _several_devices_error(cls_name, by_device, now=False):
+    """Parameters on several devices: torch's optimizers take them, an
+    optimd optimizer's session lives on one device (the daemon keeps its
+    state there and writes the updated parameters into that device's
+    memory), so it refuses them, naming a few parameters of each device."""
+    def names(ps):
+        return ", ".join(ps[:3]) + (" and %d more" % (len(ps) - 3)
+                                    if len(ps) > 3 else "")
+    where = "; ".join("%s: %s" % (d, names(ps)) for d, ps in
+                      sorted(by_device.items(), key=lambda kv: str(kv[0])))
+    return ValueError(
+        "optimd.torch.%s: the parameters are %son several devices (%s); an "
+        "optimizer's daemon session lives on one device, so all parameters "
+        "must be on one device. Make one optimizer per device (e.g. "
+        "%s(cpu_params) and %s(cuda_params)), or move the model to one "
+        "device" % (cls_name, "now " if now else "", where, cls_name,
+                    cls_name))
 
 
 def _not_dense_error(name, p):
