@@ -757,8 +757,10 @@ class _DaemonOptimizer(torch.optim.Optimizer):
                     self._client.get_state(metadata_only=True).groups}
         budget, batch, batches = 256 << 20, [], []
         size = 0
-        sizes = {s.name: s.numel * 16 for g in self._groups
-                 for s in g["tensors"]}
+        # A master and up to three state slots, of 4 bytes per element (8
+        # for float64 parameters).
+        sizes = {s.name: s.numel * 4 * max(4, s.param.element_size())
+                 for g in self._groups for s in g["tensors"]}
         for n in names:
             if batch and size + sizes[n] > budget:
                 batches.append(batch)
