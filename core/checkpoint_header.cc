@@ -26,6 +26,8 @@ const char* SafetensorsDType(DType d) {
       return "F16";
     case DType::kBlock8:  // the codes; their scales are an F32 entry
       return "U8";
+    case DType::kFloat64:
+      return "F64";
   }
   return "?";
 }

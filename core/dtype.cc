@@ -12,6 +12,8 @@ absl::string_view DTypeName(DType t) {
       return "float16";
     case DType::kBlock8:
       return "block8";
+    case DType::kFloat64:
+      return "float64";
   }
   return "unknown";
 }

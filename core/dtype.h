@@ -19,12 +19,17 @@ enum class DType : uint8_t {
   // Optimizer state only: one 8-bit code per element plus one fp32 scale
   // per block of elements (core/block8.h). Never a parameter or gradient.
   kBlock8 = 4,
+  // A float64 parameter, its gradient and its moments: stepped in float64,
+  // never mixed with the narrower types (ResolveLayout).
+  kFloat64 = 5,
 };
 
 // Bytes per element; for kBlock8 the code alone (its scales are counted by
 // Layout::StateBytes).
 inline size_t DTypeSize(DType t) {
   switch (t) {
+    case DType::kFloat64:
+      return 8;
     case DType::kFloat32:
       return 4;
     case DType::kBFloat16:
@@ -37,7 +42,8 @@ inline size_t DTypeSize(DType t) {
 }
 
 // Lower-case names as used in errors, metrics and checkpoints ("float32",
-// "bfloat16", "float16", matching torch's dtype names, and "block8").
+// "bfloat16", "float16", "float64", matching torch's dtype names, and
+// "block8").
 absl::string_view DTypeName(DType t);
 
 inline uint32_t FloatBits(float f) {

@@ -12,7 +12,9 @@ TEST(DTypeTest, SizesAndNames) {
   EXPECT_EQ(DTypeSize(DType::kFloat32), 4u);
   EXPECT_EQ(DTypeSize(DType::kBFloat16), 2u);
   EXPECT_EQ(DTypeSize(DType::kFloat16), 2u);
+  EXPECT_EQ(DTypeSize(DType::kFloat64), 8u);
   EXPECT_EQ(DTypeName(DType::kBFloat16), "bfloat16");
+  EXPECT_EQ(DTypeName(DType::kFloat64), "float64");
 }
 
 TEST(DTypeTest, BFloat16RoundsToNearestEven) {

@@ -76,6 +76,9 @@ struct GroupSpec {
   OptimizerHyper hyper;
   MasterRequest master = MasterRequest::kDefault;
   DType moment_dtype = DType::kFloat32;
+  // The client left the moment dtype unspecified: each tensor's moments
+  // are DefaultMomentDType of its parameter, and moment_dtype is unused.
+  bool moment_dtype_default = false;
   std::vector<TensorSpec> tensors;
 };
 

@@ -60,6 +60,54 @@ absl::Status CheckBlock8(const std::string& tensor, DType moment_dtype,
   return absl::OkStatus();
 }
 
+// The float64 layout: parameter, gradient and moments all float64, no
+// master, AdamW; any other use of float64 is refused.
+absl::Status CheckFloat64(const std::string& tensor, DType param_dtype,
+                          DType grad_dtype, DType moment_dtype,
+                          MasterRequest master, const OptimizerHyper& hyper) {
+  const bool param64 = param_dtype == DType::kFloat64;
+  if (!param64) {
+    if (grad_dtype == DType::kFloat64 || moment_dtype == DType::kFloat64) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor '", tensor, "': float64 ",
+                       grad_dtype == DType::kFloat64 ? "gradients" : "moments",
+                       " need a float64 parameter, and this one is ",
+                       DTypeName(param_dtype)));
+    }
+    return absl::OkStatus();
+  }
+  if (!TakesFloat64(hyper.kind)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor '", tensor,
+                     "': float64 parameters are stepped by AdamW (and "
+                     "Adam) only; ",
+                     OptimizerName(hyper.kind),
+                     " steps float32, bfloat16 and float16 parameters"));
+  }
+  if (grad_dtype != DType::kFloat64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor '", tensor,
+                     "': a float64 parameter needs a float64 gradient, "
+                     "not ",
+                     DTypeName(grad_dtype)));
+  }
+  if (moment_dtype != DType::kFloat64) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor '", tensor,
+        "': a float64 parameter keeps float64 moments, as "
+        "torch does; leave moment_dtype unspecified or set float64, not ",
+        DTypeName(moment_dtype)));
+  }
+  if (master == MasterRequest::kFp32) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor '", tensor,
+        "': a float64 parameter is stepped in float64 in "
+        "place and takes no fp32 master weights; leave master_weights "
+        "unspecified or set none"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<Layout> ResolveLayout(const std::string& tensor,
@@ -72,12 +120,14 @@ absl::StatusOr<Layout> ResolveLayout(const std::string& tensor,
   layout.grad_dtype = grad_dtype;
   layout.optimizer = hyper.kind;
   layout.state_slots = static_cast<uint8_t>(StateSlotCount(hyper));
+  OPTIMD_RETURN_IF_ERROR(CheckFloat64(tensor, param_dtype, grad_dtype,
+                                      moment_dtype, master, hyper));
   if (moment_dtype != DType::kFloat32 && moment_dtype != DType::kBFloat16 &&
-      moment_dtype != DType::kBlock8) {
+      moment_dtype != DType::kBlock8 && moment_dtype != DType::kFloat64) {
     return absl::InvalidArgumentError(
         absl::StrCat("tensor '", tensor,
-                     "': moments can be float32, bfloat16 or "
-                     "block8, not ",
+                     "': moments can be float32, bfloat16, "
+                     "block8 or float64 (for float64 parameters), not ",
                      DTypeName(moment_dtype)));
   }
   OPTIMD_RETURN_IF_ERROR(CheckBlock8(tensor, moment_dtype, hyper));
@@ -102,15 +152,17 @@ absl::StatusOr<Layout> ResolveLayout(const std::string& tensor,
   }
   switch (master) {
     case MasterRequest::kDefault:
-      layout.master = param_dtype == DType::kFloat32 ? MasterKind::kNone
-                                                     : MasterKind::kFp32;
+      layout.master =
+          param_dtype == DType::kFloat32 || param_dtype == DType::kFloat64
+              ? MasterKind::kNone
+              : MasterKind::kFp32;
       break;
     case MasterRequest::kNone:
-      if (param_dtype != DType::kFloat32) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("tensor '", tensor, "': a ", DTypeName(param_dtype),
-                         " parameter needs master weights (fp32 or remainder); "
-                         "master_weights=none is only for float32 parameters"));
+      if (param_dtype != DType::kFloat32 && param_dtype != DType::kFloat64) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "tensor '", tensor, "': a ", DTypeName(param_dtype),
+            " parameter needs master weights (fp32 or remainder); "
+            "master_weights=none is only for float32 and float64 parameters"));
       }
       layout.master = MasterKind::kNone;
       break;

@@ -68,12 +68,23 @@ struct Layout {
   std::string DebugString() const;
 };
 
+// The moments of a tensor whose group leaves their dtype unspecified:
+// float64 for a float64 parameter (torch keeps moments in the parameter's
+// dtype), else float32.
+inline DType DefaultMomentDType(DType param_dtype) {
+  return param_dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
+}
+
 // Resolves and checks one tensor's layout. `tensor` names it in errors.
 //  - keep_fp32 needs an fp32 parameter and always means no master copy.
 //  - kRemainder needs a bf16 parameter.
-//  - kNone needs an fp32 parameter.
+//  - kNone needs an fp32 or float64 parameter.
 //  - moments are fp32, bf16, or kBlock8 for AdamW without amsgrad
 //    (refused for other optimizers and amsgrad).
+//  - float64 goes all the way or not at all: a float64 parameter has a
+//    float64 gradient, float64 moments and no master, and is AdamW's
+//    (the only optimizer with a float64 kernel); float64 gradients or
+//    moments need a float64 parameter.
 // The optimizer and its state slots come from `hyper`.
 absl::StatusOr<Layout> ResolveLayout(const std::string& tensor,
                                      DType param_dtype, DType grad_dtype,

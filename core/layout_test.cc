@@ -96,5 +96,61 @@ TEST(LayoutTest, KeepFp32StaysInPlaceEvenWhenGroupWantsMaster) {
   EXPECT_EQ(l->master, MasterKind::kNone);
 }
 
+TEST(LayoutTest, Float64IsParamGradAndMomentsWithoutMaster) {
+  EXPECT_EQ(DefaultMomentDType(F::kFloat64), F::kFloat64);
+  EXPECT_EQ(DefaultMomentDType(F::kBFloat16), F::kFloat32);
+  for (const MasterRequest master :
+       {MasterRequest::kDefault, MasterRequest::kNone}) {
+    auto l = ResolveLayout("w", F::kFloat64, F::kFloat64, F::kFloat64, master,
+                           false, Amsgrad());
+    ASSERT_TRUE(l.ok()) << l.status();
+    EXPECT_EQ(l->master, MasterKind::kNone);
+    EXPECT_EQ(l->StateBytesPerElement(), 24u);  // 3 float64 moments
+  }
+}
+
+// Each refusal names the tensor and what to change.
+TEST(LayoutTest, Float64RefusalsSayWhy) {
+  OptimizerHyper sgd;
+  sgd.kind = OptimizerKind::kSgd;
+  sgd.momentum = 0.9;
+  struct Case {
+    DType param, grad, moment;
+    MasterRequest master;
+    bool keep_fp32;
+    OptimizerHyper hyper;
+    const char* why;
+  } cases[] = {
+      {F::kFloat64, F::kFloat32, F::kFloat64, MasterRequest::kDefault, false,
+       OptimizerHyper(), "needs a float64 gradient"},
+      {F::kFloat64, F::kFloat64, F::kFloat32, MasterRequest::kDefault, false,
+       OptimizerHyper(), "keeps float64 moments"},
+      {F::kFloat64, F::kFloat64, F::kBlock8, MasterRequest::kDefault, false,
+       OptimizerHyper(), "keeps float64 moments"},
+      {F::kFloat64, F::kFloat64, F::kFloat64, MasterRequest::kFp32, false,
+       OptimizerHyper(), "no fp32 master"},
+      {F::kFloat64, F::kFloat64, F::kFloat64, MasterRequest::kRemainder, false,
+       OptimizerHyper(), "bfloat16 parameter"},
+      {F::kFloat64, F::kFloat64, F::kFloat64, MasterRequest::kDefault, true,
+       OptimizerHyper(), "keep_fp32 is for fp32"},
+      {F::kFloat64, F::kFloat64, F::kFloat64, MasterRequest::kDefault, false,
+       sgd, "AdamW (and Adam) only"},
+      {F::kFloat32, F::kFloat64, F::kFloat32, MasterRequest::kDefault, false,
+       OptimizerHyper(), "float64 gradients need a float64 parameter"},
+      {F::kBFloat16, F::kBFloat16, F::kFloat64, MasterRequest::kDefault, false,
+       OptimizerHyper(), "float64 moments need a float64 parameter"},
+  };
+  for (const Case& c : cases) {
+    auto l = ResolveLayout("layer.7.w", c.param, c.grad, c.moment, c.master,
+                           c.keep_fp32, c.hyper);
+    ASSERT_FALSE(l.ok()) << c.why;
+    EXPECT_EQ(l.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(l.status().message().find("layer.7.w"), absl::string_view::npos)
+        << l.status();
+    EXPECT_NE(l.status().message().find(c.why), absl::string_view::npos)
+        << l.status();
+  }
+}
+
 }  // namespace
 }  // namespace optimd

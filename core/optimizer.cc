@@ -18,6 +18,8 @@ struct Traits {
   int (*slot_count)(const OptimizerHyper& h);
   // Why its kernels cannot take block8 moments for `h`; nullptr if they can.
   const char* (*block8_refusal)(const OptimizerHyper& h);
+  // Whether its kernels step the float64 layout.
+  bool takes_float64;
 };
 
 constexpr const char* kNoBlock8Kernel =
@@ -32,17 +34,20 @@ constexpr Traits kOptimizers[] = {
        return h.amsgrad ? "block8 moments do not support amsgrad (its "
                           "running maximum has no 8-bit form)"
                         : nullptr;
-     }},
+     },
+     true},
     {OptimizerKind::kSgd,
      "sgd",
      {"momentum_buffer", "", ""},
      [](const OptimizerHyper& h) { return h.momentum != 0 ? 1 : 0; },
-     [](const OptimizerHyper&) { return kNoBlock8Kernel; }},
+     [](const OptimizerHyper&) { return kNoBlock8Kernel; },
+     false},
     {OptimizerKind::kLion,
      "lion",
      {"exp_avg", "", ""},
      [](const OptimizerHyper&) { return 1; },
-     [](const OptimizerHyper&) { return kNoBlock8Kernel; }},
+     [](const OptimizerHyper&) { return kNoBlock8Kernel; },
+     false},
 };
 
 const Traits* TraitsOf(OptimizerKind kind) {
@@ -72,6 +77,11 @@ absl::StatusOr<OptimizerKind> OptimizerFromName(absl::string_view name) {
 const char* Block8Refusal(const OptimizerHyper& h) {
   const Traits* t = TraitsOf(h.kind);
   return t != nullptr ? t->block8_refusal(h) : kNoBlock8Kernel;
+}
+
+bool TakesFloat64(OptimizerKind kind) {
+  const Traits* t = TraitsOf(kind);
+  return t != nullptr && t->takes_float64;
 }
 
 int StateSlotCount(const OptimizerHyper& h) {

@@ -73,6 +73,10 @@ absl::string_view StateSlotName(OptimizerKind kind, int slot);
 // without amsgrad, whose running maximum has no 8-bit form).
 const char* Block8Refusal(const OptimizerHyper& h);
 
+// Whether the kernels of `kind` step float64 parameters (the float64
+// layout, core/layout.h): AdamW's do.
+bool TakesFloat64(OptimizerKind kind);
+
 // Every optimizer's state slot names, each once, in table order.
 std::vector<std::string> AllStateSlotNames();
 

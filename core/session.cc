@@ -311,10 +311,16 @@ absl::Status Session::CheckTensor(const GroupSpec& spec, const TensorSpec& t,
   }
   OPTIMD_RETURN_IF_ERROR(CheckShape(t));
   OPTIMD_RETURN_IF_ERROR(CheckStage(t));
-  OPTIMD_ASSIGN_OR_RETURN(
-      *layout,
-      ResolveLayout(t.name, t.param_dtype, t.grad_dtype, spec.moment_dtype,
-                    spec.master, t.keep_fp32, spec.hyper));
+  // A float64 parameter's gradient is float64 when not given (frozen).
+  const DType grad_dtype = t.grad_dtype_set || t.param_dtype != DType::kFloat64
+                               ? t.grad_dtype
+                               : DType::kFloat64;
+  OPTIMD_ASSIGN_OR_RETURN(*layout,
+                          ResolveLayout(t.name, t.param_dtype, grad_dtype,
+                                        spec.moment_dtype_default
+                                            ? DefaultMomentDType(t.param_dtype)
+                                            : spec.moment_dtype,
+                                        spec.master, t.keep_fp32, spec.hyper));
   if (t.numel == 0) {
     if (t.param.size != 0 || t.grad.size != 0) {
       return absl::InvalidArgumentError(absl::StrCat(

@@ -27,44 +27,62 @@ std::string SlotNames(const Layout& layout) {
   return out;
 }
 
-void ToFloat(DType d, const void* src, uint64_t n, float* out) {
+// Widening to double is exact for every dtype, so one staging type serves
+// all of them.
+void ToDouble(DType d, const void* src, uint64_t n, double* out) {
+  auto widen = [&](auto load) {
+    for (uint64_t i = 0; i < n; ++i) out[i] = load(i);
+  };
+  const auto* f64 = static_cast<const double*>(src);
+  const auto* f32 = static_cast<const float*>(src);
+  const auto* u16 = static_cast<const uint16_t*>(src);
   switch (d) {
+    case DType::kFloat64:
+      return widen([&](uint64_t i) { return f64[i]; });
     case DType::kFloat32:
-      std::memcpy(out, src, n * 4);
-      return;
+      return widen([&](uint64_t i) { return f32[i]; });
     case DType::kBFloat16:
-      for (uint64_t i = 0; i < n; ++i) {
-        out[i] = BFloat16ToFloat(static_cast<const uint16_t*>(src)[i]);
-      }
-      return;
+      return widen([&](uint64_t i) { return BFloat16ToFloat(u16[i]); });
     case DType::kFloat16:
-      for (uint64_t i = 0; i < n; ++i) {
-        out[i] = HalfToFloat(static_cast<const uint16_t*>(src)[i]);
-      }
-      return;
+      return widen([&](uint64_t i) { return HalfToFloat(u16[i]); });
     case DType::kBlock8:  // refused for blobs (CheckStateBlobs)
       return;
   }
 }
 
-void FromFloat(DType d, const float* src, uint64_t n, void* out) {
+// Narrower dtypes round through float32, as torch's conversions from
+// float64 to bfloat16 and float16 do.
+void FromDouble(DType d, const double* src, uint64_t n, void* out) {
+  auto* f64 = static_cast<double*>(out);
+  auto* f32 = static_cast<float*>(out);
+  auto* u16 = static_cast<uint16_t*>(out);
   switch (d) {
+    case DType::kFloat64:
+      std::copy(src, src + n, f64);
+      return;
     case DType::kFloat32:
-      std::memcpy(out, src, n * 4);
+      for (uint64_t i = 0; i < n; ++i) f32[i] = static_cast<float>(src[i]);
       return;
     case DType::kBFloat16:
       for (uint64_t i = 0; i < n; ++i) {
-        static_cast<uint16_t*>(out)[i] = FloatToBFloat16(src[i]);
+        u16[i] = FloatToBFloat16(static_cast<float>(src[i]));
       }
       return;
     case DType::kFloat16:
       for (uint64_t i = 0; i < n; ++i) {
-        static_cast<uint16_t*>(out)[i] = FloatToHalf(src[i]);
+        u16[i] = FloatToHalf(static_cast<float>(src[i]));
       }
       return;
     case DType::kBlock8:  // written by WriteBlock8Slot
       return;
   }
+}
+
+// The dtype of a tensor's "master" blob: its weight at full precision,
+// float64 for a float64 parameter, else float32.
+DType MasterBlobDType(const Layout& layout) {
+  return layout.param_dtype == DType::kFloat64 ? DType::kFloat64
+                                               : DType::kFloat32;
 }
 
 }  // namespace
@@ -78,25 +96,27 @@ absl::Status Session::ReadTensorState(const TensorEntry& t,
     return backend_->CopyToHost(src, reinterpret_cast<uint8_t*>(dst->data()),
                                 bytes);
   };
-  // The fp32 master, for every layout.
-  StateBlob master{t.name, "master", DType::kFloat32, n, std::string()};
+  // The master at full precision (MasterBlobDType), for every layout.
+  StateBlob master{t.name, "master", MasterBlobDType(t.layout), n,
+                   std::string()};
   if (n > 0) {
-    master.data.resize(n * 4);
-    float* mf = reinterpret_cast<float*>(master.data.data());
-    std::string param;
-    OPTIMD_RETURN_IF_ERROR(raw(t.param.data, t.param.size, &param));
     if (t.layout.master == MasterKind::kFp32) {
       OPTIMD_RETURN_IF_ERROR(raw(t.master.data(), n * 4, &master.data));
     } else if (t.layout.master == MasterKind::kRemainder) {
-      std::string rem;
+      std::string param, rem;
+      OPTIMD_RETURN_IF_ERROR(raw(t.param.data, n * 2, &param));
       OPTIMD_RETURN_IF_ERROR(raw(t.master.data(), n * 2, &rem));
+      master.data.resize(n * 4);
+      float* mf = reinterpret_cast<float*>(master.data.data());
       const auto* pb = reinterpret_cast<const uint16_t*>(param.data());
       const auto* rb = reinterpret_cast<const int16_t*>(rem.data());
       for (uint64_t i = 0; i < n; ++i) {
         mf[i] = ReconstructFromRemainder(pb[i], rb[i]);
       }
     } else {
-      ToFloat(t.layout.param_dtype, param.data(), n, mf);
+      // No master: the float32 or float64 parameter is the weight.
+      OPTIMD_RETURN_IF_ERROR(
+          raw(t.param.data, n * DTypeSize(t.layout.param_dtype), &master.data));
     }
   }
   out->push_back(std::move(master));
@@ -188,7 +208,8 @@ absl::StatusOr<std::vector<GroupState>> Session::ReadState(
     for (const TensorEntry& t : g->tensors) {
       // Data, plus each of its up to four blobs' name and framing.
       if (selected(t)) {
-        bytes += t.numel * 4 + t.StateBytes() + 4 * (t.name.size() + 64);
+        bytes += t.numel * DTypeSize(MasterBlobDType(t.layout)) +
+                 t.StateBytes() + 4 * (t.name.size() + 64);
       }
     }
   }
@@ -250,7 +271,8 @@ Session::CheckStateBlobs(Group* g, const std::vector<StateBlob>& blobs) {
     if (b.dtype == DType::kBlock8) {
       return absl::InvalidArgumentError(absl::StrCat(
           "tensor '", b.tensor, "' ", b.kind,
-          ": state is set from float32, bfloat16 or float16 values, not "
+          ": state is set from float32, bfloat16, float16 or float64 "
+          "values, not "
           "block8 codes (block8 moments are quantized by the daemon)"));
     }
     if (b.numel != t->numel) {
@@ -276,25 +298,27 @@ Session::CheckStateBlobs(Group* g, const std::vector<StateBlob>& blobs) {
 absl::Status Session::WriteStateBlob(const StateBlob& b, TensorEntry* t) {
   const uint64_t n = t->numel;
   if (n == 0) return absl::OkStatus();
-  std::vector<float> values(n);
-  ToFloat(b.dtype, b.data.data(), n, values.data());
+  std::vector<double> values(n);
+  ToDouble(b.dtype, b.data.data(), n, values.data());
   auto put = [&](DType d, uint8_t* dst) -> absl::Status {
     std::string bytes(n * DTypeSize(d), '\0');
-    FromFloat(d, values.data(), n, bytes.data());
+    FromDouble(d, values.data(), n, bytes.data());
     return backend_->CopyFromHost(
         reinterpret_cast<const uint8_t*>(bytes.data()), dst, bytes.size());
   };
   const int slot =
       StateSlotIndex(t->layout.optimizer, t->layout.state_slots, b.kind);
   if (slot >= 0 && t->layout.block8()) {
-    OPTIMD_RETURN_IF_ERROR(WriteBlock8Slot(values, slot, t));
+    OPTIMD_RETURN_IF_ERROR(WriteBlock8Slot(
+        std::vector<float>(values.begin(), values.end()), slot, t));
   } else if (slot >= 0) {
     OPTIMD_RETURN_IF_ERROR(put(t->layout.moment_dtype, t->state[slot].data()));
   } else if (t->layout.master == MasterKind::kRemainder) {
     std::vector<uint16_t> hi(n);
     std::vector<int16_t> rem(n);
-    for (uint64_t i = 0; i < n; ++i)
-      SplitToRemainder(values[i], &hi[i], &rem[i]);
+    for (uint64_t i = 0; i < n; ++i) {
+      SplitToRemainder(static_cast<float>(values[i]), &hi[i], &rem[i]);
+    }
     OPTIMD_RETURN_IF_ERROR(backend_->CopyFromHost(
         reinterpret_cast<const uint8_t*>(hi.data()), t->param.data, n * 2));
     OPTIMD_RETURN_IF_ERROR(backend_->CopyFromHost(

@@ -16,21 +16,35 @@
 namespace optimd {
 namespace cpu {
 
-// Element codecs: storage type plus exact widen / round-to-nearest-even.
+// Element codecs: storage type T, compute type C, and exact widen /
+// round-to-nearest-even.
 struct F32 {
   using T = float;
+  using C = float;
   static float Load(T x) { return x; }
   static T Store(float x) { return x; }
 };
 struct BF16 {
   using T = uint16_t;
+  using C = float;
   static float Load(T x) { return BFloat16ToFloat(x); }
   static T Store(float x) { return FloatToBFloat16(x); }
 };
 struct F16 {
   using T = uint16_t;
+  using C = float;
   static float Load(T x) { return HalfToFloat(x); }
   static T Store(float x) { return FloatToHalf(x); }
+};
+// float64 layouts only: parameter, gradient and moments all F64 and no
+// master (ResolveLayout), computed in double. Dispatched only to kernels
+// that declare `static constexpr bool kTakesFloat64 = true`
+// (TakesFloat64); ResolveLayout refuses float64 for the others.
+struct F64 {
+  using T = double;
+  using C = double;
+  static double Load(T x) { return x; }
+  static T Store(double x) { return x; }
 };
 
 // kBlock8 moments (core/block8.h): no per-element codec, since a block's
@@ -47,10 +61,18 @@ template <class Kernel>
 struct TakesBlock8<Kernel, std::void_t<decltype(Kernel::kTakesBlock8)>>
     : std::bool_constant<Kernel::kTakesBlock8> {};
 
-// A tensor's weight in fp32: its master copy (kFp32), its bf16 parameter
-// and remainder (kRemainder), or the fp32 parameter itself (kNone).
+template <class Kernel, class = void>
+struct TakesFloat64 : std::false_type {};
+template <class Kernel>
+struct TakesFloat64<Kernel, std::void_t<decltype(Kernel::kTakesFloat64)>>
+    : std::bool_constant<Kernel::kTakesFloat64> {};
+
+// A tensor's weight in its compute type: its fp32 master copy (kFp32),
+// its bf16 parameter and remainder (kRemainder), or the fp32 or float64
+// parameter itself (kNone).
 template <class P, MasterKind K>
 struct Weight {
+  using C = typename P::C;
   typename P::T* __restrict param;
   float* __restrict master;
   int16_t* __restrict rem;
@@ -60,7 +82,7 @@ struct Weight {
         master(static_cast<float*>(t.master)),
         rem(static_cast<int16_t*>(t.master)) {}
 
-  float Load(uint64_t i) const {
+  C Load(uint64_t i) const {
     if constexpr (K == MasterKind::kFp32) {
       return master[i];
     } else if constexpr (K == MasterKind::kRemainder) {
@@ -71,7 +93,7 @@ struct Weight {
   }
   // Writes the new weight back: master and rounded parameter, or the
   // parameter and remainder that rebuild `p` exactly.
-  void Store(uint64_t i, float p) const {
+  void Store(uint64_t i, C p) const {
     if constexpr (K == MasterKind::kFp32) {
       master[i] = p;
       param[i] = P::Store(p);
@@ -144,8 +166,22 @@ void DispatchGrad(const Layout& l, Kernel& k) {
       return DispatchMoment<P, BF16>(l, k);
     case DType::kFloat16:
       return DispatchMoment<P, F16>(l, k);
-    case DType::kBlock8:  // moments only
+    case DType::kBlock8:   // moments only
+    case DType::kFloat64:  // with a float64 parameter only
       break;
+  }
+  UnsupportedLayout(l);
+}
+
+// The one float64 layout: parameter, gradient and moments float64, no
+// master.
+template <class Kernel>
+void DispatchFloat64(const Layout& l, Kernel& k) {
+  if constexpr (TakesFloat64<Kernel>::value) {
+    if (l.grad_dtype == DType::kFloat64 && l.moment_dtype == DType::kFloat64 &&
+        l.master == MasterKind::kNone) {
+      return k.template Run<F64, F64, F64, MasterKind::kNone>();
+    }
   }
   UnsupportedLayout(l);
 }
@@ -159,6 +195,8 @@ void DispatchLayout(const Layout& l, Kernel& k) {
       return DispatchGrad<BF16>(l, k);
     case DType::kFloat16:
       return DispatchGrad<F16>(l, k);
+    case DType::kFloat64:
+      return DispatchFloat64(l, k);
     case DType::kBlock8:  // moments only
       break;
   }

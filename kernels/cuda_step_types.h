@@ -97,7 +97,9 @@ struct DeviceGroupState {
 //     inputs of the bias corrections ride along (lr, beta1_d, beta2_d,
 //     bias_correction), so that the update can derive them for a tensor
 //     whose own step count is lower (it missed steps without a gradient:
-//     Work::missed) with the same arithmetic.
+//     Work::missed) with the same arithmetic. The float64 layout reads the
+//     unrounded doubles instead: grad_mul_d, eps_d, decay_d, l2_d, beta1_d,
+//     beta2_d, and its bias corrections derived from lr and t.
 //   SGD: neg_lr, momentum, dampening_mul, l2 (weight decay), nesterov.
 //   Lion: beta1, beta2, omb1, omb2, decay, neg_lr.
 // Every optimizer: grad_mul, skip, t.
@@ -107,6 +109,7 @@ struct DeviceScalars {
   int32_t skip;
   int32_t nesterov;
   double lr, beta1_d, beta2_d;
+  double grad_mul_d, eps_d, decay_d, l2_d;  // the float64 layout's
   uint64_t t;  // the group's step number (applied steps + 1)
   int32_t bias_correction;
   int32_t pad;

@@ -87,6 +87,13 @@ struct F16 {
   }
 };
 
+// float64 layouts only (parameter, gradient and moments; ResolveLayout):
+// their kernels read and write doubles element by element, so F64 has no
+// tile codec.
+struct F64 {
+  using T = double;
+};
+
 // Plain (weak, default-cached) global vector accesses. The compiler cannot
 // tell that a pointer read from a shared-memory descriptor is global: it
 // emitted generic accesses, and split some vector stores. Explicit
@@ -400,6 +407,14 @@ template <class Body>
 struct TakesBlock8<Body, std::void_t<decltype(Body::kTakesBlock8)>>
     : std::bool_constant<Body::kTakesBlock8> {};
 
+// Launchers with a float64 kernel declare `static constexpr bool
+// kTakesFloat64 = true` and get Run<F64, F64, F64, MasterKind::kNone>.
+template <class Body, class = void>
+struct TakesFloat64 : std::false_type {};
+template <class Body>
+struct TakesFloat64<Body, std::void_t<decltype(Body::kTakesFloat64)>>
+    : std::bool_constant<Body::kTakesFloat64> {};
+
 // Calls body.template Run<P, G, M, K>() for the element types and master
 // kind of `layout` (an update kernel's launcher), or says there is no such
 // kernel: fp32 parameters have no master, remainders go with bf16.
@@ -453,6 +468,18 @@ absl::Status DispatchLayout(const Layout& l, Body& body) {
       return grad(BF16{});
     case DType::kFloat16:
       return grad(F16{});
+    case DType::kFloat64:
+      if constexpr (TakesFloat64<Body>::value) {
+        if (l.grad_dtype == DType::kFloat64 &&
+            l.moment_dtype == DType::kFloat64 &&
+            l.master == MasterKind::kNone) {
+          return body.template Run<F64, F64, F64, MasterKind::kNone>();
+        }
+      }
+      return absl::InvalidArgumentError(
+          absl::StrCat("no CUDA kernel for layout ", l.DebugString()));
+    default:
+      break;
   }
   return absl::InvalidArgumentError("unknown parameter dtype");
 }

@@ -23,12 +23,23 @@ struct SumSquares {
   double acc = 0;
   template <int N>
   __device__ __forceinline__ void Add(const DeviceChunk& c, uint64_t i) {
-    float g[N];
-    LoadF<N, G>(c.grad, i, g);
+    if constexpr (std::is_same_v<G, F64>) {
+      // A lane's share of a tile (LoadTile's order) or one element.
+      const double* g = static_cast<const double*>(c.grad) + i;
 #pragma unroll
-    for (int q = 0; q < N; ++q) {
-      const double x = g[q];
-      acc += x * x;
+      for (int q = 0; q < N; ++q) {
+        const double x = g[q < 4 ? q : kTileElements / 2 - 4 + q];
+        acc += x * x;
+      }
+      return;
+    } else {
+      float g[N];
+      LoadF<N, G>(c.grad, i, g);
+#pragma unroll
+      for (int q = 0; q < N; ++q) {
+        const double x = g[q];
+        acc += x * x;
+      }
     }
   }
   __device__ void Prepare(const DeviceChunk*, uint32_t) {}
@@ -74,8 +85,8 @@ __device__ DeviceScalars MakeScalars(const StepHyper& h, double total,
   if (s.skip) return s;
   const double norm = sqrt(total) / EffectiveGradScale(h.grad_scale);
   const double clip = ClipCoefficient(h.max_grad_norm, norm);
-  s.grad_mul =
-      static_cast<float>(GradMultiplier(h.grad_scale, clip, h.maximize != 0));
+  s.grad_mul_d = GradMultiplier(h.grad_scale, clip, h.maximize != 0);
+  s.grad_mul = static_cast<float>(s.grad_mul_d);
   s.t = step + 1;
   switch (static_cast<OptimizerKind>(h.optimizer)) {
     case OptimizerKind::kAdamW:
@@ -221,6 +232,8 @@ absl::Status ConvertTo(DType dst_dtype, const void* src, void* dst, uint64_t n,
       break;
     case DType::kBlock8:  // blockwise: core/session_state.cc converts it
       return absl::InvalidArgumentError("no element conversion to block8");
+    case DType::kFloat64:  // a float64 layout has no master to convert
+      return absl::InvalidArgumentError("no element conversion to float64");
   }
   return LaunchStatus("convert kernel launch");
 }
@@ -241,6 +254,10 @@ absl::Status LaunchGradSumSquares(DType grad_dtype, const Work& work,
       break;
     case DType::kFloat16:
       GradSumSquaresKernel<F16>
+          <<<work.num_blocks, kThreadsPerBlock, 0, stream>>>(work, partials);
+      break;
+    case DType::kFloat64:
+      GradSumSquaresKernel<F64>
           <<<work.num_blocks, kThreadsPerBlock, 0, stream>>>(work, partials);
       break;
     case DType::kBlock8:  // never a gradient's dtype (server/convert.cc)
@@ -307,6 +324,7 @@ absl::Status LaunchConvert(DType src_dtype, const void* src, DType dst_dtype,
     case DType::kFloat16:
       return ConvertTo<F16>(dst_dtype, src, dst, n, stream);
     case DType::kBlock8:
+    case DType::kFloat64:  // a float64 layout has no master to convert
       break;
   }
   return absl::InvalidArgumentError("unknown dtype");

@@ -25,15 +25,18 @@ absl::StatusOr<DType> DTypeFromProto(v1::DType d, const std::string& what) {
       return DType::kBFloat16;
     case v1::DTYPE_FLOAT16:
       return DType::kFloat16;
+    case v1::DTYPE_FLOAT64:
+      return DType::kFloat64;
     case v1::DTYPE_BLOCK8:
       return absl::InvalidArgumentError(
           absl::StrCat(what,
                        ": DTYPE_BLOCK8 is for optimizer state only "
                        "(LayoutOptions.moment_dtype)"));
     default:
-      return absl::InvalidArgumentError(absl::StrCat(
-          what, ": unsupported dtype ", static_cast<int>(d),
-          " (use DTYPE_FLOAT32, DTYPE_BFLOAT16 or DTYPE_FLOAT16)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": unsupported dtype ", static_cast<int>(d),
+                       " (use DTYPE_FLOAT32, DTYPE_BFLOAT16, DTYPE_FLOAT16 or "
+                       "DTYPE_FLOAT64)"));
   }
 }
 
@@ -47,6 +50,8 @@ v1::DType DTypeToProto(DType d) {
       return v1::DTYPE_FLOAT16;
     case DType::kBlock8:
       return v1::DTYPE_BLOCK8;
+    case DType::kFloat64:
+      return v1::DTYPE_FLOAT64;
   }
   return v1::DTYPE_UNSPECIFIED;
 }
@@ -162,6 +167,7 @@ absl::StatusOr<GroupSpec> GroupSpecFromProto(
   }
   if (request.layout().moment_dtype() == v1::DTYPE_UNSPECIFIED) {
     spec.moment_dtype = DType::kFloat32;
+    spec.moment_dtype_default = true;
   } else if (request.layout().moment_dtype() == v1::DTYPE_BLOCK8) {
     spec.moment_dtype = DType::kBlock8;  // checked by ResolveLayout
   } else {

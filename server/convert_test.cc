@@ -50,6 +50,29 @@ TEST(ConvertTest, GroupSpecDefaultsAndErrors) {
   EXPECT_NE(bad.status().message().find("'w'"), absl::string_view::npos);
 }
 
+// float64 travels as DTYPE_FLOAT64; an unspecified moment dtype is the
+// per-tensor default (float64 for float64 parameters), a given one is not.
+TEST(ConvertTest, Float64AndTheDefaultMomentDtype) {
+  v1::RegisterGroupRequest r;
+  r.set_group_id("g");
+  auto* t = r.add_tensors();
+  t->set_name("w");
+  t->set_numel(2);
+  t->set_param_dtype(v1::DTYPE_FLOAT64);
+  t->set_grad_dtype(v1::DTYPE_FLOAT64);
+  auto spec = GroupSpecFromProto(r);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->tensors[0].param_dtype, DType::kFloat64);
+  EXPECT_EQ(spec->tensors[0].grad_dtype, DType::kFloat64);
+  EXPECT_TRUE(spec->moment_dtype_default);
+  r.mutable_layout()->set_moment_dtype(v1::DTYPE_FLOAT64);
+  spec = GroupSpecFromProto(r);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->moment_dtype, DType::kFloat64);
+  EXPECT_FALSE(spec->moment_dtype_default);
+  EXPECT_EQ(DTypeToProto(DType::kFloat64), v1::DTYPE_FLOAT64);
+}
+
 TEST(ConvertTest, StepDefaults) {
   v1::StepRequest r;
   r.add_overrides()->set_group_id("g");

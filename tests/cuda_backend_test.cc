@@ -13,6 +13,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -223,6 +224,9 @@ class Twin {
       case DType::kFloat16:
         reinterpret_cast<uint16_t*>(base)[i] = FloatToHalf(v);
         break;
+      case DType::kFloat64:  // v / 3: a full double mantissa
+        reinterpret_cast<double*>(base)[i] = static_cast<double>(v) / 3.0;
+        break;
       case DType::kBlock8:  // state only, never a parameter or gradient
         break;
     }
@@ -233,8 +237,10 @@ class Twin {
     return std::isnan(Load(d, a, i)) && std::isnan(Load(d, b, i));
   }
 
-  static float Load(DType d, const uint8_t* base, uint64_t i) {
+  static double Load(DType d, const uint8_t* base, uint64_t i) {
     switch (d) {
+      case DType::kFloat64:
+        return reinterpret_cast<const double*>(base)[i];
       case DType::kFloat32:
         return reinterpret_cast<const float*>(base)[i];
       case DType::kBFloat16:
@@ -275,7 +281,9 @@ class Twin {
     }
     // One ulp of the low-precision dtypes where the clip coefficient moved
     // a value across a rounding boundary.
-    const double tol = d == DType::kFloat32 ? 1e-6 : 1e-2;
+    const double tol = d == DType::kFloat64   ? 1e-12
+                       : d == DType::kFloat32 ? 1e-6
+                                              : 1e-2;
     EXPECT_LE(err, tol * scale) << what << " (seed " << g_seed << ")";
   }
 
@@ -420,8 +428,14 @@ class CudaBackendTest : public ::testing::Test {
 };
 
 TEST_F(CudaBackendTest, EveryLayoutMatchesTheCpuReferenceBitForBit) {
+  std::vector<LayoutCase> layouts = EveryLayout();
+  // The float64 layout, four times: amsgrad and AdamW/Adam both ways.
+  for (int i = 0; i < 4; ++i) {
+    layouts.push_back({DType::kFloat64, MasterRequest::kDefault,
+                       DType::kFloat64, DType::kFloat64});
+  }
   int combo = 0;
-  for (const LayoutCase& c : EveryLayout()) {
+  for (const LayoutCase& c : layouts) {
     ++combo;
     GroupSpec spec;
     spec.id = "g";
@@ -507,6 +521,56 @@ TEST_F(CudaBackendTest, MixedGroupWithKeepFp32FrozenAndEmpty) {
   for (int step = 0; step < 5; ++step) {
     twin.FillGrads(false);
     twin.Step(StepRequestSpec(), true);
+  }
+}
+
+// float64 tensors beside float32 ones in one group (moments by default:
+// float64 for float64 parameters), through tensors that miss steps
+// (their own bias corrections), gradients moved to buffers of another
+// alignment, a loss scale and a skipped step: bit for bit; with clipping
+// and learning-rate overrides, to 1e-12 (the norm's summation order).
+TEST_F(CudaBackendTest, Float64TensorsMatchTheCpuReference) {
+  std::vector<TensorPlan> ts =
+      RandomTensors(DType::kFloat64, DType::kFloat64, 6);
+  uint64_t end = 0;
+  std::vector<std::string> toggled;  // tensors whose gradients go and come
+  for (const TensorPlan& t : ts) {
+    end = std::max({end, t.param_off + t.numel * 8, t.grad_off + t.numel * 8});
+    if (t.numel > 0 && toggled.size() < 2) toggled.push_back(t.name);
+  }
+  end = (end + 63) / 64 * 64;
+  ts.push_back({"f32", 4099, DType::kFloat32, DType::kFloat32, end, end});
+  GroupSpec spec;
+  spec.id = "g";
+  spec.hyper.lr = 1e-2;
+  spec.hyper.weight_decay = 0.01;
+  spec.hyper.amsgrad = true;
+  spec.moment_dtype_default = true;
+  Twin twin(cpu_.get(), gpu_.get(), ts, spec, &rng_);
+  ASSERT_TRUE(twin.status().ok()) << twin.status();
+  for (int step = 1; step <= 8; ++step) {
+    SCOPED_TRACE(step);
+    if (step == 5) {
+      ASSERT_TRUE(twin.MoveGrads(8).ok());
+    }
+    for (const std::string& name : toggled) {
+      ASSERT_TRUE(twin.SetGradAbsent(name, step == 2 || step == 3).ok());
+    }
+    twin.FillGrads(/*poison=*/step == 4);
+    StepRequestSpec s;
+    s.options.grad_scale = step == 6 ? 64.0 : 1.0;
+    twin.Step(s, /*exact=*/true);
+  }
+  EXPECT_EQ(twin.skipped_steps(), 1);
+  for (int step = 0; step < 4; ++step) {
+    twin.FillGrads(false);
+    StepRequestSpec s;
+    s.options.max_grad_norm = step % 2 ? 1.0 : 1e6;
+    HyperOverride o;
+    o.group_id = "g";
+    o.lr = 1e-2 * (step + 1);
+    s.overrides = {o};
+    twin.Step(s, /*exact=*/false);
   }
 }
 

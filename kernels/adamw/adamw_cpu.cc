@@ -14,34 +14,39 @@ namespace {
 using cpu::BF16;
 using cpu::F16;
 using cpu::F32;
+using cpu::F64;
 
 // block8 scales per block: exp_avg's, then exp_avg_sq's (no amsgrad).
 constexpr uint64_t kBlock8Slots = 2;
 
-// What AdamWElement needs of the step's scalars.
-AdamWElementScalars ElementScalars(const AdamWScalars& s) {
-  return AdamWElementScalars{
-      s.grad_mul,        s.decay, s.adamw ? 0.0f : s.weight_decay,
-      s.beta1,           s.beta2, s.one_minus_beta1,
-      s.one_minus_beta2, s.eps,   -s.step_size};
+// What AdamWElement needs of the step's scalars, each rounded once to the
+// compute type T.
+template <class T = float>
+AdamWElementScalarsT<T> ElementScalars(const AdamWScalars& s) {
+  auto r = [](double x) { return static_cast<T>(x); };
+  return AdamWElementScalarsT<T>{
+      r(s.grad_mul),        r(s.decay), s.adamw ? T(0) : r(s.weight_decay),
+      r(s.beta1),           r(s.beta2), r(s.one_minus_beta1),
+      r(s.one_minus_beta2), r(s.eps),   -r(s.step_size)};
 }
 
 template <class P, class G, class M, MasterKind K, bool kAmsgrad, bool kAdamW>
 void StepKernel(const TensorPointers& t, uint64_t begin, uint64_t end,
                 const AdamWScalars& s) {
+  using C = typename P::C;  // float, or double for the float64 layout
   const cpu::Weight<P, K> w(t);
   const auto* __restrict grad = static_cast<const typename G::T*>(t.grad);
   auto* __restrict m = static_cast<typename M::T*>(t.state[0]);
   auto* __restrict v = static_cast<typename M::T*>(t.state[1]);
   auto* __restrict vmax = static_cast<typename M::T*>(t.state[2]);
-  const AdamWElementScalars e = ElementScalars(s);
-  const float bc2 = s.bc2_sqrt;
-  const auto div_bc2 = [bc2](float a) { return a / bc2; };
+  const AdamWElementScalarsT<C> e = ElementScalars<C>(s);
+  const C bc2 = static_cast<C>(s.bc2_sqrt);
+  const auto div_bc2 = [bc2](C a) { return a / bc2; };
   for (uint64_t i = begin; i < end; ++i) {
-    float mi = M::Load(m[i]), vi = M::Load(v[i]);
-    float xi = kAmsgrad ? M::Load(vmax[i]) : 0.0f;
-    const float p = AdamWElement<kAmsgrad, kAdamW>(G::Load(grad[i]), w.Load(i),
-                                                   mi, vi, xi, e, div_bc2);
+    C mi = M::Load(m[i]), vi = M::Load(v[i]);
+    C xi = kAmsgrad ? M::Load(vmax[i]) : C(0);
+    const C p = AdamWElement<kAmsgrad, kAdamW>(
+        static_cast<C>(G::Load(grad[i])), w.Load(i), mi, vi, xi, e, div_bc2);
     m[i] = M::Store(mi);
     v[i] = M::Store(vi);
     if constexpr (kAmsgrad) vmax[i] = M::Store(xi);
@@ -95,14 +100,15 @@ struct AdamWRange {
   uint64_t begin, end;
   const AdamWScalars& s;
   static constexpr bool kTakesBlock8 = true;
+  static constexpr bool kTakesFloat64 = true;
 
   template <class P, class G, class M, MasterKind K>
   void Run() {
     if constexpr (std::is_same_v<M, cpu::Block8>) {
       const AdamWElementScalars e = ElementScalars(s);
-      if (s.adamw)
-        return StepBlock8<P, G, K, true>(t, begin, end, e, s.bc2_sqrt);
-      return StepBlock8<P, G, K, false>(t, begin, end, e, s.bc2_sqrt);
+      const float bc2 = static_cast<float>(s.bc2_sqrt);
+      if (s.adamw) return StepBlock8<P, G, K, true>(t, begin, end, e, bc2);
+      return StepBlock8<P, G, K, false>(t, begin, end, e, bc2);
     } else if (layout.amsgrad()) {
       if (s.adamw) return StepKernel<P, G, M, K, true, true>(t, begin, end, s);
       return StepKernel<P, G, M, K, true, false>(t, begin, end, s);
@@ -142,7 +148,8 @@ float LoadParam(DType d, const void* p, uint64_t i) {
       return BFloat16ToFloat(static_cast<const uint16_t*>(p)[i]);
     case DType::kFloat16:
       return HalfToFloat(static_cast<const uint16_t*>(p)[i]);
-    case DType::kBlock8:  // state only, never a parameter
+    case DType::kBlock8:   // state only, never a parameter
+    case DType::kFloat64:  // never has a master (ResolveLayout)
       break;
   }
   return 0;
@@ -159,7 +166,8 @@ void StoreParam(DType d, void* p, uint64_t i, float x) {
     case DType::kFloat16:
       static_cast<uint16_t*>(p)[i] = FloatToHalf(x);
       return;
-    case DType::kBlock8:  // state only, never a parameter
+    case DType::kBlock8:   // state only, never a parameter
+    case DType::kFloat64:  // never has a master (ResolveLayout)
       return;
   }
 }
@@ -169,22 +177,20 @@ void StoreParam(DType d, void* p, uint64_t i, float x) {
 AdamWScalars MakeAdamWScalars(const OptimizerHyper& h, uint64_t t,
                               double grad_scale, double clip_coef) {
   AdamWScalars s;
-  s.lr = static_cast<float>(h.lr);
-  s.beta1 = static_cast<float>(h.beta1);
-  s.beta2 = static_cast<float>(h.beta2);
-  s.one_minus_beta1 = static_cast<float>(1.0 - h.beta1);
-  s.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
-  s.eps = static_cast<float>(h.eps);
-  s.weight_decay = static_cast<float>(h.weight_decay);
+  s.lr = h.lr;
+  s.beta1 = h.beta1;
+  s.beta2 = h.beta2;
+  s.one_minus_beta1 = 1.0 - h.beta1;
+  s.one_minus_beta2 = 1.0 - h.beta2;
+  s.eps = h.eps;
+  s.weight_decay = h.weight_decay;
   s.adamw = h.adamw;
-  s.decay = h.adamw ? static_cast<float>(1.0 - h.lr * h.weight_decay) : 1.0f;
-  const double td = static_cast<double>(t);
-  const double bc1 = h.bias_correction ? 1.0 - std::pow(h.beta1, td) : 1.0;
-  const double bc2 = h.bias_correction ? 1.0 - std::pow(h.beta2, td) : 1.0;
-  s.step_size = static_cast<float>(h.lr / bc1);
-  s.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
-  s.grad_mul =
-      static_cast<float>(GradMultiplier(grad_scale, clip_coef, h.maximize));
+  s.decay = h.adamw ? 1.0 - h.lr * h.weight_decay : 1.0;
+  const double bc1 = h.bias_correction ? 1.0 - BetaPower(h.beta1, t) : 1.0;
+  const double bc2 = h.bias_correction ? 1.0 - BetaPower(h.beta2, t) : 1.0;
+  s.step_size = h.lr / bc1;
+  s.bc2_sqrt = std::sqrt(bc2);
+  s.grad_mul = GradMultiplier(grad_scale, clip_coef, h.maximize);
   return s;
 }
 
@@ -204,6 +210,8 @@ double GradSumSquaresRange(DType grad_dtype, const void* grad, uint64_t begin,
       return SumSquares<BF16>(grad, begin, end);
     case DType::kFloat16:
       return SumSquares<F16>(grad, begin, end);
+    case DType::kFloat64:
+      return SumSquares<F64>(grad, begin, end);
     case DType::kBlock8:  // state only, never a gradient
       break;
   }

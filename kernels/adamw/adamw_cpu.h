@@ -15,6 +15,8 @@
 // correction). Low-precision values are widened exactly and rounded back to
 // nearest-even, except a bf16 parameter with remainder, which is rounded so
 // that the remainder rebuilds the master exactly (see core/layout.h).
+// The float64 layout runs the same operations in double, with the double
+// scalars unrounded, as torch steps float64 parameters.
 //
 // Functions here are pure and thread-compatible: callers split a tensor into
 // disjoint element ranges and may run ranges on different threads.
@@ -28,24 +30,25 @@
 
 namespace optimd {
 
-// Per-step scalars of one group, already folded.
+// Per-step scalars of one group, already folded, in double; each kernel
+// rounds them to its compute type once (fp32, or none for float64).
 struct AdamWScalars {
-  float lr = 0;
-  float beta1 = 0;
-  float beta2 = 0;
-  float one_minus_beta1 = 0;
-  float one_minus_beta2 = 0;
-  float eps = 0;
-  float weight_decay = 0;
+  double lr = 0;
+  double beta1 = 0;
+  double beta2 = 0;
+  double one_minus_beta1 = 0;
+  double one_minus_beta2 = 0;
+  double eps = 0;
+  double weight_decay = 0;
   // 1 - lr * weight_decay (AdamW mode), else 1.
-  float decay = 1;
+  double decay = 1;
   bool adamw = true;
   // lr / (1 - beta1^t).
-  float step_size = 0;
+  double step_size = 0;
   // sqrt(1 - beta2^t).
-  float bc2_sqrt = 1;
+  double bc2_sqrt = 1;
   // (maximize ? -1 : 1) * clip_coef / grad_scale.
-  float grad_mul = 1;
+  double grad_mul = 1;
 };
 
 // Folds hyperparameters, the step number t (>= 1), the loss scale and the

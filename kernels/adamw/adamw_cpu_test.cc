@@ -1,9 +1,11 @@
 #include "kernels/adamw/adamw_cpu.h"
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
 
+#include "core/step_math.h"
 #include "gtest/gtest.h"
 
 namespace optimd {
@@ -234,6 +236,91 @@ TEST(AdamWCpuTest, BFloat16MomentsTrackFp32Moments) {
     EXPECT_NEAR(p16[i], p32[i], 2e-4) << i;
     EXPECT_NEAR(BFloat16ToFloat(m16[i]), m32[i], 20 * std::ldexp(rms, -9)) << i;
   }
+}
+
+// torch.optim.AdamW's (and Adam's) single-tensor step on float64 values,
+// written out as torch 1.13 orders it, with its scalars in double (beta^t
+// as BetaPower gives it: pow's result but for rare last-bit differences,
+// core/step_math_test.cc).
+struct TorchFloat64Step {
+  double lr = 1e-2, beta1 = 0.9, beta2 = 0.99, eps = 1e-8, wd = 0.05;
+  bool adamw = true, amsgrad = false;
+  void Run(int step, double g, double& p, double& m, double& v,
+           double& vmax) const {
+    if (adamw) {
+      p = p * (1 - lr * wd);
+    } else {
+      g = g + wd * p;
+    }
+    m = m * beta1 + (1 - beta1) * g;
+    v = v * beta2 + (1 - beta2) * g * g;
+    const double bc1 = 1 - BetaPower(beta1, step);
+    const double bc2_sqrt = std::sqrt(1 - BetaPower(beta2, step));
+    double vd = v;
+    if (amsgrad) vd = vmax = std::max(vmax, v);
+    p = p + -(lr / bc1) * (m / (std::sqrt(vd) / bc2_sqrt + eps));
+  }
+};
+
+// The float64 layout steps in double with unrounded double scalars: bit for
+// bit torch's float64 arithmetic (both without FMA contraction), and not
+// what fp32 arithmetic would give.
+TEST(AdamWCpuTest, Float64LayoutStepsInDouble) {
+  constexpr int kN = 513;
+  std::mt19937 rng(11);
+  std::normal_distribution<double> normal;
+  Layout l{DType::kFloat64, DType::kFloat64, DType::kFloat64,
+           MasterKind::kNone};
+  for (const bool adamw : {true, false}) {
+    for (const bool amsgrad : {false, true}) {
+      SCOPED_TRACE(testing::Message()
+                   << "adamw=" << adamw << " amsgrad=" << amsgrad);
+      l.state_slots = amsgrad ? 3 : 2;
+      std::vector<double> p(kN), g(kN), m(kN), v(kN), x(kN);
+      std::vector<double> rp(kN), rm(kN), rv(kN), rx(kN);
+      for (int i = 0; i < kN; ++i) rp[i] = p[i] = normal(rng);
+      OptimizerHyper h;
+      h.lr = 1e-2;
+      h.beta1 = 0.9;
+      h.beta2 = 0.99;
+      h.weight_decay = 0.05;
+      h.adamw = adamw;
+      h.amsgrad = amsgrad;
+      TorchFloat64Step ref;
+      ref.adamw = adamw;
+      ref.amsgrad = amsgrad;
+      for (int step = 1; step <= 50; ++step) {
+        for (int i = 0; i < kN; ++i) g[i] = normal(rng);
+        AdamWStepRange(
+            l, {p.data(), g.data(), nullptr, m.data(), v.data(), x.data()}, 0,
+            kN, MakeAdamWScalars(h, step, 1, 1));
+        for (int i = 0; i < kN; ++i) {
+          ref.Run(step, g[i], rp[i], rm[i], rv[i], rx[i]);
+          ASSERT_EQ(p[i], rp[i]) << "step " << step << " element " << i;
+          ASSERT_EQ(m[i], rm[i]);
+          ASSERT_EQ(v[i], rv[i]);
+          if (amsgrad) {
+            ASSERT_EQ(x[i], rx[i]);
+          }
+        }
+      }
+      // fp32 arithmetic would have lost the low bits long ago.
+      int wide = 0;
+      for (int i = 0; i < kN; ++i) {
+        wide += p[i] != static_cast<double>(static_cast<float>(p[i]));
+      }
+      EXPECT_GT(wide, kN / 2);
+    }
+  }
+}
+
+// float64 gradients are read as doubles: squares far below fp32's range
+// still count.
+TEST(AdamWCpuTest, Float64GradientSumOfSquares) {
+  const std::vector<double> g = {1e-30, -2e-30, 3.0, -4.0};
+  EXPECT_EQ(GradSumSquaresRange(DType::kFloat64, g.data(), 0, 2),
+            1e-30 * 1e-30 + 2e-30 * 2e-30);
+  EXPECT_EQ(GradSumSquaresRange(DType::kFloat64, g.data(), 2, 4), 25.0);
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 // The fused multi-tensor AdamW (and Adam) update on CUDA. The arithmetic
 // follows kernels/adamw/adamw_cpu.h operation by operation (built with
 // -fmad=false, IEEE division and square root), so results equal the CPU
-// reference bit for bit given the same step scalars.
+// reference bit for bit given the same step scalars; float64 layouts too,
+// in double.
 #include <cstdint>
 #include <type_traits>
 
@@ -222,6 +223,69 @@ struct UpdateBlock8 : ChunkBias {
   static constexpr uint64_t kBlock8Slots = 2;  // exp_avg, exp_avg_sq
 };
 
+// The float64 layout's bias scalars of each chunk of a work block, for the
+// chunk's tensor's own step number (the group's, less the steps it
+// missed). The walk's Prepare.
+struct ChunkBias64 {
+  const DeviceScalars& s;
+  const uint32_t* missed;
+  BiasScalars64* bias;  // shared memory, one per chunk of the block
+  __device__ void Prepare(const DeviceChunk* cs, uint32_t n) {
+    if (threadIdx.x >= n) return;
+    bias[threadIdx.x] =
+        MakeBias64(s.lr, s.beta1_d, s.beta2_d, s.bias_correction,
+                   s.t - missed[cs[threadIdx.x].entry]);
+  }
+};
+
+// The update of a work block of the float64 layout: the CPU reference's
+// double arithmetic (IEEE division and square root, no contraction),
+// element by element; a tile lane's elements are i..i+3 and i+128..i+131
+// (LoadTile's order).
+template <bool kAms, bool kAdamW>
+struct Update64 : ChunkBias64 {
+  __device__ __forceinline__ void One(const DeviceChunk& c, uint32_t k,
+                                      uint64_t i) {
+    double* p = static_cast<double*>(c.param);
+    const double* g = static_cast<const double*>(c.grad);
+    double* m = static_cast<double*>(c.state[0]);
+    double* v = static_cast<double*>(c.state[1]);
+    double* x = static_cast<double*>(c.state[2]);
+    const BiasScalars64& b = bias[k];
+    const AdamWElementScalarsT<double> e{
+        s.grad_mul_d,    s.decay_d,       s.l2_d,  s.beta1_d, s.beta2_d,
+        1.0 - s.beta1_d, 1.0 - s.beta2_d, s.eps_d, b.neg_step};
+    const double bc2 = b.bc2;
+    const auto div_bc2 = [bc2](double a) { return a / bc2; };
+    double mi = m[i], vi = v[i], xi = kAms ? x[i] : 0.0;
+    p[i] = AdamWElement<kAms, kAdamW>(g[i], p[i], mi, vi, xi, e, div_bc2);
+    m[i] = mi;
+    v[i] = vi;
+    if constexpr (kAms) x[i] = xi;
+  }
+  __device__ void Tile(const DeviceChunk& c, uint32_t k, uint64_t i) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      One(c, k, i + j);
+      One(c, k, i + kTileElements / 2 + j);
+    }
+  }
+  __device__ void Scalar(const DeviceChunk& c, uint32_t k, uint64_t i) {
+    One(c, k, i);
+  }
+};
+
+template <bool kAms, bool kAdamW>
+__global__ void __launch_bounds__(kThreadsPerBlock, 4)
+    AdamWFloat64Kernel(const Work work,
+                       const DeviceScalars* __restrict__ scalars) {
+  const DeviceScalars s = *scalars;
+  if (s.skip) return;
+  __shared__ BiasScalars64 bias[kMaxChunksPerBlock];
+  Update64<kAms, kAdamW> body{{s, work.missed, bias}};
+  Walk(work, body);
+}
+
 template <class P, class G, MasterKind K, bool kAdamW>
 __global__ void __launch_bounds__(kThreadsPerBlock, 4)
     AdamWBlock8Kernel(const Work work,
@@ -266,10 +330,22 @@ struct AdamWLaunch {
         <<<work.num_blocks, kThreadsPerBlock, 0, stream>>>(work, scalars);
     return LaunchStatus("AdamW block8 kernel launch");
   }
+  template <bool kAms, bool kAdamW>
+  absl::Status GoFloat64() {
+    AdamWFloat64Kernel<kAms, kAdamW>
+        <<<work.num_blocks, kThreadsPerBlock, 0, stream>>>(work, scalars);
+    return LaunchStatus("AdamW float64 kernel launch");
+  }
   static constexpr bool kTakesBlock8 = true;
+  static constexpr bool kTakesFloat64 = true;
   template <class P, class G, class M, MasterKind K>
   absl::Status Run() {
-    if constexpr (std::is_same_v<M, Block8>) {
+    if constexpr (std::is_same_v<P, F64>) {
+      if (layout.amsgrad()) {
+        return adamw ? GoFloat64<true, true>() : GoFloat64<true, false>();
+      }
+      return adamw ? GoFloat64<false, true>() : GoFloat64<false, false>();
+    } else if constexpr (std::is_same_v<M, Block8>) {
       return adamw ? GoBlock8<true, P, G, K>() : GoBlock8<false, P, G, K>();
     } else if (layout.amsgrad()) {
       return adamw ? Go<true, true, P, G, M, K>()

@@ -1,6 +1,7 @@
 // One element of AdamW's (and Adam's) update, written once for the CPU
 // reference and the CUDA kernel: the same operations in the same order in
-// fp32 (both built without FMA contraction), so the two give the same bits.
+// the layout's compute type (fp32, or float64 for float64 layouts; both
+// backends built without FMA contraction), so the two give the same bits.
 #ifndef OPTIMD_KERNELS_ADAMW_ADAMW_MATH_H_
 #define OPTIMD_KERNELS_ADAMW_ADAMW_MATH_H_
 
@@ -10,25 +11,30 @@
 
 namespace optimd {
 
-// The step's folded scalars an element needs.
-struct AdamWElementScalars {
-  float grad_mul;  // loss scale, clip coefficient, maximize
-  float decay;     // AdamW: 1 - lr * weight_decay
-  float l2;        // Adam: weight_decay
-  float beta1, beta2, one_minus_beta1, one_minus_beta2;
-  float eps;
-  float neg_step;  // -lr / bias_correction1
+// The step's folded scalars an element needs, in the compute type T.
+template <class T>
+struct AdamWElementScalarsT {
+  T grad_mul;  // loss scale, clip coefficient, maximize
+  T decay;     // AdamW: 1 - lr * weight_decay
+  T l2;        // Adam: weight_decay
+  T beta1, beta2, one_minus_beta1, one_minus_beta2;
+  T eps;
+  T neg_step;  // -lr / bias_correction1
 };
+using AdamWElementScalars = AdamWElementScalarsT<float>;
 
-// g: the gradient as stored (converted to float); p: the weight; m, v (and
-// vmax with kAmsgrad): the moments as floats, updated in place. Returns the
+// IEEE square root, correctly rounded in each compute type.
+OPTIMD_HOST_DEVICE inline float AdamWSqrt(float x) { return sqrtf(x); }
+OPTIMD_HOST_DEVICE inline double AdamWSqrt(double x) { return sqrt(x); }
+
+// g: the gradient as stored (converted to T); p: the weight; m, v (and
+// vmax with kAmsgrad): the moments as T, updated in place. Returns the
 // new weight. div(a) is a / sqrt(bias_correction2), correctly rounded (the
-// CPU divides; CUDA multiplies by the reciprocal and corrects).
-template <bool kAmsgrad, bool kAdamW, class DivBc2>
-OPTIMD_HOST_DEVICE inline float AdamWElement(float g, float p, float& m,
-                                             float& v, float& vmax,
-                                             const AdamWElementScalars& s,
-                                             DivBc2 div) {
+// CPU divides; CUDA multiplies fp32 by the reciprocal and corrects).
+template <bool kAmsgrad, bool kAdamW, class T, class DivBc2>
+OPTIMD_HOST_DEVICE inline T AdamWElement(T g, T p, T& m, T& v, T& vmax,
+                                         const AdamWElementScalarsT<T>& s,
+                                         DivBc2 div) {
   g = g * s.grad_mul;
   if constexpr (kAdamW) {
     p = p * s.decay;
@@ -37,12 +43,12 @@ OPTIMD_HOST_DEVICE inline float AdamWElement(float g, float p, float& m,
   }
   m = m * s.beta1 + s.one_minus_beta1 * g;
   v = v * s.beta2 + s.one_minus_beta2 * g * g;
-  float vd = v;
+  T vd = v;
   if constexpr (kAmsgrad) {
     vd = vmax < vd ? vd : vmax;  // std::max(vmax, v), NaN included
     vmax = vd;
   }
-  const float denom = div(sqrtf(vd)) + s.eps;
+  const T denom = div(AdamWSqrt(vd)) + s.eps;
   return p + s.neg_step * (m / denom);
 }
 

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "core/step_math.h"
 #include "kernels/cuda_step_types.h"
 
 namespace optimd {
@@ -19,14 +20,30 @@ struct BiasScalars {
 __device__ inline BiasScalars MakeBias(double lr, double beta1, double beta2,
                                        bool bias_correction,
                                        uint64_t step_number) {
-  const double t = static_cast<double>(step_number);
-  const double bc1 = bias_correction ? 1.0 - pow(beta1, t) : 1.0;
-  const double bc2 = bias_correction ? 1.0 - pow(beta2, t) : 1.0;
+  const double bc1 =
+      bias_correction ? 1.0 - BetaPower(beta1, step_number) : 1.0;
+  const double bc2 =
+      bias_correction ? 1.0 - BetaPower(beta2, step_number) : 1.0;
   BiasScalars b;
   b.bc2 = static_cast<float>(sqrt(bc2));
   b.rbc2 = __fdiv_rn(1.0f, b.bc2);
   b.neg_step = -static_cast<float>(lr / bc1);
   return b;
+}
+
+// The float64 layout's scalars that depend on the step number: the CPU
+// reference's unrounded doubles (MakeAdamWScalars, ElementScalars<double>).
+struct BiasScalars64 {
+  double neg_step, bc2;
+};
+__device__ inline BiasScalars64 MakeBias64(double lr, double beta1,
+                                           double beta2, bool bias_correction,
+                                           uint64_t step_number) {
+  const double bc1 =
+      bias_correction ? 1.0 - BetaPower(beta1, step_number) : 1.0;
+  const double bc2 =
+      bias_correction ? 1.0 - BetaPower(beta2, step_number) : 1.0;
+  return BiasScalars64{-(lr / bc1), sqrt(bc2)};
 }
 
 // AdamW's fields of `s` for step number `t` (skip, grad_mul and t are
@@ -45,6 +62,9 @@ __device__ inline void MakeAdamWScalars(const StepHyper& h, uint64_t t,
   s->eps = static_cast<float>(h.eps);
   s->decay = h.adamw ? static_cast<float>(1.0 - h.lr * h.weight_decay) : 1.0f;
   s->l2 = h.adamw ? 0.0f : static_cast<float>(h.weight_decay);
+  s->eps_d = h.eps;
+  s->decay_d = h.adamw ? 1.0 - h.lr * h.weight_decay : 1.0;
+  s->l2_d = h.adamw ? 0.0 : h.weight_decay;
   s->bc2 = b.bc2;
   s->rbc2 = b.rbc2;
   s->neg_step = b.neg_step;

@@ -106,8 +106,8 @@ class OneTensorSession {
 
 // A session of `count` tensors of 2 elements each over shared memory, named
 // `prefix` + index. With `mixed`, the layouts vary: fp32, bf16 with an fp32
-// master, frozen, zero-element, and a second group with amsgrad and bf16
-// moments.
+// master, frozen, zero-element, float64 (one element, float64 moments by
+// default), and a second group with amsgrad and bf16 moments.
 class ManyTensorSession {
  public:
   ManyTensorSession(int count, const std::string& prefix, bool mixed)
@@ -125,16 +125,22 @@ class ManyTensorSession {
     b.id = "b";
     b.hyper.amsgrad = true;
     b.moment_dtype = DType::kBFloat16;
+    a.moment_dtype_default = true;
     for (int i = 0; i < count; ++i) {
       TensorSpec t;
       t.name = prefix + std::to_string(i);
       t.numel = 2;
       t.param_dtype_set = t.grad_dtype_set = true;
-      const int kind = mixed ? i % 5 : 0;
+      const int kind = mixed ? i % 6 : 0;
       if (kind == 1) t.param_dtype = t.grad_dtype = DType::kBFloat16;
+      if (kind == 5) {
+        t.param_dtype = t.grad_dtype = DType::kFloat64;
+        t.numel = 1;
+      }
       t.frozen = kind == 2;
       if (kind == 3) t.numel = 0;
       if (i % 3 == 0 && t.numel == 2) t.shape = {1, 2};
+      if (i % 3 == 0 && t.numel == 1) t.shape = {1, 1};
       const uint64_t bytes = t.numel * DTypeSize(t.param_dtype);
       if (bytes > 0) {
         t.param.kind = t.grad.kind = BufferHandle::Kind::kSharedMemory;

@@ -34,6 +34,7 @@ LAYOUTS = {
     "bf16_master": dict(dtype=torch.bfloat16),
     "bf16_remainder": dict(dtype=torch.bfloat16, store_param_remainders=True),
     "fp16_master": dict(dtype=torch.float16),
+    "fp64": dict(dtype=torch.float64, amsgrad=True),
     "bf16_moments_amsgrad_adam": dict(dtype=torch.float32,
                                       exp_avg_dtype=torch.bfloat16,
                                       amsgrad=True, adam_w_mode=False,
@@ -58,7 +59,8 @@ def read_safetensors(path):
     header = json.loads(data[8:8 + n])
     body = data[8 + n:]
     dtypes = {"F32": torch.float32, "BF16": torch.bfloat16,
-              "F16": torch.float16, "I16": torch.int16, "U8": torch.uint8}
+              "F16": torch.float16, "F64": torch.float64, "I16": torch.int16,
+              "U8": torch.uint8}
     tensors = {}
     for name, info in header.items():
         if name == "__metadata__":
@@ -337,6 +339,46 @@ class CheckpointTest(unittest.TestCase):
                 err = (p.detach() - q.detach()).abs().max()
                 self.assertLessEqual(err.item(),
                                      1e-6 * q.detach().abs().max().item())
+            opt.close()
+
+    def test_float64_checkpoint_continues_in_torch(self):
+        # A float64 model's checkpoint holds F64 parameters and moments;
+        # torch's float64 AdamW continues from it as optimd does.
+        from optimd.checkpoint import to_torch_state_dict
+        torch.manual_seed(SEED)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(),
+                                    torch.nn.Linear(5, 1)).double()
+        twin = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(),
+                                   torch.nn.Linear(5, 1)).double()
+        x = torch.randn(32, 6, dtype=torch.float64)
+        with Daemon() as d:
+            opt = AdamW(model.named_parameters(), lr=1e-2, address=d.address,
+                        job_id="f64")
+            for _ in range(4):
+                opt.zero_grad()
+                model(x).pow(2).mean().backward()
+                opt.step()
+            path = opt.save_checkpoint(self.dir).path
+            header, raw = read_safetensors(path)
+            self.assertEqual(header["0.weight"]["dtype"], "F64")
+            self.assertEqual(header["0.weight.exp_avg"]["dtype"], "F64")
+            self.assertNotIn("0.weight.master", raw)
+            sd, params, masters = to_torch_state_dict(path)
+            self.assertEqual(masters, {})
+            twin.load_state_dict(params)
+            ref = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+            ref.load_state_dict(sd)
+            self.assertEqual(ref.state_dict()["state"][0]["exp_avg"].dtype,
+                             torch.float64)
+            for _ in range(3):
+                for m, o in ((model, opt), (twin, ref)):
+                    o.zero_grad()
+                    m(x).pow(2).mean().backward()
+                    o.step()
+            for p, q in zip(model.parameters(), twin.parameters()):
+                err = (p.detach() - q.detach()).abs().max()
+                self.assertLessEqual(err.item(),
+                                     1e-12 * q.detach().abs().max().item())
             opt.close()
 
     def test_torch_state_dict_keeps_each_tensors_own_step(self):

@@ -436,7 +436,7 @@ class TorchClientTest(unittest.TestCase):
         client = optimd.Client(self.daemon.address)
         before = len(client.list_sessions().sessions)
         good = torch.nn.Parameter(torch.randn(4))
-        bad = torch.nn.Parameter(torch.randn(4, dtype=torch.float64))
+        bad = torch.nn.Parameter(torch.randn(4, dtype=torch.complex64))
         with self.assertRaises(TypeError):
             AdamW([{"params": [good]}, {"params": [bad]}],
                   address=self.daemon.address)
@@ -447,13 +447,91 @@ class TorchClientTest(unittest.TestCase):
         model = mlp()
         opt = self.make(model.parameters())
         self.train_step(model, opt)
-        model.double()  # torch would go on in float64
-        with self.assertRaisesRegex(TypeError, "float64"):
+        with warnings.catch_warnings():  # torch: complex modules are new
+            warnings.simplefilter("ignore")
+            model.to(torch.complex64)  # a dtype the daemon does not step
+        with self.assertRaisesRegex(TypeError, "complex64"):
             opt.step()
         opt.close()
+        # SGD has no float64 kernel: model.double() raises at the next
+        # step, before its session is touched.
+        model = mlp()
+        sgd = optimd.torch.SGD(model.parameters(), lr=0.1,
+                               address=self.daemon.address, job_id="sgd64")
+        self.train_step(model, sgd)
+        model.double()
+        with self.assertRaisesRegex(TypeError, "SGD steps float32.*float64"):
+            sgd.step()
+        sgd.close()
         p = torch.nn.Parameter(torch.randn(3))
         with self.assertRaisesRegex(ValueError, "twice"):
             self.make([p, p], job_id="twice")
+
+    def test_parameters_on_several_devices_raise_clearly(self):
+        # torch.optim.AdamW takes parameters on several devices; an optimd
+        # optimizer's session lives on one, so it raises ValueError naming
+        # each device's parameters: at construction (leaving no session),
+        # at add_param_group (leaving param_groups as they were) and at the
+        # step after a parameter moved (with a GPU). "meta" stands in for a
+        # second device where there is no GPU.
+        other = "cuda" if torch.cuda.is_available() else "meta"
+        client = optimd.Client(self.daemon.address)
+        before = len(client.list_sessions().sessions)
+        w = torch.nn.Parameter(torch.randn(3))
+        b = torch.nn.Parameter(torch.randn(2, device=other))
+        with self.assertRaisesRegex(
+                ValueError, r"several devices \(cpu: w; %s\S*: b\).*one "
+                "optimizer per device" % other):
+            self.make([("w", w), ("b", b)], job_id="two-devices")
+        self.assertEqual(len(client.list_sessions().sessions), before)
+        client.close()
+        model = mlp()
+        opt = self.make(model.parameters(), job_id="add-other-device")
+        with self.assertRaisesRegex(ValueError, "several devices"):
+            opt.add_param_group({"params": [b]})
+        self.assertEqual(len(opt.param_groups), 1)
+        # Any group the daemon refuses leaves param_groups as they were.
+        with self.assertRaisesRegex(TypeError, "complex64"):
+            opt.add_param_group({"params": [torch.nn.Parameter(
+                torch.randn(2, dtype=torch.complex64))]})
+        self.assertEqual(len(opt.param_groups), 1)
+        first = next(model.parameters())
+        before_step = first.detach().clone()
+        self.train_step(model, opt)  # still steps its own group
+        self.assertFalse(torch.equal(first.detach(), before_step))
+        if other == "cuda":  # a CPU tensor's .data cannot become meta
+            first.data = first.data.to(other)
+            with self.assertRaisesRegex(ValueError, "now on several devices"):
+                opt.step()
+        opt.close()
+
+    def test_model_converted_to_float64_is_followed(self):
+        # model.double() after construction and steps: the parameters are
+        # registered anew in float64 (float64 moments, no master) and the
+        # state carried over, cast to float64 as torch's load_state_dict
+        # casts it; from then on every step is a float64 step.
+        ours, theirs, opt, ref = self.fixed_seed_twins()
+        for _ in range(2):
+            self.step_twins(opt, ref)
+        ours.double()
+        theirs.double()
+        ref.load_state_dict(ref.state_dict())  # torch's cast to float64
+        for _ in range(3):
+            for p, q in zip(opt.param_groups[0]["params"],
+                            ref.param_groups[0]["params"]):
+                g = torch.randn(p.shape, dtype=torch.float64)
+                p.grad, q.grad = g.clone(), g.clone()
+            opt.step()
+            ref.step()
+        for p, q in zip(ours.parameters(), theirs.parameters()):
+            self.assertEqual(p.dtype, torch.float64)
+            # The fp32 steps before the conversion agree to 1e-6.
+            self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6)
+            state = opt.state[p]
+            self.assertEqual(float(state["step"]), 5)
+            self.assertEqual(state["exp_avg"].dtype, torch.float64)
+            self.assertNotIn("master", state)
+        opt.close()
 
     def test_model_converted_to_bf16_is_followed(self):
         # model.bfloat16() after construction and steps: the optimizer
@@ -903,8 +981,14 @@ class TorchClientTest(unittest.TestCase):
             AdamW([p], address="unix:/tmp/optimd-nobody-here.sock")
         self.assertIn("no optimd daemon", str(cm.exception))
         with self.assertRaises(TypeError) as cm:
-            self.make([torch.nn.Parameter(torch.randn(3, dtype=torch.float64))])
-        self.assertIn("float64", str(cm.exception))
+            self.make([torch.nn.Parameter(
+                torch.randn(3, dtype=torch.complex64))])
+        self.assertIn("complex64", str(cm.exception))
+        with self.assertRaises(TypeError) as cm:
+            optimd.torch.Lion([torch.nn.Parameter(
+                torch.randn(3, dtype=torch.float64))],
+                address=self.daemon.address)
+        self.assertIn("Lion steps float32", str(cm.exception))
         other = "cuda" if torch.cuda.is_available() else "meta"
         with self.assertRaises(ValueError) as cm:
             self.make([torch.nn.Parameter(torch.randn(2)),

@@ -133,6 +133,102 @@ class ParityWithTorch(DaemonTest):
                 self.run_pair(mode, 0.01, False, False, schedule=True)
 
 
+class Float64(DaemonTest):
+    """float64 parameters are stepped in float64, as torch steps them."""
+
+    def float64_twins(self):
+        ours = [torch.nn.Parameter(self.randn(*s).double()) for s in SHAPES]
+        return ours, [torch.nn.Parameter(p.detach().clone()) for p in ours]
+
+    def test_float64_matches_torch_every_step(self):
+        for mode, ams, maxi in itertools.product(
+                ("adamw", "adam"), (False, True), (False, True)):
+            with self.subTest(mode=mode, amsgrad=ams, maximize=maxi):
+                torch_cls = (torch.optim.AdamW if mode == "adamw"
+                             else torch.optim.Adam)
+                ours, theirs = self.float64_twins()
+                kw = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8,
+                          weight_decay=0.05, amsgrad=ams, maximize=maxi)
+                opt = self.optimd(ours, adam_w_mode=(mode == "adamw"), **kw)
+                ref = torch_cls(theirs, **kw)
+                worst = 0.0
+                for step in range(100):
+                    for p, q in zip(ours, theirs):
+                        g = self.randn(*p.shape, dtype=torch.float64)
+                        p.grad, q.grad = g.clone(), g.clone()
+                    opt.step()
+                    ref.step()
+                    for p, q in zip(ours, theirs):
+                        self.assertEqual(p.dtype, torch.float64)
+                        err = rel_err(p.detach(), q.detach())
+                        worst = max(worst, err)
+                        self.assertLessEqual(err, 1e-12, "step %d" % step)
+                for p, q in zip(ours, theirs):
+                    for k, v in ref.state[q].items():
+                        if k == "step":
+                            continue
+                        self.assertEqual(opt.state[p][k].dtype, torch.float64)
+                        self.assertLessEqual(rel_err(opt.state[p][k], v),
+                                             1e-12, k)
+                print("float64 %s amsgrad=%d maximize=%d: worst relative "
+                      "error %.2e" % (mode, ams, maxi, worst))
+
+    def test_float32_and_float64_groups_side_by_side(self):
+        ours64, theirs64 = self.float64_twins()
+        ours32, theirs32 = self.twin_params()
+        opt = self.optimd([{"params": ours32}, {"params": ours64}], lr=1e-2)
+        ref = torch.optim.AdamW([{"params": theirs32}, {"params": theirs64}],
+                                lr=1e-2)
+        for step in range(50):
+            for p, q in zip(ours32 + ours64, theirs32 + theirs64):
+                g = self.randn(*p.shape, dtype=p.dtype)
+                p.grad, q.grad = g.clone(), g.clone()
+            opt.step()
+            ref.step()
+            for p, q in zip(ours32, theirs32):
+                self.assertLessEqual(rel_err(p.detach(), q.detach()), 1e-6)
+            for p, q in zip(ours64, theirs64):
+                self.assertLessEqual(rel_err(p.detach(), q.detach()), 1e-12)
+        self.assertEqual(opt.state[ours32[0]]["exp_avg"].dtype, torch.float32)
+        self.assertEqual(opt.state[ours64[0]]["exp_avg"].dtype, torch.float64)
+
+    def test_float64_state_dict_crosses_to_torch_and_back(self):
+        ours, theirs = self.float64_twins()
+        opt = self.optimd(ours, lr=1e-2)
+        for _ in range(5):
+            for p in ours:
+                p.grad = self.randn(*p.shape, dtype=torch.float64)
+            opt.step()
+        # Into torch: its state dict is float64 as torch's own would be.
+        with torch.no_grad():
+            for p, q in zip(ours, theirs):
+                q.copy_(p)
+        ref = torch.optim.AdamW(theirs, lr=1e-2)
+        ref.load_state_dict(opt.state_dict())
+        # And back into a new optimd optimizer.
+        again = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+        opt2 = self.optimd(again, lr=1e-2)
+        opt2.load_state_dict(ref.state_dict())
+        for _ in range(5):
+            for p, q, r in zip(ours, theirs, again):
+                g = self.randn(*p.shape, dtype=torch.float64)
+                p.grad, q.grad, r.grad = g.clone(), g.clone(), g.clone()
+            for o in (opt, ref, opt2):
+                o.step()
+        for p, q, r in zip(ours, theirs, again):
+            self.assertLessEqual(rel_err(p.detach(), q.detach()), 1e-12)
+            self.assertTrue(torch.equal(p.detach(), r.detach()))
+
+    def test_float64_refusals_are_clear(self):
+        p = torch.nn.Parameter(self.randn(4).double())
+        with self.assertRaisesRegex(optimd.InvalidArgumentError,
+                                    "keeps float64 moments"):
+            self.optimd([p], exp_avg_dtype=torch.bfloat16)
+        with self.assertRaisesRegex(optimd.InvalidArgumentError,
+                                    "no fp32 master"):
+            self.optimd([p], master_weights=True)
+
+
 class Precisions(DaemonTest):
     def test_low_precision_params_with_fp32_master(self):
         for dtype in (torch.bfloat16, torch.float16):

@@ -28,6 +28,7 @@ DTYPES = {
     torch.float32: pb.DTYPE_FLOAT32,
     torch.bfloat16: pb.DTYPE_BFLOAT16,
     torch.float16: pb.DTYPE_FLOAT16,
+    torch.float64: pb.DTYPE_FLOAT64,
 }
 
 

@@ -44,11 +44,12 @@ import torch
 from optimd._layout import from_memory_shape
 
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16,
-           "F16": torch.float16, "I16": torch.int16, "U8": torch.uint8}
+           "F16": torch.float16, "F64": torch.float64, "I16": torch.int16,
+           "U8": torch.uint8}
 
 
 _SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16",
-                       "float16": "F16", "block8": "U8"}
+                       "float16": "F16", "float64": "F64", "block8": "U8"}
 
 # block8 moments (core/block8.h): elements per scale.
 _BLOCK8_ELEMENTS = 256

@@ -20,7 +20,9 @@ param_groups (hyperparameters, amsgrad and maximize, parameters added,
 removed or unfrozen: a parameter taken out keeps its state for a return);
 lazy parameters once materialized; writes to optimizer.state, and state
 tensors held across steps (updated in place); parameters moved to another
-device or converted to bf16 or fp16 after construction; channels_last and
+device or converted to bf16, fp16 or float64 after construction; float64
+parameters (AdamW and Adam: stepped in float64 with float64 moments, as
+torch steps them; exp_avg_dtype applies to the other dtypes); channels_last and
 other dense layouts (kept); sparse gradients (torch's RuntimeError);
 inf and NaN gradients, which reach the weights as in torch's step (with
 max_grad_norm, as after torch's clip_grad_norm_: a NaN norm makes every
@@ -32,13 +34,22 @@ torch's step does.
 
 Differences from torch.optim.AdamW, all deliberate (README, "Deliberate
 differences"):
-  * float64 parameters raise, at construction or, after model.double(), at
-    the next step (the daemon steps fp32, bf16 and fp16).
+  * After model.double() the state is carried over cast to float64 (as
+    torch's load_state_dict casts it), so the moments are float64 from
+    then on; torch's own step would go on with float32 moments.
+  * SGD and Lion raise TypeError for float64 parameters (the daemon has a
+    float64 kernel for AdamW and Adam only).
   * A parameter listed twice in a group raises (torch steps it twice per
     step; the daemon keeps one state per tensor), unless under two names:
     a tied weight, registered once with the second name as its alias
-    (optimd/_names.py); parameters on several devices raise too (a
-    session lives on one device).
+    (optimd/_names.py).
+  * Parameters on several devices (CPU and CUDA, cuda:0 and cuda:1), which
+    torch's optimizers take, raise ValueError naming each device's
+    parameters: at construction (nothing is left in the daemon), at
+    add_param_group (param_groups stay as they were) or at the step after
+    a parameter moved. An optimizer's session lives on one device, where
+    the daemon keeps its state and writes the updated parameters; make one
+    optimizer per device instead.
   * A parameter not dense in memory (a view with gaps, base[:, ::2], or an
     expanded tensor) raises ValueError: the daemon steps each parameter as
     one run of memory; make it contiguous.
@@ -194,6 +205,9 @@ class _DaemonOptimizer(torch.optim.Optimizer):
 
     # Whether the optimizer's state may be block8 (AdamW only).
     _takes_block8 = False
+    # Whether it steps float64 parameters (AdamW only: the daemon has a
+    # float64 kernel for AdamW alone).
+    _takes_float64 = False
 
     @classmethod
     def _check_options(cls, torch_options, state_dtype):
@@ -300,12 +314,16 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         return self._names.strip(params)
 
     def _check_devices(self):
-        devices = {p.device for g in self.param_groups for p in g["params"]}
-        if len(devices) > 1:
-            raise ValueError("optimd.torch: all parameters must be on "
-                             "one device, got %s" %
-                             ", ".join(sorted(str(d) for d in devices)))
-        device = devices.pop() if devices else torch.device("cpu")
+        """The one device of every parameter; raises ValueError naming the
+        parameters of each device when they are on several."""
+        by_device = {}
+        for gi, g in enumerate(self.param_groups):
+            for pi, p in enumerate(g["params"]):
+                by_device.setdefault(p.device, []).append(
+                    self._names.get(id(p), "%d.%d" % (gi, pi)))
+        if len(by_device) > 1:
+            raise _several_devices_error(type(self).__name__, by_device)
+        device = next(iter(by_device), torch.device("cpu"))
         if device.type not in ("cpu", "cuda"):
             raise ValueError("optimd.torch supports CPU and CUDA "
                              "parameters, not %s" % device)
@@ -317,9 +335,16 @@ class _DaemonOptimizer(torch.optim.Optimizer):
             param_group["params"] = self._strip_names(param_group["params"])
         super().add_param_group(param_group)
         if self._ready:
-            self._check_devices()
             gi = len(self.param_groups) - 1
-            self._register_group(gi, self.param_groups[gi], existing=False)
+            try:
+                self._check_devices()
+                self._register_group(gi, self.param_groups[gi],
+                                     existing=False)
+            except BaseException:
+                # Refused: the optimizer stays as it was, no group half
+                # added (one in param_groups that the daemon never steps).
+                self.param_groups.pop()
+                raise
 
     def _group_request(self, gi, group, tensors, seg_p):
         request = pb.RegisterGroupRequest(group_id=str(gi))
@@ -333,8 +358,12 @@ class _DaemonOptimizer(torch.optim.Optimizer):
             request.layout.master_weights = pb.MASTER_WEIGHTS_FP32
         elif mw is False:
             request.layout.master_weights = pb.MASTER_WEIGHTS_NONE
-        request.layout.moment_dtype = _MOMENT_DTYPES[
-            group.get(self._state_dtype_key, torch.float32)]
+        state_dtype = group.get(self._state_dtype_key, torch.float32)
+        # float32 (the default) is left unspecified: the daemon then keeps
+        # a float64 parameter's moments in float64, as torch does.
+        request.layout.moment_dtype = (
+            pb.DTYPE_UNSPECIFIED if state_dtype is torch.float32
+            else _MOMENT_DTYPES[state_dtype])
         assign_stages([s for s, _ in tensors])
         if self._overlap is not None:
             self._overlap.set_stages([s for s, _ in tensors])
@@ -424,9 +453,14 @@ class _DaemonOptimizer(torch.optim.Optimizer):
             name = self._names.get(id(p), "%d.%d" % (gi, pi))
             if p.dtype not in DTYPES:
                 raise TypeError(
-                    "optimd.torch supports float32, bfloat16 and "
-                    "float16 parameters; parameter %s is %s" %
+                    "optimd.torch supports float32, bfloat16, float16 and "
+                    "float64 parameters; parameter %s is %s" %
                     (name, p.dtype))
+            if p.dtype == torch.float64 and not self._takes_float64:
+                raise TypeError(
+                    "optimd.torch.%s steps float32, bfloat16 and float16 "
+                    "parameters; parameter %s is float64 (optimd.torch.AdamW "
+                    "and Adam step float64)" % (type(self).__name__, name))
             if p.is_sparse:
                 raise TypeError("optimd.torch does not support sparse "
                                 "parameters")
@@ -526,8 +560,11 @@ class _DaemonOptimizer(torch.optim.Optimizer):
                  if s.numel and s.param.data_ptr() != s.pview.data_ptr()]
         if any(s.param.dtype != s.pview.dtype and s.param.dtype in DTYPES and
                s.param.shape == s.pview.shape for s in moved):
-            # model.half() or .bfloat16() after construction: followed
-            # (registered anew in the new dtype, the state carried).
+            # model.half(), .bfloat16() or .double() after construction:
+            # followed (registered anew in the new dtype, the state carried
+            # over and cast to it, as torch's load_state_dict casts state).
+            for gi, group in enumerate(self.param_groups):
+                self._check_group(gi, group)  # before the session closes
             self._reopen({self._device})
             return
         for g in self._groups:
@@ -535,9 +572,8 @@ class _DaemonOptimizer(torch.optim.Optimizer):
                 p = s.param
                 if p.data_ptr() != s.pview.data_ptr() and s.numel:
                     if p.dtype != s.pview.dtype or p.shape != s.pview.shape:
-                        # e.g. model.double() after construction: torch
-                        # would go on in float64, which optimd does not
-                        # step; we cannot silently.
+                        # A dtype the daemon does not step, or a new
+                        # shape: we cannot go on silently.
                         raise TypeError(
                             "parameter %s is now %s %s; it was registered "
                             "as %s %s. Convert the model before creating "
@@ -557,9 +593,12 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         are, and carries the state over (as torch's optimizer would go on
         with the changed parameters)."""
         if len(devices) > 1:
-            raise ValueError(
-                "the parameters are now on %s; optimd.torch needs "
-                "them on one device" % ", ".join(sorted(map(str, devices))))
+            by_device = {}
+            for g in self._groups:
+                for s in g["tensors"]:
+                    by_device.setdefault(s.param.device, []).append(s.name)
+            raise _several_devices_error(type(self).__name__, by_device,
+                                         now=True)
         device = devices.pop()
         if device.type not in ("cpu", "cuda"):
             raise ValueError("the parameters moved to %s; optimd.torch "
@@ -718,8 +757,10 @@ class _DaemonOptimizer(torch.optim.Optimizer):
                     self._client.get_state(metadata_only=True).groups}
         budget, batch, batches = 256 << 20, [], []
         size = 0
-        sizes = {s.name: s.numel * 16 for g in self._groups
-                 for s in g["tensors"]}
+        # A master and up to three state slots, of 4 bytes per element (8
+        # for float64 parameters).
+        sizes = {s.name: s.numel * 4 * max(4, s.param.element_size())
+                 for g in self._groups for s in g["tensors"]}
         for n in names:
             if batch and size + sizes[n] > budget:
                 batches.append(batch)
@@ -752,8 +793,9 @@ class _DaemonOptimizer(torch.optim.Optimizer):
                     value = view_like(_blob_tensor(t), s.param).to(
                         s.param.device)
                     if kind == "master":
-                        # fp32 parameters need no master in torch's format.
-                        if s.param.dtype == torch.float32:
+                        # fp32 and float64 parameters need no master in
+                        # torch's format.
+                        if s.param.dtype in (torch.float32, torch.float64):
                             continue
                     entry[kind] = value
                 out[s.param] = entry
@@ -1003,7 +1045,9 @@ class AdamW(_DaemonOptimizer):
       exp_avg_dtype: torch.float32 or torch.bfloat16 moments, or
         optimd.torch.BLOCK8: both moments in 8 bits with one fp32 scale per
         256 elements (2 bytes per parameter; not with amsgrad). State dicts
-        hold them as fp32, as torch's AdamW does.
+        hold them as fp32, as torch's AdamW does. float64 parameters keep
+        float64 moments whatever the default float32 says, and refuse the
+        others.
       max_grad_norm: clip by the gradient norm (0: off): this rank's, or
         the job's with gradient_sharding.
       gradient_sharding: with world_size > 1, how the job's gradients lie
@@ -1047,10 +1091,15 @@ class AdamW(_DaemonOptimizer):
     registered once, its other names kept as aliases that checkpoints list
     and exports load by (optimd/_names.py).
 
+    float64 parameters are stepped in float64 with float64 moments, as
+    torch steps them (a group may mix them with float32 ones);
+    exp_avg_dtype applies to float32, bf16 and fp16 parameters.
+
     Where it differs from torch.optim.AdamW (README, "Deliberate
-    differences"): float64 parameters, a
-    parameter listed twice in a group, parameters on several devices and
-    parameters not dense in memory raise.
+    differences"): a parameter listed twice in a group, parameters on
+    several devices (one optimizer per device instead) and parameters not
+    dense in memory raise; after model.double() the moments are cast to
+    float64 (torch's step would keep them float32).
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
@@ -1088,6 +1137,7 @@ class AdamW(_DaemonOptimizer):
 
     _kind = pb.OPTIMIZER_KIND_ADAMW
     _takes_block8 = True
+    _takes_float64 = True
     # Whose keyword defaults the param_groups carry.
     _torch_class = torch.optim.AdamW
 
@@ -1341,6 +1391,25 @@ class _CudaSegment:
 
     def zero_(self):
         self.buffer.zero_()
+
+
+def _several_devices_error(cls_name, by_device, now=False):
+    """Parameters on several devices: torch's optimizers take them, an
+    optimd optimizer's session lives on one device (the daemon keeps its
+    state there and writes the updated parameters into that device's
+    memory), so it refuses them, naming a few parameters of each device."""
+    def names(ps):
+        return ", ".join(ps[:3]) + (" and %d more" % (len(ps) - 3)
+                                    if len(ps) > 3 else "")
+    where = "; ".join("%s: %s" % (d, names(ps)) for d, ps in
+                      sorted(by_device.items(), key=lambda kv: str(kv[0])))
+    return ValueError(
+        "optimd.torch.%s: the parameters are %son several devices (%s); an "
+        "optimizer's daemon session lives on one device, so all parameters "
+        "must be on one device. Make one optimizer per device (e.g. "
+        "%s(cpu_params) and %s(cuda_params)), or move the model to one "
+        "device" % (cls_name, "now " if now else "", where, cls_name,
+                    cls_name))
 
 
 def _not_dense_error(name, p):
