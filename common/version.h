@@ -18,7 +18,8 @@ inline constexpr char kVersion[] = "0.5.0";
 //    agree on the gradient norm and skip, CPU backend).
 // 5: gradient_sharding on CUDA through NCCL (nccl_unique_id).
 // 6: TensorSpec.aliases (the other names of a tied weight).
-inline constexpr uint32_t kApiRevision = 6;
+// 7: CreateSessionRequest.shard_state (ZeRO-sharded state for DDP jobs).
+inline constexpr uint32_t kApiRevision = 7;
 
 }  // namespace optimd
 
