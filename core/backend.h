@@ -175,6 +175,9 @@ class Backend {
     uint32_t rank = 0;
     uint32_t world_size = 1;
     GradientSharding sharding = GradientSharding::kNone;
+    // ZeRO (SessionIdentity::shard_state): every rank's sum of squares
+    // counts (each covers its part), and steps gather the parts.
+    bool shard_state = false;
     std::string unique_id;
     absl::Duration timeout = absl::Seconds(600);
   };

@@ -119,8 +119,9 @@ absl::StatusOr<SessionRegistry::Created> SessionRegistry::Create(
     }
     created.session->set_done_event(done_event);
     if (NeedsDeviceJob(identity, **backend)) {
-      Backend::DeviceJob job{identity.rank, identity.world_size,
-                             identity.sharding, nccl_unique_id, rank_timeout_};
+      Backend::DeviceJob job{identity.rank,     identity.world_size,
+                             identity.sharding, identity.shard_state,
+                             nccl_unique_id,    rank_timeout_};
       OPTIMD_RETURN_IF_ERROR(created.session->JoinDeviceJob(job));
     }
     created.session->set_resume_secret(

@@ -31,7 +31,8 @@ TEST(StateShardTest, RanksCoverTheFlatSpaceOnceInOrder) {
     }
     EXPECT_EQ(total_count, 655u);
     for (size_t f = 1; f < owner.size(); ++f) {
-      ASSERT_LE(owner[f - 1], owner[f]) << "ranges are contiguous in rank order";
+      ASSERT_LE(owner[f - 1], owner[f])
+          << "ranges are contiguous in rank order";
     }
   }
 }

@@ -182,6 +182,11 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         gradient_sharding = _zero_sharding(shard_state, gradient_sharding,
                                            world_size)
         self._shard_state = bool(shard_state)
+        if shard_state and overlap:
+            raise ValueError(
+                "optimd.torch: overlap=True releases parameters stage by "
+                "stage, before a step with shard_state=True has gathered "
+                "the other ranks' parts; use one or the other")
         if job_id is None and gradient_sharding and world_size > 1:
             job_id = _shared_job_id()
         job = job_id or "%s-%d-%s" % (socket.gethostname(), os.getpid(),
