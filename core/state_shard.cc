@@ -47,6 +47,27 @@ std::vector<ShardRange> PartitionGroup(const std::vector<uint64_t>& numels,
   return out;
 }
 
+std::vector<OwnedPart> PartitionAll(const std::vector<uint64_t>& numels,
+                                    uint32_t world_size) {
+  uint64_t total = 0;
+  for (uint64_t n : numels) total += n;
+  std::vector<OwnedPart> out;
+  size_t i = 0;        // the tensor holding the flat element `at`
+  uint64_t start = 0;  // that tensor's first flat element
+  for (uint32_t r = 0; r < world_size; ++r) {
+    uint64_t at = Boundary(total, r, world_size);
+    const uint64_t hi = Boundary(total, r + 1, world_size);
+    while (at < hi) {
+      while (start + numels[i] <= at) start += numels[i++];
+      const uint64_t end = std::min(start + numels[i], hi);
+      out.push_back(OwnedPart{r, static_cast<uint32_t>(i),
+                              ShardRange{at - start, end - at}});
+      at = end;
+    }
+  }
+  return out;
+}
+
 BufferHandle SliceHandle(const BufferHandle& full, ShardRange range,
                          uint64_t element_bytes) {
   BufferHandle out = full;

@@ -35,6 +35,17 @@ struct ShardRange {
 std::vector<ShardRange> PartitionGroup(const std::vector<uint64_t>& numels,
                                        uint32_t rank, uint32_t world_size);
 
+// Every rank's parts at once, in the order of (rank, tensor): the same
+// parts as PartitionGroup gives each rank, with their rank and tensor
+// index, in time linear in tensors + world_size.
+struct OwnedPart {
+  uint32_t rank = 0;
+  uint32_t tensor = 0;
+  ShardRange range;
+};
+std::vector<OwnedPart> PartitionAll(const std::vector<uint64_t>& numels,
+                                    uint32_t world_size);
+
 // `full` narrowed to elements [range.begin, range.begin + range.count) of
 // `element_bytes` each; a handle of kind kNone stays as it is.
 BufferHandle SliceHandle(const BufferHandle& full, ShardRange range,

@@ -37,6 +37,29 @@ TEST(StateShardTest, RanksCoverTheFlatSpaceOnceInOrder) {
   }
 }
 
+// PartitionAll lists exactly the parts PartitionGroup gives each rank.
+TEST(StateShardTest, PartitionAllAgreesWithEachRanksPartition) {
+  const std::vector<uint64_t> numels = {37, 0, 528, 5, 84, 1, 0};
+  for (uint32_t world : {1u, 2u, 3u, 7u, 1000u}) {
+    std::vector<OwnedPart> want;
+    for (uint32_t r = 0; r < world; ++r) {
+      const auto parts = PartitionGroup(numels, r, world);
+      for (uint32_t i = 0; i < parts.size(); ++i) {
+        if (parts[i].count > 0) want.push_back(OwnedPart{r, i, parts[i]});
+      }
+    }
+    const std::vector<OwnedPart> got = PartitionAll(numels, world);
+    ASSERT_EQ(got.size(), want.size()) << "world " << world;
+    for (size_t k = 0; k < got.size(); ++k) {
+      EXPECT_EQ(got[k].rank, want[k].rank);
+      EXPECT_EQ(got[k].tensor, want[k].tensor);
+      EXPECT_EQ(got[k].range.begin, want[k].range.begin);
+      EXPECT_EQ(got[k].range.count, want[k].range.count);
+    }
+  }
+  EXPECT_TRUE(PartitionAll({0, 0}, 4).empty());
+}
+
 TEST(StateShardTest, TwoRanksSplitATensorAtTheMiddle) {
   // 10 + 4 + 6 = 20 elements: rank 0 owns [0, 10), rank 1 [10, 20).
   const std::vector<uint64_t> numels = {10, 4, 6};

@@ -196,31 +196,27 @@ absl::Status NcclJob::EndGatherGroupLocked() {
 absl::Status NcclJob::EnqueueGatherLocked(const std::vector<Group*>& groups,
                                           cudaStream_t stream) {
   OPTIMD_RETURN_IF_ERROR(ended_);
-  const uint32_t world = job_.world_size;
   int ops = 0;
   for (const Group* g : groups) {
     std::vector<uint64_t> numels;
     numels.reserve(g->tensors.size());
     for (const TensorEntry& t : g->tensors) numels.push_back(t.full_numel);
-    for (uint32_t r = 0; r < world; ++r) {
-      const std::vector<ShardRange> parts = PartitionGroup(numels, r, world);
-      for (size_t i = 0; i < parts.size(); ++i) {
-        const TensorEntry& t = g->tensors[i];
-        if (parts[i].count == 0 || t.frozen || !t.sharded) continue;
-        const uint64_t size = DTypeSize(t.layout.param_dtype);
-        uint8_t* p = t.full_param.data + parts[i].begin * size;
-        if (ops == 0) ncclGroupStart();
-        const ncclResult_t res =
-            ncclBroadcast(p, p, parts[i].count * size, ncclUint8,
-                          static_cast<int>(r), comm_, stream);
-        if (res != ncclSuccess && res != ncclInProgress) {
-          ncclGroupEnd();
-          return NcclError(res, absl::StrCat(Name(), ": the parameter gather"));
-        }
-        if (++ops == kGatherOpsPerGroup) {
-          OPTIMD_RETURN_IF_ERROR(EndGatherGroupLocked());
-          ops = 0;
-        }
+    for (const OwnedPart& part : PartitionAll(numels, job_.world_size)) {
+      const TensorEntry& t = g->tensors[part.tensor];
+      if (t.frozen || !t.sharded) continue;
+      const uint64_t size = DTypeSize(t.layout.param_dtype);
+      uint8_t* p = t.full_param.data + part.range.begin * size;
+      if (ops == 0) ncclGroupStart();
+      const ncclResult_t res =
+          ncclBroadcast(p, p, part.range.count * size, ncclUint8,
+                        static_cast<int>(part.rank), comm_, stream);
+      if (res != ncclSuccess && res != ncclInProgress) {
+        ncclGroupEnd();
+        return NcclError(res, absl::StrCat(Name(), ": the parameter gather"));
+      }
+      if (++ops == kGatherOpsPerGroup) {
+        OPTIMD_RETURN_IF_ERROR(EndGatherGroupLocked());
+        ops = 0;
       }
     }
   }

@@ -7,6 +7,7 @@ both ranks, checkpoints saved and loaded per rank, and the bad requests.
 import os
 import shutil
 import tempfile
+import threading
 import unittest
 
 import torch
@@ -177,7 +178,64 @@ class ZeroDdpJob(unittest.TestCase):
                     self.assertTrue(torch.equal(p, q))
 
 
+def run_threads(fns):
+    """Runs each fn in a thread of its own (ranks of one job stepping
+    together); re-raises the first error."""
+    errors = [None] * len(fns)
+
+    def call(i):
+        try:
+            fns[i]()
+        except BaseException as e:  # noqa: B902 (reported below)
+            errors[i] = e
+
+    threads = [threading.Thread(target=call, args=(i,))
+               for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for e in errors:
+        if e is not None:
+            raise e
+
+
 class ZeroRequests(DaemonTestCase):
+    daemon_flags = ["--rank_timeout_s=20"]
+
+    def test_a_checkpoint_loads_only_into_the_same_world_size(self):
+        job = self.id()
+        model = make_model()
+        params = [[torch.nn.Parameter(p.detach().clone())
+                   for p in model.parameters()] for _ in (0, 1)]
+        opts = [AdamW(params[r], lr=LR, address=self.daemon.address,
+                      job_id=job, rank=r, world_size=2, shard_state=True)
+                for r in (0, 1)]
+        for o in opts:
+            self.addCleanup(o.close)
+        for ps in params:
+            for p in ps:
+                p.grad = torch.ones_like(p)
+        run_threads([opts[0].step, opts[1].step])
+        ckpt = tempfile.mkdtemp(prefix="optimd-zero-ckpt-")
+        self.addCleanup(shutil.rmtree, ckpt, True)
+        for o in opts:
+            o.save_checkpoint(ckpt)
+        with self.assertRaises(NotImplementedError):
+            opts[0].state_dict()
+        # Rank 0 of three keeps a third: rank 0 of two's file does not fit.
+        three = AdamW([torch.nn.Parameter(p.detach().clone())
+                       for p in model.parameters()],
+                      lr=LR, address=self.daemon.address, job_id=job + "-3",
+                      rank=0, world_size=3, shard_state=True)
+        self.addCleanup(three.close)
+        with self.assertRaises(optimd.FailedPreconditionError) as e:
+            three.load_checkpoint(ckpt)
+        # Rank 0 of two holds 4284 of 0.weight's 6144 elements; of three,
+        # 2856.
+        self.assertIn("with 4284 elements", str(e.exception))
+        self.assertIn("registered: 2856 elements", str(e.exception))
+
     def test_shard_state_needs_ranks_and_replicated_gradients(self):
         client = optimd.Client(self.daemon.address)
         self.addCleanup(client.close)
