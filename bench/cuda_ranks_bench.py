@@ -95,9 +95,9 @@ def _zero_rank(rank, init_file, address, params, tensors, steps, out):
     torch.cuda.set_device(rank)
     nccl = dist.new_group(backend="nccl")
     per = params // tensors
+    torch.manual_seed(0)  # the same model and gradient on both ranks
     ps = [torch.nn.Parameter(torch.randn(per, device="cuda") * 0.02)
           for _ in range(tensors)]
-    torch.manual_seed(0)  # the same gradient on both ranks, as after DDP
     for p in ps:
         p.grad = torch.randn_like(p)
 

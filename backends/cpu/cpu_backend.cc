@@ -291,7 +291,6 @@ absl::StatusOr<StepOutcome> CpuBackend::Step(SessionContext* session,
         "step: a trainer's shared-memory segment shrank during the update; "
         "the state is partly updated and must be loaded from a checkpoint");
   }
-  if (!gathered.ok()) return gathered;
   for (Group* g : groups) {
     ++g->step;
     for (uint32_t e = 0; e < g->plan.entries.size(); ++e) {
@@ -302,6 +301,9 @@ absl::StatusOr<StepOutcome> CpuBackend::Step(SessionContext* session,
   }
   out.steps_applied = ++totals->applied;
   out.steps_skipped = totals->skipped;
+  // This rank's part was stepped (its counters say so); a failed gather
+  // leaves other ranks' parts of its trainer's parameters stale.
+  if (!gathered.ok()) return gathered;
   return out;
 }
 

@@ -203,6 +203,43 @@ def run_threads(fns):
 class ZeroRequests(DaemonTestCase):
     daemon_flags = ["--rank_timeout_s=20"]
 
+    def test_every_layout_steps_as_one_unsharded_session_bit_for_bit(self):
+        """Without clipping each element's update is the same arithmetic
+        whichever session holds it: two ranks with sharded state end with
+        the bits of one session holding everything (fp32 parameters,
+        bf16 with an fp32 master, bf16 with int16 remainders)."""
+        for dtype, extra in ((torch.float32, {}),
+                             (torch.bfloat16, {}),
+                             (torch.bfloat16,
+                              {"store_param_remainders": True})):
+            model = make_model().to(dtype)
+            grads = [[torch.randn_like(p) for p in model.parameters()]
+                     for _ in range(4)]
+
+            def fresh():
+                return [torch.nn.Parameter(p.detach().clone())
+                        for p in model.parameters()]
+            job = "%s-%s-%s" % (self.id(), dtype, sorted(extra))
+            whole = fresh()
+            one = AdamW(whole, lr=LR, address=self.daemon.address,
+                        job_id=job + "-one", **extra)
+            parts = [fresh(), fresh()]
+            opts = [AdamW(parts[r], lr=LR, address=self.daemon.address,
+                          job_id=job, rank=r, world_size=2,
+                          shard_state=True, **extra) for r in (0, 1)]
+            for g in grads:
+                for ps in [whole] + parts:
+                    for p, gi in zip(ps, g):
+                        p.grad = gi.clone()
+                one.step()
+                run_threads([opts[0].step, opts[1].step])
+            for r in (0, 1):
+                for p, q in zip(parts[r], whole):
+                    self.assertTrue(torch.equal(p, q), "%s %s" % (dtype,
+                                                                 extra))
+            for o in [one] + opts:
+                o.close()
+
     def test_a_checkpoint_loads_only_into_the_same_world_size(self):
         job = self.id()
         model = make_model()
