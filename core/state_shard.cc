@@ -9,6 +9,9 @@
 namespace optimd {
 namespace {
 
+// Session::CheckTensor's limit on a tensor's element count.
+constexpr uint64_t kMaxWholeNumel = uint64_t{1} << 48;
+
 // floor(total * part / parts) without overflow.
 uint64_t Boundary(uint64_t total, uint32_t part, uint32_t parts) {
   return static_cast<uint64_t>(static_cast<unsigned __int128>(total) * part /
@@ -83,9 +86,12 @@ absl::StatusOr<GroupSpec> ShardGroupSpec(const GroupSpec& spec, uint32_t rank,
   std::vector<uint64_t> numels;
   numels.reserve(spec.tensors.size());
   for (const TensorSpec& t : spec.tensors) {
-    if (t.numel > (uint64_t{1} << 56)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor '", t.name, "': numel ", t.numel, " is too large"));
+    // The whole tensor is held to the limit a session puts on any tensor
+    // (Session::CheckTensor sees only this rank's part).
+    if (t.numel > kMaxWholeNumel) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor '", t.name, "': numel ", t.numel,
+                       " exceeds the limit ", kMaxWholeNumel));
     }
     if (t.numel > 0) {
       OPTIMD_RETURN_IF_ERROR(
