@@ -19,7 +19,8 @@ inline constexpr char kVersion[] = "0.5.0";
 // 5: gradient_sharding on CUDA through NCCL (nccl_unique_id).
 // 6: TensorSpec.aliases (the other names of a tied weight).
 // 7: DTYPE_FLOAT64 parameters, gradients and moments (AdamW).
-inline constexpr uint32_t kApiRevision = 7;
+// 8: CreateSessionRequest.shard_state (ZeRO-sharded state for DDP jobs).
+inline constexpr uint32_t kApiRevision = 8;
 
 }  // namespace optimd
 

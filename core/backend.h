@@ -76,6 +76,13 @@ struct StepOptions {
   RankExchange* exchange = nullptr;
   uint32_t rank = 0;
   absl::Time exchange_deadline;
+  // ZeRO (SessionIdentity::shard_state): each group's tensor entries are
+  // this rank's parts (TensorEntry::sharded); after the update the backend
+  // gathers every rank's updated parts into the trainer's whole
+  // parameters (TensorEntry::full_param): CPU through `exchange`, CUDA
+  // through the job's communicator, so that the trainer reads no
+  // parameter before every rank's part is written.
+  bool gather_params = false;
   // Set to true by the backend once it contributed to the exchange (the
   // session contributes a non-finite sum for a step that failed before, so
   // that the other ranks skip that step instead of waiting for this one).
@@ -168,6 +175,9 @@ class Backend {
     uint32_t rank = 0;
     uint32_t world_size = 1;
     GradientSharding sharding = GradientSharding::kNone;
+    // ZeRO (SessionIdentity::shard_state): every rank's sum of squares
+    // counts (each covers its part), and steps gather the parts.
+    bool shard_state = false;
     std::string unique_id;
     absl::Duration timeout = absl::Seconds(600);
   };

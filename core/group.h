@@ -122,6 +122,16 @@ struct TensorEntry {
   std::vector<std::string> aliases;
   BufferRef param;  // null data for zero-element tensors
   BufferRef grad;   // null for frozen and zero-element tensors
+  // ZeRO (a session with shard_state, core/state_shard.h): this entry is
+  // elements [shard_begin, shard_begin + numel) of a trainer tensor of
+  // full_numel elements; `param` and `grad` cover those elements only, and
+  // `full_param` is the trainer's whole parameter, into which the other
+  // ranks' updated elements are gathered after each step (null data when
+  // full_numel is 0). Written at registration and by UpdateBuffers.
+  bool sharded = false;
+  uint64_t shard_begin = 0;
+  uint64_t full_numel = 0;
+  BufferRef full_param;
   StateSlice master;
   // The optimizer's state slots, the first layout.state_slots of them
   // allocated (none for frozen tensors); core/optimizer.h names them.

@@ -84,5 +84,85 @@ TEST(RankExchangeTest, AbortEndsWaitsAtOnce) {
             absl::StatusCode::kAborted);
 }
 
+// Sharded state: each rank's sum covers its part, so the job's is the sum
+// over ranks even though DDP's gradients are replicated.
+TEST(RankExchangeTest, ShardedStateSumsReplicatedGradients) {
+  RankExchange x("job", 2, GradientSharding::kReplicated, true);
+  for (const auto& r : Round(x, {2.0, 5.0})) EXPECT_EQ(*r, 7.0);
+}
+
+// Each rank publishes the bytes it updated; every rank copies the others'
+// into its own buffer, and none returns before all copies ended.
+TEST(RankExchangeTest, GatherCopiesEveryRanksPieces) {
+  constexpr uint32_t kRanks = 3;
+  RankExchange x("job", kRanks, GradientSharding::kReplicated, true);
+  // 9 bytes of one tensor; rank r owns bytes [3r, 3r + 3).
+  std::vector<std::vector<uint8_t>> buffers(kRanks, std::vector<uint8_t>(9));
+  for (int round = 1; round <= 5; ++round) {
+    std::vector<absl::Status> out(kRanks);
+    std::vector<std::thread> threads;
+    for (uint32_t r = 0; r < kRanks; ++r) {
+      threads.emplace_back([&, r] {
+        for (int k = 0; k < 3; ++k) buffers[r][3 * r + k] = round * 10 + r;
+        ParamPieces mine = {{0, 0, 3 * r, 3, buffers[r].data() + 3 * r}};
+        out[r] = x.Gather(
+            r, &mine, false,
+            [&](const std::vector<const ParamPieces*>& all) {
+              for (uint32_t q = 0; q < kRanks; ++q) {
+                if (q == r) continue;
+                for (const ParamPiece& p : *all[q]) {
+                  std::copy(p.data, p.data + p.bytes,
+                            buffers[r].data() + p.offset);
+                }
+              }
+              return absl::OkStatus();
+            },
+            Soon());
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (uint32_t r = 0; r < kRanks; ++r) {
+      ASSERT_TRUE(out[r].ok()) << out[r];
+      for (int b = 0; b < 9; ++b) {
+        EXPECT_EQ(buffers[r][b], round * 10 + b / 3) << "rank " << r;
+      }
+    }
+  }
+}
+
+// A rank whose update failed: nobody copies, every rank hears why.
+TEST(RankExchangeTest, GatherAfterAFailedUpdateCopiesNothing) {
+  RankExchange x("job", 2, GradientSharding::kReplicated, true);
+  std::vector<absl::Status> out(2);
+  bool copied = false;
+  std::vector<std::thread> threads;
+  for (uint32_t r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      ParamPieces none;
+      out[r] = x.Gather(
+          r, &none, r == 1,
+          [&](const std::vector<const ParamPieces*>&) {
+            copied = true;
+            return absl::OkStatus();
+          },
+          Soon());
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_FALSE(copied);
+  for (const absl::Status& s : out) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kAborted);
+    EXPECT_NE(s.message().find("rank(s) 1 "), std::string::npos) << s;
+  }
+  // A missing rank: the gather times out naming it.
+  ParamPieces none;
+  absl::Status late = x.Gather(
+      0, &none, false,
+      [](const std::vector<const ParamPieces*>&) { return absl::OkStatus(); },
+      absl::Now() + absl::Milliseconds(50));
+  EXPECT_EQ(late.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_NE(late.message().find("ranks 1 "), std::string::npos) << late;
+}
+
 }  // namespace
 }  // namespace optimd

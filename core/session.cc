@@ -376,6 +376,23 @@ absl::Status Session::MapTensors(const GroupSpec& spec,
   return absl::OkStatus();
 }
 
+absl::Status Session::MapWholeParams(const GroupSpec& whole,
+                                     const std::vector<ShardRange>& ranges,
+                                     Group* group) {
+  for (size_t i = 0; i < whole.tensors.size(); ++i) {
+    const TensorSpec& t = whole.tensors[i];
+    TensorEntry& e = group->tensors[i];
+    e.sharded = true;
+    e.shard_begin = ranges[i].begin;
+    e.full_numel = t.numel;
+    if (t.numel == 0) continue;
+    OPTIMD_ASSIGN_OR_RETURN(
+        e.full_param,
+        ResolveRegion(t.name, "param", t.param, t.numel, t.param_dtype));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
     const GroupSpec& spec, uint64_t* state_bytes) {
   if (spec.id.empty()) {
@@ -388,6 +405,15 @@ absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
         "group '", spec.id, "' is already registered in this session"));
   }
   OPTIMD_RETURN_IF_ERROR(CheckHyper(spec));
+  // ZeRO: the group as this rank keeps it, its part of every tensor.
+  std::vector<ShardRange> ranges;
+  GroupSpec part;
+  if (identity_.shard_state) {
+    OPTIMD_ASSIGN_OR_RETURN(
+        part,
+        ShardGroupSpec(spec, identity_.rank, identity_.world_size, &ranges));
+  }
+  const GroupSpec& kept = identity_.shard_state ? part : spec;
   auto group = std::make_unique<Group>();
   group->id = spec.id;
   group->hyper = spec.hyper;
@@ -398,9 +424,9 @@ absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
   names.session_names = &tensor_names_;
   names.session_aliases = &alias_names_;
   uint64_t bytes = 0, param_bytes = 0;
-  std::vector<Layout> layouts(spec.tensors.size());
-  for (size_t i = 0; i < spec.tensors.size(); ++i) {
-    OPTIMD_RETURN_IF_ERROR(CheckTensor(spec, spec.tensors[i], &names, &bytes,
+  std::vector<Layout> layouts(kept.tensors.size());
+  for (size_t i = 0; i < kept.tensors.size(); ++i) {
+    OPTIMD_RETURN_IF_ERROR(CheckTensor(kept, kept.tensors[i], &names, &bytes,
                                        &param_bytes, &layouts[i]));
   }
   if (names.group_aliases.size() >
@@ -421,7 +447,10 @@ absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
   param_bytes -= param_bytes_;
 
   // Pass 2: map buffers (cached per segment or allocation).
-  OPTIMD_RETURN_IF_ERROR(MapTensors(spec, layouts, group.get()));
+  OPTIMD_RETURN_IF_ERROR(MapTensors(kept, layouts, group.get()));
+  if (identity_.shard_state) {
+    OPTIMD_RETURN_IF_ERROR(MapWholeParams(spec, ranges, group.get()));
+  }
 
   // Pass 3: state memory, within the daemon's budget.
   OPTIMD_RETURN_IF_ERROR(
@@ -504,6 +533,11 @@ absl::Status Session::UpdateBuffersLocked(
     if (r.has_param) {
       new_mapping |= RetainIfReplaced(e.param.mapping, r.param.mapping);
       e.param = std::move(r.param);
+      if (e.sharded) {
+        new_mapping |=
+            RetainIfReplaced(e.full_param.mapping, r.full_param.mapping);
+        e.full_param = std::move(r.full_param);
+      }
     }
     if (r.has_grad) {
       new_mapping |= RetainIfReplaced(e.grad.mapping, r.grad.mapping);
@@ -560,6 +594,11 @@ absl::StatusOr<std::vector<Session::ResolvedUpdate>> Session::ResolveUpdates(
     ResolvedUpdate r;
     r.tensor = idx;
     r.absent = u.grad_absent && e.Steppable();
+    if (e.sharded) {
+      OPTIMD_RETURN_IF_ERROR(ResolveShardedUpdate(e, u, &r));
+      resolved.push_back(std::move(r));
+      continue;
+    }
     if (u.param.kind != BufferHandle::Kind::kNone && e.numel > 0) {
       OPTIMD_ASSIGN_OR_RETURN(r.param,
                               ResolveRegion(e.name, "param", u.param, e.numel,
@@ -577,12 +616,41 @@ absl::StatusOr<std::vector<Session::ResolvedUpdate>> Session::ResolveUpdates(
   return resolved;
 }
 
+absl::Status Session::ResolveShardedUpdate(const TensorEntry& e,
+                                           const BufferUpdate& u,
+                                           ResolvedUpdate* r) {
+  const ShardRange part{e.shard_begin, e.numel};
+  const uint64_t param_size = DTypeSize(e.layout.param_dtype);
+  if (u.param.kind != BufferHandle::Kind::kNone && e.full_numel > 0) {
+    OPTIMD_ASSIGN_OR_RETURN(
+        r->full_param, ResolveRegion(e.name, "param", u.param, e.full_numel,
+                                     e.layout.param_dtype));
+    if (e.numel > 0) {
+      r->param = r->full_param;
+      r->param.data += part.begin * param_size;
+      r->param.size = part.count * param_size;
+    }
+    r->has_param = true;
+  }
+  if (u.grad.kind != BufferHandle::Kind::kNone && e.Steppable()) {
+    const uint64_t grad_size = DTypeSize(e.layout.grad_dtype);
+    OPTIMD_RETURN_IF_ERROR(
+        CheckRegion(e.name, "grad", u.grad, e.full_numel * grad_size));
+    OPTIMD_ASSIGN_OR_RETURN(
+        r->grad,
+        ResolveRegion(e.name, "grad", SliceHandle(u.grad, part, grad_size),
+                      e.numel, e.layout.grad_dtype));
+    r->has_grad = true;
+  }
+  return absl::OkStatus();
+}
+
 void Session::RefreshMappings() {
   std::set<const void*> seen;
   mappings_.clear();
   for (const auto& g : groups_) {
     for (const TensorEntry& t : g->tensors) {
-      for (const BufferRef* r : {&t.param, &t.grad}) {
+      for (const BufferRef* r : {&t.param, &t.grad, &t.full_param}) {
         if (r->mapping != nullptr && seen.insert(r->mapping.get()).second) {
           mappings_.push_back(r->mapping);
         }
@@ -730,6 +798,7 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequestSpec& request,
   with_exchange.rank = identity_.rank;
   with_exchange.exchange_deadline = absl::Now() + rank_timeout_;
   with_exchange.exchanged = exchanged;
+  with_exchange.gather_params = identity_.shard_state;
   auto stepped = backend_->Step(context_.get(), step_groups_, with_exchange);
   if (!stepped.ok()) {
     // DATA_LOSS: the state was partly updated (a segment shrank mid-step).

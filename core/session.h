@@ -28,6 +28,7 @@
 #include "core/group.h"
 #include "core/rank_exchange.h"
 #include "core/state_budget.h"
+#include "core/state_shard.h"
 #include "core/tensor_aliases.h"
 
 namespace optimd {
@@ -41,6 +42,11 @@ struct SessionIdentity {
   // kSharded (and world_size > 1) the ranks agree on every step's norm and
   // skip (core/rank_exchange.h).
   GradientSharding sharding = GradientSharding::kNone;
+  // ZeRO (with world_size > 1 and replicated gradients): the session keeps
+  // optimizer state and master weights for its rank's part of each group
+  // only (core/state_shard.h), and each step gathers the other ranks'
+  // updated parts into the trainer's parameters.
+  bool shard_state = false;
 };
 
 struct RegisterResult {
@@ -288,6 +294,11 @@ class Session {
   absl::Status MapTensors(const GroupSpec& spec,
                           const std::vector<Layout>& layouts, Group* group)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // shard_state: marks group->tensors (this rank's parts `ranges` of the
+  // tensors of `whole`) as sharded and maps their whole parameters.
+  absl::Status MapWholeParams(const GroupSpec& whole,
+                              const std::vector<ShardRange>& ranges,
+                              Group* group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Group* FindGroup(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   const Group* FindGroup(const std::string& id) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -325,9 +336,14 @@ class Session {
   struct ResolvedUpdate {
     uint32_t tensor = 0;  // index into Group::tensors
     BufferRef param, grad;
+    BufferRef full_param;  // sharded tensors: the whole parameter
     bool has_param = false, has_grad = false;
     bool absent = false;  // the gradient goes away
   };
+  // ResolveUpdates' part for a sharded tensor `e`: the whole buffers are
+  // checked, this rank's part of them mapped.
+  absl::Status ResolveShardedUpdate(const TensorEntry& e, const BufferUpdate& u,
+                                    ResolvedUpdate* r);
   // Per tensor of `g`, its missed steps from a state load's tensor steps.
   static absl::StatusOr<std::vector<uint64_t>> MissedSteps(
       const Group& g, uint64_t step,

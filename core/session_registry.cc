@@ -55,6 +55,16 @@ absl::StatusOr<SessionRegistry::Created> SessionRegistry::Create(
     return absl::InvalidArgumentError(absl::StrCat(
         "device must be -1 (CPU) or a CUDA ordinal, got ", identity.device));
   }
+  if (identity.shard_state &&
+      (identity.world_size < 2 ||
+       identity.sharding != GradientSharding::kReplicated)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "shard_state splits the optimizer state of a DDP job across its "
+        "ranks: it needs world_size > 1 (got ",
+        identity.world_size, ") and gradient_sharding replicated (got ",
+        GradientShardingName(identity.sharding),
+        "): every rank registers its whole, all-reduced gradients"));
+  }
   auto backend = BackendFor(identity.device);
   if (!backend.ok()) return backend.status();
   if (!nccl_unique_id.empty() && !NeedsDeviceJob(identity, **backend)) {
@@ -109,8 +119,9 @@ absl::StatusOr<SessionRegistry::Created> SessionRegistry::Create(
     }
     created.session->set_done_event(done_event);
     if (NeedsDeviceJob(identity, **backend)) {
-      Backend::DeviceJob job{identity.rank, identity.world_size,
-                             identity.sharding, nccl_unique_id, rank_timeout_};
+      Backend::DeviceJob job{identity.rank,     identity.world_size,
+                             identity.sharding, identity.shard_state,
+                             nccl_unique_id,    rank_timeout_};
       OPTIMD_RETURN_IF_ERROR(created.session->JoinDeviceJob(job));
     }
     created.session->set_resume_secret(
@@ -143,15 +154,20 @@ absl::StatusOr<std::shared_ptr<RankExchange>> SessionRegistry::ExchangeFor(
   std::shared_ptr<RankExchange> x = exchanges_[identity.job_id].lock();
   if (x == nullptr) {
     x = std::make_shared<RankExchange>(identity.job_id, identity.world_size,
-                                       identity.sharding);
+                                       identity.sharding, identity.shard_state);
     exchanges_[identity.job_id] = x;
   } else if (x->world_size() != identity.world_size ||
-             x->sharding() != identity.sharding) {
+             x->sharding() != identity.sharding ||
+             x->shard_state() != identity.shard_state) {
+    auto state = [](bool sharded) {
+      return sharded ? " and sharded state" : "";
+    };
     return absl::FailedPreconditionError(absl::StrCat(
         "job '", identity.job_id, "' has world_size ", x->world_size(),
-        " with ", GradientShardingName(x->sharding()),
-        " gradients; this rank says world_size ", identity.world_size, " with ",
-        GradientShardingName(identity.sharding),
+        " with ", GradientShardingName(x->sharding()), " gradients",
+        state(x->shard_state()), "; this rank says world_size ",
+        identity.world_size, " with ", GradientShardingName(identity.sharding),
+        " gradients", state(identity.shard_state),
         ": every rank of a job must say the same"));
   }
   return x;

@@ -175,6 +175,7 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::CreateSession(
     return reactor;
   }
   id.sharding = *sharding;
+  id.shard_state = request->shard_state();
   if (!request->ready_event().empty() && request->ready_event().size() != 64) {
     reactor->Finish(grpc::Status(
         grpc::StatusCode::INVALID_ARGUMENT,
@@ -218,7 +219,8 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::CreateSession(
               created->session->nccl_unique_id().empty()
           ? ""
           : absl::StrCat(" (", GradientShardingName(id.sharding),
-                         " gradients, ranks agree)"),
+                         " gradients, ranks agree",
+                         id.shard_state ? ", sharded state" : "", ")"),
       " trainer pid ", request->trainer_pid()));
   if (saved_dir) {
     response->set_saved_state_dir(*saved_dir);

@@ -21,6 +21,7 @@ run .gpu/cuda_backend_test
 run python3 -m unittest -v tests/python/test_cuda_e2e.py
 run python3 -m unittest -v tests/python/test_frameworks.py
 run python3 -m unittest -v tests/python/test_cuda_ranks.py  # two GPUs: nvidia-h200-x2
+run python3 -m unittest -v tests/python/test_cuda_zero.py  # two GPUs: nvidia-h200-x2
 OPTIMD_TEST_DEVICE=cuda run python3 -m unittest tests.python.test_checkpoint
 if [ "${1:-}" = "--bench" ]; then
   sock=$(mktemp -u /tmp/optimd-bench-XXXXXX.sock)

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/fault_guard.h"
 #include "common/status_macros.h"
+#include "core/state_shard.h"
 #include "core/step_math.h"
 #include "kernels/adamw/adamw_cpu.h"
 #include "kernels/step_cpu.h"
@@ -218,6 +219,33 @@ absl::StatusOr<double> CpuBackend::Statistics(const std::vector<Group*>& groups,
   return job;
 }
 
+absl::Status CpuBackend::GatherParams(const std::vector<Group*>& groups,
+                                      const StepOptions& options, bool failed) {
+  const ParamPieces mine = UpdatedParamPieces(groups);
+  auto copy = [&](const std::vector<const ParamPieces*>& all) -> absl::Status {
+    // Targets first, so that a registration mismatch writes nothing.
+    std::vector<std::pair<const ParamPiece*, uint8_t*>> copies;
+    for (uint32_t r = 0; r < all.size(); ++r) {
+      if (r == options.rank) continue;
+      for (const ParamPiece& p : *all[r]) {
+        OPTIMD_ASSIGN_OR_RETURN(uint8_t * to, PieceTarget(groups, p));
+        copies.emplace_back(&p, to);
+      }
+    }
+    // Other ranks' segments are read under the fault guard as well: a
+    // trainer that shrinks its segment faults the copy, not the daemon.
+    return GuardMemoryFaults(
+        [&] {
+          for (const auto& [p, to] : copies) {
+            std::memcpy(to, p->data, p->bytes);
+          }
+        },
+        "parameter gather");
+  };
+  return options.exchange->Gather(options.rank, &mine, failed, copy,
+                                  options.exchange_deadline);
+}
+
 absl::StatusOr<StepOutcome> CpuBackend::Step(SessionContext* session,
                                              const std::vector<Group*>& groups,
                                              const StepOptions& options) {
@@ -247,9 +275,18 @@ absl::StatusOr<StepOutcome> CpuBackend::Step(SessionContext* session,
                              : std::numeric_limits<double>::quiet_NaN();
   const double clip = ClipCoefficient(options.max_grad_norm, out.grad_norm);
   // Pass 2: the update, one parallel loop per group.
-  MutexLock lock(&pool_mu_);
-  Update(groups, scale, clip);
-  if (fault_.exchange(false)) {
+  bool faulted = false;
+  {
+    MutexLock lock(&pool_mu_);
+    Update(groups, scale, clip);
+    faulted = fault_.exchange(false);
+  }
+  // ZeRO: every rank's trainer gets the other ranks' updated parts.
+  const absl::Status gathered =
+      options.gather_params && options.exchange != nullptr
+          ? GatherParams(groups, options, faulted)
+          : absl::OkStatus();
+  if (faulted) {
     return absl::DataLossError(
         "step: a trainer's shared-memory segment shrank during the update; "
         "the state is partly updated and must be loaded from a checkpoint");
@@ -264,6 +301,9 @@ absl::StatusOr<StepOutcome> CpuBackend::Step(SessionContext* session,
   }
   out.steps_applied = ++totals->applied;
   out.steps_skipped = totals->skipped;
+  // This rank's part was stepped (its counters say so); a failed gather
+  // leaves other ranks' parts of its trainer's parameters stale.
+  if (!gathered.ok()) return gathered;
   return out;
 }
 

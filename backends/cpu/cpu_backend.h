@@ -68,6 +68,13 @@ class CpuBackend final : public Backend {
   absl::StatusOr<double> Statistics(const std::vector<Group*>& groups,
                                     const StepOptions& options)
       ABSL_LOCKS_EXCLUDED(pool_mu_);
+  // ZeRO (StepOptions::gather_params): publishes this rank's updated parts
+  // through the exchange and copies every other rank's into the trainer's
+  // whole parameters (core/rank_exchange.h: Gather); `failed` (this
+  // rank's update failed) makes every rank's gather fail instead.
+  absl::Status GatherParams(const std::vector<Group*>& groups,
+                            const StepOptions& options, bool failed)
+      ABSL_LOCKS_EXCLUDED(pool_mu_);
 
   const Options options_;
   SegmentCache segments_;

@@ -510,6 +510,11 @@ absl::Status CudaBackend::LaunchStep(CudaSession& s,
     }
     OPTIMD_RETURN_IF_CUDA_ERROR(cudaGraphLaunch(record.exec, stream_));
   }
+  if (options.gather_params && lease != nullptr) {
+    // ZeRO: every rank's updated part reaches every rank's parameters
+    // before the done flag (a skipped step broadcasts unchanged parts).
+    OPTIMD_RETURN_IF_ERROR(lease->EnqueueGather(groups, stream_));
+  }
   if (options.step_flags != nullptr) {
     // The done flag only: a staged step has written its progress.
     OPTIMD_RETURN_IF_ERROR(StreamValue(driver_.stream_write_value32,
@@ -609,6 +614,12 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
   const uint32_t n = static_cast<uint32_t>(groups.size());
   OPTIMD_RETURN_IF_ERROR(EnsureScratch(std::max<uint32_t>(n, 1)));
   const bool statistics = !options.assume_finite || options.max_grad_norm > 0;
+  if (options.gather_params && options.staged) {
+    return absl::InvalidArgumentError(
+        "a staged step (overlap) releases parameters stage by stage, before "
+        "a step of sharded state (shard_state) has gathered the other "
+        "ranks' parts: step without staged (overlap=False)");
+  }
   if (s.job != nullptr) OPTIMD_RETURN_IF_ERROR(s.job->AwaitReady(stream_));
 
   // The step's record: its earlier step must have completed (this blocks only

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/status_macros.h"
+#include "core/state_shard.h"
 
 namespace optimd {
 namespace {
@@ -16,6 +17,11 @@ absl::Status NcclError(ncclResult_t r, const std::string& what) {
   return absl::InternalError(
       absl::StrCat(what, ": NCCL error ", r, ": ", ncclGetErrorString(r)));
 }
+
+// Broadcasts per NCCL group call of a parameter gather: one group per
+// step for models of up to this many tensor parts, bounded so that no
+// group call grows with the model.
+constexpr int kGatherOpsPerGroup = 512;
 
 // Polls done() every 50 us (the first millisecond by yielding only) until
 // it returns true or `deadline` passes; returns whether it did.
@@ -165,7 +171,56 @@ std::string NcclJob::Name() const {
 }
 
 bool NcclJob::contributes_norm() const {
-  return job_.sharding == GradientSharding::kSharded || job_.rank == 0;
+  return job_.sharding == GradientSharding::kSharded || job_.shard_state ||
+         job_.rank == 0;
+}
+
+absl::Status NcclJob::Lease::EnqueueGather(const std::vector<Group*>& groups,
+                                           cudaStream_t stream) {
+  job_.mu_.AssertHeld();
+  return job_.EnqueueGatherLocked(groups, stream);
+}
+
+absl::Status NcclJob::EndGatherGroupLocked() {
+  const ncclResult_t r = ncclGroupEnd();
+  if (r == ncclInProgress) {
+    return SettleLocked(absl::Now() + job_.timeout,
+                        "take the step's parameter gather");
+  }
+  if (r != ncclSuccess) {
+    return NcclError(r, absl::StrCat(Name(), ": the parameter gather"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status NcclJob::EnqueueGatherLocked(const std::vector<Group*>& groups,
+                                          cudaStream_t stream) {
+  OPTIMD_RETURN_IF_ERROR(ended_);
+  int ops = 0;
+  for (const Group* g : groups) {
+    std::vector<uint64_t> numels;
+    numels.reserve(g->tensors.size());
+    for (const TensorEntry& t : g->tensors) numels.push_back(t.full_numel);
+    for (const OwnedPart& part : PartitionAll(numels, job_.world_size)) {
+      const TensorEntry& t = g->tensors[part.tensor];
+      if (t.frozen || !t.sharded) continue;
+      const uint64_t size = DTypeSize(t.layout.param_dtype);
+      uint8_t* p = t.full_param.data + part.range.begin * size;
+      if (ops == 0) ncclGroupStart();
+      const ncclResult_t res =
+          ncclBroadcast(p, p, part.range.count * size, ncclUint8,
+                        static_cast<int>(part.rank), comm_, stream);
+      if (res != ncclSuccess && res != ncclInProgress) {
+        ncclGroupEnd();
+        return NcclError(res, absl::StrCat(Name(), ": the parameter gather"));
+      }
+      if (++ops == kGatherOpsPerGroup) {
+        OPTIMD_RETURN_IF_ERROR(EndGatherGroupLocked());
+        ops = 0;
+      }
+    }
+  }
+  return ops > 0 ? EndGatherGroupLocked() : absl::OkStatus();
 }
 
 absl::Status NcclJob::SettleLocked(absl::Time deadline, const char* what) {

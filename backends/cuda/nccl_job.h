@@ -11,7 +11,10 @@
 // timeout, after which the communicator is ended (ncclCommAbort), its
 // pending collectives return (the step they were in is skipped: not every
 // rank's values are in), and the session's later steps are refused with
-// the reason. Thread-safe: the backend's worker steps, the watchdog ends.
+// the reason. With sharded state (ZeRO, core/state_shard.h) each step
+// also broadcasts every rank's updated part of the parameters from its
+// owner into the other ranks' parameters, after the step's graph, on the
+// same stream. Thread-safe: the backend's worker steps, the watchdog ends.
 #ifndef OPTIMD_BACKENDS_CUDA_NCCL_JOB_H_
 #define OPTIMD_BACKENDS_CUDA_NCCL_JOB_H_
 
@@ -46,8 +49,8 @@ class NcclJob {
 
   const std::string& unique_id() const { return unique_id_; }
   // Whether this rank's sum of squares counts in the job's: every shard's
-  // (sharded gradients); rank 0's only (replicated: every rank holds the
-  // same gradient).
+  // (sharded gradients, or sharded state: each rank sums its part); rank
+  // 0's only (replicated: every rank holds the same gradient).
   bool contributes_norm() const;
 
   // Waits until every rank has joined and the connections are made (one
@@ -73,6 +76,15 @@ class NcclJob {
     // Enqueues the all-reduce (sum) of values[0..2] in place on `stream`
     // (eagerly or into a graph being captured).
     absl::Status EnqueueAllReduce(double* values, cudaStream_t stream);
+    // Enqueues on `stream` (eagerly, never into a graph: the trainer's
+    // buffers may move between steps) the parameter gather of a step of
+    // sharded state: for every rank r and every sharded tensor of `groups`
+    // with elements in r's part, a broadcast of those elements of the
+    // whole parameter from rank r, in NCCL groups of at most
+    // kGatherOpsPerGroup. Every rank enqueues the same sequence, since
+    // the ranks registered the same tensors.
+    absl::Status EnqueueGather(const std::vector<Group*>& groups,
+                               cudaStream_t stream);
     // Follows the step just enqueued on `stream`: if it has not completed
     // within the job's timeout, the watchdog ends the job.
     absl::Status Watch(cudaStream_t stream);
@@ -97,6 +109,11 @@ class NcclJob {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status EnqueueAllReduceLocked(double* values, cudaStream_t stream)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status EnqueueGatherLocked(const std::vector<Group*>& groups,
+                                   cudaStream_t stream)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends an NCCL group of the gather (settling a non-blocking one).
+  absl::Status EndGatherGroupLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AbortLocked(const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string Name() const;
   // Not OK once the job has ended.

@@ -19,7 +19,7 @@ ADMIN_METADATA_KEY = "x-optimd-admin"
 # The client's version, and the API revision it needs of a daemon
 # (common/version.h says what each revision added).
 __version__ = "0.5.0"
-API_REVISION = 7
+API_REVISION = 8
 
 
 def default_address():
@@ -184,18 +184,21 @@ class Client:
     # Sessions.
     def create_session(self, job_id, rank=0, world_size=1, device=-1,
                        resume=False, ready_event=b"", resume_secret="",
-                       gradient_sharding=0, nccl_unique_id=b""):
+                       gradient_sharding=0, nccl_unique_id=b"",
+                       shard_state=False):
         """Opens (or resumes) a session; the daemon watches this process and
         orphans the session if the process ends without closing it.
         `gradient_sharding` (pb.GRADIENT_SHARDING_*): the job's ranks agree
         on each step's gradient norm and skip; on CUDA, ranks other than 0
-        pass the `nccl_unique_id` of rank 0's reply."""
+        pass the `nccl_unique_id` of rank 0's reply. `shard_state`: ZeRO,
+        each rank's session keeps state for its part of the parameters
+        (CreateSessionRequest.shard_state)."""
         reply = self._call("CreateSession", pb.CreateSessionRequest(
             job_id=job_id, rank=rank, world_size=world_size, device=device,
             resume=resume, ready_event=ready_event, trainer_pid=os.getpid(),
             resume_secret=resume_secret,
             gradient_sharding=gradient_sharding,
-            nccl_unique_id=nccl_unique_id))
+            nccl_unique_id=nccl_unique_id, shard_state=shard_state))
         if reply.api_revision < API_REVISION:
             # Too old to speak what this client sends: leave no session.
             self.token = reply.session_token

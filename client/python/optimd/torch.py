@@ -116,7 +116,7 @@ def _torch_defaults(cls):
 _SERVICE_OPTIONS = ("address", "job_id", "rank", "world_size", "resume",
                     "max_grad_norm", "grad_scale", "skip_nonfinite",
                     "keep_fp32", "overlap", "resume_secret", "timeout",
-                    "gradient_sharding")
+                    "gradient_sharding", "shard_state")
 
 
 def _service_options(arguments):
@@ -128,7 +128,7 @@ class _TensorEntry:
     """Where one parameter lives in the group's shared segments."""
 
     __slots__ = ("param", "name", "numel", "pview", "gview", "frozen",
-                 "group_id", "sent_ptr", "stage")
+                 "group_id", "sent_ptr", "stage", "pflat")
 
 
 class _DaemonOptimizer(torch.optim.Optimizer):
@@ -152,7 +152,8 @@ class _DaemonOptimizer(torch.optim.Optimizer):
 
     def _start(self, params, defaults, *, address, job_id, rank, world_size,
                resume, max_grad_norm, grad_scale, skip_nonfinite, keep_fp32,
-               overlap, resume_secret, timeout, gradient_sharding):
+               overlap, resume_secret, timeout, gradient_sharding,
+               shard_state):
         """The shared part of construction, once the subclass has checked
         its arguments and made `defaults`."""
         self._names = ParamNames()
@@ -189,6 +190,14 @@ class _DaemonOptimizer(torch.optim.Optimizer):
                              "'sharded', not %r" % (gradient_sharding,))
         rank, world_size = _dist_identity(rank, world_size)
         self._world_size = world_size
+        gradient_sharding = _zero_sharding(shard_state, gradient_sharding,
+                                           world_size)
+        self._shard_state = bool(shard_state)
+        if shard_state and overlap:
+            raise ValueError(
+                "optimd.torch: overlap=True releases parameters stage by "
+                "stage, before a step with shard_state=True has gathered "
+                "the other ranks' parts; use one or the other")
         if job_id is None and gradient_sharding and world_size > 1:
             job_id = _shared_job_id()
         job = job_id or "%s-%d-%s" % (socket.gethostname(), os.getpid(),
@@ -200,7 +209,8 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         self._identity = dict(address=address, timeout=timeout, job=job,
                               rank=rank, world_size=world_size,
                               overlap=overlap,
-                              sharding=_SHARDING[gradient_sharding])
+                              sharding=_SHARDING[gradient_sharding],
+                              shard_state=self._shard_state)
         self._open(resume, resume_secret)
 
     # Whether the optimizer's state may be block8 (AdamW only).
@@ -265,7 +275,8 @@ class _DaemonOptimizer(torch.optim.Optimizer):
             job, rank=rank, world_size=ident["world_size"],
             device=-1 if self._device.type == "cpu" else self._device.index,
             resume=bool(resume), resume_secret=resume_secret or "",
-            gradient_sharding=ident["sharding"], nccl_unique_id=nccl_id)
+            gradient_sharding=ident["sharding"], nccl_unique_id=nccl_id,
+            shard_state=ident["shard_state"])
         if nccl_job and rank == 0:
             _shared_nccl_id(reply.nccl_unique_id)
         self.resumed = reply.resumed
@@ -410,7 +421,8 @@ class _DaemonOptimizer(torch.optim.Optimizer):
             seg_p = SharedSegment(max(p_bytes, 64))
         for s, p_off in tensors:
             p = s.param
-            s.pview = view_like(seg_p.tensor(p_off, s.numel, p.dtype), p)
+            s.pflat = seg_p.tensor(p_off, s.numel, p.dtype)
+            s.pview = view_like(s.pflat, p)
             s.pview.copy_(p.detach())
             p.data = s.pview
         request = self._group_request(gi, group, tensors, seg_p)
@@ -749,6 +761,13 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         return out
 
     def _fetch_daemon_state(self):
+        if self._shard_state:
+            raise NotImplementedError(
+                "optimd.torch: with shard_state=True each rank's daemon "
+                "session holds only its part of the optimizer state, so "
+                "optimizer.state and state_dict() are not available; save "
+                "and load it with save_checkpoint(directory) and "
+                "load_checkpoint(directory) on every rank (same world size)")
         # Tensor by tensor in batches, so that no reply nears the daemon's
         # per-reply limit.
         names = [s.name for g in self._groups for s in g["tensors"]
@@ -993,11 +1012,40 @@ class _DaemonOptimizer(torch.optim.Optimizer):
     def _after_load(self):
         """A load set the daemon's state: take its learning rates, forget
         fetched state."""
+        self._share_parts()
         groups = self.client.get_state(metadata_only=True).groups
         for group, g in zip(self.param_groups, groups):
             group["lr"] = g.hyperparameters.lr
         self._sent_hyper = None  # the next step sends them all again
         self.state.invalidate(follow=False)
+
+    def _share_parts(self):
+        """shard_state: a load wrote only this rank's part of each
+        parameter (its checkpoint holds that part); every rank's part is
+        broadcast to the others through torch.distributed, so that the
+        ranks' parameters agree before the next forward. The partition is
+        the daemon's (CreateSessionRequest.shard_state)."""
+        if not self._shard_state:
+            return
+        import torch.distributed as dist
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "optimd.torch: with shard_state=True a load gives each rank "
+                "its own part of the parameters; the ranks exchange the "
+                "parts through torch.distributed, which is not initialized")
+        world = self._world_size
+        if self._flags is not None:
+            torch.cuda.synchronize(self._device)
+        for g in self._groups:
+            total = sum(s.numel for s in g["tensors"])
+            for r in range(world):
+                lo, hi = total * r // world, total * (r + 1) // world
+                start = 0
+                for s in g["tensors"]:
+                    b, e = max(start, lo), min(start + s.numel, hi)
+                    if b < e:
+                        dist.broadcast(s.pflat[b - start:e - start], src=r)
+                    start += s.numel
 
     # Daemon access.
     @property
@@ -1062,6 +1110,18 @@ class AdamW(_DaemonOptimizer):
         torch.distributed, which must be initialized) and agree on the
         device inside each step. Without gradient_sharding a step warns
         once when max_grad_norm is set with sharded parameters.
+      shard_state: ZeRO for DDP (world_size > 1; implies
+        gradient_sharding="replicated"). Every rank registers its whole
+        parameters and all-reduced gradients as usual, but its daemon
+        session keeps moments and master weights only for its 1/N of each
+        group (the group's tensors laid end to end, split into N
+        contiguous ranges, tensors cut at the boundaries), updates that
+        part, and writes every rank's updated part into every rank's
+        parameters before step() returns (CUDA: before the trainer's
+        stream goes on), through NCCL on CUDA. Clipping uses the whole
+        gradient's norm. optimizer.state and state_dict() are not
+        available (each rank holds a part): use save_checkpoint and
+        load_checkpoint on every rank, with the same world size.
       grad_scale: divide gradients by this (loss scaling) before use.
       skip_nonfinite: False (torch's semantics, the default): the daemon
         neither checks nor skips; an inf or NaN gradient reaches the update
@@ -1110,7 +1170,7 @@ class AdamW(_DaemonOptimizer):
                  max_grad_norm=0.0, grad_scale=None, skip_nonfinite=False,
                  keep_fp32=(), overlap=False, resume_secret=None,
                  adam_w_mode=True, bias_correction=True, timeout=60.0,
-                 gradient_sharding=None, **torch_options):
+                 gradient_sharding=None, shard_state=False, **torch_options):
         if not 0.0 <= lr:
             raise ValueError("Invalid learning rate: {}".format(lr))
         if not 0.0 <= eps:
@@ -1227,7 +1287,8 @@ class SGD(_DaemonOptimizer):
                  store_param_remainders=False, state_dtype=torch.float32,
                  max_grad_norm=0.0, grad_scale=None, skip_nonfinite=False,
                  keep_fp32=(), overlap=False, resume_secret=None,
-                 timeout=60.0, gradient_sharding=None, **torch_options):
+                 timeout=60.0, gradient_sharding=None, shard_state=False,
+                 **torch_options):
         if not 0.0 <= lr:
             raise ValueError("Invalid learning rate: {}".format(lr))
         if momentum < 0.0:
@@ -1308,7 +1369,8 @@ class Lion(_DaemonOptimizer):
                  store_param_remainders=False, state_dtype=torch.float32,
                  max_grad_norm=0.0, grad_scale=None, skip_nonfinite=False,
                  keep_fp32=(), overlap=False, resume_secret=None,
-                 timeout=60.0, gradient_sharding=None, **torch_options):
+                 timeout=60.0, gradient_sharding=None, shard_state=False,
+                 **torch_options):
         if not 0.0 <= lr:
             raise ValueError("Invalid learning rate: {}".format(lr))
         if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
@@ -1443,6 +1505,26 @@ def _warn_in_user_code(message):
 _requires_grad = operator.attrgetter("requires_grad")
 # An UninitializedParameter (a lazy module's before its first forward).
 _is_lazy = torch.nn.parameter.is_lazy
+
+
+def _zero_sharding(shard_state, gradient_sharding, world_size):
+    """The gradient_sharding a shard_state=True optimizer runs with:
+    replicated (DDP's whole, all-reduced gradients on every rank)."""
+    if not shard_state:
+        return gradient_sharding
+    if world_size < 2:
+        raise ValueError(
+            "shard_state=True splits the optimizer state across the ranks "
+            "of a job: it needs world_size > 1 (torch.distributed "
+            "initialized, or world_size=), got %d" % world_size)
+    if gradient_sharding not in (None, "replicated"):
+        raise ValueError(
+            "shard_state=True is for DDP, whose ranks hold whole gradients "
+            "(gradient_sharding='replicated'); got gradient_sharding=%r. "
+            "FSDP2 shards its parameters itself: use "
+            "gradient_sharding='sharded' without shard_state" %
+            (gradient_sharding,))
+    return "replicated"
 
 
 def _dist_identity(rank, world_size):
