@@ -20,7 +20,10 @@ namespace optimd {
 //   - a unix: socket file that does not exist: no daemon listens there, so
 //     waiting for one is pointless; UNAVAILABLE naming the path;
 //   - a socket this user may not open (the daemon creates it 0600):
-//     UNAVAILABLE naming its owner and mode.
+//     UNAVAILABLE naming its owner and mode;
+//   - a socket in a directory closed to this user (a service's runtime
+//     directory, mode 0700): UNAVAILABLE naming that directory, its owner
+//     and mode (not "does not exist", which is all stat() would say).
 // OK for anything else (a TCP "host:port", a socket that may answer).
 absl::Status CheckAddress(const std::string& target);
 

@@ -287,5 +287,43 @@ TEST(ClientChecksTest, AnotherUsersSocketNamesItsOwner) {
   EXPECT_TRUE(Client::Create(address).ok());
 }
 
+// A socket in a directory closed to this user (systemd's RuntimeDirectory
+// of another user, mode 0700) is named with that directory and its owner,
+// not reported missing.
+TEST(ClientChecksTest, ASocketInAClosedDirectoryNamesTheDirectory) {
+  const std::string dir = SocketPath("closed");
+  ASSERT_TRUE(std::filesystem::create_directory(dir));
+  const std::string address = "unix:" + dir + "/optimd.sock";
+  const std::string why =
+      absl::StrCat("the daemon socket ", dir,
+                   "/optimd.sock is out of this user's reach: the directory ",
+                   dir, " on its path belongs to ");
+  if (geteuid() != 0) {
+    // A directory closed to its own owner takes the same path.
+    ASSERT_EQ(chmod(dir.c_str(), 0), 0);
+    const absl::Status s = Client::Create(address).status();
+    ASSERT_EQ(chmod(dir.c_str(), 0700), 0);
+    std::filesystem::remove_all(dir);
+    EXPECT_EQ(s.code(), StatusCode::kUnavailable);
+    EXPECT_NE(s.message().find(why), std::string::npos) << s;
+    EXPECT_NE(s.message().find("closed to this user (mode 0)"),
+              std::string::npos)
+        << s;
+    return;
+  }
+  ASSERT_EQ(chmod(dir.c_str(), 0700), 0);
+  constexpr uid_t kNobody = 65534;
+  const std::string said = AsUser(kNobody, [&address](int fd) {
+    const std::string m = Client::Create(address).status().ToString();
+    (void)!write(fd, m.data(), m.size());
+  });
+  std::filesystem::remove_all(dir);
+  EXPECT_EQ(said, absl::StrCat("UNAVAILABLE: ", why,
+                               "user root (uid 0) and is closed to this user "
+                               "(mode 700); run as that user, or start a "
+                               "daemon of your own on another socket (optimd "
+                               "--listen=unix:/path)"));
+}
+
 }  // namespace
 }  // namespace optimd
