@@ -120,6 +120,17 @@ absl::Status CheckAddress(const std::string& target) {
   return absl::OkStatus();
 }
 
+absl::Status ExplainSessionStatus(const std::string& target,
+                                  const absl::Status& status) {
+  if (status.code() != absl::StatusCode::kUnavailable) return status;
+  return absl::UnavailableError(absl::StrCat(
+      "the optimd daemon at ", target, " went away during the session (",
+      status.message(),
+      "): the optimizer state it held is lost unless it was checkpointed "
+      "(SaveState) or saved at a clean stop (--save_dir); restart it and "
+      "resume (CreateSession with resume, or LoadState)"));
+}
+
 absl::Status CheckApiRevision(const std::string& target,
                               const std::string& daemon_version,
                               uint32_t daemon_revision, uint32_t required) {

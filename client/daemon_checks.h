@@ -27,6 +27,14 @@ namespace optimd {
 // OK for anything else (a TCP "host:port", a socket that may answer).
 absl::Status CheckAddress(const std::string& target);
 
+// The status of a call of an open session that found no daemon
+// (UNAVAILABLE: killed, or stopped): says that the optimizer state it held
+// is lost unless it was checkpointed or saved at a clean stop, and how to
+// resume; `details` is gRPC's own message. Any other status is returned
+// as it is.
+absl::Status ExplainSessionStatus(const std::string& target,
+                                  const absl::Status& status);
+
 // FAILED_PRECONDITION naming both versions when the daemon at `target`,
 // which says it is optimd `daemon_version` speaking `daemon_revision` of the
 // API, is older than the `required` revision; OK otherwise. A daemon that

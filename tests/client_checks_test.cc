@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <grp.h>
 #include <grpcpp/grpcpp.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -285,6 +286,42 @@ TEST(ClientChecksTest, AnotherUsersSocketNamesItsOwner) {
   std::filesystem::remove_all(dir);
   // Root itself may use any socket: no diagnosis there.
   EXPECT_TRUE(Client::Create(address).ok());
+}
+
+// A daemon killed under an open session: every kind of session call says
+// that it went away and that the state it held is lost unless saved.
+TEST(ClientChecksTest, ADaemonGoneUnderASessionSaysTheStateIsLost) {
+  auto d = DaemonProcess::Start();
+  ASSERT_TRUE(d.ok()) << d.status();
+  auto c = (*d)->Connect();
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_TRUE((*c)->CreateSession(Session("gone")).ok());
+  ASSERT_EQ(kill((*d)->pid(), SIGKILL), 0);
+  while ((*d)->Alive()) absl::SleepFor(absl::Milliseconds(10));
+  const std::string said =
+      absl::StrCat("the optimd daemon at ", (*d)->address(),
+                   " went away during the session (");
+  const std::string lost =
+      "): the optimizer state it held is lost unless it was checkpointed "
+      "(SaveState) or saved at a clean stop (--save_dir); restart it and "
+      "resume (CreateSession with resume, or LoadState)";
+  const absl::Status statuses[] = {
+      (*c)->GetSaveStatus().status(),
+      (*c)->StreamStep(v1::StepRequest()).status(),
+      (*c)->SaveStateStream(
+              {}, [](const v1::StateChunk&) { return absl::OkStatus(); })
+          .status(),
+  };
+  for (const absl::Status& s : statuses) {
+    EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s;
+    EXPECT_EQ(s.message().rfind(said, 0), 0u) << s;
+    EXPECT_NE(s.message().find(lost), std::string::npos) << s;
+  }
+  // Without a session there was no state to lose: gRPC's own words.
+  (*c)->set_session_token("");
+  const absl::Status plain = (*c)->ListSessions().status();
+  EXPECT_EQ(plain.code(), StatusCode::kUnavailable);
+  EXPECT_EQ(plain.message().find("went away"), std::string::npos) << plain;
 }
 
 // A socket in a directory closed to this user (systemd's RuntimeDirectory
