@@ -19,6 +19,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import optimd
+import optimd.testing
 from optimd.testing import Daemon
 from optimd.torch import AdamW
 
@@ -241,6 +242,25 @@ class OperationsTest(unittest.TestCase):
                       address=d2.address, job_id="big", resume=True)
         finally:
             self.assertEqual(d2.stop(), 0)
+
+    def test_start_up_failures_are_logged_as_errors(self):
+        """What keeps the daemon from starting is an error line (dated,
+        levelled), and the exit status is non-zero."""
+        binary = optimd.testing.find_binary()
+        sock = "unix:" + os.path.join(self.dir, "s.sock")
+        for flags, status, said in (
+                (["--backend=bogus"], 2,
+                 "--backend must be auto, cpu or cuda, not 'bogus'"),
+                (["--save_dir=relative/dir"], 1,
+                 "--save_dir must be an absolute directory"),
+                (["--listen=127.0.0.1:0"], 2,
+                 r"listening on TCP \(127.0.0.1:0\) needs TLS")):
+            out = subprocess.run([binary, "--listen=" + sock] + flags,
+                                 capture_output=True, text=True, timeout=60)
+            self.assertEqual(out.returncode, status, out.stderr)
+            self.assertRegex(out.stderr,
+                             r"(?m)^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}"
+                             r"[+-]\d\d:\d\d error optimd: " + said)
 
 
 if __name__ == "__main__":
