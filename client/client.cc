@@ -58,10 +58,10 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(
   auto channel = grpc::CreateCustomChannel(target, credentials, args);
   if (!channel->WaitForConnected(
           absl::ToChronoTime(absl::Now() + options.connect_timeout))) {
-    return absl::UnavailableError(absl::StrCat(
-        "no optimd daemon answers at ", target, " (waited ",
-        absl::FormatDuration(options.connect_timeout),
-        "); start it with bazel-bin/server/optimd --listen=", target));
+    return absl::UnavailableError(
+        absl::StrCat("no optimd daemon answers at ", target, " (waited ",
+                     absl::FormatDuration(options.connect_timeout),
+                     "); start it with `optimd --listen=", target, "`"));
   }
   return std::unique_ptr<Client>(
       new Client(target, std::move(channel), options));
@@ -73,6 +73,10 @@ Client::Client(std::string target, std::shared_ptr<grpc::Channel> channel,
       target_(std::move(target)),
       channel_(std::move(channel)),
       stub_(v1::Optimizer::NewStub(channel_)) {}
+
+absl::Status Client::Explain(const absl::Status& s) const {
+  return token_.empty() ? s : ExplainSessionStatus(target_, s);
+}
 
 void Client::Prepare(grpc::ClientContext* context) const {
   context->set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
@@ -159,7 +163,7 @@ absl::StatusOr<v1::StepResponse> Client::StreamStep(
     stream_.reset();
     stream_context_.reset();
     if (s.ok()) s = absl::UnavailableError("step stream closed");
-    return s;
+    return Explain(s);
   }
   return response;
 }
@@ -214,7 +218,7 @@ absl::StatusOr<uint64_t> Client::SaveStateStream(
   }
   const absl::Status s = FromGrpcStatus(reader->Finish());
   if (!refused.ok()) return refused;
-  if (!s.ok()) return s;
+  if (!s.ok()) return Explain(s);
   return total;
 }
 
@@ -232,7 +236,7 @@ absl::StatusOr<v1::LoadStateResponse> Client::LoadStateStream(
   }
   writer->WritesDone();
   absl::Status s = FromGrpcStatus(writer->Finish());
-  if (!s.ok()) return s;
+  if (!s.ok()) return Explain(s);
   return response;
 }
 

@@ -117,8 +117,12 @@ class Client {
   Client(std::string target, std::shared_ptr<grpc::Channel> channel,
          const ClientOptions& options);
   void Prepare(grpc::ClientContext* context) const;
+  // `s`, said again as the loss of the daemon when a call of an open
+  // session found none (ExplainSessionStatus).
+  absl::Status Explain(const absl::Status& s) const;
   // One unary call: a context with the deadline and the session's (and
-  // admin) metadata, the stub's `method`, its status as absl::Status.
+  // admin) metadata, the stub's `method`, its status as absl::Status
+  // (Explain).
   template <class Response, class Request>
   absl::StatusOr<Response> Call(
       grpc::Status (v1::Optimizer::Stub::*method)(grpc::ClientContext*,
@@ -129,7 +133,7 @@ class Client {
     Response response;
     absl::Status s =
         FromGrpcStatus((stub_.get()->*method)(&context, request, &response));
-    if (!s.ok()) return s;
+    if (!s.ok()) return Explain(s);
     return response;
   }
 

@@ -47,6 +47,17 @@ bool SomeoneListens(const std::string& path) {
   return !refused;
 }
 
+// The first directory on `path` this process may not search (its x bit
+// closed to it), or "" when there is none.
+std::string ClosedDirectory(const std::string& path) {
+  for (size_t slash = path.find('/', 1); slash != std::string::npos;
+       slash = path.find('/', slash + 1)) {
+    const std::string dir = path.substr(0, slash);
+    if (access(dir.c_str(), X_OK) != 0 && errno == EACCES) return dir;
+  }
+  return "";
+}
+
 // The file system path of a unix: target ("unix:path" or
 // "unix:///absolute/path", as gRPC reads them).
 std::string SocketPath(const std::string& target) {
@@ -78,6 +89,16 @@ absl::Status CheckAddress(const std::string& target) {
           "`optimd --listen=",
           target, "`"));
     }
+    struct stat dir_st;
+    const std::string dir = err == EACCES ? ClosedDirectory(path) : "";
+    if (!dir.empty() && stat(dir.c_str(), &dir_st) == 0) {
+      return absl::UnavailableError(absl::StrFormat(
+          "the daemon socket %s is out of this user's reach: the directory "
+          "%s on its path belongs to %s and is closed to this user (mode "
+          "%o); run as that user, or start a daemon of your own on another "
+          "socket (optimd --listen=unix:/path)",
+          path, dir, Owner(dir_st.st_uid), dir_st.st_mode & 0777));
+    }
     return absl::UnavailableError(absl::StrCat(
         "cannot reach the daemon socket ", path, ": ", std::strerror(err)));
   }
@@ -97,6 +118,17 @@ absl::Status CheckAddress(const std::string& target) {
         target, "`, which replaces the stale file"));
   }
   return absl::OkStatus();
+}
+
+absl::Status ExplainSessionStatus(const std::string& target,
+                                  const absl::Status& status) {
+  if (status.code() != absl::StatusCode::kUnavailable) return status;
+  return absl::UnavailableError(absl::StrCat(
+      "the optimd daemon at ", target, " went away during the session (",
+      status.message(),
+      "): the optimizer state it held is lost unless it was checkpointed "
+      "(SaveState) or saved at a clean stop (--save_dir); restart it and "
+      "resume (CreateSession with resume, or LoadState)"));
 }
 
 absl::Status CheckApiRevision(const std::string& target,

@@ -20,9 +20,20 @@ namespace optimd {
 //   - a unix: socket file that does not exist: no daemon listens there, so
 //     waiting for one is pointless; UNAVAILABLE naming the path;
 //   - a socket this user may not open (the daemon creates it 0600):
-//     UNAVAILABLE naming its owner and mode.
+//     UNAVAILABLE naming its owner and mode;
+//   - a socket in a directory closed to this user (a service's runtime
+//     directory, mode 0700): UNAVAILABLE naming that directory, its owner
+//     and mode (not "does not exist", which is all stat() would say).
 // OK for anything else (a TCP "host:port", a socket that may answer).
 absl::Status CheckAddress(const std::string& target);
+
+// The status of a call of an open session that found no daemon
+// (UNAVAILABLE: killed, or stopped): says that the optimizer state it held
+// is lost unless it was checkpointed or saved at a clean stop, and how to
+// resume; `details` is gRPC's own message. Any other status is returned
+// as it is.
+absl::Status ExplainSessionStatus(const std::string& target,
+                                  const absl::Status& status);
 
 // FAILED_PRECONDITION naming both versions when the daemon at `target`,
 // which says it is optimd `daemon_version` speaking `daemon_revision` of the

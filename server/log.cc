@@ -27,5 +27,7 @@ void Info(const std::string& line) { Logger().info("{}", line); }
 
 void Warn(const std::string& line) { Logger().warn("{}", line); }
 
+void Error(const std::string& line) { Logger().error("{}", line); }
+
 }  // namespace log
 }  // namespace optimd

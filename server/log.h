@@ -15,6 +15,9 @@ namespace log {
 void Info(const std::string& line);
 // Something went wrong for one session or call; the daemon goes on.
 void Warn(const std::string& line);
+// The daemon cannot go on (bad flags, a socket it cannot claim): it exits
+// with a non-zero status after this line.
+void Error(const std::string& line);
 
 }  // namespace log
 }  // namespace optimd

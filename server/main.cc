@@ -119,13 +119,15 @@ ABSL_FLAG(double, shutdown_save_s, 540,
 namespace {
 
 void Log(const std::string& line) { optimd::log::Info(line); }
+// What keeps the daemon from starting (it exits non-zero next).
+void Fail(const std::string& line) { optimd::log::Error(line); }
 
 // The contents of the PEM file named by --`flag`, or false (logged).
 bool ReadPem(const std::string& flag, const std::string& path,
              std::string* out) {
   auto pem = optimd::ReadPemFile(absl::StrCat("--", flag), path);
   if (!pem.ok()) {
-    Log(std::string(pem.status().message()));
+    Fail(std::string(pem.status().message()));
     return false;
   }
   *out = *std::move(pem);
@@ -176,7 +178,7 @@ std::vector<std::unique_ptr<optimd::Backend>> MakeBackends() {
   std::vector<std::unique_ptr<optimd::Backend>> backends;
   const std::string flag = absl::GetFlag(FLAGS_backend);
   if (flag != "auto" && flag != "cpu" && flag != "cuda") {
-    Log(absl::StrCat("--backend must be auto, cpu or cuda, not '", flag, "'"));
+    Fail(absl::StrCat("--backend must be auto, cpu or cuda, not '", flag, "'"));
     return backends;
   }
   std::string no_gpu = "this build of optimd has no CUDA backend";
@@ -188,7 +190,8 @@ std::vector<std::unique_ptr<optimd::Backend>> MakeBackends() {
       cuda_options.use_graphs = absl::GetFlag(FLAGS_cuda_graphs);
       auto b = optimd::CreateCudaBackend(d, cuda_options);
       if (!b.ok()) {
-        Log(absl::StrCat("GPU ", d, " unusable: ", b.status().ToString()));
+        optimd::log::Warn(
+            absl::StrCat("GPU ", d, " unusable: ", b.status().ToString()));
         backends.clear();
         no_gpu = std::string(b.status().message());
         break;
@@ -198,7 +201,7 @@ std::vector<std::unique_ptr<optimd::Backend>> MakeBackends() {
   }
 #endif
   if (backends.empty() && flag == "cuda") {
-    Log(absl::StrCat("--backend=cuda but no GPU is usable: ", no_gpu));
+    Fail(absl::StrCat("--backend=cuda but no GPU is usable: ", no_gpu));
     return backends;
   }
   if (backends.empty()) {
@@ -234,9 +237,9 @@ std::shared_ptr<grpc::ServerCredentials> TlsCredentials(
     const std::string& address) {
   if (absl::GetFlag(FLAGS_tls_cert).empty() ||
       absl::GetFlag(FLAGS_tls_key).empty()) {
-    Log(absl::StrCat("listening on TCP (", address,
-                     ") needs TLS: pass --tls_cert and --tls_key (and "
-                     "--tls_client_ca to require client certificates)"));
+    Fail(absl::StrCat("listening on TCP (", address,
+                      ") needs TLS: pass --tls_cert and --tls_key (and "
+                      "--tls_client_ca to require client certificates)"));
     return nullptr;
   }
   grpc::SslServerCredentialsOptions ssl(
@@ -271,7 +274,8 @@ int OpenListener(Listener* l) {
     return l->credentials == nullptr ? 2 : 0;
   }
   if (tls) {
-    Log("--tls_* flags are for TCP; a Unix socket is guarded by its file "
+    Fail(
+        "--tls_* flags are for TCP; a Unix socket is guarded by its file "
         "mode (0600) instead");
     return 2;
   }
@@ -279,7 +283,7 @@ int OpenListener(Listener* l) {
   if (absl::StartsWith(path, "//")) path = path.substr(2);
   auto claimed = optimd::UnixSocketListener::Claim(path);
   if (!claimed.ok()) {
-    Log(std::string(claimed.status().message()));
+    Fail(std::string(claimed.status().message()));
     return 1;
   }
   l->unix_socket = *std::move(claimed);
@@ -313,7 +317,7 @@ int ConfigureService(optimd::OptimizerServiceImpl& service,
   if (!save_dir.empty() &&
       (save_dir[0] != '/' ||
        (mkdir(save_dir.c_str(), 0777) != 0 && errno != EEXIST))) {
-    Log(
+    Fail(
         absl::StrCat("--save_dir must be an absolute directory the daemon "
                      "can create or use, not '",
                      save_dir, "'"));
@@ -335,7 +339,7 @@ int ConfigureService(optimd::OptimizerServiceImpl& service,
     auto token = optimd::AdminGuard::ReadTokenFile(
         absl::GetFlag(FLAGS_admin_token_file));
     if (!token.ok()) {
-      Log(std::string(token.status().message()));
+      Fail(std::string(token.status().message()));
       return 2;
     }
     service.set_admin_guard(optimd::AdminGuard(*std::move(token)));
@@ -374,12 +378,12 @@ std::unique_ptr<grpc::Server> StartServer(Listener& l,
   builder.experimental().SetInterceptorCreators(std::move(interceptors));
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr) {
-    Log(absl::StrCat("cannot listen on ", l.address));
+    Fail(absl::StrCat("cannot listen on ", l.address));
     return nullptr;
   }
   if (l.unix_socket != nullptr) {
     if (absl::Status s = l.unix_socket->Start(server.get()); !s.ok()) {
-      Log(std::string(s.message()));
+      Fail(std::string(s.message()));
       server->Shutdown();
       return nullptr;
     }
@@ -428,7 +432,7 @@ void AwaitShutdown(const sigset_t& signals,
     absl::SleepFor(absl::Milliseconds(1));
   }
   if (service.pending() > 0) {
-    Log("grace period over; cancelling the calls still running");
+    optimd::log::Warn("grace period over; cancelling the calls still running");
   }
   // No connection may reach the server once it shuts down.
   if (unix_socket != nullptr) unix_socket->Stop();
@@ -443,7 +447,7 @@ void AwaitShutdown(const sigset_t& signals,
     // exit would free: end here (its temporary file is removed at the next
     // start).
     // (The log is flushed line by line.)
-    Log("stopped before every session was saved");
+    Fail("stopped before every session was saved");
     std::_Exit(1);
   }
 }
@@ -507,7 +511,7 @@ int main(int argc, char** argv) {
         absl::GetFlag(FLAGS_metrics_listen),
         [&service] { return service.PrometheusText(); });
     if (!started.ok()) {
-      Log(std::string(started.status().message()));
+      Fail(std::string(started.status().message()));
       return 2;
     }
     metrics_http = *std::move(started);

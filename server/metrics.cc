@@ -1,6 +1,7 @@
 #include "server/metrics.h"
 
 #include <algorithm>
+#include <cmath>
 #include <utility>
 
 #include "prometheus/client_metric.h"
@@ -15,13 +16,18 @@ LatencyHistogram::LatencyHistogram()
       counts_(bounds_.size() + 1, 0) {}
 
 void LatencyHistogram::Observe(double seconds) {
+  if (!(seconds > 0)) seconds = 0;  // NaN too
   const size_t i = static_cast<size_t>(
       std::lower_bound(bounds_.begin(), bounds_.end(), seconds) -
       bounds_.begin());
+  // Durations past 2^63 ns (292 years) are clamped.
+  const uint64_t ns = seconds >= 9.2e9
+                          ? uint64_t{9200000000000000000u}
+                          : static_cast<uint64_t>(std::llround(seconds * 1e9));
   MutexLock lock(&mu_);
   ++counts_[i];
   ++count_;
-  sum_ += seconds;
+  sum_ns_ = ns > UINT64_MAX - sum_ns_ ? UINT64_MAX : sum_ns_ + ns;
 }
 
 void LatencyHistogram::ToProto(v1::Histogram* out) const {
@@ -33,7 +39,7 @@ void LatencyHistogram::ToProto(v1::Histogram* out) const {
     out->add_counts(cumulative);
   }
   out->set_count(count_);
-  out->set_sum(sum_);
+  out->set_sum(static_cast<double>(sum_ns_) / 1e9);
 }
 
 namespace {

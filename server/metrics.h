@@ -17,11 +17,19 @@
 namespace optimd {
 
 // A latency histogram with fixed bucket bounds (seconds). Thread-safe.
+//
+// The sum is kept in whole nanoseconds: exact (a sum of doubles drifts), and
+// its value in seconds, the nearest double to nanoseconds / 1e9, is a decimal
+// of at most 16 significant digits below 2^53 ns (104 days of summed
+// latency), so the 16 digits prometheus-cpp writes read back as the very
+// same double (see RenderPrometheus).
 class LatencyHistogram {
  public:
   // Buckets from 10 microseconds to 10 seconds, roughly x2.5 apart.
   LatencyHistogram();
 
+  // Counts `seconds`, rounded to the nanosecond for the sum; a negative or
+  // NaN duration counts as 0.
   void Observe(double seconds) ABSL_LOCKS_EXCLUDED(mu_);
   void ToProto(v1::Histogram* out) const ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -30,7 +38,7 @@ class LatencyHistogram {
   mutable Mutex mu_;
   std::vector<uint64_t> counts_ ABSL_GUARDED_BY(mu_);  // per bucket, +Inf last
   uint64_t count_ ABSL_GUARDED_BY(mu_) = 0;
-  double sum_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t sum_ns_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // Every field of `m` (except prometheus_text) as Prometheus metric families,
@@ -43,8 +51,11 @@ std::vector<prometheus::MetricFamily> MetricFamilies(
 
 // MetricFamilies(m) in the Prometheus text exposition format, version
 // 0.0.4, by prometheus::TextSerializer. It writes values to 16 significant
-// digits: integers are exact (up to 2^53), a histogram sum reads back
-// within one unit of its 16th digit; GetMetricsResponse keeps every bit.
+// digits (prometheus-cpp 1.0 sets that precision itself; only scientific
+// notation, which would also rewrite every bucket's `le` label, gets 17),
+// which is full precision for every value the daemon has: integers up to
+// 2^53, and histogram sums kept in nanoseconds (LatencyHistogram) read back
+// as the same doubles GetMetricsResponse carries.
 std::string RenderPrometheus(const v1::GetMetricsResponse& m);
 
 }  // namespace optimd

@@ -1,5 +1,9 @@
 #include "server/metrics.h"
 
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <random>
 #include <set>
 #include <string>
 
@@ -54,6 +58,51 @@ TEST(MetricsTest, PrometheusText) {
   m.mutable_step_latency()->set_sum(1234.56789012345);
   EXPECT_NE(RenderPrometheus(m).find("_sum 1234.56789012345\n"),
             std::string::npos);
+}
+
+// The value of the line of `text` that starts with `name` and a space, as
+// a Prometheus parser reads it (strtod), or NaN when there is none.
+double ValueOf(const std::string& text, const std::string& name) {
+  const size_t at = text.find("\n" + name + " ");
+  if (at == std::string::npos) return std::nan("");
+  return std::strtod(text.c_str() + at + name.size() + 2, nullptr);
+}
+
+// Histogram sums read back from the text as the very doubles the daemon
+// holds, although prometheus-cpp writes 16 significant digits: a sum of
+// doubles often needs 17 (0.1 + 0.2 is 0.30000000000000004), one of whole
+// nanoseconds never does.
+TEST(MetricsTest, HistogramSumsKeepFullPrecisionInTheText) {
+  std::mt19937_64 random(7);
+  for (int trial = 0; trial < 200; ++trial) {
+    LatencyHistogram h;
+    uint64_t ns = 0;
+    for (int i = 0; i < 10; ++i) {
+      const uint64_t d = random() % 100000000;  // up to 0.1 s
+      ns += d;
+      h.Observe(static_cast<double>(d) * 1e-9);
+    }
+    v1::GetMetricsResponse m;
+    h.ToProto(m.mutable_step_latency());
+    ASSERT_EQ(m.step_latency().sum(), static_cast<double>(ns) / 1e9);
+    const std::string text = RenderPrometheus(m);
+    ASSERT_EQ(ValueOf(text, "optimd_step_latency_seconds_sum"),
+              m.step_latency().sum())
+        << text;
+  }
+  LatencyHistogram h;
+  h.Observe(0.1);
+  h.Observe(0.2);
+  v1::GetMetricsResponse m;
+  h.ToProto(m.mutable_step_host_time());
+  EXPECT_EQ(m.step_host_time().sum(), 0.3);
+  // Nothing negative or NaN enters the sum.
+  h.Observe(-1);
+  h.Observe(std::nan(""));
+  v1::Histogram after;
+  h.ToProto(&after);
+  EXPECT_EQ(after.sum(), 0.3);
+  EXPECT_EQ(after.count(), 4u);
 }
 
 // Every family the daemon has exposed so far, by name and type: a renamed or

@@ -213,7 +213,7 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::CreateSession(
   response->set_daemon_version(kVersion);
   response->set_api_revision(kApiRevision);
   log::Info(absl::StrCat(
-      "session ", created->resumed ? "resumed" : "created", ": ",
+      "session ", created->resumed || saved_dir ? "resumed" : "created", ": ",
       SessionName(id), " device ", id.device, " world_size ", id.world_size,
       !created->session->exchanges_statistics() &&
               created->session->nccl_unique_id().empty()
@@ -221,7 +221,11 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::CreateSession(
           : absl::StrCat(" (", GradientShardingName(id.sharding),
                          " gradients, ranks agree",
                          id.shard_state ? ", sharded state" : "", ")"),
-      " trainer pid ", request->trainer_pid()));
+      " trainer pid ", request->trainer_pid(),
+      saved_dir ? absl::StrCat("; its state saved at the daemon's last stop "
+                               "is in ",
+                               *saved_dir, " for the client to load")
+                : std::string()));
   if (saved_dir) {
     response->set_saved_state_dir(*saved_dir);
     created->session->SetRestartCheckpoint(
@@ -580,13 +584,18 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::LoadState(
 class OptimizerServiceImpl::SaveStreamReactor final
     : public grpc::ServerWriteReactor<v1::StateChunk> {
  public:
-  SaveStreamReactor(std::shared_ptr<Session> session, DeviceWorker* worker,
+  SaveStreamReactor(OptimizerServiceImpl* service,
+                    std::shared_ptr<Session> session, DeviceWorker* worker,
                     uint64_t chunk_bytes)
-      : chunk_bytes_(chunk_bytes) {
+      : service_(service),
+        name_(SessionName(session->identity())),
+        chunk_bytes_(chunk_bytes),
+        start_(absl::Now()) {
+    log::Info(absl::StrCat("checkpoint save started (stream): ", name_));
     worker->Post([this, session = std::move(session)] {
       auto snapshot = session->Snapshot();
       if (!snapshot.ok()) {
-        Finish(ToGrpcStatus(snapshot.status()));
+        End(ToGrpcStatus(snapshot.status()), 0, 0);
         return;
       }
       snapshot_ = *std::move(snapshot);
@@ -644,19 +653,32 @@ class OptimizerServiceImpl::SaveStreamReactor final
         break;
       }
       offset += n;
+      sent_ = offset;
     }
     bool cancelled;
+    uint64_t sent;
     {
       MutexLock lock(&mu_);
       cancelled = cancelled_;
+      sent = sent_;
     }
     snapshot_.reset();
-    Finish(cancelled ? grpc::Status(grpc::StatusCode::CANCELLED,
-                                    "the client stopped reading")
-                     : grpc::Status::OK);
+    End(cancelled ? grpc::Status(grpc::StatusCode::CANCELLED,
+                                 "the client stopped reading")
+                  : grpc::Status::OK,
+        sent, total);
   }
 
+  void End(const grpc::Status& status, uint64_t sent, uint64_t total) {
+    service_->EndStreamedSave(name_, status, sent, total,
+                              absl::ToDoubleSeconds(absl::Now() - start_));
+    Finish(status);
+  }
+
+  OptimizerServiceImpl* const service_;
+  const std::string name_;
   const uint64_t chunk_bytes_;
+  const absl::Time start_;
   std::unique_ptr<CheckpointSnapshot> snapshot_;
   v1::StateChunk chunk_;
   std::thread producer_;
@@ -664,7 +686,28 @@ class OptimizerServiceImpl::SaveStreamReactor final
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool write_ok_ ABSL_GUARDED_BY(mu_) = true;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t sent_ ABSL_GUARDED_BY(mu_) = 0;  // bytes the client received
 };
+
+void OptimizerServiceImpl::EndStreamedSave(const std::string& name,
+                                           const grpc::Status& status,
+                                           uint64_t bytes, uint64_t total_bytes,
+                                           double seconds) {
+  if (!status.ok()) {
+    checkpoint_failures_.fetch_add(1);
+    log::Warn(absl::StrCat(
+        "checkpoint save failed (stream): ", name,
+        total_bytes == 0
+            ? std::string()
+            : absl::StrCat(" after ", bytes, " of ", total_bytes, " bytes"),
+        ": ", status.error_message().substr(0, 500)));
+    return;
+  }
+  checkpoint_saves_.fetch_add(1);
+  checkpoint_save_bytes_.fetch_add(bytes);
+  log::Info(absl::StrCat("checkpoint saved (stream): ", name, ", ", bytes,
+                         " bytes, ", absl::StrFormat("%.3f", seconds), " s"));
+}
 
 grpc::ServerWriteReactor<v1::StateChunk>* OptimizerServiceImpl::SaveStateStream(
     grpc::CallbackServerContext* context,
@@ -684,7 +727,7 @@ grpc::ServerWriteReactor<v1::StateChunk>* OptimizerServiceImpl::SaveStateStream(
                                           "chunk_bytes may be at most 64 MiB"));
   }
   DeviceWorker* worker = WorkerFor(*session);
-  return new SaveStreamReactor(*std::move(session), worker, chunk);
+  return new SaveStreamReactor(this, *std::move(session), worker, chunk);
 }
 
 // Spools the streamed file to a private temporary file, then loads it on
@@ -695,16 +738,21 @@ grpc::ServerWriteReactor<v1::StateChunk>* OptimizerServiceImpl::SaveStateStream(
 class OptimizerServiceImpl::LoadStreamReactor final
     : public grpc::ServerReadReactor<v1::StateChunk> {
  public:
-  LoadStreamReactor(grpc::CallbackServerContext* context,
+  LoadStreamReactor(OptimizerServiceImpl* service,
+                    grpc::CallbackServerContext* context,
                     std::shared_ptr<Session> session, DeviceWorker* worker,
                     CheckpointOptions options, v1::LoadStateResponse* response,
                     std::function<void()> on_end)
-      : context_(context),
+      : service_(service),
+        name_(SessionName(session->identity())),
+        start_(absl::Now()),
+        context_(context),
         session_(std::move(session)),
         worker_(worker),
         options_(std::move(options)),
         response_(response),
         on_end_(std::move(on_end)) {
+    log::Info(absl::StrCat("checkpoint load started (stream): ", name_));
     const std::string dir = SpoolDirectory(options_);
     // The pid lets a later daemon remove the file if this one is killed.
     path_ = dir + "/.optimd-load-" + std::to_string(getpid()) + "-XXXXXX";
@@ -806,10 +854,12 @@ class OptimizerServiceImpl::LoadStreamReactor final
  private:
   void Fail(grpc::Status s) { End(std::move(s)); }
 
-  // Removes the spool file, ends the session's claim, then finishes.
+  // Removes the spool file, ends the session's claim, logs, then finishes.
   void End(grpc::Status s) {
     Cleanup();
     on_end_();
+    service_->EndStreamedLoad(name_, s, s.ok() ? response_->bytes() : 0,
+                              absl::ToDoubleSeconds(absl::Now() - start_));
     Finish(std::move(s));
   }
 
@@ -821,6 +871,9 @@ class OptimizerServiceImpl::LoadStreamReactor final
     }
   }
 
+  OptimizerServiceImpl* const service_;
+  const std::string name_;
+  const absl::Time start_;
   grpc::CallbackServerContext* const context_;
   const std::shared_ptr<Session> session_;
   DeviceWorker* const worker_;
@@ -833,6 +886,21 @@ class OptimizerServiceImpl::LoadStreamReactor final
   uint64_t received_ = 0;
   uint64_t total_ = 0;
 };
+
+void OptimizerServiceImpl::EndStreamedLoad(const std::string& name,
+                                           const grpc::Status& status,
+                                           uint64_t bytes, double seconds) {
+  if (!status.ok()) {
+    checkpoint_failures_.fetch_add(1);
+    log::Warn(absl::StrCat("checkpoint load failed (stream): ", name, ": ",
+                           status.error_message().substr(0, 500)));
+    return;
+  }
+  checkpoint_loads_.fetch_add(1);
+  checkpoint_load_bytes_.fetch_add(bytes);
+  log::Info(absl::StrCat("checkpoint loaded (stream): ", name, ", ", bytes,
+                         " bytes, ", absl::StrFormat("%.3f", seconds), " s"));
+}
 
 bool OptimizerServiceImpl::ClaimLoadStream(const Session* session) {
   MutexLock lock(&load_streams_mu_);
@@ -861,7 +929,7 @@ grpc::ServerReadReactor<v1::StateChunk>* OptimizerServiceImpl::LoadStateStream(
         "session loads one stream at a time (wait for it to end)"));
   }
   DeviceWorker* worker = WorkerFor(*session);
-  return new LoadStreamReactor(context, *std::move(session), worker,
+  return new LoadStreamReactor(this, context, *std::move(session), worker,
                                checkpoint_options_, response,
                                [this, key] { ReleaseLoadStream(key); });
 }

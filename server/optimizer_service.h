@@ -129,6 +129,13 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
   // writing thread.
   std::function<void(const Session::SaveStatusInfo&)> BackgroundSaveLogger(
       const SessionIdentity& id);
+  // Log and count the end of a streamed checkpoint (SaveStateStream,
+  // LoadStateStream) of the session `name`, as SaveState and LoadState do
+  // theirs: `bytes` sent or loaded, `seconds` since its start.
+  void EndStreamedSave(const std::string& name, const grpc::Status& status,
+                       uint64_t bytes, uint64_t total_bytes, double seconds);
+  void EndStreamedLoad(const std::string& name, const grpc::Status& status,
+                       uint64_t bytes, double seconds);
   // OK when the caller may make the admin call `call` (AdminGuard).
   absl::Status CheckAdmin(grpc::CallbackServerContext* context,
                           const char* call) const;

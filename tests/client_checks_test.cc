@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <grp.h>
 #include <grpcpp/grpcpp.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -285,6 +286,80 @@ TEST(ClientChecksTest, AnotherUsersSocketNamesItsOwner) {
   std::filesystem::remove_all(dir);
   // Root itself may use any socket: no diagnosis there.
   EXPECT_TRUE(Client::Create(address).ok());
+}
+
+// A daemon killed under an open session: every kind of session call says
+// that it went away and that the state it held is lost unless saved.
+TEST(ClientChecksTest, ADaemonGoneUnderASessionSaysTheStateIsLost) {
+  auto d = DaemonProcess::Start();
+  ASSERT_TRUE(d.ok()) << d.status();
+  auto c = (*d)->Connect();
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_TRUE((*c)->CreateSession(Session("gone")).ok());
+  ASSERT_EQ(kill((*d)->pid(), SIGKILL), 0);
+  while ((*d)->Alive()) absl::SleepFor(absl::Milliseconds(10));
+  const std::string said =
+      absl::StrCat("the optimd daemon at ", (*d)->address(),
+                   " went away during the session (");
+  const std::string lost =
+      "): the optimizer state it held is lost unless it was checkpointed "
+      "(SaveState) or saved at a clean stop (--save_dir); restart it and "
+      "resume (CreateSession with resume, or LoadState)";
+  const absl::Status statuses[] = {
+      (*c)->GetSaveStatus().status(),
+      (*c)->StreamStep(v1::StepRequest()).status(),
+      (*c)->SaveStateStream(
+              {}, [](const v1::StateChunk&) { return absl::OkStatus(); })
+          .status(),
+  };
+  for (const absl::Status& s : statuses) {
+    EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s;
+    EXPECT_EQ(s.message().rfind(said, 0), 0u) << s;
+    EXPECT_NE(s.message().find(lost), std::string::npos) << s;
+  }
+  // Without a session there was no state to lose: gRPC's own words.
+  (*c)->set_session_token("");
+  const absl::Status plain = (*c)->ListSessions().status();
+  EXPECT_EQ(plain.code(), StatusCode::kUnavailable);
+  EXPECT_EQ(plain.message().find("went away"), std::string::npos) << plain;
+}
+
+// A socket in a directory closed to this user (systemd's RuntimeDirectory
+// of another user, mode 0700) is named with that directory and its owner,
+// not reported missing.
+TEST(ClientChecksTest, ASocketInAClosedDirectoryNamesTheDirectory) {
+  const std::string dir = SocketPath("closed");
+  ASSERT_TRUE(std::filesystem::create_directory(dir));
+  const std::string address = "unix:" + dir + "/optimd.sock";
+  const std::string why =
+      absl::StrCat("the daemon socket ", dir,
+                   "/optimd.sock is out of this user's reach: the directory ",
+                   dir, " on its path belongs to ");
+  if (geteuid() != 0) {
+    // A directory closed to its own owner takes the same path.
+    ASSERT_EQ(chmod(dir.c_str(), 0), 0);
+    const absl::Status s = Client::Create(address).status();
+    ASSERT_EQ(chmod(dir.c_str(), 0700), 0);
+    std::filesystem::remove_all(dir);
+    EXPECT_EQ(s.code(), StatusCode::kUnavailable);
+    EXPECT_NE(s.message().find(why), std::string::npos) << s;
+    EXPECT_NE(s.message().find("closed to this user (mode 0)"),
+              std::string::npos)
+        << s;
+    return;
+  }
+  ASSERT_EQ(chmod(dir.c_str(), 0700), 0);
+  constexpr uid_t kNobody = 65534;
+  const std::string said = AsUser(kNobody, [&address](int fd) {
+    const std::string m = Client::Create(address).status().ToString();
+    (void)!write(fd, m.data(), m.size());
+  });
+  std::filesystem::remove_all(dir);
+  EXPECT_EQ(said, absl::StrCat("UNAVAILABLE: ", why,
+                               "user root (uid 0) and is closed to this user "
+                               "(mode 700); run as that user, or start a "
+                               "daemon of your own on another socket (optimd "
+                               "--listen=unix:/path)"));
 }
 
 }  // namespace

@@ -14,8 +14,8 @@ cleanup() {
   rm -rf "$scratch"
 }
 trap cleanup EXIT
-tarball=$(tools/make_release.sh "$scratch/out" "$root/server/optimd" \
-  "$root/client/optimctl" | tail -1)
+# Packed as `bazel run //tools:release` packs it.
+tarball=$(tools/release "$scratch/out" | tail -1)
 tar -xzf "$tarball" -C "$scratch"
 pkg=$(echo "$scratch"/optimd-*/)
 "$pkg/install.sh" "$scratch/prefix" >/dev/null

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # `pip install ./client/python` works offline with the packages already on
 # the machine, generates the gRPC stubs, and the installed package imports
-# and talks to a real daemon.
+# and talks to a real daemon; installed into a clean virtual environment,
+# its declared dependencies resolve to the system's torch, grpcio and
+# protobuf, and without them pip refuses.
 set -euo pipefail
 root="$PWD"
 target="$(mktemp -d /tmp/optimd-pip.XXXXXX)"
@@ -45,3 +47,32 @@ PATH="$nobin" python3 -m pip install --quiet --no-build-isolation --no-deps \
 cmp "$target/site2/optimd/v1/optimd_pb2.py" "$src2/optimd/v1/optimd_pb2.py"
 PYTHONPATH="$target/site2" /usr/bin/python3 -c \
   "import optimd.v1.optimd_pb2_grpc, optimd; print('installed without protoc')"
+# As a user installs it: `pip install` into a clean virtual environment that
+# sees the system's torch, grpcio and protobuf, dependencies resolved (not
+# --no-deps): the package declares them, and they are found installed.
+venv="$target/venv"
+/usr/bin/python3 -m venv --system-site-packages "$venv"
+PATH="$venv/bin:/usr/bin:/bin" "$venv/bin/python" -m pip install --quiet \
+  --no-index --no-build-isolation "$src2"
+(cd "$target" && OPTIMD_BINARY="$root/server/optimd" "$venv/bin/python" - <<'PY'
+from importlib.metadata import requires
+import optimd
+from optimd.torch import AdamW
+assert "/venv/" in optimd.__file__, optimd.__file__
+assert sorted(r.split(";")[0].strip() for r in requires("optimd")) == \
+    ["grpcio", "protobuf", "torch"], requires("optimd")
+print("installed into a virtual environment with its dependencies")
+PY
+)
+# Without the system's packages the declared dependencies are missing, and
+# an offline pip says which instead of installing a package that cannot
+# import.
+bare="$target/bare"
+/usr/bin/python3 -m venv "$bare"
+if "$bare/bin/python" -m pip install --no-index --no-build-isolation \
+    "$src2" >"$target/bare.log" 2>&1; then
+  echo "installed without its dependencies"; exit 1
+fi
+grep -q "No matching distribution found for \(grpcio\|protobuf\|torch\)" \
+  "$target/bare.log" || { cat "$target/bare.log"; exit 1; }
+echo "pip install test passed"

@@ -19,6 +19,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import optimd
+import optimd.testing
 from optimd.testing import Daemon
 from optimd.torch import AdamW
 
@@ -102,6 +103,24 @@ class OperationsTest(unittest.TestCase):
             "os.kill(os.getpid(), signal.SIGKILL)\n") % d1.address])
         self.assertEqual(trainer.wait(60), -9)
         self.wait_for_log(d1, r"job 'killed' rank 0 freed")
+        # A live session resumed by a restarted trainer.
+        _, first = make(d1, 7, "again")
+        _, again = make(d1, 7, "again", resume=True)
+        self.assertTrue(again.resumed)
+        again.close()
+        # Checkpoints: a streamed save and load (the same state back), a
+        # save that fails, and a streamed load of damaged bytes that fails
+        # and changes nothing.
+        blob = b"".join(runs[0][1].state_bytes())
+        runs[0][1].load_state_bytes([blob])
+        not_a_dir = os.path.join(self.dir, "file")
+        open(not_a_dir, "w").close()
+        with self.assertRaises(optimd.OptimdError):
+            runs[1][1].save_checkpoint(os.path.join(not_a_dir, "ckpt"))
+        damaged = bytearray(blob)
+        damaged[-1] ^= 0xFF
+        with self.assertRaises(optimd.OptimdError):
+            runs[1][1].load_state_bytes([bytes(damaged)])
 
         families = self.scrape(d1)
         # Left: the two trainers (refused closed, evicted, killed freed).
@@ -114,6 +133,17 @@ class OperationsTest(unittest.TestCase):
         count = [s.value for s in latency.samples
                  if s.name.endswith("_count")][0]
         self.assertGreaterEqual(count, 2 * STEPS)
+        for family, value in (("optimd_checkpoint_saves", 1),
+                              ("optimd_checkpoint_loads", 1),
+                              ("optimd_checkpoint_failures", 2)):
+            self.assertEqual(families[family].samples[0].value, value)
+        # Full precision: every sum reads back as the reply's own double.
+        reply = optimd.Client(d1.address).get_metrics()
+        for name, field in (("optimd_step_latency_seconds", "step_latency"),
+                            ("optimd_step_host_seconds", "step_host_time")):
+            text_sum = [s.value for s in families[name].samples
+                        if s.name == name + "_sum"][0]
+            self.assertEqual(text_sum, getattr(reply, field).sum)
         with self.assertRaises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(d1.metrics_url.replace("/metrics", "/x"))
         self.assertEqual(e.exception.code, 404)
@@ -129,6 +159,17 @@ class OperationsTest(unittest.TestCase):
                      r"session closed: job 'refused' rank 0",
                      r"session evicted: job 'evicted' rank 0",
                      r"job 'killed' rank 0 orphaned",
+                     r"session resumed: job 'again' rank 0",
+                     r"checkpoint save started \(stream\): job 'ops-0'",
+                     r"checkpoint saved \(stream\): job 'ops-0' rank 0, "
+                     r"\d+ bytes",
+                     r"checkpoint load started \(stream\): job 'ops-0'",
+                     r"checkpoint loaded \(stream\): job 'ops-0' rank 0, "
+                     r"\d+ bytes",
+                     r"warning optimd: checkpoint save failed: job 'ops-1' "
+                     r"rank 0: ",
+                     r"warning optimd: checkpoint load failed \(stream\): "
+                     r"job 'ops-1' rank 0: ",
                      r"received SIGTERM",
                      r"saving 2 sessions to ",
                      r"saved job 'ops-1' rank 0: \d+ bytes",
@@ -160,6 +201,8 @@ class OperationsTest(unittest.TestCase):
             self.assertEqual(d2.stop(), 0)
         d2.log.seek(0)
         log = d2.log.read()
+        self.assertRegex(log, r"session resumed: job 'ops-0' rank 0 .*; its "
+                              r"state saved at the daemon's last stop is in ")
         self.assertRegex(log, r"checkpoint load started: job 'ops-0' rank 0")
         self.assertRegex(log, r"checkpoint loaded: job 'ops-0'")
 
@@ -199,6 +242,25 @@ class OperationsTest(unittest.TestCase):
                       address=d2.address, job_id="big", resume=True)
         finally:
             self.assertEqual(d2.stop(), 0)
+
+    def test_start_up_failures_are_logged_as_errors(self):
+        """What keeps the daemon from starting is an error line (dated,
+        levelled), and the exit status is non-zero."""
+        binary = optimd.testing.find_binary()
+        sock = "unix:" + os.path.join(self.dir, "s.sock")
+        for flags, status, said in (
+                (["--backend=bogus"], 2,
+                 "--backend must be auto, cpu or cuda, not 'bogus'"),
+                (["--save_dir=relative/dir"], 1,
+                 "--save_dir must be an absolute directory"),
+                (["--listen=127.0.0.1:0"], 2,
+                 r"listening on TCP \(127.0.0.1:0\) needs TLS")):
+            out = subprocess.run([binary, "--listen=" + sock] + flags,
+                                 capture_output=True, text=True, timeout=60)
+            self.assertEqual(out.returncode, status, out.stderr)
+            self.assertRegex(out.stderr,
+                             r"(?m)^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}"
+                             r"[+-]\d\d:\d\d error optimd: " + said)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,39 @@ def scale_err(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
+def as_nobody(address):
+    """What optimd.Client(address) raises in a process of user nobody
+    (run as root), from a copy of the package that user may read."""
+    import shutil
+    import optimd.v1.optimd_pb2 as stubs
+    with tempfile.TemporaryDirectory(dir="/tmp") as scratch:
+        os.chmod(scratch, 0o755)
+        package = os.path.join(scratch, "optimd")
+        shutil.copytree(os.path.dirname(optimd.__file__), package,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        for name in ("optimd_pb2.py", "optimd_pb2_grpc.py"):
+            shutil.copy(os.path.join(os.path.dirname(stubs.__file__), name),
+                        os.path.join(package, "v1", name))
+
+        def drop():
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+        out = subprocess.run(
+            [sys.executable, "-c",
+             "import sys, optimd\n"
+             "try:\n"
+             "    optimd.Client(sys.argv[1])\n"
+             "    print('connected')\n"
+             "except optimd.OptimdError as e:\n"
+             "    print(type(e).__name__ + ': ' + str(e))\n", address],
+            env={"PYTHONPATH": scratch, "HOME": scratch,
+                 "PYTHONDONTWRITEBYTECODE": "1"},
+            cwd=scratch, preexec_fn=drop, capture_output=True, text=True,
+            timeout=120)
+        return out.stdout + out.stderr
+
+
 class TorchClientTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -953,14 +986,28 @@ class TorchClientTest(unittest.TestCase):
             self.assertLess(time.time() - t0, 2)
             stale.close()
             os.unlink(path)
-            # Another user's socket (mode 0600): only checkable when this
-            # process is not root, to whom every file is open.
+            # Another user's socket (mode 0600), and a socket in a directory
+            # closed to this user (another user's runtime directory, mode
+            # 0700): root may open every file, so as root the client runs
+            # as nobody; otherwise files closed to their owner stand in.
             if os.geteuid() != 0:
                 open(path, "w").close()
                 os.chmod(path, 0)
                 with self.assertRaisesRegex(optimd.DaemonUnavailableError,
                                             "only it may connect"):
                     optimd.Client("unix:" + path)
+                os.chmod(scratch, 0)
+                try:
+                    with self.assertRaisesRegex(
+                            optimd.DaemonUnavailableError,
+                            "the directory %s on its path belongs to user "
+                            ".* and is closed to this user \\(mode 0\\)" %
+                            scratch):
+                        optimd.Client("unix:" + path)
+                finally:
+                    os.chmod(scratch, 0o700)
+        if os.geteuid() == 0:
+            self.check_sockets_closed_to_another_user()
         # A daemon killed mid-training: the error says the state is gone.
         d = Daemon()
         p = torch.nn.Parameter(torch.randn(3))
@@ -974,6 +1021,27 @@ class TorchClientTest(unittest.TestCase):
         self.assertIn("went away", str(cm.exception))
         self.assertIn("lost unless", str(cm.exception))
         d.stop()
+
+    def check_sockets_closed_to_another_user(self):
+        """As nobody, the client names the directory closed to it, then
+        the socket's owner."""
+        d = Daemon()  # its socket: root's, mode 0600, in a 0700 directory
+        try:
+            directory = os.path.dirname(d.socket_path)
+            said = as_nobody(d.address)
+            self.assertIn(
+                "DaemonUnavailableError: the daemon socket %s is out of this "
+                "user's reach: the directory %s on its path belongs to user "
+                "root (uid 0) and is closed to this user (mode 700); run as "
+                "that user" % (d.socket_path, directory), said)
+            os.chmod(directory, 0o755)
+            said = as_nobody(d.address)
+            self.assertIn(
+                "DaemonUnavailableError: the daemon socket %s belongs to user "
+                "root (uid 0) and only it may connect (mode 600); run as that "
+                "user" % d.socket_path, said)
+        finally:
+            d.stop()
 
     def test_clear_errors(self):
         p = torch.nn.Parameter(torch.randn(3))

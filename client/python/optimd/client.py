@@ -5,6 +5,7 @@ token travels in the `x-optimd-session` metadata of every call. Every call
 has a deadline. Failures raise optimd.errors.OptimdError subclasses.
 """
 import os
+import pwd
 import socket
 
 import grpc
@@ -45,23 +46,59 @@ def _check_address(address):
                 "TLS only)" % (address, address))
         return
     path = address[len("unix:"):]
-    if not os.path.exists(path):
+    if path.startswith("//"):
+        path = path[2:]  # unix:///abs/path, as gRPC reads it
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
         raise errors.DaemonUnavailableError(
             "no optimd daemon at %s: the socket file %s does not exist; "
-            "start one with `optimd --listen=%s`" % (address, path, address))
-    if not os.access(path, os.R_OK | os.W_OK):
-        st = os.stat(path)
+            "start one with `optimd --listen=%s`" %
+            (address, path, address)) from None
+    except PermissionError:
+        closed = _closed_directory(path)
+        if closed is None:
+            raise
+        dir_st = os.stat(closed)
         raise errors.DaemonUnavailableError(
-            "the daemon socket %s belongs to user id %d and only it may "
-            "connect (mode %o); run as that user, or start a daemon of your "
-            "own on another socket (optimd --listen=unix:/path)" %
-            (path, st.st_uid, st.st_mode & 0o777))
+            "the daemon socket %s is out of this user's reach: the directory "
+            "%s on its path belongs to %s and is closed to this user (mode "
+            "%o); run as that user, or start a daemon of your own on another "
+            "socket (optimd --listen=unix:/path)" %
+            (path, closed, _owner(dir_st.st_uid),
+             dir_st.st_mode & 0o777)) from None
+    if not os.access(path, os.R_OK | os.W_OK):
+        raise errors.DaemonUnavailableError(
+            "the daemon socket %s belongs to %s and only it may connect "
+            "(mode %o); run as that user, or start a daemon of your own on "
+            "another socket (optimd --listen=unix:/path)" %
+            (path, _owner(st.st_uid), st.st_mode & 0o777))
     if _refused(path):
         raise errors.DaemonUnavailableError(
             "no optimd daemon at %s: the socket file %s is there but nothing "
             "listens on it (a daemon that ended without removing it); start "
             "one with `optimd --listen=%s`, which replaces the stale file" %
             (address, path, address))
+
+
+def _owner(uid):
+    """'user alice (uid 1000)', or 'user id 1000' for a uid without a
+    name."""
+    try:
+        return "user %s (uid %d)" % (pwd.getpwuid(uid).pw_name, uid)
+    except KeyError:
+        return "user id %d" % uid
+
+
+def _closed_directory(path):
+    """The first directory on `path` this process may not search, or
+    None."""
+    parts = path.split("/")
+    for i in range(1, len(parts)):
+        directory = "/".join(parts[:i])
+        if directory and not os.access(directory, os.X_OK):
+            return directory
+    return None
 
 
 def _refused(path):
@@ -141,7 +178,7 @@ class Client:
             self._channel.close()
             raise errors.DaemonUnavailableError(
                 "no optimd daemon answers at %s (waited %.0f s); start one "
-                "with `bazel-bin/server/optimd --listen=%s`" %
+                "with `optimd --listen=%s`" %
                 (self.address, connect_timeout, self.address)) from None
         self._stub = pb_grpc.OptimizerStub(self._channel)
         self.token = None

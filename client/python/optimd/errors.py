@@ -127,7 +127,7 @@ def from_rpc_error(err, address=None, had_session=False):
     elif cls is DaemonUnavailableError:
         where = " at %s" % address if address else ""
         message = ("no optimd daemon answers%s (%s); start one with "
-                   "`bazel-bin/server/optimd --listen=%s`" %
+                   "`optimd --listen=%s`" %
                    (where, details, address or "unix:/path/to.sock"))
     else:
         name = code.name if code is not None else "UNKNOWN"
