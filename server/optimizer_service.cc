@@ -688,32 +688,47 @@ grpc::ServerWriteReactor<v1::StateChunk>* OptimizerServiceImpl::SaveStateStream(
 // Spools the streamed file to a private temporary file, then loads it on
 // the session's worker, as LoadState loads a file: verified whole before
 // any state changes. The spool file is removed on every path (and by a
-// later daemon if this one is killed); `on_end` runs once, before the call
-// finishes (so that the client may start its next stream at once).
+// later daemon if this one is killed). The stream reads only once it holds
+// its session's claim (LoadStreamClaims: a stream of the session still
+// open is waited for, up to the claims' grace, then this one is refused);
+// the claim ends as soon as gRPC reports the call cancelled (the client
+// broke it off and may already be sending its next stream) or else before
+// the call finishes.
 class OptimizerServiceImpl::LoadStreamReactor final
     : public grpc::ServerReadReactor<v1::StateChunk> {
  public:
   LoadStreamReactor(grpc::CallbackServerContext* context,
                     std::shared_ptr<Session> session, DeviceWorker* worker,
                     CheckpointOptions options, v1::LoadStateResponse* response,
-                    std::function<void()> on_end)
+                    LoadStreamClaims* claims)
       : context_(context),
         session_(std::move(session)),
         worker_(worker),
         options_(std::move(options)),
         response_(response),
-        on_end_(std::move(on_end)) {
-    const std::string dir = SpoolDirectory(options_);
-    // The pid lets a later daemon remove the file if this one is killed.
-    path_ = dir + "/.optimd-load-" + std::to_string(getpid()) + "-XXXXXX";
-    fd_ = mkstemp(path_.data());
-    if (fd_ < 0) {
-      End(grpc::Status(grpc::StatusCode::INTERNAL,
-                       "cannot create a spool file in " + dir + ": " +
-                           std::strerror(errno)));
-      return;
+        claims_(claims) {
+    if (claims_->Claim(session_.get(), this, [this](bool granted) {
+          if (granted) {
+            Begin();
+          } else {
+            Finish(grpc::Status(
+                grpc::StatusCode::FAILED_PRECONDITION,
+                "another LoadStateStream of this session is still arriving; "
+                "a session loads one stream at a time (wait for it to end)"));
+          }
+        })) {
+      Begin();
     }
-    StartRead(&chunk_);
+  }
+
+  // May run beside OnReadDone, the worker's load or the claim's outcome: it
+  // only ends the claim (or the wait for it). The spool file goes when the
+  // read that the cancel fails returns.
+  void OnCancel() override {
+    if (claims_->Release(session_.get(), this)) {
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED,
+                          "the stream broke; nothing was loaded"));
+    }
   }
 
   void OnReadDone(bool ok) override {
@@ -798,16 +813,32 @@ class OptimizerServiceImpl::LoadStreamReactor final
 
   void OnDone() override {
     Cleanup();
+    claims_->Release(session_.get(), this);
     delete this;
   }
 
  private:
+  // With the session's claim: opens the spool file, reads the first chunk.
+  void Begin() {
+    const std::string dir = SpoolDirectory(options_);
+    // The pid lets a later daemon remove the file if this one is killed.
+    path_ = dir + "/.optimd-load-" + std::to_string(getpid()) + "-XXXXXX";
+    fd_ = mkstemp(path_.data());
+    if (fd_ < 0) {
+      End(grpc::Status(grpc::StatusCode::INTERNAL,
+                       "cannot create a spool file in " + dir + ": " +
+                           std::strerror(errno)));
+      return;
+    }
+    StartRead(&chunk_);
+  }
+
   void Fail(grpc::Status s) { End(std::move(s)); }
 
   // Removes the spool file, ends the session's claim, then finishes.
   void End(grpc::Status s) {
     Cleanup();
-    on_end_();
+    claims_->Release(session_.get(), this);
     Finish(std::move(s));
   }
 
@@ -824,23 +855,13 @@ class OptimizerServiceImpl::LoadStreamReactor final
   DeviceWorker* const worker_;
   const CheckpointOptions options_;
   v1::LoadStateResponse* const response_;
-  const std::function<void()> on_end_;
+  LoadStreamClaims* const claims_;
   std::string path_;
   int fd_ = -1;
   v1::StateChunk chunk_;
   uint64_t received_ = 0;
   uint64_t total_ = 0;
 };
-
-bool OptimizerServiceImpl::ClaimLoadStream(const Session* session) {
-  MutexLock lock(&load_streams_mu_);
-  return load_streams_.insert(session).second;
-}
-
-void OptimizerServiceImpl::ReleaseLoadStream(const Session* session) {
-  MutexLock lock(&load_streams_mu_);
-  load_streams_.erase(session);
-}
 
 grpc::ServerReadReactor<v1::StateChunk>* OptimizerServiceImpl::LoadStateStream(
     grpc::CallbackServerContext* context, v1::LoadStateResponse* response) {
@@ -851,17 +872,10 @@ grpc::ServerReadReactor<v1::StateChunk>* OptimizerServiceImpl::LoadStateStream(
   };
   auto session = SessionOf(context);
   if (!session.ok()) return new Refused(ToGrpcStatus(session.status()));
-  const Session* key = session->get();
-  if (!ClaimLoadStream(key)) {
-    return new Refused(grpc::Status(
-        grpc::StatusCode::FAILED_PRECONDITION,
-        "another LoadStateStream of this session is still arriving; a "
-        "session loads one stream at a time (wait for it to end)"));
-  }
   DeviceWorker* worker = WorkerFor(*session);
   return new LoadStreamReactor(context, *std::move(session), worker,
                                checkpoint_options_, response,
-                               [this, key] { ReleaseLoadStream(key); });
+                               &load_stream_claims_);
 }
 
 namespace {

@@ -12,10 +12,12 @@
 #include <memory>
 #include <set>
 
+#include "absl/time/time.h"
 #include "core/session_registry.h"
 #include "optimd/v1/optimd.grpc.pb.h"
 #include "server/admin_guard.h"
 #include "server/device_worker.h"
+#include "server/load_stream_claims.h"
 #include "server/metrics.h"
 #include "server/restart_store.h"
 
@@ -175,15 +177,10 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
   mutable Mutex rank_workers_mu_;
   mutable std::map<const Session*, RankWorker> rank_workers_
       ABSL_GUARDED_BY(rank_workers_mu_);
-  // Sessions with a LoadStateStream arriving: one at a time per session, so
-  // that spool files hold at most one checkpoint of each session.
-  // Claim: false when one is arriving already.
-  bool ClaimLoadStream(const Session* session)
-      ABSL_LOCKS_EXCLUDED(load_streams_mu_);
-  void ReleaseLoadStream(const Session* session)
-      ABSL_LOCKS_EXCLUDED(load_streams_mu_);
-  Mutex load_streams_mu_;
-  std::set<const Session*> load_streams_ ABSL_GUARDED_BY(load_streams_mu_);
+  // Sessions with a LoadStateStream arriving: one at a time per session; a
+  // stream waits this long for the session's earlier one to end.
+  static constexpr absl::Duration kLoadStreamGrace = absl::Seconds(1);
+  LoadStreamClaims load_stream_claims_{kLoadStreamGrace};
   // Last: destroyed first, finishing its tasks while the rest still lives.
   DeviceWorker io_worker_{"optimd-io"};
 };

@@ -24,6 +24,7 @@
 #include "client/client.h"
 #include "client/shm_tensor.h"
 #include "core/backend.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kernels/adamw/adamw_cpu.h"
 #include "tests/daemon_process.h"
@@ -413,8 +414,9 @@ TEST_F(E2eTest, CorruptLargeCheckpointChangesNothing) {
 }
 
 // A session takes one LoadStateStream at a time (each spools up to a
-// checkpoint's size to disk): a second one while the first is arriving is
-// FAILED_PRECONDITION; the first then loads, and its spool file is gone.
+// checkpoint's size to disk): a second one while the first is arriving
+// waits up to 1 s for it, then is FAILED_PRECONDITION; the first then
+// loads, and its spool file is gone.
 TEST_F(E2eTest, OneLoadStreamPerSessionAtATime) {
   daemon_->Stop();
   ScratchDirForTest state_dir;
@@ -460,6 +462,63 @@ TEST_F(E2eTest, OneLoadStreamPerSessionAtATime) {
   EXPECT_EQ(refused.code(), StatusCode::kFailedPrecondition) << refused;
   EXPECT_NE(refused.message().find("one stream at a time"), std::string::npos);
   EXPECT_TRUE(first.ok()) << first.status();
+  EXPECT_TRUE(std::filesystem::is_empty(state_dir.path()));
+}
+
+// A client that breaks off its LoadStateStream (cancels it) and starts the
+// next one as soon as its own call has ended, on the same connection, is
+// not refused: the daemon ends the broken stream's claim on the session as
+// soon as gRPC reports the break, not when its reads have wound down. Many
+// rounds, as the break reaches the daemon asynchronously; the last stream
+// loads and no spool file is left.
+TEST_F(E2eTest, BrokenLoadStreamFreesTheSessionAtOnce) {
+  daemon_->Stop();
+  ScratchDirForTest state_dir;
+  auto d = DaemonProcess::Start({"--state_dir=" + state_dir.path()});
+  ASSERT_TRUE(d.ok()) << d.status();
+  daemon_ = *std::move(d);
+  client_ = Connect();
+  OpenSession(client_.get());
+  ASSERT_TRUE(client_->RegisterGroup(Group("g", {Tensor("w", 64, 0)})).ok());
+  std::string file;
+  ASSERT_TRUE(client_
+                  ->SaveStateStream(v1::SaveStateStreamRequest(),
+                                    [&](const v1::StateChunk& c) {
+                                      file += c.data();
+                                      return absl::OkStatus();
+                                    })
+                  .ok());
+  ASSERT_GT(file.size(), 200u);
+  auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(
+      daemon_->address(), grpc::InsecureChannelCredentials()));
+  // Sends file[0, n) (and half-closes) over one LoadStateStream; with
+  // `cancel`, cancels the call after the chunk instead.
+  auto stream = [&](size_t n, bool cancel) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+    context.AddMetadata("x-optimd-session", client_->session_token());
+    v1::LoadStateResponse response;
+    auto writer = stub->LoadStateStream(&context, &response);
+    v1::StateChunk chunk;
+    chunk.set_total_bytes(file.size());
+    chunk.set_data(file.substr(0, n));
+    if (writer->Write(chunk) && !cancel) writer->WritesDone();
+    if (cancel) context.TryCancel();
+    return writer->Finish();
+  };
+  for (int round = 0; round < 300; ++round) {
+    const grpc::Status broken = stream(100, /*cancel=*/true);
+    ASSERT_EQ(broken.error_code(), grpc::StatusCode::CANCELLED)
+        << broken.error_message();
+    // The next stream, at once: not refused. (Short, so DATA_LOSS.)
+    const grpc::Status next = stream(100, /*cancel=*/false);
+    ASSERT_EQ(next.error_code(), grpc::StatusCode::DATA_LOSS)
+        << "round " << round << ": " << next.error_message();
+  }
+  const grpc::Status broken = stream(100, /*cancel=*/true);
+  ASSERT_EQ(broken.error_code(), grpc::StatusCode::CANCELLED);
+  const grpc::Status whole = stream(file.size(), /*cancel=*/false);
+  EXPECT_TRUE(whole.ok()) << whole.error_message();
   EXPECT_TRUE(std::filesystem::is_empty(state_dir.path()));
 }
 
