@@ -44,6 +44,7 @@
 #include "server/optimizer_service.h"
 #include "server/refusal_log.h"
 #include "server/restart_store.h"
+#include "server/session_listing.h"
 #include "server/session_reaper.h"
 #include "server/unix_socket_listener.h"
 
@@ -107,6 +108,11 @@ ABSL_FLAG(uint64_t, max_request_memory_bytes, uint64_t{4} << 30,
           "reset (RESOURCE_EXHAUSTED, or UNAVAILABLE for a reclaimed "
           "connection). A message alone may be 1 GiB: keep it above that. "
           "0: no bound.");
+ABSL_FLAG(uint64_t, max_listing_bytes, optimd::kMaxListingBytes,
+          "The most bytes the session list of a ListSessions or GetMetrics "
+          "reply may take, encoded (a session that would cross it is left "
+          "out and counted in sessions_omitted / session_infos_omitted); "
+          "from 4096 to the default, 256 MiB.");
 ABSL_FLAG(int, shutdown_grace_s, 30,
           "On SIGINT/SIGTERM, how long in-flight calls may run before they "
           "are cancelled.");
@@ -304,7 +310,8 @@ void RemoveStaleCheckpointTemporaries(const std::vector<std::string>& dirs) {
   }
 }
 
-// --save_dir, --admin_token_file and the service's hooks; the exit code on
+// --save_dir, --admin_token_file, --max_listing_bytes and the service's
+// hooks; the exit code on
 // failure (logged), else 0. `restart_store` must outlive the service.
 int ConfigureService(optimd::OptimizerServiceImpl& service,
                      const optimd::CheckpointOptions& checkpoint_options,
@@ -340,6 +347,15 @@ int ConfigureService(optimd::OptimizerServiceImpl& service,
     }
     service.set_admin_guard(optimd::AdminGuard(*std::move(token)));
   }
+  const uint64_t listing = absl::GetFlag(FLAGS_max_listing_bytes);
+  if (listing < optimd::kMinListingBytes ||
+      listing > optimd::kMaxListingBytes) {
+    Log(absl::StrCat("--max_listing_bytes must be from ",
+                     optimd::kMinListingBytes, " to ", optimd::kMaxListingBytes,
+                     " (256 MiB), not ", listing));
+    return 2;
+  }
+  service.set_max_listing_bytes(listing);
   return 0;
 }
 

@@ -882,9 +882,11 @@ namespace {
 
 // The listing of `sessions` (AddSessionInfos) into *out.
 uint32_t ListInto(const std::vector<std::shared_ptr<Session>>& sessions,
-                  google::protobuf::RepeatedPtrField<v1::SessionInfo>* out) {
+                  google::protobuf::RepeatedPtrField<v1::SessionInfo>* out,
+                  size_t max_bytes) {
   return AddSessionInfos(
-      sessions.size(), [&](size_t i) { return sessions[i]->Info(); }, out);
+      sessions.size(), [&](size_t i) { return sessions[i]->Info(); }, out,
+      max_bytes);
 }
 
 }  // namespace
@@ -917,8 +919,8 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::ListSessions(
     reactor->Finish(ToGrpcStatus(admin));
     return reactor;
   }
-  response->set_sessions_omitted(
-      ListInto(registry_->List(), response->mutable_sessions()));
+  response->set_sessions_omitted(ListInto(
+      registry_->List(), response->mutable_sessions(), max_listing_bytes_));
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }
@@ -957,8 +959,8 @@ void OptimizerServiceImpl::FillMetrics(v1::GetMetricsResponse* response) const {
   step_host_time_.ToProto(response->mutable_step_host_time());
   step_device_time_.ToProto(response->mutable_step_device_time());
   step_ready_wait_.ToProto(response->mutable_step_ready_wait());
-  response->set_session_infos_omitted(
-      ListInto(sessions, response->mutable_session_infos()));
+  response->set_session_infos_omitted(ListInto(
+      sessions, response->mutable_session_infos(), max_listing_bytes_));
   response->set_checkpoint_saves(checkpoint_saves_.load());
   response->set_checkpoint_save_bytes(checkpoint_save_bytes_.load());
   response->set_checkpoint_loads(checkpoint_loads_.load());

@@ -20,6 +20,7 @@
 #include "server/load_stream_claims.h"
 #include "server/metrics.h"
 #include "server/restart_store.h"
+#include "server/session_listing.h"
 
 namespace optimd {
 
@@ -48,6 +49,10 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
   std::string PrometheusText() const;
   // Who may make admin calls; set before serving.
   void set_admin_guard(AdminGuard guard) { admin_ = std::move(guard); }
+  // The most bytes the session list of a ListSessions or GetMetrics reply
+  // may take, encoded (AddSessionInfos); at most kMaxListingBytes, the
+  // default. Set before serving.
+  void set_max_listing_bytes(size_t bytes) { max_listing_bytes_ = bytes; }
 
   grpc::ServerUnaryReactor* CreateSession(
       grpc::CallbackServerContext* context,
@@ -148,6 +153,7 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
   SessionRegistry* const registry_;
   const RestartStore* restart_store_ = nullptr;
   AdminGuard admin_;
+  size_t max_listing_bytes_ = kMaxListingBytes;
   // The worker that runs `session`'s work: its backend's, or, for a
   // session whose steps wait for the job's other ranks, a thread of its
   // own (so that one rank's wait never holds up another session). Called

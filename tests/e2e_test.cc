@@ -1012,6 +1012,60 @@ TEST_F(E2eTest, OptimctlReportsHealthMetricsAndSessions) {
       << out;
 }
 
+// Listings are cut at --max_listing_bytes (256 MiB by default; lowered here
+// so that a few sessions of long job ids cross it): a session that would
+// cross it is left out and counted, later smaller ones are still listed,
+// in ListSessions, GetMetrics and optimctl alike; once sessions close,
+// everything is listed again. Values outside 4096 .. 256 MiB are refused
+// at start.
+TEST_F(E2eTest, ListingsAreCutAtTheDaemonsListingCap) {
+  daemon_->Stop();
+  for (const char* bad :
+       {"--max_listing_bytes=4095", "--max_listing_bytes=268435457"}) {
+    EXPECT_FALSE(DaemonProcess::Start({bad}).ok()) << bad;
+  }
+  auto d = DaemonProcess::Start({"--max_listing_bytes=4096"});
+  ASSERT_TRUE(d.ok()) << d.status();
+  daemon_ = *std::move(d);
+  client_ = Connect();
+  // Each long session's entry takes a little over 1000 of the 4096 bytes:
+  // three fit, three are left out; the short one fits beside them.
+  std::vector<std::unique_ptr<Client>> sessions;
+  for (int i = 0; i < 6; ++i) {
+    sessions.push_back(Connect());
+    OpenSession(sessions.back().get(),
+                std::string(1000, static_cast<char>('a' + i)));
+  }
+  sessions.push_back(Connect());
+  OpenSession(sessions.back().get(), "short");
+  auto listed = client_->ListSessions();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  EXPECT_EQ(listed->sessions_size(), 4);
+  EXPECT_EQ(listed->sessions_omitted(), 3u);
+  EXPECT_LE(listed->ByteSizeLong(), 4096u + 16);
+  EXPECT_TRUE(std::any_of(
+      listed->sessions().begin(), listed->sessions().end(),
+      [](const v1::SessionInfo& s) { return s.job_id() == "short"; }));
+  auto metrics = client_->GetMetrics();
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  EXPECT_EQ(metrics->sessions(), 7u);
+  EXPECT_EQ(metrics->session_infos_size(), 4);
+  EXPECT_EQ(metrics->session_infos_omitted(), 3u);
+  auto [rc, out] = RunCommand("client/optimctl --target=" + daemon_->address() +
+                              " sessions");
+  EXPECT_EQ(rc, 0);
+  EXPECT_NE(out.find("(3 more sessions not listed"), std::string::npos) << out;
+  // Three long sessions closed: the other three fit.
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(sessions[i]->CloseSession().ok());
+  listed = client_->ListSessions();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  EXPECT_EQ(listed->sessions_size(), 4);
+  EXPECT_EQ(listed->sessions_omitted(), 0u);
+  std::tie(rc, out) = RunCommand(
+      "client/optimctl --target=" + daemon_->address() + " sessions");
+  EXPECT_EQ(out.find("not listed"), std::string::npos) << out;
+}
+
 // optimctl shows a session whose trainer is gone as orphaned, and evicts
 // it.
 TEST(E2eOptimctlTest, OrphanedSessionsShownAndEvicted) {
