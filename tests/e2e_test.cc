@@ -1028,13 +1028,14 @@ TEST_F(E2eTest, ListingsAreCutAtTheDaemonsListingCap) {
   ASSERT_TRUE(d.ok()) << d.status();
   daemon_ = *std::move(d);
   client_ = Connect();
-  // Each long session's entry takes a little over 1000 of the 4096 bytes:
-  // three fit, three are left out; the short one fits beside them.
+  // Each long session's entry (a job id of the longest, 1024 bytes) takes
+  // a little over 1030 of the 4096 bytes: three fit, whatever the order,
+  // three are left out; the short one fits beside them.
   std::vector<std::unique_ptr<Client>> sessions;
   for (int i = 0; i < 6; ++i) {
     sessions.push_back(Connect());
     OpenSession(sessions.back().get(),
-                std::string(1000, static_cast<char>('a' + i)));
+                std::string(1024, static_cast<char>('a' + i)));
   }
   sessions.push_back(Connect());
   OpenSession(sessions.back().get(), "short");
