@@ -106,8 +106,10 @@ ABSL_FLAG(uint64_t, max_request_memory_bytes, uint64_t{4} << 30,
           "Memory gRPC may hold for calls being received and sent, all "
           "connections together (a grpc::ResourceQuota); past it calls are "
           "reset (RESOURCE_EXHAUSTED, or UNAVAILABLE for a reclaimed "
-          "connection). A message alone may be 1 GiB: keep it above that. "
-          "0: no bound.");
+          "connection). The same bound holds the parsed requests waiting "
+          "for or running on the workers (encoded sizes; past it a request "
+          "is refused with RESOURCE_EXHAUSTED). A message alone may be "
+          "1 GiB: keep it above that. 0: no bound.");
 ABSL_FLAG(uint64_t, max_listing_bytes, optimd::kMaxListingBytes,
           "The most bytes the session list of a ListSessions or GetMetrics "
           "reply may take, encoded (a session that would cross it is left "
@@ -356,6 +358,10 @@ int ConfigureService(optimd::OptimizerServiceImpl& service,
     return 2;
   }
   service.set_max_listing_bytes(listing);
+  // The parsed copies of requests held for the workers, beside gRPC's
+  // buffers (StartServer's quota), under the same bound.
+  service.set_max_held_request_bytes(
+      absl::GetFlag(FLAGS_max_request_memory_bytes));
   return 0;
 }
 

@@ -131,9 +131,10 @@ absl::StatusOr<std::shared_ptr<Session>> OptimizerServiceImpl::SessionOf(
   return registry_->Find(TokenOf(context));
 }
 
-template <typename Work>
+template <typename Request, typename Work>
 grpc::ServerUnaryReactor* OptimizerServiceImpl::OnWorker(
-    grpc::CallbackServerContext* context, Work work, bool file_io) {
+    grpc::CallbackServerContext* context, const Request& request, Work work,
+    bool file_io) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (draining_.load()) {
     reactor->Finish(
@@ -145,6 +146,13 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::OnWorker(
     reactor->Finish(ToGrpcStatus(session.status()));
     return reactor;
   }
+  // The parsed request lives until the call is finished: held against the
+  // request budget meanwhile.
+  const uint64_t request_bytes = request.ByteSizeLong();
+  if (absl::Status held = request_budget_->Reserve(request_bytes); !held.ok()) {
+    reactor->Finish(ToGrpcStatus(held));
+    return reactor;
+  }
   // File I/O of host-addressable sessions runs on the I/O worker, so that
   // other sessions keep stepping; not for sessions whose steps may wait for
   // other ranks while holding the session (the I/O worker would wait too).
@@ -152,9 +160,10 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::OnWorker(
                                  !(*session)->exchanges_statistics()
                              ? &io_worker_
                              : WorkerFor(*session);
-  worker->Post([reactor, work = std::move(work),
+  worker->Post([this, reactor, request_bytes, work = std::move(work),
                 session = *std::move(session)]() mutable {
     reactor->Finish(ToGrpcStatus(work(*session)));
+    request_budget_->Release(request_bytes);
   });
   return reactor;
 }
@@ -265,25 +274,26 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::RegisterGroup(
     grpc::CallbackServerContext* context,
     const v1::RegisterGroupRequest* request,
     v1::RegisterGroupResponse* response) {
-  return OnWorker(context, [request, response](Session& s) -> absl::Status {
-    auto spec = GroupSpecFromProto(*request);
-    if (!spec.ok()) return spec.status();
-    auto result = s.RegisterGroup(*spec);
-    if (!result.ok()) return result.status();
-    log::Info(absl::StrCat("group registered: ", SessionName(s.identity()),
-                           " group '", spec->id.substr(0, 128), "', ",
-                           spec->tensors.size(), " tensors, ",
-                           result->state_bytes, " state bytes"));
-    response->set_state_bytes(result->state_bytes);
-    response->set_plan_items(result->plan_items);
-    return absl::OkStatus();
-  });
+  return OnWorker(
+      context, *request, [request, response](Session& s) -> absl::Status {
+        auto spec = GroupSpecFromProto(*request);
+        if (!spec.ok()) return spec.status();
+        auto result = s.RegisterGroup(*spec);
+        if (!result.ok()) return result.status();
+        log::Info(absl::StrCat("group registered: ", SessionName(s.identity()),
+                               " group '", spec->id.substr(0, 128), "', ",
+                               spec->tensors.size(), " tensors, ",
+                               result->state_bytes, " state bytes"));
+        response->set_state_bytes(result->state_bytes);
+        response->set_plan_items(result->plan_items);
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::UnregisterGroup(
     grpc::CallbackServerContext* context,
     const v1::UnregisterGroupRequest* request, v1::UnregisterGroupResponse*) {
-  return OnWorker(context, [request](Session& s) {
+  return OnWorker(context, *request, [request](Session& s) {
     return s.UnregisterGroup(request->group_id());
   });
 }
@@ -291,7 +301,7 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::UnregisterGroup(
 grpc::ServerUnaryReactor* OptimizerServiceImpl::UpdateBuffers(
     grpc::CallbackServerContext* context,
     const v1::UpdateBuffersRequest* request, v1::UpdateBuffersResponse*) {
-  return OnWorker(context, [request](Session& s) -> absl::Status {
+  return OnWorker(context, *request, [request](Session& s) -> absl::Status {
     auto updates = BufferUpdatesFromProto(*request);
     if (!updates.ok()) return updates.status();
     return s.UpdateBuffers(request->group_id(), *updates);
@@ -333,7 +343,7 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::Step(
     grpc::CallbackServerContext* context, const v1::StepRequest* request,
     v1::StepResponse* response) {
   const absl::Time start = absl::Now();
-  return OnWorker(context,
+  return OnWorker(context, *request,
                   [this, request, response, start](Session& s) -> absl::Status {
                     return RunStep(s, *request, response, start);
                   });
@@ -356,10 +366,17 @@ class OptimizerServiceImpl::StepStreamReactor final
       return;
     }
     const absl::Time start = absl::Now();
-    worker_->Post([this, start] {
+    const uint64_t request_bytes = request_.ByteSizeLong();
+    if (absl::Status held = service_->request_budget_->Reserve(request_bytes);
+        !held.ok()) {
+      Finish(ToGrpcStatus(held));
+      return;
+    }
+    worker_->Post([this, start, request_bytes] {
       response_.Clear();
       absl::Status s =
           service_->RunStep(*session_, request_, &response_, start);
+      service_->request_budget_->Release(request_bytes);
       if (!s.ok()) {
         Finish(ToGrpcStatus(s));
         return;
@@ -409,42 +426,44 @@ OptimizerServiceImpl::StepStream(grpc::CallbackServerContext* context) {
 grpc::ServerUnaryReactor* OptimizerServiceImpl::GetParams(
     grpc::CallbackServerContext* context, const v1::GetParamsRequest* request,
     v1::GetParamsResponse* response) {
-  return OnWorker(context, [request, response](Session& s) -> absl::Status {
-    std::vector<std::string> ids(request->group_ids().begin(),
-                                 request->group_ids().end());
-    auto written = s.GetParams(ids);
-    if (!written.ok()) return written.status();
-    response->set_tensors_written(*written);
-    return absl::OkStatus();
-  });
+  return OnWorker(context, *request,
+                  [request, response](Session& s) -> absl::Status {
+                    std::vector<std::string> ids(request->group_ids().begin(),
+                                                 request->group_ids().end());
+                    auto written = s.GetParams(ids);
+                    if (!written.ok()) return written.status();
+                    response->set_tensors_written(*written);
+                    return absl::OkStatus();
+                  });
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::GetState(
     grpc::CallbackServerContext* context, const v1::GetStateRequest* request,
     v1::GetStateResponse* response) {
-  return OnWorker(context, [request, response](Session& s) -> absl::Status {
-    std::vector<std::string> ids(request->group_ids().begin(),
-                                 request->group_ids().end());
-    std::vector<std::string> tensors(request->tensor_names().begin(),
-                                     request->tensor_names().end());
-    // Replies stay below the daemon's 1 GiB send limit (and far below
-    // protobuf's 2 GiB, past which serializing aborts): data and names are
-    // counted, with room left for group ids and hyperparameters.
-    constexpr uint64_t kMaxReplyData = (uint64_t{1} << 30) - (64 << 20);
-    auto state =
-        s.ReadState(ids, !request->metadata_only(), tensors, kMaxReplyData);
-    if (!state.ok()) return state.status();
-    for (const GroupState& g : *state) {
-      GroupStateToProto(g, response->add_groups());
-    }
-    return absl::OkStatus();
-  });
+  return OnWorker(
+      context, *request, [request, response](Session& s) -> absl::Status {
+        std::vector<std::string> ids(request->group_ids().begin(),
+                                     request->group_ids().end());
+        std::vector<std::string> tensors(request->tensor_names().begin(),
+                                         request->tensor_names().end());
+        // Replies stay below the daemon's 1 GiB send limit (and far below
+        // protobuf's 2 GiB, past which serializing aborts): data and names are
+        // counted, with room left for group ids and hyperparameters.
+        constexpr uint64_t kMaxReplyData = (uint64_t{1} << 30) - (64 << 20);
+        auto state =
+            s.ReadState(ids, !request->metadata_only(), tensors, kMaxReplyData);
+        if (!state.ok()) return state.status();
+        for (const GroupState& g : *state) {
+          GroupStateToProto(g, response->add_groups());
+        }
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::SetState(
     grpc::CallbackServerContext* context, const v1::SetStateRequest* request,
     v1::SetStateResponse*) {
-  return OnWorker(context, [request](Session& s) -> absl::Status {
+  return OnWorker(context, *request, [request](Session& s) -> absl::Status {
     auto blobs = StateBlobsFromProto(*request);
     if (!blobs.ok()) return blobs.status();
     std::vector<std::pair<std::string, uint64_t>> tensor_steps;
@@ -478,7 +497,7 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::SaveState(
     grpc::CallbackServerContext* context, const v1::SaveStateRequest* request,
     v1::SaveStateResponse* response) {
   return OnWorker(
-      context,
+      context, *request,
       [this, request, response](Session& s) -> absl::Status {
         log::Info(
             absl::StrCat("checkpoint save started: ", SessionName(s.identity()),
@@ -545,7 +564,7 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::LoadState(
     grpc::CallbackServerContext* context, const v1::LoadStateRequest* request,
     v1::LoadStateResponse* response) {
   return OnWorker(
-      context,
+      context, *request,
       [this, request, response](Session& s) -> absl::Status {
         log::Info(
             absl::StrCat("checkpoint load started: ", SessionName(s.identity()),

@@ -19,6 +19,7 @@
 #include "server/device_worker.h"
 #include "server/load_stream_claims.h"
 #include "server/metrics.h"
+#include "server/request_budget.h"
 #include "server/restart_store.h"
 #include "server/session_listing.h"
 
@@ -53,6 +54,12 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
   // may take, encoded (AddSessionInfos); at most kMaxListingBytes, the
   // default. Set before serving.
   void set_max_listing_bytes(size_t bytes) { max_listing_bytes_ = bytes; }
+  // The most bytes of parsed requests (encoded size) held at once while
+  // they wait for or run on a worker; 0, the default: no bound. Set before
+  // serving.
+  void set_max_held_request_bytes(uint64_t bytes) {
+    request_budget_ = std::make_unique<RequestBudget>(bytes);
+  }
 
   grpc::ServerUnaryReactor* CreateSession(
       grpc::CallbackServerContext* context,
@@ -146,14 +153,19 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
   // runs on the I/O worker instead, so that other sessions' steps do not
   // wait behind it (the session's own calls still wait: they take its
   // lock).
-  template <typename Work>
+  // Refused with RESOURCE_EXHAUSTED when `request` (held parsed until the
+  // call is finished) would pass the request budget.
+  template <typename Request, typename Work>
   grpc::ServerUnaryReactor* OnWorker(grpc::CallbackServerContext* context,
-                                     Work work, bool file_io = false);
+                                     const Request& request, Work work,
+                                     bool file_io = false);
 
   SessionRegistry* const registry_;
   const RestartStore* restart_store_ = nullptr;
   AdminGuard admin_;
   size_t max_listing_bytes_ = kMaxListingBytes;
+  std::unique_ptr<RequestBudget> request_budget_ =
+      std::make_unique<RequestBudget>();
   // The worker that runs `session`'s work: its backend's, or, for a
   // session whose steps wait for the job's other ranks, a thread of its
   // own (so that one rank's wait never holds up another session). Called

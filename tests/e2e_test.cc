@@ -14,6 +14,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -520,6 +521,104 @@ TEST_F(E2eTest, BrokenLoadStreamFreesTheSessionAtOnce) {
   const grpc::Status whole = stream(file.size(), /*cancel=*/false);
   EXPECT_TRUE(whole.ok()) << whole.error_message();
   EXPECT_TRUE(std::filesystem::is_empty(state_dir.path()));
+}
+
+// The daemon's peak resident memory (VmHWM of /proc/<pid>/status), bytes.
+uint64_t PeakResidentBytes(pid_t pid) {
+  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) {
+      return std::stoull(line.substr(6)) << 10;
+    }
+  }
+  return 0;
+}
+
+// Requests that wait for a busy worker hold their parsed copies: those are
+// bounded by --max_request_memory_bytes too, not only gRPC's buffers. A
+// rank's step waits for its job's other rank (up to --rank_timeout_s) on
+// the session's worker, while 32 SetState requests of 24 MiB arrive for the
+// same session, one every 100 ms, each on a connection of its own (so that
+// gRPC's buffers hold few at once and its quota refuses few): past the
+// bound they are refused at once (RESOURCE_EXHAUSTED naming the flag)
+// instead of queueing 768 MiB, and the daemon's peak stays within a few
+// times the bound.
+TEST_F(E2eTest, RequestsWaitingForAWorkerAreBoundedInMemory) {
+  constexpr uint64_t kBound = uint64_t{64} << 20;
+  constexpr int kRequests = 32;
+  daemon_->Stop();
+  auto d = DaemonProcess::Start(
+      {"--rank_timeout_s=8",
+       "--max_request_memory_bytes=" + std::to_string(kBound)});
+  ASSERT_TRUE(d.ok()) << d.status();
+  daemon_ = *std::move(d);
+  client_ = Connect();
+  v1::CreateSessionRequest cs = CpuSession("job", 0);
+  cs.set_world_size(2);
+  cs.set_gradient_sharding(v1::GRADIENT_SHARDING_SHARDED);
+  ASSERT_TRUE(client_->CreateSession(cs).ok());
+  ASSERT_TRUE(client_->RegisterGroup(Group("g", {Tensor("w", 4, 0)})).ok());
+  // Rank 0 alone: its step holds the session's worker until the timeout.
+  absl::Status alone;
+  std::thread stepper(
+      [&] { alone = client_->Step(v1::StepRequest()).status(); });
+  absl::SleepFor(absl::Milliseconds(300));
+  const uint64_t before = PeakResidentBytes(daemon_->pid());
+  v1::SetStateRequest big;
+  big.set_group_id("g");
+  v1::StateTensor* t = big.add_tensors();
+  t->set_tensor("w");
+  t->set_kind("exp_avg");
+  t->set_dtype(v1::DTYPE_FLOAT32);
+  t->set_numel(6 << 20);
+  t->set_data(std::string(24 << 20, '\0'));
+  std::vector<absl::Status> statuses(kRequests);
+  std::vector<std::thread> senders;
+  for (int i = 0; i < kRequests; ++i) {
+    absl::SleepFor(absl::Milliseconds(100));
+    senders.emplace_back([&, i] {
+      auto c = daemon_->Connect();
+      if (!c.ok()) {
+        statuses[i] = c.status();
+        return;
+      }
+      (*c)->set_session_token(client_->session_token());
+      statuses[i] = (*c)->SetState(big);
+    });
+  }
+  for (auto& s : senders) s.join();
+  const uint64_t grown = PeakResidentBytes(daemon_->pid()) - before;
+  stepper.join();
+  // The step ends at the timeout, unless gRPC, short of its quota while
+  // the large requests arrive, reset it (it resets calls of any size).
+  EXPECT_TRUE(alone.code() == StatusCode::kDeadlineExceeded ||
+              alone.code() == StatusCode::kResourceExhausted)
+      << alone;
+  int refused_here = 0;
+  std::map<StatusCode, int> codes;
+  for (const absl::Status& s : statuses) {
+    ++codes[s.code()];
+    if (s.code() == StatusCode::kResourceExhausted &&
+        s.message().find("--max_request_memory_bytes") != std::string::npos) {
+      ++refused_here;
+    }
+    // Refused for memory (by the daemon, or by gRPC: the stream reset or
+    // the connection closed), or run after the step and refused for its
+    // size (the tensor has 4 elements): nothing else.
+    EXPECT_TRUE(s.code() == StatusCode::kResourceExhausted ||
+                s.code() == StatusCode::kUnavailable ||
+                s.code() == StatusCode::kInvalidArgument)
+        << s;
+  }
+  std::printf("peak growth %llu MiB; refused by the daemon's bound %d of %d\n",
+              static_cast<unsigned long long>(grown >> 20), refused_here,
+              kRequests);
+  for (const auto& [code, n] : codes) {
+    std::printf("  %s: %d\n", absl::StatusCodeToString(code).c_str(), n);
+  }
+  EXPECT_GT(refused_here, 0);
+  EXPECT_LT(grown, 5 * kBound);
 }
 
 // Two ranks of a job with sharded gradients, each stepping from a thread
