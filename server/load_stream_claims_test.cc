@@ -109,6 +109,8 @@ TEST(LoadStreamClaimsTest, OneHolderAtATimeUnderContention) {
         int seen = max_holders.load();
         while (now > seen && !max_holders.compare_exchange_weak(seen, now)) {
         }
+        // Held a moment, so that the other threads come to wait.
+        absl::SleepFor(absl::Microseconds(50));
         --holders;
         EXPECT_FALSE(claims.Release(&session_a, &streams[t]));
       }
