@@ -626,6 +626,54 @@ TEST_F(E2eTest, RequestsWaitingForAWorkerAreBoundedInMemory) {
   EXPECT_LT(grown, 5 * kBound);
 }
 
+// A daemon told to stop while a LoadStateStream waits for its session's
+// claim (another stream of the session is open) stops at once and cleanly:
+// both streams end, the waiting one without holding a thread, and no spool
+// file is left.
+TEST_F(E2eTest, StopWhileALoadStreamWaitsForItsSession) {
+  daemon_->Stop();
+  ScratchDirForTest state_dir;
+  auto d = DaemonProcess::Start({"--state_dir=" + state_dir.path()});
+  ASSERT_TRUE(d.ok()) << d.status();
+  daemon_ = *std::move(d);
+  client_ = Connect();
+  OpenSession(client_.get());
+  ASSERT_TRUE(client_->RegisterGroup(Group("g", {Tensor("w", 64, 0)})).ok());
+  auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(
+      daemon_->address(), grpc::InsecureChannelCredentials()));
+  v1::StateChunk chunk;
+  chunk.set_total_bytes(1000);
+  chunk.set_data(std::string(100, 'x'));
+  // The first stream: open, one chunk sent, never finished by the client.
+  grpc::ClientContext first_context;
+  first_context.AddMetadata("x-optimd-session", client_->session_token());
+  v1::LoadStateResponse first_response;
+  auto first = stub->LoadStateStream(&first_context, &first_response);
+  ASSERT_TRUE(first->Write(chunk));
+  absl::SleepFor(absl::Milliseconds(200));  // the daemon has seen it
+  // The second: whole, so it waits for the first's claim.
+  grpc::Status second_status;
+  std::thread second([&] {
+    grpc::ClientContext context;
+    context.AddMetadata("x-optimd-session", client_->session_token());
+    v1::LoadStateResponse response;
+    auto writer = stub->LoadStateStream(&context, &response);
+    writer->Write(chunk);
+    writer->WritesDone();
+    second_status = writer->Finish();
+  });
+  absl::SleepFor(absl::Milliseconds(100));
+  const absl::Time stop = absl::Now();
+  EXPECT_EQ(daemon_->Stop(), 0);
+  EXPECT_LT(absl::Now() - stop, absl::Seconds(10));
+  second.join();
+  EXPECT_FALSE(second_status.ok());
+  first_context.TryCancel();
+  EXPECT_FALSE(first->Finish().ok());
+  daemon_.reset();
+  EXPECT_TRUE(std::filesystem::is_empty(state_dir.path()));
+}
+
 // Two ranks of a job with sharded gradients, each stepping from a thread
 // of its own: both get the job's norm (the square root of the sum of their
 // sums of squares), and a rank alone waits until the daemon's
