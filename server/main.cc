@@ -39,6 +39,7 @@
 #include "core/session_registry.h"
 #include "core/stale_files.h"
 #include "server/device_worker.h"
+#include "server/grpc_log.h"
 #include "server/log.h"
 #include "server/metrics_http.h"
 #include "server/optimizer_service.h"
@@ -425,6 +426,20 @@ void LogListening(const Listener& l, rlim_t files, uint64_t state_limit) {
       state_limit == 0 ? std::string("unlimited") : absl::StrCat(state_limit)));
 }
 
+// gRPC's log lines into the daemon's, and a line that says what it means
+// when gRPC's TCP listener stops accepting (see server/grpc_log.h).
+void RouteGrpcLog(const Listener& l, rlim_t files) {
+  optimd::RouteGrpcLog(absl::StrCat(
+      "the TCP listener on ", l.address,
+      " accepts no more connections: it ran out of file descriptors (open "
+      "files limit ",
+      files == RLIM_INFINITY ? std::string("unlimited") : absl::StrCat(files),
+      "), and Debian 12's gRPC (1.51) never accepts on it again. "
+      "Connections already open still work. Restart the daemon (with "
+      "--save_dir, sessions resume) and raise its open files limit, or "
+      "listen on a Unix socket, which recovers by itself"));
+}
+
 // Waits for SIGINT or SIGTERM, then stops: new calls are refused while the
 // queued ones finish (--shutdown_grace_s at most), the server shuts down,
 // and every session is saved to --save_dir.
@@ -488,7 +503,6 @@ int main(int argc, char** argv) {
   if (backends.empty()) return 2;
   Listener listener;
   if (const int code = OpenListener(&listener); code != 0) return code;
-
   // One device worker per backend.
   optimd::StateBudget budget(absl::GetFlag(FLAGS_max_state_bytes));
   std::vector<optimd::Backend*> backend_ptrs;
@@ -543,6 +557,7 @@ int main(int argc, char** argv) {
       StartServer(listener, service, &refusals);
   if (server == nullptr) return 1;
   LogListening(listener, files, budget.limit());
+  RouteGrpcLog(listener, files);
   std::thread waiter([&] {
     AwaitShutdown(signals, service, *server, listener.unix_socket.get(),
                   *restart_store, registry);
