@@ -1764,6 +1764,12 @@ TEST(E2eStartupTest, DaemonsRacingForOneSocketLeaveExactlyOne) {
       waitpid(running[i], nullptr, 0);
     }
     ASSERT_FALSE(running.empty());
+    // The losers may all have exited before the winner, which holds the
+    // lock, has made its socket (seconds under ThreadSanitizer).
+    const absl::Time listening = absl::Now() + absl::Seconds(30);
+    while (access(socket.c_str(), F_OK) != 0 && absl::Now() < listening) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
     auto c = Client::Create("unix:" + socket);
     ASSERT_TRUE(c.ok()) << c.status();
     EXPECT_EQ((*c)->Health().value_or(""), "SERVING");
