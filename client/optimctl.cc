@@ -108,6 +108,12 @@ int PrintSessions(optimd::Client& client) {
                 OrphanedFor(s.orphaned_since()).c_str(),
                 absl::StrJoin(s.group_ids(), ",").c_str());
   }
+  if (sessions->sessions_omitted() > 0) {
+    std::printf(
+        "(%u more sessions not listed: the daemon caps the reply's size, "
+        "--max_listing_bytes)\n",
+        sessions->sessions_omitted());
+  }
   return 0;
 }
 

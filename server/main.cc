@@ -39,11 +39,13 @@
 #include "core/session_registry.h"
 #include "core/stale_files.h"
 #include "server/device_worker.h"
+#include "server/grpc_log.h"
 #include "server/log.h"
 #include "server/metrics_http.h"
 #include "server/optimizer_service.h"
 #include "server/refusal_log.h"
 #include "server/restart_store.h"
+#include "server/session_listing.h"
 #include "server/session_reaper.h"
 #include "server/unix_socket_listener.h"
 
@@ -105,8 +107,15 @@ ABSL_FLAG(uint64_t, max_request_memory_bytes, uint64_t{4} << 30,
           "Memory gRPC may hold for calls being received and sent, all "
           "connections together (a grpc::ResourceQuota); past it calls are "
           "reset (RESOURCE_EXHAUSTED, or UNAVAILABLE for a reclaimed "
-          "connection). A message alone may be 1 GiB: keep it above that. "
-          "0: no bound.");
+          "connection). The same bound holds the parsed requests waiting "
+          "for or running on the workers (encoded sizes; past it a request "
+          "is refused with RESOURCE_EXHAUSTED). A message alone may be "
+          "1 GiB: keep it above that. 0: no bound.");
+ABSL_FLAG(uint64_t, max_listing_bytes, optimd::kMaxListingBytes,
+          "The most bytes the session list of a ListSessions or GetMetrics "
+          "reply may take, encoded (a session that would cross it is left "
+          "out and counted in sessions_omitted / session_infos_omitted); "
+          "from 4096 to the default, 256 MiB.");
 ABSL_FLAG(int, shutdown_grace_s, 30,
           "On SIGINT/SIGTERM, how long in-flight calls may run before they "
           "are cancelled.");
@@ -308,7 +317,8 @@ void RemoveStaleCheckpointTemporaries(const std::vector<std::string>& dirs) {
   }
 }
 
-// --save_dir, --admin_token_file and the service's hooks; the exit code on
+// --save_dir, --admin_token_file, --max_listing_bytes and the service's
+// hooks; the exit code on
 // failure (logged), else 0. `restart_store` must outlive the service.
 int ConfigureService(optimd::OptimizerServiceImpl& service,
                      const optimd::CheckpointOptions& checkpoint_options,
@@ -344,6 +354,19 @@ int ConfigureService(optimd::OptimizerServiceImpl& service,
     }
     service.set_admin_guard(optimd::AdminGuard(*std::move(token)));
   }
+  const uint64_t listing = absl::GetFlag(FLAGS_max_listing_bytes);
+  if (listing < optimd::kMinListingBytes ||
+      listing > optimd::kMaxListingBytes) {
+    Log(absl::StrCat("--max_listing_bytes must be from ",
+                     optimd::kMinListingBytes, " to ", optimd::kMaxListingBytes,
+                     " (256 MiB), not ", listing));
+    return 2;
+  }
+  service.set_max_listing_bytes(listing);
+  // The parsed copies of requests held for the workers, beside gRPC's
+  // buffers (StartServer's quota), under the same bound.
+  service.set_max_held_request_bytes(
+      absl::GetFlag(FLAGS_max_request_memory_bytes));
   return 0;
 }
 
@@ -405,6 +428,20 @@ void LogListening(const Listener& l, rlim_t files, uint64_t state_limit) {
       files == RLIM_INFINITY ? std::string("unlimited") : absl::StrCat(files),
       "; max_state_bytes=",
       state_limit == 0 ? std::string("unlimited") : absl::StrCat(state_limit)));
+}
+
+// gRPC's log lines into the daemon's, and a line that says what it means
+// when gRPC's TCP listener stops accepting (see server/grpc_log.h).
+void RouteGrpcLog(const Listener& l, rlim_t files) {
+  optimd::RouteGrpcLog(absl::StrCat(
+      "the TCP listener on ", l.address,
+      " accepts no more connections: it ran out of file descriptors (open "
+      "files limit ",
+      files == RLIM_INFINITY ? std::string("unlimited") : absl::StrCat(files),
+      "), and Debian 12's gRPC (1.51) never accepts on it again. "
+      "Connections already open still work. Restart the daemon (with "
+      "--save_dir, sessions resume) and raise its open files limit, or "
+      "listen on a Unix socket, which recovers by itself"));
 }
 
 // Waits for SIGINT or SIGTERM, then stops: new calls are refused while the
@@ -470,7 +507,6 @@ int main(int argc, char** argv) {
   if (backends.empty()) return 2;
   Listener listener;
   if (const int code = OpenListener(&listener); code != 0) return code;
-
   // One device worker per backend.
   optimd::StateBudget budget(absl::GetFlag(FLAGS_max_state_bytes));
   std::vector<optimd::Backend*> backend_ptrs;
@@ -525,6 +561,7 @@ int main(int argc, char** argv) {
       StartServer(listener, service, &refusals);
   if (server == nullptr) return 1;
   LogListening(listener, files, budget.limit());
+  RouteGrpcLog(listener, files);
   std::thread waiter([&] {
     AwaitShutdown(signals, service, *server, listener.unix_socket.get(),
                   *restart_store, registry);

@@ -131,9 +131,10 @@ absl::StatusOr<std::shared_ptr<Session>> OptimizerServiceImpl::SessionOf(
   return registry_->Find(TokenOf(context));
 }
 
-template <typename Work>
+template <typename Request, typename Work>
 grpc::ServerUnaryReactor* OptimizerServiceImpl::OnWorker(
-    grpc::CallbackServerContext* context, Work work, bool file_io) {
+    grpc::CallbackServerContext* context, const Request& request, Work work,
+    bool file_io) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (draining_.load()) {
     reactor->Finish(
@@ -145,6 +146,13 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::OnWorker(
     reactor->Finish(ToGrpcStatus(session.status()));
     return reactor;
   }
+  // The parsed request lives until the call is finished: held against the
+  // request budget meanwhile.
+  const uint64_t request_bytes = request.ByteSizeLong();
+  if (absl::Status held = request_budget_->Reserve(request_bytes); !held.ok()) {
+    reactor->Finish(ToGrpcStatus(held));
+    return reactor;
+  }
   // File I/O of host-addressable sessions runs on the I/O worker, so that
   // other sessions keep stepping; not for sessions whose steps may wait for
   // other ranks while holding the session (the I/O worker would wait too).
@@ -152,9 +160,10 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::OnWorker(
                                  !(*session)->exchanges_statistics()
                              ? &io_worker_
                              : WorkerFor(*session);
-  worker->Post([reactor, work = std::move(work),
+  worker->Post([this, reactor, request_bytes, work = std::move(work),
                 session = *std::move(session)]() mutable {
     reactor->Finish(ToGrpcStatus(work(*session)));
+    request_budget_->Release(request_bytes);
   });
   return reactor;
 }
@@ -271,25 +280,26 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::RegisterGroup(
     grpc::CallbackServerContext* context,
     const v1::RegisterGroupRequest* request,
     v1::RegisterGroupResponse* response) {
-  return OnWorker(context, [request, response](Session& s) -> absl::Status {
-    auto spec = GroupSpecFromProto(*request);
-    if (!spec.ok()) return spec.status();
-    auto result = s.RegisterGroup(*spec);
-    if (!result.ok()) return result.status();
-    log::Info(absl::StrCat("group registered: ", SessionName(s.identity()),
-                           " group '", spec->id.substr(0, 128), "', ",
-                           spec->tensors.size(), " tensors, ",
-                           result->state_bytes, " state bytes"));
-    response->set_state_bytes(result->state_bytes);
-    response->set_plan_items(result->plan_items);
-    return absl::OkStatus();
-  });
+  return OnWorker(
+      context, *request, [request, response](Session& s) -> absl::Status {
+        auto spec = GroupSpecFromProto(*request);
+        if (!spec.ok()) return spec.status();
+        auto result = s.RegisterGroup(*spec);
+        if (!result.ok()) return result.status();
+        log::Info(absl::StrCat("group registered: ", SessionName(s.identity()),
+                               " group '", spec->id.substr(0, 128), "', ",
+                               spec->tensors.size(), " tensors, ",
+                               result->state_bytes, " state bytes"));
+        response->set_state_bytes(result->state_bytes);
+        response->set_plan_items(result->plan_items);
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::UnregisterGroup(
     grpc::CallbackServerContext* context,
     const v1::UnregisterGroupRequest* request, v1::UnregisterGroupResponse*) {
-  return OnWorker(context, [request](Session& s) {
+  return OnWorker(context, *request, [request](Session& s) {
     return s.UnregisterGroup(request->group_id());
   });
 }
@@ -297,7 +307,7 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::UnregisterGroup(
 grpc::ServerUnaryReactor* OptimizerServiceImpl::UpdateBuffers(
     grpc::CallbackServerContext* context,
     const v1::UpdateBuffersRequest* request, v1::UpdateBuffersResponse*) {
-  return OnWorker(context, [request](Session& s) -> absl::Status {
+  return OnWorker(context, *request, [request](Session& s) -> absl::Status {
     auto updates = BufferUpdatesFromProto(*request);
     if (!updates.ok()) return updates.status();
     return s.UpdateBuffers(request->group_id(), *updates);
@@ -339,7 +349,7 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::Step(
     grpc::CallbackServerContext* context, const v1::StepRequest* request,
     v1::StepResponse* response) {
   const absl::Time start = absl::Now();
-  return OnWorker(context,
+  return OnWorker(context, *request,
                   [this, request, response, start](Session& s) -> absl::Status {
                     return RunStep(s, *request, response, start);
                   });
@@ -362,10 +372,17 @@ class OptimizerServiceImpl::StepStreamReactor final
       return;
     }
     const absl::Time start = absl::Now();
-    worker_->Post([this, start] {
+    const uint64_t request_bytes = request_.ByteSizeLong();
+    if (absl::Status held = service_->request_budget_->Reserve(request_bytes);
+        !held.ok()) {
+      Finish(ToGrpcStatus(held));
+      return;
+    }
+    worker_->Post([this, start, request_bytes] {
       response_.Clear();
       absl::Status s =
           service_->RunStep(*session_, request_, &response_, start);
+      service_->request_budget_->Release(request_bytes);
       if (!s.ok()) {
         Finish(ToGrpcStatus(s));
         return;
@@ -415,42 +432,44 @@ OptimizerServiceImpl::StepStream(grpc::CallbackServerContext* context) {
 grpc::ServerUnaryReactor* OptimizerServiceImpl::GetParams(
     grpc::CallbackServerContext* context, const v1::GetParamsRequest* request,
     v1::GetParamsResponse* response) {
-  return OnWorker(context, [request, response](Session& s) -> absl::Status {
-    std::vector<std::string> ids(request->group_ids().begin(),
-                                 request->group_ids().end());
-    auto written = s.GetParams(ids);
-    if (!written.ok()) return written.status();
-    response->set_tensors_written(*written);
-    return absl::OkStatus();
-  });
+  return OnWorker(context, *request,
+                  [request, response](Session& s) -> absl::Status {
+                    std::vector<std::string> ids(request->group_ids().begin(),
+                                                 request->group_ids().end());
+                    auto written = s.GetParams(ids);
+                    if (!written.ok()) return written.status();
+                    response->set_tensors_written(*written);
+                    return absl::OkStatus();
+                  });
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::GetState(
     grpc::CallbackServerContext* context, const v1::GetStateRequest* request,
     v1::GetStateResponse* response) {
-  return OnWorker(context, [request, response](Session& s) -> absl::Status {
-    std::vector<std::string> ids(request->group_ids().begin(),
-                                 request->group_ids().end());
-    std::vector<std::string> tensors(request->tensor_names().begin(),
-                                     request->tensor_names().end());
-    // Replies stay below the daemon's 1 GiB send limit (and far below
-    // protobuf's 2 GiB, past which serializing aborts): data and names are
-    // counted, with room left for group ids and hyperparameters.
-    constexpr uint64_t kMaxReplyData = (uint64_t{1} << 30) - (64 << 20);
-    auto state =
-        s.ReadState(ids, !request->metadata_only(), tensors, kMaxReplyData);
-    if (!state.ok()) return state.status();
-    for (const GroupState& g : *state) {
-      GroupStateToProto(g, response->add_groups());
-    }
-    return absl::OkStatus();
-  });
+  return OnWorker(
+      context, *request, [request, response](Session& s) -> absl::Status {
+        std::vector<std::string> ids(request->group_ids().begin(),
+                                     request->group_ids().end());
+        std::vector<std::string> tensors(request->tensor_names().begin(),
+                                         request->tensor_names().end());
+        // Replies stay below the daemon's 1 GiB send limit (and far below
+        // protobuf's 2 GiB, past which serializing aborts): data and names are
+        // counted, with room left for group ids and hyperparameters.
+        constexpr uint64_t kMaxReplyData = (uint64_t{1} << 30) - (64 << 20);
+        auto state =
+            s.ReadState(ids, !request->metadata_only(), tensors, kMaxReplyData);
+        if (!state.ok()) return state.status();
+        for (const GroupState& g : *state) {
+          GroupStateToProto(g, response->add_groups());
+        }
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::SetState(
     grpc::CallbackServerContext* context, const v1::SetStateRequest* request,
     v1::SetStateResponse*) {
-  return OnWorker(context, [request](Session& s) -> absl::Status {
+  return OnWorker(context, *request, [request](Session& s) -> absl::Status {
     auto blobs = StateBlobsFromProto(*request);
     if (!blobs.ok()) return blobs.status();
     std::vector<std::pair<std::string, uint64_t>> tensor_steps;
@@ -484,7 +503,7 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::SaveState(
     grpc::CallbackServerContext* context, const v1::SaveStateRequest* request,
     v1::SaveStateResponse* response) {
   return OnWorker(
-      context,
+      context, *request,
       [this, request, response](Session& s) -> absl::Status {
         log::Info(
             absl::StrCat("checkpoint save started: ", SessionName(s.identity()),
@@ -551,7 +570,7 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::LoadState(
     grpc::CallbackServerContext* context, const v1::LoadStateRequest* request,
     v1::LoadStateResponse* response) {
   return OnWorker(
-      context,
+      context, *request,
       [this, request, response](Session& s) -> absl::Status {
         log::Info(
             absl::StrCat("checkpoint load started: ", SessionName(s.identity()),
@@ -733,8 +752,12 @@ grpc::ServerWriteReactor<v1::StateChunk>* OptimizerServiceImpl::SaveStateStream(
 // Spools the streamed file to a private temporary file, then loads it on
 // the session's worker, as LoadState loads a file: verified whole before
 // any state changes. The spool file is removed on every path (and by a
-// later daemon if this one is killed); `on_end` runs once, before the call
-// finishes (so that the client may start its next stream at once).
+// later daemon if this one is killed). The stream reads only once it holds
+// its session's claim (LoadStreamClaims: a stream of the session still
+// open is waited for, up to the claims' grace, then this one is refused);
+// the claim ends as soon as gRPC reports the call cancelled (the client
+// broke it off and may already be sending its next stream) or else before
+// the call finishes.
 class OptimizerServiceImpl::LoadStreamReactor final
     : public grpc::ServerReadReactor<v1::StateChunk> {
  public:
@@ -742,7 +765,7 @@ class OptimizerServiceImpl::LoadStreamReactor final
                     grpc::CallbackServerContext* context,
                     std::shared_ptr<Session> session, DeviceWorker* worker,
                     CheckpointOptions options, v1::LoadStateResponse* response,
-                    std::function<void()> on_end)
+                    LoadStreamClaims* claims)
       : service_(service),
         name_(SessionName(session->identity())),
         start_(absl::Now()),
@@ -751,19 +774,29 @@ class OptimizerServiceImpl::LoadStreamReactor final
         worker_(worker),
         options_(std::move(options)),
         response_(response),
-        on_end_(std::move(on_end)) {
-    log::Info(absl::StrCat("checkpoint load started (stream): ", name_));
-    const std::string dir = SpoolDirectory(options_);
-    // The pid lets a later daemon remove the file if this one is killed.
-    path_ = dir + "/.optimd-load-" + std::to_string(getpid()) + "-XXXXXX";
-    fd_ = mkstemp(path_.data());
-    if (fd_ < 0) {
-      End(grpc::Status(grpc::StatusCode::INTERNAL,
-                       "cannot create a spool file in " + dir + ": " +
-                           std::strerror(errno)));
-      return;
+        claims_(claims) {
+    if (claims_->Claim(session_.get(), this, [this](bool granted) {
+          if (granted) {
+            Begin();
+          } else {
+            Finish(grpc::Status(
+                grpc::StatusCode::FAILED_PRECONDITION,
+                "another LoadStateStream of this session is still arriving; "
+                "a session loads one stream at a time (wait for it to end)"));
+          }
+        })) {
+      Begin();
     }
-    StartRead(&chunk_);
+  }
+
+  // May run beside OnReadDone, the worker's load or the claim's outcome: it
+  // only ends the claim (or the wait for it). The spool file goes when the
+  // read that the cancel fails returns.
+  void OnCancel() override {
+    if (claims_->Release(session_.get(), this)) {
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED,
+                          "the stream broke; nothing was loaded"));
+    }
   }
 
   void OnReadDone(bool ok) override {
@@ -848,16 +881,33 @@ class OptimizerServiceImpl::LoadStreamReactor final
 
   void OnDone() override {
     Cleanup();
+    claims_->Release(session_.get(), this);
     delete this;
   }
 
  private:
+  // With the session's claim: opens the spool file, reads the first chunk.
+  void Begin() {
+    log::Info(absl::StrCat("checkpoint load started (stream): ", name_));
+    const std::string dir = SpoolDirectory(options_);
+    // The pid lets a later daemon remove the file if this one is killed.
+    path_ = dir + "/.optimd-load-" + std::to_string(getpid()) + "-XXXXXX";
+    fd_ = mkstemp(path_.data());
+    if (fd_ < 0) {
+      End(grpc::Status(grpc::StatusCode::INTERNAL,
+                       "cannot create a spool file in " + dir + ": " +
+                           std::strerror(errno)));
+      return;
+    }
+    StartRead(&chunk_);
+  }
+
   void Fail(grpc::Status s) { End(std::move(s)); }
 
   // Removes the spool file, ends the session's claim, logs, then finishes.
   void End(grpc::Status s) {
     Cleanup();
-    on_end_();
+    claims_->Release(session_.get(), this);
     service_->EndStreamedLoad(name_, s, s.ok() ? response_->bytes() : 0,
                               absl::ToDoubleSeconds(absl::Now() - start_));
     Finish(std::move(s));
@@ -879,7 +929,7 @@ class OptimizerServiceImpl::LoadStreamReactor final
   DeviceWorker* const worker_;
   const CheckpointOptions options_;
   v1::LoadStateResponse* const response_;
-  const std::function<void()> on_end_;
+  LoadStreamClaims* const claims_;
   std::string path_;
   int fd_ = -1;
   v1::StateChunk chunk_;
@@ -902,16 +952,6 @@ void OptimizerServiceImpl::EndStreamedLoad(const std::string& name,
                          " bytes, ", absl::StrFormat("%.3f", seconds), " s"));
 }
 
-bool OptimizerServiceImpl::ClaimLoadStream(const Session* session) {
-  MutexLock lock(&load_streams_mu_);
-  return load_streams_.insert(session).second;
-}
-
-void OptimizerServiceImpl::ReleaseLoadStream(const Session* session) {
-  MutexLock lock(&load_streams_mu_);
-  load_streams_.erase(session);
-}
-
 grpc::ServerReadReactor<v1::StateChunk>* OptimizerServiceImpl::LoadStateStream(
     grpc::CallbackServerContext* context, v1::LoadStateResponse* response) {
   class Refused final : public grpc::ServerReadReactor<v1::StateChunk> {
@@ -921,26 +961,21 @@ grpc::ServerReadReactor<v1::StateChunk>* OptimizerServiceImpl::LoadStateStream(
   };
   auto session = SessionOf(context);
   if (!session.ok()) return new Refused(ToGrpcStatus(session.status()));
-  const Session* key = session->get();
-  if (!ClaimLoadStream(key)) {
-    return new Refused(grpc::Status(
-        grpc::StatusCode::FAILED_PRECONDITION,
-        "another LoadStateStream of this session is still arriving; a "
-        "session loads one stream at a time (wait for it to end)"));
-  }
   DeviceWorker* worker = WorkerFor(*session);
   return new LoadStreamReactor(this, context, *std::move(session), worker,
                                checkpoint_options_, response,
-                               [this, key] { ReleaseLoadStream(key); });
+                               &load_stream_claims_);
 }
 
 namespace {
 
 // The listing of `sessions` (AddSessionInfos) into *out.
 uint32_t ListInto(const std::vector<std::shared_ptr<Session>>& sessions,
-                  google::protobuf::RepeatedPtrField<v1::SessionInfo>* out) {
+                  google::protobuf::RepeatedPtrField<v1::SessionInfo>* out,
+                  size_t max_bytes) {
   return AddSessionInfos(
-      sessions.size(), [&](size_t i) { return sessions[i]->Info(); }, out);
+      sessions.size(), [&](size_t i) { return sessions[i]->Info(); }, out,
+      max_bytes);
 }
 
 }  // namespace
@@ -973,8 +1008,8 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::ListSessions(
     reactor->Finish(ToGrpcStatus(admin));
     return reactor;
   }
-  response->set_sessions_omitted(
-      ListInto(registry_->List(), response->mutable_sessions()));
+  response->set_sessions_omitted(ListInto(
+      registry_->List(), response->mutable_sessions(), max_listing_bytes_));
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }
@@ -1013,8 +1048,8 @@ void OptimizerServiceImpl::FillMetrics(v1::GetMetricsResponse* response) const {
   step_host_time_.ToProto(response->mutable_step_host_time());
   step_device_time_.ToProto(response->mutable_step_device_time());
   step_ready_wait_.ToProto(response->mutable_step_ready_wait());
-  response->set_session_infos_omitted(
-      ListInto(sessions, response->mutable_session_infos()));
+  response->set_session_infos_omitted(ListInto(
+      sessions, response->mutable_session_infos(), max_listing_bytes_));
   response->set_checkpoint_saves(checkpoint_saves_.load());
   response->set_checkpoint_save_bytes(checkpoint_save_bytes_.load());
   response->set_checkpoint_loads(checkpoint_loads_.load());

@@ -12,12 +12,16 @@
 #include <memory>
 #include <set>
 
+#include "absl/time/time.h"
 #include "core/session_registry.h"
 #include "optimd/v1/optimd.grpc.pb.h"
 #include "server/admin_guard.h"
 #include "server/device_worker.h"
+#include "server/load_stream_claims.h"
 #include "server/metrics.h"
+#include "server/request_budget.h"
 #include "server/restart_store.h"
+#include "server/session_listing.h"
 
 namespace optimd {
 
@@ -46,6 +50,16 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
   std::string PrometheusText() const;
   // Who may make admin calls; set before serving.
   void set_admin_guard(AdminGuard guard) { admin_ = std::move(guard); }
+  // The most bytes the session list of a ListSessions or GetMetrics reply
+  // may take, encoded (AddSessionInfos); at most kMaxListingBytes, the
+  // default. Set before serving.
+  void set_max_listing_bytes(size_t bytes) { max_listing_bytes_ = bytes; }
+  // The most bytes of parsed requests (encoded size) held at once while
+  // they wait for or run on a worker; 0, the default: no bound. Set before
+  // serving.
+  void set_max_held_request_bytes(uint64_t bytes) {
+    request_budget_ = std::make_unique<RequestBudget>(bytes);
+  }
 
   grpc::ServerUnaryReactor* CreateSession(
       grpc::CallbackServerContext* context,
@@ -146,13 +160,19 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
   // runs on the I/O worker instead, so that other sessions' steps do not
   // wait behind it (the session's own calls still wait: they take its
   // lock).
-  template <typename Work>
+  // Refused with RESOURCE_EXHAUSTED when `request` (held parsed until the
+  // call is finished) would pass the request budget.
+  template <typename Request, typename Work>
   grpc::ServerUnaryReactor* OnWorker(grpc::CallbackServerContext* context,
-                                     Work work, bool file_io = false);
+                                     const Request& request, Work work,
+                                     bool file_io = false);
 
   SessionRegistry* const registry_;
   const RestartStore* restart_store_ = nullptr;
   AdminGuard admin_;
+  size_t max_listing_bytes_ = kMaxListingBytes;
+  std::unique_ptr<RequestBudget> request_budget_ =
+      std::make_unique<RequestBudget>();
   // The worker that runs `session`'s work: its backend's, or, for a
   // session whose steps wait for the job's other ranks, a thread of its
   // own (so that one rank's wait never holds up another session). Called
@@ -182,15 +202,10 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
   mutable Mutex rank_workers_mu_;
   mutable std::map<const Session*, RankWorker> rank_workers_
       ABSL_GUARDED_BY(rank_workers_mu_);
-  // Sessions with a LoadStateStream arriving: one at a time per session, so
-  // that spool files hold at most one checkpoint of each session.
-  // Claim: false when one is arriving already.
-  bool ClaimLoadStream(const Session* session)
-      ABSL_LOCKS_EXCLUDED(load_streams_mu_);
-  void ReleaseLoadStream(const Session* session)
-      ABSL_LOCKS_EXCLUDED(load_streams_mu_);
-  Mutex load_streams_mu_;
-  std::set<const Session*> load_streams_ ABSL_GUARDED_BY(load_streams_mu_);
+  // Sessions with a LoadStateStream arriving: one at a time per session; a
+  // stream waits this long for the session's earlier one to end.
+  static constexpr absl::Duration kLoadStreamGrace = absl::Seconds(1);
+  LoadStreamClaims load_stream_claims_{kLoadStreamGrace};
   // Last: destroyed first, finishing its tasks while the rest still lives.
   DeviceWorker io_worker_{"optimd-io"};
 };

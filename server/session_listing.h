@@ -18,6 +18,10 @@ namespace optimd {
 // every listing of at least 64 sessions fits, and the reply stays far below
 // the daemon's 1 GiB send limit and protobuf's 2 GiB.
 inline constexpr size_t kMaxListingBytes = size_t{256} << 20;
+// The least a daemon may be set to (--max_listing_bytes): room for a few
+// sessions of short ids, for tests and for operators who want small
+// replies.
+inline constexpr size_t kMinListingBytes = 4096;
 
 // Appends the descriptions of sessions 0 .. count-1 (`info_of(i)`, asked
 // one at a time so that only the reply holds them all) to *out, in order,

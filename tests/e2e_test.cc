@@ -14,6 +14,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -24,6 +25,7 @@
 #include "client/client.h"
 #include "client/shm_tensor.h"
 #include "core/backend.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kernels/adamw/adamw_cpu.h"
 #include "tests/daemon_process.h"
@@ -413,8 +415,9 @@ TEST_F(E2eTest, CorruptLargeCheckpointChangesNothing) {
 }
 
 // A session takes one LoadStateStream at a time (each spools up to a
-// checkpoint's size to disk): a second one while the first is arriving is
-// FAILED_PRECONDITION; the first then loads, and its spool file is gone.
+// checkpoint's size to disk): a second one while the first is arriving
+// waits up to 1 s for it, then is FAILED_PRECONDITION; the first then
+// loads, and its spool file is gone.
 TEST_F(E2eTest, OneLoadStreamPerSessionAtATime) {
   daemon_->Stop();
   ScratchDirForTest state_dir;
@@ -460,6 +463,214 @@ TEST_F(E2eTest, OneLoadStreamPerSessionAtATime) {
   EXPECT_EQ(refused.code(), StatusCode::kFailedPrecondition) << refused;
   EXPECT_NE(refused.message().find("one stream at a time"), std::string::npos);
   EXPECT_TRUE(first.ok()) << first.status();
+  EXPECT_TRUE(std::filesystem::is_empty(state_dir.path()));
+}
+
+// A client that breaks off its LoadStateStream (cancels it) and starts the
+// next one as soon as its own call has ended, on the same connection, is
+// not refused: the daemon ends the broken stream's claim on the session as
+// soon as gRPC reports the break, not when its reads have wound down. Many
+// rounds, as the break reaches the daemon asynchronously; the last stream
+// loads and no spool file is left.
+TEST_F(E2eTest, BrokenLoadStreamFreesTheSessionAtOnce) {
+  daemon_->Stop();
+  ScratchDirForTest state_dir;
+  auto d = DaemonProcess::Start({"--state_dir=" + state_dir.path()});
+  ASSERT_TRUE(d.ok()) << d.status();
+  daemon_ = *std::move(d);
+  client_ = Connect();
+  OpenSession(client_.get());
+  ASSERT_TRUE(client_->RegisterGroup(Group("g", {Tensor("w", 64, 0)})).ok());
+  std::string file;
+  ASSERT_TRUE(client_
+                  ->SaveStateStream(v1::SaveStateStreamRequest(),
+                                    [&](const v1::StateChunk& c) {
+                                      file += c.data();
+                                      return absl::OkStatus();
+                                    })
+                  .ok());
+  ASSERT_GT(file.size(), 200u);
+  auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(
+      daemon_->address(), grpc::InsecureChannelCredentials()));
+  // Sends file[0, n) (and half-closes) over one LoadStateStream; with
+  // `cancel`, cancels the call after the chunk instead.
+  auto stream = [&](size_t n, bool cancel) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+    context.AddMetadata("x-optimd-session", client_->session_token());
+    v1::LoadStateResponse response;
+    auto writer = stub->LoadStateStream(&context, &response);
+    v1::StateChunk chunk;
+    chunk.set_total_bytes(file.size());
+    chunk.set_data(file.substr(0, n));
+    if (writer->Write(chunk) && !cancel) writer->WritesDone();
+    if (cancel) context.TryCancel();
+    return writer->Finish();
+  };
+  for (int round = 0; round < 300; ++round) {
+    const grpc::Status broken = stream(100, /*cancel=*/true);
+    ASSERT_EQ(broken.error_code(), grpc::StatusCode::CANCELLED)
+        << broken.error_message();
+    // The next stream, at once: not refused. (Short, so DATA_LOSS.)
+    const grpc::Status next = stream(100, /*cancel=*/false);
+    ASSERT_EQ(next.error_code(), grpc::StatusCode::DATA_LOSS)
+        << "round " << round << ": " << next.error_message();
+  }
+  const grpc::Status broken = stream(100, /*cancel=*/true);
+  ASSERT_EQ(broken.error_code(), grpc::StatusCode::CANCELLED);
+  const grpc::Status whole = stream(file.size(), /*cancel=*/false);
+  EXPECT_TRUE(whole.ok()) << whole.error_message();
+  EXPECT_TRUE(std::filesystem::is_empty(state_dir.path()));
+}
+
+// The daemon's peak resident memory (VmHWM of /proc/<pid>/status), bytes.
+uint64_t PeakResidentBytes(pid_t pid) {
+  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) {
+      return std::stoull(line.substr(6)) << 10;
+    }
+  }
+  return 0;
+}
+
+// Requests that wait for a busy worker hold their parsed copies: those are
+// bounded by --max_request_memory_bytes too, not only gRPC's buffers. A
+// rank's step waits for its job's other rank (up to --rank_timeout_s) on
+// the session's worker, while 32 SetState requests of 24 MiB arrive for the
+// same session, one every 100 ms, each on a connection of its own (so that
+// gRPC's buffers hold few at once and its quota refuses few): past the
+// bound they are refused at once (RESOURCE_EXHAUSTED naming the flag)
+// instead of queueing 768 MiB, and the daemon's peak stays within a few
+// times the bound.
+TEST_F(E2eTest, RequestsWaitingForAWorkerAreBoundedInMemory) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  // The sanitizers' shadow memory and quarantine make resident memory say
+  // nothing of the daemon's own: measured in the normal build only.
+  GTEST_SKIP() << "resident memory is not the daemon's under a sanitizer";
+#endif
+  constexpr uint64_t kBound = uint64_t{64} << 20;
+  constexpr int kRequests = 32;
+  daemon_->Stop();
+  auto d = DaemonProcess::Start(
+      {"--rank_timeout_s=8",
+       "--max_request_memory_bytes=" + std::to_string(kBound)});
+  ASSERT_TRUE(d.ok()) << d.status();
+  daemon_ = *std::move(d);
+  client_ = Connect();
+  v1::CreateSessionRequest cs = CpuSession("job", 0);
+  cs.set_world_size(2);
+  cs.set_gradient_sharding(v1::GRADIENT_SHARDING_SHARDED);
+  ASSERT_TRUE(client_->CreateSession(cs).ok());
+  ASSERT_TRUE(client_->RegisterGroup(Group("g", {Tensor("w", 4, 0)})).ok());
+  // Rank 0 alone: its step holds the session's worker until the timeout.
+  absl::Status alone;
+  std::thread stepper(
+      [&] { alone = client_->Step(v1::StepRequest()).status(); });
+  absl::SleepFor(absl::Milliseconds(300));
+  const uint64_t before = PeakResidentBytes(daemon_->pid());
+  v1::SetStateRequest big;
+  big.set_group_id("g");
+  v1::StateTensor* t = big.add_tensors();
+  t->set_tensor("w");
+  t->set_kind("exp_avg");
+  t->set_dtype(v1::DTYPE_FLOAT32);
+  t->set_numel(6 << 20);
+  t->set_data(std::string(24 << 20, '\0'));
+  std::vector<absl::Status> statuses(kRequests);
+  std::vector<std::thread> senders;
+  for (int i = 0; i < kRequests; ++i) {
+    absl::SleepFor(absl::Milliseconds(100));
+    senders.emplace_back([&, i] {
+      auto c = daemon_->Connect();
+      if (!c.ok()) {
+        statuses[i] = c.status();
+        return;
+      }
+      (*c)->set_session_token(client_->session_token());
+      statuses[i] = (*c)->SetState(big);
+    });
+  }
+  for (auto& s : senders) s.join();
+  const uint64_t grown = PeakResidentBytes(daemon_->pid()) - before;
+  stepper.join();
+  // The step ends at the timeout, unless gRPC, short of its quota while
+  // the large requests arrive, reset it (it resets calls of any size).
+  EXPECT_TRUE(alone.code() == StatusCode::kDeadlineExceeded ||
+              alone.code() == StatusCode::kResourceExhausted)
+      << alone;
+  int refused_here = 0;
+  std::map<StatusCode, int> codes;
+  for (const absl::Status& s : statuses) {
+    ++codes[s.code()];
+    if (s.code() == StatusCode::kResourceExhausted &&
+        s.message().find("--max_request_memory_bytes") != std::string::npos) {
+      ++refused_here;
+    }
+    // Refused for memory (by the daemon, or by gRPC: the stream reset or
+    // the connection closed), or run after the step and refused for its
+    // size (the tensor has 4 elements): nothing else.
+    EXPECT_TRUE(s.code() == StatusCode::kResourceExhausted ||
+                s.code() == StatusCode::kUnavailable ||
+                s.code() == StatusCode::kInvalidArgument)
+        << s;
+  }
+  std::printf("peak growth %llu MiB; refused by the daemon's bound %d of %d\n",
+              static_cast<unsigned long long>(grown >> 20), refused_here,
+              kRequests);
+  for (const auto& [code, n] : codes) {
+    std::printf("  %s: %d\n", absl::StatusCodeToString(code).c_str(), n);
+  }
+  EXPECT_GT(refused_here, 0);
+  EXPECT_LT(grown, 5 * kBound);
+}
+
+// A daemon told to stop while a LoadStateStream waits for its session's
+// claim (another stream of the session is open) stops at once and cleanly:
+// both streams end, the waiting one without holding a thread, and no spool
+// file is left.
+TEST_F(E2eTest, StopWhileALoadStreamWaitsForItsSession) {
+  daemon_->Stop();
+  ScratchDirForTest state_dir;
+  auto d = DaemonProcess::Start({"--state_dir=" + state_dir.path()});
+  ASSERT_TRUE(d.ok()) << d.status();
+  daemon_ = *std::move(d);
+  client_ = Connect();
+  OpenSession(client_.get());
+  ASSERT_TRUE(client_->RegisterGroup(Group("g", {Tensor("w", 64, 0)})).ok());
+  auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(
+      daemon_->address(), grpc::InsecureChannelCredentials()));
+  v1::StateChunk chunk;
+  chunk.set_total_bytes(1000);
+  chunk.set_data(std::string(100, 'x'));
+  // The first stream: open, one chunk sent, never finished by the client.
+  grpc::ClientContext first_context;
+  first_context.AddMetadata("x-optimd-session", client_->session_token());
+  v1::LoadStateResponse first_response;
+  auto first = stub->LoadStateStream(&first_context, &first_response);
+  ASSERT_TRUE(first->Write(chunk));
+  absl::SleepFor(absl::Milliseconds(200));  // the daemon has seen it
+  // The second: whole, so it waits for the first's claim.
+  grpc::Status second_status;
+  std::thread second([&] {
+    grpc::ClientContext context;
+    context.AddMetadata("x-optimd-session", client_->session_token());
+    v1::LoadStateResponse response;
+    auto writer = stub->LoadStateStream(&context, &response);
+    writer->Write(chunk);
+    writer->WritesDone();
+    second_status = writer->Finish();
+  });
+  absl::SleepFor(absl::Milliseconds(100));
+  const absl::Time stop = absl::Now();
+  EXPECT_EQ(daemon_->Stop(), 0);
+  EXPECT_LT(absl::Now() - stop, absl::Seconds(10));
+  second.join();
+  EXPECT_FALSE(second_status.ok());
+  first_context.TryCancel();
+  EXPECT_FALSE(first->Finish().ok());
+  daemon_.reset();
   EXPECT_TRUE(std::filesystem::is_empty(state_dir.path()));
 }
 
@@ -951,6 +1162,61 @@ TEST_F(E2eTest, OptimctlReportsHealthMetricsAndSessions) {
   EXPECT_NE(out.find("the socket file /tmp/optimd-nobody.sock does not exist"),
             std::string::npos)
       << out;
+}
+
+// Listings are cut at --max_listing_bytes (256 MiB by default; lowered here
+// so that a few sessions of long job ids cross it): a session that would
+// cross it is left out and counted, later smaller ones are still listed,
+// in ListSessions, GetMetrics and optimctl alike; once sessions close,
+// everything is listed again. Values outside 4096 .. 256 MiB are refused
+// at start.
+TEST_F(E2eTest, ListingsAreCutAtTheDaemonsListingCap) {
+  daemon_->Stop();
+  for (const char* bad :
+       {"--max_listing_bytes=4095", "--max_listing_bytes=268435457"}) {
+    EXPECT_FALSE(DaemonProcess::Start({bad}).ok()) << bad;
+  }
+  auto d = DaemonProcess::Start({"--max_listing_bytes=4096"});
+  ASSERT_TRUE(d.ok()) << d.status();
+  daemon_ = *std::move(d);
+  client_ = Connect();
+  // Each long session's entry (a job id of the longest, 1024 bytes) takes
+  // a little over 1030 of the 4096 bytes: three fit, whatever the order,
+  // three are left out; the short one fits beside them.
+  std::vector<std::unique_ptr<Client>> sessions;
+  for (int i = 0; i < 6; ++i) {
+    sessions.push_back(Connect());
+    OpenSession(sessions.back().get(),
+                std::string(1024, static_cast<char>('a' + i)));
+  }
+  sessions.push_back(Connect());
+  OpenSession(sessions.back().get(), "short");
+  auto listed = client_->ListSessions();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  EXPECT_EQ(listed->sessions_size(), 4);
+  EXPECT_EQ(listed->sessions_omitted(), 3u);
+  EXPECT_LE(listed->ByteSizeLong(), 4096u + 16);
+  EXPECT_TRUE(std::any_of(
+      listed->sessions().begin(), listed->sessions().end(),
+      [](const v1::SessionInfo& s) { return s.job_id() == "short"; }));
+  auto metrics = client_->GetMetrics();
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  EXPECT_EQ(metrics->sessions(), 7u);
+  EXPECT_EQ(metrics->session_infos_size(), 4);
+  EXPECT_EQ(metrics->session_infos_omitted(), 3u);
+  auto [rc, out] = RunCommand("client/optimctl --target=" + daemon_->address() +
+                              " sessions");
+  EXPECT_EQ(rc, 0);
+  EXPECT_NE(out.find("(3 more sessions not listed"), std::string::npos) << out;
+  // Three long sessions closed: the other three fit.
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(sessions[i]->CloseSession().ok());
+  listed = client_->ListSessions();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  EXPECT_EQ(listed->sessions_size(), 4);
+  EXPECT_EQ(listed->sessions_omitted(), 0u);
+  std::tie(rc, out) = RunCommand(
+      "client/optimctl --target=" + daemon_->address() + " sessions");
+  EXPECT_EQ(out.find("not listed"), std::string::npos) << out;
 }
 
 // optimctl shows a session whose trainer is gone as orphaned, and evicts
@@ -1498,6 +1764,12 @@ TEST(E2eStartupTest, DaemonsRacingForOneSocketLeaveExactlyOne) {
       waitpid(running[i], nullptr, 0);
     }
     ASSERT_FALSE(running.empty());
+    // The losers may all have exited before the winner, which holds the
+    // lock, has made its socket (seconds under ThreadSanitizer).
+    const absl::Time listening = absl::Now() + absl::Seconds(30);
+    while (access(socket.c_str(), F_OK) != 0 && absl::Now() < listening) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
     auto c = Client::Create("unix:" + socket);
     ASSERT_TRUE(c.ok()) << c.status();
     EXPECT_EQ((*c)->Health().value_or(""), "SERVING");

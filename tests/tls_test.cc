@@ -2,7 +2,10 @@
 // certificates made by openssl for this test, the real client, and the
 // refusals (no TLS flags, a client without the CA, a client without a
 // certificate when the daemon requires one).
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -72,11 +75,17 @@ std::string Slurp(const std::string& path) {
 // The daemon on 127.0.0.1 with a port the kernel picks, read from its log.
 class TcpDaemon {
  public:
-  explicit TcpDaemon(const std::vector<std::string>& flags) {
+  // `open_files` > 0: the daemon's soft and hard limits on open files.
+  explicit TcpDaemon(const std::vector<std::string>& flags,
+                     rlim_t open_files = 0) {
     log_ = absl::StrCat("/tmp/optimd-tls-log-", getpid(), "-", ++count_);
     pid_ = fork();
     if (pid_ == 0) {
       freopen(log_.c_str(), "w", stderr);
+      if (open_files > 0) {
+        const rlimit limit{open_files, open_files};
+        setrlimit(RLIMIT_NOFILE, &limit);
+      }
       std::vector<std::string> argv = {"server/optimd", "--listen=127.0.0.1:0",
                                        "--backend=cpu", "--cpu_threads=1"};
       argv.insert(argv.end(), flags.begin(), flags.end());
@@ -113,7 +122,8 @@ class TcpDaemon {
   }
 
   const std::string& address() const { return address_; }  // empty: none
-  int exit_status() const { return exit_status_; }         // if it exited
+  pid_t pid() const { return pid_; }
+  int exit_status() const { return exit_status_; }  // if it exited
   std::string log() const { return Slurp(log_); }
 
  private:
@@ -242,6 +252,54 @@ TEST(TlsTest, BadTlsFlags) {
   EXPECT_EQ(bad.exit_status(), 2);
   EXPECT_NE(bad.log().find("--tls_key file"), std::string::npos) << bad.log();
   EXPECT_NE(bad.log().find("is not PEM"), std::string::npos) << bad.log();
+}
+
+// Debian 12's gRPC (1.51) never accepts on its TCP listener again once
+// accept has failed for lack of descriptors. The daemon cannot prevent
+// that (it cannot hand gRPC a TLS connection it accepted itself), but it
+// says so in its log, with what to do, and keeps serving the connections
+// already open.
+TEST(TlsTest, TcpListenerOutOfDescriptorsIsLoggedAndOpenConnectionsServed) {
+  Certificates certs;
+  ASSERT_TRUE(certs.ok()) << "openssl could not make test certificates";
+  TcpDaemon d({"--tls_cert=" + certs.Path("server.pem"),
+               "--tls_key=" + certs.Path("server.key")},
+              /*open_files=*/64);
+  ASSERT_FALSE(d.address().empty()) << d.log();
+  auto open = Client::Create(d.address(), Options(certs, "ca", false));
+  ASSERT_TRUE(open.ok()) << open.status();
+  ASSERT_TRUE((*open)->GetMetrics().ok());
+  const int port = std::stoi(d.address().substr(d.address().rfind(':') + 1));
+  std::vector<int> conns;
+  for (int i = 0; i < 200; ++i) {
+    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(port);
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+      close(fd);
+      break;
+    }
+    conns.push_back(fd);
+  }
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (d.log().find("accepts no more connections") == std::string::npos &&
+         absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  for (const int fd : conns) close(fd);
+  const std::string log = d.log();
+  EXPECT_NE(log.find("the TCP listener on " + d.address() +
+                     " accepts no more connections: it ran out of file "
+                     "descriptors (open files limit 64)"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("grpc: Failed accept4"), std::string::npos) << log;
+  EXPECT_EQ(kill(d.pid(), 0), 0) << "the daemon died";
+  // The connection opened before is still served.
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_TRUE((*open)->GetMetrics().ok());
 }
 
 }  // namespace

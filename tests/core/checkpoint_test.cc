@@ -11,6 +11,9 @@
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "backends/cpu/cpu_backend.h"
@@ -752,6 +755,90 @@ TEST(CheckpointTest, DamagedMetadataIsDataLoss) {
   p.header["__metadata__"].erase("optimd_crc32c");
   WriteFile(saved->path, JoinCheckpoint(p, /*keep_crc=*/true));
   EXPECT_TRUE(s.session().LoadState(dir.path(), CheckpointOptions()).ok());
+}
+
+// A file that another process changes between a load's verifying pass and
+// its second pass (written in place with the same bytes, grown, only its
+// times set, or replaced at its name, which changes the opened file's
+// ctime as its link goes) is ABORTED with nothing changed; the session
+// steps on, and loads the file once it is left alone.
+TEST(CheckpointTest, FileChangedBetweenThePassesIsAbortedAndChangesNothing) {
+  OneTensorSession s;
+  ScratchDir dir;
+  auto saved = s.session().SaveState(dir.path(), CheckpointOptions());
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  const std::string file = ReadFile(saved->path);
+  std::string corrupt = file;
+  corrupt[corrupt.size() - 1] ^= 0x40;
+  // Step on, so that a load would change the state back.
+  ASSERT_TRUE(s.session().Step({}).ok());
+  const std::vector<
+      std::pair<std::string, std::function<void(const std::string&)>>>
+      changes = {
+          {"rewritten in place",
+           [&](const std::string& path) {
+             std::fstream f(path,
+                            std::ios::binary | std::ios::in | std::ios::out);
+             f.seekp(0);
+             f.write(file.data(), file.size());
+           }},
+          {"grown",
+           [&](const std::string& path) {
+             std::ofstream(path, std::ios::binary | std::ios::app) << "x";
+           }},
+          {"times set",
+           [&](const std::string& path) {
+             const timespec now[2] = {{0, UTIME_NOW}, {0, UTIME_NOW}};
+             ASSERT_EQ(utimensat(AT_FDCWD, path.c_str(), now, 0), 0);
+           }},
+          {"replaced at its name",
+           [&](const std::string& path) {
+             WriteFile(path + ".new", corrupt);
+             ASSERT_EQ(std::rename((path + ".new").c_str(), path.c_str()), 0);
+           }},
+      };
+  for (const auto& [what, change] : changes) {
+    SCOPED_TRACE(what);
+    WriteFile(saved->path, file);
+    // Timestamps tick at the kernel's coarse clock (a few ms): the file's
+    // times are set far back, so that a change in the hook always shows.
+    const timespec old[2] = {{1000000000, 0}, {1000000000, 0}};
+    ASSERT_EQ(utimensat(AT_FDCWD, saved->path.c_str(), old, 0), 0);
+    const std::string before = s.Fingerprint();
+    CheckpointOptions options;
+    int calls = 0;
+    options.after_verifying_pass = [&](const std::string& path) {
+      ++calls;
+      EXPECT_EQ(path, saved->path);
+      change(path);
+    };
+    auto loaded = s.session().LoadState(dir.path(), options);
+    EXPECT_EQ(calls, 1);
+    EXPECT_EQ(loaded.status().code(), absl::StatusCode::kAborted)
+        << loaded.status();
+    EXPECT_NE(loaded.status().message().find(
+                  "changed while its checksums were verified"),
+              std::string::npos)
+        << loaded.status();
+    EXPECT_NE(loaded.status().message().find("nothing was loaded"),
+              std::string::npos);
+    EXPECT_EQ(s.Fingerprint(), before);
+    // Not left needing a load: it steps.
+    ASSERT_TRUE(s.session().Step({}).ok());
+  }
+  // Loaded again as the refusal says: what the last change left at the
+  // name is corrupt, DATA_LOSS with nothing changed; the good file, left
+  // alone, loads the saved state.
+  const std::string before = s.Fingerprint();
+  auto loaded = s.session().LoadState(dir.path(), CheckpointOptions());
+  EXPECT_EQ(loaded.status().code(), absl::StatusCode::kDataLoss)
+      << loaded.status();
+  EXPECT_EQ(s.Fingerprint(), before);
+  WriteFile(saved->path, file);
+  loaded = s.session().LoadState(dir.path(), CheckpointOptions());
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  OneTensorSession twin;  // the state at the save
+  EXPECT_EQ(s.Fingerprint(), twin.Fingerprint());
 }
 
 }  // namespace

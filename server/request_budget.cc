@@ -1,0 +1,26 @@
+#include "server/request_budget.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace optimd {
+
+absl::Status RequestBudget::Reserve(uint64_t bytes) {
+  uint64_t used = used_.load();
+  for (;;) {
+    if (limit_ != 0 && used != 0 &&
+        (used + bytes > limit_ || used + bytes < used)) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "requests waiting for or running on the daemon's workers hold ", used,
+          " bytes, and this one (", bytes,
+          " bytes) would pass --max_request_memory_bytes (", limit_,
+          "); nothing was changed: retry later or send smaller requests"));
+    }
+    if (used_.compare_exchange_weak(used, used + bytes)) {
+      return absl::OkStatus();
+    }
+  }
+}
+
+void RequestBudget::Release(uint64_t bytes) { used_.fetch_sub(bytes); }
+
+}  // namespace optimd

@@ -1,0 +1,42 @@
+// The bytes of requests the daemon holds parsed while they wait for or run
+// on a worker, bounded as a whole. gRPC's ResourceQuota
+// (--max_request_memory_bytes) bounds only its own buffers: a parsed
+// request is a copy beside them that lives until its call is finished, so
+// requests queued behind a busy worker would otherwise grow without bound.
+//
+// Thread-safe.
+#ifndef OPTIMD_SERVER_REQUEST_BUDGET_H_
+#define OPTIMD_SERVER_REQUEST_BUDGET_H_
+
+#include <atomic>
+#include <cstdint>
+
+#include "absl/status/status.h"
+
+namespace optimd {
+
+class RequestBudget {
+ public:
+  // `limit`: the most bytes held at once; 0, no limit.
+  explicit RequestBudget(uint64_t limit = 0) : limit_(limit) {}
+  RequestBudget(const RequestBudget&) = delete;
+  RequestBudget& operator=(const RequestBudget&) = delete;
+
+  // Holds `bytes` (a request's encoded size) until Release(bytes).
+  // RESOURCE_EXHAUSTED, holding nothing, when that would pass the limit; a
+  // request larger than the limit alone is still taken when nothing else
+  // is held (gRPC's quota let it in).
+  absl::Status Reserve(uint64_t bytes);
+  void Release(uint64_t bytes);
+
+  uint64_t limit() const { return limit_; }
+  uint64_t used() const { return used_.load(); }
+
+ private:
+  const uint64_t limit_;
+  std::atomic<uint64_t> used_{0};
+};
+
+}  // namespace optimd
+
+#endif  // OPTIMD_SERVER_REQUEST_BUDGET_H_
