@@ -12,6 +12,10 @@ absl::string_view DTypeName(DType t) {
       return "float16";
     case DType::kBlock8:
       return "block8";
+    case DType::kFloat8E4M3:
+      return "float8_e4m3fn";
+    case DType::kFloat8E5M2:
+      return "float8_e5m2";
   }
   return "unknown";
 }

@@ -68,6 +68,10 @@ struct TensorSpec {
   // The tensor's other names (a weight tied between modules), each
   // distinct from every name and alias of the session.
   std::vector<std::string> aliases;
+  // FP8 parameters: the scaling recipe and the trainer's buffer of scale
+  // inverses (Fp8Geometry::ScaleBytes); kNone and unset otherwise.
+  Fp8Recipe fp8_recipe = Fp8Recipe::kNone;
+  BufferHandle scale_inv;
 };
 
 // A group as a client describes it, before validation.
@@ -119,6 +123,9 @@ struct TensorEntry {
   std::vector<std::string> aliases;
   BufferRef param;  // null data for zero-element tensors
   BufferRef grad;   // null for frozen and zero-element tensors
+  // FP8 parameters: the trainer's scale inverses, written with the
+  // parameter; null otherwise.
+  BufferRef scale_inv;
   StateSlice master;
   // The optimizer's state slots, the first layout.state_slots of them
   // allocated (none for frozen tensors); core/optimizer.h names them.
@@ -136,6 +143,10 @@ struct TensorEntry {
     p.master = master.data();
     for (int s = 0; s < kMaxStateSlots; ++s) p.state[s] = state[s].data();
     p.scales = scales.data();
+    p.scale_inv = scale_inv.data;
+    if (layout.fp8_recipe != Fp8Recipe::kNone) {
+      p.fp8 = Fp8Geometry::Of(layout.fp8_recipe, numel, shape);
+    }
     return p;
   }
   uint64_t StateBytes() const {
@@ -241,7 +252,9 @@ struct Group {
 // items of at most `chunk_elements` (> 0). In a group with block8 moments it
 // is rounded up to a multiple of kBlock8Elements: every item then starts on
 // a block8 block (core/block8.h) and holds whole blocks and their scales.
-// (The CUDA backend's chunk size is a multiple of 256 anyway.)
+// (The CUDA backend's chunk size is a multiple of 256 anyway.) An FP8
+// parameter's items hold whole scaling units (Fp8Geometry::ItemAlignment):
+// a per-tensor-scaled one is a single item.
 void BuildPlan(Group& group, uint64_t chunk_elements);
 
 }  // namespace optimd

@@ -154,7 +154,11 @@ absl::Status CheckRegion(const std::string& tensor, const char* which,
   if (h.size != want_bytes) {
     return absl::InvalidArgumentError(
         absl::StrCat("tensor '", tensor, "': ", which, " buffer is ", h.size,
-                     " bytes but numel x element size is ", want_bytes));
+                     " bytes but ", want_bytes, " are needed (",
+                     std::string(which) == "scale_inv"
+                         ? "one scale inverse per scaling unit of the recipe"
+                         : "numel x element size",
+                     ")"));
   }
   return absl::OkStatus();
 }
@@ -195,6 +199,13 @@ absl::StatusOr<BufferRef> Session::ResolveRegion(const std::string& tensor,
       CheckRegion(tensor, which, handle, numel * DTypeSize(dtype)));
   return backend_->ResolveBuffer(handle, DTypeSize(dtype),
                                  absl::StrCat("tensor '", tensor, "' ", which));
+}
+
+absl::StatusOr<BufferRef> Session::ResolveScaleInv(const TensorSpec& t) {
+  const Fp8Geometry g = Fp8Geometry::Of(t.fp8_recipe, t.numel, t.shape);
+  return backend_->ResolveBuffer(
+      t.scale_inv, g.recipe == Fp8Recipe::kMxfp8 ? 1 : 4,
+      absl::StrCat("tensor '", t.name, "' scale_inv"));
 }
 
 absl::StatusOr<std::vector<Group*>> Session::Targets(
@@ -315,8 +326,15 @@ absl::Status Session::CheckTensor(const GroupSpec& spec, const TensorSpec& t,
       *layout,
       ResolveLayout(t.name, t.param_dtype, t.grad_dtype, spec.moment_dtype,
                     spec.master, t.keep_fp32, spec.hyper));
+  OPTIMD_RETURN_IF_ERROR(ResolveFp8Recipe(t.name, t.fp8_recipe, layout));
+  if (layout->fp8_recipe == Fp8Recipe::kNone &&
+      t.scale_inv.kind != BufferHandle::Kind::kNone) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor '", t.name,
+        "': a scale_inv buffer is for FP8 parameters only; leave it unset"));
+  }
   if (t.numel == 0) {
-    if (t.param.size != 0 || t.grad.size != 0) {
+    if (t.param.size != 0 || t.grad.size != 0 || t.scale_inv.size != 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           "tensor '", t.name, "' has numel 0 but a non-empty buffer"));
     }
@@ -324,6 +342,11 @@ absl::Status Session::CheckTensor(const GroupSpec& spec, const TensorSpec& t,
   }
   OPTIMD_RETURN_IF_ERROR(CheckRegion(t.name, "param", t.param,
                                      t.numel * DTypeSize(t.param_dtype)));
+  if (layout->fp8_recipe != Fp8Recipe::kNone) {
+    OPTIMD_RETURN_IF_ERROR(CheckRegion(
+        t.name, "scale_inv", t.scale_inv,
+        Fp8Geometry::Of(t.fp8_recipe, t.numel, t.shape).ScaleBytes()));
+  }
   if (!t.frozen && !t.grad_absent) {
     OPTIMD_RETURN_IF_ERROR(
         CheckRegion(t.name, "grad", t.grad, t.numel * DTypeSize(t.grad_dtype)));
@@ -363,6 +386,9 @@ absl::Status Session::MapTensors(const GroupSpec& spec,
       if (!t.frozen && !t.grad_absent) {
         OPTIMD_ASSIGN_OR_RETURN(e.grad, ResolveRegion(t.name, "grad", t.grad,
                                                       t.numel, t.grad_dtype));
+      }
+      if (e.layout.fp8_recipe != Fp8Recipe::kNone) {
+        OPTIMD_ASSIGN_OR_RETURN(e.scale_inv, ResolveScaleInv(t));
       }
     }
     group->tensors.push_back(std::move(e));
@@ -555,6 +581,12 @@ absl::StatusOr<std::vector<Session::ResolvedUpdate>> Session::ResolveUpdates(
     r.tensor = idx;
     r.absent = u.grad_absent && e.Steppable();
     if (u.param.kind != BufferHandle::Kind::kNone && e.numel > 0) {
+      if (e.layout.fp8_recipe != Fp8Recipe::kNone) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "tensor '", u.tensor,
+            "': an FP8 parameter's buffer cannot move (its scale_inv buffer "
+            "moves with it); unregister the group and register it again"));
+      }
       OPTIMD_ASSIGN_OR_RETURN(r.param,
                               ResolveRegion(e.name, "param", u.param, e.numel,
                                             e.layout.param_dtype));
@@ -576,7 +608,7 @@ void Session::RefreshMappings() {
   mappings_.clear();
   for (const auto& g : groups_) {
     for (const TensorEntry& t : g->tensors) {
-      for (const BufferRef* r : {&t.param, &t.grad}) {
+      for (const BufferRef* r : {&t.param, &t.grad, &t.scale_inv}) {
         if (r->mapping != nullptr && seen.insert(r->mapping.get()).second) {
           mappings_.push_back(r->mapping);
         }
