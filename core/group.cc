@@ -18,7 +18,8 @@ namespace {
 
 // Elements per item of a tensor: chunk_elements, or for an FP8 parameter
 // a multiple of its item alignment (at least one), so that every item
-// holds whole scaling units (core/fp8_recipe.h).
+// holds whole scaling units (core/fp8_recipe.h); per-tensor scaling: the
+// whole tensor.
 uint64_t ItemElements(const TensorPointers& t, uint64_t chunk_elements) {
   if (t.fp8.recipe == Fp8Recipe::kNone) return chunk_elements;
   const uint64_t align = t.fp8.ItemAlignment();
@@ -27,7 +28,7 @@ uint64_t ItemElements(const TensorPointers& t, uint64_t chunk_elements) {
 
 }  // namespace
 
-void BuildPlan(Group& group, uint64_t chunk_elements) {
+void BuildPlan(Group& group, uint64_t chunk_elements, bool fp8_whole_units) {
   const bool block8 =
       std::any_of(group.tensors.begin(), group.tensors.end(),
                   [](const TensorEntry& t) { return t.layout.block8(); });
@@ -45,7 +46,9 @@ void BuildPlan(Group& group, uint64_t chunk_elements) {
     plan.tensor_index.push_back(i);
     plan.entries.push_back(t.Pointers());
     plan.layouts.push_back(t.layout);
-    const uint64_t item = ItemElements(plan.entries.back(), chunk_elements);
+    const uint64_t item =
+        fp8_whole_units ? ItemElements(plan.entries.back(), chunk_elements)
+                        : chunk_elements;
     for (uint64_t b = 0; b < t.numel; b += item) {
       plan.items.push_back({entry, b, std::min(t.numel, b + item)});
     }

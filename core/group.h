@@ -252,10 +252,11 @@ struct Group {
 // items of at most `chunk_elements` (> 0). In a group with block8 moments it
 // is rounded up to a multiple of kBlock8Elements: every item then starts on
 // a block8 block (core/block8.h) and holds whole blocks and their scales.
-// (The CUDA backend's chunk size is a multiple of 256 anyway.) An FP8
-// parameter's items hold whole scaling units (Fp8Geometry::ItemAlignment):
-// a per-tensor-scaled one is a single item.
-void BuildPlan(Group& group, uint64_t chunk_elements);
+// (The CUDA backend's chunk size is a multiple of 256 anyway.)
+// With `fp8_whole_units` (the CPU backend, which requantizes per item) an
+// FP8 parameter's items hold whole scaling units (ItemAlignment).
+void BuildPlan(Group& group, uint64_t chunk_elements,
+               bool fp8_whole_units = true);
 
 }  // namespace optimd
 
