@@ -163,6 +163,22 @@ absl::Status CheckRegion(const std::string& tensor, const char* which,
   return absl::OkStatus();
 }
 
+// Resolves `t`'s FP8 recipe into `layout` and checks its scale_inv
+// buffer: the recipe's exact size for an FP8 parameter with elements,
+// none for any other tensor.
+absl::Status CheckFp8(const TensorSpec& t, Layout* layout) {
+  OPTIMD_RETURN_IF_ERROR(ResolveFp8Recipe(t.name, t.fp8_recipe, layout));
+  if (layout->fp8_recipe == Fp8Recipe::kNone || t.numel == 0) {
+    if (t.scale_inv.kind == BufferHandle::Kind::kNone) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor '", t.name, "': a scale_inv buffer is for FP8 parameters ",
+        "with elements only; leave it unset"));
+  }
+  return CheckRegion(
+      t.name, "scale_inv", t.scale_inv,
+      Fp8Geometry::Of(t.fp8_recipe, t.numel, t.shape).ScaleBytes());
+}
+
 }  // namespace
 
 Session::Session(SessionIdentity identity, Backend* backend,
@@ -326,15 +342,9 @@ absl::Status Session::CheckTensor(const GroupSpec& spec, const TensorSpec& t,
       *layout,
       ResolveLayout(t.name, t.param_dtype, t.grad_dtype, spec.moment_dtype,
                     spec.master, t.keep_fp32, spec.hyper));
-  OPTIMD_RETURN_IF_ERROR(ResolveFp8Recipe(t.name, t.fp8_recipe, layout));
-  if (layout->fp8_recipe == Fp8Recipe::kNone &&
-      t.scale_inv.kind != BufferHandle::Kind::kNone) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "tensor '", t.name,
-        "': a scale_inv buffer is for FP8 parameters only; leave it unset"));
-  }
+  OPTIMD_RETURN_IF_ERROR(CheckFp8(t, layout));
   if (t.numel == 0) {
-    if (t.param.size != 0 || t.grad.size != 0 || t.scale_inv.size != 0) {
+    if (t.param.size != 0 || t.grad.size != 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           "tensor '", t.name, "' has numel 0 but a non-empty buffer"));
     }
@@ -342,11 +352,6 @@ absl::Status Session::CheckTensor(const GroupSpec& spec, const TensorSpec& t,
   }
   OPTIMD_RETURN_IF_ERROR(CheckRegion(t.name, "param", t.param,
                                      t.numel * DTypeSize(t.param_dtype)));
-  if (layout->fp8_recipe != Fp8Recipe::kNone) {
-    OPTIMD_RETURN_IF_ERROR(CheckRegion(
-        t.name, "scale_inv", t.scale_inv,
-        Fp8Geometry::Of(t.fp8_recipe, t.numel, t.shape).ScaleBytes()));
-  }
   if (!t.frozen && !t.grad_absent) {
     OPTIMD_RETURN_IF_ERROR(
         CheckRegion(t.name, "grad", t.grad, t.numel * DTypeSize(t.grad_dtype)));
