@@ -153,7 +153,8 @@ TEST(LayoutTest, Float64RefusalsSayWhy) {
 }
 
 // FP8 parameters: AdamW, an fp32 master, fp32 or bf16 moments and a
-// recipe; every other combination is refused naming the tensor and why.
+// recipe; every other combination, float64 with FP8 among them, is refused
+// naming the tensor and why.
 TEST(LayoutTest, Fp8ParametersNeedARecipeAndAnFp32Master) {
   auto resolve = [](DType param, DType grad, DType moments,
                     MasterRequest master, Fp8Recipe recipe,
@@ -194,6 +195,18 @@ TEST(LayoutTest, Fp8ParametersNeedARecipeAndAnFp32Master) {
        Fp8Recipe::kTensor, OptimizerHyper(), "needs master weights"},
       {F::kFloat8E4M3, F::kFloat32, F::kFloat32, MasterRequest::kDefault,
        Fp8Recipe::kTensor, sgd, "AdamW only"},
+      // float64 and FP8 never meet in one tensor.
+      {F::kFloat8E4M3, F::kFloat64, F::kFloat32, MasterRequest::kDefault,
+       Fp8Recipe::kTensor, OptimizerHyper(),
+       "float64 gradients need a float64 parameter"},
+      {F::kFloat8E5M2, F::kFloat32, F::kFloat64, MasterRequest::kDefault,
+       Fp8Recipe::kTensor, OptimizerHyper(),
+       "float64 moments need a float64 parameter"},
+      {F::kFloat64, F::kFloat8E4M3, F::kFloat64, MasterRequest::kDefault,
+       Fp8Recipe::kNone, OptimizerHyper(), "needs a float64 gradient"},
+      {F::kFloat64, F::kFloat64, F::kFloat64, MasterRequest::kDefault,
+       Fp8Recipe::kTensor, OptimizerHyper(),
+       "float8_e5m2 parameters, not float64"},
   };
   for (const auto& c : refused) {
     auto l = resolve(c.param, c.grad, c.moments, c.master, c.recipe, c.hyper);
