@@ -15,6 +15,12 @@
 // Modes: "default" (every step checks the gradients for inf/NaN and
 // computes their norm), "assume_finite" (no statistics pass), "clip"
 // (max_grad_norm = 1: the statistics pass plus the clip coefficient).
+// FP8 parameters: the rows fp8_tensor, fp8_1x128, fp8_128x128, fp8_mxfp8
+// and fp8_mxfp8_bf16m (e4m3 weights, bf16 gradients), e.g.
+//   cuda_step_bench --only=fp8_tensor,fp8_1x128,fp8_128x128,fp8_mxfp8
+// whose bytes per parameter count the codes written once (the master is
+// read and written once; the requantization's second read of the master is
+// not counted: it is the cost the one-pass form would remove).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -60,6 +66,8 @@ struct Config {
   DType param, grad, moment;
   MasterRequest master;
   uint64_t params_override = 0;
+  // FP8 parameters: the recipe (their tensors are [numel / 4096, 4096]).
+  Fp8Recipe recipe = Fp8Recipe::kNone;
 };
 
 double ThreadCpu() {
@@ -139,6 +147,19 @@ int Run(IpcTrainer* trainer) {
        MasterRequest::kNone},
       {"bf16_rem_block8m", 1000, DType::kBFloat16, DType::kBFloat16,
        DType::kBlock8, MasterRequest::kRemainder},
+      // FP8 parameters with bf16 gradients: each recipe's step against the
+      // copy of its own bytes (the master read and written, moments,
+      // gradient, the FP8 codes written).
+      {"fp8_tensor", 1000, DType::kFloat8E4M3, DType::kBFloat16,
+       DType::kFloat32, MasterRequest::kFp32, 0, Fp8Recipe::kTensor},
+      {"fp8_1x128", 1000, DType::kFloat8E4M3, DType::kBFloat16, DType::kFloat32,
+       MasterRequest::kFp32, 0, Fp8Recipe::kBlock1x128},
+      {"fp8_128x128", 1000, DType::kFloat8E4M3, DType::kBFloat16,
+       DType::kFloat32, MasterRequest::kFp32, 0, Fp8Recipe::kBlock128x128},
+      {"fp8_mxfp8", 1000, DType::kFloat8E4M3, DType::kBFloat16, DType::kFloat32,
+       MasterRequest::kFp32, 0, Fp8Recipe::kMxfp8},
+      {"fp8_mxfp8_bf16m", 1000, DType::kFloat8E4M3, DType::kBFloat16,
+       DType::kBFloat16, MasterRequest::kFp32, 0, Fp8Recipe::kMxfp8},
   };
   std::vector<std::unique_ptr<Backend>> backends;
   std::vector<CudaBackendOptions> variants;
@@ -191,7 +212,13 @@ int Run(IpcTrainer* trainer) {
     auto params = trainer->Alloc(per * c.tensors * ps + 256);
     auto grads = trainer->Alloc(per * c.tensors * gs + 256,
                                 static_cast<uint8_t>(grad_byte));
-    if (!params.ok() || !grads.ok()) {
+    const std::vector<uint64_t> shape =
+        per % 4096 == 0 ? std::vector<uint64_t>{per / 4096, 4096}
+                        : std::vector<uint64_t>{per};
+    const uint64_t scale_bytes =
+        Fp8Geometry::Of(c.recipe, per, shape).ScaleBytes();
+    auto scales = trainer->Alloc(scale_bytes * c.tensors + 256);
+    if (!params.ok() || !grads.ok() || !scales.ok()) {
       std::fprintf(stderr, "trainer allocation failed\n");
       return 1;
     }
@@ -237,6 +264,14 @@ int Run(IpcTrainer* trainer) {
           t.grad.offset = i * per * gs;
           t.param.size = per * ps;
           t.grad.size = per * gs;
+          if (c.recipe != Fp8Recipe::kNone) {
+            t.shape = shape;
+            t.fp8_recipe = c.recipe;
+            t.scale_inv = t.param;
+            t.scale_inv.ipc_handle = scales->ipc_handle;
+            t.scale_inv.offset = i * scale_bytes;
+            t.scale_inv.size = scale_bytes;
+          }
           spec.tensors.push_back(t);
         }
         const double r0 = Now();

@@ -20,7 +20,9 @@ inline constexpr char kVersion[] = "0.5.0";
 // 6: TensorSpec.aliases (the other names of a tied weight).
 // 7: DTYPE_FLOAT64 parameters, gradients and moments (AdamW).
 // 8: CreateSessionRequest.shard_state (ZeRO-sharded state for DDP jobs).
-inline constexpr uint32_t kApiRevision = 8;
+// 9: FP8 parameters (DTYPE_FLOAT8_E4M3FN, DTYPE_FLOAT8_E5M2,
+//    TensorSpec.fp8_recipe and scale_inv).
+inline constexpr uint32_t kApiRevision = 9;
 
 }  // namespace optimd
 

@@ -28,6 +28,10 @@ const char* SafetensorsDType(DType d) {
       return "U8";
     case DType::kFloat64:
       return "F64";
+    case DType::kFloat8E4M3:
+      return "F8_E4M3";
+    case DType::kFloat8E5M2:
+      return "F8_E5M2";
   }
   return "?";
 }
@@ -54,6 +58,16 @@ std::vector<Entry> Entries(const std::vector<Group*>& groups) {
       };
       add("param", "", SafetensorsDType(l.param_dtype),
           n * DTypeSize(l.param_dtype), t.param.data);
+      if (l.fp8_recipe != Fp8Recipe::kNone && n > 0) {
+        // The trainer's scale inverses beside its FP8 parameter: with them
+        // a load restores the quantized weights exactly as they were.
+        const Fp8Geometry g = Fp8Geometry::Of(l.fp8_recipe, n, t.shape);
+        const bool mx = l.fp8_recipe == Fp8Recipe::kMxfp8;
+        add("scale_inv", ".scale_inv", mx ? "U8" : "F32", g.ScaleBytes(),
+            t.scale_inv.data);
+        out.back().numel = g.Units();
+        out.back().shape = {g.Units() / g.UnitColumns(), g.UnitColumns()};
+      }
       if (l.master == MasterKind::kFp32) {
         add("master", ".master", "F32", n * 4, t.master.data());
       } else if (l.master == MasterKind::kRemainder) {
@@ -149,13 +163,18 @@ json HyperJson(const OptimizerHyper& h) {
 }
 
 json LayoutJson(const Layout& l) {
-  return json{{"param_dtype", std::string(DTypeName(l.param_dtype))},
-              {"grad_dtype", std::string(DTypeName(l.grad_dtype))},
-              {"moment_dtype", std::string(DTypeName(l.moment_dtype))},
-              {"master", std::string(MasterKindName(l.master))},
-              {"optimizer", std::string(OptimizerName(l.optimizer))},
-              {"state_slots", l.state_slots},
-              {"amsgrad", l.amsgrad()}};
+  json j{{"param_dtype", std::string(DTypeName(l.param_dtype))},
+         {"grad_dtype", std::string(DTypeName(l.grad_dtype))},
+         {"moment_dtype", std::string(DTypeName(l.moment_dtype))},
+         {"master", std::string(MasterKindName(l.master))},
+         {"optimizer", std::string(OptimizerName(l.optimizer))},
+         {"state_slots", l.state_slots},
+         {"amsgrad", l.amsgrad()}};
+  // Only FP8 parameters name a recipe, so other layouts read as before.
+  if (l.fp8_recipe != Fp8Recipe::kNone) {
+    j["fp8_recipe"] = std::string(Fp8RecipeName(l.fp8_recipe));
+  }
+  return j;
 }
 
 std::string CrcHex(uint32_t crc) {

@@ -14,6 +14,10 @@ absl::string_view DTypeName(DType t) {
       return "block8";
     case DType::kFloat64:
       return "float64";
+    case DType::kFloat8E4M3:
+      return "float8_e4m3fn";
+    case DType::kFloat8E5M2:
+      return "float8_e5m2";
   }
   return "unknown";
 }

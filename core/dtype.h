@@ -22,7 +22,14 @@ enum class DType : uint8_t {
   // A float64 parameter, its gradient and its moments: stepped in float64,
   // never mixed with the narrower types (ResolveLayout).
   kFloat64 = 5,
+  // FP8 parameters only (core/fp8.h), each with a scaling recipe.
+  kFloat8E4M3 = 6,
+  kFloat8E5M2 = 7,
 };
+
+inline bool IsFp8(DType t) {
+  return t == DType::kFloat8E4M3 || t == DType::kFloat8E5M2;
+}
 
 // Bytes per element; for kBlock8 the code alone (its scales are counted by
 // Layout::StateBytes).
@@ -36,14 +43,16 @@ inline size_t DTypeSize(DType t) {
     case DType::kFloat16:
       return 2;
     case DType::kBlock8:
+    case DType::kFloat8E4M3:
+    case DType::kFloat8E5M2:
       return 1;
   }
   return 4;
 }
 
 // Lower-case names as used in errors, metrics and checkpoints ("float32",
-// "bfloat16", "float16", "float64", matching torch's dtype names, and
-// "block8").
+// "bfloat16", "float16", "float64", "float8_e4m3fn", "float8_e5m2",
+// matching torch's dtype names, and "block8").
 absl::string_view DTypeName(DType t);
 
 inline uint32_t FloatBits(float f) {

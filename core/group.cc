@@ -14,7 +14,21 @@
 
 namespace optimd {
 
-void BuildPlan(Group& group, uint64_t chunk_elements) {
+namespace {
+
+// Elements per item of a tensor: chunk_elements, or for an FP8 parameter
+// a multiple of its item alignment (at least one), so that every item
+// holds whole scaling units (core/fp8_recipe.h); per-tensor scaling: the
+// whole tensor.
+uint64_t ItemElements(const TensorPointers& t, uint64_t chunk_elements) {
+  if (t.fp8.recipe == Fp8Recipe::kNone) return chunk_elements;
+  const uint64_t align = t.fp8.ItemAlignment();
+  return std::max<uint64_t>(1, chunk_elements / align) * align;
+}
+
+}  // namespace
+
+void BuildPlan(Group& group, uint64_t chunk_elements, bool fp8_whole_units) {
   const bool block8 =
       std::any_of(group.tensors.begin(), group.tensors.end(),
                   [](const TensorEntry& t) { return t.layout.block8(); });
@@ -32,8 +46,11 @@ void BuildPlan(Group& group, uint64_t chunk_elements) {
     plan.tensor_index.push_back(i);
     plan.entries.push_back(t.Pointers());
     plan.layouts.push_back(t.layout);
-    for (uint64_t b = 0; b < t.numel; b += chunk_elements) {
-      plan.items.push_back({entry, b, std::min(t.numel, b + chunk_elements)});
+    const uint64_t item =
+        fp8_whole_units ? ItemElements(plan.entries.back(), chunk_elements)
+                        : chunk_elements;
+    for (uint64_t b = 0; b < t.numel; b += item) {
+      plan.items.push_back({entry, b, std::min(t.numel, b + item)});
     }
   }
   uint64_t in_task = 0;

@@ -68,6 +68,10 @@ struct TensorSpec {
   // The tensor's other names (a weight tied between modules), each
   // distinct from every name and alias of the session.
   std::vector<std::string> aliases;
+  // FP8 parameters: the scaling recipe and the trainer's buffer of scale
+  // inverses (Fp8Geometry::ScaleBytes); kNone and unset otherwise.
+  Fp8Recipe fp8_recipe = Fp8Recipe::kNone;
+  BufferHandle scale_inv;
 };
 
 // A group as a client describes it, before validation.
@@ -132,6 +136,9 @@ struct TensorEntry {
   uint64_t shard_begin = 0;
   uint64_t full_numel = 0;
   BufferRef full_param;
+  // FP8 parameters: the trainer's scale inverses, written with the
+  // parameter; null otherwise.
+  BufferRef scale_inv;
   StateSlice master;
   // The optimizer's state slots, the first layout.state_slots of them
   // allocated (none for frozen tensors); core/optimizer.h names them.
@@ -149,6 +156,10 @@ struct TensorEntry {
     p.master = master.data();
     for (int s = 0; s < kMaxStateSlots; ++s) p.state[s] = state[s].data();
     p.scales = scales.data();
+    p.scale_inv = scale_inv.data;
+    if (layout.fp8_recipe != Fp8Recipe::kNone) {
+      p.fp8 = Fp8Geometry::Of(layout.fp8_recipe, numel, shape);
+    }
     return p;
   }
   uint64_t StateBytes() const {
@@ -255,7 +266,10 @@ struct Group {
 // is rounded up to a multiple of kBlock8Elements: every item then starts on
 // a block8 block (core/block8.h) and holds whole blocks and their scales.
 // (The CUDA backend's chunk size is a multiple of 256 anyway.)
-void BuildPlan(Group& group, uint64_t chunk_elements);
+// With `fp8_whole_units` (the CPU backend, which requantizes per item) an
+// FP8 parameter's items hold whole scaling units (ItemAlignment).
+void BuildPlan(Group& group, uint64_t chunk_elements,
+               bool fp8_whole_units = true);
 
 }  // namespace optimd
 

@@ -42,7 +42,9 @@ std::string Layout::DebugString() const {
   return absl::StrCat(
       "param=", DTypeName(param_dtype), " grad=", DTypeName(grad_dtype),
       " moments=", DTypeName(moment_dtype), " master=", MasterKindName(master),
-      " optimizer=", OptimizerName(optimizer), amsgrad() ? " amsgrad" : "");
+      " optimizer=", OptimizerName(optimizer), amsgrad() ? " amsgrad" : "",
+      fp8_recipe == Fp8Recipe::kNone ? "" : " fp8_recipe=",
+      fp8_recipe == Fp8Recipe::kNone ? "" : Fp8RecipeName(fp8_recipe));
 }
 
 namespace {
@@ -181,6 +183,47 @@ absl::StatusOr<Layout> ResolveLayout(const std::string& tensor,
       break;
   }
   return layout;
+}
+
+absl::Status ResolveFp8Recipe(const std::string& tensor, Fp8Recipe recipe,
+                              Layout* layout) {
+  const auto refuse = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor '", tensor, "': ", why));
+  };
+  if (IsFp8(layout->grad_dtype)) {
+    return refuse(absl::StrCat("a ", DTypeName(layout->grad_dtype),
+                               " gradient; gradients are float32, bfloat16 "
+                               "or float16"));
+  }
+  if (!IsFp8(layout->param_dtype)) {
+    if (recipe == Fp8Recipe::kNone) return absl::OkStatus();
+    return refuse(absl::StrCat("an fp8_recipe (", Fp8RecipeName(recipe),
+                               ") is for float8_e4m3fn or float8_e5m2 "
+                               "parameters, not ",
+                               DTypeName(layout->param_dtype)));
+  }
+  if (recipe == Fp8Recipe::kNone) {
+    return refuse(
+        absl::StrCat("a ", DTypeName(layout->param_dtype),
+                     " parameter needs an fp8_recipe (tensor, block_1x128, "
+                     "block_128x128 or mxfp8) and its scale_inv buffer"));
+  }
+  if (layout->optimizer != OptimizerKind::kAdamW) {
+    return refuse(absl::StrCat("FP8 parameters are stepped by AdamW only, not ",
+                               OptimizerName(layout->optimizer)));
+  }
+  if (layout->master != MasterKind::kFp32) {
+    return refuse("FP8 parameters need fp32 master weights");
+  }
+  if (layout->moment_dtype != DType::kFloat32 &&
+      layout->moment_dtype != DType::kBFloat16) {
+    return refuse(
+        absl::StrCat("FP8 parameters take float32 or bfloat16 moments, not ",
+                     DTypeName(layout->moment_dtype)));
+  }
+  layout->fp8_recipe = recipe;
+  return absl::OkStatus();
 }
 
 }  // namespace optimd

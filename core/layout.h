@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "core/dtype.h"
+#include "core/fp8_recipe.h"
 #include "core/optimizer.h"
 
 namespace optimd {
@@ -38,6 +39,10 @@ struct Layout {
   // holds (StateSlotCount), each of moment_dtype.
   OptimizerKind optimizer = OptimizerKind::kAdamW;
   uint8_t state_slots = 2;
+  // FP8 parameters (param_dtype kFloat8*): the scaling recipe by which the
+  // step requantizes the fp32 master into the parameter and its scale
+  // inverses (core/fp8_recipe.h); kNone for every other parameter.
+  Fp8Recipe fp8_recipe = Fp8Recipe::kNone;
 
   // AdamW with a third slot: the running maximum of the second moment.
   bool amsgrad() const {
@@ -63,7 +68,8 @@ struct Layout {
   bool operator==(const Layout& o) const {
     return param_dtype == o.param_dtype && grad_dtype == o.grad_dtype &&
            moment_dtype == o.moment_dtype && master == o.master &&
-           optimizer == o.optimizer && state_slots == o.state_slots;
+           optimizer == o.optimizer && state_slots == o.state_slots &&
+           fp8_recipe == o.fp8_recipe;
   }
   std::string DebugString() const;
 };
@@ -86,11 +92,19 @@ inline DType DefaultMomentDType(DType param_dtype) {
 //    (the only optimizer with a float64 kernel); float64 gradients or
 //    moments need a float64 parameter.
 // The optimizer and its state slots come from `hyper`.
+// FP8 parameters (IsFp8) are resolved with their recipe afterwards
+// (ResolveFp8Recipe).
 absl::StatusOr<Layout> ResolveLayout(const std::string& tensor,
                                      DType param_dtype, DType grad_dtype,
                                      DType moment_dtype, MasterRequest master,
                                      bool keep_fp32,
                                      const OptimizerHyper& hyper);
+
+// Sets `layout`'s FP8 recipe and checks it: an FP8 parameter needs a
+// recipe and AdamW with an fp32 master and float32 or bfloat16 moments;
+// a recipe needs an FP8 parameter; gradients are never FP8.
+absl::Status ResolveFp8Recipe(const std::string& tensor, Fp8Recipe recipe,
+                              Layout* layout);
 
 // Whether state slot `slot` of a kBlock8 layout holds signed codes:
 // exp_avg does, exp_avg_sq (never negative) does not. AdamW is the only

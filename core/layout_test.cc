@@ -152,5 +152,71 @@ TEST(LayoutTest, Float64RefusalsSayWhy) {
   }
 }
 
+// FP8 parameters: AdamW, an fp32 master, fp32 or bf16 moments and a
+// recipe; every other combination, float64 with FP8 among them, is refused
+// naming the tensor and why.
+TEST(LayoutTest, Fp8ParametersNeedARecipeAndAnFp32Master) {
+  auto resolve = [](DType param, DType grad, DType moments,
+                    MasterRequest master, Fp8Recipe recipe,
+                    OptimizerHyper hyper) -> absl::StatusOr<Layout> {
+    auto l = ResolveLayout("w8", param, grad, moments, master, false, hyper);
+    if (!l.ok()) return l.status();
+    absl::Status s = ResolveFp8Recipe("w8", recipe, &*l);
+    if (!s.ok()) return s;
+    return l;
+  };
+  auto ok =
+      resolve(F::kFloat8E4M3, F::kBFloat16, F::kBFloat16,
+              MasterRequest::kDefault, Fp8Recipe::kMxfp8, OptimizerHyper());
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->master, MasterKind::kFp32);
+  EXPECT_EQ(ok->fp8_recipe, Fp8Recipe::kMxfp8);
+  EXPECT_EQ(ok->StateBytesPerElement(), 8u);
+  OptimizerHyper sgd;
+  sgd.kind = OptimizerKind::kSgd;
+  const struct {
+    DType param, grad, moments;
+    MasterRequest master;
+    Fp8Recipe recipe;
+    OptimizerHyper hyper;
+    const char* why;
+  } refused[] = {
+      {F::kFloat8E5M2, F::kFloat32, F::kFloat32, MasterRequest::kDefault,
+       Fp8Recipe::kNone, OptimizerHyper(), "needs an fp8_recipe"},
+      {F::kBFloat16, F::kFloat32, F::kFloat32, MasterRequest::kDefault,
+       Fp8Recipe::kTensor, OptimizerHyper(), "is for float8_e4m3fn"},
+      {F::kFloat8E4M3, F::kFloat8E4M3, F::kFloat32, MasterRequest::kDefault,
+       Fp8Recipe::kTensor, OptimizerHyper(), "gradient"},
+      {F::kFloat8E4M3, F::kFloat32, F::kBlock8, MasterRequest::kDefault,
+       Fp8Recipe::kTensor, OptimizerHyper(), "not block8"},
+      {F::kFloat8E4M3, F::kFloat32, F::kFloat32, MasterRequest::kRemainder,
+       Fp8Recipe::kTensor, OptimizerHyper(), "bfloat16"},
+      {F::kFloat8E4M3, F::kFloat32, F::kFloat32, MasterRequest::kNone,
+       Fp8Recipe::kTensor, OptimizerHyper(), "needs master weights"},
+      {F::kFloat8E4M3, F::kFloat32, F::kFloat32, MasterRequest::kDefault,
+       Fp8Recipe::kTensor, sgd, "AdamW only"},
+      // float64 and FP8 never meet in one tensor.
+      {F::kFloat8E4M3, F::kFloat64, F::kFloat32, MasterRequest::kDefault,
+       Fp8Recipe::kTensor, OptimizerHyper(),
+       "float64 gradients need a float64 parameter"},
+      {F::kFloat8E5M2, F::kFloat32, F::kFloat64, MasterRequest::kDefault,
+       Fp8Recipe::kTensor, OptimizerHyper(),
+       "float64 moments need a float64 parameter"},
+      {F::kFloat64, F::kFloat8E4M3, F::kFloat64, MasterRequest::kDefault,
+       Fp8Recipe::kNone, OptimizerHyper(), "needs a float64 gradient"},
+      {F::kFloat64, F::kFloat64, F::kFloat64, MasterRequest::kDefault,
+       Fp8Recipe::kTensor, OptimizerHyper(),
+       "float8_e5m2 parameters, not float64"},
+  };
+  for (const auto& c : refused) {
+    auto l = resolve(c.param, c.grad, c.moments, c.master, c.recipe, c.hyper);
+    ASSERT_FALSE(l.ok()) << c.why;
+    EXPECT_EQ(l.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(l.status().message().find("w8"), absl::string_view::npos);
+    EXPECT_NE(l.status().message().find(c.why), absl::string_view::npos)
+        << l.status();
+  }
+}
+
 }  // namespace
 }  // namespace optimd

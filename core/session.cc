@@ -154,9 +154,29 @@ absl::Status CheckRegion(const std::string& tensor, const char* which,
   if (h.size != want_bytes) {
     return absl::InvalidArgumentError(
         absl::StrCat("tensor '", tensor, "': ", which, " buffer is ", h.size,
-                     " bytes but numel x element size is ", want_bytes));
+                     " bytes but ", want_bytes, " are needed (",
+                     std::string(which) == "scale_inv"
+                         ? "one scale inverse per scaling unit of the recipe"
+                         : "numel x element size",
+                     ")"));
   }
   return absl::OkStatus();
+}
+
+// Resolves `t`'s FP8 recipe into `layout` and checks its scale_inv
+// buffer: the recipe's exact size for an FP8 parameter with elements,
+// none for any other tensor.
+absl::Status CheckFp8(const TensorSpec& t, Layout* layout) {
+  OPTIMD_RETURN_IF_ERROR(ResolveFp8Recipe(t.name, t.fp8_recipe, layout));
+  if (layout->fp8_recipe == Fp8Recipe::kNone || t.numel == 0) {
+    if (t.scale_inv.kind == BufferHandle::Kind::kNone) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor '", t.name, "': a scale_inv buffer is for FP8 parameters ",
+        "with elements only; leave it unset"));
+  }
+  return CheckRegion(
+      t.name, "scale_inv", t.scale_inv,
+      Fp8Geometry::Of(t.fp8_recipe, t.numel, t.shape).ScaleBytes());
 }
 
 }  // namespace
@@ -195,6 +215,13 @@ absl::StatusOr<BufferRef> Session::ResolveRegion(const std::string& tensor,
       CheckRegion(tensor, which, handle, numel * DTypeSize(dtype)));
   return backend_->ResolveBuffer(handle, DTypeSize(dtype),
                                  absl::StrCat("tensor '", tensor, "' ", which));
+}
+
+absl::StatusOr<BufferRef> Session::ResolveScaleInv(const TensorSpec& t) {
+  const Fp8Geometry g = Fp8Geometry::Of(t.fp8_recipe, t.numel, t.shape);
+  return backend_->ResolveBuffer(
+      t.scale_inv, g.recipe == Fp8Recipe::kMxfp8 ? 1 : 4,
+      absl::StrCat("tensor '", t.name, "' scale_inv"));
 }
 
 absl::StatusOr<std::vector<Group*>> Session::Targets(
@@ -321,6 +348,7 @@ absl::Status Session::CheckTensor(const GroupSpec& spec, const TensorSpec& t,
                                             ? DefaultMomentDType(t.param_dtype)
                                             : spec.moment_dtype,
                                         spec.master, t.keep_fp32, spec.hyper));
+  OPTIMD_RETURN_IF_ERROR(CheckFp8(t, layout));
   if (t.numel == 0) {
     if (t.param.size != 0 || t.grad.size != 0) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -369,6 +397,9 @@ absl::Status Session::MapTensors(const GroupSpec& spec,
       if (!t.frozen && !t.grad_absent) {
         OPTIMD_ASSIGN_OR_RETURN(e.grad, ResolveRegion(t.name, "grad", t.grad,
                                                       t.numel, t.grad_dtype));
+      }
+      if (e.layout.fp8_recipe != Fp8Recipe::kNone) {
+        OPTIMD_ASSIGN_OR_RETURN(e.scale_inv, ResolveScaleInv(t));
       }
     }
     group->tensors.push_back(std::move(e));
@@ -600,6 +631,12 @@ absl::StatusOr<std::vector<Session::ResolvedUpdate>> Session::ResolveUpdates(
       continue;
     }
     if (u.param.kind != BufferHandle::Kind::kNone && e.numel > 0) {
+      if (e.layout.fp8_recipe != Fp8Recipe::kNone) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "tensor '", u.tensor,
+            "': an FP8 parameter's buffer cannot move (its scale_inv buffer "
+            "moves with it); unregister the group and register it again"));
+      }
       OPTIMD_ASSIGN_OR_RETURN(r.param,
                               ResolveRegion(e.name, "param", u.param, e.numel,
                                             e.layout.param_dtype));
@@ -650,7 +687,8 @@ void Session::RefreshMappings() {
   mappings_.clear();
   for (const auto& g : groups_) {
     for (const TensorEntry& t : g->tensors) {
-      for (const BufferRef* r : {&t.param, &t.grad, &t.full_param}) {
+      for (const BufferRef* r :
+           {&t.param, &t.grad, &t.full_param, &t.scale_inv}) {
         if (r->mapping != nullptr && seen.insert(r->mapping.get()).second) {
           mappings_.push_back(r->mapping);
         }

@@ -307,6 +307,9 @@ class Session {
                                           const char* which,
                                           const BufferHandle& handle,
                                           uint64_t numel, DType dtype);
+  // Maps an FP8 parameter's scale_inv buffer (its size checked by
+  // CheckTensor).
+  absl::StatusOr<BufferRef> ResolveScaleInv(const TensorSpec& t);
   // The named groups (all when empty), or NOT_FOUND.
   absl::StatusOr<std::vector<Group*>> Targets(
       const std::vector<std::string>& group_ids)
@@ -371,6 +374,11 @@ class Session {
   // (codes and that slot's scales).
   absl::Status WriteBlock8Slot(const std::vector<float>& values, int slot,
                                TensorEntry* t)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Writes FP8 tensor `t`'s parameter and scale inverses quantized from
+  // its new fp32 `master` (the recipe's rules, core/fp8_quantize.h).
+  absl::Status WriteFp8Param(const std::vector<float>& master,
+                             const TensorEntry& t)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Checks every blob of a SetState against group `g` (known tensor and
   // state kind, sizes, no duplicates) and pairs each with its tensor.

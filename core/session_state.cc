@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "core/block8.h"
+#include "core/fp8_quantize.h"
 #include "core/session.h"
 
 namespace optimd {
@@ -46,6 +47,8 @@ void ToDouble(DType d, const void* src, uint64_t n, double* out) {
     case DType::kFloat16:
       return widen([&](uint64_t i) { return HalfToFloat(u16[i]); });
     case DType::kBlock8:  // refused for blobs (CheckStateBlobs)
+    case DType::kFloat8E4M3:
+    case DType::kFloat8E5M2:
       return;
   }
 }
@@ -73,7 +76,9 @@ void FromDouble(DType d, const double* src, uint64_t n, void* out) {
         u16[i] = FloatToHalf(static_cast<float>(src[i]));
       }
       return;
-    case DType::kBlock8:  // written by WriteBlock8Slot
+    case DType::kBlock8:      // written by WriteBlock8Slot
+    case DType::kFloat8E4M3:  // never state (ResolveLayout, CheckStateBlobs)
+    case DType::kFloat8E5M2:
       return;
   }
 }
@@ -268,12 +273,12 @@ Session::CheckStateBlobs(Group* g, const std::vector<StateBlob>& blobs) {
                                                   : "it needs momentum > 0",
                        ")"));
     }
-    if (b.dtype == DType::kBlock8) {
+    if (b.dtype == DType::kBlock8 || IsFp8(b.dtype)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "tensor '", b.tensor, "' ", b.kind,
           ": state is set from float32, bfloat16, float16 or float64 "
-          "values, not "
-          "block8 codes (block8 moments are quantized by the daemon)"));
+          "values, not ",
+          DTypeName(b.dtype), " codes (the daemon quantizes what needs it)"));
     }
     if (b.numel != t->numel) {
       return absl::InvalidArgumentError(
@@ -323,6 +328,10 @@ absl::Status Session::WriteStateBlob(const StateBlob& b, TensorEntry* t) {
         reinterpret_cast<const uint8_t*>(hi.data()), t->param.data, n * 2));
     OPTIMD_RETURN_IF_ERROR(backend_->CopyFromHost(
         reinterpret_cast<const uint8_t*>(rem.data()), t->master.data(), n * 2));
+  } else if (t->layout.fp8_recipe != Fp8Recipe::kNone) {
+    OPTIMD_RETURN_IF_ERROR(put(DType::kFloat32, t->master.data()));
+    OPTIMD_RETURN_IF_ERROR(
+        WriteFp8Param(std::vector<float>(values.begin(), values.end()), *t));
   } else {
     if (t->layout.master == MasterKind::kFp32) {
       OPTIMD_RETURN_IF_ERROR(put(DType::kFloat32, t->master.data()));
@@ -330,6 +339,21 @@ absl::Status Session::WriteStateBlob(const StateBlob& b, TensorEntry* t) {
     OPTIMD_RETURN_IF_ERROR(put(t->layout.param_dtype, t->param.data));
   }
   return absl::OkStatus();
+}
+
+absl::Status Session::WriteFp8Param(const std::vector<float>& master,
+                                    const TensorEntry& t) {
+  TensorPointers p = t.Pointers();
+  std::vector<uint8_t> param(t.numel);
+  std::vector<uint8_t> scale_inv(p.fp8.ScaleBytes());
+  p.master = const_cast<float*>(master.data());
+  p.param = param.data();
+  p.scale_inv = scale_inv.data();
+  QuantizeFp8Range(t.layout.param_dtype, p, 0, t.numel);
+  OPTIMD_RETURN_IF_ERROR(
+      backend_->CopyFromHost(param.data(), t.param.data, param.size()));
+  return backend_->CopyFromHost(scale_inv.data(), t.scale_inv.data,
+                                scale_inv.size());
 }
 
 absl::Status Session::WriteState(

@@ -93,6 +93,15 @@ absl::StatusOr<GroupSpec> ShardGroupSpec(const GroupSpec& spec, uint32_t rank,
           absl::StrCat("tensor '", t.name, "': numel ", t.numel,
                        " exceeds the limit ", kMaxWholeNumel));
     }
+    // An FP8 parameter's scales belong to units of its 2-D view (whole
+    // tensor, blocks of rows and columns): a flat part would cut them.
+    if (IsFp8(t.param_dtype) || t.fp8_recipe != Fp8Recipe::kNone) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor '", t.name, "': FP8 parameters (", DTypeName(t.param_dtype),
+          ") cannot be stepped with shard_state, whose flat parts would cut "
+          "their scaling units; register them in a session without "
+          "shard_state"));
+    }
     if (t.numel > 0) {
       OPTIMD_RETURN_IF_ERROR(
           CheckWholeRegion(t, "param", t.param, t.param_dtype));

@@ -54,8 +54,9 @@ BufferHandle SliceHandle(const BufferHandle& full, ShardRange range,
 // A group as rank `rank` of `world_size` keeps it: each tensor narrowed to
 // its part (numel, param and grad regions; the shape dropped, so that
 // checkpoints hold 1-D slices). First checks that every region is the
-// whole tensor's (INVALID_ARGUMENT naming it otherwise). *ranges receives
-// each tensor's part.
+// whole tensor's and that no tensor is an FP8 parameter, whose scaling
+// units a part would cut (INVALID_ARGUMENT naming it otherwise). *ranges
+// receives each tensor's part.
 absl::StatusOr<GroupSpec> ShardGroupSpec(const GroupSpec& spec, uint32_t rank,
                                          uint32_t world_size,
                                          std::vector<ShardRange>* ranges);

@@ -117,5 +117,28 @@ TEST(StateShardTest, ShardGroupSpecNarrowsRegionsAndDropsShapes) {
             std::string::npos);
 }
 
+// FP8 parameters' scaling units span rows and blocks of the whole tensor,
+// which a rank's flat part would cut: refused, naming the tensor.
+TEST(StateShardTest, ShardGroupSpecRefusesFp8Parameters) {
+  GroupSpec spec;
+  spec.id = "g";
+  TensorSpec t;
+  t.name = "w8";
+  t.numel = 256;
+  t.shape = {2, 128};
+  t.param_dtype = DType::kFloat8E4M3;
+  t.fp8_recipe = Fp8Recipe::kBlock1x128;
+  t.grad_dtype = DType::kBFloat16;
+  spec.tensors.push_back(t);
+  std::vector<ShardRange> ranges;
+  auto bad = ShardGroupSpec(spec, 0, 2, &ranges);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("tensor 'w8': FP8 parameters"),
+            std::string::npos)
+      << bad.status();
+  EXPECT_NE(bad.status().message().find("shard_state"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace optimd

@@ -4,6 +4,7 @@
 #ifndef OPTIMD_CORE_STEP_TYPES_H_
 #define OPTIMD_CORE_STEP_TYPES_H_
 
+#include "core/fp8_recipe.h"
 #include "core/optimizer.h"
 
 namespace optimd {
@@ -19,6 +20,10 @@ struct TensorPointers {
   // kBlock8 moments: their fp32 scales, [blocks][state slots]
   // (core/block8.h); null for other layouts.
   void* scales = nullptr;
+  // FP8 parameters: the trainer's scale-inverse buffer and the tensor's
+  // scaling units (core/fp8_recipe.h); null and kNone otherwise.
+  void* scale_inv = nullptr;
+  Fp8Geometry fp8;
 };
 
 }  // namespace optimd

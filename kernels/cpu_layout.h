@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <type_traits>
 
+#include "core/fp8.h"
 #include "core/layout.h"
 #include "core/step_types.h"
 
@@ -46,6 +47,32 @@ struct F64 {
   static double Load(T x) { return x; }
   static T Store(double x) { return x; }
 };
+
+// FP8 parameters (core/fp8.h): no per-element codec either, since the
+// scaling unit's elements share a scale. Dispatched only to kernels that
+// declare `static constexpr bool kTakesFp8 = true` (TakesFp8), with the
+// fp32 master (kFp32); the kernel writes the parameter and its scales
+// itself (Weight::Store writes the master only). ResolveFp8Recipe refuses
+// FP8 parameters for the others.
+template <const Fp8Format& F>
+struct Fp8 {
+  using T = uint8_t;
+  using C = float;  // the fp32 master's type
+  static constexpr const Fp8Format& kFormat = F;
+};
+using E4M3 = Fp8<kE4M3>;
+using E5M2 = Fp8<kE5M2>;
+
+template <class P>
+struct IsFp8Codec : std::false_type {};
+template <const Fp8Format& F>
+struct IsFp8Codec<Fp8<F>> : std::true_type {};
+
+template <class Kernel, class = void>
+struct TakesFp8 : std::false_type {};
+template <class Kernel>
+struct TakesFp8<Kernel, std::void_t<decltype(Kernel::kTakesFp8)>>
+    : std::bool_constant<Kernel::kTakesFp8> {};
 
 // kBlock8 moments (core/block8.h): no per-element codec, since a block's
 // elements share a scale. Dispatched only to kernels that declare
@@ -96,7 +123,7 @@ struct Weight {
   void Store(uint64_t i, C p) const {
     if constexpr (K == MasterKind::kFp32) {
       master[i] = p;
-      param[i] = P::Store(p);
+      if constexpr (!IsFp8Codec<P>::value) param[i] = P::Store(p);
     } else if constexpr (K == MasterKind::kRemainder) {
       uint16_t hi;
       int16_t r;
@@ -130,7 +157,10 @@ void DispatchMaster(const Layout& l, Kernel& k) {
       }
       break;
     case MasterKind::kFp32:
-      return k.template Run<P, G, M, MasterKind::kFp32>();
+      if constexpr (!std::is_same_v<M, Block8> || !IsFp8Codec<P>::value) {
+        return k.template Run<P, G, M, MasterKind::kFp32>();
+      }
+      break;
     case MasterKind::kRemainder:
       if constexpr (std::is_same_v<P, BF16>) {
         return k.template Run<P, G, M, MasterKind::kRemainder>();
@@ -166,8 +196,10 @@ void DispatchGrad(const Layout& l, Kernel& k) {
       return DispatchMoment<P, BF16>(l, k);
     case DType::kFloat16:
       return DispatchMoment<P, F16>(l, k);
-    case DType::kBlock8:   // moments only
-    case DType::kFloat64:  // with a float64 parameter only
+    case DType::kBlock8:      // moments only
+    case DType::kFloat64:     // with a float64 parameter only
+    case DType::kFloat8E4M3:  // parameters only
+    case DType::kFloat8E5M2:
       break;
   }
   UnsupportedLayout(l);
@@ -197,6 +229,12 @@ void DispatchLayout(const Layout& l, Kernel& k) {
       return DispatchGrad<F16>(l, k);
     case DType::kFloat64:
       return DispatchFloat64(l, k);
+    case DType::kFloat8E4M3:
+      if constexpr (TakesFp8<Kernel>::value) return DispatchGrad<E4M3>(l, k);
+      break;
+    case DType::kFloat8E5M2:
+      if constexpr (TakesFp8<Kernel>::value) return DispatchGrad<E5M2>(l, k);
+      break;
     case DType::kBlock8:  // moments only
       break;
   }

@@ -17,6 +17,8 @@ CUDART_LINKOPTS = [
 CUDA_KERNEL_HDRS = [
     "//core:block8.h",
     "//core:dtype.h",
+    "//core:fp8.h",
+    "//core:fp8_recipe.h",
     "//core:layout.h",
     "//core:optimizer.h",
     "//core:step_math.h",

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "core/fp8_recipe.h"
 #include "core/optimizer.h"
 
 struct CUstream_st;
@@ -55,6 +56,20 @@ struct DeviceBlock {
   uint32_t scalars;
 };
 constexpr uint32_t kMaxChunksPerBlock = 32;
+
+// One FP8 parameter for the requantization after its update
+// (kernels/fp8_cuda.h): its fp32 master, the trainer's codes and scale
+// inverses, its scaling units, and the units of the tensors before it in
+// its launch's table (first_unit; a prefix sum).
+struct DeviceFp8Tensor {
+  const float* master;
+  uint8_t* param;
+  void* scale_inv;
+  Fp8Geometry geometry;
+  uint64_t first_unit;
+  uint32_t e5m2;   // 1: float8_e5m2, 0: float8_e4m3fn
+  uint32_t entry;  // the plan entry
+};
 
 // Hyperparameters of a group for one step, passed in pinned memory.
 struct StepHyper {

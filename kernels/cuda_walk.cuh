@@ -15,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "core/block8.h"
+#include "core/fp8.h"
 #include "core/layout.h"
 #include "kernels/cuda_math.cuh"
 #include "kernels/cuda_step_types.h"
@@ -93,6 +94,21 @@ struct F16 {
 struct F64 {
   using T = double;
 };
+
+// FP8 parameters (core/fp8.h): the update kernels read and write their
+// fp32 masters only (StoreWeight leaves the parameter alone); the codes
+// and scale inverses are written by LaunchFp8Requantize (kernels/fp8_cuda.h)
+// after the update. Dispatched only to launchers that declare
+// `static constexpr bool kTakesFp8 = true` (TakesFp8), with kFp32 masters.
+template <const Fp8Format& F>
+struct Fp8Param {
+  using T = uint8_t;
+};
+
+template <class P>
+struct IsFp8Param : std::false_type {};
+template <const Fp8Format& F>
+struct IsFp8Param<Fp8Param<F>> : std::true_type {};
 
 // Plain (weak, default-cached) global vector accesses. The compiler cannot
 // tell that a pointer read from a shared-memory descriptor is global: it
@@ -357,7 +373,7 @@ __device__ __forceinline__ void StoreWeight(const DeviceChunk& t, uint64_t i,
                                             const float* p) {
   if constexpr (K == MasterKind::kFp32) {
     StoreF<N, F32>(t.master, i, p);
-    StoreF<N, P>(t.param, i, p);
+    if constexpr (!IsFp8Param<P>::value) StoreF<N, P>(t.param, i, p);
   } else if constexpr (K == MasterKind::kRemainder) {
     StoreRemainderMasters<N>(t.param, t.master, i, p);
   } else {
@@ -402,6 +418,12 @@ struct Block8 {
 };
 
 template <class Body, class = void>
+struct TakesFp8 : std::false_type {};
+template <class Body>
+struct TakesFp8<Body, std::void_t<decltype(Body::kTakesFp8)>>
+    : std::bool_constant<Body::kTakesFp8> {};
+
+template <class Body, class = void>
 struct TakesBlock8 : std::false_type {};
 template <class Body>
 struct TakesBlock8<Body, std::void_t<decltype(Body::kTakesBlock8)>>
@@ -443,7 +465,10 @@ absl::Status DispatchLayout(const Layout& l, Body& body) {
   };
   auto moment = [&](auto p, auto g) -> absl::Status {
     if (l.moment_dtype == DType::kBlock8) {
-      if constexpr (TakesBlock8<Body>::value) return master(p, g, Block8{});
+      if constexpr (TakesBlock8<Body>::value &&
+                    !IsFp8Param<decltype(p)>::value) {
+        return master(p, g, Block8{});
+      }
       return absl::InvalidArgumentError(
           absl::StrCat("no CUDA kernel for layout ", l.DebugString()));
     }
@@ -458,6 +483,8 @@ absl::Status DispatchLayout(const Layout& l, Body& body) {
         return moment(p, BF16{});
       case DType::kFloat16:
         return moment(p, F16{});
+      default:
+        break;
     }
     return absl::InvalidArgumentError("unknown gradient dtype");
   };
@@ -478,10 +505,17 @@ absl::Status DispatchLayout(const Layout& l, Body& body) {
       }
       return absl::InvalidArgumentError(
           absl::StrCat("no CUDA kernel for layout ", l.DebugString()));
+    case DType::kFloat8E4M3:
+      if constexpr (TakesFp8<Body>::value) return grad(Fp8Param<kE4M3>{});
+      break;
+    case DType::kFloat8E5M2:
+      if constexpr (TakesFp8<Body>::value) return grad(Fp8Param<kE5M2>{});
+      break;
     default:
       break;
   }
-  return absl::InvalidArgumentError("unknown parameter dtype");
+  return absl::InvalidArgumentError(
+      absl::StrCat("no CUDA kernel for layout ", l.DebugString()));
 }
 
 }  // namespace cuda

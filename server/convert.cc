@@ -32,11 +32,16 @@ absl::StatusOr<DType> DTypeFromProto(v1::DType d, const std::string& what) {
           absl::StrCat(what,
                        ": DTYPE_BLOCK8 is for optimizer state only "
                        "(LayoutOptions.moment_dtype)"));
+    case v1::DTYPE_FLOAT8_E4M3FN:  // parameters only: ResolveFp8Recipe
+      return DType::kFloat8E4M3;
+    case v1::DTYPE_FLOAT8_E5M2:
+      return DType::kFloat8E5M2;
     default:
       return absl::InvalidArgumentError(
           absl::StrCat(what, ": unsupported dtype ", static_cast<int>(d),
-                       " (use DTYPE_FLOAT32, DTYPE_BFLOAT16, DTYPE_FLOAT16 or "
-                       "DTYPE_FLOAT64)"));
+                       " (use DTYPE_FLOAT32, DTYPE_BFLOAT16, DTYPE_FLOAT16, "
+                       "DTYPE_FLOAT64 or, for parameters, DTYPE_FLOAT8_E4M3FN "
+                       "or DTYPE_FLOAT8_E5M2)"));
   }
 }
 
@@ -52,6 +57,10 @@ v1::DType DTypeToProto(DType d) {
       return v1::DTYPE_BLOCK8;
     case DType::kFloat64:
       return v1::DTYPE_FLOAT64;
+    case DType::kFloat8E4M3:
+      return v1::DTYPE_FLOAT8_E4M3FN;
+    case DType::kFloat8E5M2:
+      return v1::DTYPE_FLOAT8_E5M2;
   }
   return v1::DTYPE_UNSPECIFIED;
 }
@@ -201,6 +210,13 @@ absl::StatusOr<GroupSpec> GroupSpecFromProto(
     ts.shape.assign(t.shape().begin(), t.shape().end());
     ts.stage = t.stage();
     ts.aliases.assign(t.aliases().begin(), t.aliases().end());
+    if (t.fp8_recipe() < v1::FP8_RECIPE_UNSPECIFIED ||
+        t.fp8_recipe() > v1::FP8_RECIPE_MXFP8) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": unknown fp8_recipe ", static_cast<int>(t.fp8_recipe())));
+    }
+    ts.fp8_recipe = static_cast<Fp8Recipe>(t.fp8_recipe());
+    ts.scale_inv = BufferHandleFromProto(t.scale_inv());
     spec.tensors.push_back(std::move(ts));
   }
   return spec;

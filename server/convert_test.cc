@@ -73,6 +73,32 @@ TEST(ConvertTest, Float64AndTheDefaultMomentDtype) {
   EXPECT_EQ(DTypeToProto(DType::kFloat64), v1::DTYPE_FLOAT64);
 }
 
+// FP8 parameters: dtype, recipe and scale_inv buffer travel; an unknown
+// recipe is refused naming the tensor.
+TEST(ConvertTest, Fp8ParametersTravelWithRecipeAndScales) {
+  v1::RegisterGroupRequest r;
+  r.set_group_id("g");
+  auto* t = r.add_tensors();
+  t->set_name("w8");
+  t->set_numel(256);
+  t->set_param_dtype(v1::DTYPE_FLOAT8_E5M2);
+  t->set_fp8_recipe(v1::FP8_RECIPE_MXFP8);
+  t->mutable_scale_inv()->mutable_shared_memory()->set_segment_name("/s");
+  t->mutable_scale_inv()->mutable_shared_memory()->set_size(8);
+  auto spec = GroupSpecFromProto(r);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->tensors[0].param_dtype, DType::kFloat8E5M2);
+  EXPECT_EQ(spec->tensors[0].fp8_recipe, Fp8Recipe::kMxfp8);
+  EXPECT_EQ(spec->tensors[0].scale_inv.kind, BufferHandle::Kind::kSharedMemory);
+  EXPECT_EQ(spec->tensors[0].scale_inv.size, 8u);
+  EXPECT_EQ(DTypeToProto(DType::kFloat8E4M3), v1::DTYPE_FLOAT8_E4M3FN);
+  t->set_fp8_recipe(static_cast<v1::Fp8Recipe>(9));
+  auto bad = GroupSpecFromProto(r);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("'w8'"), absl::string_view::npos);
+  EXPECT_NE(bad.status().message().find("fp8_recipe"), absl::string_view::npos);
+}
+
 TEST(ConvertTest, StepDefaults) {
   v1::StepRequest r;
   r.add_overrides()->set_group_id("g");

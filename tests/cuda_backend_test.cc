@@ -20,6 +20,7 @@
 
 #include "backends/cpu/cpu_backend.h"
 #include "client/shm_tensor.h"
+#include "core/fp8.h"
 #include "core/session.h"
 #include "core/session_registry.h"
 #include "gtest/gtest.h"
@@ -48,6 +49,16 @@ struct TensorPlan {
   uint64_t param_off, grad_off;  // byte offsets in the group's buffers
   bool keep_fp32 = false, frozen = false;
   uint32_t stage = 0;  // of a staged step
+  // FP8 parameters: the recipe, the shape, and the byte offset of the
+  // scale inverses in the group's parameter buffer.
+  Fp8Recipe recipe = Fp8Recipe::kNone;
+  std::vector<uint64_t> shape;
+  uint64_t scale_off = 0;
+  uint64_t ScaleBytes() const {
+    return recipe == Fp8Recipe::kNone
+               ? 0
+               : Fp8Geometry::Of(recipe, numel, shape).ScaleBytes();
+  }
 };
 
 // One group registered twice: on the CPU backend over shared memory and on
@@ -59,6 +70,7 @@ class Twin {
       : tensors_(std::move(tensors)), spec_(std::move(spec)), rng_(rng) {
     for (const TensorPlan& t : tensors_) {
       pbytes_ = std::max(pbytes_, t.param_off + t.numel * DTypeSize(t.param));
+      pbytes_ = std::max(pbytes_, t.scale_off + t.ScaleBytes());
       gbytes_ = std::max(gbytes_, t.grad_off + t.numel * DTypeSize(t.grad));
     }
     pbytes_ += 64;
@@ -191,6 +203,13 @@ class Twin {
       const uint8_t* a = cpu_params_->data() + t.param_off;
       const uint8_t* b = g_trainer->staging() + t.param_off;
       CompareBytes(t.name + " param", t.param, a, b, t.numel, exact);
+      if (t.ScaleBytes() > 0) {
+        EXPECT_EQ(
+            std::memcmp(cpu_params_->data() + t.scale_off,
+                        g_trainer->staging() + t.scale_off, t.ScaleBytes()),
+            0)
+            << t.name << " scale_inv (seed " << g_seed << ")";
+      }
     }
     // Masters and moments.
     auto cs = cpu_session_->ReadState({});
@@ -227,6 +246,12 @@ class Twin {
       case DType::kFloat64:  // v / 3: a full double mantissa
         reinterpret_cast<double*>(base)[i] = static_cast<double>(v) / 3.0;
         break;
+      case DType::kFloat8E4M3:
+        base[i] = EncodeFp8<kE4M3>(v);
+        break;
+      case DType::kFloat8E5M2:
+        base[i] = EncodeFp8<kE5M2>(v);
+        break;
       case DType::kBlock8:  // state only, never a parameter or gradient
         break;
     }
@@ -247,6 +272,10 @@ class Twin {
         return BFloat16ToFloat(reinterpret_cast<const uint16_t*>(base)[i]);
       case DType::kFloat16:
         return HalfToFloat(reinterpret_cast<const uint16_t*>(base)[i]);
+      case DType::kFloat8E4M3:
+        return DecodeFp8<kE4M3>(base[i]);
+      case DType::kFloat8E5M2:
+        return DecodeFp8<kE5M2>(base[i]);
       case DType::kBlock8:  // state only, never a parameter or gradient
         break;
     }
@@ -293,6 +322,16 @@ class Twin {
       for (uint64_t i = 0; i < t.numel; ++i) {
         Store(t.param, cpu_params_->data() + t.param_off, i, normal(*rng_));
       }
+      // Scale inverses of 1/64 (MXFP8: 2^-6, code 121).
+      for (uint64_t u = 0; u < t.ScaleBytes(); u += 4) {
+        uint8_t* q = cpu_params_->data() + t.scale_off + u;
+        if (t.recipe == Fp8Recipe::kMxfp8) {
+          std::memset(q, 121, std::min<uint64_t>(4, t.ScaleBytes() - u));
+        } else {
+          const float inv = 1.0f / 64;
+          std::memcpy(q, &inv, 4);
+        }
+      }
     }
     std::memcpy(g_trainer->staging(), cpu_params_->data(), pbytes_);
     EXPECT_TRUE(g_trainer->Upload(gpu_params_.id, 0, pbytes_, 0).ok());
@@ -326,10 +365,16 @@ class Twin {
       ts.keep_fp32 = t.keep_fp32;
       ts.frozen = t.frozen;
       ts.stage = t.stage;
+      ts.fp8_recipe = t.recipe;
+      ts.shape = t.shape;
       TensorSpec c = ts, g = ts;
       if (t.numel > 0) {
         Handles(*cpu_params_, gpu_params_, t.param_off,
                 t.numel * DTypeSize(t.param), &c.param, &g.param);
+        if (t.recipe != Fp8Recipe::kNone) {
+          Handles(*cpu_params_, gpu_params_, t.scale_off, t.ScaleBytes(),
+                  &c.scale_inv, &g.scale_inv);
+        }
         if (!t.frozen) {
           Handles(*cpu_grads_, gpu_grads_, t.grad_off,
                   t.numel * DTypeSize(t.grad), &c.grad, &g.grad);
@@ -494,6 +539,57 @@ TEST_F(CudaBackendTest, Block8MomentsMatchTheCpuReferenceBitForBit) {
       StepRequestSpec s;
       s.options.grad_scale = step == 2 ? 128.0 : 1.0;
       twin.Step(s, /*exact=*/true);
+    }
+  }
+}
+
+// FP8 parameters of every recipe and both formats, ragged and 1-D shapes,
+// bf16 and fp32 gradients and moments: the masters, the moments, the
+// codes and the scale inverses equal the CPU reference's bit for bit,
+// through a skipped step too.
+TEST_F(CudaBackendTest, Fp8ParametersMatchTheCpuReferenceBitForBit) {
+  int combo = 0;
+  for (DType d : {DType::kFloat8E4M3, DType::kFloat8E5M2}) {
+    for (DType grad : {DType::kBFloat16, DType::kFloat32}) {
+      ++combo;
+      std::vector<TensorPlan> ts;
+      uint64_t poff = 0, goff = 0, soff = 1 << 22;
+      int k = 0;
+      for (Fp8Recipe r : {Fp8Recipe::kTensor, Fp8Recipe::kBlock1x128,
+                          Fp8Recipe::kBlock128x128, Fp8Recipe::kMxfp8}) {
+        for (std::vector<uint64_t> shape :
+             {std::vector<uint64_t>{300, 200}, std::vector<uint64_t>{5000},
+              std::vector<uint64_t>{257, 384}}) {
+          TensorPlan t{"w" + std::to_string(k++),
+                       shape[0] * (shape.size() > 1 ? shape[1] : 1),
+                       d,
+                       grad,
+                       poff,
+                       goff};
+          t.recipe = r;
+          t.shape = shape;
+          t.scale_off = soff;
+          poff += (t.numel + 255) / 256 * 256;
+          goff += (t.numel * 4 + 255) / 256 * 256;
+          soff += (t.ScaleBytes() + 255) / 256 * 256;
+          ts.push_back(t);
+        }
+      }
+      GroupSpec spec;
+      spec.id = "fp8";
+      spec.hyper.lr = 1e-2;
+      spec.hyper.weight_decay = 0.01;
+      spec.moment_dtype = combo % 2 ? DType::kBFloat16 : DType::kFloat32;
+      SCOPED_TRACE(::testing::Message()
+                   << DTypeName(d) << " grad " << DTypeName(grad));
+      Twin twin(cpu_.get(), gpu_.get(), ts, spec, &rng_);
+      ASSERT_TRUE(twin.status().ok()) << twin.status();
+      twin.Compare(/*exact=*/true);  // the masters read at registration
+      for (int step = 1; step <= 4; ++step) {
+        twin.FillGrads(/*poison=*/step == 3);
+        twin.Step(StepRequestSpec(), /*exact=*/true);
+      }
+      EXPECT_EQ(twin.skipped_steps(), 1);
     }
   }
 }

@@ -52,7 +52,9 @@ class Random {
                                    "x.y", "\xff\xfe", "a/b", "w"};
     return kNames[U(8)];
   }
-  v1::DType DType() { return static_cast<v1::DType>(U(6)); }
+  // Every dtype of the API (DTYPE_UNSPECIFIED to DTYPE_FLOAT8_E5M2 = 7) and
+  // one past the last.
+  v1::DType DType() { return static_cast<v1::DType>(U(9)); }
 
  private:
   std::mt19937_64 rng_;

@@ -23,6 +23,18 @@ run python3 -m unittest -v tests/python/test_frameworks.py
 run python3 -m unittest -v tests/python/test_cuda_ranks.py  # two GPUs: nvidia-h200-x2
 run python3 -m unittest -v tests/python/test_cuda_zero.py  # two GPUs: nvidia-h200-x2
 OPTIMD_TEST_DEVICE=cuda run python3 -m unittest tests.python.test_checkpoint
+# FP8 weights trained through the CUDA backend, every recipe (the loss must
+# fall to below half its first value).
+fp8_sock=$(mktemp -u /tmp/optimd-fp8-XXXXXX.sock)
+.gpu/optimd --listen="unix:$fp8_sock" --backend=cuda &
+fp8_daemon=$!
+sleep 2
+for recipe in tensor block_1x128 block_128x128 mxfp8; do
+  run python3 examples/fp8_train.py --address="unix:$fp8_sock" --device=cuda \
+    --recipe="$recipe"
+done
+kill "$fp8_daemon"
+wait "$fp8_daemon"
 if [ "${1:-}" = "--bench" ]; then
   sock=$(mktemp -u /tmp/optimd-bench-XXXXXX.sock)
   .gpu/optimd --listen="unix:$sock" --backend=cuda &

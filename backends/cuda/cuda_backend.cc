@@ -23,7 +23,9 @@
 #include "backends/cuda/step_graph.h"
 #include "common/mutex.h"
 #include "common/status_macros.h"
+#include "core/fp8_quantize.h"
 #include "core/step_math.h"
+#include "kernels/fp8_cuda.h"
 #include "kernels/step_cuda.h"
 
 namespace optimd {
@@ -161,8 +163,12 @@ class CudaBackend final : public Backend {
   // after stage s (past every stage after the last).
   absl::Status EnqueueStagedUpdates(const std::vector<Group*>& groups,
                                     uint32_t* progress, cudaStream_t stream);
+  // The update of one launch, then the requantization of its FP8
+  // parameters.
   absl::Status LaunchUpdate(const Group& group, const Launch& launch,
                             cudaStream_t stream);
+  absl::Status Fp8MasterFromParam(const TensorEntry& t);
+  absl::Status Fp8ParamFromMaster(const TensorEntry& t);
   // The parts of Step, in order. RecycleRecord: waits for the record's
   // earlier step and reads it if unread. Then RefreshGraphKey and
   // FillRecord (cuda_session.h). LaunchRecorded: LaunchStep, which waits
@@ -252,6 +258,13 @@ absl::Status CudaBackend::UploadPlan(DevicePlan& plan) {
       cudaMemsetAsync(plan.missed_d.data(), 0, plan.missed_d.size(), stream_));
   OPTIMD_ASSIGN_OR_RETURN(
       plan.absent_d, DeviceAlloc(device_, (entries + 1) * sizeof(uint32_t)));
+  OPTIMD_ASSIGN_OR_RETURN(
+      plan.fp8_d, DeviceAlloc(device_, std::max<uint64_t>(1, plan.fp8.size()) *
+                                           sizeof(cuda::DeviceFp8Tensor)));
+  OPTIMD_RETURN_IF_CUDA_ERROR(
+      cudaMemcpyAsync(plan.fp8_d.data(), plan.fp8.data(),
+                      plan.fp8.size() * sizeof(cuda::DeviceFp8Tensor),
+                      cudaMemcpyHostToDevice, stream_));
   return UploadAbsent(plan);
 }
 
@@ -268,7 +281,9 @@ absl::Status CudaBackend::UploadAbsent(DevicePlan& plan) {
 
 absl::Status CudaBackend::PrepareGroup(Group& group) {
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
-  BuildPlan(group, options_.chunk_elements);
+  // FP8 parameters are requantized per scaling unit by a kernel of their
+  // own after the update (LaunchUpdate), so their chunks need no alignment.
+  BuildPlan(group, options_.chunk_elements, /*fp8_whole_units=*/false);
   counters().plan_builds.fetch_add(1, std::memory_order_relaxed);
   auto plan = std::make_shared<DevicePlan>();
   plan->id = next_plan_id_++;
@@ -276,7 +291,9 @@ absl::Status CudaBackend::PrepareGroup(Group& group) {
   OPTIMD_RETURN_IF_ERROR(UploadPlan(*plan));
   // Master weights from the parameters (remainders start at zero).
   for (const TensorEntry& t : group.tensors) {
-    if (t.numel > 0 && t.layout.master == MasterKind::kFp32) {
+    if (t.numel > 0 && t.layout.fp8_recipe != Fp8Recipe::kNone) {
+      OPTIMD_RETURN_IF_ERROR(Fp8MasterFromParam(t));
+    } else if (t.numel > 0 && t.layout.master == MasterKind::kFp32) {
       OPTIMD_RETURN_IF_ERROR(cuda::LaunchConvert(
           t.layout.param_dtype, t.param.data, DType::kFloat32, t.master.data(),
           t.numel, stream_));
@@ -385,8 +402,47 @@ absl::Status CudaBackend::LaunchUpdate(const Group& group, const Launch& launch,
   const auto* plan = PlanOf(group);
   auto* scalars = reinterpret_cast<cuda::DeviceScalars*>(
       const_cast<uint8_t*>(plan->scalars_d.data()));
-  return cuda::LaunchUpdate(group.hyper.kind, group.hyper.adamw, launch.layout,
-                            LaunchWork(*plan, launch, 0), scalars, stream);
+  OPTIMD_RETURN_IF_ERROR(
+      cuda::LaunchUpdate(group.hyper.kind, group.hyper.adamw, launch.layout,
+                         LaunchWork(*plan, launch, 0), scalars, stream));
+  if (launch.fp8_count == 0) return absl::OkStatus();
+  const auto* fp8 =
+      reinterpret_cast<const cuda::DeviceFp8Tensor*>(plan->fp8_d.data());
+  return cuda::LaunchFp8Requantize(
+      fp8 + launch.fp8_first, launch.fp8_count, launch.fp8_units, scalars,
+      reinterpret_cast<const uint32_t*>(plan->absent_d.data()), stream);
+}
+
+// FP8 parameters at registration and GetParams, through host memory (not
+// on the step's path): the CPU reference's conversions, so that the
+// masters and codes are the same on both backends.
+absl::Status CudaBackend::Fp8MasterFromParam(const TensorEntry& t) {
+  TensorPointers p = t.Pointers();
+  std::vector<uint8_t> codes(t.numel), scales(p.fp8.ScaleBytes());
+  std::vector<float> master(t.numel);
+  OPTIMD_RETURN_IF_ERROR(CopyToHost(t.param.data, codes.data(), codes.size()));
+  OPTIMD_RETURN_IF_ERROR(
+      CopyToHost(t.scale_inv.data, scales.data(), scales.size()));
+  p.param = codes.data();
+  p.scale_inv = scales.data();
+  p.master = master.data();
+  DequantizeFp8Range(t.layout.param_dtype, p, 0, t.numel);
+  return CopyFromHost(reinterpret_cast<const uint8_t*>(master.data()),
+                      t.master.data(), t.numel * 4);
+}
+
+absl::Status CudaBackend::Fp8ParamFromMaster(const TensorEntry& t) {
+  TensorPointers p = t.Pointers();
+  std::vector<uint8_t> codes(t.numel), scales(p.fp8.ScaleBytes());
+  std::vector<float> master(t.numel);
+  OPTIMD_RETURN_IF_ERROR(CopyToHost(
+      t.master.data(), reinterpret_cast<uint8_t*>(master.data()), t.numel * 4));
+  p.param = codes.data();
+  p.scale_inv = scales.data();
+  p.master = master.data();
+  QuantizeFp8Range(t.layout.param_dtype, p, 0, t.numel);
+  OPTIMD_RETURN_IF_ERROR(CopyFromHost(codes.data(), t.param.data, t.numel));
+  return CopyFromHost(scales.data(), t.scale_inv.data, scales.size());
 }
 
 absl::Status CudaBackend::EnqueueStagedUpdates(
@@ -744,7 +800,9 @@ absl::Status CudaBackend::SetGroupStep(Group& group, uint64_t step) {
 absl::Status CudaBackend::WriteParams(Group& group) {
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
   for (const TensorEntry& t : group.tensors) {
-    if (t.numel > 0 && t.layout.master == MasterKind::kFp32) {
+    if (t.numel > 0 && t.layout.fp8_recipe != Fp8Recipe::kNone) {
+      OPTIMD_RETURN_IF_ERROR(Fp8ParamFromMaster(t));
+    } else if (t.numel > 0 && t.layout.master == MasterKind::kFp32) {
       OPTIMD_RETURN_IF_ERROR(cuda::LaunchConvert(
           DType::kFloat32, t.master.data(), t.layout.param_dtype, t.param.data,
           t.numel, stream_));

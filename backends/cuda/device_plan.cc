@@ -50,6 +50,35 @@ std::vector<std::pair<uint32_t, uint32_t>> MergeRanges(
   return out;
 }
 
+// Lists the FP8 parameters of `items` (one launch's) in plan->fp8, each
+// once, with the running count of scaling units before it.
+void AppendFp8(const Plan& host, const std::vector<uint32_t>& items,
+               Launch* launch, DevicePlan* plan) {
+  launch->fp8_first = static_cast<uint32_t>(plan->fp8.size());
+  uint64_t units = plan->fp8.empty() ? 0
+                                     : plan->fp8.back().first_unit +
+                                           plan->fp8.back().geometry.Units();
+  const uint64_t first_unit = units;
+  for (uint32_t i : items) {
+    const PlanItem& item = host.items[i];
+    if (item.begin != 0) continue;  // the tensor's later items
+    const TensorPointers& p = host.entries[item.entry];
+    DeviceFp8Tensor t{};
+    t.master = static_cast<const float*>(p.master);
+    t.param = static_cast<uint8_t*>(p.param);
+    t.scale_inv = p.scale_inv;
+    t.geometry = p.fp8;
+    t.first_unit = units;
+    t.e5m2 = host.layouts[item.entry].param_dtype == DType::kFloat8E5M2;
+    t.entry = item.entry;
+    plan->fp8.push_back(t);
+    units += p.fp8.Units();
+  }
+  launch->fp8_count =
+      static_cast<uint32_t>(plan->fp8.size()) - launch->fp8_first;
+  launch->fp8_units = units - first_unit;
+}
+
 // Appends launch `launch` (its layout and stage set) over plan items
 // `items`, all of that layout and stage: their chunks, and the work blocks
 // over those chunks in both tables.
@@ -71,6 +100,8 @@ void AppendLaunch(const Plan& host, const std::vector<uint32_t>& items,
   }
   launch.num_chunks =
       static_cast<uint32_t>(plan->chunks.size()) - launch.first_chunk;
+  launch.fp8_first = static_cast<uint32_t>(plan->fp8.size());
+  if (l.fp8_recipe != Fp8Recipe::kNone) AppendFp8(host, items, &launch, plan);
   for (int t = 0; t < 2; ++t) {
     std::vector<DeviceBlock>& blocks = plan->tables[t].blocks;
     launch.first_block[t] = static_cast<uint32_t>(blocks.size());
@@ -149,6 +180,8 @@ std::vector<Launch> WholeLaunches(const std::vector<Launch>& launches) {
     if (!whole.empty() && whole.back().layout == l.layout) {
       Launch& w = whole.back();
       w.num_chunks += l.num_chunks;
+      w.fp8_count += l.fp8_count;  // adjacent in plan->fp8 too
+      w.fp8_units += l.fp8_units;
       for (int t = 0; t < 2; ++t) w.num_blocks[t] += l.num_blocks[t];
     } else {
       whole.push_back(l);

@@ -45,6 +45,12 @@ struct Launch {
   uint32_t num_chunks = 0;
   uint32_t first_block[2] = {0, 0};  // [0]: update, [1]: statistics
   uint32_t num_blocks[2] = {0, 0};
+  // FP8 parameters (layout.fp8_recipe): DevicePlan::fp8[fp8_first ..
+  // + fp8_count), holding fp8_units scaling units, requantized after the
+  // launch's update.
+  uint32_t fp8_first = 0;
+  uint32_t fp8_count = 0;
+  uint64_t fp8_units = 0;
 };
 
 // The device-resident plan of one group. chunks: as in device memory;
@@ -66,6 +72,10 @@ struct DevicePlan : BackendPlan {
   // fill the device. Same blocks, so the same partial sums and bits.
   std::vector<Launch> whole_launches;
   BlockTable tables[2];
+  // The plan's FP8 parameters in launch order (Launch::fp8_first), and
+  // their device copy.
+  std::vector<DeviceFp8Tensor> fp8;
+  StateStorage fp8_d;
   StateStorage chunks_d, partials_d, state_d, scalars_d;
   // Per entry, the group's applied steps it missed (no gradient); advanced
   // by the commit kernel for the entries listed in absent_d ([0]: count,

@@ -467,6 +467,47 @@ TEST(DevicePlanTest, RefreshedEntriesMatchTheirTensors) {
   EXPECT_FALSE(same.absence_changed);
 }
 
+// FP8 parameters: each listed once per launch, in launch order, with the
+// running count of scaling units; the whole launches merge their ranges.
+TEST(DevicePlanTest, Fp8ParametersAreListedWithTheirUnits) {
+  Layout fp8 = MakeLayout(DType::kFloat8E4M3, DType::kBFloat16, DType::kFloat32,
+                          MasterKind::kFp32, OptimizerKind::kAdamW, 2);
+  fp8.fp8_recipe = Fp8Recipe::kBlock1x128;
+  Layout mx = fp8;
+  mx.fp8_recipe = Fp8Recipe::kMxfp8;
+  std::vector<TensorShape> shapes(5);
+  shapes[0] = {10000, fp8};
+  shapes[1] = {300, kFp32};
+  shapes[2] = {5000, mx};
+  shapes[3] = {100000, fp8};
+  shapes[4] = {20000, mx, /*stage=*/1};
+  Group g = MakeGroup(shapes, 4096);
+  for (TensorEntry& t : g.tensors) t.shape = {t.numel};
+  BuildPlan(g, 4096, /*fp8_whole_units=*/false);
+  const DevicePlan plan = MakePlan(g, 4096);
+  ASSERT_EQ(plan.fp8.size(), 4u);
+  uint64_t units = 0;
+  uint32_t listed = 0;
+  for (const Launch& l : plan.launches) {
+    EXPECT_EQ(l.fp8_first, listed);
+    uint64_t launch_units = 0;
+    for (uint32_t i = l.fp8_first; i < l.fp8_first + l.fp8_count; ++i) {
+      const DeviceFp8Tensor& t = plan.fp8[i];
+      EXPECT_EQ(t.first_unit, units);
+      EXPECT_EQ(g.plan.layouts[t.entry], l.layout);
+      EXPECT_EQ(t.param, g.plan.entries[t.entry].param);
+      units += t.geometry.Units();
+      launch_units += t.geometry.Units();
+    }
+    EXPECT_EQ(l.fp8_units, launch_units);
+    listed += l.fp8_count;
+  }
+  EXPECT_EQ(units, 79u + 157 + 782 + 625);
+  uint32_t whole = 0;
+  for (const Launch& l : plan.whole_launches) whole += l.fp8_count;
+  EXPECT_EQ(whole, 4u);
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace optimd

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/block8.h"
+#include "core/fp8_quantize.h"
 #include "core/step_math.h"
 #include "kernels/adamw/adamw_math.h"
 #include "kernels/cpu_layout.h"
@@ -91,6 +92,23 @@ void StepBlock8(const TensorPointers& t, uint64_t begin, uint64_t end,
   }
 }
 
+// AdamW over an FP8 parameter (P: cpu::E4M3 or cpu::E5M2), [begin, end)
+// whole scaling units (plan items are). Unit by unit: the same element
+// update as every layout on the unit's masters (StepKernel, which writes
+// the master only for FP8), then the unit's requantization while its
+// masters are in cache. A per-tensor-scaled tensor is one unit: its
+// masters are read a second time, after its amax is known.
+template <class P, class G, class M, bool kAmsgrad, bool kAdamW>
+void StepFp8(const TensorPointers& t, uint64_t begin, uint64_t end,
+             const AdamWScalars& s) {
+  ForEachFp8Unit(t.fp8, begin, end, [&](const Fp8Unit& u) {
+    ForEachFp8Segment(t.fp8, u, [&](uint64_t a, uint64_t b) {
+      StepKernel<P, G, M, MasterKind::kFp32, kAmsgrad, kAdamW>(t, a, b, s);
+    });
+    QuantizeFp8Unit<P::kFormat>(t, u);
+  });
+}
+
 // The AdamW kernel for one element range, instantiated by
 // cpu::DispatchLayout; amsgrad and the decay mode are template parameters
 // too.
@@ -101,10 +119,19 @@ struct AdamWRange {
   const AdamWScalars& s;
   static constexpr bool kTakesBlock8 = true;
   static constexpr bool kTakesFloat64 = true;
+  static constexpr bool kTakesFp8 = true;
 
   template <class P, class G, class M, MasterKind K>
   void Run() {
-    if constexpr (std::is_same_v<M, cpu::Block8>) {
+    if constexpr (cpu::IsFp8Codec<P>::value) {
+      // Dispatched with M = F32 or BF16 and K = kFp32 only (ResolveFp8Recipe).
+      if (layout.amsgrad()) {
+        if (s.adamw) return StepFp8<P, G, M, true, true>(t, begin, end, s);
+        return StepFp8<P, G, M, true, false>(t, begin, end, s);
+      }
+      if (s.adamw) return StepFp8<P, G, M, false, true>(t, begin, end, s);
+      return StepFp8<P, G, M, false, false>(t, begin, end, s);
+    } else if constexpr (std::is_same_v<M, cpu::Block8>) {
       const AdamWElementScalars e = ElementScalars(s);
       const float bc2 = static_cast<float>(s.bc2_sqrt);
       if (s.adamw) return StepBlock8<P, G, K, true>(t, begin, end, e, bc2);
@@ -148,8 +175,10 @@ float LoadParam(DType d, const void* p, uint64_t i) {
       return BFloat16ToFloat(static_cast<const uint16_t*>(p)[i]);
     case DType::kFloat16:
       return HalfToFloat(static_cast<const uint16_t*>(p)[i]);
-    case DType::kBlock8:   // state only, never a parameter
-    case DType::kFloat64:  // never has a master (ResolveLayout)
+    case DType::kBlock8:      // state only, never a parameter
+    case DType::kFloat64:     // never has a master (ResolveLayout)
+    case DType::kFloat8E4M3:  // scaled: DequantizeFp8Range
+    case DType::kFloat8E5M2:
       break;
   }
   return 0;
@@ -166,8 +195,10 @@ void StoreParam(DType d, void* p, uint64_t i, float x) {
     case DType::kFloat16:
       static_cast<uint16_t*>(p)[i] = FloatToHalf(x);
       return;
-    case DType::kBlock8:   // state only, never a parameter
-    case DType::kFloat64:  // never has a master (ResolveLayout)
+    case DType::kBlock8:      // state only, never a parameter
+    case DType::kFloat64:     // never has a master (ResolveLayout)
+    case DType::kFloat8E4M3:  // scaled: QuantizeFp8Range
+    case DType::kFloat8E5M2:
       return;
   }
 }
@@ -212,7 +243,9 @@ double GradSumSquaresRange(DType grad_dtype, const void* grad, uint64_t begin,
       return SumSquares<F16>(grad, begin, end);
     case DType::kFloat64:
       return SumSquares<F64>(grad, begin, end);
-    case DType::kBlock8:  // state only, never a gradient
+    case DType::kBlock8:      // state only, never a gradient
+    case DType::kFloat8E4M3:  // parameters only (ResolveFp8Recipe)
+    case DType::kFloat8E5M2:
       break;
   }
   return 0;
@@ -224,6 +257,9 @@ void InitMasterRange(const Layout& layout, const TensorPointers& t,
     case MasterKind::kNone:
       return;
     case MasterKind::kFp32: {
+      if (IsFp8(layout.param_dtype)) {
+        return DequantizeFp8Range(layout.param_dtype, t, begin, end);
+      }
       float* master = static_cast<float*>(t.master);
       for (uint64_t i = begin; i < end; ++i) {
         master[i] = LoadParam(layout.param_dtype, t.param, i);
@@ -240,6 +276,9 @@ void InitMasterRange(const Layout& layout, const TensorPointers& t,
 void WriteParamFromMasterRange(const Layout& layout, const TensorPointers& t,
                                uint64_t begin, uint64_t end) {
   if (layout.master != MasterKind::kFp32) return;
+  if (IsFp8(layout.param_dtype)) {
+    return QuantizeFp8Range(layout.param_dtype, t, begin, end);
+  }
   const float* master = static_cast<const float*>(t.master);
   for (uint64_t i = begin; i < end; ++i) {
     StoreParam(layout.param_dtype, t.param, i, master[i]);

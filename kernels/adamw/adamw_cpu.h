@@ -66,12 +66,14 @@ double GradSumSquaresRange(DType grad_dtype, const void* grad, uint64_t begin,
                            uint64_t end);
 
 // Sets the master copy of elements [begin, end) from the parameter (at
-// registration): exact widening for kFp32, zero remainders for kRemainder.
+// registration): exact widening for kFp32 (an FP8 parameter's code value
+// times its scale inverse), zero remainders for kRemainder.
 void InitMasterRange(const Layout& layout, const TensorPointers& t,
                      uint64_t begin, uint64_t end);
 
 // Writes the parameter of elements [begin, end) from the master copy
-// (GetParams). No-op for kNone.
+// (GetParams); an FP8 parameter is requantized with its scale inverses
+// (whole scaling units). No-op for kNone.
 void WriteParamFromMasterRange(const Layout& layout, const TensorPointers& t,
                                uint64_t begin, uint64_t end);
 

@@ -338,6 +338,9 @@ struct AdamWLaunch {
   }
   static constexpr bool kTakesBlock8 = true;
   static constexpr bool kTakesFloat64 = true;
+  // FP8 parameters: the update writes their masters; the backend then
+  // launches LaunchFp8Requantize (kernels/fp8_cuda.h).
+  static constexpr bool kTakesFp8 = true;
   template <class P, class G, class M, MasterKind K>
   absl::Status Run() {
     if constexpr (std::is_same_v<P, F64>) {

@@ -401,6 +401,10 @@ class CheckpointTest(unittest.TestCase):
                         address=d.address, job_id="moe")
             ref = torch.optim.AdamW(theirs.parameters(), lr=1e-2,
                                     weight_decay=0.1)
+            # Each parameter's largest gradient element: exp_avg sums
+            # terms of that size, and those of opposite signs can cancel to
+            # a far smaller moment, so its rounding is bounded by theirs.
+            grad_max = {}
             for step in range(7):
                 for o in (opt, ref):
                     o.zero_grad()
@@ -409,8 +413,12 @@ class CheckpointTest(unittest.TestCase):
                 ours["experts"][expert](h).square().mean().backward()
                 # The same gradients (None where ours have none) for torch,
                 # so that only the optimizers are compared.
-                for p, q in zip(ours.parameters(), theirs.parameters()):
+                for i, (p, q) in enumerate(zip(ours.parameters(),
+                                               theirs.parameters())):
                     q.grad = None if p.grad is None else p.grad.clone()
+                    if p.grad is not None:
+                        grad_max[i] = max(grad_max.get(i, 0.0),
+                                          p.grad.abs().max().item())
                 opt.step()
                 ref.step()
             shapes = {n: p.shape for n, p in ours.named_parameters()}
@@ -429,8 +437,10 @@ class CheckpointTest(unittest.TestCase):
                 got, exp = sd["state"][i][k], entry[k]
                 self.assertEqual(got.shape, exp.shape, (i, k))
                 err = (got - exp).abs().max().item()
-                self.assertLessEqual(err, 1e-6 * exp.abs().max().item(),
-                                     (i, k))
+                scale = exp.abs().max().item()
+                if k == "exp_avg":
+                    scale = max(scale, grad_max[i])
+                self.assertLessEqual(err, 1e-6 * scale, (i, k))
 
     def test_packed_checkpoint_reads_as_torch_state_dict(self):
         """A session whose per-tensor header would not fit is saved packed

@@ -45,11 +45,33 @@ from optimd._layout import from_memory_shape
 
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16,
            "F16": torch.float16, "F64": torch.float64, "I16": torch.int16,
-           "U8": torch.uint8}
+           "U8": torch.uint8,
+           # FP8 parameters: torch's float8 dtypes where torch has them,
+           # else their bytes (torch before 2.1).
+           "F8_E4M3": getattr(torch, "float8_e4m3fn", torch.uint8),
+           "F8_E5M2": getattr(torch, "float8_e5m2", torch.uint8)}
 
 
 _SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16",
-                       "float16": "F16", "float64": "F64", "block8": "U8"}
+                       "float16": "F16", "float64": "F64", "block8": "U8",
+                       "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
+
+# FP8 recipes' scaling units (core/fp8_recipe.h): rows x columns of a
+# block, None standing for the tensor's own extent.
+_FP8_BLOCKS = {"tensor": (None, None), "block_1x128": (1, 128),
+               "block_128x128": (128, 128), "mxfp8": (1, 32)}
+
+
+def fp8_scale_shape(recipe, numel, shape):
+    """[unit rows, unit columns] of an FP8 parameter's scale inverses under
+    `recipe`, its 2-D view being [numel / shape[-1], shape[-1]]."""
+    cols = shape[-1] if shape else numel
+    if numel == 0 or cols == 0:
+        return [0, 0]
+    rows = numel // cols
+    block_rows, block_cols = _FP8_BLOCKS[recipe]
+    block_rows, block_cols = block_rows or rows, block_cols or cols
+    return [-(-rows // block_rows), -(-cols // block_cols)]
 
 # block8 moments (core/block8.h): elements per scale.
 _BLOCK8_ELEMENTS = 256
@@ -67,10 +89,15 @@ def _slots(layout):
     return _SLOTS[layout["optimizer"]][:layout["state_slots"]]
 
 
-def _pieces(layout, frozen, numel):
+def _pieces(layout, frozen, numel, shape):
     """(kind, key suffix, dtype, elements) of a tensor's pieces of state, in
     file order within its group (core/checkpoint_header.cc, Entries)."""
     out = [("param", "", _SAFETENSORS_DTYPES[layout["param_dtype"]], numel)]
+    recipe = layout.get("fp8_recipe")
+    if recipe is not None and numel > 0:
+        rows, cols = fp8_scale_shape(recipe, numel, shape)
+        out.append(("scale_inv", ".scale_inv",
+                    "U8" if recipe == "mxfp8" else "F32", rows * cols))
     if layout["master"] == "fp32":
         out.append(("master", ".master", "F32", numel))
     elif layout["master"] == "remainder":
@@ -128,7 +155,9 @@ def _unpack(meta, tensors):
             frozen = bool(flags & 1)
             unpacked.append(dict(name=name, numel=numel, frozen=frozen,
                                  keep_fp32=bool(flags & 2), layout=layout))
-            for kind, suffix, dtype, count in _pieces(layout, frozen, numel):
+            pieces = _pieces(layout, frozen, numel,
+                             shape[0] if shape else [numel])
+            for kind, suffix, dtype, count in pieces:
                 key = "g%d.%s.%s" % (gi, kind, dtype)
                 start = taken.get(key, 0)
                 piece = tensors[key][start:start + count]
