@@ -26,8 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import optimd
-from optimd.testing import Daemon
+from optimd.testing import Daemon, session_state_bytes
 from optimd.torch import AdamW
 
 MAX_NORM = 1.0
@@ -76,15 +75,6 @@ def _timed(step, steps):
     return (time.perf_counter() - t0) / steps * 1e3
 
 
-def _session_state_bytes(address, job, rank):
-    client = optimd.Client(address)
-    try:
-        for s in client.list_sessions().sessions:
-            if s.job_id == job and s.rank == rank:
-                return s.state_bytes
-    finally:
-        client.close()
-    return 0
 
 
 def _zero_rank(rank, init_file, address, params, tensors, steps, out):
@@ -115,7 +105,7 @@ def _zero_rank(rank, init_file, address, params, tensors, steps, out):
         # device drain at the end of _timed waits for the daemon's work.
         times.setdefault("optimd", []).append(_timed(opt.step, steps))
         opt.synchronize()  # raises a failed step's error
-        state["optimd"] = _session_state_bytes(address, opt._identity["job"],
+        state["optimd"] = session_state_bytes(address, opt._identity["job"],
                                                rank)
         opt.close()
         dist.barrier()

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import optimd
-from optimd.testing import Daemon
+from optimd.testing import Daemon, session_state_bytes
 from optimd.torch import AdamW
 
 os.environ.setdefault("OPTIMD_SECRETS_DIR",
@@ -66,15 +66,6 @@ def _reference():
     return [p.detach() for p in ref], norms
 
 
-def _state_bytes(address, job, rank):
-    client = optimd.Client(address)
-    try:
-        for s in client.list_sessions().sessions:
-            if s.job_id == job and s.rank == rank:
-                return s.state_bytes
-    finally:
-        client.close()
-    return None
 
 
 def _rank(rank, init_file, addresses, out):
@@ -99,7 +90,7 @@ def _rank(rank, init_file, addresses, out):
         rec["error"] = (type(e).__name__, str(e))
     torch.cuda.synchronize(rank)
     rec["params"] = [p.detach().cpu() for p in params]
-    rec["state_bytes"] = _state_bytes(addresses[rank],
+    rec["state_bytes"] = session_state_bytes(addresses[rank],
                                       opt._identity["job"], rank)
     torch.save(rec, out % rank)
     dist.barrier()

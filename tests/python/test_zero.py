@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 import optimd
 from optimd.shm import SharedSegment
-from optimd.testing import Daemon, DaemonTestCase
+from optimd.testing import Daemon, DaemonTestCase, session_state_bytes
 from optimd.torch import AdamW
 from optimd.v1 import optimd_pb2 as pb
 
@@ -49,15 +49,6 @@ def loss_of(model, x, y):
     return (model(x) - y).square().mean()
 
 
-def _session_state_bytes(address, job, rank):
-    client = optimd.Client(address)
-    try:
-        for s in client.list_sessions().sessions:
-            if s.job_id == job and s.rank == rank:
-                return s.state_bytes
-    finally:
-        client.close()
-    raise AssertionError("no session of job %s rank %d" % (job, rank))
 
 
 def _zero_rank(rank, init_file, address, out, inf_step, ckpt):
@@ -85,7 +76,7 @@ def _zero_rank(rank, init_file, address, out, inf_step, ckpt):
         if ckpt and step == STEPS // 2 - 1:
             opt.save_checkpoint(ckpt)
     result = {"params": params, "skipped": skipped,
-              "state_bytes": _session_state_bytes(address, job, rank)}
+              "state_bytes": session_state_bytes(address, job, rank)}
     if ckpt:
         # Back to the middle: every rank loads its own part; the job then
         # retraces the second half bit for bit.

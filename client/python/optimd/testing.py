@@ -86,6 +86,19 @@ class Daemon:
         self.stop()
 
 
+def session_state_bytes(address, job, rank):
+    """The daemon-held state bytes of the session (job, rank), as
+    ListSessions reports them, or None if there is no such session."""
+    client = Client(address)
+    try:
+        for s in client.list_sessions().sessions:
+            if s.job_id == job and s.rank == rank:
+                return s.state_bytes
+    finally:
+        client.close()
+    return None
+
+
 class DaemonTestCase(unittest.TestCase):
     """One private daemon per test class (started with `daemon_flags`,
     stopped cleanly after the class: a daemon that does not exit 0 fails
