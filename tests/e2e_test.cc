@@ -107,6 +107,27 @@ class E2eTest : public ::testing::Test {
     secret_ = s->resume_secret();
   }
 
+  // Restarts the daemon with `state_dir`, opens a session with one small
+  // group on client_, and gives that session's checkpoint as
+  // SaveStateStream sends it.
+  void RestartWithOneSavedGroup(const std::string& state_dir,
+                                std::string* file) {
+    daemon_->Stop();
+    auto d = DaemonProcess::Start({"--state_dir=" + state_dir});
+    ASSERT_TRUE(d.ok()) << d.status();
+    daemon_ = *std::move(d);
+    client_ = Connect();
+    OpenSession(client_.get());
+    ASSERT_TRUE(client_->RegisterGroup(Group("g", {Tensor("w", 64, 0)})).ok());
+    ASSERT_TRUE(client_
+                    ->SaveStateStream(v1::SaveStateStreamRequest(),
+                                      [&](const v1::StateChunk& c) {
+                                        *file += c.data();
+                                        return absl::OkStatus();
+                                      })
+                    .ok());
+  }
+
   // An fp32 tensor whose param and grad sit at `offset` in the two regions.
   v1::TensorSpec Tensor(const std::string& name, uint64_t numel,
                         uint64_t offset) {
@@ -419,22 +440,9 @@ TEST_F(E2eTest, CorruptLargeCheckpointChangesNothing) {
 // waits up to 1 s for it, then is FAILED_PRECONDITION; the first then
 // loads, and its spool file is gone.
 TEST_F(E2eTest, OneLoadStreamPerSessionAtATime) {
-  daemon_->Stop();
   ScratchDirForTest state_dir;
-  auto d = DaemonProcess::Start({"--state_dir=" + state_dir.path()});
-  ASSERT_TRUE(d.ok()) << d.status();
-  daemon_ = *std::move(d);
-  client_ = Connect();
-  OpenSession(client_.get());
-  ASSERT_TRUE(client_->RegisterGroup(Group("g", {Tensor("w", 64, 0)})).ok());
   std::string file;
-  ASSERT_TRUE(client_
-                  ->SaveStateStream(v1::SaveStateStreamRequest(),
-                                    [&](const v1::StateChunk& c) {
-                                      file += c.data();
-                                      return absl::OkStatus();
-                                    })
-                  .ok());
+  ASSERT_NO_FATAL_FAILURE(RestartWithOneSavedGroup(state_dir.path(), &file));
   auto second = Connect();
   second->set_session_token(client_->session_token());
   absl::Status refused;
@@ -473,22 +481,9 @@ TEST_F(E2eTest, OneLoadStreamPerSessionAtATime) {
 // rounds, as the break reaches the daemon asynchronously; the last stream
 // loads and no spool file is left.
 TEST_F(E2eTest, BrokenLoadStreamFreesTheSessionAtOnce) {
-  daemon_->Stop();
   ScratchDirForTest state_dir;
-  auto d = DaemonProcess::Start({"--state_dir=" + state_dir.path()});
-  ASSERT_TRUE(d.ok()) << d.status();
-  daemon_ = *std::move(d);
-  client_ = Connect();
-  OpenSession(client_.get());
-  ASSERT_TRUE(client_->RegisterGroup(Group("g", {Tensor("w", 64, 0)})).ok());
   std::string file;
-  ASSERT_TRUE(client_
-                  ->SaveStateStream(v1::SaveStateStreamRequest(),
-                                    [&](const v1::StateChunk& c) {
-                                      file += c.data();
-                                      return absl::OkStatus();
-                                    })
-                  .ok());
+  ASSERT_NO_FATAL_FAILURE(RestartWithOneSavedGroup(state_dir.path(), &file));
   ASSERT_GT(file.size(), 200u);
   auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(
       daemon_->address(), grpc::InsecureChannelCredentials()));
