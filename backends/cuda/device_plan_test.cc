@@ -197,7 +197,9 @@ void CheckWholeLaunches(const DevicePlan& plan) {
   size_t next = 0;  // the first launch not yet covered
   for (size_t w = 0; w < plan.whole_launches.size(); ++w) {
     const Launch& whole = plan.whole_launches[w];
-    if (w > 0) EXPECT_FALSE(plan.whole_launches[w - 1].layout == whole.layout);
+    if (w > 0) {
+      EXPECT_FALSE(plan.whole_launches[w - 1].layout == whole.layout);
+    }
     ASSERT_LT(next, plan.launches.size());
     const Launch& first = plan.launches[next];
     EXPECT_EQ(whole.first_chunk, first.first_chunk);
