@@ -34,15 +34,15 @@ bazel --output_base="$asan_base" test --config=asan --config=nocuda \
   //common/... //core/... //kernels/... //backends/... //server/... \
   //tests/core/... \
   //tests:e2e_test //tests:random_requests_test \
-  //tests:descriptor_exhaustion_test
+  //tests:descriptor_exhaustion_test //tests:tls_test
 bazel --output_base="$asan_base" shutdown
 
 # The threaded parts under ThreadSanitizer: the thread pool, the device
 # worker, the session registry, the checkpoint writer, and the daemon itself
-# (stream reactors, reaper, metrics, the Unix socket's accept loop) through
-# the end-to-end tests. Locks go through optimd::Mutex, which tells TSan of
-# them; tools/tsan.supp silences what Debian's uninstrumented gRPC,
-# protobuf and Abseil do inside themselves. The slowest tests (a million
+# (stream reactors, reaper, metrics, the accept loop on the Unix socket and
+# on TCP) through the end-to-end tests. Locks go through optimd::Mutex,
+# which tells TSan of them; tools/tsan.supp silences what Debian's
+# uninstrumented gRPC, protobuf and Abseil do inside themselves. The slowest tests (a million
 # tensors) are left to the other runs, and so is CorruptLargeCheckpoint-
 # ChangesNothing: a TSan daemon takes about 50 s to receive its 12 MiB
 # LoadStateStream (31 ms in the normal build; the time goes to receiving
@@ -75,7 +75,7 @@ bazel --output_base="$tsan_base" test --config=tsan --config=nocuda \
   //common:thread_pool_test //core:rank_exchange_test \
   //tests/core:session_test //tests/core:checkpoint_test \
   //server:device_worker_test //server:refusal_log_test //tests:e2e_test \
-  //tests:descriptor_exhaustion_test
+  //tests:descriptor_exhaustion_test //tests:tls_test
 bazel --output_base="$tsan_base" shutdown
 
 # A short fuzz run of each target (checkpoint loading, request validation,
