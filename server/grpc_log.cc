@@ -2,18 +2,13 @@
 
 #include <grpc/support/log.h>
 
-#include <atomic>
+#include <string>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "server/log.h"
 
 namespace optimd {
 namespace {
-
-std::atomic<bool> listener_stopped{false};
-// Set once, before gRPC logs anything through it.
-const std::string* listener_stopped_line = nullptr;
 
 void LogGrpcLine(gpr_log_func_args* args) {
   const std::string line = absl::StrCat("grpc: ", args->message, " (",
@@ -23,19 +18,10 @@ void LogGrpcLine(gpr_log_func_args* args) {
   } else {
     log::Info(line);
   }
-  if (absl::StartsWith(args->message, "Failed accept4") &&
-      !listener_stopped.exchange(true)) {
-    log::Warn(*listener_stopped_line);
-  }
 }
 
 }  // namespace
 
-void RouteGrpcLog(const std::string& stopped_line) {
-  listener_stopped_line = new std::string(stopped_line);
-  gpr_set_log_function(LogGrpcLine);
-}
-
-bool GrpcListenerStopped() { return listener_stopped.load(); }
+void RouteGrpcLog() { gpr_set_log_function(LogGrpcLine); }
 
 }  // namespace optimd

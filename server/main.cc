@@ -47,6 +47,7 @@
 #include "server/restart_store.h"
 #include "server/session_listing.h"
 #include "server/session_reaper.h"
+#include "server/tcp_listener.h"
 #include "server/unix_socket_listener.h"
 
 #ifdef OPTIMD_WITH_CUDA
@@ -145,10 +146,8 @@ bool ReadPem(const std::string& flag, const std::string& path,
 
 // Raises the soft limit on open files to the hard one: every client
 // connection, mapped segment and checkpoint file takes a descriptor. (The
-// Unix socket survives running out of them: see UnixSocketListener; a TCP
-// listener, gRPC's own, stops accepting for good, as Debian's gRPC 1.51
-// does: grpc/grpc#16058, #20418, #31080.) Returns the soft limit now in
-// force.
+// daemon survives running out of them: see AcceptLoop.) Returns the soft
+// limit now in force.
 rlim_t RaiseFileLimit() {
   rlimit limit{};
   if (getrlimit(RLIMIT_NOFILE, &limit) != 0) return 0;
@@ -231,12 +230,17 @@ std::vector<std::unique_ptr<optimd::Backend>> MakeBackends() {
 }
 
 // Where the daemon listens (--listen, --tls_*).
+// The daemon accepts connections itself on either, and hands them to gRPC
+// (see server/accept_loop.h for why).
 struct Listener {
   std::string address;
-  // The Unix socket, accepted by the daemon itself; null on TCP, which
-  // gRPC serves with `credentials`.
+  // The Unix socket; null on TCP.
   std::unique_ptr<optimd::UnixSocketListener> unix_socket;
+  // TCP: the listening sockets, the TLS credentials, and where gRPC takes
+  // the connections (set by StartServer); null on a Unix socket.
+  std::unique_ptr<optimd::TcpListener> tcp;
   std::shared_ptr<grpc::ServerCredentials> credentials;
+  std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> tcp_acceptor;
 };
 
 // TCP serves operators and tools, and never in the clear: trainers hand the
@@ -280,7 +284,16 @@ int OpenListener(Listener* l) {
                    !absl::GetFlag(FLAGS_tls_client_ca).empty();
   if (!absl::StartsWith(l->address, "unix:")) {
     l->credentials = TlsCredentials(l->address);
-    return l->credentials == nullptr ? 2 : 0;
+    if (l->credentials == nullptr) return 2;
+    auto bound = optimd::TcpListener::Bind(l->address);
+    if (!bound.ok()) {
+      Fail(std::string(bound.status().message()));
+      return bound.status().code() == absl::StatusCode::kInvalidArgument ? 2
+                                                                         : 1;
+    }
+    l->tcp = *std::move(bound);
+    l->address = l->tcp->address();  // port 0: the kernel's pick
+    return 0;
   }
   if (tls) {
     Fail(
@@ -378,9 +391,10 @@ std::unique_ptr<grpc::Server> StartServer(Listener& l,
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  int port = 0;
-  if (l.unix_socket == nullptr) {
-    builder.AddListeningPort(l.address, l.credentials, &port);
+  if (l.tcp != nullptr) {
+    l.tcp_acceptor = builder.experimental().AddExternalConnectionAcceptor(
+        grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD,
+        l.credentials);
   }
   builder.SetMaxReceiveMessageSize(1 << 30);
   builder.SetMaxSendMessageSize(1 << 30);
@@ -404,15 +418,13 @@ std::unique_ptr<grpc::Server> StartServer(Listener& l,
     Fail(absl::StrCat("cannot listen on ", l.address));
     return nullptr;
   }
-  if (l.unix_socket != nullptr) {
-    if (absl::Status s = l.unix_socket->Start(server.get()); !s.ok()) {
-      Fail(std::string(s.message()));
-      server->Shutdown();
-      return nullptr;
-    }
-  } else if (absl::EndsWith(l.address, ":0")) {
-    // Port 0: the kernel picked one; say which.
-    l.address = absl::StrCat(l.address.substr(0, l.address.size() - 1), port);
+  const absl::Status started = l.unix_socket != nullptr
+                                   ? l.unix_socket->Start(server.get())
+                                   : l.tcp->Start(l.tcp_acceptor.get());
+  if (!started.ok()) {
+    Fail(std::string(started.message()));
+    server->Shutdown();
+    return nullptr;
   }
   return server;
 }
@@ -430,26 +442,12 @@ void LogListening(const Listener& l, rlim_t files, uint64_t state_limit) {
       state_limit == 0 ? std::string("unlimited") : absl::StrCat(state_limit)));
 }
 
-// gRPC's log lines into the daemon's, and a line that says what it means
-// when gRPC's TCP listener stops accepting (see server/grpc_log.h).
-void RouteGrpcLog(const Listener& l, rlim_t files) {
-  optimd::RouteGrpcLog(absl::StrCat(
-      "the TCP listener on ", l.address,
-      " accepts no more connections: it ran out of file descriptors (open "
-      "files limit ",
-      files == RLIM_INFINITY ? std::string("unlimited") : absl::StrCat(files),
-      "), and Debian 12's gRPC (1.51) never accepts on it again. "
-      "Connections already open still work. Restart the daemon (with "
-      "--save_dir, sessions resume) and raise its open files limit, or "
-      "listen on a Unix socket, which recovers by itself"));
-}
-
 // Waits for SIGINT or SIGTERM, then stops: new calls are refused while the
 // queued ones finish (--shutdown_grace_s at most), the server shuts down,
 // and every session is saved to --save_dir.
 void AwaitShutdown(const sigset_t& signals,
                    optimd::OptimizerServiceImpl& service, grpc::Server& server,
-                   optimd::UnixSocketListener* unix_socket,
+                   Listener& listener,
                    const optimd::RestartStore& restart_store,
                    optimd::SessionRegistry& registry) {
   int sig = 0;
@@ -472,7 +470,8 @@ void AwaitShutdown(const sigset_t& signals,
     optimd::log::Warn("grace period over; cancelling the calls still running");
   }
   // No connection may reach the server once it shuts down.
-  if (unix_socket != nullptr) unix_socket->Stop();
+  if (listener.unix_socket != nullptr) listener.unix_socket->Stop();
+  if (listener.tcp != nullptr) listener.tcp->Stop();
   server.Shutdown(absl::ToChronoTime(absl::Now()));
   // Nothing runs on the workers now: every session's state is at a step
   // boundary.
@@ -561,10 +560,10 @@ int main(int argc, char** argv) {
       StartServer(listener, service, &refusals);
   if (server == nullptr) return 1;
   LogListening(listener, files, budget.limit());
-  RouteGrpcLog(listener, files);
+  optimd::RouteGrpcLog();
   std::thread waiter([&] {
-    AwaitShutdown(signals, service, *server, listener.unix_socket.get(),
-                  *restart_store, registry);
+    AwaitShutdown(signals, service, *server, listener, *restart_store,
+                  registry);
   });
   server->Wait();
   waiter.join();

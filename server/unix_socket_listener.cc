@@ -2,29 +2,21 @@
 
 #include <fcntl.h>
 #include <grpcpp/server_posix.h>
-#include <poll.h>
-#include <pthread.h>
-#include <sys/eventfd.h>
 #include <sys/file.h>
-#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "server/log.h"
 
 namespace optimd {
 
 namespace {
-
-// The longest wait between tries while descriptors are exhausted.
-constexpr int kMaxRetryWaitMs = 100;
 
 absl::Status ErrnoError(int err, const std::string& what) {
   return absl::InternalError(absl::StrCat(what, ": ", std::strerror(err)));
@@ -95,13 +87,6 @@ absl::Status RemoveStaleSocket(const std::string& path,
   return absl::OkStatus();
 }
 
-std::string OpenFilesLimit() {
-  rlimit limit{};
-  if (getrlimit(RLIMIT_NOFILE, &limit) != 0) return "unknown";
-  return limit.rlim_cur == RLIM_INFINITY ? std::string("unlimited")
-                                         : absl::StrCat(limit.rlim_cur);
-}
-
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<UnixSocketListener>> UnixSocketListener::Claim(
@@ -140,104 +125,14 @@ absl::Status UnixSocketListener::Start(grpc::Server* server) {
   if (listen(fd.get(), SOMAXCONN) != 0) {
     return ErrnoError(errno, absl::StrCat("cannot listen on ", path_));
   }
-  wake_fd_.reset(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-  if (!wake_fd_.valid()) return ErrnoError(errno, "cannot create an eventfd");
-  spare_fd_.reset(open("/dev/null", O_RDONLY | O_CLOEXEC));
-  server_ = server;
-  listen_fd_ = std::move(fd);
-  accept_thread_ = std::thread([this] { AcceptLoop(); });
-  pthread_setname_np(accept_thread_.native_handle(), "optimd-accept");
-  return absl::OkStatus();
+  std::vector<UniqueFd> listeners;
+  listeners.push_back(std::move(fd));
+  // The server owns each connection from here on, and closes it.
+  return accept_loop_.Start(std::move(listeners), [server](int, int conn) {
+    grpc::AddInsecureChannelFromFd(server, conn);
+  });
 }
 
-void UnixSocketListener::Stop() {
-  if (!accept_thread_.joinable()) return;
-  const uint64_t one = 1;
-  // An eventfd's counter only fails to take a write when it would
-  // overflow, which a single write cannot make it.
-  (void)!write(wake_fd_.get(), &one, sizeof(one));
-  accept_thread_.join();
-  listen_fd_.reset();  // connections still waiting are refused
-}
-
-void UnixSocketListener::AcceptLoop() {
-  int retry_ms = 0;  // > 0: accepting failed; try again after this long
-  for (;;) {
-    // While waiting to retry, only Stop may wake the loop: the listening
-    // socket stays readable as long as connections wait.
-    pollfd fds[2] = {{wake_fd_.get(), POLLIN, 0},
-                     {listen_fd_.get(), POLLIN, 0}};
-    const nfds_t watched = retry_ms > 0 ? 1 : 2;
-    const int ready = poll(fds, watched, retry_ms > 0 ? retry_ms : -1);
-    if (ready < 0 && errno != EINTR) {
-      retry_ms = kMaxRetryWaitMs;  // ENOMEM: wait for memory
-      continue;
-    }
-    if (fds[0].revents != 0) return;
-    if (watched == 2 && fds[1].revents == 0) continue;
-    retry_ms = AcceptWaiting()
-                   ? 0
-                   : std::min(kMaxRetryWaitMs, std::max(1, retry_ms * 2));
-  }
-}
-
-bool UnixSocketListener::AcceptWaiting() {
-  for (;;) {
-    const int fd = accept4(listen_fd_.get(), nullptr, nullptr,
-                           SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (fd >= 0) {
-      if (exhausted_) {
-        exhausted_ = false;
-        log::Info(absl::StrCat("accepting connections on ", path_, " again; ",
-                               refused(),
-                               " refused in all while out of descriptors"));
-      }
-      // The server owns the connection from here on, and closes it.
-      grpc::AddInsecureChannelFromFd(server_, fd);
-      continue;
-    }
-    const int err = errno;
-    if (err == EAGAIN || err == EWOULDBLOCK) return true;
-    // The waiting connection was closed meanwhile, or a signal came.
-    if (err == EINTR || err == ECONNABORTED) continue;
-    if (err != EMFILE && err != ENFILE) return false;  // ENOBUFS, ENOMEM
-    if (!exhausted_) {
-      exhausted_ = true;
-      log::Warn(absl::StrCat(
-          "out of file descriptors (", std::strerror(err),
-          "; open files limit ", OpenFilesLimit(), "): connections to ", path_,
-          " are closed unserved until descriptors come free"));
-    }
-    // accept() takes the new descriptor before it looks for a
-    // connection, so it fails so even when none waits.
-    switch (RefuseOne()) {
-      case Refusal::kRefused:
-        continue;
-      case Refusal::kNoneWaiting:
-        return true;
-      case Refusal::kStillOut:
-        return false;
-    }
-  }
-}
-
-UnixSocketListener::Refusal UnixSocketListener::RefuseOne() {
-  if (!spare_fd_.valid()) {
-    spare_fd_.reset(open("/dev/null", O_RDONLY | O_CLOEXEC));
-    if (!spare_fd_.valid()) return Refusal::kStillOut;
-  }
-  spare_fd_.reset();
-  int err = 0;
-  {
-    const UniqueFd refused(
-        accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC));
-    err = refused.valid() ? 0 : errno;
-    if (refused.valid()) refused_.fetch_add(1);
-  }
-  spare_fd_.reset(open("/dev/null", O_RDONLY | O_CLOEXEC));
-  if (err == EAGAIN || err == EWOULDBLOCK) return Refusal::kNoneWaiting;
-  if (err == EMFILE || err == ENFILE) return Refusal::kStillOut;
-  return Refusal::kRefused;  // or gone meanwhile (ECONNABORTED, EINTR)
-}
+void UnixSocketListener::Stop() { accept_loop_.Stop(); }
 
 }  // namespace optimd

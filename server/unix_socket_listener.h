@@ -3,37 +3,28 @@
 // gRPC server, instead of letting gRPC listen.
 //
 // Why: Debian's gRPC 1.51 stops accepting on a port for good once accept()
-// has failed for lack of descriptors (grpc/grpc#16058, #20418, #31080), so
-// a daemon that ran out of descriptors once was unreachable until
-// restarted. This loop survives it. It keeps one spare descriptor; when
-// accept() fails with EMFILE or ENFILE, it closes the spare, accepts the
-// waiting connection and closes it at once (the client sees the
-// connection closed and may retry), then takes the spare again. When even
-// that fails (another thread took the freed slot), it waits, 1 ms doubling
-// to 100 ms, and tries again. Connections are served again as soon as
-// descriptors come free.
+// has failed for lack of descriptors; the daemon's AcceptLoop survives it
+// (see server/accept_loop.h).
 //
 // The socket file is created with mode 0600. "<path>.lock" is flock'd for
 // the listener's lifetime, so of daemons started at the same moment on one
 // socket exactly one goes on. Destroying the listener removes both files.
 //
 // Thread-safety: Claim, Start, Stop and the destructor are called from one
-// thread; the accept loop runs on a thread of its own, the only one that
-// touches the listening socket once started.
+// thread; the accept loop runs on a thread of its own (AcceptLoop).
 #ifndef OPTIMD_SERVER_UNIX_SOCKET_LISTENER_H_
 #define OPTIMD_SERVER_UNIX_SOCKET_LISTENER_H_
 
 #include <grpcpp/server.h>
 
-#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
-#include <thread>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/unique_fd.h"
+#include "server/accept_loop.h"
 
 namespace optimd {
 
@@ -64,43 +55,17 @@ class UnixSocketListener {
   const std::string& path() const { return path_; }
 
   // Connections closed unserved because descriptors had run out.
-  uint64_t refused() const { return refused_.load(); }
+  uint64_t refused() const { return accept_loop_.refused(); }
 
  private:
   UnixSocketListener(std::string path, UniqueFd lock)
-      : path_(std::move(path)), lock_(std::move(lock)) {}
-
-  // The accept thread's body: until Stop, waits for connections (or, while
-  // out of descriptors, for the next try) and accepts them.
-  void AcceptLoop();
-  // Accepts every waiting connection; false when descriptors ran out and
-  // no connection could be refused, i.e. the loop must wait before trying
-  // again.
-  bool AcceptWaiting();
-  // Out of descriptors: closes one waiting connection through the spare
-  // descriptor.
-  enum class Refusal {
-    kRefused,      // one connection closed (or it had gone): try again
-    kNoneWaiting,  // no connection waits
-    kStillOut,     // even the spare could not make room: wait
-  };
-  Refusal RefuseOne();
+      : path_(std::move(path)), lock_(std::move(lock)), accept_loop_(path_) {}
 
   // Constant after construction.
   const std::string path_;
   const UniqueFd lock_;
 
-  // Set by Start; read by the accept thread only while it runs.
-  grpc::Server* server_ = nullptr;
-  UniqueFd listen_fd_;
-  UniqueFd wake_fd_;  // an eventfd: written by Stop to end the loop
-  std::thread accept_thread_;
-
-  // The accept thread's own.
-  UniqueFd spare_fd_;
-  bool exhausted_ = false;  // descriptors ran out; not yet accepted again
-
-  std::atomic<uint64_t> refused_{0};
+  AcceptLoop accept_loop_;
 };
 
 }  // namespace optimd

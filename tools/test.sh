@@ -34,20 +34,21 @@ bazel --output_base="$asan_base" test --config=asan --config=nocuda \
   //common/... //core/... //kernels/... //backends/... //server/... \
   //tests/core/... \
   //tests:e2e_test //tests:random_requests_test \
-  //tests:descriptor_exhaustion_test
+  //tests:descriptor_exhaustion_test //tests:tls_test
 bazel --output_base="$asan_base" shutdown
 
 # The threaded parts under ThreadSanitizer: the thread pool, the device
 # worker, the session registry, the checkpoint writer, and the daemon itself
-# (stream reactors, reaper, metrics, the Unix socket's accept loop) through
-# the end-to-end tests. Locks go through optimd::Mutex, which tells TSan of
-# them; tools/tsan.supp silences what Debian's uninstrumented gRPC,
-# protobuf and Abseil do inside themselves. The slowest tests (a million
-# tensors) are left to the other runs, and so is CorruptLargeCheckpoint-
-# ChangesNothing: a TSan daemon takes about 50 s to receive its 12 MiB
-# LoadStateStream (31 ms in the normal build; the time goes to receiving
-# gRPC messages under TSan, not to a stall), past the client's 60 s with
-# the rest of the test. A racy control program first proves
+# (stream reactors, reaper, metrics, the accept loop on the Unix socket and
+# on TCP) through the end-to-end tests. Locks go through optimd::Mutex,
+# which tells TSan of them; tools/tsan.supp silences what Debian's
+# uninstrumented gRPC, protobuf, Abseil and OpenSSL do inside themselves.
+# The slowest tests (a million tensors) are left to the other runs, and so
+# are CorruptLargeCheckpointChangesNothing and LargeRequestsOverTls: a TSan
+# daemon takes about 50 s to receive the former's 12 MiB LoadStateStream
+# (31 ms in the normal build; the time goes to receiving gRPC messages
+# under TSan, not to a stall), past the client's 60 s with the rest of the
+# test, and the latter sends 32 MiB. A racy control program first proves
 # that TSan reports. About 8 minutes on two cores from nothing.
 echo "== threaded parts under ThreadSanitizer"
 control="$(mktemp -d /tmp/optimd-tsan-control.XXXXXX)"
@@ -71,11 +72,12 @@ rm -rf "$control"
 tsan_base="$cache_root/optimd-tsan-$checkout_key"
 bazel --output_base="$tsan_base" test --config=tsan --config=nocuda \
   --test_env=TSAN_OPTIONS="suppressions=$PWD/tools/tsan.supp" \
-  --test_arg=--gtest_filter=-*LongNamesAndTooManyTensors*:*ManyTensors*:*Million*:*HeaderPastTheLimit*:*PackedFormatHolds*:*PackedFormatDetects*:*CorruptLargeCheckpoint* \
+  --test_arg=--gtest_filter=-*LongNamesAndTooManyTensors*:*ManyTensors*:*Million*:*HeaderPastTheLimit*:*PackedFormatHolds*:*PackedFormatDetects*:*CorruptLargeCheckpoint*:*LargeRequestsOverTls* \
   //common:thread_pool_test //core:rank_exchange_test \
   //tests/core:session_test //tests/core:checkpoint_test \
-  //server:device_worker_test //server:refusal_log_test //tests:e2e_test \
-  //tests:descriptor_exhaustion_test
+  //server:device_worker_test //server:refusal_log_test \
+  //server:accept_loop_test //tests:e2e_test \
+  //tests:descriptor_exhaustion_test //tests:tls_test
 bazel --output_base="$tsan_base" shutdown
 
 # A short fuzz run of each target (checkpoint loading, request validation,
