@@ -161,10 +161,15 @@ absl::StatusOr<Layout> ResolveLayout(const std::string& tensor,
       break;
     case MasterRequest::kNone:
       if (param_dtype != DType::kFloat32 && param_dtype != DType::kFloat64) {
+        // Remainders are for bfloat16 parameters only (kRemainder below).
         return absl::InvalidArgumentError(absl::StrCat(
             "tensor '", tensor, "': a ", DTypeName(param_dtype),
-            " parameter needs master weights (fp32 or remainder); "
-            "master_weights=none is only for float32 and float64 parameters"));
+            " parameter needs ",
+            param_dtype == DType::kBFloat16
+                ? "master weights (fp32 or remainder)"
+                : "fp32 master weights",
+            "; master_weights=none is only for float32 and float64 "
+            "parameters"));
       }
       layout.master = MasterKind::kNone;
       break;

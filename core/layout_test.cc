@@ -192,7 +192,13 @@ TEST(LayoutTest, Fp8ParametersNeedARecipeAndAnFp32Master) {
       {F::kFloat8E4M3, F::kFloat32, F::kFloat32, MasterRequest::kRemainder,
        Fp8Recipe::kTensor, OptimizerHyper(), "bfloat16"},
       {F::kFloat8E4M3, F::kFloat32, F::kFloat32, MasterRequest::kNone,
-       Fp8Recipe::kTensor, OptimizerHyper(), "needs master weights"},
+       Fp8Recipe::kTensor, OptimizerHyper(), "needs fp32 master weights;"},
+      // Only bfloat16 parameters are offered remainders.
+      {F::kBFloat16, F::kFloat32, F::kFloat32, MasterRequest::kNone,
+       Fp8Recipe::kNone, OptimizerHyper(),
+       "needs master weights (fp32 or remainder);"},
+      {F::kFloat16, F::kFloat32, F::kFloat32, MasterRequest::kNone,
+       Fp8Recipe::kNone, OptimizerHyper(), "needs fp32 master weights;"},
       {F::kFloat8E4M3, F::kFloat32, F::kFloat32, MasterRequest::kDefault,
        Fp8Recipe::kTensor, sgd, "AdamW only"},
       // float64 and FP8 never meet in one tensor.
