@@ -8,7 +8,6 @@ rank that leaves aborts the others, and ranks must agree on the job.
 import os
 import random
 import tempfile
-import threading
 import unittest
 
 import torch
@@ -16,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import optimd
-from optimd.testing import Daemon, DaemonTestCase
+from optimd.testing import Daemon, DaemonTestCase, run_threads
 from optimd.torch import AdamW
 
 SEED = int(os.environ.get("OPTIMD_TEST_SEED", random.randrange(1 << 30)))
@@ -32,26 +31,6 @@ def rel_err(a, b):
     a, b = a.double(), b.double()
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
-
-def run_threads(fns):
-    """Runs each fn in a thread of its own; re-raises the first error."""
-    errors = [None] * len(fns)
-
-    def call(i):
-        try:
-            fns[i]()
-        except BaseException as e:  # noqa: B902 (reported below)
-            errors[i] = e
-
-    threads = [threading.Thread(target=call, args=(i,))
-               for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for e in errors:
-        if e is not None:
-            raise e
 
 
 class Ranks(DaemonTestCase):

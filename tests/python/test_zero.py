@@ -7,7 +7,6 @@ both ranks, checkpoints saved and loaded per rank, and the bad requests.
 import os
 import shutil
 import tempfile
-import threading
 import unittest
 
 import torch
@@ -16,7 +15,8 @@ import torch.multiprocessing as mp
 
 import optimd
 from optimd.shm import SharedSegment
-from optimd.testing import Daemon, DaemonTestCase, session_state_bytes
+from optimd.testing import (Daemon, DaemonTestCase, run_threads,
+                            session_state_bytes)
 from optimd.torch import AdamW
 from optimd.v1 import optimd_pb2 as pb
 
@@ -168,27 +168,6 @@ class ZeroDdpJob(unittest.TestCase):
                 for p, q in zip(a, b):
                     self.assertTrue(torch.equal(p, q))
 
-
-def run_threads(fns):
-    """Runs each fn in a thread of its own (ranks of one job stepping
-    together); re-raises the first error."""
-    errors = [None] * len(fns)
-
-    def call(i):
-        try:
-            fns[i]()
-        except BaseException as e:  # noqa: B902 (reported below)
-            errors[i] = e
-
-    threads = [threading.Thread(target=call, args=(i,))
-               for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for e in errors:
-        if e is not None:
-            raise e
 
 
 class ZeroRequests(DaemonTestCase):

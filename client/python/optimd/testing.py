@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 import unittest
 import zlib
@@ -97,6 +98,28 @@ def session_state_bytes(address, job, rank):
     finally:
         client.close()
     return None
+
+
+def run_threads(fns):
+    """Runs each fn in a thread of its own (ranks of one job stepping
+    together); re-raises the first error."""
+    errors = [None] * len(fns)
+
+    def call(i):
+        try:
+            fns[i]()
+        except BaseException as e:  # noqa: B902 (reported below)
+            errors[i] = e
+
+    threads = [threading.Thread(target=call, args=(i,))
+               for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for e in errors:
+        if e is not None:
+            raise e
 
 
 class DaemonTestCase(unittest.TestCase):
