@@ -4,6 +4,7 @@ torch.optim.AdamW reference (clipping included) step by step, each rank's
 state about half of the whole, a rank's inf gradient skipping the step on
 both ranks, checkpoints saved and loaded per rank, and the bad requests.
 """
+import copy
 import os
 import shutil
 import tempfile
@@ -94,20 +95,69 @@ def _zero_rank(rank, init_file, address, out, inf_step, ckpt):
     dist.destroy_process_group()
 
 
-def reference():
+def _consolidating_rank(rank, init_file, address, out):
+    """One rank of a two-process gloo DDP job that puts its sharded state
+    together on rank 0 halfway (as with torch's ZeroRedundancyOptimizer),
+    then goes on with a new shard_state optimizer that every rank loads
+    that whole state dict into."""
+    dist.init_process_group("gloo", init_method="file://" + init_file,
+                            rank=rank, world_size=2)
+    model = make_model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = AdamW(ddp.parameters(), lr=LR, address=address,
+                max_grad_norm=MAX_NORM, shard_state=True)
+    result = {"refused": []}
+
+    def refused():
+        try:
+            opt.state_dict()
+        except RuntimeError as e:
+            result["refused"].append(str(e))
+    refused()  # nothing put together yet
+    params = []
+    for step in range(STEPS):
+        if step == STEPS // 2:
+            opt.consolidate_state_dict(to=0)
+            if rank == 0:
+                result["state_dict"] = opt.state_dict()
+            else:
+                refused()  # put together on rank 0 only
+            whole = [result.get("state_dict")]
+            dist.broadcast_object_list(whole, src=0)
+            opt.close()
+            opt = AdamW(ddp.parameters(), lr=LR, address=address,
+                        max_grad_norm=MAX_NORM, shard_state=True)
+            opt.load_state_dict(whole[0])
+        opt.zero_grad()
+        loss_of(ddp, *batch(rank, step)).backward()
+        opt.step()
+        params.append([p.detach().clone() for p in model.parameters()])
+    result["params"] = params
+    torch.save(result, out % rank)
+    dist.barrier()
+    opt.close()
+    dist.destroy_process_group()
+
+
+def reference(state_at=None):
     """torch.optim.AdamW on one process over both ranks' batches (DDP's
-    gradient is the mean of the ranks'), clipped by clip_grad_norm_."""
+    gradient is the mean of the ranks'), clipped by clip_grad_norm_: the
+    parameters after each step, and with `state_at` also its state dict
+    before that step."""
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     out = []
+    state = None
     for step in range(STEPS):
+        if step == state_at:
+            state = copy.deepcopy(opt.state_dict())
         opt.zero_grad()
         loss = sum(loss_of(model, *batch(r, step)) for r in (0, 1)) / 2
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()
         out.append([p.detach().clone() for p in model.parameters()])
-    return out
+    return out if state_at is None else (out, state)
 
 
 def rel_err(a, b):
@@ -116,18 +166,22 @@ def rel_err(a, b):
 
 
 class ZeroDdpJob(unittest.TestCase):
-    def run_job(self, inf_step=None, checkpoint=False):
+    def run_job(self, inf_step=None, checkpoint=False, job=_zero_rank):
+        """Runs `job` on two processes: (rank, init file, daemon address,
+        output pattern), then _zero_rank's inf_step and checkpoint
+        directory. Returns each rank's saved result."""
         scratch = tempfile.mkdtemp(prefix="optimd-zero-")
         self.addCleanup(shutil.rmtree, scratch, True)
         out = os.path.join(scratch, "rank%d.pt")
         ckpt = os.path.join(scratch, "ckpt") if checkpoint else None
         if ckpt:
             os.makedirs(ckpt)
+        extra = (inf_step, ckpt) if job is _zero_rank else ()
         with Daemon(flags=["--rank_timeout_s=60"]) as daemon:
             mp.start_processes(
-                _zero_rank, nprocs=2, start_method="spawn",
-                args=(os.path.join(scratch, "init"), daemon.address, out,
-                      inf_step, ckpt))
+                job, nprocs=2, start_method="spawn",
+                args=(os.path.join(scratch, "init"), daemon.address,
+                      out) + extra)
         return [torch.load(out % r) for r in (0, 1)]
 
     def test_matches_torch_adamw_with_half_the_state_per_rank(self):
@@ -167,6 +221,38 @@ class ZeroDdpJob(unittest.TestCase):
             for a, b in zip(r["again"], r["params"][STEPS // 2:]):
                 for p, q in zip(a, b):
                     self.assertTrue(torch.equal(p, q))
+
+    def test_whole_state_put_together_and_loaded_as_torch_zero_does(self):
+        """consolidate_state_dict(to=0) gives rank 0 torch.optim.AdamW's
+        state dict of the whole model (the reference's, within the per-step
+        tolerance); every rank loading it into a new shard_state optimizer
+        goes on as the reference does; state_dict() before, or on another
+        rank, raises as torch's ZeroRedundancyOptimizer does."""
+        results = self.run_job(job=_consolidating_rank)
+        ref, ref_state = reference(state_at=STEPS // 2)
+        self.assertEqual(len(results[0]["refused"]), 1)
+        self.assertEqual(len(results[1]["refused"]), 2)
+        self.assertIn("consolidate_state_dict(to=1)",
+                      results[1]["refused"][1])
+        got = results[0]["state_dict"]
+        self.assertEqual(got["param_groups"][0]["params"],
+                         ref_state["param_groups"][0]["params"])
+        self.assertEqual(sorted(got["state"]), sorted(ref_state["state"]))
+        for i, want in ref_state["state"].items():
+            self.assertEqual(sorted(got["state"][i]), sorted(want))
+            self.assertEqual(float(got["state"][i]["step"]),
+                             float(want["step"]))
+            for kind in ("exp_avg", "exp_avg_sq"):
+                self.assertEqual(got["state"][i][kind].shape,
+                                 want[kind].shape)
+                self.assertLessEqual(rel_err(got["state"][i][kind],
+                                             want[kind]), TOLERANCE,
+                                     "%d %s" % (i, kind))
+        for step in range(STEPS):
+            for r in results:
+                err = max(rel_err(p, q)
+                          for p, q in zip(r["params"][step], ref[step]))
+                self.assertLessEqual(err, TOLERANCE, "step %d" % step)
 
 
 
@@ -228,7 +314,7 @@ class ZeroRequests(DaemonTestCase):
         self.addCleanup(shutil.rmtree, ckpt, True)
         for o in opts:
             o.save_checkpoint(ckpt)
-        with self.assertRaises(NotImplementedError):
+        with self.assertRaises(RuntimeError):
             opts[0].state_dict()
         # Rank 0 of three keeps a third: rank 0 of two's file does not fit.
         three = AdamW([torch.nn.Parameter(p.detach().clone())

@@ -218,16 +218,20 @@ def _same_kind(a, b):
         a.dtype == b.dtype and a.device == b.device
 
 
-def set_state_request(group_id, tensors, entries, slot_names):
+def set_state_request(group_id, tensors, entries, slot_names, ranges=None):
     """A SetStateRequest giving the group's steppable tensors the
     torch-format `entries` (one per tensor, None or {} for a parameter
     without state: its state slots `slot_names` zero, its step 0, as torch
     starts one). Entries without "step" (torch's SGD keeps none) count one
     step when they hold a state slot, none otherwise: SGD's first step
-    starts the momentum buffer from the gradient."""
+    starts the momentum buffer from the gradient. `ranges` (shard_state:
+    optimd._zero_state.part_ranges) gives each tensor only elements
+    [begin, end) of its memory order, the part its session keeps."""
     request = pb.SetStateRequest(group_id=group_id)
     own_steps = {}
-    for s, entry in zip(tensors, entries):
+    if ranges is None:
+        ranges = [(0, s.numel) for s in tensors]
+    for s, entry, (begin, end) in zip(tensors, entries, ranges):
         if s.frozen:
             continue
         entry = {k: v for k, v in (entry or {}).items() if v is not None}
@@ -237,10 +241,10 @@ def set_state_request(group_id, tensors, entries, slot_names):
             own_steps[s.name] = int(any(k in entry for k in slot_names))
         for kind in tuple(slot_names) + ("master",):
             if kind in entry:
-                add_blob(request, s.name, kind,
-                         memory_order(entry[kind].detach().cpu(), s.param))
+                add_blob(request, s.name, kind, memory_order(
+                    entry[kind].detach().cpu(), s.param)[begin:end])
             elif kind != "master":
-                add_blob(request, s.name, kind, torch.zeros(s.numel))
+                add_blob(request, s.name, kind, torch.zeros(end - begin))
     request.step = max(own_steps.values(), default=0)
     for name, own in own_steps.items():
         if own != request.step:

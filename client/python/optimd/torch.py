@@ -75,7 +75,7 @@ from optimd._names import ParamNames
 # Public as optimd.torch.tied_named_parameters(model).
 from optimd._names import tied_named_parameters  # noqa: F401
 from optimd._state import DTYPES, DaemonState, set_state_request
-from optimd import _secrets
+from optimd import _secrets, _zero_state
 from optimd._overlap import Overlap, assign_stages
 from optimd._step_flags import StepFlags
 from optimd.client import Client
@@ -193,6 +193,9 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         gradient_sharding = _zero_sharding(shard_state, gradient_sharding,
                                            world_size)
         self._shard_state = bool(shard_state)
+        # shard_state: the whole state put together on this rank by
+        # consolidate_state_dict, which state_dict() returns.
+        self._consolidated = None
         if shard_state and overlap:
             raise ValueError(
                 "optimd.torch: overlap=True releases parameters stage by "
@@ -765,11 +768,35 @@ class _DaemonOptimizer(torch.optim.Optimizer):
             raise NotImplementedError(
                 "optimd.torch: with shard_state=True each rank's daemon "
                 "session holds only its part of the optimizer state, so "
-                "optimizer.state and state_dict() are not available; save "
-                "and load it with save_checkpoint(directory) and "
-                "load_checkpoint(directory) on every rank (same world size)")
-        # Tensor by tensor in batches, so that no reply nears the daemon's
-        # per-reply limit.
+                "optimizer.state is not available; for the whole state call "
+                "consolidate_state_dict(to=0) on every rank, then "
+                "state_dict() on rank 0 (as with torch's "
+                "ZeroRedundancyOptimizer), or save_checkpoint(directory) on "
+                "every rank")
+        by_group = self._daemon_group_states()
+        out = {}
+        for g in self._groups:
+            gs = by_group[g["id"]]
+            if gs.step == 0:
+                continue
+            blobs = {}
+            for t in gs.tensors:
+                blobs.setdefault(t.tensor, {})[t.kind] = t
+            for s in g["tensors"]:
+                if s.frozen:
+                    continue
+                mine = blobs.get(s.name, {})
+                own = next(iter(mine.values())).step if mine else gs.step
+                entry = self._state_entry(s, own, {
+                    kind: _blob_tensor(t) for kind, t in mine.items()})
+                if entry is not None:
+                    out[s.param] = entry
+        return out
+
+    def _daemon_group_states(self):
+        """{group id: GroupState} of every group, with the state of each
+        tensor that is not frozen, fetched tensor by tensor in batches so
+        that no reply nears the daemon's per-reply limit."""
         names = [s.name for g in self._groups for s in g["tensors"]
                  if not s.frozen]
         by_group = {gs.group_id: gs for gs in
@@ -791,34 +818,59 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         for b in batches:
             for gs in self._client.get_state(tensor_names=b).groups:
                 by_group[gs.group_id].tensors.extend(gs.tensors)
-        out = {}
-        for g in self._groups:
-            gs = by_group[g["id"]]
-            if gs.step == 0:
+        return by_group
+
+    def _state_entry(self, s, own, flats):
+        """Tensor `s`'s torch-format entry from its own step count and its
+        state buffers ({kind: 1-D in memory order}); None when it was never
+        stepped (torch has no state for it then)."""
+        if own == 0 and s.numel:
+            return None
+        entry = {"step": torch.tensor(float(own))} \
+            if self._state_has_step else {}
+        for kind, flat in flats.items():
+            # fp32 and float64 parameters need no master in torch's format.
+            if kind == "master" and s.param.dtype in (torch.float32,
+                                                      torch.float64):
                 continue
-            blobs = {}
-            for t in gs.tensors:
-                blobs.setdefault(t.tensor, {})[t.kind] = t
-            for s in g["tensors"]:
-                if s.frozen:
-                    continue
-                mine = blobs.get(s.name, {})
-                own = next(iter(mine.values())).step if mine else gs.step
-                if own == 0 and s.numel:
-                    continue  # never stepped: torch has no state for it
-                entry = {"step": torch.tensor(float(own))} \
-                    if self._state_has_step else {}
-                for kind, t in mine.items():
-                    value = view_like(_blob_tensor(t), s.param).to(
-                        s.param.device)
-                    if kind == "master":
-                        # fp32 and float64 parameters need no master in
-                        # torch's format.
-                        if s.param.dtype in (torch.float32, torch.float64):
-                            continue
-                    entry[kind] = value
-                out[s.param] = entry
-        return out
+            entry[kind] = view_like(flat, s.param).to(s.param.device)
+        return entry
+
+    def consolidate_state_dict(self, to=0):
+        """shard_state=True: puts the whole optimizer state together on rank
+        `to`, whose state_dict() then returns it, as torch's
+        ZeroRedundancyOptimizer.consolidate_state_dict does. A collective:
+        every rank of the job calls it (through torch.distributed). Without
+        shard_state there is nothing to put together: state_dict() gives
+        the whole state on every rank."""
+        self._consolidated = None
+        if not self._shard_state:
+            return
+        dist = self._distributed("consolidate_state_dict")
+        self._sync_params()
+        parts = _zero_state.local_parts(
+            self._groups, self._daemon_group_states(), _blob_tensor)
+        rank = self._identity["rank"]
+        gathered = [None] * self._world_size if rank == to else None
+        dist.gather_object(parts, gathered, dst=to)
+        if rank == to:
+            state = _zero_state.assemble(self._groups, gathered,
+                                         self._world_size, self._state_entry)
+            self._consolidated = self._pack_state_dict(state)
+
+    def _distributed(self, what):
+        import torch.distributed as dist
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "optimd.torch: with shard_state=True %s needs the ranks to "
+                "exchange their parts of the state through "
+                "torch.distributed, which is not initialized" % what)
+        return dist
+
+    def _ranges(self, g):
+        """shard_state: this rank's part of each of group g's tensors."""
+        return _zero_state.part_ranges(g["tensors"], self._identity["rank"],
+                                       self._world_size)
 
     def _retired_state(self):
         """{param: entry} of the parameters taken out of their group, kept
@@ -837,11 +889,26 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         return entry if ref is not None and ref() is p else None
 
     def state_dict(self):
+        if self._shard_state:
+            # As torch's ZeroRedundancyOptimizer: the last whole state put
+            # together on this rank.
+            if self._consolidated is None:
+                raise RuntimeError(
+                    "optimd.torch: with shard_state=True the optimizer "
+                    "state is not put together on this rank (rank %d); call "
+                    "consolidate_state_dict(to=%d) on every rank first if "
+                    "you meant to save the whole state" % (
+                        self._identity["rank"], self._identity["rank"]))
+            return self._consolidated
         self._sync_params()
         return self._state_dict()
 
     def _state_dict(self):
-        state = self._fetch_state()
+        return self._pack_state_dict(self._fetch_state())
+
+    def _pack_state_dict(self, state):
+        """torch's state-dict format of {param: entry}: parameters by their
+        index across param_groups."""
         index = {}
         groups = []
         for group in self.param_groups:
@@ -871,6 +938,7 @@ class _DaemonOptimizer(torch.optim.Optimizer):
                                  "group that doesn't match the size of "
                                  "optimizer's group")
         saved_state = state_dict["state"]
+        masters = False
         for gi, (g, sg, mine) in enumerate(zip(groups, saved, self._groups)):
             for k, v in sg.items():
                 if k != "params":
@@ -886,7 +954,13 @@ class _DaemonOptimizer(torch.optim.Optimizer):
             self._client.set_state(set_state_request(
                 mine["id"], mine["tensors"],
                 [entries.get(id(s.param)) for s in mine["tensors"]],
-                slot_names=self._slot_names(g)))
+                slot_names=self._slot_names(g),
+                ranges=self._ranges(mine) if self._shard_state else None))
+            masters |= any("master" in (e or {}) for e in entries.values())
+        if masters:
+            # shard_state: each rank's masters set only its part of the
+            # parameters; the ranks exchange the parts.
+            self._share_parts()
         self._sent_hyper = None  # the next step sends them all again
         # New state, as torch's load makes new tensors: what was handed out
         # before is let go.
@@ -1027,25 +1101,16 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         the daemon's (CreateSessionRequest.shard_state)."""
         if not self._shard_state:
             return
-        import torch.distributed as dist
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(
-                "optimd.torch: with shard_state=True a load gives each rank "
-                "its own part of the parameters; the ranks exchange the "
-                "parts through torch.distributed, which is not initialized")
-        world = self._world_size
+        dist = self._distributed("a load")
         if self._flags is not None:
             torch.cuda.synchronize(self._device)
         for g in self._groups:
-            total = sum(s.numel for s in g["tensors"])
-            for r in range(world):
-                lo, hi = total * r // world, total * (r + 1) // world
-                start = 0
-                for s in g["tensors"]:
-                    b, e = max(start, lo), min(start + s.numel, hi)
+            for r in range(self._world_size):
+                ranges = _zero_state.part_ranges(g["tensors"], r,
+                                                 self._world_size)
+                for s, (b, e) in zip(g["tensors"], ranges):
                     if b < e:
-                        dist.broadcast(s.pflat[b - start:e - start], src=r)
-                    start += s.numel
+                        dist.broadcast(s.pflat[b:e], src=r)
 
     # Daemon access.
     @property
@@ -1119,9 +1184,13 @@ class AdamW(_DaemonOptimizer):
         part, and writes every rank's updated part into every rank's
         parameters before step() returns (CUDA: before the trainer's
         stream goes on), through NCCL on CUDA. Clipping uses the whole
-        gradient's norm. optimizer.state and state_dict() are not
-        available (each rank holds a part): use save_checkpoint and
-        load_checkpoint on every rank, with the same world size.
+        gradient's norm. As with torch's ZeroRedundancyOptimizer,
+        consolidate_state_dict(to=0) on every rank puts the whole state
+        together on rank 0 for its state_dict(), and load_state_dict(whole)
+        on every rank takes each rank's part; optimizer.state is not
+        available (each rank holds a part). save_checkpoint and
+        load_checkpoint on every rank keep the parts, for the same world
+        size.
       grad_scale: divide gradients by this (loss scaling) before use.
       skip_nonfinite: False (torch's semantics, the default): the daemon
         neither checks nor skips; an inf or NaN gradient reaches the update
