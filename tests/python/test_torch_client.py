@@ -315,6 +315,23 @@ class TorchClientTest(unittest.TestCase):
         self.assertEqual(open_sessions(), [])
         client.close()
 
+    def test_a_step_request_is_with_grpc_when_step_async_returns(self):
+        # gRPC takes a stream's requests on a Python thread of its own: a
+        # trainer that goes on with Python work right after step() must not
+        # hold its step back from the daemon (optimd._step_stream). Each
+        # request has left optimd's queue when step_async returns, and
+        # every reply comes, in order.
+        client = optimd.Client(self.daemon.address)
+        self.addCleanup(client.close)
+        client.create_session(self.id())
+        futures = []
+        for _ in range(20):
+            futures.append(client.step_async(assume_finite=True))
+            self.assertTrue(client._stream._requests.empty())
+        for f in futures:
+            self.assertEqual(f.result(timeout=30).known, True)
+        client.close_session()
+
     def test_a_starting_daemon_removes_dead_trainers_segments(self):
         # A trainer and the daemon killed together leave the trainer's
         # shared-memory segments behind: the next daemon removes them (a

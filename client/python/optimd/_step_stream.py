@@ -1,7 +1,15 @@
 """One StepStream call whose replies are read by a thread of their own.
 
 Requests go out in order; each gets a concurrent.futures.Future that the
-reader thread resolves with its reply, in order. A caller may wait for a
+reader thread resolves with its reply, in order.
+
+gRPC takes a stream's requests from its iterator on a Python thread of its
+own, which needs the GIL. A trainer's thread that goes on with Python work
+right after a step (the next forward launching its kernels) would keep it
+waiting for CPython's switch interval (5 ms) or longer, and the daemon
+would receive the step that late while the GPU waits for it. So `send`
+returns only once gRPC's thread has taken the request (a hand-off of a few
+microseconds while the caller waits and the GIL is free). A caller may wait for a
 reply at once (Client.step) or later (Client.step_async: a CUDA trainer
 whose streams are ordered by step flags need not wait at all). When the
 stream ends (the daemon ends it at the first failed step, or the
@@ -17,6 +25,10 @@ import grpc
 
 from optimd import errors
 
+# How often a sender waiting for gRPC's thread to take its request checks
+# whether the stream has ended meanwhile.
+_HANDOFF_CHECK_S = 0.05
+
 
 class StepStream:
     def __init__(self, stub, metadata, address, on_broken=None):
@@ -27,8 +39,7 @@ class StepStream:
         self._lock = threading.Lock()
         self._error = None
         self.replies_ok = 0
-        self._call = stub.StepStream(iter(self._requests.get, None),
-                                     metadata=metadata)
+        self._call = stub.StepStream(self._outgoing(), metadata=metadata)
         self._reader = threading.Thread(target=self._read, daemon=True,
                                         name="optimd-step-replies")
         self._reader.start()
@@ -39,15 +50,30 @@ class StepStream:
             return self._error is not None
 
     def send(self, request):
-        """Queues a request; returns the Future of its reply."""
+        """Hands a request to gRPC; returns the Future of its reply."""
         future = concurrent.futures.Future()
         with self._lock:
             if self._error is not None:
                 future.set_exception(self._error)
                 return future
             self._pending.append(future)
-        self._requests.put(request)
+        taken = threading.Event()
+        self._requests.put((request, taken))
+        # Until gRPC's thread has it, or the stream ended (then the reader
+        # thread fails the future).
+        while not taken.wait(_HANDOFF_CHECK_S) and not self.broken:
+            pass
         return future
+
+    def _outgoing(self):
+        """The requests, for gRPC's thread; each marked taken as it goes."""
+        while True:
+            item = self._requests.get()
+            if item is None:
+                return
+            request, taken = item
+            taken.set()
+            yield request
 
     def drain(self, timeout=None):
         """Waits until every request sent so far is answered (or failed)."""
