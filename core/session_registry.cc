@@ -29,10 +29,8 @@ bool SameSecret(const std::string& a, const std::string& b) {
   return diff == 0;
 }
 
-absl::StatusOr<SessionRegistry::Created> SessionRegistry::Create(
-    const SessionIdentity& identity, bool resume,
-    const std::string& ready_event, uint32_t trainer_pid,
-    const std::string& resume_secret, const std::string& nccl_unique_id) {
+absl::Status SessionRegistry::CheckIdentity(const SessionIdentity& identity,
+                                            const std::string& resume_secret) {
   if (resume_secret.size() > kMaxSecretBytes) {
     return absl::InvalidArgumentError(
         absl::StrCat("resume_secret is ", resume_secret.size(),
@@ -65,6 +63,14 @@ absl::StatusOr<SessionRegistry::Created> SessionRegistry::Create(
         GradientShardingName(identity.sharding),
         "): every rank registers its whole, all-reduced gradients"));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SessionRegistry::Created> SessionRegistry::Create(
+    const SessionIdentity& identity, bool resume,
+    const std::string& ready_event, uint32_t trainer_pid,
+    const std::string& resume_secret, const std::string& nccl_unique_id) {
+  OPTIMD_RETURN_IF_ERROR(CheckIdentity(identity, resume_secret));
   auto backend = BackendFor(identity.device);
   if (!backend.ok()) return backend.status();
   if (!nccl_unique_id.empty() && !NeedsDeviceJob(identity, **backend)) {
@@ -84,46 +90,13 @@ absl::StatusOr<SessionRegistry::Created> SessionRegistry::Create(
           " already has a session; pass resume=true to take it over after a "
           "trainer restart, or close it first"));
     }
-    auto old = by_token_.find(it->second);
-    if (!SameSecret(resume_secret, old->second->resume_secret())) {
-      return absl::PermissionDeniedError(absl::StrCat(
-          "job '", identity.job_id, "' rank ", identity.rank,
-          " has a session, and a resume must send the resume_secret it was "
-          "created with (",
-          resume_secret.empty() ? "none was sent" : "this one differs",
-          "); optimd.torch.AdamW keeps it in its secrets directory or takes "
-          "resume_secret="));
-    }
-    created.session = old->second;
+    OPTIMD_ASSIGN_OR_RETURN(
+        created.session, TakeOverLocked(identity, it->second, resume_secret));
     created.resumed = true;
-    by_token_.erase(old);
-    trainers_.erase(it->second);
-    created.session->SetOrphanedSince(0);
   } else {
-    if (by_token_.size() >= kMaxSessions) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "the daemon already holds ", by_token_.size(),
-          " sessions, its limit; close sessions that are no longer used"));
-    }
-    OPTIMD_ASSIGN_OR_RETURN(std::shared_ptr<RankExchange> exchange,
-                            ExchangeFor(identity, **backend));
-    std::string done_event;
-    auto context =
-        (*backend)->OpenSession(identity.device, ready_event, &done_event);
-    if (!context.ok()) return context.status();
-    created.session = std::make_shared<Session>(identity, *backend, budget_,
-                                                *std::move(context));
-    if (exchange != nullptr) {
-      exchange->Join(identity.rank);
-      created.session->set_rank_exchange(std::move(exchange), rank_timeout_);
-    }
-    created.session->set_done_event(done_event);
-    if (NeedsDeviceJob(identity, **backend)) {
-      Backend::DeviceJob job{identity.rank,     identity.world_size,
-                             identity.sharding, identity.shard_state,
-                             nccl_unique_id,    rank_timeout_};
-      OPTIMD_RETURN_IF_ERROR(created.session->JoinDeviceJob(job));
-    }
+    OPTIMD_ASSIGN_OR_RETURN(
+        created.session,
+        OpenLocked(identity, *backend, ready_event, nccl_unique_id));
     created.session->set_resume_secret(
         resume && !resume_secret.empty() ? resume_secret : NewSessionToken());
   }
@@ -131,6 +104,56 @@ absl::StatusOr<SessionRegistry::Created> SessionRegistry::Create(
   token_by_rank_[key] = created.token;
   trainers_[created.token].process = FindTrainerProcess(trainer_pid);
   return created;
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::TakeOverLocked(
+    const SessionIdentity& identity, const std::string& old_token,
+    const std::string& resume_secret) {
+  auto old = by_token_.find(old_token);
+  if (!SameSecret(resume_secret, old->second->resume_secret())) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "job '", identity.job_id, "' rank ", identity.rank,
+        " has a session, and a resume must send the resume_secret it was "
+        "created with (",
+        resume_secret.empty() ? "none was sent" : "this one differs",
+        "); optimd.torch.AdamW keeps it in its secrets directory or takes "
+        "resume_secret="));
+  }
+  std::shared_ptr<Session> session = old->second;
+  by_token_.erase(old);
+  trainers_.erase(old_token);
+  session->SetOrphanedSince(0);
+  return session;
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::OpenLocked(
+    const SessionIdentity& identity, Backend* backend,
+    const std::string& ready_event, const std::string& nccl_unique_id) {
+  if (by_token_.size() >= kMaxSessions) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the daemon already holds ", by_token_.size(),
+        " sessions, its limit; close sessions that are no longer used"));
+  }
+  OPTIMD_ASSIGN_OR_RETURN(std::shared_ptr<RankExchange> exchange,
+                          ExchangeFor(identity, *backend));
+  std::string done_event;
+  auto context =
+      backend->OpenSession(identity.device, ready_event, &done_event);
+  if (!context.ok()) return context.status();
+  auto session = std::make_shared<Session>(identity, backend, budget_,
+                                           *std::move(context));
+  if (exchange != nullptr) {
+    exchange->Join(identity.rank);
+    session->set_rank_exchange(std::move(exchange), rank_timeout_);
+  }
+  session->set_done_event(done_event);
+  if (NeedsDeviceJob(identity, *backend)) {
+    Backend::DeviceJob job{identity.rank,     identity.world_size,
+                           identity.sharding, identity.shard_state,
+                           nccl_unique_id,    rank_timeout_};
+    OPTIMD_RETURN_IF_ERROR(session->JoinDeviceJob(job));
+  }
+  return session;
 }
 
 bool SessionRegistry::NeedsDeviceJob(const SessionIdentity& identity,

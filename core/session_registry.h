@@ -139,6 +139,22 @@ class SessionRegistry {
       const SessionIdentity& identity, const Backend& backend)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  // The request's own checks, before anything is looked up: lengths, rank
+  // and world size, device, shard_state's needs.
+  static absl::Status CheckIdentity(const SessionIdentity& identity,
+                                    const std::string& resume_secret);
+  // A resume: the session of `old_token`, taken out of the maps under its
+  // old token (PERMISSION_DENIED, changing nothing, for a wrong secret).
+  absl::StatusOr<std::shared_ptr<Session>> TakeOverLocked(
+      const SessionIdentity& identity, const std::string& old_token,
+      const std::string& resume_secret) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A new session on `backend`, in its job's exchange or device job when
+  // its ranks agree on steps; not yet in the maps.
+  absl::StatusOr<std::shared_ptr<Session>> OpenLocked(
+      const SessionIdentity& identity, Backend* backend,
+      const std::string& ready_event, const std::string& nccl_unique_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   // Removes the session of `token` from every map.
   void EraseLocked(const std::string& token) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 };
