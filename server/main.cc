@@ -488,6 +488,48 @@ void AwaitShutdown(const sigset_t& signals,
   }
 }
 
+// One device worker per backend (GPUs come first, by device).
+std::vector<std::unique_ptr<optimd::DeviceWorker>> MakeWorkers(
+    const std::vector<std::unique_ptr<optimd::Backend>>& backends) {
+  std::vector<std::unique_ptr<optimd::DeviceWorker>> workers;
+  for (size_t d = 0; d < backends.size(); ++d) {
+    workers.push_back(std::make_unique<optimd::DeviceWorker>(
+        backends[d]->kind() == optimd::BackendKind::kCpu
+            ? std::string("optimd-cpu")
+            : absl::StrCat("optimd-gpu", d)));
+  }
+  return workers;
+}
+
+// The reaper of orphaned sessions (null with a negative --orphan_grace_s:
+// they are kept until evicted).
+std::unique_ptr<optimd::SessionReaper> StartReaper(
+    optimd::SessionRegistry& registry) {
+  if (absl::GetFlag(FLAGS_orphan_grace_s) < 0) return nullptr;
+  const absl::Duration grace =
+      absl::Seconds(absl::GetFlag(FLAGS_orphan_grace_s));
+  return std::make_unique<optimd::SessionReaper>(
+      &registry, grace,
+      std::min(absl::Seconds(1), grace / 4 + absl::Milliseconds(50)), Log);
+}
+
+// The HTTP metrics endpoint when --metrics_listen is set; non-zero (the
+// exit code, logged) when it cannot start.
+int StartMetricsHttp(const optimd::OptimizerServiceImpl& service,
+                     std::unique_ptr<optimd::MetricsHttpServer>* out) {
+  if (absl::GetFlag(FLAGS_metrics_listen).empty()) return 0;
+  auto started = optimd::MetricsHttpServer::Start(
+      absl::GetFlag(FLAGS_metrics_listen),
+      [&service] { return service.PrometheusText(); });
+  if (!started.ok()) {
+    Fail(std::string(started.status().message()));
+    return 2;
+  }
+  *out = *std::move(started);
+  Log(absl::StrCat("metrics on http port ", (*out)->port(), " (GET /metrics)"));
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -506,19 +548,13 @@ int main(int argc, char** argv) {
   if (backends.empty()) return 2;
   Listener listener;
   if (const int code = OpenListener(&listener); code != 0) return code;
-  // One device worker per backend.
   optimd::StateBudget budget(absl::GetFlag(FLAGS_max_state_bytes));
   std::vector<optimd::Backend*> backend_ptrs;
-  std::vector<std::unique_ptr<optimd::DeviceWorker>> workers;
+  for (const auto& b : backends) backend_ptrs.push_back(b.get());
+  std::vector<std::unique_ptr<optimd::DeviceWorker>> workers =
+      MakeWorkers(backends);
   std::vector<optimd::DeviceWorker*> worker_ptrs;
-  for (size_t d = 0; d < backends.size(); ++d) {
-    backend_ptrs.push_back(backends[d].get());
-    workers.push_back(std::make_unique<optimd::DeviceWorker>(
-        backends[d]->kind() == optimd::BackendKind::kCpu
-            ? std::string("optimd-cpu")
-            : absl::StrCat("optimd-gpu", d)));  // GPUs come first, by device
-    worker_ptrs.push_back(workers.back().get());
-  }
+  for (const auto& w : workers) worker_ptrs.push_back(w.get());
   optimd::SessionRegistry registry(backend_ptrs, &budget);
   registry.set_rank_timeout(
       absl::Seconds(std::max(0.0, absl::GetFlag(FLAGS_rank_timeout_s))));
@@ -532,26 +568,10 @@ int main(int argc, char** argv) {
       code != 0) {
     return code;
   }
-  std::unique_ptr<optimd::SessionReaper> reaper;
-  if (absl::GetFlag(FLAGS_orphan_grace_s) >= 0) {
-    const absl::Duration grace =
-        absl::Seconds(absl::GetFlag(FLAGS_orphan_grace_s));
-    reaper = std::make_unique<optimd::SessionReaper>(
-        &registry, grace,
-        std::min(absl::Seconds(1), grace / 4 + absl::Milliseconds(50)), Log);
-  }
+  std::unique_ptr<optimd::SessionReaper> reaper = StartReaper(registry);
   std::unique_ptr<optimd::MetricsHttpServer> metrics_http;
-  if (!absl::GetFlag(FLAGS_metrics_listen).empty()) {
-    auto started = optimd::MetricsHttpServer::Start(
-        absl::GetFlag(FLAGS_metrics_listen),
-        [&service] { return service.PrometheusText(); });
-    if (!started.ok()) {
-      Fail(std::string(started.status().message()));
-      return 2;
-    }
-    metrics_http = *std::move(started);
-    Log(absl::StrCat("metrics on http port ", metrics_http->port(),
-                     " (GET /metrics)"));
+  if (const int code = StartMetricsHttp(service, &metrics_http); code != 0) {
+    return code;
   }
 
   optimd::RefusalLog refusals(
