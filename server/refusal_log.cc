@@ -29,6 +29,19 @@ class RefusalInterceptor : public grpc::experimental::Interceptor {
   const std::string method_;
 };
 
+// The status's message; for gRPC's own UNIMPLEMENTED without one, what it
+// means: gRPC refuses so a call it could not read whole as well as an
+// unknown method.
+std::string Explained(const grpc::Status& status) {
+  if (status.error_code() == grpc::StatusCode::UNIMPLEMENTED &&
+      status.error_message().empty()) {
+    return "no such method, or its request was not received whole (gRPC's "
+           "request memory, --max_request_memory_bytes, ran short, or the "
+           "client broke off)";
+  }
+  return status.error_message();
+}
+
 }  // namespace
 
 void RefusalLog::Note(const std::string& method, const grpc::Status& status,
@@ -53,7 +66,7 @@ void RefusalLog::Note(const std::string& method, const grpc::Status& status,
           absl::StrCat("refused ", method, ": ",
                        absl::StatusCodeToString(
                            static_cast<absl::StatusCode>(status.error_code())),
-                       ": ", status.error_message().substr(0, 512));
+                       ": ", Explained(status).substr(0, 512));
     } else {
       ++suppressed_;
     }

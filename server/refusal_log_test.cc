@@ -24,5 +24,18 @@ TEST(RefusalLogTest, LogsUpToTheLimitThenCounts) {
             "80 more refused calls were not logged in the last window");
 }
 
+TEST(RefusalLogTest, GrpcsOwnEmptyUnimplementedIsExplained) {
+  std::vector<std::string> lines;
+  RefusalLog log([&](const std::string& s) { lines.push_back(s); });
+  log.Note("/optimd.v1.Optimizer/SetState",
+           grpc::Status(grpc::StatusCode::UNIMPLEMENTED, ""), absl::Now());
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_NE(lines[0].find("UNIMPLEMENTED: no such method, or its request was "
+                          "not received whole"),
+            std::string::npos)
+      << lines[0];
+  EXPECT_NE(lines[0].find("--max_request_memory_bytes"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace optimd

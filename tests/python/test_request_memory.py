@@ -1,14 +1,20 @@
 """The daemon's memory for calls being received is bounded as a whole
 (--max_request_memory_bytes, a gRPC ResourceQuota), not only per message:
 many large requests at once are refused with RESOURCE_EXHAUSTED and the
-daemon does not grow past the bound."""
+daemon does not grow past the bound. What a client is told then, and when
+its connection breaks while the daemon runs on."""
 import collections
+import os
+import shutil
+import socket
+import tempfile
 import threading
 import unittest
 
 import grpc
 import torch
 
+import optimd
 from optimd.testing import Daemon
 from optimd.torch import AdamW
 from optimd.v1 import optimd_pb2 as pb
@@ -76,6 +82,132 @@ class RequestMemoryTest(unittest.TestCase):
             opt.step()
             self.assertTrue(torch.all(p.detach() < 1))
             opt.close()
+
+    def test_a_request_refused_for_request_memory_says_so(self):
+        # gRPC resets a call its quota cannot hold before the daemon reads
+        # it: the client names the flag, and nothing changed.
+        with Daemon(flags=["--max_request_memory_bytes=262144"]) as d:
+            p = torch.nn.Parameter(torch.ones(1 << 20))
+            opt = AdamW([("w", p)], lr=0.1, address=d.address)
+            p.grad = torch.ones_like(p)
+            opt.step()
+            before = opt.state_dict()["state"][0]["exp_avg"].clone()
+            whole = opt.state_dict()
+            whole["state"][0]["exp_avg"] = torch.zeros_like(before)
+            with self.assertRaises(optimd.ResourceExhaustedError) as e:
+                opt.load_state_dict(whole)  # a 12 MiB SetState
+            self.assertIn("--max_request_memory_bytes", str(e.exception))
+            self.assertIn("Nothing was changed", str(e.exception))
+            self.assertTrue(torch.equal(
+                opt.state_dict()["state"][0]["exp_avg"], before))
+            opt.close()
+
+
+class UnixProxy:
+    """Forwards connections on a Unix socket of its own to the daemon's,
+    byte for byte; break_connections() closes those open now (a network
+    fault) while new ones are still taken."""
+
+    def __init__(self, target, path):
+        self.address = "unix:" + path
+        self._target = target
+        self._listener = socket.socket(socket.AF_UNIX)
+        self._listener.bind(path)
+        self._listener.listen(16)
+        self._open = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.socket(socket.AF_UNIX)
+            upstream.connect(self._target)
+            with self._lock:
+                self._open += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b),
+                                 daemon=True).start()
+
+    @staticmethod
+    def _pump(src, dst):
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def break_connections(self):
+        with self._lock:
+            broken, self._open = self._open, []
+        for s in broken:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def close(self):
+        self._listener.close()
+        self.break_connections()
+
+
+class BrokenConnectionTest(unittest.TestCase):
+    def test_a_broken_connection_is_not_reported_as_a_daemon_gone(self):
+        # Rank 0 reaches the daemon through a proxy; its step waits for
+        # rank 1 when the proxy breaks the connection. The client finds the
+        # daemon still answering and says so (not "state lost"); the
+        # session is still there.
+        scratch = tempfile.mkdtemp(prefix="optimd-proxy-")
+        self.addCleanup(shutil.rmtree, scratch, True)
+        with Daemon(flags=["--rank_timeout_s=60"]) as d:
+            proxy = UnixProxy(d.socket_path, os.path.join(scratch, "p.sock"))
+            self.addCleanup(proxy.close)
+            params = [torch.nn.Parameter(torch.ones(8)) for _ in (0, 1)]
+            opts = [AdamW([("w", params[r])], lr=0.1, job_id="proxied",
+                          address=(proxy.address, d.address)[r], rank=r,
+                          world_size=2, gradient_sharding="replicated")
+                    for r in (0, 1)]
+            for p in params:
+                p.grad = torch.ones(8)
+            failed = []
+
+            def rank0():
+                try:
+                    opts[0].step()
+                except optimd.OptimdError as e:
+                    failed.append(e)
+            t = threading.Thread(target=rank0)
+            t.start()
+            # The step stays unanswered until rank 1 steps, which it does
+            # not: the break comes while the call is in flight, whenever.
+            t.join(0.3)
+            proxy.break_connections()
+            t.join(30)
+            self.assertEqual(len(failed), 1)
+            self.assertIsInstance(failed[0], optimd.DaemonUnavailableError)
+            self.assertIn("the daemon still answers", str(failed[0]))
+            self.assertNotIn("is lost", str(failed[0]))
+            listed = optimd.Client(d.address)
+            self.addCleanup(listed.close)
+            ranks = {s.rank for s in listed.list_sessions().sessions
+                     if s.job_id == "proxied"}
+            self.assertEqual(ranks, {0, 1})
+            # Rank 1 leaving ends rank 0's step in the daemon (ABORTED), if
+            # it got there; rank 0 closes over a new connection.
+            opts[1].close()
+            opts[0].close()
 
 
 if __name__ == "__main__":

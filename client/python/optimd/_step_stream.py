@@ -31,9 +31,13 @@ _HANDOFF_CHECK_S = 0.05
 
 
 class StepStream:
-    def __init__(self, stub, metadata, address, on_broken=None):
+    def __init__(self, stub, metadata, address, on_broken=None,
+                 answers=None):
+        """answers(): whether the daemon still answers (asked when the
+        stream breaks, to tell a broken connection from a daemon gone)."""
         self._address = address
         self._on_broken = on_broken
+        self._answers = answers
         self._requests = queue.Queue()
         self._pending = collections.deque()
         self._lock = threading.Lock()
@@ -98,7 +102,8 @@ class StepStream:
             # Steps run within a session: a daemon that is unavailable now
             # went away under it.
             error = errors.from_rpc_error(err, self._address,
-                                          had_session=True)
+                                          had_session=True,
+                                          answers=self._answers)
         with self._lock:
             self._error = error
             pending = list(self._pending)

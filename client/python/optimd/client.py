@@ -216,7 +216,27 @@ class Client:
                 request, timeout=self.timeout, metadata=metadata)
         except grpc.RpcError as err:
             raise errors.from_rpc_error(
-                err, self.address, had_session=bool(self.token)) from None
+                err, self.address, had_session=bool(self.token),
+                answers=self.daemon_answers) from None
+
+    def daemon_answers(self, timeout=2.0):
+        """Whether the daemon answers a call now (GetMetrics, which needs no
+        session), over a connection of its own: after a failed call, tells a
+        broken connection from a daemon that went away."""
+        # A fresh channel over the Unix socket, free of the broken one's
+        # reconnection backoff; over TCP the session's own (its TLS
+        # credentials), which reconnects.
+        channel = grpc.insecure_channel(self.address) if \
+            self.address.startswith("unix:") else self._channel
+        try:
+            pb_grpc.OptimizerStub(channel).GetMetrics(
+                pb.GetMetricsRequest(), timeout=timeout)
+            return True
+        except grpc.RpcError:
+            return False
+        finally:
+            if channel is not self._channel:
+                channel.close()
 
     # Sessions.
     def create_session(self, job_id, rank=0, world_size=1, device=-1,
@@ -326,7 +346,7 @@ class Client:
                     callback(first, replies_ok, error)
             self._stream = StepStream(
                 self._stub, ((SESSION_METADATA_KEY, self.token),),
-                self.address, broken)
+                self.address, broken, answers=self.daemon_answers)
         self._streamed += 1
         return self._stream.send(request)
 

@@ -111,19 +111,38 @@ _BY_CODE = {
 }
 
 
-def from_rpc_error(err, address=None, had_session=False):
+def from_rpc_error(err, address=None, had_session=False, answers=None):
     """Turns a grpc.RpcError into the matching OptimdError. `had_session`:
     the call belonged to an open session, so an unavailable daemon went
-    away under it (and with it the state it held)."""
+    away under it (and with it the state it held) unless `answers()` (asked
+    only then) finds it still answering: then only the connection broke."""
     code = err.code() if hasattr(err, "code") else None
     details = err.details() if hasattr(err, "details") else str(err)
     cls = _BY_CODE.get(code, OptimdError)
-    if cls is DaemonUnavailableError and had_session:
+    if cls is DaemonUnavailableError and had_session and answers is not None \
+            and answers():
+        message = ("the connection to the optimd daemon at %s broke during "
+                   "the call (%s); the daemon still answers, so its sessions "
+                   "and their state are kept. The call may or may not have "
+                   "been applied (a step: the optimizer's state says); "
+                   "calls made now go over a new connection" %
+                   (address, details))
+    elif cls is DaemonUnavailableError and had_session:
         message = ("the optimd daemon at %s went away during the session "
                    "(%s): the optimizer state it held is lost unless it was "
                    "checkpointed (save_checkpoint) or saved at a clean stop "
                    "(--save_dir); restart it and resume (resume=True, or "
                    "load_checkpoint)" % (address, details))
+    elif cls is ResourceExhaustedError and "RST_STREAM" in (details or ""):
+        # gRPC's own memory bound refused the request before the daemon
+        # read it.
+        message = ("RESOURCE_EXHAUSTED: the daemon refused the call before "
+                   "reading it, for lack of request memory: its gRPC "
+                   "buffers for the calls in flight together would pass its "
+                   "--max_request_memory_bytes (%s). Nothing was changed; "
+                   "send smaller requests (fewer tensors per call) or start "
+                   "the daemon with a larger --max_request_memory_bytes" %
+                   details)
     elif cls is DaemonUnavailableError:
         where = " at %s" % address if address else ""
         message = ("no optimd daemon answers%s (%s); start one with "
