@@ -312,7 +312,7 @@ class Float64Parity(Base):
     def run64(self, cls, ref_cls, steps=40, skip_first=0, **kw):
         """Steps optimd's `cls` and `ref_cls` side by side on float64
         twins; parameter 2 gets its first gradient at step `skip_first`.
-        Returns the worst error over every step and both optimizers."""
+        Returns (opt, ref, ours, theirs, the worst error of any step)."""
         ours, theirs = self.twins64()
         start = [q.detach().abs().max().item() for q in theirs]
         opt = self.make(cls, ours, **kw)
