@@ -313,6 +313,25 @@ TEST(OptimizerCpuTest, Float64ScaleAndClipStayInDouble) {
   }
 }
 
+// A float64 parameter whose gradient or state is not float64 has no
+// kernel (ResolveLayout refuses it at registration): the dispatch stops
+// rather than step it in some other precision.
+TEST(OptimizerCpuTest, PartlyFloat64LayoutsAbort) {
+  const OptimizerHyper sgd = Sgd(0.1, 0.9);
+  std::vector<double> p = {1.0}, g = {0.5}, buf = {0.0};
+  TensorPointers ptrs;
+  ptrs.param = p.data();
+  ptrs.grad = g.data();
+  ptrs.state[0] = buf.data();
+  Layout grad32 = Float64Layout(sgd);
+  grad32.grad_dtype = DType::kFloat32;
+  EXPECT_DEATH(Step(sgd, grad32, ptrs, 1, 1), "no CPU kernel for layout");
+  const OptimizerHyper lion = Lion(0.1, 0);
+  Layout state32 = Float64Layout(lion);
+  state32.moment_dtype = DType::kFloat32;
+  EXPECT_DEATH(Step(lion, state32, ptrs, 1, 1), "no CPU kernel for layout");
+}
+
 // Scalars made for one optimizer never step another's layout.
 TEST(OptimizerCpuTest, MismatchedScalarsAbort) {
   const OptimizerHyper sgd = Sgd(0.1, 0.9);
