@@ -22,7 +22,8 @@ inline constexpr char kVersion[] = "0.5.0";
 // 8: CreateSessionRequest.shard_state (ZeRO-sharded state for DDP jobs).
 // 9: FP8 parameters (DTYPE_FLOAT8_E4M3FN, DTYPE_FLOAT8_E5M2,
 //    TensorSpec.fp8_recipe and scale_inv).
-inline constexpr uint32_t kApiRevision = 9;
+// 10: DTYPE_FLOAT64 parameters for SGD and Lion.
+inline constexpr uint32_t kApiRevision = 10;
 
 }  // namespace optimd
 

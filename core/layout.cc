@@ -63,7 +63,8 @@ absl::Status CheckBlock8(const std::string& tensor, DType moment_dtype,
 }
 
 // The float64 layout: parameter, gradient and moments all float64, no
-// master, AdamW; any other use of float64 is refused.
+// master, an optimizer with a float64 kernel; any other use of float64 is
+// refused.
 absl::Status CheckFloat64(const std::string& tensor, DType param_dtype,
                           DType grad_dtype, DType moment_dtype,
                           MasterRequest master, const OptimizerHyper& hyper) {
@@ -80,11 +81,9 @@ absl::Status CheckFloat64(const std::string& tensor, DType param_dtype,
   }
   if (!TakesFloat64(hyper.kind)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("tensor '", tensor,
-                     "': float64 parameters are stepped by AdamW (and "
-                     "Adam) only; ",
-                     OptimizerName(hyper.kind),
-                     " steps float32, bfloat16 and float16 parameters"));
+        absl::StrCat("tensor '", tensor, "': ", OptimizerName(hyper.kind),
+                     " has no float64 kernel; it steps float32, bfloat16 "
+                     "and float16 parameters"));
   }
   if (grad_dtype != DType::kFloat64) {
     return absl::InvalidArgumentError(

@@ -88,9 +88,9 @@ inline DType DefaultMomentDType(DType param_dtype) {
 //  - moments are fp32, bf16, or kBlock8 for AdamW without amsgrad
 //    (refused for other optimizers and amsgrad).
 //  - float64 goes all the way or not at all: a float64 parameter has a
-//    float64 gradient, float64 moments and no master, and is AdamW's
-//    (the only optimizer with a float64 kernel); float64 gradients or
-//    moments need a float64 parameter.
+//    float64 gradient, float64 moments and no master, and its optimizer
+//    has a float64 kernel (TakesFloat64: AdamW, SGD and Lion do); float64
+//    gradients or moments need a float64 parameter.
 // The optimizer and its state slots come from `hyper`.
 // FP8 parameters (IsFp8) are resolved with their recipe afterwards
 // (ResolveFp8Recipe).

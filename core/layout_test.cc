@@ -1,5 +1,7 @@
 #include "core/layout.h"
 
+#include <utility>
+
 #include "gtest/gtest.h"
 
 namespace optimd {
@@ -109,6 +111,30 @@ TEST(LayoutTest, Float64IsParamGradAndMomentsWithoutMaster) {
   }
 }
 
+// SGD (with and without momentum) and Lion take the float64 layout too,
+// with their state slots in float64.
+TEST(LayoutTest, SgdAndLionTakeFloat64) {
+  OptimizerHyper sgd;
+  sgd.kind = OptimizerKind::kSgd;
+  OptimizerHyper lion;
+  lion.kind = OptimizerKind::kLion;
+  OptimizerHyper momentum = sgd;
+  momentum.momentum = 0.9;
+  const std::pair<OptimizerHyper, uint64_t> cases[] = {
+      {sgd, 0}, {momentum, 8}, {lion, 8}};
+  for (const auto& [hyper, bytes] : cases) {
+    EXPECT_TRUE(TakesFloat64(hyper.kind));
+    auto l = ResolveLayout("w", F::kFloat64, F::kFloat64,
+                           DefaultMomentDType(F::kFloat64),
+                           MasterRequest::kDefault, false, hyper);
+    ASSERT_TRUE(l.ok()) << l.status();
+    EXPECT_EQ(l->optimizer, hyper.kind);
+    EXPECT_EQ(l->master, MasterKind::kNone);
+    EXPECT_EQ(l->moment_dtype, F::kFloat64);
+    EXPECT_EQ(l->StateBytesPerElement(), bytes) << OptimizerName(hyper.kind);
+  }
+}
+
 // Each refusal names the tensor and what to change.
 TEST(LayoutTest, Float64RefusalsSayWhy) {
   OptimizerHyper sgd;
@@ -133,8 +159,10 @@ TEST(LayoutTest, Float64RefusalsSayWhy) {
        OptimizerHyper(), "bfloat16 parameter"},
       {F::kFloat64, F::kFloat64, F::kFloat64, MasterRequest::kDefault, true,
        OptimizerHyper(), "keep_fp32 is for fp32"},
-      {F::kFloat64, F::kFloat64, F::kFloat64, MasterRequest::kDefault, false,
-       sgd, "AdamW (and Adam) only"},
+      {F::kFloat64, F::kFloat64, F::kBFloat16, MasterRequest::kDefault, false,
+       sgd, "keeps float64 moments"},
+      {F::kFloat64, F::kFloat64, F::kFloat64, MasterRequest::kFp32, false, sgd,
+       "no fp32 master"},
       {F::kFloat32, F::kFloat64, F::kFloat32, MasterRequest::kDefault, false,
        OptimizerHyper(), "float64 gradients need a float64 parameter"},
       {F::kBFloat16, F::kBFloat16, F::kFloat64, MasterRequest::kDefault, false,

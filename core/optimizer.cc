@@ -41,13 +41,13 @@ constexpr Traits kOptimizers[] = {
      {"momentum_buffer", "", ""},
      [](const OptimizerHyper& h) { return h.momentum != 0 ? 1 : 0; },
      [](const OptimizerHyper&) { return kNoBlock8Kernel; },
-     false},
+     true},
     {OptimizerKind::kLion,
      "lion",
      {"exp_avg", "", ""},
      [](const OptimizerHyper&) { return 1; },
      [](const OptimizerHyper&) { return kNoBlock8Kernel; },
-     false},
+     true},
 };
 
 const Traits* TraitsOf(OptimizerKind kind) {

@@ -74,7 +74,7 @@ absl::string_view StateSlotName(OptimizerKind kind, int slot);
 const char* Block8Refusal(const OptimizerHyper& h);
 
 // Whether the kernels of `kind` step float64 parameters (the float64
-// layout, core/layout.h): AdamW's do.
+// layout, core/layout.h): AdamW's, SGD's and Lion's do.
 bool TakesFloat64(OptimizerKind kind);
 
 // Every optimizer's state slot names, each once, in table order.

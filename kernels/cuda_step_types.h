@@ -115,9 +115,11 @@ struct DeviceGroupState {
 //     Work::missed) with the same arithmetic. The float64 layout reads the
 //     unrounded doubles instead: grad_mul_d, eps_d, decay_d, l2_d, beta1_d,
 //     beta2_d, and its bias corrections derived from lr and t.
-//   SGD: neg_lr, momentum, dampening_mul, l2 (weight decay), nesterov.
-//   Lion: beta1, beta2, omb1, omb2, decay, neg_lr.
-// Every optimizer: grad_mul, skip, t.
+//   SGD: neg_lr, momentum, dampening_mul, l2 (weight decay), nesterov;
+//     the float64 layout: lr, l2_d, momentum_d, dampening_mul_d, nesterov.
+//   Lion: beta1, beta2, omb1, omb2, decay, neg_lr; the float64 layout: lr,
+//     beta1_d, beta2_d, decay_d.
+// Every optimizer: grad_mul (grad_mul_d for the float64 layout), skip, t.
 struct DeviceScalars {
   float beta1, beta2, omb1, omb2, eps, decay, l2, bc2, rbc2, neg_step, grad_mul;
   float neg_lr, momentum, dampening_mul;
@@ -125,6 +127,7 @@ struct DeviceScalars {
   int32_t nesterov;
   double lr, beta1_d, beta2_d;
   double grad_mul_d, eps_d, decay_d, l2_d;  // the float64 layout's
+  double momentum_d, dampening_mul_d;       // SGD's float64 layout's
   uint64_t t;  // the group's step number (applied steps + 1)
   int32_t bias_correction;
   int32_t pad;

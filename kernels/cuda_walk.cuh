@@ -110,6 +110,18 @@ struct IsFp8Param : std::false_type {};
 template <const Fp8Format& F>
 struct IsFp8Param<Fp8Param<F>> : std::true_type {};
 
+// A tile lane's elements one by one (f(i) for each), for kernels that
+// read and write them singly (the float64 layout, which has no tile
+// codec): i..i+3 and i+128..i+131, LoadTile's order.
+template <class F>
+__device__ __forceinline__ void ForEachTileLaneElement(uint64_t i, F f) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    f(i + j);
+    f(i + kTileElements / 2 + j);
+  }
+}
+
 // Plain (weak, default-cached) global vector accesses. The compiler cannot
 // tell that a pointer read from a shared-memory descriptor is global: it
 // emitted generic accesses, and split some vector stores. Explicit

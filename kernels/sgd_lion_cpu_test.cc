@@ -1,6 +1,7 @@
 // SGD and Lion on the CPU: hand-computed steps, the dispatch through
-// step_cpu (first step, nesterov, maximize, missed steps), and the layouts
-// (a bf16 parameter with remainder equals an fp32 master bit for bit).
+// step_cpu (first step, nesterov, maximize, missed steps), the layouts
+// (a bf16 parameter with remainder equals an fp32 master bit for bit), and
+// the float64 layout (torch's float64 arithmetic bit for bit).
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -162,6 +163,173 @@ TEST(OptimizerCpuTest, RemainderEqualsFp32MasterBitForBit) {
       ASSERT_EQ(ma[i], mb[i]);
     }
   }
+}
+
+// The float64 layout: parameter, gradient and state slot float64, no
+// master.
+Layout Float64Layout(const OptimizerHyper& h) {
+  Layout l = LayoutOf(h, DType::kFloat64, MasterKind::kNone, DType::kFloat64);
+  l.grad_dtype = DType::kFloat64;
+  return l;
+}
+
+// A float64 tensor updated in place, with its reference copy.
+struct Float64Twin {
+  std::vector<double> p, g, buf, ref_p, ref_buf;
+  Float64Twin(int n, std::mt19937* rng)
+      : p(n), g(n), buf(n), ref_p(n), ref_buf(n) {
+    std::normal_distribution<double> normal;
+    for (int i = 0; i < n; ++i) ref_p[i] = p[i] = normal(*rng);
+  }
+  TensorPointers Ptrs() {
+    TensorPointers t;
+    t.param = p.data();
+    t.grad = g.data();
+    t.state[0] = buf.data();
+    return t;
+  }
+  // Elements whose low bits fp32 arithmetic would have lost.
+  int Wide() const {
+    int n = 0;
+    for (double x : p) n += x != static_cast<double>(static_cast<float>(x));
+    return n;
+  }
+};
+
+// torch.optim.SGD's single-tensor step on float64 values, written out as
+// torch 1.13 orders it (maximize negates the gradient first; alpha=a adds
+// a times the operand), with its scalars in double.
+void TorchSgdFloat64(const OptimizerHyper& h, bool first, double g, double& p,
+                     double& buf) {
+  double d = h.maximize ? -g : g;
+  if (h.weight_decay != 0) d = d + h.weight_decay * p;
+  if (h.momentum != 0) {
+    buf = first ? d : buf * h.momentum + (1 - h.dampening) * d;
+    d = h.nesterov ? d + h.momentum * buf : buf;
+  }
+  p = p + -h.lr * d;
+}
+
+// The float64 layout steps SGD in double with unrounded double scalars:
+// bit for bit torch's float64 arithmetic (both without FMA contraction),
+// for every option that changes the arithmetic, and not what fp32 would
+// give.
+TEST(SgdCpuTest, Float64LayoutStepsInDouble) {
+  constexpr int kN = 515;
+  std::mt19937 rng(13);
+  std::normal_distribution<double> normal;
+  for (const double momentum : {0.0, 0.9}) {
+    for (const double dampening : {0.0, 0.3}) {
+      for (const bool nesterov : {false, true}) {
+        if (nesterov && (momentum == 0 || dampening != 0)) continue;
+        for (const double wd : {0.0, 0.01}) {
+          for (const bool maximize : {false, true}) {
+            OptimizerHyper h = Sgd(0.0123, momentum, dampening, wd, nesterov);
+            h.maximize = maximize;
+            SCOPED_TRACE(testing::Message()
+                         << "momentum=" << momentum << " dampening="
+                         << dampening << " nesterov=" << nesterov
+                         << " wd=" << wd << " maximize=" << maximize);
+            const Layout l = Float64Layout(h);
+            EXPECT_EQ(l.state_slots, momentum != 0 ? 1 : 0);
+            Float64Twin t(kN, &rng);
+            TensorPointers ptrs = t.Ptrs();
+            if (momentum == 0) ptrs.state[0] = nullptr;
+            for (int step = 1; step <= 30; ++step) {
+              for (double& g : t.g) g = normal(rng);
+              Step(h, l, ptrs, kN, step);
+              for (int i = 0; i < kN; ++i) {
+                TorchSgdFloat64(h, step == 1, t.g[i], t.ref_p[i], t.ref_buf[i]);
+                ASSERT_EQ(t.p[i], t.ref_p[i])
+                    << "step " << step << " element " << i;
+                if (momentum != 0) {
+                  ASSERT_EQ(t.buf[i], t.ref_buf[i]) << "element " << i;
+                }
+              }
+            }
+            EXPECT_GT(t.Wide(), kN / 2);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Lion on float64 values as its paper writes it (and the Python tests'
+// reference does: decoupled decay, the sign of the interpolated momentum,
+// then the momentum update), in double.
+void LionFloat64(const OptimizerHyper& h, double g, double& p, double& m) {
+  const double d = h.maximize ? -g : g;
+  p = p * (1 - h.lr * h.weight_decay);
+  const double c = m * h.beta1 + (1 - h.beta1) * d;
+  const double sign = c > 0 ? 1.0 : c < 0 ? -1.0 : 0.0;
+  p = p + -h.lr * sign;
+  m = m * h.beta2 + (1 - h.beta2) * d;
+}
+
+TEST(LionCpuTest, Float64LayoutStepsInDouble) {
+  constexpr int kN = 515;
+  std::mt19937 rng(17);
+  std::normal_distribution<double> normal;
+  for (const double wd : {0.0, 0.1}) {
+    for (const bool maximize : {false, true}) {
+      OptimizerHyper h = Lion(0.00314, wd);
+      h.maximize = maximize;
+      SCOPED_TRACE(testing::Message()
+                   << "wd=" << wd << " maximize=" << maximize);
+      Float64Twin t(kN, &rng);
+      for (int step = 1; step <= 30; ++step) {
+        for (double& g : t.g) g = normal(rng);
+        Step(h, Float64Layout(h), t.Ptrs(), kN, step);
+        for (int i = 0; i < kN; ++i) {
+          LionFloat64(h, t.g[i], t.ref_p[i], t.ref_buf[i]);
+          ASSERT_EQ(t.p[i], t.ref_p[i]) << "step " << step << " element " << i;
+          ASSERT_EQ(t.buf[i], t.ref_buf[i]) << "element " << i;
+        }
+      }
+      EXPECT_GT(t.Wide(), kN / 2);
+    }
+  }
+}
+
+// The loss scale and the clip coefficient fold into the float64 gradient
+// as one double multiplier (0.5 / 3, which fp32 scalars would round).
+TEST(OptimizerCpuTest, Float64ScaleAndClipStayInDouble) {
+  for (const OptimizerHyper& h : {Sgd(0.5, 0.9), Lion(0.5, 0.1)}) {
+    std::vector<double> p = {1.0}, g = {3.0 / 7.0}, buf = {0.0};
+    TensorPointers ptrs;
+    ptrs.param = p.data();
+    ptrs.grad = g.data();
+    ptrs.state[0] = buf.data();
+    Step(h, Float64Layout(h), ptrs, 1, 1, /*scale=*/3, /*clip=*/0.5);
+    const double d = (3.0 / 7.0) * (0.5 / 3.0);
+    if (h.kind == OptimizerKind::kSgd) {
+      EXPECT_EQ(buf[0], d);
+      EXPECT_EQ(p[0], 1.0 + -0.5 * d);
+    } else {
+      EXPECT_EQ(buf[0], (1 - 0.99) * d);
+      EXPECT_EQ(p[0], 1.0 * (1 - 0.5 * 0.1) + -0.5);
+    }
+  }
+}
+
+// A float64 parameter whose gradient or state is not float64 has no
+// kernel (ResolveLayout refuses it at registration): the dispatch stops
+// rather than step it in some other precision.
+TEST(OptimizerCpuTest, PartlyFloat64LayoutsAbort) {
+  const OptimizerHyper sgd = Sgd(0.1, 0.9);
+  std::vector<double> p = {1.0}, g = {0.5}, buf = {0.0};
+  TensorPointers ptrs;
+  ptrs.param = p.data();
+  ptrs.grad = g.data();
+  ptrs.state[0] = buf.data();
+  Layout grad32 = Float64Layout(sgd);
+  grad32.grad_dtype = DType::kFloat32;
+  EXPECT_DEATH(Step(sgd, grad32, ptrs, 1, 1), "no CPU kernel for layout");
+  const OptimizerHyper lion = Lion(0.1, 0);
+  Layout state32 = Float64Layout(lion);
+  state32.moment_dtype = DType::kFloat32;
+  EXPECT_DEATH(Step(lion, state32, ptrs, 1, 1), "no CPU kernel for layout");
 }
 
 // Scalars made for one optimizer never step another's layout.

@@ -933,14 +933,20 @@ TEST_F(CudaBackendTest, AsynchronousStepsReportTheLastCompletedStep) {
 }
 
 // SGD (with and without momentum, dampening, Nesterov, weight decay,
-// maximize) and Lion on every layout equal the CPU reference bit for bit,
-// through a loss scale, a skipped step, and a tensor whose gradient is
-// absent for two steps and then back (it keeps its own step count: SGD's
-// momentum buffer starts at that tensor's first step).
+// maximize) and Lion on every layout, the float64 one included (four times,
+// so that SGD's four momentum variants meet it), equal the CPU reference
+// bit for bit, through a loss scale, a skipped step, and a tensor whose
+// gradient is absent for two steps and then back (it keeps its own step
+// count: SGD's momentum buffer starts at that tensor's first step).
 TEST_F(CudaBackendTest, SgdAndLionMatchTheCpuReferenceBitForBit) {
+  std::vector<LayoutCase> layouts = EveryLayout();
+  for (int i = 0; i < 4; ++i) {
+    layouts.push_back({DType::kFloat64, MasterRequest::kDefault,
+                       DType::kFloat64, DType::kFloat64});
+  }
   int combo = 0;
   for (OptimizerKind kind : {OptimizerKind::kSgd, OptimizerKind::kLion}) {
-    for (const LayoutCase& c : EveryLayout()) {
+    for (const LayoutCase& c : layouts) {
       ++combo;
       GroupSpec spec;
       spec.id = "g";
@@ -979,6 +985,66 @@ TEST_F(CudaBackendTest, SgdAndLionMatchTheCpuReferenceBitForBit) {
         s.options.grad_scale = step == 3 ? 128.0 : 1.0;
         twin.Step(s, /*exact=*/true);
       }
+    }
+  }
+}
+
+// SGD (momentum, Nesterov) and Lion over float64 tensors beside a float32
+// one in one group (state slots by default: float64 for float64
+// parameters), through gradients moved to buffers of another alignment, a
+// loss scale and a skipped step: bit for bit; with clipping and overrides
+// of the learning rate, momentum and betas, to 1e-12 (the norm's
+// summation order).
+TEST_F(CudaBackendTest, SgdAndLionFloat64TensorsMatchTheCpuReference) {
+  for (OptimizerKind kind : {OptimizerKind::kSgd, OptimizerKind::kLion}) {
+    SCOPED_TRACE(OptimizerName(kind));
+    std::vector<TensorPlan> ts =
+        RandomTensors(DType::kFloat64, DType::kFloat64, 6);
+    uint64_t end = 0;
+    for (const TensorPlan& t : ts) {
+      end =
+          std::max({end, t.param_off + t.numel * 8, t.grad_off + t.numel * 8});
+    }
+    end = (end + 63) / 64 * 64;
+    ts.push_back({"f32", 4099, DType::kFloat32, DType::kFloat32, end, end});
+    GroupSpec spec;
+    spec.id = "g";
+    spec.hyper.kind = kind;
+    spec.hyper.lr = kind == OptimizerKind::kSgd ? 1e-2 : 1e-3;
+    spec.hyper.weight_decay = 0.01;
+    spec.hyper.beta2 = 0.99;
+    if (kind == OptimizerKind::kSgd) {
+      spec.hyper.momentum = 0.9;
+      spec.hyper.nesterov = true;
+    }
+    spec.moment_dtype_default = true;
+    Twin twin(cpu_.get(), gpu_.get(), ts, spec, &rng_);
+    ASSERT_TRUE(twin.status().ok()) << twin.status();
+    for (int step = 1; step <= 6; ++step) {
+      SCOPED_TRACE(step);
+      if (step == 4) {
+        ASSERT_TRUE(twin.MoveGrads(8).ok());
+      }
+      twin.FillGrads(/*poison=*/step == 3);
+      StepRequestSpec s;
+      s.options.grad_scale = step == 5 ? 64.0 : 1.0;
+      twin.Step(s, /*exact=*/true);
+    }
+    EXPECT_EQ(twin.skipped_steps(), 1);
+    for (int step = 0; step < 4; ++step) {
+      twin.FillGrads(false);
+      StepRequestSpec s;
+      s.options.max_grad_norm = step % 2 ? 1.0 : 1e6;
+      HyperOverride o;
+      o.group_id = "g";
+      o.lr = spec.hyper.lr * (step + 1);
+      if (kind == OptimizerKind::kSgd) {
+        o.momentum = 0.8 + 0.05 * step;
+      } else {
+        o.beta1 = 0.85 + 0.02 * step;
+      }
+      s.overrides = {o};
+      twin.Step(s, /*exact=*/false);
     }
   }
 }

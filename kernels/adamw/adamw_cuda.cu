@@ -240,8 +240,7 @@ struct ChunkBias64 {
 
 // The update of a work block of the float64 layout: the CPU reference's
 // double arithmetic (IEEE division and square root, no contraction),
-// element by element; a tile lane's elements are i..i+3 and i+128..i+131
-// (LoadTile's order).
+// element by element (a tile lane's: ForEachTileLaneElement).
 template <bool kAms, bool kAdamW>
 struct Update64 : ChunkBias64 {
   __device__ __forceinline__ void One(const DeviceChunk& c, uint32_t k,
@@ -264,11 +263,7 @@ struct Update64 : ChunkBias64 {
     if constexpr (kAms) x[i] = xi;
   }
   __device__ void Tile(const DeviceChunk& c, uint32_t k, uint64_t i) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      One(c, k, i + j);
-      One(c, k, i + kTileElements / 2 + j);
-    }
+    ForEachTileLaneElement(i, [&](uint64_t e) { One(c, k, e); });
   }
   __device__ void Scalar(const DeviceChunk& c, uint32_t k, uint64_t i) {
     One(c, k, i);

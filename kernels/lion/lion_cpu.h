@@ -1,5 +1,6 @@
 // The CPU reference Lion step (Chen et al., 2023, "Symbolic Discovery of
-// Optimization Algorithms", Algorithm 2), per element, in fp32:
+// Optimization Algorithms", Algorithm 2), per element, in fp32 (in double
+// for the float64 layout):
 //   g = grad * grad_mul        (1/grad_scale, the clip coefficient and the
 //                               sign for maximize, folded)
 //   p = master or param
@@ -7,7 +8,9 @@
 //   c = m*beta1 + (1-beta1)*g
 //   p = p - lr*sign(c)         (sign(0) = 0)
 //   m = m*beta2 + (1-beta2)*g
-// The momentum m ("exp_avg") is stored in the group's moment dtype.
+// The momentum m ("exp_avg") is stored in the group's moment dtype. The
+// scalars are folded in double and rounded once to the compute type (not
+// at all for float64).
 #ifndef OPTIMD_KERNELS_LION_LION_CPU_H_
 #define OPTIMD_KERNELS_LION_LION_CPU_H_
 
@@ -19,17 +22,18 @@
 
 namespace optimd {
 
-// Per-step scalars of one group, already folded.
+// Per-step scalars of one group, already folded, in double; each kernel
+// rounds them to its compute type once (fp32, or none for float64).
 struct LionScalars {
-  float lr = 0;
-  float beta1 = 0;
-  float beta2 = 0;
-  float one_minus_beta1 = 0;
-  float one_minus_beta2 = 0;
-  // 1 - lr * weight_decay, in double then rounded.
-  float decay = 1;
+  double lr = 0;
+  double beta1 = 0;
+  double beta2 = 0;
+  double one_minus_beta1 = 0;
+  double one_minus_beta2 = 0;
+  // 1 - lr * weight_decay.
+  double decay = 1;
   // (maximize ? -1 : 1) * clip_coef / grad_scale.
-  float grad_mul = 1;
+  double grad_mul = 1;
 };
 
 // Folds hyperparameters, the loss scale and the clip coefficient (Lion has

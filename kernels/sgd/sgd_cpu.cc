@@ -7,22 +7,32 @@
 namespace optimd {
 namespace {
 
+// What SgdElement needs of the step's scalars, each rounded once to the
+// compute type C.
+template <class C>
+SgdElementScalarsT<C> ElementScalars(const SgdScalars& s) {
+  auto r = [](double x) { return static_cast<C>(x); };
+  return SgdElementScalarsT<C>{r(s.grad_mul), r(s.weight_decay),
+                               r(s.momentum), r(s.dampening_mul),
+                               -r(s.lr),      s.nesterov};
+}
+
 template <class P, class G, class M, MasterKind K, bool kMomentum>
 void SgdKernel(const TensorPointers& t, uint64_t begin, uint64_t end,
                const SgdScalars& s) {
+  using C = typename P::C;  // float, or double for the float64 layout
   const cpu::Weight<P, K> w(t);
   const auto* __restrict grad = static_cast<const typename G::T*>(t.grad);
   auto* __restrict buf = static_cast<typename M::T*>(t.state[0]);
-  const SgdElementScalars e{s.grad_mul,      s.weight_decay, s.momentum,
-                            s.dampening_mul, -s.lr,          s.nesterov};
+  const SgdElementScalarsT<C> e = ElementScalars<C>(s);
   const bool first = s.first;
   for (uint64_t i = begin; i < end; ++i) {
-    float b = 0.0f;
+    C b = C(0);
     if constexpr (kMomentum) {
       if (!first) b = M::Load(buf[i]);
     }
-    const float p =
-        SgdElement<kMomentum>(G::Load(grad[i]), w.Load(i), b, first, e);
+    const C p = SgdElement<kMomentum>(static_cast<C>(G::Load(grad[i])),
+                                      w.Load(i), b, first, e);
     if constexpr (kMomentum) buf[i] = M::Store(b);
     w.Store(i, p);
   }
@@ -34,6 +44,7 @@ struct SgdRange {
   const TensorPointers& t;
   uint64_t begin, end;
   const SgdScalars& s;
+  static constexpr bool kTakesFloat64 = true;
 
   template <class P, class G, class M, MasterKind K>
   void Run() {
@@ -49,14 +60,13 @@ struct SgdRange {
 SgdScalars MakeSgdScalars(const OptimizerHyper& h, uint64_t t,
                           double grad_scale, double clip_coef) {
   SgdScalars s;
-  s.lr = static_cast<float>(h.lr);
-  s.momentum = static_cast<float>(h.momentum);
-  s.dampening_mul = static_cast<float>(1.0 - h.dampening);
-  s.weight_decay = static_cast<float>(h.weight_decay);
+  s.lr = h.lr;
+  s.momentum = h.momentum;
+  s.dampening_mul = 1.0 - h.dampening;
+  s.weight_decay = h.weight_decay;
   s.nesterov = h.nesterov;
   s.first = t == 1;
-  s.grad_mul =
-      static_cast<float>(GradMultiplier(grad_scale, clip_coef, h.maximize));
+  s.grad_mul = GradMultiplier(grad_scale, clip_coef, h.maximize);
   return s;
 }
 

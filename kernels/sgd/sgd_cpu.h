@@ -1,5 +1,6 @@
 // The CPU reference SGD step (torch.optim.SGD semantics), per element, in
-// fp32:
+// fp32 (in double for the float64 layout, as torch steps float64
+// parameters):
 //   g = grad * grad_mul        (1/grad_scale, the clip coefficient and the
 //                               sign for maximize, folded)
 //   p = master or param
@@ -9,7 +10,8 @@
 //     g = nesterov ? g + momentum*b : b
 //   p = p - lr*g
 // The momentum buffer is stored in the group's moment dtype; the update
-// uses its unrounded value.
+// uses its unrounded value. The scalars are folded in double and rounded
+// once to the compute type (not at all for float64).
 #ifndef OPTIMD_KERNELS_SGD_SGD_CPU_H_
 #define OPTIMD_KERNELS_SGD_SGD_CPU_H_
 
@@ -21,18 +23,20 @@
 
 namespace optimd {
 
-// Per-step scalars of one group (or one tensor), already folded.
+// Per-step scalars of one group (or one tensor), already folded, in
+// double; each kernel rounds them to its compute type once (fp32, or none
+// for float64).
 struct SgdScalars {
-  float lr = 0;
-  float momentum = 0;
+  double lr = 0;
+  double momentum = 0;
   // 1 - dampening.
-  float dampening_mul = 1;
-  float weight_decay = 0;
+  double dampening_mul = 1;
+  double weight_decay = 0;
   bool nesterov = false;
   // The tensor's first step: the momentum buffer starts as the gradient.
   bool first = false;
   // (maximize ? -1 : 1) * clip_coef / grad_scale.
-  float grad_mul = 1;
+  double grad_mul = 1;
 };
 
 // Folds hyperparameters, the tensor's step number t (>= 1), the loss scale

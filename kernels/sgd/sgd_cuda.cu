@@ -1,7 +1,9 @@
 // The fused multi-tensor SGD update on CUDA: torch.optim.SGD's arithmetic
 // as kernels/sgd/sgd_cpu.h writes it, operation by operation (built with
-// -fmad=false), so results equal the CPU reference bit for bit.
+// -fmad=false), so results equal the CPU reference bit for bit; float64
+// layouts too, in double.
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/cuda_walk.cuh"
 #include "kernels/sgd/sgd_cuda.h"
@@ -33,10 +35,10 @@ __device__ __forceinline__ void UpdateN(const DeviceChunk& t, uint64_t i,
   StoreWeight<N, P, K>(t, i, p);
 }
 
-// The update of a work block; whether a chunk's tensor takes its first
-// step comes from its own step number (t minus the steps it missed).
-template <class P, class G, class M, MasterKind K, bool kMomentum>
-struct Update {
+// Whether each chunk of a work block takes its tensor's first step, from
+// the tensor's own step number (t minus the steps it missed). The walk's
+// Prepare.
+struct ChunkFirst {
   const DeviceScalars& s;
   const uint32_t* missed;
   bool* first;  // shared memory, one per chunk of the block
@@ -44,11 +46,44 @@ struct Update {
     if (threadIdx.x >= n) return;
     first[threadIdx.x] = s.t - missed[cs[threadIdx.x].entry] == 1;
   }
+};
+
+// The update of a work block.
+template <class P, class G, class M, MasterKind K, bool kMomentum>
+struct Update : ChunkFirst {
   __device__ void Tile(const DeviceChunk& c, uint32_t k, uint64_t i) {
     UpdateN<8, P, G, M, K, kMomentum>(c, i, s, first[k]);
   }
   __device__ void Scalar(const DeviceChunk& c, uint32_t k, uint64_t i) {
     UpdateN<1, P, G, M, K, kMomentum>(c, i, s, first[k]);
+  }
+};
+
+// The update of a work block of the float64 layout: the CPU reference's
+// double arithmetic with the unrounded scalars (no contraction), element
+// by element (a tile lane's: ForEachTileLaneElement).
+template <bool kMomentum>
+struct Update64 : ChunkFirst {
+  __device__ __forceinline__ void One(const DeviceChunk& c, uint32_t k,
+                                      uint64_t i) {
+    double* p = static_cast<double*>(c.param);
+    const double* g = static_cast<const double*>(c.grad);
+    double* buf = static_cast<double*>(c.state[0]);
+    const SgdElementScalarsT<double> e{s.grad_mul_d, s.l2_d,
+                                       s.momentum_d, s.dampening_mul_d,
+                                       -s.lr,        s.nesterov != 0};
+    double b = 0.0;
+    if constexpr (kMomentum) {
+      if (!first[k]) b = buf[i];
+    }
+    p[i] = SgdElement<kMomentum>(g[i], p[i], b, first[k], e);
+    if constexpr (kMomentum) buf[i] = b;
+  }
+  __device__ void Tile(const DeviceChunk& c, uint32_t k, uint64_t i) {
+    ForEachTileLaneElement(i, [&](uint64_t e) { One(c, k, e); });
+  }
+  __device__ void Scalar(const DeviceChunk& c, uint32_t k, uint64_t i) {
+    One(c, k, i);
   }
 };
 
@@ -58,7 +93,18 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 4)
   const DeviceScalars s = *scalars;
   if (s.skip) return;
   __shared__ bool first[kMaxChunksPerBlock];
-  Update<P, G, M, K, kMomentum> body{s, work.missed, first};
+  Update<P, G, M, K, kMomentum> body{{s, work.missed, first}};
+  Walk(work, body);
+}
+
+template <bool kMomentum>
+__global__ void __launch_bounds__(kThreadsPerBlock, 4)
+    SgdFloat64Kernel(const Work work,
+                     const DeviceScalars* __restrict__ scalars) {
+  const DeviceScalars s = *scalars;
+  if (s.skip) return;
+  __shared__ bool first[kMaxChunksPerBlock];
+  Update64<kMomentum> body{{s, work.missed, first}};
   Walk(work, body);
 }
 
@@ -77,10 +123,21 @@ struct SgdLaunch {
         <<<work.num_blocks, kThreadsPerBlock, 0, stream>>>(work, scalars);
     return LaunchStatus("SGD kernel launch");
   }
+  template <bool kMomentum>
+  absl::Status GoFloat64() {
+    SgdFloat64Kernel<kMomentum>
+        <<<work.num_blocks, kThreadsPerBlock, 0, stream>>>(work, scalars);
+    return LaunchStatus("SGD float64 kernel launch");
+  }
+  static constexpr bool kTakesFloat64 = true;
   template <class P, class G, class M, MasterKind K>
   absl::Status Run() {
-    if (layout.state_slots == 0) return Go<false, P, G, M, K>();
-    return Go<true, P, G, M, K>();
+    const bool momentum = layout.state_slots != 0;
+    if constexpr (std::is_same_v<P, F64>) {
+      return momentum ? GoFloat64<true>() : GoFloat64<false>();
+    } else {
+      return momentum ? Go<true, P, G, M, K>() : Go<false, P, G, M, K>();
+    }
   }
 };
 

@@ -226,9 +226,10 @@ class CudaEndToEnd(unittest.TestCase):
 
     def test_sgd_and_lion_give_the_cpu_reference_bits(self):
         # Parameters without a gradient now and then: SGD's momentum buffer
-        # starts at each tensor's own first step.
+        # starts at each tensor's own first step. float64 parameters are
+        # stepped in double on both backends.
         sometimes = lambda step, i: (step + i) % 7 == 3
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in (torch.float32, torch.bfloat16, torch.float64):
             with self.subTest(dtype=dtype):
                 self.run_both(dtype, steps=30, optimizer=SGD, momentum=0.9,
                               nesterov=True, weight_decay=0.01,

@@ -3,8 +3,8 @@ torch.optim.Adam, and optimd.torch.Lion against
 a reference written with torch ops (the published update), through the
 real daemon (CPU backend): every option, schedulers that change momentum,
 parameters whose first gradient comes late, state dicts both ways, layout
-changes and checkpoints. Inputs are fresh random values each run; the
-seed is printed.
+changes, checkpoints, and float64 parameters stepped in float64. Inputs
+are fresh random values each run; the seed is printed.
 """
 import itertools
 import os
@@ -273,6 +273,198 @@ class LionParity(Base):
         for p, q in zip(ours, mine):
             self.assertTrue(torch.equal(opt.state[p]["exp_avg"],
                                         back.state[q]["exp_avg"]))
+
+
+def float64_err(a, b, floor):
+    """The largest element error relative to the larger of the tensor's
+    scale now and `floor`, a scale that cannot vanish when the tensor
+    shrinks towards zero (weight decay, maximize): its scale before the
+    first step, or its values' standard deviation. A float64 bound then
+    stays a float64 bound."""
+    scale = max(b.double().abs().max().item(), floor)
+    return (a.double() - b.double()).abs().max().item() / scale
+
+
+# Per step, float64 against torch's float64 step: torch's own kernels may
+# fuse a multiply-add where the daemon rounds twice (a last-bit difference
+# per operation), so the bound is float64's precision times a margin for
+# the steps it accumulates over, far below what any fp32 step could reach
+# (about 1e-7).
+FLOAT64_TOL = 1e-12
+
+
+class Float64Parity(Base):
+    """float64 parameters are stepped in float64 with float64 state, as
+    torch steps them."""
+
+    def twins64(self):
+        ours = [torch.nn.Parameter(self.randn(*s).double()) for s in SHAPES]
+        return ours, [torch.nn.Parameter(p.detach().clone()) for p in ours]
+
+    def grads64(self, ours, theirs, skip=()):
+        for i, (p, q) in enumerate(zip(ours, theirs)):
+            if i in skip:
+                p.grad = q.grad = None
+                continue
+            g = self.randn(*p.shape).double() / 3  # a full double mantissa
+            p.grad, q.grad = g.clone(), g.clone()
+
+    def run64(self, cls, ref_cls, steps=40, skip_first=0, **kw):
+        """Steps optimd's `cls` and `ref_cls` side by side on float64
+        twins; parameter 2 gets its first gradient at step `skip_first`.
+        Returns (opt, ref, ours, theirs, the worst error of any step)."""
+        ours, theirs = self.twins64()
+        start = [q.detach().abs().max().item() for q in theirs]
+        opt = self.make(cls, ours, **kw)
+        ref = ref_cls(theirs, **kw)
+        worst = 0.0
+        for step in range(steps):
+            self.grads64(ours, theirs,
+                         skip=(2,) if step < skip_first else ())
+            opt.step()
+            ref.step()
+            for p, q, s in zip(ours, theirs, start):
+                self.assertEqual(p.dtype, torch.float64)
+                err = float64_err(p.detach(), q.detach(), s)
+                worst = max(worst, err)
+                self.assertLessEqual(err, FLOAT64_TOL,
+                                     "step %d %s" % (step, kw))
+        return opt, ref, ours, theirs, worst
+
+    def test_sgd_every_option_against_torch(self):
+        for momentum, dampening, nesterov, wd, maximize in itertools.product(
+                (0.0, 0.9), (0.0, 0.3), (False, True), (0.0, 0.01),
+                (False, True)):
+            if nesterov and (momentum == 0 or dampening != 0):
+                continue
+            kw = dict(lr=0.01, momentum=momentum, dampening=dampening,
+                      nesterov=nesterov, weight_decay=wd, maximize=maximize)
+            with self.subTest(**kw):
+                opt, ref, ours, theirs, worst = self.run64(
+                    SGD, torch.optim.SGD, skip_first=5, **kw)
+                for p, q in zip(ours, theirs):
+                    if momentum:
+                        buf = opt.state[p]["momentum_buffer"]
+                        self.assertEqual(buf.dtype, torch.float64)
+                        # The buffers hold sums of gradients of scale 1/3.
+                        self.assertLessEqual(float64_err(
+                            buf, ref.state[q]["momentum_buffer"], 1 / 3),
+                            FLOAT64_TOL)
+                    else:
+                        self.assertNotIn("momentum_buffer", opt.state[p])
+                print("float64 SGD momentum=%g dampening=%g nesterov=%d "
+                      "wd=%g maximize=%d: worst relative error %.2e" %
+                      (momentum, dampening, nesterov, wd, maximize, worst))
+
+    def test_lion_against_the_reference(self):
+        for wd, maximize in itertools.product((0.0, 0.1), (False, True)):
+            kw = dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=wd,
+                      maximize=maximize)
+            with self.subTest(**kw):
+                opt, ref, ours, theirs, worst = self.run64(
+                    Lion, LionReference, **kw)
+                for p, q in zip(ours, theirs):
+                    m = opt.state[p]["exp_avg"]
+                    self.assertEqual(m.dtype, torch.float64)
+                    self.assertLessEqual(
+                        float64_err(m, ref.state[q], 1 / 3), FLOAT64_TOL)
+                print("float64 Lion wd=%g maximize=%d: worst relative error "
+                      "%.2e" % (wd, maximize, worst))
+
+    def test_float32_and_float64_in_one_group(self):
+        # The daemon keeps a layout per tensor: torch's group of mixed
+        # dtypes steps each in its own precision.
+        for cls, ref_cls, kw in (
+                (SGD, torch.optim.SGD, dict(lr=0.01, momentum=0.9)),
+                (Lion, LionReference,
+                 dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1))):
+            with self.subTest(optimizer=cls.__name__):
+                ours64, theirs64 = self.twins64()
+                ours32, theirs32 = self.twins()
+                opt = self.make(cls, ours32 + ours64, **kw)
+                ref = ref_cls(theirs32 + theirs64, **kw)
+                for _ in range(20):
+                    self.grads(ours32, theirs32)
+                    self.grads64(ours64, theirs64)
+                    opt.step()
+                    ref.step()
+                self.assert_close(ours32, theirs32, 1e-5, "float32")
+                for p, q in zip(ours64, theirs64):  # standard normal
+                    self.assertLessEqual(float64_err(p.detach(), q.detach(),
+                                                     1.0), FLOAT64_TOL)
+                slot = "momentum_buffer" if cls is SGD else "exp_avg"
+                self.assertEqual(opt.state[ours32[0]][slot].dtype,
+                                 torch.float32)
+                self.assertEqual(opt.state[ours64[0]][slot].dtype,
+                                 torch.float64)
+
+    def test_sgd_state_dicts_move_both_ways(self):
+        kw = dict(lr=0.01, momentum=0.9, weight_decay=0.01)
+        opt, ref, ours, theirs, _ = self.run64(SGD, torch.optim.SGD,
+                                               steps=5, **kw)
+        # ours -> torch: a fresh torch optimizer goes on as ours does.
+        fresh = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+        other = torch.optim.SGD(fresh, **kw)
+        other.load_state_dict(opt.state_dict())
+        self.assertEqual(
+            other.state[fresh[0]]["momentum_buffer"].dtype, torch.float64)
+        # torch -> ours.
+        mine = [torch.nn.Parameter(q.detach().clone()) for q in theirs]
+        back = self.make(SGD, mine, **kw)
+        back.load_state_dict(ref.state_dict())
+        for _ in range(5):
+            g = [self.randn(*p.shape).double() for p in ours]
+            for params in (ours, theirs, fresh, mine):
+                for p, gi in zip(params, g):
+                    p.grad = gi.clone()
+            for o in (opt, ref, other, back):
+                o.step()
+        for a, b in ((fresh, theirs), (mine, theirs), (ours, theirs)):
+            for p, q in zip(a, b):  # standard normal parameters
+                self.assertLessEqual(
+                    float64_err(p.detach(), q.detach(), 1.0), FLOAT64_TOL)
+
+    def test_checkpoint_round_trip(self):
+        # A float64 session's checkpoint holds F64 tensors: loading it
+        # restores the bits, and it converts to torch's state dicts with
+        # float64 state.
+        from optimd.checkpoint import to_torch_state_dict
+        for cls, kw, slot in (
+                (SGD, dict(lr=0.01, momentum=0.9), "momentum_buffer"),
+                (Lion, dict(lr=1e-3, weight_decay=0.1), "exp_avg")):
+            with self.subTest(optimizer=cls.__name__):
+                ours, _ = self.twins64()
+                opt = self.make(cls, ours, **kw)
+                for _ in range(3):
+                    self.grads64(ours, ours)
+                    opt.step()
+                directory = tempfile.mkdtemp(prefix="optimd-f64-ckpt-")
+                opt.save_checkpoint(directory)
+                saved = [p.detach().clone() for p in ours]
+                state = [opt.state[p][slot].clone() for p in ours]
+                self.grads64(ours, ours)
+                opt.step()
+                opt.load_checkpoint(directory)
+                for p, w, b in zip(ours, saved, state):
+                    self.assertTrue(torch.equal(p.detach(), w))
+                    self.assertTrue(torch.equal(opt.state[p][slot], b))
+                sd, _, _ = to_torch_state_dict(
+                    os.path.join(directory, "rank-0.safetensors"))
+                for i, b in enumerate(state):
+                    self.assertEqual(sd["state"][i][slot].dtype,
+                                     torch.float64)
+                    self.assertTrue(torch.equal(sd["state"][i][slot], b))
+
+    def test_float64_state_must_stay_float64(self):
+        p = [torch.nn.Parameter(self.randn(4).double())]
+        for cls in (SGD, Lion):
+            with self.subTest(optimizer=cls.__name__):
+                with self.assertRaisesRegex(optimd.InvalidArgumentError,
+                                            "keeps float64 moments"):
+                    self.make(cls, p, lr=0.01, state_dtype=torch.bfloat16)
+                with self.assertRaisesRegex(optimd.InvalidArgumentError,
+                                            "no fp32 master"):
+                    self.make(cls, p, lr=0.01, master_weights=True)
 
 
 class DaemonRefusals(Base):

@@ -21,8 +21,8 @@ removed or unfrozen: a parameter taken out keeps its state for a return);
 lazy parameters once materialized; writes to optimizer.state, and state
 tensors held across steps (updated in place); parameters moved to another
 device or converted to bf16, fp16 or float64 after construction; float64
-parameters (AdamW and Adam: stepped in float64 with float64 moments, as
-torch steps them; exp_avg_dtype applies to the other dtypes); channels_last and
+parameters (stepped in float64 with float64 state, as torch steps them;
+exp_avg_dtype and state_dtype apply to the other dtypes); channels_last and
 other dense layouts (kept); sparse gradients (torch's RuntimeError);
 inf and NaN gradients, which reach the weights as in torch's step (with
 max_grad_norm, as after torch's clip_grad_norm_: a NaN norm makes every
@@ -37,8 +37,6 @@ differences"):
   * After model.double() the state is carried over cast to float64 (as
     torch's load_state_dict casts it), so the moments are float64 from
     then on; torch's own step would go on with float32 moments.
-  * SGD and Lion raise TypeError for float64 parameters (the daemon has a
-    float64 kernel for AdamW and Adam only).
   * A parameter listed twice in a group raises (torch steps it twice per
     step; the daemon keeps one state per tensor), unless under two names:
     a tied weight, registered once with the second name as its alias
@@ -218,8 +216,9 @@ class _DaemonOptimizer(torch.optim.Optimizer):
 
     # Whether the optimizer's state may be block8 (AdamW only).
     _takes_block8 = False
-    # Whether it steps float64 parameters (AdamW only: the daemon has a
-    # float64 kernel for AdamW alone).
+    # Whether it steps float64 parameters (the daemon's kernels for it take
+    # the float64 layout; a subclass whose kernels do not leaves it False,
+    # and float64 parameters raise TypeError before the daemon is asked).
     _takes_float64 = False
 
     @classmethod
@@ -474,8 +473,8 @@ class _DaemonOptimizer(torch.optim.Optimizer):
             if p.dtype == torch.float64 and not self._takes_float64:
                 raise TypeError(
                     "optimd.torch.%s steps float32, bfloat16 and float16 "
-                    "parameters; parameter %s is float64 (optimd.torch.AdamW "
-                    "and Adam step float64)" % (type(self).__name__, name))
+                    "parameters; parameter %s is float64" %
+                    (type(self).__name__, name))
             if p.is_sparse:
                 raise TypeError("optimd.torch does not support sparse "
                                 "parameters")
@@ -1342,12 +1341,17 @@ class SGD(_DaemonOptimizer):
     model), or torch 2.x's named_parameters(remove_duplicate=False)) is
     registered once, its other names kept as aliases that checkpoints list
     and exports load by (optimd/_names.py).
-    The CUDA backend does not run SGD yet (the daemon refuses the group).
+
+    float64 parameters are stepped in float64 with float64 momentum
+    buffers, as torch steps them (a group may mix them with float32 ones;
+    state_dtype applies to float32, bf16 and fp16 parameters), and
+    model.double() after construction is followed as AdamW follows it.
     """
 
     _kind = pb.OPTIMIZER_KIND_SGD
     _state_has_step = False
     _state_dtype_key = "state_dtype"
+    _takes_float64 = True
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0,
                  weight_decay=0.0, nesterov=False, *, maximize=False,
@@ -1424,12 +1428,17 @@ class Lion(_DaemonOptimizer):
     model), or torch 2.x's named_parameters(remove_duplicate=False)) is
     registered once, its other names kept as aliases that checkpoints list
     and exports load by (optimd/_names.py).
-    The CUDA backend does not run Lion yet (the daemon refuses the group).
+
+    float64 parameters are stepped in float64 with a float64 exp_avg (a
+    group may mix them with float32 ones; state_dtype applies to float32,
+    bf16 and fp16 parameters), and model.double() after construction is
+    followed as AdamW follows it.
     """
 
     _kind = pb.OPTIMIZER_KIND_LION
     _state_has_step = False
     _state_dtype_key = "state_dtype"
+    _takes_float64 = True
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0,
                  *, maximize=False,
