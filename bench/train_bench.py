@@ -337,7 +337,15 @@ def main():
                     help="a flag for the daemon (e.g. --cuda_graphs=false)")
     ap.add_argument("--clips", default="none,1.0",
                     help="which clip rows: none, 1.0, or both")
+    ap.add_argument("--queued_send", action="store_true",
+                    help="optimd's step requests queued for gRPC's thread "
+                         "without waiting for it to take them (how they "
+                         "were sent before; bench/step_handoff.py)")
     args = ap.parse_args()
+    if args.queued_send:
+        from optimd import _step_stream
+        from step_handoff import queued_send
+        _step_stream.StepStream.send = queued_send
     torch.backends.cuda.matmul.allow_tf32 = True
     rows = []
     saved = dict(os.environ)
