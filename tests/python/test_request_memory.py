@@ -85,21 +85,35 @@ class RequestMemoryTest(unittest.TestCase):
 
     def test_a_request_refused_for_request_memory_says_so(self):
         # gRPC resets a call its quota cannot hold before the daemon reads
-        # it: the client names the flag, and nothing changed.
-        with Daemon(flags=["--max_request_memory_bytes=262144"]) as d:
-            p = torch.nn.Parameter(torch.ones(1 << 20))
-            opt = AdamW([("w", p)], lr=0.1, address=d.address)
-            p.grad = torch.ones_like(p)
+        # it: the client names the flag, and nothing changed. (Replies count
+        # against the quota too: only the small tensor's state is read.)
+        with Daemon(flags=["--max_request_memory_bytes=%d" % (8 << 20)]) \
+                as d:
+            big = torch.nn.Parameter(torch.ones(4 << 20))
+            small = torch.nn.Parameter(torch.ones(8))
+            opt = AdamW([("big", big), ("small", small)], lr=0.1,
+                        address=d.address)
+            big.grad, small.grad = torch.ones_like(big), torch.ones(8)
             opt.step()
-            before = opt.state_dict()["state"][0]["exp_avg"].clone()
-            whole = opt.state_dict()
-            whole["state"][0]["exp_avg"] = torch.zeros_like(before)
+
+            def small_exp_avg():
+                state = opt.client.get_state(tensor_names=["small"])
+                return [t.data for t in state.groups[0].tensors
+                        if t.kind == "exp_avg"]
+            before = small_exp_avg()
+            group = {k: v for k, v in opt.param_groups[0].items()
+                     if k != "params"}
+            zeros = {"step": torch.tensor(1.0)}
+            whole = {"param_groups": [dict(group, params=[0, 1])],
+                     "state": {i: dict(zeros, exp_avg=torch.zeros_like(p),
+                                       exp_avg_sq=torch.zeros_like(p))
+                               for i, p in enumerate((big, small))}}
             with self.assertRaises(optimd.ResourceExhaustedError) as e:
-                opt.load_state_dict(whole)  # a 12 MiB SetState
+                opt.load_state_dict(whole)  # a 32 MiB SetState
             self.assertIn("--max_request_memory_bytes", str(e.exception))
             self.assertIn("Nothing was changed", str(e.exception))
-            self.assertTrue(torch.equal(
-                opt.state_dict()["state"][0]["exp_avg"], before))
+            self.assertEqual(small_exp_avg(), before)
+            self.assertNotEqual(before, [bytes(32)])
             opt.close()
 
 
