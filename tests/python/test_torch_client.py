@@ -33,6 +33,12 @@ def mlp():
                                torch.nn.Linear(32, 1))
 
 
+def inspect_parameters(cls):
+    """The names of the keyword arguments of `cls`'s constructor."""
+    import inspect
+    return inspect.signature(cls.__init__).parameters
+
+
 def scale_err(a, b, b0=None):
     """max |a - b| over the scale of b: its largest magnitude, or that of
     b0 (the same tensor earlier) where that is larger."""
@@ -314,6 +320,56 @@ class TorchClientTest(unittest.TestCase):
         gc.collect()
         self.assertEqual(open_sessions(), [])
         client.close()
+
+    def test_a_misspelt_keyword_raises_as_in_torch(self):
+        # Not a group key nobody reads: torch's own TypeError, word for
+        # word.
+        from optimd.torch import SGD, Adam, Lion
+        p = torch.nn.Parameter(torch.randn(4))
+        for ours, theirs, kw in ((AdamW, torch.optim.AdamW,
+                                  {"weight_deacy": 0.1}),
+                                 (Adam, torch.optim.Adam,
+                                  {"state_dtype": torch.bfloat16}),
+                                 (SGD, torch.optim.SGD, {"nesterv": True})):
+            with self.assertRaises(TypeError) as want:
+                theirs([p], lr=0.1, **kw)
+            with self.assertRaises(TypeError) as got:
+                self.make([p], lr=0.1, **kw) if ours is AdamW else ours(
+                    [p], lr=0.1, address=self.daemon.address, **kw)
+            self.assertEqual(str(got.exception), str(want.exception))
+        with self.assertRaises(TypeError) as got:
+            Lion([p], address=self.daemon.address, use_triton=True)
+        self.assertIn("unexpected keyword argument 'use_triton'",
+                      str(got.exception))
+
+    def test_decoupled_decay_switched_on_in_param_groups_is_followed(self):
+        # Adam's L2 decay for three steps, then AdamW's (a group edit, as
+        # torch.optim.Adam's decoupled_weight_decay, torch 2.6 and later):
+        # torch's Adam, then its AdamW from Adam's state, step by step.
+        from optimd.torch import Adam
+        ours, theirs = self.twin_models()
+        opt = Adam(ours.parameters(), lr=1e-2, weight_decay=0.1,
+                   address=self.daemon.address, job_id=self.id())
+        ref = torch.optim.Adam(theirs.parameters(), lr=1e-2,
+                               weight_decay=0.1)
+        key = ("decoupled_weight_decay" if "decoupled_weight_decay" in
+               inspect_parameters(torch.optim.Adam) else "adam_w_mode")
+        for step in range(6):
+            if step == 3:
+                opt.param_groups[0][key] = True
+                switched = torch.optim.AdamW(theirs.parameters(), lr=1e-2,
+                                             weight_decay=0.1)
+                switched.load_state_dict(ref.state_dict())
+                ref = switched
+            for p, q in zip(ours.parameters(), theirs.parameters()):
+                g = torch.randn(p.shape)
+                p.grad, q.grad = g.clone(), g.clone()
+            opt.step()
+            ref.step()
+            for p, q in zip(ours.parameters(), theirs.parameters()):
+                self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6,
+                                     "step %d" % step)
+        opt.close()
 
     def test_a_step_request_is_with_grpc_when_step_async_returns(self):
         # gRPC takes a stream's requests on a Python thread of its own: a

@@ -95,6 +95,10 @@ _SHARDING = {None: pb.GRADIENT_SHARDING_UNSPECIFIED,
              "sharded": pb.GRADIENT_SHARDING_SHARDED}
 
 
+# torch's switches between implementations of one step; optimd has its own.
+_IMPLEMENTATION_OPTIONS = ("foreach", "fused", "capturable", "differentiable")
+
+
 def _torch_defaults(cls):
     """The keyword defaults of the installed torch optimizer `cls`, so that
     our param_groups carry every key torch expects (state dicts move both
@@ -143,10 +147,14 @@ class _DaemonOptimizer(torch.optim.Optimizer):
       _slot_names(group): its state slots, in the daemon's order.
       _state_has_step: whether torch's state entries carry "step".
       _state_dtype_key: the group key of the state's dtype.
+      _torch_class: torch's optimizer of the same math, whose keyword
+        arguments (and their defaults in param_groups) are also taken;
+        None where torch has none.
     """
 
     _state_has_step = True
     _state_dtype_key = "exp_avg_dtype"
+    _torch_class = None
 
     def _start(self, params, defaults, *, address, job_id, rank, world_size,
                resume, max_grad_norm, grad_scale, skip_nonfinite, keep_fp32,
@@ -240,8 +248,16 @@ class _DaemonOptimizer(torch.optim.Optimizer):
                 "gradients now reach the weights as in torch's step by "
                 "default, and skip_nonfinite=True skips such steps" %
                 cls.__name__)
+        # Only what torch's own class takes: a misspelt keyword is an
+        # error, as in torch, never an ignored group key.
+        known = set(_IMPLEMENTATION_OPTIONS)
+        if cls._torch_class is not None:
+            known |= set(_torch_defaults(cls._torch_class))
+        for k in sorted(set(torch_options) - known):
+            raise TypeError("%s.__init__() got an unexpected keyword "
+                            "argument %r" % (cls.__name__, k))
         for k, v in torch_options.items():
-            if k in ("foreach", "fused", "capturable", "differentiable") and v:
+            if k in _IMPLEMENTATION_OPTIONS and v:
                 raise ValueError("optimd.torch.%s runs its own fused step; "
                                  "%s=%r is not supported" %
                                  (cls.__name__, k, v))
@@ -1274,7 +1290,7 @@ class AdamW(_DaemonOptimizer):
         h.beta1, h.beta2 = (float(b) for b in group["betas"])
         h.eps = float(group["eps"])
         h.weight_decay = float(group["weight_decay"])
-        h.mode = pb.ADAM_MODE_ADAMW if group.get("adam_w_mode", True) \
+        h.mode = pb.ADAM_MODE_ADAMW if _decoupled(group) \
             else pb.ADAM_MODE_ADAM
         h.bias_correction = bool(group.get("bias_correction", True))
         h.maximize = bool(group["maximize"])
@@ -1286,7 +1302,8 @@ class AdamW(_DaemonOptimizer):
                     weight_decay=float(group["weight_decay"]))
 
     def _layout_of(self, group):
-        return dict(amsgrad=group["amsgrad"], maximize=group["maximize"])
+        return dict(amsgrad=group["amsgrad"], maximize=group["maximize"],
+                    decoupled=_decoupled(group))
 
     def _slot_names(self, group):
         return ("exp_avg", "exp_avg_sq") + (
@@ -1301,6 +1318,14 @@ class AdamW(_DaemonOptimizer):
                 "state has no max_exp_avg_sq (torch.optim.AdamW's step "
                 "raises KeyError too); set amsgrad before the first step" %
                 gi)
+
+
+def _decoupled(group):
+    """Whether a group's weight decay is AdamW's: optimd's adam_w_mode, or
+    torch.optim.Adam's decoupled_weight_decay (torch 2.6 and later), which
+    makes Adam AdamW."""
+    return bool(group.get("adam_w_mode", True) or
+                group.get("decoupled_weight_decay", False))
 
 
 class Adam(AdamW):
@@ -1349,6 +1374,7 @@ class SGD(_DaemonOptimizer):
     """
 
     _kind = pb.OPTIMIZER_KIND_SGD
+    _torch_class = torch.optim.SGD
     _state_has_step = False
     _state_dtype_key = "state_dtype"
     _takes_float64 = True
@@ -1373,7 +1399,7 @@ class SGD(_DaemonOptimizer):
             raise ValueError(
                 "Nesterov momentum requires a momentum and zero dampening")
         self._check_options(torch_options, state_dtype)
-        defaults = _torch_defaults(torch.optim.SGD)
+        defaults = _torch_defaults(self._torch_class)
         defaults.update(torch_options)
         defaults.update(dict(
             lr=lr, momentum=momentum, dampening=dampening,
