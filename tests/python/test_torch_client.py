@@ -612,12 +612,11 @@ class TorchClientTest(unittest.TestCase):
                 opt.step()
         opt.close()
 
-    def test_model_converted_to_float64_is_followed(self):
-        # model.double() after construction and steps: the parameters are
-        # registered anew in float64 (float64 moments, no master) and the
-        # state carried over, cast to float64 as torch's load_state_dict
-        # casts it; from then on every step is a float64 step.
-        ours, theirs, opt, ref = self.fixed_seed_twins()
+    def steps_around_double(self, ours, theirs, opt, ref):
+        """Two steps of both twins, model.double() on both (torch's state
+        cast by its own load_state_dict), three float64 steps; then each
+        parameter is float64 and agrees with torch's to 1e-6 (the fp32
+        steps before the conversion)."""
         for _ in range(2):
             self.step_twins(opt, ref)
         ours.double()
@@ -632,8 +631,16 @@ class TorchClientTest(unittest.TestCase):
             ref.step()
         for p, q in zip(ours.parameters(), theirs.parameters()):
             self.assertEqual(p.dtype, torch.float64)
-            # The fp32 steps before the conversion agree to 1e-6.
             self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6)
+
+    def test_model_converted_to_float64_is_followed(self):
+        # model.double() after construction and steps: the parameters are
+        # registered anew in float64 (float64 moments, no master) and the
+        # state carried over, cast to float64 as torch's load_state_dict
+        # casts it; from then on every step is a float64 step.
+        ours, theirs, opt, ref = self.fixed_seed_twins()
+        self.steps_around_double(ours, theirs, opt, ref)
+        for p in ours.parameters():
             state = opt.state[p]
             self.assertEqual(float(state["step"]), 5)
             self.assertEqual(state["exp_avg"].dtype, torch.float64)
@@ -651,22 +658,8 @@ class TorchClientTest(unittest.TestCase):
                                address=self.daemon.address,
                                job_id=self.id() + "-sgd")
         ref = torch.optim.SGD(theirs.parameters(), lr=0.05, momentum=0.9)
-        for _ in range(2):
-            self.step_twins(opt, ref)
-        ours.double()
-        theirs.double()
-        ref.load_state_dict(ref.state_dict())  # torch's cast to float64
-        for _ in range(3):
-            for p, q in zip(opt.param_groups[0]["params"],
-                            ref.param_groups[0]["params"]):
-                g = torch.randn(p.shape, dtype=torch.float64)
-                p.grad, q.grad = g.clone(), g.clone()
-            opt.step()
-            ref.step()
+        self.steps_around_double(ours, theirs, opt, ref)
         for p, q in zip(ours.parameters(), theirs.parameters()):
-            self.assertEqual(p.dtype, torch.float64)
-            # The fp32 steps before the conversion agree to 1e-6.
-            self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6)
             buf = opt.state[p]["momentum_buffer"]
             self.assertEqual(buf.dtype, torch.float64)
             self.assertLessEqual(

@@ -89,7 +89,12 @@ def _zero_rank(rank, init_file, address, out, inf_step, ckpt):
             opt.step()
             again.append([p.detach().clone() for p in model.parameters()])
         result["again"] = again
-    torch.save(result, out % rank)
+    _finish(result, out % rank, opt)
+
+
+def _finish(result, path, opt):
+    """Saves a rank's result, then ends its part of the job."""
+    torch.save(result, path)
     dist.barrier()
     opt.close()
     dist.destroy_process_group()
@@ -133,10 +138,7 @@ def _consolidating_rank(rank, init_file, address, out):
         opt.step()
         params.append([p.detach().clone() for p in model.parameters()])
     result["params"] = params
-    torch.save(result, out % rank)
-    dist.barrier()
-    opt.close()
-    dist.destroy_process_group()
+    _finish(result, out % rank, opt)
 
 
 def reference(state_at=None):
