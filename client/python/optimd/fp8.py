@@ -94,8 +94,8 @@ class Fp8Parameter:
                          _round_up(numel) + _round_up(scale_bytes))
         nbytes = self._offsets[2] + grad_bytes
         if self.device.type == "cuda":
-            from optimd.torch import _CudaSegment
-            self._segment = _CudaSegment(max(nbytes, 64), self.device)
+            from optimd._cuda_segment import CudaSegment
+            self._segment = CudaSegment(max(nbytes, 64), self.device)
         else:
             self._segment = SharedSegment(max(nbytes, 64))
         seg = self._segment

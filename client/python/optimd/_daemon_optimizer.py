@@ -1,0 +1,790 @@
+"""The machinery behind the optimd.torch optimizers: _DaemonOptimizer, a
+torch.optim.Optimizer whose state lives in an optimd daemon session: the
+session, the registration of parameter groups in memory the daemon reaches,
+and the step. Its state dicts (_state_dicts.py) and checkpoints
+(_checkpoints.py) are mixins of their own; the optimizers themselves are in
+optimd/torch.py.
+"""
+import collections
+import inspect
+import operator
+import os
+import secrets
+import socket
+import sys
+import warnings
+import weakref
+
+import torch
+
+from optimd import _secrets, errors
+from optimd._checkpoints import Checkpoints
+from optimd._cuda_segment import CudaSegment
+from optimd._grads import GradRouter
+from optimd._jobs import (close_session, dist_identity, is_dtensor,
+                          shared_job_id, shared_nccl_id, zero_sharding)
+from optimd._layout import is_dense, memory_shape, view_like
+from optimd._names import ParamNames
+from optimd._overlap import Overlap, assign_stages
+from optimd._state import DTYPES, DaemonState, set_state_request
+from optimd._state_dicts import StateDicts
+from optimd._step_flags import StepFlags
+from optimd.client import Client
+from optimd.shm import SharedSegment, align
+from optimd.v1 import optimd_pb2 as pb
+
+# AdamW's exp_avg_dtype for blockwise 8-bit moments: 2 bytes per parameter
+# for both instead of 8 (fp32) or 4 (bf16); one fp32 scale per 256
+# elements (docs/block8_moments.md). Its state dicts hold fp32 moments.
+BLOCK8 = "block8"
+_MOMENT_DTYPES = {torch.float32: pb.DTYPE_FLOAT32,
+                  torch.bfloat16: pb.DTYPE_BFLOAT16,
+                  BLOCK8: pb.DTYPE_BLOCK8}
+# gradient_sharding= -> the API's GradientSharding.
+_SHARDING = {None: pb.GRADIENT_SHARDING_UNSPECIFIED,
+             "replicated": pb.GRADIENT_SHARDING_REPLICATED,
+             "sharded": pb.GRADIENT_SHARDING_SHARDED}
+
+
+# torch's switches between implementations of one step; optimd has its own.
+_IMPLEMENTATION_OPTIONS = ("foreach", "fused", "capturable", "differentiable")
+
+
+def _torch_defaults(cls):
+    """The keyword defaults of the installed torch optimizer `cls`, so that
+    our param_groups carry every key torch expects (state dicts move both
+    ways)."""
+    sig = inspect.signature(cls.__init__)
+    out = {}
+    for name, p in sig.parameters.items():
+        if name in ("self", "params") or p.default is inspect.Parameter.empty:
+            continue
+        out[name] = p.default
+    return out
+
+
+# The keywords every optimd.torch optimizer takes for the daemon's session
+# and step (not torch's hyperparameters): each constructor lists them in
+# its own signature and hands them on with _service_options(locals()).
+_SERVICE_OPTIONS = ("address", "job_id", "rank", "world_size", "resume",
+                    "max_grad_norm", "grad_scale", "skip_nonfinite",
+                    "keep_fp32", "overlap", "resume_secret", "timeout",
+                    "gradient_sharding", "shard_state")
+
+
+def _service_options(arguments):
+    """The service keywords among a constructor's `arguments` (locals())."""
+    return {k: arguments[k] for k in _SERVICE_OPTIONS}
+
+
+class _TensorEntry:
+    """Where one parameter lives in the group's shared segments."""
+
+    __slots__ = ("param", "name", "numel", "pview", "gview", "frozen",
+                 "group_id", "sent_ptr", "stage", "pflat")
+
+
+class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
+    """What every optimd.torch optimizer shares: the daemon session, the
+    parameters re-homed into memory it reaches, gradients, steps, state and
+    checkpoints. A subclass (AdamW, SGD, Lion) gives its optimizer's
+    hyperparameters:
+      _kind: the API's OptimizerKind.
+      _fill_hyper(h, group): a group's hyperparameters into the request.
+      _override_values(group): {field: value} a scheduler may change, sent
+        with the step when they do (GroupOverride fields).
+      _layout_of(group): what else a group registers with; a change
+        registers the group anew, keeping its state.
+      _slot_names(group): its state slots, in the daemon's order.
+      _state_has_step: whether torch's state entries carry "step".
+      _state_dtype_key: the group key of the state's dtype.
+      _torch_class: torch's optimizer of the same math, whose keyword
+        arguments (and their defaults in param_groups) are also taken;
+        None where torch has none.
+    """
+
+    _state_has_step = True
+    _state_dtype_key = "exp_avg_dtype"
+    _torch_class = None
+
+    def _start(self, params, defaults, *, address, job_id, rank, world_size,
+               resume, max_grad_norm, grad_scale, skip_nonfinite, keep_fp32,
+               overlap, resume_secret, timeout, gradient_sharding,
+               shard_state):
+        """The shared part of construction, once the subclass has checked
+        its arguments and made `defaults`."""
+        self._names = ParamNames()
+        params = self._strip_names(params)
+        self._ready = False
+        self._sent_hyper = None  # the hyperparameters the daemon has
+        self._groups = []  # per group: dict(id, tensors, segments, snapshot)
+        # State of parameters taken out of their group, for their return,
+        # and of lazy ones loaded before they are materialized:
+        # id(param) -> (weak reference to it, its state).
+        self._retired = {}
+        torch.optim.Optimizer.__init__(self, params, defaults)
+        self.state = DaemonState(self._fetch_daemon_state,
+                                 self._retired_state)
+        self.max_grad_norm = max_grad_norm
+        self._warned_rank_norm = False
+        self.grad_scale = grad_scale
+        self.skip_nonfinite = skip_nonfinite
+        self._keep_fp32 = {id(p) for p in keep_fp32}
+        self.skipped = False
+        self.grad_norm = None
+        # CUDA: wait for each step on the daemon to report its own norm and
+        # skipped flag (a host sync); otherwise they are of the last
+        # completed step.
+        self.wait_for_step = False
+        self._device = self._check_devices()
+        self._sharded = any(is_dtensor(p) for g in self.param_groups
+                            for p in g["params"])
+        # One session per optimizer object: two optimizers of one process
+        # (a GAN, a notebook cell run twice) never collide. resume=True
+        # needs the job id of the session to take over.
+        if gradient_sharding not in _SHARDING:
+            raise ValueError("gradient_sharding must be None, 'replicated' or "
+                             "'sharded', not %r" % (gradient_sharding,))
+        rank, world_size = dist_identity(rank, world_size)
+        self._world_size = world_size
+        gradient_sharding = zero_sharding(shard_state, gradient_sharding,
+                                           world_size)
+        self._shard_state = bool(shard_state)
+        # shard_state: the whole state put together on this rank by
+        # consolidate_state_dict, which state_dict() returns.
+        self._consolidated = None
+        if shard_state and overlap:
+            raise ValueError(
+                "optimd.torch: overlap=True releases parameters stage by "
+                "stage, before a step with shard_state=True has gathered "
+                "the other ranks' parts; use one or the other")
+        if job_id is None and gradient_sharding and world_size > 1:
+            job_id = shared_job_id()
+        job = job_id or "%s-%d-%s" % (socket.gethostname(), os.getpid(),
+                                      secrets.token_hex(4))
+        if gradient_sharding is not None:
+            # A step may wait for the other ranks up to the daemon's
+            # --rank_timeout_s (600 s by default): the call must outlast it.
+            timeout = max(timeout, 900.0)
+        self._identity = dict(address=address, timeout=timeout, job=job,
+                              rank=rank, world_size=world_size,
+                              overlap=overlap,
+                              sharding=_SHARDING[gradient_sharding],
+                              shard_state=self._shard_state)
+        self._open(resume, resume_secret)
+
+    # Whether the optimizer's state may be block8 (AdamW only).
+    _takes_block8 = False
+    # Whether it steps float64 parameters (the daemon's kernels for it take
+    # the float64 layout; a subclass whose kernels do not leaves it False,
+    # and float64 parameters raise TypeError before the daemon is asked).
+    _takes_float64 = False
+
+    @classmethod
+    def _check_options(cls, torch_options, state_dtype):
+        if isinstance(state_dtype, str) and state_dtype == BLOCK8:
+            if not cls._takes_block8:
+                raise ValueError(
+                    "optimd.torch.%s: block8 state is for AdamW/Adam "
+                    "moments only; use torch.float32 or torch.bfloat16"
+                    % cls.__name__)
+        elif state_dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError("the state dtype must be torch.float32 or "
+                            "torch.bfloat16%s, not %s" %
+                            (" or optimd.torch.BLOCK8"
+                             if cls._takes_block8 else "", state_dtype))
+        if "assume_finite" in torch_options:
+            raise TypeError(
+                "optimd.torch.%s: assume_finite is gone; non-finite "
+                "gradients now reach the weights as in torch's step by "
+                "default, and skip_nonfinite=True skips such steps" %
+                cls.__name__)
+        # Only what torch's own class takes: a misspelt keyword is an
+        # error, as in torch, never an ignored group key.
+        known = set(_IMPLEMENTATION_OPTIONS)
+        if cls._torch_class is not None:
+            known |= set(_torch_defaults(cls._torch_class))
+        for k in sorted(set(torch_options) - known):
+            raise TypeError("%s.__init__() got an unexpected keyword "
+                            "argument %r" % (cls.__name__, k))
+        for k, v in torch_options.items():
+            if k in _IMPLEMENTATION_OPTIONS and v:
+                raise ValueError("optimd.torch.%s runs its own fused step; "
+                                 "%s=%r is not supported" %
+                                 (cls.__name__, k, v))
+
+    def _open(self, resume, resume_secret):
+        """Opens (or resumes) the session on self._device and registers
+        every group."""
+        ident = self._identity
+        job, rank = ident["job"], ident["rank"]
+        self._client = Client(ident["address"], timeout=ident["timeout"])
+        # CUDA: the trainer's stream and the daemon's are ordered by step
+        # flags (_step_flags.py), so step() never waits for the daemon.
+        self._flags = None
+        self._overlap = None
+        self._pending = collections.deque()  # replies not yet looked at
+        if self._device.type == "cuda":
+            self._flags = StepFlags(self._device)
+            if ident["overlap"]:
+                self._overlap = Overlap(self, self._flags)
+            # Weakly: the client must not keep the optimizer alive (its
+            # session closes when the optimizer is collected).
+            method = weakref.WeakMethod(self._on_stream_broken)
+            self._client.on_stream_broken = \
+                lambda *a: method() is not None and method()(*a)
+        if resume and resume_secret is None:
+            resume_secret = _secrets.load(job, rank)
+        # A CUDA job's ranks form one NCCL communicator: rank 0's daemon
+        # makes its id, the trainers' process group carries it.
+        nccl_job = (self._device.type == "cuda" and ident["sharding"] and
+                    ident["world_size"] > 1)
+        nccl_id = shared_nccl_id(None) if nccl_job and rank != 0 else b""
+        reply = self._client.create_session(
+            job, rank=rank, world_size=ident["world_size"],
+            device=-1 if self._device.type == "cpu" else self._device.index,
+            resume=bool(resume), resume_secret=resume_secret or "",
+            gradient_sharding=ident["sharding"], nccl_unique_id=nccl_id,
+            shard_state=ident["shard_state"])
+        if nccl_job and rank == 0:
+            shared_nccl_id(reply.nccl_unique_id)
+        self.resumed = reply.resumed
+        # What a restarted trainer must present to resume this session.
+        self.resume_secret = reply.resume_secret
+        _secrets.store(job, rank, reply.resume_secret)
+        self._closer = weakref.finalize(self, close_session, self._client,
+                                        job, rank)
+        registered = set(reply.group_ids)
+        self._ready = True
+        try:
+            for gi, group in enumerate(self.param_groups):
+                self._register_group(gi, group,
+                                     existing=str(gi) in registered)
+            if self.resumed:
+                self._restore_after_resume()
+            elif reply.saved_state_dir:
+                # The daemon restarted and kept this session's state.
+                self._client.load_state(reply.saved_state_dir)
+                self._after_load()
+                self.resumed = True
+            elif resume and resume != "if_any":
+                raise errors.NotFoundError(
+                    "resume=True but the daemon at %s holds no session of "
+                    "job '%s' rank %d, live or saved at its last stop; pass "
+                    "resume='if_any' to start afresh when there is none" %
+                    (self._client.address, job, rank))
+        except BaseException:
+            # A constructor that fails leaves nothing in the daemon (a
+            # resumed session keeps the state it came for).
+            if self.resumed:
+                self._closer.detach()
+                self._client.close()
+            else:
+                self._closer()
+            raise
+
+    # Construction helpers.
+    def _strip_names(self, params):
+        """`params` without names (optimd/_names.py keeps them, and the
+        aliases of tied weights)."""
+        if isinstance(params, torch.Tensor):
+            raise TypeError("params argument given to the optimizer should be "
+                            "an iterable of Tensors or dicts, but got " +
+                            torch.typename(params))
+        return self._names.strip(params)
+
+    def _check_devices(self):
+        """The one device of every parameter; raises ValueError naming the
+        parameters of each device when they are on several."""
+        by_device = {}
+        for gi, g in enumerate(self.param_groups):
+            for pi, p in enumerate(g["params"]):
+                by_device.setdefault(p.device, []).append(
+                    self._names.get(id(p), "%d.%d" % (gi, pi)))
+        if len(by_device) > 1:
+            raise _several_devices_error(type(self).__name__, by_device)
+        device = next(iter(by_device), torch.device("cpu"))
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError("optimd.torch supports CPU and CUDA "
+                             "parameters, not %s" % device)
+        return device
+
+    def add_param_group(self, param_group):
+        if isinstance(param_group.get("params"), (list, tuple)):
+            param_group = dict(param_group)
+            param_group["params"] = self._strip_names(param_group["params"])
+        super().add_param_group(param_group)
+        if self._ready:
+            gi = len(self.param_groups) - 1
+            try:
+                self._check_devices()
+                self._register_group(gi, self.param_groups[gi],
+                                     existing=False)
+            except BaseException:
+                # Refused: the optimizer stays as it was, no group half
+                # added (one in param_groups that the daemon never steps).
+                self.param_groups.pop()
+                raise
+
+    def _group_request(self, gi, group, tensors, seg_p):
+        request = pb.RegisterGroupRequest(group_id=str(gi))
+        h = request.hyperparameters
+        h.optimizer = self._kind
+        self._fill_hyper(h, group)
+        mw = group.get("master_weights")
+        if group.get("store_param_remainders"):
+            request.layout.master_weights = pb.MASTER_WEIGHTS_REMAINDER
+        elif mw is True:
+            request.layout.master_weights = pb.MASTER_WEIGHTS_FP32
+        elif mw is False:
+            request.layout.master_weights = pb.MASTER_WEIGHTS_NONE
+        state_dtype = group.get(self._state_dtype_key, torch.float32)
+        # float32 (the default) is left unspecified: the daemon then keeps
+        # a float64 parameter's moments in float64, as torch does.
+        request.layout.moment_dtype = (
+            pb.DTYPE_UNSPECIFIED if state_dtype is torch.float32
+            else _MOMENT_DTYPES[state_dtype])
+        assign_stages([s for s, _ in tensors])
+        if self._overlap is not None:
+            self._overlap.set_stages([s for s, _ in tensors])
+        for s, p_off in tensors:
+            t = request.tensors.add(name=s.name, numel=s.numel,
+                                    param_dtype=DTYPES[s.param.dtype],
+                                    keep_fp32=id(s.param) in self._keep_fp32,
+                                    frozen=s.frozen,
+                                    shape=memory_shape(s.param),
+                                    stage=s.stage,
+                                    aliases=self._names.aliases_of(s.param))
+            if not s.frozen:
+                # Steps tell the daemon where gradients are (_grads.py).
+                t.grad_dtype = DTYPES[s.param.dtype]
+                t.grad_absent = True
+            if s.numel:
+                nbytes = s.numel * s.param.element_size()
+                t.param.CopyFrom(seg_p.handle(p_off, nbytes))
+        return request
+
+    def _register_group(self, gi, group, existing, replace=False):
+        self._check_group(gi, group)
+        tensors = []
+        p_bytes = 0
+        for pi, p in enumerate(group["params"]):
+            if _is_lazy(p):
+                # Not materialized yet (a lazy module before its first
+                # forward): absent, without state, as torch has it, until
+                # _sync_structure finds it materialized.
+                continue
+            s = _TensorEntry()
+            s.param = p
+            s.name = self._names.get(id(p), "group%d.param%d" % (gi, pi))
+            s.numel = p.numel()
+            s.frozen = not p.requires_grad
+            s.group_id = str(gi)
+            s.gview = None
+            s.sent_ptr = 0
+            tensors.append((s, p_bytes))
+            p_bytes += align(s.numel * p.element_size())
+        if self._device.type == "cuda":
+            seg_p = CudaSegment(max(p_bytes, 64), self._device)
+        else:
+            seg_p = SharedSegment(max(p_bytes, 64))
+        for s, p_off in tensors:
+            p = s.param
+            s.pflat = seg_p.tensor(p_off, s.numel, p.dtype)
+            s.pview = view_like(s.pflat, p)
+            s.pview.copy_(p.detach())
+            p.data = s.pview
+        request = self._group_request(gi, group, tensors, seg_p)
+        if existing:
+            update = pb.UpdateBuffersRequest(group_id=str(gi))
+            for t in request.tensors:
+                if t.numel:
+                    update.tensors.add(name=t.name, param=t.param,
+                                       grad_absent=not t.frozen)
+            self._client.update_buffers(update)
+        else:
+            self._client.register_group(request)
+        g = dict(id=str(gi), tensors=[s for s, _ in tensors],
+                 segments=[seg_p, None],
+                 snapshot=self._layout_of(group),
+                 request=request,
+                 # What _sync_structure compares the group with each step.
+                 param_ids=[id(p) for p in group["params"]],
+                 frozen=[s.param for s, _ in tensors if s.frozen],
+                 lazy=[p for p in group["params"] if _is_lazy(p)])
+        if replace:
+            self._groups[gi] = g
+        else:
+            self._groups.append(g)
+        if self._device.type == "cpu":
+            self._flat_grads(g["id"])  # the daemon reads shared memory only
+        self._index_buffers()
+
+    def _check_group(self, gi, group):
+        """Raises for a group the daemon cannot step, before anything of it
+        is registered."""
+        if len({id(p) for p in group["params"]}) != len(group["params"]):
+            raise ValueError(
+                "parameter group %d holds a parameter twice; torch steps it "
+                "twice per step, optimd.torch refuses: list each "
+                "parameter once" % gi)
+        for pi, p in enumerate(group["params"]):
+            if _is_lazy(p):
+                continue
+            name = self._names.get(id(p), "%d.%d" % (gi, pi))
+            if p.dtype not in DTYPES:
+                raise TypeError(
+                    "optimd.torch supports float32, bfloat16, float16 and "
+                    "float64 parameters; parameter %s is %s" %
+                    (name, p.dtype))
+            if p.dtype == torch.float64 and not self._takes_float64:
+                raise TypeError(
+                    "optimd.torch.%s steps float32, bfloat16 and float16 "
+                    "parameters; parameter %s is float64" %
+                    (type(self).__name__, name))
+            if p.is_sparse:
+                raise TypeError("optimd.torch does not support sparse "
+                                "parameters")
+            if p.numel() and not is_dense(p):
+                raise _not_dense_error(name, p)
+
+    def _flat_grads(self, group_id):
+        """The group's flat gradient segment, made on first use, with a
+        view per steppable tensor (CPU: where gradients are copied for the
+        daemon; both: where zero_grad(set_to_none=False) puts them)."""
+        g = self._groups[int(group_id)]
+        if g["segments"][1] is not None:
+            return g["segments"][1]
+        offsets, g_bytes = [], 0
+        for s in g["tensors"]:
+            offsets.append(g_bytes)
+            if not s.frozen:
+                g_bytes += align(s.numel * s.param.element_size())
+        if self._device.type == "cuda":
+            seg_g = CudaSegment(max(g_bytes, 64), self._device)
+        else:
+            seg_g = SharedSegment(max(g_bytes, 64))
+        for s, off in zip(g["tensors"], offsets):
+            if not s.frozen:
+                s.gview = view_like(
+                    seg_g.tensor(off, s.numel, s.param.dtype), s.param)
+        g["segments"][1] = seg_g
+        return seg_g
+
+    def _restore_after_resume(self):
+        """A restarted trainer: write the daemon's weights into our buffers."""
+        try:
+            self._client.get_params()
+        except errors.FailedPreconditionError:
+            # Remainder layouts: the bf16 half lived in the dead trainer.
+            pass
+
+    # The step.
+    def _index_buffers(self):
+        """Flat lists for the per-step check that nothing moved."""
+        self._params_flat = [s.param for g in self._groups
+                             for s in g["tensors"] if s.numel]
+        self._pptrs_flat = [s.pview.data_ptr() for g in self._groups
+                            for s in g["tensors"] if s.numel]
+        self._router = GradRouter(
+            [s for g in self._groups for s in g["tensors"]], self._device,
+            self._flat_grads)
+
+    def _sync_structure(self):
+        """A group whose parameters were added or removed since it was
+        registered (param_groups[i]["params"] edited), or which has a
+        parameter frozen then and trained now, or a lazy one materialized
+        since, is registered anew over its current parameters, keeping the
+        state of those it had (torch picks such changes up at its next
+        step)."""
+        for gi, (g, group) in enumerate(zip(self._groups, self.param_groups)):
+            same = list(map(id, group["params"])) == g["param_ids"]
+            unfrozen = any(map(_requires_grad, g["frozen"])) and any(
+                p.requires_grad and p.grad is not None for p in g["frozen"])
+            materialized = g["lazy"] and not all(map(_is_lazy, g["lazy"]))
+            if same and not unfrozen and not materialized:
+                continue
+            self._check_group(gi, group)  # before it is unregistered
+            state = self._fetch_state()
+            # A parameter taken out keeps its state for a return, as in
+            # torch (whose state is keyed by the parameter).
+            kept = {id(p) for p in group["params"]}
+            for s in g["tensors"]:
+                if id(s.param) not in kept and s.param in state:
+                    self._retired[id(s.param)] = (weakref.ref(s.param),
+                                                  state[s.param])
+            self._client.unregister_group(g["id"])
+            self._register_group(gi, group, existing=False, replace=True)
+            new = self._groups[gi]
+            self._client.set_state(set_state_request(
+                new["id"], new["tensors"],
+                [state.get(s.param, self._take_retired(s.param))
+                 for s in new["tensors"]],
+                slot_names=self._slot_names(group)))
+            self._sent_hyper = None
+            self.state.invalidate()
+
+    def _sync_params(self):
+        for gi, (g, group) in enumerate(zip(self._groups,
+                                            self.param_groups)):
+            if self._layout_of(group) != g["snapshot"]:
+                self._follow_layout_keys(gi, group, g)
+        # map() keeps this at well under a microsecond per parameter.
+        if list(map(torch.Tensor.data_ptr, self._params_flat)) == \
+                self._pptrs_flat:
+            return
+        devices = {p.device for p in self._params_flat}
+        if devices and devices != {self._device}:
+            self._reopen(devices)
+            return
+        moved = [s for g in self._groups for s in g["tensors"]
+                 if s.numel and s.param.data_ptr() != s.pview.data_ptr()]
+        if any(s.param.dtype != s.pview.dtype and s.param.dtype in DTYPES and
+               s.param.shape == s.pview.shape for s in moved):
+            # model.half(), .bfloat16() or .double() after construction:
+            # followed (registered anew in the new dtype, the state carried
+            # over and cast to it, as torch's load_state_dict casts state).
+            for gi, group in enumerate(self.param_groups):
+                self._check_group(gi, group)  # before the session closes
+            self._reopen({self._device})
+            return
+        for g in self._groups:
+            for s in g["tensors"]:
+                p = s.param
+                if p.data_ptr() != s.pview.data_ptr() and s.numel:
+                    if p.dtype != s.pview.dtype or p.shape != s.pview.shape:
+                        # A dtype the daemon does not step, or a new
+                        # shape: we cannot go on silently.
+                        raise TypeError(
+                            "parameter %s is now %s %s; it was registered "
+                            "as %s %s. Convert the model before creating "
+                            "the optimizer (or create a new one)" %
+                            (s.name, p.dtype, tuple(p.shape),
+                             s.pview.dtype, tuple(s.pview.shape)))
+                    if not is_dense(p):  # p.data = a view with gaps
+                        raise _not_dense_error(s.name, p)
+                    s.pview.copy_(p.detach())
+                    p.data = s.pview
+
+    def _reopen(self, devices):
+        """The parameters moved (model.to(), accelerate's prepare() of a
+        model still on the CPU) or changed dtype (model.half()): a session
+        lives on one device with one layout per tensor, so the optimizer
+        opens one where the parameters are now, registers them as they
+        are, and carries the state over (as torch's optimizer would go on
+        with the changed parameters)."""
+        if len(devices) > 1:
+            by_device = {}
+            for g in self._groups:
+                for s in g["tensors"]:
+                    by_device.setdefault(s.param.device, []).append(s.name)
+            raise _several_devices_error(type(self).__name__, by_device,
+                                         now=True)
+        device = devices.pop()
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError("the parameters moved to %s; optimd.torch "
+                             "supports CPU and CUDA parameters" % device)
+        self._finish_overlap()
+        self._look_at_replies(block=True)
+        saved = self._state_dict()
+        resumed = self.resumed
+        if self._overlap is not None:
+            self._overlap.close()
+        self._closer()
+        self._groups = []
+        self._sent_hyper = None
+        self._device = device
+        self._open(resume=False, resume_secret=None)
+        self.resumed = resumed
+        if saved["state"]:
+            self.load_state_dict(saved)
+
+    def _overrides(self):
+        """Hyperparameters of the groups whose values changed since the
+        daemon last got them (schedulers); None when none did."""
+        current = [self._override_values(group) for group in self.param_groups]
+        if current == self._sent_hyper:
+            return None
+        out = {}
+        for g, values, sent in zip(self._groups, current,
+                                   self._sent_hyper or [None] * len(current)):
+            if values != sent:
+                out[g["id"]] = values
+        return out, current
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._finish_overlap()
+        self._sync_structure()
+        self._sync_params()
+        self._write_back_state()
+        updates = self._router.updates()
+        overrides = self._overrides()
+        if (self.max_grad_norm and self._sharded
+                and not self._identity["sharding"]
+                and not self._warned_rank_norm):
+            self._warned_rank_norm = True
+            # Replicated gradients (DDP) have the same norm on every rank;
+            # sharded ones (DTensor, FSDP2) do not.
+            _warn_in_user_code(
+                "optimd.torch: max_grad_norm clips by the norm of this "
+                "rank's gradient shards only; ranks do not agree on it. Pass "
+                "gradient_sharding='sharded' so that the ranks clip by the "
+                "job's norm (or clip with torch.nn.utils.clip_grad_norm_ "
+                "before step() and leave max_grad_norm at 0).")
+        request = dict(
+            lr_overrides=overrides[0] if overrides else None,
+            grad_scale=float(self.grad_scale or 0.0),
+            max_grad_norm=float(self.max_grad_norm or 0.0),
+            wait=self.wait_for_step,
+            # Torch's semantics unless skipping is asked for: the daemon
+            # neither checks nor skips (proto: StepRequest.assume_finite).
+            assume_finite=not self.skip_nonfinite,
+            buffer_updates=updates)
+        if self._flags is None:
+            self._take_reply(self._client.step(**request))
+        else:
+            self._step_with_flags(request)
+        if overrides:
+            self._sent_hyper = overrides[1]
+        self.state.invalidate()
+        self.state.follow()  # state tensors the trainer holds, as in torch
+        return loss
+
+    def _step_with_flags(self, request):
+        """CUDA: mark the gradients ready on our stream, send the step, make
+        our stream wait for its done flag; look at replies as they come
+        (their outcome: skipped, grad_norm) and raise a failed step's error
+        at the latest one step later."""
+        self._look_at_replies(block=False)
+        stream = torch.cuda.current_stream(self._device)
+        flags, sequence = self._flags.next_step(self._client.steps_streamed)
+        staged = self._overlap is not None
+        self._flags.mark_ready(stream, staged=staged)
+        future = self._client.step_async(step_flags=flags, sequence=sequence,
+                                         staged=staged, **request)
+        if staged:
+            self._overlap.started()  # forwards wait, stage by stage
+        else:
+            self._flags.wait_done(stream)
+        self._pending.append(future)
+        # wait_for_step: this step's own outcome; otherwise at most two
+        # steps in flight before the host waits (bounded host lead).
+        self._look_at_replies(block=self.wait_for_step,
+                              keep=0 if self.wait_for_step else 2)
+
+    def _look_at_replies(self, block, keep=0):
+        """Takes the replies that have come; with `block`, first waits until
+        at most `keep` steps are unanswered."""
+        while self._pending:
+            if not self._pending[0].done() and not (
+                    block and len(self._pending) > keep):
+                break
+            self._take_reply(self._pending.popleft().result())
+
+    def _take_reply(self, reply):
+        if reply.known:
+            self.skipped = reply.skipped
+            self.grad_norm = reply.grad_norm
+
+    def _on_stream_broken(self, first_index, replies_ok, error):
+        """On the step stream's reader thread: the daemon will not release
+        the unanswered steps; keep our stream from waiting forever."""
+        failed = first_index + replies_ok - self._flags.first_index + 1
+        self._flags.release_after_break(failed)
+
+    def synchronize(self):
+        """Waits for every step sent; raises a failed step's error. With
+        overlap, the current stream then also waits for the last step."""
+        self._finish_overlap()
+        self._look_at_replies(block=True)
+
+    def _finish_overlap(self):
+        if self._overlap is not None:
+            self._overlap.finish()
+
+    def zero_grad(self, set_to_none=True):
+        """As torch's: set_to_none=True (the default) sets every `.grad` to
+        None, so the next backward writes fresh gradients once;
+        set_to_none=False zeroes the existing gradients (in the group's flat
+        gradient buffer, one launch per group; with overlap, after the last
+        step is done with them)."""
+        if set_to_none:
+            if self._overlap is not None:
+                self._overlap.keep(self._router.grads())
+            self._router.set_to_none()
+        else:
+            self._finish_overlap()
+            self._router.zero_()
+
+
+    # Daemon access.
+    @property
+    def client(self):
+        return self._client
+
+    def close(self):
+        """Closes the session: the daemon frees this trainer's state. Done
+        by itself when the optimizer is collected or the process exits
+        normally (a killed trainer's session stays for resume=True)."""
+        if self._overlap is not None:
+            self._finish_overlap()
+            self._overlap.close()
+            self._overlap = None
+        self._closer()
+
+    def __getstate__(self):
+        raise TypeError("optimd.torch holds a daemon session and "
+                        "cannot be pickled; save state_dict() instead")
+
+
+def _several_devices_error(cls_name, by_device, now=False):
+    """Parameters on several devices: torch's optimizers take them, an
+    optimd optimizer's session lives on one device (the daemon keeps its
+    state there and writes the updated parameters into that device's
+    memory), so it refuses them, naming a few parameters of each device."""
+    def names(ps):
+        return ", ".join(ps[:3]) + (" and %d more" % (len(ps) - 3)
+                                    if len(ps) > 3 else "")
+    where = "; ".join("%s: %s" % (d, names(ps)) for d, ps in
+                      sorted(by_device.items(), key=lambda kv: str(kv[0])))
+    return ValueError(
+        "optimd.torch.%s: the parameters are %son several devices (%s); an "
+        "optimizer's daemon session lives on one device, so all parameters "
+        "must be on one device. Make one optimizer per device (e.g. "
+        "%s(cpu_params) and %s(cuda_params)), or move the model to one "
+        "device" % (cls_name, "now " if now else "", where, cls_name,
+                    cls_name))
+
+
+def _not_dense_error(name, p):
+    """The daemon steps a tensor as one run of memory: a view with gaps
+    (base[:, ::2]) or repeats (expand) would silently lose its strides."""
+    return ValueError(
+        "parameter %s (shape %s, strides %s) is not dense in memory; "
+        "optimd.torch steps each parameter as one run of memory: make it "
+        "contiguous, e.g. torch.nn.Parameter(t.contiguous())" %
+        (name, tuple(p.shape), p.stride()))
+
+
+
+def _warn_in_user_code(message):
+    """warnings.warn, attributed to the first caller outside torch and
+    optimd (step() is wrapped by torch's decorators)."""
+    internal = (os.path.dirname(torch.__file__),
+                os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(1), 2
+    while frame is not None and \
+            os.path.abspath(frame.f_code.co_filename).startswith(internal):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, stacklevel=level)
+
+
+
+_requires_grad = operator.attrgetter("requires_grad")
+# An UninitializedParameter (a lazy module's before its first forward).
+_is_lazy = torch.nn.parameter.is_lazy

@@ -1,0 +1,285 @@
+"""The state dicts of the optimd.torch optimizers (a mixin of
+_DaemonOptimizer): optimizer.state and state_dict() in torch's format,
+fetched from the daemon; load_state_dict(); ZeRO-sharded state put together
+(consolidate_state_dict) and taken apart (_zero_state.py); edits of
+param_groups that need the group registered anew with its state.
+"""
+import weakref
+
+import torch
+
+from optimd._layout import view_like
+from optimd import _zero_state
+from optimd._state import DTYPES, set_state_request
+
+_TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
+
+
+class StateDicts:
+    """State dicts of a _DaemonOptimizer, whose attributes they use."""
+
+    def _fetch_state(self):
+        """The state in torch's format: the daemon's, and that of
+        parameters taken out of their group."""
+        out = self._fetch_daemon_state()
+        out.update(self._retired_state())
+        return out
+
+    def _fetch_daemon_state(self):
+        if self._shard_state:
+            raise NotImplementedError(
+                "optimd.torch: with shard_state=True each rank's daemon "
+                "session holds only its part of the optimizer state, so "
+                "optimizer.state is not available; for the whole state call "
+                "consolidate_state_dict(to=0) on every rank, then "
+                "state_dict() on rank 0 (as with torch's "
+                "ZeroRedundancyOptimizer), or save_checkpoint(directory) on "
+                "every rank")
+        by_group = self._daemon_group_states()
+        out = {}
+        for g in self._groups:
+            gs = by_group[g["id"]]
+            if gs.step == 0:
+                continue
+            blobs = {}
+            for t in gs.tensors:
+                blobs.setdefault(t.tensor, {})[t.kind] = t
+            for s in g["tensors"]:
+                if s.frozen:
+                    continue
+                mine = blobs.get(s.name, {})
+                own = next(iter(mine.values())).step if mine else gs.step
+                entry = self._state_entry(s, own, {
+                    kind: _blob_tensor(t) for kind, t in mine.items()})
+                if entry is not None:
+                    out[s.param] = entry
+        return out
+
+    def _daemon_group_states(self):
+        """{group id: GroupState} of every group, with the state of each
+        tensor that is not frozen, fetched tensor by tensor in batches so
+        that no reply nears the daemon's per-reply limit."""
+        names = [s.name for g in self._groups for s in g["tensors"]
+                 if not s.frozen]
+        by_group = {gs.group_id: gs for gs in
+                    self._client.get_state(metadata_only=True).groups}
+        budget, batch, batches = 256 << 20, [], []
+        size = 0
+        # A master and up to three state slots, of 4 bytes per element (8
+        # for float64 parameters).
+        sizes = {s.name: s.numel * 4 * max(4, s.param.element_size())
+                 for g in self._groups for s in g["tensors"]}
+        for n in names:
+            if batch and size + sizes[n] > budget:
+                batches.append(batch)
+                batch, size = [], 0
+            batch.append(n)
+            size += sizes[n]
+        if batch:
+            batches.append(batch)
+        for b in batches:
+            for gs in self._client.get_state(tensor_names=b).groups:
+                by_group[gs.group_id].tensors.extend(gs.tensors)
+        return by_group
+
+    def _state_entry(self, s, own, flats):
+        """Tensor `s`'s torch-format entry from its own step count and its
+        state buffers ({kind: 1-D in memory order}); None when it was never
+        stepped (torch has no state for it then)."""
+        if own == 0 and s.numel:
+            return None
+        entry = {"step": torch.tensor(float(own))} \
+            if self._state_has_step else {}
+        for kind, flat in flats.items():
+            # fp32 and float64 parameters need no master in torch's format.
+            if kind == "master" and s.param.dtype in (torch.float32,
+                                                      torch.float64):
+                continue
+            entry[kind] = view_like(flat, s.param).to(s.param.device)
+        return entry
+
+    def consolidate_state_dict(self, to=0):
+        """shard_state=True: puts the whole optimizer state together on rank
+        `to`, whose state_dict() then returns it, as torch's
+        ZeroRedundancyOptimizer.consolidate_state_dict does. A collective:
+        every rank of the job calls it (through torch.distributed). Without
+        shard_state there is nothing to put together: state_dict() gives
+        the whole state on every rank."""
+        self._consolidated = None
+        if not self._shard_state:
+            return
+        dist = self._distributed("consolidate_state_dict")
+        self._sync_params()
+        parts = _zero_state.local_parts(
+            self._groups, self._daemon_group_states(), _blob_tensor)
+        rank = self._identity["rank"]
+        gathered = [None] * self._world_size if rank == to else None
+        dist.gather_object(parts, gathered, dst=to)
+        if rank == to:
+            state = _zero_state.assemble(self._groups, gathered,
+                                         self._world_size, self._state_entry)
+            self._consolidated = self._pack_state_dict(state)
+
+    def _distributed(self, what):
+        import torch.distributed as dist
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "optimd.torch: with shard_state=True %s needs the ranks to "
+                "exchange their parts of the state through "
+                "torch.distributed, which is not initialized" % what)
+        return dist
+
+    def _ranges(self, g):
+        """shard_state: this rank's part of each of group g's tensors."""
+        return _zero_state.part_ranges(g["tensors"], self._identity["rank"],
+                                       self._world_size)
+
+    def _retired_state(self):
+        """{param: entry} of the parameters taken out of their group, kept
+        for a return."""
+        out = {}
+        for key, (ref, entry) in list(self._retired.items()):
+            p = ref()
+            if p is None:
+                del self._retired[key]
+            else:
+                out[p] = entry
+        return out
+
+    def _take_retired(self, p):
+        ref, entry = self._retired.pop(id(p), (None, None))
+        return entry if ref is not None and ref() is p else None
+
+    def state_dict(self):
+        if self._shard_state:
+            # As torch's ZeroRedundancyOptimizer: the last whole state put
+            # together on this rank.
+            if self._consolidated is None:
+                raise RuntimeError(
+                    "optimd.torch: with shard_state=True the optimizer "
+                    "state is not put together on this rank (rank %d); call "
+                    "consolidate_state_dict(to=%d) on every rank first if "
+                    "you meant to save the whole state" % (
+                        self._identity["rank"], self._identity["rank"]))
+            return self._consolidated
+        self._sync_params()
+        return self._state_dict()
+
+    def _state_dict(self):
+        return self._pack_state_dict(self._fetch_state())
+
+    def _pack_state_dict(self, state):
+        """torch's state-dict format of {param: entry}: parameters by their
+        index across param_groups."""
+        index = {}
+        groups = []
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            ids = []
+            for p in group["params"]:
+                index.setdefault(id(p), len(index))
+                ids.append(index[id(p)])
+            packed["params"] = ids
+            groups.append(packed)
+        packed_state = {index[id(p)]: v for p, v in state.items()}
+        return {"state": packed_state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict):
+        # Parameters edited or materialized (a lazy module's, by the
+        # model's own load_state_dict) are registered before their state.
+        self._sync_structure()
+        self._sync_params()
+        groups = self.param_groups
+        saved = state_dict["param_groups"]
+        if len(groups) != len(saved):
+            raise ValueError("loaded state dict has a different number of "
+                             "parameter groups")
+        for g, sg in zip(groups, saved):
+            if len(g["params"]) != len(sg["params"]):
+                raise ValueError("loaded state dict contains a parameter "
+                                 "group that doesn't match the size of "
+                                 "optimizer's group")
+        saved_state = state_dict["state"]
+        masters = False
+        for gi, (g, sg, mine) in enumerate(zip(groups, saved, self._groups)):
+            for k, v in sg.items():
+                if k != "params":
+                    g[k] = tuple(v) if k == "betas" else v
+            if self._layout_of(g) != mine["snapshot"]:
+                self._reregister(gi, g, mine)
+            entries = {id(p): saved_state.get(pid)
+                       for p, pid in zip(g["params"], sg["params"])}
+            for p in mine["lazy"]:
+                # Kept until the parameter is materialized and registered.
+                if entries.get(id(p)):
+                    self._retired[id(p)] = (weakref.ref(p), entries[id(p)])
+            self._client.set_state(set_state_request(
+                mine["id"], mine["tensors"],
+                [entries.get(id(s.param)) for s in mine["tensors"]],
+                slot_names=self._slot_names(g),
+                ranges=self._ranges(mine) if self._shard_state else None))
+            masters |= any("master" in (e or {}) for e in entries.values())
+        if masters:
+            # shard_state: each rank's masters set only its part of the
+            # parameters; the ranks exchange the parts.
+            self._share_parts()
+        self._sent_hyper = None  # the next step sends them all again
+        # New state, as torch's load makes new tensors: what was handed out
+        # before is let go.
+        self.state.invalidate(follow=False)
+
+    def _reregister(self, gi, group, mine):
+        """New hyperparameters that steps do not carry (_layout_of): the
+        group is registered afresh over the same buffers (its state is the
+        caller's to write)."""
+        self._client.unregister_group(mine["id"])
+        seg_p = mine["segments"][0]
+        tensors = list(zip(mine["tensors"], _param_offsets(mine)))
+        request = self._group_request(gi, group, tensors, seg_p)
+        self._client.register_group(request)
+        mine["snapshot"] = self._layout_of(group)
+        mine["request"] = request
+        # Registered afresh: every gradient is absent to the daemon.
+        for s in mine["tensors"]:
+            s.sent_ptr = 0
+        self._index_buffers()
+
+    def _follow_layout_keys(self, gi, group, mine):
+        """Hyperparameters that steps do not carry (_layout_of) edited in
+        param_groups: followed as torch does, keeping the state."""
+        state = self._fetch_state()
+        tensors_state = [state.get(s.param) for s in mine["tensors"]]
+        self._check_layout_change(gi, group, mine["snapshot"], tensors_state)
+        self._reregister(gi, group, mine)
+        self._client.set_state(set_state_request(
+            mine["id"], mine["tensors"], tensors_state,
+            slot_names=self._slot_names(group)))
+        self._sent_hyper = None
+        self.state.invalidate()
+
+    def _write_back_state(self):
+        """Writes to optimizer.state since it was fetched (an entry zeroed,
+        replaced or removed, state.clear()) reach the daemon before a step,
+        as they would take effect in torch."""
+        written = self.state.written()
+        if written is None:
+            return
+        for g, group in zip(self._groups, self.param_groups):
+            self._client.set_state(set_state_request(
+                g["id"], g["tensors"], [written.get(s.param) for s in
+                                      g["tensors"]],
+                slot_names=self._slot_names(group)))
+        self.state.invalidate()
+
+
+def _blob_tensor(t):
+    dtype = _TORCH_DTYPES[t.dtype]
+    if t.numel == 0:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(bytearray(t.data), dtype=dtype).clone()
+
+
+def _param_offsets(group):
+    seg_p = group["segments"][0]
+    return [s.pview.data_ptr() - seg_p.base_ptr() if s.numel else 0
+            for s in group["tensors"]]
