@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "backends/cpu/cpu_backend.h"
+#include "checkpoint/session_checkpoint.h"
 #include "client/shm_tensor.h"
 #include "core/session_registry.h"
 #include "gtest/gtest.h"
@@ -481,11 +482,11 @@ TEST_F(SessionTest, CheckpointsKeepTheOptimizer) {
   ASSERT_TRUE(session_.RegisterGroup(lion).ok());
   for (int i = 0; i < 10; ++i) grads_->as<float>()[i] = 0.25f * i - 1;
   ASSERT_TRUE(session_.Step({}).ok());
-  auto saved = session_.SaveState(dir, CheckpointOptions());
+  auto saved = SaveSession(session_, dir, CheckpointOptions());
   ASSERT_TRUE(saved.ok()) << saved.status();
   auto before = session_.ReadState({}, true);
   ASSERT_TRUE(session_.Step({}).ok());
-  auto loaded = session_.LoadState(dir, CheckpointOptions());
+  auto loaded = LoadSession(session_, dir, CheckpointOptions());
   ASSERT_TRUE(loaded.ok()) << loaded.status();
   auto after = session_.ReadState({}, true);
   ASSERT_EQ((*after)[0].tensors.size(), 2u);
@@ -501,7 +502,7 @@ TEST_F(SessionTest, CheckpointsKeepTheOptimizer) {
   sgd.hyper.kind = OptimizerKind::kSgd;
   sgd.hyper.momentum = 0.9;
   ASSERT_TRUE(other.RegisterGroup(sgd).ok());
-  auto refused = other.LoadState(dir, CheckpointOptions());
+  auto refused = LoadSession(other, dir, CheckpointOptions());
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition)
       << refused.status();
 }
