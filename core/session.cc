@@ -87,7 +87,8 @@ absl::Status CheckCounts(const GroupSpec& spec, size_t groups, size_t tensors) {
 }
 
 // Checkpoint keys are a tensor's name and its name plus one of these
-// suffixes (core/checkpoint.h); "__metadata__" is the safetensors header's.
+// suffixes (checkpoint/checkpoint.h); "__metadata__" is the safetensors
+// header's.
 // Every optimizer's slot names are refused alike, so that a name stays
 // valid whatever optimizer a later group uses.
 const std::vector<std::string>& StateKeySuffixes() {
@@ -193,8 +194,10 @@ Session::Session(SessionIdentity identity, Backend* backend,
 
 Session::~Session() {
   {
-    MutexLock lock(&save_mu_);
-    if (save_ != nullptr && save_->thread.joinable()) save_->thread.join();
+    // First: work an attachment runs (a background save writing a
+    // snapshot) ends before the session's state goes.
+    MutexLock lock(&attachments_mu_);
+    attachments_.clear();
   }
   budget_->Release(state_bytes_);
   // Ranks waiting for this one's statistics stop waiting.

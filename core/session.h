@@ -12,11 +12,14 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <set>
 #include <string>
-#include <thread>
+#include <type_traits>
+#include <typeindex>
+#include <typeinfo>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -24,9 +27,10 @@
 #include "absl/synchronization/mutex.h"
 #include "common/mutex.h"
 #include "core/backend.h"
-#include "core/checkpoint.h"
 #include "core/group.h"
 #include "core/rank_exchange.h"
+#include "core/session_attachment.h"
+#include "core/snapshot_reservation.h"
 #include "core/state_budget.h"
 #include "core/state_shard.h"
 #include "core/tensor_aliases.h"
@@ -133,6 +137,43 @@ struct SessionInfo {
 // and state.
 inline constexpr int kMaxLiveSnapshots = 2;
 
+class Session;
+
+// A session's whole state, lent under the session's lock to the code that
+// copies, saves or loads all of it at a step boundary (checkpoint/): its
+// groups in registration order, the backend they live in, the flag that
+// refuses steps after a load failed part-way, and the reservation of a
+// snapshot's memory. Valid only inside the Session::WithLockedState call
+// that lends it, where the session's lock is held.
+class LockedSession {
+ public:
+  LockedSession(const LockedSession&) = delete;
+  LockedSession& operator=(const LockedSession&) = delete;
+
+  const SessionIdentity& identity() const;
+  Backend* backend() const;
+  // The groups in registration order: what a checkpoint holds.
+  const std::vector<Group*>& groups() const;
+  // Checks that the trainer's buffers are still mapped and brings the
+  // groups' step counters up to date from the backend, so that the groups
+  // hold the state after the last completed step.
+  absl::Status SyncFromBackend();
+  // Whether a load failed after changing state (or a step failed with
+  // DATA_LOSS): the state is a mix, and steps are refused until a load
+  // succeeds.
+  bool state_mixed() const;
+  void set_state_mixed(bool mixed);
+  // Reserves host memory for one snapshot of the session's parameters and
+  // state against the daemon's state budget and the session's limit of
+  // kMaxLiveSnapshots (RESOURCE_EXHAUSTED past either, nothing reserved).
+  absl::StatusOr<SnapshotReservation> ReserveSnapshot();
+
+ private:
+  friend class Session;
+  explicit LockedSession(Session* session) : session_(session) {}
+  Session* const session_;
+};
+
 class Session {
  public:
   // `context` is the backend's side of the session (Backend::OpenSession).
@@ -204,47 +245,29 @@ class Session {
       const std::vector<std::pair<std::string, uint64_t>>& tensor_steps = {})
       ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Writes the session's state to `directory`/CheckpointFileName(...).
-  // With `background`, returns once a consistent host copy is taken (the
-  // result's `bytes` is the snapshot's size) and writes it on a thread of its
-  // own while steps go on; SaveStatus reports progress. A save requested
-  // while a background save is still writing is FAILED_PRECONDITION.
-  // `on_written`, if given, is called on the writing thread once a
-  // background save has ended (succeeded or failed). `progress`, if given,
-  // follows a save without `background` (which reports to SaveStatus).
-  struct SaveStatusInfo;
-  absl::StatusOr<CheckpointResult> SaveState(
-      const std::string& directory, const CheckpointOptions& options,
-      bool background = false,
-      std::function<void(const SaveStatusInfo&)> on_written = nullptr,
-      SaveProgress* progress = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
-  // Waits until a background save that is still writing has ended; true
-  // when there was one.
-  bool WaitForBackgroundSave() ABSL_LOCKS_EXCLUDED(save_mu_);
+  // Runs `fn(LockedSession&)` with the session's lock held: the whole
+  // state lent to code that copies, saves or loads all of it at a step
+  // boundary (checkpoint/). Returns what `fn` returns.
+  template <typename Fn>
+  auto WithLockedState(Fn fn) ABSL_LOCKS_EXCLUDED(mu_) {
+    MutexLock lock(&mu_);
+    LockedSession locked(this);
+    return fn(locked);
+  }
 
-  // A consistent snapshot of the session's state, for streaming it out.
-  absl::StatusOr<std::unique_ptr<CheckpointSnapshot>> Snapshot()
-      ABSL_LOCKS_EXCLUDED(mu_);
-  // Loads state from a checkpoint file at `path` (a streamed-in copy).
-  absl::StatusOr<CheckpointResult> LoadStateFile(
-      const std::string& path, const CheckpointOptions& options)
-      ABSL_LOCKS_EXCLUDED(mu_);
-
-  struct SaveStatusInfo {
-    enum State { kNone, kRunning, kSucceeded, kFailed } state = kNone;
-    std::string path;
-    uint64_t bytes_written = 0;
-    uint64_t total_bytes = 0;
-    absl::Status error;
-    double seconds = 0;
-  };
-  // The last background save's progress. Never waits for a step.
-  SaveStatusInfo SaveStatus() const ABSL_LOCKS_EXCLUDED(save_mu_);
-  // Loads the session's state from `directory` in place. After a failure
-  // part-way (a corrupt tensor), steps are refused until a load succeeds.
-  absl::StatusOr<CheckpointResult> LoadState(const std::string& directory,
-                                             const CheckpointOptions& options)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // What a layer above keeps for this session (checkpoint/'s background
+  // save; core/session_attachment.h): one T per session, made on first
+  // use, destroyed first when the session goes. Never waits for a step.
+  template <typename T>
+  T& Attachment() ABSL_LOCKS_EXCLUDED(attachments_mu_) {
+    static_assert(std::is_base_of_v<SessionAttachment, T>);
+    MutexLock lock(&attachments_mu_);
+    std::unique_ptr<SessionAttachment>& a =
+        attachments_[std::type_index(typeid(T))];
+    if (a == nullptr) a = std::make_unique<T>();
+    // Made as a T just above: the key is T's alone.
+    return static_cast<T&>(*a);
+  }
 
   SessionInfo Info() const ABSL_LOCKS_EXCLUDED(info_mu_);
   // Its trainer is gone for good (the session is being freed): let the
@@ -277,6 +300,8 @@ class Session {
   }
 
  private:
+  friend class LockedSession;
+
   // Validates, maps and allocates a group (RegisterGroup): nothing of the
   // session changes; *state_bytes is what it reserved from the budget.
   absl::StatusOr<std::unique_ptr<Group>> BuildGroup(const GroupSpec& spec,
@@ -354,9 +379,6 @@ class Session {
   // Checks and maps every update of `group`; changes nothing.
   absl::StatusOr<std::vector<ResolvedUpdate>> ResolveUpdates(
       const Group& group, const std::vector<BufferUpdate>& updates);
-  // A snapshot of the session's state (a stream or a background save),
-  // its memory reserved against the daemon's state budget and the
-  // session's limit of kMaxLiveSnapshots; destroying it gives both back.
   // Checks a step's hyperparameter overrides against their groups: known
   // group, valid values, the same state slots. Changes nothing.
   absl::Status CheckOverrides(const std::vector<HyperOverride>& overrides)
@@ -389,8 +411,6 @@ class Session {
   // parameter), converted to the layout's dtypes.
   absl::Status WriteStateBlob(const StateBlob& b, TensorEntry* t)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::StatusOr<std::unique_ptr<CheckpointSnapshot>> ReservedSnapshot(
-      const CheckpointOptions& options) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Publishes the admin view (Info) after a change.
   void PublishInfo() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -433,7 +453,8 @@ class Session {
   // functions, which may outlive the session.
   const std::shared_ptr<std::atomic<int>> live_snapshots_ =
       std::make_shared<std::atomic<int>>(0);
-  // Set when a load failed after changing state; cleared by a good load.
+  // Set when a load failed after changing state (or a step failed with
+  // DATA_LOSS); cleared by a good load (LockedSession::set_state_mixed).
   bool needs_load_ ABSL_GUARDED_BY(mu_) = false;
   // The trainer's step flags (StepRequest.step_flags), and the sequence of
   // the last step that used them.
@@ -441,20 +462,10 @@ class Session {
   uint64_t last_sequence_ ABSL_GUARDED_BY(mu_) = 0;
   std::string restart_checkpoint_ ABSL_GUARDED_BY(mu_);
 
-  // The background save, behind its own mutex so that status calls never
-  // wait for a step.
-  struct BackgroundSave {
-    SaveProgress progress;
-    std::thread thread;
-    std::string path;
-    std::atomic<bool> done{false};
-    absl::Status result;  // valid once done
-    double started = 0, seconds = 0;
-  };
-  // A background save's progress and outcome.
-  static SaveStatusInfo StatusOf(const BackgroundSave& save);
-  mutable Mutex save_mu_ ABSL_ACQUIRED_AFTER(mu_);
-  std::unique_ptr<BackgroundSave> save_ ABSL_GUARDED_BY(save_mu_);
+  // What layers above keep for this session (Attachment), by type.
+  mutable Mutex attachments_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  std::map<std::type_index, std::unique_ptr<SessionAttachment>> attachments_
+      ABSL_GUARDED_BY(attachments_mu_);
 
   // The admin view, behind its own mutex so that ListSessions and
   // GetMetrics never wait for a running step.

@@ -1,10 +1,7 @@
-// Session's state and checkpoint calls: GetState/SetState (ReadState,
-// WriteState) and SaveState/LoadState/Snapshot, each converting between
-// the backend's memory and host blobs or files. Registration and steps are
-// in session.cc.
-#include <sys/stat.h>
-#include <unistd.h>
-
+// Session's state calls: GetState/SetState (ReadState, WriteState),
+// converting between the backend's memory and host blobs, and the whole
+// state lent to checkpoints (LockedSession). Registration and steps are in
+// session.cc.
 #include <algorithm>
 #include <cstring>
 #include <set>
@@ -410,164 +407,51 @@ absl::StatusOr<std::vector<uint64_t>> Session::MissedSteps(
   return missed;
 }
 
-absl::StatusOr<CheckpointResult> Session::SaveState(
-    const std::string& directory, const CheckpointOptions& options,
-    bool background, std::function<void(const SaveStatusInfo&)> on_written,
-    SaveProgress* progress) {
-  MutexLock lock(&mu_);
-  if (needs_load_) {
-    return absl::FailedPreconditionError(
-        "the session's state is mixed after a failed load; refusing to save "
-        "it (load a good checkpoint first)");
-  }
-  {
-    MutexLock save_lock(&save_mu_);
-    if (save_ != nullptr && !save_->done.load()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "a background save to ", save_->path, " is still writing (",
-          save_->progress.bytes_written.load(), " of ",
-          save_->progress.total_bytes.load(),
-          " bytes); wait for it (GetSaveStatus) before saving again"));
-    }
-    if (save_ != nullptr && save_->thread.joinable()) save_->thread.join();
-  }
-  OPTIMD_ASSIGN_OR_RETURN(std::string dir,
-                          ResolveCheckpointDir(directory, options));
-  OPTIMD_RETURN_IF_ERROR(backend_->CheckMappings(mappings_));
-  OPTIMD_RETURN_IF_ERROR(backend_->SyncGroupCounters(step_groups_));
-  const std::string path =
-      absl::StrCat(dir, "/", CheckpointFileName(identity_.rank));
-  CheckpointOptions with_job = options;
-  with_job.job_id = identity_.job_id;
-  if (!background) {
-    return SaveCheckpoint(path, step_groups_, backend_, with_job, progress);
-  }
-  const auto t0 = std::chrono::steady_clock::now();
-  OPTIMD_ASSIGN_OR_RETURN(std::shared_ptr<CheckpointSnapshot> snapshot,
-                          ReservedSnapshot(options));
-  auto save = std::make_unique<BackgroundSave>();
-  save->path = path;
-  BackgroundSave* raw = save.get();
-  raw->started = std::chrono::duration<double>(t0.time_since_epoch()).count();
-  raw->thread = std::thread([raw, snapshot, options, t0, on_written] {
-    auto r = WriteSnapshot(raw->path, *snapshot, options, &raw->progress);
-    raw->result = r.status();
-    raw->seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
-            .count();
-    raw->done.store(true);
-    if (on_written) on_written(StatusOf(*raw));
-  });
-  CheckpointResult result;
-  result.path = path;
-  result.bytes = snapshot->bytes();
-  result.seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
-          .count();
-  MutexLock save_lock(&save_mu_);
-  save_ = std::move(save);
-  return result;
+const SessionIdentity& LockedSession::identity() const {
+  return session_->identity_;
 }
 
-Session::SaveStatusInfo Session::StatusOf(const BackgroundSave& save) {
-  SaveStatusInfo info;
-  info.path = save.path;
-  info.bytes_written = save.progress.bytes_written.load();
-  info.total_bytes = save.progress.total_bytes.load();
-  if (!save.done.load()) {
-    info.state = SaveStatusInfo::kRunning;
-    return info;
-  }
-  info.state =
-      save.result.ok() ? SaveStatusInfo::kSucceeded : SaveStatusInfo::kFailed;
-  info.error = save.result;
-  info.seconds = save.seconds;
-  return info;
+Backend* LockedSession::backend() const { return session_->backend_; }
+
+const std::vector<Group*>& LockedSession::groups() const {
+  session_->mu_.AssertHeld();
+  return session_->step_groups_;
 }
 
-Session::SaveStatusInfo Session::SaveStatus() const {
-  MutexLock lock(&save_mu_);
-  if (save_ == nullptr) return SaveStatusInfo();
-  return StatusOf(*save_);
+absl::Status LockedSession::SyncFromBackend() {
+  Session& s = *session_;
+  s.mu_.AssertHeld();
+  OPTIMD_RETURN_IF_ERROR(s.backend_->CheckMappings(s.mappings_));
+  return s.backend_->SyncGroupCounters(s.step_groups_);
 }
 
-bool Session::WaitForBackgroundSave() {
-  MutexLock lock(&save_mu_);
-  if (save_ == nullptr || !save_->thread.joinable()) return false;
-  const bool running = !save_->done.load();
-  save_->thread.join();
-  return running;
+bool LockedSession::state_mixed() const {
+  session_->mu_.AssertHeld();
+  return session_->needs_load_;
 }
 
-absl::StatusOr<std::unique_ptr<CheckpointSnapshot>> Session::Snapshot() {
-  MutexLock lock(&mu_);
-  if (needs_load_) {
-    return absl::FailedPreconditionError(
-        "the session's state is mixed after a failed load; load a good "
-        "checkpoint first");
-  }
-  OPTIMD_RETURN_IF_ERROR(backend_->CheckMappings(mappings_));
-  OPTIMD_RETURN_IF_ERROR(backend_->SyncGroupCounters(step_groups_));
-  return ReservedSnapshot(CheckpointOptions());
+void LockedSession::set_state_mixed(bool mixed) {
+  session_->mu_.AssertHeld();
+  session_->needs_load_ = mixed;
 }
 
-absl::StatusOr<std::unique_ptr<CheckpointSnapshot>> Session::ReservedSnapshot(
-    const CheckpointOptions& options) {
-  if (live_snapshots_->load() >= kMaxLiveSnapshots) {
+absl::StatusOr<SnapshotReservation> LockedSession::ReserveSnapshot() {
+  Session& s = *session_;
+  s.mu_.AssertHeld();
+  if (s.live_snapshots_->load() >= kMaxLiveSnapshots) {
     return absl::ResourceExhaustedError(absl::StrCat(
         kMaxLiveSnapshots, " snapshots of this session's state are still ",
         "held (SaveStateStream streams not read to the end, or a background ",
         "save writing); finish or cancel them first"));
   }
   // A snapshot holds the parameters and the state, in host memory.
-  const uint64_t bytes = param_bytes_ + state_bytes_;
-  OPTIMD_RETURN_IF_ERROR(budget_->Reserve(
+  const uint64_t bytes = s.param_bytes_ + s.state_bytes_;
+  OPTIMD_RETURN_IF_ERROR(s.budget_->Reserve(
       bytes,
       "a snapshot of the session's state (SaveStateStream or a "
       "background save)"));
-  live_snapshots_->fetch_add(1);
-  auto release = [budget = budget_, bytes, live = live_snapshots_] {
-    budget->Release(bytes);
-    live->fetch_sub(1);
-  };
-  CheckpointOptions with_job = options;
-  with_job.job_id = identity_.job_id;
-  auto snapshot = TakeSnapshot(step_groups_, backend_, with_job);
-  if (!snapshot.ok()) {
-    release();
-    return snapshot.status();
-  }
-  (*snapshot)->OnDestroy(std::move(release));
-  return snapshot;
-}
-
-absl::StatusOr<CheckpointResult> Session::LoadState(
-    const std::string& directory, const CheckpointOptions& options) {
-  OPTIMD_ASSIGN_OR_RETURN(std::string dir,
-                          ResolveCheckpointDir(directory, options));
-  std::string path = absl::StrCat(dir, "/", CheckpointFileName(identity_.rank));
-  const std::string legacy = absl::StrCat(
-      dir, "/", LegacyCheckpointFileName(identity_.job_id, identity_.rank));
-  struct stat st;
-  if (lstat(path.c_str(), &st) != 0 && lstat(legacy.c_str(), &st) == 0) {
-    path = legacy;  // written by an earlier version
-  }
-  return LoadStateFile(path, options);
-}
-
-absl::StatusOr<CheckpointResult> Session::LoadStateFile(
-    const std::string& path, const CheckpointOptions& options) {
-  MutexLock lock(&mu_);
-  OPTIMD_RETURN_IF_ERROR(backend_->CheckMappings(mappings_));
-  OPTIMD_RETURN_IF_ERROR(backend_->SyncGroupCounters(step_groups_));
-  bool partial = false;
-  auto r = LoadCheckpoint(path, step_groups_, backend_, options, &partial);
-  if (!r.ok()) {
-    if (partial) needs_load_ = true;
-    return r.status();
-  }
-  needs_load_ = false;
-  return r;
+  s.live_snapshots_->fetch_add(1);
+  return SnapshotReservation(s.budget_, bytes, s.live_snapshots_);
 }
 
 }  // namespace optimd

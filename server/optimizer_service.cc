@@ -11,6 +11,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_replace.h"
 #include "absl/time/clock.h"
+#include "checkpoint/paths.h"
+#include "checkpoint/session_checkpoint.h"
 #include "common/mutex.h"
 #include "common/version.h"
 #include "core/stale_files.h"
@@ -481,12 +483,12 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::SetState(
   });
 }
 
-std::function<void(const Session::SaveStatusInfo&)>
+std::function<void(const SaveStatusInfo&)>
 OptimizerServiceImpl::BackgroundSaveLogger(const SessionIdentity& id) {
   // Runs on the session's writing thread; the daemon joins every writing
   // thread before the service goes (sessions' ends, RestartStore::SaveAll).
-  return [this, name = SessionName(id)](const Session::SaveStatusInfo& info) {
-    if (info.state == Session::SaveStatusInfo::kSucceeded) {
+  return [this, name = SessionName(id)](const SaveStatusInfo& info) {
+    if (info.state == SaveStatusInfo::kSucceeded) {
       log::Info(absl::StrCat("checkpoint saved (background): ", name, " to ",
                              info.path, ", ", info.bytes_written, " bytes, ",
                              absl::StrFormat("%.3f", info.seconds), " s"));
@@ -509,7 +511,7 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::SaveState(
             absl::StrCat("checkpoint save started: ", SessionName(s.identity()),
                          " to ", request->directory().substr(0, 512),
                          request->background() ? " (background)" : ""));
-        auto r = s.SaveState(request->directory(), checkpoint_options_,
+        auto r = SaveSession(s, request->directory(), checkpoint_options_,
                              request->background(),
                              BackgroundSaveLogger(s.identity()));
         if (!r.ok()) {
@@ -542,18 +544,18 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::GetSaveStatus(
     reactor->Finish(ToGrpcStatus(session.status()));
     return reactor;
   }
-  const Session::SaveStatusInfo info = (*session)->SaveStatus();
+  const SaveStatusInfo info = SaveStatusOf(**session);
   switch (info.state) {
-    case Session::SaveStatusInfo::kNone:
+    case SaveStatusInfo::kNone:
       response->set_state(v1::SAVE_STATE_UNSPECIFIED);
       break;
-    case Session::SaveStatusInfo::kRunning:
+    case SaveStatusInfo::kRunning:
       response->set_state(v1::SAVE_STATE_RUNNING);
       break;
-    case Session::SaveStatusInfo::kSucceeded:
+    case SaveStatusInfo::kSucceeded:
       response->set_state(v1::SAVE_STATE_SUCCEEDED);
       break;
-    case Session::SaveStatusInfo::kFailed:
+    case SaveStatusInfo::kFailed:
       response->set_state(v1::SAVE_STATE_FAILED);
       response->set_error(info.error.ToString());
       break;
@@ -575,7 +577,7 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::LoadState(
         log::Info(
             absl::StrCat("checkpoint load started: ", SessionName(s.identity()),
                          " from ", request->directory().substr(0, 512)));
-        auto r = s.LoadState(request->directory(), checkpoint_options_);
+        auto r = LoadSession(s, request->directory(), checkpoint_options_);
         if (!r.ok()) {
           checkpoint_failures_.fetch_add(1);
           log::Warn(absl::StrCat(
@@ -612,7 +614,7 @@ class OptimizerServiceImpl::SaveStreamReactor final
         start_(absl::Now()) {
     log::Info(absl::StrCat("checkpoint save started (stream): ", name_));
     worker->Post([this, session = std::move(session)] {
-      auto snapshot = session->Snapshot();
+      auto snapshot = SnapshotSession(*session);
       if (!snapshot.ok()) {
         End(ToGrpcStatus(snapshot.status()), 0, 0);
         return;
@@ -861,7 +863,7 @@ class OptimizerServiceImpl::LoadStreamReactor final
       return;
     }
     worker_->Post([this] {
-      auto r = session_->LoadStateFile(path_, options_);
+      auto r = LoadSessionFile(*session_, path_, options_);
       if (!r.ok()) {
         // The spool file is the daemon's own: the client knows its data
         // as the stream.

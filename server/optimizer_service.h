@@ -13,6 +13,8 @@
 #include <set>
 
 #include "absl/time/time.h"
+#include "checkpoint/background_save.h"
+#include "checkpoint/checkpoint.h"
 #include "core/session_registry.h"
 #include "optimd/v1/optimd.grpc.pb.h"
 #include "server/admin_guard.h"
@@ -141,7 +143,7 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
   void FillMetrics(v1::GetMetricsResponse* response) const;
   // Logs a background save's end (and counts a failure), on the session's
   // writing thread.
-  std::function<void(const Session::SaveStatusInfo&)> BackgroundSaveLogger(
+  std::function<void(const SaveStatusInfo&)> BackgroundSaveLogger(
       const SessionIdentity& id);
   // Log and count the end of a streamed checkpoint (SaveStateStream,
   // LoadStateStream) of the session `name`, as SaveState and LoadState do

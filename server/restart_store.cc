@@ -15,6 +15,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "checkpoint/paths.h"
+#include "checkpoint/session_checkpoint.h"
 #include "common/crc32c.h"
 
 namespace optimd {
@@ -144,7 +146,7 @@ absl::StatusOr<CheckpointResult> RestartStore::SaveOne(
   const std::string dir = absl::StrCat(save_dir_, "/", JobDirectory(id.job_id));
   mkdir(dir.c_str(), 0777);  // the umask decides; an existing one is fine
   auto saved =
-      s.SaveState(dir, options_, /*background=*/false, nullptr, progress);
+      SaveSession(s, dir, options_, /*background=*/false, nullptr, progress);
   if (saved.ok()) {
     // Without its secret the checkpoint would be open to any resume of
     // that job id: it is not kept then.
@@ -168,7 +170,7 @@ RestartStore::SaveAllResult RestartStore::SaveAll(
   // A background save still writing finishes first: its file is the
   // trainer's, and the restart save below needs the session's snapshot.
   for (const auto& s : sessions) {
-    if (s->WaitForBackgroundSave()) {
+    if (WaitForBackgroundSave(*s)) {
       log("waited for the background save of " + Describe(s->identity()));
     }
   }

@@ -19,7 +19,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "core/checkpoint.h"
+#include "checkpoint/checkpoint.h"
 #include "core/session_registry.h"
 
 namespace optimd {

@@ -46,8 +46,9 @@ if clang++ "${flags[@]}" "$control" >/dev/null 2>&1; then
   echo "the thread-safety check is not live: a known race compiled"
   status=1
 fi
-sources=$(git ls-files 'common/*.cc' 'core/*.cc' 'server/*.cc' \
-  'client/*.cc' 'kernels/*.cc' 'backends/*.cc' | grep -v '_test\.cc$')
+sources=$(git ls-files 'common/*.cc' 'core/*.cc' 'checkpoint/*.cc' \
+  'server/*.cc' 'client/*.cc' 'kernels/*.cc' 'backends/*.cc' |
+  grep -v '_test\.cc$')
 if [ ! -d /usr/local/cuda/include ]; then
   sources=$(echo "$sources" | grep -v '^kernels/cuda_\|^backends/cuda/')
 fi
@@ -65,11 +66,13 @@ paths() {
      rdeps($1, $2)" 2>"$query_log"
 }
 query_log=$(mktemp)
-if [ -z "$(paths //server/... //core/...)" ]; then
-  echo "the package-direction check is not live: server -> core not found"
-  cat "$query_log"
-  status=1
-fi
+for to in core checkpoint; do
+  if [ -z "$(paths //server/... "//$to/...")" ]; then
+    echo "the package-direction check is not live: server -> $to not found"
+    cat "$query_log"
+    status=1
+  fi
+done
 forbid() {
   local found
   if ! found=$(paths "$1" "$2"); then
@@ -80,10 +83,11 @@ forbid() {
     status=1
   fi
 }
-forbid //common/... "//core/... + //kernels/... + //backends/... + //server/... + //client/..."
-forbid //core/... "//kernels/... + //backends/... + //server/... + //client/..."
-forbid //kernels/... "//backends/... + //server/... + //client/..."
-forbid //backends/... "//server/... + //client/..."
+forbid //common/... "//core/... + //kernels/... + //checkpoint/... + //backends/... + //server/... + //client/..."
+forbid //core/... "//kernels/... + //checkpoint/... + //backends/... + //server/... + //client/..."
+forbid //kernels/... "//checkpoint/... + //backends/... + //server/... + //client/..."
+forbid //checkpoint/... "//kernels/... + //backends/... + //server/... + //client/..."
+forbid //backends/... "//checkpoint/... + //server/... + //client/..."
 forbid //server/... "//client/..."
 echo "== Python stubs current"
 stubs=$(mktemp -d)

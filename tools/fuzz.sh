@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Fuzzes checkpoint loading (tests/core/checkpoint_fuzz.cc), request
+# Fuzzes checkpoint loading (tests/checkpoint/checkpoint_fuzz.cc), request
 # validation (server/request_fuzz.cc) and shared-memory handle resolution
 # (backends/cpu/handle_fuzz.cc) with clang's libFuzzer under
 # AddressSanitizer and UndefinedBehaviorSanitizer, each from its seed corpus
-# (tests/core/testdata/checkpoint_corpus, server/testdata/request_corpus,
+# (tests/checkpoint/testdata/checkpoint_corpus, server/testdata/request_corpus,
 # backends/cpu/testdata/handle_corpus).
 #
 #   tools/fuzz.sh [RUNS]     # executions per target, default 100000;
@@ -66,10 +66,10 @@ sources_of() {
 }
 
 bazel build //proto:optimd_cc_proto >/dev/null
-mapfile -t checkpoint_srcs < <(sources_of //tests/core:checkpoint_fuzz)
+mapfile -t checkpoint_srcs < <(sources_of //tests/checkpoint:checkpoint_fuzz)
 mapfile -t request_srcs < <(sources_of //server:request_fuzz)
 mapfile -t handle_srcs < <(sources_of //backends/cpu:handle_fuzz)
-fuzz checkpoint_fuzz tests/core/testdata/checkpoint_corpus \
+fuzz checkpoint_fuzz tests/checkpoint/testdata/checkpoint_corpus \
   "${checkpoint_srcs[@]}" --
 fuzz request_fuzz server/testdata/request_corpus "${request_srcs[@]}" \
   bazel-bin/proto/optimd/v1/optimd.pb.cc -- \

@@ -31,8 +31,8 @@ bazel test "${flags[@]}" --test_tag_filters=-gpu //...
 echo "== C++ tests under ASan and UBSan"
 asan_base="$cache_root/optimd-asan-$checkout_key"
 bazel --output_base="$asan_base" test --config=asan --config=nocuda \
-  //common/... //core/... //kernels/... //backends/... //server/... \
-  //tests/core/... \
+  //common/... //core/... //kernels/... //checkpoint/... //backends/... \
+  //server/... //tests/core/... //tests/checkpoint/... \
   //tests:e2e_test //tests:random_requests_test \
   //tests:descriptor_exhaustion_test
 # tls_test too, but for its case of running out of descriptors with TLS
@@ -86,7 +86,7 @@ bazel --output_base="$tsan_base" test --config=tsan --config=nocuda \
   --test_env=TSAN_OPTIONS="suppressions=$PWD/tools/tsan.supp" \
   --test_arg=--gtest_filter=-*LongNamesAndTooManyTensors*:*ManyTensors*:*Million*:*HeaderPastTheLimit*:*PackedFormatHolds*:*PackedFormatDetects*:*CorruptLargeCheckpoint*:*LargeRequestsOverTls* \
   //common:thread_pool_test //core:rank_exchange_test \
-  //tests/core:session_test //tests/core:checkpoint_test \
+  //tests/core:session_test //tests/checkpoint:checkpoint_test \
   //server:device_worker_test //server:refusal_log_test \
   //server:accept_loop_test //tests:e2e_test \
   //tests:descriptor_exhaustion_test //tests:tls_test

@@ -8,6 +8,7 @@
 #include <random>
 
 #include "backends/cpu/cpu_backend.h"
+#include "checkpoint/session_checkpoint.h"
 #include "client/shm_tensor.h"
 #include "core/fp8.h"
 #include "core/session.h"
@@ -147,12 +148,12 @@ TEST(Fp8SessionTest, CheckpointsResumeBitForBit) {
     ScratchDir dir;
     CheckpointOptions options;
     options.packed_above_header_bytes = packed_above;
-    ASSERT_TRUE(s.session().SaveState(dir.path(), options).ok());
+    ASSERT_TRUE(SaveSession(s.session(), dir.path(), options).ok());
     const std::string trainer = s.Trainer(), state = s.State();
     ASSERT_TRUE(s.session().Step({}).ok());
     const std::string trainer2 = s.Trainer(), state2 = s.State();
     ASSERT_NE(trainer2, trainer);
-    ASSERT_TRUE(s.session().LoadState(dir.path(), CheckpointOptions()).ok());
+    ASSERT_TRUE(LoadSession(s.session(), dir.path(), CheckpointOptions()).ok());
     EXPECT_TRUE(s.Trainer() == trainer);
     EXPECT_TRUE(s.State() == state);
     ASSERT_TRUE(s.session().Step({}).ok());

@@ -7,9 +7,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "backends/cpu/cpu_backend.h"
+#include "checkpoint/session_checkpoint.h"
 #include "client/shm_tensor.h"
 #include "core/session_registry.h"
 #include "gtest/gtest.h"
@@ -141,6 +143,63 @@ TEST_F(SessionTest, BudgetIsEnforcedAndReleased) {
   ASSERT_TRUE(s.UnregisterGroup("big").ok());
   EXPECT_EQ(small.used(), 0u);
   EXPECT_EQ(s.UnregisterGroup("big").code(), absl::StatusCode::kNotFound);
+}
+
+// LockedSession::ReserveSnapshot: one host copy of the parameters and
+// state per snapshot, at most kMaxLiveSnapshots at once, each given back
+// when its reservation goes.
+TEST_F(SessionTest, SnapshotReservationsAreBoundedAndGivenBack) {
+  GroupSpec spec;
+  spec.id = "g";
+  spec.tensors = {Fp32Tensor("a", 10, 0)};  // 40 bytes of parameters
+  ASSERT_TRUE(session_.RegisterGroup(spec).ok());
+  const uint64_t state = budget_.used();  // 80 bytes: the two moments
+  ASSERT_EQ(state, 80u);
+  std::vector<SnapshotReservation> held;
+  session_.WithLockedState([&](LockedSession& locked) {
+    for (int i = 0; i < kMaxLiveSnapshots; ++i) {
+      auto r = locked.ReserveSnapshot();
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_EQ(r->bytes(), 120u);
+      held.push_back(*std::move(r));
+    }
+    EXPECT_EQ(locked.ReserveSnapshot().status().code(),
+              absl::StatusCode::kResourceExhausted);
+  });
+  EXPECT_EQ(budget_.used(), state + 2 * 120);
+  held.pop_back();
+  EXPECT_EQ(budget_.used(), state + 120);
+  session_.WithLockedState([&](LockedSession& locked) {
+    EXPECT_TRUE(locked.ReserveSnapshot().ok());  // given back at once
+  });
+  held.clear();
+  EXPECT_EQ(budget_.used(), state);
+}
+
+// What a session keeps for a layer above goes first when the session goes:
+// its state is still reserved while an attachment ends (a background
+// save's writing thread may still read it).
+TEST_F(SessionTest, AttachmentsGoBeforeTheSessionsState) {
+  struct Probe : SessionAttachment {
+    ~Probe() override { *used_at_end = budget->used(); }
+    StateBudget* budget = nullptr;
+    uint64_t* used_at_end = nullptr;
+  };
+  uint64_t used_at_end = 0;
+  {
+    Session s(SessionIdentity{"j", 1, 2, -1}, &backend_, &budget_,
+              Context(&backend_));
+    GroupSpec spec;
+    spec.id = "g";
+    spec.tensors = {Fp32Tensor("a", 10, 0)};
+    ASSERT_TRUE(s.RegisterGroup(spec).ok());
+    Probe& probe = s.Attachment<Probe>();
+    EXPECT_EQ(&s.Attachment<Probe>(), &probe);  // one per type
+    probe.budget = &budget_;
+    probe.used_at_end = &used_at_end;
+  }
+  EXPECT_EQ(used_at_end, 80u);
+  EXPECT_EQ(budget_.used(), 0u);
 }
 
 TEST_F(SessionTest, UpdateBuffersTouchesOnlyThatEntry) {
@@ -481,11 +540,11 @@ TEST_F(SessionTest, CheckpointsKeepTheOptimizer) {
   ASSERT_TRUE(session_.RegisterGroup(lion).ok());
   for (int i = 0; i < 10; ++i) grads_->as<float>()[i] = 0.25f * i - 1;
   ASSERT_TRUE(session_.Step({}).ok());
-  auto saved = session_.SaveState(dir, CheckpointOptions());
+  auto saved = SaveSession(session_, dir, CheckpointOptions());
   ASSERT_TRUE(saved.ok()) << saved.status();
   auto before = session_.ReadState({}, true);
   ASSERT_TRUE(session_.Step({}).ok());
-  auto loaded = session_.LoadState(dir, CheckpointOptions());
+  auto loaded = LoadSession(session_, dir, CheckpointOptions());
   ASSERT_TRUE(loaded.ok()) << loaded.status();
   auto after = session_.ReadState({}, true);
   ASSERT_EQ((*after)[0].tensors.size(), 2u);
@@ -501,7 +560,7 @@ TEST_F(SessionTest, CheckpointsKeepTheOptimizer) {
   sgd.hyper.kind = OptimizerKind::kSgd;
   sgd.hyper.momentum = 0.9;
   ASSERT_TRUE(other.RegisterGroup(sgd).ok());
-  auto refused = other.LoadState(dir, CheckpointOptions());
+  auto refused = LoadSession(other, dir, CheckpointOptions());
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition)
       << refused.status();
 }

@@ -91,7 +91,7 @@ def _slots(layout):
 
 def _pieces(layout, frozen, numel, shape):
     """(kind, key suffix, dtype, elements) of a tensor's pieces of state, in
-    file order within its group (core/checkpoint_header.cc, Entries)."""
+    file order within its group (checkpoint/header.cc, Entries)."""
     out = [("param", "", _SAFETENSORS_DTYPES[layout["param_dtype"]], numel)]
     recipe = layout.get("fp8_recipe")
     if recipe is not None and numel > 0:
@@ -301,7 +301,7 @@ def _shaped(x, shape, like):
 
 def _missed_steps(group):
     """{tensor index in the group: steps it missed without a gradient}, from
-    the group's optional [index, missed] pairs (core/checkpoint_header.cc)."""
+    the group's optional [index, missed] pairs (checkpoint/header.cc)."""
     return {int(i): int(n) for i, n in group.get("missed_steps", ())}
 
 

@@ -1,4 +1,4 @@
-#include "tests/core/checkpoint_fuzz.h"
+#include "tests/checkpoint/checkpoint_fuzz.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -11,8 +11,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "backends/cpu/cpu_backend.h"
+#include "checkpoint/session_checkpoint.h"
 #include "common/status_macros.h"
-#include "core/checkpoint.h"
 #include "core/session.h"
 
 namespace optimd {
@@ -117,7 +117,7 @@ absl::Status LoadFuzzCheckpoint(const uint8_t* data, size_t size) {
       pwrite(f.fd(), data, size, 0) != static_cast<ssize_t>(size)) {
     return absl::InternalError("cannot write the fuzz input");
   }
-  return f.session().LoadStateFile(f.path(), CheckpointOptions()).status();
+  return LoadSessionFile(f.session(), f.path(), CheckpointOptions()).status();
 }
 
 absl::Status WriteFuzzSeeds(const std::string& dir) {
@@ -130,7 +130,7 @@ absl::Status WriteFuzzSeeds(const std::string& dir) {
     CheckpointOptions options;
     options.packed_above_header_bytes = version == 2 ? 0 : ~uint64_t{0};
     OPTIMD_ASSIGN_OR_RETURN(CheckpointResult r,
-                            f.session().SaveState(sub, options));
+                            SaveSession(f.session(), sub, options));
     const std::string seed = absl::StrCat(dir, "/valid-v", version);
     if (rename(r.path.c_str(), seed.c_str()) != 0 || rmdir(sub.c_str()) != 0) {
       return absl::InternalError(absl::StrCat("cannot move ", r.path));

@@ -1,4 +1,4 @@
-#include "core/checkpoint_temporaries.h"
+#include "checkpoint/temporaries.h"
 
 #include <dirent.h>
 #include <fcntl.h>

@@ -1,10 +1,13 @@
-// The safetensors header of a checkpoint (core/checkpoint.h): the pieces
-// of state a session's groups hold and where they lie in the file, the
-// header JSON written for them, and the checks of a header read back
-// (every field of an untrusted header checked before use). Internal to
-// the checkpoint writer and loader in core/checkpoint.cc.
-#ifndef OPTIMD_CORE_CHECKPOINT_HEADER_H_
-#define OPTIMD_CORE_CHECKPOINT_HEADER_H_
+// The safetensors header of a checkpoint (checkpoint/checkpoint.h): the
+// pieces of state a session's groups hold and where they lie in the file,
+// the header JSON written for them (header.cc), and the checks of a header
+// read back, every field of an untrusted header checked before use
+// (header_parse.cc). Internal to the writer, snapshots and the loader of
+// this package.
+//
+// Thread-compatible: the functions share no state.
+#ifndef OPTIMD_CHECKPOINT_HEADER_H_
+#define OPTIMD_CHECKPOINT_HEADER_H_
 
 #include <cstdint>
 #include <set>
@@ -70,6 +73,9 @@ std::string HeaderJson(json meta, const std::vector<Entry>& entries);
 // RESOURCE_EXHAUSTED when `header` is past the safetensors header limit.
 absl::Status CheckHeaderSize(const std::string& header);
 
+// A layout as the header describes it (what a load compares).
+json LayoutJson(const Layout& layout);
+
 // A group's step counter and hyperparameters as its header says, checked.
 struct GroupHeader {
   uint64_t step = 0;
@@ -91,4 +97,4 @@ absl::StatusOr<std::vector<GroupHeader>> ParseHeader(
 }  // namespace checkpoint_header
 }  // namespace optimd
 
-#endif  // OPTIMD_CORE_CHECKPOINT_HEADER_H_
+#endif  // OPTIMD_CHECKPOINT_HEADER_H_

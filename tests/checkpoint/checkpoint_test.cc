@@ -1,5 +1,3 @@
-#include "core/checkpoint.h"
-
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -17,9 +15,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "backends/cpu/cpu_backend.h"
+#include "checkpoint/paths.h"
+#include "checkpoint/session_checkpoint.h"
+#include "checkpoint/temporaries.h"
 #include "client/shm_tensor.h"
 #include "common/crc32c.h"
-#include "core/checkpoint_temporaries.h"
 #include "core/session.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -183,14 +183,14 @@ void CheckResumeThroughCheckpoint(ManyTensorSession& s, uint64_t* header,
                                   int* version) {
   ScratchDir dir;
   ASSERT_TRUE(s.session().Step({}).ok());
-  auto saved = s.session().SaveState(dir.path(), CheckpointOptions());
+  auto saved = SaveSession(s.session(), dir.path(), CheckpointOptions());
   ASSERT_TRUE(saved.ok()) << saved.status();
   std::printf("save %.2f s\n", saved->seconds);
   const std::string at_save = s.Params();
   ASSERT_TRUE(s.session().Step({}).ok());
   const std::string after = s.Params();
   ASSERT_NE(after, at_save);
-  auto loaded = s.session().LoadState(dir.path(), CheckpointOptions());
+  auto loaded = LoadSession(s.session(), dir.path(), CheckpointOptions());
   ASSERT_TRUE(loaded.ok()) << loaded.status();
   std::printf("load %.2f s\n", loaded->seconds);
   EXPECT_TRUE(s.Params() == at_save);
@@ -302,12 +302,12 @@ TEST(CheckpointTest, SnapshotBytesEqualTheSavedFile) {
   ASSERT_TRUE(s.Step({}).ok());
   ScratchDir scratch;
   const std::string dir = scratch.path();
-  auto saved = s.SaveState(dir, CheckpointOptions());
+  auto saved = SaveSession(s, dir, CheckpointOptions());
   ASSERT_TRUE(saved.ok()) << saved.status();
   std::ifstream in(saved->path, std::ios::binary);
   std::string file((std::istreambuf_iterator<char>(in)),
                    std::istreambuf_iterator<char>());
-  auto snapshot = s.Snapshot();
+  auto snapshot = SnapshotSession(s);
   ASSERT_TRUE(snapshot.ok());
   ASSERT_EQ((*snapshot)->FileSize(), file.size());
   std::string streamed(file.size(), '\0');
@@ -344,7 +344,7 @@ TEST(CheckpointTest, StaleTemporariesAreRemovedAtTheNextSave) {
   for (const auto& f : kept) write_at(f, now - 3600);
   write_at(fresh, now + 3600);
   EXPECT_EQ(RemoveStaleTemporaries(dir.path(), final_name, now - 7200), 0);
-  auto saved = s.session().SaveState(dir.path(), CheckpointOptions());
+  auto saved = SaveSession(s.session(), dir.path(), CheckpointOptions());
   ASSERT_TRUE(saved.ok()) << saved.status();
   EXPECT_NE(access(stale.c_str(), F_OK), 0);
   for (const auto& f : kept) EXPECT_EQ(access(f.c_str(), F_OK), 0) << f;
@@ -402,7 +402,7 @@ TEST(CheckpointTest, StaleTemporariesUnderATreeAreRemovedAtStart) {
 TEST(CheckpointTest, HeaderPastTheLimitIsRefusedBeforeWriting) {
   OneTensorSession s;
   ScratchDir dir;
-  auto first = s.session().SaveState(dir.path(), CheckpointOptions());
+  auto first = SaveSession(s.session(), dir.path(), CheckpointOptions());
   ASSERT_TRUE(first.ok()) << first.status();
   const std::string good = ReadFile(first->path);
   // 110,000 zero-element tensors (no buffers) with 1000-byte names: even
@@ -416,15 +416,15 @@ TEST(CheckpointTest, HeaderPastTheLimitIsRefusedBeforeWriting) {
     big.tensors.push_back(t);
   }
   ASSERT_TRUE(s.session().RegisterGroup(big).ok());
-  auto saved = s.session().SaveState(dir.path(), CheckpointOptions());
+  auto saved = SaveSession(s.session(), dir.path(), CheckpointOptions());
   EXPECT_EQ(saved.status().code(), absl::StatusCode::kResourceExhausted)
       << saved.status();
   EXPECT_TRUE(ReadFile(first->path) == good);
-  saved = s.session().SaveState(dir.path(), CheckpointOptions(),
-                                /*background=*/true);
+  saved = SaveSession(s.session(), dir.path(), CheckpointOptions(),
+                      /*background=*/true);
   EXPECT_EQ(saved.status().code(), absl::StatusCode::kResourceExhausted)
       << saved.status();
-  EXPECT_EQ(s.session().Snapshot().status().code(),
+  EXPECT_EQ(SnapshotSession(s.session()).status().code(),
             absl::StatusCode::kResourceExhausted);
   EXPECT_TRUE(ReadFile(first->path) == good);
   // Nothing else was left in the directory.
@@ -459,7 +459,7 @@ TEST(CheckpointTest, PackedFormatKeepsShapes) {
   ScratchDir dir;
   CheckpointOptions packed;
   packed.packed_above_header_bytes = 0;
-  auto saved = s.session().SaveState(dir.path(), packed);
+  auto saved = SaveSession(s.session(), dir.path(), packed);
   ASSERT_TRUE(saved.ok()) << saved.status();
   HeaderParts parts = SplitCheckpoint(ReadFile(saved->path));
   ASSERT_EQ(parts.meta["format_version"], 2);
@@ -467,11 +467,11 @@ TEST(CheckpointTest, PackedFormatKeepsShapes) {
   EXPECT_EQ(tensors[0].size(), 5u);
   EXPECT_EQ(tensors[0][4], nlohmann::json::array({1, 2}));
   EXPECT_EQ(tensors[1].size(), 4u);  // 1-D: no shape
-  ASSERT_TRUE(s.session().LoadState(dir.path(), CheckpointOptions()).ok());
+  ASSERT_TRUE(LoadSession(s.session(), dir.path(), CheckpointOptions()).ok());
   parts.meta["groups"][0]["tensors"][0][4] = nlohmann::json::array({3, 3});
   WriteFile(saved->path, JoinCheckpoint(parts));
   const absl::Status bad =
-      s.session().LoadState(dir.path(), CheckpointOptions()).status();
+      LoadSession(s.session(), dir.path(), CheckpointOptions()).status();
   EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(bad.message().find("shape holding numel"), std::string::npos)
       << bad;
@@ -483,14 +483,14 @@ TEST(CheckpointTest, PackedFormatDetectsCorruptData) {
   ManyTensorSession s(8000, std::string(1000, 'c'), /*mixed=*/true);
   ScratchDir dir;
   ASSERT_TRUE(s.session().Step({}).ok());
-  auto saved = s.session().SaveState(dir.path(), CheckpointOptions());
+  auto saved = SaveSession(s.session(), dir.path(), CheckpointOptions());
   ASSERT_TRUE(saved.ok()) << saved.status();
   std::string file = ReadFile(saved->path);
   file[file.size() - 3] ^= 0x40;
   WriteFile(saved->path, file);
   // The file is verified before anything changes: the session goes on.
   const std::string before = s.Params();
-  auto loaded = s.session().LoadState(dir.path(), CheckpointOptions());
+  auto loaded = LoadSession(s.session(), dir.path(), CheckpointOptions());
   EXPECT_EQ(loaded.status().code(), absl::StatusCode::kDataLoss)
       << loaded.status();
   EXPECT_NE(loaded.status().message().find("nothing was loaded"),
@@ -529,11 +529,11 @@ TEST(CheckpointTest, SymlinkedCheckpointUnderStateDirIsRefused) {
   ASSERT_EQ(symlink(secret.c_str(), name.c_str()), 0);
   CheckpointOptions confined;
   confined.state_dir = inside;
-  auto loaded = s.session().LoadState(inside, confined);
+  auto loaded = LoadSession(s.session(), inside, confined);
   EXPECT_EQ(loaded.status().code(), absl::StatusCode::kPermissionDenied)
       << loaded.status();
   // Without confinement the file is read, and refused without echoing it.
-  loaded = s.session().LoadState(inside, CheckpointOptions());
+  loaded = LoadSession(s.session(), inside, CheckpointOptions());
   EXPECT_EQ(loaded.status().code(), absl::StatusCode::kInvalidArgument)
       << loaded.status();
   const uint64_t first8 = 0x2153544552434553;  // "SECRETS!" little-endian
@@ -548,7 +548,7 @@ TEST(CheckpointTest, MalformedHeaderFieldsAreRefusedAndChangeNothing) {
   using nlohmann::json;
   OneTensorSession s;
   ScratchDir dir;
-  auto saved = s.session().SaveState(dir.path(), CheckpointOptions());
+  auto saved = SaveSession(s.session(), dir.path(), CheckpointOptions());
   ASSERT_TRUE(saved.ok()) << saved.status();
   const std::string good = ReadFile(saved->path);
   ASSERT_TRUE(s.session().Step({}).ok());  // the state moves past the file
@@ -621,7 +621,7 @@ TEST(CheckpointTest, MalformedHeaderFieldsAreRefusedAndChangeNothing) {
     HeaderParts p = SplitCheckpoint(good);
     edit(p);
     WriteFile(saved->path, JoinCheckpoint(p));
-    auto loaded = s.session().LoadState(dir.path(), CheckpointOptions());
+    auto loaded = LoadSession(s.session(), dir.path(), CheckpointOptions());
     ASSERT_FALSE(loaded.ok());
     EXPECT_TRUE(loaded.status().code() == absl::StatusCode::kInvalidArgument ||
                 loaded.status().code() == absl::StatusCode::kDataLoss)
@@ -630,7 +630,7 @@ TEST(CheckpointTest, MalformedHeaderFieldsAreRefusedAndChangeNothing) {
   }
   // The session still steps and loads a good file.
   WriteFile(saved->path, good);
-  EXPECT_TRUE(s.session().LoadState(dir.path(), CheckpointOptions()).ok());
+  EXPECT_TRUE(LoadSession(s.session(), dir.path(), CheckpointOptions()).ok());
   EXPECT_TRUE(s.session().Step({}).ok());
 }
 
@@ -645,7 +645,7 @@ TEST(CheckpointTest, AliasesRoundTripInBothFormats) {
     ScratchDir dir;
     CheckpointOptions options;
     options.packed_above_header_bytes = packed ? 0 : ~uint64_t{0};
-    auto saved = s.session().SaveState(dir.path(), options);
+    auto saved = SaveSession(s.session(), dir.path(), options);
     ASSERT_TRUE(saved.ok()) << saved.status();
     const std::string good = ReadFile(saved->path);
     HeaderParts p = SplitCheckpoint(good);
@@ -654,17 +654,17 @@ TEST(CheckpointTest, AliasesRoundTripInBothFormats) {
               nlohmann::json::array({nlohmann::json::array({0, aliases})}));
     const std::string before = s.Fingerprint();
     ASSERT_TRUE(s.session().Step({}).ok());
-    ASSERT_TRUE(s.session().LoadState(dir.path(), CheckpointOptions()).ok());
+    ASSERT_TRUE(LoadSession(s.session(), dir.path(), CheckpointOptions()).ok());
     EXPECT_EQ(s.Fingerprint(), before);
     // Without the key, as files written before aliases existed.
     p.meta["groups"][0].erase("aliases");
     WriteFile(saved->path, JoinCheckpoint(p));
-    EXPECT_TRUE(s.session().LoadState(dir.path(), CheckpointOptions()).ok());
+    EXPECT_TRUE(LoadSession(s.session(), dir.path(), CheckpointOptions()).ok());
   }
   // A session without aliases writes no key.
   OneTensorSession plain;
   ScratchDir dir;
-  auto saved = plain.session().SaveState(dir.path(), CheckpointOptions());
+  auto saved = SaveSession(plain.session(), dir.path(), CheckpointOptions());
   ASSERT_TRUE(saved.ok()) << saved.status();
   EXPECT_FALSE(SplitCheckpoint(ReadFile(saved->path))
                    .meta["groups"][0]
@@ -683,7 +683,7 @@ TEST(CheckpointTest, AliasesCountTowardsThePackedFormat) {
     OneTensorSession s(long_aliases ? long_names
                                     : std::vector<std::string>{"tied"});
     ScratchDir dir;
-    auto saved = s.session().SaveState(dir.path(), options);
+    auto saved = SaveSession(s.session(), dir.path(), options);
     ASSERT_TRUE(saved.ok()) << saved.status();
     EXPECT_EQ(SplitCheckpoint(ReadFile(saved->path)).meta["format_version"],
               long_aliases ? 2 : 1);
@@ -696,7 +696,7 @@ TEST(CheckpointTest, MalformedAliasesAreRefusedAndChangeNothing) {
   using nlohmann::json;
   OneTensorSession s({"tied"});
   ScratchDir dir;
-  auto saved = s.session().SaveState(dir.path(), CheckpointOptions());
+  auto saved = SaveSession(s.session(), dir.path(), CheckpointOptions());
   ASSERT_TRUE(saved.ok()) << saved.status();
   const std::string good = ReadFile(saved->path);
   ASSERT_TRUE(s.session().Step({}).ok());
@@ -726,7 +726,7 @@ TEST(CheckpointTest, MalformedAliasesAreRefusedAndChangeNothing) {
     HeaderParts p = SplitCheckpoint(good);
     p.meta["groups"][0]["aliases"] = aliases;
     WriteFile(saved->path, JoinCheckpoint(p));
-    auto loaded = s.session().LoadState(dir.path(), CheckpointOptions());
+    auto loaded = LoadSession(s.session(), dir.path(), CheckpointOptions());
     EXPECT_EQ(loaded.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_NE(loaded.status().message().find("'aliases'"), std::string::npos)
         << loaded.status();
@@ -739,14 +739,14 @@ TEST(CheckpointTest, MalformedAliasesAreRefusedAndChangeNothing) {
 TEST(CheckpointTest, DamagedMetadataIsDataLoss) {
   OneTensorSession s;
   ScratchDir dir;
-  auto saved = s.session().SaveState(dir.path(), CheckpointOptions());
+  auto saved = SaveSession(s.session(), dir.path(), CheckpointOptions());
   ASSERT_TRUE(saved.ok()) << saved.status();
   const std::string good = ReadFile(saved->path);
   const std::string before = s.Fingerprint();
   HeaderParts p = SplitCheckpoint(good);
   p.meta["groups"][0]["hyperparameters"]["lr"] = 1.001;
   WriteFile(saved->path, JoinCheckpoint(p, /*keep_crc=*/true));
-  auto loaded = s.session().LoadState(dir.path(), CheckpointOptions());
+  auto loaded = LoadSession(s.session(), dir.path(), CheckpointOptions());
   EXPECT_EQ(loaded.status().code(), absl::StatusCode::kDataLoss)
       << loaded.status();
   EXPECT_EQ(s.Fingerprint(), before);
@@ -754,7 +754,7 @@ TEST(CheckpointTest, DamagedMetadataIsDataLoss) {
   p = SplitCheckpoint(good);
   p.header["__metadata__"].erase("optimd_crc32c");
   WriteFile(saved->path, JoinCheckpoint(p, /*keep_crc=*/true));
-  EXPECT_TRUE(s.session().LoadState(dir.path(), CheckpointOptions()).ok());
+  EXPECT_TRUE(LoadSession(s.session(), dir.path(), CheckpointOptions()).ok());
 }
 
 // A file that another process changes between a load's verifying pass and
@@ -765,7 +765,7 @@ TEST(CheckpointTest, DamagedMetadataIsDataLoss) {
 TEST(CheckpointTest, FileChangedBetweenThePassesIsAbortedAndChangesNothing) {
   OneTensorSession s;
   ScratchDir dir;
-  auto saved = s.session().SaveState(dir.path(), CheckpointOptions());
+  auto saved = SaveSession(s.session(), dir.path(), CheckpointOptions());
   ASSERT_TRUE(saved.ok()) << saved.status();
   const std::string file = ReadFile(saved->path);
   std::string corrupt = file;
@@ -812,7 +812,7 @@ TEST(CheckpointTest, FileChangedBetweenThePassesIsAbortedAndChangesNothing) {
       EXPECT_EQ(path, saved->path);
       change(path);
     };
-    auto loaded = s.session().LoadState(dir.path(), options);
+    auto loaded = LoadSession(s.session(), dir.path(), options);
     EXPECT_EQ(calls, 1);
     EXPECT_EQ(loaded.status().code(), absl::StatusCode::kAborted)
         << loaded.status();
@@ -830,12 +830,12 @@ TEST(CheckpointTest, FileChangedBetweenThePassesIsAbortedAndChangesNothing) {
   // name is corrupt, DATA_LOSS with nothing changed; the good file, left
   // alone, loads the saved state.
   const std::string before = s.Fingerprint();
-  auto loaded = s.session().LoadState(dir.path(), CheckpointOptions());
+  auto loaded = LoadSession(s.session(), dir.path(), CheckpointOptions());
   EXPECT_EQ(loaded.status().code(), absl::StatusCode::kDataLoss)
       << loaded.status();
   EXPECT_EQ(s.Fingerprint(), before);
   WriteFile(saved->path, file);
-  loaded = s.session().LoadState(dir.path(), CheckpointOptions());
+  loaded = LoadSession(s.session(), dir.path(), CheckpointOptions());
   ASSERT_TRUE(loaded.ok()) << loaded.status();
   OneTensorSession twin;  // the state at the save
   EXPECT_EQ(s.Fingerprint(), twin.Fingerprint());

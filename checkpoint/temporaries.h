@@ -10,8 +10,8 @@
 // Thread-safe: the functions share no state. A temporary is removed only
 // when its writer is gone (or is this process and wrote it before the
 // given time), so a save in progress elsewhere is never disturbed.
-#ifndef OPTIMD_CORE_CHECKPOINT_TEMPORARIES_H_
-#define OPTIMD_CORE_CHECKPOINT_TEMPORARIES_H_
+#ifndef OPTIMD_CHECKPOINT_TEMPORARIES_H_
+#define OPTIMD_CHECKPOINT_TEMPORARIES_H_
 
 #include <ctime>
 #include <string>
@@ -45,4 +45,4 @@ int RemoveStaleTemporariesUnder(const std::string& root, int max_depth);
 
 }  // namespace optimd
 
-#endif  // OPTIMD_CORE_CHECKPOINT_TEMPORARIES_H_
+#endif  // OPTIMD_CHECKPOINT_TEMPORARIES_H_
