@@ -160,6 +160,16 @@ json HyperJson(const OptimizerHyper& h) {
               {"nesterov", h.nesterov}};
 }
 
+// The names of the layout's state slots, in slot order, so that a reader
+// needs no table of each optimizer's slots.
+json SlotNamesJson(const Layout& l) {
+  json names = json::array();
+  for (int slot = 0; slot < l.state_slots; ++slot) {
+    names.push_back(std::string(StateSlotName(l.optimizer, slot)));
+  }
+  return names;
+}
+
 json LayoutJson(const Layout& l) {
   json j{{"param_dtype", std::string(DTypeName(l.param_dtype))},
          {"grad_dtype", std::string(DTypeName(l.grad_dtype))},
@@ -167,6 +177,7 @@ json LayoutJson(const Layout& l) {
          {"master", std::string(MasterKindName(l.master))},
          {"optimizer", std::string(OptimizerName(l.optimizer))},
          {"state_slots", l.state_slots},
+         {"slot_names", SlotNamesJson(l)},
          {"amsgrad", l.amsgrad()}};
   // Only FP8 parameters name a recipe, so other layouts read as before.
   if (l.fp8_recipe != Fp8Recipe::kNone) {

@@ -295,13 +295,16 @@ absl::StatusOr<OptimizerHyper> ParseHyper(const Fields& g,
 
 // Whether a header's layout is `l`. Files written before optimizers other
 // than AdamW name neither the optimizer nor the slot count: such a layout
-// is an AdamW one.
+// is an AdamW one. Files written before the slot names name none.
 bool LayoutMatches(const json& file, const Layout& l) {
   json mine = LayoutJson(l);
   if (file.is_object() && !file.contains("optimizer") &&
       l.optimizer == OptimizerKind::kAdamW) {
     mine.erase("optimizer");
     mine.erase("state_slots");
+  }
+  if (file.is_object() && !file.contains("slot_names")) {
+    mine.erase("slot_names");
   }
   return file == mine;
 }

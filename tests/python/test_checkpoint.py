@@ -74,6 +74,30 @@ def read_safetensors(path):
     return header, tensors
 
 
+def _crc32c(data):
+    crc = 0xFFFFFFFF
+    for b in data:
+        crc ^= b
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+def _rebuilt(good, edit):
+    """The checkpoint bytes `good` with edit(metadata) applied to its optimd
+    metadata, whose checksum is made to match."""
+    (n,) = struct.unpack("<Q", good[:8])
+    header = json.loads(good[8:8 + n])
+    meta = json.loads(header["__metadata__"]["optimd"])
+    edit(meta)
+    text = json.dumps(meta, separators=(",", ":"))
+    header["__metadata__"]["optimd"] = text
+    header["__metadata__"]["optimd_crc32c"] = "%08x" % _crc32c(text.encode())
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * ((8 - (8 + len(h)) % 8) % 8)
+    return struct.pack("<Q", len(h)) + h + good[8 + n:]
+
+
 class CheckpointTest(unittest.TestCase):
     def setUp(self):
         self.dir = tempfile.mkdtemp(prefix="optimd-ckpt-")
@@ -611,31 +635,59 @@ class CheckpointTest(unittest.TestCase):
             oa.close()
             ot.close()
 
+    def test_layouts_name_their_slots_and_older_files_still_read(self):
+        """Each layout lists its state slots by name, so that a reader needs
+        no table of each optimizer's; a file without the names (as written
+        before) converts to the same torch state dict and loads alike."""
+        from optimd.checkpoint import read_checkpoint, to_torch_state_dict
+        from optimd.torch import SGD
+
+        def no_slot_names(meta):
+            for g in meta["groups"]:
+                for t in g["tensors"]:
+                    del t["layout"]["slot_names"]
+        with Daemon() as d:
+            p = torch.nn.Parameter(torch.randn(6))
+            q = torch.nn.Parameter(torch.randn(5))
+            opts = {"adamw": AdamW([("w", p)], amsgrad=True,
+                                   address=d.address, job_id="slots-a"),
+                    "sgd": SGD([("v", q)], lr=0.1, momentum=0.9,
+                               address=d.address, job_id="slots-s")}
+            names = {"adamw": ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"],
+                     "sgd": ["momentum_buffer"]}
+            for kind, opt in opts.items():
+                x = p if kind == "adamw" else q
+                x.grad = torch.randn_like(x)
+                opt.step()
+                data = b"".join(opt.state_bytes())
+                new, old = (os.path.join(self.dir, kind + n)
+                            for n in (".new", ".old"))
+                with open(new, "wb") as f:
+                    f.write(data)
+                with open(old, "wb") as f:
+                    f.write(_rebuilt(data, no_slot_names))
+                layout = read_checkpoint(new)[0]["groups"][0]["tensors"][0][
+                    "layout"]
+                self.assertEqual(layout["slot_names"], names[kind])
+                want, got = (to_torch_state_dict(f)[0]["state"]
+                             for f in (new, old))
+                # torch's SGD keeps no step.
+                self.assertEqual(sorted(got[0]), sorted(
+                    names[kind] + (["step"] if kind == "adamw" else [])))
+                for k in names[kind]:
+                    self.assertTrue(torch.equal(got[0][k], want[0][k]), k)
+                before = opt.state_dict()["state"]
+                with open(old, "rb") as f:
+                    opt.load_state_bytes([f.read()])
+                after = opt.state_dict()["state"]
+                for k in names[kind]:
+                    self.assertTrue(torch.equal(after[0][k], before[0][k]))
+                opt.close()
+
     def test_malformed_metadata_through_the_stream_keeps_the_daemon_up(self):
         """Wrong-typed or out-of-range header fields, streamed in: each is
         refused with a specific code, nothing changes, and the daemon (which
         a wrong-typed step used to abort) keeps serving."""
-
-        def crc32c(data):
-            crc = 0xFFFFFFFF
-            for b in data:
-                crc ^= b
-                for _ in range(8):
-                    crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
-            return crc ^ 0xFFFFFFFF
-
-        def rebuild(good, edit):
-            (n,) = struct.unpack("<Q", good[:8])
-            header = json.loads(good[8:8 + n])
-            meta = json.loads(header["__metadata__"]["optimd"])
-            edit(meta)
-            text = json.dumps(meta, separators=(",", ":"))
-            header["__metadata__"]["optimd"] = text
-            header["__metadata__"]["optimd_crc32c"] = "%08x" % crc32c(
-                text.encode())
-            h = json.dumps(header, separators=(",", ":")).encode()
-            h += b" " * ((8 - (8 + len(h)) % 8) % 8)
-            return struct.pack("<Q", len(h)) + h + good[8 + n:]
 
         def group(m):
             return m["groups"][0]
@@ -665,7 +717,7 @@ class CheckpointTest(unittest.TestCase):
             before = p.detach().clone()
             for what, edit in edits.items():
                 with self.subTest(edit=what):
-                    bad = rebuild(good, edit)
+                    bad = _rebuilt(good, edit)
                     with self.assertRaises(optimd.OptimdError) as cm:
                         opt.load_state_bytes([bad])
                     self.assertIn(cm.exception.code.name,

@@ -76,17 +76,21 @@ def fp8_scale_shape(recipe, numel, shape):
 # block8 moments (core/block8.h): elements per scale.
 _BLOCK8_ELEMENTS = 256
 
-# Each optimizer's state slots in the daemon's order (core/optimizer.cc).
-_SLOTS = {"adamw": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
-          "sgd": ("momentum_buffer",), "lion": ("exp_avg",)}
+# The state slots of the optimizers of files that do not name them (written
+# before the layouts listed "slot_names"), in the daemon's order.
+_OLD_FILE_SLOTS = {"adamw": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+                   "sgd": ("momentum_buffer",), "lion": ("exp_avg",)}
 
 
 def _slots(layout):
-    """The state slots a tensor of `layout` holds. Files written before
-    other optimizers than AdamW name neither optimizer nor slot count."""
+    """The state slots a tensor of `layout` holds: as the file names them;
+    files written before name none, and those written before other
+    optimizers than AdamW neither optimizer nor slot count."""
+    if "slot_names" in layout:
+        return tuple(layout["slot_names"])
     if "optimizer" not in layout:
-        return _SLOTS["adamw"][:3 if layout["amsgrad"] else 2]
-    return _SLOTS[layout["optimizer"]][:layout["state_slots"]]
+        return _OLD_FILE_SLOTS["adamw"][:3 if layout["amsgrad"] else 2]
+    return _OLD_FILE_SLOTS[layout["optimizer"]][:layout["state_slots"]]
 
 
 def _pieces(layout, frozen, numel, shape):
