@@ -1,0 +1,395 @@
+// OptimizerServiceImpl's checkpoint streams: SaveStateStream, which streams
+// a snapshot's file bytes, and LoadStateStream, which spools a streamed
+// file and loads it as LoadState loads one (optimizer_service.cc has the
+// other calls).
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <thread>
+
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_replace.h"
+#include "absl/time/clock.h"
+#include "checkpoint/session_checkpoint.h"
+#include "common/mutex.h"
+#include "server/convert.h"
+#include "server/log.h"
+#include "server/optimizer_service.h"
+#include "server/session_name.h"
+#include "server/spool_files.h"
+
+namespace optimd {
+
+// Streams a snapshot's file bytes. A thread of its own computes the
+// checksums and produces one chunk at a time, waiting for each write to
+// complete before the next (flow control by the client's reads).
+class OptimizerServiceImpl::SaveStreamReactor final
+    : public grpc::ServerWriteReactor<v1::StateChunk> {
+ public:
+  SaveStreamReactor(OptimizerServiceImpl* service,
+                    std::shared_ptr<Session> session, DeviceWorker* worker,
+                    uint64_t chunk_bytes)
+      : service_(service),
+        name_(SessionName(session->identity())),
+        chunk_bytes_(chunk_bytes),
+        start_(absl::Now()) {
+    log::Info(absl::StrCat("checkpoint save started (stream): ", name_));
+    worker->Post([this, session = std::move(session)] {
+      auto snapshot = SnapshotSession(*session);
+      if (!snapshot.ok()) {
+        End(ToGrpcStatus(snapshot.status()), 0, 0);
+        return;
+      }
+      snapshot_ = *std::move(snapshot);
+      producer_ = std::thread([this] { Produce(); });
+    });
+  }
+
+  void OnWriteDone(bool ok) override {
+    MutexLock lock(&mu_);
+    write_ok_ = ok;
+    writing_ = false;
+  }
+
+  void OnCancel() override {
+    MutexLock lock(&mu_);
+    cancelled_ = true;
+  }
+
+  void OnDone() override {
+    if (producer_.joinable()) {
+      // OnDone may run inline in the producer's own Finish.
+      if (producer_.get_id() == std::this_thread::get_id()) {
+        producer_.detach();
+      } else {
+        producer_.join();
+      }
+    }
+    delete this;
+  }
+
+ private:
+  void Produce() {
+    const uint64_t total = snapshot_->FileSize();
+    for (uint64_t offset = 0; offset < total;) {
+      const uint64_t n = std::min(chunk_bytes_, total - offset);
+      chunk_.set_offset(offset);
+      chunk_.set_total_bytes(total);
+      chunk_.mutable_data()->resize(n);
+      snapshot_->ReadFile(
+          offset, n, reinterpret_cast<uint8_t*>(chunk_.mutable_data()->data()));
+      {
+        MutexLock lock(&mu_);
+        if (cancelled_) break;
+        writing_ = true;
+      }
+      StartWrite(&chunk_);
+      MutexLock lock(&mu_);
+      mu_.Await(
+          +[](SaveStreamReactor* r) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+            return !r->writing_ || r->cancelled_;
+          },
+          this);
+      if (!write_ok_ || cancelled_) {
+        cancelled_ = true;
+        break;
+      }
+      offset += n;
+      sent_ = offset;
+    }
+    bool cancelled;
+    uint64_t sent;
+    {
+      MutexLock lock(&mu_);
+      cancelled = cancelled_;
+      sent = sent_;
+    }
+    snapshot_.reset();
+    End(cancelled ? grpc::Status(grpc::StatusCode::CANCELLED,
+                                 "the client stopped reading")
+                  : grpc::Status::OK,
+        sent, total);
+  }
+
+  void End(const grpc::Status& status, uint64_t sent, uint64_t total) {
+    service_->EndStreamedSave(name_, status, sent, total,
+                              absl::ToDoubleSeconds(absl::Now() - start_));
+    Finish(status);
+  }
+
+  OptimizerServiceImpl* const service_;
+  const std::string name_;
+  const uint64_t chunk_bytes_;
+  const absl::Time start_;
+  std::unique_ptr<CheckpointSnapshot> snapshot_;
+  v1::StateChunk chunk_;
+  std::thread producer_;
+  Mutex mu_;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool write_ok_ ABSL_GUARDED_BY(mu_) = true;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t sent_ ABSL_GUARDED_BY(mu_) = 0;  // bytes the client received
+};
+
+void OptimizerServiceImpl::EndStreamedSave(const std::string& name,
+                                           const grpc::Status& status,
+                                           uint64_t bytes, uint64_t total_bytes,
+                                           double seconds) {
+  if (!status.ok()) {
+    checkpoint_failures_.fetch_add(1);
+    log::Warn(absl::StrCat(
+        "checkpoint save failed (stream): ", name,
+        total_bytes == 0
+            ? std::string()
+            : absl::StrCat(" after ", bytes, " of ", total_bytes, " bytes"),
+        ": ", status.error_message().substr(0, 500)));
+    return;
+  }
+  checkpoint_saves_.fetch_add(1);
+  checkpoint_save_bytes_.fetch_add(bytes);
+  log::Info(absl::StrCat("checkpoint saved (stream): ", name, ", ", bytes,
+                         " bytes, ", absl::StrFormat("%.3f", seconds), " s"));
+}
+
+grpc::ServerWriteReactor<v1::StateChunk>* OptimizerServiceImpl::SaveStateStream(
+    grpc::CallbackServerContext* context,
+    const v1::SaveStateStreamRequest* request) {
+  auto session = SessionOf(context);
+  uint64_t chunk = request->chunk_bytes() == 0 ? (uint64_t{4} << 20)
+                                               : request->chunk_bytes();
+  if (!session.ok() || chunk > (uint64_t{64} << 20)) {
+    class Refused final : public grpc::ServerWriteReactor<v1::StateChunk> {
+     public:
+      explicit Refused(grpc::Status s) { Finish(std::move(s)); }
+      void OnDone() override { delete this; }
+    };
+    return new Refused(!session.ok()
+                           ? ToGrpcStatus(session.status())
+                           : grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                          "chunk_bytes may be at most 64 MiB"));
+  }
+  DeviceWorker* worker = WorkerFor(*session);
+  return new SaveStreamReactor(this, *std::move(session), worker, chunk);
+}
+
+// Spools the streamed file to a private temporary file, then loads it on
+// the session's worker, as LoadState loads a file: verified whole before
+// any state changes. The spool file is removed on every path (and by a
+// later daemon if this one is killed). The stream reads only once it holds
+// its session's claim (LoadStreamClaims: a stream of the session still
+// open is waited for, up to the claims' grace, then this one is refused);
+// the claim ends as soon as gRPC reports the call cancelled (the client
+// broke it off and may already be sending its next stream) or else before
+// the call finishes.
+class OptimizerServiceImpl::LoadStreamReactor final
+    : public grpc::ServerReadReactor<v1::StateChunk> {
+ public:
+  LoadStreamReactor(OptimizerServiceImpl* service,
+                    grpc::CallbackServerContext* context,
+                    std::shared_ptr<Session> session, DeviceWorker* worker,
+                    CheckpointOptions options, v1::LoadStateResponse* response,
+                    LoadStreamClaims* claims)
+      : service_(service),
+        name_(SessionName(session->identity())),
+        start_(absl::Now()),
+        context_(context),
+        session_(std::move(session)),
+        worker_(worker),
+        options_(std::move(options)),
+        response_(response),
+        claims_(claims) {
+    if (claims_->Claim(session_.get(), this, [this](bool granted) {
+          if (granted) {
+            Begin();
+          } else {
+            Finish(grpc::Status(
+                grpc::StatusCode::FAILED_PRECONDITION,
+                "another LoadStateStream of this session is still arriving; "
+                "a session loads one stream at a time (wait for it to end)"));
+          }
+        })) {
+      Begin();
+    }
+  }
+
+  // May run beside OnReadDone, the worker's load or the claim's outcome: it
+  // only ends the claim (or the wait for it). The spool file goes when the
+  // read that the cancel fails returns.
+  void OnCancel() override {
+    if (claims_->Release(session_.get(), this)) {
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED,
+                          "the stream broke; nothing was loaded"));
+    }
+  }
+
+  void OnReadDone(bool ok) override {
+    if (ok) {
+      if (chunk_.offset() != received_ ||
+          (total_ != 0 && chunk_.total_bytes() != total_)) {
+        Fail(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "chunks must arrive in order with one total_bytes; "
+                          "expected offset " +
+                              std::to_string(received_)));
+        return;
+      }
+      if (total_ == 0) {
+        // A checkpoint of this session cannot be larger than its state and
+        // parameters plus the header: refuse early instead of filling the
+        // disk with a spool file.
+        const SessionInfo info = session_->Info();
+        const uint64_t limit = info.state_bytes + info.param_bytes +
+                               kMaxCheckpointHeaderBytes + 16;
+        if (chunk_.total_bytes() > limit) {
+          Fail(grpc::Status(
+              grpc::StatusCode::INVALID_ARGUMENT,
+              "total_bytes " + std::to_string(chunk_.total_bytes()) +
+                  " exceeds what a checkpoint of this session can hold (" +
+                  std::to_string(limit) + " bytes)"));
+          return;
+        }
+      }
+      total_ = chunk_.total_bytes();
+      const std::string& d = chunk_.data();
+      if (received_ + d.size() > total_) {
+        Fail(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "chunks run past total_bytes"));
+        return;
+      }
+      for (size_t done = 0; done < d.size();) {
+        const ssize_t w =
+            pwrite(fd_, d.data() + done, d.size() - done, received_ + done);
+        if (w < 0) {
+          Fail(grpc::Status(
+              errno == ENOSPC ? grpc::StatusCode::RESOURCE_EXHAUSTED
+                              : grpc::StatusCode::INTERNAL,
+              std::string("spooling the stream: ") + std::strerror(errno)));
+          return;
+        }
+        done += w;
+      }
+      received_ += d.size();
+      StartRead(&chunk_);
+      return;
+    }
+    if (context_->IsCancelled()) {
+      Fail(grpc::Status(grpc::StatusCode::CANCELLED,
+                        "the stream broke; nothing was loaded"));
+      return;
+    }
+    if (total_ == 0 || received_ != total_) {
+      Fail(grpc::Status(grpc::StatusCode::DATA_LOSS,
+                        "the stream ended after " + std::to_string(received_) +
+                            " of " + std::to_string(total_) +
+                            " bytes; nothing was loaded"));
+      return;
+    }
+    worker_->Post([this] {
+      auto r = LoadSessionFile(*session_, path_, options_);
+      if (!r.ok()) {
+        // The spool file is the daemon's own: the client knows its data
+        // as the stream.
+        End(ToGrpcStatus(absl::Status(
+            r.status().code(),
+            absl::StrReplaceAll(r.status().message(),
+                                {{path_, "the streamed checkpoint"}}))));
+        return;
+      }
+      response_->set_path("(stream)");
+      response_->set_bytes(r->bytes);
+      response_->set_peak_staging_bytes(r->peak_staging_bytes);
+      response_->set_seconds(r->seconds);
+      End(grpc::Status::OK);
+    });
+  }
+
+  void OnDone() override {
+    Cleanup();
+    claims_->Release(session_.get(), this);
+    delete this;
+  }
+
+ private:
+  // With the session's claim: opens the spool file, reads the first chunk.
+  void Begin() {
+    log::Info(absl::StrCat("checkpoint load started (stream): ", name_));
+    const std::string dir = SpoolDirectory(options_);
+    // The pid lets a later daemon remove the file if this one is killed.
+    path_ = dir + "/.optimd-load-" + std::to_string(getpid()) + "-XXXXXX";
+    fd_ = mkstemp(path_.data());
+    if (fd_ < 0) {
+      End(grpc::Status(grpc::StatusCode::INTERNAL,
+                       "cannot create a spool file in " + dir + ": " +
+                           std::strerror(errno)));
+      return;
+    }
+    StartRead(&chunk_);
+  }
+
+  void Fail(grpc::Status s) { End(std::move(s)); }
+
+  // Removes the spool file, ends the session's claim, logs, then finishes.
+  void End(grpc::Status s) {
+    Cleanup();
+    claims_->Release(session_.get(), this);
+    service_->EndStreamedLoad(name_, s, s.ok() ? response_->bytes() : 0,
+                              absl::ToDoubleSeconds(absl::Now() - start_));
+    Finish(std::move(s));
+  }
+
+  void Cleanup() {
+    if (fd_ >= 0) {
+      close(fd_);
+      unlink(path_.c_str());
+      fd_ = -1;
+    }
+  }
+
+  OptimizerServiceImpl* const service_;
+  const std::string name_;
+  const absl::Time start_;
+  grpc::CallbackServerContext* const context_;
+  const std::shared_ptr<Session> session_;
+  DeviceWorker* const worker_;
+  const CheckpointOptions options_;
+  v1::LoadStateResponse* const response_;
+  LoadStreamClaims* const claims_;
+  std::string path_;
+  int fd_ = -1;
+  v1::StateChunk chunk_;
+  uint64_t received_ = 0;
+  uint64_t total_ = 0;
+};
+
+void OptimizerServiceImpl::EndStreamedLoad(const std::string& name,
+                                           const grpc::Status& status,
+                                           uint64_t bytes, double seconds) {
+  if (!status.ok()) {
+    checkpoint_failures_.fetch_add(1);
+    log::Warn(absl::StrCat("checkpoint load failed (stream): ", name, ": ",
+                           status.error_message().substr(0, 500)));
+    return;
+  }
+  checkpoint_loads_.fetch_add(1);
+  checkpoint_load_bytes_.fetch_add(bytes);
+  log::Info(absl::StrCat("checkpoint loaded (stream): ", name, ", ", bytes,
+                         " bytes, ", absl::StrFormat("%.3f", seconds), " s"));
+}
+
+grpc::ServerReadReactor<v1::StateChunk>* OptimizerServiceImpl::LoadStateStream(
+    grpc::CallbackServerContext* context, v1::LoadStateResponse* response) {
+  class Refused final : public grpc::ServerReadReactor<v1::StateChunk> {
+   public:
+    explicit Refused(grpc::Status s) { Finish(std::move(s)); }
+    void OnDone() override { delete this; }
+  };
+  auto session = SessionOf(context);
+  if (!session.ok()) return new Refused(ToGrpcStatus(session.status()));
+  DeviceWorker* worker = WorkerFor(*session);
+  return new LoadStreamReactor(this, context, *std::move(session), worker,
+                               checkpoint_options_, response,
+                               &load_stream_claims_);
+}
+
+}  // namespace optimd
