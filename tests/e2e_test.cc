@@ -28,6 +28,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kernels/adamw/adamw_cpu.h"
+#include "testing/test_seed.h"
 #include "tests/daemon_process.h"
 
 namespace optimd {
@@ -165,8 +166,7 @@ class E2eTest : public ::testing::Test {
 
 TEST_F(E2eTest, TrainsAndMatchesTheReference) {
   OpenSession(client_.get());
-  const uint32_t seed = std::random_device{}();
-  std::printf("seed %u\n", seed);
+  const uint32_t seed = TestSeed();
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal;
   constexpr int kN = 1000;
