@@ -33,13 +33,37 @@ def mlp():
                                torch.nn.Linear(32, 1))
 
 
-def scale_err(a, b, b0=None):
-    """max |a - b| over the scale of b: its largest magnitude, or that of
-    b0 (the same tensor earlier) where that is larger."""
-    scale = b.abs().max()
-    if b0 is not None:
-        scale = torch.maximum(scale, b0.abs().max())
-    return ((a - b).abs().max() / scale.clamp_min(1e-30)).item()
+def scale_err(a, b, peak=0.0):
+    """max |a - b| over the scale of b: its largest magnitude, or `peak`
+    (its largest magnitude earlier in the test, Peaks) where that is
+    larger."""
+    scale = max(b.abs().max().item(), peak, 1e-30)
+    return (a - b).abs().max().item() / scale
+
+
+class Peaks:
+    """The largest magnitude each tensor has had so far in a test: the scale
+    that the ulp-level differences of two optimizers stepping it are
+    measured against.
+
+    Such a difference is a few ulps of the values the tensor had when it
+    arose, and it stays when the tensor later shrinks: a one-element bias
+    that crosses zero carries the last bits of its earlier values through,
+    and against its value of the moment they look arbitrarily large (one
+    random seed: a bias at -5e-4, started at 1.1e-2, differed by 7e-10,
+    1.4e-6 of its value, at its third step). The largest value it has had
+    is a scale that cannot vanish. Keyed by the tensor object: pass the
+    parameter itself, not a detached view."""
+
+    def __init__(self):
+        self._peaks = {}
+
+    def __call__(self, t):
+        """t's largest magnitude so far, its present one included."""
+        now = t.detach().abs().max().item() if t.numel() else 0.0
+        peak = max(self._peaks.get(t, 0.0), now)
+        self._peaks[t] = peak
+        return peak
 
 
 def session_keys(client):
@@ -98,18 +122,27 @@ class TorchClientTest(unittest.TestCase):
         torch.manual_seed(SEED)
         self.x = torch.randn(256, 12)
         self.y = torch.sin(self.x.sum(1, keepdim=True))
+        self.peaks = Peaks()
+
+    def param_err(self, p, q):
+        """scale_err of our parameter p against torch's q, over the largest
+        magnitude q has had in this test (Peaks)."""
+        return scale_err(p.detach(), q.detach(), self.peaks(q))
 
     def twin_models(self, seed=SEED):
-        """Two MLPs with the same initial weights, from `seed`."""
+        """Two MLPs with the same initial weights, from `seed`; the second's
+        starting magnitudes are its first peaks."""
         torch.manual_seed(seed)
         ours = mlp()
         theirs = mlp()
         theirs.load_state_dict(ours.state_dict())
+        for q in theirs.parameters():
+            self.peaks(q)
         return ours, theirs
 
-    def fixed_seed_twins(self, seed=20261129):
-        """Data and twin MLPs from a fixed seed, with optimd's AdamW on the
-        first and torch's on the second: (ours, theirs, opt, ref)."""
+    def seeded_twins(self, seed=SEED):
+        """Data and twin MLPs from `seed`, with optimd's AdamW on the first
+        and torch's on the second: (ours, theirs, opt, ref)."""
         torch.manual_seed(seed)
         self.x = torch.randn(256, 12)
         self.y = torch.sin(self.x.sum(1, keepdim=True))
@@ -119,16 +152,18 @@ class TorchClientTest(unittest.TestCase):
                                 weight_decay=0.01)
         return ours, theirs, opt, ref
 
-    @staticmethod
-    def step_twins(opt, ref):
+    def step_twins(self, opt, ref):
         """The same random gradient for each parameter of both optimizers'
-        first group, then a step of each."""
+        first group, then a step of each (torch's parameters' new
+        magnitudes noted in their peaks)."""
         for p, q in zip(opt.param_groups[0]["params"],
                         ref.param_groups[0]["params"]):
             g = torch.randn(p.shape)
             p.grad, q.grad = g.clone(), g.clone()
         opt.step()
         ref.step()
+        for q in ref.param_groups[0]["params"]:
+            self.peaks(q)
 
     def make(self, params, **kw):
         kw.setdefault("address", self.daemon.address)
@@ -143,15 +178,12 @@ class TorchClientTest(unittest.TestCase):
         return loss.item()
 
     def test_mlp_matches_torch_every_step(self):
-        """Side by side from one seed. The torch twin takes the gradients of
-        the model that optimd trains, so the comparison measures the
-        optimizers alone: 1e-6 of each tensor's scale at every step.
-
-        The two parameter trajectories still accumulate the optimizers'
-        ulp-level differences step after step (one random seed reached
-        1.3e-6 of a small tensor's scale at step 62), so this test, too,
-        uses a fixed seed and is deterministic."""
-        ours, theirs, opt, ref = self.fixed_seed_twins()
+        """Side by side from the run's seed. The torch twin takes the
+        gradients of the model that optimd trains, so the comparison
+        measures the optimizers alone: 1e-6 of each tensor's scale at every
+        step, its scale being the largest magnitude it has had (Peaks; the
+        output layer's one-element bias crosses zero with some seeds)."""
+        ours, theirs, opt, ref = self.seeded_twins()
         first = last = None
         for step in range(100):
             opt.zero_grad()
@@ -164,9 +196,13 @@ class TorchClientTest(unittest.TestCase):
             first = first if first is not None else loss.item()
             last = loss.item()
             for p, q in zip(ours.parameters(), theirs.parameters()):
-                self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6,
+                self.assertLessEqual(self.param_err(p, q), 1e-6,
                                      "step %d" % step)
-        self.assertLess(last, first / 5)
+        # The comparison covered real training: the loss fell. By how much
+        # depends on the seed's data and initial weights, not on the
+        # optimizer (torch's own AdamW: 3x at least, 9x typically, over 400
+        # seeds), so the bound is one every seed meets.
+        self.assertLess(last, first / 2)
         opt.close()
 
     def test_overlap_stages_follow_the_group_order(self):
@@ -201,30 +237,35 @@ class TorchClientTest(unittest.TestCase):
     def test_mlp_trains_like_torch_independently(self):
         """Two independent training runs: ulp-level differences of the two
         optimizers feed back through forward and backward, so the runs drift
-        apart slowly; after 100 steps they still agree to 1e-4.
+        apart slowly; after 100 steps they still agree to 1e-4: the weights
+        of each tensor's largest magnitude so far (Peaks), the losses of
+        the largest loss so far.
 
-        How far they drift depends on the trajectory (some random seeds
-        amplify the first ulp differences more), so this one test uses a
-        fixed seed and is deterministic, as the every-step comparison
-        above."""
-        ours, theirs, opt, ref = self.fixed_seed_twins()
+        The losses' difference comes from the predictions' and is of their
+        scale; the loss itself falls as the model fits (by 9x typically),
+        so against the loss of the moment the same drift reads up to 9x
+        larger (some seeds went past 1e-4 of it)."""
+        ours, theirs, opt, ref = self.seeded_twins()
+        loss_peak = 0.0
         for _ in range(100):
             loss = self.train_step(ours, opt)
             ref.zero_grad()
             ref_loss = torch.nn.functional.mse_loss(theirs(self.x), self.y)
             ref_loss.backward()
             ref.step()
+            for q in theirs.parameters():
+                self.peaks(q)
+            loss_peak = max(loss_peak, ref_loss.item())
             self.assertLessEqual(abs(loss - ref_loss.item()),
-                                 1e-4 * ref_loss.item())
+                                 1e-4 * loss_peak)
         for p, q in zip(ours.parameters(), theirs.parameters()):
-            self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-4)
+            self.assertLessEqual(self.param_err(p, q), 1e-4)
         opt.close()
 
     def test_one_cycle_scheduler_changes_lr_and_betas(self):
-        # A fixed seed, as for the every-step comparison above: the two
-        # trajectories accumulate ulp-level differences, and a random seed
-        # can take one small tensor past 1e-6 of its scale.
-        ours, theirs = self.twin_models(seed=20261130)
+        # Measured as the every-step comparison above: against each
+        # tensor's largest magnitude so far (Peaks).
+        ours, theirs = self.twin_models()
         opt = self.make(ours.parameters(), lr=1e-3)
         ref = torch.optim.AdamW(theirs.parameters(), lr=1e-3)
         scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1e-2,
@@ -240,7 +281,7 @@ class TorchClientTest(unittest.TestCase):
             for s in scheds:
                 s.step()
             for p, q in zip(ours.parameters(), theirs.parameters()):
-                self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6,
+                self.assertLessEqual(self.param_err(p, q), 1e-6,
                                      "step %d" % step)
         self.assertNotEqual(opt.param_groups[0]["betas"][0], 0.9)
         opt.close()
@@ -262,7 +303,7 @@ class TorchClientTest(unittest.TestCase):
             b = ref.step(closure(theirs, ref))
             self.assertLessEqual(abs(a.item() - b.item()), 1e-5 * b.item())
         for p, q in zip(ours.parameters(), theirs.parameters()):
-            self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-5)
+            self.assertLessEqual(self.param_err(p, q), 1e-5)
         opt.close()
 
     def test_clipping_warns_once_only_for_sharded_gradients(self):
@@ -564,7 +605,7 @@ class TorchClientTest(unittest.TestCase):
         # registered anew in float64 (float64 moments, no master) and the
         # state carried over, cast to float64 as torch's load_state_dict
         # casts it; from then on every step is a float64 step.
-        ours, theirs, opt, ref = self.fixed_seed_twins()
+        ours, theirs, opt, ref = self.seeded_twins()
         for _ in range(2):
             self.step_twins(opt, ref)
         ours.double()
@@ -580,7 +621,7 @@ class TorchClientTest(unittest.TestCase):
         for p, q in zip(ours.parameters(), theirs.parameters()):
             self.assertEqual(p.dtype, torch.float64)
             # The fp32 steps before the conversion agree to 1e-6.
-            self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6)
+            self.assertLessEqual(self.param_err(p, q), 1e-6)
             state = opt.state[p]
             self.assertEqual(float(state["step"]), 5)
             self.assertEqual(state["exp_avg"].dtype, torch.float64)
@@ -608,13 +649,13 @@ class TorchClientTest(unittest.TestCase):
         opt.close()
 
     def test_writes_to_optimizer_state_act_as_in_torch(self):
-        _, _, opt, ref = self.fixed_seed_twins()
+        _, _, opt, ref = self.seeded_twins()
         ours = opt.param_groups[0]["params"]
         theirs = ref.param_groups[0]["params"]
 
         def same():
             for p, q in zip(ours, theirs):
-                self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6)
+                self.assertLessEqual(self.param_err(p, q), 1e-6)
             for p, q in zip(ours, theirs):
                 for k, v in ref.state[q].items():
                     self.assertLessEqual(
@@ -641,13 +682,13 @@ class TorchClientTest(unittest.TestCase):
         # A tensor taken from optimizer.state and held across steps is the
         # state itself in torch: steps update it in place and writes into
         # it are the state. The same here, side by side.
-        _, _, opt, ref = self.fixed_seed_twins()
+        _, _, opt, ref = self.seeded_twins()
         ours = opt.param_groups[0]["params"]
         theirs = ref.param_groups[0]["params"]
 
         def same_weights():
             for p, q in zip(ours, theirs):
-                self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6)
+                self.assertLessEqual(self.param_err(p, q), 1e-6)
         self.step_twins(opt, ref)
         held = [o.state[ps[0]]["exp_avg"] for o, ps in
                 ((opt, ours), (ref, theirs))]
@@ -690,17 +731,16 @@ class TorchClientTest(unittest.TestCase):
         for model in (ours, theirs):
             model(self.x[:1])
         theirs.load_state_dict(ours.state_dict())
-        # Measured against each tensor's scale before training as well as
-        # now: a one-element bias that crosses zero would make ulp-level
+        # Measured against each tensor's largest magnitude so far (Peaks):
+        # a one-element bias that crosses zero would make ulp-level
         # differences look large against its value of the moment.
-        start = [q.detach().clone() for q in theirs.parameters()]
+        for q in theirs.parameters():
+            self.peaks(q)
         for _ in range(4):
             self.train_step(ours, opt)
             self.train_step(theirs, ref)
-            for p, q, q0 in zip(ours.parameters(), theirs.parameters(),
-                                start):
-                self.assertLessEqual(
-                    scale_err(p.detach(), q.detach(), q0), 1e-6)
+            for p, q in zip(ours.parameters(), theirs.parameters()):
+                self.assertLessEqual(self.param_err(p, q), 1e-6)
         steps = [float(o.state[p]["step"]) for o, m in ((opt, ours),
                                                          (ref, theirs))
                  for p in m.parameters()]
@@ -718,14 +758,14 @@ class TorchClientTest(unittest.TestCase):
         for _ in range(2):
             self.train_step(again, opt)
             self.train_step(theirs, ref)
-        for p, q, q0 in zip(again.parameters(), theirs.parameters(), start):
-            self.assertLessEqual(scale_err(p.detach(), q.detach(), q0), 1e-6)
+        for p, q in zip(again.parameters(), theirs.parameters()):
+            self.assertLessEqual(self.param_err(p, q), 1e-6)
         self.assertEqual(float(opt.state[next(again.parameters())]["step"]),
                          6.0)
         opt.close()
 
     def test_edited_param_groups_and_unfrozen_parameters(self):
-        _, _, opt, ref = self.fixed_seed_twins()
+        _, _, opt, ref = self.seeded_twins()
         ours = opt.param_groups[0]["params"]
         theirs = ref.param_groups[0]["params"]
         extra = [torch.nn.Parameter(torch.randn(5)) for _ in range(2)]
@@ -743,7 +783,7 @@ class TorchClientTest(unittest.TestCase):
             ref.step()
             for p, q in zip(opt.param_groups[0]["params"],
                             ref.param_groups[0]["params"]):
-                self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6)
+                self.assertLessEqual(self.param_err(p, q), 1e-6)
         step_both()
         # Appended to a live group, as some trainers grow a model.
         for o, ps in ((opt, extra), (ref, twins)):
@@ -821,7 +861,7 @@ class TorchClientTest(unittest.TestCase):
                 o.step()
             for p, q in zip(convs[0].parameters(), convs[1].parameters()):
                 self.assertEqual(p.stride(), q.stride())
-                self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6)
+                self.assertLessEqual(self.param_err(p, q), 1e-6)
         for p, q in zip(convs[0].parameters(), convs[1].parameters()):
             for k in ("exp_avg", "exp_avg_sq"):
                 self.assertLessEqual(
@@ -925,7 +965,7 @@ class TorchClientTest(unittest.TestCase):
             torch.nn.functional.mse_loss(b(self.x), self.y).backward()
             ref.step()
         for p, q in zip(a.parameters(), b.parameters()):
-            self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6)
+            self.assertLessEqual(self.param_err(p, q), 1e-6)
         # optimd -> torch.
         sd = opt.state_dict()
         self.assertEqual(int(sd["state"][0]["step"]), 10)
@@ -939,7 +979,7 @@ class TorchClientTest(unittest.TestCase):
             torch.nn.functional.mse_loss(c(self.x), self.y).backward()
             ref2.step()
         for p, q in zip(a.parameters(), c.parameters()):
-            self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6)
+            self.assertLessEqual(self.param_err(p, q), 1e-6)
         opt.close()
 
     def test_resume_after_trainer_crash_restores_weights(self):
@@ -1122,7 +1162,7 @@ class TorchClientTest(unittest.TestCase):
     def test_amsgrad_and_maximize_edits_follow_torch(self):
         # amsgrad set before the first step, maximize flipped mid-training:
         # both followed, as torch follows them.
-        ours, theirs, opt, ref = self.fixed_seed_twins()
+        ours, theirs, opt, ref = self.seeded_twins()
         for o in (opt, ref):
             o.param_groups[0]["amsgrad"] = True
         for step in range(6):
@@ -1135,7 +1175,7 @@ class TorchClientTest(unittest.TestCase):
             opt.step()
             ref.step()
             for p, q in zip(ours.parameters(), theirs.parameters()):
-                self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6)
+                self.assertLessEqual(self.param_err(p, q), 1e-6)
         p0, q0 = next(ours.parameters()), next(theirs.parameters())
         self.assertTrue(torch.allclose(opt.state[p0]["max_exp_avg_sq"],
                                        ref.state[q0]["max_exp_avg_sq"],
