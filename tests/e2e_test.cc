@@ -28,6 +28,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kernels/adamw/adamw_cpu.h"
+#include "testing/test_seed.h"
 #include "tests/daemon_process.h"
 
 namespace optimd {
@@ -165,8 +166,7 @@ class E2eTest : public ::testing::Test {
 
 TEST_F(E2eTest, TrainsAndMatchesTheReference) {
   OpenSession(client_.get());
-  const uint32_t seed = std::random_device{}();
-  std::printf("seed %u\n", seed);
+  const uint32_t seed = TestSeed();
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal;
   constexpr int kN = 1000;
@@ -1499,9 +1499,15 @@ TEST_F(E2eTest, UpdateBuffersAndSetStateOfManyTensorsAreLinear) {
   const double set_s = absl::ToDoubleSeconds(absl::Now() - t0);
   std::printf("%d tensors: UpdateBuffers %.3f s, SetState %.3f s\n", kTensors,
               update_s, set_s);
-  // Quadratic work at 100,000 tensors takes tens of seconds here.
+  // Quadratic work at 100,000 tensors takes tens of seconds here. Timed in
+  // the normal build only: under ASan (tools/test.sh runs this test so)
+  // the daemon's every lookup and allocation costs several times as much,
+  // so a bound there would measure the sanitizer and the machine's load,
+  // not the daemon's algorithm.
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
   EXPECT_LT(update_s, 5.0);
   EXPECT_LT(set_s, 5.0);
+#endif
   // The moved gradients are the ones stepped.
   moved->as<float>()[7] = 1.0f;
   grads->as<float>()[7] = NAN;

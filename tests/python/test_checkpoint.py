@@ -7,7 +7,6 @@ import shutil
 import struct
 import subprocess
 import tempfile
-import time
 import unittest
 
 import torch
@@ -96,6 +95,15 @@ def _rebuilt(good, edit):
     h = json.dumps(header, separators=(",", ":")).encode()
     h += b" " * ((8 - (8 + len(h)) % 8) % 8)
     return struct.pack("<Q", len(h)) + h + good[8 + n:]
+
+
+def spool_files(daemon):
+    """The LoadStateStream spool files of `daemon` in /tmp (its spool
+    directory without --state_dir), named by its pid: other daemons on the
+    machine (tests run side by side) have spool files of their own there
+    that come and go, which are not this test's to judge."""
+    prefix = ".optimd-load-%d-" % daemon.process.pid
+    return [f for f in os.listdir("/tmp") if f.startswith(prefix)]
 
 
 class CheckpointTest(unittest.TestCase):
@@ -858,8 +866,7 @@ class CheckpointTest(unittest.TestCase):
             for p, q in zip(pb_, final):
                 self.assertTrue(torch.equal(p.detach(), q))
             # No spool file is left behind.
-            self.assertEqual([f for f in os.listdir("/tmp")
-                              if f.startswith(".optimd-load")], [])
+            self.assertEqual(spool_files(d), [])
             ob.close()
 
     def test_next_stream_at_once_after_a_broken_one_is_taken(self):
@@ -890,8 +897,7 @@ class CheckpointTest(unittest.TestCase):
             for p, q in zip(params, before):
                 self.assertTrue(torch.equal(p.detach(), q))
             opt.load_state_bytes([streamed])
-            self.assertEqual([f for f in os.listdir("/tmp")
-                              if f.startswith(".optimd-load")], [])
+            self.assertEqual(spool_files(d), [])
             opt.close()
 
     def test_stop_during_a_background_save_keeps_everything(self):

@@ -2,6 +2,7 @@
 several groups, state dicts both ways with torch.optim.AdamW, resume after a
 trainer crash, and clear Python errors."""
 import gc
+import math
 import os
 import random
 import signal
@@ -39,13 +40,47 @@ def inspect_parameters(cls):
     return inspect.signature(cls.__init__).parameters
 
 
-def scale_err(a, b, b0=None):
-    """max |a - b| over the scale of b: its largest magnitude, or that of
-    b0 (the same tensor earlier) where that is larger."""
-    scale = b.abs().max()
-    if b0 is not None:
-        scale = torch.maximum(scale, b0.abs().max())
-    return ((a - b).abs().max() / scale.clamp_min(1e-30)).item()
+def scale_err(a, b, peak=0.0):
+    """max |a - b| over the scale of b: its largest magnitude, or `peak`
+    (its largest magnitude earlier in the test, Peaks) where that is
+    larger."""
+    scale = max(b.abs().max().item(), peak, 1e-30)
+    return (a - b).abs().max().item() / scale
+
+
+class Peaks:
+    """The largest magnitude each tensor has had so far in a test: the scale
+    that the ulp-level differences of two optimizers stepping it are
+    measured against.
+
+    Such a difference is a few ulps of the values the tensor had when it
+    arose, and it stays when the tensor later shrinks: a one-element bias
+    that crosses zero carries the last bits of its earlier values through,
+    and against its value of the moment they look arbitrarily large (one
+    random seed: a bias at -5e-4, started at 1.1e-2, differed by 7e-10,
+    1.4e-6 of its value, at its third step). The largest value it has had
+    is a scale that cannot vanish. Keyed by the tensor object: pass the
+    parameter itself, not a detached view."""
+
+    def __init__(self):
+        self._peaks = {}
+
+    def __call__(self, t):
+        """t's largest magnitude so far, its present one included."""
+        now = t.detach().abs().max().item() if t.numel() else 0.0
+        peak = max(self._peaks.get(t, 0.0), now)
+        self._peaks[t] = peak
+        return peak
+
+
+def session_keys(client):
+    """The (job id, rank) of every session open in the daemon.
+
+    A test that must leave no session behind compares these before and
+    after, and asks only that none be new: another test's optimizer that
+    the garbage collector frees meanwhile closes its session, so a count
+    of all sessions can change for reasons the test did not cause."""
+    return {(s.job_id, s.rank) for s in client.list_sessions().sessions}
 
 
 def as_nobody(address):
@@ -94,18 +129,27 @@ class TorchClientTest(unittest.TestCase):
         torch.manual_seed(SEED)
         self.x = torch.randn(256, 12)
         self.y = torch.sin(self.x.sum(1, keepdim=True))
+        self.peaks = Peaks()
+
+    def param_err(self, p, q):
+        """scale_err of our parameter p against torch's q, over the largest
+        magnitude q has had in this test (Peaks)."""
+        return scale_err(p.detach(), q.detach(), self.peaks(q))
 
     def twin_models(self, seed=SEED):
-        """Two MLPs with the same initial weights, from `seed`."""
+        """Two MLPs with the same initial weights, from `seed`; the second's
+        starting magnitudes are its first peaks."""
         torch.manual_seed(seed)
         ours = mlp()
         theirs = mlp()
         theirs.load_state_dict(ours.state_dict())
+        for q in theirs.parameters():
+            self.peaks(q)
         return ours, theirs
 
-    def fixed_seed_twins(self, seed=20261129):
-        """Data and twin MLPs from a fixed seed, with optimd's AdamW on the
-        first and torch's on the second: (ours, theirs, opt, ref)."""
+    def seeded_twins(self, seed=SEED):
+        """Data and twin MLPs from `seed`, with optimd's AdamW on the first
+        and torch's on the second: (ours, theirs, opt, ref)."""
         torch.manual_seed(seed)
         self.x = torch.randn(256, 12)
         self.y = torch.sin(self.x.sum(1, keepdim=True))
@@ -115,16 +159,18 @@ class TorchClientTest(unittest.TestCase):
                                 weight_decay=0.01)
         return ours, theirs, opt, ref
 
-    @staticmethod
-    def step_twins(opt, ref):
+    def step_twins(self, opt, ref):
         """The same random gradient for each parameter of both optimizers'
-        first group, then a step of each."""
+        first group, then a step of each (torch's parameters' new
+        magnitudes noted in their peaks)."""
         for p, q in zip(opt.param_groups[0]["params"],
                         ref.param_groups[0]["params"]):
             g = torch.randn(p.shape)
             p.grad, q.grad = g.clone(), g.clone()
         opt.step()
         ref.step()
+        for q in ref.param_groups[0]["params"]:
+            self.peaks(q)
 
     def make(self, params, **kw):
         kw.setdefault("address", self.daemon.address)
@@ -139,15 +185,12 @@ class TorchClientTest(unittest.TestCase):
         return loss.item()
 
     def test_mlp_matches_torch_every_step(self):
-        """Side by side from one seed. The torch twin takes the gradients of
-        the model that optimd trains, so the comparison measures the
-        optimizers alone: 1e-6 of each tensor's scale at every step.
-
-        The two parameter trajectories still accumulate the optimizers'
-        ulp-level differences step after step (one random seed reached
-        1.3e-6 of a small tensor's scale at step 62), so this test, too,
-        uses a fixed seed and is deterministic."""
-        ours, theirs, opt, ref = self.fixed_seed_twins()
+        """Side by side from the run's seed. The torch twin takes the
+        gradients of the model that optimd trains, so the comparison
+        measures the optimizers alone: 1e-6 of each tensor's scale at every
+        step, its scale being the largest magnitude it has had (Peaks; the
+        output layer's one-element bias crosses zero with some seeds)."""
+        ours, theirs, opt, ref = self.seeded_twins()
         first = last = None
         for step in range(100):
             opt.zero_grad()
@@ -160,9 +203,13 @@ class TorchClientTest(unittest.TestCase):
             first = first if first is not None else loss.item()
             last = loss.item()
             for p, q in zip(ours.parameters(), theirs.parameters()):
-                self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6,
+                self.assertLessEqual(self.param_err(p, q), 1e-6,
                                      "step %d" % step)
-        self.assertLess(last, first / 5)
+        # The comparison covered real training: the loss fell. By how much
+        # depends on the seed's data and initial weights, not on the
+        # optimizer (torch's own AdamW: 3x at least, 9x typically, over 400
+        # seeds), so the bound is one every seed meets.
+        self.assertLess(last, first / 2)
         opt.close()
 
     def test_overlap_stages_follow_the_group_order(self):
@@ -195,32 +242,53 @@ class TorchClientTest(unittest.TestCase):
         plain.close()
 
     def test_mlp_trains_like_torch_independently(self):
-        """Two independent training runs: ulp-level differences of the two
-        optimizers feed back through forward and backward, so the runs drift
-        apart slowly; after 100 steps they still agree to 1e-4.
+        """Two independent training runs, optimd's and torch's: ulp-level
+        differences of the two optimizers feed back through forward and
+        backward, and the runs drift apart by however much the trajectory
+        amplifies such differences, which depends on the seed.
 
-        How far they drift depends on the trajectory (some random seeds
-        amplify the first ulp differences more), so this one test uses a
-        fixed seed and is deterministic, as the every-step comparison
-        above."""
-        ours, theirs, opt, ref = self.fixed_seed_twins()
+        They must agree to 1e-4 of each tensor's largest magnitude so far
+        (Peaks) after 100 steps, or, where the seed's trajectory amplifies
+        rounding past that, to 10 times the drift of torch's own run from
+        a third one: torch's again, its weights moved one ulp up or down
+        at random after every step, as rounding differences move them.
+        (Over 43 seeds, torch's own drift went from 2e-6 to 8e-4 of a
+        tensor's scale, and optimd's, past 1e-4 in four of them, stayed
+        within 2.4 times torch's there.) The 1e-6 per step that the
+        every-step test checks is what keeps optimd's drift this small."""
+        ours, theirs, opt, ref = self.seeded_twins()
+        noisy = mlp()
+        noisy.load_state_dict(theirs.state_dict())
+        noisy_opt = torch.optim.AdamW(noisy.parameters(), lr=3e-3,
+                                      weight_decay=0.01)
+        coin = torch.Generator().manual_seed(SEED)
+
+        def one_ulp_at_random():
+            with torch.no_grad():
+                for p in noisy.parameters():
+                    up = torch.rand(p.shape, generator=coin) < 0.5
+                    p.copy_(torch.nextafter(p, (up.float() * 2 - 1) *
+                                            math.inf))
         for _ in range(100):
-            loss = self.train_step(ours, opt)
-            ref.zero_grad()
-            ref_loss = torch.nn.functional.mse_loss(theirs(self.x), self.y)
-            ref_loss.backward()
-            ref.step()
-            self.assertLessEqual(abs(loss - ref_loss.item()),
-                                 1e-4 * ref_loss.item())
-        for p, q in zip(ours.parameters(), theirs.parameters()):
-            self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-4)
+            self.train_step(ours, opt)
+            self.train_step(theirs, ref)
+            self.train_step(noisy, noisy_opt)
+            one_ulp_at_random()
+            for q in theirs.parameters():
+                self.peaks(q)
+
+        def drift(model):
+            return max(self.param_err(p, q) for p, q in
+                       zip(model.parameters(), theirs.parameters()))
+        ours_drift, torch_drift = drift(ours), drift(noisy)
+        self.assertLessEqual(ours_drift, max(1e-4, 10 * torch_drift),
+                             "torch's own drift: %.2e" % torch_drift)
         opt.close()
 
     def test_one_cycle_scheduler_changes_lr_and_betas(self):
-        # A fixed seed, as for the every-step comparison above: the two
-        # trajectories accumulate ulp-level differences, and a random seed
-        # can take one small tensor past 1e-6 of its scale.
-        ours, theirs = self.twin_models(seed=20261130)
+        # Measured as the every-step comparison above: against each
+        # tensor's largest magnitude so far (Peaks).
+        ours, theirs = self.twin_models()
         opt = self.make(ours.parameters(), lr=1e-3)
         ref = torch.optim.AdamW(theirs.parameters(), lr=1e-3)
         scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1e-2,
@@ -236,7 +304,7 @@ class TorchClientTest(unittest.TestCase):
             for s in scheds:
                 s.step()
             for p, q in zip(ours.parameters(), theirs.parameters()):
-                self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6,
+                self.assertLessEqual(self.param_err(p, q), 1e-6,
                                      "step %d" % step)
         self.assertNotEqual(opt.param_groups[0]["betas"][0], 0.9)
         opt.close()
@@ -258,7 +326,7 @@ class TorchClientTest(unittest.TestCase):
             b = ref.step(closure(theirs, ref))
             self.assertLessEqual(abs(a.item() - b.item()), 1e-5 * b.item())
         for p, q in zip(ours.parameters(), theirs.parameters()):
-            self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-5)
+            self.assertLessEqual(self.param_err(p, q), 1e-5)
         opt.close()
 
     def test_clipping_warns_once_only_for_sharded_gradients(self):
@@ -367,7 +435,7 @@ class TorchClientTest(unittest.TestCase):
             opt.step()
             ref.step()
             for p, q in zip(ours.parameters(), theirs.parameters()):
-                self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6,
+                self.assertLessEqual(self.param_err(p, q), 1e-6,
                                      "step %d" % step)
         opt.close()
 
@@ -514,7 +582,7 @@ class TorchClientTest(unittest.TestCase):
         self.assertEqual(m.api_revision, optimd.API_REVISION)
         # A client that needs a later revision refuses this daemon, naming
         # both versions, and leaves no session behind.
-        before = len(client.list_sessions().sessions)
+        before = session_keys(client)
         import optimd.client as client_module
         client_module.API_REVISION += 1
         try:
@@ -525,7 +593,7 @@ class TorchClientTest(unittest.TestCase):
         self.assertIn("API revision %d" % optimd.API_REVISION,
                       str(cm.exception))
         self.assertIn("upgrade the daemon", str(cm.exception))
-        self.assertEqual(len(client.list_sessions().sessions), before)
+        self.assertEqual(session_keys(client) - before, set())
         client.close()
 
     def test_log_lines_say_when_what_and_which_session(self):
@@ -551,13 +619,13 @@ class TorchClientTest(unittest.TestCase):
 
     def test_failed_constructor_leaves_no_session(self):
         client = optimd.Client(self.daemon.address)
-        before = len(client.list_sessions().sessions)
+        before = session_keys(client)
         good = torch.nn.Parameter(torch.randn(4))
         bad = torch.nn.Parameter(torch.randn(4, dtype=torch.complex64))
         with self.assertRaises(TypeError):
             AdamW([{"params": [good]}, {"params": [bad]}],
                   address=self.daemon.address)
-        self.assertEqual(len(client.list_sessions().sessions), before)
+        self.assertEqual(session_keys(client) - before, set())
         client.close()
 
     def test_changed_dtype_or_duplicate_parameter_is_a_clear_error(self):
@@ -583,14 +651,14 @@ class TorchClientTest(unittest.TestCase):
         # second device where there is no GPU.
         other = "cuda" if torch.cuda.is_available() else "meta"
         client = optimd.Client(self.daemon.address)
-        before = len(client.list_sessions().sessions)
+        before = session_keys(client)
         w = torch.nn.Parameter(torch.randn(3))
         b = torch.nn.Parameter(torch.randn(2, device=other))
         with self.assertRaisesRegex(
                 ValueError, r"several devices \(cpu: w; %s\S*: b\).*one "
                 "optimizer per device" % other):
             self.make([("w", w), ("b", b)], job_id="two-devices")
-        self.assertEqual(len(client.list_sessions().sessions), before)
+        self.assertEqual(session_keys(client) - before, set())
         client.close()
         model = mlp()
         opt = self.make(model.parameters(), job_id="add-other-device")
@@ -631,14 +699,14 @@ class TorchClientTest(unittest.TestCase):
             ref.step()
         for p, q in zip(ours.parameters(), theirs.parameters()):
             self.assertEqual(p.dtype, torch.float64)
-            self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6)
+            self.assertLessEqual(self.param_err(p, q), 1e-6)
 
     def test_model_converted_to_float64_is_followed(self):
         # model.double() after construction and steps: the parameters are
         # registered anew in float64 (float64 moments, no master) and the
         # state carried over, cast to float64 as torch's load_state_dict
         # casts it; from then on every step is a float64 step.
-        ours, theirs, opt, ref = self.fixed_seed_twins()
+        ours, theirs, opt, ref = self.seeded_twins()
         self.steps_around_double(ours, theirs, opt, ref)
         for p in ours.parameters():
             state = opt.state[p]
@@ -711,13 +779,13 @@ class TorchClientTest(unittest.TestCase):
         opt.close()
 
     def test_writes_to_optimizer_state_act_as_in_torch(self):
-        _, _, opt, ref = self.fixed_seed_twins()
+        _, _, opt, ref = self.seeded_twins()
         ours = opt.param_groups[0]["params"]
         theirs = ref.param_groups[0]["params"]
 
         def same():
             for p, q in zip(ours, theirs):
-                self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6)
+                self.assertLessEqual(self.param_err(p, q), 1e-6)
             for p, q in zip(ours, theirs):
                 for k, v in ref.state[q].items():
                     self.assertLessEqual(
@@ -744,13 +812,13 @@ class TorchClientTest(unittest.TestCase):
         # A tensor taken from optimizer.state and held across steps is the
         # state itself in torch: steps update it in place and writes into
         # it are the state. The same here, side by side.
-        _, _, opt, ref = self.fixed_seed_twins()
+        _, _, opt, ref = self.seeded_twins()
         ours = opt.param_groups[0]["params"]
         theirs = ref.param_groups[0]["params"]
 
         def same_weights():
             for p, q in zip(ours, theirs):
-                self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6)
+                self.assertLessEqual(self.param_err(p, q), 1e-6)
         self.step_twins(opt, ref)
         held = [o.state[ps[0]]["exp_avg"] for o, ps in
                 ((opt, ours), (ref, theirs))]
@@ -793,17 +861,16 @@ class TorchClientTest(unittest.TestCase):
         for model in (ours, theirs):
             model(self.x[:1])
         theirs.load_state_dict(ours.state_dict())
-        # Measured against each tensor's scale before training as well as
-        # now: a one-element bias that crosses zero would make ulp-level
+        # Measured against each tensor's largest magnitude so far (Peaks):
+        # a one-element bias that crosses zero would make ulp-level
         # differences look large against its value of the moment.
-        start = [q.detach().clone() for q in theirs.parameters()]
+        for q in theirs.parameters():
+            self.peaks(q)
         for _ in range(4):
             self.train_step(ours, opt)
             self.train_step(theirs, ref)
-            for p, q, q0 in zip(ours.parameters(), theirs.parameters(),
-                                start):
-                self.assertLessEqual(
-                    scale_err(p.detach(), q.detach(), q0), 1e-6)
+            for p, q in zip(ours.parameters(), theirs.parameters()):
+                self.assertLessEqual(self.param_err(p, q), 1e-6)
         steps = [float(o.state[p]["step"]) for o, m in ((opt, ours),
                                                          (ref, theirs))
                  for p in m.parameters()]
@@ -821,14 +888,14 @@ class TorchClientTest(unittest.TestCase):
         for _ in range(2):
             self.train_step(again, opt)
             self.train_step(theirs, ref)
-        for p, q, q0 in zip(again.parameters(), theirs.parameters(), start):
-            self.assertLessEqual(scale_err(p.detach(), q.detach(), q0), 1e-6)
+        for p, q in zip(again.parameters(), theirs.parameters()):
+            self.assertLessEqual(self.param_err(p, q), 1e-6)
         self.assertEqual(float(opt.state[next(again.parameters())]["step"]),
                          6.0)
         opt.close()
 
     def test_edited_param_groups_and_unfrozen_parameters(self):
-        _, _, opt, ref = self.fixed_seed_twins()
+        _, _, opt, ref = self.seeded_twins()
         ours = opt.param_groups[0]["params"]
         theirs = ref.param_groups[0]["params"]
         extra = [torch.nn.Parameter(torch.randn(5)) for _ in range(2)]
@@ -846,7 +913,7 @@ class TorchClientTest(unittest.TestCase):
             ref.step()
             for p, q in zip(opt.param_groups[0]["params"],
                             ref.param_groups[0]["params"]):
-                self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6)
+                self.assertLessEqual(self.param_err(p, q), 1e-6)
         step_both()
         # Appended to a live group, as some trainers grow a model.
         for o, ps in ((opt, extra), (ref, twins)):
@@ -924,7 +991,7 @@ class TorchClientTest(unittest.TestCase):
                 o.step()
             for p, q in zip(convs[0].parameters(), convs[1].parameters()):
                 self.assertEqual(p.stride(), q.stride())
-                self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6)
+                self.assertLessEqual(self.param_err(p, q), 1e-6)
         for p, q in zip(convs[0].parameters(), convs[1].parameters()):
             for k in ("exp_avg", "exp_avg_sq"):
                 self.assertLessEqual(
@@ -951,13 +1018,13 @@ class TorchClientTest(unittest.TestCase):
         ref.step()
         self.assertEqual(theirs.stride(), (6, 2))
         client = optimd.Client(self.daemon.address)
-        before = len(client.list_sessions().sessions)
+        before = session_keys(client)
         good = torch.nn.Parameter(torch.randn(3))
         with self.assertRaises(ValueError) as cm:
             self.make([("good", good), ("encoder.gappy", strided())])
         self.assertIn("encoder.gappy", str(cm.exception))
         self.assertIn("contiguous", str(cm.exception))
-        self.assertEqual(len(client.list_sessions().sessions), before)
+        self.assertEqual(session_keys(client) - before, set())
         client.close()
         # Appended to a live group: refused at the next step, and the
         # optimizer goes on once it is taken out again.
@@ -1028,7 +1095,7 @@ class TorchClientTest(unittest.TestCase):
             torch.nn.functional.mse_loss(b(self.x), self.y).backward()
             ref.step()
         for p, q in zip(a.parameters(), b.parameters()):
-            self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6)
+            self.assertLessEqual(self.param_err(p, q), 1e-6)
         # optimd -> torch.
         sd = opt.state_dict()
         self.assertEqual(int(sd["state"][0]["step"]), 10)
@@ -1042,7 +1109,7 @@ class TorchClientTest(unittest.TestCase):
             torch.nn.functional.mse_loss(c(self.x), self.y).backward()
             ref2.step()
         for p, q in zip(a.parameters(), c.parameters()):
-            self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6)
+            self.assertLessEqual(self.param_err(p, q), 1e-6)
         opt.close()
 
     def test_resume_after_trainer_crash_restores_weights(self):
@@ -1220,7 +1287,7 @@ class TorchClientTest(unittest.TestCase):
     def test_amsgrad_and_maximize_edits_follow_torch(self):
         # amsgrad set before the first step, maximize flipped mid-training:
         # both followed, as torch follows them.
-        ours, theirs, opt, ref = self.fixed_seed_twins()
+        ours, theirs, opt, ref = self.seeded_twins()
         for o in (opt, ref):
             o.param_groups[0]["amsgrad"] = True
         for step in range(6):
@@ -1233,7 +1300,7 @@ class TorchClientTest(unittest.TestCase):
             opt.step()
             ref.step()
             for p, q in zip(ours.parameters(), theirs.parameters()):
-                self.assertLessEqual(scale_err(p.detach(), q.detach()), 1e-6)
+                self.assertLessEqual(self.param_err(p, q), 1e-6)
         p0, q0 = next(ours.parameters()), next(theirs.parameters())
         self.assertTrue(torch.allclose(opt.state[p0]["max_exp_avg_sq"],
                                        ref.state[q0]["max_exp_avg_sq"],
