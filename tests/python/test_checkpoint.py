@@ -685,6 +685,8 @@ class CheckpointTest(unittest.TestCase):
                 for k in names[kind]:
                     self.assertTrue(torch.equal(got[0][k], want[0][k]), k)
                 before = opt.state_dict()["state"]
+                x.grad = torch.randn_like(x)
+                opt.step()  # the state moves on; the load takes it back
                 with open(old, "rb") as f:
                     opt.load_state_bytes([f.read()])
                 after = opt.state_dict()["state"]

@@ -316,8 +316,15 @@ class ZeroRequests(DaemonTestCase):
         self.addCleanup(shutil.rmtree, ckpt, True)
         for o in opts:
             o.save_checkpoint(ckpt)
-        with self.assertRaises(RuntimeError):
+        with self.assertRaisesRegex(RuntimeError, "consolidate_state_dict"):
             opts[0].state_dict()
+        # Edits that carry the state over through a state dict raise,
+        # naming the edit, and change nothing.
+        opts[0].param_groups[0]["amsgrad"] = True
+        with self.assertRaisesRegex(NotImplementedError,
+                                    r"changing param_groups\[0\]'s amsgrad"):
+            opts[0].step()
+        opts[0].param_groups[0]["amsgrad"] = False
         # Rank 0 of three keeps a third: rank 0 of two's file does not fit.
         three = AdamW([torch.nn.Parameter(p.detach().clone())
                        for p in model.parameters()],

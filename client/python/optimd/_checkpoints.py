@@ -103,7 +103,7 @@ class Checkpoints:
         the daemon's (CreateSessionRequest.shard_state)."""
         if not self._shard_state:
             return
-        dist = self._distributed("a load")
+        dist = self._distributed("a load (the parameters' parts)")
         if self._flags is not None:
             torch.cuda.synchronize(self._device)
         for g in self._groups:

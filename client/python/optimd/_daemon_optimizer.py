@@ -504,6 +504,9 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             materialized = g["lazy"] and not all(map(_is_lazy, g["lazy"]))
             if same and not unfrozen and not materialized:
                 continue
+            self._refuse_with_shard_state(
+                "adding, removing, unfreezing or materializing parameters "
+                "of param_groups[%d]" % gi)
             self._check_group(gi, group)  # before it is unregistered
             state = self._fetch_state()
             # A parameter taken out keeps its state for a return, as in
@@ -584,6 +587,8 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         if device.type not in ("cpu", "cuda"):
             raise ValueError("the parameters moved to %s; optimd.torch "
                              "supports CPU and CUDA parameters" % device)
+        self._refuse_with_shard_state(
+            "moving or casting the parameters after construction")
         self._finish_overlap()
         self._look_at_replies(block=True)
         saved = self._state_dict()

@@ -121,12 +121,23 @@ class StateDicts:
             self._consolidated = self._pack_state_dict(state)
 
     def _distributed(self, what):
+        """torch.distributed, through whose default group the ranks of a
+        shard_state job exchange their parts (`what` needs it): its ranks
+        must be the job's."""
         import torch.distributed as dist
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "optimd.torch: with shard_state=True %s needs the ranks to "
-                "exchange their parts of the state through "
-                "torch.distributed, which is not initialized" % what)
+                "exchange their parts through torch.distributed, which is "
+                "not initialized" % what)
+        mine = (self._identity["rank"], self._world_size)
+        if (dist.get_rank(), dist.get_world_size()) != mine:
+            raise RuntimeError(
+                "optimd.torch: with shard_state=True %s exchanges the ranks' "
+                "parts through torch.distributed's default group, where this "
+                "process is rank %d of %d; the optimizer is rank %d of %d "
+                "(rank=, world_size=): they must be the same" %
+                ((what, dist.get_rank(), dist.get_world_size()) + mine))
         return dist
 
     def _ranges(self, g):
@@ -244,9 +255,23 @@ class StateDicts:
             s.sent_ptr = 0
         self._index_buffers()
 
+    def _refuse_with_shard_state(self, what):
+        """shard_state: `what`, which carries the state over through a state
+        dict, raises (each rank's session holds only its part)."""
+        if self._shard_state:
+            raise NotImplementedError(
+                "optimd.torch: with shard_state=True %s is not supported: "
+                "each rank's session holds only its part of the state, which "
+                "the change would have to carry over; make the change before "
+                "creating the optimizer" % what)
+
     def _follow_layout_keys(self, gi, group, mine):
         """Hyperparameters that steps do not carry (_layout_of) edited in
         param_groups: followed as torch does, keeping the state."""
+        now = self._layout_of(group)
+        self._refuse_with_shard_state(
+            "changing param_groups[%d]'s %s" % (gi, ", ".join(
+                k for k in sorted(now) if now[k] != mine["snapshot"].get(k))))
         state = self._fetch_state()
         tensors_state = [state.get(s.param) for s in mine["tensors"]]
         self._check_layout_change(gi, group, mine["snapshot"], tensors_state)

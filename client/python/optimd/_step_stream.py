@@ -63,8 +63,9 @@ class StepStream:
             self._pending.append(future)
         taken = threading.Event()
         self._requests.put((request, taken))
-        # Until gRPC's thread has it, or the stream ended (then the reader
-        # thread fails the future).
+        # Until gRPC's thread has it (next it serializes and sends it,
+        # holding the GIL until it waits for the send), or the stream ended
+        # (then the reader thread fails the future).
         while not taken.wait(_HANDOFF_CHECK_S) and not self.broken:
             pass
         return future
@@ -92,25 +93,40 @@ class StepStream:
 
     def _read(self):
         try:
-            for reply in self._call:
-                with self._lock:
-                    future = self._pending.popleft()
-                    self.replies_ok += 1
-                future.set_result(reply)
-            error = errors.OptimdError("the daemon closed the step stream")
-        except grpc.RpcError as err:
-            # Steps run within a session: a daemon that is unavailable now
-            # went away under it.
-            error = errors.from_rpc_error(err, self._address,
-                                          had_session=True,
-                                          answers=self._answers)
+            error = self._read_replies()
+        except BaseException as err:  # noqa: B902 (the stream must end)
+            # Whatever ends this thread ends the stream: senders and
+            # waiters must never wait for a reader that is gone.
+            error = errors.OptimdError(
+                "the step stream's reader failed: %r" % (err,))
         with self._lock:
             self._error = error
             pending = list(self._pending)
             self._pending.clear()
         # First the clean-up (a caller waiting on a reply then finds it
         # done), then the errors.
-        if pending and self._on_broken is not None:
-            self._on_broken(self.replies_ok, error)
-        for future in pending:
-            future.set_exception(error)
+        try:
+            if pending and self._on_broken is not None:
+                self._on_broken(self.replies_ok, error)
+        finally:
+            for future in pending:
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(error)
+
+    def _read_replies(self):
+        """Resolves each reply's future in order; returns the error that
+        ended the stream."""
+        try:
+            for reply in self._call:
+                with self._lock:
+                    future = self._pending.popleft()
+                    self.replies_ok += 1
+                if future.set_running_or_notify_cancel():
+                    future.set_result(reply)
+            return errors.OptimdError("the daemon closed the step stream")
+        except grpc.RpcError as err:
+            # Steps run within a session: a daemon that is unavailable now
+            # went away under it.
+            return errors.from_rpc_error(err, self._address,
+                                         had_session=True,
+                                         answers=self._answers)

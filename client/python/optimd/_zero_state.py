@@ -12,7 +12,6 @@ with `ranges`).
 import torch
 
 
-
 def part_ranges(tensors, rank, world_size):
     """(begin, end) of the elements of each of `tensors` (a group's, in
     registration order: objects with `numel`) that `rank` keeps state for;

@@ -87,7 +87,12 @@ def _slots(layout):
     files written before name none, and those written before other
     optimizers than AdamW neither optimizer nor slot count."""
     if "slot_names" in layout:
-        return tuple(layout["slot_names"])
+        names = tuple(layout["slot_names"])
+        if len(names) != layout.get("state_slots", len(names)):
+            raise ValueError("a layout names %d state slots but holds %d: "
+                             "the checkpoint's metadata is damaged" %
+                             (len(names), layout["state_slots"]))
+        return names
     if "optimizer" not in layout:
         return _OLD_FILE_SLOTS["adamw"][:3 if layout["amsgrad"] else 2]
     return _OLD_FILE_SLOTS[layout["optimizer"]][:layout["state_slots"]]

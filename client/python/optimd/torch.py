@@ -224,7 +224,7 @@ class AdamW(_DaemonOptimizer):
 
     def _layout_of(self, group):
         return dict(amsgrad=group["amsgrad"], maximize=group["maximize"],
-                    decoupled=_decoupled(group))
+                    decoupled_weight_decay=_decoupled(group))
 
     def _slot_names(self, group):
         return ("exp_avg", "exp_avg_sq") + (
