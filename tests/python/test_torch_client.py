@@ -481,7 +481,8 @@ class TorchClientTest(unittest.TestCase):
     def test_killed_trainer_leaves_an_orphan_then_nothing(self):
         # A trainer killed mid-training (no close): its session is shown
         # orphaned, kept for the daemon's grace for a resume, then freed.
-        with Daemon(flags=["--orphan_grace_s=2"]) as d:
+        # The grace leaves a slow machine seconds to see the orphan.
+        with Daemon(flags=["--orphan_grace_s=6"]) as d:
             trainer = subprocess.Popen([sys.executable, "-c", (
                 "import os, signal, torch\n"
                 "from optimd.torch import AdamW\n"
@@ -495,7 +496,7 @@ class TorchClientTest(unittest.TestCase):
 
             def sessions():
                 return {s.job_id: s for s in client.list_sessions().sessions}
-            deadline = time.time() + 10
+            deadline = time.time() + 30
             while not sessions()["killed"].orphaned_since:
                 self.assertLess(time.time(), deadline, "never orphaned")
                 time.sleep(0.1)
