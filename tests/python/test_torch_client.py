@@ -456,6 +456,26 @@ class TorchClientTest(unittest.TestCase):
             self.assertEqual(f.result(timeout=30).known, True)
         client.close_session()
 
+    def test_a_step_sent_on_an_ended_stream_fails_at_once(self):
+        # The daemon ends a session's step stream at its first failed step:
+        # a request handed to that stream afterwards is never taken by
+        # gRPC's thread, and its sender must not wait for it (the reader
+        # thread fails it).
+        client = optimd.Client(self.daemon.address)
+        self.addCleanup(client.close)
+        client.create_session(self.id())
+        refused = client.step_async(lr_overrides={"no-such-group": 0.1})
+        self.assertIsInstance(refused.exception(timeout=30),
+                              optimd.NotFoundError)
+        ended = client._stream
+        later = ended.send(client._step_request(assume_finite=True))
+        self.assertIsInstance(later.exception(timeout=30),
+                              optimd.OptimdError)
+        self.assertTrue(ended.broken)
+        # The client opens a new stream for the next step.
+        self.assertTrue(client.step(assume_finite=True).known)
+        client.close_session()
+
     def test_a_starting_daemon_removes_dead_trainers_segments(self):
         # A trainer and the daemon killed together leave the trainer's
         # shared-memory segments behind: the next daemon removes them (a
