@@ -276,37 +276,13 @@ TEST(CheckpointTest, DirectoriesAreCheckedAndConfined) {
 }
 
 TEST(CheckpointTest, SnapshotBytesEqualTheSavedFile) {
-  CpuBackend backend(CpuBackend::Options{1, 1024});
-  StateBudget budget(0);
-  std::string done;
-  Session s(SessionIdentity{"snap", 0, 1, -1}, &backend, &budget,
-            *backend.OpenSession(-1, "", &done));
-  auto params = *SharedMemoryRegion::Create(4096);
-  auto grads = *SharedMemoryRegion::Create(4096);
-  for (int i = 0; i < 100; ++i) {
-    params->as<float>()[i] = 0.01f * i;
-    grads->as<float>()[i] = 1.0f - 0.02f * i;
-  }
-  GroupSpec spec;
-  spec.id = "g";
-  TensorSpec t;
-  t.name = "w";
-  t.numel = 100;
-  t.param_dtype_set = t.grad_dtype_set = true;
-  t.param.kind = t.grad.kind = BufferHandle::Kind::kSharedMemory;
-  t.param.segment_name = params->name();
-  t.grad.segment_name = grads->name();
-  t.param.size = t.grad.size = 400;
-  spec.tensors = {t};
-  ASSERT_TRUE(s.RegisterGroup(spec).ok());
-  ASSERT_TRUE(s.Step({}).ok());
+  OneTensorSession one;
+  Session& s = one.session();
   ScratchDir scratch;
   const std::string dir = scratch.path();
   auto saved = SaveSession(s, dir, CheckpointOptions());
   ASSERT_TRUE(saved.ok()) << saved.status();
-  std::ifstream in(saved->path, std::ios::binary);
-  std::string file((std::istreambuf_iterator<char>(in)),
-                   std::istreambuf_iterator<char>());
+  const std::string file = ReadFile(saved->path);
   auto snapshot = SnapshotSession(s);
   ASSERT_TRUE(snapshot.ok());
   ASSERT_EQ((*snapshot)->FileSize(), file.size());

@@ -46,6 +46,18 @@ def bf16_ties_away(master):
     return ((b + 0x8000) >> 16) & 0xFFFF
 
 
+def sgd_options():
+    """Every combination of SGD's options that torch takes (nesterov needs
+    momentum and no dampening), at lr 0.01."""
+    for momentum, dampening, nesterov, wd, maximize in itertools.product(
+            (0.0, 0.9), (0.0, 0.3), (False, True), (0.0, 0.01),
+            (False, True)):
+        if nesterov and (momentum == 0 or dampening != 0):
+            continue
+        yield dict(lr=0.01, momentum=momentum, dampening=dampening,
+                   nesterov=nesterov, weight_decay=wd, maximize=maximize)
+
+
 class LionReference:
     """Lion as its paper writes it, in torch ops: decoupled decay, the sign
     of the interpolated momentum, then the momentum update."""
@@ -122,17 +134,11 @@ class SgdParity(Base):
         return opt, ref, ours, theirs
 
     def test_every_option(self):
-        for momentum, dampening, nesterov, wd, maximize in itertools.product(
-                (0.0, 0.9), (0.0, 0.3), (False, True), (0.0, 0.01),
-                (False, True)):
-            if nesterov and (momentum == 0 or dampening != 0):
-                continue
-            kw = dict(lr=0.01, momentum=momentum, dampening=dampening,
-                      nesterov=nesterov, weight_decay=wd, maximize=maximize)
+        for kw in sgd_options():
             with self.subTest(**kw):
                 opt, ref, ours, theirs = self.run_pair(**kw)
                 for p, q in zip(ours, theirs):
-                    if momentum:
+                    if kw["momentum"]:
                         self.assertLessEqual(rel_err(
                             opt.state[p]["momentum_buffer"],
                             ref.state[q]["momentum_buffer"]), 1e-5)
@@ -355,18 +361,12 @@ class Float64Parity(Base):
         return opt, ref, ours, theirs, worst
 
     def test_sgd_every_option_against_torch(self):
-        for momentum, dampening, nesterov, wd, maximize in itertools.product(
-                (0.0, 0.9), (0.0, 0.3), (False, True), (0.0, 0.01),
-                (False, True)):
-            if nesterov and (momentum == 0 or dampening != 0):
-                continue
-            kw = dict(lr=0.01, momentum=momentum, dampening=dampening,
-                      nesterov=nesterov, weight_decay=wd, maximize=maximize)
+        for kw in sgd_options():
             with self.subTest(**kw):
                 opt, ref, ours, theirs, worst = self.run64(
                     SGD, torch.optim.SGD, skip_first=5, **kw)
                 for p, q in zip(ours, theirs):
-                    if momentum:
+                    if kw["momentum"]:
                         buf = opt.state[p]["momentum_buffer"]
                         self.assertEqual(buf.dtype, torch.float64)
                         # The buffers hold sums of gradients of scale 1/3.
@@ -377,7 +377,8 @@ class Float64Parity(Base):
                         self.assertNotIn("momentum_buffer", opt.state[p])
                 print("float64 SGD momentum=%g dampening=%g nesterov=%d "
                       "wd=%g maximize=%d: worst relative error %.2e" %
-                      (momentum, dampening, nesterov, wd, maximize, worst))
+                      (kw["momentum"], kw["dampening"], kw["nesterov"],
+                       kw["weight_decay"], kw["maximize"], worst))
 
     def test_lion_against_the_reference(self):
         for wd, maximize in itertools.product((0.0, 0.1), (False, True)):
