@@ -1090,6 +1090,96 @@ class TorchClientTest(unittest.TestCase):
         self.assertTrue(all(g.step == 1 for g in groups))
         opt.close()
 
+    def registered_names(self, opt):
+        """The tensor names the daemon has, group by group."""
+        return [list(dict.fromkeys(t.tensor for t in g.tensors))
+                for g in opt.client.get_state().groups]
+
+    def test_a_group_given_one_tensor_as_in_torch(self):
+        ours, theirs = self.twin_models()
+        opt = self.make([{"params": ours[0].weight},
+                         {"params": [ours[0].bias]}], lr=3e-3)
+        ref = torch.optim.AdamW([{"params": theirs[0].weight},
+                                 {"params": [theirs[0].bias]}], lr=3e-3)
+        self.assertEqual([len(g["params"]) for g in opt.param_groups],
+                         [len(g["params"]) for g in ref.param_groups])
+        for _ in range(3):
+            self.train_step(ours, opt)
+            self.train_step(theirs, ref)
+        for p, q in zip(ours[0].parameters(), theirs[0].parameters()):
+            self.assertLessEqual(self.param_err(p, q), 1e-6)
+        opt.close()
+
+    def test_named_parameters_as_in_torch(self):
+        """model.named_parameters() given to the optimizer: the daemon
+        registers each tensor under its model name, and param_groups and
+        state_dict() carry "param_names" exactly where the installed torch
+        does (torch 2.6+; torch before 2.6 takes no names)."""
+        ours, theirs = self.twin_models()
+        opt = self.make(ours.named_parameters(), lr=3e-3)
+        try:
+            ref = torch.optim.AdamW(theirs.named_parameters(), lr=3e-3)
+        except TypeError:
+            ref = torch.optim.AdamW(theirs.parameters(), lr=3e-3)
+        names = [n for n, _ in ours.named_parameters()]
+        self.assertEqual(self.registered_names(opt), [names])
+        self.assertEqual(opt.param_groups[0].get("param_names"),
+                         ref.param_groups[0].get("param_names"))
+        for _ in range(3):
+            self.train_step(ours, opt)
+            self.train_step(theirs, ref)
+        for p, q in zip(ours.parameters(), theirs.parameters()):
+            self.assertLessEqual(self.param_err(p, q), 1e-6)
+        sd, ref_sd = opt.state_dict(), ref.state_dict()
+        self.assertEqual(sd["param_groups"][0].get("param_names"),
+                         ref_sd["param_groups"][0].get("param_names"))
+        ref.load_state_dict(sd)
+        opt.load_state_dict(ref_sd)
+        self.assertEqual(opt.param_groups[0].get("param_names"),
+                         ref.param_groups[0].get("param_names"))
+        opt.close()
+
+    def test_param_names_given_in_a_group_name_its_tensors(self):
+        model = mlp()
+        names = ["w0", "b0"]
+        opt = self.make([{"params": list(model[0].parameters()),
+                          "param_names": names}], lr=1e-3)
+        self.assertEqual(self.registered_names(opt), [names])
+        self.assertEqual(opt.param_groups[0]["param_names"], names)
+        self.assertEqual(opt.state_dict()["param_groups"][0]["param_names"],
+                         names)
+        opt.close()
+
+    def test_names_on_some_parameters_only_raise_as_in_torch(self):
+        model = mlp()
+        w, b = model[0].weight, model[0].bias
+        mixed = [("0.weight", w), b]
+        errors = []
+        for make in (lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                     lambda ps: self.make(ps, lr=1e-3)):
+            try:
+                opt = make(mixed)
+            except (TypeError, ValueError) as e:
+                errors.append((type(e), str(e)))
+            else:
+                errors.append(None)
+                if isinstance(opt, AdamW):
+                    opt.close()
+        if errors[0] is None or errors[0][0] is TypeError:
+            return  # torch before 2.6 takes no names: optimd takes them
+        self.assertEqual(errors[1], errors[0])
+        # A group with names added to one without, and the other way.
+        for first, second in (([w], [("0.bias", b)]), ([("0.weight", w)], [b])):
+            ref = torch.optim.AdamW(first, lr=1e-3)
+            with self.assertRaises(ValueError) as want:
+                ref.add_param_group({"params": second})
+            opt = self.make(first, lr=1e-3)
+            with self.assertRaises(ValueError) as got:
+                opt.add_param_group({"params": second})
+            self.assertEqual(str(got.exception), str(want.exception))
+            self.assertEqual(len(opt.param_groups), 1)
+            opt.close()
+
     def test_state_dict_moves_both_ways_with_torch(self):
         torch.manual_seed(SEED)
         a = mlp()

@@ -310,9 +310,8 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         return device
 
     def add_param_group(self, param_group):
-        if isinstance(param_group.get("params"), (list, tuple)):
-            param_group = dict(param_group)
-            param_group["params"] = self._strip_names(param_group["params"])
+        if isinstance(param_group, dict):
+            param_group = self._names.strip_group(param_group)
         super().add_param_group(param_group)
         if self._ready:
             gi = len(self.param_groups) - 1
