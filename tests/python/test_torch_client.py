@@ -323,35 +323,6 @@ class TorchClientTest(unittest.TestCase):
             self.assertLessEqual(self.param_err(p, q), 1e-5)
         opt.close()
 
-    def test_clipping_warns_once_only_for_sharded_gradients(self):
-        # Replicated gradients (DDP) have the same norm on every rank: no
-        # warning, whatever the world size.
-        for kw in (dict(max_grad_norm=1.0),
-                   dict(world_size=2, rank=1, max_grad_norm=1.0)):
-            other = mlp()
-            opt = self.make(other.parameters(), job_id=self.id() + str(kw),
-                            **kw)
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                self.train_step(other, opt)
-            self.assertEqual(
-                [w for w in caught if "shards" in str(w.message)], [], kw)
-            opt.close()
-        # Sharded parameters (DTensor; the installed torch may have none, so
-        # the optimizer is told directly): one warning, pointing here.
-        model = mlp()
-        opt = self.make(model.parameters(), max_grad_norm=1.0)
-        opt._sharded = True
-        with self.assertWarnsRegex(UserWarning, "gradient shards") as cm:
-            self.train_step(model, opt)
-        self.assertEqual(cm.filename, __file__)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            self.train_step(model, opt)
-        self.assertEqual(
-            [w for w in caught if "shards" in str(w.message)], [])
-        opt.close()
-
     def test_optimizers_of_one_process_have_sessions_of_their_own(self):
         # A GAN's two optimizers, a notebook cell run twice, `del opt` and a
         # new one: default arguments, as with torch.

@@ -11,8 +11,6 @@ import operator
 import os
 import secrets
 import socket
-import sys
-import warnings
 import weakref
 
 import torch
@@ -126,7 +124,6 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         self.state = DaemonState(self._fetch_daemon_state,
                                  self._retired_state)
         self.max_grad_norm = max_grad_norm
-        self._warned_rank_norm = False
         self.grad_scale = grad_scale
         self.skip_nonfinite = skip_nonfinite
         self._keep_fp32 = {id(p) for p in keep_fp32}
@@ -137,8 +134,6 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         # completed step.
         self.wait_for_step = False
         self._device = self._check_devices()
-        self._sharded = any(is_dtensor(p) for g in self.param_groups
-                            for p in g["params"])
         # One session per optimizer object: two optimizers of one process
         # (a GAN, a notebook cell run twice) never collide. resume=True
         # needs the job id of the session to take over.
@@ -431,6 +426,14 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             if _is_lazy(p):
                 continue
             name = self._names.get(id(p), "%d.%d" % (gi, pi))
+            if is_dtensor(p):
+                raise NotImplementedError(
+                    "optimd.torch: parameter %s is a DTensor (FSDP2's "
+                    "fully_shard, or accelerate's FSDP with fsdp_version=2); "
+                    "optimd.torch does not step DTensor parameters yet: "
+                    "their shards live in FSDP2's own memory, which the "
+                    "daemon does not write. Use DDP or FSDP version 1 with "
+                    "optimd, or torch's optimizer for this model" % name)
             if p.dtype not in DTYPES:
                 raise TypeError(
                     "optimd.torch supports float32, bfloat16, float16 and "
@@ -628,18 +631,6 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         self._write_back_state()
         updates = self._router.updates()
         overrides = self._overrides()
-        if (self.max_grad_norm and self._sharded
-                and not self._identity["sharding"]
-                and not self._warned_rank_norm):
-            self._warned_rank_norm = True
-            # Replicated gradients (DDP) have the same norm on every rank;
-            # sharded ones (DTensor, FSDP2) do not.
-            _warn_in_user_code(
-                "optimd.torch: max_grad_norm clips by the norm of this "
-                "rank's gradient shards only; ranks do not agree on it. Pass "
-                "gradient_sharding='sharded' so that the ranks clip by the "
-                "job's norm (or clip with torch.nn.utils.clip_grad_norm_ "
-                "before step() and leave max_grad_norm at 0).")
         request = dict(
             lr_overrides=overrides[0] if overrides else None,
             grad_scale=float(self.grad_scale or 0.0),
@@ -773,19 +764,6 @@ def _not_dense_error(name, p):
         "optimd.torch steps each parameter as one run of memory: make it "
         "contiguous, e.g. torch.nn.Parameter(t.contiguous())" %
         (name, tuple(p.shape), p.stride()))
-
-
-
-def _warn_in_user_code(message):
-    """warnings.warn, attributed to the first caller outside torch and
-    optimd (step() is wrapped by torch's decorators)."""
-    internal = (os.path.dirname(torch.__file__),
-                os.path.dirname(os.path.abspath(__file__)))
-    frame, level = sys._getframe(1), 2
-    while frame is not None and \
-            os.path.abspath(frame.f_code.co_filename).startswith(internal):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, stacklevel=level)
 
 
 

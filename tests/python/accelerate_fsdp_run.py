@@ -1,0 +1,61 @@
+"""One accelerate run with FSDP2 on one GPU, for test_frameworks.py:
+
+    accelerate_fsdp_run.py KIND OUT ADDRESS
+
+KIND is torch or optimd (torch.optim.AdamW or optimd.torch.AdamW, made
+over the model before prepare(), as accelerate's users do). prepare()
+shards the model with fully_shard and puts the new DTensor parameters into
+the optimizer's param_groups in place of the old ones; the run then trains
+the steps of test_frameworks.py with clipping and writes the final weights
+to OUT.
+A process of its own: accelerate's state is per process, and this one
+starts a torch.distributed group of one rank.
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_frameworks import STEPS, _gpt2, _loader  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("kind", choices=("torch", "optimd"))
+    ap.add_argument("out")
+    ap.add_argument("address")
+    args = ap.parse_args()
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    accelerator = Accelerator(fsdp_plugin=plugin)
+    model = _gpt2()
+    if args.kind == "torch":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3,
+                                weight_decay=0.01)
+    else:
+        from optimd.torch import AdamW
+        opt = AdamW(model.parameters(), lr=1e-3, weight_decay=0.01,
+                    address=args.address,
+                    job_id="fsdp-" + args.kind)
+    model, opt, loader = accelerator.prepare(model, opt, _loader())
+    for i, batch in enumerate(loader):
+        if i == STEPS:
+            break
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    full = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        torch.save({k: v.detach().float().cpu() for k, v in full.items()},
+                   args.out)
+    if args.kind == "optimd":
+        opt.optimizer.close()
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()
