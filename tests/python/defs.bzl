@@ -1,6 +1,6 @@
 """A Python test module run against the real daemon (run_python_tests.sh)."""
 
-def daemon_py_test(name, module, size = "large", tags = []):
+def daemon_py_test(name, module, size = "large", tags = [], data = []):
     native.sh_test(
         name = name,
         size = size,
@@ -11,6 +11,6 @@ def daemon_py_test(name, module, size = "large", tags = []):
             "//client/python:optimd_py",
             "//proto:optimd_py_proto",
             "//server:optimd",
-        ],
+        ] + data,
         tags = tags,
     )
