@@ -404,6 +404,52 @@ class TorchClientTest(unittest.TestCase):
                                      "step %d" % step)
         opt.close()
 
+    def test_adam_w_mode_turned_off_after_torch_adamw_state_is_followed(self):
+        # A group that loaded torch's AdamW state (whose groups say
+        # decoupled_weight_decay=True from torch 2.7) is switched to Adam's
+        # L2 decay with optimd's own adam_w_mode: Adam from then on, and
+        # both switches say so.
+        ours, theirs = self.twin_models()
+        opt = self.make(ours.parameters(), lr=1e-2, weight_decay=0.1)
+        ref = torch.optim.AdamW(theirs.parameters(), lr=1e-2,
+                                weight_decay=0.1)
+        for step in range(6):
+            if step == 2:
+                sd = ref.state_dict()
+                sd["param_groups"][0]["decoupled_weight_decay"] = True
+                opt.load_state_dict(sd)
+            if step == 3:
+                opt.param_groups[0]["adam_w_mode"] = False
+                switched = torch.optim.Adam(theirs.parameters(), lr=1e-2,
+                                            weight_decay=0.1)
+                sd = ref.state_dict()
+                sd["param_groups"][0]["decoupled_weight_decay"] = False
+                switched.load_state_dict(sd)
+                ref = switched
+            self.step_twins(opt, ref)
+            for p, q in zip(ours.parameters(), theirs.parameters()):
+                self.assertLessEqual(self.param_err(p, q), 1e-6,
+                                     "step %d" % step)
+        self.assertFalse(opt.param_groups[0]["decoupled_weight_decay"])
+        self.assertFalse(opt.param_groups[0]["adam_w_mode"])
+        opt.close()
+
+    def test_param_groups_carry_the_keys_torch_puts_there(self):
+        from optimd.torch import SGD, Adam
+        for ours_cls, theirs_cls in ((AdamW, torch.optim.AdamW),
+                                     (Adam, torch.optim.Adam),
+                                     (SGD, torch.optim.SGD)):
+            opt = ours_cls(mlp().parameters(), lr=1e-3,
+                           address=self.daemon.address,
+                           job_id=self.id() + ours_cls.__name__)
+            ref = theirs_cls(mlp().parameters(), lr=1e-3)
+            theirs = {k: v for k, v in ref.param_groups[0].items()
+                      if k != "params"}
+            ours = {k: opt.param_groups[0][k] for k in theirs
+                    if k in opt.param_groups[0]}
+            self.assertEqual(ours, theirs, ours_cls.__name__)
+            opt.close()
+
     def test_a_step_request_is_with_grpc_when_step_async_returns(self):
         # gRPC takes a stream's requests on a Python thread of its own: a
         # trainer that goes on with Python work right after step() must not

@@ -320,6 +320,11 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
                 self.param_groups.pop()
                 raise
 
+    def _reconcile_group(self, gi, group):
+        """Brings keys of param_groups[gi] that mean one thing into
+        agreement after an edit (an optimizer with such keys overrides
+        this)."""
+
     def _group_request(self, gi, group, tensors, seg_p):
         request = pb.RegisterGroupRequest(group_id=str(gi))
         h = request.hyperparameters
@@ -532,6 +537,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
     def _sync_params(self):
         for gi, (g, group) in enumerate(zip(self._groups,
                                             self.param_groups)):
+            self._reconcile_group(gi, group)
             if self._layout_of(group) != g["snapshot"]:
                 self._follow_layout_keys(gi, group, g)
         # map() keeps this at well under a microsecond per parameter.

@@ -216,6 +216,7 @@ class StateDicts:
             for k, v in sg.items():
                 if k != "params":
                     g[k] = tuple(v) if k == "betas" else v
+            self._reconcile_group(gi, g)
             if self._layout_of(g) != mine["snapshot"]:
                 self._reregister(gi, g, mine)
             entries = {id(p): saved_state.get(pid)

@@ -55,6 +55,8 @@ differences"):
   * max_grad_norm (optimd's own) clips by the norm of this rank's
     gradients, or of the job's with gradient_sharding.
 """
+import functools
+
 import torch
 
 from optimd import errors
@@ -192,12 +194,16 @@ class AdamW(_DaemonOptimizer):
                              "no 8-bit form)")
         defaults = _torch_defaults(self._torch_class)
         defaults.update(torch_options)
+        decoupled = bool(adam_w_mode or
+                         torch_options.get("decoupled_weight_decay", False))
         defaults.update(dict(
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
             amsgrad=amsgrad, maximize=maximize, master_weights=master_weights,
             store_param_remainders=store_param_remainders,
-            exp_avg_dtype=exp_avg_dtype, adam_w_mode=adam_w_mode,
+            exp_avg_dtype=exp_avg_dtype, adam_w_mode=decoupled,
             bias_correction=bias_correction))
+        if "decoupled_weight_decay" in _torch_group_keys(self._torch_class):
+            defaults["decoupled_weight_decay"] = decoupled
         self._start(params, defaults, **_service_options(locals()))
 
     _kind = pb.OPTIMIZER_KIND_ADAMW
@@ -226,6 +232,30 @@ class AdamW(_DaemonOptimizer):
         return dict(amsgrad=group["amsgrad"], maximize=group["maximize"],
                     decoupled_weight_decay=_decoupled(group))
 
+    def add_param_group(self, param_group):
+        # A group that sets one of the two switches of decoupled decay gets
+        # the other from it, not from the defaults.
+        if isinstance(param_group, dict):
+            given = [k for k in _DECAY_SWITCHES if k in param_group]
+            if len(given) == 1:
+                param_group = dict(param_group)
+                for k in _DECAY_SWITCHES:
+                    if k in self.defaults:
+                        param_group[k] = param_group[given[0]]
+        super().add_param_group(param_group)
+
+    def _reconcile_group(self, gi, group):
+        """Keeps the group's two switches of decoupled decay equal: where
+        they differ, one was set since the group was registered, and its
+        new value holds for both."""
+        if not all(k in group for k in _DECAY_SWITCHES):
+            return
+        mode, decoupled = (bool(group[k]) for k in _DECAY_SWITCHES)
+        if mode != decoupled:
+            was = self._groups[gi]["snapshot"]["decoupled_weight_decay"]
+            for k in _DECAY_SWITCHES:
+                group[k] = not was
+
     def _slot_names(self, group):
         return ("exp_avg", "exp_avg_sq") + (
             ("max_exp_avg_sq",) if group["amsgrad"] else ())
@@ -241,12 +271,26 @@ class AdamW(_DaemonOptimizer):
                 gi)
 
 
+# The two switches of decoupled (AdamW) weight decay a group may carry:
+# optimd's adam_w_mode, and torch's decoupled_weight_decay (torch.optim.Adam's
+# argument since torch 2.6, a key of torch.optim.AdamW's groups since 2.7).
+# AdamW._reconcile_group keeps them equal.
+_DECAY_SWITCHES = ("adam_w_mode", "decoupled_weight_decay")
+
+
 def _decoupled(group):
-    """Whether a group's weight decay is AdamW's: optimd's adam_w_mode, or
-    torch.optim.Adam's decoupled_weight_decay (torch 2.6 and later), which
-    makes Adam AdamW."""
-    return bool(group.get("adam_w_mode", True) or
-                group.get("decoupled_weight_decay", False))
+    """Whether a group's weight decay is AdamW's."""
+    if "adam_w_mode" in group:
+        return bool(group["adam_w_mode"])
+    return bool(group.get("decoupled_weight_decay", True))
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_group_keys(cls):
+    """The keys the installed torch's `cls` puts in its param groups: its
+    defaults, which may hold one its constructor does not take (AdamW's
+    decoupled_weight_decay, torch 2.7 and later)."""
+    return frozenset(cls([torch.zeros(1, requires_grad=True)]).defaults)
 
 
 class Adam(AdamW):
