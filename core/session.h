@@ -463,6 +463,10 @@ class Session {
   uint64_t state_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   // Bytes of the trainers' parameters registered (at most kMaxSessionBytes).
   uint64_t param_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  // The backend's totals (StepOutcome), the one count of the session's
+  // steps, as last reported: kept for Info, and so that the daemon's step
+  // counters grow by the difference. Never lowered, since an asynchronous
+  // outcome may repeat an older one.
   uint64_t steps_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t skipped_steps_ ABSL_GUARDED_BY(mu_) = 0;
   // Snapshots of this session still alive (streams not yet read to the
