@@ -4,8 +4,9 @@
 // part of the package shares: paths.h (file names, directories), writer.h
 // (a save from the state in place), snapshot.h (a host copy, written in the
 // background or streamed), loader.h (a load in place), header.h (the
-// safetensors header), temporaries.h, and session_checkpoint.h (a
-// session's state saved, snapshotted and loaded whole).
+// safetensors header), temporaries.h, session_checkpoint.h (a session's
+// state saved, snapshotted and loaded whole), and key_names.h (tensor
+// names whose keys would collide, refused at registration).
 //
 // Tensors (1-D, little-endian): `<name>` the parameter read from the
 // trainer's buffer; `<name>.master` (F32) or `<name>.remainder` (I16) where

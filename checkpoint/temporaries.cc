@@ -11,7 +11,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "core/stale_files.h"
+#include "common/stale_files.h"
 
 namespace optimd {
 

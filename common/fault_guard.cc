@@ -21,7 +21,7 @@ void OnBusError(int sig, siginfo_t*, void*) {
 
 }  // namespace
 
-sigjmp_buf*& Slot() { return tls_guard; }
+sigjmp_buf*& InnermostGuard() { return tls_guard; }
 
 void Install() {
   static std::once_flag once;

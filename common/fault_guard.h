@@ -18,7 +18,7 @@ namespace optimd {
 namespace fault_guard_internal {
 
 // This thread's innermost guard.
-sigjmp_buf*& Slot();
+sigjmp_buf*& InnermostGuard();
 // Installs the SIGBUS handler once per process.
 void Install();
 absl::Status FaultStatus(absl::string_view what);
@@ -31,14 +31,14 @@ template <typename Fn>
 absl::Status GuardMemoryFaults(Fn&& fn, absl::string_view what) {
   fault_guard_internal::Install();
   sigjmp_buf buf;
-  sigjmp_buf* const outer = fault_guard_internal::Slot();
+  sigjmp_buf* const outer = fault_guard_internal::InnermostGuard();
   if (sigsetjmp(buf, 1) != 0) {
-    fault_guard_internal::Slot() = outer;
+    fault_guard_internal::InnermostGuard() = outer;
     return fault_guard_internal::FaultStatus(what);
   }
-  fault_guard_internal::Slot() = &buf;
+  fault_guard_internal::InnermostGuard() = &buf;
   fn();
-  fault_guard_internal::Slot() = outer;
+  fault_guard_internal::InnermostGuard() = outer;
   return absl::OkStatus();
 }
 

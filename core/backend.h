@@ -96,7 +96,9 @@ struct StepOutcome {
   // True when the outcome is of the step just requested.
   bool current = true;
   bool skipped = false;
-  // L2 norm of the unscaled gradients (before clipping); computed every step.
+  // L2 norm of the unscaled gradients before clipping, as
+  // StepResponse.grad_norm says: NaN for a skipped step and for a step
+  // without the statistics pass.
   double grad_norm = 0.0;
   // The session's totals as of the reported step.
   uint64_t steps_applied = 0;

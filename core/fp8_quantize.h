@@ -51,9 +51,10 @@ void ForEachFp8Unit(const Fp8Geometry& g, uint64_t begin, uint64_t end, Fn fn) {
   }
 }
 
-// Calls fn(first, last) for each row segment [first, last) of unit `u`.
+// Calls fn(first, last) for each row span [first, last) of unit `u`: the
+// unit's elements that lie in one row of the tensor.
 template <class Fn>
-void ForEachFp8Segment(const Fp8Geometry& g, const Fp8Unit& u, Fn fn) {
+void ForEachFp8RowSpan(const Fp8Geometry& g, const Fp8Unit& u, Fn fn) {
   for (uint64_t r = u.row; r < u.row + u.num_rows; ++r) {
     const uint64_t first = r * g.cols + u.col;
     fn(first, first + u.num_cols);
@@ -71,7 +72,7 @@ void QuantizeFp8Unit(const TensorPointers& t, const Fp8Unit& u) {
   const float* __restrict master = static_cast<const float*>(t.master);
   uint8_t* __restrict param = static_cast<uint8_t*>(t.param);
   float amax = 0.0f;
-  ForEachFp8Segment(g, u, [&](uint64_t a, uint64_t b) {
+  ForEachFp8RowSpan(g, u, [&](uint64_t a, uint64_t b) {
     for (uint64_t i = a; i < b; ++i) amax = Fp8Amax(amax, master[i]);
   });
   float mul;
@@ -83,7 +84,7 @@ void QuantizeFp8Unit(const TensorPointers& t, const Fp8Unit& u) {
     mul = Fp8Scale(amax, F.max_value, g.recipe != Fp8Recipe::kTensor);
     static_cast<float*>(t.scale_inv)[u.index] = 1.0f / mul;
   }
-  ForEachFp8Segment(g, u, [&](uint64_t a, uint64_t b) {
+  ForEachFp8RowSpan(g, u, [&](uint64_t a, uint64_t b) {
     for (uint64_t i = a; i < b; ++i) param[i] = EncodeFp8<F>(master[i] * mul);
   });
 }

@@ -1,7 +1,5 @@
 #include "core/session.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -114,10 +112,10 @@ absl::StatusOr<StepResult> Session::Step(const StepRequestSpec& request) {
     }
     if (bound.ok()) last_sequence_ = options.sequence;
   }
-  if (result.ok() && !restart_checkpoint_.empty()) {
-    unlink(restart_checkpoint_.c_str());
-    unlink((restart_checkpoint_ + kSecretSuffix).c_str());
-    restart_checkpoint_.clear();
+  if (result.ok() && after_next_step_) {
+    const std::function<void()> after = std::move(after_next_step_);
+    after_next_step_ = nullptr;
+    after();
   }
   return result;
 }

@@ -53,6 +53,16 @@ struct SessionIdentity {
   bool shard_state = false;
 };
 
+// A rule of a layer above on a session's tensor names, checked when a
+// group registers, before anything changes: `fresh` (the group's tensor
+// names) against `registered` (the session's). The daemon's is
+// checkpoint/'s: names whose checkpoint keys would collide
+// (checkpoint/key_names.h). Called under the session's lock; must not
+// call the session.
+using TensorNameRule =
+    std::function<absl::Status(const std::set<std::string>& fresh,
+                               const std::set<std::string>& registered)>;
+
 struct RegisterResult {
   uint64_t state_bytes = 0;
   uint64_t plan_items = 0;
@@ -206,6 +216,12 @@ class Session {
   }
   // Whether steps wait for the job's other ranks (a thread of its own).
   bool exchanges_statistics() const { return exchange_ != nullptr; }
+  // The rule RegisterGroup applies to new tensor names beside its own
+  // checks (none when empty); set by SessionRegistry::Create before the
+  // session is shared.
+  void set_tensor_name_rule(TensorNameRule rule) {
+    tensor_name_rule_ = std::move(rule);
+  }
 
   // Validates the whole group first; on any error nothing is registered.
   absl::StatusOr<RegisterResult> RegisterGroup(const GroupSpec& spec)
@@ -276,14 +292,14 @@ class Session {
     MutexLock lock(&mu_);
     backend_->ForgetTrainerBuffers(mappings_);
   }
-  // A checkpoint the daemon saved for its restart and offered to this
-  // session: removed after the session's first successful step (with its
-  // resume secret, the same path plus kSecretSuffix), so that a later
-  // resume is never offered state older than what training went on from.
-  static constexpr char kSecretSuffix[] = ".secret";
-  void SetRestartCheckpoint(std::string path) ABSL_LOCKS_EXCLUDED(mu_) {
+  // Runs `fn` once, after the session's next successful step, under the
+  // session's lock (`fn` must not call the session). The server removes
+  // there the checkpoint it saved at its last stop and offered to this
+  // session (server/restart_store.h), so that a later resume is never
+  // offered state older than what training went on from.
+  void RunAfterNextStep(std::function<void()> fn) ABSL_LOCKS_EXCLUDED(mu_) {
     MutexLock lock(&mu_);
-    restart_checkpoint_ = std::move(path);
+    after_next_step_ = std::move(fn);
   }
   // Marks the session orphaned since `unix_seconds` (0: not orphaned).
   void SetOrphanedSince(double unix_seconds) ABSL_LOCKS_EXCLUDED(info_mu_) {
@@ -418,6 +434,7 @@ class Session {
   const SessionIdentity identity_;
   std::shared_ptr<RankExchange> exchange_;
   absl::Duration rank_timeout_;
+  TensorNameRule tensor_name_rule_;
   Backend* const backend_;
   StateBudget* const budget_;
   const std::unique_ptr<SessionContext> context_;
@@ -446,6 +463,10 @@ class Session {
   uint64_t state_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   // Bytes of the trainers' parameters registered (at most kMaxSessionBytes).
   uint64_t param_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  // The backend's totals (StepOutcome), the one count of the session's
+  // steps, as last reported: kept for Info, and so that the daemon's step
+  // counters grow by the difference. Never lowered, since an asynchronous
+  // outcome may repeat an older one.
   uint64_t steps_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t skipped_steps_ ABSL_GUARDED_BY(mu_) = 0;
   // Snapshots of this session still alive (streams not yet read to the
@@ -460,7 +481,8 @@ class Session {
   // the last step that used them.
   BufferRef step_flags_ ABSL_GUARDED_BY(mu_);
   uint64_t last_sequence_ ABSL_GUARDED_BY(mu_) = 0;
-  std::string restart_checkpoint_ ABSL_GUARDED_BY(mu_);
+  // RunAfterNextStep's, cleared when run.
+  std::function<void()> after_next_step_ ABSL_GUARDED_BY(mu_);
 
   // What layers above keep for this session (Attachment), by type.
   mutable Mutex attachments_mu_ ABSL_ACQUIRED_AFTER(mu_);

@@ -8,7 +8,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <set>
 #include <string>
 
 #include "absl/status/status.h"
@@ -40,11 +39,6 @@ absl::Status CheckHyper(const GroupSpec& spec);
 // Bounds on a group's id and on how many groups and tensors a session
 // holds, so that replies listing them stay far below gRPC's limits.
 absl::Status CheckCounts(const GroupSpec& spec, size_t groups, size_t tensors);
-
-// Refuses names whose checkpoint keys would collide with another tensor's
-// (`w` and `w.exp_avg`: one's moment would load as the other's parameter).
-absl::Status CheckCheckpointKeys(const std::set<std::string>& fresh,
-                                 const std::set<std::string>& registered);
 
 // RESOURCE_EXHAUSTED: `group` would bring the session past
 // kMaxSessionBytes.

@@ -181,7 +181,9 @@ absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
                      " registered that is more than ", kMaxTensorsPerSession,
                      " in one session"));
   }
-  OPTIMD_RETURN_IF_ERROR(CheckCheckpointKeys(names.group_names, tensor_names_));
+  if (tensor_name_rule_) {
+    OPTIMD_RETURN_IF_ERROR(tensor_name_rule_(names.group_names, tensor_names_));
+  }
   if (!AddChecked(&bytes, state_bytes_) || bytes > kMaxSessionBytes ||
       !AddChecked(&param_bytes, param_bytes_) ||
       param_bytes > kMaxSessionBytes) {

@@ -147,6 +147,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::OpenLocked(
     session->set_rank_exchange(std::move(exchange), rank_timeout_);
   }
   session->set_done_event(done_event);
+  session->set_tensor_name_rule(tensor_name_rule_);
   if (NeedsDeviceJob(identity, *backend)) {
     Backend::DeviceJob job{identity.rank,     identity.world_size,
                            identity.sharding, identity.shard_state,

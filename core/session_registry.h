@@ -103,6 +103,11 @@ class SessionRegistry {
   // How long a step of a session whose ranks exchange statistics waits for
   // the other ranks (the daemon's --rank_timeout). Set before serving.
   void set_rank_timeout(absl::Duration t) { rank_timeout_ = t; }
+  // The rule every new session applies to the tensor names of its groups
+  // (Session::set_tensor_name_rule; none by default). Set before serving.
+  void set_tensor_name_rule(TensorNameRule rule) {
+    tensor_name_rule_ = std::move(rule);
+  }
 
  private:
   const std::vector<Backend*> backends_;
@@ -110,6 +115,7 @@ class SessionRegistry {
   Backend* cpu_ = nullptr;      // device -1, if any
   StateBudget* const budget_;
   absl::Duration rank_timeout_ = absl::Minutes(10);
+  TensorNameRule tensor_name_rule_;
 
   mutable Mutex mu_;
   std::map<std::string, std::shared_ptr<Session>> by_token_

@@ -46,7 +46,7 @@ def optimizer_cuda_kernel(name, extra_hdrs = []):
     `<name>_cuda.cu` (including `<name>_cuda.h`, `<name>_math.h` and
     `extra_hdrs`) compiled into the cc_library `<name>_cuda`. Exports
     `<name>_cuda.h` and `<name>_scalars.cuh` for //kernels:step_cuda.
-    Built unless --define=cuda=off; GPU tests run on a GPU machine."""
+    Left out by --config=nocuda; GPU tests run on a GPU machine."""
     cuda_object(
         name = name + "_cuda_o",
         src = name + "_cuda.cu",

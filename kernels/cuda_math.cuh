@@ -25,8 +25,8 @@ namespace cuda {
 // a subnormal being above 2^-75). b = sqrt(1 - beta2^t) lies in
 // (2^-27, 1] for every beta2 in [0, 1) (1 - beta2^t is at least 2^-53 in
 // double), so q < 2^91 never overflows. Infinite or NaN a passes through q.
-// tests/cuda_math_test.cu compares it with IEEE division on every
-// non-negative float for many b.
+// tests/cuda_math_test (tests/cuda_math_check.cu) compares it with IEEE
+// division on every non-negative float for many b.
 __device__ __forceinline__ float DivByRecip(float a, float b, float rb) {
   const float q = __fmul_rn(a, rb);
   const float r = __fmaf_rn(-b, q, a);

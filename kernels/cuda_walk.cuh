@@ -125,11 +125,12 @@ __device__ __forceinline__ void ForEachTileLaneElement(uint64_t i, F f) {
 // Plain (weak, default-cached) global vector accesses. The compiler cannot
 // tell that a pointer read from a shared-memory descriptor is global: it
 // emitted generic accesses, and split some vector stores. Explicit
-// ld/st.global measured 4% faster for 100,000 tensors of 10,000 elements
-// on the H200, the same for large ones (bench/RESULTS.md). (The
-// cache-operator intrinsics __ldca/__stwb compile to strong .STRONG.SM
-// accesses; streaming hints, ld/st.global.cs, and 256-byte L2 prefetch
-// hints measured 3-5% slower for fp32.)
+// ld/st.global are faster for many small tensors and the same for large
+// ones; streaming hints (ld/st.global.cs) and L2 prefetch hints are
+// slower, and the cache-operator intrinsics __ldca/__stwb compile to
+// strong .STRONG.SM accesses. The measurements: bench/RESULTS.md, "CUDA
+// backend on one H200, training-like gradients" (kernel variants) and
+// "... flattened work blocks and step graphs" (cache hints).
 __device__ __forceinline__ uint4 LoadGlobal(const uint4* p) {
   uint4 v;
   asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"

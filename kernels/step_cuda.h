@@ -18,7 +18,7 @@
 //      its chunks with the group's optimizer (AdamW/Adam, SGD, Lion).
 //   4. LaunchCommitSteps, once: advances the counters unless skipped,
 //      records the step's norm and skipped flag, and writes them to the
-//      step's report slot in pinned host memory.
+//      step's record in pinned host memory.
 // The host never waits for the GPU in between: the skip decision and the
 // clip coefficient are read by the kernels from device memory. Per-step
 // arguments travel in pinned host memory that the kernels read directly,

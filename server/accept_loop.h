@@ -10,7 +10,7 @@
 // ENFILE, it closes the spare, accepts the waiting connection and closes it
 // at once (the client sees the connection closed and may retry), then takes
 // the spare again. When even that fails (another thread took the freed
-// slot), it waits, 1 ms doubling to 100 ms, and tries again. Connections
+// descriptor), it waits, 1 ms doubling to 100 ms, and tries again. Connections
 // are served again as soon as descriptors come free.
 //
 // Thread-safety: Start, Stop and the destructor are called from one

@@ -33,12 +33,13 @@
 #include "absl/time/clock.h"
 #include "backends/cpu/cpu_backend.h"
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/key_names.h"
 #include "checkpoint/temporaries.h"
 #include "common/default_address.h"
 #include "common/pem_file.h"
+#include "common/stale_files.h"
 #include "common/version.h"
 #include "core/session_registry.h"
-#include "core/stale_files.h"
 #include "server/device_worker.h"
 #include "server/grpc_log.h"
 #include "server/log.h"
@@ -559,6 +560,7 @@ int main(int argc, char** argv) {
   optimd::SessionRegistry registry(backend_ptrs, &budget);
   registry.set_rank_timeout(
       absl::Seconds(std::max(0.0, absl::GetFlag(FLAGS_rank_timeout_s))));
+  registry.set_tensor_name_rule(optimd::CheckCheckpointKeys);
   optimd::CheckpointOptions checkpoint_options;
   checkpoint_options.state_dir = absl::GetFlag(FLAGS_state_dir);
   optimd::OptimizerServiceImpl service(&registry, worker_ptrs,

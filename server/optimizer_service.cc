@@ -4,7 +4,6 @@
 
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
-#include "checkpoint/paths.h"
 #include "checkpoint/session_checkpoint.h"
 #include "common/mutex.h"
 #include "common/version.h"
@@ -205,8 +204,10 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::CreateSession(
                 : std::string()));
   if (saved_dir) {
     response->set_saved_state_dir(*saved_dir);
-    created->session->SetRestartCheckpoint(
-        absl::StrCat(*saved_dir, "/", CheckpointFileName(id.rank)));
+    created->session->RunAfterNextStep(
+        [offered = RestartStore::CheckpointPath(*saved_dir, id.rank)] {
+          RestartStore::Forget(offered);
+        });
   }
   response->set_done_event(created->session->done_event());
   response->set_nccl_unique_id(created->session->nccl_unique_id());

@@ -26,6 +26,16 @@ std::string RestartStore::JobDirectory(const std::string& job_id) {
                          Crc32cExtend(0, job_id.data(), job_id.size()));
 }
 
+std::string RestartStore::CheckpointPath(const std::string& dir,
+                                         uint32_t rank) {
+  return absl::StrCat(dir, "/", CheckpointFileName(rank));
+}
+
+void RestartStore::Forget(const std::string& checkpoint_path) {
+  unlink(checkpoint_path.c_str());
+  unlink((checkpoint_path + kSecretSuffix).c_str());
+}
+
 std::optional<std::string> RestartStore::Find(const std::string& job_id,
                                               uint32_t rank) const {
   if (!enabled()) return std::nullopt;
@@ -42,8 +52,8 @@ std::optional<std::string> RestartStore::Find(const std::string& job_id,
 namespace {
 
 std::string SecretPath(const std::string& dir, uint32_t rank) {
-  return absl::StrCat(dir, "/", CheckpointFileName(rank),
-                      Session::kSecretSuffix);
+  return absl::StrCat(RestartStore::CheckpointPath(dir, rank),
+                      RestartStore::kSecretSuffix);
 }
 
 // Writes `secret` to `path`, readable by the daemon's user only.

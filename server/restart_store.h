@@ -60,6 +60,15 @@ class RestartStore {
   // "<job id reduced to at most 48 of [A-Za-z0-9._-]>-<crc32c of the id>".
   static std::string JobDirectory(const std::string& job_id);
 
+  // The path of the checkpoint of `rank` in `dir` (a directory Find gave).
+  static std::string CheckpointPath(const std::string& dir, uint32_t rank);
+  // Removes the checkpoint at `checkpoint_path` and its secret: its session
+  // has stepped past it (run by Session::RunAfterNextStep).
+  static void Forget(const std::string& checkpoint_path);
+
+  // A checkpoint's resume secret is its path plus this.
+  static constexpr char kSecretSuffix[] = ".secret";
+
  private:
   // One session's save with its secret; nothing of it is left on failure.
   absl::StatusOr<CheckpointResult> SaveOne(Session& s,

@@ -1,6 +1,6 @@
 #include "server/spool_files.h"
 
-#include "core/stale_files.h"
+#include "common/stale_files.h"
 
 namespace optimd {
 

@@ -1,7 +1,9 @@
 // The CUDA backend: trainer buffers are CUDA IPC allocations, state lives in
-// the GPU's memory, and steps run the fused kernels of adamw_cuda.h on one
-// stream per device, ordered with the trainer's stream by interprocess
-// events. Plain C++ header: the daemon includes it without CUDA headers.
+// the GPU's memory, and steps run each optimizer's fused kernels
+// (kernels/step_cuda.h) on one stream per device, ordered with the
+// trainer's stream by step flags or interprocess events. The Backend here
+// puts the package's pieces in order (backends/cuda/BUILD lists them).
+// Plain C++ header: the daemon includes it without CUDA headers.
 #ifndef OPTIMD_BACKENDS_CUDA_CUDA_BACKEND_H_
 #define OPTIMD_BACKENDS_CUDA_CUDA_BACKEND_H_
 

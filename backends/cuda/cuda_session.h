@@ -1,8 +1,9 @@
 // The CUDA backend's side of a session: its stream and interprocess events,
 // the pinned step records of the steps in flight, and the key of the step
-// graphs captured for them. Filling and reading records is here; enqueuing
-// and capturing the steps is the backend's (cuda_backend.cc). Not
-// thread-safe: used only by the device's worker.
+// graphs captured for them; opened here and released by its destructor.
+// Filling and reading the records is step_records.h's; enqueuing the
+// steps step_kernels.h's. Not thread-safe: used only by the device's
+// worker.
 #ifndef OPTIMD_BACKENDS_CUDA_CUDA_SESSION_H_
 #define OPTIMD_BACKENDS_CUDA_CUDA_SESSION_H_
 
@@ -10,9 +11,10 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
-#include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "backends/cuda/nccl_job.h"
 #include "core/backend.h"
 #include "core/buffer.h"
@@ -80,23 +82,16 @@ class CudaSession : public SessionContext {
   std::shared_ptr<NcclJob> job;
 };
 
-// The outcome in a completed `record` of session `s`, into *out and s.last;
-// the groups' step counters from it when it was a step of `groups`.
-absl::Status ReadRecord(CudaSession& s, StepRecord& record,
-                        const std::vector<Group*>& groups, StepOutcome* out);
-
-// Drops the step graphs of `s` when the groups, the backend's scratch
-// memory (`scratch_generation`), the statistics flag or the progress word
-// changed (compared in place: no allocation on a step that keeps them).
-void RefreshGraphKey(CudaSession& s, const std::vector<Group*>& groups,
-                     bool statistics, uint64_t scratch_generation,
-                     uint32_t* progress);
-
-// The record's memory (grown to hold `groups`, dropping its graph then) and
-// every group's arguments. `apply_nonfinite`: a non-finite gradient norm
-// does not skip the step (StepOptions::assume_finite, no job).
-absl::Status FillRecord(StepRecord& record, const std::vector<Group*>& groups,
-                        const StepOptions& options, bool apply_nonfinite);
+// Opens the backend's side of a session on GPU `device` (current), which
+// steps on `stream`: the trainer's `ready_event` (a cudaIpcEventHandle_t,
+// or empty), the daemon's done event, exported into *done_event, the
+// session's device totals (zeroed on `stream`) and `step_records` step
+// records with their timing events. INVALID_ARGUMENT for a ready event
+// that cannot be opened. The caller waits for `stream` before the first
+// step.
+absl::StatusOr<std::unique_ptr<CudaSession>> OpenCudaSession(
+    int device, cudaStream_t stream, const std::string& ready_event,
+    int step_records, std::string* done_event);
 
 }  // namespace optimd
 

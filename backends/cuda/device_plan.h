@@ -2,7 +2,7 @@
 // plan items as a chunk table (kernels/cuda_step_types.h), work blocks over
 // the chunks, and one launch per (stage, layout), with the device copies of
 // those tables beside them. Building and refreshing the host tables makes
-// no CUDA call; the backend uploads them (cuda_backend.cc). Plain C++: no
+// no CUDA call; device_plan_memory.h uploads them. Plain C++: no
 // CUDA headers, so that the builder is tested on machines without a GPU.
 // Not thread-safe: a plan is built and changed only under its session's
 // lock (core/group.h).

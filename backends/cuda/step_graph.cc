@@ -1,6 +1,7 @@
 #include "backends/cuda/step_graph.h"
 
 #include "backends/cuda/cuda_status.h"
+#include "common/status_macros.h"
 
 namespace optimd {
 
@@ -24,6 +25,16 @@ absl::StatusOr<cudaGraphExec_t> CaptureStepGraph(
   cudaGraphDestroy(graph);
   OPTIMD_RETURN_IF_CUDA_ERROR(made);
   return exec;
+}
+
+absl::Status LaunchStepGraph(
+    cudaGraphExec_t* exec, cudaStream_t capture_stream, cudaStream_t stream,
+    const std::function<absl::Status(cudaStream_t)>& enqueue) {
+  if (*exec == nullptr) {
+    OPTIMD_ASSIGN_OR_RETURN(*exec, CaptureStepGraph(capture_stream, enqueue));
+  }
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaGraphLaunch(*exec, stream));
+  return absl::OkStatus();
 }
 
 }  // namespace optimd

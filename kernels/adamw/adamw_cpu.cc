@@ -102,7 +102,7 @@ template <class P, class G, class M, bool kAmsgrad, bool kAdamW>
 void StepFp8(const TensorPointers& t, uint64_t begin, uint64_t end,
              const AdamWScalars& s) {
   ForEachFp8Unit(t.fp8, begin, end, [&](const Fp8Unit& u) {
-    ForEachFp8Segment(t.fp8, u, [&](uint64_t a, uint64_t b) {
+    ForEachFp8RowSpan(t.fp8, u, [&](uint64_t a, uint64_t b) {
       StepKernel<P, G, M, MasterKind::kFp32, kAmsgrad, kAdamW>(t, a, b, s);
     });
     QuantizeFp8Unit<P::kFormat>(t, u);

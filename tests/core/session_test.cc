@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "backends/cpu/cpu_backend.h"
+#include "checkpoint/key_names.h"
 #include "checkpoint/session_checkpoint.h"
 #include "client/shm_tensor.h"
 #include "core/session_registry.h"
@@ -126,6 +127,55 @@ TEST_F(SessionTest, FailedRegistrationChangesNothing) {
   // The same names are free to use afterwards.
   spec.tensors[1] = Fp32Tensor("b", 4, 16);
   EXPECT_TRUE(session_.RegisterGroup(spec).ok());
+}
+
+// The registry's tensor-name rule (the daemon's: checkpoint keys that
+// would collide) is every new session's, applied against the session's
+// registered names too, and a refused group changes nothing.
+TEST_F(SessionTest, RegistrysTensorNameRuleAppliesToItsSessions) {
+  SessionRegistry registry(&backend_, &budget_);
+  registry.set_tensor_name_rule(CheckCheckpointKeys);
+  auto created = registry.Create({"names", 0, 1, -1}, false);
+  ASSERT_TRUE(created.ok()) << created.status();
+  Session& session = *created->session;
+  GroupSpec spec;
+  spec.id = "g";
+  spec.tensors = {Fp32Tensor("w", 4, 0), Fp32Tensor("w.exp_avg", 4, 64)};
+  auto r = session.RegisterGroup(spec);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("collide"), std::string::npos)
+      << r.status();
+  EXPECT_TRUE(session.Info().group_ids.empty());
+  EXPECT_EQ(budget_.used(), 0u);
+  spec.tensors = {Fp32Tensor("w", 4, 0)};
+  ASSERT_TRUE(session.RegisterGroup(spec).ok());
+  spec.id = "h";
+  spec.tensors = {Fp32Tensor("w.master", 4, 64)};
+  EXPECT_EQ(session.RegisterGroup(spec).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(session.Info().group_ids, std::vector<std::string>{"g"});
+  // A session made without the registry has no such rule.
+  EXPECT_TRUE(session_.RegisterGroup(spec).ok());
+}
+
+// RunAfterNextStep's function runs once, after the first step that
+// succeeds, never after a refused one.
+TEST_F(SessionTest, AfterNextStepRunsOnceAfterASuccessfulStep) {
+  GroupSpec spec;
+  spec.id = "g";
+  spec.tensors = {Fp32Tensor("a", 4, 0)};
+  ASSERT_TRUE(session_.RegisterGroup(spec).ok());
+  int runs = 0;
+  session_.RunAfterNextStep([&runs] { ++runs; });
+  StepRequestSpec refused;
+  refused.refused = absl::InvalidArgumentError("refused by the test");
+  EXPECT_EQ(session_.Step(refused).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(runs, 0);
+  ASSERT_TRUE(session_.Step({}).ok());
+  EXPECT_EQ(runs, 1);
+  ASSERT_TRUE(session_.Step({}).ok());
+  EXPECT_EQ(runs, 1);
 }
 
 TEST_F(SessionTest, BudgetIsEnforcedAndReleased) {

@@ -1,4 +1,4 @@
-#include "core/stale_files.h"
+#include "common/stale_files.h"
 
 #include <sys/stat.h>
 #include <sys/wait.h>

@@ -6,9 +6,9 @@
 //   when both die together, nothing would. Mappings that still exist are
 //   not affected (unlinking removes only the name).
 // - The daemon's spool files of incoming checkpoint streams
-//   (server/optimizer_service.cc).
-#ifndef OPTIMD_CORE_STALE_FILES_H_
-#define OPTIMD_CORE_STALE_FILES_H_
+//   (server/spool_files.h).
+#ifndef OPTIMD_COMMON_STALE_FILES_H_
+#define OPTIMD_COMMON_STALE_FILES_H_
 
 #include <functional>
 #include <string>
@@ -34,4 +34,4 @@ int RemoveStaleSegments(const std::string& dir);
 
 }  // namespace optimd
 
-#endif  // OPTIMD_CORE_STALE_FILES_H_
+#endif  // OPTIMD_COMMON_STALE_FILES_H_

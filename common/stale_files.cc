@@ -1,4 +1,4 @@
-#include "core/stale_files.h"
+#include "common/stale_files.h"
 
 #include <dirent.h>
 #include <fcntl.h>

@@ -1,0 +1,148 @@
+#include "backends/cuda/device_plan_memory.h"
+
+#include <algorithm>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "backends/cuda/cuda_status.h"
+#include "backends/cuda/device_memory.h"
+#include "common/status_macros.h"
+
+namespace optimd {
+namespace cuda {
+namespace {
+
+// Enqueues the copy of rows [first, end) of `host` into their places in
+// `device`, its device copy.
+template <typename T>
+absl::Status UploadRows(cudaStream_t stream, const std::vector<T>& host,
+                        const StateStorage& device, uint32_t first,
+                        uint32_t end) {
+  auto* rows_d = reinterpret_cast<T*>(device.data());
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(rows_d + first, &host[first],
+                                              (end - first) * sizeof(T),
+                                              cudaMemcpyHostToDevice, stream));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status UploadPlan(int device, cudaStream_t stream, DevicePlan& plan) {
+  OPTIMD_ASSIGN_OR_RETURN(
+      plan.chunks_d,
+      DeviceAlloc(device, std::max<uint64_t>(1, plan.chunks.size()) *
+                              sizeof(DeviceChunk)));
+  for (BlockTable& t : plan.tables) {
+    OPTIMD_ASSIGN_OR_RETURN(
+        t.blocks_d, DeviceAlloc(device, std::max<uint64_t>(1, t.blocks.size()) *
+                                            sizeof(DeviceBlock)));
+    OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(
+        t.blocks_d.data(), t.blocks.data(),
+        t.blocks.size() * sizeof(DeviceBlock), cudaMemcpyHostToDevice, stream));
+  }
+  // One partial per work block of the statistics pass.
+  OPTIMD_ASSIGN_OR_RETURN(
+      plan.partials_d,
+      DeviceAlloc(device, std::max<uint64_t>(1, plan.tables[1].blocks.size()) *
+                              sizeof(double)));
+  OPTIMD_ASSIGN_OR_RETURN(plan.state_d,
+                          DeviceAlloc(device, sizeof(DeviceGroupState)));
+  OPTIMD_ASSIGN_OR_RETURN(plan.scalars_d,
+                          DeviceAlloc(device, sizeof(DeviceScalars)));
+  OPTIMD_RETURN_IF_CUDA_ERROR(
+      cudaMemcpyAsync(plan.chunks_d.data(), plan.chunks.data(),
+                      plan.chunks.size() * sizeof(DeviceChunk),
+                      cudaMemcpyHostToDevice, stream));
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(
+      plan.state_d.data(), 0, sizeof(DeviceGroupState), stream));
+  const uint64_t entries = plan.entry_chunks.size();
+  OPTIMD_ASSIGN_OR_RETURN(
+      plan.missed_d,
+      DeviceAlloc(device, std::max<uint64_t>(1, entries) * sizeof(uint32_t)));
+  OPTIMD_RETURN_IF_CUDA_ERROR(
+      cudaMemsetAsync(plan.missed_d.data(), 0, plan.missed_d.size(), stream));
+  OPTIMD_ASSIGN_OR_RETURN(
+      plan.absent_d, DeviceAlloc(device, (entries + 1) * sizeof(uint32_t)));
+  OPTIMD_ASSIGN_OR_RETURN(
+      plan.fp8_d, DeviceAlloc(device, std::max<uint64_t>(1, plan.fp8.size()) *
+                                          sizeof(DeviceFp8Tensor)));
+  OPTIMD_RETURN_IF_CUDA_ERROR(
+      cudaMemcpyAsync(plan.fp8_d.data(), plan.fp8.data(),
+                      plan.fp8.size() * sizeof(DeviceFp8Tensor),
+                      cudaMemcpyHostToDevice, stream));
+  return UploadAbsent(stream, plan);
+}
+
+absl::Status UploadAbsent(cudaStream_t stream, DevicePlan& plan) {
+  std::vector<uint32_t> absent = AbsentEntries(plan);
+  if (absent == plan.absent) return absl::OkStatus();
+  plan.absent = std::move(absent);
+  // Pageable: staged when enqueued, so plan.absent may change right after.
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(
+      plan.absent_d.data(), plan.absent.data(),
+      plan.absent.size() * sizeof(uint32_t), cudaMemcpyHostToDevice, stream));
+  return absl::OkStatus();
+}
+
+absl::Status UploadTableChanges(cudaStream_t stream,
+                                const TableChanges& changes, DevicePlan& plan) {
+  // Copies from pageable memory are staged when enqueued, so the host
+  // tables may change again at once; stream order puts them after the
+  // steps already queued and before the next.
+  for (const auto& [first, end] : changes.chunks) {
+    OPTIMD_RETURN_IF_ERROR(
+        UploadRows(stream, plan.chunks, plan.chunks_d, first, end));
+  }
+  // The work blocks holding those chunks, recounted.
+  for (int t = 0; t < 2; ++t) {
+    const BlockTable& table = plan.tables[t];
+    for (const auto& [first, end] : changes.blocks[t]) {
+      OPTIMD_RETURN_IF_ERROR(
+          UploadRows(stream, table.blocks, table.blocks_d, first, end));
+    }
+  }
+  // The absent list walks every entry: only when some absence changed, so
+  // that moved gradients cost the host about their own number.
+  if (changes.absence_changed)
+    OPTIMD_RETURN_IF_ERROR(UploadAbsent(stream, plan));
+  return absl::OkStatus();
+}
+
+absl::Status ReadGroupCounters(const DevicePlan& plan, Group& group) {
+  DeviceGroupState state;
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpy(
+      &state, plan.state_d.data(), sizeof(state), cudaMemcpyDeviceToHost));
+  group.step = state.step;
+  std::vector<uint32_t> missed(group.plan.entries.size());
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpy(missed.data(), plan.missed_d.data(),
+                                         missed.size() * sizeof(uint32_t),
+                                         cudaMemcpyDeviceToHost));
+  for (uint32_t e = 0; e < missed.size(); ++e) {
+    group.tensors[group.plan.tensor_index[e]].missed_steps = missed[e];
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WriteGroupCounters(DevicePlan& plan, Group& group, uint64_t step) {
+  DeviceGroupState state;
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpy(
+      &state, plan.state_d.data(), sizeof(state), cudaMemcpyDeviceToHost));
+  state.step = step;
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpy(
+      plan.state_d.data(), &state, sizeof(state), cudaMemcpyHostToDevice));
+  group.step = step;
+  std::vector<uint32_t> missed(group.plan.entries.size());
+  for (uint32_t e = 0; e < missed.size(); ++e) {
+    missed[e] = static_cast<uint32_t>(std::min<uint64_t>(
+        group.tensors[group.plan.tensor_index[e]].missed_steps,
+        std::numeric_limits<uint32_t>::max()));
+  }
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpy(plan.missed_d.data(), missed.data(),
+                                         missed.size() * sizeof(uint32_t),
+                                         cudaMemcpyHostToDevice));
+  return absl::OkStatus();
+}
+
+}  // namespace cuda
+}  // namespace optimd
