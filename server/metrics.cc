@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <utility>
 
 #include "prometheus/client_metric.h"
@@ -9,6 +11,20 @@
 #include "prometheus/text_serializer.h"
 
 namespace optimd {
+namespace {
+
+// `v` as it reads back from the 16 significant digits prometheus-cpp's text
+// gives it (RenderPrometheus). A sum below 2^53 ns is unchanged (its value in
+// seconds never needs a 17th digit); past it, nanoseconds / 1e9 may need 17,
+// and GetMetricsResponse then carries the same 16-digit value as the text
+// (at most 5 parts in 10^16 off), so that the two always agree.
+double AsWritten(double v) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.16g", v);
+  return std::strtod(text, nullptr);
+}
+
+}  // namespace
 
 LatencyHistogram::LatencyHistogram()
     : bounds_({1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2,
@@ -39,7 +55,7 @@ void LatencyHistogram::ToProto(v1::Histogram* out) const {
     out->add_counts(cumulative);
   }
   out->set_count(count_);
-  out->set_sum(static_cast<double>(sum_ns_) / 1e9);
+  out->set_sum(AsWritten(static_cast<double>(sum_ns_) / 1e9));
 }
 
 namespace {

@@ -22,7 +22,8 @@ namespace optimd {
 // its value in seconds, the nearest double to nanoseconds / 1e9, is a decimal
 // of at most 16 significant digits below 2^53 ns (104 days of summed
 // latency), so the 16 digits prometheus-cpp writes read back as the very
-// same double (see RenderPrometheus).
+// same double (see RenderPrometheus). Past 2^53 ns, ToProto gives the sum
+// as those 16 digits read back, so that the text still carries it exactly.
 class LatencyHistogram {
  public:
   // Buckets from 10 microseconds to 10 seconds, roughly x2.5 apart.
