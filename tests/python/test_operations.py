@@ -203,6 +203,15 @@ class OperationsTest(unittest.TestCase):
             urllib.request.urlopen(d1.metrics_url.replace("/metrics", "/x"))
         self.assertEqual(e.exception.code, 404)
 
+        # A burst of refused calls: 20 lines per 10 s window, and the rest
+        # counted in one line, here at the latest when the daemon stops (41
+        # calls put more than 20 in one window, however they fall).
+        admin = optimd.Client(d1.address)
+        for _ in range(41):
+            with self.assertRaises(optimd.NotFoundError):
+                admin.evict_session("nobody", 0)
+        admin.close()
+
         self.assertEqual(d1.stop(), 0)  # SIGTERM: saves both sessions
         d1.log.seek(0)
         log = d1.log.read()
@@ -225,6 +234,10 @@ class OperationsTest(unittest.TestCase):
                      r"rank 0: ",
                      r"warning optimd: checkpoint load failed \(stream\): "
                      r"job 'ops-1' rank 0: ",
+                     r"warning optimd: refused /optimd.v1.Optimizer/"
+                     r"EvictSession: NOT_FOUND: ",
+                     r"warning optimd: \d+ more refused calls were not "
+                     r"logged in the last window",
                      r"received SIGTERM",
                      r"saving 2 sessions to ",
                      r"saved job 'ops-1' rank 0: \d+ bytes",
