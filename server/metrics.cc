@@ -100,6 +100,22 @@ MetricFamily Histogram(const char* name, const char* help,
   return f;
 }
 
+// The daemon's version and API revision as the labels of a constant 1, the
+// Prometheus convention for build information (a query joins on it, and an
+// upgrade shows as a new series).
+MetricFamily BuildInfo(const v1::GetMetricsResponse& r) {
+  MetricFamily f =
+      Family("optimd_build_info",
+             "The daemon's version and API revision (labels); always 1.",
+             MetricType::Gauge);
+  ClientMetric m;
+  m.label = {{"version", r.daemon_version()},
+             {"api_revision", std::to_string(r.api_revision())}};
+  m.gauge.value = 1;
+  f.metric.push_back(std::move(m));
+  return f;
+}
+
 // One series per session, labelled job_id and rank (not `job`, which is
 // Prometheus's own label for the scrape target).
 MetricFamily PerSession(const char* name, const char* help, MetricType type,
@@ -121,6 +137,7 @@ MetricFamily PerSession(const char* name, const char* help, MetricType type,
 
 std::vector<MetricFamily> MetricFamilies(const v1::GetMetricsResponse& m) {
   std::vector<MetricFamily> out;
+  out.push_back(BuildInfo(m));
   out.push_back(
       Scalar("optimd_steps_total", "Optimizer steps applied.", m.steps()));
   out.push_back(Scalar("optimd_skipped_steps_total",

@@ -42,8 +42,9 @@ class LatencyHistogram {
   uint64_t sum_ns_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-// Every field of `m` (except prometheus_text) as Prometheus metric families,
-// in the order of the proto: counters and gauges, the histograms, then
+// The fields of `m` as Prometheus metric families: the daemon's version and
+// API revision (optimd_build_info, labels of a constant 1), then in the
+// order of the proto the counters and gauges, the histograms, and
 // per-session state bytes and steps labelled job_id and rank. The response
 // is already a snapshot, so the families are built from it directly rather
 // than through a prometheus::Registry of live metrics.

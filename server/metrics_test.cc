@@ -30,6 +30,8 @@ TEST(MetricsTest, HistogramIsCumulative) {
 
 TEST(MetricsTest, PrometheusText) {
   v1::GetMetricsResponse m;
+  m.set_daemon_version("1.2.3");
+  m.set_api_revision(9);
   m.set_steps(42);
   m.set_plan_builds(3);
   m.set_checkpoint_saves(2);
@@ -41,6 +43,11 @@ TEST(MetricsTest, PrometheusText) {
   h.Observe(1e-3);
   h.ToProto(m.mutable_step_latency());
   const std::string text = RenderPrometheus(m);
+  EXPECT_NE(text.find("# TYPE optimd_build_info gauge\n"
+                      "optimd_build_info{version=\"1.2.3\",api_revision=\"9\"}"
+                      " 1\n"),
+            std::string::npos)
+      << text;
   EXPECT_NE(text.find("optimd_steps_total 42\n"), std::string::npos);
   EXPECT_NE(text.find("optimd_plan_builds_total 3\n"), std::string::npos);
   EXPECT_NE(text.find("optimd_checkpoint_saves_total 2\n"), std::string::npos);
@@ -164,6 +171,7 @@ TEST(MetricsTest, EveryFamilyKeepsItsNameAndType) {
   const auto gauge = type(prometheus::MetricType::Gauge);
   const auto histogram = type(prometheus::MetricType::Histogram);
   EXPECT_EQ(seen, (std::set<std::string>{
+                      "optimd_build_info" + gauge,
                       "optimd_steps_total" + counter,
                       "optimd_skipped_steps_total" + counter,
                       "optimd_plan_builds_total" + counter,

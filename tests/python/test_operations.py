@@ -86,7 +86,8 @@ PER_SESSION = (("optimd_session_state_bytes", "state_bytes"),
 def reply_samples(reply):
     """What samples() should read from /metrics, from a GetMetrics reply's
     exact values."""
-    out = {}
+    out = {("optimd_build_info", (("api_revision", str(reply.api_revision)),
+                                  ("version", reply.daemon_version))): 1.0}
     for name, field in SCALARS:
         out[(name, ())] = float(getattr(reply, field))
     for name, field in HISTOGRAMS:
