@@ -2,6 +2,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "client/daemon_checks.h"
 #include "common/pem_file.h"
@@ -256,6 +257,12 @@ absl::StatusOr<v1::GetMetricsResponse> Client::GetMetrics() {
 }
 
 absl::StatusOr<std::string> Client::Health() {
+  absl::StatusOr<HealthReport> report = CheckHealth();
+  if (!report.ok()) return report.status();
+  return report->status;
+}
+
+absl::StatusOr<HealthReport> Client::CheckHealth() {
   auto stub = grpc::health::v1::Health::NewStub(channel_);
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
@@ -263,8 +270,22 @@ absl::StatusOr<std::string> Client::Health() {
   absl::Status s = FromGrpcStatus(
       stub->Check(&context, grpc::health::v1::HealthCheckRequest(), &response));
   if (!s.ok()) return s;
-  return grpc::health::v1::HealthCheckResponse::ServingStatus_Name(
+  HealthReport report;
+  report.status = grpc::health::v1::HealthCheckResponse::ServingStatus_Name(
       response.status());
+  const auto& metadata = context.GetServerInitialMetadata();
+  if (auto it = metadata.find(kVersionMetadataKey); it != metadata.end()) {
+    report.daemon_version.assign(it->second.data(), it->second.size());
+  }
+  if (auto it = metadata.find(kApiRevisionMetadataKey); it != metadata.end()) {
+    uint32_t revision = 0;
+    if (absl::SimpleAtoi(
+            absl::string_view(it->second.data(), it->second.size()),
+            &revision)) {
+      report.api_revision = revision;
+    }
+  }
+  return report;
 }
 
 }  // namespace optimd

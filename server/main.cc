@@ -51,6 +51,7 @@
 #include "server/session_reaper.h"
 #include "server/tcp_listener.h"
 #include "server/unix_socket_listener.h"
+#include "server/version_metadata.h"
 
 #ifdef OPTIMD_WITH_CUDA
 #include "backends/cuda/cuda_backend.h"
@@ -414,6 +415,7 @@ std::unique_ptr<grpc::Server> StartServer(Listener& l,
       std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
       interceptors;
   interceptors.push_back(std::make_unique<optimd::RefusalLogFactory>(refusals));
+  interceptors.push_back(std::make_unique<optimd::VersionMetadataFactory>());
   builder.experimental().SetInterceptorCreators(std::move(interceptors));
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr) {
