@@ -115,6 +115,18 @@ absl::Status Client::CheckDaemonVersion() {
                           options_.required_api_revision);
 }
 
+absl::Status Client::RefuseIfOlder() const {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::GetMetricsResponse metrics;
+  if (!stub_->GetMetrics(&context, v1::GetMetricsRequest(), &metrics).ok()) {
+    return absl::OkStatus();
+  }
+  return CheckApiRevision(target_, metrics.daemon_version(),
+                          metrics.api_revision(),
+                          options_.required_api_revision);
+}
+
 absl::Status Client::CloseSession() {
   if (stream_ != nullptr) {
     stream_->WritesDone();

@@ -147,9 +147,17 @@ class Client {
     Response response;
     absl::Status s =
         FromGrpcStatus((stub_.get()->*method)(&context, request, &response));
+    if (s.code() == absl::StatusCode::kUnimplemented) {
+      if (absl::Status older = RefuseIfOlder(); !older.ok()) return older;
+    }
     if (!s.ok()) return Explain(s);
     return response;
   }
+  // After an UNIMPLEMENTED call: FAILED_PRECONDITION naming both versions
+  // when the daemon is older than this client needs (a call without a
+  // session is never checked against the revision otherwise); OK when it
+  // is not, or does not say.
+  absl::Status RefuseIfOlder() const;
 
   const ClientOptions options_;
   const std::string target_;
