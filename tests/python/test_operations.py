@@ -231,6 +231,8 @@ class OperationsTest(unittest.TestCase):
                      r"checkpoint load started \(stream\): job 'ops-0'",
                      r"checkpoint loaded \(stream\): job 'ops-0' rank 0, "
                      r"\d+ bytes",
+                     r"checkpoint save started: job 'ops-1' rank 0 to .*"
+                     r"/file/ckpt",
                      r"warning optimd: checkpoint save failed: job 'ops-1' "
                      r"rank 0: ",
                      r"warning optimd: checkpoint load failed \(stream\): "
