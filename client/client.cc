@@ -2,6 +2,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "client/daemon_checks.h"
 #include "common/pem_file.h"
@@ -111,6 +112,18 @@ absl::Status Client::CheckDaemonVersion() {
   if (!metrics.ok()) return metrics.status();
   return CheckApiRevision(target_, metrics->daemon_version(),
                           metrics->api_revision(),
+                          options_.required_api_revision);
+}
+
+absl::Status Client::RefuseIfOlder() const {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::GetMetricsResponse metrics;
+  if (!stub_->GetMetrics(&context, v1::GetMetricsRequest(), &metrics).ok()) {
+    return absl::OkStatus();
+  }
+  return CheckApiRevision(target_, metrics.daemon_version(),
+                          metrics.api_revision(),
                           options_.required_api_revision);
 }
 
@@ -256,6 +269,12 @@ absl::StatusOr<v1::GetMetricsResponse> Client::GetMetrics() {
 }
 
 absl::StatusOr<std::string> Client::Health() {
+  absl::StatusOr<HealthReport> report = CheckHealth();
+  if (!report.ok()) return report.status();
+  return report->status;
+}
+
+absl::StatusOr<HealthReport> Client::CheckHealth() {
   auto stub = grpc::health::v1::Health::NewStub(channel_);
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
@@ -263,8 +282,22 @@ absl::StatusOr<std::string> Client::Health() {
   absl::Status s = FromGrpcStatus(
       stub->Check(&context, grpc::health::v1::HealthCheckRequest(), &response));
   if (!s.ok()) return s;
-  return grpc::health::v1::HealthCheckResponse::ServingStatus_Name(
+  HealthReport report;
+  report.status = grpc::health::v1::HealthCheckResponse::ServingStatus_Name(
       response.status());
+  const auto& metadata = context.GetServerInitialMetadata();
+  if (auto it = metadata.find(kVersionMetadataKey); it != metadata.end()) {
+    report.daemon_version.assign(it->second.data(), it->second.size());
+  }
+  if (auto it = metadata.find(kApiRevisionMetadataKey); it != metadata.end()) {
+    uint32_t revision = 0;
+    if (absl::SimpleAtoi(
+            absl::string_view(it->second.data(), it->second.size()),
+            &revision)) {
+      report.api_revision = revision;
+    }
+  }
+  return report;
 }
 
 }  // namespace optimd

@@ -4,6 +4,7 @@
 #ifndef OPTIMD_CLIENT_CLIENT_H_
 #define OPTIMD_CLIENT_CLIENT_H_
 
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -43,6 +44,16 @@ struct ClientOptions {
 absl::Status LoadTlsFiles(const std::string& ca_path,
                           const std::string& cert_path,
                           const std::string& key_path, ClientOptions* options);
+
+// A daemon's grpc.health.v1 status and the version it sends beside it.
+struct HealthReport {
+  // "SERVING", "NOT_SERVING", ...
+  std::string status;
+  // The daemon's version and API revision (common/version.h); empty and 0
+  // when the daemon sends none (an older daemon).
+  std::string daemon_version;
+  uint32_t api_revision = 0;
+};
 
 // gRPC status to absl::Status (same code table), keeping the message.
 absl::Status FromGrpcStatus(const grpc::Status& s);
@@ -108,6 +119,9 @@ class Client {
   absl::StatusOr<v1::GetMetricsResponse> GetMetrics();
   // The grpc.health.v1 status of the daemon: "SERVING", "NOT_SERVING", ...
   absl::StatusOr<std::string> Health();
+  // The same, with the version and API revision the daemon sends beside it
+  // (HealthReport says what a daemon that sends none gives).
+  absl::StatusOr<HealthReport> CheckHealth();
 
   const std::string& session_token() const { return token_; }
   // Uses another session's token (tests; tools).
@@ -133,9 +147,17 @@ class Client {
     Response response;
     absl::Status s =
         FromGrpcStatus((stub_.get()->*method)(&context, request, &response));
+    if (s.code() == absl::StatusCode::kUnimplemented) {
+      if (absl::Status older = RefuseIfOlder(); !older.ok()) return older;
+    }
     if (!s.ok()) return Explain(s);
     return response;
   }
+  // After an UNIMPLEMENTED call: FAILED_PRECONDITION naming both versions
+  // when the daemon is older than this client needs (a call without a
+  // session is never checked against the revision otherwise); OK when it
+  // is not, or does not say.
+  absl::Status RefuseIfOlder() const;
 
   const ClientOptions options_;
   const std::string target_;

@@ -1,6 +1,6 @@
 // optimctl: the operator's command line for a running optimd daemon.
 //
-//   optimctl [--target=unix:/path] health     grpc.health.v1 status
+//   optimctl [--target=unix:/path] health     status and version
 //   optimctl [--target=unix:/path] metrics    Prometheus text
 //   optimctl [--target=unix:/path] sessions   open sessions, one per line
 //   optimctl [--target=unix:/path] evict JOB RANK   close that session
@@ -121,10 +121,15 @@ int PrintSessions(optimd::Client& client) {
 int Run(optimd::Client& client, const std::string& command,
         const std::vector<char*>& args, uint32_t rank) {
   if (command == "health") {
-    auto status = client.Health();
-    if (!status.ok()) return Fail(status.status());
-    std::printf("%s\n", status->c_str());
-    return *status == "SERVING" ? 0 : 1;
+    auto report = client.CheckHealth();
+    if (!report.ok()) return Fail(report.status());
+    if (report->daemon_version.empty()) {
+      std::printf("%s\n", report->status.c_str());
+    } else {
+      std::printf("%s (optimd %s, API revision %u)\n", report->status.c_str(),
+                  report->daemon_version.c_str(), report->api_revision);
+    }
+    return report->status == "SERVING" ? 0 : 1;
   }
   // Health is grpc.health.v1, which every daemon speaks; the other commands
   // need the daemon's API at this build's revision.

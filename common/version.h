@@ -25,6 +25,12 @@ inline constexpr char kVersion[] = "0.5.0";
 // 10: DTYPE_FLOAT64 parameters for SGD and Lion.
 inline constexpr uint32_t kApiRevision = 10;
 
+// The initial-metadata keys under which every reply of the daemon carries
+// kVersion and kApiRevision (as decimal text): the grpc.health.v1 Check's
+// message has no room for them.
+inline constexpr char kVersionMetadataKey[] = "optimd-version";
+inline constexpr char kApiRevisionMetadataKey[] = "optimd-api-revision";
+
 }  // namespace optimd
 
 #endif  // OPTIMD_COMMON_VERSION_H_

@@ -10,6 +10,7 @@
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -51,6 +52,7 @@
 #include "server/session_reaper.h"
 #include "server/tcp_listener.h"
 #include "server/unix_socket_listener.h"
+#include "server/version_metadata.h"
 
 #ifdef OPTIMD_WITH_CUDA
 #include "backends/cuda/cuda_backend.h"
@@ -414,6 +416,7 @@ std::unique_ptr<grpc::Server> StartServer(Listener& l,
       std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
       interceptors;
   interceptors.push_back(std::make_unique<optimd::RefusalLogFactory>(refusals));
+  interceptors.push_back(std::make_unique<optimd::VersionMetadataFactory>());
   builder.experimental().SetInterceptorCreators(std::move(interceptors));
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr) {
@@ -444,16 +447,21 @@ void LogListening(const Listener& l, rlim_t files, uint64_t state_limit) {
       state_limit == 0 ? std::string("unlimited") : absl::StrCat(state_limit)));
 }
 
-// Waits for SIGINT or SIGTERM, then stops: new calls are refused while the
-// queued ones finish (--shutdown_grace_s at most), the server shuts down,
-// and every session is saved to --save_dir.
+// Waits for SIGINT or SIGTERM (meanwhile, every second, logs how many
+// refused calls an ended window of the refusal log left out), then stops:
+// new calls are refused while the queued ones finish (--shutdown_grace_s at
+// most), the server shuts down, and every session is saved to --save_dir.
 void AwaitShutdown(const sigset_t& signals,
                    optimd::OptimizerServiceImpl& service, grpc::Server& server,
                    Listener& listener,
                    const optimd::RestartStore& restart_store,
-                   optimd::SessionRegistry& registry) {
-  int sig = 0;
-  sigwait(&signals, &sig);
+                   optimd::SessionRegistry& registry,
+                   optimd::RefusalLog& refusals) {
+  const timespec second = {1, 0};
+  int sig;
+  while ((sig = sigtimedwait(&signals, nullptr, &second)) < 0) {
+    refusals.Flush(absl::Now());
+  }
   Log(absl::StrCat("received ", sig == SIGINT ? "SIGINT" : "SIGTERM",
                    "; finishing in-flight calls"));
   // Every slow call runs on a device worker, so in-flight work is what the
@@ -475,6 +483,7 @@ void AwaitShutdown(const sigset_t& signals,
   if (listener.unix_socket != nullptr) listener.unix_socket->Stop();
   if (listener.tcp != nullptr) listener.tcp->Stop();
   server.Shutdown(absl::ToChronoTime(absl::Now()));
+  refusals.Flush(absl::InfiniteFuture());  // no call is refused from here on
   // Nothing runs on the workers now: every session's state is at a step
   // boundary.
   const auto saved = restart_store.SaveAll(
@@ -585,8 +594,8 @@ int main(int argc, char** argv) {
   LogListening(listener, files, budget.limit());
   optimd::RouteGrpcLog();
   std::thread waiter([&] {
-    AwaitShutdown(signals, service, *server, listener, *restart_store,
-                  registry);
+    AwaitShutdown(signals, service, *server, listener, *restart_store, registry,
+                  refusals);
   });
   server->Wait();
   waiter.join();

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <utility>
 
 #include "prometheus/client_metric.h"
@@ -9,6 +11,20 @@
 #include "prometheus/text_serializer.h"
 
 namespace optimd {
+namespace {
+
+// `v` as it reads back from the 16 significant digits prometheus-cpp's text
+// gives it (RenderPrometheus). A sum below 2^53 ns is unchanged (its value in
+// seconds never needs a 17th digit); past it, nanoseconds / 1e9 may need 17,
+// and GetMetricsResponse then carries the same 16-digit value as the text
+// (at most 5 parts in 10^16 off), so that the two always agree.
+double AsWritten(double v) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.16g", v);
+  return std::strtod(text, nullptr);
+}
+
+}  // namespace
 
 LatencyHistogram::LatencyHistogram()
     : bounds_({1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2,
@@ -39,7 +55,7 @@ void LatencyHistogram::ToProto(v1::Histogram* out) const {
     out->add_counts(cumulative);
   }
   out->set_count(count_);
-  out->set_sum(static_cast<double>(sum_ns_) / 1e9);
+  out->set_sum(AsWritten(static_cast<double>(sum_ns_) / 1e9));
 }
 
 namespace {
@@ -84,6 +100,22 @@ MetricFamily Histogram(const char* name, const char* help,
   return f;
 }
 
+// The daemon's version and API revision as the labels of a constant 1, the
+// Prometheus convention for build information (a query joins on it, and an
+// upgrade shows as a new series).
+MetricFamily BuildInfo(const v1::GetMetricsResponse& r) {
+  MetricFamily f =
+      Family("optimd_build_info",
+             "The daemon's version and API revision (labels); always 1.",
+             MetricType::Gauge);
+  ClientMetric m;
+  m.label = {{"version", r.daemon_version()},
+             {"api_revision", std::to_string(r.api_revision())}};
+  m.gauge.value = 1;
+  f.metric.push_back(std::move(m));
+  return f;
+}
+
 // One series per session, labelled job_id and rank (not `job`, which is
 // Prometheus's own label for the scrape target).
 MetricFamily PerSession(const char* name, const char* help, MetricType type,
@@ -105,6 +137,7 @@ MetricFamily PerSession(const char* name, const char* help, MetricType type,
 
 std::vector<MetricFamily> MetricFamilies(const v1::GetMetricsResponse& m) {
   std::vector<MetricFamily> out;
+  out.push_back(BuildInfo(m));
   out.push_back(
       Scalar("optimd_steps_total", "Optimizer steps applied.", m.steps()));
   out.push_back(Scalar("optimd_skipped_steps_total",

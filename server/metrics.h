@@ -22,7 +22,8 @@ namespace optimd {
 // its value in seconds, the nearest double to nanoseconds / 1e9, is a decimal
 // of at most 16 significant digits below 2^53 ns (104 days of summed
 // latency), so the 16 digits prometheus-cpp writes read back as the very
-// same double (see RenderPrometheus).
+// same double (see RenderPrometheus). Past 2^53 ns, ToProto gives the sum
+// as those 16 digits read back, so that the text still carries it exactly.
 class LatencyHistogram {
  public:
   // Buckets from 10 microseconds to 10 seconds, roughly x2.5 apart.
@@ -41,8 +42,9 @@ class LatencyHistogram {
   uint64_t sum_ns_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-// Every field of `m` (except prometheus_text) as Prometheus metric families,
-// in the order of the proto: counters and gauges, the histograms, then
+// The fields of `m` as Prometheus metric families: the daemon's version and
+// API revision (optimd_build_info, labels of a constant 1), then in the
+// order of the proto the counters and gauges, the histograms, and
 // per-session state bytes and steps labelled job_id and rank. The response
 // is already a snapshot, so the families are built from it directly rather
 // than through a prometheus::Registry of live metrics.

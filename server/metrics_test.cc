@@ -30,6 +30,8 @@ TEST(MetricsTest, HistogramIsCumulative) {
 
 TEST(MetricsTest, PrometheusText) {
   v1::GetMetricsResponse m;
+  m.set_daemon_version("1.2.3");
+  m.set_api_revision(9);
   m.set_steps(42);
   m.set_plan_builds(3);
   m.set_checkpoint_saves(2);
@@ -41,6 +43,11 @@ TEST(MetricsTest, PrometheusText) {
   h.Observe(1e-3);
   h.ToProto(m.mutable_step_latency());
   const std::string text = RenderPrometheus(m);
+  EXPECT_NE(text.find("# TYPE optimd_build_info gauge\n"
+                      "optimd_build_info{version=\"1.2.3\",api_revision=\"9\"}"
+                      " 1\n"),
+            std::string::npos)
+      << text;
   EXPECT_NE(text.find("optimd_steps_total 42\n"), std::string::npos);
   EXPECT_NE(text.find("optimd_plan_builds_total 3\n"), std::string::npos);
   EXPECT_NE(text.find("optimd_checkpoint_saves_total 2\n"), std::string::npos);
@@ -105,6 +112,42 @@ TEST(MetricsTest, HistogramSumsKeepFullPrecisionInTheText) {
   EXPECT_EQ(after.count(), 4u);
 }
 
+// The same over the whole range of a sum: below 2^53 ns (104 days) every
+// sum reads back unchanged; past it, where nanoseconds / 1e9 may need 17
+// digits, the reply's sum is itself the 16-digit value the text carries,
+// so a scrape and GetMetrics still agree exactly.
+TEST(MetricsTest, HistogramSumsReadBackAtEveryMagnitude) {
+  std::mt19937_64 random(11);
+  int past_2_53 = 0;
+  for (int trial = 0; trial < 20000; ++trial) {
+    LatencyHistogram h;
+    // Log-uniform durations from 1 ns to the 9.2e9 s clamp, a few each.
+    const int n = 1 + static_cast<int>(random() % 3);
+    uint64_t ns = 0;
+    for (int i = 0; i < n; ++i) {
+      const double seconds = std::pow(
+          10.0, std::uniform_real_distribution<double>(-9, 9.96)(random));
+      const uint64_t d = static_cast<uint64_t>(std::llround(seconds * 1e9));
+      ns = ns + d < ns ? UINT64_MAX : ns + d;
+      h.Observe(seconds);
+    }
+    v1::GetMetricsResponse m;
+    h.ToProto(m.mutable_step_latency());
+    const double sum = m.step_latency().sum();
+    if (ns < (uint64_t{1} << 53)) {
+      ASSERT_EQ(sum, static_cast<double>(ns) / 1e9) << ns;
+    } else {
+      ++past_2_53;
+      ASSERT_NEAR(sum, static_cast<double>(ns) / 1e9, 1e-15 * sum) << ns;
+    }
+    const std::string text = RenderPrometheus(m);
+    ASSERT_EQ(ValueOf(text, "optimd_step_latency_seconds_sum"), sum)
+        << ns << "\n"
+        << text;
+  }
+  EXPECT_GT(past_2_53, 1000);
+}
+
 // Every family the daemon has exposed so far, by name and type: a renamed or
 // dropped series breaks dashboards, so it must be a decision, not a side
 // effect.
@@ -128,6 +171,7 @@ TEST(MetricsTest, EveryFamilyKeepsItsNameAndType) {
   const auto gauge = type(prometheus::MetricType::Gauge);
   const auto histogram = type(prometheus::MetricType::Histogram);
   EXPECT_EQ(seen, (std::set<std::string>{
+                      "optimd_build_info" + gauge,
                       "optimd_steps_total" + counter,
                       "optimd_skipped_steps_total" + counter,
                       "optimd_plan_builds_total" + counter,

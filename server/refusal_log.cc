@@ -50,11 +50,7 @@ void RefusalLog::Note(const std::string& method, const grpc::Status& status,
   {
     MutexLock lock(&mu_);
     if (now - window_start_ >= kWindow) {
-      if (suppressed_ > 0) {
-        summary = absl::StrCat(suppressed_,
-                               " more refused calls were not "
-                               "logged in the last window");
-      }
+      if (suppressed_ > 0) summary = LeftOut(suppressed_);
       window_start_ = now;
       lines_ = 0;
       suppressed_ = 0;
@@ -73,6 +69,22 @@ void RefusalLog::Note(const std::string& method, const grpc::Status& status,
   }
   if (!summary.empty()) write_(summary);
   if (!line.empty()) write_(line);
+}
+
+void RefusalLog::Flush(absl::Time now) {
+  std::string summary;
+  {
+    MutexLock lock(&mu_);
+    if (suppressed_ == 0 || now - window_start_ < kWindow) return;
+    summary = LeftOut(suppressed_);
+    suppressed_ = 0;
+  }
+  write_(summary);
+}
+
+std::string RefusalLog::LeftOut(uint64_t calls) {
+  return absl::StrCat(calls,
+                      " more refused calls were not logged in the last window");
 }
 
 grpc::experimental::Interceptor* RefusalLogFactory::CreateServerInterceptor(

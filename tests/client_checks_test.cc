@@ -127,6 +127,18 @@ TEST(ClientChecksTest, OptimctlRefusesAnOlderDaemonNamingBothVersions) {
     builder.RegisterService(&service);
     std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
     ASSERT_NE(server, nullptr);
+    // The library's calls without a session, too: not a bare UNIMPLEMENTED.
+    auto c = Client::Create(address);
+    ASSERT_TRUE(c.ok()) << c.status();
+    const absl::Status evicted = (*c)->EvictSession("job", 0);
+    EXPECT_EQ(evicted.code(), StatusCode::kFailedPrecondition) << evicted;
+    EXPECT_EQ(evicted.message(),
+              absl::StrCat("the daemon at ", address, " is ", says,
+                           "; this client, optimd ", kVersion,
+                           ", needs API revision ", kApiRevision,
+                           " or later: upgrade the daemon"));
+    EXPECT_EQ((*c)->ListSessions().status().code(),
+              StatusCode::kFailedPrecondition);
     for (const char* command : {"metrics", "sessions", "evict job 0"}) {
       auto [rc, out] =
           Optimctl(absl::StrCat("--target=", address, " ", command));

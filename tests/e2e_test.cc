@@ -24,6 +24,7 @@
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "client/shm_tensor.h"
+#include "common/version.h"
 #include "core/backend.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -1135,7 +1136,15 @@ TEST_F(E2eTest, OptimctlReportsHealthMetricsAndSessions) {
       "client/optimctl --target=" + daemon_->address() + " ";
   auto [rc, out] = RunCommand(ctl + "health");
   EXPECT_EQ(rc, 0);
-  EXPECT_EQ(out, "SERVING\n");
+  // The version rides in the reply's metadata (the health message has no
+  // room for it).
+  EXPECT_EQ(out, absl::StrCat("SERVING (optimd ", kVersion, ", API revision ",
+                              kApiRevision, ")\n"));
+  auto health = client_->CheckHealth();
+  ASSERT_TRUE(health.ok()) << health.status();
+  EXPECT_EQ(health->status, "SERVING");
+  EXPECT_EQ(health->daemon_version, kVersion);
+  EXPECT_EQ(health->api_revision, kApiRevision);
   std::tie(rc, out) = RunCommand(ctl + "metrics");
   EXPECT_EQ(rc, 0);
   EXPECT_NE(out.find("optimd_steps_total 1\n"), std::string::npos) << out;

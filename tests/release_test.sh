@@ -55,12 +55,13 @@ assert abs(p[0].item() - 0.899) < 1e-6, p
 opt.close()
 print("the installed daemon and client train")
 PY
+# install.sh installed the unit, with ExecStart at the installed binary.
+unit="$scratch/prefix/lib/systemd/system/optimd@.service"
+grep -q "^ExecStart=$scratch/prefix/bin/optimd --listen=" "$unit" ||
+  { echo "the installed unit does not start the installed daemon"; exit 1; }
 if command -v systemd-analyze >/dev/null; then
-  # The unit as installed, with ExecStart at the installed binary.
   mkdir -p "$scratch/units"
-  sed "s|/usr/local/bin/optimd|$scratch/prefix/bin/optimd|" \
-    "$pkg/deploy/optimd@.service" > "$scratch/units/optimd@.service"
-  cp "$scratch/units/optimd@.service" "$scratch/units/optimd@root.service"
+  cp "$unit" "$scratch/units/optimd@root.service"
   out=$(systemd-analyze verify "$scratch/units/optimd@root.service" 2>&1 || true)
   if echo "$out" | grep -v "^$" | grep -qv "Failed to prepare filename\|/run/systemd/system"; then
     echo "systemd-analyze verify: $out"

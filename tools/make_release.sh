@@ -11,7 +11,8 @@
 #   python/optimd-*.whl        the Python client, gRPC stubs included (pip
 #                              install needs no compiler)
 #   deploy/                    systemd unit and container recipe
-#   install.sh                 copies it all under a prefix (default /usr/local)
+#   install.sh                 copies it all under a prefix (default /usr/local),
+#                              the unit to PREFIX/lib/systemd/system
 set -euo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd)
 optimd_bin=$2
@@ -54,17 +55,29 @@ cp "$root/deploy/"* "$dir/deploy/"
 cat > "$dir/install.sh" <<'INSTALL'
 #!/bin/sh
 # install.sh [PREFIX]: copies optimd under PREFIX (default /usr/local):
-# PREFIX/lib/optimd/{libexec,lib}, wrappers in PREFIX/bin. Then, for the
-# Python client: pip install python/optimd-*.whl
+# PREFIX/lib/optimd/{libexec,lib}, wrappers in PREFIX/bin, and the systemd
+# unit, its ExecStart at PREFIX/bin/optimd, as
+# PREFIX/lib/systemd/system/optimd@.service (for /usr/local, a directory
+# systemd reads units from). Then, for the Python client: pip install
+# python/optimd-*.whl
 set -eu
 prefix=${1:-/usr/local}
 here=$(dirname "$(readlink -f "$0")")
-mkdir -p "$prefix/bin" "$prefix/lib/optimd"
+mkdir -p "$prefix/bin" "$prefix/lib/optimd" "$prefix/lib/systemd/system"
 cp -r "$here/libexec" "$here/lib" "$here/bin" "$prefix/lib/optimd/"
 for tool in optimd optimctl; do
   ln -sf "$prefix/lib/optimd/bin/$tool" "$prefix/bin/$tool"
 done
+unit="$prefix/lib/systemd/system/optimd@.service"
+sed "s|/usr/local/bin/optimd|$prefix/bin/optimd|" \
+  "$here/deploy/optimd@.service" >"$unit"
+chmod 0644 "$unit"
 echo "installed optimd under $prefix; the Python client: pip install $here/python/*.whl"
+if [ "$prefix" = /usr/local ]; then
+  echo "the service: systemctl daemon-reload; systemctl enable --now optimd@USER"
+else
+  echo "the service: copy $unit to /etc/systemd/system, then systemctl daemon-reload; systemctl enable --now optimd@USER"
+fi
 INSTALL
 chmod 0755 "$dir/install.sh"
 tar -czf "$out/$name.tar.gz" -C "$stage" "$name"

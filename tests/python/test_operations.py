@@ -50,6 +50,60 @@ def make(daemon, i, job, **kw):
                          job_id=job, master_weights=True, **kw)
 
 
+def samples(families):
+    """{(sample name, labels): value} of parsed families; bucket bounds as
+    floats (the text may spell them differently from Python's repr)."""
+    out = {}
+    for f in families.values():
+        for s in f.samples:
+            labels = dict(s.labels)
+            if "le" in labels:
+                labels["le"] = float(labels["le"])
+            out[(s.name, tuple(sorted(labels.items())))] = s.value
+    return out
+
+
+# Each field of GetMetricsResponse and the series it is exposed as.
+SCALARS = (("optimd_steps_total", "steps"),
+           ("optimd_skipped_steps_total", "skipped_steps"),
+           ("optimd_plan_builds_total", "plan_builds"),
+           ("optimd_plan_entry_updates_total", "plan_entry_updates"),
+           ("optimd_sessions", "sessions"),
+           ("optimd_state_bytes", "state_bytes"),
+           ("optimd_checkpoint_saves_total", "checkpoint_saves"),
+           ("optimd_checkpoint_save_bytes_total", "checkpoint_save_bytes"),
+           ("optimd_checkpoint_loads_total", "checkpoint_loads"),
+           ("optimd_checkpoint_load_bytes_total", "checkpoint_load_bytes"),
+           ("optimd_checkpoint_failures_total", "checkpoint_failures"))
+HISTOGRAMS = (("optimd_step_latency_seconds", "step_latency"),
+              ("optimd_step_host_seconds", "step_host_time"),
+              ("optimd_step_device_seconds", "step_device_time"),
+              ("optimd_step_ready_wait_seconds", "step_ready_wait"))
+PER_SESSION = (("optimd_session_state_bytes", "state_bytes"),
+               ("optimd_session_steps_total", "steps"))
+
+
+def reply_samples(reply):
+    """What samples() should read from /metrics, from a GetMetrics reply's
+    exact values."""
+    out = {("optimd_build_info", (("api_revision", str(reply.api_revision)),
+                                  ("version", reply.daemon_version))): 1.0}
+    for name, field in SCALARS:
+        out[(name, ())] = float(getattr(reply, field))
+    for name, field in HISTOGRAMS:
+        h = getattr(reply, field)
+        out[(name + "_count", ())] = float(h.count)
+        out[(name + "_sum", ())] = h.sum
+        for bound, count in zip(h.bounds, h.counts):
+            out[(name + "_bucket", (("le", bound),))] = float(count)
+        out[(name + "_bucket", (("le", float("inf")),))] = float(h.count)
+    for name, field in PER_SESSION:
+        for info in reply.session_infos:
+            labels = (("job_id", info.job_id), ("rank", str(info.rank)))
+            out[(name, labels)] = float(getattr(info, field))
+    return out
+
+
 class OperationsTest(unittest.TestCase):
     def setUp(self):
         self.dir = tempfile.mkdtemp(prefix="optimd-ops-")
@@ -75,11 +129,14 @@ class OperationsTest(unittest.TestCase):
             self.assertLess(time.time(), deadline, "log never said " + pattern)
             time.sleep(0.05)
 
-    def scrape(self, d):
+    def scrape_text(self, d):
         with urllib.request.urlopen(d.metrics_url, timeout=10) as r:
             self.assertEqual(r.status, 200)
             self.assertIn("text/plain", r.headers["Content-Type"])
-            text = r.read().decode()
+            return r.read().decode()
+
+    def scrape(self, d):
+        text = self.scrape_text(d)
         return {f.name: f for f in text_string_to_metric_families(text)}
 
     def test_restart_metrics_and_log_lines(self):
@@ -137,16 +194,24 @@ class OperationsTest(unittest.TestCase):
                               ("optimd_checkpoint_loads", 1),
                               ("optimd_checkpoint_failures", 2)):
             self.assertEqual(families[family].samples[0].value, value)
-        # Full precision: every sum reads back as the reply's own double.
+        # Full precision: every sample of the scrape, parsed, is the very
+        # double GetMetrics replies with (nothing changed in between), and
+        # the reply's own text is the same text.
         reply = optimd.Client(d1.address).get_metrics()
-        for name, field in (("optimd_step_latency_seconds", "step_latency"),
-                            ("optimd_step_host_seconds", "step_host_time")):
-            text_sum = [s.value for s in families[name].samples
-                        if s.name == name + "_sum"][0]
-            self.assertEqual(text_sum, getattr(reply, field).sum)
+        self.assertEqual(samples(families), reply_samples(reply))
+        self.assertEqual(self.scrape_text(d1), reply.prometheus_text)
         with self.assertRaises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(d1.metrics_url.replace("/metrics", "/x"))
         self.assertEqual(e.exception.code, 404)
+
+        # A burst of refused calls: 20 lines per 10 s window, and the rest
+        # counted in one line, here at the latest when the daemon stops (41
+        # calls put more than 20 in one window, however they fall).
+        admin = optimd.Client(d1.address)
+        for _ in range(41):
+            with self.assertRaises(optimd.NotFoundError):
+                admin.evict_session("nobody", 0)
+        admin.close()
 
         self.assertEqual(d1.stop(), 0)  # SIGTERM: saves both sessions
         d1.log.seek(0)
@@ -166,10 +231,16 @@ class OperationsTest(unittest.TestCase):
                      r"checkpoint load started \(stream\): job 'ops-0'",
                      r"checkpoint loaded \(stream\): job 'ops-0' rank 0, "
                      r"\d+ bytes",
+                     r"checkpoint save started: job 'ops-1' rank 0 to .*"
+                     r"/file/ckpt",
                      r"warning optimd: checkpoint save failed: job 'ops-1' "
                      r"rank 0: ",
                      r"warning optimd: checkpoint load failed \(stream\): "
                      r"job 'ops-1' rank 0: ",
+                     r"warning optimd: refused /optimd.v1.Optimizer/"
+                     r"EvictSession: NOT_FOUND: ",
+                     r"warning optimd: \d+ more refused calls were not "
+                     r"logged in the last window",
                      r"received SIGTERM",
                      r"saving 2 sessions to ",
                      r"saved job 'ops-1' rank 0: \d+ bytes",

@@ -626,6 +626,29 @@ class TorchClientTest(unittest.TestCase):
                       str(cm.exception))
         self.assertIn("upgrade the daemon", str(cm.exception))
         self.assertEqual(session_keys(client) - before, set())
+        # A call the daemon does not implement (an RPC of a later revision,
+        # here one no daemon has): from a daemon older than the client
+        # needs, IncompatibleDaemonError naming both versions, not a bare
+        # UNIMPLEMENTED; from a current daemon, gRPC's own error.
+        from optimd.v1 import optimd_pb2 as pb
+        client._stub.FutureCall = client._channel.unary_unary(
+            "/optimd.v1.Optimizer/FutureCall",
+            request_serializer=pb.GetMetricsRequest.SerializeToString,
+            response_deserializer=pb.GetMetricsResponse.FromString)
+        request = pb.GetMetricsRequest()
+        client_module.API_REVISION += 1
+        try:
+            with self.assertRaises(optimd.IncompatibleDaemonError) as cm:
+                client._call("FutureCall", request)
+        finally:
+            client_module.API_REVISION -= 1
+        self.assertIn("(API revision %d) and does not implement FutureCall; "
+                      "this client, optimd %s, needs API revision %d" %
+                      (optimd.API_REVISION, optimd.__version__,
+                       optimd.API_REVISION + 1), str(cm.exception))
+        with self.assertRaises(optimd.OptimdError) as cm:
+            client._call("FutureCall", request)
+        self.assertNotIsInstance(cm.exception, optimd.IncompatibleDaemonError)
         client.close()
 
     def test_log_lines_say_when_what_and_which_session(self):

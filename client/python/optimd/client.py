@@ -215,9 +215,33 @@ class Client:
             return getattr(self._stub, method)(
                 request, timeout=self.timeout, metadata=metadata)
         except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self._refuse_if_older(method)
             raise errors.from_rpc_error(
                 err, self.address, had_session=bool(self.token),
                 answers=self.daemon_answers) from None
+
+    def _incompatible(self, reply, what=""):
+        """IncompatibleDaemonError naming the daemon's version (of a
+        CreateSession or GetMetrics `reply`) and this client's."""
+        return errors.IncompatibleDaemonError(
+            "the daemon at %s is optimd %s (API revision %d)%s; this client, "
+            "optimd %s, needs API revision %d or later: upgrade the daemon" %
+            (self.address, reply.daemon_version or "older than 0.2.0",
+             reply.api_revision, what, __version__, API_REVISION))
+
+    def _refuse_if_older(self, method):
+        """After an UNIMPLEMENTED `method`: a daemon too old to know it
+        raises IncompatibleDaemonError naming both versions (a call without
+        a session was never checked against the revision)."""
+        try:
+            reply = self._stub.GetMetrics(pb.GetMetricsRequest(),
+                                          timeout=self.timeout)
+        except grpc.RpcError:
+            return
+        if reply.api_revision < API_REVISION:
+            raise self._incompatible(
+                reply, " and does not implement %s" % method) from None
 
     def daemon_answers(self, timeout=2.0):
         """Whether the daemon answers a call now (GetMetrics, which needs no
@@ -263,12 +287,7 @@ class Client:
                 self.close_session()
             except errors.OptimdError:
                 pass
-            raise errors.IncompatibleDaemonError(
-                "the daemon at %s is optimd %s (API revision %d); this "
-                "client, optimd %s, needs API revision %d or later: upgrade "
-                "the daemon" % (self.address, reply.daemon_version or
-                                "older than 0.2.0", reply.api_revision,
-                                __version__, API_REVISION))
+            raise self._incompatible(reply)
         self.token = reply.session_token
         self.backend = reply.backend
         return reply
