@@ -27,6 +27,8 @@
 #include "client/client.h"
 #include "client/shm_tensor.h"
 #include "core/backend.h"
+#include "core/group.h"
+#include "core/session_registry.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kernels/adamw/adamw_cpu.h"
@@ -1437,6 +1439,38 @@ TEST_F(E2eTest, LongNamesAndTooManyTensorsAreRefused) {
   auto m = client_->GetMetrics();
   ASSERT_TRUE(m.ok()) << m.status();
   EXPECT_EQ(m->state_bytes(), 0u);
+}
+
+// Open sessions and the groups of a session are capped: without a cap a
+// client could open sessions without end, each costing the daemon memory
+// and a line in every listing. Past either cap RESOURCE_EXHAUSTED, nothing
+// created; a closed session makes room again.
+TEST_F(E2eTest, SessionsAndGroupsPastTheirCapsAreRefused) {
+  auto c = Connect();
+  for (size_t i = 0; i < kMaxSessions; ++i) {
+    auto s = c->CreateSession(CpuSession(absl::StrCat("job", i)));
+    ASSERT_TRUE(s.ok()) << i << ": " << s.status();
+  }
+  auto over = client_->CreateSession(CpuSession("one-more"));
+  EXPECT_EQ(over.status().code(), StatusCode::kResourceExhausted)
+      << over.status();
+  EXPECT_NE(over.status().message().find("close sessions"), std::string::npos)
+      << over.status();
+  EXPECT_EQ(client_->GetMetrics()->sessions(), kMaxSessions);
+  ASSERT_TRUE(c->CloseSession().ok());  // the last one opened
+  OpenSession(client_.get(), "one-more");
+  for (size_t g = 0; g < kMaxGroupsPerSession; ++g) {
+    auto r = client_->RegisterGroup(Group(absl::StrCat("g", g), {}));
+    ASSERT_TRUE(r.ok()) << g << ": " << r.status();
+  }
+  auto extra = client_->RegisterGroup(Group("extra", {}));
+  EXPECT_EQ(extra.status().code(), StatusCode::kResourceExhausted)
+      << extra.status();
+  v1::GetStateRequest ids;
+  ids.set_metadata_only(true);
+  auto state = client_->GetState(ids);
+  ASSERT_TRUE(state.ok()) << state.status();
+  EXPECT_EQ(static_cast<size_t>(state->groups_size()), kMaxGroupsPerSession);
 }
 
 // Per-group state sizes used to be a 64-bit sum that wrapped: 131,072 frozen
