@@ -83,7 +83,7 @@ TEST_F(AdminGuardTest, UnixCallersOrTheTokenAreAdmins) {
 TEST_F(AdminGuardTest, SessionsOverTcpNeedAKnownCaller) {
   const std::string tcp = "ipv4:127.0.0.1:5000";
   const AdminGuard none;
-  for (const std::string& unix_peer : {"unix:/run/optimd.sock", "fd:12"}) {
+  for (const char* unix_peer : {"unix:/run/optimd.sock", "fd:12"}) {
     EXPECT_TRUE(none.CheckSessionCaller(unix_peer, "").ok()) << unix_peer;
   }
   absl::Status s = none.CheckSessionCaller(tcp, "");

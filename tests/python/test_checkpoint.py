@@ -734,6 +734,19 @@ class CheckpointTest(unittest.TestCase):
                                   ("INVALID_ARGUMENT", "DATA_LOSS"), what)
                     self.assertTrue(torch.equal(p.detach(), before))
                     self.assertEqual(d.process.poll(), None, "daemon died")
+            # One digit of the learning rate changed, the metadata's own
+            # checksum left as it was (a damaged byte, not an edit):
+            # DATA_LOSS, where such a change once loaded silently.
+            at = good.index(b'lr\\":') + len(b'lr\\":')
+            while not good[at:at + 1].isdigit():
+                at += 1
+            damaged = bytearray(good)
+            damaged[at] = ord("1") if damaged[at] != ord("1") else ord("2")
+            with self.assertRaises(optimd.OptimdError) as cm:
+                opt.load_state_bytes([bytes(damaged)])
+            self.assertEqual(cm.exception.code.name, "DATA_LOSS",
+                             str(cm.exception))
+            self.assertTrue(torch.equal(p.detach(), before))
             opt.load_state_bytes([good])
             opt.step()
             opt.close()
