@@ -87,8 +87,8 @@ namespace {
 // valid whatever optimizer a later group uses.
 const std::vector<std::string>& StateKeySuffixes() {
   static const std::vector<std::string>* suffixes = [] {
-    auto* out =
-        new std::vector<std::string>{".master", ".remainder", ".moment_scales"};
+    auto* out = new std::vector<std::string>{".master", ".remainder",
+                                             ".moment_scales", ".scale_inv"};
     for (const std::string& slot : AllStateSlotNames()) {
       out->push_back("." + slot);
     }
