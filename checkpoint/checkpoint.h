@@ -34,7 +34,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <functional>
 #include <string>
 
 namespace optimd {
@@ -57,11 +56,6 @@ struct CheckpointOptions {
   uint64_t packed_above_header_bytes = kMaxCheckpointHeaderBytes / 2;
   // Written into the metadata ("job_id") of saves, for the record.
   std::string job_id;
-  // Tests only (the daemon never sets it, and no flag reaches it): called
-  // with the file's path between a load's verifying pass and the check
-  // that the file is still what that pass read, so that a test can change
-  // the file there. Empty: nothing is called.
-  std::function<void(const std::string& path)> after_verifying_pass;
 };
 
 struct CheckpointResult {

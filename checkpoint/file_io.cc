@@ -26,6 +26,13 @@ absl::Status ErrnoStatus(int err, const std::string& what) {
     case ENOSPC:
     case EDQUOT:
       return absl::ResourceExhaustedError(msg);
+    case EISDIR:
+    case ENOTEMPTY:
+    case EEXIST:
+      return absl::FailedPreconditionError(msg);
+    case ENAMETOOLONG:
+    case ELOOP:
+      return absl::InvalidArgumentError(msg);
     default:
       return absl::InternalError(msg);
   }

@@ -19,8 +19,9 @@
 namespace optimd {
 
 // "<what>: <strerror>" with the code that says what to do about `err`:
-// NOT_FOUND, PERMISSION_DENIED, RESOURCE_EXHAUSTED (a full disk) or
-// INTERNAL.
+// NOT_FOUND, PERMISSION_DENIED, RESOURCE_EXHAUSTED (a full disk),
+// FAILED_PRECONDITION (a directory, or an existing entry, in the way),
+// INVALID_ARGUMENT (a path too long or looping through links) or INTERNAL.
 absl::Status ErrnoStatus(int err, const std::string& what);
 
 // Writes all `n` bytes at `offset` (retrying short writes and EINTR).

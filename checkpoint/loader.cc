@@ -274,7 +274,6 @@ absl::StatusOr<CheckpointResult> LoadCheckpoint(
   // (a corrupt file is refused whole and the session keeps its state). It
   // reads in pieces, so memory stays bounded.
   OPTIMD_RETURN_IF_ERROR(VerifyChecksums(fd.get(), entries, data_start, path));
-  if (options.after_verifying_pass) options.after_verifying_pass(path);
   OPTIMD_RETURN_IF_ERROR(CheckUnchanged(fd.get(), opened, path));
   // Second pass: stream the data in, checking the checksums again (only a
   // write into the file during this pass can fail them now).

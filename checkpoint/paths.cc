@@ -58,7 +58,7 @@ absl::StatusOr<std::string> ResolveCheckpointDir(
     if (dir != r && !absl::StartsWith(dir, r + "/")) {
       return absl::PermissionDeniedError(
           absl::StrCat(directory, " is outside the daemon's --state_dir ", r,
-                       "; checkpoints may only be written there"));
+                       "; checkpoints may only be written and read there"));
     }
   }
   return dir;

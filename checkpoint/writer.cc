@@ -1,6 +1,7 @@
 #include "checkpoint/writer.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -103,6 +104,22 @@ class Streamer {
   int half_index_ = 0;
 };
 
+// FAILED_PRECONDITION when a directory holds the checkpoint's name: the
+// final rename would fail only after the whole file was written.
+absl::Status CheckNameIsFree(const std::string& path) {
+  struct stat st;
+  if (lstat(path.c_str(), &st) != 0) {
+    return errno == ENOENT ? absl::OkStatus() : ErrnoStatus(errno, path);
+  }
+  if (S_ISDIR(st.st_mode)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(path,
+                     " is a directory, so no checkpoint can be saved under "
+                     "its name: remove it or save to another directory"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<CheckpointResult> WriteCheckpointFile(
@@ -110,6 +127,7 @@ absl::StatusOr<CheckpointResult> WriteCheckpointFile(
     Backend* backend, const CheckpointOptions& options,
     SaveProgress* progress) {
   const double t0 = Seconds();
+  OPTIMD_RETURN_IF_ERROR(CheckNameIsFree(path));
   const std::string header = HeaderJson(meta, entries);
   OPTIMD_RETURN_IF_ERROR(CheckHeaderSize(header));
   const uint64_t data_start = 8 + header.size();

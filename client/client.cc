@@ -91,6 +91,11 @@ absl::StatusOr<v1::CreateSessionResponse> Client::CreateSession(
     const v1::CreateSessionRequest& request) {
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+  // No session token (a new session is asked for); the admin token opens
+  // sessions over TCP to a daemon that checks no client certificates.
+  if (!options_.admin_token.empty()) {
+    context.AddMetadata("x-optimd-admin", options_.admin_token);
+  }
   v1::CreateSessionResponse response;
   absl::Status s =
       FromGrpcStatus(stub_->CreateSession(&context, request, &response));

@@ -31,7 +31,8 @@ struct ClientOptions {
   std::string tls_private_key;
   // The daemon's admin token (its --admin_token_file), sent in the
   // x-optimd-admin metadata of every call when set: admin calls
-  // (ListSessions, EvictSession) over TCP need it.
+  // (ListSessions, EvictSession) over TCP need it, and so does
+  // CreateSession over TCP to a daemon that checks no client certificates.
   std::string admin_token;
   // The API revision this client needs of a daemon (common/version.h says
   // what each added): CreateSession and CheckDaemonVersion refuse an older

@@ -44,15 +44,20 @@ absl::StatusOr<std::string> AdminGuard::ReadTokenFile(const std::string& path) {
   return token;
 }
 
+namespace {
+
+// "fd:<n>": a connection the daemon's own Unix socket listener accepted and
+// handed to gRPC (UnixSocketListener); TCP peers are "ipv4:" or "ipv6:".
+bool IsUnixPeer(const std::string& peer) {
+  return absl::StartsWith(peer, "unix:") || absl::StartsWith(peer, "fd:");
+}
+
+}  // namespace
+
 absl::Status AdminGuard::Check(const std::string& peer,
                                const std::string& sent_token,
                                const char* call) const {
-  // "fd:<n>": a connection the daemon's own Unix socket listener accepted
-  // and handed to gRPC (UnixSocketListener); TCP peers are "ipv4:" or
-  // "ipv6:".
-  if (absl::StartsWith(peer, "unix:") || absl::StartsWith(peer, "fd:")) {
-    return absl::OkStatus();
-  }
+  if (IsUnixPeer(peer)) return absl::OkStatus();
   if (!token_.empty() && SameSecret(sent_token, token_)) {
     return absl::OkStatus();
   }
@@ -62,6 +67,21 @@ absl::Status AdminGuard::Check(const std::string& peer,
       "--admin_token_file in the ",
       kAdminMetadataKey, " metadata",
       token_.empty() ? " (this daemon has none: use its Unix socket)" : ""));
+}
+
+absl::Status AdminGuard::CheckSessionCaller(
+    const std::string& peer, const std::string& sent_token) const {
+  if (IsUnixPeer(peer) || tcp_clients_verified_) return absl::OkStatus();
+  if (!token_.empty() && SameSecret(sent_token, token_)) {
+    return absl::OkStatus();
+  }
+  return absl::PermissionDeniedError(absl::StrCat(
+      "CreateSession over TCP needs a caller the daemon knows: start it with "
+      "--tls_client_ca (clients present certificates), or send the token of "
+      "its --admin_token_file in the ",
+      kAdminMetadataKey, " metadata",
+      token_.empty() ? " (this daemon has none)" : "",
+      "; trainers on the daemon's node use its Unix socket"));
 }
 
 }  // namespace optimd

@@ -54,7 +54,7 @@ TEST_F(AdminGuardTest, TokenFileMustBePrivateAndSized) {
 }
 
 TEST_F(AdminGuardTest, UnixCallersOrTheTokenAreAdmins) {
-  const AdminGuard guard("0123456789abcdef");
+  const AdminGuard guard("0123456789abcdef", false);
   EXPECT_TRUE(guard.Check("unix:/run/optimd.sock", "", "ListSessions").ok());
   EXPECT_TRUE(guard.Check("ipv4:127.0.0.1:5000", "0123456789abcdef", "X").ok());
   for (const std::string& wrong :
@@ -72,6 +72,30 @@ TEST_F(AdminGuardTest, UnixCallersOrTheTokenAreAdmins) {
   // How gRPC names the connections the daemon's Unix socket listener
   // accepts and hands over.
   EXPECT_TRUE(none.Check("fd:12", "", "ListSessions").ok());
+  // Verified client certificates do not make a caller an admin.
+  const AdminGuard mutual("", true);
+  EXPECT_EQ(mutual.Check("ipv4:127.0.0.1:5000", "", "ListSessions").code(),
+            absl::StatusCode::kPermissionDenied);
+}
+
+// Over TCP a session is opened only by a caller the daemon knows: a
+// verified client certificate or the admin token.
+TEST_F(AdminGuardTest, SessionsOverTcpNeedAKnownCaller) {
+  const std::string tcp = "ipv4:127.0.0.1:5000";
+  const AdminGuard none;
+  for (const char* unix_peer : {"unix:/run/optimd.sock", "fd:12"}) {
+    EXPECT_TRUE(none.CheckSessionCaller(unix_peer, "").ok()) << unix_peer;
+  }
+  absl::Status s = none.CheckSessionCaller(tcp, "");
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_NE(s.message().find("--tls_client_ca"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("has none"), std::string::npos) << s;
+  const AdminGuard token("0123456789abcdef", false);
+  EXPECT_TRUE(token.CheckSessionCaller(tcp, "0123456789abcdef").ok());
+  s = token.CheckSessionCaller("ipv6:[::1]:5000", "0123456789abcdeF");
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(s.message().find("has none"), std::string::npos) << s;
+  EXPECT_TRUE(AdminGuard("", true).CheckSessionCaller(tcp, "").ok());
 }
 
 }  // namespace

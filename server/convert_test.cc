@@ -14,6 +14,17 @@ TEST(ConvertTest, StatusCodesSurviveTheBoundary) {
             grpc::StatusCode::UNAUTHENTICATED);
 }
 
+// Messages travel in trailing metadata, which clients refuse past a few
+// KiB: one past 4 KiB is cut and says so; one of exactly 4 KiB is kept.
+TEST(ConvertTest, LongMessagesAreCut) {
+  const std::string name(10000, 'n');
+  grpc::Status s = ToGrpcStatus(absl::InvalidArgumentError(name));
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(s.error_message(), std::string(4096, 'n') + " [...]");
+  s = ToGrpcStatus(absl::InvalidArgumentError(name.substr(0, 4096)));
+  EXPECT_EQ(s.error_message(), name.substr(0, 4096));
+}
+
 TEST(ConvertTest, GroupSpecDefaultsAndErrors) {
   v1::RegisterGroupRequest r;
   r.set_group_id("g");

@@ -85,7 +85,8 @@ ABSL_FLAG(std::string, tls_cert, "",
 ABSL_FLAG(std::string, tls_key, "", "TCP: PEM file of the server's key.");
 ABSL_FLAG(std::string, tls_client_ca, "",
           "TCP: PEM file of the CA whose certificates clients must present "
-          "(mutual TLS); empty: clients are not asked for one.");
+          "(mutual TLS); empty: clients are not asked for one, and "
+          "CreateSession over TCP then needs the admin token.");
 ABSL_FLAG(std::string, save_dir, "",
           "keeps sessions across the daemon's own restarts: on SIGINT or "
           "SIGTERM every session is saved here (a directory per job), and a "
@@ -98,7 +99,8 @@ ABSL_FLAG(std::string, metrics_listen, "",
 ABSL_FLAG(std::string, admin_token_file, "",
           "A file (mode 0600) holding the token that admin calls "
           "(ListSessions, EvictSession) over TCP must send in the "
-          "x-optimd-admin metadata; callers on the Unix socket need none.");
+          "x-optimd-admin metadata, as must CreateSession over TCP without "
+          "--tls_client_ca; callers on the Unix socket need none.");
 ABSL_FLAG(int, orphan_grace_s, 600,
           "how long the session of a trainer gone without closing it (killed) "
           "is kept for a resume before it is freed; negative: kept until "
@@ -362,6 +364,7 @@ int ConfigureService(optimd::OptimizerServiceImpl& service,
   *restart_store =
       std::make_unique<optimd::RestartStore>(save_dir, save_options);
   service.set_restart_store(restart_store->get());
+  std::string admin_token;
   if (!absl::GetFlag(FLAGS_admin_token_file).empty()) {
     auto token = optimd::AdminGuard::ReadTokenFile(
         absl::GetFlag(FLAGS_admin_token_file));
@@ -369,8 +372,10 @@ int ConfigureService(optimd::OptimizerServiceImpl& service,
       Fail(std::string(token.status().message()));
       return 2;
     }
-    service.set_admin_guard(optimd::AdminGuard(*std::move(token)));
+    admin_token = *std::move(token);
   }
+  service.set_admin_guard(optimd::AdminGuard(
+      std::move(admin_token), !absl::GetFlag(FLAGS_tls_client_ca).empty()));
   const uint64_t listing = absl::GetFlag(FLAGS_max_listing_bytes);
   if (listing < optimd::kMinListingBytes ||
       listing > optimd::kMaxListingBytes) {

@@ -84,13 +84,17 @@ std::string OptimizerServiceImpl::TokenOf(
   return std::string(it->second.data(), it->second.size());
 }
 
-absl::Status OptimizerServiceImpl::CheckAdmin(
-    grpc::CallbackServerContext* context, const char* call) const {
+std::string OptimizerServiceImpl::AdminTokenOf(
+    grpc::CallbackServerContext* context) const {
   const auto& md = context->client_metadata();
   auto it = md.find(kAdminMetadataKey);
-  const std::string sent =
-      it == md.end() ? "" : std::string(it->second.data(), it->second.size());
-  return admin_.Check(context->peer(), sent, call);
+  if (it == md.end()) return "";
+  return std::string(it->second.data(), it->second.size());
+}
+
+absl::Status OptimizerServiceImpl::CheckAdmin(
+    grpc::CallbackServerContext* context, const char* call) const {
+  return admin_.Check(context->peer(), AdminTokenOf(context), call);
 }
 
 absl::StatusOr<std::shared_ptr<Session>> OptimizerServiceImpl::SessionOf(
@@ -140,6 +144,12 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::CreateSession(
     const v1::CreateSessionRequest* request,
     v1::CreateSessionResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (absl::Status caller =
+          admin_.CheckSessionCaller(context->peer(), AdminTokenOf(context));
+      !caller.ok()) {
+    reactor->Finish(ToGrpcStatus(caller));
+    return reactor;
+  }
   SessionIdentity id;
   id.job_id = request->job_id();
   id.rank = request->rank();

@@ -50,7 +50,7 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
   // The metrics of GetMetrics in the Prometheus text format (for HTTP
   // /metrics). Thread-safe.
   std::string PrometheusText() const;
-  // Who may make admin calls; set before serving.
+  // Who may make admin calls and open sessions; set before serving.
   void set_admin_guard(AdminGuard guard) { admin_ = std::move(guard); }
   // The most bytes the session list of a ListSessions or GetMetrics reply
   // may take, encoded (AddSessionInfos); at most kMaxListingBytes, the
@@ -152,6 +152,8 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
                        uint64_t bytes, uint64_t total_bytes, double seconds);
   void EndStreamedLoad(const std::string& name, const grpc::Status& status,
                        uint64_t bytes, double seconds);
+  // The admin token the caller sent (x-optimd-admin), or "".
+  std::string AdminTokenOf(grpc::CallbackServerContext* context) const;
   // OK when the caller may make the admin call `call` (AdminGuard).
   absl::Status CheckAdmin(grpc::CallbackServerContext* context,
                           const char* call) const;

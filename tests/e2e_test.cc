@@ -5,6 +5,7 @@
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/time.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -14,6 +15,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <random>
 #include <sstream>
@@ -26,9 +28,12 @@
 #include "client/shm_tensor.h"
 #include "common/version.h"
 #include "core/backend.h"
+#include "core/group.h"
+#include "core/session_registry.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kernels/adamw/adamw_cpu.h"
+#include "testing/file_read_gate.h"
 #include "testing/test_seed.h"
 #include "tests/daemon_process.h"
 
@@ -434,6 +439,90 @@ TEST_F(E2eTest, CorruptLargeCheckpointChangesNothing) {
     ASSERT_TRUE(twin.Step(step).ok());
   }
   EXPECT_TRUE(a.State() == twin.State());
+}
+
+// A checkpoint file that changes while the daemon loads it (rewritten in
+// place by another process, or replaced at its name as a finishing save
+// does) is ABORTED with nothing loaded. The daemon's first read of the file
+// is held (FileReadGate: fanotify, no hook in the daemon) while the test
+// changes it, so the change falls between the load's open and its check,
+// after the verifying pass, that the file is still the one it opened. The
+// session steps on, and the file, once left alone, loads.
+TEST_F(E2eTest, CheckpointChangedDuringItsLoadIsAbortedAndChangesNothing) {
+  OpenSession(client_.get());
+  ASSERT_TRUE(client_->RegisterGroup(Group("g", {Tensor("w", 64, 0)})).ok());
+  for (int i = 0; i < 64; ++i) grads_->as<float>()[i] = 0.01f * i - 0.3f;
+  ASSERT_TRUE(client_->Step(v1::StepRequest()).ok());
+  ScratchDirForTest scratch;
+  ASSERT_FALSE(scratch.path().empty());
+  v1::SaveStateRequest save;
+  save.set_directory(scratch.path());
+  auto written = client_->SaveState(save);
+  ASSERT_TRUE(written.ok()) << written.status();
+  const std::string path = written->path();
+  std::string file;
+  {
+    std::ifstream in(path, std::ios::binary);
+    file.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  auto state = [&] {
+    auto s = client_->GetState(v1::GetStateRequest());
+    EXPECT_TRUE(s.ok()) << s.status();
+    return std::string(reinterpret_cast<const char*>(params_->data()), 256) +
+           (s.ok() ? s->SerializeAsString() : "");
+  };
+  const std::string saved = state();
+  // Stepped on, so that a load would bring the saved state back.
+  ASSERT_TRUE(client_->Step(v1::StepRequest()).ok());
+  const std::vector<std::pair<std::string, std::function<void()>>> changes = {
+      {"rewritten in place",
+       [&] {
+         std::fstream f(path, std::ios::binary | std::ios::in | std::ios::out);
+         f.write(file.data(), static_cast<std::streamsize>(file.size()));
+       }},
+      {"replaced at its name",
+       [&] {
+         std::ofstream(path + ".new", std::ios::binary) << file;
+         ASSERT_EQ(std::rename((path + ".new").c_str(), path.c_str()), 0);
+       }},
+  };
+  for (const auto& [what, change] : changes) {
+    SCOPED_TRACE(what);
+    // File times tick with the kernel's coarse clock (at most 10 ms): the
+    // modification time is set far back and the change comes 50 ms later,
+    // so that it always shows (in mtime, or in ctime as the link goes).
+    const timespec old[2] = {{1000000000, 0}, {1000000000, 0}};
+    ASSERT_EQ(utimensat(AT_FDCWD, path.c_str(), old, 0), 0);
+    absl::SleepFor(absl::Milliseconds(50));
+    const std::string before = state();
+    auto gate = FileReadGate::Create(path);
+    if (gate.status().code() == StatusCode::kFailedPrecondition) {
+      GTEST_SKIP() << "cannot hold the daemon's reads here: " << gate.status();
+    }
+    ASSERT_TRUE(gate.ok()) << gate.status();
+    absl::StatusOr<v1::LoadStateResponse> loaded;
+    std::thread load([&] { loaded = client_->LoadState(scratch.path()); });
+    const absl::Status held =
+        (*gate)->HoldNextRead(daemon_->pid(), absl::Seconds(60));
+    if (held.ok()) change();
+    (*gate)->Open();
+    load.join();
+    ASSERT_TRUE(held.ok()) << held;
+    EXPECT_EQ(loaded.status().code(), StatusCode::kAborted) << loaded.status();
+    EXPECT_NE(loaded.status().message().find(
+                  "changed while its checksums were verified"),
+              std::string::npos)
+        << loaded.status();
+    EXPECT_NE(loaded.status().message().find("nothing was loaded"),
+              std::string::npos)
+        << loaded.status();
+    EXPECT_TRUE(state() == before);
+    ASSERT_TRUE(client_->Step(v1::StepRequest()).ok());
+  }
+  // Left alone, the same bytes load: the state at the save comes back.
+  auto loaded = client_->LoadState(scratch.path());
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_TRUE(state() == saved);
 }
 
 // A session takes one LoadStateStream at a time (each spools up to a
@@ -1361,6 +1450,38 @@ TEST_F(E2eTest, LongNamesAndTooManyTensorsAreRefused) {
   EXPECT_EQ(m->state_bytes(), 0u);
 }
 
+// Open sessions and the groups of a session are capped: without a cap a
+// client could open sessions without end, each costing the daemon memory
+// and a line in every listing. Past either cap RESOURCE_EXHAUSTED, nothing
+// created; a closed session makes room again.
+TEST_F(E2eTest, SessionsAndGroupsPastTheirCapsAreRefused) {
+  auto c = Connect();
+  for (size_t i = 0; i < kMaxSessions; ++i) {
+    auto s = c->CreateSession(CpuSession(absl::StrCat("job", i)));
+    ASSERT_TRUE(s.ok()) << i << ": " << s.status();
+  }
+  auto over = client_->CreateSession(CpuSession("one-more"));
+  EXPECT_EQ(over.status().code(), StatusCode::kResourceExhausted)
+      << over.status();
+  EXPECT_NE(over.status().message().find("close sessions"), std::string::npos)
+      << over.status();
+  EXPECT_EQ(client_->GetMetrics()->sessions(), kMaxSessions);
+  ASSERT_TRUE(c->CloseSession().ok());  // the last one opened
+  OpenSession(client_.get(), "one-more");
+  for (size_t g = 0; g < kMaxGroupsPerSession; ++g) {
+    auto r = client_->RegisterGroup(Group(absl::StrCat("g", g), {}));
+    ASSERT_TRUE(r.ok()) << g << ": " << r.status();
+  }
+  auto extra = client_->RegisterGroup(Group("extra", {}));
+  EXPECT_EQ(extra.status().code(), StatusCode::kResourceExhausted)
+      << extra.status();
+  v1::GetStateRequest ids;
+  ids.set_metadata_only(true);
+  auto state = client_->GetState(ids);
+  ASSERT_TRUE(state.ok()) << state.status();
+  EXPECT_EQ(static_cast<size_t>(state->groups_size()), kMaxGroupsPerSession);
+}
+
 // Per-group state sizes used to be a 64-bit sum that wrapped: 131,072 frozen
 // bf16 tensors of 2^45 elements (fp32 masters of 2^47 bytes each) summed to
 // 0 and the daemon wrote past its allocation. The sum is checked now.
@@ -1613,8 +1734,16 @@ TEST_F(E2eTest, NamesThatCollideInCheckpointsAreRefused) {
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status();
   // Across groups, in either order.
   ASSERT_TRUE(client_->RegisterGroup(Group("a", {Tensor("w", 4, 0)})).ok());
-  r = client_->RegisterGroup(Group("b", {Tensor("w.master", 4, 64)}));
-  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status();
+  // Every key a checkpoint may give a tensor's state, whatever the layout
+  // or optimizer (an FP8 parameter's `.scale_inv` was once missed).
+  for (const char* suffix :
+       {".master", ".remainder", ".moment_scales", ".scale_inv", ".exp_avg",
+        ".exp_avg_sq", ".max_exp_avg_sq", ".momentum_buffer"}) {
+    r = client_->RegisterGroup(Group(
+        std::string("b") + suffix, {Tensor(std::string("w") + suffix, 4, 64)}));
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument)
+        << suffix << ": " << r.status();
+  }
   ASSERT_TRUE(
       client_->RegisterGroup(Group("c", {Tensor("u.exp_avg_sq", 4, 128)}))
           .ok());

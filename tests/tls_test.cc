@@ -236,7 +236,9 @@ TEST(TlsTest, AdminCallsOverTcpNeedTheAdminToken) {
   cs.set_job_id("tcp-job");
   cs.set_world_size(1);
   cs.set_device(-1);
-  ASSERT_TRUE((*plain)->CreateSession(cs).ok());
+  ClientOptions trainer = Options(certs, "ca", false);
+  trainer.admin_token = "0123456789abcdef0123456789abcdef";
+  ASSERT_TRUE((*Client::Create(d.address(), trainer))->CreateSession(cs).ok());
   EXPECT_TRUE((*plain)->GetMetrics().ok());
   EXPECT_EQ((*plain)->ListSessions().status().code(),
             absl::StatusCode::kPermissionDenied);
@@ -261,6 +263,75 @@ TEST(TlsTest, AdminCallsOverTcpNeedTheAdminToken) {
   EXPECT_TRUE(loose.address().empty());
   EXPECT_EQ(loose.exit_status(), 2);
   EXPECT_NE(loose.log().find("chmod 600"), std::string::npos) << loose.log();
+}
+
+// Over TCP, CreateSession needs a caller the daemon knows: an anonymous
+// TLS client could otherwise open a session and make the daemon map the
+// node's shared memory, or save and load checkpoints, as the daemon's
+// user. Without --tls_client_ca the admin token is needed; with it, a
+// client's certificate is enough. Nothing is created by a refused call.
+TEST(TlsTest, SessionsOverTcpNeedAKnownCaller) {
+  Certificates certs;
+  ASSERT_TRUE(certs.ok()) << "openssl could not make test certificates";
+  const std::string token_file = certs.Path("admin-token");
+  std::ofstream(token_file) << "0123456789abcdef0123456789abcdef\n";
+  ASSERT_EQ(chmod(token_file.c_str(), 0600), 0);
+  const std::vector<std::string> tls = {
+      "--tls_cert=" + certs.Path("server.pem"),
+      "--tls_key=" + certs.Path("server.key")};
+  v1::CreateSessionRequest cs;
+  cs.set_job_id("tcp-job");
+  cs.set_world_size(1);
+  cs.set_device(-1);
+  {
+    TcpDaemon d(tls);  // no token, no client certificates
+    ASSERT_FALSE(d.address().empty()) << d.log();
+    auto anonymous = Client::Create(d.address(), Options(certs, "ca", false));
+    ASSERT_TRUE(anonymous.ok()) << anonymous.status();
+    auto refused = (*anonymous)->CreateSession(cs);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kPermissionDenied)
+        << refused.status();
+    EXPECT_NE(refused.status().message().find("--tls_client_ca"),
+              std::string::npos)
+        << refused.status();
+    cs.set_resume(true);
+    EXPECT_EQ((*anonymous)->CreateSession(cs).status().code(),
+              absl::StatusCode::kPermissionDenied);
+    cs.set_resume(false);
+    auto metrics = (*anonymous)->GetMetrics();
+    ASSERT_TRUE(metrics.ok()) << metrics.status();
+    EXPECT_EQ(metrics->sessions(), 0u);
+  }
+  {
+    std::vector<std::string> flags = tls;
+    flags.push_back("--admin_token_file=" + token_file);
+    TcpDaemon d(flags);
+    ASSERT_FALSE(d.address().empty()) << d.log();
+    ClientOptions wrong = Options(certs, "ca", false);
+    wrong.admin_token = "0123456789abcdef0123456789abcdeX";
+    EXPECT_EQ((*Client::Create(d.address(), wrong))
+                  ->CreateSession(cs)
+                  .status()
+                  .code(),
+              absl::StatusCode::kPermissionDenied);
+    ClientOptions known = Options(certs, "ca", false);
+    known.admin_token = "0123456789abcdef0123456789abcdef";
+    auto c = Client::Create(d.address(), known);
+    ASSERT_TRUE(c.ok()) << c.status();
+    auto created = (*c)->CreateSession(cs);
+    ASSERT_TRUE(created.ok()) << created.status();
+    EXPECT_EQ((*c)->GetMetrics()->sessions(), 1u);
+  }
+  {
+    std::vector<std::string> flags = tls;
+    flags.push_back("--tls_client_ca=" + certs.Path("ca.pem"));
+    TcpDaemon d(flags);
+    ASSERT_FALSE(d.address().empty()) << d.log();
+    auto c = Client::Create(d.address(), Options(certs, "ca", true));
+    ASSERT_TRUE(c.ok()) << c.status();
+    auto created = (*c)->CreateSession(cs);
+    ASSERT_TRUE(created.ok()) << created.status();
+  }
 }
 
 TEST(TlsTest, BadTlsFlags) {
@@ -393,14 +464,15 @@ TEST(TlsTest, LargeRequestsOverTls) {
   Certificates certs;
   ASSERT_TRUE(certs.ok()) << "openssl could not make test certificates";
   TcpDaemon d({"--tls_cert=" + certs.Path("server.pem"),
-               "--tls_key=" + certs.Path("server.key")});
+               "--tls_key=" + certs.Path("server.key"),
+               "--tls_client_ca=" + certs.Path("ca.pem")});
   ASSERT_FALSE(d.address().empty()) << d.log();
   constexpr int kClients = 4;
   std::vector<absl::Status> large(kClients);
   std::vector<std::thread> threads;
   for (int i = 0; i < kClients; ++i) {
     threads.emplace_back([&, i] {
-      ClientOptions o = Options(certs, "ca", false);
+      ClientOptions o = Options(certs, "ca", true);
       o.timeout = absl::Seconds(60);
       auto c = Client::Create(d.address(), o);
       if (!c.ok()) {

@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -23,6 +24,7 @@
 #include "core/session.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "testing/file_read_gate.h"
 
 namespace optimd {
 namespace {
@@ -733,12 +735,15 @@ TEST(CheckpointTest, DamagedMetadataIsDataLoss) {
   EXPECT_TRUE(LoadSession(s.session(), dir.path(), CheckpointOptions()).ok());
 }
 
-// A file that another process changes between a load's verifying pass and
-// its second pass (written in place with the same bytes, grown, only its
-// times set, or replaced at its name, which changes the opened file's
-// ctime as its link goes) is ABORTED with nothing changed; the session
-// steps on, and loads the file once it is left alone.
-TEST(CheckpointTest, FileChangedBetweenThePassesIsAbortedAndChangesNothing) {
+// A file that another process changes while a load reads it (written in
+// place with the same bytes, grown, only its times set, or replaced at its
+// name, which changes the opened file's ctime as its link goes) is ABORTED
+// with nothing changed: the load's first read of the file is held
+// (FileReadGate) while the test changes it, so the change falls between
+// the load's open and its check, after the verifying pass, that the file is
+// still what it opened. The session steps on, and loads the file once it
+// is left alone.
+TEST(CheckpointTest, FileChangedDuringItsLoadIsAbortedAndChangesNothing) {
   OneTensorSession s;
   ScratchDir dir;
   auto saved = SaveSession(s.session(), dir.path(), CheckpointOptions());
@@ -776,20 +781,28 @@ TEST(CheckpointTest, FileChangedBetweenThePassesIsAbortedAndChangesNothing) {
   for (const auto& [what, change] : changes) {
     SCOPED_TRACE(what);
     WriteFile(saved->path, file);
-    // Timestamps tick at the kernel's coarse clock (a few ms): the file's
-    // times are set far back, so that a change in the hook always shows.
+    // File times tick with the kernel's coarse clock (at most 10 ms): they
+    // are set far back and the change comes 50 ms later, so that it always
+    // shows (in mtime, or in ctime).
     const timespec old[2] = {{1000000000, 0}, {1000000000, 0}};
     ASSERT_EQ(utimensat(AT_FDCWD, saved->path.c_str(), old, 0), 0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
     const std::string before = s.Fingerprint();
-    CheckpointOptions options;
-    int calls = 0;
-    options.after_verifying_pass = [&](const std::string& path) {
-      ++calls;
-      EXPECT_EQ(path, saved->path);
-      change(path);
-    };
-    auto loaded = LoadSession(s.session(), dir.path(), options);
-    EXPECT_EQ(calls, 1);
+    auto gate = FileReadGate::Create(saved->path);
+    if (gate.status().code() == absl::StatusCode::kFailedPrecondition) {
+      GTEST_SKIP() << "cannot hold the load's reads here: " << gate.status();
+    }
+    ASSERT_TRUE(gate.ok()) << gate.status();
+    absl::StatusOr<CheckpointResult> loaded;
+    std::thread load([&] {
+      loaded = LoadSession(s.session(), dir.path(), CheckpointOptions());
+    });
+    const absl::Status held =
+        (*gate)->HoldNextRead(getpid(), absl::Seconds(60));
+    if (held.ok()) change(saved->path);
+    (*gate)->Open();
+    load.join();
+    ASSERT_TRUE(held.ok()) << held;
     EXPECT_EQ(loaded.status().code(), absl::StatusCode::kAborted)
         << loaded.status();
     EXPECT_NE(loaded.status().message().find(

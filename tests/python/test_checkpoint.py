@@ -734,6 +734,19 @@ class CheckpointTest(unittest.TestCase):
                                   ("INVALID_ARGUMENT", "DATA_LOSS"), what)
                     self.assertTrue(torch.equal(p.detach(), before))
                     self.assertEqual(d.process.poll(), None, "daemon died")
+            # One digit of the learning rate changed, the metadata's own
+            # checksum left as it was (a damaged byte, not an edit):
+            # DATA_LOSS, where such a change once loaded silently.
+            at = good.index(b'lr\\":') + len(b'lr\\":')
+            while not good[at:at + 1].isdigit():
+                at += 1
+            damaged = bytearray(good)
+            damaged[at] = ord("1") if damaged[at] != ord("1") else ord("2")
+            with self.assertRaises(optimd.OptimdError) as cm:
+                opt.load_state_bytes([bytes(damaged)])
+            self.assertEqual(cm.exception.code.name, "DATA_LOSS",
+                             str(cm.exception))
+            self.assertTrue(torch.equal(p.detach(), before))
             opt.load_state_bytes([good])
             opt.step()
             opt.close()
@@ -1018,12 +1031,14 @@ class CheckpointTest(unittest.TestCase):
             p = torch.nn.Parameter(torch.randn(1000))
             opt = AdamW([("w", p)], address=d.address, job_id="bgfail")
             self.assertEqual(opt.save_status().state, 0)  # none yet
-            # The final name is taken by a directory: the rename fails.
+            # The final name is taken by a directory: the save fails, on
+            # the writing thread, before it writes anything.
             os.mkdir(os.path.join(self.dir, "rank-0.safetensors"))
             opt.save_checkpoint(self.dir, background=True)
             with self.assertRaises(optimd.OptimdError) as cm:
                 opt.wait_for_save()
-            self.assertIn("renaming", str(cm.exception))
+            self.assertIn("FAILED_PRECONDITION", str(cm.exception))
+            self.assertIn("is a directory", str(cm.exception))
             from optimd.v1 import optimd_pb2 as pb
             self.assertEqual(opt.save_status().state, pb.SAVE_STATE_FAILED)
             # The failure counts in the daemon's metrics.
@@ -1052,14 +1067,66 @@ class CheckpointTest(unittest.TestCase):
             sub = os.path.join(allowed, "run1")
             os.mkdir(sub)
             self.assertTrue(opt.save_checkpoint(sub).path.startswith(sub))
-            # A failed save leaves no temporary file behind.
+            # A directory at the checkpoint's name is refused before
+            # anything is written (it used to fail INTERNAL at the final
+            # rename), and leaves no temporary file behind.
             os.mkdir(os.path.join(allowed, "rank-0.safetensors"))
-            with self.assertRaises(optimd.OptimdError):
+            with self.assertRaises(optimd.OptimdError) as cm:
                 opt.save_checkpoint(allowed)
+            self.assertEqual(cm.exception.code.name, "FAILED_PRECONDITION")
+            self.assertIn("is a directory", str(cm.exception))
             self.assertEqual(sorted(os.listdir(allowed)),
                              ["rank-0.safetensors", "run1"])
             opt.close()
 
+
+    def test_symbolic_links_do_not_lead_out_of_the_state_dir(self):
+        """With --state_dir, a checkpoint file that is a symbolic link, or a
+        directory whose link leads out of the state directory, is
+        PERMISSION_DENIED and changes nothing. Without it, a linked file
+        that is no checkpoint is refused without its bytes in the message
+        (the daemon once echoed its first 8 bytes as the header length)."""
+        allowed = os.path.join(self.dir, "allowed")
+        outside = os.path.join(self.dir, "outside")
+        linked = os.path.join(allowed, "linked")
+        for d in (allowed, outside, linked):
+            os.mkdir(d)
+        secret = os.path.join(self.dir, "secret")
+        with open(secret, "wb") as f:
+            f.write(b"SECRETS!" + b"x" * 100)
+        shutil.copy(secret, os.path.join(outside, "rank-0.safetensors"))
+        os.symlink(secret, os.path.join(linked, "rank-0.safetensors"))
+        door = os.path.join(allowed, "door")
+        os.symlink(outside, door)
+        echoed = (str(struct.unpack("<Q", b"SECRETS!")[0]), "SECRETS")
+
+        def refused(opt, directory, code):
+            p = opt.param_groups[0]["params"][0]
+            before = p.detach().clone()
+            with self.assertRaises(optimd.OptimdError) as cm:
+                opt.load_checkpoint(directory)
+            self.assertEqual(cm.exception.code.name, code, str(cm.exception))
+            for text in echoed:
+                self.assertNotIn(text, str(cm.exception))
+            self.assertTrue(torch.equal(p.detach(), before))
+            p.grad = torch.randn(10)
+            opt.step()  # not left needing a load
+            self.assertFalse(torch.equal(p.detach(), before))
+
+        with Daemon(flags=["--state_dir=" + allowed]) as d:
+            p = torch.nn.Parameter(torch.randn(10))
+            opt = AdamW([p], address=d.address, job_id="links")
+            p.grad = torch.randn(10)
+            opt.step()
+            for directory in (linked, door):
+                with self.subTest(directory=directory):
+                    refused(opt, directory, "PERMISSION_DENIED")
+            opt.close()
+        with Daemon() as d:
+            p = torch.nn.Parameter(torch.randn(10))
+            opt = AdamW([p], address=d.address, job_id="links")
+            refused(opt, linked, "INVALID_ARGUMENT")
+            opt.close()
 
 if __name__ == "__main__":
     unittest.main()

@@ -76,6 +76,22 @@ class TlsTest(unittest.TestCase):
         with Client(self.address, tls_ca=ca, admin_token=self.token) as c:
             self.assertEqual(len(c.list_sessions().sessions), 0)
 
+    def test_sessions_over_tcp_need_the_admin_token(self):
+        """This daemon checks no client certificates: an anonymous TLS
+        client may read metrics but not open a session (which would let it
+        name the node's shared memory and checkpoint files); the admin
+        token opens one."""
+        ca = self.path("ca.pem")
+        with Client(self.address, tls_ca=ca) as c:
+            with self.assertRaisesRegex(optimd.PermissionDeniedError,
+                                        "tls_client_ca"):
+                c.create_session("tcp-job")
+            self.assertEqual(c.get_metrics().sessions, 0)
+        with Client(self.address, tls_ca=ca, admin_token=self.token) as c:
+            c.create_session("tcp-job")
+            self.assertEqual(c.get_metrics().sessions, 1)
+            c.close_session()
+
     def test_client_with_the_ca_connects(self):
         with Client(self.address, tls_ca=self.path("ca.pem")) as c:
             self.assertEqual(c.get_metrics().sessions, 0)

@@ -155,7 +155,8 @@ class Client:
         this client's, when the daemon requires one (default: the files
         named by $OPTIMD_TLS_CA, $OPTIMD_TLS_CERT, $OPTIMD_TLS_KEY).
         admin_token: the daemon's admin token (its --admin_token_file),
-        which admin calls (list_sessions, evict_session) over TCP need."""
+        which admin calls (list_sessions, evict_session) over TCP need, and
+        create_session over TCP to a daemon without --tls_client_ca."""
         self.address = address or default_address()
         self.timeout = timeout
         self._admin = ((ADMIN_METADATA_KEY, admin_token),) if admin_token \
@@ -279,7 +280,8 @@ class Client:
             resume=resume, ready_event=ready_event, trainer_pid=os.getpid(),
             resume_secret=resume_secret,
             gradient_sharding=gradient_sharding,
-            nccl_unique_id=nccl_unique_id, shard_state=shard_state))
+            nccl_unique_id=nccl_unique_id, shard_state=shard_state),
+            admin=True)  # over TCP without client certificates it needs one
         if reply.api_revision < API_REVISION:
             # Too old to speak what this client sends: leave no session.
             self.token = reply.session_token
