@@ -42,6 +42,18 @@ class Certificates {
 
   bool ok() const { return ok_; }
   std::string Path(const std::string& name) const { return dir_ + "/" + name; }
+  // Writes an admin token file (mode 0600, as the daemon requires) beside
+  // the certificates and returns its path; empty if chmod failed.
+  std::string AdminTokenFile() const {
+    const std::string path = Path("admin-token");
+    std::ofstream(path) << "0123456789abcdef0123456789abcdef\n";
+    return chmod(path.c_str(), 0600) == 0 ? path : "";
+  }
+  // The daemon's TLS flags with the server certificate made here.
+  std::vector<std::string> ServerFlags() const {
+    return {"--tls_cert=" + Path("server.pem"),
+            "--tls_key=" + Path("server.key")};
+  }
 
  private:
   bool Run(const std::string& cmd) {
@@ -220,12 +232,9 @@ TEST(TlsTest, ClientCertificatesWhenRequired) {
 TEST(TlsTest, AdminCallsOverTcpNeedTheAdminToken) {
   Certificates certs;
   ASSERT_TRUE(certs.ok()) << "openssl could not make test certificates";
-  const std::string token_file = certs.Path("admin-token");
-  std::ofstream(token_file) << "0123456789abcdef0123456789abcdef\n";
-  ASSERT_EQ(chmod(token_file.c_str(), 0600), 0);
-  const std::vector<std::string> tls = {
-      "--tls_cert=" + certs.Path("server.pem"),
-      "--tls_key=" + certs.Path("server.key")};
+  const std::string token_file = certs.AdminTokenFile();
+  ASSERT_FALSE(token_file.empty());
+  const std::vector<std::string> tls = certs.ServerFlags();
   std::vector<std::string> flags = tls;
   flags.push_back("--admin_token_file=" + token_file);
   TcpDaemon d(flags);
@@ -273,12 +282,9 @@ TEST(TlsTest, AdminCallsOverTcpNeedTheAdminToken) {
 TEST(TlsTest, SessionsOverTcpNeedAKnownCaller) {
   Certificates certs;
   ASSERT_TRUE(certs.ok()) << "openssl could not make test certificates";
-  const std::string token_file = certs.Path("admin-token");
-  std::ofstream(token_file) << "0123456789abcdef0123456789abcdef\n";
-  ASSERT_EQ(chmod(token_file.c_str(), 0600), 0);
-  const std::vector<std::string> tls = {
-      "--tls_cert=" + certs.Path("server.pem"),
-      "--tls_key=" + certs.Path("server.key")};
+  const std::string token_file = certs.AdminTokenFile();
+  ASSERT_FALSE(token_file.empty());
+  const std::vector<std::string> tls = certs.ServerFlags();
   v1::CreateSessionRequest cs;
   cs.set_job_id("tcp-job");
   cs.set_world_size(1);
