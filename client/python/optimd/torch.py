@@ -52,6 +52,10 @@ differences"):
   * A parameter not dense in memory (a view with gaps, base[:, ::2], or an
     expanded tensor) raises ValueError: the daemon steps each parameter as
     one run of memory; make it contiguous.
+  * DTensor parameters (FSDP2's fully_shard, accelerate's FSDP with
+    fsdp_version=2) raise NotImplementedError naming the parameter, at
+    construction or at the first step after they appear: not supported
+    yet (their shards live in FSDP2's own memory).
   * max_grad_norm (optimd's own) clips by the norm of this rank's
     gradients, or of the job's with gradient_sharding.
 """
@@ -165,7 +169,8 @@ class AdamW(_DaemonOptimizer):
     Where it differs from torch.optim.AdamW (README, "Deliberate
     differences"): a parameter listed twice in a group, parameters on
     several devices (one optimizer per device instead) and parameters not
-    dense in memory raise; after model.double() the moments are cast to
+    dense in memory raise, DTensor (FSDP2) parameters raise
+    NotImplementedError (not supported yet); after model.double() the moments are cast to
     float64 and training goes on (torch's own step fails there).
     """
 
