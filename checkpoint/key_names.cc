@@ -8,9 +8,8 @@ namespace optimd {
 
 const std::vector<std::string>& CheckpointKeySuffixes() {
   static const std::vector<std::string>* suffixes = [] {
-    auto* out =
-        new std::vector<std::string>{".master", ".remainder", ".moment_scales",
-                                     ".scale_inv"};
+    auto* out = new std::vector<std::string>{".master", ".remainder",
+                                             ".moment_scales", ".scale_inv"};
     for (const std::string& slot : AllStateSlotNames()) {
       out->push_back("." + slot);
     }
