@@ -75,9 +75,18 @@ int main() {
 }
 CC
 g++ -fsanitize=thread -O1 -o "$control/race" "$control/race.cc" -lpthread
-if "$control/race" 2>"$control/race.log" ||
-    ! grep -q "data race" "$control/race.log"; then
-  echo "== ThreadSanitizer did not report the control's race"
+# TSan misses this one pair of racing writes in a few runs in a hundred, so
+# the control passes when one of five runs reports it.
+reported=0
+for attempt in 1 2 3 4 5; do
+  if ! "$control/race" 2>"$control/race.log" &&
+      grep -q "data race" "$control/race.log"; then
+    reported=1
+    break
+  fi
+done
+if [ "$reported" != 1 ]; then
+  echo "== ThreadSanitizer did not report the control's race in five runs"
   exit 1
 fi
 rm -rf "$control"
