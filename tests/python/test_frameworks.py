@@ -15,6 +15,9 @@ the few steps here on a small GPT-2 each tensor's weights must agree to
 import importlib.util
 import os
 import shutil
+import socket
+import subprocess
+import sys
 import tempfile
 import unittest
 
@@ -172,9 +175,6 @@ class FrameworkTest(unittest.TestCase):
         """accelerate_fsdp_run.py in a process of its own (a torch.distributed
         group of one rank): its exit status, its stderr, and the final
         weights by name (None if it failed)."""
-        import socket
-        import subprocess
-        import sys
         with socket.socket() as s:  # a free port for the group's store
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]

@@ -170,8 +170,9 @@ class AdamW(_DaemonOptimizer):
     differences"): a parameter listed twice in a group, parameters on
     several devices (one optimizer per device instead) and parameters not
     dense in memory raise, DTensor (FSDP2) parameters raise
-    NotImplementedError (not supported yet); after model.double() the moments are cast to
-    float64 and training goes on (torch's own step fails there).
+    NotImplementedError (not supported yet); after model.double() the
+    moments are cast to float64 and training goes on (torch's own step
+    fails there).
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
