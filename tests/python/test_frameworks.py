@@ -35,7 +35,12 @@ STEPS = 8
 
 
 def _have(*names):
-    return all(importlib.util.find_spec(n) is not None for n in names)
+    """Whether every module named is installed (a dotted name whose parent
+    package is missing counts as missing, not as an error)."""
+    try:
+        return all(importlib.util.find_spec(n) is not None for n in names)
+    except ModuleNotFoundError:
+        return False
 
 
 def _gpt2():
