@@ -89,6 +89,7 @@ class Checkpoints:
         """A load set the daemon's state: take its learning rates, forget
         fetched state."""
         self._share_parts()
+        self._mirror_out()
         groups = self.client.get_state(metadata_only=True).groups
         for group, g in zip(self.param_groups, groups):
             group["lr"] = g.hyperparameters.lr

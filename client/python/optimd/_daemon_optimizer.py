@@ -18,9 +18,10 @@ import torch
 from optimd import _secrets, errors
 from optimd._checkpoints import Checkpoints
 from optimd._cuda_segment import CudaSegment
-from optimd._grads import GradRouter
-from optimd._jobs import (close_session, dist_identity, is_dtensor,
-                          shared_job_id, shared_nccl_id, zero_sharding)
+from optimd._dtensor import any_sharded, check_mesh, is_dtensor, local_of
+from optimd._grads import GradRouter, HandleCache
+from optimd._jobs import (close_session, dist_identity, shared_job_id,
+                          shared_nccl_id, zero_sharding)
 from optimd._layout import is_dense, memory_shape, view_like
 from optimd._names import ParamNames
 from optimd._overlap import Overlap, assign_stages
@@ -76,10 +77,17 @@ def _service_options(arguments):
 
 
 class _TensorEntry:
-    """Where one parameter lives in the group's shared segments."""
+    """Where one parameter lives in the group's shared segments. `param`
+    is the parameter (the key of its state), `mem` the tensor whose memory
+    holds its elements here (the parameter itself, or a DTensor's local
+    shard: optimd/_dtensor.py); `pview` is what the daemon steps (`mem`'s
+    view of the group's segment, or `mem` itself when registered in place)
+    and `mirrored` says whether `mem` and `pview` are copied both ways
+    around each step (a DTensor shard on the CPU)."""
 
-    __slots__ = ("param", "name", "numel", "pview", "gview", "frozen",
-                 "group_id", "sent_ptr", "stage", "pflat")
+    __slots__ = ("param", "mem", "name", "numel", "pview", "gview",
+                 "frozen", "group_id", "sent_ptr", "stage", "pflat",
+                 "mirrored")
 
 
 class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
@@ -142,6 +150,11 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
                              "'sharded', not %r" % (gradient_sharding,))
         rank, world_size = dist_identity(rank, world_size)
         self._world_size = world_size
+        if gradient_sharding is None and world_size > 1 and any_sharded(
+                p for g in self.param_groups for p in g["params"]):
+            # FSDP2: each rank holds a shard of every gradient, so the
+            # norm to clip by and the skip are the job's.
+            gradient_sharding = "sharded"
         gradient_sharding = zero_sharding(shard_state, gradient_sharding,
                                            world_size)
         self._shard_state = bool(shard_state)
@@ -348,20 +361,46 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             self._overlap.set_stages([s for s, _ in tensors])
         for s, p_off in tensors:
             t = request.tensors.add(name=s.name, numel=s.numel,
-                                    param_dtype=DTYPES[s.param.dtype],
+                                    param_dtype=DTYPES[s.mem.dtype],
                                     keep_fp32=id(s.param) in self._keep_fp32,
                                     frozen=s.frozen,
-                                    shape=memory_shape(s.param),
+                                    shape=memory_shape(s.mem),
                                     stage=s.stage,
                                     aliases=self._names.aliases_of(s.param))
             if not s.frozen:
                 # Steps tell the daemon where gradients are (_grads.py).
-                t.grad_dtype = DTYPES[s.param.dtype]
+                t.grad_dtype = DTYPES[s.mem.dtype]
                 t.grad_absent = True
-            if s.numel:
-                nbytes = s.numel * s.param.element_size()
+            if s.numel and s.pview is s.mem:
+                # In place (a DTensor shard on CUDA): its own allocation.
+                t.param.CopyFrom(self._param_handles.handle(s.mem))
+            elif s.numel:
+                nbytes = s.numel * s.mem.element_size()
                 t.param.CopyFrom(seg_p.handle(p_off, nbytes))
         return request
+
+    def _in_place(self):
+        """Whether DTensor shards are registered where they are (CUDA)
+        rather than mirrored in shared memory (CPU)."""
+        return self._device.type == "cuda"
+
+    @property
+    def _param_handles(self):
+        """CUDA IPC handles of the allocations of parameters registered in
+        place, made on first use."""
+        if getattr(self, "_param_handle_cache", None) is None:
+            self._param_handle_cache = HandleCache()
+        return self._param_handle_cache
+
+    def _refuse_dtensor_options(self, name):
+        """Options DTensor parameters do not take, refused by name."""
+        for option, on in (("overlap", self._identity["overlap"]),
+                           ("shard_state", self._shard_state)):
+            if on:
+                raise NotImplementedError(
+                    "optimd.torch: %s=True does not take DTensor parameters "
+                    "(parameter %s): FSDP2 shards the parameters and "
+                    "gathers them itself" % (option, name))
 
     def _register_group(self, gi, group, existing, replace=False):
         self._check_group(gi, group)
@@ -375,24 +414,23 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
                 continue
             s = _TensorEntry()
             s.param = p
+            s.mem = local_of(p)
             s.name = self._names.get(id(p), "group%d.param%d" % (gi, pi))
-            s.numel = p.numel()
+            s.numel = s.mem.numel()
             s.frozen = not p.requires_grad
             s.group_id = str(gi)
             s.gview = None
             s.sent_ptr = 0
+            s.mirrored = is_dtensor(p) and not self._in_place()
             tensors.append((s, p_bytes))
-            p_bytes += align(s.numel * p.element_size())
+            if not (is_dtensor(p) and self._in_place()):
+                p_bytes += align(s.numel * s.mem.element_size())
         if self._device.type == "cuda":
             seg_p = CudaSegment(max(p_bytes, 64), self._device)
         else:
             seg_p = SharedSegment(max(p_bytes, 64))
         for s, p_off in tensors:
-            p = s.param
-            s.pflat = seg_p.tensor(p_off, s.numel, p.dtype)
-            s.pview = view_like(s.pflat, p)
-            s.pview.copy_(p.detach())
-            p.data = s.pview
+            self._home_param(s, seg_p, p_off)
         request = self._group_request(gi, group, tensors, seg_p)
         if existing:
             update = pb.UpdateBuffersRequest(group_id=str(gi))
@@ -419,6 +457,31 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             self._flat_grads(g["id"])  # the daemon reads shared memory only
         self._index_buffers()
 
+    def _home_param(self, s, seg_p, p_off):
+        """Puts tensor `s` where the daemon steps it: its view of the
+        group's segment, which becomes the parameter's memory; a DTensor's
+        shard stays in FSDP2's memory (in place, or mirrored)."""
+        if is_dtensor(s.param) and self._in_place():
+            s.pview = s.mem
+            s.pflat = s.mem.view(-1) if s.mem.is_contiguous() else None
+            return
+        s.pflat = seg_p.tensor(p_off, s.numel, s.mem.dtype)
+        s.pview = view_like(s.pflat, s.mem)
+        s.pview.copy_(s.mem.detach())
+        if not s.mirrored:
+            s.param.data = s.pview
+
+    def _mirror_in(self):
+        """CPU: DTensor shards into the shared memory the daemon steps."""
+        for s in self._mirrored:
+            s.pview.copy_(s.mem)
+
+    def _mirror_out(self):
+        """CPU: what the daemon wrote into shared memory back into the
+        DTensor shards (after a step, a resume, a load)."""
+        for s in self._mirrored:
+            s.mem.copy_(s.pview)
+
     def _check_group(self, gi, group):
         """Raises for a group the daemon cannot step, before anything of it
         is registered."""
@@ -432,13 +495,8 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
                 continue
             name = self._names.get(id(p), "%d.%d" % (gi, pi))
             if is_dtensor(p):
-                raise NotImplementedError(
-                    "optimd.torch: parameter %s is a DTensor (FSDP2's "
-                    "fully_shard, or accelerate's FSDP with fsdp_version=2); "
-                    "optimd.torch does not step DTensor parameters yet: "
-                    "their shards live in FSDP2's own memory, which the "
-                    "daemon does not write. Use DDP or FSDP version 1 with "
-                    "optimd, or torch's optimizer for this model" % name)
+                check_mesh(p, name, self._world_size)
+                self._refuse_dtensor_options(name)
             if p.dtype not in DTYPES:
                 raise TypeError(
                     "optimd.torch supports float32, bfloat16, float16 and "
@@ -452,8 +510,8 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             if p.is_sparse:
                 raise TypeError("optimd.torch does not support sparse "
                                 "parameters")
-            if p.numel() and not is_dense(p):
-                raise _not_dense_error(name, p)
+            if p.numel() and not is_dense(local_of(p)):
+                raise _not_dense_error(name, local_of(p))
 
     def _flat_grads(self, group_id):
         """The group's flat gradient segment, made on first use, with a
@@ -466,7 +524,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         for s in g["tensors"]:
             offsets.append(g_bytes)
             if not s.frozen:
-                g_bytes += align(s.numel * s.param.element_size())
+                g_bytes += align(s.numel * s.mem.element_size())
         if self._device.type == "cuda":
             seg_g = CudaSegment(max(g_bytes, 64), self._device)
         else:
@@ -474,7 +532,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         for s, off in zip(g["tensors"], offsets):
             if not s.frozen:
                 s.gview = view_like(
-                    seg_g.tensor(off, s.numel, s.param.dtype), s.param)
+                    seg_g.tensor(off, s.numel, s.mem.dtype), s.mem)
         g["segments"][1] = seg_g
         return seg_g
 
@@ -482,6 +540,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         """A restarted trainer: write the daemon's weights into our buffers."""
         try:
             self._client.get_params()
+            self._mirror_out()
         except errors.FailedPreconditionError:
             # Remainder layouts: the bf16 half lived in the dead trainer.
             pass
@@ -489,10 +548,13 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
     # The step.
     def _index_buffers(self):
         """Flat lists for the per-step check that nothing moved."""
-        self._params_flat = [s.param for g in self._groups
-                             for s in g["tensors"] if s.numel]
-        self._pptrs_flat = [s.pview.data_ptr() for g in self._groups
-                            for s in g["tensors"] if s.numel]
+        homed = [s for g in self._groups for s in g["tensors"]
+                 if s.numel and not is_dtensor(s.param)]
+        self._params_flat = [s.param for s in homed]
+        self._pptrs_flat = [s.pview.data_ptr() for s in homed]
+        self._dtensors = [s for g in self._groups for s in g["tensors"]
+                          if s.numel and is_dtensor(s.param)]
+        self._mirrored = [s for s in self._dtensors if s.mirrored]
         self._router = GradRouter(
             [s for g in self._groups for s in g["tensors"]], self._device,
             self._flat_grads)
@@ -511,6 +573,13 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             materialized = g["lazy"] and not all(map(_is_lazy, g["lazy"]))
             if same and not unfrozen and not materialized:
                 continue
+            device = self._check_devices()
+            if device != self._device:
+                # New parameters elsewhere (accelerate's prepare() with
+                # FSDP2 puts DTensors on the GPU into param_groups): the
+                # session moves to them, registering every group anew.
+                self._reopen({device})
+                return
             self._refuse_with_shard_state(
                 "adding, removing, unfreezing or materializing parameters "
                 "of param_groups[%d]" % gi)
@@ -540,6 +609,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             self._reconcile_group(gi, group)
             if self._layout_of(group) != g["snapshot"]:
                 self._follow_layout_keys(gi, group, g)
+        self._follow_dtensor_shards()
         # map() keeps this at well under a microsecond per parameter.
         if list(map(torch.Tensor.data_ptr, self._params_flat)) == \
                 self._pptrs_flat:
@@ -576,6 +646,26 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
                         raise _not_dense_error(s.name, p)
                     s.pview.copy_(p.detach())
                     p.data = s.pview
+
+    def _follow_dtensor_shards(self):
+        """A DTensor whose local shard is another tensor now (FSDP2 made a
+        new one, e.g. after model.to()): a mirrored one is followed (the
+        mirror copies it each step); one registered in place would leave
+        the daemon writing memory FSDP2 no longer reads, so it raises."""
+        for s in self._dtensors:
+            mem = local_of(s.param)
+            if mem is s.mem:
+                continue
+            if s.mirrored and mem.shape == s.mem.shape and \
+                    mem.dtype == s.mem.dtype:
+                s.mem = mem
+                continue
+            raise RuntimeError(
+                "optimd.torch: the local shard of DTensor parameter %s was "
+                "replaced after the optimizer registered it (now %s %s on "
+                "%s); create the optimizer after fully_shard() and after "
+                "moving or casting the model" % (
+                    s.name, mem.dtype, tuple(mem.shape), mem.device))
 
     def _reopen(self, devices):
         """The parameters moved (model.to(), accelerate's prepare() of a
@@ -647,7 +737,9 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             assume_finite=not self.skip_nonfinite,
             buffer_updates=updates)
         if self._flags is None:
+            self._mirror_in()
             self._take_reply(self._client.step(**request))
+            self._mirror_out()
         else:
             self._step_with_flags(request)
         if overrides:

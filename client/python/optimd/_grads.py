@@ -24,6 +24,7 @@ import operator
 
 import torch
 
+from optimd._dtensor import is_dtensor, like_param, local_of
 from optimd.v1 import optimd_pb2 as pb
 
 _get_grad = operator.attrgetter("grad")
@@ -44,22 +45,24 @@ class GradRouter:
         # created on first use (CUDA) or already there (CPU).
         self._tensors = [s for s in tensors if not s.frozen and s.numel]
         self._params = [s.param for s in self._tensors]
+        # DTensor parameters (FSDP2): their gradients' local shards are
+        # what the daemon reads.
+        self._dtensors = any(map(is_dtensor, self._params))
         self._cuda = device.type == "cuda"
         self._flat_segment = flat_segment
         # What the daemon has for each tensor (kept on its entry, so that a new
         # router over more groups starts from the truth): a data pointer, or
         # 0 when absent. Registration leaves every tensor absent.
         self._sent = [s.sent_ptr for s in self._tensors]
-        self._handles = _HandleCache() if self._cuda else None
+        self._handles = HandleCache() if self._cuda else None
 
     def updates(self):
         """The buffer updates that bring the daemon to the gradients now in
         `.grad`, as UpdateBuffersRequest messages; empty when nothing
         moved."""
-        grads = list(map(_get_grad, self._params))
+        grads = self._local_grads()
         if not self._cuda:
-            self._home_cpu_grads(grads)
-            grads = list(map(_get_grad, self._params))
+            grads = self._home_cpu_grads(grads)
         ptrs = list(map(_ptr, grads))
         if ptrs == self._sent:
             return []
@@ -81,6 +84,12 @@ class GradRouter:
             self._sent[i] = s.sent_ptr = ptr
         return list(by_group.values())
 
+    def _local_grads(self):
+        grads = list(map(_get_grad, self._params))
+        if self._dtensors:
+            grads = list(map(local_of, grads))
+        return grads
+
     def _checked(self, s, grad):
         if grad.is_sparse:
             # torch.optim.AdamW's own error, with the parameter named.
@@ -88,18 +97,19 @@ class GradRouter:
                 "AdamW does not support sparse gradients (parameter %s); "
                 "use a dense gradient (e.g. nn.Embedding(sparse=False))"
                 % s.name)
-        if grad.dtype != s.param.dtype or grad.shape != s.param.shape:
+        mem = s.mem
+        if grad.dtype != mem.dtype or grad.shape != mem.shape:
             raise TypeError(
                 "parameter %s has a gradient of %s %s; its parameter is %s "
                 "%s" % (s.name, grad.dtype, tuple(grad.shape),
-                        s.param.dtype, tuple(s.param.shape)))
-        if grad.device != s.param.device:
+                        mem.dtype, tuple(mem.shape)))
+        if grad.device != mem.device:
             raise ValueError("parameter %s has its gradient on %s, not on %s"
-                             % (s.name, grad.device, s.param.device))
-        if grad.stride() != s.param.stride() and grad.numel() > 1:
+                             % (s.name, grad.device, mem.device))
+        if grad.stride() != mem.stride() and grad.numel() > 1:
             # The daemon reads the gradient in the parameter's memory order.
-            grad = torch.empty_like(s.param).copy_(grad)
-            s.param.grad = grad
+            grad = torch.empty_like(mem).copy_(grad)
+            s.param.grad = like_param(grad, s.param)
         return grad
 
     def _handle(self, s, grad, handles):
@@ -110,15 +120,20 @@ class GradRouter:
         return handles.handle(grad)
 
     def _home_cpu_grads(self, grads):
-        # CPU: the daemon reads shared memory only; a gradient elsewhere is
-        # copied into its shared view, which then becomes `.grad`.
+        """CPU: the daemon reads shared memory only; a gradient elsewhere is
+        copied into its shared view, which then becomes `.grad` (a DTensor's
+        gradient stays FSDP2's and is copied each step). Returns what the
+        daemon reads for each tensor."""
+        out = []
         for s, grad in zip(self._tensors, grads):
-            if grad is None or grad is s.gview:
-                continue
-            grad = self._checked(s, grad)
-            if grad.data_ptr() != s.gview.data_ptr():
-                s.gview.copy_(grad)
-            s.param.grad = s.gview
+            if grad is not None and grad is not s.gview:
+                grad = self._checked(s, grad)
+                if grad.data_ptr() != s.gview.data_ptr():
+                    s.gview.copy_(grad)
+                if not is_dtensor(s.param):
+                    s.param.grad = s.gview
+            out.append(None if grad is None else s.gview)
+        return out
 
     def zero_(self):
         """zero_grad(set_to_none=False): existing gradients become views of
@@ -128,6 +143,10 @@ class GradRouter:
         for s in self._tensors:
             grad = s.param.grad
             if grad is None:
+                continue
+            if is_dtensor(s.param):
+                # FSDP2's own gradient, zeroed where it is.
+                local_of(grad).zero_()
                 continue
             touched.add(s.group_id)
             if s.gview is None:
@@ -147,7 +166,7 @@ class GradRouter:
             p.grad = None
 
 
-class _HandleCache:
+class HandleCache:
     """CUDA IPC handles of the allocations holding gradients, by the
     allocation's unique buffer id (cuda_ipc.allocation_of), kept across
     steps: gradients that alternate between allocations (overlap keeps the

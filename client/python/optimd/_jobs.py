@@ -88,8 +88,3 @@ def close_session(client, job, rank):
         pass
     finally:
         client.close()
-
-
-def is_dtensor(p):
-    return type(p).__name__ == "DTensor" or type(getattr(
-        p, "data", None)).__name__ == "DTensor"

@@ -20,6 +20,7 @@ import weakref
 
 import torch
 
+from optimd._dtensor import local_of
 from optimd._layout import memory_order
 from optimd.v1 import optimd_pb2 as pb
 
@@ -242,7 +243,7 @@ def set_state_request(group_id, tensors, entries, slot_names, ranges=None):
         for kind in tuple(slot_names) + ("master",):
             if kind in entry:
                 add_blob(request, s.name, kind, memory_order(
-                    entry[kind].detach().cpu(), s.param)[begin:end])
+                    local_of(entry[kind]).detach().cpu(), s.mem)[begin:end])
             elif kind != "master":
                 add_blob(request, s.name, kind, torch.zeros(end - begin))
     request.step = max(own_steps.values(), default=0)

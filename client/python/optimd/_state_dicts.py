@@ -8,6 +8,7 @@ import weakref
 
 import torch
 
+from optimd._dtensor import like_param
 from optimd._layout import view_like
 from optimd import _zero_state
 from optimd._state import DTYPES, set_state_request
@@ -67,7 +68,7 @@ class StateDicts:
         size = 0
         # A master and up to three state slots, of 4 bytes per element (8
         # for float64 parameters).
-        sizes = {s.name: s.numel * 4 * max(4, s.param.element_size())
+        sizes = {s.name: s.numel * 4 * max(4, s.mem.element_size())
                  for g in self._groups for s in g["tensors"]}
         for n in names:
             if batch and size + sizes[n] > budget:
@@ -92,10 +93,11 @@ class StateDicts:
             if self._state_has_step else {}
         for kind, flat in flats.items():
             # fp32 and float64 parameters need no master in torch's format.
-            if kind == "master" and s.param.dtype in (torch.float32,
-                                                      torch.float64):
+            if kind == "master" and s.mem.dtype in (torch.float32,
+                                                    torch.float64):
                 continue
-            entry[kind] = view_like(flat, s.param).to(s.param.device)
+            entry[kind] = like_param(view_like(flat, s.mem).to(s.mem.device),
+                                     s.param)
         return entry
 
     def consolidate_state_dict(self, to=0):
@@ -235,6 +237,7 @@ class StateDicts:
             # shard_state: each rank's masters set only its part of the
             # parameters; the ranks exchange the parts.
             self._share_parts()
+            self._mirror_out()
         self._sent_hyper = None  # the next step sends them all again
         # New state, as torch's load makes new tensors: what was handed out
         # before is let go.
