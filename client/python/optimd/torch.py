@@ -52,10 +52,10 @@ differences"):
   * A parameter not dense in memory (a view with gaps, base[:, ::2], or an
     expanded tensor) raises ValueError: the daemon steps each parameter as
     one run of memory; make it contiguous.
-  * DTensor parameters (FSDP2's fully_shard, accelerate's FSDP with
-    fsdp_version=2) raise NotImplementedError naming the parameter, at
-    construction or at the first step after they appear: not supported
-    yet (their shards live in FSDP2's own memory).
+  * DTensor parameters (FSDP2's fully_shard) are stepped in their local
+    shards (README, "FSDP2"); replicated or hybrid placements, overlap
+    and shard_state with them raise NotImplementedError naming the
+    parameter.
   * max_grad_norm (optimd's own) clips by the norm of this rank's
     gradients, or of the job's with gradient_sharding.
 """
@@ -169,10 +169,10 @@ class AdamW(_DaemonOptimizer):
     Where it differs from torch.optim.AdamW (README, "Deliberate
     differences"): a parameter listed twice in a group, parameters on
     several devices (one optimizer per device instead) and parameters not
-    dense in memory raise, DTensor (FSDP2) parameters raise
-    NotImplementedError (not supported yet); after model.double() the
-    moments are cast to float64 and training goes on (torch's own step
-    fails there).
+    dense in memory raise; DTensor (FSDP2) parameters are stepped in
+    their local shards (replicated or hybrid placements raise); after
+    model.double() the moments are cast to float64 and training goes on
+    (torch's own step fails there).
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
