@@ -1,6 +1,7 @@
-"""One accelerate run with FSDP2 on one GPU, for test_frameworks.py:
+"""One accelerate run with FSDP (version 2 unless told) on one GPU, for
+test_frameworks.py:
 
-    accelerate_fsdp_run.py KIND OUT ADDRESS
+    accelerate_fsdp_run.py KIND OUT ADDRESS [--fsdp_version 1|2]
 
 KIND is torch or optimd (torch.optim.AdamW or optimd.torch.AdamW, made
 over the model before prepare(), as accelerate's users do). prepare()
@@ -26,9 +27,10 @@ def main():
     ap.add_argument("kind", choices=("torch", "optimd"))
     ap.add_argument("out")
     ap.add_argument("address")
+    ap.add_argument("--fsdp_version", type=int, default=2)
     args = ap.parse_args()
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=args.fsdp_version)
     accelerator = Accelerator(fsdp_plugin=plugin)
     model = _gpt2()
     if args.kind == "torch":

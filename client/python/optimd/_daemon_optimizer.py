@@ -650,14 +650,17 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
     def _follow_dtensor_shards(self):
         """A DTensor whose local shard is another tensor now (FSDP2 made a
         new one, e.g. after model.to()): a mirrored one is followed (the
-        mirror copies it each step); one registered in place would leave
-        the daemon writing memory FSDP2 no longer reads, so it raises."""
+        mirror copies it each step), and so is one registered in place
+        while it is the same memory; one in other memory would leave the
+        daemon writing memory FSDP2 no longer reads, so it raises."""
         for s in self._dtensors:
             mem = local_of(s.param)
             if mem is s.mem:
                 continue
-            if s.mirrored and mem.shape == s.mem.shape and \
-                    mem.dtype == s.mem.dtype:
+            if mem.shape == s.mem.shape and mem.dtype == s.mem.dtype and (
+                    s.mirrored or mem.data_ptr() == s.mem.data_ptr()):
+                if s.pview is s.mem:
+                    s.pview = mem
                 s.mem = mem
                 continue
             raise RuntimeError(
