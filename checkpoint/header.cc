@@ -139,6 +139,8 @@ bool UsePacked(const std::vector<Entry>& entries,
       // inside the header's JSON).
       if (!t.aliases.empty()) estimate += 32;
       for (const std::string& a : t.aliases) estimate += a.size() + 16;
+      // Its "shards" entry: index, brackets, two numbers per dimension.
+      if (!t.global_shape.empty()) estimate += 32 + 42 * t.global_shape.size();
     }
   }
   return estimate > threshold;
@@ -219,6 +221,21 @@ json AliasesJson(const Group& g) {
   return out;
 }
 
+// A group's shards in its metadata: [tensor index, global shape, global
+// offset] triples, only for tensors registered as shards of larger ones
+// (TensorSpec::global_shape), so that tools can put every rank's shards
+// together; the key is left out when there are none.
+json ShardsJson(const Group& g) {
+  json out = json::array();
+  for (size_t i = 0; i < g.tensors.size(); ++i) {
+    const TensorEntry& t = g.tensors[i];
+    if (!t.global_shape.empty()) {
+      out.push_back(json::array({i, t.global_shape, t.global_offset}));
+    }
+  }
+  return out;
+}
+
 // The checkpoint's metadata, without the crc32c values: version 1 (a
 // tensor's metadata as an object) or, packed, version 2 (as an array, its
 // layout an index into one table).
@@ -258,6 +275,8 @@ json MetaJson(const std::vector<Group*>& groups, bool packed,
     if (!missed.empty()) jg["missed_steps"] = missed;
     json aliases = AliasesJson(*g);
     if (!aliases.empty()) jg["aliases"] = std::move(aliases);
+    json shards = ShardsJson(*g);
+    if (!shards.empty()) jg["shards"] = std::move(shards);
     jgroups.push_back(jg);
   }
   meta["groups"] = jgroups;

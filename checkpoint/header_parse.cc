@@ -263,6 +263,42 @@ absl::StatusOr<std::vector<std::vector<std::string>>> ParseAliases(
   return out;
 }
 
+// Whether `dims` is an array of 1 to 64 unsigned integers (of `size` when
+// nonzero).
+bool IsDims(const json& dims, size_t size) {
+  if (!dims.is_array() || dims.empty() || dims.size() > 64 ||
+      (size != 0 && dims.size() != size)) {
+    return false;
+  }
+  for (const json& d : dims) {
+    if (!d.is_number_unsigned()) return false;
+  }
+  return true;
+}
+
+// The optional "shards" of a group: [tensor index, global shape, global
+// offset] triples, each index once and below `tensors`, shape and offset
+// of one length. Informational (a load keeps what the session
+// registered), but checked like every other field.
+absl::Status CheckShards(const json& jg, const Fields& f, size_t tensors) {
+  if (!jg.contains("shards")) return absl::OkStatus();
+  OPTIMD_ASSIGN_OR_RETURN(const json* triples, f.Array("shards"));
+  std::vector<bool> seen(tensors, false);
+  for (const json& t : *triples) {
+    if (!t.is_array() || t.size() != 3 || !t[0].is_number_unsigned() ||
+        t[0].get<uint64_t>() >= tensors || seen[t[0].get<size_t>()] ||
+        !IsDims(t[1], 0) || !IsDims(t[2], t[1].size())) {
+      return f.Bad(
+          "shards",
+          absl::StrCat("not a list of distinct [tensor index < ", tensors,
+                       ", global shape, global offset] "
+                       "triples (1 to 64 dimensions each)"));
+    }
+    seen[t[0].get<size_t>()] = true;
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<OptimizerHyper> ParseHyper(const Fields& g,
                                           const std::string& path) {
   OPTIMD_ASSIGN_OR_RETURN(const json* jh, g.Get("hyperparameters"));
@@ -402,6 +438,7 @@ absl::StatusOr<GroupHeader> ParseGroup(const json& jg, const Group& g,
   }
   OPTIMD_ASSIGN_OR_RETURN(out.aliases,
                           ParseAliases(jg, f, g.tensors.size(), names));
+  OPTIMD_RETURN_IF_ERROR(CheckShards(jg, f, g.tensors.size()));
   return out;
 }
 

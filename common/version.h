@@ -23,7 +23,8 @@ inline constexpr char kVersion[] = "0.5.0";
 // 9: FP8 parameters (DTYPE_FLOAT8_E4M3FN, DTYPE_FLOAT8_E5M2,
 //    TensorSpec.fp8_recipe and scale_inv).
 // 10: DTYPE_FLOAT64 parameters for SGD and Lion.
-inline constexpr uint32_t kApiRevision = 10;
+// 11: TensorSpec.global_shape and global_offset (shards in checkpoints).
+inline constexpr uint32_t kApiRevision = 11;
 
 // The initial-metadata keys under which every reply of the daemon carries
 // kVersion and kApiRevision (as decimal text): the grpc.health.v1 Check's

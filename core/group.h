@@ -72,6 +72,10 @@ struct TensorSpec {
   // inverses (Fp8Geometry::ScaleBytes); kNone and unset otherwise.
   Fp8Recipe fp8_recipe = Fp8Recipe::kNone;
   BufferHandle scale_inv;
+  // A shard of a larger tensor: its shape and this shard's first index in
+  // it, per dimension of `shape` (both empty for a whole tensor).
+  std::vector<uint64_t> global_shape;
+  std::vector<uint64_t> global_offset;
 };
 
 // A group as a client describes it, before validation.
@@ -124,6 +128,10 @@ struct TensorEntry {
   // Other names of this tensor (TensorSpec::aliases), kept for checkpoints'
   // metadata; state is always addressed by `name`.
   std::vector<std::string> aliases;
+  // Where this tensor sits in a larger one (TensorSpec::global_shape and
+  // global_offset), kept for checkpoints' metadata; empty for a whole one.
+  std::vector<uint64_t> global_shape;
+  std::vector<uint64_t> global_offset;
   BufferRef param;  // null data for zero-element tensors
   BufferRef grad;   // null for frozen and zero-element tensors
   // ZeRO (a session with shard_state, core/state_shard.h): this entry is

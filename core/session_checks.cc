@@ -31,6 +31,35 @@ absl::Status CheckShape(const TensorSpec& t) {
   return absl::OkStatus();
 }
 
+// A shard's place in its whole tensor, when given: one whole-shape and one
+// offset entry per dimension of the shard's shape ([numel] when it has
+// none), the shard inside the whole in every dimension, the whole's
+// element count within 64 bits.
+absl::Status CheckShardPlace(const TensorSpec& t) {
+  if (t.global_shape.empty() && t.global_offset.empty()) {
+    return absl::OkStatus();
+  }
+  const std::vector<uint64_t> shape =
+      t.shape.empty() ? std::vector<uint64_t>{t.numel} : t.shape;
+  bool bad = t.global_shape.size() != shape.size() ||
+             t.global_offset.size() != shape.size();
+  uint64_t whole = 1;
+  for (size_t d = 0; !bad && d < shape.size(); ++d) {
+    uint64_t end = 0;
+    bad = __builtin_add_overflow(t.global_offset[d], shape[d], &end) ||
+          end > t.global_shape[d] ||
+          __builtin_mul_overflow(whole, t.global_shape[d], &whole);
+  }
+  if (!bad) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "tensor '", t.name, "': global_shape [",
+      absl::StrJoin(t.global_shape, ", "), "] and global_offset [",
+      absl::StrJoin(t.global_offset, ", "), "] do not place a shard of shape [",
+      absl::StrJoin(shape, ", "),
+      "] (give both, one entry per dimension of the shard's shape, with "
+      "offset + shape at most the whole shape in each)"));
+}
+
 // A staged step's stage numbers are small: a step launches at least one
 // kernel per stage.
 absl::Status CheckStage(const TensorSpec& t) {

@@ -25,6 +25,10 @@ inline constexpr size_t kMaxDims = 64;
 // the tensor's numel.
 absl::Status CheckShape(const TensorSpec& t);
 
+// A shard's global_shape and global_offset (TensorSpec), when given, place
+// it inside its whole tensor.
+absl::Status CheckShardPlace(const TensorSpec& t);
+
 // A staged step's stage numbers are small: a step launches at least one
 // kernel per stage.
 absl::Status CheckStage(const TensorSpec& t);

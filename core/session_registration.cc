@@ -50,6 +50,7 @@ absl::Status Session::CheckTensor(const GroupSpec& spec, const TensorSpec& t,
                      " exceeds the limit ", kMaxNumel));
   }
   OPTIMD_RETURN_IF_ERROR(CheckShape(t));
+  OPTIMD_RETURN_IF_ERROR(CheckShardPlace(t));
   OPTIMD_RETURN_IF_ERROR(CheckStage(t));
   // A float64 parameter's gradient is float64 when not given (frozen).
   const DType grad_dtype = t.grad_dtype_set || t.param_dtype != DType::kFloat64
@@ -104,6 +105,8 @@ absl::Status Session::MapTensors(const GroupSpec& spec,
     e.shape = t.shape;
     e.stage = t.stage;
     e.aliases = t.aliases;
+    e.global_shape = t.global_shape;
+    e.global_offset = t.global_offset;
     if (t.numel > 0) {
       OPTIMD_ASSIGN_OR_RETURN(e.param, ResolveRegion(t.name, "param", t.param,
                                                      t.numel, t.param_dtype));

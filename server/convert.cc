@@ -210,6 +210,8 @@ absl::StatusOr<GroupSpec> GroupSpecFromProto(
     ts.shape.assign(t.shape().begin(), t.shape().end());
     ts.stage = t.stage();
     ts.aliases.assign(t.aliases().begin(), t.aliases().end());
+    ts.global_shape.assign(t.global_shape().begin(), t.global_shape().end());
+    ts.global_offset.assign(t.global_offset().begin(), t.global_offset().end());
     if (t.fp8_recipe() < v1::FP8_RECIPE_UNSPECIFIED ||
         t.fp8_recipe() > v1::FP8_RECIPE_MXFP8) {
       return absl::InvalidArgumentError(absl::StrCat(

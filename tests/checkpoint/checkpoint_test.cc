@@ -61,7 +61,11 @@ void WriteFile(const std::string& path, const std::string& bytes) {
 class OneTensorSession {
  public:
   // `aliases`: the tensor's other names (a tied weight's).
-  explicit OneTensorSession(std::vector<std::string> aliases = {})
+  // `place`: a shard's (whole shape, offset), TensorSpec::global_shape and
+  // global_offset; none for a whole tensor.
+  explicit OneTensorSession(
+      std::vector<std::string> aliases = {},
+      std::pair<std::vector<uint64_t>, std::vector<uint64_t>> place = {})
       : backend_(CpuBackend::Options{1, 1024}), budget_(0) {
     session_ = std::make_unique<Session>(SessionIdentity{"hdr", 0, 1, -1},
                                          &backend_, &budget_,
@@ -84,6 +88,8 @@ class OneTensorSession {
     t.grad.segment_name = grads_->name();
     t.param.size = t.grad.size = 400;
     t.aliases = std::move(aliases);
+    t.global_shape = std::move(place.first);
+    t.global_offset = std::move(place.second);
     spec.tensors = {t};
     EXPECT_TRUE(session_->RegisterGroup(spec).ok());
     EXPECT_TRUE(session_->Step({}).ok());
@@ -707,6 +713,76 @@ TEST(CheckpointTest, MalformedAliasesAreRefusedAndChangeNothing) {
     auto loaded = LoadSession(s.session(), dir.path(), CheckpointOptions());
     EXPECT_EQ(loaded.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_NE(loaded.status().message().find("'aliases'"), std::string::npos)
+        << loaded.status();
+    EXPECT_EQ(s.Fingerprint(), before);
+  }
+}
+
+// A shard's place in its whole tensor is written into its group's metadata
+// in both formats ("shards": [index, whole shape, offset], only where there
+// are shards), and files with or without the key load.
+TEST(CheckpointTest, ShardPlacesRoundTripInBothFormats) {
+  using nlohmann::json;
+  for (const bool packed : {false, true}) {
+    SCOPED_TRACE(packed ? "packed" : "per tensor");
+    OneTensorSession s({}, {{300}, {100}});
+    ScratchDir dir;
+    CheckpointOptions options;
+    options.packed_above_header_bytes = packed ? 0 : ~uint64_t{0};
+    auto saved = SaveSession(s.session(), dir.path(), options);
+    ASSERT_TRUE(saved.ok()) << saved.status();
+    HeaderParts p = SplitCheckpoint(ReadFile(saved->path));
+    EXPECT_EQ(p.meta["groups"][0]["shards"],
+              json::array({json::array({0, {300}, {100}})}));
+    const std::string before = s.Fingerprint();
+    ASSERT_TRUE(s.session().Step({}).ok());
+    ASSERT_TRUE(LoadSession(s.session(), dir.path(), CheckpointOptions()).ok());
+    EXPECT_EQ(s.Fingerprint(), before);
+    p.meta["groups"][0].erase("shards");
+    WriteFile(saved->path, JoinCheckpoint(p));
+    EXPECT_TRUE(LoadSession(s.session(), dir.path(), CheckpointOptions()).ok());
+  }
+  OneTensorSession whole;
+  ScratchDir dir;
+  auto saved = SaveSession(whole.session(), dir.path(), CheckpointOptions());
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  EXPECT_FALSE(SplitCheckpoint(ReadFile(saved->path))
+                   .meta["groups"][0]
+                   .contains("shards"));
+}
+
+// Every malformed "shards" key is INVALID_ARGUMENT naming the field, and
+// changes nothing.
+TEST(CheckpointTest, MalformedShardPlacesAreRefusedAndChangeNothing) {
+  using nlohmann::json;
+  OneTensorSession s({}, {{200}, {0}});
+  ScratchDir dir;
+  auto saved = SaveSession(s.session(), dir.path(), CheckpointOptions());
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  const std::string good = ReadFile(saved->path);
+  ASSERT_TRUE(s.session().Step({}).ok());
+  const std::string before = s.Fingerprint();
+  const std::vector<std::pair<std::string, json>> edits = {
+      {"a number", 3},
+      {"a pair", json::array({json::array({0, {200}})})},
+      {"an index past the tensors", json::array({json::array({1, {9}, {0}})})},
+      {"an index twice",
+       json::array({json::array({0, {9}, {0}}), json::array({0, {9}, {0}})})},
+      {"no dimensions", json::array({json::array({0, json::array(), {}})})},
+      {"an offset of other rank", json::array({json::array({0, {9}, {0, 0}})})},
+      {"a negative size", json::array({json::array({0, {-9}, {0}})})},
+      {"too many dimensions",
+       json::array({json::array(
+           {0, std::vector<int>(65, 1), std::vector<int>(65, 0)})})},
+  };
+  for (const auto& [what, shards] : edits) {
+    SCOPED_TRACE(what);
+    HeaderParts p = SplitCheckpoint(good);
+    p.meta["groups"][0]["shards"] = shards;
+    WriteFile(saved->path, JoinCheckpoint(p));
+    auto loaded = LoadSession(s.session(), dir.path(), CheckpointOptions());
+    EXPECT_EQ(loaded.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(loaded.status().message().find("'shards'"), std::string::npos)
         << loaded.status();
     EXPECT_EQ(s.Fingerprint(), before);
   }

@@ -369,6 +369,40 @@ TEST_F(SessionTest, ShapeMustHoldNumel) {
   EXPECT_TRUE(session_.RegisterGroup(spec).ok());
 }
 
+// A shard's place in its whole tensor (global_shape and global_offset) has
+// one entry per dimension of its shape and lies inside the whole; every
+// other placement is INVALID_ARGUMENT naming the tensor and registers
+// nothing.
+TEST_F(SessionTest, ShardPlaceMustHoldTheShard) {
+  GroupSpec spec;
+  spec.id = "g";
+  spec.tensors = {Fp32Tensor("a", 12, 0)};
+  spec.tensors[0].shape = {3, 4};
+  using Dims = std::vector<uint64_t>;
+  const std::vector<std::pair<Dims, Dims>> bad = {
+      {{6, 4}, {}},                       // an offset missing
+      {{}, {0, 0}},                       // a whole shape missing
+      {{12}, {0}},                        // fewer dimensions than the shard
+      {{6, 4}, {4, 0}},                   // past the end of a dimension
+      {{6, 3}, {0, 0}},                   // a dimension smaller than the shard
+      {{6, 4}, {~uint64_t{0}, 0}},        // an offset that wraps
+      {{1ull << 40, 1ull << 40}, {0, 0}}  // a whole past 64 bits
+  };
+  for (const auto& [whole, offset] : bad) {
+    spec.tensors[0].global_shape = whole;
+    spec.tensors[0].global_offset = offset;
+    auto r = session_.RegisterGroup(spec);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find("tensor 'a': global_shape"),
+              absl::string_view::npos)
+        << r.status();
+  }
+  EXPECT_TRUE(session_.Info().group_ids.empty());
+  spec.tensors[0].global_shape = {6, 4};
+  spec.tensors[0].global_offset = {3, 0};
+  EXPECT_TRUE(session_.RegisterGroup(spec).ok());
+}
+
 // A tied weight's other names (aliases) are names like any other: each
 // refused with INVALID_ARGUMENT and a message naming the problem when
 // empty, too long, too many, or already taken in the session; accepted

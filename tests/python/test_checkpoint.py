@@ -250,6 +250,52 @@ class CheckpointTest(unittest.TestCase):
             self.assertEqual(float(other.state[q]["step"]), 1.0)
             other.close()
 
+    def test_shards_of_every_rank_merge_into_whole_tensors(self):
+        # Two ranks hold halves of each parameter (as FSDP2's DTensors do,
+        # whose places the client sends: here given through the function
+        # that computes them) and checkpoint into one directory;
+        # merge_shards puts the parameters and every state slot together.
+        from unittest import mock
+        import optimd._daemon_optimizer as daemon_optimizer
+        from optimd.checkpoint import merge_shards
+        whole = {"w": torch.randn(6, 4), "b": torch.randn(5)}
+        parts = {"w": [(0, 3), (3, 3)], "b": [(0, 3), (3, 2)]}
+        places = {}
+
+        def place(p, mem):
+            return places.get(id(p))
+        with Daemon() as d, mock.patch.object(daemon_optimizer,
+                                              "shard_place", place):
+            opts, shards = [], []
+            for rank in (0, 1):
+                params = []
+                for name, t in whole.items():
+                    begin, n = parts[name][rank]
+                    p = torch.nn.Parameter(t[begin:begin + n].clone())
+                    places[id(p)] = (list(t.shape),
+                                     [begin] + [0] * (t.dim() - 1))
+                    params.append((name, p))
+                opt = AdamW(params, lr=1e-2, address=d.address,
+                            job_id="shards", rank=rank, world_size=2)
+                for step in range(3):
+                    for _, p in params:
+                        p.grad = torch.randn_like(p)
+                    opt.step()
+                opt.save_checkpoint(self.dir)
+                opts.append(opt)
+                shards.append(dict(params))
+            merged, state = merge_shards(self.dir)
+            for name in whole:
+                self.assertTrue(torch.equal(merged[name], torch.cat(
+                    [shards[r][name].detach() for r in (0, 1)])), name)
+                for key in ("exp_avg", "exp_avg_sq"):
+                    self.assertTrue(torch.equal(state[name][key], torch.cat(
+                        [opts[r].state[shards[r][name]][key]
+                         for r in (0, 1)])), name)
+                self.assertEqual(float(state[name]["step"]), 3.0)
+            for opt in opts:
+                opt.close()
+
     def test_safetensors_load_file_gives_shaped_tensors(self):
         # What safetensors.torch.load_file returns, read by hand (safetensors
         # is not installed here): every tensor has its parameter's shape.

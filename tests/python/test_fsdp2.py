@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from optimd.checkpoint import merge_shards
 from optimd.testing import Daemon
 from optimd.torch import AdamW
 
@@ -98,9 +99,10 @@ def _two_rank_worker(rank, init_file, address, out):
     dist.init_process_group("gloo", init_method="file://" + init_file,
                             rank=rank, world_size=2)
     m = _shard(_model("cpu"), "cpu", 2)
-    opt = AdamW(m.parameters(), lr=1e-2, weight_decay=0.1,
+    opt = AdamW(m.named_parameters(), lr=1e-2, weight_decay=0.1,
                 max_grad_norm=0.5, address=address)
     _train(m, opt, _batches(), "cpu", rank=rank, world_size=2)
+    opt.save_checkpoint(os.path.dirname(out))  # rank-<r>.safetensors
     weights = _full(m)  # a collective: every rank takes part
     if rank == 0:
         torch.save(dict(weights=weights, grad_norm=opt.grad_norm), out)
@@ -226,6 +228,18 @@ class Fsdp2Test(unittest.TestCase):
         self.assertAlmostEqual(got["grad_norm"], norm.item(), delta=1e-5 *
                                norm.item())
         self.assert_moved_alike(got["weights"], _full(m), init, bound=1e-3)
+        # The ranks' checkpoints put together: the whole parameters, with
+        # the names and shapes of the model's (a resharded resume starts
+        # from them), and the moments of the reference.
+        merged, state = merge_shards(scratch)
+        for k, v in got["weights"].items():
+            self.assertTrue(torch.equal(merged[k], v), k)
+        ref_state = {k: ref_opt.state[p] for k, p in m.named_parameters()
+                     if p in ref_opt.state}
+        self.assertEqual(sorted(state), sorted(ref_state))
+        for k, r in ref_state.items():
+            self.assertTrue(torch.allclose(state[k]["exp_avg"], r["exp_avg"],
+                                           rtol=1e-3, atol=1e-7), k)
         for k in ("unused.weight", "unused.bias"):
             self.assertTrue(torch.equal(got["weights"][k], init[k]), k)
 

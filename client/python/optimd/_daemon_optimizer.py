@@ -18,11 +18,12 @@ import torch
 from optimd import _secrets, errors
 from optimd._checkpoints import Checkpoints
 from optimd._cuda_segment import CudaSegment
-from optimd._dtensor import any_sharded, check_mesh, is_dtensor, local_of
+from optimd._dtensor import (any_sharded, check_mesh, is_dtensor, local_of,
+                             shard_place)
 from optimd._grads import GradRouter, HandleCache
 from optimd._jobs import (close_session, dist_identity, shared_job_id,
                           shared_nccl_id, zero_sharding)
-from optimd._layout import is_dense, memory_shape, view_like
+from optimd._layout import is_dense, keeps_layout, memory_shape, view_like
 from optimd._names import ParamNames
 from optimd._overlap import Overlap, assign_stages
 from optimd._state import DTYPES, DaemonState, set_state_request
@@ -367,6 +368,11 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
                                     shape=memory_shape(s.mem),
                                     stage=s.stage,
                                     aliases=self._names.aliases_of(s.param))
+            place = None if keeps_layout(s.mem) else shard_place(s.param,
+                                                                 s.mem)
+            if place is not None:
+                t.global_shape.extend(place[0])
+                t.global_offset.extend(place[1])
             if not s.frozen:
                 # Steps tell the daemon where gradients are (_grads.py).
                 t.grad_dtype = DTYPES[s.mem.dtype]

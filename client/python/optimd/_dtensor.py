@@ -63,3 +63,31 @@ def any_sharded(params):
     """Whether any of `params` is a DTensor shard (the job's ranks then
     hold disjoint parts of the gradients)."""
     return any(is_dtensor(p) for p in params)
+
+
+def chunk_extent(size, parts, index):
+    """(first index, length) of part `index` when `size` elements are split
+    into `parts` as torch.chunk splits them (FSDP2's sharding): parts of
+    ceil(size / parts) elements, the last ones shorter or empty."""
+    part = -(-size // parts)
+    begin = min(index * part, size)
+    return begin, min(part, size - begin)
+
+
+def shard_place(p, mem):
+    """(whole shape, offset of the local shard's first element) of a
+    DTensor `p` whose local shard is `mem`, for TensorSpec.global_shape and
+    global_offset (checkpoints keep them, optimd.checkpoint.merge_shards
+    puts the ranks' shards together); None for any other tensor, or a
+    shard whose extent is not torch.chunk's (then it is saved without)."""
+    if not is_dtensor(p) or p.dim() == 0:
+        return None
+    shape, offset = list(p.shape), [0] * p.dim()
+    mesh = p.device_mesh
+    for placement in p.placements:
+        dim = placement.dim
+        offset[dim], length = chunk_extent(shape[dim], mesh.size(),
+                                           mesh.get_local_rank())
+        if length != mem.shape[dim]:
+            return None
+    return shape, offset

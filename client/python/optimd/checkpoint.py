@@ -31,12 +31,17 @@ from earlier versions):
     model.load_state_dict(params, strict=True) loads a tied model.
     safetensors.torch.load_file shows it under its registered name only
     (safetensors stores one tensor per name).
+  * A shard of a larger tensor (FSDP2's DTensor parameters) lists its
+    place in the metadata (a group's "shards": [tensor index, whole shape,
+    offset] triples); `merge_shards(directory)` puts every rank's shards
+    together.
 The other way needs no conversion: the optimd.torch optimizers'
 load_state_dict takes torch's format directly.
 """
 import json
 import mmap
 import os
+import re
 import struct
 
 import torch
@@ -288,6 +293,62 @@ def to_torch_state_dict(path, shapes=None, params=None):
             index += 1
         groups.append(dict(_torch_hyperparameters(h), params=ids))
     return {"state": state, "param_groups": groups}, params, masters
+
+
+def merge_shards(directory):
+    """The checkpoints of every rank in `directory` (rank-<r>.safetensors,
+    one save_checkpoint per rank) put together: tensors registered as
+    shards of larger ones (FSDP2's DTensor parameters: a group's "shards",
+    [tensor index, whole shape, offset] triples) become whole tensors, so
+    that a job can resume at another number of ranks. Returns ({name:
+    whole parameter}, {name: {"step", state slots, "master" where the
+    layout keeps one}}), state as torch's AdamW keeps it (block8 moments
+    dequantized); a tensor that is not a shard comes from the first rank
+    that has it. The whole tensors are built in memory, the files read
+    through their maps."""
+    files = sorted(f for f in os.listdir(directory)
+                   if re.fullmatch(r"rank-\d+\.safetensors", f))
+    if not files:
+        raise FileNotFoundError("no rank-<r>.safetensors in %s" % directory)
+    params, state = {}, {}
+    for f in files:
+        meta, tensors = read_checkpoint(os.path.join(directory, f))
+        for g in meta["groups"]:
+            places = {int(i): (shape, offset)
+                      for i, shape, offset in g.get("shards", ())}
+            missed = _missed_steps(g)
+            for ti, t in enumerate(g["tensors"]):
+                name = t["name"]
+                own = g["step"] - missed.get(ti, 0)
+                pieces = [(params, name, tensors[name])]
+                m = _master(name, tensors)
+                entry = state.setdefault(name, {}) if own > 0 and \
+                    not t["frozen"] else None
+                if entry is not None:
+                    entry["step"] = torch.tensor(float(own))
+                    if m is not None:
+                        pieces.append((entry, "master", m))
+                    pieces += [(entry, k, v)
+                               for k, v in _slot_values(name, t, tensors)]
+                for into, key, value in pieces:
+                    _place(into, key, value.reshape(tensors[name].shape),
+                           places.get(ti))
+    return params, {k: v for k, v in state.items() if v}
+
+
+def _place(into, key, shard, place):
+    """Puts `shard` into into[key]: the whole tensor of `place` (whole
+    shape, offset), made on first use, or the shard itself when it is
+    whole (place None; the first one found is kept)."""
+    if place is None:
+        into.setdefault(key, shard.clone())
+        return
+    shape, offset = place
+    whole = into.get(key)
+    if whole is None:
+        whole = into[key] = torch.zeros(shape, dtype=shard.dtype)
+    whole[tuple(slice(o, o + n) for o, n in zip(offset, shard.shape))] = \
+        shard
 
 
 def _slot_values(name, t, tensors):

@@ -20,7 +20,7 @@ ADMIN_METADATA_KEY = "x-optimd-admin"
 # The client's version, and the API revision it needs of a daemon
 # (common/version.h says what each revision added).
 __version__ = "0.5.0"
-API_REVISION = 10
+API_REVISION = 11
 
 
 def default_address():
