@@ -20,7 +20,8 @@ run .gpu/cuda_math_test
 run .gpu/cuda_backend_test
 run python3 -m unittest -v tests/python/test_cuda_e2e.py
 run python3 -m unittest -v tests/python/test_frameworks.py
-# FSDP2 (DTensor parameters): one CUDA rank, one and two CPU ranks.
+# FSDP2 (DTensor parameters): one CUDA rank, one and two CPU ranks, and two
+# CUDA ranks on nvidia-h200-x2.
 run python3 -m unittest -v tests/python/test_fsdp2.py
 run python3 -m unittest -v tests/python/test_cuda_ranks.py  # two GPUs: nvidia-h200-x2
 run python3 -m unittest -v tests/python/test_cuda_zero.py  # two GPUs: nvidia-h200-x2

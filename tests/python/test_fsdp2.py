@@ -95,13 +95,19 @@ def _train(m, opt, batches, device, clip_in_trainer=None, rank=0,
         opt.zero_grad(set_to_none=i % 2 == 0)
 
 
-def _two_rank_worker(rank, init_file, address, out):
-    dist.init_process_group("gloo", init_method="file://" + init_file,
-                            rank=rank, world_size=2)
-    m = _shard(_model("cpu"), "cpu", 2)
+def _two_rank_worker(rank, init_file, address, out, device):
+    """One rank of a two-rank FSDP2 job (gloo on the CPU; NCCL on CUDA,
+    rank r on GPU r)."""
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo",
+                            init_method="file://" + init_file, rank=rank,
+                            world_size=2)
+    m = _shard(_model(device), device, 2)
     opt = AdamW(m.named_parameters(), lr=1e-2, weight_decay=0.1,
                 max_grad_norm=0.5, address=address)
-    _train(m, opt, _batches(), "cpu", rank=rank, world_size=2)
+    _train(m, opt, _batches(), device, rank=rank, world_size=2)
+    opt.synchronize()
     opt.save_checkpoint(os.path.dirname(out))  # rank-<r>.safetensors
     weights = _full(m)  # a collective: every rank takes part
     if rank == 0:
@@ -205,15 +211,24 @@ class Fsdp2Test(unittest.TestCase):
         opt.close()
 
     def test_two_cpu_ranks_clip_by_the_job_norm(self):
-        # Each rank holds half of every parameter and half of each batch;
-        # FSDP2 averages the gradients, the daemon clips by the norm of
-        # all ranks' shards together: the same as one process training the
-        # whole model on whole batches with clip_grad_norm_.
+        self.two_ranks("cpu")
+
+    @unittest.skipUnless(torch.cuda.device_count() >= 2,
+                         "needs two GPUs (nvidia-h200-x2)")
+    def test_two_cuda_ranks_clip_by_the_job_norm(self):
+        # The daemon's sessions of the two GPUs agree through NCCL.
+        self.two_ranks("cuda")
+
+    def two_ranks(self, device):
+        """Each rank holds half of every parameter and half of each batch;
+        FSDP2 averages the gradients, the daemon clips by the norm of all
+        ranks' shards together: the same as one process training the
+        whole model on whole batches with clip_grad_norm_."""
         scratch = tempfile.mkdtemp(prefix="optimd-fsdp2-")
         out = os.path.join(scratch, "rank0.pt")
         mp.start_processes(_two_rank_worker, args=(
-            os.path.join(scratch, "init"), self.daemons["cpu"].address, out),
-            nprocs=2, start_method="spawn")
+            os.path.join(scratch, "init"), self.daemons[device].address, out,
+            device), nprocs=2, start_method="spawn")
         got = torch.load(out)
         m = _model("cpu")
         init = _full(m)
