@@ -1099,6 +1099,31 @@ class TorchClientTest(unittest.TestCase):
         self.assertEqual(float(opt.state[good]["step"]), 1.0)
         opt.close()
 
+    def test_fsdp1_parameters_are_refused_clearly(self):
+        # FSDP version 1 marks the parameters it flattens into its own
+        # buffer (`_fsdp_flattened`) and points them at views of it again
+        # at each forward: the daemon's writes would never reach the model.
+        # Refused naming the parameter, at construction (nothing left in
+        # the daemon) or at the first step after FSDP took it over.
+        client = optimd.Client(self.daemon.address)
+        before = session_keys(client)
+        flat = torch.nn.Parameter(torch.randn(8))
+        flat._fsdp_flattened = True
+        with self.assertRaisesRegex(NotImplementedError,
+                                    "layer.weight is managed by FSDP "
+                                    "version 1.*fsdp_version=2"):
+            self.make([("layer.weight", flat)])
+        self.assertEqual(session_keys(client) - before, set())
+        client.close()
+        p = torch.nn.Parameter(torch.randn(8))
+        opt = self.make([("layer.weight", p)])
+        p.data = torch.randn(8)  # FSDP's view of its flat buffer
+        p._fsdp_flattened = True
+        p.grad = torch.randn(8)
+        with self.assertRaisesRegex(NotImplementedError, "FSDP version 1"):
+            opt.step()
+        opt.close()
+
     def test_parameters_keep_identity_and_zero_grad_follows_torch(self):
         model = mlp()
         before = [id(p) for p in model.parameters()]

@@ -503,6 +503,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             if is_dtensor(p):
                 check_mesh(p, name, self._world_size)
                 self._refuse_dtensor_options(name)
+            _refuse_fsdp1(p, name)
             if p.dtype not in DTYPES:
                 raise TypeError(
                     "optimd.torch supports float32, bfloat16, float16 and "
@@ -624,8 +625,11 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         if devices and devices != {self._device}:
             self._reopen(devices)
             return
-        moved = [s for g in self._groups for s in g["tensors"]
-                 if s.numel and s.param.data_ptr() != s.pview.data_ptr()]
+        homed = [s for g in self._groups for s in g["tensors"]
+                 if s.numel and not is_dtensor(s.param)]
+        moved = [s for s in homed if s.param.data_ptr() != s.pview.data_ptr()]
+        for s in moved:
+            _refuse_fsdp1(s.param, s.name)
         if any(s.param.dtype != s.pview.dtype and s.param.dtype in DTYPES and
                s.param.shape == s.pview.shape for s in moved):
             # model.half(), .bfloat16() or .double() after construction:
@@ -635,23 +639,21 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
                 self._check_group(gi, group)  # before the session closes
             self._reopen({self._device})
             return
-        for g in self._groups:
-            for s in g["tensors"]:
-                p = s.param
-                if p.data_ptr() != s.pview.data_ptr() and s.numel:
-                    if p.dtype != s.pview.dtype or p.shape != s.pview.shape:
-                        # A dtype the daemon does not step, or a new
-                        # shape: we cannot go on silently.
-                        raise TypeError(
-                            "parameter %s is now %s %s; it was registered "
-                            "as %s %s. Convert the model before creating "
-                            "the optimizer (or create a new one)" %
-                            (s.name, p.dtype, tuple(p.shape),
-                             s.pview.dtype, tuple(s.pview.shape)))
-                    if not is_dense(p):  # p.data = a view with gaps
-                        raise _not_dense_error(s.name, p)
-                    s.pview.copy_(p.detach())
-                    p.data = s.pview
+        for s in moved:
+            p = s.param
+            if p.dtype != s.pview.dtype or p.shape != s.pview.shape:
+                # A dtype the daemon does not step, or a new shape: we
+                # cannot go on silently.
+                raise TypeError(
+                    "parameter %s is now %s %s; it was registered as %s %s. "
+                    "Convert the model before creating the optimizer (or "
+                    "create a new one)" % (
+                        s.name, p.dtype, tuple(p.shape), s.pview.dtype,
+                        tuple(s.pview.shape)))
+            if not is_dense(p):  # p.data = a view with gaps
+                raise _not_dense_error(s.name, p)
+            s.pview.copy_(p.detach())
+            p.data = s.pview
 
     def _follow_dtensor_shards(self):
         """A DTensor whose local shard is another tensor now (FSDP2 made a
@@ -861,6 +863,20 @@ def _several_devices_error(cls_name, by_device, now=False):
         "%s(cpu_params) and %s(cuda_params)), or move the model to one "
         "device" % (cls_name, "now " if now else "", where, cls_name,
                     cls_name))
+
+
+def _refuse_fsdp1(p, name):
+    """FSDP version 1 keeps every parameter's values in a flat buffer of its
+    own and points the parameter (or its FlatParameter) at views of it
+    again at each forward: the daemon's updates would never reach the
+    model, so such a parameter (marked `_fsdp_flattened` by FSDP) raises."""
+    if getattr(p, "_fsdp_flattened", False):
+        raise NotImplementedError(
+            "optimd.torch: parameter %s is managed by FSDP version 1, which "
+            "keeps its values in a flat buffer of its own that the daemon "
+            "does not write; use FSDP2 (torch.distributed.fsdp.fully_shard, "
+            "or accelerate's FSDP with fsdp_version=2), whose DTensor "
+            "parameters optimd steps in place, or DDP" % name)
 
 
 def _not_dense_error(name, p):
