@@ -23,9 +23,9 @@ absl::Status LaunchUpdate(const Group& group, const Launch& launch,
   const auto* plan = PlanOf(group);
   auto* scalars =
       reinterpret_cast<cuda::DeviceScalars*>(plan->scalars_d.data());
-  OPTIMD_RETURN_IF_ERROR(
-      cuda::LaunchUpdate(group.hyper.kind, group.hyper.adamw, launch.layout,
-                         LaunchWork(*plan, launch, 0), scalars, stream));
+  OPTIMD_RETURN_IF_ERROR(cuda::LaunchUpdate(group.hyper, launch.layout,
+                                            LaunchWork(*plan, launch, 0),
+                                            scalars, stream));
   if (launch.fp8_count == 0) return absl::OkStatus();
   const auto* fp8 =
       reinterpret_cast<const cuda::DeviceFp8Tensor*>(plan->fp8_d.data());

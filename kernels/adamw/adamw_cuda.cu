@@ -19,7 +19,7 @@ namespace {
 // State slots: exp_avg, exp_avg_sq, max_exp_avg_sq (amsgrad).
 template <int N, class P, class G, class M, MasterKind K, bool kAms,
           bool kAdamW>
-__device__ __forceinline__ void UpdateN(const DeviceChunk& t, uint64_t i,
+__device__ __forceinline__ void UpdateN(const DeviceItem& t, uint64_t i,
                                         const DeviceScalars& s,
                                         const BiasScalars& b) {
   float p[N], g[N], m[N], v[N], x[N];
@@ -41,14 +41,14 @@ __device__ __forceinline__ void UpdateN(const DeviceChunk& t, uint64_t i,
   StoreWeight<N, P, K>(t, i, p);
 }
 
-// The bias scalars of each chunk of a work block: the group's, or, for a
+// The bias scalars of each item of a work block: the group's, or, for a
 // tensor that missed steps without a gradient, those of its own step
 // number (torch counts steps per parameter). The walk's Prepare.
-struct ChunkBias {
+struct ItemBias {
   const DeviceScalars& s;
   const uint32_t* missed;
-  BiasScalars* bias;  // shared memory, one per chunk of the block
-  __device__ void Prepare(const DeviceChunk* cs, uint32_t n) {
+  BiasScalars* bias;  // shared memory, one per item of the block
+  __device__ void Prepare(const DeviceItem* cs, uint32_t n) {
     if (threadIdx.x >= n) return;
     const uint32_t m = missed[cs[threadIdx.x].entry];
     bias[threadIdx.x] = m == 0 ? BiasScalars{s.neg_step, s.bc2, s.rbc2}
@@ -59,11 +59,11 @@ struct ChunkBias {
 
 // The update of a work block.
 template <class P, class G, class M, MasterKind K, bool kAms, bool kAdamW>
-struct Update : ChunkBias {
-  __device__ void Tile(const DeviceChunk& c, uint32_t k, uint64_t i) {
+struct Update : ItemBias {
+  __device__ void Tile(const DeviceItem& c, uint32_t k, uint64_t i) {
     UpdateN<8, P, G, M, K, kAms, kAdamW>(c, i, s, bias[k]);
   }
-  __device__ void Scalar(const DeviceChunk& c, uint32_t k, uint64_t i) {
+  __device__ void Scalar(const DeviceItem& c, uint32_t k, uint64_t i) {
     UpdateN<1, P, G, M, K, kAms, kAdamW>(c, i, s, bias[k]);
   }
 };
@@ -135,7 +135,7 @@ __device__ __forceinline__ float WarpBlock8Scale(float x) {
 // The weights (N = 8: a tile lane's share; N = 1: one element) of a block8
 // block's lane, from valid elements only.
 template <class P, class G, MasterKind K>
-__device__ __forceinline__ void LoadBlock8Lane(const DeviceChunk& c,
+__device__ __forceinline__ void LoadBlock8Lane(const DeviceItem& c,
                                                uint64_t first, uint32_t n,
                                                bool vector, float* p,
                                                float* g) {
@@ -157,7 +157,7 @@ __device__ __forceinline__ void LoadBlock8Lane(const DeviceChunk& c,
 }
 
 template <class P, MasterKind K>
-__device__ __forceinline__ void StoreBlock8Lane(const DeviceChunk& c,
+__device__ __forceinline__ void StoreBlock8Lane(const DeviceItem& c,
                                                 uint64_t first, uint32_t n,
                                                 bool vector, const float* p) {
   if (vector) {
@@ -176,8 +176,8 @@ __device__ __forceinline__ void StoreBlock8Lane(const DeviceChunk& c,
 // reads its elements' moments back, updates them with AdamWElement, then
 // the warp takes the block's new maxima and every lane stores its codes.
 template <class P, class G, MasterKind K, bool kAdamW>
-struct UpdateBlock8 : ChunkBias {
-  __device__ void Block(const DeviceChunk& c, uint32_t k, uint64_t first,
+struct UpdateBlock8 : ItemBias {
+  __device__ void Block(const DeviceItem& c, uint32_t k, uint64_t first,
                         uint32_t n) {
     const bool vector = n == kBlock8Elements && c.tiles > 0;
     float p[8], g[8], m[8] = {}, v[8] = {};
@@ -223,14 +223,14 @@ struct UpdateBlock8 : ChunkBias {
   static constexpr uint64_t kBlock8Slots = 2;  // exp_avg, exp_avg_sq
 };
 
-// The float64 layout's bias scalars of each chunk of a work block, for the
-// chunk's tensor's own step number (the group's, less the steps it
+// The float64 layout's bias scalars of each item of a work block, for the
+// item's tensor's own step number (the group's, less the steps it
 // missed). The walk's Prepare.
-struct ChunkBias64 {
+struct ItemBias64 {
   const DeviceScalars& s;
   const uint32_t* missed;
-  BiasScalars64* bias;  // shared memory, one per chunk of the block
-  __device__ void Prepare(const DeviceChunk* cs, uint32_t n) {
+  BiasScalars64* bias;  // shared memory, one per item of the block
+  __device__ void Prepare(const DeviceItem* cs, uint32_t n) {
     if (threadIdx.x >= n) return;
     bias[threadIdx.x] =
         MakeBias64(s.lr, s.beta1_d, s.beta2_d, s.bias_correction,
@@ -242,8 +242,8 @@ struct ChunkBias64 {
 // double arithmetic (IEEE division and square root, no contraction),
 // element by element (a tile lane's: ForEachTileLaneElement).
 template <bool kAms, bool kAdamW>
-struct Update64 : ChunkBias64 {
-  __device__ __forceinline__ void One(const DeviceChunk& c, uint32_t k,
+struct Update64 : ItemBias64 {
+  __device__ __forceinline__ void One(const DeviceItem& c, uint32_t k,
                                       uint64_t i) {
     double* p = static_cast<double*>(c.param);
     const double* g = static_cast<const double*>(c.grad);
@@ -262,10 +262,10 @@ struct Update64 : ChunkBias64 {
     v[i] = vi;
     if constexpr (kAms) x[i] = xi;
   }
-  __device__ void Tile(const DeviceChunk& c, uint32_t k, uint64_t i) {
+  __device__ void Tile(const DeviceItem& c, uint32_t k, uint64_t i) {
     ForEachTileLaneElement(i, [&](uint64_t e) { One(c, k, e); });
   }
-  __device__ void Scalar(const DeviceChunk& c, uint32_t k, uint64_t i) {
+  __device__ void Scalar(const DeviceItem& c, uint32_t k, uint64_t i) {
     One(c, k, i);
   }
 };
@@ -276,7 +276,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 4)
                        const DeviceScalars* __restrict__ scalars) {
   const DeviceScalars s = *scalars;
   if (s.skip) return;
-  __shared__ BiasScalars64 bias[kMaxChunksPerBlock];
+  __shared__ BiasScalars64 bias[kMaxItemsPerBlock];
   Update64<kAms, kAdamW> body{{s, work.missed, bias}};
   Walk(work, body);
 }
@@ -287,7 +287,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 4)
                       const DeviceScalars* __restrict__ scalars) {
   const DeviceScalars s = *scalars;
   if (s.skip) return;
-  __shared__ BiasScalars bias[kMaxChunksPerBlock];
+  __shared__ BiasScalars bias[kMaxItemsPerBlock];
   UpdateBlock8<P, G, K, kAdamW> body{{s, work.missed, bias}};
   WalkBlocks8(work, body);
 }
@@ -299,7 +299,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 4)
     AdamWKernel(const Work work, const DeviceScalars* __restrict__ scalars) {
   const DeviceScalars s = *scalars;
   if (s.skip) return;
-  __shared__ BiasScalars bias[kMaxChunksPerBlock];
+  __shared__ BiasScalars bias[kMaxItemsPerBlock];
   Update<P, G, M, K, kAms, kAdamW> body{{s, work.missed, bias}};
   Walk(work, body);
 }
