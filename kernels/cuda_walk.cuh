@@ -98,8 +98,9 @@ struct F64 {
 // FP8 parameters (core/fp8.h): the update kernels read and write their
 // fp32 masters only (StoreWeight leaves the parameter alone); the codes
 // and scale inverses are written after each warp block's update
-// (kernels/fp8_cuda.cuh) or by the encode pass (kernels/fp8_cuda.h). Dispatched only to launchers that declare
-// `static constexpr bool kTakesFp8 = true` (TakesFp8), with kFp32 masters.
+// (kernels/fp8_cuda.cuh) or by the encode pass (kernels/fp8_cuda.h).
+// Dispatched only to launchers that declare `static constexpr bool
+// kTakesFp8 = true` (TakesFp8), with kFp32 masters.
 template <const Fp8Format& F>
 struct Fp8Param {
   using T = uint8_t;

@@ -61,13 +61,15 @@ struct Fp8Encode {
             ElementMultiplier<P>(t, e);
       } else {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) m[4 * q + j] = ElementMultiplier<P>(t, e + j);
+        for (int j = 0; j < 4; ++j)
+          m[4 * q + j] = ElementMultiplier<P>(t, e + j);
       }
     }
     uint32_t w[2] = {0, 0};
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      w[j / 4] |= static_cast<uint32_t>(Fp8Codec<P>::Encode(x[j] * m[j])) << (8 * (j % 4));
+      w[j / 4] |= static_cast<uint32_t>(Fp8Codec<P>::Encode(x[j] * m[j]))
+                  << (8 * (j % 4));
     }
     uint8_t* q = static_cast<uint8_t*>(c.param);
     *reinterpret_cast<uint32_t*>(q + i) = w[0];
@@ -76,8 +78,8 @@ struct Fp8Encode {
   __device__ void Scalar(const DeviceChunk& c, uint32_t k, uint64_t i) {
     const DeviceFp8Tensor& t = Fp8Of(c);
     if (t.pass == Fp8Pass::kFused) return;
-    const float m = t.pass == Fp8Pass::kTensorAmax ? mul[k]
-                                                    : ElementMultiplier<P>(t, i);
+    const float m =
+        t.pass == Fp8Pass::kTensorAmax ? mul[k] : ElementMultiplier<P>(t, i);
     static_cast<uint8_t*>(c.param)[i] =
         Fp8Codec<P>::Encode(static_cast<const float*>(c.master)[i] * m);
   }
@@ -85,7 +87,8 @@ struct Fp8Encode {
 
 template <class P>
 __global__ void __launch_bounds__(kThreadsPerBlock)
-    Fp8EncodeKernel(const Work work, const DeviceScalars* __restrict__ scalars) {
+    Fp8EncodeKernel(const Work work,
+                    const DeviceScalars* __restrict__ scalars) {
   if (scalars->skip) return;
   __shared__ float mul[kMaxChunksPerBlock];
   Fp8Encode<P> body{mul};

@@ -58,7 +58,8 @@ __device__ __forceinline__ float UnitMultiplier(Fp8Recipe recipe,
     if (write) static_cast<uint8_t*>(scale_inv)[unit] = code;
     return E8M0Multiplier(code);
   }
-  const float mul = Fp8Scale(amax, Fp8Codec<P>::kMax, recipe != Fp8Recipe::kTensor);
+  const float mul =
+      Fp8Scale(amax, Fp8Codec<P>::kMax, recipe != Fp8Recipe::kTensor);
   if (write) static_cast<float*>(scale_inv)[unit] = 1.0f / mul;
   return mul;
 }

@@ -268,8 +268,8 @@ Fp8Pass ChooseFp8Pass(const Fp8Geometry& g, uint64_t chunk_step) {
   // Units of w consecutive elements that start at multiples of w: each
   // warp block (256 elements from a chunk's start) holds whole units.
   const bool row_units = g.block_rows == 1 || g.rows <= 1;
-  const bool whole = g.cols % w == 0 && chunk_step % w == 0 &&
-                     kTileElements % w == 0;
+  const bool whole =
+      g.cols % w == 0 && chunk_step % w == 0 && kTileElements % w == 0;
   if (row_units && whole) return Fp8Pass::kFused;
   if (w == kTileElements / 2 && whole) return Fp8Pass::kHalfAmax;
   return Fp8Pass::kElementAmax;

@@ -35,10 +35,10 @@ absl::Status UploadFp8(int device, cudaStream_t stream, DevicePlan& plan) {
                                           sizeof(DeviceFp8Tensor)));
   OPTIMD_ASSIGN_OR_RETURN(
       plan.fp8_amax_d,
-      DeviceAlloc(device,
-                  std::max<uint64_t>(1, plan.fp8_amax_words) * sizeof(uint32_t)));
-  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(
-      plan.fp8_amax_d.data(), 0, plan.fp8_amax_d.size(), stream));
+      DeviceAlloc(device, std::max<uint64_t>(1, plan.fp8_amax_words) *
+                              sizeof(uint32_t)));
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(plan.fp8_amax_d.data(), 0,
+                                              plan.fp8_amax_d.size(), stream));
   auto* rows_d = reinterpret_cast<DeviceFp8Tensor*>(plan.fp8_d.data());
   auto* amax_d = reinterpret_cast<uint32_t*>(plan.fp8_amax_d.data());
   for (size_t f = 0; f < plan.fp8.size(); ++f) {

@@ -36,9 +36,8 @@ absl::Status LaunchUpdate(const Group& group, const Launch& launch,
       cuda::LaunchUpdate(group.hyper.kind, group.hyper.adamw, launch.layout,
                          LaunchWork(*plan, launch, 0), scalars, stream));
   if (!encode) return absl::OkStatus();
-  return cuda::LaunchFp8Encode(
-      launch.layout.param_dtype == DType::kFloat8E5M2,
-      LaunchWork(*plan, launch, 1), scalars, stream);
+  return cuda::LaunchFp8Encode(launch.layout.param_dtype == DType::kFloat8E5M2,
+                               LaunchWork(*plan, launch, 1), scalars, stream);
 }
 
 // The updates of every group stage by stage, writing *progress = s + 1

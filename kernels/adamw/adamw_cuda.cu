@@ -84,16 +84,15 @@ struct UpdateFp8 : ChunkBias {
     const bool vector = n == kTileElements && c.tiles > 0;
     float p[8];
     if (vector) {
-      UpdateN<8, P, G, M, K, kAms, kAdamW>(c, first + 4 * (threadIdx.x & 31),
-                                           s, bias[k], p);
+      UpdateN<8, P, G, M, K, kAms, kAdamW>(c, first + 4 * (threadIdx.x & 31), s,
+                                           bias[k], p);
     } else {
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const uint32_t e = Block8Offset(j);
         p[j] = 0.0f;
         if (e < n) {
-          UpdateN<1, P, G, M, K, kAms, kAdamW>(c, first + e, s, bias[k],
-                                               &p[j]);
+          UpdateN<1, P, G, M, K, kAms, kAdamW>(c, first + e, s, bias[k], &p[j]);
         }
       }
     }
