@@ -213,9 +213,9 @@ absl::Status ResolveFp8Recipe(const std::string& tensor, Fp8Recipe recipe,
                      " parameter needs an fp8_recipe (tensor, block_1x128, "
                      "block_128x128 or mxfp8) and its scale_inv buffer"));
   }
-  if (layout->optimizer != OptimizerKind::kAdamW) {
-    return refuse(absl::StrCat("FP8 parameters are stepped by AdamW only, not ",
-                               OptimizerName(layout->optimizer)));
+  if (const char* why = Fp8Refusal(layout->optimizer)) {
+    return refuse(
+        absl::StrCat(why, ", not ", OptimizerName(layout->optimizer)));
   }
   if (layout->master != MasterKind::kFp32) {
     return refuse("FP8 parameters need fp32 master weights");

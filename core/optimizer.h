@@ -8,6 +8,7 @@
 #define OPTIMD_CORE_OPTIMIZER_H_
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -17,8 +18,10 @@
 
 namespace optimd {
 
-// The optimizers the daemon runs. Numbers are stable (the API's
-// OptimizerKind and checkpoints name them).
+// The optimizers the daemon runs, one row each of core/optimizer.cc's
+// traits. Numbers are stable: checkpoints name the optimizer, and the
+// API's OptimizerKind (proto/optimd/v1/optimd.proto) numbers each one
+// this value plus 1 (0 is its UNSPECIFIED, read as AdamW).
 enum class OptimizerKind : uint8_t {
   // torch.optim.AdamW / Adam (Hyperparameters.mode picks the decay).
   kAdamW = 0,
@@ -33,6 +36,11 @@ enum class OptimizerKind : uint8_t {
 absl::string_view OptimizerName(OptimizerKind kind);
 // The kind named `name`; INVALID_ARGUMENT for an unknown name.
 absl::StatusOr<OptimizerKind> OptimizerFromName(absl::string_view name);
+// The kind numbered `number` (OptimizerKind's value), or nullopt for a
+// number no optimizer has.
+std::optional<OptimizerKind> OptimizerFromNumber(int number);
+// "adamw, sgd, lion": the known optimizers' names, for errors.
+std::string KnownOptimizerNames();
 
 // A group's hyperparameters, for every optimizer; each optimizer reads the
 // fields its traits name and ignores the others.
@@ -73,6 +81,10 @@ absl::string_view StateSlotName(OptimizerKind kind, int slot);
 // without amsgrad, whose running maximum has no 8-bit form).
 const char* Block8Refusal(const OptimizerHyper& h);
 
+// Why the kernels of `kind` cannot step FP8 parameters (core/fp8_recipe.h),
+// or nullptr when they can: AdamW's can.
+const char* Fp8Refusal(OptimizerKind kind);
+
 // Whether the kernels of `kind` step float64 parameters (the float64
 // layout, core/layout.h): AdamW's, SGD's and Lion's do.
 bool TakesFloat64(OptimizerKind kind);
@@ -83,10 +95,12 @@ std::vector<std::string> AllStateSlotNames();
 // The slot of `kind` named `name` among the first `count` slots, or -1.
 int StateSlotIndex(OptimizerKind kind, int count, absl::string_view name);
 
-// Checks `h` against its optimizer's rules (torch's own: lr, eps, weight
-// decay, momentum finite and >= 0, betas in [0, 1), dampening finite,
-// nesterov needs momentum > 0 and dampening 0). INVALID_ARGUMENT naming
-// `where` and the value otherwise.
+// Checks `h` against its optimizer's rules (torch's own: lr and weight
+// decay finite and >= 0 for every optimizer; then each optimizer's row:
+// AdamW betas in [0, 1) and eps finite and >= 0, SGD momentum finite and
+// >= 0, dampening finite, nesterov needs momentum > 0 and dampening 0,
+// Lion betas in [0, 1)). INVALID_ARGUMENT naming `where` and the value
+// otherwise.
 absl::Status CheckHyperparameters(const OptimizerHyper& h,
                                   const std::string& where);
 

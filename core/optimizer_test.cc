@@ -53,5 +53,25 @@ TEST(OptimizerTest, NamesSlotsAndChecks) {
   EXPECT_FALSE(CheckHyperparameters(lion, "g").ok());
 }
 
+// Every optimizer is found by its number, and names its FP8 support and
+// its rules through its traits row.
+TEST(OptimizerTest, KindsByNumberAndTheirRows) {
+  for (OptimizerKind k :
+       {OptimizerKind::kAdamW, OptimizerKind::kSgd, OptimizerKind::kLion}) {
+    ASSERT_TRUE(OptimizerFromNumber(static_cast<int>(k)).has_value());
+    EXPECT_EQ(*OptimizerFromNumber(static_cast<int>(k)), k);
+  }
+  EXPECT_FALSE(OptimizerFromNumber(3).has_value());
+  EXPECT_FALSE(OptimizerFromNumber(-1).has_value());
+  EXPECT_EQ(KnownOptimizerNames(), "adamw, sgd, lion");
+  EXPECT_EQ(Fp8Refusal(OptimizerKind::kAdamW), nullptr);
+  EXPECT_NE(Fp8Refusal(OptimizerKind::kSgd), nullptr);
+  EXPECT_NE(Fp8Refusal(OptimizerKind::kLion), nullptr);
+  OptimizerHyper unknown;
+  unknown.kind = static_cast<OptimizerKind>(9);
+  EXPECT_EQ(CheckHyperparameters(unknown, "g").code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace optimd

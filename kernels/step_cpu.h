@@ -1,6 +1,8 @@
 // One CPU step for any optimizer: the folded scalars of a group's (or a
 // tensor's) step, and the one dispatch from a tensor's layout to its
-// optimizer's kernel. Backends call these and name no optimizer.
+// optimizer's kernel. Backends call these and name no optimizer; the
+// optimizers are found in the list of step_cpu.cc (each one's CpuOptimizer,
+// kernels/cpu_optimizer.h).
 #ifndef OPTIMD_KERNELS_STEP_CPU_H_
 #define OPTIMD_KERNELS_STEP_CPU_H_
 
@@ -9,22 +11,13 @@
 #include "core/layout.h"
 #include "core/optimizer.h"
 #include "core/step_types.h"
-#include "kernels/adamw/adamw_cpu.h"
-#include "kernels/lion/lion_cpu.h"
-#include "kernels/sgd/sgd_cpu.h"
+#include "kernels/cpu_optimizer.h"
 
 namespace optimd {
 
-// The scalars of one step; only the member of `kind` is set.
-struct OptimizerScalars {
-  OptimizerKind kind = OptimizerKind::kAdamW;
-  AdamWScalars adamw;
-  SgdScalars sgd;
-  LionScalars lion;
-};
-
 // Folds `h`, the tensor's step number t (>= 1), the loss scale and the
-// clip coefficient for h.kind.
+// clip coefficient for h.kind. Aborts for an optimizer without a CPU
+// kernel (a bug: the traits of core/optimizer.h and the list disagree).
 OptimizerScalars MakeOptimizerScalars(const OptimizerHyper& h, uint64_t t,
                                       double grad_scale, double clip_coef);
 

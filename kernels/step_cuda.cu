@@ -5,18 +5,41 @@
 #include <cstdint>
 
 #include "core/step_math.h"
-#include "kernels/adamw/adamw_cuda.h"
 #include "kernels/adamw/adamw_scalars.cuh"
 #include "kernels/cuda_walk.cuh"
-#include "kernels/lion/lion_cuda.h"
 #include "kernels/lion/lion_scalars.cuh"
-#include "kernels/sgd/sgd_cuda.h"
 #include "kernels/sgd/sgd_scalars.cuh"
 #include "kernels/step_cuda.h"
 
 namespace optimd {
 namespace cuda {
 namespace {
+
+// The optimizers `O...`, each one's part of the CUDA step
+// (kernels/<optimizer>/<optimizer>_scalars.cuh: kKind, MakeScalars,
+// Update), picked by kind.
+template <class... O>
+struct CudaOptimizerList {
+  // The optimizer's own fields of `s`; none for an unknown kind.
+  __device__ static void MakeScalars(OptimizerKind kind, const StepHyper& h,
+                                     DeviceScalars* s) {
+    ((kind == O::kKind ? O::MakeScalars(h, s) : void()), ...);
+  }
+  // The update of `hyper.kind`; INVALID_ARGUMENT for an unknown kind.
+  static absl::Status Update(const OptimizerHyper& hyper, const Layout& layout,
+                             const Work& work, const DeviceScalars* scalars,
+                             Stream stream) {
+    absl::Status out = absl::InvalidArgumentError("unknown optimizer");
+    ((hyper.kind == O::kKind
+          ? (void)(out = O::Update(hyper, layout, work, scalars, stream))
+          : void()),
+     ...);
+    return out;
+  }
+};
+
+// Every optimizer's part of the CUDA step, one entry each.
+using CudaOptimizers = CudaOptimizerList<AdamWCuda, SgdCuda, LionCuda>;
 
 template <class G>
 struct SumSquares {
@@ -88,17 +111,7 @@ __device__ DeviceScalars MakeScalars(const StepHyper& h, double total,
   s.grad_mul_d = GradMultiplier(h.grad_scale, clip, h.maximize != 0);
   s.grad_mul = static_cast<float>(s.grad_mul_d);
   s.t = step + 1;
-  switch (static_cast<OptimizerKind>(h.optimizer)) {
-    case OptimizerKind::kAdamW:
-      MakeAdamWScalars(h, s.t, &s);
-      break;
-    case OptimizerKind::kSgd:
-      MakeSgdScalars(h, &s);
-      break;
-    case OptimizerKind::kLion:
-      MakeLionScalars(h, &s);
-      break;
-  }
+  CudaOptimizers::MakeScalars(static_cast<OptimizerKind>(h.optimizer), h, &s);
   return s;
 }
 
@@ -283,19 +296,11 @@ absl::Status LaunchMakeScalars(const GroupStep* scratch, uint32_t n,
   return LaunchStatus("step scalars kernel launch");
 }
 
-absl::Status LaunchUpdate(OptimizerKind kind, bool adamw, const Layout& layout,
+absl::Status LaunchUpdate(const OptimizerHyper& hyper, const Layout& layout,
                           const Work& work, const DeviceScalars* scalars,
                           Stream stream) {
   if (work.num_blocks == 0) return absl::OkStatus();
-  switch (kind) {
-    case OptimizerKind::kAdamW:
-      return LaunchAdamW(layout, adamw, work, scalars, stream);
-    case OptimizerKind::kSgd:
-      return LaunchSgd(layout, work, scalars, stream);
-    case OptimizerKind::kLion:
-      return LaunchLion(layout, work, scalars, stream);
-  }
-  return absl::InvalidArgumentError("unknown optimizer");
+  return CudaOptimizers::Update(hyper, layout, work, scalars, stream);
 }
 
 absl::Status LaunchCommitSteps(const GroupStep* scratch, uint32_t n,

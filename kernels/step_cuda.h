@@ -15,7 +15,7 @@
 //      group's device-resident step counter and optimizer, its step
 //      scalars, into the group's DeviceScalars.
 //   3. LaunchUpdate per plan launch of every group: unless skipped, updates
-//      its chunks with the group's optimizer (AdamW/Adam, SGD, Lion).
+//      its chunks with the group's optimizer (kernels/<optimizer>/).
 //   4. LaunchCommitSteps, once: advances the counters unless skipped,
 //      records the step's norm and skipped flag, and writes them to the
 //      step's record in pinned host memory.
@@ -61,9 +61,10 @@ absl::Status LaunchMakeScalars(const GroupStep* scratch, uint32_t n,
                                const double* sums, uint32_t ranks,
                                Stream stream);
 
-// Step 3 above: the update kernel of `kind` for `layout` over `work`;
-// `adamw` picks AdamW's decoupled decay over Adam's L2 (AdamW only).
-absl::Status LaunchUpdate(OptimizerKind kind, bool adamw, const Layout& layout,
+// Step 3 above: the update kernel of the group's optimizer (hyper.kind)
+// for `layout` over `work`; an optimizer reads what its kernels take as
+// template parameters from `hyper` (AdamW: decoupled decay or Adam's L2).
+absl::Status LaunchUpdate(const OptimizerHyper& hyper, const Layout& layout,
                           const Work& work, const DeviceScalars* scalars,
                           Stream stream);
 

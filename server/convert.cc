@@ -1,6 +1,7 @@
 #include "server/convert.h"
 
 #include <cmath>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -89,25 +90,18 @@ BufferHandle BufferHandleFromProto(const v1::BufferHandle& h) {
 
 namespace {
 
-// The API's optimizer kinds and the daemon's, one row each (UNSPECIFIED is
-// read as AdamW, the default).
-struct OptimizerKinds {
-  v1::OptimizerKind proto;
-  OptimizerKind kind;
-};
-constexpr OptimizerKinds kOptimizerKinds[] = {
-    {v1::OPTIMIZER_KIND_ADAMW, OptimizerKind::kAdamW},
-    {v1::OPTIMIZER_KIND_SGD, OptimizerKind::kSgd},
-    {v1::OPTIMIZER_KIND_LION, OptimizerKind::kLion},
-};
+// The API numbers each optimizer as core/optimizer.h does, plus 1; its
+// UNSPECIFIED (0) is read as AdamW, the default.
+static_assert(v1::OPTIMIZER_KIND_ADAMW ==
+                  static_cast<int>(OptimizerKind::kAdamW) + 1,
+              "the API's optimizer numbers are the daemon's plus 1");
 
-// The row of `proto`, or null for a kind this daemon does not know.
-const OptimizerKinds* KindFromProto(int proto) {
-  if (proto == v1::OPTIMIZER_KIND_UNSPECIFIED) return &kOptimizerKinds[0];
-  for (const OptimizerKinds& k : kOptimizerKinds) {
-    if (k.proto == proto) return &k;
-  }
-  return nullptr;
+// The daemon's kind of the API's `proto`, or nullopt for a kind this
+// daemon does not know (an open enum carries any number).
+std::optional<OptimizerKind> KindFromProto(int proto) {
+  if (proto == v1::OPTIMIZER_KIND_UNSPECIFIED) return OptimizerKind::kAdamW;
+  if (proto < 0) return std::nullopt;
+  return OptimizerFromNumber(proto - 1);
 }
 
 // A group's hyperparameters; INVALID_ARGUMENT for an unknown optimizer or
@@ -135,13 +129,13 @@ absl::StatusOr<OptimizerHyper> HyperFromProto(const v1::Hyperparameters& h,
   out.bias_correction = h.has_bias_correction() ? h.bias_correction() : true;
   out.maximize = h.maximize();
   out.amsgrad = h.amsgrad();
-  const auto* kind = KindFromProto(h.optimizer());
-  if (kind == nullptr) {
+  const std::optional<OptimizerKind> kind = KindFromProto(h.optimizer());
+  if (!kind.has_value()) {
     return absl::InvalidArgumentError(
         absl::StrCat("group '", group_id, "': unknown optimizer ",
-                     h.optimizer(), " (known: adamw, sgd, lion)"));
+                     h.optimizer(), " (known: ", KnownOptimizerNames(), ")"));
   }
-  out.kind = kind->kind;
+  out.kind = *kind;
   out.momentum = h.momentum();
   out.dampening = h.dampening();
   out.nesterov = h.nesterov();
@@ -291,9 +285,8 @@ void HyperToProto(const OptimizerHyper& h, v1::Hyperparameters* out) {
   out->set_bias_correction(h.bias_correction);
   out->set_maximize(h.maximize);
   out->set_amsgrad(h.amsgrad);
-  for (const OptimizerKinds& k : kOptimizerKinds) {
-    if (k.kind == h.kind) out->set_optimizer(k.proto);
-  }
+  out->set_optimizer(
+      static_cast<v1::OptimizerKind>(static_cast<int>(h.kind) + 1));
   out->set_momentum(h.momentum);
   out->set_dampening(h.dampening);
   out->set_nesterov(h.nesterov);

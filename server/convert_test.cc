@@ -1,5 +1,7 @@
 #include "server/convert.h"
 
+#include <utility>
+
 #include "gtest/gtest.h"
 
 namespace optimd {
@@ -59,6 +61,37 @@ TEST(ConvertTest, GroupSpecDefaultsAndErrors) {
   auto bad = GroupSpecFromProto(r);
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(bad.status().message().find("'w'"), absl::string_view::npos);
+}
+
+// The API's optimizer kinds map by number both ways; a number no
+// optimizer has is refused, naming the known ones.
+TEST(ConvertTest, OptimizerKindsByNumber) {
+  v1::RegisterGroupRequest r;
+  r.set_group_id("g");
+  const std::pair<v1::OptimizerKind, OptimizerKind> kinds[] = {
+      {v1::OPTIMIZER_KIND_UNSPECIFIED, OptimizerKind::kAdamW},
+      {v1::OPTIMIZER_KIND_ADAMW, OptimizerKind::kAdamW},
+      {v1::OPTIMIZER_KIND_SGD, OptimizerKind::kSgd},
+      {v1::OPTIMIZER_KIND_LION, OptimizerKind::kLion}};
+  for (const auto& [proto, kind] : kinds) {
+    r.mutable_hyperparameters()->set_optimizer(proto);
+    auto spec = GroupSpecFromProto(r);
+    ASSERT_TRUE(spec.ok());
+    EXPECT_EQ(spec->hyper.kind, kind);
+    v1::Hyperparameters back;
+    HyperToProto(spec->hyper, &back);
+    EXPECT_EQ(back.optimizer(), proto == v1::OPTIMIZER_KIND_UNSPECIFIED
+                                    ? v1::OPTIMIZER_KIND_ADAMW
+                                    : proto);
+  }
+  for (int bad : {4, 99, -1}) {
+    r.mutable_hyperparameters()->set_optimizer(
+        static_cast<v1::OptimizerKind>(bad));
+    auto spec = GroupSpecFromProto(r);
+    EXPECT_EQ(spec.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(spec.status().message().find("(known: adamw, sgd, lion)"),
+              absl::string_view::npos);
+  }
 }
 
 // float64 travels as DTYPE_FLOAT64; an unspecified moment dtype is the

@@ -32,9 +32,9 @@ absl::Status LaunchUpdate(const Group& group, const Launch& launch,
         cudaMemsetAsync(amax + launch.fp8_amax_first, 0,
                         launch.fp8_amax_words * sizeof(uint32_t), stream));
   }
-  OPTIMD_RETURN_IF_ERROR(
-      cuda::LaunchUpdate(group.hyper.kind, group.hyper.adamw, launch.layout,
-                         LaunchWork(*plan, launch, 0), scalars, stream));
+  OPTIMD_RETURN_IF_ERROR(cuda::LaunchUpdate(group.hyper, launch.layout,
+                                            LaunchWork(*plan, launch, 0),
+                                            scalars, stream));
   if (!encode) return absl::OkStatus();
   return cuda::LaunchFp8Encode(launch.layout.param_dtype == DType::kFloat8E5M2,
                                LaunchWork(*plan, launch, 1), scalars, stream);

@@ -285,4 +285,17 @@ void WriteParamFromMasterRange(const Layout& layout, const TensorPointers& t,
   }
 }
 
+const CpuOptimizer kAdamWCpu = {
+    OptimizerKind::kAdamW,
+    [](const OptimizerHyper& h, uint64_t t, double grad_scale, double clip_coef,
+       OptimizerScalars* out) {
+      out->Hold(OptimizerKind::kAdamW,
+                MakeAdamWScalars(h, t, grad_scale, clip_coef));
+    },
+    [](const Layout& layout, const TensorPointers& t, uint64_t begin,
+       uint64_t end, const OptimizerScalars& s) {
+      AdamWStepRange(layout, t, begin, end, s.As<AdamWScalars>());
+    },
+};
+
 }  // namespace optimd

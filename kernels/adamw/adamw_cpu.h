@@ -27,6 +27,7 @@
 
 #include "core/layout.h"
 #include "core/step_types.h"
+#include "kernels/cpu_optimizer.h"
 
 namespace optimd {
 
@@ -76,6 +77,10 @@ void InitMasterRange(const Layout& layout, const TensorPointers& t,
 // (whole scaling units). No-op for kNone.
 void WriteParamFromMasterRange(const Layout& layout, const TensorPointers& t,
                                uint64_t begin, uint64_t end);
+
+// AdamW's CPU step as kernels/step_cpu.cc lists it: the two functions
+// above behind the generic interface.
+extern const CpuOptimizer kAdamWCpu;
 
 }  // namespace optimd
 

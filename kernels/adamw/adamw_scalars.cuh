@@ -1,13 +1,18 @@
 // AdamW's step scalars on the device (see adamw_cpu.cc's MakeAdamWScalars:
-// the same double arithmetic, rounded to float once). Included by the
-// step's prepare kernel and by the AdamW update (for tensors that missed
-// steps).
+// the same double arithmetic, rounded to float once), and AdamW's part of
+// the CUDA step (AdamWCuda, listed by kernels/step_cuda.cu). Included by
+// the step's prepare kernel and by the AdamW update (for tensors that
+// missed steps).
 #ifndef OPTIMD_KERNELS_ADAMW_ADAMW_SCALARS_CUH_
 #define OPTIMD_KERNELS_ADAMW_ADAMW_SCALARS_CUH_
 
 #include <cstdint>
 
+#include "absl/status/status.h"
+#include "core/layout.h"
+#include "core/optimizer.h"
 #include "core/step_math.h"
+#include "kernels/adamw/adamw_cuda.h"
 #include "kernels/cuda_step_types.h"
 
 namespace optimd {
@@ -69,6 +74,21 @@ __device__ inline void MakeAdamWScalars(const StepHyper& h, uint64_t t,
   s->rbc2 = b.rbc2;
   s->neg_step = b.neg_step;
 }
+
+// AdamW's part of the CUDA step, as kernels/step_cuda.cu lists it: its
+// step scalars (in the step's prepare kernel, after skip, grad_mul and t)
+// and the launch of its update.
+struct AdamWCuda {
+  static constexpr OptimizerKind kKind = OptimizerKind::kAdamW;
+  __device__ static void MakeScalars(const StepHyper& h, DeviceScalars* s) {
+    MakeAdamWScalars(h, s->t, s);
+  }
+  static absl::Status Update(const OptimizerHyper& hyper, const Layout& layout,
+                             const Work& work, const DeviceScalars* scalars,
+                             Stream stream) {
+    return LaunchAdamW(layout, hyper.adamw, work, scalars, stream);
+  }
+};
 
 }  // namespace cuda
 }  // namespace optimd

@@ -69,4 +69,18 @@ void LionStepRange(const Layout& layout, const TensorPointers& t,
   cpu::DispatchLayout(layout, kernel);
 }
 
+const CpuOptimizer kLionCpu = {
+    OptimizerKind::kLion,
+    // Lion's update does not depend on the step number.
+    [](const OptimizerHyper& h, uint64_t /*t*/, double grad_scale,
+       double clip_coef, OptimizerScalars* out) {
+      out->Hold(OptimizerKind::kLion,
+                MakeLionScalars(h, grad_scale, clip_coef));
+    },
+    [](const Layout& layout, const TensorPointers& t, uint64_t begin,
+       uint64_t end, const OptimizerScalars& s) {
+      LionStepRange(layout, t, begin, end, s.As<LionScalars>());
+    },
+};
+
 }  // namespace optimd

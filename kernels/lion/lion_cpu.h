@@ -19,6 +19,7 @@
 #include "core/layout.h"
 #include "core/optimizer.h"
 #include "core/step_types.h"
+#include "kernels/cpu_optimizer.h"
 
 namespace optimd {
 
@@ -44,6 +45,10 @@ LionScalars MakeLionScalars(const OptimizerHyper& h, double grad_scale,
 // Applies one Lion step to elements [begin, end) of a tensor.
 void LionStepRange(const Layout& layout, const TensorPointers& t,
                    uint64_t begin, uint64_t end, const LionScalars& s);
+
+// Lion's CPU step as kernels/step_cpu.cc lists it: the two functions
+// above behind the generic interface.
+extern const CpuOptimizer kLionCpu;
 
 }  // namespace optimd
 

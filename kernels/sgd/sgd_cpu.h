@@ -20,6 +20,7 @@
 #include "core/layout.h"
 #include "core/optimizer.h"
 #include "core/step_types.h"
+#include "kernels/cpu_optimizer.h"
 
 namespace optimd {
 
@@ -47,6 +48,10 @@ SgdScalars MakeSgdScalars(const OptimizerHyper& h, uint64_t t,
 // Applies one SGD step to elements [begin, end) of a tensor.
 void SgdStepRange(const Layout& layout, const TensorPointers& t, uint64_t begin,
                   uint64_t end, const SgdScalars& s);
+
+// Sgd's CPU step as kernels/step_cpu.cc lists it: the two functions
+// above behind the generic interface.
+extern const CpuOptimizer kSgdCpu;
 
 }  // namespace optimd
 
