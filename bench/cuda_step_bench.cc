@@ -2,11 +2,11 @@
 // trainer process, beside a device-to-device copy of the same bytes in the
 // same run. bench/gpu_bench.py runs it next to torch.optim.AdamW(fused=True).
 //
-// Prints one "RESULT" line per configuration, step mode, chunk size and
+// Prints one "RESULT" line per configuration, step mode, item size and
 // graph setting:
 //   RESULT <name> <tensors> <params> <bytes/param> <gpu ms/step>
 //          <median host us/step> <copy ms for the same bytes> <mode>
-//          <chunk elements> <graphs 0|1> <median host CPU us/step>
+//          <item elements> <graphs 0|1> <median host CPU us/step>
 // Gradients: every byte 0x3c by default (--grad_byte), 0.0115 in fp32 and
 // bf16: moments are then normal numbers, as in training. All-zero
 // gradients (--grad_byte=0) leave every second moment zero, which sends
@@ -50,8 +50,8 @@ ABSL_FLAG(std::vector<std::string>, only, {},
           "Run only the configurations of these names.");
 ABSL_FLAG(std::vector<std::string>, modes, {"default"},
           "Step modes to time: default, assume_finite, clip.");
-ABSL_FLAG(std::vector<std::string>, chunk_elements, {"0"},
-          "Elements per plan chunk to time (0: the backend's default).");
+ABSL_FLAG(std::vector<std::string>, item_elements, {"0"},
+          "Elements per plan item to time (0: the backend's default).");
 ABSL_FLAG(std::string, optimizer, "adamw",
           "The groups' optimizer: adamw, sgd (momentum 0.9) or lion.");
 ABSL_FLAG(std::vector<std::string>, graphs, {"1"},
@@ -163,15 +163,15 @@ int Run(IpcTrainer* trainer) {
   };
   std::vector<std::unique_ptr<Backend>> backends;
   std::vector<CudaBackendOptions> variants;
-  for (const std::string& v : absl::GetFlag(FLAGS_chunk_elements)) {
+  for (const std::string& v : absl::GetFlag(FLAGS_item_elements)) {
     for (const std::string& g : absl::GetFlag(FLAGS_graphs)) {
       CudaBackendOptions options;
-      uint64_t chunk = 0;
-      if (!absl::SimpleAtoi(v, &chunk) || (g != "0" && g != "1")) {
-        std::fprintf(stderr, "bad --chunk_elements or --graphs value\n");
+      uint64_t item = 0;
+      if (!absl::SimpleAtoi(v, &item) || (g != "0" && g != "1")) {
+        std::fprintf(stderr, "bad --item_elements or --graphs value\n");
         return 1;
       }
-      if (chunk > 0) options.chunk_elements = chunk;
+      if (item > 0) options.item_elements = item;
       options.use_graphs = g == "1";
       auto backend = CreateCudaBackend(0, options);
       if (!backend.ok()) {
@@ -328,7 +328,7 @@ int Run(IpcTrainer* trainer) {
               static_cast<unsigned long long>(per * c.tensors),
               static_cast<unsigned long long>(bpp), gpu_ms,
               host[host.size() / 2] * 1e6, copy_ms, mode.c_str(),
-              static_cast<unsigned long long>(variants[bi].chunk_elements),
+              static_cast<unsigned long long>(variants[bi].item_elements),
               variants[bi].use_graphs ? 1 : 0, cpu[cpu.size() / 2] * 1e6, reg_s,
               variants[bi].step_records, first_ms);
           std::fflush(stdout);

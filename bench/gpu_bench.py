@@ -84,7 +84,7 @@ def run_optimd(binary, extra):
             rows.append(dict(name=f[1], tensors=int(f[2]), params=int(f[3]),
                              bpp=int(f[4]), gpu_ms=float(f[5]),
                              host_us=float(f[6]), copy_ms=float(f[7]),
-                             mode=f[8], chunk=int(f[9]),
+                             mode=f[8], item=int(f[9]),
                              graphs=int(f[10]), cpu_us=float(f[11])))
     return rows
 
@@ -98,14 +98,14 @@ def main():
     ap.add_argument("--bench", default=".gpu/cuda_step_bench")
     ap.add_argument("--params", type=float, default=1e9)
     ap.add_argument("--modes", default="assume_finite,default,clip")
-    ap.add_argument("--chunk_elements", default="0",
-                    help="comma-separated chunk sizes (0: the default)")
+    ap.add_argument("--item_elements", default="0",
+                    help="comma-separated item sizes (0: the default)")
     ap.add_argument("--graphs", default="1",
                     help="comma-separated use_graphs values (0, 1)")
     ap.add_argument("--only", default="")
     args = ap.parse_args()
     extra = ["--params=%g" % args.params, "--modes=" + args.modes,
-             "--chunk_elements=" + args.chunk_elements,
+             "--item_elements=" + args.item_elements,
              "--graphs=" + args.graphs]
     if args.only:
         extra.append("--only=" + args.only)
@@ -124,7 +124,7 @@ def main():
     print("optimd mode -> torch peer: " + ", ".join(
         "%s -> %s" % kv for kv in PEER.items()))
     print("%-16s %7s %5s %-13s %6s %2s %9s %9s %7s %8s %7s %7s %7s %6s" % (
-        "layout", "tensors", "B/par", "mode", "chunk", "gr", "optimd ms",
+        "layout", "tensors", "B/par", "mode", "item", "gr", "optimd ms",
         "peer ms", "/peer", "plain ms", "/plain", "% copy", "host us",
         "cpu us"))
     for r in rows:
@@ -134,7 +134,7 @@ def main():
         fmt = lambda x: "%.3f" % x if x else "-"
         print("%-16s %7d %5d %-13s %6d %2d %9.3f %9s %7s %8s %7s %6.1f%% "
               "%7.1f %6.1f" % (
-                  r["name"], r["tensors"], r["bpp"], r["mode"], r["chunk"],
+                  r["name"], r["tensors"], r["bpp"], r["mode"], r["item"],
                   r["graphs"], r["gpu_ms"], fmt(peer),
                   fmt(peer and r["gpu_ms"] / peer), fmt(plain),
                   fmt(plain and r["gpu_ms"] / plain),

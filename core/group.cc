@@ -16,25 +16,25 @@ namespace optimd {
 
 namespace {
 
-// Elements per item of a tensor: chunk_elements, or for an FP8 parameter
+// Elements per item of a tensor: item_elements, or for an FP8 parameter
 // a multiple of its item alignment (at least one), so that every item
 // holds whole scaling units (core/fp8_recipe.h); per-tensor scaling: the
 // whole tensor.
-uint64_t ItemElements(const TensorPointers& t, uint64_t chunk_elements) {
-  if (t.fp8.recipe == Fp8Recipe::kNone) return chunk_elements;
+uint64_t ItemElements(const TensorPointers& t, uint64_t item_elements) {
+  if (t.fp8.recipe == Fp8Recipe::kNone) return item_elements;
   const uint64_t align = t.fp8.ItemAlignment();
-  return std::max<uint64_t>(1, chunk_elements / align) * align;
+  return std::max<uint64_t>(1, item_elements / align) * align;
 }
 
 }  // namespace
 
-void BuildPlan(Group& group, uint64_t chunk_elements, bool fp8_whole_units) {
+void BuildPlan(Group& group, uint64_t item_elements, bool fp8_whole_units) {
   const bool block8 =
       std::any_of(group.tensors.begin(), group.tensors.end(),
                   [](const TensorEntry& t) { return t.layout.block8(); });
   if (block8) {
-    chunk_elements = (chunk_elements + kBlock8Elements - 1) / kBlock8Elements *
-                     kBlock8Elements;
+    item_elements = (item_elements + kBlock8Elements - 1) / kBlock8Elements *
+                    kBlock8Elements;
   }
   Plan plan;
   plan.entry_of_tensor.assign(group.tensors.size(), Plan::kNoEntry);
@@ -46,16 +46,16 @@ void BuildPlan(Group& group, uint64_t chunk_elements, bool fp8_whole_units) {
     plan.tensor_index.push_back(i);
     plan.entries.push_back(t.Pointers());
     plan.layouts.push_back(t.layout);
-    const uint64_t item =
-        fp8_whole_units ? ItemElements(plan.entries.back(), chunk_elements)
-                        : chunk_elements;
+    const uint64_t item = fp8_whole_units
+                              ? ItemElements(plan.entries.back(), item_elements)
+                              : item_elements;
     for (uint64_t b = 0; b < t.numel; b += item) {
       plan.items.push_back({entry, b, std::min(t.numel, b + item)});
     }
   }
   uint64_t in_task = 0;
   for (uint32_t i = 0; i < plan.items.size(); ++i) {
-    if (plan.tasks.empty() || in_task >= chunk_elements) {
+    if (plan.tasks.empty() || in_task >= item_elements) {
       plan.tasks.push_back({i, i});
       in_task = 0;
     }

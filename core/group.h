@@ -176,7 +176,7 @@ struct PlanItem {
   uint64_t end = 0;
 };
 
-// A run of consecutive items of about chunk_elements elements in all: the
+// A run of consecutive items of about item_elements elements in all: the
 // unit a worker thread takes. Small tensors share a task, so per-task
 // overhead stays small at 1e5 tensors.
 struct PlanTask {
@@ -234,7 +234,7 @@ struct Group {
   // allocation per kind keeps a group's state contiguous (streaming
   // prefetch, few TLB entries) and makes registration cheap at 1e5 tensors.
   std::vector<StateStorage> arenas;
-  // Backend-specific plan data (the CUDA backend's device-resident chunk
+  // Backend-specific plan data (the CUDA backend's device-resident item
   // table); null on the CPU backend. Set by the backend's PrepareGroup.
   std::shared_ptr<BackendPlan> backend_plan;
 
@@ -262,13 +262,13 @@ struct Group {
 };
 
 // Builds `group.plan` from its tensors, splitting each steppable tensor into
-// items of at most `chunk_elements` (> 0). In a group with block8 moments it
+// items of at most `item_elements` (> 0). In a group with block8 moments it
 // is rounded up to a multiple of kBlock8Elements: every item then starts on
 // a block8 block (core/block8.h) and holds whole blocks and their scales.
-// (The CUDA backend's chunk size is a multiple of 256 anyway.)
+// (The CUDA backend's item size is a multiple of 256 anyway.)
 // With `fp8_whole_units` (the CPU backend, which requantizes per item) an
 // FP8 parameter's items hold whole scaling units (ItemAlignment).
-void BuildPlan(Group& group, uint64_t chunk_elements,
+void BuildPlan(Group& group, uint64_t item_elements,
                bool fp8_whole_units = true);
 
 }  // namespace optimd

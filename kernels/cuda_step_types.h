@@ -1,5 +1,5 @@
 // What the host and the CUDA step kernels of every optimizer share: work
-// descriptors (chunks and work blocks of a plan), per-group step arguments,
+// descriptors (items and work blocks of a plan), per-group step arguments,
 // device-resident counters and step scalars. Plain C++: no CUDA headers, so
 // that host code including this file builds without nvcc.
 #ifndef OPTIMD_KERNELS_CUDA_STEP_TYPES_H_
@@ -24,12 +24,12 @@ static_assert(kDeviceStateSlots == kMaxStateSlots, "one slot count");
 // Elements [begin, end) of one tensor, with the tensor's stream pointers
 // (nullptr where the layout has no such stream; state[k] is the optimizer's
 // state slot k, as TensorPointers::state), so that a kernel reaches the
-// data through one descriptor. The chunk's first `tiles` * 256 elements
+// data through one descriptor. The item's first `tiles` * 256 elements
 // form tiles: 256 consecutive elements that one warp updates with fully
-// coalesced 8- or 16-byte accesses (a chunk has tiles only when every
+// coalesced 8- or 16-byte accesses (an item has tiles only when every
 // stream is 16-byte aligned at `begin`). The rest are scalar elements,
 // updated one per thread.
-struct DeviceChunk {
+struct DeviceItem {
   void* param;
   const void* grad;
   void* master;
@@ -37,17 +37,17 @@ struct DeviceChunk {
   uint64_t begin;
   uint64_t end;
   uint32_t tiles;
-  uint32_t entry;  // the plan entry (tensor) the chunk belongs to
+  uint32_t entry;  // the plan entry (tensor) the item belongs to
   // block8 moments' scales (TensorPointers::scales); for an FP8 parameter
   // its DeviceFp8Tensor in the plan's device table.
   void* scales;
 };
-static_assert(sizeof(DeviceChunk) % 16 == 0, "copied in 16-byte pieces");
+static_assert(sizeof(DeviceItem) % 16 == 0, "copied in 16-byte pieces");
 
 constexpr uint32_t kTileElements = 256;
 
-// One work block, one thread block's work: chunks [first, end) of the
-// plan's chunk table, at most kMaxChunksPerBlock of them, walked as one
+// One work block, one thread block's work: items [first, end) of the
+// plan's item table, at most kMaxItemsPerBlock of them, walked as one
 // flattened space of `tiles` tiles and one of `scalars` scalar elements.
 // Small tensors share a work block, so a launch over 1e5 small tensors
 // keeps its threads as busy as over a few large ones.
@@ -57,7 +57,7 @@ struct DeviceBlock {
   uint32_t tiles;
   uint32_t scalars;
 };
-constexpr uint32_t kMaxChunksPerBlock = 32;
+constexpr uint32_t kMaxItemsPerBlock = 32;
 
 // How an FP8 parameter's codes and scale inverses are written
 // (kernels/fp8_cuda.h, docs/fp8_parameters.md "Fusion"):
@@ -65,7 +65,7 @@ constexpr uint32_t kMaxChunksPerBlock = 32;
 //     scaling unit lies in one row, and the warp blocks of 256 elements
 //     that the update walks hold whole units (1x128 and MXFP8 blocks, and
 //     128x128 blocks of a one-row tensor, when the columns are a multiple
-//     of the unit's width and every chunk starts on a unit).
+//     of the unit's width and every item starts on a unit).
 //   Otherwise the update takes each unit's amax into `amax` (atomic
 //   maxima of the magnitudes' bits) and an encode pass after it reads the
 //   masters back: kTensorAmax (per-tensor scaling, one unit), kHalfAmax
@@ -167,7 +167,7 @@ constexpr int kThreadsPerBlock = 256;
 struct Work {
   const DeviceBlock* blocks;
   uint32_t num_blocks;
-  const DeviceChunk* chunks;
+  const DeviceItem* items;
   // Per plan entry, the group's applied steps in which the tensor had no
   // gradient (its own step number is t - missed[entry]).
   const uint32_t* missed;

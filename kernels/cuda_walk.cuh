@@ -256,25 +256,25 @@ __device__ __forceinline__ void StoreRemainderMasters(void* param, void* rem,
   }
 }
 
-// Walks work block blockIdx.x of `work`: its chunk descriptors are copied
+// Walks work block blockIdx.x of `work`: its item descriptors are copied
 // into shared memory once, then the block is one flattened space of tiles
 // (one warp each) and one of scalar elements (one thread each), so tensor
-// boundaries cost no idle lanes beyond a chunk's last partial tile and no
-// dependent loads of descriptors. body.Prepare(chunks, n), run by every
-// thread once the descriptors are in shared memory, derives per-chunk
-// values for the walk; body.Tile(chunk, k, i) handles a lane's share of the
-// tile at i - 4 * lane of the block's chunk k; body.Scalar(chunk, k, i)
+// boundaries cost no idle lanes beyond an item's last partial tile and no
+// dependent loads of descriptors. body.Prepare(items, n), run by every
+// thread once the descriptors are in shared memory, derives per-item
+// values for the walk; body.Tile(item, k, i) handles a lane's share of the
+// tile at i - 4 * lane of the block's item k; body.Scalar(item, k, i)
 // element i.
 // (Fewer thread blocks, each walking many work blocks and prefetching the
 // next one's descriptors, measured slower on the H200: bench/RESULTS.md.)
-// Copies the chunk descriptors of `block` into shared memory `buffer` (by
+// Copies the item descriptors of `block` into shared memory `buffer` (by
 // all threads; the caller synchronizes); returns their count.
-__device__ __forceinline__ uint32_t CopyChunks(const Work& work,
-                                               const DeviceBlock& block,
-                                               uint4* buffer) {
+__device__ __forceinline__ uint32_t CopyItems(const Work& work,
+                                              const DeviceBlock& block,
+                                              uint4* buffer) {
   const uint32_t n = block.end - block.first;
-  const uint4* src = reinterpret_cast<const uint4*>(work.chunks + block.first);
-  const uint32_t pieces = n * static_cast<uint32_t>(sizeof(DeviceChunk) / 16);
+  const uint4* src = reinterpret_cast<const uint4*>(work.items + block.first);
+  const uint32_t pieces = n * static_cast<uint32_t>(sizeof(DeviceItem) / 16);
   for (uint32_t i = threadIdx.x; i < pieces; i += blockDim.x) {
     buffer[i] = src[i];
   }
@@ -283,13 +283,13 @@ __device__ __forceinline__ uint32_t CopyChunks(const Work& work,
 
 template <class Body>
 __device__ __forceinline__ void Walk(const Work& work, Body& body) {
-  __shared__ uint4 buffer[kMaxChunksPerBlock * sizeof(DeviceChunk) / 16];
-  // tile_end[k], scalar_end[k]: tiles and scalar elements of chunks <= k.
-  __shared__ uint32_t tile_end[kMaxChunksPerBlock];
-  __shared__ uint32_t scalar_end[kMaxChunksPerBlock];
-  const DeviceChunk* cs = reinterpret_cast<const DeviceChunk*>(buffer);
+  __shared__ uint4 buffer[kMaxItemsPerBlock * sizeof(DeviceItem) / 16];
+  // tile_end[k], scalar_end[k]: tiles and scalar elements of items <= k.
+  __shared__ uint32_t tile_end[kMaxItemsPerBlock];
+  __shared__ uint32_t scalar_end[kMaxItemsPerBlock];
+  const DeviceItem* cs = reinterpret_cast<const DeviceItem*>(buffer);
   const DeviceBlock block = work.blocks[blockIdx.x];
-  const uint32_t n = CopyChunks(work, block, buffer);
+  const uint32_t n = CopyItems(work, block, buffer);
   __syncthreads();
   if (threadIdx.x == 0) {
     uint32_t tiles = 0, scalars = 0;
@@ -308,7 +308,7 @@ __device__ __forceinline__ void Walk(const Work& work, Body& body) {
   uint32_t k = 0;
   for (uint32_t t = warp; t < block.tiles; t += warps) {
     while (t >= tile_end[k]) ++k;
-    const DeviceChunk& c = cs[k];
+    const DeviceItem& c = cs[k];
     const uint32_t first = tile_end[k] - c.tiles;
     body.Tile(
         c, k,
@@ -317,7 +317,7 @@ __device__ __forceinline__ void Walk(const Work& work, Body& body) {
   k = 0;
   for (uint32_t e = threadIdx.x; e < block.scalars; e += blockDim.x) {
     while (e >= scalar_end[k]) ++k;
-    const DeviceChunk& c = cs[k];
+    const DeviceItem& c = cs[k];
     const uint32_t first = k == 0 ? 0 : scalar_end[k - 1];
     body.Scalar(
         c, k,
@@ -326,19 +326,19 @@ __device__ __forceinline__ void Walk(const Work& work, Body& body) {
 }
 
 // Walks work block blockIdx.x of `work` for block8 moments: one warp per
-// block8 block (kBlock8Elements consecutive elements of a chunk; a chunk's
+// block8 block (kBlock8Elements consecutive elements of an item; an item's
 // last block may be shorter), since a block's scale is the maximum over
-// all its new values. Chunks start on block8 blocks (BuildPlan), so no
-// block straddles two chunks or two work blocks. body.Prepare as for Walk;
-// body.Block(chunk, k, first, n): the n elements from `first` of the
-// block's chunk k, by the whole warp.
+// all its new values. Items start on block8 blocks (BuildPlan), so no
+// block straddles two items or two work blocks. body.Prepare as for Walk;
+// body.Block(item, k, first, n): the n elements from `first` of the
+// block's item k, by the whole warp.
 template <class Body>
 __device__ __forceinline__ void WalkBlocks8(const Work& work, Body& body) {
-  __shared__ uint4 buffer[kMaxChunksPerBlock * sizeof(DeviceChunk) / 16];
-  // block_end[k]: block8 blocks of chunks <= k.
-  __shared__ uint32_t block_end[kMaxChunksPerBlock];
-  const DeviceChunk* cs = reinterpret_cast<const DeviceChunk*>(buffer);
-  const uint32_t n = CopyChunks(work, work.blocks[blockIdx.x], buffer);
+  __shared__ uint4 buffer[kMaxItemsPerBlock * sizeof(DeviceItem) / 16];
+  // block_end[k]: block8 blocks of items <= k.
+  __shared__ uint32_t block_end[kMaxItemsPerBlock];
+  const DeviceItem* cs = reinterpret_cast<const DeviceItem*>(buffer);
+  const uint32_t n = CopyItems(work, work.blocks[blockIdx.x], buffer);
   __syncthreads();
   if (threadIdx.x == 0) {
     uint32_t blocks = 0;
@@ -354,7 +354,7 @@ __device__ __forceinline__ void WalkBlocks8(const Work& work, Body& body) {
   uint32_t k = 0;
   for (uint32_t b = warp; b < block_end[n - 1]; b += warps) {
     while (b >= block_end[k]) ++k;
-    const DeviceChunk& c = cs[k];
+    const DeviceItem& c = cs[k];
     const uint32_t first = k == 0 ? 0 : block_end[k - 1];
     const uint64_t start =
         c.begin + static_cast<uint64_t>(b - first) * kBlock8Elements;
@@ -423,7 +423,7 @@ __device__ __forceinline__ void StoreCodes(uint8_t* q, uint64_t first,
 // one (the old parameter is never read), the value rebuilt from the
 // parameter and its remainder, or the parameter itself.
 template <int N, class P, MasterKind K>
-__device__ __forceinline__ void LoadWeight(const DeviceChunk& t, uint64_t i,
+__device__ __forceinline__ void LoadWeight(const DeviceItem& t, uint64_t i,
                                            float* p) {
   if constexpr (K == MasterKind::kFp32) {
     LoadF<N, F32>(t.master, i, p);
@@ -437,7 +437,7 @@ __device__ __forceinline__ void LoadWeight(const DeviceChunk& t, uint64_t i,
 // Writes new weights back: master and rounded parameter, the parameter
 // and remainder that rebuild them exactly, or the parameter.
 template <int N, class P, MasterKind K>
-__device__ __forceinline__ void StoreWeight(const DeviceChunk& t, uint64_t i,
+__device__ __forceinline__ void StoreWeight(const DeviceItem& t, uint64_t i,
                                             const float* p) {
   if constexpr (K == MasterKind::kFp32) {
     StoreF<N, F32>(t.master, i, p);

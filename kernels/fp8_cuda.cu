@@ -1,5 +1,5 @@
 // The encode pass of FP8 parameters whose units the update's warp blocks
-// do not hold whole (Fp8Pass): a walk over the launch's chunks that reads
+// do not hold whole (Fp8Pass): a walk over the launch's items that reads
 // each master back and encodes it with its unit's scale, from the amax
 // the update took. The scale rules and codecs are core/fp8.h's, so the
 // bits equal the CPU reference's.
@@ -30,23 +30,23 @@ __device__ __forceinline__ float ElementMultiplier(const DeviceFp8Tensor& t,
                            UnitStart(t.geometry, e));
 }
 
-// The walk's body. Per-tensor scaling: each chunk's multiplier once, in
-// Prepare (the tensor's first chunk writes the scale inverse). kHalfAmax:
+// The walk's body. Per-tensor scaling: each item's multiplier once, in
+// Prepare (the tensor's first item writes the scale inverse). kHalfAmax:
 // a lane's four consecutive elements share a unit (each half of a tile
 // lies in one). Otherwise unit by element.
 template <class P>
 struct Fp8Encode {
-  float* mul;  // shared memory, one per chunk of the block
-  __device__ void Prepare(const DeviceChunk* cs, uint32_t n) {
+  float* mul;  // shared memory, one per item of the block
+  __device__ void Prepare(const DeviceItem* cs, uint32_t n) {
     if (threadIdx.x >= n) return;
-    const DeviceChunk& c = cs[threadIdx.x];
+    const DeviceItem& c = cs[threadIdx.x];
     const DeviceFp8Tensor& t = Fp8Of(c);
     if (t.pass != Fp8Pass::kTensorAmax) return;
     mul[threadIdx.x] =
         UnitMultiplier<P>(t.geometry.recipe, t.amax[0], t.scale_inv, 0,
                           c.begin == 0 && c.end > c.begin);
   }
-  __device__ void Tile(const DeviceChunk& c, uint32_t k, uint64_t i) {
+  __device__ void Tile(const DeviceItem& c, uint32_t k, uint64_t i) {
     const DeviceFp8Tensor& t = Fp8Of(c);
     if (t.pass == Fp8Pass::kFused) return;
     float x[8], m[8];
@@ -75,7 +75,7 @@ struct Fp8Encode {
     *reinterpret_cast<uint32_t*>(q + i) = w[0];
     *reinterpret_cast<uint32_t*>(q + i + kTileElements / 2) = w[1];
   }
-  __device__ void Scalar(const DeviceChunk& c, uint32_t k, uint64_t i) {
+  __device__ void Scalar(const DeviceItem& c, uint32_t k, uint64_t i) {
     const DeviceFp8Tensor& t = Fp8Of(c);
     if (t.pass == Fp8Pass::kFused) return;
     const float m =
@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
     Fp8EncodeKernel(const Work work,
                     const DeviceScalars* __restrict__ scalars) {
   if (scalars->skip) return;
-  __shared__ float mul[kMaxChunksPerBlock];
+  __shared__ float mul[kMaxItemsPerBlock];
   Fp8Encode<P> body{mul};
   Walk(work, body);
 }

@@ -39,8 +39,8 @@ struct Fp8Codec<Fp8Param<F>> {
   __device__ static uint8_t Encode(float x) { return EncodeFp8<F>(x); }
 };
 
-// The FP8 parameter of an FP8 chunk (DeviceChunk::scales).
-__device__ __forceinline__ const DeviceFp8Tensor& Fp8Of(const DeviceChunk& c) {
+// The FP8 parameter of an FP8 item (DeviceItem::scales).
+__device__ __forceinline__ const DeviceFp8Tensor& Fp8Of(const DeviceItem& c) {
   return *static_cast<const DeviceFp8Tensor*>(c.scales);
 }
 
@@ -132,11 +132,11 @@ __device__ __forceinline__ void RecordAmax(const DeviceFp8Tensor& t,
   }
 }
 
-// After the update of a warp block of an FP8 parameter's chunk c (n valid
+// After the update of a warp block of an FP8 parameter's item c (n valid
 // elements from `first`, the lanes' new masters in p, 0 where invalid):
 // its codes and scale inverses (kFused), or its units' amax.
 template <class P>
-__device__ __forceinline__ void Fp8AfterUpdate(const DeviceChunk& c,
+__device__ __forceinline__ void Fp8AfterUpdate(const DeviceItem& c,
                                                uint64_t first, uint32_t n,
                                                bool vector, const float* p) {
   const DeviceFp8Tensor& t = Fp8Of(c);

@@ -11,10 +11,10 @@ namespace optimd {
 namespace cuda {
 
 // Writes the codes and scale inverses of the FP8 parameters of `work`'s
-// chunks (one launch's, of one FP8 format) whose pass is not kFused, from
+// items (one launch's, of one FP8 format) whose pass is not kFused, from
 // their masters and the unit amax that the update took
 // (DeviceFp8Tensor::amax), unless the step is skipped (scalars->skip).
-// Chunks without elements (no gradient this step) are left alone, as the
+// Items without elements (no gradient this step) are left alone, as the
 // CPU leaves them. The amax words must be zeroed before the update.
 absl::Status LaunchFp8Encode(bool e5m2, const Work& work,
                              const DeviceScalars* scalars, Stream stream);

@@ -45,7 +45,7 @@ template <class G>
 struct SumSquares {
   double acc = 0;
   template <int N>
-  __device__ __forceinline__ void Add(const DeviceChunk& c, uint64_t i) {
+  __device__ __forceinline__ void Add(const DeviceItem& c, uint64_t i) {
     if constexpr (std::is_same_v<G, F64>) {
       // A lane's share of a tile (LoadTile's order) or one element.
       const double* g = static_cast<const double*>(c.grad) + i;
@@ -65,11 +65,11 @@ struct SumSquares {
       }
     }
   }
-  __device__ void Prepare(const DeviceChunk*, uint32_t) {}
-  __device__ void Tile(const DeviceChunk& c, uint32_t, uint64_t i) {
+  __device__ void Prepare(const DeviceItem*, uint32_t) {}
+  __device__ void Tile(const DeviceItem& c, uint32_t, uint64_t i) {
     Add<8>(c, i);
   }
-  __device__ void Scalar(const DeviceChunk& c, uint32_t, uint64_t i) {
+  __device__ void Scalar(const DeviceItem& c, uint32_t, uint64_t i) {
     Add<1>(c, i);
   }
 };

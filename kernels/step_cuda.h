@@ -15,7 +15,7 @@
 //      group's device-resident step counter and optimizer, its step
 //      scalars, into the group's DeviceScalars.
 //   3. LaunchUpdate per plan launch of every group: unless skipped, updates
-//      its chunks with the group's optimizer (kernels/<optimizer>/).
+//      its items with the group's optimizer (kernels/<optimizer>/).
 //   4. LaunchCommitSteps, once: advances the counters unless skipped,
 //      records the step's norm and skipped flag, and writes them to the
 //      step's record in pinned host memory.

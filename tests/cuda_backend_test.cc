@@ -125,7 +125,7 @@ class Twin {
 
   // Points every tensor's gradient at a new buffer of both sessions
   // (UpdateBuffers), `shift` bytes (< 64) further in than at registration:
-  // a shift that is not a multiple of 16 bytes takes the tiles from chunks
+  // a shift that is not a multiple of 16 bytes takes the tiles from items
   // that had them, and a later shift of 0 gives them back.
   absl::Status MoveGrads(uint64_t shift) {
     cpu_grads_ = *SharedMemoryRegion::Create(gbytes_);
@@ -413,7 +413,7 @@ class CudaBackendTest : public ::testing::Test {
     rng_.seed(g_seed + ::testing::UnitTest::GetInstance()->random_seed());
   }
 
-  // Tensors of random sizes (0, 1, odd, several chunks) at aligned and
+  // Tensors of random sizes (0, 1, odd, several items) at aligned and
   // unaligned offsets, all with the given dtypes.
   std::vector<TensorPlan> RandomTensors(DType param, DType grad, int count) {
     static const uint64_t kSizes[] = {0, 1, 3, 7, 33, 1000, 4099, 9000, 70001};
@@ -678,8 +678,8 @@ TEST_F(CudaBackendTest, Float64TensorsMatchTheCpuReference) {
 }
 
 // New gradient buffers between steps (the trainer's allocator moved them):
-// when their alignment changes which chunks have tiles, the work blocks
-// holding those chunks are recounted, and every element is still updated
+// when their alignment changes which items have tiles, the work blocks
+// holding those items are recounted, and every element is still updated
 // exactly once.
 TEST_F(CudaBackendTest, NewGradientBuffersOfAnotherAlignment) {
   for (DType d : {DType::kFloat32, DType::kBFloat16}) {

@@ -55,7 +55,7 @@ absl::StatusOr<StateStorage> CpuBackend::AllocateState(uint64_t bytes) {
 
 absl::Status CpuBackend::PrepareGroup(Group& group) {
   MutexLock lock(&pool_mu_);
-  BuildPlan(group, options_.chunk_elements);
+  BuildPlan(group, options_.item_elements);
   counters().plan_builds.fetch_add(1, std::memory_order_relaxed);
   const Plan& plan = group.plan;
   std::atomic<bool> fault{false};

@@ -21,7 +21,7 @@ class CpuBackend final : public Backend {
     // Worker threads for steps; 0 means one per hardware thread.
     int threads = 0;
     // Elements per work item of a plan.
-    uint64_t chunk_elements = 1 << 16;
+    uint64_t item_elements = 1 << 16;
   };
 
   explicit CpuBackend(const Options& options);

@@ -119,14 +119,14 @@ absl::StatusOr<StateStorage> CudaBackend::AllocateState(uint64_t bytes) {
 
 absl::Status CudaBackend::PrepareGroup(Group& group) {
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
-  // FP8 parameters' chunks need no alignment to their scaling units: the
+  // FP8 parameters' items need no alignment to their scaling units: the
   // units that the update's warp blocks do not hold whole are requantized
   // by an encode pass after it (kernels/fp8_cuda.h).
-  BuildPlan(group, options_.chunk_elements, /*fp8_whole_units=*/false);
+  BuildPlan(group, options_.item_elements, /*fp8_whole_units=*/false);
   counters().plan_builds.fetch_add(1, std::memory_order_relaxed);
   auto plan = std::make_shared<DevicePlan>();
   plan->id = next_plan_id_++;
-  cuda::BuildDeviceTables(group, options_.chunk_elements, plan.get());
+  cuda::BuildDeviceTables(group, options_.item_elements, plan.get());
   OPTIMD_RETURN_IF_ERROR(cuda::UploadPlan(device_, stream_->stream(), *plan));
   OPTIMD_RETURN_IF_ERROR(MastersFromParams(*this, group, stream_->stream()));
   OPTIMD_RETURN_IF_ERROR(stream_->Sync());
@@ -348,11 +348,11 @@ int CudaDeviceCount(std::string* why) {
 
 absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(
     int device, const CudaBackendOptions& options) {
-  if (options.chunk_elements == 0 || options.chunk_elements > (1u << 26) ||
-      options.chunk_elements % cuda::kTileElements != 0) {
+  if (options.item_elements == 0 || options.item_elements > (1u << 26) ||
+      options.item_elements % cuda::kTileElements != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "chunk_elements must be a multiple of ", cuda::kTileElements, " in [",
-        cuda::kTileElements, ", 2^26], got ", options.chunk_elements));
+        "item_elements must be a multiple of ", cuda::kTileElements, " in [",
+        cuda::kTileElements, ", 2^26], got ", options.item_elements));
   }
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device));
   OPTIMD_ASSIGN_OR_RETURN(const DriverFns driver, FindDriverFns());

@@ -17,10 +17,10 @@
 namespace optimd {
 
 struct CudaBackendOptions {
-  // Elements per chunk of a plan (about one work block, one thread block of
+  // Elements per item of a plan (about one work block, one thread block of
   // the update): a multiple of 256 (one tile), at most 2^26. 4K measured
   // fastest on the H200 among 4K-32K (bench/RESULTS.md).
-  uint64_t chunk_elements = 1 << 12;
+  uint64_t item_elements = 1 << 12;
   // Completed-step records kept for asynchronous replies.
   int step_records = 8;
   // Launch each step as a CUDA graph captured once per step record and

@@ -12,9 +12,9 @@ namespace {
 // Ranges of table rows at most this many rows apart are copied as one.
 constexpr uint32_t kCopyGap = 16;
 
-// A chunk's stream pointers: its tensor's. An FP8 parameter's chunks keep
+// An item's stream pointers: its tensor's. An FP8 parameter's items keep
 // `scales`: it points at the tensor's DeviceFp8Tensor (UploadPlan).
-void SetStreams(const TensorPointers& p, DeviceChunk* c) {
+void SetStreams(const TensorPointers& p, DeviceItem* c) {
   c->param = p.param;
   c->grad = p.grad;
   c->master = p.master;
@@ -22,16 +22,16 @@ void SetStreams(const TensorPointers& p, DeviceChunk* c) {
   if (p.fp8.recipe == Fp8Recipe::kNone) c->scales = p.scales;
 }
 
-// Chunk [begin, end) of a tensor with pointers `p`. A tensor without a
-// gradient keeps its chunks with no elements, so every kernel passes over
+// Item [begin, end) of a tensor with pointers `p`. A tensor without a
+// gradient keeps its items with no elements, so every kernel passes over
 // them (and the work blocks' shapes, hence the step graphs, stay the same).
-void FillChunk(const TensorPointers& p, uint32_t entry, uint64_t begin,
-               uint64_t end, const Layout& layout, DeviceChunk* c) {
+void FillItem(const TensorPointers& p, uint32_t entry, uint64_t begin,
+              uint64_t end, const Layout& layout, DeviceItem* c) {
   SetStreams(p, c);
   c->entry = entry;
   c->begin = begin;
   c->end = p.grad == nullptr ? begin : end;
-  c->tiles = ChunkTiles(*c, layout);
+  c->tiles = ItemTiles(*c, layout);
 }
 
 // Sorted, merged [first, end) ranges; ranges at most `gap` apart are joined,
@@ -52,9 +52,9 @@ std::vector<std::pair<uint32_t, uint32_t>> MergeRanges(
 }
 
 // The largest power of two, up to 2^12, that divides every start of the
-// chunks of entry `entry` among `items`.
-uint64_t ChunkStep(const Plan& host, const std::vector<uint32_t>& items,
-                   uint32_t entry) {
+// items of entry `entry` among `items`.
+uint64_t ItemStep(const Plan& host, const std::vector<uint32_t>& items,
+                  uint32_t entry) {
   uint64_t step = 1 << 12;
   for (uint32_t i : items) {
     const PlanItem& item = host.items[i];
@@ -87,7 +87,7 @@ void AppendFp8(const Plan& host, const std::vector<uint32_t>& items,
     t.first_unit = units;
     t.e5m2 = host.layouts[item.entry].param_dtype == DType::kFloat8E5M2;
     t.entry = item.entry;
-    t.pass = ChooseFp8Pass(p.fp8, ChunkStep(host, items, item.entry));
+    t.pass = ChooseFp8Pass(p.fp8, ItemStep(host, items, item.entry));
     t.amax_first = plan->fp8_amax_words;
     if (t.pass != Fp8Pass::kFused) plan->fp8_amax_words += p.fp8.Units();
     plan->fp8.push_back(t);
@@ -100,35 +100,34 @@ void AppendFp8(const Plan& host, const std::vector<uint32_t>& items,
 }
 
 // Appends launch `launch` (its layout and stage set) over plan items
-// `items`, all of that layout and stage: their chunks, and the work blocks
-// over those chunks in both tables.
+// `items`, all of that layout and stage: their items, and the work blocks
+// over those items in both tables.
 void AppendLaunch(const Plan& host, const std::vector<uint32_t>& items,
-                  uint64_t chunk_elements, Launch launch, DevicePlan* plan) {
+                  uint64_t item_elements, Launch launch, DevicePlan* plan) {
   const Layout& l = launch.layout;
-  launch.first_chunk = static_cast<uint32_t>(plan->chunks.size());
+  launch.first_item = static_cast<uint32_t>(plan->items.size());
   for (uint32_t i : items) {
     const PlanItem& item = host.items[i];
-    const uint32_t index = static_cast<uint32_t>(plan->chunks.size());
-    auto& range = plan->entry_chunks[item.entry];
+    const uint32_t index = static_cast<uint32_t>(plan->items.size());
+    auto& range = plan->entry_items[item.entry];
     if (range.first == range.second) range.first = index;
     range.second = index + 1;
-    DeviceChunk c{};
-    FillChunk(host.entries[item.entry], item.entry, item.begin, item.end, l,
-              &c);
-    plan->chunks.push_back(c);
-    plan->chunk_end.push_back(item.end);
+    DeviceItem c{};
+    FillItem(host.entries[item.entry], item.entry, item.begin, item.end, l, &c);
+    plan->items.push_back(c);
+    plan->item_end.push_back(item.end);
   }
-  launch.num_chunks =
-      static_cast<uint32_t>(plan->chunks.size()) - launch.first_chunk;
+  launch.num_items =
+      static_cast<uint32_t>(plan->items.size()) - launch.first_item;
   launch.fp8_first = static_cast<uint32_t>(plan->fp8.size());
   if (l.fp8_recipe != Fp8Recipe::kNone) AppendFp8(host, items, &launch, plan);
   for (int t = 0; t < 2; ++t) {
     std::vector<DeviceBlock>& blocks = plan->tables[t].blocks;
     launch.first_block[t] = static_cast<uint32_t>(blocks.size());
-    AppendBlocks(plan->chunks, launch.first_chunk,
-                 launch.first_chunk + launch.num_chunks,
-                 t == 0 ? UpdateBlockElements(l, chunk_elements)
-                        : chunk_elements * kStatsBlockFactor,
+    AppendBlocks(plan->items, launch.first_item,
+                 launch.first_item + launch.num_items,
+                 t == 0 ? UpdateBlockElements(l, item_elements)
+                        : item_elements * kStatsBlockFactor,
                  &blocks);
     launch.num_blocks[t] =
         static_cast<uint32_t>(blocks.size()) - launch.first_block[t];
@@ -136,10 +135,10 @@ void AppendLaunch(const Plan& host, const std::vector<uint32_t>& items,
   plan->launches.push_back(launch);
 }
 
-// Recounts the blocks of `blocks` that hold chunks of `ranges` (sorted,
+// Recounts the blocks of `blocks` that hold items of `ranges` (sorted,
 // merged); returns the recounted blocks' merged index ranges.
 std::vector<std::pair<uint32_t, uint32_t>> RecountBlocks(
-    const std::vector<DeviceChunk>& chunks,
+    const std::vector<DeviceItem>& items,
     const std::vector<std::pair<uint32_t, uint32_t>>& ranges,
     std::vector<DeviceBlock>* blocks) {
   std::vector<std::pair<uint32_t, uint32_t>> dirty;
@@ -150,7 +149,7 @@ std::vector<std::pair<uint32_t, uint32_t>> RecountBlocks(
     if (b != blocks->begin()) --b;
     for (; b != blocks->end() && b->first < end; ++b) {
       if (b->end <= first) continue;
-      CountBlock(chunks, &*b);
+      CountBlock(items, &*b);
       const uint32_t i = static_cast<uint32_t>(b - blocks->begin());
       dirty.emplace_back(i, i + 1);
     }
@@ -160,16 +159,16 @@ std::vector<std::pair<uint32_t, uint32_t>> RecountBlocks(
 
 }  // namespace
 
-uint64_t UpdateBlockElements(const Layout& l, uint64_t chunk_elements) {
-  return DTypeSize(l.moment_dtype) <= 2 ? 2 * chunk_elements : chunk_elements;
+uint64_t UpdateBlockElements(const Layout& l, uint64_t item_elements) {
+  return DTypeSize(l.moment_dtype) <= 2 ? 2 * item_elements : item_elements;
 }
 
-void BuildDeviceTables(const Group& group, uint64_t chunk_elements,
+void BuildDeviceTables(const Group& group, uint64_t item_elements,
                        DevicePlan* plan) {
   const Plan& host = group.plan;
-  plan->entry_chunks.assign(host.entries.size(), {0, 0});
+  plan->entry_items.assign(host.entries.size(), {0, 0});
   // One launch per distinct (stage, layout), by stage, then by the
-  // layout's first appearance; each covers all the chunks of its pair.
+  // layout's first appearance; each covers all the items of its pair.
   std::vector<Layout> layouts;
   std::vector<uint32_t> layout_of(host.entries.size());
   for (uint32_t e = 0; e < host.entries.size(); ++e) {
@@ -189,7 +188,7 @@ void BuildDeviceTables(const Group& group, uint64_t chunk_elements,
     Launch launch;
     launch.layout = layouts[kind % layouts.size()];
     launch.stage = static_cast<uint32_t>(kind / layouts.size());
-    AppendLaunch(host, items, chunk_elements, launch, plan);
+    AppendLaunch(host, items, item_elements, launch, plan);
   }
   plan->whole_launches = WholeLaunches(plan->launches);
 }
@@ -199,7 +198,7 @@ std::vector<Launch> WholeLaunches(const std::vector<Launch>& launches) {
   for (const Launch& l : launches) {
     if (!whole.empty() && whole.back().layout == l.layout) {
       Launch& w = whole.back();
-      w.num_chunks += l.num_chunks;
+      w.num_items += l.num_items;
       w.fp8_count += l.fp8_count;  // adjacent in plan->fp8 too
       w.fp8_units += l.fp8_units;
       w.fp8_amax_words += l.fp8_amax_words;
@@ -222,28 +221,28 @@ TableChanges RefreshEntries(Group& group, const std::vector<uint32_t>& entries,
     changes.absence_changed |=
         (p.grad == nullptr) != (group.plan.entries[entry].grad == nullptr);
     group.plan.entries[entry] = p;
-    const auto [first, end] = plan->entry_chunks[entry];
+    const auto [first, end] = plan->entry_items[entry];
     for (uint32_t c = first; c < end; ++c) {
-      FillChunk(p, entry, plan->chunks[c].begin, plan->chunk_end[c],
-                group.plan.layouts[entry], &plan->chunks[c]);
+      FillItem(p, entry, plan->items[c].begin, plan->item_end[c],
+               group.plan.layouts[entry], &plan->items[c]);
     }
     ranges.emplace_back(first, end);
   }
-  changes.chunks = MergeRanges(std::move(ranges), kCopyGap);
-  // New pointers may change which chunks have tiles, and absent gradients
-  // their element counts: recount the work blocks holding those chunks.
+  changes.items = MergeRanges(std::move(ranges), kCopyGap);
+  // New pointers may change which items have tiles, and absent gradients
+  // their element counts: recount the work blocks holding those items.
   for (int t = 0; t < 2; ++t) {
     changes.blocks[t] =
-        RecountBlocks(plan->chunks, changes.chunks, &plan->tables[t].blocks);
+        RecountBlocks(plan->items, changes.items, &plan->tables[t].blocks);
   }
   return changes;
 }
 
 std::vector<uint32_t> AbsentEntries(const DevicePlan& plan) {
   std::vector<uint32_t> absent = {0};
-  for (uint32_t e = 0; e < plan.entry_chunks.size(); ++e) {
-    const auto [first, end] = plan.entry_chunks[e];
-    if (first < end && plan.chunks[first].grad == nullptr) {
+  for (uint32_t e = 0; e < plan.entry_items.size(); ++e) {
+    const auto [first, end] = plan.entry_items[e];
+    if (first < end && plan.items[first].grad == nullptr) {
       absent.push_back(e);
     }
   }
@@ -257,65 +256,64 @@ Work LaunchWork(const DevicePlan& plan, const Launch& launch, int table) {
       reinterpret_cast<const DeviceBlock*>(plan.tables[table].blocks_d.data()) +
       launch.first_block[table];
   w.num_blocks = launch.num_blocks[table];
-  w.chunks = reinterpret_cast<const DeviceChunk*>(plan.chunks_d.data());
+  w.items = reinterpret_cast<const DeviceItem*>(plan.items_d.data());
   w.missed = reinterpret_cast<const uint32_t*>(plan.missed_d.data());
   return w;
 }
 
-Fp8Pass ChooseFp8Pass(const Fp8Geometry& g, uint64_t chunk_step) {
+Fp8Pass ChooseFp8Pass(const Fp8Geometry& g, uint64_t item_step) {
   if (g.recipe == Fp8Recipe::kTensor) return Fp8Pass::kTensorAmax;
   const uint64_t w = g.block_cols;
   // Units of w consecutive elements that start at multiples of w: each
-  // warp block (256 elements from a chunk's start) holds whole units.
+  // warp block (256 elements from an item's start) holds whole units.
   const bool row_units = g.block_rows == 1 || g.rows <= 1;
   const bool whole =
-      g.cols % w == 0 && chunk_step % w == 0 && kTileElements % w == 0;
+      g.cols % w == 0 && item_step % w == 0 && kTileElements % w == 0;
   if (row_units && whole) return Fp8Pass::kFused;
   if (w == kTileElements / 2 && whole) return Fp8Pass::kHalfAmax;
   return Fp8Pass::kElementAmax;
 }
 
-uint32_t ChunkTiles(const DeviceChunk& chunk, const Layout& layout) {
+uint32_t ItemTiles(const DeviceItem& item, const Layout& layout) {
   auto aligned = [&](const void* p, uint64_t esize) {
     if (p == nullptr) return true;
-    return (reinterpret_cast<uint64_t>(p) + chunk.begin * esize) % 16 == 0;
+    return (reinterpret_cast<uint64_t>(p) + item.begin * esize) % 16 == 0;
   };
   const uint64_t xs = layout.MasterBytesPerElement();
   const uint64_t ms = DTypeSize(layout.moment_dtype);
-  bool vector = aligned(chunk.param, DTypeSize(layout.param_dtype)) &&
-                aligned(chunk.grad, DTypeSize(layout.grad_dtype)) &&
-                (xs == 0 || aligned(chunk.master, xs));
-  for (const void* slot : chunk.state) vector = vector && aligned(slot, ms);
-  return vector
-             ? static_cast<uint32_t>((chunk.end - chunk.begin) / kTileElements)
-             : 0;
+  bool vector = aligned(item.param, DTypeSize(layout.param_dtype)) &&
+                aligned(item.grad, DTypeSize(layout.grad_dtype)) &&
+                (xs == 0 || aligned(item.master, xs));
+  for (const void* slot : item.state) vector = vector && aligned(slot, ms);
+  return vector ? static_cast<uint32_t>((item.end - item.begin) / kTileElements)
+                : 0;
 }
 
-void CountBlock(const std::vector<DeviceChunk>& chunks, DeviceBlock* b) {
+void CountBlock(const std::vector<DeviceItem>& items, DeviceBlock* b) {
   b->tiles = 0;
   b->scalars = 0;
   for (uint32_t c = b->first; c < b->end; ++c) {
-    b->tiles += chunks[c].tiles;
-    b->scalars += static_cast<uint32_t>(chunks[c].end - chunks[c].begin) -
-                  chunks[c].tiles * kTileElements;
+    b->tiles += items[c].tiles;
+    b->scalars += static_cast<uint32_t>(items[c].end - items[c].begin) -
+                  items[c].tiles * kTileElements;
   }
 }
 
-void AppendBlocks(const std::vector<DeviceChunk>& chunks, uint32_t first,
+void AppendBlocks(const std::vector<DeviceItem>& items, uint32_t first,
                   uint32_t end, uint64_t target,
                   std::vector<DeviceBlock>* out) {
   const size_t start = out->size();
   uint64_t in_block = 0;
   for (uint32_t c = first; c < end; ++c) {
     if (out->size() == start || in_block >= target ||
-        out->back().end - out->back().first >= kMaxChunksPerBlock) {
+        out->back().end - out->back().first >= kMaxItemsPerBlock) {
       out->push_back({c, c, 0, 0});
       in_block = 0;
     }
     out->back().end = c + 1;
-    in_block += chunks[c].end - chunks[c].begin;
+    in_block += items[c].end - items[c].begin;
   }
-  for (size_t b = start; b < out->size(); ++b) CountBlock(chunks, &(*out)[b]);
+  for (size_t b = start; b < out->size(); ++b) CountBlock(items, &(*out)[b]);
 }
 
 }  // namespace cuda

@@ -1,6 +1,6 @@
 // The CUDA backend's plan of a group, as the host builds it: the group's
-// plan items as a chunk table (kernels/cuda_step_types.h), work blocks over
-// the chunks, and one launch per (stage, layout), with the device copies of
+// plan items as an item table (kernels/cuda_step_types.h), work blocks over
+// the items, and one launch per (stage, layout), with the device copies of
 // those tables beside them. Building and refreshing the host tables makes
 // no CUDA call; device_plan_memory.h uploads them. Plain C++: no
 // CUDA headers, so that the builder is tested on machines without a GPU.
@@ -22,8 +22,8 @@
 namespace optimd {
 namespace cuda {
 
-// Work blocks over chunks of one layout. The update's work blocks hold
-// about chunk_elements elements, twice that with 16-bit or block8 moments
+// Work blocks over items of one layout. The update's work blocks hold
+// about item_elements elements, twice that with 16-bit or block8 moments
 // (fewer bytes per element); the statistics pass, which reads one stream where
 // the update reads four or more, walks work blocks kStatsBlockFactor times
 // larger, so that starting a thread block costs it as little relative to
@@ -34,15 +34,15 @@ struct BlockTable {
 };
 constexpr uint64_t kStatsBlockFactor = 8;
 
-uint64_t UpdateBlockElements(const Layout& l, uint64_t chunk_elements);
+uint64_t UpdateBlockElements(const Layout& l, uint64_t item_elements);
 
-// One kernel launch of a step: the chunks of the plan's tensors of one
+// One kernel launch of a step: the items of the plan's tensors of one
 // (stage, layout) pair, and their work blocks in each block table.
 struct Launch {
   Layout layout;
   uint32_t stage = 0;  // of its tensors (TensorEntry::stage)
-  uint32_t first_chunk = 0;
-  uint32_t num_chunks = 0;
+  uint32_t first_item = 0;
+  uint32_t num_items = 0;
   uint32_t first_block[2] = {0, 0};  // [0]: update, [1]: statistics
   uint32_t num_blocks[2] = {0, 0};
   // FP8 parameters (layout.fp8_recipe): DevicePlan::fp8[fp8_first ..
@@ -56,19 +56,19 @@ struct Launch {
   uint64_t fp8_amax_words = 0;
 };
 
-// The device-resident plan of one group. chunks: as in device memory;
-// chunk_end[c]: the end of chunk c's element range (its `end` is `begin`
-// while its tensor has no gradient); entry_chunks[e]: the chunks [first,
+// The device-resident plan of one group. items: as in device memory;
+// item_end[c]: the end of item c's element range (its `end` is `begin`
+// while its tensor has no gradient); entry_items[e]: the items [first,
 // end) of plan entry e, consecutive since an entry has one layout;
 // tables[0]: the update's work blocks, tables[1]: the statistics pass's
 // (one partial sum each).
 struct DevicePlan : BackendPlan {
   uint64_t id = 0;  // unique within the backend
-  std::vector<DeviceChunk> chunks;
-  std::vector<uint64_t> chunk_end;
-  std::vector<std::pair<uint32_t, uint32_t>> entry_chunks;
+  std::vector<DeviceItem> items;
+  std::vector<uint64_t> item_end;
+  std::vector<std::pair<uint32_t, uint32_t>> entry_items;
   std::vector<Launch> launches;
-  // The same chunks and blocks in fewer, larger launches: each run of
+  // The same items and blocks in fewer, larger launches: each run of
   // consecutive launches of one layout merged into one (stages ignored).
   // The statistics pass and plain steps use them: every launch costs a
   // few tens of microseconds beyond its bytes, and a small one does not
@@ -82,7 +82,7 @@ struct DevicePlan : BackendPlan {
   StateStorage fp8_d;
   uint64_t fp8_amax_words = 0;
   StateStorage fp8_amax_d;
-  StateStorage chunks_d, partials_d, state_d, scalars_d;
+  StateStorage items_d, partials_d, state_d, scalars_d;
   // Per entry, the group's applied steps it missed (no gradient); advanced
   // by the commit kernel for the entries listed in absent_d ([0]: count,
   // then entries), whose host copy is `absent`.
@@ -96,30 +96,30 @@ inline DevicePlan* PlanOf(const Group& group) {
   return static_cast<DevicePlan*>(group.backend_plan.get());
 }
 
-// Fills the host tables of `plan` (chunks, chunk_end, entry_chunks,
+// Fills the host tables of `plan` (items, item_end, entry_items,
 // launches, the blocks of both tables) from `group.plan`, which BuildPlan
-// made with the same `chunk_elements`.
-void BuildDeviceTables(const Group& group, uint64_t chunk_elements,
+// made with the same `item_elements`.
+void BuildDeviceTables(const Group& group, uint64_t item_elements,
                        DevicePlan* plan);
 
 // `launches` with each run of consecutive launches of one layout merged
-// (their chunks and blocks are adjacent in the tables: AppendLaunch appends
+// (their items and blocks are adjacent in the tables: AppendLaunch appends
 // them in order).
 std::vector<Launch> WholeLaunches(const std::vector<Launch>& launches);
 
 // What RefreshEntries changed in a plan's host tables: sorted, merged
-// [first, end) ranges of plan.chunks and of each table's blocks, for the
+// [first, end) ranges of plan.items and of each table's blocks, for the
 // copies that bring the device's tables up to date, and whether some entry
 // gained or lost its gradient (the absent list then changes).
 struct TableChanges {
-  std::vector<std::pair<uint32_t, uint32_t>> chunks;
+  std::vector<std::pair<uint32_t, uint32_t>> items;
   std::vector<std::pair<uint32_t, uint32_t>> blocks[2];
   bool absence_changed = false;
 };
 
 // Points plan entries `entries` of `group` (group.plan.entries and the
-// chunks of `plan`) at their tensors' current buffers, and recounts the
-// work blocks holding their chunks.
+// items of `plan`) at their tensors' current buffers, and recounts the
+// work blocks holding their items.
 TableChanges RefreshEntries(Group& group, const std::vector<uint32_t>& entries,
                             DevicePlan* plan);
 
@@ -131,17 +131,17 @@ Work LaunchWork(const DevicePlan& plan, const Launch& launch, int table);
 
 // The pieces of the builder, each checked by device_plan_test.
 // How an FP8 parameter of geometry `g` is requantized (Fp8Pass) when every
-// one of its chunks starts at a multiple of `chunk_step` elements.
-Fp8Pass ChooseFp8Pass(const Fp8Geometry& g, uint64_t chunk_step);
-// Tiles of a chunk: whole tiles when every stream is 16-byte aligned at
-// the chunk's first element (tiles access them in 8- or 16-byte pieces),
+// one of its items starts at a multiple of `item_step` elements.
+Fp8Pass ChooseFp8Pass(const Fp8Geometry& g, uint64_t item_step);
+// Tiles of an item: whole tiles when every stream is 16-byte aligned at
+// the item's first element (tiles access them in 8- or 16-byte pieces),
 // else none.
-uint32_t ChunkTiles(const DeviceChunk& chunk, const Layout& layout);
-// A block's totals from its chunks.
-void CountBlock(const std::vector<DeviceChunk>& chunks, DeviceBlock* b);
-// Appends work blocks over chunks [first, end): consecutive chunks of about
-// `target` elements in all, and at most kMaxChunksPerBlock of them.
-void AppendBlocks(const std::vector<DeviceChunk>& chunks, uint32_t first,
+uint32_t ItemTiles(const DeviceItem& item, const Layout& layout);
+// A block's totals from its items.
+void CountBlock(const std::vector<DeviceItem>& items, DeviceBlock* b);
+// Appends work blocks over items [first, end): consecutive items of about
+// `target` elements in all, and at most kMaxItemsPerBlock of them.
+void AppendBlocks(const std::vector<DeviceItem>& items, uint32_t first,
                   uint32_t end, uint64_t target, std::vector<DeviceBlock>* out);
 
 }  // namespace cuda

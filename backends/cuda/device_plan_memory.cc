@@ -27,8 +27,8 @@ absl::Status UploadRows(cudaStream_t stream, const std::vector<T>& host,
 }
 
 // Allocates the FP8 parameters' table and amax words, points each FP8
-// parameter at its amax words and each of its chunks at its table row, and
-// uploads the table (the chunks follow in UploadPlan).
+// parameter at its amax words and each of its items at its table row, and
+// uploads the table (the items follow in UploadPlan).
 absl::Status UploadFp8(int device, cudaStream_t stream, DevicePlan& plan) {
   OPTIMD_ASSIGN_OR_RETURN(
       plan.fp8_d, DeviceAlloc(device, std::max<uint64_t>(1, plan.fp8.size()) *
@@ -44,8 +44,8 @@ absl::Status UploadFp8(int device, cudaStream_t stream, DevicePlan& plan) {
   for (size_t f = 0; f < plan.fp8.size(); ++f) {
     DeviceFp8Tensor& t = plan.fp8[f];
     t.amax = t.pass == Fp8Pass::kFused ? nullptr : amax_d + t.amax_first;
-    const auto [first, end] = plan.entry_chunks[t.entry];
-    for (uint32_t c = first; c < end; ++c) plan.chunks[c].scales = rows_d + f;
+    const auto [first, end] = plan.entry_items[t.entry];
+    for (uint32_t c = first; c < end; ++c) plan.items[c].scales = rows_d + f;
   }
   OPTIMD_RETURN_IF_CUDA_ERROR(
       cudaMemcpyAsync(plan.fp8_d.data(), plan.fp8.data(),
@@ -59,9 +59,9 @@ absl::Status UploadFp8(int device, cudaStream_t stream, DevicePlan& plan) {
 absl::Status UploadPlan(int device, cudaStream_t stream, DevicePlan& plan) {
   OPTIMD_RETURN_IF_ERROR(UploadFp8(device, stream, plan));
   OPTIMD_ASSIGN_OR_RETURN(
-      plan.chunks_d,
-      DeviceAlloc(device, std::max<uint64_t>(1, plan.chunks.size()) *
-                              sizeof(DeviceChunk)));
+      plan.items_d,
+      DeviceAlloc(device, std::max<uint64_t>(1, plan.items.size()) *
+                              sizeof(DeviceItem)));
   for (BlockTable& t : plan.tables) {
     OPTIMD_ASSIGN_OR_RETURN(
         t.blocks_d, DeviceAlloc(device, std::max<uint64_t>(1, t.blocks.size()) *
@@ -79,13 +79,12 @@ absl::Status UploadPlan(int device, cudaStream_t stream, DevicePlan& plan) {
                           DeviceAlloc(device, sizeof(DeviceGroupState)));
   OPTIMD_ASSIGN_OR_RETURN(plan.scalars_d,
                           DeviceAlloc(device, sizeof(DeviceScalars)));
-  OPTIMD_RETURN_IF_CUDA_ERROR(
-      cudaMemcpyAsync(plan.chunks_d.data(), plan.chunks.data(),
-                      plan.chunks.size() * sizeof(DeviceChunk),
-                      cudaMemcpyHostToDevice, stream));
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(
+      plan.items_d.data(), plan.items.data(),
+      plan.items.size() * sizeof(DeviceItem), cudaMemcpyHostToDevice, stream));
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(
       plan.state_d.data(), 0, sizeof(DeviceGroupState), stream));
-  const uint64_t entries = plan.entry_chunks.size();
+  const uint64_t entries = plan.entry_items.size();
   OPTIMD_ASSIGN_OR_RETURN(
       plan.missed_d,
       DeviceAlloc(device, std::max<uint64_t>(1, entries) * sizeof(uint32_t)));
@@ -112,11 +111,11 @@ absl::Status UploadTableChanges(cudaStream_t stream,
   // Copies from pageable memory are staged when enqueued, so the host
   // tables may change again at once; stream order puts them after the
   // steps already queued and before the next.
-  for (const auto& [first, end] : changes.chunks) {
+  for (const auto& [first, end] : changes.items) {
     OPTIMD_RETURN_IF_ERROR(
-        UploadRows(stream, plan.chunks, plan.chunks_d, first, end));
+        UploadRows(stream, plan.items, plan.items_d, first, end));
   }
-  // The work blocks holding those chunks, recounted.
+  // The work blocks holding those items, recounted.
   for (int t = 0; t < 2; ++t) {
     const BlockTable& table = plan.tables[t];
     for (const auto& [first, end] : changes.blocks[t]) {

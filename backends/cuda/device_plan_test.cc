@@ -49,7 +49,7 @@ const Layout kSgd =
 uint8_t* At(uintptr_t address) { return reinterpret_cast<uint8_t*>(address); }
 
 // What a test tensor looks like: `misalign` bytes are added to its
-// parameter's address (so that its chunks have no tiles unless it is 0).
+// parameter's address (so that its items have no tiles unless it is 0).
 struct TensorShape {
   uint64_t numel = 0;
   Layout layout = kFp32;
@@ -88,7 +88,7 @@ TensorEntry MakeTensor(uint32_t index, const TensorShape& shape) {
 }
 
 Group MakeGroup(const std::vector<TensorShape>& shapes,
-                uint64_t chunk_elements) {
+                uint64_t item_elements) {
   Group g;
   g.id = "g";
   for (uint32_t i = 0; i < shapes.size(); ++i) {
@@ -96,13 +96,13 @@ Group MakeGroup(const std::vector<TensorShape>& shapes,
     g.tensors.push_back(MakeTensor(i, shapes[i]));
   }
   g.IndexTensors();
-  BuildPlan(g, chunk_elements);
+  BuildPlan(g, item_elements);
   return g;
 }
 
-DevicePlan MakePlan(const Group& g, uint64_t chunk_elements) {
+DevicePlan MakePlan(const Group& g, uint64_t item_elements) {
   DevicePlan plan;
-  BuildDeviceTables(g, chunk_elements, &plan);
+  BuildDeviceTables(g, item_elements, &plan);
   return plan;
 }
 
@@ -111,9 +111,9 @@ bool Aligned(const void* p, uint64_t begin, uint64_t element_size) {
          (reinterpret_cast<uintptr_t>(p) + begin * element_size) % 16 == 0;
 }
 
-// The tiles a chunk must have: all its whole tiles when every stream is
+// The tiles an item must have: all its whole tiles when every stream is
 // 16-byte aligned at its first element, none otherwise.
-uint32_t ExpectedTiles(const DeviceChunk& c, const Layout& l) {
+uint32_t ExpectedTiles(const DeviceItem& c, const Layout& l) {
   bool aligned = Aligned(c.param, c.begin, DTypeSize(l.param_dtype)) &&
                  Aligned(c.grad, c.begin, DTypeSize(l.grad_dtype)) &&
                  (l.MasterBytesPerElement() == 0 ||
@@ -124,73 +124,73 @@ uint32_t ExpectedTiles(const DeviceChunk& c, const Layout& l) {
   return aligned ? static_cast<uint32_t>((c.end - c.begin) / kTileElements) : 0;
 }
 
-// Every element of every steppable tensor lies in exactly one chunk of its
-// entry; each chunk carries its tensor's current pointers, no elements
+// Every element of every steppable tensor lies in exactly one item of its
+// entry; each item carries its tensor's current pointers, no elements
 // while the tensor has no gradient, and the tiles its alignment allows.
-void CheckChunks(const Group& g, const DevicePlan& plan,
-                 uint64_t chunk_elements) {
+void CheckItems(const Group& g, const DevicePlan& plan,
+                uint64_t item_elements) {
   const Plan& host = g.plan;
-  ASSERT_EQ(plan.chunks.size(), host.items.size());
-  ASSERT_EQ(plan.chunk_end.size(), plan.chunks.size());
-  ASSERT_EQ(plan.entry_chunks.size(), host.entries.size());
-  std::vector<int> owners(plan.chunks.size(), 0);
+  ASSERT_EQ(plan.items.size(), host.items.size());
+  ASSERT_EQ(plan.item_end.size(), plan.items.size());
+  ASSERT_EQ(plan.entry_items.size(), host.entries.size());
+  std::vector<int> owners(plan.items.size(), 0);
   for (uint32_t e = 0; e < host.entries.size(); ++e) {
     const TensorEntry& t = g.tensors[host.tensor_index[e]];
     const TensorPointers p = t.Pointers();
-    const auto [first, end] = plan.entry_chunks[e];
-    ASSERT_LT(first, end) << "entry " << e << " has no chunks";
+    const auto [first, end] = plan.entry_items[e];
+    ASSERT_LT(first, end) << "entry " << e << " has no items";
     uint64_t next = 0;  // the first element not yet covered
     for (uint32_t c = first; c < end; ++c) {
-      const DeviceChunk& chunk = plan.chunks[c];
+      const DeviceItem& item = plan.items[c];
       ++owners[c];
-      EXPECT_EQ(chunk.entry, e);
-      EXPECT_EQ(chunk.begin, next) << "a gap or an overlap in entry " << e;
-      EXPECT_GT(plan.chunk_end[c], chunk.begin);
-      EXPECT_LE(plan.chunk_end[c] - chunk.begin, chunk_elements);
-      next = plan.chunk_end[c];
-      EXPECT_EQ(chunk.param, p.param);
-      EXPECT_EQ(chunk.grad, p.grad);
-      EXPECT_EQ(chunk.master, p.master);
+      EXPECT_EQ(item.entry, e);
+      EXPECT_EQ(item.begin, next) << "a gap or an overlap in entry " << e;
+      EXPECT_GT(plan.item_end[c], item.begin);
+      EXPECT_LE(plan.item_end[c] - item.begin, item_elements);
+      next = plan.item_end[c];
+      EXPECT_EQ(item.param, p.param);
+      EXPECT_EQ(item.grad, p.grad);
+      EXPECT_EQ(item.master, p.master);
       for (int s = 0; s < kDeviceStateSlots; ++s) {
-        EXPECT_EQ(chunk.state[s], p.state[s]);
+        EXPECT_EQ(item.state[s], p.state[s]);
       }
-      EXPECT_EQ(chunk.end, t.grad_absent ? chunk.begin : plan.chunk_end[c]);
-      EXPECT_EQ(chunk.tiles, ExpectedTiles(chunk, t.layout));
+      EXPECT_EQ(item.end, t.grad_absent ? item.begin : plan.item_end[c]);
+      EXPECT_EQ(item.tiles, ExpectedTiles(item, t.layout));
     }
     EXPECT_EQ(next, t.numel) << "entry " << e << " not covered to its end";
   }
   for (uint32_t c = 0; c < owners.size(); ++c) {
     EXPECT_EQ(owners[c], 1)
-        << "chunk " << c << " in " << owners[c] << " entries";
+        << "item " << c << " in " << owners[c] << " entries";
   }
 }
 
-// The launches cover the chunk table in order, one per distinct (stage,
-// layout), sorted by stage, each over chunks of its own stage and layout.
+// The launches cover the item table in order, one per distinct (stage,
+// layout), sorted by stage, each over items of its own stage and layout.
 void CheckLaunches(const Group& g, const DevicePlan& plan) {
-  uint32_t next_chunk = 0;
+  uint32_t next_item = 0;
   uint32_t last_stage = 0;
   std::set<std::pair<uint32_t, std::string>> kinds;
   for (const Launch& launch : plan.launches) {
-    EXPECT_EQ(launch.first_chunk, next_chunk);
-    EXPECT_GT(launch.num_chunks, 0u);
+    EXPECT_EQ(launch.first_item, next_item);
+    EXPECT_GT(launch.num_items, 0u);
     EXPECT_GE(launch.stage, last_stage) << "launches not sorted by stage";
     last_stage = launch.stage;
     EXPECT_TRUE(kinds.emplace(launch.stage, launch.layout.DebugString()).second)
         << "two launches of stage " << launch.stage << " and layout "
         << launch.layout.DebugString();
-    for (uint32_t c = launch.first_chunk;
-         c < launch.first_chunk + launch.num_chunks; ++c) {
-      const uint32_t entry = plan.chunks[c].entry;
+    for (uint32_t c = launch.first_item;
+         c < launch.first_item + launch.num_items; ++c) {
+      const uint32_t entry = plan.items[c].entry;
       EXPECT_TRUE(g.plan.layouts[entry] == launch.layout);
       EXPECT_EQ(g.tensors[g.plan.tensor_index[entry]].stage, launch.stage);
     }
-    next_chunk = launch.first_chunk + launch.num_chunks;
+    next_item = launch.first_item + launch.num_items;
   }
-  EXPECT_EQ(next_chunk, plan.chunks.size());
+  EXPECT_EQ(next_item, plan.items.size());
 }
 
-// The whole launches cover the same chunks and blocks as the launches, in
+// The whole launches cover the same items and blocks as the launches, in
 // order, with no two neighbours of one layout: each is a run of launches
 // of its layout merged.
 void CheckWholeLaunches(const DevicePlan& plan) {
@@ -202,68 +202,68 @@ void CheckWholeLaunches(const DevicePlan& plan) {
     }
     ASSERT_LT(next, plan.launches.size());
     const Launch& first = plan.launches[next];
-    EXPECT_EQ(whole.first_chunk, first.first_chunk);
-    uint64_t chunks = 0, blocks[2] = {0, 0};
-    for (; next < plan.launches.size() &&
-           plan.launches[next].layout == whole.layout &&
-           chunks < whole.num_chunks;
+    EXPECT_EQ(whole.first_item, first.first_item);
+    uint64_t items = 0, blocks[2] = {0, 0};
+    for (;
+         next < plan.launches.size() &&
+         plan.launches[next].layout == whole.layout && items < whole.num_items;
          ++next) {
-      chunks += plan.launches[next].num_chunks;
+      items += plan.launches[next].num_items;
       for (int t = 0; t < 2; ++t) {
         EXPECT_EQ(plan.launches[next].first_block[t],
                   whole.first_block[t] + blocks[t]);
         blocks[t] += plan.launches[next].num_blocks[t];
       }
     }
-    EXPECT_EQ(chunks, whole.num_chunks);
+    EXPECT_EQ(items, whole.num_items);
     for (int t = 0; t < 2; ++t) EXPECT_EQ(blocks[t], whole.num_blocks[t]);
   }
   EXPECT_EQ(next, plan.launches.size()) << "launches not covered";
 }
 
-// Each table's blocks split each launch's chunks into consecutive runs of
-// at most kMaxChunksPerBlock chunks whose tile and scalar counts are the
-// sums of their chunks'. With `sized`, also that each block is the
-// shortest run reaching the table's target size or kMaxChunksPerBlock
-// chunks (true as built; a refresh keeps the blocks' shapes).
-void CheckBlocks(const DevicePlan& plan, uint64_t chunk_elements, bool sized) {
+// Each table's blocks split each launch's items into consecutive runs of
+// at most kMaxItemsPerBlock items whose tile and scalar counts are the
+// sums of their items'. With `sized`, also that each block is the
+// shortest run reaching the table's target size or kMaxItemsPerBlock
+// items (true as built; a refresh keeps the blocks' shapes).
+void CheckBlocks(const DevicePlan& plan, uint64_t item_elements, bool sized) {
   for (int t = 0; t < 2; ++t) {
     const std::vector<DeviceBlock>& blocks = plan.tables[t].blocks;
     uint32_t next_block = 0;
     for (const Launch& launch : plan.launches) {
       const uint64_t target =
-          t == 0 ? UpdateBlockElements(launch.layout, chunk_elements)
-                 : chunk_elements * kStatsBlockFactor;
+          t == 0 ? UpdateBlockElements(launch.layout, item_elements)
+                 : item_elements * kStatsBlockFactor;
       EXPECT_EQ(launch.first_block[t], next_block);
       EXPECT_GT(launch.num_blocks[t], 0u);
-      uint32_t next_chunk = launch.first_chunk;
+      uint32_t next_item = launch.first_item;
       const uint32_t end_block = launch.first_block[t] + launch.num_blocks[t];
       ASSERT_LE(end_block, blocks.size());
       for (uint32_t b = launch.first_block[t]; b < end_block; ++b) {
         const DeviceBlock& block = blocks[b];
-        EXPECT_EQ(block.first, next_chunk);
+        EXPECT_EQ(block.first, next_item);
         EXPECT_GT(block.end, block.first);
-        EXPECT_LE(block.end - block.first, kMaxChunksPerBlock);
+        EXPECT_LE(block.end - block.first, kMaxItemsPerBlock);
         uint64_t tiles = 0, scalars = 0, elements = 0, before_last = 0;
         for (uint32_t c = block.first; c < block.end; ++c) {
-          const DeviceChunk& chunk = plan.chunks[c];
+          const DeviceItem& item = plan.items[c];
           before_last = elements;
-          elements += chunk.end - chunk.begin;
-          tiles += chunk.tiles;
-          scalars += chunk.end - chunk.begin - chunk.tiles * kTileElements;
+          elements += item.end - item.begin;
+          tiles += item.tiles;
+          scalars += item.end - item.begin - item.tiles * kTileElements;
         }
         EXPECT_EQ(block.tiles, tiles) << "table " << t << " block " << b;
         EXPECT_EQ(block.scalars, scalars) << "table " << t << " block " << b;
         if (sized) {
           EXPECT_LT(before_last, target) << "block " << b << " too large";
           if (b + 1 < end_block &&
-              block.end - block.first < kMaxChunksPerBlock) {
+              block.end - block.first < kMaxItemsPerBlock) {
             EXPECT_GE(elements, target) << "block " << b << " closed early";
           }
         }
-        next_chunk = block.end;
+        next_item = block.end;
       }
-      EXPECT_EQ(next_chunk, launch.first_chunk + launch.num_chunks);
+      EXPECT_EQ(next_item, launch.first_item + launch.num_items);
       next_block = end_block;
     }
     EXPECT_EQ(next_block, blocks.size()) << "table " << t;
@@ -280,11 +280,11 @@ void CheckAbsent(const Group& g, const DevicePlan& plan) {
   EXPECT_EQ(AbsentEntries(plan), expected);
 }
 
-void CheckPlan(const Group& g, const DevicePlan& plan, uint64_t chunk_elements,
+void CheckPlan(const Group& g, const DevicePlan& plan, uint64_t item_elements,
                bool sized = true) {
-  CheckChunks(g, plan, chunk_elements);
+  CheckItems(g, plan, item_elements);
   CheckLaunches(g, plan);
-  CheckBlocks(plan, chunk_elements, sized);
+  CheckBlocks(plan, item_elements, sized);
   CheckWholeLaunches(plan);
   CheckAbsent(g, plan);
 }
@@ -298,30 +298,30 @@ TEST(DevicePlanTest, NoSteppableTensors) {
   shapes[2].layout = kSgd;
   const Group g = MakeGroup(shapes, 4096);
   const DevicePlan plan = MakePlan(g, 4096);
-  EXPECT_TRUE(plan.chunks.empty());
+  EXPECT_TRUE(plan.items.empty());
   EXPECT_TRUE(plan.launches.empty());
   EXPECT_TRUE(plan.tables[0].blocks.empty());
   EXPECT_TRUE(plan.tables[1].blocks.empty());
   CheckPlan(g, plan, 4096);
 }
 
-TEST(DevicePlanTest, LargeTensorsSplitIntoChunks) {
-  for (uint64_t chunk : {uint64_t{256}, uint64_t{4096}}) {
-    SCOPED_TRACE(chunk);
+TEST(DevicePlanTest, LargeTensorsSplitIntoItems) {
+  for (uint64_t item : {uint64_t{256}, uint64_t{4096}}) {
+    SCOPED_TRACE(item);
     std::vector<TensorShape> shapes(4);
-    shapes[0].numel = 10 * chunk;       // whole chunks
-    shapes[1].numel = 10 * chunk + 17;  // a scalar tail
-    shapes[2].numel = 3 * chunk + 300;  // tiles and scalars in the tail
-    shapes[3].numel = 5 * chunk + 1;
+    shapes[0].numel = 10 * item;       // whole items
+    shapes[1].numel = 10 * item + 17;  // a scalar tail
+    shapes[2].numel = 3 * item + 300;  // tiles and scalars in the tail
+    shapes[3].numel = 5 * item + 1;
     shapes[3].misalign = 4;  // no tiles at all
-    const Group g = MakeGroup(shapes, chunk);
-    const DevicePlan plan = MakePlan(g, chunk);
-    CheckPlan(g, plan, chunk);
+    const Group g = MakeGroup(shapes, item);
+    const DevicePlan plan = MakePlan(g, item);
+    CheckPlan(g, plan, item);
     ASSERT_EQ(plan.launches.size(), 1u);
-    const auto [first, end] = plan.entry_chunks[3];
-    for (uint32_t c = first; c < end; ++c) EXPECT_EQ(plan.chunks[c].tiles, 0u);
-    EXPECT_EQ(plan.chunks[plan.entry_chunks[0].first].tiles,
-              chunk / kTileElements);
+    const auto [first, end] = plan.entry_items[3];
+    for (uint32_t c = first; c < end; ++c) EXPECT_EQ(plan.items[c].tiles, 0u);
+    EXPECT_EQ(plan.items[plan.entry_items[0].first].tiles,
+              item / kTileElements);
   }
 }
 
@@ -336,10 +336,10 @@ TEST(DevicePlanTest, ManySmallTensorsShareWorkBlocks) {
   const Group g = MakeGroup(shapes, 4096);
   const DevicePlan plan = MakePlan(g, 4096);
   CheckPlan(g, plan, 4096);
-  // Work blocks full by chunk count, not by elements, exist.
+  // Work blocks full by item count, not by elements, exist.
   bool full = false;
   for (const DeviceBlock& b : plan.tables[1].blocks) {
-    full |= b.end - b.first == kMaxChunksPerBlock;
+    full |= b.end - b.first == kMaxItemsPerBlock;
   }
   EXPECT_TRUE(full);
 }
@@ -380,11 +380,11 @@ TEST(DevicePlanTest, StagesOfOneLayoutMakeOneWholeLaunch) {
   CheckPlan(g, plan, 4096);
   EXPECT_EQ(plan.launches.size(), 16u);
   ASSERT_EQ(plan.whole_launches.size(), 1u);
-  EXPECT_EQ(plan.whole_launches[0].num_chunks, plan.chunks.size());
+  EXPECT_EQ(plan.whole_launches[0].num_items, plan.items.size());
   EXPECT_EQ(plan.whole_launches[0].num_blocks[0], plan.tables[0].blocks.size());
 }
 
-TEST(DevicePlanTest, AbsentGradientsHaveEmptyChunks) {
+TEST(DevicePlanTest, AbsentGradientsHaveEmptyItems) {
   std::vector<TensorShape> shapes;
   for (uint32_t i = 0; i < 40; ++i) {
     TensorShape s;
@@ -399,10 +399,10 @@ TEST(DevicePlanTest, AbsentGradientsHaveEmptyChunks) {
   const std::vector<uint32_t> absent = AbsentEntries(plan);
   ASSERT_GT(absent[0], 0u);
   for (uint32_t k = 1; k < absent.size(); ++k) {
-    const auto [first, end] = plan.entry_chunks[absent[k]];
+    const auto [first, end] = plan.entry_items[absent[k]];
     for (uint32_t c = first; c < end; ++c) {
-      EXPECT_EQ(plan.chunks[c].end, plan.chunks[c].begin);
-      EXPECT_EQ(plan.chunks[c].tiles, 0u);
+      EXPECT_EQ(plan.items[c].end, plan.items[c].begin);
+      EXPECT_EQ(plan.items[c].tiles, 0u);
     }
   }
 }
@@ -441,7 +441,7 @@ TEST(DevicePlanTest, RefreshedEntriesMatchTheirTensors) {
     EXPECT_EQ(plan.tables[0].blocks[b].first, blocks_before[b].first);
     EXPECT_EQ(plan.tables[0].blocks[b].end, blocks_before[b].end);
   }
-  // The copies cover every moved entry's chunks and the blocks over them.
+  // The copies cover every moved entry's items and the blocks over them.
   auto covered = [](const std::vector<std::pair<uint32_t, uint32_t>>& ranges,
                     uint32_t i) {
     for (const auto& [first, end] : ranges) {
@@ -450,9 +450,9 @@ TEST(DevicePlanTest, RefreshedEntriesMatchTheirTensors) {
     return false;
   };
   for (uint32_t e : moved) {
-    const auto [first, end] = plan.entry_chunks[e];
+    const auto [first, end] = plan.entry_items[e];
     for (uint32_t c = first; c < end; ++c) {
-      EXPECT_TRUE(covered(changes.chunks, c)) << "chunk " << c;
+      EXPECT_TRUE(covered(changes.items, c)) << "item " << c;
       for (int t = 0; t < 2; ++t) {
         const std::vector<DeviceBlock>& blocks = plan.tables[t].blocks;
         for (uint32_t b = 0; b < blocks.size(); ++b) {
@@ -527,10 +527,10 @@ TEST(DevicePlanTest, Fp8ParametersAreListedWithTheirUnits) {
 // units, else the amax in the update and an encode pass.
 TEST(DevicePlanTest, Fp8PassFollowsTheShapeOfTheUnits) {
   const auto pass = [](Fp8Recipe r, std::vector<uint64_t> shape,
-                       uint64_t chunk_step) {
+                       uint64_t item_step) {
     uint64_t n = 1;
     for (uint64_t d : shape) n *= d;
-    return ChooseFp8Pass(Fp8Geometry::Of(r, n, shape), chunk_step);
+    return ChooseFp8Pass(Fp8Geometry::Of(r, n, shape), item_step);
   };
   using R = Fp8Recipe;
   EXPECT_EQ(pass(R::kBlock1x128, {300, 256}, 4096), Fp8Pass::kFused);

@@ -21,7 +21,7 @@ namespace {
 // The new weights are left in p[0 .. N).
 template <int N, class P, class G, class M, MasterKind K, bool kAms,
           bool kAdamW>
-__device__ __forceinline__ void UpdateN(const DeviceChunk& t, uint64_t i,
+__device__ __forceinline__ void UpdateN(const DeviceItem& t, uint64_t i,
                                         const DeviceScalars& s,
                                         const BiasScalars& b, float* p) {
   float g[N], m[N], v[N], x[N];
@@ -43,14 +43,14 @@ __device__ __forceinline__ void UpdateN(const DeviceChunk& t, uint64_t i,
   StoreWeight<N, P, K>(t, i, p);
 }
 
-// The bias scalars of each chunk of a work block: the group's, or, for a
+// The bias scalars of each item of a work block: the group's, or, for a
 // tensor that missed steps without a gradient, those of its own step
 // number (torch counts steps per parameter). The walk's Prepare.
-struct ChunkBias {
+struct ItemBias {
   const DeviceScalars& s;
   const uint32_t* missed;
-  BiasScalars* bias;  // shared memory, one per chunk of the block
-  __device__ void Prepare(const DeviceChunk* cs, uint32_t n) {
+  BiasScalars* bias;  // shared memory, one per item of the block
+  __device__ void Prepare(const DeviceItem* cs, uint32_t n) {
     if (threadIdx.x >= n) return;
     const uint32_t m = missed[cs[threadIdx.x].entry];
     bias[threadIdx.x] = m == 0 ? BiasScalars{s.neg_step, s.bc2, s.rbc2}
@@ -61,24 +61,24 @@ struct ChunkBias {
 
 // The update of a work block.
 template <class P, class G, class M, MasterKind K, bool kAms, bool kAdamW>
-struct Update : ChunkBias {
-  __device__ void Tile(const DeviceChunk& c, uint32_t k, uint64_t i) {
+struct Update : ItemBias {
+  __device__ void Tile(const DeviceItem& c, uint32_t k, uint64_t i) {
     float p[8];
     UpdateN<8, P, G, M, K, kAms, kAdamW>(c, i, s, bias[k], p);
   }
-  __device__ void Scalar(const DeviceChunk& c, uint32_t k, uint64_t i) {
+  __device__ void Scalar(const DeviceItem& c, uint32_t k, uint64_t i) {
     float p[1];
     UpdateN<1, P, G, M, K, kAms, kAdamW>(c, i, s, bias[k], p);
   }
 };
 
 // The update of FP8 parameters' masters, one warp per 256 elements of a
-// chunk (WalkBlocks8), then their requantization (Fp8AfterUpdate,
+// item (WalkBlocks8), then their requantization (Fp8AfterUpdate,
 // kernels/fp8_cuda.cuh): the warp holds whole scaling units of the
 // one-pass recipes, so the master is read once.
 template <class P, class G, class M, bool kAms, bool kAdamW>
-struct UpdateFp8 : ChunkBias {
-  __device__ void Block(const DeviceChunk& c, uint32_t k, uint64_t first,
+struct UpdateFp8 : ItemBias {
+  __device__ void Block(const DeviceItem& c, uint32_t k, uint64_t first,
                         uint32_t n) {
     constexpr MasterKind K = MasterKind::kFp32;
     const bool vector = n == kTileElements && c.tiles > 0;
@@ -113,7 +113,7 @@ __device__ __forceinline__ float WarpBlock8Scale(float x) {
 // The weights (N = 8: a tile lane's share; N = 1: one element) of a block8
 // block's lane, from valid elements only.
 template <class P, class G, MasterKind K>
-__device__ __forceinline__ void LoadBlock8Lane(const DeviceChunk& c,
+__device__ __forceinline__ void LoadBlock8Lane(const DeviceItem& c,
                                                uint64_t first, uint32_t n,
                                                bool vector, float* p,
                                                float* g) {
@@ -135,7 +135,7 @@ __device__ __forceinline__ void LoadBlock8Lane(const DeviceChunk& c,
 }
 
 template <class P, MasterKind K>
-__device__ __forceinline__ void StoreBlock8Lane(const DeviceChunk& c,
+__device__ __forceinline__ void StoreBlock8Lane(const DeviceItem& c,
                                                 uint64_t first, uint32_t n,
                                                 bool vector, const float* p) {
   if (vector) {
@@ -154,8 +154,8 @@ __device__ __forceinline__ void StoreBlock8Lane(const DeviceChunk& c,
 // reads its elements' moments back, updates them with AdamWElement, then
 // the warp takes the block's new maxima and every lane stores its codes.
 template <class P, class G, MasterKind K, bool kAdamW>
-struct UpdateBlock8 : ChunkBias {
-  __device__ void Block(const DeviceChunk& c, uint32_t k, uint64_t first,
+struct UpdateBlock8 : ItemBias {
+  __device__ void Block(const DeviceItem& c, uint32_t k, uint64_t first,
                         uint32_t n) {
     const bool vector = n == kBlock8Elements && c.tiles > 0;
     float p[8], g[8], m[8] = {}, v[8] = {};
@@ -201,14 +201,14 @@ struct UpdateBlock8 : ChunkBias {
   static constexpr uint64_t kBlock8Slots = 2;  // exp_avg, exp_avg_sq
 };
 
-// The float64 layout's bias scalars of each chunk of a work block, for the
-// chunk's tensor's own step number (the group's, less the steps it
+// The float64 layout's bias scalars of each item of a work block, for the
+// item's tensor's own step number (the group's, less the steps it
 // missed). The walk's Prepare.
-struct ChunkBias64 {
+struct ItemBias64 {
   const DeviceScalars& s;
   const uint32_t* missed;
-  BiasScalars64* bias;  // shared memory, one per chunk of the block
-  __device__ void Prepare(const DeviceChunk* cs, uint32_t n) {
+  BiasScalars64* bias;  // shared memory, one per item of the block
+  __device__ void Prepare(const DeviceItem* cs, uint32_t n) {
     if (threadIdx.x >= n) return;
     bias[threadIdx.x] =
         MakeBias64(s.lr, s.beta1_d, s.beta2_d, s.bias_correction,
@@ -220,8 +220,8 @@ struct ChunkBias64 {
 // double arithmetic (IEEE division and square root, no contraction),
 // element by element (a tile lane's: ForEachTileLaneElement).
 template <bool kAms, bool kAdamW>
-struct Update64 : ChunkBias64 {
-  __device__ __forceinline__ void One(const DeviceChunk& c, uint32_t k,
+struct Update64 : ItemBias64 {
+  __device__ __forceinline__ void One(const DeviceItem& c, uint32_t k,
                                       uint64_t i) {
     double* p = static_cast<double*>(c.param);
     const double* g = static_cast<const double*>(c.grad);
@@ -240,10 +240,10 @@ struct Update64 : ChunkBias64 {
     v[i] = vi;
     if constexpr (kAms) x[i] = xi;
   }
-  __device__ void Tile(const DeviceChunk& c, uint32_t k, uint64_t i) {
+  __device__ void Tile(const DeviceItem& c, uint32_t k, uint64_t i) {
     ForEachTileLaneElement(i, [&](uint64_t e) { One(c, k, e); });
   }
-  __device__ void Scalar(const DeviceChunk& c, uint32_t k, uint64_t i) {
+  __device__ void Scalar(const DeviceItem& c, uint32_t k, uint64_t i) {
     One(c, k, i);
   }
 };
@@ -254,7 +254,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 4)
                        const DeviceScalars* __restrict__ scalars) {
   const DeviceScalars s = *scalars;
   if (s.skip) return;
-  __shared__ BiasScalars64 bias[kMaxChunksPerBlock];
+  __shared__ BiasScalars64 bias[kMaxItemsPerBlock];
   Update64<kAms, kAdamW> body{{s, work.missed, bias}};
   Walk(work, body);
 }
@@ -265,7 +265,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 4)
                       const DeviceScalars* __restrict__ scalars) {
   const DeviceScalars s = *scalars;
   if (s.skip) return;
-  __shared__ BiasScalars bias[kMaxChunksPerBlock];
+  __shared__ BiasScalars bias[kMaxItemsPerBlock];
   UpdateBlock8<P, G, K, kAdamW> body{{s, work.missed, bias}};
   WalkBlocks8(work, body);
 }
@@ -275,7 +275,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 4)
     AdamWFp8Kernel(const Work work, const DeviceScalars* __restrict__ scalars) {
   const DeviceScalars s = *scalars;
   if (s.skip) return;
-  __shared__ BiasScalars bias[kMaxChunksPerBlock];
+  __shared__ BiasScalars bias[kMaxItemsPerBlock];
   UpdateFp8<P, G, M, kAms, kAdamW> body{{s, work.missed, bias}};
   WalkBlocks8(work, body);
 }
@@ -287,7 +287,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 4)
     AdamWKernel(const Work work, const DeviceScalars* __restrict__ scalars) {
   const DeviceScalars s = *scalars;
   if (s.skip) return;
-  __shared__ BiasScalars bias[kMaxChunksPerBlock];
+  __shared__ BiasScalars bias[kMaxItemsPerBlock];
   Update<P, G, M, K, kAms, kAdamW> body{{s, work.missed, bias}};
   Walk(work, body);
 }

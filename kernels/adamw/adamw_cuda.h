@@ -10,7 +10,7 @@
 namespace optimd {
 namespace cuda {
 
-// Updates the chunks of `work` with the scalars of a group (unless they
+// Updates the items of `work` with the scalars of a group (unless they
 // say skip). `adamw`: decoupled weight decay (else Adam's L2), a template
 // parameter of the kernel.
 absl::Status LaunchAdamW(const Layout& layout, bool adamw, const Work& work,

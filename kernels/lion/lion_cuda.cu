@@ -14,7 +14,7 @@ namespace {
 
 // State slot 0: exp_avg (the momentum).
 template <int N, class P, class G, class M, MasterKind K>
-__device__ __forceinline__ void UpdateN(const DeviceChunk& t, uint64_t i,
+__device__ __forceinline__ void UpdateN(const DeviceItem& t, uint64_t i,
                                         const DeviceScalars& s) {
   float p[N], g[N], m[N];
   LoadWeight<N, P, K>(t, i, p);
@@ -31,11 +31,11 @@ __device__ __forceinline__ void UpdateN(const DeviceChunk& t, uint64_t i,
 template <class P, class G, class M, MasterKind K>
 struct Update {
   const DeviceScalars& s;
-  __device__ void Prepare(const DeviceChunk*, uint32_t) {}
-  __device__ void Tile(const DeviceChunk& c, uint32_t, uint64_t i) {
+  __device__ void Prepare(const DeviceItem*, uint32_t) {}
+  __device__ void Tile(const DeviceItem& c, uint32_t, uint64_t i) {
     UpdateN<8, P, G, M, K>(c, i, s);
   }
-  __device__ void Scalar(const DeviceChunk& c, uint32_t, uint64_t i) {
+  __device__ void Scalar(const DeviceItem& c, uint32_t, uint64_t i) {
     UpdateN<1, P, G, M, K>(c, i, s);
   }
 };
@@ -45,8 +45,8 @@ struct Update {
 // by element (a tile lane's: ForEachTileLaneElement).
 struct Update64 {
   const DeviceScalars& s;
-  __device__ void Prepare(const DeviceChunk*, uint32_t) {}
-  __device__ __forceinline__ void One(const DeviceChunk& c, uint64_t i) {
+  __device__ void Prepare(const DeviceItem*, uint32_t) {}
+  __device__ __forceinline__ void One(const DeviceItem& c, uint64_t i) {
     double* p = static_cast<double*>(c.param);
     const double* g = static_cast<const double*>(c.grad);
     double* m = static_cast<double*>(c.state[0]);
@@ -57,10 +57,10 @@ struct Update64 {
     p[i] = LionElement(g[i], p[i], mi, e);
     m[i] = mi;
   }
-  __device__ void Tile(const DeviceChunk& c, uint32_t, uint64_t i) {
+  __device__ void Tile(const DeviceItem& c, uint32_t, uint64_t i) {
     ForEachTileLaneElement(i, [&](uint64_t e) { One(c, e); });
   }
-  __device__ void Scalar(const DeviceChunk& c, uint32_t, uint64_t i) {
+  __device__ void Scalar(const DeviceItem& c, uint32_t, uint64_t i) {
     One(c, i);
   }
 };

@@ -17,7 +17,7 @@ namespace {
 // `first`: the tensor's first step (the
 // buffer starts as the gradient).
 template <int N, class P, class G, class M, MasterKind K, bool kMomentum>
-__device__ __forceinline__ void UpdateN(const DeviceChunk& t, uint64_t i,
+__device__ __forceinline__ void UpdateN(const DeviceItem& t, uint64_t i,
                                         const DeviceScalars& s, bool first) {
   float p[N], g[N], b[N];
   LoadWeight<N, P, K>(t, i, p);
@@ -35,14 +35,14 @@ __device__ __forceinline__ void UpdateN(const DeviceChunk& t, uint64_t i,
   StoreWeight<N, P, K>(t, i, p);
 }
 
-// Whether each chunk of a work block takes its tensor's first step, from
+// Whether each item of a work block takes its tensor's first step, from
 // the tensor's own step number (t minus the steps it missed). The walk's
 // Prepare.
-struct ChunkFirst {
+struct ItemFirst {
   const DeviceScalars& s;
   const uint32_t* missed;
-  bool* first;  // shared memory, one per chunk of the block
-  __device__ void Prepare(const DeviceChunk* cs, uint32_t n) {
+  bool* first;  // shared memory, one per item of the block
+  __device__ void Prepare(const DeviceItem* cs, uint32_t n) {
     if (threadIdx.x >= n) return;
     first[threadIdx.x] = s.t - missed[cs[threadIdx.x].entry] == 1;
   }
@@ -50,11 +50,11 @@ struct ChunkFirst {
 
 // The update of a work block.
 template <class P, class G, class M, MasterKind K, bool kMomentum>
-struct Update : ChunkFirst {
-  __device__ void Tile(const DeviceChunk& c, uint32_t k, uint64_t i) {
+struct Update : ItemFirst {
+  __device__ void Tile(const DeviceItem& c, uint32_t k, uint64_t i) {
     UpdateN<8, P, G, M, K, kMomentum>(c, i, s, first[k]);
   }
-  __device__ void Scalar(const DeviceChunk& c, uint32_t k, uint64_t i) {
+  __device__ void Scalar(const DeviceItem& c, uint32_t k, uint64_t i) {
     UpdateN<1, P, G, M, K, kMomentum>(c, i, s, first[k]);
   }
 };
@@ -63,8 +63,8 @@ struct Update : ChunkFirst {
 // double arithmetic with the unrounded scalars (no contraction), element
 // by element (a tile lane's: ForEachTileLaneElement).
 template <bool kMomentum>
-struct Update64 : ChunkFirst {
-  __device__ __forceinline__ void One(const DeviceChunk& c, uint32_t k,
+struct Update64 : ItemFirst {
+  __device__ __forceinline__ void One(const DeviceItem& c, uint32_t k,
                                       uint64_t i) {
     double* p = static_cast<double*>(c.param);
     const double* g = static_cast<const double*>(c.grad);
@@ -79,10 +79,10 @@ struct Update64 : ChunkFirst {
     p[i] = SgdElement<kMomentum>(g[i], p[i], b, first[k], e);
     if constexpr (kMomentum) buf[i] = b;
   }
-  __device__ void Tile(const DeviceChunk& c, uint32_t k, uint64_t i) {
+  __device__ void Tile(const DeviceItem& c, uint32_t k, uint64_t i) {
     ForEachTileLaneElement(i, [&](uint64_t e) { One(c, k, e); });
   }
-  __device__ void Scalar(const DeviceChunk& c, uint32_t k, uint64_t i) {
+  __device__ void Scalar(const DeviceItem& c, uint32_t k, uint64_t i) {
     One(c, k, i);
   }
 };
@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 4)
     SgdKernel(const Work work, const DeviceScalars* __restrict__ scalars) {
   const DeviceScalars s = *scalars;
   if (s.skip) return;
-  __shared__ bool first[kMaxChunksPerBlock];
+  __shared__ bool first[kMaxItemsPerBlock];
   Update<P, G, M, K, kMomentum> body{{s, work.missed, first}};
   Walk(work, body);
 }
@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 4)
                      const DeviceScalars* __restrict__ scalars) {
   const DeviceScalars s = *scalars;
   if (s.skip) return;
-  __shared__ bool first[kMaxChunksPerBlock];
+  __shared__ bool first[kMaxItemsPerBlock];
   Update64<kMomentum> body{{s, work.missed, first}};
   Walk(work, body);
 }

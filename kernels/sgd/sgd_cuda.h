@@ -10,7 +10,7 @@
 namespace optimd {
 namespace cuda {
 
-// Updates the chunks of `work` with the scalars of a group (unless they
+// Updates the items of `work` with the scalars of a group (unless they
 // say skip); a layout without state slots is SGD without momentum.
 absl::Status LaunchSgd(const Layout& layout, const Work& work,
                        const DeviceScalars* scalars, Stream stream);

@@ -71,7 +71,7 @@ TEST_F(SessionTest, RegisterStepAndCountPlans) {
   auto r = session_.RegisterGroup(spec);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->state_bytes, 103u * 8);
-  EXPECT_EQ(r->plan_items, 3u);  // 100 elements in chunks of 64, plus b
+  EXPECT_EQ(r->plan_items, 3u);  // 100 elements in items of 64, plus b
   EXPECT_EQ(backend_.counters().plan_builds.load(), 1u);
   for (int i = 0; i < 100; ++i) grads_->as<float>()[i] = 1.0f;
   for (int step = 1; step <= 3; ++step) {
