@@ -38,7 +38,9 @@ struct DeviceItem {
   uint64_t end;
   uint32_t tiles;
   uint32_t entry;  // the plan entry (tensor) the item belongs to
-  void* scales;    // block8 moments' scales (TensorPointers::scales)
+  // block8 moments' scales (TensorPointers::scales); for an FP8 parameter
+  // its DeviceFp8Tensor in the plan's device table.
+  void* scales;
 };
 static_assert(sizeof(DeviceItem) % 16 == 0, "copied in 16-byte pieces");
 
@@ -57,18 +59,44 @@ struct DeviceBlock {
 };
 constexpr uint32_t kMaxItemsPerBlock = 32;
 
-// One FP8 parameter for the requantization after its update
-// (kernels/fp8_cuda.h): its fp32 master, the trainer's codes and scale
-// inverses, its scaling units, and the units of the tensors before it in
-// its launch's table (first_unit; a prefix sum).
+// How an FP8 parameter's codes and scale inverses are written
+// (kernels/fp8_cuda.h, docs/fp8_parameters.md "Fusion"):
+//   kFused: by the update itself, in one pass over the master: every
+//     scaling unit lies in one row, and the warp blocks of 256 elements
+//     that the update walks hold whole units (1x128 and MXFP8 blocks, and
+//     128x128 blocks of a one-row tensor, when the columns are a multiple
+//     of the unit's width and every item starts on a unit).
+//   Otherwise the update takes each unit's amax into `amax` (atomic
+//   maxima of the magnitudes' bits) and an encode pass after it reads the
+//   masters back: kTensorAmax (per-tensor scaling, one unit), kHalfAmax
+//   (each half of a warp block lies in one unit: 128x128 blocks with
+//   whole 128-column blocks), kElementAmax (any other shape: unit by
+//   element).
+enum class Fp8Pass : uint32_t {
+  kFused = 0,
+  kTensorAmax = 1,
+  kHalfAmax = 2,
+  kElementAmax = 3,
+};
+
+// One FP8 parameter: its fp32 master, the trainer's codes and scale
+// inverses, its scaling units and how they are written. first_unit: the
+// units of the plan's FP8 parameters before it. amax: for every pass but
+// kFused, one word per unit (the largest magnitude's fp32 bits, a NaN's
+// above every number's), zeroed before each update; amax_first is its
+// offset in the plan's amax words.
 struct DeviceFp8Tensor {
   const float* master;
   uint8_t* param;
   void* scale_inv;
+  uint32_t* amax;
   Fp8Geometry geometry;
   uint64_t first_unit;
+  uint64_t amax_first;
   uint32_t e5m2;   // 1: float8_e5m2, 0: float8_e4m3fn
   uint32_t entry;  // the plan entry
+  Fp8Pass pass;
+  uint32_t pad;
 };
 
 // Hyperparameters of a group for one step, passed in pinned memory.

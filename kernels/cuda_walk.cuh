@@ -97,9 +97,10 @@ struct F64 {
 
 // FP8 parameters (core/fp8.h): the update kernels read and write their
 // fp32 masters only (StoreWeight leaves the parameter alone); the codes
-// and scale inverses are written by LaunchFp8Requantize (kernels/fp8_cuda.h)
-// after the update. Dispatched only to launchers that declare
-// `static constexpr bool kTakesFp8 = true` (TakesFp8), with kFp32 masters.
+// and scale inverses are written after each warp block's update
+// (kernels/fp8_cuda.cuh) or by the encode pass (kernels/fp8_cuda.h).
+// Dispatched only to launchers that declare `static constexpr bool
+// kTakesFp8 = true` (TakesFp8), with kFp32 masters.
 template <const Fp8Format& F>
 struct Fp8Param {
   using T = uint8_t;
@@ -361,6 +362,60 @@ __device__ __forceinline__ void WalkBlocks8(const Work& work, Body& body) {
     body.Block(
         c, k, start,
         static_cast<uint32_t>(left < kBlock8Elements ? left : kBlock8Elements));
+  }
+}
+
+// A lane's 8 elements of a WalkBlocks8 block at `first` (n of them valid):
+// first + 4 * lane + j and first + 128 + 4 * lane + j - 4, as tiles lay
+// them out.
+__device__ __forceinline__ uint32_t Block8Offset(int j) {
+  const uint32_t lane = threadIdx.x & 31;
+  return (j < 4 ? 0 : 128 - 4) + 4 * lane + j;
+}
+
+// A WalkBlocks8 block's bytes of one stream (block8 codes, FP8 codes): 4
+// at first + 4 * lane and 4 at first + 128 + 4 * lane when the block is
+// whole and aligned, else byte by byte (invalid elements: 0).
+__device__ __forceinline__ void LoadCodes(const uint8_t* q, uint64_t first,
+                                          uint32_t n, bool vector, uint8_t* c) {
+  if (vector) {
+    const uint32_t lane = threadIdx.x & 31;
+    const uint32_t a = *reinterpret_cast<const uint32_t*>(q + first + 4 * lane);
+    const uint32_t b =
+        *reinterpret_cast<const uint32_t*>(q + first + 128 + 4 * lane);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      c[j] = static_cast<uint8_t>(a >> (8 * j));
+      c[j + 4] = static_cast<uint8_t>(b >> (8 * j));
+    }
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const uint32_t e = Block8Offset(j);
+    c[j] = e < n ? q[first + e] : 0;
+  }
+}
+
+__device__ __forceinline__ void StoreCodes(uint8_t* q, uint64_t first,
+                                           uint32_t n, bool vector,
+                                           const uint8_t* c) {
+  if (vector) {
+    const uint32_t lane = threadIdx.x & 31;
+    uint32_t a = 0, b = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      a |= static_cast<uint32_t>(c[j]) << (8 * j);
+      b |= static_cast<uint32_t>(c[j + 4]) << (8 * j);
+    }
+    *reinterpret_cast<uint32_t*>(q + first + 4 * lane) = a;
+    *reinterpret_cast<uint32_t*>(q + first + 128 + 4 * lane) = b;
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const uint32_t e = Block8Offset(j);
+    if (e < n) q[first + e] = c[j];
   }
 }
 

@@ -1,108 +1,113 @@
-// FP8 requantization on CUDA: core/fp8_quantize.h's QuantizeFp8Unit with
-// one warp per scaling unit. The amax is a warp reduction with Fp8Amax
-// (order-independent), the scale and codes come from the host-device
-// functions of core/fp8.h, so the bits equal the CPU reference's.
+// The encode pass of FP8 parameters whose units the update's warp blocks
+// do not hold whole (Fp8Pass): a walk over the launch's items that reads
+// each master back and encodes it with its unit's scale, from the amax
+// the update took. The scale rules and codecs are core/fp8.h's, so the
+// bits equal the CPU reference's.
 #include <cstdint>
 
 #include "core/fp8.h"
 #include "kernels/cuda_walk.cuh"
+#include "kernels/fp8_cuda.cuh"
 #include "kernels/fp8_cuda.h"
 
 namespace optimd {
 namespace cuda {
 namespace {
 
-// The index of the tensor holding unit `u`: the last with first_unit <= u.
-__device__ uint32_t TensorOf(const DeviceFp8Tensor* t, uint32_t n, uint64_t u) {
-  uint32_t lo = 0, hi = n;
-  while (hi - lo > 1) {
-    const uint32_t mid = (lo + hi) / 2;
-    if (t[mid].first_unit <= u) {
-      lo = mid;
-    } else {
-      hi = mid;
-    }
-  }
-  return lo;
+// Whether element e is the first of its unit (whose thread writes the
+// unit's scale inverse).
+__device__ __forceinline__ bool UnitStart(const Fp8Geometry& g, uint64_t e) {
+  return e / g.cols % g.block_rows == 0 && e % g.cols % g.block_cols == 0;
 }
 
-__device__ bool Absent(const uint32_t* absent, uint32_t entry) {
-  if (absent == nullptr) return false;
-  for (uint32_t i = 0; i < absent[0]; ++i) {
-    if (absent[1 + i] == entry) return true;
-  }
-  return false;
+// The multiplier of element e's unit, its scale inverse written by the
+// unit's first element.
+template <class P>
+__device__ __forceinline__ float ElementMultiplier(const DeviceFp8Tensor& t,
+                                                   uint64_t e) {
+  const uint64_t unit = t.geometry.UnitOf(e);
+  return UnitMultiplier<P>(t.geometry.recipe, t.amax[unit], t.scale_inv, unit,
+                           UnitStart(t.geometry, e));
 }
 
-template <const Fp8Format& F>
-__device__ void QuantizeUnit(const DeviceFp8Tensor& t, uint64_t unit) {
-  const Fp8Geometry& g = t.geometry;
-  const uint64_t cols_of_units = g.UnitColumns();
-  const uint64_t row0 = unit / cols_of_units * g.block_rows;
-  const uint64_t col0 = unit % cols_of_units * g.block_cols;
-  const uint64_t rows = min(g.block_rows, g.rows - row0);
-  const uint64_t cols = min(g.block_cols, g.cols - col0);
-  const uint64_t n = rows * cols;
-  const uint32_t lane = threadIdx.x & 31;
-  float amax = 0.0f;
-  for (uint64_t k = lane; k < n; k += 32) {
-    amax =
-        Fp8Amax(amax, t.master[(row0 + k / cols) * g.cols + col0 + k % cols]);
+// The walk's body. Per-tensor scaling: each item's multiplier once, in
+// Prepare (the tensor's first item writes the scale inverse). kHalfAmax:
+// a lane's four consecutive elements share a unit (each half of a tile
+// lies in one). Otherwise unit by element.
+template <class P>
+struct Fp8Encode {
+  float* mul;  // shared memory, one per item of the block
+  __device__ void Prepare(const DeviceItem* cs, uint32_t n) {
+    if (threadIdx.x >= n) return;
+    const DeviceItem& c = cs[threadIdx.x];
+    const DeviceFp8Tensor& t = Fp8Of(c);
+    if (t.pass != Fp8Pass::kTensorAmax) return;
+    mul[threadIdx.x] =
+        UnitMultiplier<P>(t.geometry.recipe, t.amax[0], t.scale_inv, 0,
+                          c.begin == 0 && c.end > c.begin);
   }
+  __device__ void Tile(const DeviceItem& c, uint32_t k, uint64_t i) {
+    const DeviceFp8Tensor& t = Fp8Of(c);
+    if (t.pass == Fp8Pass::kFused) return;
+    float x[8], m[8];
+    LoadF<8, F32>(c.master, i, x);
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    amax = Fp8Amax(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  }
-  float mul;
-  if (g.recipe == Fp8Recipe::kMxfp8) {
-    const uint8_t code = Fp8E8M0(amax, F.max_value);
-    if (lane == 0) static_cast<uint8_t*>(t.scale_inv)[unit] = code;
-    mul = E8M0Multiplier(code);
-  } else {
-    mul = Fp8Scale(amax, F.max_value, g.recipe != Fp8Recipe::kTensor);
-    if (lane == 0) static_cast<float*>(t.scale_inv)[unit] = 1.0f / mul;
-  }
-  for (uint64_t k = lane; k < n; k += 32) {
-    const uint64_t i = (row0 + k / cols) * g.cols + col0 + k % cols;
-    t.param[i] = EncodeFp8<F>(t.master[i] * mul);
-  }
-}
-
-__global__ void __launch_bounds__(kThreadsPerBlock)
-    Fp8RequantizeKernel(const DeviceFp8Tensor* __restrict__ tensors,
-                        uint32_t count, uint64_t units,
-                        const DeviceScalars* __restrict__ scalars,
-                        const uint32_t* __restrict__ absent) {
-  if (scalars->skip) return;
-  const uint64_t warps =
-      static_cast<uint64_t>(gridDim.x) * (kThreadsPerBlock / 32);
-  const uint64_t base = tensors[0].first_unit;
-  for (uint64_t w = blockIdx.x * (kThreadsPerBlock / 32) + threadIdx.x / 32;
-       w < units; w += warps) {
-    const uint64_t u = base + w;
-    const DeviceFp8Tensor& t = tensors[TensorOf(tensors, count, u)];
-    if (Absent(absent, t.entry)) continue;
-    if (t.e5m2) {
-      QuantizeUnit<kE5M2>(t, u - t.first_unit);
-    } else {
-      QuantizeUnit<kE4M3>(t, u - t.first_unit);
+    for (int q = 0; q < 2; ++q) {
+      const uint64_t e = i + q * (kTileElements / 2);
+      if (t.pass == Fp8Pass::kTensorAmax) {
+        m[4 * q] = m[4 * q + 1] = m[4 * q + 2] = m[4 * q + 3] = mul[k];
+      } else if (t.pass == Fp8Pass::kHalfAmax) {
+        m[4 * q] = m[4 * q + 1] = m[4 * q + 2] = m[4 * q + 3] =
+            ElementMultiplier<P>(t, e);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          m[4 * q + j] = ElementMultiplier<P>(t, e + j);
+      }
     }
+    uint32_t w[2] = {0, 0};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      w[j / 4] |= static_cast<uint32_t>(Fp8Codec<P>::Encode(x[j] * m[j]))
+                  << (8 * (j % 4));
+    }
+    uint8_t* q = static_cast<uint8_t*>(c.param);
+    *reinterpret_cast<uint32_t*>(q + i) = w[0];
+    *reinterpret_cast<uint32_t*>(q + i + kTileElements / 2) = w[1];
   }
+  __device__ void Scalar(const DeviceItem& c, uint32_t k, uint64_t i) {
+    const DeviceFp8Tensor& t = Fp8Of(c);
+    if (t.pass == Fp8Pass::kFused) return;
+    const float m =
+        t.pass == Fp8Pass::kTensorAmax ? mul[k] : ElementMultiplier<P>(t, i);
+    static_cast<uint8_t*>(c.param)[i] =
+        Fp8Codec<P>::Encode(static_cast<const float*>(c.master)[i] * m);
+  }
+};
+
+template <class P>
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    Fp8EncodeKernel(const Work work,
+                    const DeviceScalars* __restrict__ scalars) {
+  if (scalars->skip) return;
+  __shared__ float mul[kMaxItemsPerBlock];
+  Fp8Encode<P> body{mul};
+  Walk(work, body);
 }
 
 }  // namespace
 
-absl::Status LaunchFp8Requantize(const DeviceFp8Tensor* tensors, uint32_t count,
-                                 uint64_t units, const DeviceScalars* scalars,
-                                 const uint32_t* absent, Stream stream) {
-  if (count == 0 || units == 0) return absl::OkStatus();
-  constexpr uint64_t kMaxBlocks = 132 * 16;  // enough to fill an H200
-  const uint64_t per_block = kThreadsPerBlock / 32;
-  const uint64_t blocks =
-      std::min<uint64_t>(kMaxBlocks, (units + per_block - 1) / per_block);
-  Fp8RequantizeKernel<<<static_cast<unsigned>(blocks), kThreadsPerBlock, 0,
-                        stream>>>(tensors, count, units, scalars, absent);
-  return LaunchStatus("FP8 requantize kernel launch");
+absl::Status LaunchFp8Encode(bool e5m2, const Work& work,
+                             const DeviceScalars* scalars, Stream stream) {
+  if (work.num_blocks == 0) return absl::OkStatus();
+  if (e5m2) {
+    Fp8EncodeKernel<Fp8Param<kE5M2>>
+        <<<work.num_blocks, kThreadsPerBlock, 0, stream>>>(work, scalars);
+  } else {
+    Fp8EncodeKernel<Fp8Param<kE4M3>>
+        <<<work.num_blocks, kThreadsPerBlock, 0, stream>>>(work, scalars);
+  }
+  return LaunchStatus("FP8 encode kernel launch");
 }
 
 }  // namespace cuda

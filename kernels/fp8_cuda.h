@@ -1,10 +1,8 @@
-// The CUDA requantization of FP8 parameters after their masters' update:
-// the same rules as the CPU reference (core/fp8_quantize.h), bit for bit.
-// Plain C++: no CUDA headers.
+// The encode pass of FP8 parameters after their update: the same rules as
+// the CPU reference (core/fp8_quantize.h), bit for bit. Plain C++: no CUDA
+// headers.
 #ifndef OPTIMD_KERNELS_FP8_CUDA_H_
 #define OPTIMD_KERNELS_FP8_CUDA_H_
-
-#include <cstdint>
 
 #include "absl/status/status.h"
 #include "kernels/cuda_step_types.h"
@@ -12,13 +10,14 @@
 namespace optimd {
 namespace cuda {
 
-// Requantizes every scaling unit of `tensors[0 .. count)` (device memory)
-// from their masters, one warp per unit, `units` units in all, unless the
-// step is skipped (scalars->skip) or the tensor has no gradient this step
-// (`missed_now`: the plan's absent list, [0] its count; may be null).
-absl::Status LaunchFp8Requantize(const DeviceFp8Tensor* tensors, uint32_t count,
-                                 uint64_t units, const DeviceScalars* scalars,
-                                 const uint32_t* absent, Stream stream);
+// Writes the codes and scale inverses of the FP8 parameters of `work`'s
+// items (one launch's, of one FP8 format) whose pass is not kFused, from
+// their masters and the unit amax that the update took
+// (DeviceFp8Tensor::amax), unless the step is skipped (scalars->skip).
+// Items without elements (no gradient this step) are left alone, as the
+// CPU leaves them. The amax words must be zeroed before the update.
+absl::Status LaunchFp8Encode(bool e5m2, const Work& work,
+                             const DeviceScalars* scalars, Stream stream);
 
 }  // namespace cuda
 }  // namespace optimd

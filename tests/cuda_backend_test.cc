@@ -557,20 +557,27 @@ TEST_F(CudaBackendTest, Fp8ParametersMatchTheCpuReferenceBitForBit) {
       int k = 0;
       for (Fp8Recipe r : {Fp8Recipe::kTensor, Fp8Recipe::kBlock1x128,
                           Fp8Recipe::kBlock128x128, Fp8Recipe::kMxfp8}) {
+        // Shapes whose units the update's warp blocks hold whole (one
+        // pass) and others (amax, then the encode pass): 1x128 and MXFP8
+        // blocks of whole rows, 128x128 blocks of one row and of several,
+        // ragged columns; {12800} with gradients 4 bytes off alignment
+        // (element by element).
         for (std::vector<uint64_t> shape :
              {std::vector<uint64_t>{300, 200}, std::vector<uint64_t>{5000},
-              std::vector<uint64_t>{257, 384}}) {
+              std::vector<uint64_t>{257, 384}, std::vector<uint64_t>{12800},
+              std::vector<uint64_t>{64, 4096}, std::vector<uint64_t>{3, 96}}) {
+          const uint64_t shift = shape.size() == 1 && shape[0] == 12800 ? 4 : 0;
           TensorPlan t{"w" + std::to_string(k++),
                        shape[0] * (shape.size() > 1 ? shape[1] : 1),
                        d,
                        grad,
                        poff,
-                       goff};
+                       goff + shift};
           t.recipe = r;
           t.shape = shape;
           t.scale_off = soff;
           poff += (t.numel + 255) / 256 * 256;
-          goff += (t.numel * 4 + 255) / 256 * 256;
+          goff += (t.numel * 4 + shift + 255) / 256 * 256;
           soff += (t.ScaleBytes() + 255) / 256 * 256;
           ts.push_back(t);
         }

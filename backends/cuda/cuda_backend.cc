@@ -119,9 +119,9 @@ absl::StatusOr<StateStorage> CudaBackend::AllocateState(uint64_t bytes) {
 
 absl::Status CudaBackend::PrepareGroup(Group& group) {
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
-  // FP8 parameters are requantized per scaling unit by a kernel of their
-  // own after the update (step_kernels.cc), so their items need no
-  // alignment.
+  // FP8 parameters' items need no alignment to their scaling units: the
+  // units that the update's warp blocks do not hold whole are requantized
+  // by an encode pass after it (kernels/fp8_cuda.h).
   BuildPlan(group, options_.item_elements, /*fp8_whole_units=*/false);
   counters().plan_builds.fetch_add(1, std::memory_order_relaxed);
   auto plan = std::make_shared<DevicePlan>();

@@ -12,13 +12,14 @@ namespace {
 // Ranges of table rows at most this many rows apart are copied as one.
 constexpr uint32_t kCopyGap = 16;
 
-// An item's stream pointers: its tensor's.
+// An item's stream pointers: its tensor's. An FP8 parameter's items keep
+// `scales`: it points at the tensor's DeviceFp8Tensor (UploadPlan).
 void SetStreams(const TensorPointers& p, DeviceItem* c) {
   c->param = p.param;
   c->grad = p.grad;
   c->master = p.master;
   for (int k = 0; k < kDeviceStateSlots; ++k) c->state[k] = p.state[k];
-  c->scales = p.scales;
+  if (p.fp8.recipe == Fp8Recipe::kNone) c->scales = p.scales;
 }
 
 // Item [begin, end) of a tensor with pointers `p`. A tensor without a
@@ -50,11 +51,26 @@ std::vector<std::pair<uint32_t, uint32_t>> MergeRanges(
   return out;
 }
 
+// The largest power of two, up to 2^12, that divides every start of the
+// items of entry `entry` among `items`.
+uint64_t ItemStep(const Plan& host, const std::vector<uint32_t>& items,
+                  uint32_t entry) {
+  uint64_t step = 1 << 12;
+  for (uint32_t i : items) {
+    const PlanItem& item = host.items[i];
+    if (item.entry != entry) continue;
+    while (item.begin % step != 0) step /= 2;
+  }
+  return step;
+}
+
 // Lists the FP8 parameters of `items` (one launch's) in plan->fp8, each
-// once, with the running count of scaling units before it.
+// once, with the running count of scaling units before it and, for those
+// with an encode pass, of amax words.
 void AppendFp8(const Plan& host, const std::vector<uint32_t>& items,
                Launch* launch, DevicePlan* plan) {
   launch->fp8_first = static_cast<uint32_t>(plan->fp8.size());
+  launch->fp8_amax_first = plan->fp8_amax_words;
   uint64_t units = plan->fp8.empty() ? 0
                                      : plan->fp8.back().first_unit +
                                            plan->fp8.back().geometry.Units();
@@ -71,12 +87,16 @@ void AppendFp8(const Plan& host, const std::vector<uint32_t>& items,
     t.first_unit = units;
     t.e5m2 = host.layouts[item.entry].param_dtype == DType::kFloat8E5M2;
     t.entry = item.entry;
+    t.pass = ChooseFp8Pass(p.fp8, ItemStep(host, items, item.entry));
+    t.amax_first = plan->fp8_amax_words;
+    if (t.pass != Fp8Pass::kFused) plan->fp8_amax_words += p.fp8.Units();
     plan->fp8.push_back(t);
     units += p.fp8.Units();
   }
   launch->fp8_count =
       static_cast<uint32_t>(plan->fp8.size()) - launch->fp8_first;
   launch->fp8_units = units - first_unit;
+  launch->fp8_amax_words = plan->fp8_amax_words - launch->fp8_amax_first;
 }
 
 // Appends launch `launch` (its layout and stage set) over plan items
@@ -181,6 +201,7 @@ std::vector<Launch> WholeLaunches(const std::vector<Launch>& launches) {
       w.num_items += l.num_items;
       w.fp8_count += l.fp8_count;  // adjacent in plan->fp8 too
       w.fp8_units += l.fp8_units;
+      w.fp8_amax_words += l.fp8_amax_words;
       for (int t = 0; t < 2; ++t) w.num_blocks[t] += l.num_blocks[t];
     } else {
       whole.push_back(l);
@@ -238,6 +259,19 @@ Work LaunchWork(const DevicePlan& plan, const Launch& launch, int table) {
   w.items = reinterpret_cast<const DeviceItem*>(plan.items_d.data());
   w.missed = reinterpret_cast<const uint32_t*>(plan.missed_d.data());
   return w;
+}
+
+Fp8Pass ChooseFp8Pass(const Fp8Geometry& g, uint64_t item_step) {
+  if (g.recipe == Fp8Recipe::kTensor) return Fp8Pass::kTensorAmax;
+  const uint64_t w = g.block_cols;
+  // Units of w consecutive elements that start at multiples of w: each
+  // warp block (256 elements from an item's start) holds whole units.
+  const bool row_units = g.block_rows == 1 || g.rows <= 1;
+  const bool whole =
+      g.cols % w == 0 && item_step % w == 0 && kTileElements % w == 0;
+  if (row_units && whole) return Fp8Pass::kFused;
+  if (w == kTileElements / 2 && whole) return Fp8Pass::kHalfAmax;
+  return Fp8Pass::kElementAmax;
 }
 
 uint32_t ItemTiles(const DeviceItem& item, const Layout& layout) {

@@ -46,11 +46,14 @@ struct Launch {
   uint32_t first_block[2] = {0, 0};  // [0]: update, [1]: statistics
   uint32_t num_blocks[2] = {0, 0};
   // FP8 parameters (layout.fp8_recipe): DevicePlan::fp8[fp8_first ..
-  // + fp8_count), holding fp8_units scaling units, requantized after the
-  // launch's update.
+  // + fp8_count), holding fp8_units scaling units; the amax words
+  // [fp8_amax_first, + fp8_amax_words) of those written by an encode pass
+  // after the update (Fp8Pass).
   uint32_t fp8_first = 0;
   uint32_t fp8_count = 0;
   uint64_t fp8_units = 0;
+  uint64_t fp8_amax_first = 0;
+  uint64_t fp8_amax_words = 0;
 };
 
 // The device-resident plan of one group. items: as in device memory;
@@ -73,9 +76,12 @@ struct DevicePlan : BackendPlan {
   std::vector<Launch> whole_launches;
   BlockTable tables[2];
   // The plan's FP8 parameters in launch order (Launch::fp8_first), and
-  // their device copy.
+  // their device copy; the amax words of those with an encode pass
+  // (DeviceFp8Tensor::amax_first), fp8_amax_words in all.
   std::vector<DeviceFp8Tensor> fp8;
   StateStorage fp8_d;
+  uint64_t fp8_amax_words = 0;
+  StateStorage fp8_amax_d;
   StateStorage items_d, partials_d, state_d, scalars_d;
   // Per entry, the group's applied steps it missed (no gradient); advanced
   // by the commit kernel for the entries listed in absent_d ([0]: count,
@@ -124,6 +130,9 @@ std::vector<uint32_t> AbsentEntries(const DevicePlan& plan);
 Work LaunchWork(const DevicePlan& plan, const Launch& launch, int table);
 
 // The pieces of the builder, each checked by device_plan_test.
+// How an FP8 parameter of geometry `g` is requantized (Fp8Pass) when every
+// one of its items starts at a multiple of `item_step` elements.
+Fp8Pass ChooseFp8Pass(const Fp8Geometry& g, uint64_t item_step);
 // Tiles of an item: whole tiles when every stream is 16-byte aligned at
 // the item's first element (tiles access them in 8- or 16-byte pieces),
 // else none.

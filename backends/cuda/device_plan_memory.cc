@@ -26,9 +26,38 @@ absl::Status UploadRows(cudaStream_t stream, const std::vector<T>& host,
   return absl::OkStatus();
 }
 
+// Allocates the FP8 parameters' table and amax words, points each FP8
+// parameter at its amax words and each of its items at its table row, and
+// uploads the table (the items follow in UploadPlan).
+absl::Status UploadFp8(int device, cudaStream_t stream, DevicePlan& plan) {
+  OPTIMD_ASSIGN_OR_RETURN(
+      plan.fp8_d, DeviceAlloc(device, std::max<uint64_t>(1, plan.fp8.size()) *
+                                          sizeof(DeviceFp8Tensor)));
+  OPTIMD_ASSIGN_OR_RETURN(
+      plan.fp8_amax_d,
+      DeviceAlloc(device, std::max<uint64_t>(1, plan.fp8_amax_words) *
+                              sizeof(uint32_t)));
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(plan.fp8_amax_d.data(), 0,
+                                              plan.fp8_amax_d.size(), stream));
+  auto* rows_d = reinterpret_cast<DeviceFp8Tensor*>(plan.fp8_d.data());
+  auto* amax_d = reinterpret_cast<uint32_t*>(plan.fp8_amax_d.data());
+  for (size_t f = 0; f < plan.fp8.size(); ++f) {
+    DeviceFp8Tensor& t = plan.fp8[f];
+    t.amax = t.pass == Fp8Pass::kFused ? nullptr : amax_d + t.amax_first;
+    const auto [first, end] = plan.entry_items[t.entry];
+    for (uint32_t c = first; c < end; ++c) plan.items[c].scales = rows_d + f;
+  }
+  OPTIMD_RETURN_IF_CUDA_ERROR(
+      cudaMemcpyAsync(plan.fp8_d.data(), plan.fp8.data(),
+                      plan.fp8.size() * sizeof(DeviceFp8Tensor),
+                      cudaMemcpyHostToDevice, stream));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status UploadPlan(int device, cudaStream_t stream, DevicePlan& plan) {
+  OPTIMD_RETURN_IF_ERROR(UploadFp8(device, stream, plan));
   OPTIMD_ASSIGN_OR_RETURN(
       plan.items_d,
       DeviceAlloc(device, std::max<uint64_t>(1, plan.items.size()) *
@@ -63,13 +92,6 @@ absl::Status UploadPlan(int device, cudaStream_t stream, DevicePlan& plan) {
       cudaMemsetAsync(plan.missed_d.data(), 0, plan.missed_d.size(), stream));
   OPTIMD_ASSIGN_OR_RETURN(
       plan.absent_d, DeviceAlloc(device, (entries + 1) * sizeof(uint32_t)));
-  OPTIMD_ASSIGN_OR_RETURN(
-      plan.fp8_d, DeviceAlloc(device, std::max<uint64_t>(1, plan.fp8.size()) *
-                                          sizeof(DeviceFp8Tensor)));
-  OPTIMD_RETURN_IF_CUDA_ERROR(
-      cudaMemcpyAsync(plan.fp8_d.data(), plan.fp8.data(),
-                      plan.fp8.size() * sizeof(DeviceFp8Tensor),
-                      cudaMemcpyHostToDevice, stream));
   return UploadAbsent(stream, plan);
 }
 

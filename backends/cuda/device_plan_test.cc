@@ -505,9 +505,43 @@ TEST(DevicePlanTest, Fp8ParametersAreListedWithTheirUnits) {
     listed += l.fp8_count;
   }
   EXPECT_EQ(units, 79u + 157 + 782 + 625);
+  // Ragged columns (all but the last MXFP8 tensor) take the amax pass, with
+  // their amax words in plan order.
+  uint64_t words = 0;
+  for (const DeviceFp8Tensor& t : plan.fp8) {
+    EXPECT_EQ(t.amax_first, words);
+    if (t.pass != Fp8Pass::kFused) words += t.geometry.Units();
+  }
+  EXPECT_EQ(words, 79u + 157 + 782);
+  EXPECT_EQ(plan.fp8_amax_words, words);
+  EXPECT_EQ(plan.fp8.back().pass, Fp8Pass::kFused);
+  uint64_t launch_words = 0;
+  for (const Launch& l : plan.whole_launches) launch_words += l.fp8_amax_words;
+  EXPECT_EQ(launch_words, words);
   uint32_t whole = 0;
   for (const Launch& l : plan.whole_launches) whole += l.fp8_count;
   EXPECT_EQ(whole, 4u);
+}
+
+// One pass where the update's warp blocks of 256 elements hold whole
+// units, else the amax in the update and an encode pass.
+TEST(DevicePlanTest, Fp8PassFollowsTheShapeOfTheUnits) {
+  const auto pass = [](Fp8Recipe r, std::vector<uint64_t> shape,
+                       uint64_t item_step) {
+    uint64_t n = 1;
+    for (uint64_t d : shape) n *= d;
+    return ChooseFp8Pass(Fp8Geometry::Of(r, n, shape), item_step);
+  };
+  using R = Fp8Recipe;
+  EXPECT_EQ(pass(R::kBlock1x128, {300, 256}, 4096), Fp8Pass::kFused);
+  EXPECT_EQ(pass(R::kBlock1x128, {300, 200}, 4096), Fp8Pass::kElementAmax);
+  EXPECT_EQ(pass(R::kBlock1x128, {300, 256}, 64), Fp8Pass::kElementAmax);
+  EXPECT_EQ(pass(R::kMxfp8, {3, 96}, 4096), Fp8Pass::kFused);
+  EXPECT_EQ(pass(R::kMxfp8, {3, 100}, 4096), Fp8Pass::kElementAmax);
+  EXPECT_EQ(pass(R::kBlock128x128, {12800}, 4096), Fp8Pass::kFused);
+  EXPECT_EQ(pass(R::kBlock128x128, {257, 384}, 4096), Fp8Pass::kHalfAmax);
+  EXPECT_EQ(pass(R::kBlock128x128, {257, 200}, 4096), Fp8Pass::kElementAmax);
+  EXPECT_EQ(pass(R::kTensor, {257, 384}, 4096), Fp8Pass::kTensorAmax);
 }
 
 }  // namespace

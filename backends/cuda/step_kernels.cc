@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "backends/cuda/cuda_status.h"
 #include "backends/cuda/device_memory.h"
 #include "backends/cuda/device_plan.h"
 #include "common/status_macros.h"
@@ -16,22 +17,27 @@ using cuda::Launch;
 using cuda::LaunchWork;
 using cuda::PlanOf;
 
-// The update of one launch, then the requantization of its FP8
-// parameters.
+// The update of one launch. FP8 parameters whose units its warp blocks do
+// not hold whole (cuda::Fp8Pass) have their amax words zeroed before it
+// and an encode pass after it.
 absl::Status LaunchUpdate(const Group& group, const Launch& launch,
                           cudaStream_t stream) {
   const auto* plan = PlanOf(group);
   auto* scalars =
       reinterpret_cast<cuda::DeviceScalars*>(plan->scalars_d.data());
+  const bool encode = launch.fp8_amax_words > 0;
+  if (encode) {
+    auto* amax = reinterpret_cast<uint32_t*>(plan->fp8_amax_d.data());
+    OPTIMD_RETURN_IF_CUDA_ERROR(
+        cudaMemsetAsync(amax + launch.fp8_amax_first, 0,
+                        launch.fp8_amax_words * sizeof(uint32_t), stream));
+  }
   OPTIMD_RETURN_IF_ERROR(cuda::LaunchUpdate(group.hyper, launch.layout,
                                             LaunchWork(*plan, launch, 0),
                                             scalars, stream));
-  if (launch.fp8_count == 0) return absl::OkStatus();
-  const auto* fp8 =
-      reinterpret_cast<const cuda::DeviceFp8Tensor*>(plan->fp8_d.data());
-  return cuda::LaunchFp8Requantize(
-      fp8 + launch.fp8_first, launch.fp8_count, launch.fp8_units, scalars,
-      reinterpret_cast<const uint32_t*>(plan->absent_d.data()), stream);
+  if (!encode) return absl::OkStatus();
+  return cuda::LaunchFp8Encode(launch.layout.param_dtype == DType::kFloat8E5M2,
+                               LaunchWork(*plan, launch, 1), scalars, stream);
 }
 
 // The updates of every group stage by stage, writing *progress = s + 1

@@ -11,18 +11,20 @@
 #include "kernels/adamw/adamw_math.h"
 #include "kernels/adamw/adamw_scalars.cuh"
 #include "kernels/cuda_walk.cuh"
+#include "kernels/fp8_cuda.cuh"
 
 namespace optimd {
 namespace cuda {
 namespace {
 
 // State slots: exp_avg, exp_avg_sq, max_exp_avg_sq (amsgrad).
+// The new weights are left in p[0 .. N).
 template <int N, class P, class G, class M, MasterKind K, bool kAms,
           bool kAdamW>
 __device__ __forceinline__ void UpdateN(const DeviceItem& t, uint64_t i,
                                         const DeviceScalars& s,
-                                        const BiasScalars& b) {
-  float p[N], g[N], m[N], v[N], x[N];
+                                        const BiasScalars& b, float* p) {
+  float g[N], m[N], v[N], x[N];
   LoadWeight<N, P, K>(t, i, p);
   LoadF<N, G>(t.grad, i, g);
   LoadF<N, M>(t.state[0], i, m);
@@ -61,66 +63,42 @@ struct ItemBias {
 template <class P, class G, class M, MasterKind K, bool kAms, bool kAdamW>
 struct Update : ItemBias {
   __device__ void Tile(const DeviceItem& c, uint32_t k, uint64_t i) {
-    UpdateN<8, P, G, M, K, kAms, kAdamW>(c, i, s, bias[k]);
+    float p[8];
+    UpdateN<8, P, G, M, K, kAms, kAdamW>(c, i, s, bias[k], p);
   }
   __device__ void Scalar(const DeviceItem& c, uint32_t k, uint64_t i) {
-    UpdateN<1, P, G, M, K, kAms, kAdamW>(c, i, s, bias[k]);
+    float p[1];
+    UpdateN<1, P, G, M, K, kAms, kAdamW>(c, i, s, bias[k], p);
   }
 };
 
-// A lane's 8 elements of a block8 block at `first` (n of them valid):
-// first + 4 * lane + j and first + 128 + 4 * lane + j - 4, as tiles lay
-// them out.
-__device__ __forceinline__ uint32_t Block8Offset(int j) {
-  const uint32_t lane = threadIdx.x & 31;
-  return (j < 4 ? 0 : 128 - 4) + 4 * lane + j;
-}
-
-// A block8 block's codes of one slot: 4 bytes at first + 4 * lane and 4 at
-// first + 128 + 4 * lane when the block is whole and aligned, else byte by
-// byte (invalid elements: code 0).
-__device__ __forceinline__ void LoadCodes(const uint8_t* q, uint64_t first,
-                                          uint32_t n, bool vector, uint8_t* c) {
-  if (vector) {
-    const uint32_t lane = threadIdx.x & 31;
-    const uint32_t a = *reinterpret_cast<const uint32_t*>(q + first + 4 * lane);
-    const uint32_t b =
-        *reinterpret_cast<const uint32_t*>(q + first + 128 + 4 * lane);
+// The update of FP8 parameters' masters, one warp per 256 elements of a
+// item (WalkBlocks8), then their requantization (Fp8AfterUpdate,
+// kernels/fp8_cuda.cuh): the warp holds whole scaling units of the
+// one-pass recipes, so the master is read once.
+template <class P, class G, class M, bool kAms, bool kAdamW>
+struct UpdateFp8 : ItemBias {
+  __device__ void Block(const DeviceItem& c, uint32_t k, uint64_t first,
+                        uint32_t n) {
+    constexpr MasterKind K = MasterKind::kFp32;
+    const bool vector = n == kTileElements && c.tiles > 0;
+    float p[8];
+    if (vector) {
+      UpdateN<8, P, G, M, K, kAms, kAdamW>(c, first + 4 * (threadIdx.x & 31), s,
+                                           bias[k], p);
+    } else {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      c[j] = static_cast<uint8_t>(a >> (8 * j));
-      c[j + 4] = static_cast<uint8_t>(b >> (8 * j));
+      for (int j = 0; j < 8; ++j) {
+        const uint32_t e = Block8Offset(j);
+        p[j] = 0.0f;
+        if (e < n) {
+          UpdateN<1, P, G, M, K, kAms, kAdamW>(c, first + e, s, bias[k], &p[j]);
+        }
+      }
     }
-    return;
+    Fp8AfterUpdate<P>(c, first, n, vector, p);
   }
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const uint32_t e = Block8Offset(j);
-    c[j] = e < n ? q[first + e] : 0;
-  }
-}
-
-__device__ __forceinline__ void StoreCodes(uint8_t* q, uint64_t first,
-                                           uint32_t n, bool vector,
-                                           const uint8_t* c) {
-  if (vector) {
-    const uint32_t lane = threadIdx.x & 31;
-    uint32_t a = 0, b = 0;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      a |= static_cast<uint32_t>(c[j]) << (8 * j);
-      b |= static_cast<uint32_t>(c[j + 4]) << (8 * j);
-    }
-    *reinterpret_cast<uint32_t*>(q + first + 4 * lane) = a;
-    *reinterpret_cast<uint32_t*>(q + first + 128 + 4 * lane) = b;
-    return;
-  }
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const uint32_t e = Block8Offset(j);
-    if (e < n) q[first + e] = c[j];
-  }
-}
+};
 
 // The block maximum of every lane's `x` (Block8Max: the same value in any
 // order), then the block's scale, in every lane.
@@ -292,6 +270,16 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 4)
   WalkBlocks8(work, body);
 }
 
+template <class P, class G, class M, bool kAms, bool kAdamW>
+__global__ void __launch_bounds__(kThreadsPerBlock, 4)
+    AdamWFp8Kernel(const Work work, const DeviceScalars* __restrict__ scalars) {
+  const DeviceScalars s = *scalars;
+  if (s.skip) return;
+  __shared__ BiasScalars bias[kMaxItemsPerBlock];
+  UpdateFp8<P, G, M, kAms, kAdamW> body{{s, work.missed, bias}};
+  WalkBlocks8(work, body);
+}
+
 // At most 64 registers a thread: four resident blocks per multiprocessor,
 // enough bytes in flight to keep HBM busy.
 template <class P, class G, class M, MasterKind K, bool kAms, bool kAdamW>
@@ -325,6 +313,21 @@ struct AdamWLaunch {
         <<<work.num_blocks, kThreadsPerBlock, 0, stream>>>(work, scalars);
     return LaunchStatus("AdamW block8 kernel launch");
   }
+  template <class P, class G, class M, bool kAms, bool kAdamW>
+  absl::Status GoFp8() {
+    AdamWFp8Kernel<P, G, M, kAms, kAdamW>
+        <<<work.num_blocks, kThreadsPerBlock, 0, stream>>>(work, scalars);
+    return LaunchStatus("AdamW FP8 kernel launch");
+  }
+  template <class P, class G, class M>
+  absl::Status RunFp8() {
+    if (layout.amsgrad()) {
+      return adamw ? GoFp8<P, G, M, true, true>()
+                   : GoFp8<P, G, M, true, false>();
+    }
+    return adamw ? GoFp8<P, G, M, false, true>()
+                 : GoFp8<P, G, M, false, false>();
+  }
   template <bool kAms, bool kAdamW>
   absl::Status GoFloat64() {
     AdamWFloat64Kernel<kAms, kAdamW>
@@ -333,12 +336,14 @@ struct AdamWLaunch {
   }
   static constexpr bool kTakesBlock8 = true;
   static constexpr bool kTakesFloat64 = true;
-  // FP8 parameters: the update writes their masters; the backend then
-  // launches LaunchFp8Requantize (kernels/fp8_cuda.h).
+  // FP8 parameters: the update writes their masters and requantizes
+  // them, or takes their amax for the encode pass (kernels/fp8_cuda.h).
   static constexpr bool kTakesFp8 = true;
   template <class P, class G, class M, MasterKind K>
   absl::Status Run() {
-    if constexpr (std::is_same_v<P, F64>) {
+    if constexpr (IsFp8Param<P>::value) {
+      return RunFp8<P, G, M>();
+    } else if constexpr (std::is_same_v<P, F64>) {
       if (layout.amsgrad()) {
         return adamw ? GoFloat64<true, true>() : GoFloat64<true, false>();
       }

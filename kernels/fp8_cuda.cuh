@@ -1,0 +1,158 @@
+// Device code of FP8 parameters' requantization (docs/fp8_parameters.md)
+// that the update kernels share with the encode pass (kernels/fp8_cuda.cu):
+// a unit's scale from its amax, the one-pass requantization of a warp
+// block whose units it holds whole, and the amax of the units of the other
+// passes (Fp8Pass, kernels/cuda_step_types.h). The rules are core/fp8.h's
+// host-device functions, so the bits equal the CPU reference's.
+// Included by the .cu files of kernels/ only (nvcc).
+#ifndef OPTIMD_KERNELS_FP8_CUDA_CUH_
+#define OPTIMD_KERNELS_FP8_CUDA_CUH_
+
+#include <cstdint>
+
+#include "core/fp8.h"
+#include "kernels/cuda_walk.cuh"
+
+namespace optimd {
+namespace cuda {
+
+// The update's warp blocks (WalkBlocks8) are tiles: Block8Offset lays
+// their elements out as LoadTile does.
+static_assert(kBlock8Elements == kTileElements, "warp blocks are tiles");
+
+// The bits of |x|. As unsigned integers they order as the magnitudes do,
+// and a NaN's lie above infinity's: their maximum, read back as a float,
+// is Fp8Amax's result, or a NaN where Fp8Amax gives one, and every scale
+// rule treats all NaNs alike.
+__device__ __forceinline__ uint32_t MagnitudeBits(float x) {
+  return __float_as_uint(x) & 0x7fffffffu;
+}
+
+// The codec of an FP8 parameter type P (Fp8Param, kernels/cuda_walk.cuh):
+// kernels take P, a class, as their template argument (nvcc's launch stubs
+// cannot name a kernel instantiated on a reference to a format).
+template <class P>
+struct Fp8Codec;
+template <const Fp8Format& F>
+struct Fp8Codec<Fp8Param<F>> {
+  static constexpr float kMax = F.max_value;
+  __device__ static uint8_t Encode(float x) { return EncodeFp8<F>(x); }
+};
+
+// The FP8 parameter of an FP8 item (DeviceItem::scales).
+__device__ __forceinline__ const DeviceFp8Tensor& Fp8Of(const DeviceItem& c) {
+  return *static_cast<const DeviceFp8Tensor*>(c.scales);
+}
+
+// What unit `unit` multiplies its masters by before encoding, from the
+// bits of its amax; with `write`, its scale inverse is stored too (the
+// e8m0 code for MXFP8, else 1 / scale).
+template <class P>
+__device__ __forceinline__ float UnitMultiplier(Fp8Recipe recipe,
+                                                uint32_t amax_bits,
+                                                void* scale_inv, uint64_t unit,
+                                                bool write) {
+  const float amax = __uint_as_float(amax_bits);
+  if (recipe == Fp8Recipe::kMxfp8) {
+    const uint8_t code = Fp8E8M0(amax, Fp8Codec<P>::kMax);
+    if (write) static_cast<uint8_t*>(scale_inv)[unit] = code;
+    return E8M0Multiplier(code);
+  }
+  const float mul =
+      Fp8Scale(amax, Fp8Codec<P>::kMax, recipe != Fp8Recipe::kTensor);
+  if (write) static_cast<float*>(scale_inv)[unit] = 1.0f / mul;
+  return mul;
+}
+
+// The largest of a lane's first four (h = 0) or last four (h = 1) bits.
+__device__ __forceinline__ uint32_t HalfMax(const uint32_t* bits, int h) {
+  return max(max(bits[4 * h], bits[4 * h + 1]),
+             max(bits[4 * h + 2], bits[4 * h + 3]));
+}
+
+// Requantizes the units of a kFused warp block at `first` (n valid
+// elements, whole units of kWidth elements, the unit of element e being
+// e / kWidth) from the lanes' new masters p: kWidth / 4 consecutive lanes
+// hold a unit's elements in each half of the block (Block8Offset), so a
+// unit's amax is a butterfly over those lanes; their first lane writes its
+// scale inverse.
+template <class P, uint32_t kWidth>
+__device__ __forceinline__ void EncodeFusedBlock(const DeviceFp8Tensor& t,
+                                                 uint64_t first, uint32_t n,
+                                                 bool vector, const float* p,
+                                                 const uint32_t* bits) {
+  constexpr uint32_t kLanes = kWidth / 4;
+  const uint32_t lane = threadIdx.x & 31;
+  uint32_t h[2] = {HalfMax(bits, 0), HalfMax(bits, 1)};
+#pragma unroll
+  for (uint32_t o = kLanes / 2; o > 0; o >>= 1) {
+    h[0] = max(h[0], __shfl_xor_sync(0xffffffffu, h[0], o));
+    h[1] = max(h[1], __shfl_xor_sync(0xffffffffu, h[1], o));
+  }
+  float mul[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const uint32_t offset = half * (kTileElements / 2) + lane / kLanes * kWidth;
+    const bool write = lane % kLanes == 0 && offset < n;
+    mul[half] = UnitMultiplier<P>(t.geometry.recipe, h[half], t.scale_inv,
+                                  (first + offset) / kWidth, write);
+  }
+  uint8_t codes[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) codes[j] = Fp8Codec<P>::Encode(p[j] * mul[j / 4]);
+  StoreCodes(t.param, first, n, vector, codes);
+}
+
+// Takes the unit amax of a warp block of a parameter with an encode pass
+// into t.amax (atomic maxima): per-tensor scaling and whole halves reduce
+// across the warp first, other shapes go element by element.
+__device__ __forceinline__ void RecordAmax(const DeviceFp8Tensor& t,
+                                           uint64_t first, uint32_t n,
+                                           const uint32_t* bits) {
+  const uint32_t lane = threadIdx.x & 31;
+  if (t.pass == Fp8Pass::kTensorAmax) {
+    const uint32_t v =
+        __reduce_max_sync(0xffffffffu, max(HalfMax(bits, 0), HalfMax(bits, 1)));
+    if (lane == 0) atomicMax(t.amax, v);
+    return;
+  }
+  if (t.pass == Fp8Pass::kHalfAmax) {
+    const uint32_t h0 = __reduce_max_sync(0xffffffffu, HalfMax(bits, 0));
+    const uint32_t h1 = __reduce_max_sync(0xffffffffu, HalfMax(bits, 1));
+    const uint32_t offset = lane * (kTileElements / 2);
+    if (lane < 2 && offset < n) {
+      atomicMax(&t.amax[t.geometry.UnitOf(first + offset)], lane ? h1 : h0);
+    }
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const uint32_t e = Block8Offset(j);
+    if (e < n) atomicMax(&t.amax[t.geometry.UnitOf(first + e)], bits[j]);
+  }
+}
+
+// After the update of a warp block of an FP8 parameter's item c (n valid
+// elements from `first`, the lanes' new masters in p, 0 where invalid):
+// its codes and scale inverses (kFused), or its units' amax.
+template <class P>
+__device__ __forceinline__ void Fp8AfterUpdate(const DeviceItem& c,
+                                               uint64_t first, uint32_t n,
+                                               bool vector, const float* p) {
+  const DeviceFp8Tensor& t = Fp8Of(c);
+  uint32_t bits[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) bits[j] = MagnitudeBits(p[j]);
+  if (t.pass != Fp8Pass::kFused) {
+    RecordAmax(t, first, n, bits);
+  } else if (t.geometry.recipe == Fp8Recipe::kMxfp8) {
+    EncodeFusedBlock<P, 32>(t, first, n, vector, p, bits);
+  } else {
+    EncodeFusedBlock<P, kTileElements / 2>(t, first, n, vector, p, bits);
+  }
+}
+
+}  // namespace cuda
+}  // namespace optimd
+
+#endif  // OPTIMD_KERNELS_FP8_CUDA_CUH_
