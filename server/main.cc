@@ -115,7 +115,8 @@ ABSL_FLAG(uint64_t, max_request_memory_bytes, uint64_t{4} << 30,
           "connections together (a grpc::ResourceQuota); past it calls are "
           "reset (RESOURCE_EXHAUSTED, or UNAVAILABLE for a reclaimed "
           "connection). The same bound holds the parsed requests waiting "
-          "for or running on the workers (encoded sizes; past it a request "
+          "for or running on the workers (their cost once parsed, counted "
+          "from their bytes before parsing; past it a request "
           "is refused with RESOURCE_EXHAUSTED). A message alone may be "
           "1 GiB: keep it above that. 0: no bound.");
 ABSL_FLAG(uint64_t, max_listing_bytes, optimd::kMaxListingBytes,

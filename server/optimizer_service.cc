@@ -9,6 +9,7 @@
 #include "common/version.h"
 #include "server/convert.h"
 #include "server/log.h"
+#include "server/raw_call.h"
 #include "server/session_listing.h"
 #include "server/session_name.h"
 #include "server/spool_files.h"
@@ -102,27 +103,26 @@ absl::StatusOr<std::shared_ptr<Session>> OptimizerServiceImpl::SessionOf(
   return registry_->Find(TokenOf(context));
 }
 
-template <typename Request, typename Work>
+template <typename Request, typename Response, typename Work>
 grpc::ServerUnaryReactor* OptimizerServiceImpl::OnWorker(
-    grpc::CallbackServerContext* context, const Request& request, Work work,
-    bool file_io) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* bytes,
+    grpc::ByteBuffer* out, Work work, bool file_io) {
+  auto* call = new RawUnaryCall<Request, Response>(out, request_budget_.get());
   if (draining_.load()) {
-    reactor->Finish(
+    call->Reply(
         grpc::Status(grpc::StatusCode::UNAVAILABLE, "optimd is shutting down"));
-    return reactor;
+    return call;
   }
   auto session = SessionOf(context);
   if (!session.ok()) {
-    reactor->Finish(ToGrpcStatus(session.status()));
-    return reactor;
+    call->Reply(session.status());
+    return call;
   }
-  // The parsed request lives until the call is finished: held against the
-  // request budget meanwhile.
-  const uint64_t request_bytes = request.ByteSizeLong();
-  if (absl::Status held = request_budget_->Reserve(request_bytes); !held.ok()) {
-    reactor->Finish(ToGrpcStatus(held));
-    return reactor;
+  // Parsed only once its cost is known and held; held until the call is
+  // done.
+  if (absl::Status parsed = call->Parse(*bytes); !parsed.ok()) {
+    call->Reply(parsed);
+    return call;
   }
   // File I/O of host-addressable sessions runs on the I/O worker, so that
   // other sessions keep stepping; not for sessions whose steps may wait for
@@ -131,12 +131,11 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::OnWorker(
                                  !(*session)->exchanges_statistics()
                              ? &io_worker_
                              : WorkerFor(*session);
-  worker->Post([this, reactor, request_bytes, work = std::move(work),
-                session = *std::move(session)]() mutable {
-    reactor->Finish(ToGrpcStatus(work(*session)));
-    request_budget_->Release(request_bytes);
-  });
-  return reactor;
+  worker->Post(
+      [call, work = std::move(work), session = *std::move(session)]() mutable {
+        call->Reply(work(*session, call->request(), call->response()));
+      });
+  return call;
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::CreateSession(
@@ -256,12 +255,13 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::CloseSession(
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::RegisterGroup(
-    grpc::CallbackServerContext* context,
-    const v1::RegisterGroupRequest* request,
-    v1::RegisterGroupResponse* response) {
-  return OnWorker(
-      context, *request, [request, response](Session& s) -> absl::Status {
-        auto spec = GroupSpecFromProto(*request);
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
+  return OnWorker<v1::RegisterGroupRequest, v1::RegisterGroupResponse>(
+      context, request, response,
+      [](Session& s, const v1::RegisterGroupRequest& request,
+         v1::RegisterGroupResponse* response) -> absl::Status {
+        auto spec = GroupSpecFromProto(request);
         if (!spec.ok()) return spec.status();
         auto result = s.RegisterGroup(*spec);
         if (!result.ok()) return result.status();
@@ -276,21 +276,27 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::RegisterGroup(
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::UnregisterGroup(
-    grpc::CallbackServerContext* context,
-    const v1::UnregisterGroupRequest* request, v1::UnregisterGroupResponse*) {
-  return OnWorker(context, *request, [request](Session& s) {
-    return s.UnregisterGroup(request->group_id());
-  });
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
+  return OnWorker<v1::UnregisterGroupRequest, v1::UnregisterGroupResponse>(
+      context, request, response,
+      [](Session& s, const v1::UnregisterGroupRequest& request,
+         v1::UnregisterGroupResponse*) {
+        return s.UnregisterGroup(request.group_id());
+      });
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::UpdateBuffers(
-    grpc::CallbackServerContext* context,
-    const v1::UpdateBuffersRequest* request, v1::UpdateBuffersResponse*) {
-  return OnWorker(context, *request, [request](Session& s) -> absl::Status {
-    auto updates = BufferUpdatesFromProto(*request);
-    if (!updates.ok()) return updates.status();
-    return s.UpdateBuffers(request->group_id(), *updates);
-  });
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
+  return OnWorker<v1::UpdateBuffersRequest, v1::UpdateBuffersResponse>(
+      context, request, response,
+      [](Session& s, const v1::UpdateBuffersRequest& request,
+         v1::UpdateBuffersResponse*) -> absl::Status {
+        auto updates = BufferUpdatesFromProto(request);
+        if (!updates.ok()) return updates.status();
+        return s.UpdateBuffers(request.group_id(), *updates);
+      });
 }
 
 absl::Status OptimizerServiceImpl::RunStep(Session& s,
@@ -325,24 +331,29 @@ absl::Status OptimizerServiceImpl::RunStep(Session& s,
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::Step(
-    grpc::CallbackServerContext* context, const v1::StepRequest* request,
-    v1::StepResponse* response) {
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
   const absl::Time start = absl::Now();
-  return OnWorker(context, *request,
-                  [this, request, response, start](Session& s) -> absl::Status {
-                    return RunStep(s, *request, response, start);
-                  });
+  return OnWorker<v1::StepRequest, v1::StepResponse>(
+      context, request, response,
+      [this, start](Session& s, const v1::StepRequest& request,
+                    v1::StepResponse* response) -> absl::Status {
+        return RunStep(s, request, response, start);
+      });
 }
 
 // Reads one request, runs it on the session's worker, writes its response,
-// then reads the next: steps of a stream are strictly ordered.
+// then reads the next: steps of a stream are strictly ordered. Each
+// request arrives as bytes and is parsed into an arena of its own once its
+// parsed cost is held against the request budget (ParseHeld), which is
+// released when its step is done.
 class OptimizerServiceImpl::StepStreamReactor final
-    : public grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse> {
+    : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   StepStreamReactor(OptimizerServiceImpl* service,
                     std::shared_ptr<Session> session, DeviceWorker* worker)
       : service_(service), session_(std::move(session)), worker_(worker) {
-    StartRead(&request_);
+    StartRead(&in_);
   }
 
   void OnReadDone(bool ok) override {
@@ -351,22 +362,36 @@ class OptimizerServiceImpl::StepStreamReactor final
       return;
     }
     const absl::Time start = absl::Now();
-    const uint64_t request_bytes = request_.ByteSizeLong();
-    if (absl::Status held = service_->request_budget_->Reserve(request_bytes);
-        !held.ok()) {
-      Finish(ToGrpcStatus(held));
+    arena_ = std::make_unique<google::protobuf::Arena>();
+    auto* request =
+        google::protobuf::Arena::CreateMessage<v1::StepRequest>(arena_.get());
+    uint64_t held = 0;
+    absl::Status parsed =
+        ParseHeld(in_, service_->request_budget_.get(), request, &held);
+    in_.Clear();
+    if (!parsed.ok()) {
+      service_->request_budget_->Release(held);
+      Finish(ToGrpcStatus(parsed));
       return;
     }
-    worker_->Post([this, start, request_bytes] {
-      response_.Clear();
-      absl::Status s =
-          service_->RunStep(*session_, request_, &response_, start);
-      service_->request_budget_->Release(request_bytes);
+    worker_->Post([this, start, request, held] {
+      v1::StepResponse response;
+      absl::Status s = service_->RunStep(*session_, *request, &response, start);
+      arena_.reset();
+      service_->request_budget_->Release(held);
       if (!s.ok()) {
         Finish(ToGrpcStatus(s));
         return;
       }
-      StartWrite(&response_);
+      bool own_buffer;
+      grpc::Status serialized =
+          grpc::SerializationTraits<v1::StepResponse>::Serialize(
+              response, &out_, &own_buffer);
+      if (!serialized.ok()) {
+        Finish(serialized);
+        return;
+      }
+      StartWrite(&out_);
     });
   }
 
@@ -375,7 +400,7 @@ class OptimizerServiceImpl::StepStreamReactor final
       Finish(grpc::Status(grpc::StatusCode::CANCELLED, "stream closed"));
       return;
     }
-    StartRead(&request_);
+    StartRead(&in_);
   }
 
   void OnDone() override { delete this; }
@@ -384,17 +409,19 @@ class OptimizerServiceImpl::StepStreamReactor final
   OptimizerServiceImpl* const service_;
   const std::shared_ptr<Session> session_;
   DeviceWorker* const worker_;
-  v1::StepRequest request_;
-  v1::StepResponse response_;
+  grpc::ByteBuffer in_;
+  grpc::ByteBuffer out_;
+  // The request being stepped, parsed; replaced by each read.
+  std::unique_ptr<google::protobuf::Arena> arena_;
 };
 
-grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>*
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>*
 OptimizerServiceImpl::StepStream(grpc::CallbackServerContext* context) {
   auto session = SessionOf(context);
   if (draining_.load() || !session.ok()) {
     // A reactor that fails the stream at once.
     class Refused final
-        : public grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse> {
+        : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
      public:
       explicit Refused(grpc::Status s) { Finish(std::move(s)); }
       void OnDone() override { delete this; }
@@ -409,34 +436,38 @@ OptimizerServiceImpl::StepStream(grpc::CallbackServerContext* context) {
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::GetParams(
-    grpc::CallbackServerContext* context, const v1::GetParamsRequest* request,
-    v1::GetParamsResponse* response) {
-  return OnWorker(context, *request,
-                  [request, response](Session& s) -> absl::Status {
-                    std::vector<std::string> ids(request->group_ids().begin(),
-                                                 request->group_ids().end());
-                    auto written = s.GetParams(ids);
-                    if (!written.ok()) return written.status();
-                    response->set_tensors_written(*written);
-                    return absl::OkStatus();
-                  });
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
+  return OnWorker<v1::GetParamsRequest, v1::GetParamsResponse>(
+      context, request, response,
+      [](Session& s, const v1::GetParamsRequest& request,
+         v1::GetParamsResponse* response) -> absl::Status {
+        std::vector<std::string> ids(request.group_ids().begin(),
+                                     request.group_ids().end());
+        auto written = s.GetParams(ids);
+        if (!written.ok()) return written.status();
+        response->set_tensors_written(*written);
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::GetState(
-    grpc::CallbackServerContext* context, const v1::GetStateRequest* request,
-    v1::GetStateResponse* response) {
-  return OnWorker(
-      context, *request, [request, response](Session& s) -> absl::Status {
-        std::vector<std::string> ids(request->group_ids().begin(),
-                                     request->group_ids().end());
-        std::vector<std::string> tensors(request->tensor_names().begin(),
-                                         request->tensor_names().end());
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
+  return OnWorker<v1::GetStateRequest, v1::GetStateResponse>(
+      context, request, response,
+      [](Session& s, const v1::GetStateRequest& request,
+         v1::GetStateResponse* response) -> absl::Status {
+        std::vector<std::string> ids(request.group_ids().begin(),
+                                     request.group_ids().end());
+        std::vector<std::string> tensors(request.tensor_names().begin(),
+                                         request.tensor_names().end());
         // Replies stay below the daemon's 1 GiB send limit (and far below
         // protobuf's 2 GiB, past which serializing aborts): data and names are
         // counted, with room left for group ids and hyperparameters.
         constexpr uint64_t kMaxReplyData = (uint64_t{1} << 30) - (64 << 20);
         auto state =
-            s.ReadState(ids, !request->metadata_only(), tensors, kMaxReplyData);
+            s.ReadState(ids, !request.metadata_only(), tensors, kMaxReplyData);
         if (!state.ok()) return state.status();
         for (const GroupState& g : *state) {
           GroupStateToProto(g, response->add_groups());
@@ -446,18 +477,21 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::GetState(
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::SetState(
-    grpc::CallbackServerContext* context, const v1::SetStateRequest* request,
-    v1::SetStateResponse*) {
-  return OnWorker(context, *request, [request](Session& s) -> absl::Status {
-    auto blobs = StateBlobsFromProto(*request);
-    if (!blobs.ok()) return blobs.status();
-    std::vector<std::pair<std::string, uint64_t>> tensor_steps;
-    for (const v1::TensorStep& t : request->tensor_steps()) {
-      tensor_steps.emplace_back(t.tensor(), t.step());
-    }
-    return s.WriteState(request->group_id(), request->step(), *blobs,
-                        tensor_steps);
-  });
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
+  return OnWorker<v1::SetStateRequest, v1::SetStateResponse>(
+      context, request, response,
+      [](Session& s, const v1::SetStateRequest& request,
+         v1::SetStateResponse*) -> absl::Status {
+        auto blobs = StateBlobsFromProto(request);
+        if (!blobs.ok()) return blobs.status();
+        std::vector<std::pair<std::string, uint64_t>> tensor_steps;
+        for (const v1::TensorStep& t : request.tensor_steps()) {
+          tensor_steps.emplace_back(t.tensor(), t.step());
+        }
+        return s.WriteState(request.group_id(), request.step(), *blobs,
+                            tensor_steps);
+      });
 }
 
 std::function<void(const SaveStatusInfo&)>
@@ -479,17 +513,18 @@ OptimizerServiceImpl::BackgroundSaveLogger(const SessionIdentity& id) {
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::SaveState(
-    grpc::CallbackServerContext* context, const v1::SaveStateRequest* request,
-    v1::SaveStateResponse* response) {
-  return OnWorker(
-      context, *request,
-      [this, request, response](Session& s) -> absl::Status {
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* bytes,
+    grpc::ByteBuffer* out) {
+  return OnWorker<v1::SaveStateRequest, v1::SaveStateResponse>(
+      context, bytes, out,
+      [this](Session& s, const v1::SaveStateRequest& request,
+             v1::SaveStateResponse* response) -> absl::Status {
         log::Info(
             absl::StrCat("checkpoint save started: ", SessionName(s.identity()),
-                         " to ", request->directory().substr(0, 512),
-                         request->background() ? " (background)" : ""));
-        auto r = SaveSession(s, request->directory(), checkpoint_options_,
-                             request->background(),
+                         " to ", request.directory().substr(0, 512),
+                         request.background() ? " (background)" : ""));
+        auto r = SaveSession(s, request.directory(), checkpoint_options_,
+                             request.background(),
                              BackgroundSaveLogger(s.identity()));
         if (!r.ok()) {
           checkpoint_failures_.fetch_add(1);
@@ -499,7 +534,7 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::SaveState(
           return r.status();
         }
         log::Info(absl::StrCat(
-            "checkpoint ", request->background() ? "snapshot taken" : "saved",
+            "checkpoint ", request.background() ? "snapshot taken" : "saved",
             ": ", SessionName(s.identity()), " to ", r->path, ", ", r->bytes,
             " bytes, ", absl::StrFormat("%.3f", r->seconds), " s"));
         checkpoint_saves_.fetch_add(1);
@@ -546,15 +581,16 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::GetSaveStatus(
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::LoadState(
-    grpc::CallbackServerContext* context, const v1::LoadStateRequest* request,
-    v1::LoadStateResponse* response) {
-  return OnWorker(
-      context, *request,
-      [this, request, response](Session& s) -> absl::Status {
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* bytes,
+    grpc::ByteBuffer* out) {
+  return OnWorker<v1::LoadStateRequest, v1::LoadStateResponse>(
+      context, bytes, out,
+      [this](Session& s, const v1::LoadStateRequest& request,
+             v1::LoadStateResponse* response) -> absl::Status {
         log::Info(
             absl::StrCat("checkpoint load started: ", SessionName(s.identity()),
-                         " from ", request->directory().substr(0, 512)));
-        auto r = LoadSession(s, request->directory(), checkpoint_options_);
+                         " from ", request.directory().substr(0, 512)));
+        auto r = LoadSession(s, request.directory(), checkpoint_options_);
         if (!r.ok()) {
           checkpoint_failures_.fetch_add(1);
           log::Warn(absl::StrCat(

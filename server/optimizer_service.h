@@ -30,7 +30,35 @@ namespace optimd {
 // The metadata key that carries the session token.
 inline constexpr char kSessionMetadataKey[] = "x-optimd-session";
 
-class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
+// The service's methods, in the API's order. Those that take their
+// requests as bytes (raw_call.h: every call whose request holds repeated
+// fields or runs on a worker) have their parsed cost known and held before
+// they are parsed.
+using Api = v1::Optimizer;
+// clang-format off
+using OptimizerServiceBase =
+    Api::WithCallbackMethod_CreateSession<
+    Api::WithCallbackMethod_CloseSession<
+    Api::WithRawCallbackMethod_RegisterGroup<
+    Api::WithRawCallbackMethod_UnregisterGroup<
+    Api::WithRawCallbackMethod_UpdateBuffers<
+    Api::WithRawCallbackMethod_Step<
+    Api::WithRawCallbackMethod_StepStream<
+    Api::WithRawCallbackMethod_GetParams<
+    Api::WithRawCallbackMethod_GetState<
+    Api::WithRawCallbackMethod_SetState<
+    Api::WithRawCallbackMethod_SaveState<
+    Api::WithCallbackMethod_GetSaveStatus<
+    Api::WithRawCallbackMethod_LoadState<
+    Api::WithCallbackMethod_SaveStateStream<
+    Api::WithCallbackMethod_LoadStateStream<
+    Api::WithCallbackMethod_ListSessions<
+    Api::WithCallbackMethod_EvictSession<
+    Api::WithCallbackMethod_GetMetrics<
+    Api::Service>>>>>>>>>>>>>>>>>>;
+// clang-format on
+
+class OptimizerServiceImpl final : public OptimizerServiceBase {
  public:
   // `registry` and the workers must outlive the service. `workers[i]` runs
   // the work of the sessions of registry->backends()[i].
@@ -56,7 +84,8 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
   // may take, encoded (AddSessionInfos); at most kMaxListingBytes, the
   // default. Set before serving.
   void set_max_listing_bytes(size_t bytes) { max_listing_bytes_ = bytes; }
-  // The most bytes of parsed requests (encoded size) held at once while
+  // The most bytes of parsed requests (their cost once parsed and
+  // converted, RequestScan::held_bytes) held at once while
   // they wait for or run on a worker; 0, the default: no bound. Set before
   // serving.
   void set_max_held_request_bytes(uint64_t bytes) {
@@ -71,42 +100,39 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
       grpc::CallbackServerContext* context,
       const v1::CloseSessionRequest* request,
       v1::CloseSessionResponse* response) override;
-  grpc::ServerUnaryReactor* RegisterGroup(
-      grpc::CallbackServerContext* context,
-      const v1::RegisterGroupRequest* request,
-      v1::RegisterGroupResponse* response) override;
+  grpc::ServerUnaryReactor* RegisterGroup(grpc::CallbackServerContext* context,
+                                          const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* UnregisterGroup(
-      grpc::CallbackServerContext* context,
-      const v1::UnregisterGroupRequest* request,
-      v1::UnregisterGroupResponse* response) override;
-  grpc::ServerUnaryReactor* UpdateBuffers(
-      grpc::CallbackServerContext* context,
-      const v1::UpdateBuffersRequest* request,
-      v1::UpdateBuffersResponse* response) override;
+      grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+      grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* UpdateBuffers(grpc::CallbackServerContext* context,
+                                          const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* context,
-                                 const v1::StepRequest* request,
-                                 v1::StepResponse* response) override;
-  grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* StepStream(
+                                 const grpc::ByteBuffer* request,
+                                 grpc::ByteBuffer* response) override;
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* StepStream(
       grpc::CallbackServerContext* context) override;
   grpc::ServerUnaryReactor* GetParams(grpc::CallbackServerContext* context,
-                                      const v1::GetParamsRequest* request,
-                                      v1::GetParamsResponse* response) override;
+                                      const grpc::ByteBuffer* request,
+                                      grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* GetState(grpc::CallbackServerContext* context,
-                                     const v1::GetStateRequest* request,
-                                     v1::GetStateResponse* response) override;
+                                     const grpc::ByteBuffer* request,
+                                     grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* SetState(grpc::CallbackServerContext* context,
-                                     const v1::SetStateRequest* request,
-                                     v1::SetStateResponse* response) override;
+                                     const grpc::ByteBuffer* request,
+                                     grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* SaveState(grpc::CallbackServerContext* context,
-                                      const v1::SaveStateRequest* request,
-                                      v1::SaveStateResponse* response) override;
+                                      const grpc::ByteBuffer* request,
+                                      grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* GetSaveStatus(
       grpc::CallbackServerContext* context,
       const v1::GetSaveStatusRequest* request,
       v1::GetSaveStatusResponse* response) override;
   grpc::ServerUnaryReactor* LoadState(grpc::CallbackServerContext* context,
-                                      const v1::LoadStateRequest* request,
-                                      v1::LoadStateResponse* response) override;
+                                      const grpc::ByteBuffer* request,
+                                      grpc::ByteBuffer* response) override;
   grpc::ServerWriteReactor<v1::StateChunk>* SaveStateStream(
       grpc::CallbackServerContext* context,
       const v1::SaveStateStreamRequest* request) override;
@@ -164,11 +190,14 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
   // runs on the I/O worker instead, so that other sessions' steps do not
   // wait behind it (the session's own calls still wait: they take its
   // lock).
-  // Refused with RESOURCE_EXHAUSTED when `request` (held parsed until the
-  // call is finished) would pass the request budget.
-  template <typename Request, typename Work>
+  // `work(session, request, response)` gets the request parsed from
+  // `bytes` (RawUnaryCall: refused before parsing, with RESOURCE_EXHAUSTED,
+  // when it has more entries than a session can hold or its parsed cost
+  // would pass the request budget); an OK status sends `response` to `out`.
+  template <typename Request, typename Response, typename Work>
   grpc::ServerUnaryReactor* OnWorker(grpc::CallbackServerContext* context,
-                                     const Request& request, Work work,
+                                     const grpc::ByteBuffer* bytes,
+                                     grpc::ByteBuffer* out, Work work,
                                      bool file_io = false);
 
   SessionRegistry* const registry_;
