@@ -559,6 +559,9 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   // A client closing its connection mid-write must not kill the daemon.
   signal(SIGPIPE, SIG_IGN);
+  // A file written past the file size limit (ulimit -f) must fail its write
+  // (EFBIG, a status for the call), not kill the daemon.
+  signal(SIGXFSZ, SIG_IGN);
   const rlim_t files = RaiseFileLimit();
 
   std::vector<std::unique_ptr<optimd::Backend>> backends = MakeBackends();

@@ -261,10 +261,8 @@ class OptimizerServiceImpl::LoadStreamReactor final
         const ssize_t w =
             pwrite(fd_, d.data() + done, d.size() - done, received_ + done);
         if (w < 0) {
-          Fail(grpc::Status(
-              errno == ENOSPC ? grpc::StatusCode::RESOURCE_EXHAUSTED
-                              : grpc::StatusCode::INTERNAL,
-              std::string("spooling the stream: ") + std::strerror(errno)));
+          Fail(ToGrpcStatus(
+              SpoolFileError(errno, "writing", SpoolDirectory(options_))));
           return;
         }
         done += w;
@@ -319,9 +317,7 @@ class OptimizerServiceImpl::LoadStreamReactor final
     path_ = dir + "/.optimd-load-" + std::to_string(getpid()) + "-XXXXXX";
     fd_ = mkstemp(path_.data());
     if (fd_ < 0) {
-      End(grpc::Status(grpc::StatusCode::INTERNAL,
-                       "cannot create a spool file in " + dir + ": " +
-                           std::strerror(errno)));
+      End(ToGrpcStatus(SpoolFileError(errno, "creating", dir)));
       return;
     }
     StartRead(&chunk_);
