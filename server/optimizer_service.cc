@@ -662,7 +662,12 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::ListSessions(
 grpc::ServerUnaryReactor* OptimizerServiceImpl::GetMetrics(
     grpc::CallbackServerContext* context, const v1::GetMetricsRequest*,
     v1::GetMetricsResponse* response) {
-  FillMetrics(response);
+  // Job ids (and group ids, which name a job's parts) are for callers the
+  // daemon knows, as sessions are: an anonymous TCP caller sees each
+  // session under the name "session-<n>" (its place in the reply).
+  const bool known =
+      admin_.CheckSessionCaller(context->peer(), AdminTokenOf(context)).ok();
+  FillMetrics(response, /*redact_jobs=*/!known);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
@@ -674,7 +679,8 @@ std::string OptimizerServiceImpl::PrometheusText() const {
   return m.prometheus_text();
 }
 
-void OptimizerServiceImpl::FillMetrics(v1::GetMetricsResponse* response) const {
+void OptimizerServiceImpl::FillMetrics(v1::GetMetricsResponse* response,
+                                       bool redact_jobs) const {
   response->set_daemon_version(kVersion);
   response->set_api_revision(kApiRevision);
   for (const Backend* b : registry_->backends()) {
@@ -695,6 +701,13 @@ void OptimizerServiceImpl::FillMetrics(v1::GetMetricsResponse* response) const {
   step_ready_wait_.ToProto(response->mutable_step_ready_wait());
   response->set_session_infos_omitted(ListInto(
       sessions, response->mutable_session_infos(), max_listing_bytes_));
+  if (redact_jobs) {
+    int n = 0;
+    for (v1::SessionInfo& info : *response->mutable_session_infos()) {
+      info.set_job_id(absl::StrCat("session-", n++));
+      info.clear_group_ids();
+    }
+  }
   response->set_checkpoint_saves(checkpoint_saves_.load());
   response->set_checkpoint_save_bytes(checkpoint_save_bytes_.load());
   response->set_checkpoint_loads(checkpoint_loads_.load());

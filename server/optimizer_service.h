@@ -166,7 +166,10 @@ class OptimizerServiceImpl final : public OptimizerServiceBase {
   absl::StatusOr<std::shared_ptr<Session>> SessionOf(
       grpc::CallbackServerContext* context) const;
   std::string TokenOf(grpc::CallbackServerContext* context) const;
-  void FillMetrics(v1::GetMetricsResponse* response) const;
+  // With `redact_jobs`, sessions are listed as "session-<n>" without
+  // their group ids (GetMetrics of an anonymous TCP caller).
+  void FillMetrics(v1::GetMetricsResponse* response,
+                   bool redact_jobs = false) const;
   // Logs a background save's end (and counts a failure), on the session's
   // writing thread.
   std::function<void(const SaveStatusInfo&)> BackgroundSaveLogger(
