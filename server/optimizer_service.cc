@@ -383,6 +383,8 @@ class OptimizerServiceImpl::StepStreamReactor final
         Finish(ToGrpcStatus(s));
         return;
       }
+      // The last reply's write is done: its buffer may go.
+      out_.Clear();
       bool own_buffer;
       grpc::Status serialized =
           grpc::SerializationTraits<v1::StepResponse>::Serialize(

@@ -70,6 +70,8 @@ class Scanner {
   // when the bytes are malformed.
   bool Message(const Descriptor& type);
   const ScanTotals& totals() const { return totals_; }
+  // The first string field found not UTF-8, or null.
+  const FieldDescriptor* bad_utf8() const { return bad_utf8_; }
 
  private:
   bool Field(const Descriptor& type, uint32_t tag);
@@ -87,6 +89,7 @@ class Scanner {
 
   CodedInputStream* const in_;
   ScanTotals totals_;
+  const FieldDescriptor* bad_utf8_ = nullptr;
 };
 
 bool Scanner::Message(const Descriptor& type) {
@@ -133,6 +136,18 @@ bool Scanner::LengthDelimited(const FieldDescriptor& field) {
   if (field.is_repeated()) {
     Count(field, 1);
     totals_.object_bytes += kRepeatedSlotBytes;
+  }
+  if (field.type() == FieldDescriptor::TYPE_STRING) {
+    // proto3 strings must be UTF-8 (protobuf refuses to parse them
+    // otherwise): named here, where the field is known.
+    AddString(length);
+    std::string text;
+    if (!in_->ReadString(&text, static_cast<int>(length))) return false;
+    if (bad_utf8_ == nullptr &&
+        !google::protobuf::internal::IsStructurallyValidUTF8(text)) {
+      bad_utf8_ = &field;
+    }
+    return true;
   }
   if (field.type() != FieldDescriptor::TYPE_MESSAGE) {
     AddString(length);
@@ -227,6 +242,11 @@ absl::StatusOr<RequestScan> ScanRequest(const grpc::ByteBuffer& bytes,
         absl::StrCat("the request is not a valid ", type.full_name(), " (",
                      scan.encoded_bytes, " bytes, malformed from about byte ",
                      in.CurrentPosition(), "); nothing was done"));
+  }
+  if (scanner.bad_utf8() != nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the request's ", scanner.bad_utf8()->full_name(),
+                     " is not valid UTF-8 (a string field); nothing was done"));
   }
   const ScanTotals& totals = scanner.totals();
   for (const auto& [field, n] : totals.entries) {

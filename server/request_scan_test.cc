@@ -110,6 +110,13 @@ TEST(RequestScanTest, RefusesMalformedBytes) {
         << scan.status();
   }
   EXPECT_TRUE(ScanRequest(BufferOf(""), type).ok());
+  // A group id that is not UTF-8, named.
+  auto utf8 = ScanRequest(BufferOf(std::string("\x0a\x02\xff\xfe", 4)), type);
+  EXPECT_EQ(utf8.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(utf8.status().message().find(
+                "optimd.v1.RegisterGroupRequest.group_id is not valid UTF-8"),
+            std::string::npos)
+      << utf8.status();
 }
 
 }  // namespace
