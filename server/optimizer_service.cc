@@ -109,19 +109,19 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::OnWorker(
     grpc::ByteBuffer* out, Work work, bool file_io) {
   auto* call = new RawUnaryCall<Request, Response>(out, request_budget_.get());
   if (draining_.load()) {
-    call->Reply(
+    call->Finish(
         grpc::Status(grpc::StatusCode::UNAVAILABLE, "optimd is shutting down"));
     return call;
   }
   auto session = SessionOf(context);
   if (!session.ok()) {
-    call->Reply(session.status());
+    call->Finish(session.status());
     return call;
   }
   // Parsed only once its cost is known and held; held until the call is
   // done.
   if (absl::Status parsed = call->Parse(*bytes); !parsed.ok()) {
-    call->Reply(parsed);
+    call->Finish(parsed);
     return call;
   }
   // File I/O of host-addressable sessions runs on the I/O worker, so that
@@ -133,16 +133,20 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::OnWorker(
                              : WorkerFor(*session);
   worker->Post(
       [call, work = std::move(work), session = *std::move(session)]() mutable {
-        call->Reply(work(*session, call->request(), call->response()));
+        call->Finish(work(*session, call->request(), call->response()));
       });
   return call;
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::CreateSession(
-    grpc::CallbackServerContext* context,
-    const v1::CreateSessionRequest* request,
-    v1::CreateSessionResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* bytes,
+    grpc::ByteBuffer* out) {
+  auto* reactor =
+      new RawUnaryCall<v1::CreateSessionRequest, v1::CreateSessionResponse>(
+          out, request_budget_.get());
+  if (!reactor->Parsed(*bytes)) return reactor;
+  const v1::CreateSessionRequest* request = &reactor->request();
+  v1::CreateSessionResponse* response = reactor->response();
   if (absl::Status caller =
           admin_.CheckSessionCaller(context->peer(), AdminTokenOf(context));
       !caller.ok()) {
@@ -228,9 +232,12 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::CreateSession(
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::CloseSession(
-    grpc::CallbackServerContext* context, const v1::CloseSessionRequest*,
-    v1::CloseSessionResponse*) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* bytes,
+    grpc::ByteBuffer* out) {
+  auto* reactor =
+      new RawUnaryCall<v1::CloseSessionRequest, v1::CloseSessionResponse>(
+          out, request_budget_.get());
+  if (!reactor->Parsed(*bytes)) return reactor;
   const std::string token = TokenOf(context);
   auto session = registry_->Find(token);
   if (!session.ok()) {
@@ -550,9 +557,13 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::SaveState(
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::GetSaveStatus(
-    grpc::CallbackServerContext* context, const v1::GetSaveStatusRequest*,
-    v1::GetSaveStatusResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* bytes,
+    grpc::ByteBuffer* out) {
+  auto* reactor =
+      new RawUnaryCall<v1::GetSaveStatusRequest, v1::GetSaveStatusResponse>(
+          out, request_budget_.get());
+  if (!reactor->Parsed(*bytes)) return reactor;
+  v1::GetSaveStatusResponse* response = reactor->response();
   auto session = SessionOf(context);
   if (!session.ok()) {
     reactor->Finish(ToGrpcStatus(session.status()));
@@ -628,9 +639,13 @@ uint32_t ListInto(const std::vector<std::shared_ptr<Session>>& sessions,
 }  // namespace
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::EvictSession(
-    grpc::CallbackServerContext* context,
-    const v1::EvictSessionRequest* request, v1::EvictSessionResponse*) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* bytes,
+    grpc::ByteBuffer* out) {
+  auto* reactor =
+      new RawUnaryCall<v1::EvictSessionRequest, v1::EvictSessionResponse>(
+          out, request_budget_.get());
+  if (!reactor->Parsed(*bytes)) return reactor;
+  const v1::EvictSessionRequest* request = &reactor->request();
   const absl::Status admin = CheckAdmin(context, "EvictSession");
   if (!admin.ok()) {
     reactor->Finish(ToGrpcStatus(admin));
@@ -647,9 +662,13 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::EvictSession(
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::ListSessions(
-    grpc::CallbackServerContext* context, const v1::ListSessionsRequest*,
-    v1::ListSessionsResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* bytes,
+    grpc::ByteBuffer* out) {
+  auto* reactor =
+      new RawUnaryCall<v1::ListSessionsRequest, v1::ListSessionsResponse>(
+          out, request_budget_.get());
+  if (!reactor->Parsed(*bytes)) return reactor;
+  v1::ListSessionsResponse* response = reactor->response();
   const absl::Status admin = CheckAdmin(context, "ListSessions");
   if (!admin.ok()) {
     reactor->Finish(ToGrpcStatus(admin));
@@ -662,15 +681,19 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::ListSessions(
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::GetMetrics(
-    grpc::CallbackServerContext* context, const v1::GetMetricsRequest*,
-    v1::GetMetricsResponse* response) {
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* bytes,
+    grpc::ByteBuffer* out) {
+  auto* reactor =
+      new RawUnaryCall<v1::GetMetricsRequest, v1::GetMetricsResponse>(
+          out, request_budget_.get());
+  if (!reactor->Parsed(*bytes)) return reactor;
+  v1::GetMetricsResponse* response = reactor->response();
   // Job ids (and group ids, which name a job's parts) are for callers the
   // daemon knows, as sessions are: an anonymous TCP caller sees each
   // session under the name "session-<n>" (its place in the reply).
   const bool known =
       admin_.CheckSessionCaller(context->peer(), AdminTokenOf(context)).ok();
   FillMetrics(response, /*redact_jobs=*/!known);
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }

@@ -30,15 +30,14 @@ namespace optimd {
 // The metadata key that carries the session token.
 inline constexpr char kSessionMetadataKey[] = "x-optimd-session";
 
-// The service's methods, in the API's order. Those that take their
-// requests as bytes (raw_call.h: every call whose request holds repeated
-// fields or runs on a worker) have their parsed cost known and held before
-// they are parsed.
+// The service's methods, in the API's order. Every one takes its requests
+// (and a stream's messages) as bytes (raw_call.h), so that a request's
+// parsed cost is known and held before it is parsed.
 using Api = v1::Optimizer;
 // clang-format off
 using OptimizerServiceBase =
-    Api::WithCallbackMethod_CreateSession<
-    Api::WithCallbackMethod_CloseSession<
+    Api::WithRawCallbackMethod_CreateSession<
+    Api::WithRawCallbackMethod_CloseSession<
     Api::WithRawCallbackMethod_RegisterGroup<
     Api::WithRawCallbackMethod_UnregisterGroup<
     Api::WithRawCallbackMethod_UpdateBuffers<
@@ -48,13 +47,13 @@ using OptimizerServiceBase =
     Api::WithRawCallbackMethod_GetState<
     Api::WithRawCallbackMethod_SetState<
     Api::WithRawCallbackMethod_SaveState<
-    Api::WithCallbackMethod_GetSaveStatus<
+    Api::WithRawCallbackMethod_GetSaveStatus<
     Api::WithRawCallbackMethod_LoadState<
-    Api::WithCallbackMethod_SaveStateStream<
-    Api::WithCallbackMethod_LoadStateStream<
-    Api::WithCallbackMethod_ListSessions<
-    Api::WithCallbackMethod_EvictSession<
-    Api::WithCallbackMethod_GetMetrics<
+    Api::WithRawCallbackMethod_SaveStateStream<
+    Api::WithRawCallbackMethod_LoadStateStream<
+    Api::WithRawCallbackMethod_ListSessions<
+    Api::WithRawCallbackMethod_EvictSession<
+    Api::WithRawCallbackMethod_GetMetrics<
     Api::Service>>>>>>>>>>>>>>>>>>;
 // clang-format on
 
@@ -92,14 +91,12 @@ class OptimizerServiceImpl final : public OptimizerServiceBase {
     request_budget_ = std::make_unique<RequestBudget>(bytes);
   }
 
-  grpc::ServerUnaryReactor* CreateSession(
-      grpc::CallbackServerContext* context,
-      const v1::CreateSessionRequest* request,
-      v1::CreateSessionResponse* response) override;
-  grpc::ServerUnaryReactor* CloseSession(
-      grpc::CallbackServerContext* context,
-      const v1::CloseSessionRequest* request,
-      v1::CloseSessionResponse* response) override;
+  grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* context,
+                                          const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* context,
+                                         const grpc::ByteBuffer* request,
+                                         grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* RegisterGroup(grpc::CallbackServerContext* context,
                                           const grpc::ByteBuffer* request,
                                           grpc::ByteBuffer* response) override;
@@ -126,31 +123,27 @@ class OptimizerServiceImpl final : public OptimizerServiceBase {
   grpc::ServerUnaryReactor* SaveState(grpc::CallbackServerContext* context,
                                       const grpc::ByteBuffer* request,
                                       grpc::ByteBuffer* response) override;
-  grpc::ServerUnaryReactor* GetSaveStatus(
-      grpc::CallbackServerContext* context,
-      const v1::GetSaveStatusRequest* request,
-      v1::GetSaveStatusResponse* response) override;
+  grpc::ServerUnaryReactor* GetSaveStatus(grpc::CallbackServerContext* context,
+                                          const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* LoadState(grpc::CallbackServerContext* context,
                                       const grpc::ByteBuffer* request,
                                       grpc::ByteBuffer* response) override;
-  grpc::ServerWriteReactor<v1::StateChunk>* SaveStateStream(
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* SaveStateStream(
       grpc::CallbackServerContext* context,
-      const v1::SaveStateStreamRequest* request) override;
-  grpc::ServerReadReactor<v1::StateChunk>* LoadStateStream(
+      const grpc::ByteBuffer* request) override;
+  grpc::ServerReadReactor<grpc::ByteBuffer>* LoadStateStream(
       grpc::CallbackServerContext* context,
-      v1::LoadStateResponse* response) override;
-  grpc::ServerUnaryReactor* EvictSession(
-      grpc::CallbackServerContext* context,
-      const v1::EvictSessionRequest* request,
-      v1::EvictSessionResponse* response) override;
-  grpc::ServerUnaryReactor* ListSessions(
-      grpc::CallbackServerContext* context,
-      const v1::ListSessionsRequest* request,
-      v1::ListSessionsResponse* response) override;
-  grpc::ServerUnaryReactor* GetMetrics(
-      grpc::CallbackServerContext* context,
-      const v1::GetMetricsRequest* request,
-      v1::GetMetricsResponse* response) override;
+      grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* EvictSession(grpc::CallbackServerContext* context,
+                                         const grpc::ByteBuffer* request,
+                                         grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* ListSessions(grpc::CallbackServerContext* context,
+                                         const grpc::ByteBuffer* request,
+                                         grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* GetMetrics(grpc::CallbackServerContext* context,
+                                       const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response) override;
 
  private:
   class StepStreamReactor;

@@ -3,10 +3,10 @@
 // parsed: the bytes are scanned (request_scan.h), their parsed cost is held
 // against the request budget for the call's life, and only then are they
 // parsed, into an arena that goes with the call. The response is
-// serialized when the call is replied to.
+// serialized when the call is finished.
 //
 // A RawUnaryCall is made by its handler and deletes itself when gRPC is
-// done with it (OnDone). Reply is called once, from any thread; request()
+// done with it (OnDone). Finish is called once, from any thread; request()
 // and response() may be used until then.
 #ifndef OPTIMD_SERVER_RAW_CALL_H_
 #define OPTIMD_SERVER_RAW_CALL_H_
@@ -66,20 +66,30 @@ class RawUnaryCall final : public grpc::ServerUnaryReactor {
   const Request& request() const { return *request_; }
   Response* response() { return response_; }
 
-  // Finishes the call: with the response when `status` is OK.
-  void Reply(const grpc::Status& status) {
+  // Parse, or else finishes the call with its refusal: false then (the
+  // handler returns the call as it is).
+  bool Parsed(const grpc::ByteBuffer& bytes) {
+    absl::Status parsed = Parse(bytes);
+    if (!parsed.ok()) Finish(parsed);
+    return parsed.ok();
+  }
+
+  // Finishes the call: with the response when `status` is OK. (Hides
+  // ServerUnaryReactor::Finish, which would send no response: handlers
+  // call it through a RawUnaryCall pointer.)
+  void Finish(const grpc::Status& status) {
     if (status.ok()) {
       bool own_buffer;
       grpc::Status serialized = grpc::SerializationTraits<Response>::Serialize(
           *response_, out_, &own_buffer);
       if (!serialized.ok()) {
-        Finish(serialized);
+        grpc::ServerUnaryReactor::Finish(serialized);
         return;
       }
     }
-    Finish(status);
+    grpc::ServerUnaryReactor::Finish(status);
   }
-  void Reply(const absl::Status& status) { Reply(ToGrpcStatus(status)); }
+  void Finish(const absl::Status& status) { Finish(ToGrpcStatus(status)); }
 
   void OnDone() override { delete this; }
 

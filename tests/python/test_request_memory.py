@@ -168,6 +168,30 @@ class ParseCostTest(unittest.TestCase):
                 [g.group_id for g in client.get_state(
                     metadata_only=True).groups], ["g"])
 
+    def test_unknown_fields_are_counted_before_parsing(self):
+        # Protobuf keeps every unknown field as an object of its own: 5
+        # million empty ones (field 100, 3 bytes each) in a CreateSession
+        # would cost the daemon hundreds of MB once parsed.
+        with Daemon(flags=["--cpu_threads=1"]) as d:
+            before = peak_rss(d.process.pid)
+            body = b"\x0a\x01j\x18\x01\x20\xff\xff\xff\xff\x0f" + \
+                b"\xa2\x06\x00" * 5000000
+            with grpc.insecure_channel(d.address, options=[
+                    ("grpc.max_send_message_length", -1)]) as ch:
+                call = ch.unary_unary("/optimd.v1.Optimizer/CreateSession")
+                with self.assertRaises(grpc.RpcError) as e:
+                    call(body, timeout=120)
+            grown = peak_rss(d.process.pid) - before
+            self.assertEqual(e.exception.code(),
+                             grpc.StatusCode.RESOURCE_EXHAUSTED)
+            self.assertIn("5000000 fields unknown to "
+                          "optimd.v1.CreateSessionRequest",
+                          e.exception.details())
+            self.assertLess(grown, 64 << 20)
+            client = optimd.Client(d.address)
+            self.addCleanup(client.close)
+            self.assertEqual(len(client.list_sessions().sessions), 0)
+
     def test_requests_are_held_at_their_parsed_cost(self):
         # 300,000 tiny tensors are 2 MiB on the wire, about 200 MB once
         # parsed and converted: against a 64 MiB bound, one at a time is
