@@ -30,44 +30,51 @@ void RemoveStaleSpoolFiles(const std::string& dir) {
 
 absl::Status SpoolFileError(int err, const std::string& what,
                             const std::string& dir) {
-  const std::string head = absl::StrCat(
-      what, " the spool file of the streamed checkpoint in ", dir,
-      " failed (", std::strerror(err), "); nothing was loaded: ");
+  const std::string head =
+      absl::StrCat(what, " the spool file of the streamed checkpoint in ", dir,
+                   " failed (", std::strerror(err), "); nothing was loaded: ");
   switch (err) {
     case ENOSPC:
     case EDQUOT:
-      return absl::ResourceExhaustedError(absl::StrCat(
-          head, "free space there (the stream needs its whole size) or "
-                "load the file with LoadState"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat(head,
+                       "free space there (the stream needs its whole size) or "
+                       "load the file with LoadState"));
     case EFBIG:
-      return absl::ResourceExhaustedError(absl::StrCat(
-          head, "the daemon's file size limit (ulimit -f) is below the "
-                "checkpoint's size: raise it, or load the file with "
-                "LoadState"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat(head,
+                       "the daemon's file size limit (ulimit -f) is below the "
+                       "checkpoint's size: raise it, or load the file with "
+                       "LoadState"));
     case EMFILE:
     case ENFILE:
       return absl::ResourceExhaustedError(
-          absl::StrCat(head, "the daemon is out of file descriptors: retry "
-                             "once other calls ended, or raise its limit"));
+          absl::StrCat(head,
+                       "the daemon is out of file descriptors: retry "
+                       "once other calls ended, or raise its limit"));
     case EACCES:
     case EPERM:
-      return absl::PermissionDeniedError(absl::StrCat(
-          head, "give the daemon's user write access there, or point "
-                "--state_dir at a directory it may write"));
+      return absl::PermissionDeniedError(
+          absl::StrCat(head,
+                       "give the daemon's user write access there, or point "
+                       "--state_dir at a directory it may write"));
     case ENOENT:
     case ENOTDIR:
     case EROFS:
       return absl::FailedPreconditionError(absl::StrCat(
-          head, "the daemon spools in --state_dir (else /tmp): make it a "
-                "writable directory, or restart the daemon with another"));
+          head,
+          "the daemon spools in --state_dir (else /tmp): make it a "
+          "writable directory, or restart the daemon with another"));
     case EIO:
       return absl::UnavailableError(
-          absl::StrCat(head, "the disk reported an I/O error: retry, or "
-                             "check the disk"));
+          absl::StrCat(head,
+                       "the disk reported an I/O error: retry, or "
+                       "check the disk"));
   }
-  return absl::FailedPreconditionError(absl::StrCat(
-      head, "check that --state_dir (else /tmp) is a writable directory "
-            "with free space"));
+  return absl::FailedPreconditionError(
+      absl::StrCat(head,
+                   "check that --state_dir (else /tmp) is a writable directory "
+                   "with free space"));
 }
 
 }  // namespace optimd
