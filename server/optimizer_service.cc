@@ -33,6 +33,27 @@ absl::StatusOr<GradientSharding> ShardingFromProto(int sharding) {
                    " (0: none, 1: replicated, 2: sharded)"));
 }
 
+// The session a CreateSession asks for; INVALID_ARGUMENT for an unknown
+// gradient_sharding or a ready_event that is not an event handle.
+absl::StatusOr<SessionIdentity> IdentityOf(
+    const v1::CreateSessionRequest& request) {
+  SessionIdentity id;
+  id.job_id = request.job_id();
+  id.rank = request.rank();
+  id.world_size = request.world_size();
+  id.device = request.device();
+  auto sharding = ShardingFromProto(request.gradient_sharding());
+  if (!sharding.ok()) return sharding.status();
+  id.sharding = *sharding;
+  id.shard_state = request.shard_state();
+  if (!request.ready_event().empty() && request.ready_event().size() != 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ready_event must be a 64-byte cudaIpcEventHandle_t, got ",
+                     request.ready_event().size(), " bytes"));
+  }
+  return id;
+}
+
 }  // namespace
 
 OptimizerServiceImpl::OptimizerServiceImpl(SessionRegistry* registry,
@@ -153,25 +174,12 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::CreateSession(
     reactor->Finish(ToGrpcStatus(caller));
     return reactor;
   }
-  SessionIdentity id;
-  id.job_id = request->job_id();
-  id.rank = request->rank();
-  id.world_size = request->world_size();
-  id.device = request->device();
-  auto sharding = ShardingFromProto(request->gradient_sharding());
-  if (!sharding.ok()) {
-    reactor->Finish(ToGrpcStatus(sharding.status()));
+  auto identity = IdentityOf(*request);
+  if (!identity.ok()) {
+    reactor->Finish(ToGrpcStatus(identity.status()));
     return reactor;
   }
-  id.sharding = *sharding;
-  id.shard_state = request->shard_state();
-  if (!request->ready_event().empty() && request->ready_event().size() != 64) {
-    reactor->Finish(grpc::Status(
-        grpc::StatusCode::INVALID_ARGUMENT,
-        "ready_event must be a 64-byte cudaIpcEventHandle_t, got " +
-            std::to_string(request->ready_event().size()) + " bytes"));
-    return reactor;
-  }
+  const SessionIdentity& id = *identity;
   auto created = registry_->Create(
       id, request->resume(), request->ready_event(), request->trainer_pid(),
       request->resume_secret(), request->nccl_unique_id());
