@@ -95,9 +95,12 @@ class Scanner {
 bool Scanner::Message(const Descriptor& type) {
   while (true) {
     const uint32_t tag = in_->ReadTag();
-    // 0: the end of the bytes or of this message's limit, or a malformed
-    // tag, which the caller tells apart by the position reached.
-    if (tag == 0) return in_->BytesUntilLimit() <= 0;
+    // 0: the end of the bytes or of this message's limit; else a tag of 0
+    // or a malformed one, or bytes that end inside this message, which
+    // protobuf refuses.
+    if (tag == 0) {
+      return in_->ConsumedEntireMessage() && in_->BytesUntilLimit() <= 0;
+    }
     if (!Field(type, tag)) return false;
   }
 }

@@ -104,10 +104,13 @@ TEST(RequestScanTest, RefusesMalformedBytes) {
   // A tensor whose length runs past the end; a zero tag; a bad wire type.
   for (const std::string& bad :
        {std::string("\x22\x09\x0a\x01\x61", 5), std::string("\x00\x01", 2),
-        std::string("\x0f", 1), std::string("\x22\x02\x0c\x00", 4)}) {
+        std::string("\x0f", 1), std::string("\x22\x02\x0c\x00", 4),
+        // A valid group id, then a tag of 0 (the fuzz target's finding).
+        std::string("\x0a\x01g\x00", 4),
+        std::string("\x22\x03\x0a\x01\x61\x00", 6)}) {
     auto scan = ScanRequest(BufferOf(bad), type);
     EXPECT_EQ(scan.status().code(), absl::StatusCode::kInvalidArgument)
-        << scan.status();
+        << scan.status() << " for " << bad.size() << " bytes";
   }
   EXPECT_TRUE(ScanRequest(BufferOf(""), type).ok());
   // A group id that is not UTF-8, named.
