@@ -33,28 +33,28 @@ inline constexpr char kSessionMetadataKey[] = "x-optimd-session";
 // The service's methods, in the API's order. Every one takes its requests
 // (and a stream's messages) as bytes (raw_call.h), so that a request's
 // parsed cost is known and held before it is parsed.
-using Api = v1::Optimizer;
+using OptimizerApi = v1::Optimizer;
 // clang-format off
 using OptimizerServiceBase =
-    Api::WithRawCallbackMethod_CreateSession<
-    Api::WithRawCallbackMethod_CloseSession<
-    Api::WithRawCallbackMethod_RegisterGroup<
-    Api::WithRawCallbackMethod_UnregisterGroup<
-    Api::WithRawCallbackMethod_UpdateBuffers<
-    Api::WithRawCallbackMethod_Step<
-    Api::WithRawCallbackMethod_StepStream<
-    Api::WithRawCallbackMethod_GetParams<
-    Api::WithRawCallbackMethod_GetState<
-    Api::WithRawCallbackMethod_SetState<
-    Api::WithRawCallbackMethod_SaveState<
-    Api::WithRawCallbackMethod_GetSaveStatus<
-    Api::WithRawCallbackMethod_LoadState<
-    Api::WithRawCallbackMethod_SaveStateStream<
-    Api::WithRawCallbackMethod_LoadStateStream<
-    Api::WithRawCallbackMethod_ListSessions<
-    Api::WithRawCallbackMethod_EvictSession<
-    Api::WithRawCallbackMethod_GetMetrics<
-    Api::Service>>>>>>>>>>>>>>>>>>;
+    OptimizerApi::WithRawCallbackMethod_CreateSession<
+    OptimizerApi::WithRawCallbackMethod_CloseSession<
+    OptimizerApi::WithRawCallbackMethod_RegisterGroup<
+    OptimizerApi::WithRawCallbackMethod_UnregisterGroup<
+    OptimizerApi::WithRawCallbackMethod_UpdateBuffers<
+    OptimizerApi::WithRawCallbackMethod_Step<
+    OptimizerApi::WithRawCallbackMethod_StepStream<
+    OptimizerApi::WithRawCallbackMethod_GetParams<
+    OptimizerApi::WithRawCallbackMethod_GetState<
+    OptimizerApi::WithRawCallbackMethod_SetState<
+    OptimizerApi::WithRawCallbackMethod_SaveState<
+    OptimizerApi::WithRawCallbackMethod_GetSaveStatus<
+    OptimizerApi::WithRawCallbackMethod_LoadState<
+    OptimizerApi::WithRawCallbackMethod_SaveStateStream<
+    OptimizerApi::WithRawCallbackMethod_LoadStateStream<
+    OptimizerApi::WithRawCallbackMethod_ListSessions<
+    OptimizerApi::WithRawCallbackMethod_EvictSession<
+    OptimizerApi::WithRawCallbackMethod_GetMetrics<
+    OptimizerApi::Service>>>>>>>>>>>>>>>>>>;
 // clang-format on
 
 class OptimizerServiceImpl final : public OptimizerServiceBase {

@@ -64,7 +64,8 @@ struct ScanTotals {
 
 class Scanner {
  public:
-  explicit Scanner(CodedInputStream* in) : in_(in) {}
+  // `in` reads the `size` bytes of a message.
+  Scanner(CodedInputStream* in, uint64_t size) : in_(in), size_(size) {}
 
   // Scans fields of `type` until the current limit (or the end). False
   // when the bytes are malformed.
@@ -88,20 +89,28 @@ class Scanner {
   }
 
   CodedInputStream* const in_;
+  const uint64_t size_;
   ScanTotals totals_;
   const FieldDescriptor* bad_utf8_ = nullptr;
 };
 
 bool Scanner::Message(const Descriptor& type) {
   while (true) {
-    const uint32_t tag = in_->ReadTag();
-    // 0: the end of the bytes or of this message's limit; else a tag of 0
-    // or a malformed one, or bytes that end inside this message, which
-    // protobuf refuses.
-    if (tag == 0) {
-      return in_->ConsumedEntireMessage() && in_->BytesUntilLimit() <= 0;
+    // The end of this message's limit, or of the bytes.
+    const int left = in_->BytesUntilLimit();
+    if (left == 0 ||
+        (left < 0 && static_cast<uint64_t>(in_->CurrentPosition()) == size_)) {
+      return true;
     }
-    if (!Field(type, tag)) return false;
+    // A tag as protobuf's parser reads one: at most 5 bytes, 32 bits, not
+    // 0 (CodedInputStream::ReadTag would take longer ones).
+    const int start = in_->CurrentPosition();
+    uint64_t tag;
+    if (!in_->ReadVarint64(&tag) || in_->CurrentPosition() - start > 5 ||
+        tag == 0 || tag > 0xffffffffu) {
+      return false;
+    }
+    if (!Field(type, static_cast<uint32_t>(tag))) return false;
   }
 }
 
@@ -236,7 +245,7 @@ absl::StatusOr<RequestScan> ScanRequest(const grpc::ByteBuffer& bytes,
   grpc::ByteBuffer copy(bytes);  // shares the slices
   grpc::ProtoBufferReader reader(&copy);
   CodedInputStream in(&reader);
-  Scanner scanner(&in);
+  Scanner scanner(&in, bytes.Length());
   RequestScan scan;
   scan.encoded_bytes = bytes.Length();
   if (!scanner.Message(type) ||

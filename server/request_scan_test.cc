@@ -107,7 +107,9 @@ TEST(RequestScanTest, RefusesMalformedBytes) {
         std::string("\x0f", 1), std::string("\x22\x02\x0c\x00", 4),
         // A valid group id, then a tag of 0 (the fuzz target's finding).
         std::string("\x0a\x01g\x00", 4),
-        std::string("\x22\x03\x0a\x01\x61\x00", 6)}) {
+        std::string("\x22\x03\x0a\x01\x61\x00", 6),
+        // A tag of 8 bytes, which CodedInputStream::ReadTag takes.
+        std::string("\xf5\xfe\x98\xef\xf8\xe5\xad\x0a\x00", 9)}) {
     auto scan = ScanRequest(BufferOf(bad), type);
     EXPECT_EQ(scan.status().code(), absl::StatusCode::kInvalidArgument)
         << scan.status() << " for " << bad.size() << " bytes";
