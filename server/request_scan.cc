@@ -102,15 +102,15 @@ bool Scanner::Message(const Descriptor& type) {
         (left < 0 && static_cast<uint64_t>(in_->CurrentPosition()) == size_)) {
       return true;
     }
-    // A tag as protobuf's parser reads one: at most 5 bytes, 32 bits, not
-    // 0 (CodedInputStream::ReadTag would take longer ones).
+    // A tag as protobuf's parser reads one: at most 5 bytes, its low 32
+    // bits, not 0 (CodedInputStream::ReadTag would take longer ones).
     const int start = in_->CurrentPosition();
-    uint64_t tag;
-    if (!in_->ReadVarint64(&tag) || in_->CurrentPosition() - start > 5 ||
-        tag == 0 || tag > 0xffffffffu) {
+    uint64_t varint;
+    if (!in_->ReadVarint64(&varint) || in_->CurrentPosition() - start > 5) {
       return false;
     }
-    if (!Field(type, static_cast<uint32_t>(tag))) return false;
+    const uint32_t tag = static_cast<uint32_t>(varint);
+    if (tag == 0 || !Field(type, tag)) return false;
   }
 }
 
