@@ -2,8 +2,9 @@
 refused: the daemon's peak resident memory (VmHWM) before and after one
 request of N tensors of the smallest encoding (name "a", float32: 7 bytes
 each on the wire), sent as raw bytes; bytes per tensor and the ratio to the
-encoded size. --max_request_memory_bytes counts encoded bytes, so this is
-the part of a request's memory it does not bound.
+encoded size. Above 1,048,576 tensors (what a session holds) the daemon
+refuses the request from its bytes, before parsing it; below, it holds the
+request's estimated parsed cost against --max_request_memory_bytes.
 
     OPTIMD_BINARY=bazel-bin/server/optimd PYTHONPATH=client/python \\
         /usr/bin/python3 bench/request_parse_cost.py --tensors 1000000 2000000

@@ -115,7 +115,8 @@ ABSL_FLAG(uint64_t, max_request_memory_bytes, uint64_t{4} << 30,
           "connections together (a grpc::ResourceQuota); past it calls are "
           "reset (RESOURCE_EXHAUSTED, or UNAVAILABLE for a reclaimed "
           "connection). The same bound holds the parsed requests waiting "
-          "for or running on the workers (encoded sizes; past it a request "
+          "for or running on the workers (their cost once parsed, counted "
+          "from their bytes before parsing; past it a request "
           "is refused with RESOURCE_EXHAUSTED). A message alone may be "
           "1 GiB: keep it above that. 0: no bound.");
 ABSL_FLAG(uint64_t, max_listing_bytes, optimd::kMaxListingBytes,
@@ -558,6 +559,9 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   // A client closing its connection mid-write must not kill the daemon.
   signal(SIGPIPE, SIG_IGN);
+  // A file written past the file size limit (ulimit -f) must fail its write
+  // (EFBIG, a status for the call), not kill the daemon.
+  signal(SIGXFSZ, SIG_IGN);
   const rlim_t files = RaiseFileLimit();
 
   std::vector<std::unique_ptr<optimd::Backend>> backends = MakeBackends();

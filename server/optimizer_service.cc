@@ -9,6 +9,7 @@
 #include "common/version.h"
 #include "server/convert.h"
 #include "server/log.h"
+#include "server/raw_call.h"
 #include "server/session_listing.h"
 #include "server/session_name.h"
 #include "server/spool_files.h"
@@ -30,6 +31,27 @@ absl::StatusOr<GradientSharding> ShardingFromProto(int sharding) {
   return absl::InvalidArgumentError(
       absl::StrCat("unknown gradient_sharding ", sharding,
                    " (0: none, 1: replicated, 2: sharded)"));
+}
+
+// The session a CreateSession asks for; INVALID_ARGUMENT for an unknown
+// gradient_sharding or a ready_event that is not an event handle.
+absl::StatusOr<SessionIdentity> IdentityOf(
+    const v1::CreateSessionRequest& request) {
+  SessionIdentity id;
+  id.job_id = request.job_id();
+  id.rank = request.rank();
+  id.world_size = request.world_size();
+  id.device = request.device();
+  auto sharding = ShardingFromProto(request.gradient_sharding());
+  if (!sharding.ok()) return sharding.status();
+  id.sharding = *sharding;
+  id.shard_state = request.shard_state();
+  if (!request.ready_event().empty() && request.ready_event().size() != 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ready_event must be a 64-byte cudaIpcEventHandle_t, got ",
+                     request.ready_event().size(), " bytes"));
+  }
+  return id;
 }
 
 }  // namespace
@@ -102,27 +124,26 @@ absl::StatusOr<std::shared_ptr<Session>> OptimizerServiceImpl::SessionOf(
   return registry_->Find(TokenOf(context));
 }
 
-template <typename Request, typename Work>
+template <typename Request, typename Response, typename Work>
 grpc::ServerUnaryReactor* OptimizerServiceImpl::OnWorker(
-    grpc::CallbackServerContext* context, const Request& request, Work work,
-    bool file_io) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* bytes,
+    grpc::ByteBuffer* out, Work work, bool file_io) {
+  auto* call = new RawUnaryCall<Request, Response>(out, request_budget_.get());
   if (draining_.load()) {
-    reactor->Finish(
+    call->Finish(
         grpc::Status(grpc::StatusCode::UNAVAILABLE, "optimd is shutting down"));
-    return reactor;
+    return call;
   }
   auto session = SessionOf(context);
   if (!session.ok()) {
-    reactor->Finish(ToGrpcStatus(session.status()));
-    return reactor;
+    call->Finish(session.status());
+    return call;
   }
-  // The parsed request lives until the call is finished: held against the
-  // request budget meanwhile.
-  const uint64_t request_bytes = request.ByteSizeLong();
-  if (absl::Status held = request_budget_->Reserve(request_bytes); !held.ok()) {
-    reactor->Finish(ToGrpcStatus(held));
-    return reactor;
+  // Parsed only once its cost is known and held; held until the call is
+  // done.
+  if (absl::Status parsed = call->Parse(*bytes); !parsed.ok()) {
+    call->Finish(parsed);
+    return call;
   }
   // File I/O of host-addressable sessions runs on the I/O worker, so that
   // other sessions keep stepping; not for sessions whose steps may wait for
@@ -131,44 +152,34 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::OnWorker(
                                  !(*session)->exchanges_statistics()
                              ? &io_worker_
                              : WorkerFor(*session);
-  worker->Post([this, reactor, request_bytes, work = std::move(work),
-                session = *std::move(session)]() mutable {
-    reactor->Finish(ToGrpcStatus(work(*session)));
-    request_budget_->Release(request_bytes);
-  });
-  return reactor;
+  worker->Post(
+      [call, work = std::move(work), session = *std::move(session)]() mutable {
+        call->Finish(work(*session, call->request(), call->response()));
+      });
+  return call;
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::CreateSession(
-    grpc::CallbackServerContext* context,
-    const v1::CreateSessionRequest* request,
-    v1::CreateSessionResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* bytes,
+    grpc::ByteBuffer* out) {
+  auto* reactor =
+      new RawUnaryCall<v1::CreateSessionRequest, v1::CreateSessionResponse>(
+          out, request_budget_.get());
+  if (!reactor->Parsed(*bytes)) return reactor;
+  const v1::CreateSessionRequest* request = &reactor->request();
+  v1::CreateSessionResponse* response = reactor->response();
   if (absl::Status caller =
           admin_.CheckSessionCaller(context->peer(), AdminTokenOf(context));
       !caller.ok()) {
     reactor->Finish(ToGrpcStatus(caller));
     return reactor;
   }
-  SessionIdentity id;
-  id.job_id = request->job_id();
-  id.rank = request->rank();
-  id.world_size = request->world_size();
-  id.device = request->device();
-  auto sharding = ShardingFromProto(request->gradient_sharding());
-  if (!sharding.ok()) {
-    reactor->Finish(ToGrpcStatus(sharding.status()));
+  auto identity = IdentityOf(*request);
+  if (!identity.ok()) {
+    reactor->Finish(ToGrpcStatus(identity.status()));
     return reactor;
   }
-  id.sharding = *sharding;
-  id.shard_state = request->shard_state();
-  if (!request->ready_event().empty() && request->ready_event().size() != 64) {
-    reactor->Finish(grpc::Status(
-        grpc::StatusCode::INVALID_ARGUMENT,
-        "ready_event must be a 64-byte cudaIpcEventHandle_t, got " +
-            std::to_string(request->ready_event().size()) + " bytes"));
-    return reactor;
-  }
+  const SessionIdentity& id = *identity;
   auto created = registry_->Create(
       id, request->resume(), request->ready_event(), request->trainer_pid(),
       request->resume_secret(), request->nccl_unique_id());
@@ -229,9 +240,12 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::CreateSession(
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::CloseSession(
-    grpc::CallbackServerContext* context, const v1::CloseSessionRequest*,
-    v1::CloseSessionResponse*) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* bytes,
+    grpc::ByteBuffer* out) {
+  auto* reactor =
+      new RawUnaryCall<v1::CloseSessionRequest, v1::CloseSessionResponse>(
+          out, request_budget_.get());
+  if (!reactor->Parsed(*bytes)) return reactor;
   const std::string token = TokenOf(context);
   auto session = registry_->Find(token);
   if (!session.ok()) {
@@ -256,12 +270,13 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::CloseSession(
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::RegisterGroup(
-    grpc::CallbackServerContext* context,
-    const v1::RegisterGroupRequest* request,
-    v1::RegisterGroupResponse* response) {
-  return OnWorker(
-      context, *request, [request, response](Session& s) -> absl::Status {
-        auto spec = GroupSpecFromProto(*request);
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
+  return OnWorker<v1::RegisterGroupRequest, v1::RegisterGroupResponse>(
+      context, request, response,
+      [](Session& s, const v1::RegisterGroupRequest& request,
+         v1::RegisterGroupResponse* response) -> absl::Status {
+        auto spec = GroupSpecFromProto(request);
         if (!spec.ok()) return spec.status();
         auto result = s.RegisterGroup(*spec);
         if (!result.ok()) return result.status();
@@ -276,21 +291,27 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::RegisterGroup(
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::UnregisterGroup(
-    grpc::CallbackServerContext* context,
-    const v1::UnregisterGroupRequest* request, v1::UnregisterGroupResponse*) {
-  return OnWorker(context, *request, [request](Session& s) {
-    return s.UnregisterGroup(request->group_id());
-  });
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
+  return OnWorker<v1::UnregisterGroupRequest, v1::UnregisterGroupResponse>(
+      context, request, response,
+      [](Session& s, const v1::UnregisterGroupRequest& request,
+         v1::UnregisterGroupResponse*) {
+        return s.UnregisterGroup(request.group_id());
+      });
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::UpdateBuffers(
-    grpc::CallbackServerContext* context,
-    const v1::UpdateBuffersRequest* request, v1::UpdateBuffersResponse*) {
-  return OnWorker(context, *request, [request](Session& s) -> absl::Status {
-    auto updates = BufferUpdatesFromProto(*request);
-    if (!updates.ok()) return updates.status();
-    return s.UpdateBuffers(request->group_id(), *updates);
-  });
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
+  return OnWorker<v1::UpdateBuffersRequest, v1::UpdateBuffersResponse>(
+      context, request, response,
+      [](Session& s, const v1::UpdateBuffersRequest& request,
+         v1::UpdateBuffersResponse*) -> absl::Status {
+        auto updates = BufferUpdatesFromProto(request);
+        if (!updates.ok()) return updates.status();
+        return s.UpdateBuffers(request.group_id(), *updates);
+      });
 }
 
 absl::Status OptimizerServiceImpl::RunStep(Session& s,
@@ -325,24 +346,29 @@ absl::Status OptimizerServiceImpl::RunStep(Session& s,
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::Step(
-    grpc::CallbackServerContext* context, const v1::StepRequest* request,
-    v1::StepResponse* response) {
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
   const absl::Time start = absl::Now();
-  return OnWorker(context, *request,
-                  [this, request, response, start](Session& s) -> absl::Status {
-                    return RunStep(s, *request, response, start);
-                  });
+  return OnWorker<v1::StepRequest, v1::StepResponse>(
+      context, request, response,
+      [this, start](Session& s, const v1::StepRequest& request,
+                    v1::StepResponse* response) -> absl::Status {
+        return RunStep(s, request, response, start);
+      });
 }
 
 // Reads one request, runs it on the session's worker, writes its response,
-// then reads the next: steps of a stream are strictly ordered.
+// then reads the next: steps of a stream are strictly ordered. Each
+// request arrives as bytes and is parsed into an arena of its own once its
+// parsed cost is held against the request budget (ParseHeld), which is
+// released when its step is done.
 class OptimizerServiceImpl::StepStreamReactor final
-    : public grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse> {
+    : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   StepStreamReactor(OptimizerServiceImpl* service,
                     std::shared_ptr<Session> session, DeviceWorker* worker)
       : service_(service), session_(std::move(session)), worker_(worker) {
-    StartRead(&request_);
+    StartRead(&in_);
   }
 
   void OnReadDone(bool ok) override {
@@ -351,22 +377,38 @@ class OptimizerServiceImpl::StepStreamReactor final
       return;
     }
     const absl::Time start = absl::Now();
-    const uint64_t request_bytes = request_.ByteSizeLong();
-    if (absl::Status held = service_->request_budget_->Reserve(request_bytes);
-        !held.ok()) {
-      Finish(ToGrpcStatus(held));
+    arena_ = std::make_unique<google::protobuf::Arena>();
+    auto* request =
+        google::protobuf::Arena::CreateMessage<v1::StepRequest>(arena_.get());
+    uint64_t held = 0;
+    absl::Status parsed =
+        ParseHeld(in_, service_->request_budget_.get(), request, &held);
+    in_.Clear();
+    if (!parsed.ok()) {
+      service_->request_budget_->Release(held);
+      Finish(ToGrpcStatus(parsed));
       return;
     }
-    worker_->Post([this, start, request_bytes] {
-      response_.Clear();
-      absl::Status s =
-          service_->RunStep(*session_, request_, &response_, start);
-      service_->request_budget_->Release(request_bytes);
+    worker_->Post([this, start, request, held] {
+      v1::StepResponse response;
+      absl::Status s = service_->RunStep(*session_, *request, &response, start);
+      arena_.reset();
+      service_->request_budget_->Release(held);
       if (!s.ok()) {
         Finish(ToGrpcStatus(s));
         return;
       }
-      StartWrite(&response_);
+      // The last reply's write is done: its buffer may go.
+      out_.Clear();
+      bool own_buffer;
+      grpc::Status serialized =
+          grpc::SerializationTraits<v1::StepResponse>::Serialize(
+              response, &out_, &own_buffer);
+      if (!serialized.ok()) {
+        Finish(serialized);
+        return;
+      }
+      StartWrite(&out_);
     });
   }
 
@@ -375,7 +417,7 @@ class OptimizerServiceImpl::StepStreamReactor final
       Finish(grpc::Status(grpc::StatusCode::CANCELLED, "stream closed"));
       return;
     }
-    StartRead(&request_);
+    StartRead(&in_);
   }
 
   void OnDone() override { delete this; }
@@ -384,17 +426,19 @@ class OptimizerServiceImpl::StepStreamReactor final
   OptimizerServiceImpl* const service_;
   const std::shared_ptr<Session> session_;
   DeviceWorker* const worker_;
-  v1::StepRequest request_;
-  v1::StepResponse response_;
+  grpc::ByteBuffer in_;
+  grpc::ByteBuffer out_;
+  // The request being stepped, parsed; replaced by each read.
+  std::unique_ptr<google::protobuf::Arena> arena_;
 };
 
-grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>*
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>*
 OptimizerServiceImpl::StepStream(grpc::CallbackServerContext* context) {
   auto session = SessionOf(context);
   if (draining_.load() || !session.ok()) {
     // A reactor that fails the stream at once.
     class Refused final
-        : public grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse> {
+        : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
      public:
       explicit Refused(grpc::Status s) { Finish(std::move(s)); }
       void OnDone() override { delete this; }
@@ -409,34 +453,38 @@ OptimizerServiceImpl::StepStream(grpc::CallbackServerContext* context) {
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::GetParams(
-    grpc::CallbackServerContext* context, const v1::GetParamsRequest* request,
-    v1::GetParamsResponse* response) {
-  return OnWorker(context, *request,
-                  [request, response](Session& s) -> absl::Status {
-                    std::vector<std::string> ids(request->group_ids().begin(),
-                                                 request->group_ids().end());
-                    auto written = s.GetParams(ids);
-                    if (!written.ok()) return written.status();
-                    response->set_tensors_written(*written);
-                    return absl::OkStatus();
-                  });
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
+  return OnWorker<v1::GetParamsRequest, v1::GetParamsResponse>(
+      context, request, response,
+      [](Session& s, const v1::GetParamsRequest& request,
+         v1::GetParamsResponse* response) -> absl::Status {
+        std::vector<std::string> ids(request.group_ids().begin(),
+                                     request.group_ids().end());
+        auto written = s.GetParams(ids);
+        if (!written.ok()) return written.status();
+        response->set_tensors_written(*written);
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::GetState(
-    grpc::CallbackServerContext* context, const v1::GetStateRequest* request,
-    v1::GetStateResponse* response) {
-  return OnWorker(
-      context, *request, [request, response](Session& s) -> absl::Status {
-        std::vector<std::string> ids(request->group_ids().begin(),
-                                     request->group_ids().end());
-        std::vector<std::string> tensors(request->tensor_names().begin(),
-                                         request->tensor_names().end());
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
+  return OnWorker<v1::GetStateRequest, v1::GetStateResponse>(
+      context, request, response,
+      [](Session& s, const v1::GetStateRequest& request,
+         v1::GetStateResponse* response) -> absl::Status {
+        std::vector<std::string> ids(request.group_ids().begin(),
+                                     request.group_ids().end());
+        std::vector<std::string> tensors(request.tensor_names().begin(),
+                                         request.tensor_names().end());
         // Replies stay below the daemon's 1 GiB send limit (and far below
         // protobuf's 2 GiB, past which serializing aborts): data and names are
         // counted, with room left for group ids and hyperparameters.
         constexpr uint64_t kMaxReplyData = (uint64_t{1} << 30) - (64 << 20);
         auto state =
-            s.ReadState(ids, !request->metadata_only(), tensors, kMaxReplyData);
+            s.ReadState(ids, !request.metadata_only(), tensors, kMaxReplyData);
         if (!state.ok()) return state.status();
         for (const GroupState& g : *state) {
           GroupStateToProto(g, response->add_groups());
@@ -446,18 +494,21 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::GetState(
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::SetState(
-    grpc::CallbackServerContext* context, const v1::SetStateRequest* request,
-    v1::SetStateResponse*) {
-  return OnWorker(context, *request, [request](Session& s) -> absl::Status {
-    auto blobs = StateBlobsFromProto(*request);
-    if (!blobs.ok()) return blobs.status();
-    std::vector<std::pair<std::string, uint64_t>> tensor_steps;
-    for (const v1::TensorStep& t : request->tensor_steps()) {
-      tensor_steps.emplace_back(t.tensor(), t.step());
-    }
-    return s.WriteState(request->group_id(), request->step(), *blobs,
-                        tensor_steps);
-  });
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
+  return OnWorker<v1::SetStateRequest, v1::SetStateResponse>(
+      context, request, response,
+      [](Session& s, const v1::SetStateRequest& request,
+         v1::SetStateResponse*) -> absl::Status {
+        auto blobs = StateBlobsFromProto(request);
+        if (!blobs.ok()) return blobs.status();
+        std::vector<std::pair<std::string, uint64_t>> tensor_steps;
+        for (const v1::TensorStep& t : request.tensor_steps()) {
+          tensor_steps.emplace_back(t.tensor(), t.step());
+        }
+        return s.WriteState(request.group_id(), request.step(), *blobs,
+                            tensor_steps);
+      });
 }
 
 std::function<void(const SaveStatusInfo&)>
@@ -479,17 +530,18 @@ OptimizerServiceImpl::BackgroundSaveLogger(const SessionIdentity& id) {
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::SaveState(
-    grpc::CallbackServerContext* context, const v1::SaveStateRequest* request,
-    v1::SaveStateResponse* response) {
-  return OnWorker(
-      context, *request,
-      [this, request, response](Session& s) -> absl::Status {
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* bytes,
+    grpc::ByteBuffer* out) {
+  return OnWorker<v1::SaveStateRequest, v1::SaveStateResponse>(
+      context, bytes, out,
+      [this](Session& s, const v1::SaveStateRequest& request,
+             v1::SaveStateResponse* response) -> absl::Status {
         log::Info(
             absl::StrCat("checkpoint save started: ", SessionName(s.identity()),
-                         " to ", request->directory().substr(0, 512),
-                         request->background() ? " (background)" : ""));
-        auto r = SaveSession(s, request->directory(), checkpoint_options_,
-                             request->background(),
+                         " to ", request.directory().substr(0, 512),
+                         request.background() ? " (background)" : ""));
+        auto r = SaveSession(s, request.directory(), checkpoint_options_,
+                             request.background(),
                              BackgroundSaveLogger(s.identity()));
         if (!r.ok()) {
           checkpoint_failures_.fetch_add(1);
@@ -499,7 +551,7 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::SaveState(
           return r.status();
         }
         log::Info(absl::StrCat(
-            "checkpoint ", request->background() ? "snapshot taken" : "saved",
+            "checkpoint ", request.background() ? "snapshot taken" : "saved",
             ": ", SessionName(s.identity()), " to ", r->path, ", ", r->bytes,
             " bytes, ", absl::StrFormat("%.3f", r->seconds), " s"));
         checkpoint_saves_.fetch_add(1);
@@ -513,9 +565,13 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::SaveState(
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::GetSaveStatus(
-    grpc::CallbackServerContext* context, const v1::GetSaveStatusRequest*,
-    v1::GetSaveStatusResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* bytes,
+    grpc::ByteBuffer* out) {
+  auto* reactor =
+      new RawUnaryCall<v1::GetSaveStatusRequest, v1::GetSaveStatusResponse>(
+          out, request_budget_.get());
+  if (!reactor->Parsed(*bytes)) return reactor;
+  v1::GetSaveStatusResponse* response = reactor->response();
   auto session = SessionOf(context);
   if (!session.ok()) {
     reactor->Finish(ToGrpcStatus(session.status()));
@@ -546,15 +602,16 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::GetSaveStatus(
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::LoadState(
-    grpc::CallbackServerContext* context, const v1::LoadStateRequest* request,
-    v1::LoadStateResponse* response) {
-  return OnWorker(
-      context, *request,
-      [this, request, response](Session& s) -> absl::Status {
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* bytes,
+    grpc::ByteBuffer* out) {
+  return OnWorker<v1::LoadStateRequest, v1::LoadStateResponse>(
+      context, bytes, out,
+      [this](Session& s, const v1::LoadStateRequest& request,
+             v1::LoadStateResponse* response) -> absl::Status {
         log::Info(
             absl::StrCat("checkpoint load started: ", SessionName(s.identity()),
-                         " from ", request->directory().substr(0, 512)));
-        auto r = LoadSession(s, request->directory(), checkpoint_options_);
+                         " from ", request.directory().substr(0, 512)));
+        auto r = LoadSession(s, request.directory(), checkpoint_options_);
         if (!r.ok()) {
           checkpoint_failures_.fetch_add(1);
           log::Warn(absl::StrCat(
@@ -590,9 +647,13 @@ uint32_t ListInto(const std::vector<std::shared_ptr<Session>>& sessions,
 }  // namespace
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::EvictSession(
-    grpc::CallbackServerContext* context,
-    const v1::EvictSessionRequest* request, v1::EvictSessionResponse*) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* bytes,
+    grpc::ByteBuffer* out) {
+  auto* reactor =
+      new RawUnaryCall<v1::EvictSessionRequest, v1::EvictSessionResponse>(
+          out, request_budget_.get());
+  if (!reactor->Parsed(*bytes)) return reactor;
+  const v1::EvictSessionRequest* request = &reactor->request();
   const absl::Status admin = CheckAdmin(context, "EvictSession");
   if (!admin.ok()) {
     reactor->Finish(ToGrpcStatus(admin));
@@ -609,9 +670,13 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::EvictSession(
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::ListSessions(
-    grpc::CallbackServerContext* context, const v1::ListSessionsRequest*,
-    v1::ListSessionsResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* bytes,
+    grpc::ByteBuffer* out) {
+  auto* reactor =
+      new RawUnaryCall<v1::ListSessionsRequest, v1::ListSessionsResponse>(
+          out, request_budget_.get());
+  if (!reactor->Parsed(*bytes)) return reactor;
+  v1::ListSessionsResponse* response = reactor->response();
   const absl::Status admin = CheckAdmin(context, "ListSessions");
   if (!admin.ok()) {
     reactor->Finish(ToGrpcStatus(admin));
@@ -624,10 +689,19 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::ListSessions(
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::GetMetrics(
-    grpc::CallbackServerContext* context, const v1::GetMetricsRequest*,
-    v1::GetMetricsResponse* response) {
-  FillMetrics(response);
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* bytes,
+    grpc::ByteBuffer* out) {
+  auto* reactor =
+      new RawUnaryCall<v1::GetMetricsRequest, v1::GetMetricsResponse>(
+          out, request_budget_.get());
+  if (!reactor->Parsed(*bytes)) return reactor;
+  v1::GetMetricsResponse* response = reactor->response();
+  // Job ids (and group ids, which name a job's parts) are for callers the
+  // daemon knows, as sessions are: an anonymous TCP caller sees each
+  // session under the name "session-<n>" (its place in the reply).
+  const bool known =
+      admin_.CheckSessionCaller(context->peer(), AdminTokenOf(context)).ok();
+  FillMetrics(response, /*redact_jobs=*/!known);
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }
@@ -638,7 +712,8 @@ std::string OptimizerServiceImpl::PrometheusText() const {
   return m.prometheus_text();
 }
 
-void OptimizerServiceImpl::FillMetrics(v1::GetMetricsResponse* response) const {
+void OptimizerServiceImpl::FillMetrics(v1::GetMetricsResponse* response,
+                                       bool redact_jobs) const {
   response->set_daemon_version(kVersion);
   response->set_api_revision(kApiRevision);
   for (const Backend* b : registry_->backends()) {
@@ -659,6 +734,13 @@ void OptimizerServiceImpl::FillMetrics(v1::GetMetricsResponse* response) const {
   step_ready_wait_.ToProto(response->mutable_step_ready_wait());
   response->set_session_infos_omitted(ListInto(
       sessions, response->mutable_session_infos(), max_listing_bytes_));
+  if (redact_jobs) {
+    int n = 0;
+    for (v1::SessionInfo& info : *response->mutable_session_infos()) {
+      info.set_job_id(absl::StrCat("session-", n++));
+      info.clear_group_ids();
+    }
+  }
   response->set_checkpoint_saves(checkpoint_saves_.load());
   response->set_checkpoint_save_bytes(checkpoint_save_bytes_.load());
   response->set_checkpoint_loads(checkpoint_loads_.load());

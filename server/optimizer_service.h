@@ -30,7 +30,34 @@ namespace optimd {
 // The metadata key that carries the session token.
 inline constexpr char kSessionMetadataKey[] = "x-optimd-session";
 
-class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
+// The service's methods, in the API's order. Every one takes its requests
+// (and a stream's messages) as bytes (raw_call.h), so that a request's
+// parsed cost is known and held before it is parsed.
+using OptimizerApi = v1::Optimizer;
+// clang-format off
+using OptimizerServiceBase =
+    OptimizerApi::WithRawCallbackMethod_CreateSession<
+    OptimizerApi::WithRawCallbackMethod_CloseSession<
+    OptimizerApi::WithRawCallbackMethod_RegisterGroup<
+    OptimizerApi::WithRawCallbackMethod_UnregisterGroup<
+    OptimizerApi::WithRawCallbackMethod_UpdateBuffers<
+    OptimizerApi::WithRawCallbackMethod_Step<
+    OptimizerApi::WithRawCallbackMethod_StepStream<
+    OptimizerApi::WithRawCallbackMethod_GetParams<
+    OptimizerApi::WithRawCallbackMethod_GetState<
+    OptimizerApi::WithRawCallbackMethod_SetState<
+    OptimizerApi::WithRawCallbackMethod_SaveState<
+    OptimizerApi::WithRawCallbackMethod_GetSaveStatus<
+    OptimizerApi::WithRawCallbackMethod_LoadState<
+    OptimizerApi::WithRawCallbackMethod_SaveStateStream<
+    OptimizerApi::WithRawCallbackMethod_LoadStateStream<
+    OptimizerApi::WithRawCallbackMethod_ListSessions<
+    OptimizerApi::WithRawCallbackMethod_EvictSession<
+    OptimizerApi::WithRawCallbackMethod_GetMetrics<
+    OptimizerApi::Service>>>>>>>>>>>>>>>>>>;
+// clang-format on
+
+class OptimizerServiceImpl final : public OptimizerServiceBase {
  public:
   // `registry` and the workers must outlive the service. `workers[i]` runs
   // the work of the sessions of registry->backends()[i].
@@ -56,75 +83,67 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
   // may take, encoded (AddSessionInfos); at most kMaxListingBytes, the
   // default. Set before serving.
   void set_max_listing_bytes(size_t bytes) { max_listing_bytes_ = bytes; }
-  // The most bytes of parsed requests (encoded size) held at once while
+  // The most bytes of parsed requests (their cost once parsed and
+  // converted, RequestScan::held_bytes) held at once while
   // they wait for or run on a worker; 0, the default: no bound. Set before
   // serving.
   void set_max_held_request_bytes(uint64_t bytes) {
     request_budget_ = std::make_unique<RequestBudget>(bytes);
   }
 
-  grpc::ServerUnaryReactor* CreateSession(
-      grpc::CallbackServerContext* context,
-      const v1::CreateSessionRequest* request,
-      v1::CreateSessionResponse* response) override;
-  grpc::ServerUnaryReactor* CloseSession(
-      grpc::CallbackServerContext* context,
-      const v1::CloseSessionRequest* request,
-      v1::CloseSessionResponse* response) override;
-  grpc::ServerUnaryReactor* RegisterGroup(
-      grpc::CallbackServerContext* context,
-      const v1::RegisterGroupRequest* request,
-      v1::RegisterGroupResponse* response) override;
+  grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* context,
+                                          const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* context,
+                                         const grpc::ByteBuffer* request,
+                                         grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* RegisterGroup(grpc::CallbackServerContext* context,
+                                          const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* UnregisterGroup(
-      grpc::CallbackServerContext* context,
-      const v1::UnregisterGroupRequest* request,
-      v1::UnregisterGroupResponse* response) override;
-  grpc::ServerUnaryReactor* UpdateBuffers(
-      grpc::CallbackServerContext* context,
-      const v1::UpdateBuffersRequest* request,
-      v1::UpdateBuffersResponse* response) override;
+      grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+      grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* UpdateBuffers(grpc::CallbackServerContext* context,
+                                          const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* context,
-                                 const v1::StepRequest* request,
-                                 v1::StepResponse* response) override;
-  grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* StepStream(
+                                 const grpc::ByteBuffer* request,
+                                 grpc::ByteBuffer* response) override;
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* StepStream(
       grpc::CallbackServerContext* context) override;
   grpc::ServerUnaryReactor* GetParams(grpc::CallbackServerContext* context,
-                                      const v1::GetParamsRequest* request,
-                                      v1::GetParamsResponse* response) override;
+                                      const grpc::ByteBuffer* request,
+                                      grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* GetState(grpc::CallbackServerContext* context,
-                                     const v1::GetStateRequest* request,
-                                     v1::GetStateResponse* response) override;
+                                     const grpc::ByteBuffer* request,
+                                     grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* SetState(grpc::CallbackServerContext* context,
-                                     const v1::SetStateRequest* request,
-                                     v1::SetStateResponse* response) override;
+                                     const grpc::ByteBuffer* request,
+                                     grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* SaveState(grpc::CallbackServerContext* context,
-                                      const v1::SaveStateRequest* request,
-                                      v1::SaveStateResponse* response) override;
-  grpc::ServerUnaryReactor* GetSaveStatus(
-      grpc::CallbackServerContext* context,
-      const v1::GetSaveStatusRequest* request,
-      v1::GetSaveStatusResponse* response) override;
+                                      const grpc::ByteBuffer* request,
+                                      grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* GetSaveStatus(grpc::CallbackServerContext* context,
+                                          const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* LoadState(grpc::CallbackServerContext* context,
-                                      const v1::LoadStateRequest* request,
-                                      v1::LoadStateResponse* response) override;
-  grpc::ServerWriteReactor<v1::StateChunk>* SaveStateStream(
+                                      const grpc::ByteBuffer* request,
+                                      grpc::ByteBuffer* response) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* SaveStateStream(
       grpc::CallbackServerContext* context,
-      const v1::SaveStateStreamRequest* request) override;
-  grpc::ServerReadReactor<v1::StateChunk>* LoadStateStream(
+      const grpc::ByteBuffer* request) override;
+  grpc::ServerReadReactor<grpc::ByteBuffer>* LoadStateStream(
       grpc::CallbackServerContext* context,
-      v1::LoadStateResponse* response) override;
-  grpc::ServerUnaryReactor* EvictSession(
-      grpc::CallbackServerContext* context,
-      const v1::EvictSessionRequest* request,
-      v1::EvictSessionResponse* response) override;
-  grpc::ServerUnaryReactor* ListSessions(
-      grpc::CallbackServerContext* context,
-      const v1::ListSessionsRequest* request,
-      v1::ListSessionsResponse* response) override;
-  grpc::ServerUnaryReactor* GetMetrics(
-      grpc::CallbackServerContext* context,
-      const v1::GetMetricsRequest* request,
-      v1::GetMetricsResponse* response) override;
+      grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* EvictSession(grpc::CallbackServerContext* context,
+                                         const grpc::ByteBuffer* request,
+                                         grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* ListSessions(grpc::CallbackServerContext* context,
+                                         const grpc::ByteBuffer* request,
+                                         grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* GetMetrics(grpc::CallbackServerContext* context,
+                                       const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response) override;
 
  private:
   class StepStreamReactor;
@@ -140,7 +159,10 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
   absl::StatusOr<std::shared_ptr<Session>> SessionOf(
       grpc::CallbackServerContext* context) const;
   std::string TokenOf(grpc::CallbackServerContext* context) const;
-  void FillMetrics(v1::GetMetricsResponse* response) const;
+  // With `redact_jobs`, sessions are listed as "session-<n>" without
+  // their group ids (GetMetrics of an anonymous TCP caller).
+  void FillMetrics(v1::GetMetricsResponse* response,
+                   bool redact_jobs = false) const;
   // Logs a background save's end (and counts a failure), on the session's
   // writing thread.
   std::function<void(const SaveStatusInfo&)> BackgroundSaveLogger(
@@ -164,11 +186,14 @@ class OptimizerServiceImpl final : public v1::Optimizer::CallbackService {
   // runs on the I/O worker instead, so that other sessions' steps do not
   // wait behind it (the session's own calls still wait: they take its
   // lock).
-  // Refused with RESOURCE_EXHAUSTED when `request` (held parsed until the
-  // call is finished) would pass the request budget.
-  template <typename Request, typename Work>
+  // `work(session, request, response)` gets the request parsed from
+  // `bytes` (RawUnaryCall: refused before parsing, with RESOURCE_EXHAUSTED,
+  // when it has more entries than a session can hold or its parsed cost
+  // would pass the request budget); an OK status sends `response` to `out`.
+  template <typename Request, typename Response, typename Work>
   grpc::ServerUnaryReactor* OnWorker(grpc::CallbackServerContext* context,
-                                     const Request& request, Work work,
+                                     const grpc::ByteBuffer* bytes,
+                                     grpc::ByteBuffer* out, Work work,
                                      bool file_io = false);
 
   SessionRegistry* const registry_;

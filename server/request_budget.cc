@@ -11,7 +11,7 @@ absl::Status RequestBudget::Reserve(uint64_t bytes) {
         (used + bytes > limit_ || used + bytes < used)) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "requests waiting for or running on the daemon's workers hold ", used,
-          " bytes, and this one (", bytes,
+          " bytes (parsed, with what they convert into), and this one (", bytes,
           " bytes) would pass --max_request_memory_bytes (", limit_,
           "); nothing was changed: retry later or send smaller requests"));
     }

@@ -22,7 +22,8 @@ class RequestBudget {
   RequestBudget(const RequestBudget&) = delete;
   RequestBudget& operator=(const RequestBudget&) = delete;
 
-  // Holds `bytes` (a request's encoded size) until Release(bytes).
+  // Holds `bytes` (a request's cost once parsed and converted:
+  // RequestScan::held_bytes) until Release(bytes).
   // RESOURCE_EXHAUSTED, holding nothing, when that would pass the limit; a
   // request larger than the limit alone is still taken when nothing else
   // is held (gRPC's quota let it in).

@@ -14,9 +14,37 @@
 #include "core/session.h"
 #include "google/protobuf/stubs/logging.h"
 #include "server/convert.h"
+#include "server/request_scan.h"
 
 namespace optimd {
 namespace {
+
+// Scans `bytes` as the daemon does before parsing (request_scan.h), then
+// parses them into *r. The scan and the parser must agree: bytes the scan
+// takes parse, bytes that parse are taken unless over a cap, and the
+// scan's estimate covers what protobuf reports of the parsed message;
+// anything else is a finding (abort).
+template <typename Request>
+absl::Status ScanAndParse(const std::string& bytes, Request* r) {
+  grpc::Slice slice(bytes);
+  const grpc::ByteBuffer buffer(&slice, 1);
+  auto scan = ScanRequest(buffer, *Request::descriptor());
+  const bool parsed = r->ParseFromString(bytes);
+  if (scan.ok() != parsed &&
+      !(parsed &&
+        scan.status().code() == absl::StatusCode::kResourceExhausted)) {
+    std::fprintf(stderr, "scan %s, parse %s\n",
+                 scan.status().ToString().c_str(), parsed ? "ok" : "failed");
+    std::abort();
+  }
+  if (scan.ok() && scan->parsed_bytes < r->SpaceUsedLong()) {
+    std::fprintf(stderr, "estimate %llu below SpaceUsedLong %zu\n",
+                 static_cast<unsigned long long>(scan->parsed_bytes),
+                 r->SpaceUsedLong());
+    std::abort();
+  }
+  return scan.ok() ? absl::OkStatus() : scan.status();
+}
 
 // Segments under fixed names, so that seeds can name them; made once per
 // process (a second fuzzing process would share them).
@@ -87,21 +115,21 @@ absl::Status Apply(Session& s, char kind, const std::string& bytes) {
   switch (kind % 5) {
     case 0: {
       v1::RegisterGroupRequest r;
-      if (!r.ParseFromString(bytes)) return absl::InvalidArgumentError("");
+      if (absl::Status p = ScanAndParse(bytes, &r); !p.ok()) return p;
       auto spec = GroupSpecFromProto(r);
       if (!spec.ok()) return spec.status();
       return s.RegisterGroup(*spec).status();
     }
     case 1: {
       v1::UpdateBuffersRequest r;
-      if (!r.ParseFromString(bytes)) return absl::InvalidArgumentError("");
+      if (absl::Status p = ScanAndParse(bytes, &r); !p.ok()) return p;
       auto updates = BufferUpdatesFromProto(r);
       if (!updates.ok()) return updates.status();
       return s.UpdateBuffers(r.group_id(), *updates);
     }
     case 2: {
       v1::StepRequest r;
-      if (!r.ParseFromString(bytes)) return absl::InvalidArgumentError("");
+      if (absl::Status p = ScanAndParse(bytes, &r); !p.ok()) return p;
       auto spec = StepSpecFromProto(r);
       if (!spec.ok()) return spec.status();
       spec->refused = CheckStepOptions(r);  // as the service does
@@ -109,14 +137,14 @@ absl::Status Apply(Session& s, char kind, const std::string& bytes) {
     }
     case 3: {
       v1::SetStateRequest r;
-      if (!r.ParseFromString(bytes)) return absl::InvalidArgumentError("");
+      if (absl::Status p = ScanAndParse(bytes, &r); !p.ok()) return p;
       auto blobs = StateBlobsFromProto(r);
       if (!blobs.ok()) return blobs.status();
       return s.WriteState(r.group_id(), r.step(), *blobs);
     }
     default: {
       v1::GetStateRequest r;
-      if (!r.ParseFromString(bytes)) return absl::InvalidArgumentError("");
+      if (absl::Status p = ScanAndParse(bytes, &r); !p.ok()) return p;
       std::vector<std::string> ids(r.group_ids().begin(), r.group_ids().end());
       std::vector<std::string> names(r.tensor_names().begin(),
                                      r.tensor_names().end());

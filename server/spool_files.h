@@ -6,6 +6,7 @@
 
 #include <string>
 
+#include "absl/status/status.h"
 #include "checkpoint/checkpoint.h"
 
 namespace optimd {
@@ -15,6 +16,16 @@ std::string SpoolDirectory(const CheckpointOptions& options);
 
 // Removes the spool files in `dir` whose daemon is gone; nothing else.
 void RemoveStaleSpoolFiles(const std::string& dir);
+
+// The status of a spool file's failed `what` ("creating", "writing") in
+// `dir`, from its errno: RESOURCE_EXHAUSTED when the disk, the quota, the
+// file size limit or descriptors ran out; PERMISSION_DENIED when the
+// daemon's user may not write there; FAILED_PRECONDITION when the
+// directory is gone, read-only or not a directory (set --state_dir);
+// UNAVAILABLE for I/O errors of the disk. Each names the directory and
+// what to do; nothing was loaded.
+absl::Status SpoolFileError(int err, const std::string& what,
+                            const std::string& dir);
 
 }  // namespace optimd
 

@@ -17,6 +17,7 @@
 #include "server/convert.h"
 #include "server/log.h"
 #include "server/optimizer_service.h"
+#include "server/raw_call.h"
 #include "server/session_name.h"
 #include "server/spool_files.h"
 
@@ -26,7 +27,7 @@ namespace optimd {
 // checksums and produces one chunk at a time, waiting for each write to
 // complete before the next (flow control by the client's reads).
 class OptimizerServiceImpl::SaveStreamReactor final
-    : public grpc::ServerWriteReactor<v1::StateChunk> {
+    : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   SaveStreamReactor(OptimizerServiceImpl* service,
                     std::shared_ptr<Session> session, DeviceWorker* worker,
@@ -85,7 +86,18 @@ class OptimizerServiceImpl::SaveStreamReactor final
         if (cancelled_) break;
         writing_ = true;
       }
-      StartWrite(&chunk_);
+      // The last chunk's write is done: its bytes may go.
+      out_.Clear();
+      bool own_buffer;
+      grpc::Status serialized =
+          grpc::SerializationTraits<v1::StateChunk>::Serialize(chunk_, &out_,
+                                                               &own_buffer);
+      if (!serialized.ok()) {
+        snapshot_.reset();
+        End(serialized, sent_bytes(), total);
+        return;
+      }
+      StartWrite(&out_);
       MutexLock lock(&mu_);
       mu_.Await(
           +[](SaveStreamReactor* r) ABSL_NO_THREAD_SAFETY_ANALYSIS {
@@ -100,17 +112,21 @@ class OptimizerServiceImpl::SaveStreamReactor final
       sent_ = offset;
     }
     bool cancelled;
-    uint64_t sent;
     {
       MutexLock lock(&mu_);
       cancelled = cancelled_;
-      sent = sent_;
     }
+    const uint64_t sent = sent_bytes();
     snapshot_.reset();
     End(cancelled ? grpc::Status(grpc::StatusCode::CANCELLED,
                                  "the client stopped reading")
                   : grpc::Status::OK,
         sent, total);
+  }
+
+  uint64_t sent_bytes() {
+    MutexLock lock(&mu_);
+    return sent_;
   }
 
   void End(const grpc::Status& status, uint64_t sent, uint64_t total) {
@@ -125,6 +141,7 @@ class OptimizerServiceImpl::SaveStreamReactor final
   const absl::Time start_;
   std::unique_ptr<CheckpointSnapshot> snapshot_;
   v1::StateChunk chunk_;
+  grpc::ByteBuffer out_;  // chunk_, serialized for its write
   std::thread producer_;
   Mutex mu_;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
@@ -153,22 +170,28 @@ void OptimizerServiceImpl::EndStreamedSave(const std::string& name,
                          " bytes, ", absl::StrFormat("%.3f", seconds), " s"));
 }
 
-grpc::ServerWriteReactor<v1::StateChunk>* OptimizerServiceImpl::SaveStateStream(
-    grpc::CallbackServerContext* context,
-    const v1::SaveStateStreamRequest* request) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>*
+OptimizerServiceImpl::SaveStateStream(grpc::CallbackServerContext* context,
+                                      const grpc::ByteBuffer* bytes) {
+  class Refused final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
+   public:
+    explicit Refused(grpc::Status s) { Finish(std::move(s)); }
+    void OnDone() override { delete this; }
+  };
   auto session = SessionOf(context);
-  uint64_t chunk = request->chunk_bytes() == 0 ? (uint64_t{4} << 20)
-                                               : request->chunk_bytes();
-  if (!session.ok() || chunk > (uint64_t{64} << 20)) {
-    class Refused final : public grpc::ServerWriteReactor<v1::StateChunk> {
-     public:
-      explicit Refused(grpc::Status s) { Finish(std::move(s)); }
-      void OnDone() override { delete this; }
-    };
-    return new Refused(!session.ok()
-                           ? ToGrpcStatus(session.status())
-                           : grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                          "chunk_bytes may be at most 64 MiB"));
+  if (!session.ok()) return new Refused(ToGrpcStatus(session.status()));
+  // Scanned before it is parsed (ParseHeld), held only while it is read.
+  v1::SaveStateStreamRequest request;
+  uint64_t held = 0;
+  absl::Status parsed =
+      ParseHeld(*bytes, request_budget_.get(), &request, &held);
+  request_budget_->Release(held);
+  if (!parsed.ok()) return new Refused(ToGrpcStatus(parsed));
+  const uint64_t chunk =
+      request.chunk_bytes() == 0 ? (uint64_t{4} << 20) : request.chunk_bytes();
+  if (chunk > (uint64_t{64} << 20)) {
+    return new Refused(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                    "chunk_bytes may be at most 64 MiB"));
   }
   DeviceWorker* worker = WorkerFor(*session);
   return new SaveStreamReactor(this, *std::move(session), worker, chunk);
@@ -184,12 +207,12 @@ grpc::ServerWriteReactor<v1::StateChunk>* OptimizerServiceImpl::SaveStateStream(
 // broke it off and may already be sending its next stream) or else before
 // the call finishes.
 class OptimizerServiceImpl::LoadStreamReactor final
-    : public grpc::ServerReadReactor<v1::StateChunk> {
+    : public grpc::ServerReadReactor<grpc::ByteBuffer> {
  public:
   LoadStreamReactor(OptimizerServiceImpl* service,
                     grpc::CallbackServerContext* context,
                     std::shared_ptr<Session> session, DeviceWorker* worker,
-                    CheckpointOptions options, v1::LoadStateResponse* response,
+                    CheckpointOptions options, grpc::ByteBuffer* out,
                     LoadStreamClaims* claims)
       : service_(service),
         name_(SessionName(session->identity())),
@@ -198,7 +221,7 @@ class OptimizerServiceImpl::LoadStreamReactor final
         session_(std::move(session)),
         worker_(worker),
         options_(std::move(options)),
-        response_(response),
+        out_(out),
         claims_(claims) {
     if (claims_->Claim(session_.get(), this, [this](bool granted) {
           if (granted) {
@@ -226,51 +249,20 @@ class OptimizerServiceImpl::LoadStreamReactor final
 
   void OnReadDone(bool ok) override {
     if (ok) {
-      if (chunk_.offset() != received_ ||
-          (total_ != 0 && chunk_.total_bytes() != total_)) {
-        Fail(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          "chunks must arrive in order with one total_bytes; "
-                          "expected offset " +
-                              std::to_string(received_)));
+      // Each chunk is scanned before it is parsed (ParseHeld), and held
+      // against the request budget while it is written to the spool file.
+      uint64_t held = 0;
+      absl::Status parsed =
+          ParseHeld(in_, service_->request_budget_.get(), &chunk_, &held);
+      in_.Clear();
+      const grpc::Status spooled = parsed.ok() ? Spool() : ToGrpcStatus(parsed);
+      chunk_.Clear();
+      service_->request_budget_->Release(held);
+      if (!spooled.ok()) {
+        Fail(spooled);
         return;
       }
-      if (total_ == 0) {
-        // A checkpoint of this session cannot be larger than its state and
-        // parameters plus the header: refuse early instead of filling the
-        // disk with a spool file.
-        const SessionInfo info = session_->Info();
-        const uint64_t limit = info.state_bytes + info.param_bytes +
-                               kMaxCheckpointHeaderBytes + 16;
-        if (chunk_.total_bytes() > limit) {
-          Fail(grpc::Status(
-              grpc::StatusCode::INVALID_ARGUMENT,
-              "total_bytes " + std::to_string(chunk_.total_bytes()) +
-                  " exceeds what a checkpoint of this session can hold (" +
-                  std::to_string(limit) + " bytes)"));
-          return;
-        }
-      }
-      total_ = chunk_.total_bytes();
-      const std::string& d = chunk_.data();
-      if (received_ + d.size() > total_) {
-        Fail(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          "chunks run past total_bytes"));
-        return;
-      }
-      for (size_t done = 0; done < d.size();) {
-        const ssize_t w =
-            pwrite(fd_, d.data() + done, d.size() - done, received_ + done);
-        if (w < 0) {
-          Fail(grpc::Status(
-              errno == ENOSPC ? grpc::StatusCode::RESOURCE_EXHAUSTED
-                              : grpc::StatusCode::INTERNAL,
-              std::string("spooling the stream: ") + std::strerror(errno)));
-          return;
-        }
-        done += w;
-      }
-      received_ += d.size();
-      StartRead(&chunk_);
+      StartRead(&in_);
       return;
     }
     if (context_->IsCancelled()) {
@@ -296,10 +288,10 @@ class OptimizerServiceImpl::LoadStreamReactor final
                                 {{path_, "the streamed checkpoint"}}))));
         return;
       }
-      response_->set_path("(stream)");
-      response_->set_bytes(r->bytes);
-      response_->set_peak_staging_bytes(r->peak_staging_bytes);
-      response_->set_seconds(r->seconds);
+      response_.set_path("(stream)");
+      response_.set_bytes(r->bytes);
+      response_.set_peak_staging_bytes(r->peak_staging_bytes);
+      response_.set_seconds(r->seconds);
       End(grpc::Status::OK);
     });
   }
@@ -319,12 +311,53 @@ class OptimizerServiceImpl::LoadStreamReactor final
     path_ = dir + "/.optimd-load-" + std::to_string(getpid()) + "-XXXXXX";
     fd_ = mkstemp(path_.data());
     if (fd_ < 0) {
-      End(grpc::Status(grpc::StatusCode::INTERNAL,
-                       "cannot create a spool file in " + dir + ": " +
-                           std::strerror(errno)));
+      End(ToGrpcStatus(SpoolFileError(errno, "creating", dir)));
       return;
     }
-    StartRead(&chunk_);
+    StartRead(&in_);
+  }
+
+  // Checks the parsed chunk_ and writes its bytes to the spool file.
+  grpc::Status Spool() {
+    if (chunk_.offset() != received_ ||
+        (total_ != 0 && chunk_.total_bytes() != total_)) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "chunks must arrive in order with one total_bytes; "
+                          "expected offset " +
+                              std::to_string(received_));
+    }
+    if (total_ == 0) {
+      // A checkpoint of this session cannot be larger than its state and
+      // parameters plus the header: refuse early instead of filling the
+      // disk with a spool file.
+      const SessionInfo info = session_->Info();
+      const uint64_t limit =
+          info.state_bytes + info.param_bytes + kMaxCheckpointHeaderBytes + 16;
+      if (chunk_.total_bytes() > limit) {
+        return grpc::Status(
+            grpc::StatusCode::INVALID_ARGUMENT,
+            "total_bytes " + std::to_string(chunk_.total_bytes()) +
+                " exceeds what a checkpoint of this session can hold (" +
+                std::to_string(limit) + " bytes)");
+      }
+    }
+    total_ = chunk_.total_bytes();
+    const std::string& d = chunk_.data();
+    if (received_ + d.size() > total_) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "chunks run past total_bytes");
+    }
+    for (size_t done = 0; done < d.size();) {
+      const ssize_t w =
+          pwrite(fd_, d.data() + done, d.size() - done, received_ + done);
+      if (w < 0) {
+        return ToGrpcStatus(
+            SpoolFileError(errno, "writing", SpoolDirectory(options_)));
+      }
+      done += w;
+    }
+    received_ += d.size();
+    return grpc::Status::OK;
   }
 
   void Fail(grpc::Status s) { End(std::move(s)); }
@@ -333,8 +366,13 @@ class OptimizerServiceImpl::LoadStreamReactor final
   void End(grpc::Status s) {
     Cleanup();
     claims_->Release(session_.get(), this);
-    service_->EndStreamedLoad(name_, s, s.ok() ? response_->bytes() : 0,
+    service_->EndStreamedLoad(name_, s, s.ok() ? response_.bytes() : 0,
                               absl::ToDoubleSeconds(absl::Now() - start_));
+    if (s.ok()) {
+      bool own_buffer;
+      s = grpc::SerializationTraits<v1::LoadStateResponse>::Serialize(
+          response_, out_, &own_buffer);
+    }
     Finish(std::move(s));
   }
 
@@ -353,11 +391,13 @@ class OptimizerServiceImpl::LoadStreamReactor final
   const std::shared_ptr<Session> session_;
   DeviceWorker* const worker_;
   const CheckpointOptions options_;
-  v1::LoadStateResponse* const response_;
+  grpc::ByteBuffer* const out_;
+  v1::LoadStateResponse response_;
   LoadStreamClaims* const claims_;
   std::string path_;
   int fd_ = -1;
-  v1::StateChunk chunk_;
+  grpc::ByteBuffer in_;
+  v1::StateChunk chunk_;  // the chunk being spooled, parsed from in_
   uint64_t received_ = 0;
   uint64_t total_ = 0;
 };
@@ -377,9 +417,10 @@ void OptimizerServiceImpl::EndStreamedLoad(const std::string& name,
                          " bytes, ", absl::StrFormat("%.3f", seconds), " s"));
 }
 
-grpc::ServerReadReactor<v1::StateChunk>* OptimizerServiceImpl::LoadStateStream(
-    grpc::CallbackServerContext* context, v1::LoadStateResponse* response) {
-  class Refused final : public grpc::ServerReadReactor<v1::StateChunk> {
+grpc::ServerReadReactor<grpc::ByteBuffer>*
+OptimizerServiceImpl::LoadStateStream(grpc::CallbackServerContext* context,
+                                      grpc::ByteBuffer* response) {
+  class Refused final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
    public:
     explicit Refused(grpc::Status s) { Finish(std::move(s)); }
     void OnDone() override { delete this; }

@@ -564,6 +564,51 @@ TEST_F(E2eTest, OneLoadStreamPerSessionAtATime) {
   EXPECT_TRUE(std::filesystem::is_empty(state_dir.path()));
 }
 
+// The spool file's errors name their cause and what to do, with a code of
+// their own (no INTERNAL), and change nothing: a spool directory gone is
+// FAILED_PRECONDITION; a spool file past the daemon's file size limit is
+// RESOURCE_EXHAUSTED (and the daemon, which ignores SIGXFSZ, lives on).
+// Either way the same stream loads once the cause is gone.
+TEST_F(E2eTest, SpoolFileErrorsAreSpecific) {
+  ScratchDirForTest state_dir;
+  std::string file;
+  ASSERT_NO_FATAL_FAILURE(RestartWithOneSavedGroup(state_dir.path(), &file));
+  ASSERT_GT(file.size(), 1024u);
+  auto stream = [&] {
+    size_t sent = 0;
+    return client_
+        ->LoadStateStream([&](v1::StateChunk* c) {
+          if (sent == file.size()) return false;
+          const size_t n = std::min<size_t>(256, file.size() - sent);
+          c->set_offset(sent);
+          c->set_total_bytes(file.size());
+          c->set_data(file.substr(sent, n));
+          sent += n;
+          return true;
+        })
+        .status();
+  };
+  ASSERT_EQ(rmdir(state_dir.path().c_str()), 0);
+  absl::Status gone = stream();
+  EXPECT_EQ(gone.code(), StatusCode::kFailedPrecondition) << gone;
+  EXPECT_NE(gone.message().find("creating the spool file"), std::string::npos)
+      << gone;
+  EXPECT_NE(gone.message().find(state_dir.path()), std::string::npos);
+  EXPECT_NE(gone.message().find("--state_dir"), std::string::npos);
+  ASSERT_EQ(mkdir(state_dir.path().c_str(), 0700), 0);
+
+  struct rlimit small = {1024, RLIM_INFINITY}, before;
+  ASSERT_EQ(prlimit(daemon_->pid(), RLIMIT_FSIZE, &small, &before), 0);
+  absl::Status too_big = stream();
+  ASSERT_EQ(prlimit(daemon_->pid(), RLIMIT_FSIZE, &before, nullptr), 0);
+  EXPECT_EQ(too_big.code(), StatusCode::kResourceExhausted) << too_big;
+  EXPECT_NE(too_big.message().find("file size limit"), std::string::npos)
+      << too_big;
+  EXPECT_TRUE(std::filesystem::is_empty(state_dir.path()));
+  absl::Status loaded = stream();
+  EXPECT_TRUE(loaded.ok()) << loaded;
+}
+
 // A client that breaks off its LoadStateStream (cancels it) and starts the
 // next one as soon as its own call has ended, on the same connection, is
 // not refused: the daemon ends the broken stream's claim on the session as

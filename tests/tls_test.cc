@@ -337,7 +337,55 @@ TEST(TlsTest, SessionsOverTcpNeedAKnownCaller) {
     ASSERT_TRUE(c.ok()) << c.status();
     auto created = (*c)->CreateSession(cs);
     ASSERT_TRUE(created.ok()) << created.status();
+    // A caller with a certificate is known: it sees job ids.
+    auto metrics = (*c)->GetMetrics();
+    ASSERT_TRUE(metrics.ok()) << metrics.status();
+    ASSERT_EQ(metrics->session_infos_size(), 1);
+    EXPECT_EQ(metrics->session_infos(0).job_id(), "tcp-job");
   }
+}
+
+// GetMetrics shows job ids only to callers the daemon knows (as for
+// sessions): an anonymous TCP caller sees each session as "session-<n>",
+// with its rank and sizes but no job or group id, in the listing and the
+// Prometheus text alike; the admin token shows them.
+TEST(TlsTest, AnonymousMetricsOverTcpHideJobIds) {
+  Certificates certs;
+  ASSERT_TRUE(certs.ok()) << "openssl could not make test certificates";
+  const std::string token_file = certs.AdminTokenFile();
+  ASSERT_FALSE(token_file.empty());
+  std::vector<std::string> flags = certs.ServerFlags();
+  flags.push_back("--admin_token_file=" + token_file);
+  TcpDaemon d(flags);
+  ASSERT_FALSE(d.address().empty()) << d.log();
+  ClientOptions known = Options(certs, "ca", false);
+  known.admin_token = "0123456789abcdef0123456789abcdef";
+  auto admin = Client::Create(d.address(), known);
+  ASSERT_TRUE(admin.ok()) << admin.status();
+  v1::CreateSessionRequest cs;
+  cs.set_job_id("secret-job-name");
+  cs.set_rank(3);
+  cs.set_world_size(4);
+  cs.set_device(-1);
+  ASSERT_TRUE((*admin)->CreateSession(cs).ok());
+  auto anonymous = Client::Create(d.address(), Options(certs, "ca", false));
+  ASSERT_TRUE(anonymous.ok()) << anonymous.status();
+  auto hidden = (*anonymous)->GetMetrics();
+  ASSERT_TRUE(hidden.ok()) << hidden.status();
+  EXPECT_EQ(hidden->sessions(), 1u);
+  ASSERT_EQ(hidden->session_infos_size(), 1);
+  EXPECT_EQ(hidden->session_infos(0).job_id(), "session-0");
+  EXPECT_EQ(hidden->session_infos(0).rank(), 3u);
+  EXPECT_EQ(hidden->session_infos(0).world_size(), 4u);
+  EXPECT_EQ(hidden->DebugString().find("secret-job-name"), std::string::npos);
+  EXPECT_NE(hidden->prometheus_text().find("job_id=\"session-0\""),
+            std::string::npos);
+  auto shown = (*admin)->GetMetrics();
+  ASSERT_TRUE(shown.ok()) << shown.status();
+  ASSERT_EQ(shown->session_infos_size(), 1);
+  EXPECT_EQ(shown->session_infos(0).job_id(), "secret-job-name");
+  EXPECT_NE(shown->prometheus_text().find("job_id=\"secret-job-name\""),
+            std::string::npos);
 }
 
 TEST(TlsTest, BadTlsFlags) {

@@ -117,6 +117,116 @@ class RequestMemoryTest(unittest.TestCase):
             opt.close()
 
 
+# TensorSpec{name: "a", param_dtype: DTYPE_FLOAT32} as
+# RegisterGroupRequest.tensors (field 4): 7 bytes on the wire, hundreds of
+# bytes once parsed and converted.
+TINY_TENSOR = b"\x22\x05\x0a\x01\x61\x18\x01"
+
+
+class ParseCostTest(unittest.TestCase):
+    """A request's cost once parsed is known from its bytes before it is
+    parsed: more entries than a session can hold are refused unparsed, and
+    the rest are held against --max_request_memory_bytes at that cost."""
+
+    def register_raw(self, d, token, body, timeout=300):
+        with grpc.insecure_channel(d.address, options=[
+                ("grpc.max_send_message_length", -1),
+                ("grpc.use_local_subchannel_pool", 1)]) as ch:
+            call = ch.unary_unary("/optimd.v1.Optimizer/RegisterGroup")
+            try:
+                return "OK", call(body, timeout=timeout, metadata=(
+                    ("x-optimd-session", token),))
+            except grpc.RpcError as e:
+                return e.code().name, e.details()
+
+    def test_too_many_tensors_are_refused_before_parsing(self):
+        with Daemon(flags=["--cpu_threads=1"]) as d:
+            client = optimd.Client(d.address)
+            self.addCleanup(client.close)
+            client.create_session("parse-cost")
+            before = peak_rss(d.process.pid)
+            # 13 MiB on the wire; parsed and converted it took 1.2 GiB.
+            code, details = self.register_raw(
+                d, client.token, b"\x0a\x01g" + TINY_TENSOR * 2000000)
+            grown = peak_rss(d.process.pid) - before
+            self.assertEqual(code, "RESOURCE_EXHAUSTED", details)
+            self.assertIn("2000000 entries of "
+                          "optimd.v1.RegisterGroupRequest.tensors", details)
+            self.assertIn("at most 1048576", details)
+            # gRPC's buffer of the bytes, and nothing parsed.
+            self.assertLess(grown, 64 << 20)
+            # A large valid registration still works, and the session too.
+            request = pb.RegisterGroupRequest(group_id="g")
+            for i in range(100000):
+                request.tensors.add(name="t%d" % i,
+                                    param_dtype=pb.DTYPE_FLOAT32,
+                                    grad_dtype=pb.DTYPE_FLOAT32, frozen=True)
+            code, reply = self.register_raw(
+                d, client.token, request.SerializeToString())
+            self.assertEqual(code, "OK", reply)
+            self.assertEqual(
+                [g.group_id for g in client.get_state(
+                    metadata_only=True).groups], ["g"])
+
+    def test_unknown_fields_are_counted_before_parsing(self):
+        # Protobuf keeps every unknown field as an object of its own: 5
+        # million empty ones (field 100, 3 bytes each) in a CreateSession
+        # would cost the daemon hundreds of MB once parsed.
+        with Daemon(flags=["--cpu_threads=1"]) as d:
+            before = peak_rss(d.process.pid)
+            body = b"\x0a\x01j\x18\x01\x20\xff\xff\xff\xff\x0f" + \
+                b"\xa2\x06\x00" * 5000000
+            with grpc.insecure_channel(d.address, options=[
+                    ("grpc.max_send_message_length", -1)]) as ch:
+                call = ch.unary_unary("/optimd.v1.Optimizer/CreateSession")
+                with self.assertRaises(grpc.RpcError) as e:
+                    call(body, timeout=120)
+            grown = peak_rss(d.process.pid) - before
+            self.assertEqual(e.exception.code(),
+                             grpc.StatusCode.RESOURCE_EXHAUSTED)
+            self.assertIn("5000000 fields unknown to "
+                          "optimd.v1.CreateSessionRequest",
+                          e.exception.details())
+            self.assertLess(grown, 64 << 20)
+            client = optimd.Client(d.address)
+            self.addCleanup(client.close)
+            self.assertEqual(len(client.list_sessions().sessions), 0)
+
+    def test_requests_are_held_at_their_parsed_cost(self):
+        # 300,000 tiny tensors are 2 MiB on the wire, about 200 MB once
+        # parsed and converted: against a 64 MiB bound, one at a time is
+        # taken (alone, it passes the bound) and those arriving meanwhile
+        # are refused naming the flag, where encoded sizes would take all.
+        flags = ["--max_request_memory_bytes=%d" % (64 << 20),
+                 "--cpu_threads=1"]
+        with Daemon(flags=flags) as d:
+            client = optimd.Client(d.address)
+            self.addCleanup(client.close)
+            client.create_session("parse-cost")
+            body = b"\x0a\x01g" + TINY_TENSOR * 300000
+            results = []
+            lock = threading.Lock()
+
+            def send():
+                result = self.register_raw(d, client.token, body)
+                with lock:
+                    results.append(result)
+            threads = [threading.Thread(target=send) for _ in range(6)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            codes = collections.Counter(code for code, _ in results)
+            # Taken ones fail on the duplicate name "a" (ALREADY_EXISTS).
+            self.assertLessEqual(set(codes),
+                                 {"RESOURCE_EXHAUSTED", "ALREADY_EXISTS"},
+                                 results)
+            self.assertGreater(codes["RESOURCE_EXHAUSTED"], 0, results)
+            for code, details in results:
+                if code == "RESOURCE_EXHAUSTED":
+                    self.assertIn("--max_request_memory_bytes", details)
+
+
 class UnixProxy:
     """Forwards connections on a Unix socket of its own to the daemon's,
     byte for byte; break_connections() closes those open now (a network

@@ -1,0 +1,109 @@
+// Unary calls whose request gRPC hands over as bytes (the service's raw
+// callback methods), so that the daemon sees a request's cost before it is
+// parsed: the bytes are scanned (request_scan.h), their parsed cost is held
+// against the request budget for the call's life, and only then are they
+// parsed, into an arena that goes with the call. The response is
+// serialized when the call is finished.
+//
+// A RawUnaryCall is made by its handler and deletes itself when gRPC is
+// done with it (OnDone). Finish is called once, from any thread; request()
+// and response() may be used until then.
+#ifndef OPTIMD_SERVER_RAW_CALL_H_
+#define OPTIMD_SERVER_RAW_CALL_H_
+
+#include <google/protobuf/arena.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/support/proto_buffer_reader.h>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "server/convert.h"
+#include "server/request_budget.h"
+#include "server/request_scan.h"
+
+namespace optimd {
+
+// Scans `bytes` as a `Request`, holds their parsed cost against `budget`
+// (*held: the bytes held, for the caller to release), then parses them into
+// *request. On an error nothing is held and nothing was parsed.
+template <typename Request>
+absl::Status ParseHeld(const grpc::ByteBuffer& bytes, RequestBudget* budget,
+                       Request* request, uint64_t* held) {
+  auto scan = ScanRequest(bytes, *Request::descriptor());
+  if (!scan.ok()) return scan.status();
+  if (absl::Status reserved = budget->Reserve(scan->held_bytes);
+      !reserved.ok()) {
+    return reserved;
+  }
+  *held = scan->held_bytes;
+  grpc::ByteBuffer copy(bytes);  // shares the slices
+  grpc::ProtoBufferReader reader(&copy);
+  if (!request->ParseFromZeroCopyStream(&reader)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the request is not a valid ", Request::descriptor()->full_name()));
+  }
+  return absl::OkStatus();
+}
+
+template <typename Request, typename Response>
+class RawUnaryCall final : public grpc::ServerUnaryReactor {
+ public:
+  // `out`: where the response goes; `budget` must outlive the call.
+  RawUnaryCall(grpc::ByteBuffer* out, RequestBudget* budget)
+      : out_(out),
+        budget_(budget),
+        request_(google::protobuf::Arena::CreateMessage<Request>(&arena_)),
+        response_(google::protobuf::Arena::CreateMessage<Response>(&arena_)) {}
+  RawUnaryCall(const RawUnaryCall&) = delete;
+  RawUnaryCall& operator=(const RawUnaryCall&) = delete;
+
+  // Scans `bytes`, holds their parsed cost against the budget until the
+  // call is done, then parses them (ParseHeld).
+  absl::Status Parse(const grpc::ByteBuffer& bytes) {
+    return ParseHeld(bytes, budget_, request_, &held_);
+  }
+
+  const Request& request() const { return *request_; }
+  Response* response() { return response_; }
+
+  // Parse, or else finishes the call with its refusal: false then (the
+  // handler returns the call as it is).
+  bool Parsed(const grpc::ByteBuffer& bytes) {
+    absl::Status parsed = Parse(bytes);
+    if (!parsed.ok()) Finish(parsed);
+    return parsed.ok();
+  }
+
+  // Finishes the call: with the response when `status` is OK. (Hides
+  // ServerUnaryReactor::Finish, which would send no response: handlers
+  // call it through a RawUnaryCall pointer.)
+  void Finish(const grpc::Status& status) {
+    if (status.ok()) {
+      bool own_buffer;
+      grpc::Status serialized = grpc::SerializationTraits<Response>::Serialize(
+          *response_, out_, &own_buffer);
+      if (!serialized.ok()) {
+        grpc::ServerUnaryReactor::Finish(serialized);
+        return;
+      }
+    }
+    grpc::ServerUnaryReactor::Finish(status);
+  }
+  void Finish(const absl::Status& status) { Finish(ToGrpcStatus(status)); }
+
+  void OnDone() override { delete this; }
+
+ private:
+  ~RawUnaryCall() override { budget_->Release(held_); }
+
+  grpc::ByteBuffer* const out_;
+  RequestBudget* const budget_;
+  google::protobuf::Arena arena_;
+  Request* const request_;
+  Response* const response_;
+  uint64_t held_ = 0;
+};
+
+}  // namespace optimd
+
+#endif  // OPTIMD_SERVER_RAW_CALL_H_
