@@ -226,6 +226,8 @@ bool Scanner::Unknown(uint32_t tag) {
 uint64_t MaxRequestEntries(const FieldDescriptor& field) {
   static const auto* const caps = new std::map<std::string, uint64_t>{
       {"optimd.v1.TensorSpec.shape", kMaxDims * kMaxTensorsPerSession},
+      {"optimd.v1.TensorSpec.global_shape", kMaxDims * kMaxTensorsPerSession},
+      {"optimd.v1.TensorSpec.global_offset", kMaxDims * kMaxTensorsPerSession},
       {"optimd.v1.StepRequest.overrides", kMaxGroupsPerSession},
       {"optimd.v1.StepRequest.buffer_updates", kMaxGroupsPerSession},
       {"optimd.v1.GetParamsRequest.group_ids", kMaxGroupsPerSession},

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "core/group.h"
+#include "core/session_checks.h"
 #include "optimd/v1/optimd.pb.h"
 
 namespace optimd {
@@ -41,6 +42,19 @@ TEST(RequestScanTest, CostsAValidRequestAboveItsParsedSize) {
   EXPECT_EQ(scan->encoded_bytes, bytes.size());
   EXPECT_GE(scan->parsed_bytes, request.SpaceUsedLong());
   EXPECT_GE(scan->held_bytes, scan->encoded_bytes + 2 * scan->parsed_bytes);
+}
+
+// Fields of up to kMaxDims entries per tensor (shapes, a shard's place in
+// its whole tensor) may hold that many per tensor of a full session.
+TEST(RequestScanTest, PerDimensionFieldsHoldADimensionListPerTensor) {
+  const google::protobuf::Descriptor* t = v1::TensorSpec::descriptor();
+  for (const char* name : {"shape", "global_shape", "global_offset"}) {
+    SCOPED_TRACE(name);
+    EXPECT_EQ(MaxRequestEntries(*t->FindFieldByName(name)),
+              kMaxDims * kMaxTensorsPerSession);
+  }
+  EXPECT_EQ(MaxRequestEntries(*t->FindFieldByName("aliases")),
+            kMaxTensorsPerSession);
 }
 
 TEST(RequestScanTest, RefusesMoreTensorsThanASessionHoldsNamingTheCount) {
