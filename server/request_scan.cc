@@ -6,6 +6,7 @@
 #include <google/protobuf/wire_format_lite.h>
 #include <grpcpp/support/proto_buffer_reader.h>
 
+#include <cstdint>
 #include <map>
 #include <string>
 
@@ -76,6 +77,9 @@ class Scanner {
 
  private:
   bool Field(const Descriptor& type, uint32_t tag);
+  bool ReadTag(uint32_t* tag);
+  bool ReadLength(uint32_t* length);
+  bool SkipValue(uint32_t tag);
   bool LengthDelimited(const FieldDescriptor& field);
   bool Packed(const FieldDescriptor& field, uint32_t length);
   bool Unknown(uint32_t tag);
@@ -102,15 +106,71 @@ bool Scanner::Message(const Descriptor& type) {
         (left < 0 && static_cast<uint64_t>(in_->CurrentPosition()) == size_)) {
       return true;
     }
-    // A tag as protobuf's parser reads one: at most 5 bytes, its low 32
-    // bits, not 0 (CodedInputStream::ReadTag would take longer ones).
-    const int start = in_->CurrentPosition();
-    uint64_t varint;
-    if (!in_->ReadVarint64(&varint) || in_->CurrentPosition() - start > 5) {
-      return false;
+    uint32_t tag;
+    if (!ReadTag(&tag) || !Field(type, tag)) return false;
+  }
+}
+
+// A tag as protobuf's parser reads one: at most 5 bytes, its low 32 bits,
+// not 0 (CodedInputStream::ReadTag would take longer ones).
+bool Scanner::ReadTag(uint32_t* tag) {
+  const int start = in_->CurrentPosition();
+  uint64_t varint;
+  if (!in_->ReadVarint64(&varint) || in_->CurrentPosition() - start > 5) {
+    return false;
+  }
+  *tag = static_cast<uint32_t>(varint);
+  return *tag != 0;
+}
+
+// A length as protobuf's parser reads one: at most 5 bytes and below 2^31
+// (CodedInputStream::ReadVarint32 would take longer ones and keep their
+// low 32 bits, so a length of 2^32 would read as 0).
+bool Scanner::ReadLength(uint32_t* length) {
+  const int start = in_->CurrentPosition();
+  uint64_t varint;
+  if (!in_->ReadVarint64(&varint) || in_->CurrentPosition() - start > 5 ||
+      varint > static_cast<uint64_t>(INT32_MAX)) {
+    return false;
+  }
+  *length = static_cast<uint32_t>(varint);
+  return true;
+}
+
+// Skips the value of a field of `tag` as protobuf's parser reads it:
+// lengths by ReadLength, tags by ReadTag, a group's fields up to its own
+// end tag within the recursion limit that messages count against too.
+bool Scanner::SkipValue(uint32_t tag) {
+  uint64_t u64;
+  uint32_t u32;
+  switch (WireFormatLite::GetTagWireType(tag)) {
+    case WireFormatLite::WIRETYPE_VARINT:
+      return in_->ReadVarint64(&u64);
+    case WireFormatLite::WIRETYPE_FIXED64:
+      return in_->ReadLittleEndian64(&u64);
+    case WireFormatLite::WIRETYPE_FIXED32:
+      return in_->ReadLittleEndian32(&u32);
+    case WireFormatLite::WIRETYPE_LENGTH_DELIMITED:
+      return ReadLength(&u32) && in_->Skip(static_cast<int>(u32));
+    case WireFormatLite::WIRETYPE_START_GROUP: {
+      if (!in_->IncrementRecursionDepth()) return false;
+      bool ok = true;
+      while (ok) {
+        uint32_t inner;
+        ok = ReadTag(&inner);
+        if (ok && WireFormatLite::GetTagWireType(inner) ==
+                      WireFormatLite::WIRETYPE_END_GROUP) {
+          ok = WireFormatLite::GetTagFieldNumber(inner) ==
+               WireFormatLite::GetTagFieldNumber(tag);
+          break;
+        }
+        ok = ok && SkipValue(inner);
+      }
+      in_->DecrementRecursionDepth();
+      return ok;
     }
-    const uint32_t tag = static_cast<uint32_t>(varint);
-    if (tag == 0 || !Field(type, tag)) return false;
+    default:  // an end tag without its group, or no wire type at all
+      return false;
   }
 }
 
@@ -128,9 +188,9 @@ bool Scanner::Field(const Descriptor& type, uint32_t tag) {
   if (field == nullptr) return Unknown(tag);
   if (wire == WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {
     if (ExpectedWireType(*field) == wire) return LengthDelimited(*field);
-    uint32_t length;
-    if (field->is_packable() && in_->ReadVarint32(&length)) {
-      return Packed(*field, length);
+    if (field->is_packable()) {
+      uint32_t length;
+      return ReadLength(&length) && Packed(*field, length);
     }
     return Unknown(tag);  // protobuf keeps a mismatched field as unknown
   }
@@ -144,7 +204,7 @@ bool Scanner::Field(const Descriptor& type, uint32_t tag) {
 
 bool Scanner::LengthDelimited(const FieldDescriptor& field) {
   uint32_t length;
-  if (!in_->ReadVarint32(&length)) return false;
+  if (!ReadLength(&length)) return false;
   if (field.is_repeated()) {
     Count(field, 1);
     totals_.object_bytes += kRepeatedSlotBytes;
@@ -202,7 +262,7 @@ bool Scanner::Packed(const FieldDescriptor& field, uint32_t length) {
 bool Scanner::Unknown(uint32_t tag) {
   ++totals_.unknown_fields;
   const int before = in_->CurrentPosition();
-  if (!WireFormatLite::SkipField(in_, tag)) return false;
+  if (!SkipValue(tag)) return false;
   const uint64_t bytes = in_->CurrentPosition() - before;
   switch (WireFormatLite::GetTagWireType(tag)) {
     case WireFormatLite::WIRETYPE_LENGTH_DELIMITED:
