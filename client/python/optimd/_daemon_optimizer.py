@@ -555,10 +555,11 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
     # The step.
     def _index_buffers(self):
         """Flat lists for the per-step check that nothing moved."""
-        homed = [s for g in self._groups for s in g["tensors"]
-                 if s.numel and not is_dtensor(s.param)]
-        self._params_flat = [s.param for s in homed]
-        self._pptrs_flat = [s.pview.data_ptr() for s in homed]
+        # The entries re-homed into our segments (not DTensor shards).
+        self._homed = [s for g in self._groups for s in g["tensors"]
+                       if s.numel and not is_dtensor(s.param)]
+        self._params_flat = [s.param for s in self._homed]
+        self._pptrs_flat = [s.pview.data_ptr() for s in self._homed]
         self._dtensors = [s for g in self._groups for s in g["tensors"]
                           if s.numel and is_dtensor(s.param)]
         self._mirrored = [s for s in self._dtensors if s.mirrored]
@@ -625,9 +626,8 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         if devices and devices != {self._device}:
             self._reopen(devices)
             return
-        homed = [s for g in self._groups for s in g["tensors"]
-                 if s.numel and not is_dtensor(s.param)]
-        moved = [s for s in homed if s.param.data_ptr() != s.pview.data_ptr()]
+        moved = [s for s in self._homed
+                 if s.param.data_ptr() != s.pview.data_ptr()]
         for s in moved:
             _refuse_fsdp1(s.param, s.name)
         if any(s.param.dtype != s.pview.dtype and s.param.dtype in DTYPES and
