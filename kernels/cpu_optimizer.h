@@ -72,6 +72,31 @@ struct CpuOptimizer {
                      uint64_t begin, uint64_t end, const OptimizerScalars& s);
 };
 
+// The CpuOptimizer of an optimizer whose folder has the two typed
+// functions: `kMake` folds its scalars struct S (the signature of
+// CpuOptimizer::make_scalars, returning S) and `kStep` applies it. Each
+// optimizer's row is then one line:
+//   const CpuOptimizer kSgdCpu =
+//       MakeCpuOptimizer<OptimizerKind::kSgd, SgdScalars, MakeSgdScalars,
+//                        SgdStepRange>();
+template <OptimizerKind K, class S,
+          S (*kMake)(const OptimizerHyper&, uint64_t, double, double),
+          void (*kStep)(const Layout&, const TensorPointers&, uint64_t,
+                        uint64_t, const S&)>
+constexpr CpuOptimizer MakeCpuOptimizer() {
+  return CpuOptimizer{
+      K,
+      [](const OptimizerHyper& h, uint64_t t, double grad_scale,
+         double clip_coef, OptimizerScalars* out) {
+        out->Hold(K, kMake(h, t, grad_scale, clip_coef));
+      },
+      [](const Layout& layout, const TensorPointers& t, uint64_t begin,
+         uint64_t end, const OptimizerScalars& s) {
+        kStep(layout, t, begin, end, s.As<S>());
+      },
+  };
+}
+
 }  // namespace optimd
 
 #endif  // OPTIMD_KERNELS_CPU_OPTIMIZER_H_

@@ -12,7 +12,7 @@
 #include "common/status_macros.h"
 #include "core/state_shard.h"
 #include "core/step_math.h"
-#include "kernels/adamw/adamw_cpu.h"
+#include "kernels/master_cpu.h"
 #include "kernels/step_cpu.h"
 
 namespace optimd {

@@ -146,63 +146,6 @@ struct AdamWRange {
   }
 };
 
-template <class G>
-double SumSquares(const void* grad, uint64_t begin, uint64_t end) {
-  const auto* g = static_cast<const typename G::T*>(grad);
-  // Eight independent accumulators: the sum stays deterministic for a given
-  // range and the loop vectorizes without reassociation flags.
-  double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  uint64_t i = begin;
-  for (; i + 8 <= end; i += 8) {
-    for (int k = 0; k < 8; ++k) {
-      const double x = G::Load(g[i + k]);
-      acc[k] += x * x;
-    }
-  }
-  for (; i < end; ++i) {
-    const double x = G::Load(g[i]);
-    acc[0] += x * x;
-  }
-  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) +
-         ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-}
-
-float LoadParam(DType d, const void* p, uint64_t i) {
-  switch (d) {
-    case DType::kFloat32:
-      return static_cast<const float*>(p)[i];
-    case DType::kBFloat16:
-      return BFloat16ToFloat(static_cast<const uint16_t*>(p)[i]);
-    case DType::kFloat16:
-      return HalfToFloat(static_cast<const uint16_t*>(p)[i]);
-    case DType::kBlock8:      // state only, never a parameter
-    case DType::kFloat64:     // never has a master (ResolveLayout)
-    case DType::kFloat8E4M3:  // scaled: DequantizeFp8Range
-    case DType::kFloat8E5M2:
-      break;
-  }
-  return 0;
-}
-
-void StoreParam(DType d, void* p, uint64_t i, float x) {
-  switch (d) {
-    case DType::kFloat32:
-      static_cast<float*>(p)[i] = x;
-      return;
-    case DType::kBFloat16:
-      static_cast<uint16_t*>(p)[i] = FloatToBFloat16(x);
-      return;
-    case DType::kFloat16:
-      static_cast<uint16_t*>(p)[i] = FloatToHalf(x);
-      return;
-    case DType::kBlock8:      // state only, never a parameter
-    case DType::kFloat64:     // never has a master (ResolveLayout)
-    case DType::kFloat8E4M3:  // scaled: QuantizeFp8Range
-    case DType::kFloat8E5M2:
-      return;
-  }
-}
-
 }  // namespace
 
 AdamWScalars MakeAdamWScalars(const OptimizerHyper& h, uint64_t t,
@@ -232,70 +175,8 @@ void AdamWStepRange(const Layout& layout, const TensorPointers& t,
   cpu::DispatchLayout(layout, kernel);
 }
 
-double GradSumSquaresRange(DType grad_dtype, const void* grad, uint64_t begin,
-                           uint64_t end) {
-  switch (grad_dtype) {
-    case DType::kFloat32:
-      return SumSquares<F32>(grad, begin, end);
-    case DType::kBFloat16:
-      return SumSquares<BF16>(grad, begin, end);
-    case DType::kFloat16:
-      return SumSquares<F16>(grad, begin, end);
-    case DType::kFloat64:
-      return SumSquares<F64>(grad, begin, end);
-    case DType::kBlock8:      // state only, never a gradient
-    case DType::kFloat8E4M3:  // parameters only (ResolveFp8Recipe)
-    case DType::kFloat8E5M2:
-      break;
-  }
-  return 0;
-}
-
-void InitMasterRange(const Layout& layout, const TensorPointers& t,
-                     uint64_t begin, uint64_t end) {
-  switch (layout.master) {
-    case MasterKind::kNone:
-      return;
-    case MasterKind::kFp32: {
-      if (IsFp8(layout.param_dtype)) {
-        return DequantizeFp8Range(layout.param_dtype, t, begin, end);
-      }
-      float* master = static_cast<float*>(t.master);
-      for (uint64_t i = begin; i < end; ++i) {
-        master[i] = LoadParam(layout.param_dtype, t.param, i);
-      }
-      return;
-    }
-    case MasterKind::kRemainder:
-      std::fill(static_cast<int16_t*>(t.master) + begin,
-                static_cast<int16_t*>(t.master) + end, int16_t{0});
-      return;
-  }
-}
-
-void WriteParamFromMasterRange(const Layout& layout, const TensorPointers& t,
-                               uint64_t begin, uint64_t end) {
-  if (layout.master != MasterKind::kFp32) return;
-  if (IsFp8(layout.param_dtype)) {
-    return QuantizeFp8Range(layout.param_dtype, t, begin, end);
-  }
-  const float* master = static_cast<const float*>(t.master);
-  for (uint64_t i = begin; i < end; ++i) {
-    StoreParam(layout.param_dtype, t.param, i, master[i]);
-  }
-}
-
-const CpuOptimizer kAdamWCpu = {
-    OptimizerKind::kAdamW,
-    [](const OptimizerHyper& h, uint64_t t, double grad_scale, double clip_coef,
-       OptimizerScalars* out) {
-      out->Hold(OptimizerKind::kAdamW,
-                MakeAdamWScalars(h, t, grad_scale, clip_coef));
-    },
-    [](const Layout& layout, const TensorPointers& t, uint64_t begin,
-       uint64_t end, const OptimizerScalars& s) {
-      AdamWStepRange(layout, t, begin, end, s.As<AdamWScalars>());
-    },
-};
+const CpuOptimizer kAdamWCpu =
+    MakeCpuOptimizer<OptimizerKind::kAdamW, AdamWScalars, MakeAdamWScalars,
+                     AdamWStepRange>();
 
 }  // namespace optimd

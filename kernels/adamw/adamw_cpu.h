@@ -61,23 +61,6 @@ AdamWScalars MakeAdamWScalars(const OptimizerHyper& h, uint64_t t,
 void AdamWStepRange(const Layout& layout, const TensorPointers& t,
                     uint64_t begin, uint64_t end, const AdamWScalars& s);
 
-// Sum of squares (in double) of gradient elements [begin, end). The result
-// is non-finite exactly when some element is non-finite.
-double GradSumSquaresRange(DType grad_dtype, const void* grad, uint64_t begin,
-                           uint64_t end);
-
-// Sets the master copy of elements [begin, end) from the parameter (at
-// registration): exact widening for kFp32 (an FP8 parameter's code value
-// times its scale inverse), zero remainders for kRemainder.
-void InitMasterRange(const Layout& layout, const TensorPointers& t,
-                     uint64_t begin, uint64_t end);
-
-// Writes the parameter of elements [begin, end) from the master copy
-// (GetParams); an FP8 parameter is requantized with its scale inverses
-// (whole scaling units). No-op for kNone.
-void WriteParamFromMasterRange(const Layout& layout, const TensorPointers& t,
-                               uint64_t begin, uint64_t end);
-
 // AdamW's CPU step as kernels/step_cpu.cc lists it: the two functions
 // above behind the generic interface.
 extern const CpuOptimizer kAdamWCpu;

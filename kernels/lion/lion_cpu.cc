@@ -49,8 +49,8 @@ struct LionRange {
 
 }  // namespace
 
-LionScalars MakeLionScalars(const OptimizerHyper& h, double grad_scale,
-                            double clip_coef) {
+LionScalars MakeLionScalars(const OptimizerHyper& h, uint64_t /*t*/,
+                            double grad_scale, double clip_coef) {
   LionScalars s;
   s.lr = h.lr;
   s.beta1 = h.beta1;
@@ -69,18 +69,8 @@ void LionStepRange(const Layout& layout, const TensorPointers& t,
   cpu::DispatchLayout(layout, kernel);
 }
 
-const CpuOptimizer kLionCpu = {
-    OptimizerKind::kLion,
-    // Lion's update does not depend on the step number.
-    [](const OptimizerHyper& h, uint64_t /*t*/, double grad_scale,
-       double clip_coef, OptimizerScalars* out) {
-      out->Hold(OptimizerKind::kLion,
-                MakeLionScalars(h, grad_scale, clip_coef));
-    },
-    [](const Layout& layout, const TensorPointers& t, uint64_t begin,
-       uint64_t end, const OptimizerScalars& s) {
-      LionStepRange(layout, t, begin, end, s.As<LionScalars>());
-    },
-};
+const CpuOptimizer kLionCpu =
+    MakeCpuOptimizer<OptimizerKind::kLion, LionScalars, MakeLionScalars,
+                     LionStepRange>();
 
 }  // namespace optimd

@@ -37,10 +37,11 @@ struct LionScalars {
   double grad_mul = 1;
 };
 
-// Folds hyperparameters, the loss scale and the clip coefficient (Lion has
-// no bias correction: the step number does not enter).
-LionScalars MakeLionScalars(const OptimizerHyper& h, double grad_scale,
-                            double clip_coef);
+// Folds hyperparameters, the loss scale and the clip coefficient. Lion has
+// no bias correction: the step number t is taken (as every optimizer's
+// MakeScalars takes it) and does not enter.
+LionScalars MakeLionScalars(const OptimizerHyper& h, uint64_t t,
+                            double grad_scale, double clip_coef);
 
 // Applies one Lion step to elements [begin, end) of a tensor.
 void LionStepRange(const Layout& layout, const TensorPointers& t,

@@ -77,17 +77,7 @@ void SgdStepRange(const Layout& layout, const TensorPointers& t, uint64_t begin,
   cpu::DispatchLayout(layout, kernel);
 }
 
-const CpuOptimizer kSgdCpu = {
-    OptimizerKind::kSgd,
-    [](const OptimizerHyper& h, uint64_t t, double grad_scale, double clip_coef,
-       OptimizerScalars* out) {
-      out->Hold(OptimizerKind::kSgd,
-                MakeSgdScalars(h, t, grad_scale, clip_coef));
-    },
-    [](const Layout& layout, const TensorPointers& t, uint64_t begin,
-       uint64_t end, const OptimizerScalars& s) {
-      SgdStepRange(layout, t, begin, end, s.As<SgdScalars>());
-    },
-};
+const CpuOptimizer kSgdCpu = MakeCpuOptimizer<OptimizerKind::kSgd, SgdScalars,
+                                              MakeSgdScalars, SgdStepRange>();
 
 }  // namespace optimd
