@@ -62,10 +62,10 @@ constexpr uint32_t kMaxItemsPerBlock = 32;
 // How an FP8 parameter's codes and scale inverses are written
 // (kernels/fp8_cuda.h, docs/fp8_parameters.md "Fusion"):
 //   kFused: by the update itself, in one pass over the master: every
-//     scaling unit lies in one row, and the warp blocks of 256 elements
-//     that the update walks hold whole units (1x128 and MXFP8 blocks, and
-//     128x128 blocks of a one-row tensor, when the columns are a multiple
-//     of the unit's width and every item starts on a unit).
+//     warp block of 256 elements that the update walks holds whole
+//     scaling units (1x128 and MXFP8 blocks of rows whose columns are
+//     whole blocks, or any block of a one-row tensor, whose last unit the
+//     tensor's end clips; every item starting on a unit).
 //   Otherwise the update takes each unit's amax into `amax` (atomic
 //   maxima of the magnitudes' bits) and an encode pass after it reads the
 //   masters back: kTensorAmax (per-tensor scaling, one unit), kHalfAmax

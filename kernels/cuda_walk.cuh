@@ -331,7 +331,8 @@ __device__ __forceinline__ void Walk(const Work& work, Body& body) {
 // all its new values. Items start on block8 blocks (BuildPlan), so no
 // block straddles two items or two work blocks. body.Prepare as for Walk;
 // body.Block(item, k, first, n): the n elements from `first` of the
-// block's item k, by the whole warp.
+// block's item k, by the whole warp; body.Finish(items, n), by every
+// thread once all of the work block's elements are done.
 template <class Body>
 __device__ __forceinline__ void WalkBlocks8(const Work& work, Body& body) {
   __shared__ uint4 buffer[kMaxItemsPerBlock * sizeof(DeviceItem) / 16];
@@ -363,6 +364,8 @@ __device__ __forceinline__ void WalkBlocks8(const Work& work, Body& body) {
         c, k, start,
         static_cast<uint32_t>(left < kBlock8Elements ? left : kBlock8Elements));
   }
+  __syncthreads();
+  body.Finish(cs, n);
 }
 
 // A lane's 8 elements of a WalkBlocks8 block at `first` (n of them valid):

@@ -30,31 +30,31 @@ __device__ __forceinline__ float ElementMultiplier(const DeviceFp8Tensor& t,
                            UnitStart(t.geometry, e));
 }
 
-// The walk's body. Per-tensor scaling: each item's multiplier once, in
-// Prepare (the tensor's first item writes the scale inverse). kHalfAmax:
-// a lane's four consecutive elements share a unit (each half of a tile
-// lies in one). Otherwise unit by element.
-template <class P>
+// The walk's body. kPerTensor (every tensor of the launch has per-tensor
+// scaling, Fp8Pass::kTensorAmax): each item's multiplier once, in Prepare
+// (the tensor's first item writes the scale inverse), and nothing per
+// element but the encode, so the kernel fits the registers of eight
+// resident blocks a multiprocessor. Otherwise, per tensor: kHalfAmax, a
+// lane's four consecutive elements share a unit (each half of a tile lies
+// in one); kElementAmax, unit by element.
+template <class P, bool kPerTensor>
 struct Fp8Encode {
   float* mul;  // shared memory, one per item of the block
   __device__ void Prepare(const DeviceItem* cs, uint32_t n) {
-    if (threadIdx.x >= n) return;
+    if (!kPerTensor || threadIdx.x >= n) return;
     const DeviceItem& c = cs[threadIdx.x];
     const DeviceFp8Tensor& t = Fp8Of(c);
-    if (t.pass != Fp8Pass::kTensorAmax) return;
     mul[threadIdx.x] =
         UnitMultiplier<P>(t.geometry.recipe, t.amax[0], t.scale_inv, 0,
                           c.begin == 0 && c.end > c.begin);
   }
-  __device__ void Tile(const DeviceItem& c, uint32_t k, uint64_t i) {
-    const DeviceFp8Tensor& t = Fp8Of(c);
-    if (t.pass == Fp8Pass::kFused) return;
-    float x[8], m[8];
-    LoadF<8, F32>(c.master, i, x);
+  // The multipliers of a lane's tile share at i (LoadTile's order).
+  __device__ void TileMultipliers(const DeviceFp8Tensor& t, uint32_t k,
+                                  uint64_t i, float* m) {
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
       const uint64_t e = i + q * (kTileElements / 2);
-      if (t.pass == Fp8Pass::kTensorAmax) {
+      if (kPerTensor) {
         m[4 * q] = m[4 * q + 1] = m[4 * q + 2] = m[4 * q + 3] = mul[k];
       } else if (t.pass == Fp8Pass::kHalfAmax) {
         m[4 * q] = m[4 * q + 1] = m[4 * q + 2] = m[4 * q + 3] =
@@ -65,6 +65,13 @@ struct Fp8Encode {
           m[4 * q + j] = ElementMultiplier<P>(t, e + j);
       }
     }
+  }
+  __device__ void Tile(const DeviceItem& c, uint32_t k, uint64_t i) {
+    const DeviceFp8Tensor& t = Fp8Of(c);
+    if (!kPerTensor && t.pass == Fp8Pass::kFused) return;
+    float x[8], m[8];
+    LoadF<8, F32>(c.master, i, x);
+    TileMultipliers(t, k, i, m);
     uint32_t w[2] = {0, 0};
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -77,35 +84,56 @@ struct Fp8Encode {
   }
   __device__ void Scalar(const DeviceItem& c, uint32_t k, uint64_t i) {
     const DeviceFp8Tensor& t = Fp8Of(c);
-    if (t.pass == Fp8Pass::kFused) return;
-    const float m =
-        t.pass == Fp8Pass::kTensorAmax ? mul[k] : ElementMultiplier<P>(t, i);
+    if (!kPerTensor && t.pass == Fp8Pass::kFused) return;
+    const float m = kPerTensor ? mul[k] : ElementMultiplier<P>(t, i);
     static_cast<uint8_t*>(c.param)[i] =
         Fp8Codec<P>::Encode(static_cast<const float*>(c.master)[i] * m);
   }
 };
+
+// Per-tensor scaling: eight resident blocks of 256 threads a
+// multiprocessor (32 registers a thread), for the bytes in flight a
+// bandwidth-bound pass needs; the other recipes' unit arithmetic needs more.
+template <class P>
+__global__ void __launch_bounds__(kThreadsPerBlock, 8)
+    Fp8EncodePerTensorKernel(const Work work,
+                             const DeviceScalars* __restrict__ scalars) {
+  if (scalars->skip) return;
+  __shared__ float mul[kMaxItemsPerBlock];
+  Fp8Encode<P, true> body{mul};
+  Walk(work, body);
+}
 
 template <class P>
 __global__ void __launch_bounds__(kThreadsPerBlock)
     Fp8EncodeKernel(const Work work,
                     const DeviceScalars* __restrict__ scalars) {
   if (scalars->skip) return;
-  __shared__ float mul[kMaxItemsPerBlock];
-  Fp8Encode<P> body{mul};
+  Fp8Encode<P, false> body{nullptr};
   Walk(work, body);
+}
+
+template <class P>
+void LaunchFor(Fp8Recipe recipe, const Work& work, const DeviceScalars* scalars,
+               Stream stream) {
+  if (recipe == Fp8Recipe::kTensor) {
+    Fp8EncodePerTensorKernel<P>
+        <<<work.num_blocks, kThreadsPerBlock, 0, stream>>>(work, scalars);
+  } else {
+    Fp8EncodeKernel<P>
+        <<<work.num_blocks, kThreadsPerBlock, 0, stream>>>(work, scalars);
+  }
 }
 
 }  // namespace
 
-absl::Status LaunchFp8Encode(bool e5m2, const Work& work,
+absl::Status LaunchFp8Encode(bool e5m2, Fp8Recipe recipe, const Work& work,
                              const DeviceScalars* scalars, Stream stream) {
   if (work.num_blocks == 0) return absl::OkStatus();
   if (e5m2) {
-    Fp8EncodeKernel<Fp8Param<kE5M2>>
-        <<<work.num_blocks, kThreadsPerBlock, 0, stream>>>(work, scalars);
+    LaunchFor<Fp8Param<kE5M2>>(recipe, work, scalars, stream);
   } else {
-    Fp8EncodeKernel<Fp8Param<kE4M3>>
-        <<<work.num_blocks, kThreadsPerBlock, 0, stream>>>(work, scalars);
+    LaunchFor<Fp8Param<kE4M3>>(recipe, work, scalars, stream);
   }
   return LaunchStatus("FP8 encode kernel launch");
 }

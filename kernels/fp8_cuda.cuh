@@ -104,16 +104,21 @@ __device__ __forceinline__ void EncodeFusedBlock(const DeviceFp8Tensor& t,
 }
 
 // Takes the unit amax of a warp block of a parameter with an encode pass
-// into t.amax (atomic maxima): per-tensor scaling and whole halves reduce
-// across the warp first, other shapes go element by element.
+// (atomic maxima): per-tensor scaling reduces across the warp into the
+// item's word of the thread block's shared memory, `item_amax` (the
+// update adds it to t.amax once per item: FinishItemAmax), since every
+// warp of the launch's running blocks would otherwise hit the same word;
+// whole halves reduce across the warp into t.amax; other shapes go element
+// by element.
 __device__ __forceinline__ void RecordAmax(const DeviceFp8Tensor& t,
                                            uint64_t first, uint32_t n,
-                                           const uint32_t* bits) {
+                                           const uint32_t* bits,
+                                           uint32_t* item_amax) {
   const uint32_t lane = threadIdx.x & 31;
   if (t.pass == Fp8Pass::kTensorAmax) {
     const uint32_t v =
         __reduce_max_sync(0xffffffffu, max(HalfMax(bits, 0), HalfMax(bits, 1)));
-    if (lane == 0) atomicMax(t.amax, v);
+    if (lane == 0) atomicMax(item_amax, v);
     return;
   }
   if (t.pass == Fp8Pass::kHalfAmax) {
@@ -134,22 +139,34 @@ __device__ __forceinline__ void RecordAmax(const DeviceFp8Tensor& t,
 
 // After the update of a warp block of an FP8 parameter's item c (n valid
 // elements from `first`, the lanes' new masters in p, 0 where invalid):
-// its codes and scale inverses (kFused), or its units' amax.
+// its codes and scale inverses (kFused), or its units' amax (item_amax:
+// the item's shared word, see RecordAmax).
 template <class P>
 __device__ __forceinline__ void Fp8AfterUpdate(const DeviceItem& c,
                                                uint64_t first, uint32_t n,
-                                               bool vector, const float* p) {
+                                               bool vector, const float* p,
+                                               uint32_t* item_amax) {
   const DeviceFp8Tensor& t = Fp8Of(c);
   uint32_t bits[8];
 #pragma unroll
   for (int j = 0; j < 8; ++j) bits[j] = MagnitudeBits(p[j]);
   if (t.pass != Fp8Pass::kFused) {
-    RecordAmax(t, first, n, bits);
+    RecordAmax(t, first, n, bits, item_amax);
   } else if (t.geometry.recipe == Fp8Recipe::kMxfp8) {
     EncodeFusedBlock<P, 32>(t, first, n, vector, p, bits);
   } else {
     EncodeFusedBlock<P, kTileElements / 2>(t, first, n, vector, p, bits);
   }
+}
+
+// After a thread block's update (its items in cs, item_amax their shared
+// words, zeroed before it), by every thread: a per-tensor-scaled item's
+// amax into its tensor's word.
+__device__ __forceinline__ void FinishItemAmax(const DeviceItem* cs, uint32_t n,
+                                               const uint32_t* item_amax) {
+  if (threadIdx.x >= n) return;
+  const DeviceFp8Tensor& t = Fp8Of(cs[threadIdx.x]);
+  if (t.pass == Fp8Pass::kTensorAmax) atomicMax(t.amax, item_amax[threadIdx.x]);
 }
 
 }  // namespace cuda

@@ -14,9 +14,10 @@ namespace cuda {
 // items (one launch's, of one FP8 format) whose pass is not kFused, from
 // their masters and the unit amax that the update took
 // (DeviceFp8Tensor::amax), unless the step is skipped (scalars->skip).
+// `recipe` is the launch's (its layout's fp8_recipe).
 // Items without elements (no gradient this step) are left alone, as the
 // CPU leaves them. The amax words must be zeroed before the update.
-absl::Status LaunchFp8Encode(bool e5m2, const Work& work,
+absl::Status LaunchFp8Encode(bool e5m2, Fp8Recipe recipe, const Work& work,
                              const DeviceScalars* scalars, Stream stream);
 
 }  // namespace cuda

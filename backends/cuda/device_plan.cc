@@ -264,13 +264,17 @@ Work LaunchWork(const DevicePlan& plan, const Launch& launch, int table) {
 Fp8Pass ChooseFp8Pass(const Fp8Geometry& g, uint64_t item_step) {
   if (g.recipe == Fp8Recipe::kTensor) return Fp8Pass::kTensorAmax;
   const uint64_t w = g.block_cols;
-  // Units of w consecutive elements that start at multiples of w: each
-  // warp block (256 elements from an item's start) holds whole units.
-  const bool row_units = g.block_rows == 1 || g.rows <= 1;
-  const bool whole =
-      g.cols % w == 0 && item_step % w == 0 && kTileElements % w == 0;
-  if (row_units && whole) return Fp8Pass::kFused;
-  if (w == kTileElements / 2 && whole) return Fp8Pass::kHalfAmax;
+  // Every warp block (256 elements from an item's start) starts on a
+  // multiple of w.
+  const bool starts = item_step % w == 0 && kTileElements % w == 0;
+  // ... and then holds whole units of w consecutive elements: in a tensor
+  // of one row, units are consecutive runs of w whatever its length (the
+  // last one clipped at its end, as the warp block that holds it is); in
+  // rows of units of one row, when the columns are whole units.
+  const bool whole_cols = g.cols % w == 0;
+  const bool row_units = g.rows <= 1 || (g.block_rows == 1 && whole_cols);
+  if (row_units && starts) return Fp8Pass::kFused;
+  if (w == kTileElements / 2 && whole_cols && starts) return Fp8Pass::kHalfAmax;
   return Fp8Pass::kElementAmax;
 }
 

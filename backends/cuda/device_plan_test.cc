@@ -484,7 +484,12 @@ TEST(DevicePlanTest, Fp8ParametersAreListedWithTheirUnits) {
   shapes[3] = {100000, fp8};
   shapes[4] = {20000, mx, /*stage=*/1};
   Group g = MakeGroup(shapes, 4096);
-  for (TensorEntry& t : g.tensors) t.shape = {t.numel};
+  // Rows of 100 columns (ragged units) but for the last, of one row.
+  for (TensorEntry& t : g.tensors) {
+    t.shape = t.numel == 300 || t.numel == 20000
+                  ? std::vector<uint64_t>{t.numel}
+                  : std::vector<uint64_t>{t.numel / 100, 100};
+  }
   BuildPlan(g, 4096, /*fp8_whole_units=*/false);
   const DevicePlan plan = MakePlan(g, 4096);
   ASSERT_EQ(plan.fp8.size(), 4u);
@@ -504,7 +509,7 @@ TEST(DevicePlanTest, Fp8ParametersAreListedWithTheirUnits) {
     EXPECT_EQ(l.fp8_units, launch_units);
     listed += l.fp8_count;
   }
-  EXPECT_EQ(units, 79u + 157 + 782 + 625);
+  EXPECT_EQ(units, 100u + 200 + 1000 + 625);
   // Ragged columns (all but the last MXFP8 tensor) take the amax pass, with
   // their amax words in plan order.
   uint64_t words = 0;
@@ -512,7 +517,7 @@ TEST(DevicePlanTest, Fp8ParametersAreListedWithTheirUnits) {
     EXPECT_EQ(t.amax_first, words);
     if (t.pass != Fp8Pass::kFused) words += t.geometry.Units();
   }
-  EXPECT_EQ(words, 79u + 157 + 782);
+  EXPECT_EQ(words, 100u + 200 + 1000);
   EXPECT_EQ(plan.fp8_amax_words, words);
   EXPECT_EQ(plan.fp8.back().pass, Fp8Pass::kFused);
   uint64_t launch_words = 0;
@@ -539,6 +544,11 @@ TEST(DevicePlanTest, Fp8PassFollowsTheShapeOfTheUnits) {
   EXPECT_EQ(pass(R::kMxfp8, {3, 96}, 4096), Fp8Pass::kFused);
   EXPECT_EQ(pass(R::kMxfp8, {3, 100}, 4096), Fp8Pass::kElementAmax);
   EXPECT_EQ(pass(R::kBlock128x128, {12800}, 4096), Fp8Pass::kFused);
+  // One row: units are consecutive whatever its length, the last clipped.
+  EXPECT_EQ(pass(R::kBlock1x128, {1000000}, 4096), Fp8Pass::kFused);
+  EXPECT_EQ(pass(R::kBlock128x128, {1000000}, 4096), Fp8Pass::kFused);
+  EXPECT_EQ(pass(R::kMxfp8, {1, 100}, 4096), Fp8Pass::kFused);
+  EXPECT_EQ(pass(R::kBlock1x128, {1000000}, 64), Fp8Pass::kElementAmax);
   EXPECT_EQ(pass(R::kBlock128x128, {257, 384}, 4096), Fp8Pass::kHalfAmax);
   EXPECT_EQ(pass(R::kBlock128x128, {257, 200}, 4096), Fp8Pass::kElementAmax);
   EXPECT_EQ(pass(R::kTensor, {257, 384}, 4096), Fp8Pass::kTensorAmax);

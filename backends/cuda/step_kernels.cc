@@ -37,6 +37,7 @@ absl::Status LaunchUpdate(const Group& group, const Launch& launch,
                                             scalars, stream));
   if (!encode) return absl::OkStatus();
   return cuda::LaunchFp8Encode(launch.layout.param_dtype == DType::kFloat8E5M2,
+                               launch.layout.fp8_recipe,
                                LaunchWork(*plan, launch, 1), scalars, stream);
 }
 

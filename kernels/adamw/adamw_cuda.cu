@@ -57,6 +57,7 @@ struct ItemBias {
                                : MakeBias(s.lr, s.beta1_d, s.beta2_d,
                                           s.bias_correction, s.t - m);
   }
+  __device__ void Finish(const DeviceItem* /*cs*/, uint32_t /*n*/) {}
 };
 
 // The update of a work block.
@@ -78,6 +79,14 @@ struct Update : ItemBias {
 // one-pass recipes, so the master is read once.
 template <class P, class G, class M, bool kAms, bool kAdamW>
 struct UpdateFp8 : ItemBias {
+  uint32_t* item_amax;  // shared memory, one per item of the block
+  __device__ void Prepare(const DeviceItem* cs, uint32_t n) {
+    ItemBias::Prepare(cs, n);
+    if (threadIdx.x < n) item_amax[threadIdx.x] = 0;
+  }
+  __device__ void Finish(const DeviceItem* cs, uint32_t n) {
+    FinishItemAmax(cs, n, item_amax);
+  }
   __device__ void Block(const DeviceItem& c, uint32_t k, uint64_t first,
                         uint32_t n) {
     constexpr MasterKind K = MasterKind::kFp32;
@@ -96,7 +105,7 @@ struct UpdateFp8 : ItemBias {
         }
       }
     }
-    Fp8AfterUpdate<P>(c, first, n, vector, p);
+    Fp8AfterUpdate<P>(c, first, n, vector, p, item_amax + k);
   }
 };
 
@@ -276,7 +285,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 4)
   const DeviceScalars s = *scalars;
   if (s.skip) return;
   __shared__ BiasScalars bias[kMaxItemsPerBlock];
-  UpdateFp8<P, G, M, kAms, kAdamW> body{{s, work.missed, bias}};
+  __shared__ uint32_t item_amax[kMaxItemsPerBlock];
+  UpdateFp8<P, G, M, kAms, kAdamW> body{{s, work.missed, bias}, item_amax};
   WalkBlocks8(work, body);
 }
 

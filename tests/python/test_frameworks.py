@@ -176,7 +176,7 @@ class FrameworkTest(unittest.TestCase):
         self.assert_close(again, ref)
         opt.optimizer.close()
 
-    def fsdp_run(self, kind):
+    def fsdp_run(self, kind, fsdp_version=2):
         """accelerate_fsdp_run.py in a process of its own (a torch.distributed
         group of one rank): its exit status, its stderr, and the final
         weights by name (None if it failed)."""
@@ -188,11 +188,24 @@ class FrameworkTest(unittest.TestCase):
         out = os.path.join(self.dir, kind + ".pt")
         cmd = [sys.executable, os.path.join(os.path.dirname(__file__),
                                             "accelerate_fsdp_run.py"),
-               kind, out, self.daemon.address]
+               kind, out, self.daemon.address,
+               "--fsdp_version", str(fsdp_version)]
         run = subprocess.run(cmd, env=env, timeout=300, text=True,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         weights = torch.load(out) if run.returncode == 0 else None
         return run.returncode, run.stderr, weights
+
+    @unittest.skipUnless(_have("accelerate", "transformers") and
+                         DEVICE == "cuda", "needs accelerate and a GPU")
+    def test_accelerate_fsdp1_is_refused_clearly(self):
+        # FSDP version 1 flattens the parameters into its own buffer and
+        # points them at views of it at each forward, so the daemon's writes
+        # would never reach the model: the run stops with an error naming
+        # FSDP version 1 and the way out, not a model trained wrong.
+        code, err, _ = self.fsdp_run("optimd", fsdp_version=1)
+        self.assertNotEqual(code, 0)
+        self.assertRegex(err, "NotImplementedError: .*managed by FSDP "
+                              "version 1.*fsdp_version=2")
 
     @unittest.skipUnless(_have("accelerate", "transformers") and
                          DEVICE == "cuda", "needs accelerate and a GPU")
