@@ -139,6 +139,73 @@ OPTIMD_HOST_DEVICE inline uint8_t Block8Encode(float x, float scale) {
   return kSigned ? EncodeSigned8(unit) : EncodeUnsigned8(unit);
 }
 
+// Block8Encode with a multiply for its division, for the CUDA update
+// (where IEEE division costs many instructions): the same code for every
+// x and scale. The divisor of a block is made once: its scale and, when
+// both the scale and its reciprocal are normal numbers, recip =
+// RN(1 / scale). Then unit = RN(x * recip) differs from x / scale by
+// less than 2^-23 of it (two roundings of 2^-24 each), so from RN(x /
+// scale) by at most 3 units in the last place; where every float that
+// near gives unit's code (block8::CodeIsStable), that is the code of x /
+// scale; otherwise (rarely) the division decides.
+struct Block8Divisor {
+  float scale = 0.0f;
+  float recip = 0.0f;
+  bool by_recip = false;
+};
+
+OPTIMD_HOST_DEVICE inline Block8Divisor MakeBlock8Divisor(float scale) {
+  Block8Divisor d;
+  d.scale = scale;
+  if (scale >= 0x1p-126f && scale <= 0x1p125f) {
+    d.recip = 1.0f / scale;
+    d.by_recip = true;
+  }
+  return d;
+}
+
+namespace block8 {
+
+// Whether every float within 3 units in the last place of x has x's code
+// (EncodeUnit<kExp>). Codes change only at the midpoints between
+// consecutive codes' values: in the normal range where the 20 bits below
+// x's 3-bit mantissa are half their range, in the subnormal range where
+// x scaled to multiples of the code spacing has the fraction 0.5 (3 ulp
+// of that scaled value is below 2^-19, since it is below 8); a power of
+// two, the clamp at 1 and the normal/subnormal threshold are far from
+// every midpoint, and floats on either side of them share their code.
+template <int kExp>
+OPTIMD_HOST_DEVICE inline bool CodeIsStable(float x) {
+  constexpr uint32_t kMaxExp = (1u << kExp) - 1;
+  constexpr int kShift = 23 - kMantissaBits;
+  constexpr uint32_t kHalf = 1u << (kShift - 1);
+  constexpr uint32_t kMargin = 4;  // more than 3 ulp
+  const uint32_t u = Bits(x) & 0x7fffffffu;
+  if (u >= 0x3f800000u) return true;  // 1 and above (and NaN) read as 1
+  if ((u >> 23) >= 128 - kMaxExp) {
+    const uint32_t low = u & ((1u << kShift) - 1);
+    return low + kMargin < kHalf || low > kHalf + kMargin;
+  }
+  const float t =
+      FromBits(u) * FromBits((127u + kMaxExp - 1 + kMantissaBits) << 23);
+  const float frac = t - static_cast<float>(static_cast<uint32_t>(t));
+  return frac < 0.5f - 0x1p-18f || frac > 0.5f + 0x1p-18f;
+}
+
+}  // namespace block8
+
+template <bool kSigned>
+OPTIMD_HOST_DEVICE inline uint8_t Block8EncodeBy(float x,
+                                                 const Block8Divisor& d) {
+  if (d.by_recip) {
+    const float unit = x * d.recip;  // the sign of x, a zero's included
+    if (block8::CodeIsStable < kSigned ? 4 : 5 > (unit)) {
+      return kSigned ? EncodeSigned8(unit) : EncodeUnsigned8(unit);
+    }
+  }
+  return Block8Encode<kSigned>(x, d.scale);
+}
+
 template <bool kSigned>
 OPTIMD_HOST_DEVICE inline float Block8Decode(uint8_t c, float scale) {
   return (kSigned ? DecodeSigned8(c) : DecodeUnsigned8(c)) * scale;
