@@ -161,8 +161,7 @@ __device__ __forceinline__ void StoreBlock8Lane(const DeviceItem& c,
 // AdamW over block8 moments: the CPU reference's StepBlock8
 // (kernels/adamw/adamw_cpu.cc) with one warp per block8 block. Each lane
 // reads its elements' moments back, updates them with AdamWElement, then
-// the warp takes the block's new maxima and every lane stores its codes
-// (Block8EncodeBy: the CPU's codes, by a multiply where it can).
+// the warp takes the block's new maxima and every lane stores its codes.
 template <class P, class G, MasterKind K, bool kAdamW>
 struct UpdateBlock8 : ItemBias {
   __device__ void Block(const DeviceItem& c, uint32_t k, uint64_t first,
@@ -194,12 +193,10 @@ struct UpdateBlock8 : ItemBias {
     }
     const float new_sm = WarpBlock8Scale(mmax);
     const float new_sv = WarpBlock8Scale(vmax);
-    const Block8Divisor dm = MakeBlock8Divisor(new_sm);
-    const Block8Divisor dv = MakeBlock8Divisor(new_sv);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      mq[j] = Block8EncodeBy<true>(m[j], dm);
-      vq[j] = Block8EncodeBy<false>(v[j], dv);
+      mq[j] = Block8Encode<true>(m[j], new_sm);
+      vq[j] = Block8Encode<false>(v[j], new_sv);
     }
     StoreBlock8Lane<P, K>(c, first, n, vector, p);
     StoreCodes(static_cast<uint8_t*>(c.state[0]), first, n, vector, mq);
