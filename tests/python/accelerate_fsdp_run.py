@@ -4,7 +4,9 @@ test_frameworks.py:
     accelerate_fsdp_run.py KIND OUT ADDRESS [--fsdp_version 1|2]
 
 KIND is torch or optimd (torch.optim.AdamW or optimd.torch.AdamW, made
-over the model before prepare(), as accelerate's users do). prepare()
+over the model before prepare(), as accelerate's users do with FSDP2;
+with FSDP1, over the prepared model's parameters, as accelerate's FSDP1
+guide says). prepare()
 shards the model with fully_shard and puts the new DTensor parameters into
 the optimizer's param_groups in place of the old ones; the run then trains
 the steps of test_frameworks.py with clipping and writes the final weights
@@ -33,15 +35,22 @@ def main():
     plugin = FullyShardedDataParallelPlugin(fsdp_version=args.fsdp_version)
     accelerator = Accelerator(fsdp_plugin=plugin)
     model = _gpt2()
+    if args.fsdp_version == 1:
+        # FSDP1 replaces the parameters at prepare(): accelerate's FSDP1
+        # guide makes the optimizer over the prepared model's.
+        model = accelerator.prepare(model)
+    params = model.parameters()
     if args.kind == "torch":
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3,
-                                weight_decay=0.01)
+        opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
     else:
         from optimd.torch import AdamW
-        opt = AdamW(model.parameters(), lr=1e-3, weight_decay=0.01,
+        opt = AdamW(params, lr=1e-3, weight_decay=0.01,
                     address=args.address,
                     job_id="fsdp-" + args.kind)
-    model, opt, loader = accelerator.prepare(model, opt, _loader())
+    if args.fsdp_version == 1:
+        opt, loader = accelerator.prepare(opt, _loader())
+    else:
+        model, opt, loader = accelerator.prepare(model, opt, _loader())
     for i, batch in enumerate(loader):
         if i == STEPS:
             break
