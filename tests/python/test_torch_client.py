@@ -1099,6 +1099,108 @@ class TorchClientTest(unittest.TestCase):
         self.assertEqual(float(opt.state[good]["step"]), 1.0)
         opt.close()
 
+    def test_zero_grad_by_default_does_what_the_installed_torchs_does(self):
+        # torch 2 sets gradients to None (a parameter without one is not
+        # stepped), torch 1.x zeroes them (it is stepped with a zero
+        # gradient: decay and momentum move it): the same numbers either way.
+        torch.manual_seed(3)
+        ours = torch.nn.ModuleList([torch.nn.Linear(6, 1) for _ in range(2)])
+        theirs = torch.nn.ModuleList([torch.nn.Linear(6, 1) for _ in range(2)])
+        theirs.load_state_dict(ours.state_dict())
+        opt = self.make(ours.parameters(), lr=0.01, weight_decay=0.1)
+        ref = torch.optim.AdamW(theirs.parameters(), lr=0.01,
+                                weight_decay=0.1)
+        for i in range(6):
+            for m, o in ((ours, opt), (theirs, ref)):
+                o.zero_grad()
+                out = m[0](self.x[:, :6]) + (m[1](self.x[:, :6]) if i % 2 == 0
+                                             else 0)
+                torch.nn.functional.mse_loss(out, self.y).backward()
+            self.assertEqual([p.grad is None for p in ours.parameters()],
+                             [q.grad is None for q in theirs.parameters()])
+            opt.step()
+            ref.step()
+        for p, q in zip(ours.parameters(), theirs.parameters()):
+            self.assertLessEqual(self.param_err(p, q), 1e-6)
+        opt.close()
+
+    def test_a_gradient_set_on_a_frozen_parameter_is_stepped(self):
+        # torch steps every parameter whose .grad is set, whether or not it
+        # requires grad (a gradient written by hand).
+        from optimd.torch import SGD
+        torch.manual_seed(4)
+        w = torch.nn.Parameter(torch.randn(5))
+        v = torch.nn.Parameter(torch.randn(5))
+        w2, v2 = (torch.nn.Parameter(t.detach().clone()) for t in (w, v))
+        w.requires_grad_(False)
+        w2.requires_grad_(False)
+        opt = SGD([w, v], lr=0.1, momentum=0.9, address=self.daemon.address,
+                  job_id=self.id())
+        ref = torch.optim.SGD([w2, v2], lr=0.1, momentum=0.9)
+        for _ in range(3):
+            for (a, b), o in (((w, v), opt), ((w2, v2), ref)):
+                o.zero_grad()
+                (b * b).sum().backward()
+                a.grad = torch.full_like(a, 0.5)
+                o.step()
+        self.assertLessEqual(self.param_err(w, w2), 1e-6)
+        self.assertLessEqual(self.param_err(v, v2), 1e-6)
+        opt.close()
+
+    def test_load_state_dict_replaces_each_group_as_torch_does(self):
+        # A key the saved group lacks goes (a scheduler's initial_lr, a
+        # user's own key); the constructor's options keep their values.
+        model = mlp()
+        opt = self.make(model.parameters(), lr=1e-3)
+        ref = torch.optim.AdamW(mlp().parameters(), lr=1e-3)
+        for o in (opt, ref):
+            saved = o.state_dict()
+            torch.optim.lr_scheduler.StepLR(o, 2)
+            o.param_groups[0]["mine"] = 1
+            o.load_state_dict(saved)
+        self.assertNotIn("initial_lr", ref.param_groups[0])
+        self.assertNotIn("initial_lr", opt.param_groups[0])
+        self.assertNotIn("mine", opt.param_groups[0])
+        for k, v in ref.param_groups[0].items():
+            if k != "params":
+                self.assertEqual(opt.param_groups[0][k], v, k)
+        self.train_step(model, opt)
+        opt.close()
+
+    def test_implementation_switches_as_torch_takes_them(self):
+        # foreach and fused choose among torch's implementations of the
+        # same math: taken. capturable and differentiable promise what a
+        # step in the daemon cannot do: refused, naming the option.
+        model = mlp()
+        opt = self.make(model.parameters(), foreach=True)
+        self.train_step(model, opt)
+        opt.close()
+        for k in ("capturable", "differentiable"):
+            if k not in torch.optim.AdamW.__init__.__code__.co_varnames:
+                continue
+            with self.assertRaisesRegex(ValueError, k):
+                self.make(mlp().parameters(), **{k: True})
+
+    def test_sgd_without_lr_as_the_installed_torch(self):
+        # torch 2.2 and later default lr to 1e-3; before, a group without
+        # lr raises ValueError.
+        from optimd.torch import SGD
+        model = mlp()
+        try:
+            ref = torch.optim.SGD(mlp().parameters())
+        except ValueError as e:
+            with self.assertRaisesRegex(ValueError, "required optimization "
+                                                    "parameter lr"):
+                SGD(model.parameters(), address=self.daemon.address,
+                    job_id=self.id())
+            self.assertIn("lr", str(e))
+            return
+        opt = SGD(model.parameters(), address=self.daemon.address,
+                  job_id=self.id())
+        self.assertEqual(opt.param_groups[0]["lr"], ref.param_groups[0]["lr"])
+        self.train_step(model, opt)
+        opt.close()
+
     def test_fsdp1_parameters_are_refused_clearly(self):
         # FSDP version 1 marks the parameters it flattens into its own
         # buffer (`_fsdp_flattened`) and points them at views of it again
@@ -1132,7 +1234,7 @@ class TorchClientTest(unittest.TestCase):
         # A fresh optimizer leaves .grad alone, as torch's does.
         self.assertTrue(all(p.grad is None for p in model.parameters()))
         self.train_step(model, opt)
-        opt.zero_grad()  # torch 2's default: set_to_none=True
+        opt.zero_grad(set_to_none=True)  # torch 2's default
         self.assertTrue(all(p.grad is None for p in model.parameters()))
         self.train_step(model, opt)
         opt.zero_grad(set_to_none=False)

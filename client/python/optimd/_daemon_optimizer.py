@@ -46,8 +46,17 @@ _SHARDING = {None: pb.GRADIENT_SHARDING_UNSPECIFIED,
              "sharded": pb.GRADIENT_SHARDING_SHARDED}
 
 
-# torch's switches between implementations of one step; optimd has its own.
+# torch's switches between implementations of one step; optimd has its own,
+# fused, which gives the same math as foreach and fused. Those that promise
+# what a step in the daemon cannot do (captured in the trainer's CUDA graph,
+# differentiated by autograd) are refused when asked for.
 _IMPLEMENTATION_OPTIONS = ("foreach", "fused", "capturable", "differentiable")
+_REFUSED_OPTIONS = ("capturable", "differentiable")
+
+# What torch.optim.Optimizer.zero_grad() does by default in the installed
+# torch: set_to_none=True from torch 2.0, False before.
+_TORCH_SET_TO_NONE = inspect.signature(
+    torch.optim.Optimizer.zero_grad).parameters["set_to_none"].default
 
 
 def _torch_defaults(cls):
@@ -217,7 +226,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             raise TypeError("%s.__init__() got an unexpected keyword "
                             "argument %r" % (cls.__name__, k))
         for k, v in torch_options.items():
-            if k in _IMPLEMENTATION_OPTIONS and v:
+            if k in _REFUSED_OPTIONS and v:
                 raise ValueError("optimd.torch.%s runs its own fused step; "
                                  "%s=%r is not supported" %
                                  (cls.__name__, k, v))
@@ -423,7 +432,9 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             s.mem = local_of(p)
             s.name = self._names.get(id(p), "group%d.param%d" % (gi, pi))
             s.numel = s.mem.numel()
-            s.frozen = not p.requires_grad
+            # torch steps every parameter with a gradient, one set by hand
+            # on a parameter that requires none included.
+            s.frozen = not p.requires_grad and p.grad is None
             s.group_id = str(gi)
             s.gview = None
             s.sent_ptr = 0
@@ -576,8 +587,11 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         step)."""
         for gi, (g, group) in enumerate(zip(self._groups, self.param_groups)):
             same = list(map(id, group["params"])) == g["param_ids"]
-            unfrozen = any(map(_requires_grad, g["frozen"])) and any(
-                p.requires_grad and p.grad is not None for p in g["frozen"])
+            # A frozen parameter with a gradient now (trained again, or
+            # one set by hand). All None: the set is built without a
+            # Python call per parameter.
+            unfrozen = bool(g["frozen"]) and set(map(
+                _grad_of, g["frozen"])) != {None}
             materialized = g["lazy"] and not all(map(_is_lazy, g["lazy"]))
             if same and not unfrozen and not materialized:
                 continue
@@ -811,12 +825,15 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         if self._overlap is not None:
             self._overlap.finish()
 
-    def zero_grad(self, set_to_none=True):
-        """As torch's: set_to_none=True (the default) sets every `.grad` to
-        None, so the next backward writes fresh gradients once;
-        set_to_none=False zeroes the existing gradients (in the group's flat
-        gradient buffer, one launch per group; with overlap, after the last
-        step is done with them)."""
+    def zero_grad(self, set_to_none=None):
+        """As torch's: set_to_none=True sets every `.grad` to None, so the
+        next backward writes fresh gradients once; set_to_none=False zeroes
+        the existing gradients (in the group's flat gradient buffer, one
+        launch per group; with overlap, after the last step is done with
+        them). The default is the installed torch's (True from torch 2.0,
+        False before)."""
+        if set_to_none is None:
+            set_to_none = _TORCH_SET_TO_NONE
         if set_to_none:
             if self._overlap is not None:
                 self._overlap.keep(self._router.grads())
@@ -890,6 +907,6 @@ def _not_dense_error(name, p):
 
 
 
-_requires_grad = operator.attrgetter("requires_grad")
+_grad_of = operator.attrgetter("grad")
 # An UninitializedParameter (a lazy module's before its first forward).
 _is_lazy = torch.nn.parameter.is_lazy

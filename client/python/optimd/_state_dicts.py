@@ -215,6 +215,15 @@ class StateDicts:
         saved_state = state_dict["state"]
         masters = False
         for gi, (g, sg, mine) in enumerate(zip(groups, saved, self._groups)):
+            # The group becomes the saved one, as torch's load_state_dict
+            # replaces it: a key it lacks goes (a scheduler's initial_lr,
+            # say), but for the constructor's options, which take their
+            # constructor values (torch gives its own the defaults).
+            for k in [k for k in g if k not in sg and k != "params"]:
+                if k in self.defaults:
+                    g[k] = self.defaults[k]
+                else:
+                    del g[k]
             for k, v in sg.items():
                 if k != "params":
                     g[k] = tuple(v) if k == "betas" else v

@@ -15,7 +15,9 @@ fresh ones, and each step tells the daemon only which moved or went away
 The optimizer state (moments, master weights, step counters) lives in the
 daemon; `state_dict()` and `optimizer.state[p]` fetch it on demand.
 
-Followed as torch follows them: zero_grad both ways; edits of
+Followed as torch follows them: zero_grad both ways (its default the
+installed torch's); a gradient set by hand on a parameter that requires
+none; load_state_dict replacing each group; SGD's default lr; edits of
 param_groups (hyperparameters, amsgrad and maximize, parameters added,
 removed or unfrozen: a parameter taken out keeps its state for a return);
 lazy parameters once materialized; writes to optimizer.state, and state
@@ -56,12 +58,18 @@ differences"):
     shards (README, "FSDP2"); replicated or hybrid placements, overlap
     and shard_state with them raise NotImplementedError naming the
     parameter.
+  * state_dict() is a copy taken when called (torch's holds the live
+    state tensors); the optimizer cannot be pickled or deep-copied;
+    isinstance(opt, torch.optim.AdamW) is False (torch.optim.Optimizer:
+    True); capturable=True and differentiable=True raise ValueError.
+  * FSDP version 1's flat parameters raise NotImplementedError.
   * max_grad_norm (optimd's own) clips by the norm of this rank's
     gradients, or of the job's with gradient_sharding.
 """
 import functools
 
 import torch
+import torch.optim.optimizer as torch_optimizer
 
 from optimd import errors
 from optimd._daemon_optimizer import (BLOCK8, _DaemonOptimizer,
@@ -69,6 +77,11 @@ from optimd._daemon_optimizer import (BLOCK8, _DaemonOptimizer,
 # Public as optimd.torch.tied_named_parameters(model).
 from optimd._names import tied_named_parameters  # noqa: F401
 from optimd.v1 import optimd_pb2 as pb
+
+# torch's marker for a hyperparameter without a default (SGD's lr before
+# torch 2.2): torch.optim.Optimizer.add_param_group raises for a group
+# that does not give it.
+_REQUIRED = torch_optimizer.required
 
 __all__ = ["AdamW", "Adam", "SGD", "Lion", "BLOCK8",
            "tied_named_parameters"]
@@ -350,7 +363,7 @@ class SGD(_DaemonOptimizer):
     _state_dtype_key = "state_dtype"
     _takes_float64 = True
 
-    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0,
+    def __init__(self, params, lr=None, momentum=0.0, dampening=0.0,
                  weight_decay=0.0, nesterov=False, *, maximize=False,
                  address=None, job_id=None, rank=None, world_size=None,
                  resume=False, master_weights=None,
@@ -359,7 +372,12 @@ class SGD(_DaemonOptimizer):
                  keep_fp32=(), overlap=False, resume_secret=None,
                  timeout=60.0, gradient_sharding=None, shard_state=False,
                  **torch_options):
-        if not 0.0 <= lr:
+        if lr is None:
+            # The installed torch's default: 1e-3 from torch 2.2; before,
+            # none (`required`: every group must give one, as torch checks
+            # in add_param_group).
+            lr = _torch_defaults(self._torch_class).get("lr", _REQUIRED)
+        if lr is not _REQUIRED and not 0.0 <= lr:
             raise ValueError("Invalid learning rate: {}".format(lr))
         if momentum < 0.0:
             raise ValueError("Invalid momentum value: {}".format(momentum))
