@@ -331,7 +331,8 @@ class Adam(AdamW):
 
 
 class SGD(_DaemonOptimizer):
-    """torch.optim.SGD with the step in the optimd daemon: momentum,
+    """torch.optim.SGD with the step in the optimd daemon: lr (its default
+    the installed torch's: 1e-3 from torch 2.2, required before), momentum,
     dampening, nesterov, weight_decay and maximize as torch has them (a
     tensor's first step starts its momentum buffer from the gradient);
     optimizer.state holds torch's "momentum_buffer" (none without
