@@ -278,14 +278,15 @@ class OptimizerServiceImpl::LoadStreamReactor final
       return;
     }
     worker_->Post([this] {
-      auto r = LoadSessionFile(*session_, path_, options_);
+      const std::string path = SpoolPath();
+      auto r = LoadSessionFile(*session_, path, options_);
       if (!r.ok()) {
         // The spool file is the daemon's own: the client knows its data
         // as the stream.
         End(ToGrpcStatus(absl::Status(
             r.status().code(),
             absl::StrReplaceAll(r.status().message(),
-                                {{path_, "the streamed checkpoint"}}))));
+                                {{path, "the streamed checkpoint"}}))));
         return;
       }
       response_.set_path("(stream)");
@@ -307,14 +308,24 @@ class OptimizerServiceImpl::LoadStreamReactor final
   void Begin() {
     log::Info(absl::StrCat("checkpoint load started (stream): ", name_));
     const std::string dir = SpoolDirectory(options_);
-    // The pid lets a later daemon remove the file if this one is killed.
-    path_ = dir + "/.optimd-load-" + std::to_string(getpid()) + "-XXXXXX";
-    fd_ = mkstemp(path_.data());
-    if (fd_ < 0) {
-      End(ToGrpcStatus(SpoolFileError(errno, "creating", dir)));
+    int error = 0;
+    {
+      MutexLock lock(&spool_mu_);
+      // The pid lets a later daemon remove the file if this one is killed.
+      path_ = dir + "/.optimd-load-" + std::to_string(getpid()) + "-XXXXXX";
+      fd_ = mkstemp(path_.data());
+      if (fd_ < 0) error = errno;
+    }
+    if (error != 0) {
+      End(ToGrpcStatus(SpoolFileError(error, "creating", dir)));
       return;
     }
     StartRead(&in_);
+  }
+
+  std::string SpoolPath() {
+    MutexLock lock(&spool_mu_);
+    return path_;
   }
 
   // Checks the parsed chunk_ and writes its bytes to the spool file.
@@ -347,9 +358,14 @@ class OptimizerServiceImpl::LoadStreamReactor final
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                           "chunks run past total_bytes");
     }
+    int fd;
+    {
+      MutexLock lock(&spool_mu_);
+      fd = fd_;
+    }
     for (size_t done = 0; done < d.size();) {
       const ssize_t w =
-          pwrite(fd_, d.data() + done, d.size() - done, received_ + done);
+          pwrite(fd, d.data() + done, d.size() - done, received_ + done);
       if (w < 0) {
         return ToGrpcStatus(
             SpoolFileError(errno, "writing", SpoolDirectory(options_)));
@@ -377,6 +393,7 @@ class OptimizerServiceImpl::LoadStreamReactor final
   }
 
   void Cleanup() {
+    MutexLock lock(&spool_mu_);
     if (fd_ >= 0) {
       close(fd_);
       unlink(path_.c_str());
@@ -394,8 +411,14 @@ class OptimizerServiceImpl::LoadStreamReactor final
   grpc::ByteBuffer* const out_;
   v1::LoadStateResponse response_;
   LoadStreamClaims* const claims_;
-  std::string path_;
-  int fd_ = -1;
+  // The spool file. Begin() may run on the thread of another stream's
+  // cancel (the claim granted), the writes on gRPC's reading thread, the
+  // load and Cleanup() on the worker or gRPC's: gRPC orders them
+  // (StartRead, OnReadDone, Finish), but inside its libraries, where
+  // ThreadSanitizer cannot see it, so they also meet under this mutex.
+  Mutex spool_mu_;
+  std::string path_ ABSL_GUARDED_BY(spool_mu_);
+  int fd_ ABSL_GUARDED_BY(spool_mu_) = -1;
   grpc::ByteBuffer in_;
   v1::StateChunk chunk_;  // the chunk being spooled, parsed from in_
   uint64_t received_ = 0;
