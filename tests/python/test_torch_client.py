@@ -1180,6 +1180,19 @@ class TorchClientTest(unittest.TestCase):
                 continue
             with self.assertRaisesRegex(ValueError, k):
                 self.make(mlp().parameters(), **{k: True})
+        # A switch the installed torch's class does not take is its
+        # TypeError (SGD's fused and capturable on torch 1.13).
+        from optimd.torch import SGD
+        for k in ("fused", "capturable", "differentiable", "foreach"):
+            try:
+                torch.optim.SGD(mlp().parameters(), lr=0.1, **{k: False})
+            except TypeError:
+                with self.assertRaisesRegex(TypeError, k):
+                    SGD(mlp().parameters(), lr=0.1, **{k: False},
+                        address=self.daemon.address, job_id=self.id())
+                continue
+            SGD(mlp().parameters(), lr=0.1, **{k: False},
+                address=self.daemon.address, job_id=self.id()).close()
 
     def test_sgd_without_lr_as_the_installed_torch(self):
         # torch 2.2 and later default lr to 1e-3; before, a group without

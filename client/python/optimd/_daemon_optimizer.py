@@ -217,11 +217,14 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
                 "gradients now reach the weights as in torch's step by "
                 "default, and skip_nonfinite=True skips such steps" %
                 cls.__name__)
-        # Only what torch's own class takes: a misspelt keyword is an
-        # error, as in torch, never an ignored group key.
-        known = set(_IMPLEMENTATION_OPTIONS)
+        # Only what the installed torch's own class takes: a misspelt
+        # keyword, or a switch this torch does not have (SGD's fused on
+        # torch 1.13), is a TypeError, as in torch, never an ignored group
+        # key. Lion, which torch lacks, takes every switch.
         if cls._torch_class is not None:
-            known |= set(_torch_defaults(cls._torch_class))
+            known = set(_torch_defaults(cls._torch_class))
+        else:
+            known = set(_IMPLEMENTATION_OPTIONS)
         for k in sorted(set(torch_options) - known):
             raise TypeError("%s.__init__() got an unexpected keyword "
                             "argument %r" % (cls.__name__, k))
