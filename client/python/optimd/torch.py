@@ -9,7 +9,8 @@ Parameters are re-homed into memory the daemon can reach (POSIX shared
 memory on the CPU, one CUDA allocation per group shared by CUDA IPC): each
 parameter keeps its identity for the model, only its storage moves, and the
 daemon writes new values there with no copy. Gradients stay where autograd
-puts them: zero_grad() sets them to None as torch's does, backward writes
+puts them: zero_grad() sets them to None as torch 2's does (on torch 1.x
+its default zeroes them, as there), backward writes
 fresh ones, and each step tells the daemon only which moved or went away
 (see optimd/_grads.py); a parameter whose `.grad` is None is not stepped.
 The optimizer state (moments, master weights, step counters) lives in the
