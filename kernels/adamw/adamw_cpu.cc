@@ -12,11 +12,6 @@
 namespace optimd {
 namespace {
 
-using cpu::BF16;
-using cpu::F16;
-using cpu::F32;
-using cpu::F64;
-
 // block8 scales per block: exp_avg's, then exp_avg_sq's (no amsgrad).
 constexpr uint64_t kBlock8Slots = 2;
 
