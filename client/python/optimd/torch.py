@@ -374,11 +374,12 @@ class SGD(_DaemonOptimizer):
                  keep_fp32=(), overlap=False, resume_secret=None,
                  timeout=60.0, gradient_sharding=None, shard_state=False,
                  **torch_options):
+        defaults = _torch_defaults(self._torch_class)
         if lr is None:
             # The installed torch's default: 1e-3 from torch 2.2; before,
             # none (`required`: every group must give one, as torch checks
             # in add_param_group).
-            lr = _torch_defaults(self._torch_class).get("lr", _REQUIRED)
+            lr = defaults["lr"]
         if lr is not _REQUIRED and not 0.0 <= lr:
             raise ValueError("Invalid learning rate: {}".format(lr))
         if momentum < 0.0:
@@ -390,7 +391,6 @@ class SGD(_DaemonOptimizer):
             raise ValueError(
                 "Nesterov momentum requires a momentum and zero dampening")
         self._check_options(torch_options, state_dtype)
-        defaults = _torch_defaults(self._torch_class)
         defaults.update(torch_options)
         defaults.update(dict(
             lr=lr, momentum=momentum, dampening=dampening,
