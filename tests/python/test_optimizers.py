@@ -11,6 +11,7 @@ import os
 import random
 import tempfile
 import unittest
+from unittest import mock
 
 import torch
 
@@ -143,7 +144,10 @@ class SgdParity(Base):
                             opt.state[p]["momentum_buffer"],
                             ref.state[q]["momentum_buffer"]), 1e-5)
                     else:
-                        self.assertNotIn("momentum_buffer", opt.state[p])
+                        # The installed torch's entry: a None buffer on
+                        # torch 1.13, none from later torch 2.x.
+                        self.assertEqual(dict(opt.state[p]),
+                                         dict(ref.state[q]))
 
     def test_one_cycle_schedule_cycles_momentum(self):
         self.run_pair(schedule=True, lr=0.05, momentum=0.9, weight_decay=0.01)
@@ -170,6 +174,104 @@ class SgdParity(Base):
                 o.step()
         self.assert_close(fresh, theirs, 1e-5, "ours -> torch")
         self.assert_close(mine, theirs, 1e-5, "torch -> ours")
+
+    def assert_same_state(self, ours, theirs, what):
+        """State dicts `ours` and `theirs` (torch's) hold the same entries
+        with the same keys: None where torch's has None, close tensors
+        elsewhere."""
+        self.assertEqual(sorted(ours["state"]), sorted(theirs["state"]),
+                         what)
+        for i, entry in theirs["state"].items():
+            self.assertEqual(sorted(ours["state"][i]), sorted(entry),
+                             "%s: parameter %d" % (what, i))
+            for k, v in entry.items():
+                mine = ours["state"][i][k]
+                if v is None:
+                    self.assertIsNone(mine, "%s: %d %s" % (what, i, k))
+                else:
+                    self.assertLessEqual(rel_err(mine, v), 1e-5,
+                                         "%s: %d %s" % (what, i, k))
+
+    def no_momentum_pair(self, steps=4):
+        """optimd's and torch's SGD without momentum after `steps` steps
+        in which parameter 2 has no gradient (torch keeps no entry for
+        it)."""
+        ours, theirs = self.twins()
+        opt = self.make(SGD, ours, lr=0.01)
+        ref = torch.optim.SGD(theirs, lr=0.01)
+        for _ in range(steps):
+            self.grads(ours, theirs, skip=(2,))
+            opt.step()
+            ref.step()
+        return opt, ref, ours, theirs
+
+    def test_no_momentum_state_is_what_torch_keeps(self):
+        # torch 1.13 keeps {"momentum_buffer": None} per stepped parameter,
+        # later torch 2.x no entry; optimd's is the installed torch's.
+        opt, ref, ours, theirs = self.no_momentum_pair()
+        self.assert_close(ours, theirs, 1e-5, "steps")
+        self.assert_same_state(opt.state_dict(), ref.state_dict(),
+                               "state_dict")
+        for p, q in zip(ours, theirs):
+            self.assertEqual(p in opt.state, q in ref.state)
+            if q in ref.state:
+                self.assertEqual(dict(opt.state[p]), dict(ref.state[q]))
+
+    def test_no_momentum_state_dicts_move_both_ways(self):
+        opt, ref, ours, theirs = self.no_momentum_pair()
+        # torch -> ours, as torch has it and without the None buffers (as
+        # later torch 2.x writes it): each loads, and then holds what
+        # torch's SGD holds after loading it.
+        bare = ref.state_dict()
+        bare["state"] = {}
+        backs = []
+        for what, sd in (("as torch has it", ref.state_dict()),
+                         ("without None", bare)):
+            mine = [torch.nn.Parameter(q.detach().clone()) for q in theirs]
+            back = self.make(SGD, mine, lr=0.01)
+            back.load_state_dict(sd)
+            twin = [torch.nn.Parameter(q.detach().clone()) for q in theirs]
+            loaded = torch.optim.SGD(twin, lr=0.01)
+            loaded.load_state_dict(sd)
+            self.assert_same_state(back.state_dict(), loaded.state_dict(),
+                                   what)
+            backs.append((what, back, mine, loaded, twin))
+        # ours -> torch: it holds what torch's own state dict gives it.
+        fresh = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+        other = torch.optim.SGD(fresh, lr=0.01)
+        other.load_state_dict(opt.state_dict())
+        self.assert_same_state(other.state_dict(), ref.state_dict(),
+                               "ours -> torch")
+        # Then every one trains as torch does.
+        runs = [(opt, ours), (ref, theirs), (other, fresh)]
+        for _, back, mine, loaded, twin in backs:
+            runs += [(back, mine), (loaded, twin)]
+        for _ in range(5):
+            self.grads(ours, theirs, skip=(2,))
+            for _, params in runs[2:]:
+                for p, q in zip(params, ours):
+                    p.grad = None if q.grad is None else q.grad.clone()
+            for o, _ in runs:
+                o.step()
+        self.assert_close(ours, theirs, 1e-5, "ours")
+        self.assert_close(fresh, theirs, 1e-5, "ours -> torch")
+        self.assert_same_state(opt.state_dict(), ref.state_dict(), "ours")
+        for what, back, mine, loaded, twin in backs:
+            self.assert_close(mine, theirs, 1e-5, "torch -> ours, " + what)
+            self.assert_same_state(back.state_dict(), loaded.state_dict(),
+                                   "after steps, " + what)
+
+    def test_no_momentum_state_follows_a_torch_without_none(self):
+        # A torch that keeps no entry without momentum (later torch 2.x),
+        # as the probe of the installed torch would find it: no entry, and
+        # a torch 1.13 state dict still loads.
+        with mock.patch("optimd.torch._torch_sgd_unset_slots",
+                        lambda: ()):
+            opt, ref, ours, theirs = self.no_momentum_pair()
+            self.assertEqual(opt.state_dict()["state"], {})
+            self.assertEqual(len(opt.state), 0)
+            opt.load_state_dict(ref.state_dict())
+            self.assertEqual(opt.state_dict()["state"], {})
 
     def test_momentum_turned_on_after_steps(self):
         ours, theirs = self.twins()
@@ -374,7 +476,8 @@ class Float64Parity(Base):
                             buf, ref.state[q]["momentum_buffer"], 1 / 3),
                             FLOAT64_TOL)
                     else:
-                        self.assertNotIn("momentum_buffer", opt.state[p])
+                        self.assertEqual(dict(opt.state[p]),
+                                         dict(ref.state[q]))
                 print("float64 SGD momentum=%g dampening=%g nesterov=%d "
                       "wd=%g maximize=%d: worst relative error %.2e" %
                       (kw["momentum"], kw["dampening"], kw["nesterov"],

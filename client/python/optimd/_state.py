@@ -225,7 +225,9 @@ def set_state_request(group_id, tensors, entries, slot_names, ranges=None):
     without state: its state slots `slot_names` zero, its step 0, as torch
     starts one). Entries without "step" (torch's SGD keeps none) count one
     step when they hold a state slot, none otherwise: SGD's first step
-    starts the momentum buffer from the gradient. `ranges` (shard_state:
+    starts the momentum buffer from the gradient. Without state slots (SGD
+    without momentum) any entry counts one, {"momentum_buffer": None} too:
+    torch keeps one only for a parameter it stepped. `ranges` (shard_state:
     optimd._zero_state.part_ranges) gives each tensor only elements
     [begin, end) of its memory order, the part its session keeps."""
     request = pb.SetStateRequest(group_id=group_id)
@@ -235,11 +237,13 @@ def set_state_request(group_id, tensors, entries, slot_names, ranges=None):
     for s, entry, (begin, end) in zip(tensors, entries, ranges):
         if s.frozen:
             continue
+        stepped = bool(entry) and not slot_names
         entry = {k: v for k, v in (entry or {}).items() if v is not None}
         if "step" in entry:
             own_steps[s.name] = int(float(entry["step"]))
         else:
-            own_steps[s.name] = int(any(k in entry for k in slot_names))
+            own_steps[s.name] = int(stepped or
+                                    any(k in entry for k in slot_names))
         for kind in tuple(slot_names) + ("master",):
             if kind in entry:
                 add_blob(request, s.name, kind, memory_order(

@@ -313,6 +313,22 @@ def _torch_group_keys(cls):
     return frozenset(cls([torch.zeros(1, requires_grad=True)]).defaults)
 
 
+@functools.lru_cache(maxsize=None)
+def _torch_sgd_unset_slots():
+    """The keys that the installed torch's SGD sets to None in the state
+    entry of a parameter it stepped without momentum: ("momentum_buffer",)
+    where it keeps every stepped parameter's buffer, None without momentum
+    (torch 1.13); () where it keeps one only with momentum and no entry
+    otherwise (later torch 2.x). Found by stepping torch's own SGD once, a
+    probe rather than a version check: what counts is the torch here."""
+    p = torch.zeros(1, requires_grad=True)
+    p.grad = torch.zeros(1)
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.0)
+    opt.step()
+    entry = opt.state.get(p) or {}
+    return tuple(k for k, v in entry.items() if v is None)
+
+
 class Adam(AdamW):
     """torch.optim.Adam with the step in the optimd daemon: AdamW with
     Adam's L2 weight decay (folded into the gradient) and torch.optim.Adam's
@@ -336,10 +352,12 @@ class SGD(_DaemonOptimizer):
     the installed torch's: 1e-3 from torch 2.2, required before), momentum,
     dampening, nesterov, weight_decay and maximize as torch has them (a
     tensor's first step starts its momentum buffer from the gradient);
-    optimizer.state holds torch's "momentum_buffer" (none without
-    momentum). Momentum may change between steps (schedulers cycle it);
-    turning it on or off, or changing dampening, nesterov or maximize,
-    registers the group anew, keeping its state.
+    optimizer.state holds torch's "momentum_buffer"; without momentum a
+    stepped parameter's entry is what the installed torch keeps (torch
+    1.13: "momentum_buffer": None; later torch 2.x: no entry), and
+    load_state_dict takes either. Momentum may change between steps
+    (schedulers cycle it); turning it on or off, or changing dampening,
+    nesterov or maximize, registers the group anew, keeping its state.
 
     Besides torch's arguments:
       address, job_id, rank, world_size, resume, resume_secret,
@@ -420,6 +438,17 @@ class SGD(_DaemonOptimizer):
 
     def _slot_names(self, group):
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
+
+    def _state_entry(self, s, own, flats):
+        """As torch's SGD keeps it: a stepped parameter of a group without
+        momentum (no buffer from the daemon) has the installed torch's
+        entry, {"momentum_buffer": None} or none at all (with a master of
+        its own, bf16 or fp16, just that); loads drop the None."""
+        entry = super()._state_entry(s, own, flats)
+        if entry is None or "momentum_buffer" in entry:
+            return entry
+        entry.update(dict.fromkeys(_torch_sgd_unset_slots()))
+        return entry or None
 
     def _check_layout_change(self, gi, group, snapshot, tensors_state):
         pass
