@@ -5,14 +5,16 @@
 // A state slot of kBlock8 holds one byte per element and, per block of
 // kBlock8Elements consecutive elements of a tensor (the last block may be
 // shorter), one fp32 scale: the largest magnitude in the block. An element
-// is stored as an 8-bit minifloat of value / scale, which lies in [-1, 1]:
+// is stored as an 8-bit minifloat of value * (1 / scale), which lies in
+// [-1, 1] (the reciprocal is rounded once per block, Block8Inverse):
 //  - signed slots (exp_avg): a sign bit and a 7-bit magnitude with 4
 //    exponent and 3 mantissa bits, values down to 2^-17;
 //  - unsigned slots (exp_avg_sq, never negative): 5 exponent and 3 mantissa
 //    bits, values down to 2^-33, since the second moment spans a far wider
 //    range within a block than the first.
 // Rounding is to nearest, ties to even, by integer operations on the
-// float's bits; the value read back is the code's value times the scale
+// float's bits (and, below the normal range, one exact fp32 addition);
+// the value read back is the code's value times the scale
 // (one fp32 multiply). Every step is exact or one correctly rounded IEEE
 // operation, so plain C++ and CUDA (-fmad=false) give the same bits.
 //
@@ -58,40 +60,42 @@ constexpr int kMantissaBits = 3;
 
 // The code of |x| (sign ignored; NaN and values above 1 read as 1) in an
 // unsigned minifloat with kExp exponent bits and 3 mantissa bits, whose
-// largest exponent holds [1, 2): codes 0 .. (2^kExp - 1) << 3.
+// largest exponent holds [1, 2): codes 0 .. (2^kExp - 1) << 3. Both
+// roundings are computed and one is selected, with no branch: a branch
+// that lanes of a warp take differently costs the CUDA kernels both paths
+// and their reconvergence.
 template <int kExp>
 OPTIMD_HOST_DEVICE inline uint32_t EncodeUnit(float x) {
   constexpr uint32_t kMaxExp = (1u << kExp) - 1;
   constexpr int kShift = 23 - kMantissaBits;
   uint32_t u = Bits(x) & 0x7fffffffu;
   if (!(u <= 0x3f800000u)) u = 0x3f800000u;  // NaN or above 1: 1
-  const uint32_t fexp = u >> 23;
-  if (fexp >= 128 - kMaxExp) {
-    // Normal: round the mantissa to 3 bits (a carry bumps the exponent),
-    // then rebias the exponent from 127 to kMaxExp.
-    const uint32_t r = u + ((1u << (kShift - 1)) - 1) + ((u >> kShift) & 1u);
-    return (r >> kShift) - ((127u - kMaxExp) << kMantissaBits);
-  }
-  // Subnormal: multiples of 2^(1 - kMaxExp - 3). q is x scaled by a power
-  // of two (exact), at most 8; its integer part and fraction are exact.
+  // Normal: round the mantissa to 3 bits (a carry bumps the exponent),
+  // then rebias the exponent from 127 to kMaxExp.
+  const uint32_t r = u + ((1u << (kShift - 1)) - 1) + ((u >> kShift) & 1u);
+  const uint32_t normal = (r >> kShift) - ((127u - kMaxExp) << kMantissaBits);
+  // Subnormal: multiples of 2^(1 - kMaxExp - 3). q is |x| scaled by a
+  // power of two (exact), at most 8 there; adding 2^23 rounds it to an
+  // integer, to nearest even, which the sum's low mantissa bits then hold.
   const float q =
       FromBits(u) * FromBits((127u + kMaxExp - 1 + kMantissaBits) << 23);
-  const uint32_t whole = static_cast<uint32_t>(q);
-  const float frac = q - static_cast<float>(whole);
-  const bool up = frac > 0.5f || (frac == 0.5f && (whole & 1u) != 0);
-  return whole + (up ? 1u : 0u);
+  const uint32_t subnormal = Bits(q + 8388608.0f) - 0x4b000000u;
+  return (u >> 23) >= 128 - kMaxExp ? normal : subnormal;
 }
 
+// The value of code c of EncodeUnit<kExp>: the normal value from its bits,
+// or below them m multiples of 2^(1 - kMaxExp - 3) (the difference of two
+// normal values, exact); selected with no branch, as EncodeUnit.
 template <int kExp>
 OPTIMD_HOST_DEVICE inline float DecodeUnit(uint32_t c) {
   constexpr uint32_t kMaxExp = (1u << kExp) - 1;
+  constexpr uint32_t kMinNormal = (128u - kMaxExp) << 23;
   const uint32_t e = c >> kMantissaBits;
   const uint32_t m = c & ((1u << kMantissaBits) - 1);
-  if (e != 0) {
-    return FromBits(((e + 127u - kMaxExp) << 23) | (m << (23 - kMantissaBits)));
-  }
-  return static_cast<float>(m) *
-         FromBits((127u + 1 - kMaxExp - kMantissaBits) << 23);
+  const uint32_t mantissa = m << (23 - kMantissaBits);
+  const float normal = FromBits(((e + 127u - kMaxExp) << 23) | mantissa);
+  const float subnormal = FromBits(kMinNormal | mantissa) - FromBits(kMinNormal);
+  return e != 0 ? normal : subnormal;
 }
 
 }  // namespace block8
@@ -131,11 +135,20 @@ OPTIMD_HOST_DEVICE inline float Block8Scale(float max) {
   return max != max ? block8::FromBits(0x7fc00000u) : max;
 }
 
-// The code of x in a block of scale `scale` (kSigned: exp_avg). A zero
-// scale (an all-zero block) stores zeros.
+// What a block of scale `scale` multiplies its values by before encoding:
+// 1 / scale, once per block, so that each element costs one multiply and
+// not a division; 0 for a zero scale (an all-zero block), whose codes are
+// then those of zero.
+OPTIMD_HOST_DEVICE inline float Block8Inverse(float scale) {
+  return scale == 0.0f ? 0.0f : 1.0f / scale;
+}
+
+// The code of x in a block whose Block8Inverse is `inverse` (kSigned:
+// exp_avg): the code of x * inverse, which lies in [-1, 1] up to that
+// product's rounding (above 1 reads as 1).
 template <bool kSigned>
-OPTIMD_HOST_DEVICE inline uint8_t Block8Encode(float x, float scale) {
-  const float unit = scale == 0.0f ? 0.0f : x / scale;
+OPTIMD_HOST_DEVICE inline uint8_t Block8Encode(float x, float inverse) {
+  const float unit = x * inverse;
   return kSigned ? EncodeSigned8(unit) : EncodeUnsigned8(unit);
 }
 
@@ -151,9 +164,10 @@ inline float QuantizeBlock8(bool is_signed, const float* x, uint64_t n,
   float max = 0.0f;
   for (uint64_t i = 0; i < n; ++i) max = Block8Max(max, x[i]);
   const float scale = Block8Scale(max);
+  const float inverse = Block8Inverse(scale);
   for (uint64_t i = 0; i < n; ++i) {
-    codes[i] = is_signed ? Block8Encode<true>(x[i], scale)
-                         : Block8Encode<false>(x[i], scale);
+    codes[i] = is_signed ? Block8Encode<true>(x[i], inverse)
+                         : Block8Encode<false>(x[i], inverse);
   }
   return scale;
 }

@@ -103,5 +103,79 @@ TEST(Block8Test, BlockCounts) {
   EXPECT_EQ(Block8Blocks(257), 2u);
 }
 
+// The codec as first written, with a branch per range (integer part and
+// fraction compared by hand below the normal range): the branch-free
+// EncodeUnit and DecodeUnit must give the same codes and values.
+template <int kExp>
+uint32_t BranchingEncodeUnit(float x) {
+  constexpr uint32_t kMaxExp = (1u << kExp) - 1;
+  uint32_t u = FloatBits(x) & 0x7fffffffu;
+  if (!(u <= 0x3f800000u)) u = 0x3f800000u;
+  if ((u >> 23) >= 128 - kMaxExp) {
+    const uint32_t r = u + ((1u << 19) - 1) + ((u >> 20) & 1u);
+    return (r >> 20) - ((127u - kMaxExp) << 3);
+  }
+  const float q = BitsToFloat(u) * BitsToFloat((127u + kMaxExp + 2) << 23);
+  const uint32_t whole = static_cast<uint32_t>(q);
+  const float frac = q - static_cast<float>(whole);
+  return whole + ((frac > 0.5f || (frac == 0.5f && (whole & 1u))) ? 1u : 0u);
+}
+
+template <int kExp>
+float BranchingDecodeUnit(uint32_t c) {
+  constexpr uint32_t kMaxExp = (1u << kExp) - 1;
+  const uint32_t e = c >> 3, m = c & 7u;
+  if (e != 0) return BitsToFloat(((e + 127u - kMaxExp) << 23) | (m << 20));
+  return static_cast<float>(m) * BitsToFloat((127u - kMaxExp - 2) << 23);
+}
+
+template <int kExp>
+void ExpectCodecAsBranching() {
+  constexpr uint32_t kCodes = ((1u << kExp) - 1) << 3;
+  for (uint32_t c = 0; c <= kCodes; ++c) {
+    ASSERT_EQ(FloatBits(block8::DecodeUnit<kExp>(c)),
+              FloatBits(BranchingDecodeUnit<kExp>(c)))
+        << c;
+  }
+  // Every code's neighbourhood of its midpoints with the next (ties and
+  // the floats either side), then a stride through all of [0, 1] and a
+  // little beyond.
+  std::vector<uint32_t> inputs;
+  for (uint32_t c = 0; c < kCodes; ++c) {
+    const double mid = (static_cast<double>(BranchingDecodeUnit<kExp>(c)) +
+                        BranchingDecodeUnit<kExp>(c + 1)) /
+                       2;
+    const uint32_t m = FloatBits(static_cast<float>(mid));
+    for (uint32_t d = 0; d <= 8; ++d) inputs.push_back(m + d - 4);
+  }
+  for (uint32_t u = 0; u <= 0x3f900000u; u += 4099) inputs.push_back(u);
+  for (uint32_t u : inputs) {
+    const float x = BitsToFloat(u);
+    ASSERT_EQ(block8::EncodeUnit<kExp>(x), BranchingEncodeUnit<kExp>(x)) << u;
+  }
+}
+
+TEST(Block8Test, BranchFreeCodecEqualsTheBranchingOne) {
+  ExpectCodecAsBranching<4>();
+  ExpectCodecAsBranching<5>();
+}
+
+// Encoding multiplies by the block's reciprocal: the element that set the
+// scale reads back as itself, and a zero scale gives zero codes.
+TEST(Block8Test, EncodeMultipliesByTheReciprocal) {
+  for (float scale : {3.0f, 0.1f, 7e-30f, 1e30f}) {
+    const float inverse = Block8Inverse(scale);
+    EXPECT_EQ(inverse, 1.0f / scale);
+    EXPECT_EQ(Block8Decode<false>(Block8Encode<false>(scale, inverse), scale),
+              scale);
+    EXPECT_EQ(Block8Decode<true>(Block8Encode<true>(-scale, inverse), scale),
+              -scale);
+    EXPECT_EQ(Block8Encode<false>(scale * 0.3f, inverse),
+              EncodeUnsigned8(scale * 0.3f * inverse));
+  }
+  EXPECT_EQ(Block8Inverse(0.0f), 0.0f);
+  EXPECT_EQ(Block8Encode<true>(0.0f, Block8Inverse(0.0f)), 0);
+}
+
 }  // namespace
 }  // namespace optimd

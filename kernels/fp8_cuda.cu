@@ -57,8 +57,11 @@ struct Fp8Encode {
       if (kPerTensor) {
         m[4 * q] = m[4 * q + 1] = m[4 * q + 2] = m[4 * q + 3] = mul[k];
       } else if (t.pass == Fp8Pass::kHalfAmax) {
+        bool start;
+        const uint64_t unit = HalfAmaxUnit(t.geometry, e, &start);
         m[4 * q] = m[4 * q + 1] = m[4 * q + 2] = m[4 * q + 3] =
-            ElementMultiplier<P>(t, e);
+            UnitMultiplier<P>(t.geometry.recipe, t.amax[unit], t.scale_inv,
+                              unit, start);
       } else {
 #pragma unroll
         for (int j = 0; j < 4; ++j)

@@ -64,6 +64,27 @@ __device__ __forceinline__ float UnitMultiplier(Fp8Recipe recipe,
   return mul;
 }
 
+// The unit of element e of a kHalfAmax parameter (128x128 blocks over
+// whole 128-column units, ChooseFp8Pass) and whether e starts it: one
+// division by the columns, in 32 bits where the tensor allows (a 64-bit
+// division costs about four times as many instructions), then shifts.
+__device__ __forceinline__ uint64_t HalfAmaxUnit(const Fp8Geometry& g,
+                                                 uint64_t e, bool* start) {
+  uint64_t row, col;
+  if (g.rows * g.cols <= 0xffffffffull) {
+    const uint32_t e32 = static_cast<uint32_t>(e);
+    const uint32_t c32 = static_cast<uint32_t>(g.cols);
+    const uint32_t r32 = e32 / c32;
+    row = r32;
+    col = e32 - r32 * c32;
+  } else {
+    row = e / g.cols;
+    col = e - row * g.cols;
+  }
+  *start = row % 128 == 0 && col % 128 == 0;
+  return (row / 128) * (g.cols / 128) + col / 128;
+}
+
 // The largest of a lane's first four (h = 0) or last four (h = 1) bits.
 __device__ __forceinline__ uint32_t HalfMax(const uint32_t* bits, int h) {
   return max(max(bits[4 * h], bits[4 * h + 1]),
@@ -126,7 +147,9 @@ __device__ __forceinline__ void RecordAmax(const DeviceFp8Tensor& t,
     const uint32_t h1 = __reduce_max_sync(0xffffffffu, HalfMax(bits, 1));
     const uint32_t offset = lane * (kTileElements / 2);
     if (lane < 2 && offset < n) {
-      atomicMax(&t.amax[t.geometry.UnitOf(first + offset)], lane ? h1 : h0);
+      bool start;
+      const uint64_t unit = HalfAmaxUnit(t.geometry, first + offset, &start);
+      atomicMax(&t.amax[unit], lane ? h1 : h0);
     }
     return;
   }

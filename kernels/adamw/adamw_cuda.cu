@@ -193,10 +193,11 @@ struct UpdateBlock8 : ItemBias {
     }
     const float new_sm = WarpBlock8Scale(mmax);
     const float new_sv = WarpBlock8Scale(vmax);
+    const float im = Block8Inverse(new_sm), iv = Block8Inverse(new_sv);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      mq[j] = Block8Encode<true>(m[j], new_sm);
-      vq[j] = Block8Encode<false>(v[j], new_sv);
+      mq[j] = Block8Encode<true>(m[j], im);
+      vq[j] = Block8Encode<false>(v[j], iv);
     }
     StoreBlock8Lane<P, K>(c, first, n, vector, p);
     StoreCodes(static_cast<uint8_t*>(c.state[0]), first, n, vector, mq);
