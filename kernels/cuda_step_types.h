@@ -66,23 +66,38 @@ constexpr uint32_t kMaxItemsPerBlock = 32;
 //     scaling units (1x128 and MXFP8 blocks of rows whose columns are
 //     whole blocks, or any block of a one-row tensor, whose last unit the
 //     tensor's end clips; every item starting on a unit).
+//   kUnitWalk: 128x128 blocks over several rows of whole 128-column
+//     blocks: the update walks the tensor unit by unit instead of item by
+//     item (a thread block per unit, UnitTask), keeps the unit's new
+//     masters in shared memory and requantizes it once its amax is known:
+//     one pass too.
 //   Otherwise the update takes each unit's amax into `amax` (atomic
 //   maxima of the magnitudes' bits) and an encode pass after it reads the
-//   masters back: kTensorAmax (per-tensor scaling, one unit), kHalfAmax
-//   (each half of a warp block lies in one unit: 128x128 blocks with
-//   whole 128-column blocks), kElementAmax (any other shape: unit by
-//   element).
+//   masters back: kTensorAmax (per-tensor scaling, one unit), kElementAmax
+//   (any other shape: unit by element).
 enum class Fp8Pass : uint32_t {
   kFused = 0,
   kTensorAmax = 1,
-  kHalfAmax = 2,
+  kUnitWalk = 2,
   kElementAmax = 3,
+};
+
+// The rows and columns of a kUnitWalk unit (a 128x128 block).
+constexpr uint32_t kWalkUnitSide = 128;
+
+// One unit of a kUnitWalk parameter, one thread block's work: `item` is
+// the parameter's first item (its streams, entry and DeviceFp8Tensor;
+// without elements while the parameter has no gradient), `unit` the
+// unit's index in the parameter (its scale-inverse index).
+struct UnitTask {
+  uint32_t item;
+  uint32_t unit;
 };
 
 // One FP8 parameter: its fp32 master, the trainer's codes and scale
 // inverses, its scaling units and how they are written. first_unit: the
-// units of the plan's FP8 parameters before it. amax: for every pass but
-// kFused, one word per unit (the largest magnitude's fp32 bits, a NaN's
+// units of the plan's FP8 parameters before it. amax: for the passes with
+// an encode pass (kTensorAmax, kElementAmax), one word per unit (the largest magnitude's fp32 bits, a NaN's
 // above every number's), zeroed before each update; amax_first is its
 // offset in the plan's amax words.
 struct DeviceFp8Tensor {
@@ -163,10 +178,14 @@ struct DeviceScalars {
 
 constexpr int kThreadsPerBlock = 256;
 
-// Work of one launch: one thread block per work block.
+// Work of one launch: one thread block per work block; for the update of
+// FP8 parameters, one more per unit task (kUnitWalk parameters, whose
+// items no work block of the update holds).
 struct Work {
   const DeviceBlock* blocks;
   uint32_t num_blocks;
+  uint32_t num_unit_tasks;
+  const UnitTask* unit_tasks;
   const DeviceItem* items;
   // Per plan entry, the group's applied steps in which the tensor had no
   // gradient (its own step number is t - missed[entry]).

@@ -158,64 +158,70 @@ __device__ __forceinline__ void StoreGlobal(uint2* p, uint2 v) {
 
 // A lane's share of the tile at i - 4 * lane, as 32-bit words: elements
 // i..i+3 and i+128..i+131, so each access of a warp covers 32 consecutive
-// 8- or 16-byte pieces.
+// 8- or 16-byte pieces. `half` (a multiple of 4): where the second four
+// lie instead, i + half.. (the unit walk's rows, kernels/fp8_cuda.cuh).
+constexpr uint32_t kTileHalf = kTileElements / 2;
 template <int kBytes>
 __device__ __forceinline__ void LoadTile(const void* base, uint64_t i,
-                                         uint32_t* w) {
+                                         uint32_t* w,
+                                         uint64_t half = kTileHalf) {
   if constexpr (kBytes == 4) {
     const uint4* p =
         reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(base) + i);
-    const uint4 a = LoadGlobal(p), b = LoadGlobal(p + kTileElements / 8);
+    const uint4 a = LoadGlobal(p), b = LoadGlobal(p + half / 4);
     w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w;
     w[4] = b.x, w[5] = b.y, w[6] = b.z, w[7] = b.w;
   } else {
     static_assert(kBytes == 2, "2- or 4-byte elements");
     const uint2* p =
         reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(base) + i);
-    const uint2 a = LoadGlobal(p), b = LoadGlobal(p + kTileElements / 8);
+    const uint2 a = LoadGlobal(p), b = LoadGlobal(p + half / 4);
     w[0] = a.x, w[1] = a.y, w[2] = b.x, w[3] = b.y;
   }
 }
 
 template <int kBytes>
 __device__ __forceinline__ void StoreTile(void* base, uint64_t i,
-                                          const uint32_t* w) {
+                                          const uint32_t* w,
+                                          uint64_t half = kTileHalf) {
   if constexpr (kBytes == 4) {
     uint4* p = reinterpret_cast<uint4*>(static_cast<uint32_t*>(base) + i);
     StoreGlobal(p, make_uint4(w[0], w[1], w[2], w[3]));
-    StoreGlobal(p + kTileElements / 8, make_uint4(w[4], w[5], w[6], w[7]));
+    StoreGlobal(p + half / 4, make_uint4(w[4], w[5], w[6], w[7]));
   } else {
     static_assert(kBytes == 2, "2- or 4-byte elements");
     uint2* p = reinterpret_cast<uint2*>(static_cast<uint16_t*>(base) + i);
     StoreGlobal(p, make_uint2(w[0], w[1]));
-    StoreGlobal(p + kTileElements / 8, make_uint2(w[2], w[3]));
+    StoreGlobal(p + half / 4, make_uint2(w[2], w[3]));
   }
 }
 
 // Elements of one stream of type X as floats. N == 8: a lane's share of a
-// tile (LoadTile). N == 1: element i alone.
+// tile (LoadTile, its second four at i + half). N == 1: element i alone.
 template <int N, class X>
-__device__ __forceinline__ void LoadF(const void* base, uint64_t i, float* x) {
+__device__ __forceinline__ void LoadF(const void* base, uint64_t i, float* x,
+                                      uint64_t half = kTileHalf) {
   if constexpr (N == 1) {
     x[0] = X::Load(static_cast<const typename X::T*>(base)[i]);
   } else {
     static_assert(N == 8, "a tile lane holds 8 elements");
     uint32_t w[X::kTileWords];
-    LoadTile<sizeof(typename X::T)>(base, i, w);
+    LoadTile<sizeof(typename X::T)>(base, i, w, half);
     X::Unpack(w, x);
   }
 }
 
 // Stores floats rounded to X (X::Round: results of GPU arithmetic only).
 template <int N, class X>
-__device__ __forceinline__ void StoreF(void* base, uint64_t i, const float* x) {
+__device__ __forceinline__ void StoreF(void* base, uint64_t i, const float* x,
+                                       uint64_t half = kTileHalf) {
   if constexpr (N == 1) {
     static_cast<typename X::T*>(base)[i] = X::Round(x[0]);
   } else {
     static_assert(N == 8, "a tile lane holds 8 elements");
     uint32_t w[X::kTileWords];
     X::Pack(x, w);
-    StoreTile<sizeof(typename X::T)>(base, i, w);
+    StoreTile<sizeof(typename X::T)>(base, i, w, half);
   }
 }
 
@@ -427,9 +433,10 @@ __device__ __forceinline__ void StoreCodes(uint8_t* q, uint64_t first,
 // parameter and its remainder, or the parameter itself.
 template <int N, class P, MasterKind K>
 __device__ __forceinline__ void LoadWeight(const DeviceItem& t, uint64_t i,
-                                           float* p) {
+                                           float* p,
+                                           uint64_t half = kTileHalf) {
   if constexpr (K == MasterKind::kFp32) {
-    LoadF<N, F32>(t.master, i, p);
+    LoadF<N, F32>(t.master, i, p, half);
   } else if constexpr (K == MasterKind::kRemainder) {
     LoadRemainderMasters<N>(t.param, t.master, i, p);
   } else {
@@ -441,10 +448,11 @@ __device__ __forceinline__ void LoadWeight(const DeviceItem& t, uint64_t i,
 // and remainder that rebuild them exactly, or the parameter.
 template <int N, class P, MasterKind K>
 __device__ __forceinline__ void StoreWeight(const DeviceItem& t, uint64_t i,
-                                            const float* p) {
+                                            const float* p,
+                                            uint64_t half = kTileHalf) {
   if constexpr (K == MasterKind::kFp32) {
-    StoreF<N, F32>(t.master, i, p);
-    if constexpr (!IsFp8Param<P>::value) StoreF<N, P>(t.param, i, p);
+    StoreF<N, F32>(t.master, i, p, half);
+    if constexpr (!IsFp8Param<P>::value) StoreF<N, P>(t.param, i, p, half);
   } else if constexpr (K == MasterKind::kRemainder) {
     StoreRemainderMasters<N>(t.param, t.master, i, p);
   } else {

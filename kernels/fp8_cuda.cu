@@ -34,9 +34,8 @@ __device__ __forceinline__ float ElementMultiplier(const DeviceFp8Tensor& t,
 // scaling, Fp8Pass::kTensorAmax): each item's multiplier once, in Prepare
 // (the tensor's first item writes the scale inverse), and nothing per
 // element but the encode, so the kernel fits the registers of eight
-// resident blocks a multiprocessor. Otherwise, per tensor: kHalfAmax, a
-// lane's four consecutive elements share a unit (each half of a tile lies
-// in one); kElementAmax, unit by element.
+// resident blocks a multiprocessor. Otherwise kElementAmax tensors, unit
+// by element; the one-pass tensors (kFused, kUnitWalk) are left alone.
 template <class P, bool kPerTensor>
 struct Fp8Encode {
   float* mul;  // shared memory, one per item of the block
@@ -56,12 +55,6 @@ struct Fp8Encode {
       const uint64_t e = i + q * (kTileElements / 2);
       if (kPerTensor) {
         m[4 * q] = m[4 * q + 1] = m[4 * q + 2] = m[4 * q + 3] = mul[k];
-      } else if (t.pass == Fp8Pass::kHalfAmax) {
-        bool start;
-        const uint64_t unit = HalfAmaxUnit(t.geometry, e, &start);
-        m[4 * q] = m[4 * q + 1] = m[4 * q + 2] = m[4 * q + 3] =
-            UnitMultiplier<P>(t.geometry.recipe, t.amax[unit], t.scale_inv,
-                              unit, start);
       } else {
 #pragma unroll
         for (int j = 0; j < 4; ++j)
@@ -71,7 +64,7 @@ struct Fp8Encode {
   }
   __device__ void Tile(const DeviceItem& c, uint32_t k, uint64_t i) {
     const DeviceFp8Tensor& t = Fp8Of(c);
-    if (!kPerTensor && t.pass == Fp8Pass::kFused) return;
+    if (!kPerTensor && t.pass != Fp8Pass::kElementAmax) return;
     float x[8], m[8];
     LoadF<8, F32>(c.master, i, x);
     TileMultipliers(t, k, i, m);
@@ -87,7 +80,7 @@ struct Fp8Encode {
   }
   __device__ void Scalar(const DeviceItem& c, uint32_t k, uint64_t i) {
     const DeviceFp8Tensor& t = Fp8Of(c);
-    if (!kPerTensor && t.pass == Fp8Pass::kFused) return;
+    if (!kPerTensor && t.pass != Fp8Pass::kElementAmax) return;
     const float m = kPerTensor ? mul[k] : ElementMultiplier<P>(t, i);
     static_cast<uint8_t*>(c.param)[i] =
         Fp8Codec<P>::Encode(static_cast<const float*>(c.master)[i] * m);

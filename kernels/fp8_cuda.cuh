@@ -1,8 +1,9 @@
 // Device code of FP8 parameters' requantization (docs/fp8_parameters.md)
 // that the update kernels share with the encode pass (kernels/fp8_cuda.cu):
 // a unit's scale from its amax, the one-pass requantization of a warp
-// block whose units it holds whole, and the amax of the units of the other
-// passes (Fp8Pass, kernels/cuda_step_types.h). The rules are core/fp8.h's
+// block whose units it holds whole, the amax of the units of the passes
+// with an encode pass, and the walk of a 128x128 unit (Fp8Pass,
+// kernels/cuda_step_types.h). The rules are core/fp8.h's
 // host-device functions, so the bits equal the CPU reference's.
 // Included by the .cu files of kernels/ only (nvcc).
 #ifndef OPTIMD_KERNELS_FP8_CUDA_CUH_
@@ -64,27 +65,6 @@ __device__ __forceinline__ float UnitMultiplier(Fp8Recipe recipe,
   return mul;
 }
 
-// The unit of element e of a kHalfAmax parameter (128x128 blocks over
-// whole 128-column units, ChooseFp8Pass) and whether e starts it: one
-// division by the columns, in 32 bits where the tensor allows (a 64-bit
-// division costs about four times as many instructions), then shifts.
-__device__ __forceinline__ uint64_t HalfAmaxUnit(const Fp8Geometry& g,
-                                                 uint64_t e, bool* start) {
-  uint64_t row, col;
-  if (g.rows * g.cols <= 0xffffffffull) {
-    const uint32_t e32 = static_cast<uint32_t>(e);
-    const uint32_t c32 = static_cast<uint32_t>(g.cols);
-    const uint32_t r32 = e32 / c32;
-    row = r32;
-    col = e32 - r32 * c32;
-  } else {
-    row = e / g.cols;
-    col = e - row * g.cols;
-  }
-  *start = row % 128 == 0 && col % 128 == 0;
-  return (row / 128) * (g.cols / 128) + col / 128;
-}
-
 // The largest of a lane's first four (h = 0) or last four (h = 1) bits.
 __device__ __forceinline__ uint32_t HalfMax(const uint32_t* bits, int h) {
   return max(max(bits[4 * h], bits[4 * h + 1]),
@@ -129,8 +109,7 @@ __device__ __forceinline__ void EncodeFusedBlock(const DeviceFp8Tensor& t,
 // item's word of the thread block's shared memory, `item_amax` (the
 // update adds it to t.amax once per item: FinishItemAmax), since every
 // warp of the launch's running blocks would otherwise hit the same word;
-// whole halves reduce across the warp into t.amax; other shapes go element
-// by element.
+// other shapes go element by element.
 __device__ __forceinline__ void RecordAmax(const DeviceFp8Tensor& t,
                                            uint64_t first, uint32_t n,
                                            const uint32_t* bits,
@@ -140,17 +119,6 @@ __device__ __forceinline__ void RecordAmax(const DeviceFp8Tensor& t,
     const uint32_t v =
         __reduce_max_sync(0xffffffffu, max(HalfMax(bits, 0), HalfMax(bits, 1)));
     if (lane == 0) atomicMax(item_amax, v);
-    return;
-  }
-  if (t.pass == Fp8Pass::kHalfAmax) {
-    const uint32_t h0 = __reduce_max_sync(0xffffffffu, HalfMax(bits, 0));
-    const uint32_t h1 = __reduce_max_sync(0xffffffffu, HalfMax(bits, 1));
-    const uint32_t offset = lane * (kTileElements / 2);
-    if (lane < 2 && offset < n) {
-      bool start;
-      const uint64_t unit = HalfAmaxUnit(t.geometry, first + offset, &start);
-      atomicMax(&t.amax[unit], lane ? h1 : h0);
-    }
     return;
   }
 #pragma unroll
@@ -190,6 +158,76 @@ __device__ __forceinline__ void FinishItemAmax(const DeviceItem* cs, uint32_t n,
   if (threadIdx.x >= n) return;
   const DeviceFp8Tensor& t = Fp8Of(cs[threadIdx.x]);
   if (t.pass == Fp8Pass::kTensorAmax) atomicMax(t.amax, item_amax[threadIdx.x]);
+}
+
+// The update and requantization of unit `unit` of a kUnitWalk parameter
+// (its first item c, in shared memory; `masters`: the thread block's
+// shared memory for the unit's kWalkUnitSide^2 new masters; `unit_amax`:
+// a shared word, zeroed), by the whole thread block. Each warp takes pairs
+// of the unit's rows, a lane four columns of both: body.Tile(c, i, half,
+// p) updates a lane's share of rows r and r + 1 (elements i.. and
+// i + half.., half = the columns; LoadTile), body.One(c, i, p) element i
+// alone (the unit's odd last row, or streams not 16-byte aligned). The
+// masters go to shared memory as well as to the master, so that once the
+// unit's amax is known the codes come from there: one pass over the master.
+template <class P, class Body>
+__device__ __forceinline__ void WalkUnit(const DeviceItem& c, uint32_t unit,
+                                         float* masters, uint32_t* unit_amax,
+                                         Body& body) {
+  const DeviceFp8Tensor& t = Fp8Of(c);
+  const uint64_t cols = t.geometry.cols;
+  const uint64_t unit_cols = cols / kWalkUnitSide;
+  const uint64_t first_row = unit / unit_cols * kWalkUnitSide;
+  const uint64_t left = t.geometry.rows - first_row;
+  const uint32_t rows =
+      left < kWalkUnitSide ? static_cast<uint32_t>(left) : kWalkUnitSide;
+  const uint64_t base = first_row * cols + unit % unit_cols * kWalkUnitSide;
+  const bool vector = c.tiles > 0;
+  const uint32_t lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  uint32_t amax = 0;
+  for (uint32_t r = 2 * (threadIdx.x >> 5); r < rows; r += 2 * warps) {
+    const uint64_t i = base + r * cols + 4 * lane;
+    float p[8];
+    if (vector && r + 1 < rows) {
+      body.Tile(c, i, cols, p);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        p[j] = 0.0f;
+        if (r + j / 4 < rows) body.One(c, i + (j / 4) * cols + j % 4, &p[j]);
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (r + h >= rows) continue;
+      *reinterpret_cast<float4*>(masters + (r + h) * kWalkUnitSide +
+                                 4 * lane) =
+          make_float4(p[4 * h], p[4 * h + 1], p[4 * h + 2], p[4 * h + 3]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) amax = max(amax, MagnitudeBits(p[4 * h + j]));
+    }
+  }
+  amax = __reduce_max_sync(0xffffffffu, amax);
+  if (lane == 0) atomicMax(unit_amax, amax);
+  __syncthreads();
+  const float mul = UnitMultiplier<P>(t.geometry.recipe, *unit_amax,
+                                      t.scale_inv, unit, threadIdx.x == 0);
+  for (uint32_t e = 4 * threadIdx.x; e < rows * kWalkUnitSide;
+       e += 4 * blockDim.x) {
+    const float4 x = *reinterpret_cast<const float4*>(masters + e);
+    const uint8_t codes[4] = {
+        Fp8Codec<P>::Encode(x.x * mul), Fp8Codec<P>::Encode(x.y * mul),
+        Fp8Codec<P>::Encode(x.z * mul), Fp8Codec<P>::Encode(x.w * mul)};
+    uint8_t* q = t.param + base + e / kWalkUnitSide * cols + e % kWalkUnitSide;
+    if (vector) {
+      *reinterpret_cast<uint32_t*>(q) =
+          codes[0] | codes[1] << 8 | codes[2] << 16 |
+          static_cast<uint32_t>(codes[3]) << 24;
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) q[j] = codes[j];
+    }
+  }
 }
 
 }  // namespace cuda

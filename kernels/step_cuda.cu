@@ -299,7 +299,10 @@ absl::Status LaunchMakeScalars(const GroupStep* scratch, uint32_t n,
 absl::Status LaunchUpdate(const OptimizerHyper& hyper, const Layout& layout,
                           const Work& work, const DeviceScalars* scalars,
                           Stream stream) {
-  if (work.num_blocks == 0) return absl::OkStatus();
+  // A launch of kUnitWalk FP8 parameters alone has unit tasks only.
+  if (work.num_blocks == 0 && work.num_unit_tasks == 0) {
+    return absl::OkStatus();
+  }
   return CudaOptimizers::Update(hyper, layout, work, scalars, stream);
 }
 

@@ -71,6 +71,7 @@ void AppendFp8(const Plan& host, const std::vector<uint32_t>& items,
                Launch* launch, DevicePlan* plan) {
   launch->fp8_first = static_cast<uint32_t>(plan->fp8.size());
   launch->fp8_amax_first = plan->fp8_amax_words;
+  launch->first_unit_task = static_cast<uint32_t>(plan->unit_tasks.size());
   uint64_t units = plan->fp8.empty() ? 0
                                      : plan->fp8.back().first_unit +
                                            plan->fp8.back().geometry.Units();
@@ -89,7 +90,13 @@ void AppendFp8(const Plan& host, const std::vector<uint32_t>& items,
     t.entry = item.entry;
     t.pass = ChooseFp8Pass(p.fp8, ItemStep(host, items, item.entry));
     t.amax_first = plan->fp8_amax_words;
-    if (t.pass != Fp8Pass::kFused) plan->fp8_amax_words += p.fp8.Units();
+    if (HasEncodePass(t.pass)) plan->fp8_amax_words += p.fp8.Units();
+    if (t.pass == Fp8Pass::kUnitWalk) {
+      const uint32_t first_item = plan->entry_items[item.entry].first;
+      for (uint64_t u = 0; u < p.fp8.Units(); ++u) {
+        plan->unit_tasks.push_back({first_item, static_cast<uint32_t>(u)});
+      }
+    }
     plan->fp8.push_back(t);
     units += p.fp8.Units();
   }
@@ -97,6 +104,31 @@ void AppendFp8(const Plan& host, const std::vector<uint32_t>& items,
       static_cast<uint32_t>(plan->fp8.size()) - launch->fp8_first;
   launch->fp8_units = units - first_unit;
   launch->fp8_amax_words = plan->fp8_amax_words - launch->fp8_amax_first;
+  launch->num_unit_tasks =
+      static_cast<uint32_t>(plan->unit_tasks.size()) - launch->first_unit_task;
+}
+
+// The update's work blocks of `launch` (its items and FP8 parameters in
+// `plan` already): over each run of its items that the update walks by
+// item, the items of every kUnitWalk parameter (walked by unit) left out.
+void AppendUpdateBlocks(DevicePlan* plan, const Launch& launch,
+                        uint64_t target) {
+  const uint32_t end = launch.first_item + launch.num_items;
+  std::vector<bool> by_unit(plan->entry_items.size(), false);
+  for (uint32_t f = launch.fp8_first; f < launch.fp8_first + launch.fp8_count;
+       ++f) {
+    by_unit[plan->fp8[f].entry] = plan->fp8[f].pass == Fp8Pass::kUnitWalk;
+  }
+  const auto walked = [&](uint32_t c) {
+    return !by_unit[plan->items[c].entry];
+  };
+  for (uint32_t c = launch.first_item; c < end;) {
+    while (c < end && !walked(c)) ++c;
+    uint32_t run_end = c;
+    while (run_end < end && walked(run_end)) ++run_end;
+    AppendBlocks(plan->items, c, run_end, target, &plan->tables[0].blocks);
+    c = run_end;
+  }
 }
 
 // Appends launch `launch` (its layout and stage set) over plan items
@@ -120,15 +152,18 @@ void AppendLaunch(const Plan& host, const std::vector<uint32_t>& items,
   launch.num_items =
       static_cast<uint32_t>(plan->items.size()) - launch.first_item;
   launch.fp8_first = static_cast<uint32_t>(plan->fp8.size());
+  launch.first_unit_task = static_cast<uint32_t>(plan->unit_tasks.size());
   if (l.fp8_recipe != Fp8Recipe::kNone) AppendFp8(host, items, &launch, plan);
   for (int t = 0; t < 2; ++t) {
     std::vector<DeviceBlock>& blocks = plan->tables[t].blocks;
     launch.first_block[t] = static_cast<uint32_t>(blocks.size());
-    AppendBlocks(plan->items, launch.first_item,
-                 launch.first_item + launch.num_items,
-                 t == 0 ? UpdateBlockElements(l, item_elements)
-                        : item_elements * kStatsBlockFactor,
-                 &blocks);
+    if (t == 0) {
+      AppendUpdateBlocks(plan, launch, UpdateBlockElements(l, item_elements));
+    } else {
+      AppendBlocks(plan->items, launch.first_item,
+                   launch.first_item + launch.num_items,
+                   item_elements * kStatsBlockFactor, &blocks);
+    }
     launch.num_blocks[t] =
         static_cast<uint32_t>(blocks.size()) - launch.first_block[t];
   }
@@ -202,6 +237,7 @@ std::vector<Launch> WholeLaunches(const std::vector<Launch>& launches) {
       w.fp8_count += l.fp8_count;  // adjacent in plan->fp8 too
       w.fp8_units += l.fp8_units;
       w.fp8_amax_words += l.fp8_amax_words;
+      w.num_unit_tasks += l.num_unit_tasks;  // adjacent in plan->unit_tasks
       for (int t = 0; t < 2; ++t) w.num_blocks[t] += l.num_blocks[t];
     } else {
       whole.push_back(l);
@@ -256,6 +292,11 @@ Work LaunchWork(const DevicePlan& plan, const Launch& launch, int table) {
       reinterpret_cast<const DeviceBlock*>(plan.tables[table].blocks_d.data()) +
       launch.first_block[table];
   w.num_blocks = launch.num_blocks[table];
+  // The unit tasks are the update's (table 0) only.
+  w.num_unit_tasks = table == 0 ? launch.num_unit_tasks : 0;
+  w.unit_tasks =
+      reinterpret_cast<const UnitTask*>(plan.unit_tasks_d.data()) +
+      launch.first_unit_task;
   w.items = reinterpret_cast<const DeviceItem*>(plan.items_d.data());
   w.missed = reinterpret_cast<const uint32_t*>(plan.missed_d.data());
   return w;
@@ -274,7 +315,11 @@ Fp8Pass ChooseFp8Pass(const Fp8Geometry& g, uint64_t item_step) {
   const bool whole_cols = g.cols % w == 0;
   const bool row_units = g.rows <= 1 || (g.block_rows == 1 && whole_cols);
   if (row_units && starts) return Fp8Pass::kFused;
-  if (w == kTileElements / 2 && whole_cols && starts) return Fp8Pass::kHalfAmax;
+  // 128x128 blocks of several rows: walked unit by unit, whatever the
+  // items (the unit walk does not follow them).
+  if (g.block_rows == kWalkUnitSide && w == kWalkUnitSide && whole_cols) {
+    return Fp8Pass::kUnitWalk;
+  }
   return Fp8Pass::kElementAmax;
 }
 

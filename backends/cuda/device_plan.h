@@ -54,6 +54,11 @@ struct Launch {
   uint64_t fp8_units = 0;
   uint64_t fp8_amax_first = 0;
   uint64_t fp8_amax_words = 0;
+  // The unit tasks of its kUnitWalk parameters: DevicePlan::unit_tasks
+  // [first_unit_task, + num_unit_tasks). The update's work blocks leave
+  // those parameters' items out.
+  uint32_t first_unit_task = 0;
+  uint32_t num_unit_tasks = 0;
 };
 
 // The device-resident plan of one group. items: as in device memory;
@@ -82,6 +87,10 @@ struct DevicePlan : BackendPlan {
   StateStorage fp8_d;
   uint64_t fp8_amax_words = 0;
   StateStorage fp8_amax_d;
+  // One per unit of each kUnitWalk parameter, in launch order
+  // (Launch::first_unit_task), and their device copy.
+  std::vector<UnitTask> unit_tasks;
+  StateStorage unit_tasks_d;
   StateStorage items_d, partials_d, state_d, scalars_d;
   // Per entry, the group's applied steps it missed (no gradient); advanced
   // by the commit kernel for the entries listed in absent_d ([0]: count,
@@ -133,6 +142,12 @@ Work LaunchWork(const DevicePlan& plan, const Launch& launch, int table);
 // How an FP8 parameter of geometry `g` is requantized (Fp8Pass) when every
 // one of its items starts at a multiple of `item_step` elements.
 Fp8Pass ChooseFp8Pass(const Fp8Geometry& g, uint64_t item_step);
+
+// Whether parameters of pass `pass` have their units' amax words and an
+// encode pass after the update.
+inline bool HasEncodePass(Fp8Pass pass) {
+  return pass == Fp8Pass::kTensorAmax || pass == Fp8Pass::kElementAmax;
+}
 // Tiles of an item: whole tiles when every stream is 16-byte aligned at
 // the item's first element (tiles access them in 8- or 16-byte pieces),
 // else none.

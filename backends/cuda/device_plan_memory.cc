@@ -28,7 +28,7 @@ absl::Status UploadRows(cudaStream_t stream, const std::vector<T>& host,
 
 // Allocates the FP8 parameters' table and amax words, points each FP8
 // parameter at its amax words and each of its items at its table row, and
-// uploads the table (the items follow in UploadPlan).
+// uploads the table and the unit tasks (the items follow in UploadPlan).
 absl::Status UploadFp8(int device, cudaStream_t stream, DevicePlan& plan) {
   OPTIMD_ASSIGN_OR_RETURN(
       plan.fp8_d, DeviceAlloc(device, std::max<uint64_t>(1, plan.fp8.size()) *
@@ -43,13 +43,21 @@ absl::Status UploadFp8(int device, cudaStream_t stream, DevicePlan& plan) {
   auto* amax_d = reinterpret_cast<uint32_t*>(plan.fp8_amax_d.data());
   for (size_t f = 0; f < plan.fp8.size(); ++f) {
     DeviceFp8Tensor& t = plan.fp8[f];
-    t.amax = t.pass == Fp8Pass::kFused ? nullptr : amax_d + t.amax_first;
+    t.amax = HasEncodePass(t.pass) ? amax_d + t.amax_first : nullptr;
     const auto [first, end] = plan.entry_items[t.entry];
     for (uint32_t c = first; c < end; ++c) plan.items[c].scales = rows_d + f;
   }
   OPTIMD_RETURN_IF_CUDA_ERROR(
       cudaMemcpyAsync(plan.fp8_d.data(), plan.fp8.data(),
                       plan.fp8.size() * sizeof(DeviceFp8Tensor),
+                      cudaMemcpyHostToDevice, stream));
+  OPTIMD_ASSIGN_OR_RETURN(
+      plan.unit_tasks_d,
+      DeviceAlloc(device, std::max<uint64_t>(1, plan.unit_tasks.size()) *
+                              sizeof(UnitTask)));
+  OPTIMD_RETURN_IF_CUDA_ERROR(
+      cudaMemcpyAsync(plan.unit_tasks_d.data(), plan.unit_tasks.data(),
+                      plan.unit_tasks.size() * sizeof(UnitTask),
                       cudaMemcpyHostToDevice, stream));
   return absl::OkStatus();
 }

@@ -515,7 +515,7 @@ TEST(DevicePlanTest, Fp8ParametersAreListedWithTheirUnits) {
   uint64_t words = 0;
   for (const DeviceFp8Tensor& t : plan.fp8) {
     EXPECT_EQ(t.amax_first, words);
-    if (t.pass != Fp8Pass::kFused) words += t.geometry.Units();
+    if (HasEncodePass(t.pass)) words += t.geometry.Units();
   }
   EXPECT_EQ(words, 100u + 200 + 1000);
   EXPECT_EQ(plan.fp8_amax_words, words);
@@ -526,6 +526,52 @@ TEST(DevicePlanTest, Fp8ParametersAreListedWithTheirUnits) {
   uint32_t whole = 0;
   for (const Launch& l : plan.whole_launches) whole += l.fp8_count;
   EXPECT_EQ(whole, 4u);
+}
+
+// 128x128 blocks of several rows: one unit task per unit, pointing at the
+// tensor's first item; the update's work blocks leave the tensor's items
+// out (the statistics pass keeps them), and it has no amax words.
+TEST(DevicePlanTest, UnitWalkedParametersHaveUnitTasksAndNoUpdateBlocks) {
+  Layout fp8 = MakeLayout(DType::kFloat8E4M3, DType::kBFloat16, DType::kFloat32,
+                          MasterKind::kFp32, OptimizerKind::kAdamW, 2);
+  fp8.fp8_recipe = Fp8Recipe::kBlock128x128;
+  std::vector<TensorShape> shapes = {{300 * 256, fp8}, {5000, fp8},
+                                     {130 * 128, fp8}};
+  Group g = MakeGroup(shapes, 4096);
+  g.tensors[0].shape = {300, 256};
+  g.tensors[1].shape = {5000};
+  g.tensors[2].shape = {130, 128};
+  BuildPlan(g, 4096, /*fp8_whole_units=*/false);
+  const DevicePlan plan = MakePlan(g, 4096);
+  ASSERT_EQ(plan.fp8.size(), 3u);
+  EXPECT_EQ(plan.fp8[0].pass, Fp8Pass::kUnitWalk);
+  EXPECT_EQ(plan.fp8[1].pass, Fp8Pass::kFused);
+  EXPECT_EQ(plan.fp8[2].pass, Fp8Pass::kUnitWalk);
+  EXPECT_EQ(plan.fp8_amax_words, 0u);
+  // 3 x 2 units, then 2 x 1.
+  ASSERT_EQ(plan.unit_tasks.size(), 8u);
+  for (uint32_t u = 0; u < 8; ++u) {
+    const uint32_t entry = u < 6 ? plan.fp8[0].entry : plan.fp8[2].entry;
+    EXPECT_EQ(plan.unit_tasks[u].item, plan.entry_items[entry].first) << u;
+    EXPECT_EQ(plan.unit_tasks[u].unit, u < 6 ? u : u - 6) << u;
+  }
+  ASSERT_EQ(plan.whole_launches.size(), 1u);
+  const Launch& l = plan.whole_launches[0];
+  EXPECT_EQ(l.num_unit_tasks, 8u);
+  const std::vector<bool> walked_by_item = {false, true, false};
+  for (int t = 0; t < 2; ++t) {
+    std::vector<bool> seen(3, false);
+    for (uint32_t b = l.first_block[t]; b < l.first_block[t] + l.num_blocks[t];
+         ++b) {
+      const DeviceBlock& blk = plan.tables[t].blocks[b];
+      for (uint32_t c = blk.first; c < blk.end; ++c) {
+        seen[plan.items[c].entry] = true;
+      }
+    }
+    for (uint32_t e = 0; e < 3; ++e) {
+      EXPECT_EQ(seen[e], t == 1 || walked_by_item[e]) << t << " " << e;
+    }
+  }
 }
 
 // One pass where the update's warp blocks of 256 elements hold whole
@@ -549,7 +595,10 @@ TEST(DevicePlanTest, Fp8PassFollowsTheShapeOfTheUnits) {
   EXPECT_EQ(pass(R::kBlock128x128, {1000000}, 4096), Fp8Pass::kFused);
   EXPECT_EQ(pass(R::kMxfp8, {1, 100}, 4096), Fp8Pass::kFused);
   EXPECT_EQ(pass(R::kBlock1x128, {1000000}, 64), Fp8Pass::kElementAmax);
-  EXPECT_EQ(pass(R::kBlock128x128, {257, 384}, 4096), Fp8Pass::kHalfAmax);
+  // 128x128 blocks of several rows: walked unit by unit, whatever the
+  // items' starts.
+  EXPECT_EQ(pass(R::kBlock128x128, {257, 384}, 4096), Fp8Pass::kUnitWalk);
+  EXPECT_EQ(pass(R::kBlock128x128, {2, 128}, 64), Fp8Pass::kUnitWalk);
   EXPECT_EQ(pass(R::kBlock128x128, {257, 200}, 4096), Fp8Pass::kElementAmax);
   EXPECT_EQ(pass(R::kTensor, {257, 384}, 4096), Fp8Pass::kTensorAmax);
 }

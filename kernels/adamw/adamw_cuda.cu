@@ -18,18 +18,20 @@ namespace cuda {
 namespace {
 
 // State slots: exp_avg, exp_avg_sq, max_exp_avg_sq (amsgrad).
-// The new weights are left in p[0 .. N).
+// The new weights are left in p[0 .. N). N == 8: a tile lane's elements,
+// the second four at i + half (LoadTile).
 template <int N, class P, class G, class M, MasterKind K, bool kAms,
           bool kAdamW>
 __device__ __forceinline__ void UpdateN(const DeviceItem& t, uint64_t i,
                                         const DeviceScalars& s,
-                                        const BiasScalars& b, float* p) {
+                                        const BiasScalars& b, float* p,
+                                        uint64_t half = kTileHalf) {
   float g[N], m[N], v[N], x[N];
-  LoadWeight<N, P, K>(t, i, p);
-  LoadF<N, G>(t.grad, i, g);
-  LoadF<N, M>(t.state[0], i, m);
-  LoadF<N, M>(t.state[1], i, v);
-  if constexpr (kAms) LoadF<N, M>(t.state[2], i, x);
+  LoadWeight<N, P, K>(t, i, p, half);
+  LoadF<N, G>(t.grad, i, g, half);
+  LoadF<N, M>(t.state[0], i, m, half);
+  LoadF<N, M>(t.state[1], i, v, half);
+  if constexpr (kAms) LoadF<N, M>(t.state[2], i, x, half);
   const AdamWElementScalars e{s.grad_mul, s.decay, s.l2,  s.beta1,   s.beta2,
                               s.omb1,     s.omb2,  s.eps, b.neg_step};
   const auto div_bc2 = [&b](float a) { return DivByRecip(a, b.bc2, b.rbc2); };
@@ -37,25 +39,31 @@ __device__ __forceinline__ void UpdateN(const DeviceItem& t, uint64_t i,
   for (int k = 0; k < N; ++k) {
     p[k] = AdamWElement<kAms, kAdamW>(g[k], p[k], m[k], v[k], x[k], e, div_bc2);
   }
-  StoreF<N, M>(t.state[0], i, m);
-  StoreF<N, M>(t.state[1], i, v);
-  if constexpr (kAms) StoreF<N, M>(t.state[2], i, x);
-  StoreWeight<N, P, K>(t, i, p);
+  StoreF<N, M>(t.state[0], i, m, half);
+  StoreF<N, M>(t.state[1], i, v, half);
+  if constexpr (kAms) StoreF<N, M>(t.state[2], i, x, half);
+  StoreWeight<N, P, K>(t, i, p, half);
 }
 
-// The bias scalars of each item of a work block: the group's, or, for a
-// tensor that missed steps without a gradient, those of its own step
-// number (torch counts steps per parameter). The walk's Prepare.
+// The bias scalars of a tensor that missed `missed` of the group's steps
+// without a gradient: the group's, or those of its own step number (torch
+// counts steps per parameter).
+__device__ __forceinline__ BiasScalars BiasOf(const DeviceScalars& s,
+                                              uint32_t missed) {
+  return missed == 0 ? BiasScalars{s.neg_step, s.bc2, s.rbc2}
+                     : MakeBias(s.lr, s.beta1_d, s.beta2_d, s.bias_correction,
+                                s.t - missed);
+}
+
+// The bias scalars of each item of a work block (BiasOf its tensor). The
+// walk's Prepare.
 struct ItemBias {
   const DeviceScalars& s;
   const uint32_t* missed;
   BiasScalars* bias;  // shared memory, one per item of the block
   __device__ void Prepare(const DeviceItem* cs, uint32_t n) {
     if (threadIdx.x >= n) return;
-    const uint32_t m = missed[cs[threadIdx.x].entry];
-    bias[threadIdx.x] = m == 0 ? BiasScalars{s.neg_step, s.bc2, s.rbc2}
-                               : MakeBias(s.lr, s.beta1_d, s.beta2_d,
-                                          s.bias_correction, s.t - m);
+    bias[threadIdx.x] = BiasOf(s, missed[cs[threadIdx.x].entry]);
   }
   __device__ void Finish(const DeviceItem* /*cs*/, uint32_t /*n*/) {}
 };
@@ -291,6 +299,53 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 4)
   WalkBlocks8(work, body);
 }
 
+// The update of one unit of a kUnitWalk FP8 parameter (WalkUnit,
+// kernels/fp8_cuda.cuh): UpdateN on a lane's share of two of its rows, or
+// on one element.
+template <class P, class G, class M, bool kAms, bool kAdamW>
+struct UnitUpdate {
+  static constexpr MasterKind K = MasterKind::kFp32;
+  const DeviceScalars& s;
+  const BiasScalars& b;
+  __device__ void Tile(const DeviceItem& c, uint64_t i, uint64_t half,
+                       float* p) {
+    UpdateN<8, P, G, M, K, kAms, kAdamW>(c, i, s, b, p, half);
+  }
+  __device__ void One(const DeviceItem& c, uint64_t i, float* p) {
+    UpdateN<1, P, G, M, K, kAms, kAdamW>(c, i, s, b, p);
+  }
+};
+
+// One thread block per unit task of `work`: the unit's 64 KB of new
+// masters in dynamic shared memory (kUnitMastersBytes), so three resident
+// blocks a multiprocessor.
+constexpr int kUnitMastersBytes = kWalkUnitSide * kWalkUnitSide * 4;
+template <class P, class G, class M, bool kAms, bool kAdamW>
+__global__ void __launch_bounds__(kThreadsPerBlock, 3)
+    AdamWFp8UnitKernel(const Work work,
+                       const DeviceScalars* __restrict__ scalars) {
+  const DeviceScalars s = *scalars;
+  if (s.skip) return;
+  extern __shared__ float4 unit_masters[];
+  __shared__ uint4 item[sizeof(DeviceItem) / 16];
+  __shared__ BiasScalars bias;
+  __shared__ uint32_t unit_amax;
+  const UnitTask task = work.unit_tasks[blockIdx.x];
+  const uint4* src = reinterpret_cast<const uint4*>(work.items + task.item);
+  if (threadIdx.x < sizeof(DeviceItem) / 16) item[threadIdx.x] = src[threadIdx.x];
+  __syncthreads();
+  const DeviceItem& c = *reinterpret_cast<const DeviceItem*>(item);
+  if (c.end == c.begin) return;  // no gradient this step: left alone
+  if (threadIdx.x == 0) {
+    bias = BiasOf(s, work.missed[c.entry]);
+    unit_amax = 0;
+  }
+  __syncthreads();
+  UnitUpdate<P, G, M, kAms, kAdamW> body{s, bias};
+  WalkUnit<P>(c, task.unit, reinterpret_cast<float*>(unit_masters), &unit_amax,
+              body);
+}
+
 // At most 64 registers a thread: four resident blocks per multiprocessor,
 // enough bytes in flight to keep HBM busy.
 template <class P, class G, class M, MasterKind K, bool kAms, bool kAdamW>
@@ -324,11 +379,28 @@ struct AdamWLaunch {
         <<<work.num_blocks, kThreadsPerBlock, 0, stream>>>(work, scalars);
     return LaunchStatus("AdamW block8 kernel launch");
   }
+  // The item walk, then the unit walk (Fp8Pass::kUnitWalk), each where
+  // it has work.
   template <class P, class G, class M, bool kAms, bool kAdamW>
   absl::Status GoFp8() {
-    AdamWFp8Kernel<P, G, M, kAms, kAdamW>
-        <<<work.num_blocks, kThreadsPerBlock, 0, stream>>>(work, scalars);
-    return LaunchStatus("AdamW FP8 kernel launch");
+    if (work.num_blocks > 0) {
+      AdamWFp8Kernel<P, G, M, kAms, kAdamW>
+          <<<work.num_blocks, kThreadsPerBlock, 0, stream>>>(work, scalars);
+      const absl::Status launched = LaunchStatus("AdamW FP8 kernel launch");
+      if (!launched.ok()) return launched;
+    }
+    if (work.num_unit_tasks == 0) return absl::OkStatus();
+    const auto kernel = AdamWFp8UnitKernel<P, G, M, kAms, kAdamW>;
+    const cudaError_t e = cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kUnitMastersBytes);
+    if (e != cudaSuccess) {
+      return absl::InternalError(
+          absl::StrCat("FP8 unit kernel's shared memory: ", cudaGetErrorName(e),
+                       ": ", cudaGetErrorString(e)));
+    }
+    kernel<<<work.num_unit_tasks, kThreadsPerBlock, kUnitMastersBytes,
+             stream>>>(work, scalars);
+    return LaunchStatus("AdamW FP8 unit kernel launch");
   }
   template <class P, class G, class M>
   absl::Status RunFp8() {
@@ -375,7 +447,9 @@ struct AdamWLaunch {
 
 absl::Status LaunchAdamW(const Layout& layout, bool adamw, const Work& work,
                          const DeviceScalars* scalars, Stream stream) {
-  if (work.num_blocks == 0) return absl::OkStatus();
+  if (work.num_blocks == 0 && work.num_unit_tasks == 0) {
+    return absl::OkStatus();
+  }
   AdamWLaunch launch{layout, adamw, work, scalars, stream};
   return DispatchLayout(layout, launch);
 }
