@@ -117,14 +117,13 @@ struct UpdateFp8 : ItemBias {
   }
 };
 
-// The block maximum of every lane's `x` (Block8Max: the same value in any
-// order), then the block's scale, in every lane.
-__device__ __forceinline__ float WarpBlock8Scale(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    x = Block8Max(x, __shfl_xor_sync(0xffffffffu, x, o));
-  }
-  return Block8Scale(x);
+// The block's scale from every lane's largest magnitude bits: one warp
+// reduction on the bits. As unsigned integers the magnitudes' bits order
+// as the magnitudes do, and a NaN's lie above infinity's, so the largest,
+// read back, is Block8Max's result over the block or a NaN where it gives
+// one, and Block8Scale makes every NaN canonical: the CPU's scale.
+__device__ __forceinline__ float WarpBlock8Scale(uint32_t bits) {
+  return Block8Scale(__uint_as_float(__reduce_max_sync(0xffffffffu, bits)));
 }
 
 // The weights (N = 8: a tile lane's share; N = 1: one element) of a block8
@@ -166,12 +165,31 @@ __device__ __forceinline__ void StoreBlock8Lane(const DeviceItem& c,
   }
 }
 
+// The values of every block8 code before scaling, as the thread block's
+// shared table: signed codes (exp_avg) at [0, 256), unsigned (exp_avg_sq)
+// at [256, 512), filled by the same functions the CPU decodes with, so a
+// lookup gives their bits for one shared-memory load instead of the
+// decode's dozen instructions.
+constexpr int kBlock8Codes = 256;
+__device__ __forceinline__ void FillBlock8Table(float* table) {
+  for (int c = threadIdx.x; c < 2 * kBlock8Codes; c += blockDim.x) {
+    const uint8_t code = static_cast<uint8_t>(c);
+    table[c] = c < kBlock8Codes ? DecodeSigned8(code) : DecodeUnsigned8(code);
+  }
+}
+
 // AdamW over block8 moments: the CPU reference's StepBlock8
 // (kernels/adamw/adamw_cpu.cc) with one warp per block8 block. Each lane
-// reads its elements' moments back, updates them with AdamWElement, then
-// the warp takes the block's new maxima and every lane stores its codes.
+// reads its elements' moments back (code value from the table, times the
+// old scale: Block8Decode), updates them with AdamWElement, then the warp
+// takes the block's new maxima and every lane stores its codes.
 template <class P, class G, MasterKind K, bool kAdamW>
 struct UpdateBlock8 : ItemBias {
+  float* codes;  // shared memory: FillBlock8Table's
+  __device__ void Prepare(const DeviceItem* cs, uint32_t n) {
+    ItemBias::Prepare(cs, n);
+    FillBlock8Table(codes);
+  }
   __device__ void Block(const DeviceItem& c, uint32_t k, uint64_t first,
                         uint32_t n) {
     const bool vector = n == kBlock8Elements && c.tiles > 0;
@@ -183,21 +201,23 @@ struct UpdateBlock8 : ItemBias {
     float* scales = static_cast<float*>(c.scales) +
                     (first / kBlock8Elements) * kBlock8Slots;
     const float sm = scales[0], sv = scales[1];
-    const BiasScalars& b = bias[k];
+    // By value: a reference into shared memory was read again for every
+    // element.
+    const BiasScalars b = bias[k];
     const AdamWElementScalars e{s.grad_mul, s.decay, s.l2,  s.beta1,   s.beta2,
                                 s.omb1,     s.omb2,  s.eps, b.neg_step};
-    const auto div_bc2 = [&b](float a) { return DivByRecip(a, b.bc2, b.rbc2); };
-    float mmax = 0.0f, vmax = 0.0f;
+    const auto div_bc2 = [b](float a) { return DivByRecip(a, b.bc2, b.rbc2); };
+    uint32_t mmax = 0, vmax = 0;  // magnitude bits (WarpBlock8Scale)
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       if (!vector && Block8Offset(j) >= n) continue;
-      m[j] = Block8Decode<true>(mq[j], sm);
-      v[j] = Block8Decode<false>(vq[j], sv);
+      m[j] = codes[mq[j]] * sm;
+      v[j] = codes[kBlock8Codes + vq[j]] * sv;
       float unused = 0.0f;
       p[j] = AdamWElement<false, kAdamW>(g[j], p[j], m[j], v[j], unused, e,
                                          div_bc2);
-      mmax = Block8Max(mmax, m[j]);
-      vmax = Block8Max(vmax, v[j]);
+      mmax = max(mmax, __float_as_uint(m[j]) & 0x7fffffffu);
+      vmax = max(vmax, __float_as_uint(v[j]) & 0x7fffffffu);
     }
     const float new_sm = WarpBlock8Scale(mmax);
     const float new_sv = WarpBlock8Scale(vmax);
@@ -284,7 +304,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 4)
   const DeviceScalars s = *scalars;
   if (s.skip) return;
   __shared__ BiasScalars bias[kMaxItemsPerBlock];
-  UpdateBlock8<P, G, K, kAdamW> body{{s, work.missed, bias}};
+  __shared__ float codes[2 * kBlock8Codes];
+  UpdateBlock8<P, G, K, kAdamW> body{{s, work.missed, bias}, codes};
   WalkBlocks8(work, body);
 }
 
