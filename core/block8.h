@@ -94,7 +94,8 @@ OPTIMD_HOST_DEVICE inline float DecodeUnit(uint32_t c) {
   const uint32_t m = c & ((1u << kMantissaBits) - 1);
   const uint32_t mantissa = m << (23 - kMantissaBits);
   const float normal = FromBits(((e + 127u - kMaxExp) << 23) | mantissa);
-  const float subnormal = FromBits(kMinNormal | mantissa) - FromBits(kMinNormal);
+  const float subnormal =
+      FromBits(kMinNormal | mantissa) - FromBits(kMinNormal);
   return e != 0 ? normal : subnormal;
 }
 

@@ -97,9 +97,9 @@ struct UnitTask {
 // One FP8 parameter: its fp32 master, the trainer's codes and scale
 // inverses, its scaling units and how they are written. first_unit: the
 // units of the plan's FP8 parameters before it. amax: for the passes with
-// an encode pass (kTensorAmax, kElementAmax), one word per unit (the largest magnitude's fp32 bits, a NaN's
-// above every number's), zeroed before each update; amax_first is its
-// offset in the plan's amax words.
+// an encode pass (kTensorAmax, kElementAmax), one word per unit (the largest
+// magnitude's fp32 bits, a NaN's above every number's), zeroed before each
+// update; amax_first is its offset in the plan's amax words.
 struct DeviceFp8Tensor {
   const float* master;
   uint8_t* param;

@@ -200,8 +200,7 @@ __device__ __forceinline__ void WalkUnit(const DeviceItem& c, uint32_t unit,
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       if (r + h >= rows) continue;
-      *reinterpret_cast<float4*>(masters + (r + h) * kWalkUnitSide +
-                                 4 * lane) =
+      *reinterpret_cast<float4*>(masters + (r + h) * kWalkUnitSide + 4 * lane) =
           make_float4(p[4 * h], p[4 * h + 1], p[4 * h + 2], p[4 * h + 3]);
 #pragma unroll
       for (int j = 0; j < 4; ++j) amax = max(amax, MagnitudeBits(p[4 * h + j]));
@@ -220,9 +219,9 @@ __device__ __forceinline__ void WalkUnit(const DeviceItem& c, uint32_t unit,
         Fp8Codec<P>::Encode(x.z * mul), Fp8Codec<P>::Encode(x.w * mul)};
     uint8_t* q = t.param + base + e / kWalkUnitSide * cols + e % kWalkUnitSide;
     if (vector) {
-      *reinterpret_cast<uint32_t*>(q) =
-          codes[0] | codes[1] << 8 | codes[2] << 16 |
-          static_cast<uint32_t>(codes[3]) << 24;
+      *reinterpret_cast<uint32_t*>(q) = codes[0] | codes[1] << 8 |
+                                        codes[2] << 16 |
+                                        static_cast<uint32_t>(codes[3]) << 24;
     } else {
 #pragma unroll
       for (int j = 0; j < 4; ++j) q[j] = codes[j];

@@ -615,8 +615,12 @@ TEST_F(CudaBackendTest, Fp8UnitWalkedGroupAloneMatchesTheCpuReference) {
   uint64_t poff = 0, goff = 0, soff = 1 << 20;
   for (std::vector<uint64_t> shape :
        {std::vector<uint64_t>{256, 512}, std::vector<uint64_t>{129, 128}}) {
-    TensorPlan t{"u" + std::to_string(ts.size()), shape[0] * shape[1],
-                 DType::kFloat8E5M2, DType::kBFloat16, poff, goff};
+    TensorPlan t{"u" + std::to_string(ts.size()),
+                 shape[0] * shape[1],
+                 DType::kFloat8E5M2,
+                 DType::kBFloat16,
+                 poff,
+                 goff};
     t.recipe = Fp8Recipe::kBlock128x128;
     t.shape = shape;
     t.scale_off = soff;
@@ -635,7 +639,8 @@ TEST_F(CudaBackendTest, Fp8UnitWalkedGroupAloneMatchesTheCpuReference) {
   for (int step = 1; step <= 5; ++step) {
     // u0 has no gradient in steps 2 and 3 (its unit tasks leave it alone;
     // its own step count then lags the group's).
-    const absl::Status absent = twin.SetGradAbsent("u0", step == 2 || step == 3);
+    const absl::Status absent =
+        twin.SetGradAbsent("u0", step == 2 || step == 3);
     ASSERT_TRUE(absent.ok()) << absent;
     twin.FillGrads(/*poison=*/false);
     twin.Step(StepRequestSpec(), /*exact=*/true);

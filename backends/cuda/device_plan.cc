@@ -294,9 +294,8 @@ Work LaunchWork(const DevicePlan& plan, const Launch& launch, int table) {
   w.num_blocks = launch.num_blocks[table];
   // The unit tasks are the update's (table 0) only.
   w.num_unit_tasks = table == 0 ? launch.num_unit_tasks : 0;
-  w.unit_tasks =
-      reinterpret_cast<const UnitTask*>(plan.unit_tasks_d.data()) +
-      launch.first_unit_task;
+  w.unit_tasks = reinterpret_cast<const UnitTask*>(plan.unit_tasks_d.data()) +
+                 launch.first_unit_task;
   w.items = reinterpret_cast<const DeviceItem*>(plan.items_d.data());
   w.missed = reinterpret_cast<const uint32_t*>(plan.missed_d.data());
   return w;

@@ -535,8 +535,8 @@ TEST(DevicePlanTest, UnitWalkedParametersHaveUnitTasksAndNoUpdateBlocks) {
   Layout fp8 = MakeLayout(DType::kFloat8E4M3, DType::kBFloat16, DType::kFloat32,
                           MasterKind::kFp32, OptimizerKind::kAdamW, 2);
   fp8.fp8_recipe = Fp8Recipe::kBlock128x128;
-  std::vector<TensorShape> shapes = {{300 * 256, fp8}, {5000, fp8},
-                                     {130 * 128, fp8}};
+  std::vector<TensorShape> shapes = {
+      {300 * 256, fp8}, {5000, fp8}, {130 * 128, fp8}};
   Group g = MakeGroup(shapes, 4096);
   g.tensors[0].shape = {300, 256};
   g.tensors[1].shape = {5000};

@@ -353,7 +353,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 3)
   __shared__ uint32_t unit_amax;
   const UnitTask task = work.unit_tasks[blockIdx.x];
   const uint4* src = reinterpret_cast<const uint4*>(work.items + task.item);
-  if (threadIdx.x < sizeof(DeviceItem) / 16) item[threadIdx.x] = src[threadIdx.x];
+  if (threadIdx.x < sizeof(DeviceItem) / 16)
+    item[threadIdx.x] = src[threadIdx.x];
   __syncthreads();
   const DeviceItem& c = *reinterpret_cast<const DeviceItem*>(item);
   if (c.end == c.begin) return;  // no gradient this step: left alone
