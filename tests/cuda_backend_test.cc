@@ -543,6 +543,31 @@ TEST_F(CudaBackendTest, Block8MomentsMatchTheCpuReferenceBitForBit) {
   }
 }
 
+// Where the next FP8 tensor of a test's buffers goes: its codes, its
+// gradient (4 bytes an element at most) and, in the parameter buffer after
+// every tensor's codes, its scale inverses.
+struct Fp8Offsets {
+  uint64_t param = 0, grad = 0, scale = 1 << 22;
+};
+
+// Appends FP8 tensor `name` of `shape` (recipe r, its gradient `shift`
+// bytes past a 256-byte boundary) to ts at `at`, and moves `at` past it.
+void AppendFp8Tensor(const std::string& name,
+                     const std::vector<uint64_t>& shape, DType d, DType grad,
+                     Fp8Recipe r, uint64_t shift, Fp8Offsets* at,
+                     std::vector<TensorPlan>* ts) {
+  TensorPlan t{name,      shape[0] * (shape.size() > 1 ? shape[1] : 1),
+               d,         grad,
+               at->param, at->grad + shift};
+  t.recipe = r;
+  t.shape = shape;
+  t.scale_off = at->scale;
+  at->param += (t.numel + 255) / 256 * 256;
+  at->grad += (t.numel * 4 + shift + 255) / 256 * 256;
+  at->scale += (t.ScaleBytes() + 255) / 256 * 256;
+  ts->push_back(t);
+}
+
 // FP8 parameters of every recipe and both formats, ragged and 1-D shapes,
 // bf16 and fp32 gradients and moments: the masters, the moments, the
 // codes and the scale inverses equal the CPU reference's bit for bit,
@@ -553,7 +578,7 @@ TEST_F(CudaBackendTest, Fp8ParametersMatchTheCpuReferenceBitForBit) {
     for (DType grad : {DType::kBFloat16, DType::kFloat32}) {
       ++combo;
       std::vector<TensorPlan> ts;
-      uint64_t poff = 0, goff = 0, soff = 1 << 22;
+      Fp8Offsets at;
       int k = 0;
       for (Fp8Recipe r : {Fp8Recipe::kTensor, Fp8Recipe::kBlock1x128,
                           Fp8Recipe::kBlock128x128, Fp8Recipe::kMxfp8}) {
@@ -573,19 +598,8 @@ TEST_F(CudaBackendTest, Fp8ParametersMatchTheCpuReferenceBitForBit) {
                       shape == std::vector<uint64_t>{130, 256}
                   ? 4
                   : 0;
-          TensorPlan t{"w" + std::to_string(k++),
-                       shape[0] * (shape.size() > 1 ? shape[1] : 1),
-                       d,
-                       grad,
-                       poff,
-                       goff + shift};
-          t.recipe = r;
-          t.shape = shape;
-          t.scale_off = soff;
-          poff += (t.numel + 255) / 256 * 256;
-          goff += (t.numel * 4 + shift + 255) / 256 * 256;
-          soff += (t.ScaleBytes() + 255) / 256 * 256;
-          ts.push_back(t);
+          AppendFp8Tensor("w" + std::to_string(k++), shape, d, grad, r, shift,
+                          &at, &ts);
         }
       }
       GroupSpec spec;
@@ -612,22 +626,11 @@ TEST_F(CudaBackendTest, Fp8ParametersMatchTheCpuReferenceBitForBit) {
 // e5m2 with amsgrad, a gradient that goes and comes): bit for bit.
 TEST_F(CudaBackendTest, Fp8UnitWalkedGroupAloneMatchesTheCpuReference) {
   std::vector<TensorPlan> ts;
-  uint64_t poff = 0, goff = 0, soff = 1 << 20;
+  Fp8Offsets at;
   for (std::vector<uint64_t> shape :
        {std::vector<uint64_t>{256, 512}, std::vector<uint64_t>{129, 128}}) {
-    TensorPlan t{"u" + std::to_string(ts.size()),
-                 shape[0] * shape[1],
-                 DType::kFloat8E5M2,
-                 DType::kBFloat16,
-                 poff,
-                 goff};
-    t.recipe = Fp8Recipe::kBlock128x128;
-    t.shape = shape;
-    t.scale_off = soff;
-    poff += (t.numel + 255) / 256 * 256;
-    goff += (t.numel * 2 + 255) / 256 * 256;
-    soff += (t.ScaleBytes() + 255) / 256 * 256;
-    ts.push_back(t);
+    AppendFp8Tensor("u" + std::to_string(ts.size()), shape, DType::kFloat8E5M2,
+                    DType::kBFloat16, Fp8Recipe::kBlock128x128, 0, &at, &ts);
   }
   GroupSpec spec;
   spec.id = "units";
