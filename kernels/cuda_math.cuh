@@ -4,6 +4,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -121,6 +122,23 @@ __device__ __forceinline__ void ReconstructFromRemainder2(uint32_t hi,
   *hi_master =
       __uint_as_float((hi & 0xffff0000u) +
                       static_cast<uint32_t>(static_cast<int32_t>(rem) >> 16));
+}
+
+// Block8 exp_avg codes (EncodeSigned8, core/block8.h) of lo and hi, in the
+// low and the high byte, by one conversion instruction. The signed code
+// set is float8_e4m3fn's scaled down by 2^8, subnormals included (4
+// exponent and 3 mantissa bits; 1.0 is e4m3fn's 256): the code of x is the
+// sign bit of x over e4m3fn's code of 256 * min(|x|, 1) (exact), NaN
+// reading as 1 as in EncodeSigned8, both rounding to nearest even.
+// tests/cuda_math_test compares it with EncodeSigned8 on every float.
+__device__ __forceinline__ uint32_t EncodeSigned8x2(float lo, float hi) {
+  const float2 mags = make_float2(fminf(fabsf(lo), 1.0f) * 256.0f,
+                                  fminf(fabsf(hi), 1.0f) * 256.0f);
+  const uint32_t codes =
+      __nv_cvt_float2_to_fp8x2(mags, __NV_SATFINITE, __NV_E4M3);
+  const uint32_t signs = ((__float_as_uint(lo) >> 24) & 0x80u) |
+                         ((__float_as_uint(hi) >> 16) & 0x8000u);
+  return codes | signs;
 }
 
 }  // namespace cuda

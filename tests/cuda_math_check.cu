@@ -2,6 +2,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "core/block8.h"
 #include "kernels/cuda_math.cuh"
 #include "tests/cuda_math_check.h"
 
@@ -74,6 +75,17 @@ struct RemainderCheck {
 // A partner for u in a packed pair: another float of every class as u
 // runs over all of them.
 __device__ uint32_t Partner(uint32_t u) { return __brev(u) ^ 0x5a5a5a5au; }
+
+// The hardware's pair of block8 exp_avg codes against EncodeSigned8, the
+// CPU's, for every float x paired with another (Partner(x)).
+struct Signed8Check {
+  __device__ bool operator()(uint32_t u) const {
+    const float x = __uint_as_float(u), y = __uint_as_float(Partner(u));
+    const uint32_t pair = cuda::EncodeSigned8x2(x, y);
+    return (pair & 0xffu) == EncodeSigned8(x) &&
+           (pair >> 8) == EncodeSigned8(y);
+  }
+};
 
 // Two elements packed into one word equal the single-element operations.
 struct PackedCheck {
@@ -168,6 +180,12 @@ MathCheck CheckBf16Rounding() {
 MathCheck CheckRemainderSplit() {
   return RunCheck(uint64_t{1} << 32, [](unsigned long long* m, uint32_t* f) {
     ForEachBits<<<4096, 256>>>(0xffffffffull, RemainderCheck{}, m, f);
+  });
+}
+
+MathCheck CheckSigned8Pairs() {
+  return RunCheck(uint64_t{1} << 32, [](unsigned long long* m, uint32_t* f) {
+    ForEachBits<<<4096, 256>>>(0xffffffffull, Signed8Check{}, m, f);
   });
 }
 

@@ -40,6 +40,11 @@ MathCheck CheckRemainderSplit();
 // and the original bits.
 MathCheck CheckPackedPairs();
 
+// Compares EncodeSigned8x2 (kernels/cuda_math.cuh) with EncodeSigned8
+// (core/block8.h) for every float x paired with another float y (a bit
+// permutation of x), both bytes.
+MathCheck CheckSigned8Pairs();
+
 }  // namespace testing
 }  // namespace optimd
 

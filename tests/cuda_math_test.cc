@@ -90,6 +90,14 @@ TEST(CudaMathTest, PackedPairsEqualSingleElements) {
       << "first differing float: bits 0x" << std::hex << c.first_bad_bits;
 }
 
+// The block8 kernel encodes exp_avg two codes per conversion instruction.
+TEST(CudaMathTest, HardwareSigned8CodesEqualTheReference) {
+  const MathCheck c = CheckSigned8Pairs();
+  ASSERT_TRUE(c.error.empty()) << c.error;
+  EXPECT_EQ(c.mismatches, 0u)
+      << "first differing float: bits 0x" << std::hex << c.first_bad_bits;
+}
+
 }  // namespace
 }  // namespace testing
 }  // namespace optimd
