@@ -6,7 +6,7 @@
 // kBlock8Elements consecutive elements of a tensor (the last block may be
 // shorter), one fp32 scale: the largest magnitude in the block. An element
 // is stored as an 8-bit minifloat of value * (1 / scale), which lies in
-// [-1, 1] (the reciprocal is rounded once per block, Block8Inverse):
+// [-1, 1] (the reciprocal is rounded once per block, Block8MultiplierOf):
 //  - signed slots (exp_avg): a sign bit and a 7-bit magnitude with 4
 //    exponent and 3 mantissa bits, values down to 2^-17;
 //  - unsigned slots (exp_avg_sq, never negative): 5 exponent and 3 mantissa
@@ -136,21 +136,35 @@ OPTIMD_HOST_DEVICE inline float Block8Scale(float max) {
   return max != max ? block8::FromBits(0x7fc00000u) : max;
 }
 
-// What a block of scale `scale` multiplies its values by before encoding:
-// 1 / scale, once per block, so that each element costs one multiply and
-// not a division; 0 for a zero scale (an all-zero block), whose codes are
-// then those of zero.
-OPTIMD_HOST_DEVICE inline float Block8Inverse(float scale) {
-  return scale == 0.0f ? 0.0f : 1.0f / scale;
+// What a block of scale `scale` multiplies its values by before encoding,
+// in two steps: by `pre`, 2^64 for a scale below 2^-64 (whose reciprocal
+// could overflow) and else 1, which is exact since the block's values are
+// at most its scale; then by mul = 1 / (scale * pre), one division per
+// block, so that an element costs two multiplies and no division. mul is
+// 0 for a zero scale (an all-zero block, whose codes are then zeros) and
+// for an infinite one.
+struct Block8Multiplier {
+  float pre;
+  float mul;
+};
+OPTIMD_HOST_DEVICE inline Block8Multiplier Block8MultiplierOf(float scale) {
+  const float pre = scale < block8::FromBits(0x1f800000u)  // 2^-64
+                        ? block8::FromBits(0x5f800000u)    // 2^64
+                        : 1.0f;
+  return {pre, scale == 0.0f ? 0.0f : 1.0f / (scale * pre)};
 }
 
-// The code of x in a block whose Block8Inverse is `inverse` (kSigned:
-// exp_avg): the code of x * inverse, which lies in [-1, 1] up to that
-// product's rounding (above 1 reads as 1).
+// The code of x in a block whose multiplier is `k` (kSigned: exp_avg): the
+// code of (x * k.pre) * k.mul, which lies in [-1, 1] up to the product's
+// rounding (above 1 and NaN read as 1), with x's sign bit (none for a NaN
+// x): an infinite x in a block of infinite scale gives inf * 0, a NaN
+// whose sign differs between machines.
 template <bool kSigned>
-OPTIMD_HOST_DEVICE inline uint8_t Block8Encode(float x, float inverse) {
-  const float unit = x * inverse;
-  return kSigned ? EncodeSigned8(unit) : EncodeUnsigned8(unit);
+OPTIMD_HOST_DEVICE inline uint8_t Block8Encode(float x, Block8Multiplier k) {
+  const float unit = (x * k.pre) * k.mul;
+  if (!kSigned) return EncodeUnsigned8(unit);
+  const uint32_t sign = x == x ? (block8::Bits(x) >> 24) & 0x80u : 0u;
+  return static_cast<uint8_t>(sign | block8::EncodeUnit<4>(unit));
 }
 
 template <bool kSigned>
@@ -165,10 +179,10 @@ inline float QuantizeBlock8(bool is_signed, const float* x, uint64_t n,
   float max = 0.0f;
   for (uint64_t i = 0; i < n; ++i) max = Block8Max(max, x[i]);
   const float scale = Block8Scale(max);
-  const float inverse = Block8Inverse(scale);
+  const Block8Multiplier k = Block8MultiplierOf(scale);
   for (uint64_t i = 0; i < n; ++i) {
-    codes[i] = is_signed ? Block8Encode<true>(x[i], inverse)
-                         : Block8Encode<false>(x[i], inverse);
+    codes[i] =
+        is_signed ? Block8Encode<true>(x[i], k) : Block8Encode<false>(x[i], k);
   }
   return scale;
 }

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -163,19 +164,57 @@ TEST(Block8Test, BranchFreeCodecEqualsTheBranchingOne) {
 // Encoding multiplies by the block's reciprocal: the element that set the
 // scale reads back as itself, and a zero scale gives zero codes.
 TEST(Block8Test, EncodeMultipliesByTheReciprocal) {
-  for (float scale : {3.0f, 0.1f, 7e-30f, 1e30f}) {
-    const float inverse = Block8Inverse(scale);
-    EXPECT_EQ(inverse, 1.0f / scale);
-    EXPECT_EQ(Block8Decode<false>(Block8Encode<false>(scale, inverse), scale),
-              scale);
-    EXPECT_EQ(Block8Decode<true>(Block8Encode<true>(-scale, inverse), scale),
-              -scale);
-    EXPECT_EQ(Block8Encode<false>(scale * 0.3f, inverse),
-              EncodeUnsigned8(scale * 0.3f * inverse));
+  for (float scale : {3.0f, 0.1f, 1e30f, 5.5e-20f}) {
+    const Block8Multiplier k = Block8MultiplierOf(scale);
+    EXPECT_EQ(k.pre, 1.0f);
+    EXPECT_EQ(k.mul, 1.0f / scale);
+    EXPECT_EQ(Block8Decode<false>(Block8Encode<false>(scale, k), scale), scale);
+    EXPECT_EQ(Block8Decode<true>(Block8Encode<true>(-scale, k), scale), -scale);
+    EXPECT_EQ(Block8Encode<false>(scale * 0.3f, k),
+              EncodeUnsigned8(scale * 0.3f * k.mul));
   }
-  EXPECT_EQ(Block8Inverse(0.0f), 0.0f);
-  EXPECT_EQ(Block8Encode<true>(0.0f, Block8Inverse(0.0f)), 0);
+  EXPECT_EQ(Block8MultiplierOf(0.0f).mul, 0.0f);
+  EXPECT_EQ(Block8Encode<true>(0.0f, Block8MultiplierOf(0.0f)), 0);
 }
 
+// Scales too small for their reciprocal (below 2^-64, subnormal ones
+// included) are taken up by 2^64 first: the block's values still read back
+// within the code's precision.
+TEST(Block8Test, TinyScalesKeepTheirValues) {
+  for (float top : {2e-39f, 3e-30f, 1e-45f * 7}) {
+    const std::vector<float> x = {top, top / 2, 0.0f, -top / 2, top / 3};
+    std::vector<uint8_t> codes(x.size());
+    const float scale = QuantizeBlock8(true, x.data(), x.size(), codes.data());
+    EXPECT_EQ(scale, top);
+    EXPECT_EQ(Block8MultiplierOf(scale).pre, std::ldexp(1.0f, 64));
+    std::vector<float> back(x.size());
+    DequantizeBlock8(true, codes.data(), x.size(), scale, back.data());
+    for (size_t i = 0; i < x.size(); ++i) {
+      // Subnormal products round to the nearest multiple of 2^-149 too.
+      EXPECT_LE(std::fabs(back[i] - x[i]),
+                std::fabs(x[i]) / 16 + std::ldexp(1.0f, -149))
+          << top << " " << i;
+    }
+    EXPECT_EQ(codes[2], 0);
+  }
+}
+
+// An infinite value sets an infinite scale: it keeps its sign (and reads
+// back as itself), a finite one in its block reads as zero code; a NaN
+// value's code has no sign bit.
+TEST(Block8Test, InfiniteAndNaNValuesHaveOneCode) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const Block8Multiplier k = Block8MultiplierOf(inf);
+  EXPECT_EQ(Block8Encode<true>(inf, k), 0x78);
+  EXPECT_EQ(Block8Encode<true>(-inf, k), 0xf8);
+  EXPECT_EQ(Block8Decode<true>(0x78, inf), inf);
+  EXPECT_EQ(Block8Encode<true>(1.0f, k), 0);
+  EXPECT_EQ(Block8Encode<true>(-1.0f, k), 0x80);
+  EXPECT_EQ(Block8Encode<false>(inf, k), 0xf8);
+  const float nan = BitsToFloat(0xffc00000u);  // sign bit set
+  EXPECT_EQ(Block8Encode<true>(nan, Block8MultiplierOf(2.0f)), 0x78);
+  EXPECT_EQ(Block8Encode<true>(0.5f, Block8MultiplierOf(nan)), 0x78);
+  EXPECT_EQ(Block8Encode<true>(-0.5f, Block8MultiplierOf(nan)), 0xf8);
+}
 }  // namespace
 }  // namespace optimd

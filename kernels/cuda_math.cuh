@@ -124,20 +124,25 @@ __device__ __forceinline__ void ReconstructFromRemainder2(uint32_t hi,
                       static_cast<uint32_t>(static_cast<int32_t>(rem) >> 16));
 }
 
-// Block8 exp_avg codes (EncodeSigned8, core/block8.h) of lo and hi, in the
-// low and the high byte, by one conversion instruction. The signed code
-// set is float8_e4m3fn's scaled down by 2^8, subnormals included (4
-// exponent and 3 mantissa bits; 1.0 is e4m3fn's 256): the code of x is the
-// sign bit of x over e4m3fn's code of 256 * min(|x|, 1) (exact), NaN
-// reading as 1 as in EncodeSigned8, both rounding to nearest even.
-// tests/cuda_math_test compares it with EncodeSigned8 on every float.
-__device__ __forceinline__ uint32_t EncodeSigned8x2(float lo, float hi) {
-  const float2 mags = make_float2(fminf(fabsf(lo), 1.0f) * 256.0f,
-                                  fminf(fabsf(hi), 1.0f) * 256.0f);
+// Block8 exp_avg codes (Block8Encode<true>, core/block8.h) of lo and hi in
+// a block of multiplier {pre, mul}, in the low and the high byte, by one
+// conversion instruction. The signed code set is float8_e4m3fn's scaled
+// down by 2^8, subnormals included (4 exponent and 3 mantissa bits; 1.0 is
+// e4m3fn's 256): the magnitude's code is e4m3fn's code of 256 * min(|u|,
+// 1) for u = (x * pre) * mul (exact scaling; NaN reads as 1, as in
+// EncodeUnit), both rounding to nearest even, under x's sign bit (none for
+// a NaN x). tests/cuda_math_test compares it with Block8Encode<true> on
+// every float.
+__device__ __forceinline__ uint32_t EncodeSigned8x2(float lo, float hi,
+                                                    float pre, float mul) {
+  const float ulo = (lo * pre) * mul, uhi = (hi * pre) * mul;
+  const float2 mags = make_float2(fminf(fabsf(ulo), 1.0f) * 256.0f,
+                                  fminf(fabsf(uhi), 1.0f) * 256.0f);
   const uint32_t codes =
       __nv_cvt_float2_to_fp8x2(mags, __NV_SATFINITE, __NV_E4M3);
-  const uint32_t signs = ((__float_as_uint(lo) >> 24) & 0x80u) |
-                         ((__float_as_uint(hi) >> 16) & 0x8000u);
+  const uint32_t signs =
+      (isnan(lo) ? 0u : (__float_as_uint(lo) >> 24) & 0x80u) |
+      (isnan(hi) ? 0u : (__float_as_uint(hi) >> 16) & 0x8000u);
   return codes | signs;
 }
 

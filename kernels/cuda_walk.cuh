@@ -227,16 +227,16 @@ __device__ __forceinline__ void StoreF(void* base, uint64_t i, const float* x,
 
 // fp32 masters kept as bfloat16 parameters and 16-bit remainders.
 template <int N>
-__device__ __forceinline__ void LoadRemainderMasters(const void* param,
-                                                     const void* rem,
-                                                     uint64_t i, float* x) {
+__device__ __forceinline__ void LoadRemainderMasters(
+    const void* param, const void* rem, uint64_t i, float* x,
+    uint64_t half = kTileHalf) {
   if constexpr (N == 1) {
     x[0] = ReconstructFromRemainder(static_cast<const uint16_t*>(param)[i],
                                     static_cast<const int16_t*>(rem)[i]);
   } else {
     uint32_t h[4], r[4];
-    LoadTile<2>(param, i, h);
-    LoadTile<2>(rem, i, r);
+    LoadTile<2>(param, i, h, half);
+    LoadTile<2>(rem, i, r, half);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       ReconstructFromRemainder2(h[j], r[j], &x[2 * j], &x[2 * j + 1]);
@@ -245,9 +245,9 @@ __device__ __forceinline__ void LoadRemainderMasters(const void* param,
 }
 
 template <int N>
-__device__ __forceinline__ void StoreRemainderMasters(void* param, void* rem,
-                                                      uint64_t i,
-                                                      const float* x) {
+__device__ __forceinline__ void StoreRemainderMasters(
+    void* param, void* rem, uint64_t i, const float* x,
+    uint64_t half = kTileHalf) {
   if constexpr (N == 1) {
     SplitToRemainder(x[0], static_cast<uint16_t*>(param) + i,
                      static_cast<int16_t*>(rem) + i);
@@ -257,8 +257,8 @@ __device__ __forceinline__ void StoreRemainderMasters(void* param, void* rem,
     for (int j = 0; j < 4; ++j) {
       SplitToRemainder2(x[2 * j], x[2 * j + 1], &h[j], &r[j]);
     }
-    StoreTile<2>(param, i, h);
-    StoreTile<2>(rem, i, r);
+    StoreTile<2>(param, i, h, half);
+    StoreTile<2>(rem, i, r, half);
   }
 }
 
@@ -438,9 +438,9 @@ __device__ __forceinline__ void LoadWeight(const DeviceItem& t, uint64_t i,
   if constexpr (K == MasterKind::kFp32) {
     LoadF<N, F32>(t.master, i, p, half);
   } else if constexpr (K == MasterKind::kRemainder) {
-    LoadRemainderMasters<N>(t.param, t.master, i, p);
+    LoadRemainderMasters<N>(t.param, t.master, i, p, half);
   } else {
-    LoadF<N, P>(t.param, i, p);
+    LoadF<N, P>(t.param, i, p, half);
   }
 }
 
@@ -454,9 +454,9 @@ __device__ __forceinline__ void StoreWeight(const DeviceItem& t, uint64_t i,
     StoreF<N, F32>(t.master, i, p, half);
     if constexpr (!IsFp8Param<P>::value) StoreF<N, P>(t.param, i, p, half);
   } else if constexpr (K == MasterKind::kRemainder) {
-    StoreRemainderMasters<N>(t.param, t.master, i, p);
+    StoreRemainderMasters<N>(t.param, t.master, i, p, half);
   } else {
-    StoreF<N, P>(t.param, i, p);
+    StoreF<N, P>(t.param, i, p, half);
   }
 }
 

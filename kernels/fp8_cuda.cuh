@@ -141,8 +141,10 @@ __device__ __forceinline__ void Fp8AfterUpdate(const DeviceItem& c,
   uint32_t bits[8];
 #pragma unroll
   for (int j = 0; j < 8; ++j) bits[j] = MagnitudeBits(p[j]);
-  if (t.pass != Fp8Pass::kFused) {
+  if (t.pass == Fp8Pass::kTensorAmax || t.pass == Fp8Pass::kElementAmax) {
     RecordAmax(t, first, n, bits, item_amax);
+  } else if (t.pass == Fp8Pass::kUnitWalk) {
+    return;  // walked by unit (WalkUnit), never by item
   } else if (t.geometry.recipe == Fp8Recipe::kMxfp8) {
     EncodeFusedBlock<P, 32>(t, first, n, vector, p, bits);
   } else {

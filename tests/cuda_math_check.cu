@@ -76,14 +76,23 @@ struct RemainderCheck {
 // runs over all of them.
 __device__ uint32_t Partner(uint32_t u) { return __brev(u) ^ 0x5a5a5a5au; }
 
-// The hardware's pair of block8 exp_avg codes against EncodeSigned8, the
-// CPU's, for every float x paired with another (Partner(x)).
+// The hardware's pair of block8 exp_avg codes against Block8Encode<true>,
+// the CPU's, for every float x paired with another (Partner(x)), in blocks
+// of three multipliers: the identity (x itself is the unit), one that
+// scales by less than 1, and a subnormal scale's (pre 2^64).
 struct Signed8Check {
   __device__ bool operator()(uint32_t u) const {
     const float x = __uint_as_float(u), y = __uint_as_float(Partner(u));
-    const uint32_t pair = cuda::EncodeSigned8x2(x, y);
-    return (pair & 0xffu) == EncodeSigned8(x) &&
-           (pair >> 8) == EncodeSigned8(y);
+    const Block8Multiplier ks[3] = {
+        {1.0f, 1.0f}, Block8MultiplierOf(1.3f), Block8MultiplierOf(3e-39f)};
+    for (const Block8Multiplier& k : ks) {
+      const uint32_t pair = cuda::EncodeSigned8x2(x, y, k.pre, k.mul);
+      if ((pair & 0xffu) != Block8Encode<true>(x, k) ||
+          (pair >> 8) != Block8Encode<true>(y, k)) {
+        return false;
+      }
+    }
+    return true;
   }
 };
 

@@ -40,9 +40,9 @@ MathCheck CheckRemainderSplit();
 // and the original bits.
 MathCheck CheckPackedPairs();
 
-// Compares EncodeSigned8x2 (kernels/cuda_math.cuh) with EncodeSigned8
+// Compares EncodeSigned8x2 (kernels/cuda_math.cuh) with Block8Encode<true>
 // (core/block8.h) for every float x paired with another float y (a bit
-// permutation of x), both bytes.
+// permutation of x), both bytes, under three block multipliers.
 MathCheck CheckSigned8Pairs();
 
 }  // namespace testing

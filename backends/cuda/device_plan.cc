@@ -71,7 +71,6 @@ void AppendFp8(const Plan& host, const std::vector<uint32_t>& items,
                Launch* launch, DevicePlan* plan) {
   launch->fp8_first = static_cast<uint32_t>(plan->fp8.size());
   launch->fp8_amax_first = plan->fp8_amax_words;
-  launch->first_unit_task = static_cast<uint32_t>(plan->unit_tasks.size());
   uint64_t units = plan->fp8.empty() ? 0
                                      : plan->fp8.back().first_unit +
                                            plan->fp8.back().geometry.Units();
@@ -314,8 +313,9 @@ Fp8Pass ChooseFp8Pass(const Fp8Geometry& g, uint64_t item_step) {
   const bool whole_cols = g.cols % w == 0;
   const bool row_units = g.rows <= 1 || (g.block_rows == 1 && whole_cols);
   if (row_units && starts) return Fp8Pass::kFused;
-  // 128x128 blocks of several rows: walked unit by unit, whatever the
-  // items (the unit walk does not follow them).
+  // 128x128 blocks over whole 128-column blocks that the item walk cannot
+  // requantize in one pass (several rows, or items not starting on a
+  // unit): walked unit by unit, whatever the items.
   if (g.block_rows == kWalkUnitSide && w == kWalkUnitSide && whole_cols) {
     return Fp8Pass::kUnitWalk;
   }

@@ -80,10 +80,11 @@ void StepBlock8(const TensorPointers& t, uint64_t begin, uint64_t end,
     }
     s[0] = Block8Scale(mmax);
     s[1] = Block8Scale(vmax);
-    const float im = Block8Inverse(s[0]), iv = Block8Inverse(s[1]);
+    const Block8Multiplier km = Block8MultiplierOf(s[0]);
+    const Block8Multiplier kv = Block8MultiplierOf(s[1]);
     for (uint64_t j = 0; j < n; ++j) {
-      mq[first + j] = Block8Encode<true>(m[j], im);
-      vq[first + j] = Block8Encode<false>(v[j], iv);
+      mq[first + j] = Block8Encode<true>(m[j], km);
+      vq[first + j] = Block8Encode<false>(v[j], kv);
     }
   }
 }

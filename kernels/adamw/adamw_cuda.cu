@@ -221,15 +221,16 @@ struct UpdateBlock8 : ItemBias {
     }
     const float new_sm = WarpBlock8Scale(mmax);
     const float new_sv = WarpBlock8Scale(vmax);
-    const float im = Block8Inverse(new_sm), iv = Block8Inverse(new_sv);
+    const Block8Multiplier km = Block8MultiplierOf(new_sm);
+    const Block8Multiplier kv = Block8MultiplierOf(new_sv);
 #pragma unroll
     for (int j = 0; j < 8; j += 2) {
       // Block8Encode<true>, two codes by one conversion instruction.
-      const uint32_t pair = EncodeSigned8x2(m[j] * im, m[j + 1] * im);
+      const uint32_t pair = EncodeSigned8x2(m[j], m[j + 1], km.pre, km.mul);
       mq[j] = static_cast<uint8_t>(pair);
       mq[j + 1] = static_cast<uint8_t>(pair >> 8);
-      vq[j] = Block8Encode<false>(v[j], iv);
-      vq[j + 1] = Block8Encode<false>(v[j + 1], iv);
+      vq[j] = Block8Encode<false>(v[j], kv);
+      vq[j + 1] = Block8Encode<false>(v[j + 1], kv);
     }
     StoreBlock8Lane<P, K>(c, first, n, vector, p);
     StoreCodes(static_cast<uint8_t*>(c.state[0]), first, n, vector, mq);
