@@ -223,6 +223,11 @@ class OptimizerServiceImpl::LoadStreamReactor final
         options_(std::move(options)),
         out_(out),
         claims_(claims) {
+    // gRPC hands the reactor to its own threads through synchronization
+    // that ThreadSanitizer cannot see (an uninstrumented library), and
+    // OnCancel may run on any of them: it takes this lock before reading
+    // the members set above, which orders the two where TSan can see it.
+    { MutexLock publish(&spool_mu_); }
     if (claims_->Claim(session_.get(), this, [this](bool granted) {
           if (granted) {
             Begin();
@@ -241,6 +246,7 @@ class OptimizerServiceImpl::LoadStreamReactor final
   // only ends the claim (or the wait for it). The spool file goes when the
   // read that the cancel fails returns.
   void OnCancel() override {
+    { MutexLock published(&spool_mu_); }  // see the constructor
     if (claims_->Release(session_.get(), this)) {
       Finish(grpc::Status(grpc::StatusCode::CANCELLED,
                           "the stream broke; nothing was loaded"));
