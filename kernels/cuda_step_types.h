@@ -82,6 +82,12 @@ enum class Fp8Pass : uint32_t {
   kElementAmax = 3,
 };
 
+// Whether parameters of pass `pass` have their units' amax words and an
+// encode pass after the update.
+OPTIMD_HOST_DEVICE inline bool HasEncodePass(Fp8Pass pass) {
+  return pass == Fp8Pass::kTensorAmax || pass == Fp8Pass::kElementAmax;
+}
+
 // The rows and columns of a kUnitWalk unit (a 128x128 block).
 constexpr uint32_t kWalkUnitSide = 128;
 

@@ -141,7 +141,7 @@ __device__ __forceinline__ void Fp8AfterUpdate(const DeviceItem& c,
   uint32_t bits[8];
 #pragma unroll
   for (int j = 0; j < 8; ++j) bits[j] = MagnitudeBits(p[j]);
-  if (t.pass == Fp8Pass::kTensorAmax || t.pass == Fp8Pass::kElementAmax) {
+  if (HasEncodePass(t.pass)) {
     RecordAmax(t, first, n, bits, item_amax);
   } else if (t.pass == Fp8Pass::kUnitWalk) {
     return;  // walked by unit (WalkUnit), never by item

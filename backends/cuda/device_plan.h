@@ -143,11 +143,6 @@ Work LaunchWork(const DevicePlan& plan, const Launch& launch, int table);
 // one of its items starts at a multiple of `item_step` elements.
 Fp8Pass ChooseFp8Pass(const Fp8Geometry& g, uint64_t item_step);
 
-// Whether parameters of pass `pass` have their units' amax words and an
-// encode pass after the update.
-inline bool HasEncodePass(Fp8Pass pass) {
-  return pass == Fp8Pass::kTensorAmax || pass == Fp8Pass::kElementAmax;
-}
 // Tiles of an item: whole tiles when every stream is 16-byte aligned at
 // the item's first element (tiles access them in 8- or 16-byte pieces),
 // else none.

@@ -332,7 +332,7 @@ template <class P, class G, class M, bool kAms, bool kAdamW>
 struct UnitUpdate {
   static constexpr MasterKind K = MasterKind::kFp32;
   const DeviceScalars& s;
-  const BiasScalars& b;
+  const BiasScalars b;  // by value, as UpdateBlock8 keeps it
   __device__ void Tile(const DeviceItem& c, uint64_t i, uint64_t half,
                        float* p) {
     UpdateN<8, P, G, M, K, kAms, kAdamW>(c, i, s, b, p, half);
