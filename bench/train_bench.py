@@ -146,17 +146,23 @@ class Trainer:
             out.append(("step", self.opt.step))
         return out, state
 
-    def iterate(self):
+    def iterate(self, host=None):
+        """One iteration; with `host`, each phase's host seconds are added
+        to host[name] (back to back, a phase whose call waits for the GPU
+        shows here, where phase_ms's synchronized iterations hide it)."""
         phases, state = self.phases()
-        for _, fn in phases:
+        for name, fn in phases:
+            t0 = time.perf_counter()
             fn()
+            if host is not None:
+                host[name] = host.get(name, 0.0) + time.perf_counter() - t0
         return state
 
-    def block_ms(self, iters):
+    def block_ms(self, iters, host=None):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(iters):
-            self.iterate()
+            self.iterate(host)
         torch.cuda.synchronize()
         return (time.perf_counter() - t0) / iters * 1e3
 
@@ -229,13 +235,14 @@ def compare(name, cfg, batch, seq, clip, daemon, args):
     # The daemon's own timing of each peer's steps (CUDA): device time of
     # the step's work, and its stream's wait for the trainer's ready flag.
     device = {k: [0, 0.0, 0.0] for k in peers}
+    ahead = {k: {} for k in peers}  # back-to-back host seconds per phase
     for b in range(args.blocks):
         # Every other round in reverse order, so that a drift of the
         # machine (its host clock) weighs on every peer alike.
         order = list(peers.items())
         for k, t in (order[::-1] if b % 2 else order):
             m0 = client.get_metrics()
-            blocks[k].append(t.block_ms(args.iters))
+            blocks[k].append(t.block_ms(args.iters, ahead[k]))
             m1 = client.get_metrics()
             device[k][0] += m1.step_device_time.count - \
                 m0.step_device_time.count
@@ -246,6 +253,8 @@ def compare(name, cfg, batch, seq, clip, daemon, args):
     moved = (client.get_metrics().plan_entry_updates - moved_before) / (
         args.blocks * args.iters)
     phases = {k: t.phase_ms(args.iters) for k, t in peers.items()}
+    if args.profile_steps:
+        profile_steps(peers["optimd"], args.profile_steps)
     it = {k: statistics.median(v) for k, v in blocks.items()}
     # Ratios of the blocks of one round (run next to each other): steadier
     # than the ratio of medians where the host's speed drifts.
@@ -261,10 +270,14 @@ def compare(name, cfg, batch, seq, clip, daemon, args):
                phases={k: dict(gpu=v[0], host=v[1])
                        for k, v in phases.items()},
                iteration_ms=it,
+               back_to_back_host_ms={
+                   k: {n: v / (args.blocks * args.iters) * 1e3
+                       for n, v in h.items()} for k, h in ahead.items()},
                moved_entries_per_step=moved,
                daemon_device_ms={k: (v[1] / v[0] * 1e3, v[2] / v[0] * 1e3)
                                  for k, v in device.items() if v[0]},
                skip_nonfinite=bool(args.skip_nonfinite),
+               native_steps=client.native_steps,
                loss_after_warmup=losses)
     if args.overlap:
         # The optimizer time left in an iteration, as a fraction of the
@@ -283,6 +296,47 @@ def compare(name, cfg, batch, seq, clip, daemon, args):
     return row
 
 
+def use_step_call(kind):
+    """Client.step_async replaced by a unary Step: blocking on this thread
+    ("unary") or a gRPC future ("future"), to measure what the step
+    stream's Python threads cost the trainer's thread."""
+    import concurrent.futures
+    from optimd import client as client_mod
+
+    def unary(self, **kw):
+        future = concurrent.futures.Future()
+        future.set_result(self._call("Step", self._step_request(**kw)))
+        return future
+
+    def grpc_future(self, **kw):
+        return self._stub.Step.future(
+            self._step_request(**kw), timeout=self.timeout,
+            metadata=((client_mod.SESSION_METADATA_KEY, self.token),))
+    client_mod.Client.step_async = unary if kind == "unary" else grpc_future
+
+
+def profile_steps(trainer, iters):
+    """cProfile of opt.step() alone over `iters` back-to-back iterations;
+    prints the functions taking most of its time."""
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    step = trainer.opt.step
+
+    def profiled():
+        prof.enable()
+        step()
+        prof.disable()
+    trainer.opt.step = profiled
+    try:
+        trainer.block_ms(iters)
+    finally:
+        del trainer.opt.step
+    stats = pstats.Stats(prof)
+    stats.sort_stats("cumulative").print_stats(30)
+    stats.sort_stats("tottime").print_stats(15)
+
+
 def print_row(r):
     print("%-9s %5.0fM %5d tensors  batch %2dx%-4d clip %-4s  torch %8.3f ms"
           "  optimd %8.3f ms  ratio %.3f  step share torch %4.1f%% optimd "
@@ -297,10 +351,17 @@ def print_row(r):
         print("    %-6s " % peer + "  ".join(
             "%s %.3f/%.3f" % (k, ph["gpu"][k], ph["host"][k])
             for k in ph["gpu"]) + "   (GPU/host ms)")
+    for peer, ph in r["back_to_back_host_ms"].items():
+        print("    %-6s " % peer + "  ".join(
+            "%s %.3f" % kv for kv in ph.items()) +
+            "   (host ms back to back, means)")
     print("    loss after warm-up: %s; plan entries moved per step %.2f%s" %
           (" ".join("%s %.5f" % kv for kv in r["loss_after_warmup"].items()),
            r["moved_entries_per_step"],
            "; optimd with skip_nonfinite" if r["skip_nonfinite"] else ""))
+    print("    steps through %s" % ("liboptimd_step_channel.so"
+                                     if r["native_steps"] else
+                                     "grpcio's step stream"))
     for peer, (run, wait) in r.get("daemon_device_ms", {}).items():
         print("    daemon, %s steps: device %.3f ms, ready wait %.3f ms "
               "(means)" % (peer, run, wait))
@@ -337,6 +398,16 @@ def main():
                     help="a flag for the daemon (e.g. --cuda_graphs=false)")
     ap.add_argument("--clips", default="none,1.0",
                     help="which clip rows: none, 1.0, or both")
+    ap.add_argument("--step_call", default="stream",
+                    choices=("stream", "unary", "future"),
+                    help="how optimd's client sends a step: over its step "
+                         "stream (gRPC Python threads take the request and "
+                         "read the reply), as a blocking unary Step on the "
+                         "trainer's thread, or as a unary Step future "
+                         "(gRPC's channel thread completes it)")
+    ap.add_argument("--profile_steps", type=int, default=0,
+                    help="also profile optimd's opt.step() (cProfile) over "
+                         "this many back-to-back iterations of each row")
     ap.add_argument("--queued_send", action="store_true",
                     help="optimd's step requests queued for gRPC's thread "
                          "without waiting for it to take them (how they "
@@ -346,6 +417,8 @@ def main():
         from optimd import _step_stream
         from step_handoff import queued_send
         _step_stream.StepStream.send = queued_send
+    if args.step_call != "stream":
+        use_step_call(args.step_call)
     torch.backends.cuda.matmul.allow_tf32 = True
     rows = []
     saved = dict(os.environ)

@@ -10,7 +10,8 @@ bundle=${BUNDLE_TOOL:-../shared/tools/gpu-bundle}
 # --tests_only leaves out the two C++ benchmarks: the device machine takes
 # the tree and the bundle together up to 64 MiB, and the full bundle is
 # close to that.
-targets=(//tests:cuda_backend_test //tests:cuda_math_test //server:optimd)
+targets=(//tests:cuda_backend_test //tests:cuda_math_test //server:optimd
+  //client:liboptimd_step_channel.so)
 if [ "${1:-}" != "--tests_only" ]; then
   targets+=(//bench:cuda_step_bench //bench:step_latency)
 fi

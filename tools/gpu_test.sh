@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 # torch's NCCL (the bundle has none of its own).
 nccl_lib=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)
 export LD_LIBRARY_PATH=.gpu/lib${nccl_lib:+:$nccl_lib} OPTIMD_BINARY=.gpu/optimd
+export OPTIMD_STEP_CHANNEL_LIB=$PWD/.gpu/liboptimd_step_channel.so
 export PYTHONPATH=client/python
 failed=0
 run() {

@@ -6,6 +6,12 @@ where protoc and grpc_python_plugin are installed (Debian's
 protobuf-compiler and protobuf-compiler-grpc) and the source tree is at
 hand, generated anew from proto/optimd/v1/optimd.proto. Uses the torch,
 grpcio and protobuf already installed.
+
+With liboptimd_step_channel.so built (`bazel build
+//client:liboptimd_step_channel.so`), it is installed too, as
+optimd/_lib/liboptimd_step_channel.so: steps then run without Python
+threads (optimd/_native_steps.py). OPTIMD_STEP_CHANNEL_LIB names another
+copy; without either, the client steps over grpcio's stream.
 """
 import os
 import shutil
@@ -17,6 +23,8 @@ from setuptools.command.build_py import build_py
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROTO_ROOT = os.path.normpath(os.path.join(HERE, "..", "..", "proto"))
 PROTO = os.path.join(PROTO_ROOT, "optimd", "v1", "optimd.proto")
+STEP_CHANNEL = os.path.normpath(os.path.join(
+    HERE, "..", "..", "bazel-bin", "client", "liboptimd_step_channel.so"))
 
 
 class BuildWithStubs(build_py):
@@ -38,6 +46,12 @@ class BuildWithStubs(build_py):
                 "cannot generate the gRPC stubs: install protoc and "
                 "grpc_python_plugin (tools/setup.sh) and install from the "
                 "optimd source tree")
+        library = os.environ.get("OPTIMD_STEP_CHANNEL_LIB") or STEP_CHANNEL
+        if os.path.exists(library):
+            lib_dir = os.path.join(out, "optimd", "_lib")
+            os.makedirs(lib_dir, exist_ok=True)
+            shutil.copy(library, os.path.join(
+                lib_dir, "liboptimd_step_channel.so"))
 
 
 setup(

@@ -8,6 +8,7 @@ def daemon_py_test(name, module, size = "large", tags = [], data = []):
         args = [module],
         data = [
             module,
+            "//client:liboptimd_step_channel.so",
             "//client/python:optimd_py",
             "//proto:optimd_py_proto",
             "//server:optimd",

@@ -15,11 +15,15 @@ mkdir -p "$src/client" "$src/proto/optimd/v1"
 cp -rL "$root/client/python" "$src/client/python"
 rm -f "$src/client/python/optimd/v1/"*_pb2*.py
 cp -L "$root/proto/optimd/v1/optimd.proto" "$src/proto/optimd/v1/"
-/usr/bin/python3 -m pip install --quiet --no-build-isolation --no-deps \
+# With the step channel library built, the install carries it.
+OPTIMD_STEP_CHANNEL_LIB="$root/client/liboptimd_step_channel.so" \
+  /usr/bin/python3 -m pip install --quiet --no-build-isolation --no-deps \
   --no-index --target "$target/site" "$src/client/python"
 test -f "$target/site/optimd/v1/optimd_pb2_grpc.py"
+test -f "$target/site/optimd/_lib/liboptimd_step_channel.so"
 cd "$target"
-OPTIMD_BINARY="$root/server/optimd" PYTHONPATH="$target/site" /usr/bin/python3 - <<'PY'
+env -u OPTIMD_STEP_CHANNEL_LIB OPTIMD_BINARY="$root/server/optimd" \
+  PYTHONPATH="$target/site" /usr/bin/python3 - <<'PY'
 import torch
 import optimd
 from optimd.testing import Daemon
@@ -31,8 +35,9 @@ with Daemon() as d:
     p.grad = torch.full_like(p, 0.5)
     opt.step()
     assert abs(p[0].item() - 0.899) < 1e-6, p
+    assert opt.client.native_steps, "the installed library is not used"
     opt.close()
-print("installed package works")
+print("installed package works, steps through its library")
 PY
 # Without protoc on the path, the stubs kept in the tree are installed
 # (pip needs nothing else from the path here).

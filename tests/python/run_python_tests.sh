@@ -5,6 +5,9 @@ set -euo pipefail
 root="$PWD"
 export PYTHONPATH="$root/client/python:$root/proto/pygen"
 export OPTIMD_BINARY="$root/server/optimd"
+# Steps through liboptimd_step_channel.so, as an installed client with the
+# library does (test_step_channel compares it with grpcio's stream).
+export OPTIMD_STEP_CHANNEL_LIB="$root/client/liboptimd_step_channel.so"
 export PYTHONUNBUFFERED=1
 cd "$root/tests/python"
 for module in "$@"; do

@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 import unittest
+from unittest import mock
 import warnings
 
 import torch
@@ -462,6 +463,9 @@ class TorchClientTest(unittest.TestCase):
         # hold its step back from the daemon (optimd._step_stream). Each
         # request has left optimd's queue when step_async returns, and
         # every reply comes, in order.
+        no_library = mock.patch("optimd._native_steps.load", lambda: None)
+        no_library.start()
+        self.addCleanup(no_library.stop)
         client = optimd.Client(self.daemon.address)
         self.addCleanup(client.close)
         client.create_session(self.id())

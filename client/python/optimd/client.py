@@ -11,6 +11,7 @@ import socket
 import grpc
 
 from optimd import errors
+from optimd import _native_steps
 from optimd._step_stream import StepStream
 from optimd.v1 import optimd_pb2 as pb
 from optimd.v1 import optimd_pb2_grpc as pb_grpc
@@ -365,11 +366,27 @@ class Client:
             def broken(replies_ok, error):
                 if callback is not None:
                     callback(first, replies_ok, error)
-            self._stream = StepStream(
-                self._stub, ((SESSION_METADATA_KEY, self.token),),
-                self.address, broken, answers=self.daemon_answers)
+            self._stream = self._open_step_stream(broken)
         self._streamed += 1
         return self._stream.send(request)
+
+    def _open_step_stream(self, broken):
+        """The step stream: liboptimd_step_channel's where it is loaded and
+        the daemon is on a Unix socket (no Python thread per step),
+        grpcio's otherwise."""
+        lib = _native_steps.load()
+        if lib is not None and self.address.startswith("unix:"):
+            return _native_steps.NativeStepStream(
+                lib, self.address, self.token, self.address, broken,
+                answers=self.daemon_answers)
+        return StepStream(
+            self._stub, ((SESSION_METADATA_KEY, self.token),),
+            self.address, broken, answers=self.daemon_answers)
+
+    @property
+    def native_steps(self):
+        """Whether steps go through liboptimd_step_channel.so."""
+        return isinstance(self._stream, _native_steps.NativeStepStream)
 
     @staticmethod
     def _result(future):

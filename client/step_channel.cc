@@ -1,0 +1,252 @@
+// liboptimd_step_channel.so: one session's StepStream for the Python
+// client, driven without Python threads.
+//
+// grpcio takes a stream's requests from an iterator on a Python thread of
+// its own and delivers replies on another, and each of them needs the GIL
+// for every step: the trainer's thread waits for the hand-off (hundreds of
+// microseconds on a busy host) and loses the GIL to them again during the
+// next forward. Here the trainer's thread hands the serialized request to a
+// C++ writer thread (a queue push: microseconds, the GIL held) and a C++
+// reader thread puts the replies in a queue the trainer polls when it wants
+// them, so no Python thread runs per step.
+//
+// The C interface (ctypes): open, send, next, finish, free. One thread at a time
+// may call send and next (the Python side holds a lock); the reader thread
+// is this file's own.
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/grpcpp.h"
+#include "optimd/v1/optimd.grpc.pb.h"
+
+namespace optimd {
+namespace {
+
+void CopyMessage(const std::string& message, char* out, size_t cap) {
+  if (cap == 0) return;
+  const size_t n = message.size() < cap - 1 ? message.size() : cap - 1;
+  std::memcpy(out, message.data(), n);
+  out[n] = '\0';
+}
+
+class StepChannel {
+ public:
+  StepChannel(const std::shared_ptr<grpc::Channel>& channel,
+              const std::string& token)
+      : stub_(v1::Optimizer::NewStub(channel)) {
+    context_.AddMetadata("x-optimd-session", token);
+    stream_ = stub_->StepStream(&context_);
+    writer_ = std::thread([this] { WriteRequests(); });
+    reader_ = std::thread([this] { ReadReplies(); });
+  }
+
+  ~StepChannel() {
+    Close(0);  // a stream still open is cancelled
+    reader_.join();  // which joined the writer
+  }
+
+  // Queues a serialized StepRequest for the writer thread; false once the
+  // stream has ended or is closing (Next then gives its status).
+  bool Send(const void* data, size_t len) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (reading_done_ || closing_) return false;
+    outgoing_.emplace_back(static_cast<const char*>(data), len);
+    cv_.notify_all();
+    return true;
+  }
+
+  // Ends the requests once those queued are written; the daemon answers
+  // them, then ends the stream. One that has not within timeout_ms is
+  // cancelled.
+  void Close(int timeout_ms) {
+    std::unique_lock<std::mutex> lock(mu_);
+    closing_ = true;
+    cv_.notify_all();
+    if (!cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms),
+                      [this] { return ended_; })) {
+      context_.TryCancel();
+    }
+  }
+
+  // 1: a reply in *reply; 0: none within timeout_ms (negative: no limit);
+  // -1: the stream ended, its status in *status.
+  int Next(int timeout_ms, std::string* reply, grpc::Status* status) {
+    std::unique_lock<std::mutex> lock(mu_);
+    const auto ready = [this] { return !replies_.empty() || ended_; };
+    if (timeout_ms < 0) {
+      cv_.wait(lock, ready);
+    } else if (timeout_ms == 0) {
+      // No timed wait: one whose deadline has passed still sleeps for the
+      // kernel's timer slack (about 50 us), on every look at the replies.
+      if (!ready()) return 0;
+    } else if (!cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms),
+                             ready)) {
+      return 0;
+    }
+    if (!replies_.empty()) {
+      *reply = std::move(replies_.front());
+      replies_.pop_front();
+      return 1;
+    }
+    *status = status_;
+    return -1;
+  }
+
+  // Next, into the caller's buffer (the C interface's contract).
+  int NextInto(int timeout_ms, char* buf, size_t cap, size_t* len,
+               int* code) {
+    std::string reply;
+    grpc::Status status;
+    int rc = 1;
+    if (!held_.empty()) {
+      reply = std::move(held_);
+      held_.clear();
+    } else {
+      rc = Next(timeout_ms, &reply, &status);
+    }
+    if (rc == 1) {
+      *len = reply.size();
+      if (reply.size() > cap) {
+        held_ = std::move(reply);
+        return -2;
+      }
+      std::memcpy(buf, reply.data(), reply.size());
+    } else if (rc == -1) {
+      *code = static_cast<int>(status.error_code());
+      CopyMessage(status.error_message(), buf, cap);
+    }
+    return rc;
+  }
+
+ private:
+  // Writes the queued requests in order until the stream ends, or until
+  // Close and the queue is empty (then half-closes).
+  void WriteRequests() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      cv_.wait(lock, [this] {
+        return !outgoing_.empty() || closing_ || reading_done_;
+      });
+      if (reading_done_) return;
+      if (outgoing_.empty()) break;  // closing
+      const std::string bytes = std::move(outgoing_.front());
+      outgoing_.pop_front();
+      lock.unlock();
+      v1::StepRequest request;
+      // Bytes the Python client serialized; a failed parse is the
+      // daemon's to refuse (an empty request names no step).
+      request.ParseFromString(bytes);
+      const bool written = stream_->Write(request);
+      lock.lock();
+      if (!written) return;  // the stream ended: the reader reports it
+    }
+    lock.unlock();
+    stream_->WritesDone();
+  }
+
+  void ReadReplies() {
+    v1::StepResponse response;
+    while (stream_->Read(&response)) {
+      std::string bytes = response.SerializeAsString();
+      std::lock_guard<std::mutex> lock(mu_);
+      replies_.push_back(std::move(bytes));
+      cv_.notify_all();
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      reading_done_ = true;
+      cv_.notify_all();  // a writer waiting for requests stops
+    }
+    // Finish only once the writer is gone: a Write racing Finish is not
+    // allowed.
+    writer_.join();
+    grpc::Status status = stream_->Finish();
+    if (status.ok()) {
+      status = grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                            "the daemon closed the step stream");
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    status_ = status;
+    ended_ = true;
+    cv_.notify_all();
+  }
+
+  std::unique_ptr<v1::Optimizer::Stub> stub_;
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::StepRequest, v1::StepResponse>>
+      stream_;
+  std::mutex mu_;  // the fields below
+  std::condition_variable cv_;
+  std::deque<std::string> outgoing_;
+  std::deque<std::string> replies_;
+  bool closing_ = false;
+  bool reading_done_ = false;  // the reader saw the stream's end
+  bool ended_ = false;
+  grpc::Status status_;
+  std::string held_;  // a reply too large for the caller's buffer (caller's)
+  std::thread writer_;
+  std::thread reader_;
+};
+
+}  // namespace
+}  // namespace optimd
+
+extern "C" {
+
+// A StepStream of the session `token` at `target` (a unix: address), or
+// NULL with the reason in err.
+void* optimd_step_channel_open(const char* target, const char* token,
+                               int connect_timeout_ms, char* err,
+                               size_t err_cap) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);
+  args.SetMaxSendMessageSize(-1);
+  auto channel = grpc::CreateCustomChannel(
+      target, grpc::InsecureChannelCredentials(), args);
+  if (!channel->WaitForConnected(
+          std::chrono::system_clock::now() +
+          std::chrono::milliseconds(connect_timeout_ms))) {
+    optimd::CopyMessage(
+        absl::StrCat("no optimd daemon answers at ", target), err, err_cap);
+    return nullptr;
+  }
+  return new optimd::StepChannel(channel, token);
+}
+
+// 0: the serialized StepRequest was written; -1: the stream takes no more
+// (optimd_step_channel_next gives its end).
+int optimd_step_channel_send(void* channel, const void* data, size_t len) {
+  return static_cast<optimd::StepChannel*>(channel)->Send(data, len) ? 0 : -1;
+}
+
+// 1: the next reply, serialized, in buf (*len its size; -2 and *len the size
+// needed when cap is too small: the reply is kept for the next call); 0:
+// none came within timeout_ms (negative: wait for one); -1: the stream
+// ended, *code its gRPC status code and buf its message.
+int optimd_step_channel_next(void* channel, int timeout_ms, char* buf,
+                             size_t cap, size_t* len, int* code) {
+  return static_cast<optimd::StepChannel*>(channel)->NextInto(
+      timeout_ms, buf, cap, len, code);
+}
+
+// Ends the requests and waits until the daemon has answered those sent
+// and ended the stream (cancelled after timeout_ms); the replies stay for
+// optimd_step_channel_next.
+void optimd_step_channel_finish(void* channel, int timeout_ms) {
+  static_cast<optimd::StepChannel*>(channel)->Close(timeout_ms);
+}
+
+// Frees a finished channel.
+void optimd_step_channel_free(void* channel) {
+  delete static_cast<optimd::StepChannel*>(channel);
+}
+
+}  // extern "C"

@@ -1,0 +1,161 @@
+"""Steps through liboptimd_step_channel.so against grpcio's step stream:
+the same results, the same errors, and no Python thread per step."""
+import os
+import signal
+import sys
+import threading
+import unittest
+from unittest import mock
+
+import torch
+
+import optimd
+from optimd import _native_steps
+from optimd.testing import Daemon
+from optimd.torch import AdamW
+
+# run_python_tests.sh points OPTIMD_STEP_CHANNEL_LIB at the built library.
+HAVE_LIBRARY = _native_steps.load() is not None
+
+
+def model(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 1))
+
+
+def train(opt, m, steps):
+    x = torch.linspace(-1, 1, 64).reshape(8, 8)
+    for _ in range(steps):
+        opt.zero_grad()
+        m(x).pow(2).mean().backward()
+        opt.step()
+
+
+@unittest.skipUnless(HAVE_LIBRARY, "liboptimd_step_channel.so not built: %s"
+                     % _native_steps.why_not())
+class StepChannelTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.daemon = Daemon()
+
+    @classmethod
+    def tearDownClass(cls):
+        assert cls.daemon.stop() == 0
+
+    def python_stream(self):
+        """The rest of the test steps over grpcio's stream."""
+        patch = mock.patch("optimd._native_steps.load", lambda: None)
+        patch.start()
+        self.addCleanup(patch.stop)
+
+    def optimizer(self, m, **kw):
+        opt = AdamW(m.parameters(), lr=1e-2, weight_decay=0.1,
+                    address=self.daemon.address, job_id=self.id(), **kw)
+        self.addCleanup(opt.close)
+        return opt
+
+    def test_steps_give_the_bits_of_the_python_stream_and_of_torch(self):
+        ours, theirs, ref = model(1), model(1), model(1)
+        native = self.optimizer(ours, max_grad_norm=0.5)
+        train(native, ours, 12)
+        self.assertTrue(native.client.native_steps)
+        native.close()
+        self.python_stream()
+        python = self.optimizer(theirs, max_grad_norm=0.5)
+        train(python, theirs, 12)
+        self.assertFalse(python.client.native_steps)
+        for p, q in zip(ours.parameters(), theirs.parameters()):
+            self.assertTrue(torch.equal(p, q))
+        torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2,
+                                      weight_decay=0.1)
+        x = torch.linspace(-1, 1, 64).reshape(8, 8)
+        for _ in range(12):
+            torch_opt.zero_grad()
+            ref(x).pow(2).mean().backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+            torch_opt.step()
+        for p, q in zip(ours.parameters(), ref.parameters()):
+            self.assertLess((p - q).abs().max().item(), 1e-5)
+
+    def step_threads(self):
+        """The Python threads other than this one that run gRPC's or
+        optimd's code while a session steps (but grpcio's watcher of the
+        channel's connectivity, which wakes only when that changes)."""
+        client = optimd.Client(self.daemon.address)
+        self.addCleanup(client.close)
+        client.create_session(self.id())
+        replies = [client.step_async(assume_finite=True) for _ in range(30)]
+        busy = set()
+        for tid, frame in sys._current_frames().items():
+            if frame.f_code.co_name == "_poll_connectivity":
+                continue
+            while frame is not None and tid != threading.get_ident():
+                name = frame.f_code.co_filename
+                if os.sep + "grpc" + os.sep in name or \
+                        os.sep + "optimd" + os.sep in name:
+                    busy.add(tid)
+                frame = frame.f_back
+        self.assertEqual(len([r.result(timeout=30) for r in replies]), 30)
+        client.close_session()
+        return busy
+
+    def test_no_python_thread_runs_steps(self):
+        self.assertEqual(self.step_threads(), set())
+        # The check sees the threads of grpcio's stream.
+        self.python_stream()
+        self.assertGreaterEqual(len(self.step_threads()), 2)
+
+    def refused_then_later(self):
+        """(refused step's error, error of one sent after it on the same
+        stream, whether a new stream steps)."""
+        client = optimd.Client(self.daemon.address)
+        self.addCleanup(client.close)
+        client.create_session(self.id())
+        refused = client.step_async(lr_overrides={"no-such-group": 0.1})
+        first = refused.exception(timeout=30)
+        ended = client._stream
+        later = ended.send(client._step_request(assume_finite=True))
+        second = later.exception(timeout=30)
+        self.assertTrue(ended.broken)
+        again = client.step(assume_finite=True).known
+        client.close_session()
+        return first, second, again
+
+    def test_a_refused_step_fails_as_over_the_python_stream(self):
+        native = self.refused_then_later()
+        self.python_stream()
+        python = self.refused_then_later()
+        self.assertIsInstance(native[0], optimd.NotFoundError)
+        self.assertEqual(type(native[0]), type(python[0]))
+        self.assertIn("no-such-group", str(native[0]))
+        self.assertIsInstance(native[1], optimd.OptimdError)
+        self.assertTrue(native[2] and python[2])
+
+    def test_steps_in_flight_are_answered_at_close(self):
+        client = optimd.Client(self.daemon.address)
+        client.create_session(self.id())
+        replies = [client.step_async(assume_finite=True) for _ in range(10)]
+        client.close_session()  # drains the stream first
+        self.assertTrue(all(r.done() for r in replies))
+        self.assertTrue(all(r.result().known or not r.result().known
+                            for r in replies))
+        client.close()
+
+    def test_a_daemon_gone_mid_run_is_daemon_unavailable(self):
+        daemon = Daemon()
+        self.addCleanup(daemon.stop)
+        m = model(2)
+        opt = AdamW(m.parameters(), lr=1e-2, address=daemon.address,
+                    job_id=self.id())
+        train(opt, m, 2)
+        self.assertTrue(opt.client.native_steps)
+        os.kill(daemon.process.pid, signal.SIGKILL)
+        daemon.process.wait()
+        with self.assertRaises(optimd.DaemonUnavailableError) as caught:
+            train(opt, m, 1)
+        self.assertIn("went away", str(caught.exception))
+
+
+if __name__ == "__main__":
+    unittest.main()
