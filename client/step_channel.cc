@@ -10,8 +10,8 @@
 // reader thread puts the replies in a queue the trainer polls when it wants
 // them, so no Python thread runs per step.
 //
-// The C interface (ctypes): open, send, next, finish, free. One thread at a time
-// may call send and next (the Python side holds a lock); the reader thread
+// The C interface (ctypes): open, send, next, finish, free. One thread at a
+// time may call send and next (the Python side holds a lock); the reader thread
 // is this file's own.
 #include <chrono>
 #include <condition_variable>
@@ -49,7 +49,7 @@ class StepChannel {
   }
 
   ~StepChannel() {
-    Close(0);  // a stream still open is cancelled
+    Close(0);        // a stream still open is cancelled
     reader_.join();  // which joined the writer
   }
 
@@ -101,8 +101,7 @@ class StepChannel {
   }
 
   // Next, into the caller's buffer (the C interface's contract).
-  int NextInto(int timeout_ms, char* buf, size_t cap, size_t* len,
-               int* code) {
+  int NextInto(int timeout_ms, char* buf, size_t cap, size_t* len, int* code) {
     std::string reply;
     grpc::Status status;
     int rc = 1;
@@ -214,8 +213,8 @@ void* optimd_step_channel_open(const char* target, const char* token,
   if (!channel->WaitForConnected(
           std::chrono::system_clock::now() +
           std::chrono::milliseconds(connect_timeout_ms))) {
-    optimd::CopyMessage(
-        absl::StrCat("no optimd daemon answers at ", target), err, err_cap);
+    optimd::CopyMessage(absl::StrCat("no optimd daemon answers at ", target),
+                        err, err_cap);
     return nullptr;
   }
   return new optimd::StepChannel(channel, token);
@@ -233,8 +232,8 @@ int optimd_step_channel_send(void* channel, const void* data, size_t len) {
 // ended, *code its gRPC status code and buf its message.
 int optimd_step_channel_next(void* channel, int timeout_ms, char* buf,
                              size_t cap, size_t* len, int* code) {
-  return static_cast<optimd::StepChannel*>(channel)->NextInto(
-      timeout_ms, buf, cap, len, code);
+  return static_cast<optimd::StepChannel*>(channel)->NextInto(timeout_ms, buf,
+                                                              cap, len, code);
 }
 
 // Ends the requests and waits until the daemon has answered those sent
