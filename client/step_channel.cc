@@ -13,6 +13,8 @@
 // The C interface (ctypes): open, send, next, finish, free. One thread at a
 // time may call send and next (the Python side holds a lock); the reader thread
 // is this file's own.
+#include "client/step_channel.h"
+
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -200,8 +202,6 @@ class StepChannel {
 
 extern "C" {
 
-// A StepStream of the session `token` at `target` (a unix: address), or
-// NULL with the reason in err.
 void* optimd_step_channel_open(const char* target, const char* token,
                                int connect_timeout_ms, char* err,
                                size_t err_cap) {
@@ -220,30 +220,20 @@ void* optimd_step_channel_open(const char* target, const char* token,
   return new optimd::StepChannel(channel, token);
 }
 
-// 0: the serialized StepRequest was written; -1: the stream takes no more
-// (optimd_step_channel_next gives its end).
 int optimd_step_channel_send(void* channel, const void* data, size_t len) {
   return static_cast<optimd::StepChannel*>(channel)->Send(data, len) ? 0 : -1;
 }
 
-// 1: the next reply, serialized, in buf (*len its size; -2 and *len the size
-// needed when cap is too small: the reply is kept for the next call); 0:
-// none came within timeout_ms (negative: wait for one); -1: the stream
-// ended, *code its gRPC status code and buf its message.
 int optimd_step_channel_next(void* channel, int timeout_ms, char* buf,
                              size_t cap, size_t* len, int* code) {
   return static_cast<optimd::StepChannel*>(channel)->NextInto(timeout_ms, buf,
                                                               cap, len, code);
 }
 
-// Ends the requests and waits until the daemon has answered those sent
-// and ended the stream (cancelled after timeout_ms); the replies stay for
-// optimd_step_channel_next.
 void optimd_step_channel_finish(void* channel, int timeout_ms) {
   static_cast<optimd::StepChannel*>(channel)->Close(timeout_ms);
 }
 
-// Frees a finished channel.
 void optimd_step_channel_free(void* channel) {
   delete static_cast<optimd::StepChannel*>(channel);
 }

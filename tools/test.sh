@@ -33,7 +33,7 @@ asan_base="$cache_root/optimd-asan-$checkout_key"
 bazel --output_base="$asan_base" test --config=asan --config=nocuda \
   //common/... //core/... //kernels/... //checkpoint/... //backends/... \
   //server/... //tests/core/... //tests/checkpoint/... \
-  //tests:e2e_test //tests:random_requests_test \
+  //tests:e2e_test //tests:step_channel_test //tests:random_requests_test \
   //tests:descriptor_exhaustion_test
 # tls_test too, but for its case of running out of descriptors with TLS
 # connections open: UBSan's vptr check probes the object's memory through
@@ -97,7 +97,7 @@ bazel --output_base="$tsan_base" test --config=tsan --config=nocuda \
   //common:thread_pool_test //core:rank_exchange_test \
   //tests/core:session_test //tests/checkpoint:checkpoint_test \
   //server:device_worker_test //server:refusal_log_test \
-  //server:accept_loop_test //tests:e2e_test \
+  //server:accept_loop_test //tests:e2e_test //tests:step_channel_test \
   //tests:descriptor_exhaustion_test //tests:tls_test
 bazel --output_base="$tsan_base" shutdown
 
