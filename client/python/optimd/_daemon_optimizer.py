@@ -15,7 +15,7 @@ import weakref
 
 import torch
 
-from optimd import _secrets, errors
+from optimd import _secrets, cuda_ipc, errors
 from optimd._checkpoints import Checkpoints
 from optimd._cuda_segment import CudaSegment
 from optimd._dtensor import (any_sharded, check_mesh, is_dtensor, local_of,
@@ -782,7 +782,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         (their outcome: skipped, grad_norm) and raise a failed step's error
         at the latest one step later."""
         self._look_at_replies(block=False)
-        stream = torch.cuda.current_stream(self._device)
+        stream = cuda_ipc.current_stream(self._device)
         flags, sequence = self._flags.next_step(self._client.steps_streamed)
         staged = self._overlap is not None
         self._flags.mark_ready(stream, staged=staged)
