@@ -773,7 +773,14 @@ TEST_F(CudaBackendTest, NewGradientBuffersOfAnotherAlignment) {
 // the step is not skipped. Layouts without remainders: a NaN master's
 // remainder holds the backend's own NaN bits.
 TEST_F(CudaBackendTest, AppliedNonFiniteGradientsMatchTheCpuReference) {
-  for (const LayoutCase& c : EveryLayout()) {
+  // Block8 moments too: an inf or NaN moment makes its block's scale
+  // non-finite, and every code of that block then comes from an inf or NaN
+  // multiplier (Block8MultiplierOf), which both backends must encode alike.
+  std::vector<LayoutCase> layouts = EveryLayout();
+  for (const LayoutCase& c : EveryLayout(/*block8=*/true)) {
+    layouts.push_back(c);
+  }
+  for (const LayoutCase& c : layouts) {
     if (c.master == MasterRequest::kRemainder) continue;
     for (double clip : {0.0, 1.0}) {
       for (float bad : {NAN, INFINITY}) {
@@ -785,8 +792,8 @@ TEST_F(CudaBackendTest, AppliedNonFiniteGradientsMatchTheCpuReference) {
         spec.hyper.weight_decay = 0.01;
         SCOPED_TRACE(::testing::Message()
                      << "param " << DTypeName(c.param) << " grad "
-                     << DTypeName(c.grad) << " clip " << clip << " bad "
-                     << bad);
+                     << DTypeName(c.grad) << " moment " << DTypeName(c.moment)
+                     << " clip " << clip << " bad " << bad);
         Twin twin(cpu_.get(), gpu_.get(), RandomTensors(c.param, c.grad, 6),
                   spec, &rng_);
         ASSERT_TRUE(twin.status().ok()) << twin.status();

@@ -3,6 +3,7 @@
 // -fmad=false, IEEE division and square root), so results equal the CPU
 // reference bit for bit given the same step scalars; float64 layouts too,
 // in double.
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -385,6 +386,33 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 4)
   Walk(work, body);
 }
 
+// Lets `kernel` take `bytes` of dynamic shared memory on the current
+// device, once per device (`allowed` holds a bit per device already done;
+// devices past 63 are set at every call).
+template <class Kernel>
+absl::Status AllowDynamicSharedMemory(Kernel kernel, int bytes,
+                                      std::atomic<uint64_t>* allowed,
+                                      const char* what) {
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
+  if (e == cudaSuccess && bit != 0 &&
+      (allowed->load(std::memory_order_acquire) & bit) != 0) {
+    return absl::OkStatus();
+  }
+  if (e == cudaSuccess) {
+    e = cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  }
+  if (e != cudaSuccess) {
+    return absl::InternalError(
+        absl::StrCat(what, "'s shared memory: ", cudaGetErrorName(e), ": ",
+                     cudaGetErrorString(e)));
+  }
+  allowed->fetch_or(bit, std::memory_order_release);
+  return absl::OkStatus();
+}
+
 // The kernel for one layout, with amsgrad and AdamW/Adam as template
 // flags.
 struct AdamWLaunch {
@@ -418,12 +446,12 @@ struct AdamWLaunch {
     }
     if (work.num_unit_tasks == 0) return absl::OkStatus();
     const auto kernel = AdamWFp8UnitKernel<P, G, M, kAms, kAdamW>;
-    const cudaError_t e = cudaFuncSetAttribute(
-        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kUnitMastersBytes);
-    if (e != cudaSuccess) {
-      return absl::InternalError(
-          absl::StrCat("FP8 unit kernel's shared memory: ", cudaGetErrorName(e),
-                       ": ", cudaGetErrorString(e)));
+    // The attribute holds per device: set once on each (bit d: device d).
+    static std::atomic<uint64_t> allowed{0};
+    if (absl::Status s = AllowDynamicSharedMemory(kernel, kUnitMastersBytes,
+                                                  &allowed, "FP8 unit kernel");
+        !s.ok()) {
+      return s;
     }
     kernel<<<work.num_unit_tasks, kThreadsPerBlock, kUnitMastersBytes,
              stream>>>(work, scalars);
@@ -474,9 +502,7 @@ struct AdamWLaunch {
 
 absl::Status LaunchAdamW(const Layout& layout, bool adamw, const Work& work,
                          const DeviceScalars* scalars, Stream stream) {
-  if (work.num_blocks == 0 && work.num_unit_tasks == 0) {
-    return absl::OkStatus();
-  }
+  // LaunchUpdate (kernels/step_cuda.cu) never calls with no work at all.
   AdamWLaunch launch{layout, adamw, work, scalars, stream};
   return DispatchLayout(layout, launch);
 }

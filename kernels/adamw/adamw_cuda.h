@@ -12,7 +12,8 @@ namespace cuda {
 
 // Updates the items of `work` with the scalars of a group (unless they
 // say skip). `adamw`: decoupled weight decay (else Adam's L2), a template
-// parameter of the kernel.
+// parameter of the kernel. `work` has a work block or a unit task
+// (LaunchUpdate skips a launch of neither).
 absl::Status LaunchAdamW(const Layout& layout, bool adamw, const Work& work,
                          const DeviceScalars* scalars, Stream stream);
 
