@@ -16,16 +16,17 @@
 #include "client/step_channel.h"
 
 #include <chrono>
-#include <condition_variable>
 #include <cstddef>
 #include <cstring>
 #include <deque>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "common/mutex.h"
 #include "grpcpp/grpcpp.h"
 #include "optimd/v1/optimd.grpc.pb.h"
 
@@ -58,10 +59,9 @@ class StepChannel {
   // Queues a serialized StepRequest for the writer thread; false once the
   // stream has ended or is closing (Next then gives its status).
   bool Send(const void* data, size_t len) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (reading_done_ || closing_) return false;
     outgoing_.emplace_back(static_cast<const char*>(data), len);
-    cv_.notify_all();
     return true;
   }
 
@@ -69,37 +69,14 @@ class StepChannel {
   // them, then ends the stream. One that has not within timeout_ms is
   // cancelled.
   void Close(int timeout_ms) {
-    std::unique_lock<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     closing_ = true;
-    cv_.notify_all();
-    if (!cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms),
-                      [this] { return ended_; })) {
+    if (!mu_.AwaitWithDeadline(
+            +[](StepChannel* c)
+                 ABSL_NO_THREAD_SAFETY_ANALYSIS { return c->ended_; },
+            this, absl::Now() + absl::Milliseconds(timeout_ms))) {
       context_.TryCancel();
     }
-  }
-
-  // 1: a reply in *reply; 0: none within timeout_ms (negative: no limit);
-  // -1: the stream ended, its status in *status.
-  int Next(int timeout_ms, std::string* reply, grpc::Status* status) {
-    std::unique_lock<std::mutex> lock(mu_);
-    const auto ready = [this] { return !replies_.empty() || ended_; };
-    if (timeout_ms < 0) {
-      cv_.wait(lock, ready);
-    } else if (timeout_ms == 0) {
-      // No timed wait: one whose deadline has passed still sleeps for the
-      // kernel's timer slack (about 50 us), on every look at the replies.
-      if (!ready()) return 0;
-    } else if (!cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms),
-                             ready)) {
-      return 0;
-    }
-    if (!replies_.empty()) {
-      *reply = std::move(replies_.front());
-      replies_.pop_front();
-      return 1;
-    }
-    *status = status_;
-    return -1;
   }
 
   // Next, into the caller's buffer (the C interface's contract).
@@ -128,28 +105,57 @@ class StepChannel {
   }
 
  private:
+  static bool ReplyOrEnd(StepChannel* c) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    return !c->replies_.empty() || c->ended_;
+  }
+
+  // 1: a reply in *reply; 0: none within timeout_ms (0: no wait; negative:
+  // no limit); -1: the stream ended, its status in *status.
+  int Next(int timeout_ms, std::string* reply, grpc::Status* status) {
+    MutexLock lock(&mu_);
+    if (timeout_ms < 0) {
+      mu_.Await(&ReplyOrEnd, this);
+    } else if (timeout_ms == 0) {
+      // No timed wait: one whose deadline has passed can still sleep for
+      // the kernel's timer slack (about 50 us), on every look.
+      if (!ReplyOrEnd(this)) return 0;
+    } else if (!mu_.AwaitWithDeadline(
+                   &ReplyOrEnd, this,
+                   absl::Now() + absl::Milliseconds(timeout_ms))) {
+      return 0;
+    }
+    if (!replies_.empty()) {
+      *reply = std::move(replies_.front());
+      replies_.pop_front();
+      return 1;
+    }
+    *status = status_;
+    return -1;
+  }
+
   // Writes the queued requests in order until the stream ends, or until
   // Close and the queue is empty (then half-closes).
   void WriteRequests() {
-    std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
-      cv_.wait(lock, [this] {
-        return !outgoing_.empty() || closing_ || reading_done_;
-      });
-      if (reading_done_) return;
-      if (outgoing_.empty()) break;  // closing
-      const std::string bytes = std::move(outgoing_.front());
-      outgoing_.pop_front();
-      lock.unlock();
+      std::string bytes;
+      {
+        MutexLock lock(&mu_);
+        mu_.Await(
+            +[](StepChannel* c) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+              return !c->outgoing_.empty() || c->closing_ || c->reading_done_;
+            },
+            this);
+        if (reading_done_) return;
+        if (outgoing_.empty()) break;  // closing, everything written
+        bytes = std::move(outgoing_.front());
+        outgoing_.pop_front();
+      }
       v1::StepRequest request;
-      // Bytes the Python client serialized; a failed parse is the
-      // daemon's to refuse (an empty request names no step).
+      // Bytes the Python client serialized; one that does not parse goes
+      // as an empty request, which the daemon refuses.
       request.ParseFromString(bytes);
-      const bool written = stream_->Write(request);
-      lock.lock();
-      if (!written) return;  // the stream ended: the reader reports it
+      if (!stream_->Write(request)) return;  // ended: the reader reports it
     }
-    lock.unlock();
     stream_->WritesDone();
   }
 
@@ -157,14 +163,12 @@ class StepChannel {
     v1::StepResponse response;
     while (stream_->Read(&response)) {
       std::string bytes = response.SerializeAsString();
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       replies_.push_back(std::move(bytes));
-      cv_.notify_all();
     }
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      reading_done_ = true;
-      cv_.notify_all();  // a writer waiting for requests stops
+      MutexLock lock(&mu_);
+      reading_done_ = true;  // a writer waiting for requests stops
     }
     // Finish only once the writer is gone: a Write racing Finish is not
     // allowed.
@@ -174,24 +178,22 @@ class StepChannel {
       status = grpc::Status(grpc::StatusCode::UNAVAILABLE,
                             "the daemon closed the step stream");
     }
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     status_ = status;
     ended_ = true;
-    cv_.notify_all();
   }
 
   std::unique_ptr<v1::Optimizer::Stub> stub_;
   grpc::ClientContext context_;
   std::unique_ptr<grpc::ClientReaderWriter<v1::StepRequest, v1::StepResponse>>
       stream_;
-  std::mutex mu_;  // the fields below
-  std::condition_variable cv_;
-  std::deque<std::string> outgoing_;
-  std::deque<std::string> replies_;
-  bool closing_ = false;
-  bool reading_done_ = false;  // the reader saw the stream's end
-  bool ended_ = false;
-  grpc::Status status_;
+  Mutex mu_;
+  std::deque<std::string> outgoing_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> replies_ ABSL_GUARDED_BY(mu_);
+  bool closing_ ABSL_GUARDED_BY(mu_) = false;
+  bool reading_done_ ABSL_GUARDED_BY(mu_) = false;  // the stream's end seen
+  bool ended_ ABSL_GUARDED_BY(mu_) = false;         // and its status taken
+  grpc::Status status_ ABSL_GUARDED_BY(mu_);
   std::string held_;  // a reply too large for the caller's buffer (caller's)
   std::thread writer_;
   std::thread reader_;
