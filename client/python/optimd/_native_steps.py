@@ -19,6 +19,7 @@ import collections
 import ctypes
 import os
 import threading
+import time
 
 from optimd import errors
 from optimd.v1 import optimd_pb2 as pb
@@ -205,12 +206,16 @@ class NativeStepStream:
 
     def wait_for(self, reply, timeout=None):
         """Until `reply` is resolved (or timeout seconds passed)."""
-        budget = -1 if timeout is None else int(timeout * 1000)
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
-            while not reply._resolved and self._error is None:
-                self.poll(budget)
-                if timeout is not None:
-                    break
+            while not reply._resolved and self._error is None and self._ch:
+                if deadline is None:
+                    self.poll(-1)
+                    continue
+                left_ms = int((deadline - time.monotonic()) * 1000)
+                if left_ms <= 0:
+                    return
+                self.poll(left_ms)
 
     def _end(self, code, details):
         pending = list(self._pending)
