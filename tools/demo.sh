@@ -11,7 +11,10 @@ flags=()
 [ -x /usr/local/cuda/bin/nvcc ] || flags+=(--config=nocuda)
 
 echo "== building"
-bazel build "${flags[@]}" //server:optimd //client:optimctl //examples:mlp_trainer
+bazel build "${flags[@]}" //server:optimd //client:optimctl //examples:mlp_trainer \
+  //client:liboptimd_step_channel.so
+# The PyTorch trainer steps through the library, as an installed client does.
+export OPTIMD_STEP_CHANNEL_LIB="$PWD/bazel-bin/client/liboptimd_step_channel.so"
 
 workdir="$(mktemp -d /tmp/optimd-demo.XXXXXX)"
 socket="unix:${workdir}/optimd.sock"
