@@ -66,7 +66,27 @@ class StepChannel {
   }
 
   // Ends the requests once those queued are written; the daemon answers
-  // them, then ends the stream. One that has not within timeout_ms is
+  // them, then ends the stream.
+  void EndWrites() {
+    MutexLock lock(&mu_);
+    closing_ = true;
+  }
+
+  // Whether a reply is queued or the stream has ended (until_end: whether
+  // it has ended), waiting up to timeout_ms for it.
+  bool Wait(int timeout_ms, bool until_end) {
+    MutexLock lock(&mu_);
+    if (until_end) {
+      return mu_.AwaitWithDeadline(
+          +[](StepChannel* c)
+               ABSL_NO_THREAD_SAFETY_ANALYSIS { return c->ended_; },
+          this, absl::Now() + absl::Milliseconds(timeout_ms));
+    }
+    return mu_.AwaitWithDeadline(&ReplyOrEnd, this,
+                                 absl::Now() + absl::Milliseconds(timeout_ms));
+  }
+
+  // EndWrites; a stream the daemon has not ended within timeout_ms is then
   // cancelled.
   void Close(int timeout_ms) {
     MutexLock lock(&mu_);
@@ -151,9 +171,12 @@ class StepChannel {
         outgoing_.pop_front();
       }
       v1::StepRequest request;
-      // Bytes the Python client serialized; one that does not parse goes
-      // as an empty request, which the daemon refuses.
-      request.ParseFromString(bytes);
+      if (!request.ParseFromString(bytes)) {
+        // Not a request the client serialized: end the stream rather than
+        // send something else (an empty request is a plain step).
+        context_.TryCancel();
+        return;
+      }
       if (!stream_->Write(request)) return;  // ended: the reader reports it
     }
     stream_->WritesDone();
@@ -173,11 +196,7 @@ class StepChannel {
     // Finish only once the writer is gone: a Write racing Finish is not
     // allowed.
     writer_.join();
-    grpc::Status status = stream_->Finish();
-    if (status.ok()) {
-      status = grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                            "the daemon closed the step stream");
-    }
+    const grpc::Status status = stream_->Finish();  // OK: the daemon ended it
     MutexLock lock(&mu_);
     status_ = status;
     ended_ = true;
@@ -212,9 +231,18 @@ void* optimd_step_channel_open(const char* target, const char* token,
   args.SetMaxSendMessageSize(-1);
   auto channel = grpc::CreateCustomChannel(
       target, grpc::InsecureChannelCredentials(), args);
-  if (!channel->WaitForConnected(
-          std::chrono::system_clock::now() +
-          std::chrono::milliseconds(connect_timeout_ms))) {
+  // Until connected or refused (as grpcio's calls fail fast: a daemon
+  // gone is an error at once, not after the whole timeout).
+  const auto deadline = std::chrono::system_clock::now() +
+                        std::chrono::milliseconds(connect_timeout_ms);
+  grpc_connectivity_state state = channel->GetState(/*try_to_connect=*/true);
+  while (state != GRPC_CHANNEL_READY &&
+         state != GRPC_CHANNEL_TRANSIENT_FAILURE &&
+         state != GRPC_CHANNEL_SHUTDOWN &&
+         channel->WaitForStateChange(state, deadline)) {
+    state = channel->GetState(/*try_to_connect=*/true);
+  }
+  if (state != GRPC_CHANNEL_READY) {
     optimd::CopyMessage(absl::StrCat("no optimd daemon answers at ", target),
                         err, err_cap);
     return nullptr;
@@ -230,6 +258,17 @@ int optimd_step_channel_next(void* channel, int timeout_ms, char* buf,
                              size_t cap, size_t* len, int* code) {
   return static_cast<optimd::StepChannel*>(channel)->NextInto(timeout_ms, buf,
                                                               cap, len, code);
+}
+
+int optimd_step_channel_wait(void* channel, int timeout_ms, int until_end) {
+  return static_cast<optimd::StepChannel*>(channel)->Wait(timeout_ms,
+                                                          until_end != 0)
+             ? 1
+             : 0;
+}
+
+void optimd_step_channel_end_writes(void* channel) {
+  static_cast<optimd::StepChannel*>(channel)->EndWrites();
 }
 
 void optimd_step_channel_finish(void* channel, int timeout_ms) {

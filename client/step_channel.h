@@ -24,9 +24,18 @@ int optimd_step_channel_send(void* channel, const void* data, size_t len);
 // 1: the next reply, serialized, in buf (*len its size; -2 and *len the
 // size needed when cap is too small: the reply is kept for the next call);
 // 0: none came within timeout_ms (0: no wait; negative: wait for one);
-// -1: the stream ended, *code its gRPC status code and buf its message.
+// -1: the stream ended, *code its gRPC status code (0: the daemon ended it
+// cleanly) and buf its message.
 int optimd_step_channel_next(void* channel, int timeout_ms, char* buf,
                              size_t cap, size_t* len, int* code);
+
+// 1 once a reply is queued or the stream has ended (until_end != 0: once
+// it has ended), 0 if not within timeout_ms; takes nothing.
+int optimd_step_channel_wait(void* channel, int timeout_ms, int until_end);
+
+// Ends the requests (after those queued are written); the daemon answers
+// them and ends the stream. Returns at once.
+void optimd_step_channel_end_writes(void* channel);
 
 // Ends the requests and waits until the daemon has answered those sent and
 // ended the stream (cancelled after timeout_ms); the replies stay for

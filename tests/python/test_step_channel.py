@@ -1,9 +1,11 @@
 """Steps through liboptimd_step_channel.so against grpcio's step stream:
 the same results, the same errors, and no Python thread per step."""
+import concurrent.futures
 import os
 import signal
 import sys
 import threading
+import time
 import unittest
 from unittest import mock
 
@@ -14,8 +16,12 @@ from optimd import _native_steps
 from optimd.testing import Daemon
 from optimd.torch import AdamW
 
-# run_python_tests.sh points OPTIMD_STEP_CHANNEL_LIB at the built library.
+# run_python_tests.sh points OPTIMD_STEP_CHANNEL_LIB at the built library:
+# then it must load (a broken build fails here rather than skipping).
 HAVE_LIBRARY = _native_steps.load() is not None
+if os.environ.get("OPTIMD_STEP_CHANNEL_LIB") and not HAVE_LIBRARY:
+    raise RuntimeError("OPTIMD_STEP_CHANNEL_LIB is set but the library does "
+                       "not load: %s" % _native_steps.why_not())
 
 
 def model(seed):
@@ -87,8 +93,13 @@ class StepChannelTest(unittest.TestCase):
         client.create_session(self.id())
         replies = [client.step_async(assume_finite=True) for _ in range(30)]
         busy = set()
+        # The step channel's own watcher sleeps in the library until the
+        # stream ends.
+        watchers = {t.ident for t in threading.enumerate()
+                    if t.name == "optimd-step-channel-end"}
         for tid, frame in sys._current_frames().items():
-            if frame.f_code.co_name == "_poll_connectivity":
+            if frame.f_code.co_name == "_poll_connectivity" or \
+                    tid in watchers:
                 continue
             while frame is not None and tid != threading.get_ident():
                 name = frame.f_code.co_filename
@@ -138,8 +149,7 @@ class StepChannelTest(unittest.TestCase):
         replies = [client.step_async(assume_finite=True) for _ in range(10)]
         client.close_session()  # drains the stream first
         self.assertTrue(all(r.done() for r in replies))
-        self.assertTrue(all(r.result().known or not r.result().known
-                            for r in replies))
+        self.assertEqual([r.exception() for r in replies], [None] * 10)
         client.close()
 
     def test_a_daemon_gone_mid_run_is_daemon_unavailable(self):
@@ -155,6 +165,94 @@ class StepChannelTest(unittest.TestCase):
         with self.assertRaises(optimd.DaemonUnavailableError) as caught:
             train(opt, m, 1)
         self.assertIn("went away", str(caught.exception))
+
+
+    def session(self, daemon=None, on_broken=None):
+        client = optimd.Client((daemon or self.daemon).address)
+        self.addCleanup(client.close)
+        client.create_session(self.id())
+        client.on_stream_broken = on_broken
+        client.step(assume_finite=True)  # opens the stream
+        return client
+
+    def test_a_daemon_gone_fails_steps_in_flight_without_a_poll(self):
+        # A CUDA trainer's stream may wait on the done flag of a step in
+        # flight: the stream's end must release it (on_broken) without the
+        # trainer's thread looking at the replies.
+        daemon = Daemon()
+        self.addCleanup(daemon.stop)
+        ended = threading.Event()
+        client = self.session(daemon, on_broken=lambda *args: ended.set())
+        os.kill(daemon.process.pid, signal.SIGSTOP)
+        reply = client.step_async(assume_finite=True)
+        os.kill(daemon.process.pid, signal.SIGKILL)
+        daemon.process.wait()
+        self.assertTrue(ended.wait(20))
+        self.assertTrue(reply._resolved)  # resolved by the watcher
+        self.assertIsInstance(reply.exception(), optimd.OptimdError)
+
+    def test_an_idle_stream_that_ended_is_broken(self):
+        daemon = Daemon()
+        self.addCleanup(daemon.stop)
+        client = self.session(daemon)
+        stream = client._stream
+        os.kill(daemon.process.pid, signal.SIGKILL)
+        daemon.process.wait()
+        deadline = time.monotonic() + 20
+        while not stream.broken and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertTrue(stream.broken)
+
+    def test_a_wait_gives_way_to_close_from_another_thread(self):
+        daemon = Daemon()
+        self.addCleanup(daemon.stop)
+        client = self.session(daemon)
+        os.kill(daemon.process.pid, signal.SIGSTOP)
+        self.addCleanup(os.kill, daemon.process.pid, signal.SIGCONT)
+        reply = client.step_async(assume_finite=True)
+        closer = threading.Thread(target=client._stream.close,
+                                  kwargs=dict(timeout=0.5))
+        t0 = time.monotonic()
+        closer.start()
+        with self.assertRaises(concurrent.futures.TimeoutError):
+            reply.result(timeout=1.0)  # waits in slices, lock let go
+        closer.join(5)
+        self.assertFalse(closer.is_alive())
+        self.assertLess(time.monotonic() - t0, 5)
+
+    def test_a_zero_timeout_takes_a_reply_that_came(self):
+        client = self.session()
+        reply = client.step_async(assume_finite=True)
+        deadline = time.monotonic() + 20
+        got = None
+        while got is None and time.monotonic() < deadline:
+            try:
+                got = reply.result(timeout=0)
+            except concurrent.futures.TimeoutError:
+                time.sleep(0.01)
+        self.assertIsNotNone(got)
+
+    def test_exception_returns_a_steps_deadline_error(self):
+        reply = _native_steps.Reply(stream=None)
+        error = optimd.DeadlineExceededError("ranks did not all step")
+        reply._set(error=error)
+        self.assertIs(reply.exception(), error)
+
+    def test_a_forked_child_lets_the_stream_go(self):
+        client = self.session()
+        pid = os.fork()
+        if pid == 0:  # the child: no library threads here
+            code = 1
+            try:
+                stream = client._stream
+                broken = stream.broken
+                stream.close()
+                code = 0 if broken else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        self.assertEqual(status, 0)
+        self.assertTrue(client.step(assume_finite=True).known)  # parent's
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ addresses only (a TCP daemon speaks TLS, which the library does not set
 up). The interface is _step_stream.StepStream's.
 """
 import collections
+import concurrent.futures
 import ctypes
+import logging
 import os
 import threading
 import time
@@ -42,8 +44,12 @@ def load():
         os.path.dirname(os.path.abspath(__file__)), "_lib", _LIB_NAME)
     try:
         lib = _Lib(path)
-    except OSError as err:
+    except (OSError, AttributeError) as err:  # not there, or another build
         _lib_error = "%s: %s" % (path, err)
+        if os.path.exists(path):
+            logging.getLogger("optimd").warning(
+                "optimd: %s does not load (%s); steps go over grpcio's "
+                "stream", path, err)
         return None
     _lib = lib
     return lib
@@ -74,6 +80,11 @@ def _declare(lib):
     lib.optimd_step_channel_next.argtypes = [
         ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t,
         ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_int)]
+    lib.optimd_step_channel_wait.restype = ctypes.c_int
+    lib.optimd_step_channel_wait.argtypes = [ctypes.c_void_p, ctypes.c_int,
+                                             ctypes.c_int]
+    lib.optimd_step_channel_end_writes.restype = None
+    lib.optimd_step_channel_end_writes.argtypes = [ctypes.c_void_p]
     lib.optimd_step_channel_finish.restype = None
     lib.optimd_step_channel_finish.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.optimd_step_channel_free.restype = None
@@ -99,8 +110,9 @@ class _Status(Exception):
 
 
 class Reply:
-    """The future of one step's reply (what the optimizer uses of
-    concurrent.futures.Future): resolved when the stream is looked at."""
+    """The future of one step's reply: done(), result() and exception() as
+    concurrent.futures.Future's, resolved when the stream is looked at (or
+    by its watcher thread when the stream ends)."""
 
     def __init__(self, stream):
         self._stream = stream
@@ -114,31 +126,39 @@ class Reply:
 
     def done(self):
         if not self._resolved:
-            self._stream.poll(0)
+            self._stream.poll()
         return self._resolved
 
     def result(self, timeout=None):
-        if not self._resolved:
-            self._stream.wait_for(self, timeout)
-        if not self._resolved:
-            raise TimeoutError("no reply from the daemon within %s s" %
-                               timeout)
+        self._wait(timeout)
         if self._error is not None:
             raise self._error
         return self._value
 
     def exception(self, timeout=None):
         """The step's error, or None once it was answered."""
-        try:
-            self.result(timeout)
-        except TimeoutError:
-            raise
-        except Exception as err:  # noqa: B902 (the step's own error)
-            return err
-        return None
+        self._wait(timeout)
+        return self._error
+
+    def _wait(self, timeout):
+        if not self._resolved:
+            self._stream.wait_for(self, timeout)
+        if not self._resolved:
+            raise concurrent.futures.TimeoutError(
+                "no reply from the daemon within %s s" % timeout)
 
 
 class NativeStepStream:
+    """One StepStream through the library. The trainer's thread sends and
+    polls; a watcher thread sleeps in the library until the stream ends,
+    then fails what is unanswered and runs `on_broken` at once (a CUDA
+    trainer's stream may be waiting on a step's done flag that only that
+    releases), as grpcio's reader thread does. Waits go in short slices
+    outside the lock, so that Ctrl-C and a close() from another thread get
+    through."""
+
+    _SLICE_MS = 100
+
     def __init__(self, lib, target, token, address, on_broken=None,
                  answers=None, connect_timeout_s=10.0):
         self._lib = lib
@@ -148,6 +168,8 @@ class NativeStepStream:
         self._lock = threading.RLock()
         self._pending = collections.deque()
         self._error = None
+        self._closing = False
+        self._pid = os.getpid()
         self.replies_ok = 0
         self._buf = ctypes.create_string_buffer(_REPLY_BYTES)
         self._len = ctypes.c_size_t(0)
@@ -157,37 +179,44 @@ class NativeStepStream:
             target.encode(), token.encode(), int(connect_timeout_s * 1000),
             err, len(err))
         if not self._ch:
-            raise errors.DaemonUnavailableError(err.value.decode())
+            # Steps belong to a session: as over grpcio's stream, a daemon
+            # that does not answer went away under it.
+            import grpc
+            raise errors.from_rpc_error(
+                _Status(grpc.StatusCode.UNAVAILABLE, err.value.decode()),
+                address, had_session=True, answers=answers)
+        self._watcher = threading.Thread(target=self._watch, daemon=True,
+                                         name="optimd-step-channel-end")
+        self._watcher.start()
 
     @property
     def broken(self):
+        self.poll()
         with self._lock:
-            self.poll(0)
             return self._error is not None
 
     def send(self, request):
-        """Writes the request; returns the Reply of it."""
+        """Queues the request; returns the Reply of it."""
         reply = Reply(self)
         data = request.SerializeToString()
         with self._lock:
+            self._check_process()
             if self._error is not None:
                 reply._set(error=self._error)
                 return reply
             self._pending.append(reply)
             if self._lib.held.optimd_step_channel_send(self._ch, data,
                                                        len(data)) != 0:
-                self.poll(-1)  # the stream ended: its status fails it
+                self.poll()  # the stream ended (or is ending): see below
         return reply
 
-    def poll(self, timeout_ms):
-        """Takes the replies that have come (waiting up to timeout_ms for
-        the first one; negative: until one comes or the stream ends)."""
+    def poll(self):
+        """Takes the replies that have come, and the stream's end."""
         with self._lock:
-            while self._pending and self._error is None and self._ch:
-                lib = self._lib.held if timeout_ms == 0 else \
-                    self._lib.released
-                rc = lib.optimd_step_channel_next(
-                    self._ch, timeout_ms, self._buf, len(self._buf),
+            self._check_process()
+            while self._ch and self._error is None:
+                rc = self._lib.held.optimd_step_channel_next(
+                    self._ch, 0, self._buf, len(self._buf),
                     ctypes.byref(self._len), ctypes.byref(self._code))
                 if rc == -2:
                     self._buf = ctypes.create_string_buffer(self._len.value)
@@ -201,30 +230,68 @@ class NativeStepStream:
                 reply = pb.StepResponse.FromString(
                     ctypes.string_at(self._buf, self._len.value))
                 self.replies_ok += 1
-                self._pending.popleft()._set(value=reply)
-                timeout_ms = 0
+                if self._pending:
+                    self._pending.popleft()._set(value=reply)
 
     def wait_for(self, reply, timeout=None):
         """Until `reply` is resolved (or timeout seconds passed)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            while not reply._resolved and self._error is None and self._ch:
-                if deadline is None:
-                    self.poll(-1)
-                    continue
-                left_ms = int((deadline - time.monotonic()) * 1000)
-                if left_ms <= 0:
+        while True:
+            self.poll()
+            if reply._resolved:
+                return
+            with self._lock:
+                if self._error is not None or not self._ch:
                     return
-                self.poll(left_ms)
+            left = self._SLICE_MS if deadline is None else min(
+                self._SLICE_MS, int((deadline - time.monotonic()) * 1000))
+            if left <= 0:
+                return
+            self._sleep_in_library(left, until_end=False)
+
+    def _sleep_in_library(self, timeout_ms, until_end):
+        """Waits in the library (the GIL and the lock let go) for a reply
+        or the end; whether it came. close() frees the channel only once
+        no thread sleeps here."""
+        with self._lock:
+            if not self._ch or os.getpid() != self._pid:
+                return True
+            self._sleepers += 1
+            ch = self._ch
+        try:
+            return self._lib.released.optimd_step_channel_wait(
+                ch, timeout_ms, 1 if until_end else 0) == 1
+        finally:
+            with self._lock:
+                self._sleepers -= 1
+                if self._closing and self._error is not None:
+                    self._free()  # the last sleeper out of a closed one
+
+    _sleepers = 0
+
+    def _watch(self):
+        """The watcher thread: until the stream ends, then its clean-up
+        (and the channel's freeing, once closed)."""
+        while not self._sleep_in_library(60000, until_end=True):
+            pass
+        self.poll()
+        with self._lock:
+            if self._closing:
+                self._free()
 
     def _end(self, code, details):
+        """The stream ended (on whichever thread saw it): fail what is
+        unanswered, then run on_broken."""
         pending = list(self._pending)
         self._pending.clear()
-        status = _Status(_status_code(code), details)
-        error = errors.from_rpc_error(status, self._address,
-                                      had_session=True,
-                                      answers=self._answers if pending
-                                      else None)
+        if self._closing or code == 0:
+            error = errors.OptimdError("the step stream was closed"
+                                       if self._closing else
+                                       "the daemon closed the step stream")
+        else:
+            error = errors.from_rpc_error(
+                _Status(_status_code(code), details), self._address,
+                had_session=True, answers=self._answers)
         self._error = error
         try:
             if pending and self._on_broken is not None:
@@ -236,24 +303,44 @@ class NativeStepStream:
     def drain(self, timeout=None):
         """Waits until every request sent so far is answered (or failed)."""
         with self._lock:
-            if self._pending:
-                self.wait_for(self._pending[-1], timeout)
+            last = self._pending[-1] if self._pending else None
+        if last is not None:
+            self.wait_for(last, timeout)
 
     def close(self, timeout=10.0):
-        """Ends the call after the requests sent so far are answered."""
+        """Ends the call after the requests sent so far are answered
+        (waiting up to `timeout` s; the watcher thread frees the channel
+        when the daemon has ended the stream)."""
         with self._lock:
-            if not self._ch:
+            self._check_process()
+            if not self._ch or self._closing:
                 return
-            self._lib.released.optimd_step_channel_finish(
-                self._ch, int(timeout * 1000))
-            self.poll(0)  # the replies that came before the end
+            self._closing = True
+            if self._error is not None:  # ended: the watcher has gone
+                self._free()
+                return
+            self._lib.held.optimd_step_channel_end_writes(self._ch)
+            last = self._pending[-1] if self._pending else None
+        if last is not None:
+            self.wait_for(last, timeout)
+
+    def _free(self):
+        """Frees a channel that has ended (the watcher's last act)."""
+        if self._ch and self._sleepers == 0:
             self._lib.released.optimd_step_channel_free(self._ch)
             self._ch = None
-            if self._error is None:
-                self._error = errors.OptimdError("the step stream was closed")
-            for reply in self._pending:
-                reply._set(error=self._error)
-            self._pending.clear()
+
+    def _check_process(self):
+        """In a child made by fork() the library's threads do not exist:
+        the channel is let go there (not freed), the stream broken."""
+        if os.getpid() == self._pid or not self._ch:
+            return
+        self._ch = None
+        self._error = errors.OptimdError(
+            "the step stream belongs to the process that forked this one")
+        for reply in self._pending:
+            reply._set(error=self._error)
+        self._pending.clear()
 
 
 def _status_code(value):

@@ -332,8 +332,9 @@ class Client:
         return self._result(self._send_step(request))
 
     def step_async(self, **kw):
-        """As step(), but returns a concurrent.futures.Future of the reply
-        at once (over the step stream). Replies come in order."""
+        """As step(), but returns the future of the reply at once (over the
+        step stream): done(), result() and exception() as a
+        concurrent.futures.Future's. Replies come in order."""
         return self._send_step(self._step_request(**kw))
 
     @staticmethod
