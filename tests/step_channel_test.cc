@@ -3,6 +3,8 @@
 // status, a daemon gone, and channels freed in every state without a hang.
 #include "client/step_channel.h"
 
+#include <signal.h>
+
 #include <memory>
 #include <string>
 #include <vector>
@@ -154,6 +156,24 @@ TEST_F(StepChannelTest, AChannelFreedWithStepsInFlightIsCancelled) {
   // The daemon keeps serving the session.
   v1::StepRequest r = Plain();
   EXPECT_TRUE(client_->Step(r).ok());
+}
+
+TEST_F(StepChannelTest, AFinishPastItsTimeoutCancelsTheStream) {
+  void* ch = Open();
+  ASSERT_NE(ch, nullptr);
+  ASSERT_EQ(kill(daemon_->pid(), SIGSTOP), 0);  // answers nothing now
+  ASSERT_EQ(Send(ch, Plain()), 0);
+  optimd_step_channel_finish(ch, 200);
+  // Resumed before any assertion, so that no failure leaves it stopped.
+  const bool resumed = kill(daemon_->pid(), SIGCONT) == 0;
+  const Next end = Wait(ch);
+  EXPECT_EQ(end.rc, -1);
+  EXPECT_EQ(end.code, static_cast<int>(grpc::StatusCode::CANCELLED))
+      << end.text;
+  optimd_step_channel_free(ch);
+  ASSERT_TRUE(resumed);
+  v1::StepRequest r = Plain();
+  EXPECT_TRUE(client_->Step(r).ok());  // the session steps on
 }
 
 TEST(StepChannelOpen, NoDaemonIsNullWithTheReason) {
