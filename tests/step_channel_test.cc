@@ -59,12 +59,12 @@ class StepChannelTest : public ::testing::Test {
     int code;
     std::string text;
   };
-  static Next Wait(void* ch, size_t cap = 4096) {
+  static Next Wait(void* ch, size_t cap = 4096, int timeout_ms = -1) {
     std::vector<char> buf(cap + 1);
     size_t len = 0;
     int code = -1;
     const int rc =
-        optimd_step_channel_next(ch, -1, buf.data(), cap, &len, &code);
+        optimd_step_channel_next(ch, timeout_ms, buf.data(), cap, &len, &code);
     return {rc, code,
             rc == 1 ? std::string(buf.data(), len) : std::string(buf.data())};
   }
@@ -164,9 +164,10 @@ TEST_F(StepChannelTest, AFinishPastItsTimeoutCancelsTheStream) {
   ASSERT_EQ(kill(daemon_->pid(), SIGSTOP), 0);  // answers nothing now
   ASSERT_EQ(Send(ch, Plain()), 0);
   optimd_step_channel_finish(ch, 200);
-  // Resumed before any assertion, so that no failure leaves it stopped.
+  // The end while the daemon is still stopped (bounded), then resumed
+  // before any assertion, so that no failure leaves it stopped.
+  const Next end = Wait(ch, 4096, 20000);
   const bool resumed = kill(daemon_->pid(), SIGCONT) == 0;
-  const Next end = Wait(ch);
   EXPECT_EQ(end.rc, -1);
   EXPECT_EQ(end.code, static_cast<int>(grpc::StatusCode::CANCELLED))
       << end.text;
