@@ -10,9 +10,10 @@
 // reader thread puts the replies in a queue the trainer polls when it wants
 // them, so no Python thread runs per step.
 //
-// The C interface (ctypes): open, send, next, finish, free. One thread at a
-// time may call send and next (the Python side holds a lock); the reader thread
-// is this file's own.
+// The C interface (ctypes): client/step_channel.h. One thread at a time
+// may call next (it alone touches a held reply); send, wait and end_writes
+// may come from any thread; the writer and reader threads are this file's
+// own.
 #include "client/step_channel.h"
 
 #include <chrono>
@@ -76,27 +77,15 @@ class StepChannel {
   // it has ended), waiting up to timeout_ms for it.
   bool Wait(int timeout_ms, bool until_end) {
     MutexLock lock(&mu_);
-    if (until_end) {
-      return mu_.AwaitWithDeadline(
-          +[](StepChannel* c)
-               ABSL_NO_THREAD_SAFETY_ANALYSIS { return c->ended_; },
-          this, absl::Now() + absl::Milliseconds(timeout_ms));
-    }
-    return mu_.AwaitWithDeadline(&ReplyOrEnd, this,
+    return mu_.AwaitWithDeadline(until_end ? &Ended : &ReplyOrEnd, this,
                                  absl::Now() + absl::Milliseconds(timeout_ms));
   }
 
   // EndWrites; a stream the daemon has not ended within timeout_ms is then
   // cancelled.
   void Close(int timeout_ms) {
-    MutexLock lock(&mu_);
-    closing_ = true;
-    if (!mu_.AwaitWithDeadline(
-            +[](StepChannel* c)
-                 ABSL_NO_THREAD_SAFETY_ANALYSIS { return c->ended_; },
-            this, absl::Now() + absl::Milliseconds(timeout_ms))) {
-      context_.TryCancel();
-    }
+    EndWrites();
+    if (!Wait(timeout_ms, /*until_end=*/true)) context_.TryCancel();
   }
 
   // Next, into the caller's buffer (the C interface's contract).
@@ -125,6 +114,10 @@ class StepChannel {
   }
 
  private:
+  // Await's conditions (mu_ held while absl evaluates them).
+  static bool Ended(StepChannel* c) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    return c->ended_;
+  }
   static bool ReplyOrEnd(StepChannel* c) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     return !c->replies_.empty() || c->ended_;
   }

@@ -481,12 +481,16 @@ __device__ double BlockSum(double v) {
   return total;  // valid in thread 0
 }
 
-// The status of the kernel launch just made.
-inline absl::Status LaunchStatus(const char* what) {
-  const cudaError_t e = cudaGetLastError();
+// `e` as a status naming `what`.
+inline absl::Status CudaErrorStatus(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return absl::OkStatus();
   return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorName(e), ": ",
                                           cudaGetErrorString(e)));
+}
+
+// The status of the kernel launch just made.
+inline absl::Status LaunchStatus(const char* what) {
+  return CudaErrorStatus(cudaGetLastError(), what);
 }
 
 // block8 moments (core/block8.h): no per-element codec, since a block's

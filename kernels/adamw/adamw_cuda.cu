@@ -404,13 +404,8 @@ absl::Status AllowDynamicSharedMemory(Kernel kernel, int bytes,
     e = cudaFuncSetAttribute(
         kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   }
-  if (e != cudaSuccess) {
-    return absl::InternalError(
-        absl::StrCat(what, "'s shared memory: ", cudaGetErrorName(e), ": ",
-                     cudaGetErrorString(e)));
-  }
-  allowed->fetch_or(bit, std::memory_order_release);
-  return absl::OkStatus();
+  if (e == cudaSuccess) allowed->fetch_or(bit, std::memory_order_release);
+  return CudaErrorStatus(e, what);
 }
 
 // The kernel for one layout, with amsgrad and AdamW/Adam as template
@@ -448,8 +443,9 @@ struct AdamWLaunch {
     const auto kernel = AdamWFp8UnitKernel<P, G, M, kAms, kAdamW>;
     // The attribute holds per device: set once on each (bit d: device d).
     static std::atomic<uint64_t> allowed{0};
-    if (absl::Status s = AllowDynamicSharedMemory(kernel, kUnitMastersBytes,
-                                                  &allowed, "FP8 unit kernel");
+    if (absl::Status s =
+            AllowDynamicSharedMemory(kernel, kUnitMastersBytes, &allowed,
+                                     "FP8 unit kernel's shared memory");
         !s.ok()) {
       return s;
     }

@@ -23,6 +23,8 @@ import os
 import threading
 import time
 
+import grpc
+
 from optimd import errors
 from optimd.v1 import optimd_pb2 as pb
 
@@ -169,6 +171,7 @@ class NativeStepStream:
         self._pending = collections.deque()
         self._error = None
         self._closing = False
+        self._sleepers = 0  # threads in _sleep_in_library
         self._pid = os.getpid()
         self.replies_ok = 0
         self._buf = ctypes.create_string_buffer(_REPLY_BYTES)
@@ -181,7 +184,6 @@ class NativeStepStream:
         if not self._ch:
             # Steps belong to a session: as over grpcio's stream, a daemon
             # that does not answer went away under it.
-            import grpc
             raise errors.from_rpc_error(
                 _Status(grpc.StatusCode.UNAVAILABLE, err.value.decode()),
                 address, had_session=True, answers=answers)
@@ -254,7 +256,8 @@ class NativeStepStream:
         or the end; whether it came. close() frees the channel only once
         no thread sleeps here."""
         with self._lock:
-            if not self._ch or os.getpid() != self._pid:
+            self._check_process()
+            if not self._ch:
                 return True
             self._sleepers += 1
             ch = self._ch
@@ -266,8 +269,6 @@ class NativeStepStream:
                 self._sleepers -= 1
                 if self._closing and self._error is not None:
                     self._free()  # the last sleeper out of a closed one
-
-    _sleepers = 0
 
     def _watch(self):
         """The watcher thread: until the stream ends, then its clean-up
@@ -345,7 +346,6 @@ class NativeStepStream:
 
 def _status_code(value):
     """The grpc.StatusCode of a numeric gRPC code."""
-    import grpc
     for code in grpc.StatusCode:
         if code.value[0] == value:
             return code
