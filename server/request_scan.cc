@@ -111,8 +111,9 @@ bool Scanner::Message(const Descriptor& type) {
   }
 }
 
-// A tag as protobuf's parser reads one: at most 5 bytes, its low 32 bits,
-// not 0 (CodedInputStream::ReadTag would take longer ones).
+// A tag as protobuf's parser reads one: at most 5 bytes, its low 32 bits
+// (CodedInputStream::ReadTag would take longer ones), with a field number
+// other than 0 (refused at any depth, inside unknown groups too).
 bool Scanner::ReadTag(uint32_t* tag) {
   const int start = in_->CurrentPosition();
   uint64_t varint;
@@ -120,7 +121,7 @@ bool Scanner::ReadTag(uint32_t* tag) {
     return false;
   }
   *tag = static_cast<uint32_t>(varint);
-  return *tag != 0;
+  return WireFormatLite::GetTagFieldNumber(*tag) != 0;
 }
 
 // A length as protobuf's parser reads one: at most 5 bytes and below 2^31
@@ -182,7 +183,6 @@ WireFormatLite::WireType ExpectedWireType(const FieldDescriptor& field) {
 
 bool Scanner::Field(const Descriptor& type, uint32_t tag) {
   const int number = WireFormatLite::GetTagFieldNumber(tag);
-  if (number == 0) return false;
   const auto wire = WireFormatLite::GetTagWireType(tag);
   const FieldDescriptor* field = type.FindFieldByNumber(number);
   if (field == nullptr) return Unknown(tag);

@@ -123,11 +123,19 @@ TEST(RequestScanTest, RefusesMalformedBytes) {
         std::string("\x0a\x01g\x00", 4),
         std::string("\x22\x03\x0a\x01\x61\x00", 6),
         // A tag of 8 bytes, which CodedInputStream::ReadTag takes.
-        std::string("\xf5\xfe\x98\xef\xf8\xe5\xad\x0a\x00", 9)}) {
+        std::string("\xf5\xfe\x98\xef\xf8\xe5\xad\x0a\x00", 9),
+        // An unknown group (field 14) holding a field numbered 0.
+        std::string("\x73\x02\x00\x74", 4),
+        std::string("\x73\x73\x01\x00\x74\x74", 6)}) {
     auto scan = ScanRequest(BufferOf(bad), type);
     EXPECT_EQ(scan.status().code(), absl::StatusCode::kInvalidArgument)
         << scan.status() << " for " << bad.size() << " bytes";
+    v1::RegisterGroupRequest parsed;
+    EXPECT_FALSE(parsed.ParseFromString(bad)) << bad.size() << " bytes";
   }
+  // The same unknown group holding a numbered field: protobuf keeps it.
+  const std::string group("\x73\x08\x01\x74", 4);
+  EXPECT_TRUE(ScanRequest(BufferOf(group), type).ok());
   EXPECT_TRUE(ScanRequest(BufferOf(""), type).ok());
   // A group id that is not UTF-8, named.
   auto utf8 = ScanRequest(BufferOf(std::string("\x0a\x02\xff\xfe", 4)), type);

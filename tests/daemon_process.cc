@@ -6,6 +6,9 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -76,6 +79,40 @@ bool DaemonProcess::Alive() const {
       WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   return false;
 }
+
+namespace {
+
+// Whether every thread under /proc/<pid>/task is in state T (stopped).
+bool AllThreadsStopped(pid_t pid) {
+  std::error_code ec;
+  const std::filesystem::path tasks = absl::StrCat("/proc/", pid, "/task");
+  for (const auto& task : std::filesystem::directory_iterator(tasks, ec)) {
+    std::ifstream in(task.path() / "stat");
+    std::stringstream text;
+    text << in.rdbuf();
+    const std::string stat = text.str();
+    // The state follows the parenthesised command name.
+    const size_t close = stat.rfind(')');
+    if (close == std::string::npos || close + 2 >= stat.size()) continue;
+    const char state = stat[close + 2];
+    if (state != 'T' && state != 't') return false;
+  }
+  return !ec;
+}
+
+}  // namespace
+
+bool DaemonProcess::Freeze() const {
+  if (kill(pid_, SIGSTOP) != 0) return false;
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (!AllThreadsStopped(pid_)) {
+    if (absl::Now() > deadline) return false;
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  return true;
+}
+
+bool DaemonProcess::Thaw() const { return kill(pid_, SIGCONT) == 0; }
 
 absl::StatusOr<std::unique_ptr<Client>> DaemonProcess::Connect() const {
   return Client::Create(address_);

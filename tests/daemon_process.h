@@ -38,6 +38,13 @@ class DaemonProcess {
   // A connected client without a session.
   absl::StatusOr<std::unique_ptr<Client>> Connect() const;
 
+  // SIGSTOP, then waits (up to 10 s) until every thread of the daemon is
+  // stopped: a thread running when the signal came may otherwise still
+  // answer a call. False if it did not stop.
+  bool Freeze() const;
+  // SIGCONT; true if the signal was sent.
+  bool Thaw() const;
+
   // Sends SIGTERM and waits; returns the exit status (0 on a clean stop).
   int Stop();
 

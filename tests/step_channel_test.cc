@@ -3,8 +3,6 @@
 // status, a daemon gone, and channels freed in every state without a hang.
 #include "client/step_channel.h"
 
-#include <signal.h>
-
 #include <memory>
 #include <string>
 #include <vector>
@@ -161,13 +159,16 @@ TEST_F(StepChannelTest, AChannelFreedWithStepsInFlightIsCancelled) {
 TEST_F(StepChannelTest, AFinishPastItsTimeoutCancelsTheStream) {
   void* ch = Open();
   ASSERT_NE(ch, nullptr);
-  ASSERT_EQ(kill(daemon_->pid(), SIGSTOP), 0);  // answers nothing now
+  if (!daemon_->Freeze()) {  // answers nothing now
+    daemon_->Thaw();
+    FAIL() << "the daemon did not stop";
+  }
   ASSERT_EQ(Send(ch, Plain()), 0);
   optimd_step_channel_finish(ch, 200);
   // The end while the daemon is still stopped (bounded), then resumed
   // before any assertion, so that no failure leaves it stopped.
   const Next end = Wait(ch, 4096, 20000);
-  const bool resumed = kill(daemon_->pid(), SIGCONT) == 0;
+  const bool resumed = daemon_->Thaw();
   EXPECT_EQ(end.rc, -1);
   EXPECT_EQ(end.code, static_cast<int>(grpc::StatusCode::CANCELLED))
       << end.text;

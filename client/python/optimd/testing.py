@@ -80,11 +80,42 @@ class Daemon:
         shutil.rmtree(self._dir, ignore_errors=True)
         return self.process.returncode
 
+    def freeze(self, timeout=10):
+        """SIGSTOP, and wait until every thread of the daemon is stopped:
+        a thread that was running when the signal came may still answer a
+        call for a moment otherwise."""
+        os.kill(self.process.pid, signal.SIGSTOP)
+        task_dir = "/proc/%d/task" % self.process.pid
+        deadline = time.monotonic() + timeout
+        while not _all_stopped(task_dir):
+            if time.monotonic() > deadline:
+                raise RuntimeError("optimd did not stop within %g s" % timeout)
+            time.sleep(0.001)
+
+    def thaw(self):
+        """SIGCONT (after freeze)."""
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGCONT)
+
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def _all_stopped(task_dir):
+    """Whether every thread under /proc/<pid>/task is in state T (stopped)."""
+    for tid in os.listdir(task_dir):
+        try:
+            with open(os.path.join(task_dir, tid, "stat")) as f:
+                # The state follows the parenthesised command name.
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue  # the thread ended
+        if state not in ("T", "t"):
+            return False
+    return True
 
 
 def session_state_bytes(address, job, rank):
