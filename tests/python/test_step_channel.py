@@ -1,12 +1,14 @@
 """Steps through liboptimd_step_channel.so against grpcio's step stream:
 the same results, the same errors, and no Python thread per step."""
 import concurrent.futures
+import gc
 import os
 import signal
 import sys
 import threading
 import time
 import unittest
+import weakref
 from unittest import mock
 
 import torch
@@ -83,6 +85,33 @@ class StepChannelTest(unittest.TestCase):
             torch_opt.step()
         for p, q in zip(ours.parameters(), ref.parameters()):
             self.assertLess((p - q).abs().max().item(), 1e-5)
+
+    def dropped_client_threads(self, job):
+        """The threads a stepping Client started that are still alive a
+        while after it was dropped without close(); asserts it was
+        collected."""
+        before = set(threading.enumerate())
+        client = optimd.Client(self.daemon.address)
+        client.create_session(job)
+        client.step(assume_finite=True)
+        started = set(threading.enumerate()) - before
+        self.assertTrue(started)  # the stream's threads
+        gone = weakref.ref(client)
+        del client
+        gc.collect()
+        self.assertIsNone(gone())
+        deadline = time.monotonic() + 20
+        while any(t.is_alive() for t in started) and \
+                time.monotonic() < deadline:
+            time.sleep(0.02)
+        return [t.name for t in started if t.is_alive()]
+
+    def test_a_client_dropped_without_close_ends_its_threads(self):
+        # A notebook or a loop that drops Clients must not pile up threads
+        # (the stream held its Client before, so none was collected).
+        self.assertEqual(self.dropped_client_threads(self.id() + "-n"), [])
+        self.python_stream()
+        self.assertEqual(self.dropped_client_threads(self.id() + "-p"), [])
 
     def step_threads(self):
         """The Python threads other than this one that run gRPC's or

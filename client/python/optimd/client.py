@@ -4,9 +4,11 @@ One Client holds one channel and, after create_session, one session whose
 token travels in the `x-optimd-session` metadata of every call. Every call
 has a deadline. Failures raise optimd.errors.OptimdError subclasses.
 """
+import functools
 import os
 import pwd
 import socket
+import weakref
 
 import grpc
 
@@ -145,8 +147,47 @@ def _tls_credentials(address, ca, cert, key):
         certificate_chain=_read_pem("certificate", cert) if cert else None)
 
 
+def _daemon_answers(address, channel, timeout=2.0):
+    """Whether the daemon at `address` answers a call now (GetMetrics,
+    which needs no session): over a fresh channel for a Unix socket, free of
+    a broken one's reconnection backoff; over `channel` for TCP (its TLS
+    credentials), which reconnects."""
+    own = grpc.insecure_channel(address) if address.startswith("unix:") \
+        else channel
+    try:
+        pb_grpc.OptimizerStub(own).GetMetrics(pb.GetMetricsRequest(),
+                                              timeout=timeout)
+        return True
+    except Exception:  # noqa: B902 (a closed channel raises ValueError)
+        return False
+    finally:
+        if own is not channel:
+            own.close()
+
+
+class _Connection:
+    """What a Client holds open: its gRPC channel and its step stream.
+    Apart from the Client, so that a Client dropped without close() is
+    collected and closes them (nothing here refers back to it)."""
+
+    def __init__(self, channel):
+        self.channel = channel
+        self.stream = None
+
+    def close_stream(self):
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
+
+    def close(self):
+        self.close_stream()
+        self.channel.close()
+
+
 class Client:
-    """A connection to one optimd daemon. Not thread-safe."""
+    """A connection to one optimd daemon. Not thread-safe. close() it (or
+    use it as a context manager); one dropped without close() closes its
+    step stream and channel when collected."""
 
     def __init__(self, address=None, timeout=60.0, connect_timeout=10.0,
                  tls_ca=None, tls_cert=None, tls_key=None, admin_token=None):
@@ -183,21 +224,31 @@ class Client:
                 "with `optimd --listen=%s`" %
                 (self.address, connect_timeout, self.address)) from None
         self._stub = pb_grpc.OptimizerStub(self._channel)
+        self._connection = _Connection(self._channel)
+        # Not at interpreter exit: the daemon sees the process end then.
+        self._closer = weakref.finalize(self, self._connection.close)
+        self._closer.atexit = False
         self.token = None
         self.backend = None
         # Steps go over one StepStream per session by default: it saves a
         # call setup per step (about half the round trip; bench/RESULTS.md).
         self.use_step_stream = True
-        self._stream = None
         # Called on the reader thread when a step stream breaks with steps
         # unanswered: on_stream_broken(first_request_index, replies_ok,
         # error); request indices count every streamed step from 0.
         self.on_stream_broken = None
         self._streamed = 0
 
+    @property
+    def _stream(self):
+        return self._connection.stream
+
+    @_stream.setter
+    def _stream(self, stream):
+        self._connection.stream = stream
+
     def close(self):
-        self._close_stream()
-        self._channel.close()
+        self._closer()
 
     def __enter__(self):
         return self
@@ -249,20 +300,7 @@ class Client:
         """Whether the daemon answers a call now (GetMetrics, which needs no
         session), over a connection of its own: after a failed call, tells a
         broken connection from a daemon that went away."""
-        # A fresh channel over the Unix socket, free of the broken one's
-        # reconnection backoff; over TCP the session's own (its TLS
-        # credentials), which reconnects.
-        channel = grpc.insecure_channel(self.address) if \
-            self.address.startswith("unix:") else self._channel
-        try:
-            pb_grpc.OptimizerStub(channel).GetMetrics(
-                pb.GetMetricsRequest(), timeout=timeout)
-            return True
-        except Exception:  # noqa: B902 (a closed channel raises ValueError)
-            return False
-        finally:
-            if channel is not self._channel:
-                channel.close()
+        return _daemon_answers(self.address, self._channel, timeout)
 
     # Sessions.
     def create_session(self, job_id, rank=0, world_size=1, device=-1,
@@ -296,9 +334,7 @@ class Client:
         return reply
 
     def _close_stream(self):
-        if self._stream is not None:
-            self._stream.close()
-            self._stream = None
+        self._connection.close_stream()
 
     def close_session(self):
         self._close_stream()
@@ -375,14 +411,18 @@ class Client:
         """The step stream: liboptimd_step_channel's where it is loaded and
         the daemon is on a Unix socket (no Python thread per step),
         grpcio's otherwise."""
+        # The stream's threads may outlive a dropped Client: they hold
+        # nothing of it.
+        answers = functools.partial(_daemon_answers, self.address,
+                                    self._channel)
         lib = _native_steps.load()
         if lib is not None and self.address.startswith("unix:"):
             return _native_steps.NativeStepStream(
                 lib, self.address, self.token, self.address, broken,
-                answers=self.daemon_answers)
+                answers=answers)
         return StepStream(
             self._stub, ((SESSION_METADATA_KEY, self.token),),
-            self.address, broken, answers=self.daemon_answers)
+            self.address, broken, answers=answers)
 
     @property
     def native_steps(self):
