@@ -174,13 +174,16 @@ class _Connection:
         self.channel = channel
         self.stream = None
 
-    def close_stream(self):
+    def close_stream(self, timeout=10.0):
         if self.stream is not None:
-            self.stream.close()
+            self.stream.close(timeout=timeout)
             self.stream = None
 
-    def close(self):
-        self.close_stream()
+    def close(self, timeout=10.0):
+        """timeout: how long steps in flight may take to be answered; a
+        collected Client's waits for none (its finalizer may run on any
+        thread, the stream's own included)."""
+        self.close_stream(timeout)
         self.channel.close()
 
 
@@ -226,7 +229,7 @@ class Client:
         self._stub = pb_grpc.OptimizerStub(self._channel)
         self._connection = _Connection(self._channel)
         # Not at interpreter exit: the daemon sees the process end then.
-        self._closer = weakref.finalize(self, self._connection.close)
+        self._closer = weakref.finalize(self, self._connection.close, 0.0)
         self._closer.atexit = False
         self.token = None
         self.backend = None
@@ -248,7 +251,8 @@ class Client:
         self._connection.stream = stream
 
     def close(self):
-        self._closer()
+        if self._closer.detach() is not None:
+            self._connection.close()
 
     def __enter__(self):
         return self
