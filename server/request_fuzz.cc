@@ -10,6 +10,8 @@
 #include <memory>
 #include <tuple>
 
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_replace.h"
 #include "backends/cpu/cpu_backend.h"
 #include "core/session.h"
 #include "google/protobuf/stubs/logging.h"
@@ -46,14 +48,33 @@ absl::Status ScanAndParse(const std::string& bytes, Request* r) {
   return scan.ok() ? absl::OkStatus() : scan.status();
 }
 
-// Segments under fixed names, so that seeds can name them; made once per
-// process (a second fuzzing process would share them).
+// Seeds and inputs name two segments by fixed names; each fuzzing process
+// makes its own under names of the same length (its pid in them) and reads
+// inputs with the fixed names replaced, so that processes running at once
+// (a fuzzer beside the corpus test) neither share nor unlink each other's.
 constexpr char kParams[] = "/optimd-fuzz-params";
 constexpr char kGrads[] = "/optimd-fuzz-grads";
 constexpr uint64_t kSegmentBytes = 4096;
 
-void MakeSegment(const char* name) {
-  const int fd = shm_open(name, O_RDWR | O_CREAT, 0600);
+// This process's name for the segment seeds call `fixed` (same length).
+const std::string& LocalName(const char* fixed) {
+  static const std::string params =
+      absl::StrFormat("/ofuz%07d-params", getpid() % 10000000);
+  static const std::string grads =
+      absl::StrFormat("/ofuz%07d-grads", getpid() % 10000000);
+  static_assert(sizeof(kParams) == sizeof("/ofuz0000000-params"));
+  static_assert(sizeof(kGrads) == sizeof("/ofuz0000000-grads"));
+  return std::string(fixed) == kParams ? params : grads;
+}
+
+// `bytes` with the fixed segment names replaced by this process's.
+std::string Localized(std::string bytes) {
+  return absl::StrReplaceAll(
+      bytes, {{kParams, LocalName(kParams)}, {kGrads, LocalName(kGrads)}});
+}
+
+void MakeSegment(const std::string& name) {
+  const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT, 0600);
   if (fd < 0 || ftruncate(fd, kSegmentBytes) != 0) std::abort();
   close(fd);
 }
@@ -100,11 +121,11 @@ CpuBackend& FuzzBackend() {
   static CpuBackend* backend = [] {
     // Parse errors of mutated inputs are expected; do not log each one.
     google::protobuf::SetLogHandler(nullptr);
-    MakeSegment(kParams);
-    MakeSegment(kGrads);
+    MakeSegment(LocalName(kParams));
+    MakeSegment(LocalName(kGrads));
     std::atexit([] {
-      shm_unlink(kParams);
-      shm_unlink(kGrads);
+      shm_unlink(LocalName(kParams).c_str());
+      shm_unlink(LocalName(kGrads).c_str());
     });
     return new CpuBackend(CpuBackend::Options{1, 1024});
   }();
@@ -153,6 +174,13 @@ absl::Status Apply(Session& s, char kind, const std::string& bytes) {
   }
 }
 
+// A harness group under this process's segment names.
+v1::RegisterGroupRequest LocalGroup(const v1::RegisterGroupRequest& r) {
+  v1::RegisterGroupRequest local;
+  if (!local.ParseFromString(Localized(r.SerializeAsString()))) std::abort();
+  return local;
+}
+
 // The harness's own groups must register in every fresh session: a
 // failure is a finding (state leaking between inputs), reported with its
 // status before the abort that libFuzzer records.
@@ -176,12 +204,13 @@ absl::Status ApplyFuzzRequest(const uint8_t* data, size_t size) {
   Session s(SessionIdentity{"fuzz", 0, 1, -1}, &backend, &budget,
             *backend.OpenSession(-1, "", &done));
   // An AdamW group "g" and an SGD group "s" (momentum, nesterov).
-  RegisterOrDie(s, GroupSpecFromProto(BaseGroup("g", 0)));
-  RegisterOrDie(
-      s, GroupSpecFromProto(OptimizerGroup("s", 512, v1::OPTIMIZER_KIND_SGD)));
+  RegisterOrDie(s, GroupSpecFromProto(LocalGroup(BaseGroup("g", 0))));
+  RegisterOrDie(s, GroupSpecFromProto(LocalGroup(
+                       OptimizerGroup("s", 512, v1::OPTIMIZER_KIND_SGD))));
   const absl::Status status =
       Apply(s, static_cast<char>(data[0]),
-            std::string(reinterpret_cast<const char*>(data) + 1, size - 1));
+            Localized(std::string(reinterpret_cast<const char*>(data) + 1,
+                                  size - 1)));
   // Whatever the request did, the session still steps or refuses cleanly.
   (void)s.Step(StepRequestSpec());
   return status;
