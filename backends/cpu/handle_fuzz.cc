@@ -16,8 +16,10 @@
 namespace optimd {
 namespace {
 
-// Segments of awkward sizes under fixed names, made once per process: one
-// byte, one page less one, two pages, and one of 64 MiB, sparse.
+// Segments of awkward sizes, made once per process under names of its own
+// (SegmentName: processes running at once neither share nor unlink each
+// other's): one byte, one page less one, two pages, and one of 64 MiB,
+// sparse.
 struct Segment {
   const char* name;
   uint64_t bytes;
@@ -28,17 +30,31 @@ constexpr Segment kSegments[] = {{"/optimd-fuzz-handle-1", 1},
                                  {"/optimd-fuzz-handle-64m", 64ull << 20}};
 constexpr int kSegmentCount = sizeof(kSegments) / sizeof(kSegments[0]);
 
+// This process's name of segment i.
+const std::string& SegmentName(int i) {
+  static const std::vector<std::string>* const names = [] {
+    auto* n = new std::vector<std::string>;
+    for (const Segment& s : kSegments)
+      n->push_back(absl::StrCat(s.name, "-", getpid()));
+    return n;
+  }();
+  return (*names)[i];
+}
+
 CpuBackend& FuzzBackend() {
   static CpuBackend* backend = [] {
-    for (const Segment& s : kSegments) {
-      const int fd = shm_open(s.name, O_RDWR | O_CREAT, 0600);
-      if (fd < 0 || ftruncate(fd, static_cast<off_t>(s.bytes)) != 0) {
+    for (int i = 0; i < kSegmentCount; ++i) {
+      const int fd = shm_open(SegmentName(i).c_str(), O_RDWR | O_CREAT, 0600);
+      if (fd < 0 ||
+          ftruncate(fd, static_cast<off_t>(kSegments[i].bytes)) != 0) {
         std::abort();
       }
       close(fd);
     }
     std::atexit([] {
-      for (const Segment& s : kSegments) shm_unlink(s.name);
+      for (int i = 0; i < kSegmentCount; ++i) {
+        shm_unlink(SegmentName(i).c_str());
+      }
     });
     return new CpuBackend(CpuBackend::Options{1, 1024});
   }();
@@ -69,7 +85,7 @@ BufferHandle HandleFrom(const uint8_t* data, size_t size, uint64_t* alignment) {
   h.size = Take(data, size, 8);
   *alignment = uint64_t{1} << (Take(data, size, 1) % 8);
   if (which % 8 < kSegmentCount) {
-    h.segment_name = kSegments[which % 8].name;
+    h.segment_name = SegmentName(static_cast<int>(which % 8));
   } else {
     h.segment_name.assign(reinterpret_cast<const char*>(data),
                           std::min<size_t>(size, 300));
