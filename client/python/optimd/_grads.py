@@ -92,10 +92,11 @@ class GradRouter:
 
     def _checked(self, s, grad):
         if grad.is_sparse:
-            # torch.optim.AdamW's own error, with the parameter named.
+            # The exception torch's Adam and AdamW raise (its SGD steps
+            # sparse gradients; the daemon steps dense memory only).
             raise RuntimeError(
-                "AdamW does not support sparse gradients (parameter %s); "
-                "use a dense gradient (e.g. nn.Embedding(sparse=False))"
+                "optimd.torch does not support sparse gradients (parameter "
+                "%s); use a dense gradient (e.g. nn.Embedding(sparse=False))"
                 % s.name)
         mem = s.mem
         if grad.dtype != mem.dtype or grad.shape != mem.shape:
