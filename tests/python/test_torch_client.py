@@ -14,6 +14,7 @@ import time
 import unittest
 from unittest import mock
 import warnings
+import weakref
 
 import torch
 
@@ -360,6 +361,31 @@ class TorchClientTest(unittest.TestCase):
         gc.collect()
         self.assertEqual(open_sessions(), [])
         client.close()
+
+    def test_del_frees_the_optimizer_without_the_cyclic_collector(self):
+        # As torch's: `del opt` frees it at once (its session, state and
+        # shared memory with it), not at Python's next cyclic collection;
+        # the state view, the state dict and the flat gradient segments it
+        # used must not hold it in a cycle.
+        client = optimd.Client(self.daemon.address)
+        model = mlp()
+        opt = self.make(model.parameters())
+        mine = self.id()
+        self.train_step(model, opt)
+        opt.zero_grad(set_to_none=False)
+        opt.state_dict()
+        self.assertTrue(opt.state)
+        gc.collect()
+        gc.disable()
+        try:
+            gone = weakref.ref(opt)
+            del opt
+            self.assertIsNone(gone())
+            self.assertEqual([s for s in client.list_sessions().sessions
+                              if s.job_id == mine], [])
+        finally:
+            gc.enable()
+            client.close()
 
     def test_a_misspelt_keyword_raises_as_in_torch(self):
         # Not a group key nobody reads: torch's own TypeError, word for

@@ -86,6 +86,18 @@ def _service_options(arguments):
     return {k: arguments[k] for k in _SERVICE_OPTIONS}
 
 
+
+def _weakly(method):
+    """`method` of an object, called without keeping the object alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args, **kwargs):
+        bound = ref()
+        if bound is None:
+            raise ReferenceError("the optimizer this belonged to is gone")
+        return bound(*args, **kwargs)
+    return call
+
 class _TensorEntry:
     """Where one parameter lives in the group's shared segments. `param`
     is the parameter (the key of its state), `mem` the tensor whose memory
@@ -139,8 +151,11 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         # id(param) -> (weak reference to it, its state).
         self._retired = {}
         torch.optim.Optimizer.__init__(self, params, defaults)
-        self.state = DaemonState(self._fetch_daemon_state,
-                                 self._retired_state)
+        # Weakly, as every callback the optimizer hands out: `del opt`
+        # frees it (and closes its session) at once, as torch's is freed,
+        # not at Python's next cyclic collection.
+        self.state = DaemonState(_weakly(self._fetch_daemon_state),
+                                 _weakly(self._retired_state))
         self.max_grad_norm = max_grad_norm
         self.grad_scale = grad_scale
         self.skip_nonfinite = skip_nonfinite
@@ -579,7 +594,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         self._mirrored = [s for s in self._dtensors if s.mirrored]
         self._router = GradRouter(
             [s for g in self._groups for s in g["tensors"]], self._device,
-            self._flat_grads)
+            _weakly(self._flat_grads))
 
     def _sync_structure(self):
         """A group whose parameters were added or removed since it was
