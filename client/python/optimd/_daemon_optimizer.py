@@ -86,7 +86,6 @@ def _service_options(arguments):
     return {k: arguments[k] for k in _SERVICE_OPTIONS}
 
 
-
 def _weakly(method):
     """`method` of an object, called without keeping the object alive."""
     ref = weakref.WeakMethod(method)
@@ -97,6 +96,7 @@ def _weakly(method):
             raise ReferenceError("the optimizer this belonged to is gone")
         return bound(*args, **kwargs)
     return call
+
 
 class _TensorEntry:
     """Where one parameter lives in the group's shared segments. `param`
