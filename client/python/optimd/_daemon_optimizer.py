@@ -151,7 +151,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         # id(param) -> (weak reference to it, its state).
         self._retired = {}
         torch.optim.Optimizer.__init__(self, params, defaults)
-        # Weakly, as every callback the optimizer hands out: `del opt`
+        # Weakly, as the stream-broken callback below: `del opt`
         # frees it (and closes its session) at once, as torch's is freed,
         # not at Python's next cyclic collection.
         self.state = DaemonState(_weakly(self._fetch_daemon_state),
