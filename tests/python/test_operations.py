@@ -156,7 +156,7 @@ class OperationsTest(unittest.TestCase):
             "import os, signal, torch\n"
             "from optimd.torch import AdamW\n"
             "p = torch.nn.Parameter(torch.randn(10))\n"
-            "AdamW([p], address=%r, job_id='killed')\n"
+            "opt = AdamW([p], address=%r, job_id='killed')\n"
             "os.kill(os.getpid(), signal.SIGKILL)\n") % d1.address])
         self.assertEqual(trainer.wait(60), -9)
         self.wait_for_log(d1, r"job 'killed' rank 0 freed")
