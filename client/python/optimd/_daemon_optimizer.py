@@ -20,10 +20,10 @@ from optimd._checkpoints import Checkpoints
 from optimd._cuda_segment import CudaSegment
 from optimd._dtensor import (any_sharded, check_mesh, is_dtensor, local_of,
                              shard_place)
-from optimd._grads import GradRouter, HandleCache
+from optimd._grads import GradRouter, HandleCache, zero_in_place
 from optimd._jobs import (close_session, dist_identity, shared_job_id,
                           shared_nccl_id, zero_sharding)
-from optimd._layout import is_dense, keeps_layout, memory_shape, view_like
+from optimd._layout import alias_like, is_dense, keeps_layout, memory_shape
 from optimd._names import ParamNames
 from optimd._overlap import Overlap, assign_stages
 from optimd._state import DTYPES, DaemonState, set_state_request
@@ -501,7 +501,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             s.pflat = s.mem.view(-1) if s.mem.is_contiguous() else None
             return
         s.pflat = seg_p.tensor(p_off, s.numel, s.mem.dtype)
-        s.pview = view_like(s.pflat, s.mem)
+        s.pview = alias_like(s.pflat, s.mem)
         s.pview.copy_(s.mem.detach())
         if not s.mirrored:
             s.param.data = s.pview
@@ -567,7 +567,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             seg_g = SharedSegment(max(g_bytes, 64))
         for s, off in zip(g["tensors"], offsets):
             if not s.frozen:
-                s.gview = view_like(
+                s.gview = alias_like(
                     seg_g.tensor(off, s.numel, s.mem.dtype), s.mem)
         g["segments"][1] = seg_g
         return seg_g
@@ -855,10 +855,29 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         if set_to_none:
             if self._overlap is not None:
                 self._overlap.keep(self._router.grads())
-            self._router.set_to_none()
-        else:
+            # Over param_groups as they are now, as torch's (parameters
+            # added since the last step included, removed ones left alone).
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+        elif self._routed_as_registered():
             self._finish_overlap()
             self._router.zero_()
+        else:
+            self._finish_overlap()
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        zero_in_place(local_of(p.grad))
+
+    def _routed_as_registered(self):
+        """Whether the gradient router holds the parameters of param_groups
+        as they are now (none added, removed, or unfrozen since the last
+        step registered them)."""
+        return all(
+            list(map(id, group["params"])) == g["param_ids"] and
+            not (g["frozen"] and set(map(_grad_of, g["frozen"])) != {None})
+            for g, group in zip(self._groups, self.param_groups))
 
 
     # Daemon access.

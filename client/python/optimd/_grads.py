@@ -19,8 +19,13 @@ existing one otherwise. optimd follows autograd instead of fighting it:
 * zero_grad(set_to_none=False) points every existing gradient at its view
   of the group's flat gradient segment and zeroes each segment in one
   launch; later backwards accumulate there.
+* A gradient tensor the trainer holds (a view of a flat buffer of its own,
+  or one it keeps a reference to) stays the trainer's, as in torch: it is
+  read (CPU: copied) where it is at each step and zeroed in place. Only
+  what autograd made and nobody else holds is taken over (_ours_to_take).
 """
 import operator
+import sys
 
 import torch
 
@@ -32,6 +37,35 @@ _get_grad = operator.attrgetter("grad")
 
 def _ptr(t):
     return 0 if t is None else t.data_ptr()
+
+
+def _refs(grad):
+    return sys.getrefcount(grad)
+
+
+def _calibrate():
+    """What _ours_to_take's count is for a gradient nobody else holds, seen
+    as the loops below see theirs: an element of a list of `.grad` values
+    zipped with the tensors (zip's reused result tuple holds it too), bound
+    to a loop variable, passed to a function that counts."""
+    def take_frame(grad):  # stands for _ours_to_take's own frame
+        return _refs(grad)
+    p = torch.nn.Parameter(torch.zeros(1))
+    p.grad = torch.zeros(1)
+    for _, grad in zip([p], [p.grad]):
+        return take_frame(grad)
+
+
+_UNHELD_REFS = _calibrate()
+
+
+def _ours_to_take(grad):
+    """Whether the gradient `grad` (an element of a list of `.grad` values
+    in the caller's zip loop, as _calibrate sees one) may be replaced by its tensor's
+    view of the flat gradient segment without the trainer noticing: autograd
+    made it (it is no view of a buffer of the trainer's) and nothing but
+    `.grad` and that loop holds it."""
+    return grad._base is None and _refs(grad) <= _UNHELD_REFS
 
 
 class GradRouter:
@@ -128,10 +162,11 @@ class GradRouter:
         out = []
         for s, grad in zip(self._tensors, grads):
             if grad is not None and grad is not s.gview:
+                take = not is_dtensor(s.param) and _ours_to_take(grad)
                 grad = self._checked(s, grad)
                 if grad.data_ptr() != s.gview.data_ptr():
                     s.gview.copy_(grad)
-                if not is_dtensor(s.param):
+                if take:
                     s.param.grad = s.gview
             out.append(None if grad is None else s.gview)
         return out
@@ -141,20 +176,19 @@ class GradRouter:
         the flat gradient segments, zeroed one segment per launch. None
         stays None, as in torch."""
         touched = set()
-        for s in self._tensors:
-            grad = s.param.grad
+        for s, grad in zip(self._tensors, self.grads()):
             if grad is None:
                 continue
-            if is_dtensor(s.param):
-                # FSDP2's own gradient, zeroed where it is.
-                local_of(grad).zero_()
+            if is_dtensor(s.param) or not (grad is s.gview or
+                                           _ours_to_take(grad)):
+                # FSDP2's own gradient, or one the trainer holds: zeroed
+                # where it is, as torch's zero_grad does.
+                zero_in_place(local_of(grad))
                 continue
             touched.add(s.group_id)
             if s.gview is None:
                 self._flat_segment(s.group_id)  # creates every gview
             if grad is not s.gview:
-                if grad.grad_fn is not None:
-                    grad.detach_()
                 s.param.grad = s.gview
         for group_id in sorted(touched):
             self._flat_segment(group_id).zero_()
@@ -162,9 +196,14 @@ class GradRouter:
     def grads(self):
         return list(map(_get_grad, self._params))
 
-    def set_to_none(self):
-        for p in self._params:
-            p.grad = None
+
+def zero_in_place(grad):
+    """torch's zero_grad(set_to_none=False) on one gradient."""
+    if grad.grad_fn is not None:
+        grad.detach_()
+    else:
+        grad.requires_grad_(False)
+    grad.zero_()
 
 
 class HandleCache:

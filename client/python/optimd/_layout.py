@@ -57,6 +57,18 @@ def view_like(flat, p):
     return flat.view(p.shape)
 
 
+def alias_like(flat, p):
+    """view_like(flat, p) as a tensor of its own over the same memory, not
+    an autograd view of `flat`: what becomes a parameter's `.data` or its
+    `.grad` behaves as a tensor torch would have made (`grad.detach_()`,
+    which torch refuses on views, works)."""
+    shaped = view_like(flat, p)
+    storage = (shaped.untyped_storage() if hasattr(shaped, "untyped_storage")
+               else shaped.storage())
+    return torch.empty(0, dtype=shaped.dtype, device=shaped.device).set_(
+        storage, shaped.storage_offset(), shaped.shape, shaped.stride())
+
+
 def memory_order(value, p):
     """`value` (p's shape) as 1-D in the order p's buffer keeps it."""
     if not keeps_layout(p):
