@@ -12,8 +12,14 @@ import unittest
 
 import torch
 
-from optimd.testing import DaemonTestCase
+from optimd.testing import Daemon, DaemonTestCase
 from optimd.torch import AdamW
+
+# OPTIMD_TEST_DEVICE=cuda runs the tests on CUDA tensors and the daemon's
+# CUDA backend (GPU machine: tools/gpu_test.sh); the CPU backend's own
+# (shared memory between processes) are skipped there.
+DEVICE = torch.device(os.environ.get("OPTIMD_TEST_DEVICE", "cpu"))
+cpu_only = unittest.skipIf(DEVICE.type != "cpu", "CPU shared memory")
 
 os.environ.setdefault("OPTIMD_SECRETS_DIR",
                       tempfile.mkdtemp(prefix="optimd-secrets-"))
@@ -23,16 +29,22 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 
 
 class DropIn(DaemonTestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.daemon = Daemon(backend=DEVICE.type)
+
     def both(self, make_params, **kw):
         """(ours, theirs): optimd's and torch's AdamW, each over its own
-        copy of make_params()'s parameters (the same values)."""
-        torch.manual_seed(0)
-        ours = make_params()
-        torch.manual_seed(0)
-        theirs = make_params()
-        opt = AdamW(ours, address=self.daemon.address, **kw)
+        copy of make_params()'s parameters (the same values), on DEVICE."""
+        copies = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            with torch.device(DEVICE) if hasattr(torch, "get_default_device") \
+                    else _cpu():
+                copies.append(make_params())
+        opt = AdamW(copies[0], address=self.daemon.address, **kw)
         self.opts.append(opt)
-        return opt, torch.optim.AdamW(theirs, **kw)
+        return opt, torch.optim.AdamW(copies[1], **kw)
 
     def assert_same(self, opt, ref):
         for g, h in zip(opt.param_groups, ref.param_groups):
@@ -51,7 +63,7 @@ class DropIn(DaemonTestCase):
         runs = []
         for o in (opt, ref):
             ps = o.param_groups[0]["params"]
-            flat = torch.zeros(sum(p.numel() for p in ps))
+            flat = torch.zeros(sum(p.numel() for p in ps), device=DEVICE)
             offset = 0
             for p in ps:
                 p.grad = flat[offset:offset + p.numel()].view_as(p)
@@ -61,7 +73,8 @@ class DropIn(DaemonTestCase):
             for o, ps, flat in runs:
                 flat.zero_()
                 torch.manual_seed(step)
-                sum((p * torch.randn(p.shape)).sum() for p in ps).backward()
+                sum((p * torch.randn(p.shape, device=DEVICE)).sum()
+                    for p in ps).backward()
                 o.step()
                 # The gradients are still views of the trainer's buffer.
                 self.assertEqual(ps[1].grad.data_ptr(),
@@ -69,6 +82,7 @@ class DropIn(DaemonTestCase):
         self.assert_same(opt, ref)
         torch.testing.assert_close(runs[0][2], runs[1][2])
 
+    @cpu_only
     def test_autograds_own_gradients_are_taken_into_shared_memory(self):
         # What autograd made and nobody holds becomes the tensor's view of
         # the shared gradient segment: later backwards accumulate there and
@@ -95,12 +109,12 @@ class DropIn(DaemonTestCase):
         held = []
         for o in (opt, ref):
             p = o.param_groups[0]["params"][0]
-            p.grad = torch.ones(6)
+            p.grad = torch.ones(6, device=DEVICE)
             held.append(p.grad)
             o.step()
             o.zero_grad(set_to_none=False)
             self.assertIs(p.grad, held[-1])
-        torch.testing.assert_close(held[0], torch.zeros(6))
+        torch.testing.assert_close(held[0], torch.zeros(6, device=DEVICE))
         self.assert_same(opt, ref)
 
     def test_detach_and_zero_a_gradient_as_in_torch(self):
@@ -129,11 +143,11 @@ class DropIn(DaemonTestCase):
             for o in (opt, ref):
                 ps = o.param_groups[0]["params"]
                 for p in ps:
-                    p.grad = torch.ones(4)
+                    p.grad = torch.ones(4, device=DEVICE)
                 o.step()
                 removed = ps.pop()  # taken out of the group
-                added = torch.nn.Parameter(torch.ones(2))
-                added.grad = torch.ones(2)
+                added = torch.nn.Parameter(torch.ones(2, device=DEVICE))
+                added.grad = torch.ones(2, device=DEVICE)
                 ps.append(added)
                 o.zero_grad(set_to_none=set_to_none)
                 seen.append([None if p.grad is None else p.grad.tolist()
@@ -141,6 +155,169 @@ class DropIn(DaemonTestCase):
                 ps.pop()
                 ps.append(removed)
             self.assertEqual(seen[0], seen[1], set_to_none)
+
+    def test_parameters_that_are_views_of_a_flat_buffer_stay_views(self):
+        # Parameters over one flat buffer of the trainer's (as contiguous
+        # parameter buffers are built): the buffer sees every step.
+        flats = []
+
+        def params():
+            flat = torch.randn(20)
+            flats.append(flat)
+            return [torch.nn.Parameter(flat[0:12].view(3, 4)),
+                    torch.nn.Parameter(flat[12:20])]
+
+        opt, ref = self.both(params, lr=1e-2, weight_decay=0.1)
+        for step in range(3):
+            for o in (opt, ref):
+                torch.manual_seed(step)
+                for p in o.param_groups[0]["params"]:
+                    p.grad = torch.randn(p.shape, device=DEVICE)
+                o.step()
+        self.assert_same(opt, ref)
+        torch.testing.assert_close(flats[0], flats[1], **TOL)
+        ours = opt.param_groups[0]["params"]
+        self.assertEqual(ours[1].data_ptr(), flats[0].data_ptr() + 48)
+
+    def test_weights_tied_through_data_stay_tied(self):
+        def params():
+            w = torch.nn.Parameter(torch.randn(4, 4))
+            v = torch.nn.Parameter(torch.empty(4, 4))
+            v.data = w.data
+            return [w, v]
+
+        opt, ref = self.both(params, lr=1e-2)
+        for step in range(3):
+            for o in (opt, ref):
+                torch.manual_seed(step)
+                for p in o.param_groups[0]["params"]:
+                    p.grad = torch.randn(p.shape, device=DEVICE)
+                o.step()
+        w, v = opt.param_groups[0]["params"]
+        self.assertEqual(w.data_ptr(), v.data_ptr())
+        self.assert_same(opt, ref)
+
+    @cpu_only
+    def test_share_memory_after_construction_is_followed_or_refused(self):
+        def params():
+            return [torch.nn.Parameter(torch.randn(8))]
+
+        strategy = torch.multiprocessing.get_sharing_strategy()
+        self.addCleanup(torch.multiprocessing.set_sharing_strategy, strategy)
+        # torch's default: memory only file descriptors reach.
+        torch.multiprocessing.set_sharing_strategy("file_descriptor")
+        opt, ref = self.both(params, lr=1e-2)
+        p = opt.param_groups[0]["params"][0]
+        p.grad = torch.ones(8)
+        p.share_memory_()
+        with self.assertRaisesRegex(RuntimeError, "file_system"):
+            opt.step()
+        # Shared so before construction: refused by the constructor.
+        shared = torch.nn.Parameter(torch.randn(8))
+        shared.share_memory_()
+        with self.assertRaisesRegex(RuntimeError, "file_system"):
+            AdamW([shared], address=self.daemon.address)
+        # With named shared memory the daemon steps it where it is now.
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        opt, ref = self.both(params, lr=1e-2)
+        for o in (opt, ref):
+            q = o.param_groups[0]["params"][0]
+            q.grad = torch.ones(8)
+            o.step()
+            q.share_memory_()
+            q.grad = torch.ones(8)
+            o.step()
+        self.assert_same(opt, ref)
+
+    def _edit_state_then(self, edit, then):
+        """One step each, `edit(opt, p)` of the state, `then(opt)`, and a
+        step; returns what `then` gave for ours and torch's."""
+        def params():
+            return [torch.nn.Parameter(torch.randn(6))]
+
+        opt, ref = self.both(params, lr=1e-2)
+        seen = []
+        for o in (opt, ref):
+            p = o.param_groups[0]["params"][0]
+            p.grad = torch.ones(6, device=DEVICE)
+            o.step()
+            edit(o, p)
+            seen.append(then(o))
+            p.grad = torch.full((6,), 0.5, device=DEVICE)
+            o.step()
+        self.assert_same(opt, ref)
+        return seen
+
+    def test_a_state_write_shows_in_state_dict_before_the_step(self):
+        def zero(o, p):
+            o.state[p]["exp_avg"].zero_()
+        ours, theirs = self._edit_state_then(
+            zero, lambda o: o.state_dict()["state"][0]["exp_avg"].clone())
+        torch.testing.assert_close(ours, theirs)
+        self.assertEqual(ours.abs().sum().item(), 0.0)
+
+    def test_state_cleared_then_state_dict_then_step(self):
+        ours, theirs = self._edit_state_then(
+            lambda o, p: o.state.clear(),
+            lambda o: dict(o.state_dict()["state"]))
+        self.assertEqual(ours, theirs)
+
+    def test_a_state_write_with_a_group_key_that_reregisters(self):
+        # maximize is registered with the group: the edit re-registers it,
+        # carrying the written state over.
+        def zero_and_maximize(o, p):
+            o.state[p]["exp_avg"].zero_()
+            o.param_groups[0]["maximize"] = True
+        self._edit_state_then(zero_and_maximize, lambda o: None)
+
+    @cpu_only
+    def test_hogwild_workers_step_the_shared_model(self):
+        # torch's Hogwild recipe: the model in shared memory, an optimizer
+        # in each worker process; the parent's model sees their steps.
+        strategy = torch.multiprocessing.get_sharing_strategy()
+        self.addCleanup(torch.multiprocessing.set_sharing_strategy, strategy)
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        results = []
+        for use_optimd in (True, False):
+            torch.manual_seed(0)
+            model = torch.nn.Linear(3, 2)
+            model.share_memory()
+            ctx = torch.multiprocessing.get_context("spawn")
+            worker = ctx.Process(target=_hogwild_worker, args=(
+                model, self.daemon.address if use_optimd else None))
+            worker.start()
+            worker.join(120)
+            self.assertEqual(worker.exitcode, 0)
+            results.append([p.detach().clone() for p in model.parameters()])
+        for a, b in zip(*results):
+            torch.testing.assert_close(a, b, **TOL)
+        torch.manual_seed(0)
+        initial = torch.nn.Linear(3, 2).weight.detach()
+        self.assertFalse(torch.equal(results[0][0], initial))
+
+
+class _cpu:
+    """torch 1.13 has no device context: tensors are made on the CPU."""
+
+    def __enter__(self):
+        assert DEVICE.type == "cpu", "CUDA tests need torch 2"
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _hogwild_worker(model, address):
+    """A Hogwild worker: two steps of AdamW (optimd's at `address`, or
+    torch's) on the shared model."""
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    if address is None:
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    else:
+        opt = AdamW(model.parameters(), lr=0.1, address=address)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.ones(4, 3)).sum().backward()
+        opt.step()
 
 
 if __name__ == "__main__":

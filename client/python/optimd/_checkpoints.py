@@ -18,12 +18,14 @@ class Checkpoints:
         its metadata, so a new process finds it by rank). With
         background=True it returns once a consistent copy is taken and writes
         it while training goes on; see save_status()."""
+        self._write_back_state()  # writes to optimizer.state, as torch's
         return self._client.save_state(directory, background=background)
 
     def state_bytes(self, chunk_bytes=4 << 20):
         """Yields the bytes of a checkpoint of this trainer's state (exactly
         what save_checkpoint would write), for a checkpoint store of your
         own. The state is copied at a step boundary when iteration starts."""
+        self._write_back_state()
         for chunk in self._client.save_state_stream(chunk_bytes):
             yield chunk.data
 

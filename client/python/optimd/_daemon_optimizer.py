@@ -16,6 +16,7 @@ import weakref
 import torch
 
 from optimd import _secrets, cuda_ipc, errors
+from optimd._aliased import aliased, shm_handle
 from optimd._checkpoints import Checkpoints
 from optimd._cuda_segment import CudaSegment
 from optimd._dtensor import (any_sharded, check_mesh, is_dtensor, local_of,
@@ -105,11 +106,13 @@ class _TensorEntry:
     shard: optimd/_dtensor.py); `pview` is what the daemon steps (`mem`'s
     view of the group's segment, or `mem` itself when registered in place)
     and `mirrored` says whether `mem` and `pview` are copied both ways
-    around each step (a DTensor shard on the CPU)."""
+    around each step (a DTensor shard on the CPU). `in_place`: registered
+    in its own memory (a DTensor shard on CUDA, or memory other tensors
+    share: optimd/_aliased.py), not in the group's segment."""
 
     __slots__ = ("param", "mem", "name", "numel", "pview", "gview",
                  "frozen", "group_id", "sent_ptr", "stage", "pflat",
-                 "mirrored")
+                 "mirrored", "in_place")
 
 
 class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
@@ -404,9 +407,8 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
                 # Steps tell the daemon where gradients are (_grads.py).
                 t.grad_dtype = DTYPES[s.mem.dtype]
                 t.grad_absent = True
-            if s.numel and s.pview is s.mem:
-                # In place (a DTensor shard on CUDA): its own allocation.
-                t.param.CopyFrom(self._param_handles.handle(s.mem))
+            if s.numel and s.in_place:
+                t.param.CopyFrom(self._in_place_handle(s))
             elif s.numel:
                 nbytes = s.numel * s.mem.element_size()
                 t.param.CopyFrom(seg_p.handle(p_off, nbytes))
@@ -416,6 +418,24 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         """Whether DTensor shards are registered where they are (CUDA)
         rather than mirrored in shared memory (CPU)."""
         return self._device.type == "cuda"
+
+    def _in_place_handle(self, s):
+        """The handle of a tensor registered in its own memory: its CUDA
+        allocation, or (CPU) its storage's named shared-memory file."""
+        if self._device.type == "cuda":
+            return self._param_handles.handle(s.mem)
+        return shm_handle(s.mem, s.name)
+
+    def _shared_memory_params(self):
+        """The ids of the parameters to register where they are, because
+        other tensors share their memory (optimd/_aliased.py); those
+        registered before keep where they were registered."""
+        registered = {id(s.param): s.in_place
+                      for g in self._groups for s in g["tensors"]}
+        fresh = [p for g in self.param_groups for p in g["params"]
+                 if id(p) not in registered and not _is_lazy(p) and
+                 not is_dtensor(p)]
+        return aliased(fresh) | {i for i, kept in registered.items() if kept}
 
     @property
     def _param_handles(self):
@@ -439,6 +459,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         self._check_group(gi, group)
         tensors = []
         p_bytes = 0
+        shared = self._shared_memory_params()
         for pi, p in enumerate(group["params"]):
             if _is_lazy(p):
                 # Not materialized yet (a lazy module before its first
@@ -457,8 +478,10 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             s.gview = None
             s.sent_ptr = 0
             s.mirrored = is_dtensor(p) and not self._in_place()
+            s.in_place = (is_dtensor(p) and self._in_place()) or \
+                id(p) in shared
             tensors.append((s, p_bytes))
-            if not (is_dtensor(p) and self._in_place()):
+            if not s.in_place:
                 p_bytes += align(s.numel * s.mem.element_size())
         if self._device.type == "cuda":
             seg_p = CudaSegment(max(p_bytes, 64), self._device)
@@ -479,6 +502,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         g = dict(id=str(gi), tensors=[s for s, _ in tensors],
                  segments=[seg_p, None],
                  snapshot=self._layout_of(group),
+                 slots=self._slot_names(group),
                  request=request,
                  # What _sync_structure compares the group with each step.
                  param_ids=[id(p) for p in group["params"]],
@@ -499,6 +523,12 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         if is_dtensor(s.param) and self._in_place():
             s.pview = s.mem
             s.pflat = s.mem.view(-1) if s.mem.is_contiguous() else None
+            return
+        if s.in_place:
+            # Memory other tensors share: stepped where it is. A tensor of
+            # its own over it, so that `p.data = other` shows as a move.
+            s.pview = s.mem.detach()
+            s.pflat = s.pview.view(-1) if s.pview.is_contiguous() else None
             return
         s.pflat = seg_p.tensor(p_off, s.numel, s.mem.dtype)
         s.pview = alias_like(s.pflat, s.mem)
@@ -658,6 +688,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         if devices and devices != {self._device}:
             self._reopen(devices)
             return
+        self._follow_swapped_storages()
         moved = [s for s in self._homed
                  if s.param.data_ptr() != s.pview.data_ptr()]
         for s in moved:
@@ -686,6 +717,36 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
                 raise _not_dense_error(s.name, p)
             s.pview.copy_(p.detach())
             p.data = s.pview
+
+    def _follow_swapped_storages(self):
+        """CPU: memory swapped under a parameter and the daemon's view of it
+        alike (`model.share_memory()` after construction moves every
+        storage into new shared memory): the daemon is pointed at the new
+        memory, or the step raises where it cannot reach it. The gradient
+        views of the segments, moved too, are made afresh."""
+        swapped = [s for s, ptr in zip(self._homed, self._pptrs_flat)
+                   if s.pview.data_ptr() != ptr]
+        if not swapped or self._device.type != "cpu":
+            return
+        handles = {id(s): shm_handle(s.pview, s.name) for s in swapped}
+        for g in self._groups:
+            # Every gradient absent until the next step sends where it is.
+            update = pb.UpdateBuffersRequest(group_id=g["id"])
+            for s in g["tensors"]:
+                if id(s) in handles:
+                    s.in_place = True
+                    s.pflat = s.pview.view(-1) if s.pview.is_contiguous() \
+                        else None
+                    update.tensors.add(name=s.name, param=handles[id(s)],
+                                       grad_absent=not s.frozen)
+                elif s.numel and not s.frozen:
+                    update.tensors.add(name=s.name, grad_absent=True)
+                s.sent_ptr = 0
+            if update.tensors:
+                self._client.update_buffers(update)
+            g["segments"][1] = None
+            self._flat_grads(g["id"])
+        self._index_buffers()
 
     def _follow_dtensor_shards(self):
         """A DTensor whose local shard is another tensor now (FSDP2 made a
@@ -732,6 +793,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             "moving or casting the parameters after construction")
         self._finish_overlap()
         self._look_at_replies(block=True)
+        self._write_back_state()
         saved = self._state_dict()
         resumed = self.resumed
         if self._overlap is not None:
@@ -765,9 +827,11 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._finish_overlap()
+        # Writes to optimizer.state first: following edited param_groups
+        # below carries the state over from the daemon.
+        self._write_back_state()
         self._sync_structure()
         self._sync_params()
-        self._write_back_state()
         updates = self._router.updates()
         overrides = self._overrides()
         request = dict(

@@ -175,6 +175,8 @@ class StateDicts:
                     "you meant to save the whole state" % (
                         self._identity["rank"], self._identity["rank"]))
             return self._consolidated
+        # Writes to optimizer.state first, as torch's state_dict shows them.
+        self._write_back_state()
         self._sync_params()
         return self._state_dict()
 
@@ -262,6 +264,7 @@ class StateDicts:
         request = self._group_request(gi, group, tensors, seg_p)
         self._client.register_group(request)
         mine["snapshot"] = self._layout_of(group)
+        mine["slots"] = self._slot_names(group)
         mine["request"] = request
         # Registered afresh: every gradient is absent to the daemon.
         for s in mine["tensors"]:
@@ -302,11 +305,14 @@ class StateDicts:
         written = self.state.written()
         if written is None:
             return
-        for g, group in zip(self._groups, self.param_groups):
+        for g in self._groups:
+            # In the slots the group is registered with: an edit of
+            # param_groups that changes them (amsgrad, momentum) is followed
+            # after this, carrying the written state over.
             self._client.set_state(set_state_request(
                 g["id"], g["tensors"], [written.get(s.param) for s in
                                       g["tensors"]],
-                slot_names=self._slot_names(group)))
+                slot_names=g["slots"]))
         self.state.invalidate()
 
 

@@ -1,0 +1,114 @@
+"""Parameters whose memory other tensors share.
+
+The optimd.torch optimizers copy each parameter into a segment the daemon
+maps and point the parameter at it (`p.data = ...`). That cuts the
+parameter off from every other tensor over its memory: a flat buffer the
+parameters are views of, a weight tied by `v.data = w.data`, tensors of a
+`state_dict()` taken before, and other processes that see the memory after
+`model.share_memory()` (Hogwild). Such a parameter is registered where it
+is instead, so everything that shares its memory sees each step, as with
+torch:
+* CUDA: by a CUDA IPC handle of its allocation;
+* CPU: its storage is moved into a named shared-memory file with torch's
+  own `_share_filename_cpu_` (all tensors over the storage follow, as with
+  `share_memory_()`), which the daemon maps by name; memory already in a
+  named file under /dev/shm is taken as it is. Memory shared through file
+  descriptors (torch's default sharing strategy) has no name the daemon
+  could open, so such a parameter raises.
+"""
+import collections
+import os
+
+import torch
+
+from optimd.v1 import optimd_pb2 as pb
+
+_SHM_DIR = "/dev/shm"
+# How many tensors use a storage (torch 2; absent from torch 1.13, where
+# tensors taken from the parameters before are not seen).
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def storage_of(t):
+    return t.untyped_storage() if hasattr(t, "untyped_storage") \
+        else t.storage()
+
+
+def _uses(t):
+    return _use_count(storage_of(t)._cdata)
+
+
+def _calibrate():
+    """_uses of a parameter nothing else shares."""
+    if _use_count is None:
+        return None
+    return _uses(torch.nn.Parameter(torch.zeros(1)))
+
+
+_UNSHARED_USES = _calibrate()
+
+
+def aliased(params):
+    """The ids of the parameters among `params` (plain tensors, not
+    DTensors) whose memory other tensors share: two parameters over one
+    storage, a parameter over part of its storage (a view of a larger
+    buffer), a CPU storage in shared memory, or (torch 2) a storage other
+    tensors use."""
+    params = [p for p in params if p.numel()]
+    by_storage = collections.Counter(storage_of(p).data_ptr()
+                                     for p in params)
+    out = set()
+    for p in params:
+        st = storage_of(p)
+        if (by_storage[st.data_ptr()] > 1 or
+                st.nbytes() != p.numel() * p.element_size() or
+                (p.device.type == "cpu" and st.is_shared()) or
+                (_use_count is not None and _uses(p) > _UNSHARED_USES)):
+            out.add(id(p))
+    return out
+
+
+def shm_handle(t, name):
+    """A shared-memory handle of CPU tensor `t` where it is: its storage in
+    a named shared-memory file (moved there first if it is in private
+    memory). `name` names the parameter in errors."""
+    st = storage_of(t)
+    if not st.is_shared():
+        st._share_filename_cpu_()
+    found = _named_mapping(t.data_ptr())
+    if found is None:
+        raise _unreachable(name)
+    file_name, file_offset = found
+    return pb.BufferHandle(shared_memory=pb.SharedMemoryBuffer(
+        segment_name=file_name, offset=file_offset,
+        size=t.numel() * t.element_size()))
+
+
+def _named_mapping(address):
+    """(the shm_open name, the offset in that file) of this process's
+    mapping of a file under /dev/shm that holds `address`; None when the
+    memory there is no such file or the file has no name any more (torch's
+    file-descriptor sharing unlinks it at once)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(None, 5)
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if not start <= address < end:
+                continue
+            path = fields[5].rstrip("\n") if len(fields) == 6 else ""
+            if not path.startswith(_SHM_DIR + "/") or \
+                    path.endswith(" (deleted)"):
+                return None
+            return (path[len(_SHM_DIR):],
+                    int(fields[2], 16) + address - start)
+    return None
+
+
+def _unreachable(name):
+    return RuntimeError(
+        "optimd.torch: parameter %s is in shared memory that only file "
+        "descriptors reach (torch's default sharing strategy), so the "
+        "daemon cannot step it where the other processes see it; call "
+        "torch.multiprocessing.set_sharing_strategy('file_system') before "
+        "model.share_memory(), or create the optimizer before sharing the "
+        "model" % name)
