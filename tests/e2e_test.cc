@@ -1591,6 +1591,34 @@ TEST_F(E2eTest, OverrideWithoutLrKeepsTheLearningRate) {
   EXPECT_EQ(client_->SetState(set).code(), StatusCode::kInvalidArgument);
 }
 
+// A learning rate a schedule took below zero is stepped as torch steps it
+// (gradient ascent): p moves against the update of the same lr's magnitude.
+TEST_F(E2eTest, NegativeLrOverrideAscends) {
+  OpenSession(client_.get());
+  float* p = params_->as<float>();
+  for (int i = 0; i < 16; ++i) {
+    p[i] = 1.0f + i;
+    grads_->as<float>()[i] = 0.5f;
+  }
+  ASSERT_TRUE(client_->RegisterGroup(Group("g", {Tensor("w", 16, 0)})).ok());
+  std::vector<float> ref(p, p + 16), m(16), v(16);
+  v1::StepRequest sr;
+  auto* o = sr.add_overrides();
+  o->set_group_id("g");
+  o->set_lr(-1e-2);
+  o->set_weight_decay(0.0);
+  auto reply = client_->Step(sr);
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  OptimizerHyper h;
+  h.lr = -1e-2;
+  h.weight_decay = 0.0;
+  TensorPointers t{ref.data(), grads_->as<float>(), nullptr, m.data(), v.data(),
+                   nullptr};
+  AdamWStepRange(Layout(), t, 0, 16, MakeAdamWScalars(h, 1, 1, 1));
+  for (int i = 0; i < 16; ++i) ASSERT_EQ(p[i], ref[i]) << i;
+  EXPECT_GT(p[0], 1.0f);  // up the gradient
+}
+
 // A grad_scale whose reciprocal is not a normal fp32 number (1e-320 is
 // denormal) used to turn every parameter into NaN without skipping; an lr
 // that is inf in fp32 did the same. Both are refused and change nothing.

@@ -229,6 +229,24 @@ class DropIn(DaemonTestCase):
             o.step()
         self.assert_same(opt, ref)
 
+    def test_a_schedule_below_zero_steps_as_torch(self):
+        # A lambda past its end: the learning rate goes negative and
+        # torch's step ascends.
+        def params():
+            return [torch.nn.Parameter(torch.randn(5))]
+
+        opt, ref = self.both(params, lr=1e-2)
+        for o in (opt, ref):
+            sched = torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1 - s)
+            p = o.param_groups[0]["params"][0]
+            for step in range(4):
+                torch.manual_seed(step)
+                p.grad = torch.randn(5, device=DEVICE)
+                o.step()
+                sched.step()
+            self.assertLess(o.param_groups[0]["lr"], 0)
+        self.assert_same(opt, ref)
+
     def _edit_state_then(self, edit, then):
         """One step each, `edit(opt, p)` of the state, `then(opt)`, and a
         step; returns what `then` gave for ours and torch's."""
