@@ -247,6 +247,34 @@ class DropIn(DaemonTestCase):
             self.assertLess(o.param_groups[0]["lr"], 0)
         self.assert_same(opt, ref)
 
+    def test_state_of_another_shape_raises_and_loads_nothing(self):
+        def params():
+            return [torch.nn.Parameter(torch.randn(4, 3))]
+
+        opt, ref = self.both(params, lr=1e-2)
+        for o in (opt, ref):
+            o.param_groups[0]["params"][0].grad = torch.ones(
+                4, 3, device=DEVICE)
+            o.step()
+        before = opt.state_dict()
+        for shape in ((3, 4), (5, 3), (2, 3)):
+            for o in (opt, ref):
+                sd = o.state_dict()
+                sd["state"][0]["exp_avg"] = torch.zeros(shape, device=DEVICE)
+                if o is opt:
+                    with self.assertRaisesRegex(RuntimeError, "shape"):
+                        o.load_state_dict(sd)
+                else:
+                    # torch takes it, and its next step fails on the shapes.
+                    o.load_state_dict(sd)
+                    o.param_groups[0]["params"][0].grad = torch.ones(
+                        4, 3, device=DEVICE)
+                    with self.assertRaises(RuntimeError):
+                        o.step()
+            ref.load_state_dict(before)
+        after = opt.state_dict()
+        torch.testing.assert_close(after["state"], before["state"])
+
     def _edit_state_then(self, edit, then):
         """One step each, `edit(opt, p)` of the state, `then(opt)`, and a
         step; returns what `then` gave for ours and torch's."""

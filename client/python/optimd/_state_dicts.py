@@ -215,6 +215,7 @@ class StateDicts:
                                  "group that doesn't match the size of "
                                  "optimizer's group")
         saved_state = state_dict["state"]
+        _check_state_shapes(groups, saved, saved_state)
         masters = False
         for gi, (g, sg, mine) in enumerate(zip(groups, saved, self._groups)):
             # The group becomes the saved one, as torch's load_state_dict
@@ -314,6 +315,24 @@ class StateDicts:
                                       g["tensors"]],
                 slot_names=g["slots"]))
         self.state.invalidate()
+
+
+def _check_state_shapes(groups, saved, saved_state):
+    """Raises before anything is loaded when a saved state tensor is not of
+    its parameter's shape (a state dict of another model): torch's load
+    takes it and its next step fails on the shapes; the daemon would take
+    the elements in memory order, silently."""
+    for g, sg in zip(groups, saved):
+        for p, pid in zip(g["params"], sg["params"]):
+            for key, value in (saved_state.get(pid) or {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() and \
+                        tuple(value.shape) != tuple(p.shape):
+                    raise RuntimeError(
+                        "optimd.torch: the loaded state's %r of parameter "
+                        "%d has shape %s; the parameter is %s. Load a state "
+                        "dict saved for this model (torch's step would "
+                        "fail on the shapes)" % (key, pid, tuple(value.shape),
+                                                 tuple(p.shape)))
 
 
 def _blob_tensor(t):
