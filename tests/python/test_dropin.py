@@ -275,6 +275,32 @@ class DropIn(DaemonTestCase):
         after = opt.state_dict()
         torch.testing.assert_close(after["state"], before["state"])
 
+    def test_keys_of_the_trainers_own_in_state_stay(self):
+        # Libraries keep counters of their own in optimizer.state[p].
+        def params():
+            return [torch.nn.Parameter(torch.randn(3)),
+                    torch.nn.Parameter(torch.randn(2))]
+
+        opt, ref = self.both(params, lr=1e-2)
+        seen = []
+        for o in (opt, ref):
+            p, q = o.param_groups[0]["params"]
+            p.grad = torch.ones(3, device=DEVICE)
+            o.step()
+            o.state[p]["calls"] = 1
+            o.state[q]["note"] = 7  # torch 1.13 loads no str values
+            p.grad = torch.ones(3, device=DEVICE)
+            o.step()
+            o.state[p]["calls"] += 1
+            sd = o.state_dict()
+            o.load_state_dict(sd)
+            o.step()
+            seen.append((o.state[p]["calls"], o.state[q].get("note"),
+                         sd["state"][0]["calls"], sd["state"][1]["note"]))
+        self.assertEqual(seen[0], seen[1])
+        self.assertEqual(seen[0], (2, 7, 2, 7))
+        self.assert_same(opt, ref)
+
     def _edit_state_then(self, edit, then):
         """One step each, `edit(opt, p)` of the state, `then(opt)`, and a
         step; returns what `then` gave for ours and torch's."""

@@ -59,12 +59,19 @@ class DaemonState(dict):
         # id(param) -> (weak param, weak entry or None, {key: weak tensor}).
         self._held = {}
         self._local_ids = set()
+        # Keys the trainer put into entries that the daemon does not keep
+        # (a library's own counters): id(param) -> (weak param, {key:
+        # value}), merged into every fetch as torch's state keeps them.
+        self._extras = {}
+        self._fetched_keys = {}  # id(param) -> the keys the fetch gave
 
     def invalidate(self, follow=True):
         """The daemon's state changed. With `follow`, what was handed out
         is remembered weakly, to take the new values if it is still held
         (follow()); without (a load: torch's load_state_dict makes new
         tensors), it is let go."""
+        if self._fresh:
+            self._keep_extras()
         if not follow:
             self._held = {}
         elif self._fresh:
@@ -81,6 +88,34 @@ class DaemonState(dict):
         self._held = {k: h for k, h in self._held.items() if _alive(h)}
         if self._held:
             self._refresh()
+
+    def _keep_extras(self):
+        self._extras = {}
+        for p, e in dict.items(self):
+            if id(p) in self._local_ids:
+                continue
+            known = self._fetched_keys.get(id(p), ())
+            extra = {k: v for k, v in e.items() if k not in known}
+            if extra:
+                self._extras[id(p)] = (weakref.ref(p), extra)
+
+    def set_extras(self, entries):
+        """{param: {key: value}}: keys of a loaded state dict's entries
+        that the daemon does not keep, kept in optimizer.state."""
+        self._extras = {id(p): (weakref.ref(p), extra)
+                        for p, extra in entries.items() if extra}
+
+    def with_extras(self, state):
+        """`state` ({param: entry} from the daemon) with the trainer's own
+        keys of each entry, as torch's state and state_dict carry them."""
+        for ref, extra in self._extras.values():
+            p = ref()
+            if p is None:
+                continue
+            entry = state.setdefault(p, {})
+            for k, v in extra.items():
+                entry.setdefault(k, v)
+        return state
 
     def _remember(self):
         for p, e in dict.items(self):
@@ -100,7 +135,8 @@ class DaemonState(dict):
         fetched, local = self._fetch(), self._local()
         held, self._held = self._held, {}
         dict.clear(self)
-        for p, entry in fetched.items():
+        self._fetched_keys = {id(p): set(e) for p, e in fetched.items()}
+        for p, entry in self.with_extras(fetched).items():
             dict.__setitem__(self, p, _into_held(held.get(id(p)), p, entry))
         dict.update(self, local)
         self._local_ids = {id(p) for p in local}

@@ -181,7 +181,8 @@ class StateDicts:
         return self._state_dict()
 
     def _state_dict(self):
-        return self._pack_state_dict(self._fetch_state())
+        return self._pack_state_dict(
+            self.state.with_extras(self._fetch_state()))
 
     def _pack_state_dict(self, state):
         """torch's state-dict format of {param: entry}: parameters by their
@@ -254,6 +255,13 @@ class StateDicts:
         # New state, as torch's load makes new tensors: what was handed out
         # before is let go.
         self.state.invalidate(follow=False)
+        # Keys the daemon does not keep (a library's own), kept as torch's
+        # load keeps every key.
+        self.state.set_extras({
+            p: {k: v for k, v in (saved_state.get(pid) or {}).items()
+                if k not in self._slot_names(g) + ("step", "master")}
+            for g, sg in zip(groups, saved)
+            for p, pid in zip(g["params"], sg["params"])})
 
     def _reregister(self, gi, group, mine):
         """New hyperparameters that steps do not carry (_layout_of): the
