@@ -301,6 +301,49 @@ class DropIn(DaemonTestCase):
         self.assertEqual(seen[0], (2, 7, 2, 7))
         self.assert_same(opt, ref)
 
+    def test_a_schedulers_state_dict_saves_and_loads(self):
+        # torch 1.13's OneCycleLR keeps a bound method in its state dict,
+        # which pickles the optimizer along.
+        import io
+
+        def params():
+            return [torch.nn.Parameter(torch.randn(4))]
+
+        opt, ref = self.both(params, lr=1e-2)
+        lrs = []
+        for o in (opt, ref):
+            sched = torch.optim.lr_scheduler.OneCycleLR(
+                o, max_lr=0.1, total_steps=10)
+            p = o.param_groups[0]["params"][0]
+            for _ in range(3):
+                p.grad = torch.ones(4, device=DEVICE)
+                o.step()
+                sched.step()
+            buf = io.BytesIO()
+            torch.save(sched.state_dict(), buf)
+            buf.seek(0)
+            again = torch.optim.lr_scheduler.OneCycleLR(
+                o, max_lr=0.1, total_steps=10)
+            again.load_state_dict(torch.load(buf))
+            p.grad = torch.ones(4, device=DEVICE)
+            o.step()
+            again.step()
+            lrs.append(o.param_groups[0]["lr"])
+        self.assertEqual(lrs[0], lrs[1])
+        self.assert_same(opt, ref)
+
+    def test_copies_raise_and_a_pickled_optimizer_holds_nothing(self):
+        import copy
+        import pickle
+
+        opt, _ = self.both(lambda: [torch.nn.Parameter(torch.randn(2))])
+        for how in (copy.copy, copy.deepcopy):
+            with self.assertRaisesRegex(TypeError, "load_state_dict"):
+                how(opt)
+        stand_in = pickle.loads(pickle.dumps(opt))
+        with self.assertRaisesRegex(AttributeError, "no daemon session"):
+            stand_in.step()
+
     def _edit_state_then(self, edit, then):
         """One step each, `edit(opt, p)` of the state, `then(opt)`, and a
         step; returns what `then` gave for ours and torch's."""

@@ -959,9 +959,38 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             self._overlap = None
         self._closer()
 
-    def __getstate__(self):
-        raise TypeError("optimd.torch holds a daemon session and "
-                        "cannot be pickled; save state_dict() instead")
+    def __reduce_ex__(self, protocol):
+        """Pickled as a stand-in without a session (PickledOptimizer): what
+        pickles an optimizer only by the way loads (torch 1.13's OneCycleLR
+        state dict holds a bound method of the scheduler, and so the
+        optimizer); the stand-in raises when used. Save state_dict() to
+        keep the optimizer's state."""
+        return (PickledOptimizer, (type(self).__name__,))
+
+    def __copy__(self):
+        raise TypeError(_NO_COPY)
+
+    def __deepcopy__(self, memo):
+        raise TypeError(_NO_COPY)
+
+
+_NO_COPY = ("optimd.torch optimizers hold a daemon session and cannot be "
+            "copied; make a new optimizer and load_state_dict() into it")
+
+
+class PickledOptimizer:
+    """What an optimd.torch optimizer unpickles as: its class name only,
+    no session, no state; any use raises."""
+
+    def __init__(self, name):
+        self._name = name
+
+    def __getattr__(self, attr):
+        raise AttributeError(
+            "this optimd.torch.%s was pickled as part of another object (a "
+            "scheduler's state dict, say) and holds no daemon session nor "
+            "state; use the optimizer of this process (its state: "
+            "state_dict() / load_state_dict())" % self.__dict__["_name"])
 
 
 def _several_devices_error(cls_name, by_device, now=False):
