@@ -13,7 +13,7 @@ import unittest
 import torch
 
 from optimd.testing import Daemon, DaemonTestCase
-from optimd.torch import AdamW
+from optimd.torch import SGD, AdamW
 
 # OPTIMD_TEST_DEVICE=cuda runs the tests on CUDA tensors and the daemon's
 # CUDA backend (GPU machine: tools/gpu_test.sh); the CPU backend's own
@@ -343,6 +343,27 @@ class DropIn(DaemonTestCase):
         stand_in = pickle.loads(pickle.dumps(opt))
         with self.assertRaisesRegex(AttributeError, "no daemon session"):
             stand_in.step()
+
+    def test_sgd_steps_sparse_gradients_as_torch(self):
+        for momentum in (0.0, 0.9):
+            models = []
+            for make in (lambda ps: SGD(ps, lr=0.1, momentum=momentum,
+                                        address=self.daemon.address),
+                         lambda ps: torch.optim.SGD(ps, lr=0.1,
+                                                    momentum=momentum)):
+                torch.manual_seed(0)
+                emb = torch.nn.Embedding(10, 3, sparse=True).to(DEVICE)
+                opt = make(list(emb.parameters()))
+                for ids in ([1, 2, 2], [3, 1], [7]):
+                    opt.zero_grad()
+                    emb(torch.tensor(ids, device=DEVICE)).pow(2).sum() \
+                        .backward()
+                    self.assertTrue(emb.weight.grad.is_sparse)
+                    opt.step()
+                models.append(emb.weight.detach())
+                if isinstance(opt, SGD):
+                    opt.close()
+            torch.testing.assert_close(models[0], models[1], **TOL)
 
     def _edit_state_then(self, edit, then):
         """One step each, `edit(opt, p)` of the state, `then(opt)`, and a

@@ -209,6 +209,9 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
                               shard_state=self._shard_state)
         self._open(resume, resume_secret)
 
+    # Whether sparse gradients are stepped (as their dense equivalent), as
+    # torch's SGD steps them; torch's Adam and AdamW raise.
+    _takes_sparse_grads = False
     # Whether the optimizer's state may be block8 (AdamW only).
     _takes_block8 = False
     # Whether it steps float64 parameters (the daemon's kernels for it take
@@ -624,7 +627,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         self._mirrored = [s for s in self._dtensors if s.mirrored]
         self._router = GradRouter(
             [s for g in self._groups for s in g["tensors"]], self._device,
-            _weakly(self._flat_grads))
+            _weakly(self._flat_grads), densify=self._takes_sparse_grads)
 
     def _sync_structure(self):
         """A group whose parameters were added or removed since it was

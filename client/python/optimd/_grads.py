@@ -74,9 +74,16 @@ class GradRouter:
     numel, frozen, gview, group_id, sent_ptr); gview is None until the
     group's flat gradient segment exists."""
 
-    def __init__(self, tensors, device, flat_segment):
+    def __init__(self, tensors, device, flat_segment, densify=False):
         # flat_segment(group_id) -> the group's flat gradient segment,
-        # created on first use (CUDA) or already there (CPU).
+        # created on first use (CUDA) or already there (CPU). densify: a
+        # sparse gradient is stepped as its dense equivalent (torch's SGD
+        # steps sparse gradients; the daemon reads dense memory), `.grad`
+        # staying sparse; otherwise it raises as torch's Adam does.
+        self._densify = densify
+        # Dense copies of sparse gradients, alive until the next step (the
+        # daemon may still read them on CUDA).
+        self._dense = {}
         self._tensors = [s for s in tensors if not s.frozen and s.numel]
         self._params = [s.param for s in self._tensors]
         # DTensor parameters (FSDP2): their gradients' local shards are
@@ -97,7 +104,11 @@ class GradRouter:
         grads = self._local_grads()
         if not self._cuda:
             grads = self._home_cpu_grads(grads)
-        ptrs = list(map(_ptr, grads))
+        try:
+            ptrs = list(map(_ptr, grads))
+        except RuntimeError:  # a sparse gradient has no data pointer
+            ptrs = [-1 if g is not None and g.is_sparse else _ptr(g)
+                    for g in grads]
         if ptrs == self._sent:
             return []
         by_group = {}
@@ -125,6 +136,9 @@ class GradRouter:
         return grads
 
     def _checked(self, s, grad):
+        if grad.is_sparse and self._densify:
+            grad = grad.to_dense()
+            self._dense[s.name] = grad
         if grad.is_sparse:
             # The exception torch's Adam and AdamW raise (its SGD steps
             # sparse gradients; the daemon steps dense memory only).
@@ -162,7 +176,8 @@ class GradRouter:
         out = []
         for s, grad in zip(self._tensors, grads):
             if grad is not None and grad is not s.gview:
-                take = not is_dtensor(s.param) and _ours_to_take(grad)
+                take = not (is_dtensor(s.param) or grad.is_sparse) and \
+                    _ours_to_take(grad)
                 grad = self._checked(s, grad)
                 if grad.data_ptr() != s.gview.data_ptr():
                     s.gview.copy_(grad)
@@ -179,10 +194,10 @@ class GradRouter:
         for s, grad in zip(self._tensors, self.grads()):
             if grad is None:
                 continue
-            if is_dtensor(s.param) or not (grad is s.gview or
-                                           _ours_to_take(grad)):
-                # FSDP2's own gradient, or one the trainer holds: zeroed
-                # where it is, as torch's zero_grad does.
+            if is_dtensor(s.param) or grad.is_sparse or not (
+                    grad is s.gview or _ours_to_take(grad)):
+                # FSDP2's own gradient, a sparse one, or one the trainer
+                # holds: zeroed where it is, as torch's zero_grad does.
                 zero_in_place(local_of(grad))
                 continue
             touched.add(s.group_id)

@@ -375,7 +375,12 @@ class SGD(_DaemonOptimizer):
     buffers, as torch steps them (a group may mix them with float32 ones;
     state_dtype applies to float32, bf16 and fp16 parameters), and
     model.double() after construction is followed as AdamW follows it.
+    Sparse gradients (nn.Embedding(sparse=True)) are stepped as their dense
+    equivalent, as torch steps them; `.grad` stays sparse, and a momentum
+    buffer is dense where torch's would be sparse.
     """
+
+    _takes_sparse_grads = True
 
     _kind = pb.OPTIMIZER_KIND_SGD
     _torch_class = torch.optim.SGD
