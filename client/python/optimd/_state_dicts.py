@@ -256,10 +256,12 @@ class StateDicts:
         # before is let go.
         self.state.invalidate(follow=False)
         # Keys the daemon does not keep (a library's own), kept as torch's
-        # load keeps every key.
+        # load keeps every key; None is no state (SGD's momentum_buffer
+        # without momentum: the installed torch's entry says what it is).
         self.state.set_extras({
             p: {k: v for k, v in (saved_state.get(pid) or {}).items()
-                if k not in self._slot_names(g) + ("step", "master")}
+                if v is not None and
+                k not in self._slot_names(g) + ("step", "master")}
             for g, sg in zip(groups, saved)
             for p, pid in zip(g["params"], sg["params"])})
 

@@ -60,9 +60,9 @@ differences"):
     and shard_state with them raise NotImplementedError naming the
     parameter.
   * state_dict() is a copy taken when called (torch's holds the live
-    state tensors); the optimizer cannot be pickled or deep-copied;
-    isinstance(opt, torch.optim.AdamW) is False (torch.optim.Optimizer:
-    True); capturable=True and differentiable=True raise ValueError.
+    state tensors); the optimizer cannot be copied or deep-copied (pickled,
+    it loads as a stand-in without session); capturable=True and
+    differentiable=True raise ValueError.
   * FSDP version 1's flat parameters raise NotImplementedError.
   * max_grad_norm (optimd's own) clips by the norm of this rank's
     gradients, or of the job's with gradient_sharding.
@@ -88,106 +88,9 @@ __all__ = ["AdamW", "Adam", "SGD", "Lion", "BLOCK8",
            "tied_named_parameters"]
 
 
-class AdamW(_DaemonOptimizer):
-    """torch.optim.AdamW with the step in the optimd daemon.
-
-    Besides torch's arguments:
-      address: the daemon (default: its default socket, or $OPTIMD_ADDRESS).
-      job_id, rank, world_size: the session's identity (default: a job id
-        of this optimizer's own, or with gradient_sharding one rank 0 makes
-        and torch.distributed carries to the others; rank and world size
-        from torch.distributed when it is initialized, else 0 and 1);
-        resume=True takes over the session of the
-        same job id and rank (a restarted trainer's, kept by the daemon, or
-        one the daemon saved when it stopped, with its --save_dir), restores
-        its weights and state, and raises optimd.NotFoundError when there is
-        none; resume="if_any" starts afresh then. A resume presents the
-        session's secret (optimd._secrets: kept in a file of this user's
-        by job id and rank, found by a trainer restarted on the same node;
-        elsewhere pass resume_secret=, the old optimizer's
-        `opt.resume_secret`); a wrong or missing one raises
-        optimd.PermissionDeniedError.
-      master_weights: None (an fp32 master exactly for non-fp32 parameters),
-        True (always, so a crashed trainer can get fp32 weights back), False.
-      store_param_remainders: bf16 parameters keep an int16 remainder instead
-        of an fp32 master (exact; 4 bytes less per parameter).
-      exp_avg_dtype: torch.float32 or torch.bfloat16 moments, or
-        optimd.torch.BLOCK8: both moments in 8 bits with one fp32 scale per
-        256 elements (2 bytes per parameter; not with amsgrad). State dicts
-        hold them as fp32, as torch's AdamW does. float64 parameters keep
-        float64 moments whatever the default float32 says, and refuse the
-        others.
-      max_grad_norm: clip by the gradient norm (0: off): this rank's, or
-        the job's with gradient_sharding.
-      gradient_sharding: with world_size > 1, how the job's gradients lie
-        across its ranks: "replicated" (DDP: each rank holds the whole
-        gradient) or "sharded" (FSDP2, ZeRO: each rank a shard). The
-        ranks' sessions then agree on every step: the job's gradient norm
-        (the square root of the sum over the shards' sums of squares),
-        clipping by it, and the skip when any rank's gradients hold inf or
-        NaN; each step waits for the same step of every rank (the daemon's
-        --rank_timeout_s; calls then wait up to at least 900 s). On CUDA
-        the ranks form one NCCL communicator (its id travels through
-        torch.distributed, which must be initialized) and agree on the
-        device inside each step. Without gradient_sharding a step warns
-        once when max_grad_norm is set with sharded parameters.
-      shard_state: ZeRO for DDP (world_size > 1; implies
-        gradient_sharding="replicated"). Every rank registers its whole
-        parameters and all-reduced gradients as usual, but its daemon
-        session keeps moments and master weights only for its 1/N of each
-        group (the group's tensors laid end to end, split into N
-        contiguous ranges, tensors cut at the boundaries), updates that
-        part, and writes every rank's updated part into every rank's
-        parameters before step() returns (CUDA: before the trainer's
-        stream goes on), through NCCL on CUDA. Clipping uses the whole
-        gradient's norm. As with torch's ZeroRedundancyOptimizer,
-        consolidate_state_dict(to=0) on every rank puts the whole state
-        together on rank 0 for its state_dict(), and load_state_dict(whole)
-        on every rank takes each rank's part; optimizer.state is not
-        available (each rank holds a part). save_checkpoint and
-        load_checkpoint on every rank keep the parts, for the same world
-        size.
-      grad_scale: divide gradients by this (loss scaling) before use.
-      skip_nonfinite: False (torch's semantics, the default): the daemon
-        neither checks nor skips; an inf or NaN gradient reaches the update
-        as in torch's step, and with max_grad_norm a non-finite norm clips
-        as torch.nn.utils.clip_grad_norm_ does (NaN norm: every stepped
-        parameter becomes NaN; infinite norm: gradients times 0, inf
-        elements NaN). Without max_grad_norm no statistics pass runs (the
-        fastest step) and opt.grad_norm is NaN. True: the daemon sums the
-        gradients' squares and skips a step with inf or NaN entirely
-        (nothing changes, opt.skipped is True; for loss scaling with
-        grad_scale, as a GradScaler skips). With gradient_sharding the
-        ranks always skip such a step together.
-      keep_fp32: parameters to update in fp32 in place (norms, router biases).
-      adam_w_mode: False for Adam's L2 regularization instead of decoupled
-        decay; bias_correction: False to skip (1 - beta^t).
-      overlap: CUDA: the update of step n runs while the trainer goes on
-        into iteration n + 1; each module's forward waits only for its own
-        parameters (_overlap.py). A parameter is then current in the
-        forward of the module that holds it, or after synchronize(): call
-        synchronize() before reading parameters anywhere else (another
-        module's weight used functionally, model.state_dict()). Same
-        results as without. No effect on CPU parameters (the CPU step
-        completes before step() returns).
-    Parameters may be given as (name, tensor) pairs to name their state;
-    a tied weight given under each of its names (tied_named_parameters(
-    model), or torch 2.x's named_parameters(remove_duplicate=False)) is
-    registered once, its other names kept as aliases that checkpoints list
-    and exports load by (optimd/_names.py).
-
-    float64 parameters are stepped in float64 with float64 moments, as
-    torch steps them (a group may mix them with float32 ones);
-    exp_avg_dtype applies to float32, bf16 and fp16 parameters.
-
-    Where it differs from torch.optim.AdamW (README, "Deliberate
-    differences"): a parameter listed twice in a group, parameters on
-    several devices (one optimizer per device instead) and parameters not
-    dense in memory raise; DTensor (FSDP2) parameters are stepped in
-    their local shards (replicated or hybrid placements raise); after
-    model.double() the moments are cast to float64 and training goes on
-    (torch's own step fails there).
-    """
+class _AdamFamily(_DaemonOptimizer):
+    """What optimd.torch.AdamW and Adam share (each is also a subclass of
+    torch's own class, so that isinstance checks see what torch's would)."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=1e-2, amsgrad=False, *, maximize=False,
@@ -294,8 +197,110 @@ class AdamW(_DaemonOptimizer):
 # The two switches of decoupled (AdamW) weight decay a group may carry:
 # optimd's adam_w_mode, and torch's decoupled_weight_decay (torch.optim.Adam's
 # argument since torch 2.6, a key of torch.optim.AdamW's groups since 2.7).
-# AdamW._reconcile_group keeps them equal.
+# _AdamFamily._reconcile_group keeps them equal.
 _DECAY_SWITCHES = ("adam_w_mode", "decoupled_weight_decay")
+
+
+class AdamW(_AdamFamily, torch.optim.AdamW):
+    """torch.optim.AdamW with the step in the optimd daemon.
+
+    Besides torch's arguments:
+      address: the daemon (default: its default socket, or $OPTIMD_ADDRESS).
+      job_id, rank, world_size: the session's identity (default: a job id
+        of this optimizer's own, or with gradient_sharding one rank 0 makes
+        and torch.distributed carries to the others; rank and world size
+        from torch.distributed when it is initialized, else 0 and 1);
+        resume=True takes over the session of the
+        same job id and rank (a restarted trainer's, kept by the daemon, or
+        one the daemon saved when it stopped, with its --save_dir), restores
+        its weights and state, and raises optimd.NotFoundError when there is
+        none; resume="if_any" starts afresh then. A resume presents the
+        session's secret (optimd._secrets: kept in a file of this user's
+        by job id and rank, found by a trainer restarted on the same node;
+        elsewhere pass resume_secret=, the old optimizer's
+        `opt.resume_secret`); a wrong or missing one raises
+        optimd.PermissionDeniedError.
+      master_weights: None (an fp32 master exactly for non-fp32 parameters),
+        True (always, so a crashed trainer can get fp32 weights back), False.
+      store_param_remainders: bf16 parameters keep an int16 remainder instead
+        of an fp32 master (exact; 4 bytes less per parameter).
+      exp_avg_dtype: torch.float32 or torch.bfloat16 moments, or
+        optimd.torch.BLOCK8: both moments in 8 bits with one fp32 scale per
+        256 elements (2 bytes per parameter; not with amsgrad). State dicts
+        hold them as fp32, as torch's AdamW does. float64 parameters keep
+        float64 moments whatever the default float32 says, and refuse the
+        others.
+      max_grad_norm: clip by the gradient norm (0: off): this rank's, or
+        the job's with gradient_sharding.
+      gradient_sharding: with world_size > 1, how the job's gradients lie
+        across its ranks: "replicated" (DDP: each rank holds the whole
+        gradient) or "sharded" (FSDP2, ZeRO: each rank a shard). The
+        ranks' sessions then agree on every step: the job's gradient norm
+        (the square root of the sum over the shards' sums of squares),
+        clipping by it, and the skip when any rank's gradients hold inf or
+        NaN; each step waits for the same step of every rank (the daemon's
+        --rank_timeout_s; calls then wait up to at least 900 s). On CUDA
+        the ranks form one NCCL communicator (its id travels through
+        torch.distributed, which must be initialized) and agree on the
+        device inside each step. Without gradient_sharding a step warns
+        once when max_grad_norm is set with sharded parameters.
+      shard_state: ZeRO for DDP (world_size > 1; implies
+        gradient_sharding="replicated"). Every rank registers its whole
+        parameters and all-reduced gradients as usual, but its daemon
+        session keeps moments and master weights only for its 1/N of each
+        group (the group's tensors laid end to end, split into N
+        contiguous ranges, tensors cut at the boundaries), updates that
+        part, and writes every rank's updated part into every rank's
+        parameters before step() returns (CUDA: before the trainer's
+        stream goes on), through NCCL on CUDA. Clipping uses the whole
+        gradient's norm. As with torch's ZeroRedundancyOptimizer,
+        consolidate_state_dict(to=0) on every rank puts the whole state
+        together on rank 0 for its state_dict(), and load_state_dict(whole)
+        on every rank takes each rank's part; optimizer.state is not
+        available (each rank holds a part). save_checkpoint and
+        load_checkpoint on every rank keep the parts, for the same world
+        size.
+      grad_scale: divide gradients by this (loss scaling) before use.
+      skip_nonfinite: False (torch's semantics, the default): the daemon
+        neither checks nor skips; an inf or NaN gradient reaches the update
+        as in torch's step, and with max_grad_norm a non-finite norm clips
+        as torch.nn.utils.clip_grad_norm_ does (NaN norm: every stepped
+        parameter becomes NaN; infinite norm: gradients times 0, inf
+        elements NaN). Without max_grad_norm no statistics pass runs (the
+        fastest step) and opt.grad_norm is NaN. True: the daemon sums the
+        gradients' squares and skips a step with inf or NaN entirely
+        (nothing changes, opt.skipped is True; for loss scaling with
+        grad_scale, as a GradScaler skips). With gradient_sharding the
+        ranks always skip such a step together.
+      keep_fp32: parameters to update in fp32 in place (norms, router biases).
+      adam_w_mode: False for Adam's L2 regularization instead of decoupled
+        decay; bias_correction: False to skip (1 - beta^t).
+      overlap: CUDA: the update of step n runs while the trainer goes on
+        into iteration n + 1; each module's forward waits only for its own
+        parameters (_overlap.py). A parameter is then current in the
+        forward of the module that holds it, or after synchronize(): call
+        synchronize() before reading parameters anywhere else (another
+        module's weight used functionally, model.state_dict()). Same
+        results as without. No effect on CPU parameters (the CPU step
+        completes before step() returns).
+    Parameters may be given as (name, tensor) pairs to name their state;
+    a tied weight given under each of its names (tied_named_parameters(
+    model), or torch 2.x's named_parameters(remove_duplicate=False)) is
+    registered once, its other names kept as aliases that checkpoints list
+    and exports load by (optimd/_names.py).
+
+    float64 parameters are stepped in float64 with float64 moments, as
+    torch steps them (a group may mix them with float32 ones);
+    exp_avg_dtype applies to float32, bf16 and fp16 parameters.
+
+    Where it differs from torch.optim.AdamW (README, "Deliberate
+    differences"): a parameter listed twice in a group, parameters on
+    several devices (one optimizer per device instead) and parameters not
+    dense in memory raise; DTensor (FSDP2) parameters are stepped in
+    their local shards (replicated or hybrid placements raise); after
+    model.double() the moments are cast to float64 and training goes on
+    (torch's own step fails there).
+    """
 
 
 def _decoupled(group):
@@ -329,7 +334,7 @@ def _torch_sgd_unset_slots():
     return tuple(k for k, v in entry.items() if v is None)
 
 
-class Adam(AdamW):
+class Adam(_AdamFamily, torch.optim.Adam):
     """torch.optim.Adam with the step in the optimd daemon: AdamW with
     Adam's L2 weight decay (folded into the gradient) and torch.optim.Adam's
     defaults (weight_decay=0), so that a torch.optim.Adam user changes only
@@ -347,7 +352,7 @@ class Adam(AdamW):
                          adam_w_mode=False, **kwargs)
 
 
-class SGD(_DaemonOptimizer):
+class SGD(_DaemonOptimizer, torch.optim.SGD):
     """torch.optim.SGD with the step in the optimd daemon: lr (its default
     the installed torch's: 1e-3 from torch 2.2, required before), momentum,
     dampening, nesterov, weight_decay and maximize as torch has them (a
