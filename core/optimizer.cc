@@ -201,7 +201,11 @@ absl::Status CheckHyperparameters(const OptimizerHyper& h,
     return absl::InvalidArgumentError(
         absl::StrCat(where, ": unknown optimizer ", static_cast<int>(h.kind)));
   }
-  if (!Fp32Finite(h.lr) || h.lr < 0) return Bad(where, "learning rate", h.lr);
+  // A schedule may take the learning rate below zero (a lambda past its
+  // end); torch's step takes it (ascending), so does the daemon's, and a
+  // group registered anew after that carries it. torch's constructor
+  // refuses a negative lr: the Python client does as it does.
+  if (!Fp32Finite(h.lr)) return Bad(where, "learning rate", h.lr);
   if (!Fp32Finite(h.weight_decay) || h.weight_decay < 0) {
     return Bad(where, "weight_decay", h.weight_decay);
   }

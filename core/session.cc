@@ -179,10 +179,6 @@ absl::Status Session::CheckOverrides(
     GroupSpec check;
     check.id = o.group_id;
     check.hyper = WithOverride(g->hyper, o);
-    // A schedule may take the learning rate below zero (a lambda past its
-    // end); torch steps it, ascending, and so does the daemon. Only its
-    // magnitude is checked (finite in fp32).
-    check.hyper.lr = std::fabs(check.hyper.lr);
     OPTIMD_RETURN_IF_ERROR(CheckHyper(check));
     if (StateSlotCount(check.hyper) != StateSlotCount(g->hyper)) {
       return absl::InvalidArgumentError(absl::StrCat(

@@ -1039,7 +1039,7 @@ TEST_F(E2eTest, BadBuffersAreInvalidArgumentNamingTheTensor) {
   EXPECT_EQ(client_->RegisterGroup(r).status().code(),
             StatusCode::kInvalidArgument);
   r = Group("g", {Tensor("w", 4, 0)});
-  r.mutable_hyperparameters()->set_lr(-1);
+  r.mutable_hyperparameters()->set_lr(1e39);  // inf in fp32
   EXPECT_EQ(client_->RegisterGroup(r).status().code(),
             StatusCode::kInvalidArgument);
   r = Group("", {Tensor("w", 4, 0)});
@@ -1593,6 +1593,8 @@ TEST_F(E2eTest, OverrideWithoutLrKeepsTheLearningRate) {
 
 // A learning rate a schedule took below zero is stepped as torch steps it
 // (gradient ascent): p moves against the update of the same lr's magnitude.
+// (Registration takes one too: a group registered anew after the schedule
+// went below zero carries it.)
 TEST_F(E2eTest, NegativeLrOverrideAscends) {
   OpenSession(client_.get());
   float* p = params_->as<float>();

@@ -754,8 +754,8 @@ class CheckpointTest(unittest.TestCase):
             "no step": lambda m: group(m).pop("step"),
             "lr a string": lambda m: group(m)["hyperparameters"].update(
                 lr="0.1"),
-            "lr negative": lambda m: group(m)["hyperparameters"].update(
-                lr=-1000),
+            "lr past fp32": lambda m: group(m)["hyperparameters"].update(
+                lr=-1e39),
             "lr 1e400": lambda m: group(m)["hyperparameters"].update(
                 lr=float("inf")),
             "no hyperparameters": lambda m: group(m).pop("hyperparameters"),

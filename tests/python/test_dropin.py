@@ -93,13 +93,13 @@ class DropIn(DaemonTestCase):
 
         opt, ref = self.both(params, lr=1e-2)
         p = opt.param_groups[0]["params"][0]
-        segment = opt._groups[0]["tensors"][0].gview
         for _ in range(2):
             for o in (opt, ref):
                 (o.param_groups[0]["params"][0] ** 2).sum().backward()
                 o.step()
                 o.zero_grad(set_to_none=False)
-            self.assertEqual(p.grad.data_ptr(), segment.data_ptr())
+            self.assertEqual(p.grad.data_ptr(),
+                             opt._groups[0]["tensors"][0].gview.data_ptr())
         self.assert_same(opt, ref)
 
     def test_a_gradient_the_trainer_keeps_is_zeroed_in_place(self):
@@ -370,6 +370,215 @@ class DropIn(DaemonTestCase):
                 if isinstance(opt, SGD):
                     opt.close()
             torch.testing.assert_close(models[0], models[1], **TOL)
+
+    def _twins(self, make, steps, **kw):
+        """Runs `steps(opt)` for optimd's and torch's AdamW over twin
+        copies of make()'s parameters; returns what each run gave."""
+        opt, ref = self.both(make, lr=1e-2, **kw)
+        return opt, ref, [steps(o) for o in (opt, ref)]
+
+    def test_lazy_parameters_load_state_and_zero_as_torch(self):
+        # A lazy module's state loaded before its first forward, and
+        # zero_grad(set_to_none=False) once its parameters exist.
+        def make():
+            return list(torch.nn.LazyLinear(2).to(DEVICE).parameters())
+
+        def steps(o):
+            ps = o.param_groups[0]["params"]
+            sd = o.state_dict()
+            for i in range(2):
+                sd["state"][i] = {"step": torch.tensor(3.0)}
+            o.load_state_dict(sd)
+            w, b = ps
+            w.materialize((2, 3))
+            b.materialize((2,))
+            with torch.no_grad():
+                w.fill_(0.5)
+                b.fill_(0.1)
+            (w.sum() + b.sum()).backward()
+            o.zero_grad(set_to_none=False)
+            return [p.grad.abs().sum().item() for p in ps]
+
+        _, _, (ours, theirs) = self._twins(make, steps)
+        self.assertEqual(ours, theirs)
+
+    def test_state_dicts_torch_loads_with_keys_of_other_shapes(self):
+        # A step of shape (1,) (torch 1.13/2.0 capturable or fused) and a
+        # key of the trainer's own of any shape load as in torch.
+        def make():
+            return [torch.nn.Parameter(torch.randn(4, 3))]
+
+        def steps(o):
+            p = o.param_groups[0]["params"][0]
+            p.grad = torch.ones(4, 3, device=DEVICE)
+            o.step()
+            sd = copy.deepcopy(o.state_dict())
+            sd["state"][0]["step"] = torch.tensor([1.0])
+            sd["state"][0]["row_stats"] = torch.zeros(4)
+            o.load_state_dict(sd)
+            return tuple(o.state[p]["row_stats"].shape)
+
+        _, _, (ours, theirs) = self._twins(make, steps)
+        self.assertEqual(ours, theirs)
+
+    def test_a_negative_lr_survives_a_group_registered_anew(self):
+        def make():
+            return [torch.nn.Parameter(torch.randn(3))]
+
+        def steps(o):
+            sched = torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1 - s)
+            p = o.param_groups[0]["params"][0]
+            for _ in range(3):
+                p.grad = torch.ones(3, device=DEVICE)
+                o.step()
+                sched.step()
+            o.param_groups[0]["maximize"] = True  # registered anew
+            p.grad = torch.ones(3, device=DEVICE)
+            o.step()
+            return o.param_groups[0]["lr"]
+
+        opt, ref, (ours, theirs) = self._twins(make, steps)
+        self.assertEqual(ours, theirs)
+        self.assert_same(opt, ref)
+
+    def test_a_gradient_of_other_strides_the_trainer_set_stays(self):
+        def make():
+            return [torch.nn.Parameter(torch.randn(3, 4).t())]
+
+        def steps(o):
+            p = o.param_groups[0]["params"][0]
+            flat = torch.zeros(12, device=DEVICE)
+            p.grad = flat.view(4, 3)
+            for step in range(3):
+                flat.zero_()
+                (p * (step + 1)).sum().backward()
+                o.step()
+                self.assertEqual(p.grad.data_ptr(), flat.data_ptr())
+            return flat.tolist()
+
+        opt, ref, (ours, theirs) = self._twins(make, steps)
+        self.assertEqual(ours, theirs)
+        self.assert_same(opt, ref)
+
+    def test_a_gradient_kept_after_set_to_none_keeps_its_values(self):
+        # A trainer that keeps each step's gradients (gradient noise
+        # estimates, say).
+        def make():
+            return [torch.nn.Parameter(torch.randn(5))]
+
+        def steps(o):
+            p = o.param_groups[0]["params"][0]
+            kept = []
+            for step in range(3):
+                o.zero_grad(set_to_none=True)
+                (p * (step + 1)).sum().backward()
+                o.step()
+                kept.append(p.grad)
+            return [k.tolist() for k in kept]
+
+        opt, ref, (ours, theirs) = self._twins(make, steps)
+        self.assertEqual(ours, theirs)
+        self.assert_same(opt, ref)
+
+    def test_a_parameter_over_a_flat_buffer_given_new_memory(self):
+        flats = []
+
+        def make():
+            flat = torch.randn(8)
+            flats.append(flat)
+            return [torch.nn.Parameter(flat[:4]),
+                    torch.nn.Parameter(flat[4:])]
+
+        def steps(o):
+            a = o.param_groups[0]["params"][0]
+            for p in o.param_groups[0]["params"]:
+                p.grad = torch.ones(4, device=DEVICE)
+            o.step()
+            a.data = torch.zeros(4, device=DEVICE)  # the buffer is left
+            o.step()
+            return a.tolist()
+
+        opt, ref, (ours, theirs) = self._twins(make, steps)
+        self.assertEqual(ours, theirs)
+        torch.testing.assert_close(flats[0], flats[1], **TOL)
+
+    def test_state_of_a_parameter_appended_then_written_before_its_step(self):
+        def make():
+            return [torch.nn.Parameter(torch.randn(2))]
+
+        def steps(o):
+            p = o.param_groups[0]["params"][0]
+            p.grad = torch.ones(2, device=DEVICE)
+            o.step()
+            q = torch.nn.Parameter(torch.ones(2, device=DEVICE))
+            o.param_groups[0]["params"].append(q)
+            o.state[q] = {"step": torch.tensor(10.0),
+                          "exp_avg": torch.full((2,), 0.5, device=DEVICE),
+                          "exp_avg_sq": torch.full((2,), 0.25,
+                                                   device=DEVICE),
+                          "tag": 3}
+            q.grad = torch.ones(2, device=DEVICE)
+            o.step()
+            out = (float(o.state[q]["step"]), o.state[q]["tag"], q.tolist())
+            o.param_groups[0]["params"].pop()  # out, and back
+            p.grad = torch.ones(2, device=DEVICE)
+            o.step()
+            o.param_groups[0]["params"].append(q)
+            q.grad = torch.ones(2, device=DEVICE)
+            o.step()
+            return out + (o.state[q]["tag"], float(o.state[q]["step"]))
+
+        _, _, (ours, theirs) = self._twins(make, steps)
+        self.assertEqual(ours[:2] + ours[3:], theirs[:2] + theirs[3:])
+        torch.testing.assert_close(ours[2], theirs[2], **TOL)
+
+    @cpu_only
+    def test_share_memory_after_construction_then_zero_grad(self):
+        strategy = torch.multiprocessing.get_sharing_strategy()
+        self.addCleanup(torch.multiprocessing.set_sharing_strategy, strategy)
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        model = []
+
+        def make():
+            model.append(torch.nn.Linear(3, 1))
+            return list(model[-1].parameters())
+
+        def steps(o):
+            m = model[0] if o is not steps.ref else model[1]
+            x = torch.ones(2, 3)
+            m(x).sum().backward()
+            o.step()
+            m.share_memory()
+            o.zero_grad(set_to_none=False)
+            m(x).sum().backward()
+            o.step()
+            return m.weight.grad.tolist()
+
+        opt, ref = self.both(make, lr=1e-2)
+        steps.ref = ref
+        self.assertEqual(steps(opt), steps(ref))
+        self.assert_same(opt, ref)
+
+    @unittest.skipIf(not hasattr(torch._C, "_storage_Use_Count"),
+                     "torch 1.13 cannot tell who else uses a storage")
+    def test_a_view_of_a_gradient_the_trainer_keeps_stays_its(self):
+        def make():
+            return [torch.nn.Parameter(torch.randn(4))]
+
+        def steps(o):
+            p = o.param_groups[0]["params"][0]
+            (p * 2).sum().backward()
+            k = p.grad.view(-1)
+            for _ in range(3):
+                k.mul_(0.5)
+                o.step()
+                o.zero_grad(set_to_none=False)
+                (p * 2).sum().backward()
+            return p.grad.tolist()
+
+        opt, ref, (ours, theirs) = self._twins(make, steps)
+        self.assertEqual(ours, theirs)
+        self.assert_same(opt, ref)
 
     def _edit_state_then(self, edit, then):
         """One step each, `edit(opt, p)` of the state, `then(opt)`, and a

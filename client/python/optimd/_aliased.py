@@ -48,6 +48,12 @@ def _calibrate():
 _UNSHARED_USES = _calibrate()
 
 
+def shares_storage(t):
+    """Whether (torch 2) tensors other than `t` use its storage; False
+    where torch cannot tell (1.13)."""
+    return _use_count is not None and _uses(t) > _UNSHARED_USES
+
+
 def aliased(params):
     """The ids of the parameters among `params` (plain tensors, not
     DTensors) whose memory other tensors share: two parameters over one
@@ -63,7 +69,7 @@ def aliased(params):
         if (by_storage[st.data_ptr()] > 1 or
                 st.nbytes() != p.numel() * p.element_size() or
                 (p.device.type == "cpu" and st.is_shared()) or
-                (_use_count is not None and _uses(p) > _UNSHARED_USES)):
+                shares_storage(p)):
             out.add(id(p))
     return out
 

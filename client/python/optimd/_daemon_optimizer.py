@@ -582,11 +582,15 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             if p.numel() and not is_dense(local_of(p)):
                 raise _not_dense_error(name, local_of(p))
 
-    def _flat_grads(self, group_id):
+    def _flat_grads(self, group_id, renew=False):
         """The group's flat gradient segment, made on first use, with a
         view per steppable tensor (CPU: where gradients are copied for the
-        daemon; both: where zero_grad(set_to_none=False) puts them)."""
+        daemon; both: where zero_grad(set_to_none=False) puts them). With
+        `renew`, a new one: a view of the old is the trainer's now (a
+        gradient it kept), whose values must stay."""
         g = self._groups[int(group_id)]
+        if renew:
+            g["segments"][1] = None
         if g["segments"][1] is not None:
             return g["segments"][1]
         offsets, g_bytes = [], 0
@@ -705,7 +709,8 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
                 self._check_group(gi, group)  # before the session closes
             self._reopen({self._device})
             return
-        for s in moved:
+        self._follow_moved_in_place([s for s in moved if s.in_place])
+        for s in [s for s in moved if not s.in_place]:
             p = s.param
             if p.dtype != s.pview.dtype or p.shape != s.pview.shape:
                 # A dtype the daemon does not step, or a new shape: we
@@ -720,6 +725,32 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
                 raise _not_dense_error(s.name, p)
             s.pview.copy_(p.detach())
             p.data = s.pview
+
+    def _follow_moved_in_place(self, moved):
+        """Parameters registered where they are and given other memory
+        since (`p.data = t`): stepped where they are now, as torch steps
+        them (the memory they left is the trainer's, left alone)."""
+        for s in moved:
+            p = s.param
+            if p.dtype != s.pview.dtype or p.shape != s.pview.shape or \
+                    not is_dense(p):
+                raise TypeError(
+                    "parameter %s is now %s %s with strides %s; it was "
+                    "registered as %s %s. Create a new optimizer for it" % (
+                        s.name, p.dtype, tuple(p.shape), p.stride(),
+                        s.pview.dtype, tuple(s.pview.shape)))
+        by_group = {}
+        for s in moved:
+            s.mem = local_of(s.param)
+            s.pview = s.mem.detach()
+            s.pflat = s.pview.view(-1) if s.pview.is_contiguous() else None
+            update = by_group.setdefault(
+                s.group_id, pb.UpdateBuffersRequest(group_id=s.group_id))
+            update.tensors.add(name=s.name, param=self._in_place_handle(s))
+        for update in by_group.values():
+            self._client.update_buffers(update)
+        if moved:
+            self._index_buffers()
 
     def _follow_swapped_storages(self):
         """CPU: memory swapped under a parameter and the daemon's view of it
@@ -929,6 +960,11 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
                     p.grad = None
         elif self._routed_as_registered():
             self._finish_overlap()
+            if list(map(torch.Tensor.data_ptr, self._params_flat)) != \
+                    self._pptrs_flat:
+                # model.share_memory() since the last step moved the
+                # gradient segments' views too: followed first.
+                self._follow_swapped_storages()
             self._router.zero_()
         else:
             self._finish_overlap()
@@ -944,6 +980,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         return all(
             list(map(id, group["params"])) == g["param_ids"] and
             not (g["frozen"] and set(map(_grad_of, g["frozen"])) != {None})
+            and not (g["lazy"] and not all(map(_is_lazy, g["lazy"])))
             for g, group in zip(self._groups, self.param_groups))
 
 

@@ -29,7 +29,8 @@ import sys
 
 import torch
 
-from optimd._dtensor import is_dtensor, like_param, local_of
+from optimd._aliased import shares_storage
+from optimd._dtensor import is_dtensor, local_of
 from optimd.v1 import optimd_pb2 as pb
 
 _get_grad = operator.attrgetter("grad")
@@ -61,11 +62,33 @@ _UNHELD_REFS = _calibrate()
 
 def _ours_to_take(grad):
     """Whether the gradient `grad` (an element of a list of `.grad` values
-    in the caller's zip loop, as _calibrate sees one) may be replaced by its tensor's
-    view of the flat gradient segment without the trainer noticing: autograd
-    made it (it is no view of a buffer of the trainer's) and nothing but
-    `.grad` and that loop holds it."""
-    return grad._base is None and _refs(grad) <= _UNHELD_REFS
+    in the caller's zip loop, as _calibrate sees one) may be replaced by its
+    tensor's view of the flat gradient segment without the trainer
+    noticing: autograd made it (it is no view of a buffer of the
+    trainer's), nothing but `.grad` and that loop holds it, and (torch 2)
+    no other tensor uses its memory."""
+    return grad._base is None and _refs(grad) <= _UNHELD_REFS and \
+        not shares_storage(grad)
+
+
+def _held(entry):
+    """Whether something besides `entry` holds its gradient view (a
+    gradient the trainer kept after zero_grad(set_to_none=True), or a view
+    of it): the view's memory must then not take the next gradient."""
+    return _refs(entry.gview) > _HELD_REFS or shares_storage(entry.gview)
+
+
+def _calibrate_held():
+    class Entry:
+        __slots__ = ("gview",)
+    e = Entry()
+    e.gview = torch.zeros(1)
+    return _refs(e.gview)
+
+
+_HELD_REFS = _calibrate_held()
+
+
 
 
 class GradRouter:
@@ -81,9 +104,8 @@ class GradRouter:
         # steps sparse gradients; the daemon reads dense memory), `.grad`
         # staying sparse; otherwise it raises as torch's Adam does.
         self._densify = densify
-        # Dense copies of sparse gradients, alive until the next step (the
-        # daemon may still read them on CUDA).
-        self._dense = {}
+        # What _checked copied for the daemon, by tensor name.
+        self._copies = {}
         self._tensors = [s for s in tensors if not s.frozen and s.numel]
         self._params = [s.param for s in self._tensors]
         # DTensor parameters (FSDP2): their gradients' local shards are
@@ -136,9 +158,14 @@ class GradRouter:
         return grads
 
     def _checked(self, s, grad):
+        """What the daemon reads for gradient `grad` of tensor `s`: `grad`,
+        or a copy of it in the parameter's memory order (dense, with the
+        parameter's strides), kept alive until the next step (the CUDA
+        daemon may still read it); `.grad` stays as the trainer set it."""
+        self._copies.pop(s.name, None)
         if grad.is_sparse and self._densify:
             grad = grad.to_dense()
-            self._dense[s.name] = grad
+            self._copies[s.name] = grad
         if grad.is_sparse:
             # The exception torch's Adam and AdamW raise (its SGD steps
             # sparse gradients; the daemon steps dense memory only).
@@ -158,7 +185,7 @@ class GradRouter:
         if grad.stride() != mem.stride() and grad.numel() > 1:
             # The daemon reads the gradient in the parameter's memory order.
             grad = torch.empty_like(mem).copy_(grad)
-            s.param.grad = like_param(grad, s.param)
+            self._copies[s.name] = grad
         return grad
 
     def _handle(self, s, grad, handles):
@@ -173,6 +200,10 @@ class GradRouter:
         copied into its shared view, which then becomes `.grad` (a DTensor's
         gradient stays FSDP2's and is copied each step). Returns what the
         daemon reads for each tensor."""
+        renew = {s.group_id for s, grad in zip(self._tensors, grads)
+                 if grad is not None and grad is not s.gview and _held(s)}
+        for group_id in renew:
+            self._flat_segment(group_id, renew=True)
         out = []
         for s, grad in zip(self._tensors, grads):
             if grad is not None and grad is not s.gview:
@@ -181,6 +212,7 @@ class GradRouter:
                 grad = self._checked(s, grad)
                 if grad.data_ptr() != s.gview.data_ptr():
                     s.gview.copy_(grad)
+                self._copies.pop(s.name, None)  # copied: needed no more
                 if take:
                     s.param.grad = s.gview
             out.append(None if grad is None else s.gview)

@@ -33,6 +33,12 @@ DTYPES = {
 }
 
 
+# The keys of an entry the daemon keeps (every optimizer's state slots,
+# the step and a master); any other key is the trainer's own (an extra).
+DAEMON_KEYS = frozenset(("step", "master", "exp_avg", "exp_avg_sq",
+                         "max_exp_avg_sq", "momentum_buffer"))
+
+
 class _Entry(dict):
     """A parameter's state entry: a dict, as torch's, that can be referenced
     weakly (so that one held by the trainer is followed)."""
@@ -92,9 +98,10 @@ class DaemonState(dict):
     def _keep_extras(self):
         self._extras = {}
         for p, e in dict.items(self):
-            if id(p) in self._local_ids:
-                continue
-            known = self._fetched_keys.get(id(p), ())
+            # The optimizer's own entries (parameters out of their group)
+            # carry the daemon's keys too.
+            known = DAEMON_KEYS if id(p) in self._local_ids else \
+                self._fetched_keys.get(id(p), ())
             extra = {k: v for k, v in e.items() if k not in known}
             if extra:
                 self._extras[id(p)] = (weakref.ref(p), extra)
@@ -145,10 +152,13 @@ class DaemonState(dict):
         self._fresh = True
 
     def _fingerprint(self):
-        # Empty entries are what reading a parameter without state leaves.
+        # Empty entries are what reading a parameter without state leaves;
+        # the trainer's own keys need no write to the daemon (they are kept
+        # here: _keep_extras).
         return {id(p): (p, id(e), {k: (id(t), getattr(t, "_version", None))
-                                   for k, t in e.items()})
-                for p, e in dict.items(self) if e}
+                                   for k, t in e.items() if k in DAEMON_KEYS})
+                for p, e in dict.items(self)
+                if any(k in DAEMON_KEYS for k in e)}
 
     def written(self):
         """The state as written since it was fetched, or None when nothing

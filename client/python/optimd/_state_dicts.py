@@ -216,7 +216,7 @@ class StateDicts:
                                  "group that doesn't match the size of "
                                  "optimizer's group")
         saved_state = state_dict["state"]
-        _check_state_shapes(groups, saved, saved_state)
+        _check_state_shapes(groups, saved, saved_state, self._slot_names)
         masters = False
         for gi, (g, sg, mine) in enumerate(zip(groups, saved, self._groups)):
             # The group becomes the saved one, as torch's load_state_dict
@@ -316,6 +316,14 @@ class StateDicts:
         written = self.state.written()
         if written is None:
             return
+        registered = {id(s.param) for g in self._groups for s in g["tensors"]}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) not in registered and written.get(p):
+                    # Not registered yet (appended since the last step, or
+                    # lazy): kept for its registration, as a parameter out
+                    # of its group keeps its state.
+                    self._retired[id(p)] = (weakref.ref(p), written[p])
         for g in self._groups:
             # In the slots the group is registered with: an edit of
             # param_groups that changes them (amsgrad, momentum) is followed
@@ -327,15 +335,21 @@ class StateDicts:
         self.state.invalidate()
 
 
-def _check_state_shapes(groups, saved, saved_state):
-    """Raises before anything is loaded when a saved state tensor is not of
+def _check_state_shapes(groups, saved, saved_state, slot_names):
+    """Raises before anything is loaded when a saved state slot is not of
     its parameter's shape (a state dict of another model): torch's load
     takes it and its next step fails on the shapes; the daemon would take
-    the elements in memory order, silently."""
+    the elements in memory order, silently. `slot_names(group)`: the slots
+    of a group with the saved group's keys. Other keys (a step, the
+    trainer's own) and lazy parameters are not checked."""
     for g, sg in zip(groups, saved):
+        slots = set(slot_names(dict(g, **{k: v for k, v in sg.items()
+                                         if k != "params"}))) | {"master"}
         for p, pid in zip(g["params"], sg["params"]):
+            if torch.nn.parameter.is_lazy(p):
+                continue
             for key, value in (saved_state.get(pid) or {}).items():
-                if isinstance(value, torch.Tensor) and value.dim() and \
+                if key in slots and isinstance(value, torch.Tensor) and \
                         tuple(value.shape) != tuple(p.shape):
                     raise RuntimeError(
                         "optimd.torch: the loaded state's %r of parameter "
