@@ -76,6 +76,10 @@ ABSL_FLAG(bool, cuda_graphs, true,
           "CUDA backend: launch each step as one CUDA graph (captured once "
           "per session configuration); false launches its kernels one by "
           "one.");
+ABSL_FLAG(bool, cuda_blocking_sync, false,
+          "CUDA backend: wait for each step's completion blocking in the "
+          "driver instead of spinning on a CPU (which the trainer's host may "
+          "need); see bench/RESULTS.md, run 78.");
 ABSL_FLAG(std::string, state_dir, "",
           "When set, SaveState and LoadState only accept directories within "
           "this one (a client cannot make the daemon write anywhere else).");
@@ -203,6 +207,7 @@ std::vector<std::unique_ptr<optimd::Backend>> MakeBackends() {
     for (int d = 0; d < gpus; ++d) {
       optimd::CudaBackendOptions cuda_options;
       cuda_options.use_graphs = absl::GetFlag(FLAGS_cuda_graphs);
+      cuda_options.blocking_sync = absl::GetFlag(FLAGS_cuda_blocking_sync);
       auto b = optimd::CreateCudaBackend(d, cuda_options);
       if (!b.ok()) {
         optimd::log::Warn(

@@ -153,7 +153,8 @@ absl::StatusOr<std::unique_ptr<SessionContext>> CudaBackend::OpenSession(
   OPTIMD_ASSIGN_OR_RETURN(
       std::unique_ptr<CudaSession> s,
       OpenCudaSession(device_, stream_->stream(), ready_event,
-                      options_.step_records, done_event));
+                      options_.step_records, options_.blocking_sync,
+                      done_event));
   OPTIMD_RETURN_IF_ERROR(stream_->Sync());
   return std::unique_ptr<SessionContext>(std::move(s));
 }

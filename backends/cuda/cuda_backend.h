@@ -26,6 +26,10 @@ struct CudaBackendOptions {
   // Launch each step as a CUDA graph captured once per step record and
   // group configuration (one host call instead of one per kernel).
   bool use_graphs = true;
+  // Wait for each step's completion blocking in the driver, not spinning:
+  // a spinning waiter takes a CPU the trainer's host may need (measured in
+  // bench/RESULTS.md; off by default until measured further).
+  bool blocking_sync = false;
 };
 
 // Number of usable CUDA devices. 0, with the reason in *why, when there is

@@ -39,7 +39,7 @@ absl::Status OpenReadyEvent(int device, const std::string& ready_event,
 
 absl::StatusOr<std::unique_ptr<CudaSession>> OpenCudaSession(
     int device, cudaStream_t stream, const std::string& ready_event,
-    int step_records, std::string* done_event) {
+    int step_records, bool blocking_sync, std::string* done_event) {
   auto s = std::make_unique<CudaSession>();
   s->stream = stream;
   if (!ready_event.empty()) {
@@ -56,9 +56,10 @@ absl::StatusOr<std::unique_ptr<CudaSession>> OpenCudaSession(
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(
       s->totals_d.data(), 0, sizeof(cuda::DeviceGroupState), stream));
   s->records.resize(std::max(2, step_records));
+  const unsigned event_flags = blocking_sync ? cudaEventBlockingSync : 0u;
   for (StepRecord& record : s->records) {
     for (cudaEvent_t* e : {&record.queued, &record.began, &record.event}) {
-      OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventCreate(e));  // timing events
+      OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(e, event_flags));
     }
   }
   s->last.known = false;

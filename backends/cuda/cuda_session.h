@@ -86,12 +86,13 @@ class CudaSession : public SessionContext {
 // steps on `stream`: the trainer's `ready_event` (a cudaIpcEventHandle_t,
 // or empty), the daemon's done event, exported into *done_event, the
 // session's device totals (zeroed on `stream`) and `step_records` step
-// records with their timing events. INVALID_ARGUMENT for a ready event
+// records with their timing events (waited on blocking in the driver
+// with `blocking_sync`, else spinning). INVALID_ARGUMENT for a ready event
 // that cannot be opened. The caller waits for `stream` before the first
 // step.
 absl::StatusOr<std::unique_ptr<CudaSession>> OpenCudaSession(
     int device, cudaStream_t stream, const std::string& ready_event,
-    int step_records, std::string* done_event);
+    int step_records, bool blocking_sync, std::string* done_event);
 
 }  // namespace optimd
 

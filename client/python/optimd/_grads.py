@@ -146,8 +146,10 @@ class GradRouter:
             else:
                 grad = self._checked(s, grads[i])
                 ptr = grad.data_ptr()
-                update.tensors.add(name=s.name,
-                                   grad=self._handle(s, grad, handles))
+                # Filled in place: a moved gradient costs the host what it
+                # must (2,000-tensor models move hundreds a step).
+                self._fill_handle(update.tensors.add(name=s.name).grad, s,
+                                  grad, handles)
             self._sent[i] = s.sent_ptr = ptr
         return list(by_group.values())
 
@@ -188,12 +190,14 @@ class GradRouter:
             self._copies[s.name] = grad
         return grad
 
-    def _handle(self, s, grad, handles):
+    def _fill_handle(self, out, s, grad, handles):
+        """Sets BufferHandle `out` to where `grad` is."""
         if s.gview is not None and grad.data_ptr() == s.gview.data_ptr():
             seg = self._flat_segment(s.group_id)
-            return seg.handle(grad.data_ptr() - seg.base_ptr(),
-                              grad.numel() * grad.element_size())
-        return handles.handle(grad)
+            out.CopyFrom(seg.handle(grad.data_ptr() - seg.base_ptr(),
+                                    grad.numel() * grad.element_size()))
+        else:
+            handles.fill(out, grad)
 
     def _home_cpu_grads(self, grads):
         """CPU: the daemon reads shared memory only; a gradient elsewhere is
@@ -267,6 +271,13 @@ class HandleCache:
         self._by_id = {}
 
     def handle(self, tensor):
+        """A BufferHandle of where `tensor` is."""
+        out = pb.BufferHandle()
+        self.fill(out, tensor)
+        return out
+
+    def fill(self, out, tensor):
+        """Sets BufferHandle `out` to where `tensor` is."""
         from optimd import cuda_ipc
         buffer_id, base, _ = cuda_ipc.allocation_of(tensor)
         ipc_handle = self._by_id.get(buffer_id)
@@ -275,7 +286,8 @@ class HandleCache:
                 self._by_id.clear()
             ipc_handle = cuda_ipc.mem_handle_at(base, tensor.device)
             self._by_id[buffer_id] = ipc_handle
-        nbytes = tensor.numel() * tensor.element_size()
-        return pb.BufferHandle(cuda_ipc=pb.CudaIpcBuffer(
-            ipc_handle=ipc_handle, device=tensor.device.index or 0,
-            offset=tensor.data_ptr() - base, size=nbytes))
+        ipc = out.cuda_ipc
+        ipc.ipc_handle = ipc_handle
+        ipc.device = tensor.device.index or 0
+        ipc.offset = tensor.data_ptr() - base
+        ipc.size = tensor.numel() * tensor.element_size()

@@ -47,18 +47,16 @@ def allocation_of(tensor):
     its whole life: an allocation freed and made anew at the same address
     has another id (and another IPC handle)."""
     _, driver = _libs()
-    buffer_id = ctypes.c_uint64()
-    base = ctypes.c_uint64()
-    size = ctypes.c_size_t()
-    data = (ctypes.c_void_p * 3)(ctypes.addressof(buffer_id),
-                                 ctypes.addressof(base),
-                                 ctypes.addressof(size))
+    # One array for the three answers (id, base, size: 8 bytes each).
+    out = (ctypes.c_uint64 * 3)()
+    at = ctypes.addressof(out)
+    data = (ctypes.c_void_p * 3)(at, at + 8, at + 16)
     err = driver.cuPointerGetAttributes(3, _POINTER_ATTRIBUTES, data,
-                                        ctypes.c_uint64(tensor.data_ptr()))
+                                        tensor.data_ptr())
     if err != 0:
         raise RuntimeError("cuPointerGetAttributes failed with CUDA driver "
                            "error %d" % err)
-    return buffer_id.value, base.value, size.value
+    return out[0], out[1], out[2]
 
 
 def allocation_range(tensor):
