@@ -150,11 +150,10 @@ absl::Status CudaBackend::UpdatePlanEntries(
 absl::StatusOr<std::unique_ptr<SessionContext>> CudaBackend::OpenSession(
     int, const std::string& ready_event, std::string* done_event) {
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
-  OPTIMD_ASSIGN_OR_RETURN(
-      std::unique_ptr<CudaSession> s,
-      OpenCudaSession(device_, stream_->stream(), ready_event,
-                      options_.step_records, options_.blocking_sync,
-                      done_event));
+  OPTIMD_ASSIGN_OR_RETURN(std::unique_ptr<CudaSession> s,
+                          OpenCudaSession(device_, stream_->stream(),
+                                          ready_event, options_.step_records,
+                                          options_.blocking_sync, done_event));
   OPTIMD_RETURN_IF_ERROR(stream_->Sync());
   return std::unique_ptr<SessionContext>(std::move(s));
 }
