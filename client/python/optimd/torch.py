@@ -64,6 +64,14 @@ differences"):
     it loads as a stand-in without session); capturable=True and
     differentiable=True raise ValueError.
   * FSDP version 1's flat parameters raise NotImplementedError.
+  * Parameter memory other tensors share is stepped where it is (README):
+    memory shared with other processes through file descriptors only
+    (torch's default sharing strategy) raises RuntimeError; on torch 1.13
+    a tensor sharing a parameter's whole memory and not itself a
+    parameter of the optimizer (taken from it before the optimizer was
+    made) is not detected and stops seeing the steps; `v.data = w.data`
+    done after construction unties them. Gradients: on torch 1.13 a view
+    of an autograd-made gradient kept elsewhere is not detected.
   * max_grad_norm (optimd's own) clips by the norm of this rank's
     gradients, or of the job's with gradient_sharding.
 """
