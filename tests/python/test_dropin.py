@@ -480,6 +480,54 @@ class DropIn(DaemonTestCase):
         self.assertEqual(ours, theirs)
         self.assert_same(opt, ref)
 
+    @cpu_only
+    def test_gradients_kept_every_step_renew_the_segment_once(self):
+        # Keeping each step's gradients makes them the trainer's: the flat
+        # gradient segment is made anew once, not at every step (each new
+        # one is another mapping in the daemon).
+        def make():
+            return [torch.nn.Parameter(torch.randn(6))]
+
+        opt, ref = self.both(make, lr=1e-2)
+        segments = set()
+        results = []
+        for o in (opt, ref):
+            p = o.param_groups[0]["params"][0]
+            kept = []
+            for step in range(8):
+                o.zero_grad(set_to_none=True)
+                (p * (step + 1)).sum().backward()
+                o.step()
+                kept.append(p.grad)
+                del kept[:-2]
+                if o is opt:
+                    segments.add(opt._groups[0]["segments"][1].name)
+            results.append([k.tolist() for k in kept])
+        self.assertEqual(results[0], results[1])
+        self.assertLessEqual(len(segments), 2)
+        self.assert_same(opt, ref)
+
+    def test_a_kept_gradient_is_not_zeroed_with_the_others(self):
+        def make():
+            return [torch.nn.Parameter(torch.randn(2, 2)),
+                    torch.nn.Parameter(torch.randn(2))]
+
+        def steps(o):
+            w, b = o.param_groups[0]["params"]
+            kept = []
+            for i in range(4):
+                (w.sum() * 2 + b.sum() * (i + 1)).backward()
+                o.step()
+                kept.append(b.grad)
+                b.grad = None
+                if i % 2:
+                    o.zero_grad(set_to_none=False)
+            return [k.tolist() for k in kept]
+
+        opt, ref, (ours, theirs) = self._twins(make, steps)
+        self.assertEqual(ours, theirs)
+        self.assert_same(opt, ref)
+
     def test_a_parameter_over_a_flat_buffer_given_new_memory(self):
         flats = []
 

@@ -112,7 +112,7 @@ class _TensorEntry:
 
     __slots__ = ("param", "mem", "name", "numel", "pview", "gview",
                  "frozen", "group_id", "sent_ptr", "stage", "pflat",
-                 "mirrored", "in_place")
+                 "mirrored", "in_place", "keeps_grads")
 
 
 class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
@@ -479,6 +479,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             s.frozen = not p.requires_grad and p.grad is None
             s.group_id = str(gi)
             s.gview = None
+            s.keeps_grads = False  # optimd/_grads.py, _renew_held
             s.sent_ptr = 0
             s.mirrored = is_dtensor(p) and not self._in_place()
             s.in_place = (is_dtensor(p) and self._in_place()) or \

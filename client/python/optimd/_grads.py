@@ -204,15 +204,12 @@ class GradRouter:
         copied into its shared view, which then becomes `.grad` (a DTensor's
         gradient stays FSDP2's and is copied each step). Returns what the
         daemon reads for each tensor."""
-        renew = {s.group_id for s, grad in zip(self._tensors, grads)
-                 if grad is not None and grad is not s.gview and _held(s)}
-        for group_id in renew:
-            self._flat_segment(group_id, renew=True)
+        self._renew_held(grads)
         out = []
         for s, grad in zip(self._tensors, grads):
             if grad is not None and grad is not s.gview:
-                take = not (is_dtensor(s.param) or grad.is_sparse) and \
-                    _ours_to_take(grad)
+                take = not (is_dtensor(s.param) or grad.is_sparse or
+                            s.keeps_grads) and _ours_to_take(grad)
                 grad = self._checked(s, grad)
                 if grad.data_ptr() != s.gview.data_ptr():
                     s.gview.copy_(grad)
@@ -227,10 +224,12 @@ class GradRouter:
         the flat gradient segments, zeroed one segment per launch. None
         stays None, as in torch."""
         touched = set()
+        self._renew_held(self.grads())
         for s, grad in zip(self._tensors, self.grads()):
             if grad is None:
                 continue
-            if is_dtensor(s.param) or grad.is_sparse or not (
+            if is_dtensor(s.param) or grad.is_sparse or (
+                    s.keeps_grads and grad is not s.gview) or not (
                     grad is s.gview or _ours_to_take(grad)):
                 # FSDP2's own gradient, a sparse one, or one the trainer
                 # holds: zeroed where it is, as torch's zero_grad does.
@@ -246,6 +245,21 @@ class GradRouter:
 
     def grads(self):
         return list(map(_get_grad, self._params))
+
+    def _renew_held(self, grads):
+        """A gradient view of a flat segment the trainer keeps (it took
+        `.grad` and let it go: gradient noise estimates, say) is the
+        trainer's now: the group gets a new segment, so the next gradient
+        or zero_grad does not overwrite the kept one, and that tensor's
+        gradients are not taken into the segment again (keeps_grads), so
+        this happens once per tensor, not every step."""
+        renew = set()
+        for s, grad in zip(self._tensors, grads):
+            if s.gview is not None and grad is not s.gview and _held(s):
+                s.keeps_grads = True
+                renew.add(s.group_id)
+        for group_id in renew:
+            self._flat_segment(group_id, renew=True)
 
 
 def zero_in_place(grad):
