@@ -114,6 +114,35 @@ class E2eTest : public ::testing::Test {
     secret_ = s->resume_secret();
   }
 
+  // Opens a session with group "g" over 16 parameters 1..16 (gradients
+  // 0.5), steps once with overrides of weight_decay 0 and, unless NaN,
+  // `lr`, and expects the parameters of one AdamW step at `expected_lr`
+  // (the reference kernel's).
+  void ExpectOneOverriddenStep(double lr, double expected_lr) {
+    OpenSession(client_.get());
+    float* p = params_->as<float>();
+    for (int i = 0; i < 16; ++i) {
+      p[i] = 1.0f + i;
+      grads_->as<float>()[i] = 0.5f;
+    }
+    ASSERT_TRUE(client_->RegisterGroup(Group("g", {Tensor("w", 16, 0)})).ok());
+    std::vector<float> ref(p, p + 16), m(16), v(16);
+    v1::StepRequest sr;
+    auto* o = sr.add_overrides();
+    o->set_group_id("g");
+    if (!std::isnan(lr)) o->set_lr(lr);
+    o->set_weight_decay(0.0);
+    auto reply = client_->Step(sr);
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    OptimizerHyper h;
+    h.lr = expected_lr;
+    h.weight_decay = 0.0;
+    TensorPointers t{
+        ref.data(), grads_->as<float>(), nullptr, m.data(), v.data(), nullptr};
+    AdamWStepRange(Layout(), t, 0, 16, MakeAdamWScalars(h, 1, 1, 1));
+    for (int i = 0; i < 16; ++i) ASSERT_EQ(p[i], ref[i]) << i;
+  }
+
   // Restarts the daemon with `state_dir`, opens a session with one small
   // group on client_, and gives that session's checkpoint as
   // SaveStateStream sends it.
@@ -1556,28 +1585,9 @@ TEST_F(E2eTest, StateSizesThatWrapAroundAreRefused) {
 // A step override without lr keeps the group's learning rate (it used to
 // set it to 0, silently freezing training).
 TEST_F(E2eTest, OverrideWithoutLrKeepsTheLearningRate) {
-  OpenSession(client_.get());
-  float* p = params_->as<float>();
-  for (int i = 0; i < 16; ++i) {
-    p[i] = 1.0f + i;
-    grads_->as<float>()[i] = 0.5f;
-  }
-  ASSERT_TRUE(client_->RegisterGroup(Group("g", {Tensor("w", 16, 0)})).ok());
-  std::vector<float> ref(p, p + 16), m(16), v(16);
-  v1::StepRequest sr;
-  auto* o = sr.add_overrides();
-  o->set_group_id("g");
-  o->set_weight_decay(0.0);  // no lr
-  auto reply = client_->Step(sr);
-  ASSERT_TRUE(reply.ok()) << reply.status();
-  OptimizerHyper h;
-  h.lr = 1e-2;  // as registered
-  h.weight_decay = 0.0;
-  TensorPointers t{ref.data(), grads_->as<float>(), nullptr, m.data(), v.data(),
-                   nullptr};
-  AdamWStepRange(Layout(), t, 0, 16, MakeAdamWScalars(h, 1, 1, 1));
-  for (int i = 0; i < 16; ++i) ASSERT_EQ(p[i], ref[i]) << i;
-  EXPECT_NE(p[0], 1.0f);
+  // No lr in the override: the registered 1e-2 steps.
+  ASSERT_NO_FATAL_FAILURE(ExpectOneOverriddenStep(NAN, 1e-2));
+  EXPECT_NE(params_->as<float>()[0], 1.0f);
   v1::GetStateRequest gs;
   gs.set_metadata_only(true);
   auto state = client_->GetState(gs);
@@ -1596,29 +1606,8 @@ TEST_F(E2eTest, OverrideWithoutLrKeepsTheLearningRate) {
 // (Registration takes one too: a group registered anew after the schedule
 // went below zero carries it.)
 TEST_F(E2eTest, NegativeLrOverrideAscends) {
-  OpenSession(client_.get());
-  float* p = params_->as<float>();
-  for (int i = 0; i < 16; ++i) {
-    p[i] = 1.0f + i;
-    grads_->as<float>()[i] = 0.5f;
-  }
-  ASSERT_TRUE(client_->RegisterGroup(Group("g", {Tensor("w", 16, 0)})).ok());
-  std::vector<float> ref(p, p + 16), m(16), v(16);
-  v1::StepRequest sr;
-  auto* o = sr.add_overrides();
-  o->set_group_id("g");
-  o->set_lr(-1e-2);
-  o->set_weight_decay(0.0);
-  auto reply = client_->Step(sr);
-  ASSERT_TRUE(reply.ok()) << reply.status();
-  OptimizerHyper h;
-  h.lr = -1e-2;
-  h.weight_decay = 0.0;
-  TensorPointers t{ref.data(), grads_->as<float>(), nullptr, m.data(), v.data(),
-                   nullptr};
-  AdamWStepRange(Layout(), t, 0, 16, MakeAdamWScalars(h, 1, 1, 1));
-  for (int i = 0; i < 16; ++i) ASSERT_EQ(p[i], ref[i]) << i;
-  EXPECT_GT(p[0], 1.0f);  // up the gradient
+  ASSERT_NO_FATAL_FAILURE(ExpectOneOverriddenStep(-1e-2, -1e-2));
+  EXPECT_GT(params_->as<float>()[0], 1.0f);  // up the gradient
 }
 
 // A grad_scale whose reciprocal is not a normal fp32 number (1e-320 is

@@ -29,6 +29,11 @@ os.environ.setdefault("OPTIMD_SECRETS_DIR",
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
+def one_param(*shape):
+    """make_params for DropIn.both: one parameter of `shape`."""
+    return lambda: [torch.nn.Parameter(torch.randn(*shape))]
+
+
 class DropIn(DaemonTestCase):
     @classmethod
     def setUpClass(cls):
@@ -88,8 +93,7 @@ class DropIn(DaemonTestCase):
         # What autograd made and nobody holds becomes the tensor's view of
         # the shared gradient segment: later backwards accumulate there and
         # the step copies nothing (the CPU backend's fast path).
-        def params():
-            return [torch.nn.Parameter(torch.randn(5, 2))]
+        params = one_param(5, 2)
 
         opt, ref = self.both(params, lr=1e-2)
         p = opt.param_groups[0]["params"][0]
@@ -103,8 +107,7 @@ class DropIn(DaemonTestCase):
         self.assert_same(opt, ref)
 
     def test_a_gradient_the_trainer_keeps_is_zeroed_in_place(self):
-        def params():
-            return [torch.nn.Parameter(torch.randn(6))]
+        params = one_param(6)
 
         opt, ref = self.both(params, lr=1e-2)
         held = []
@@ -120,8 +123,7 @@ class DropIn(DaemonTestCase):
 
     def test_detach_and_zero_a_gradient_as_in_torch(self):
         # Older training loops clear gradients by hand.
-        def params():
-            return [torch.nn.Parameter(torch.randn(3, 3))]
+        params = one_param(3, 3)
 
         opt, ref = self.both(params, lr=1e-2)
         for o in (opt, ref):
@@ -200,8 +202,7 @@ class DropIn(DaemonTestCase):
 
     @cpu_only
     def test_share_memory_after_construction_is_followed_or_refused(self):
-        def params():
-            return [torch.nn.Parameter(torch.randn(8))]
+        params = one_param(8)
 
         strategy = torch.multiprocessing.get_sharing_strategy()
         self.addCleanup(torch.multiprocessing.set_sharing_strategy, strategy)
@@ -233,8 +234,7 @@ class DropIn(DaemonTestCase):
     def test_a_schedule_below_zero_steps_as_torch(self):
         # A lambda past its end: the learning rate goes negative and
         # torch's step ascends.
-        def params():
-            return [torch.nn.Parameter(torch.randn(5))]
+        params = one_param(5)
 
         opt, ref = self.both(params, lr=1e-2)
         for o in (opt, ref):
@@ -249,8 +249,7 @@ class DropIn(DaemonTestCase):
         self.assert_same(opt, ref)
 
     def test_state_of_another_shape_raises_and_loads_nothing(self):
-        def params():
-            return [torch.nn.Parameter(torch.randn(4, 3))]
+        params = one_param(4, 3)
 
         opt, ref = self.both(params, lr=1e-2)
         for o in (opt, ref):
@@ -313,8 +312,7 @@ class DropIn(DaemonTestCase):
         # which pickles the optimizer along.
         import io
 
-        def params():
-            return [torch.nn.Parameter(torch.randn(4))]
+        params = one_param(4)
 
         opt, ref = self.both(params, lr=1e-2)
         lrs = []
@@ -342,7 +340,7 @@ class DropIn(DaemonTestCase):
     def test_copies_raise_and_a_pickled_optimizer_holds_nothing(self):
         import pickle
 
-        opt, _ = self.both(lambda: [torch.nn.Parameter(torch.randn(2))])
+        opt, _ = self.both(one_param(2))
         for how in (copy.copy, copy.deepcopy):
             with self.assertRaisesRegex(TypeError, "load_state_dict"):
                 how(opt)
@@ -405,8 +403,7 @@ class DropIn(DaemonTestCase):
     def test_state_dicts_torch_loads_with_keys_of_other_shapes(self):
         # A step of shape (1,) (torch 1.13/2.0 capturable or fused) and a
         # key of the trainer's own of any shape load as in torch.
-        def make():
-            return [torch.nn.Parameter(torch.randn(4, 3))]
+        make = one_param(4, 3)
 
         def steps(o):
             p = o.param_groups[0]["params"][0]
@@ -422,8 +419,7 @@ class DropIn(DaemonTestCase):
         self.assertEqual(ours, theirs)
 
     def test_a_negative_lr_survives_a_group_registered_anew(self):
-        def make():
-            return [torch.nn.Parameter(torch.randn(3))]
+        make = one_param(3)
 
         def steps(o):
             sched = torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1 - s)
@@ -463,8 +459,7 @@ class DropIn(DaemonTestCase):
     def test_a_gradient_kept_after_set_to_none_keeps_its_values(self):
         # A trainer that keeps each step's gradients (gradient noise
         # estimates, say).
-        def make():
-            return [torch.nn.Parameter(torch.randn(5))]
+        make = one_param(5)
 
         def steps(o):
             p = o.param_groups[0]["params"][0]
@@ -485,8 +480,7 @@ class DropIn(DaemonTestCase):
         # Keeping each step's gradients makes them the trainer's: the flat
         # gradient segment is made anew once, not at every step (each new
         # one is another mapping in the daemon).
-        def make():
-            return [torch.nn.Parameter(torch.randn(6))]
+        make = one_param(6)
 
         opt, ref = self.both(make, lr=1e-2)
         segments = set()
@@ -551,8 +545,7 @@ class DropIn(DaemonTestCase):
         torch.testing.assert_close(flats[0], flats[1], **TOL)
 
     def test_state_of_a_parameter_appended_then_written_before_its_step(self):
-        def make():
-            return [torch.nn.Parameter(torch.randn(2))]
+        make = one_param(2)
 
         def steps(o):
             p = o.param_groups[0]["params"][0]
@@ -610,8 +603,7 @@ class DropIn(DaemonTestCase):
     @unittest.skipIf(not hasattr(torch._C, "_storage_Use_Count"),
                      "torch 1.13 cannot tell who else uses a storage")
     def test_a_view_of_a_gradient_the_trainer_keeps_stays_its(self):
-        def make():
-            return [torch.nn.Parameter(torch.randn(4))]
+        make = one_param(4)
 
         def steps(o):
             p = o.param_groups[0]["params"][0]
@@ -631,8 +623,7 @@ class DropIn(DaemonTestCase):
     def _edit_state_then(self, edit, then):
         """One step each, `edit(opt, p)` of the state, `then(opt)`, and a
         step; returns what `then` gave for ours and torch's."""
-        def params():
-            return [torch.nn.Parameter(torch.randn(6))]
+        params = one_param(6)
 
         opt, ref = self.both(params, lr=1e-2)
         seen = []

@@ -526,13 +526,13 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         shard stays in FSDP2's memory (in place, or mirrored)."""
         if is_dtensor(s.param) and self._in_place():
             s.pview = s.mem
-            s.pflat = s.mem.view(-1) if s.mem.is_contiguous() else None
+            s.pflat = _flat_or_none(s.mem)
             return
         if s.in_place:
             # Memory other tensors share: stepped where it is. A tensor of
             # its own over it, so that `p.data = other` shows as a move.
             s.pview = s.mem.detach()
-            s.pflat = s.pview.view(-1) if s.pview.is_contiguous() else None
+            s.pflat = _flat_or_none(s.pview)
             return
         s.pflat = seg_p.tensor(p_off, s.numel, s.mem.dtype)
         s.pview = alias_like(s.pflat, s.mem)
@@ -642,14 +642,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         state of those it had (torch picks such changes up at its next
         step)."""
         for gi, (g, group) in enumerate(zip(self._groups, self.param_groups)):
-            same = list(map(id, group["params"])) == g["param_ids"]
-            # A frozen parameter with a gradient now (trained again, or
-            # one set by hand). All None: the set is built without a
-            # Python call per parameter.
-            unfrozen = bool(g["frozen"]) and set(map(
-                _grad_of, g["frozen"])) != {None}
-            materialized = g["lazy"] and not all(map(_is_lazy, g["lazy"]))
-            if same and not unfrozen and not materialized:
+            if not _changed_since_registered(g, group):
                 continue
             device = self._check_devices()
             if device != self._device:
@@ -744,7 +737,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         for s in moved:
             s.mem = local_of(s.param)
             s.pview = s.mem.detach()
-            s.pflat = s.pview.view(-1) if s.pview.is_contiguous() else None
+            s.pflat = _flat_or_none(s.pview)
             update = by_group.setdefault(
                 s.group_id, pb.UpdateBuffersRequest(group_id=s.group_id))
             update.tensors.add(name=s.name, param=self._in_place_handle(s))
@@ -770,8 +763,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             for s in g["tensors"]:
                 if id(s) in handles:
                     s.in_place = True
-                    s.pflat = s.pview.view(-1) if s.pview.is_contiguous() \
-                        else None
+                    s.pflat = _flat_or_none(s.pview)
                     update.tensors.add(name=s.name, param=handles[id(s)],
                                        grad_absent=not s.frozen)
                 elif s.numel and not s.frozen:
@@ -976,13 +968,10 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
 
     def _routed_as_registered(self):
         """Whether the gradient router holds the parameters of param_groups
-        as they are now (none added, removed, or unfrozen since the last
-        step registered them)."""
-        return all(
-            list(map(id, group["params"])) == g["param_ids"] and
-            not (g["frozen"] and set(map(_grad_of, g["frozen"])) != {None})
-            and not (g["lazy"] and not all(map(_is_lazy, g["lazy"])))
-            for g, group in zip(self._groups, self.param_groups))
+        as they are now (none added, removed, unfrozen or materialized
+        since the last step registered them)."""
+        return not any(map(_changed_since_registered, self._groups,
+                           self.param_groups))
 
 
     # Daemon access.
@@ -1076,6 +1065,24 @@ def _not_dense_error(name, p):
         "contiguous, e.g. torch.nn.Parameter(t.contiguous())" %
         (name, tuple(p.shape), p.stride()))
 
+
+
+def _changed_since_registered(g, group):
+    """Whether param_groups entry `group` is no longer what its
+    registration `g` holds: parameters added or removed, a parameter
+    frozen then and with a gradient now (trained again, or one set by
+    hand), or a lazy one materialized since."""
+    if list(map(id, group["params"])) != g["param_ids"]:
+        return True
+    # All None: the set is built without a Python call per parameter.
+    if g["frozen"] and set(map(_grad_of, g["frozen"])) != {None}:
+        return True
+    return bool(g["lazy"]) and not all(map(_is_lazy, g["lazy"]))
+
+
+def _flat_or_none(t):
+    """`t` as one dimension where its memory is in that order (pflat)."""
+    return t.view(-1) if t.is_contiguous() else None
 
 
 _grad_of = operator.attrgetter("grad")

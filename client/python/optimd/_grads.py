@@ -89,8 +89,6 @@ def _calibrate_held():
 _HELD_REFS = _calibrate_held()
 
 
-
-
 class GradRouter:
     """The gradients of one optimizer's steppable tensors, in registration
     order. `tensors` are the optimizer's _TensorEntry objects (param, name,
@@ -201,9 +199,11 @@ class GradRouter:
 
     def _home_cpu_grads(self, grads):
         """CPU: the daemon reads shared memory only; a gradient elsewhere is
-        copied into its shared view, which then becomes `.grad` (a DTensor's
-        gradient stays FSDP2's and is copied each step). Returns what the
-        daemon reads for each tensor."""
+        copied into its shared view, which then becomes `.grad` when the
+        gradient is autograd's and nobody else's (_ours_to_take; a
+        DTensor's gradient stays FSDP2's, and one the trainer owns its own:
+        both are copied each step). Returns what the daemon reads for each
+        tensor."""
         self._renew_held(grads)
         out = []
         for s, grad in zip(self._tensors, grads):
@@ -224,8 +224,9 @@ class GradRouter:
         the flat gradient segments, zeroed one segment per launch. None
         stays None, as in torch."""
         touched = set()
-        self._renew_held(self.grads())
-        for s, grad in zip(self._tensors, self.grads()):
+        grads = self.grads()
+        self._renew_held(grads)
+        for s, grad in zip(self._tensors, grads):
             if grad is None:
                 continue
             if is_dtensor(s.param) or grad.is_sparse or (
