@@ -24,6 +24,9 @@ run python3 -m unittest -v tests/python/test_frameworks.py
 # FSDP2 (DTensor parameters): one CUDA rank, one and two CPU ranks, and two
 # CUDA ranks on nvidia-h200-x2.
 run python3 -m unittest -v tests/python/test_fsdp2.py
+# FSDP1 (FlatParameters, both use_orig_params): one CUDA rank; two on
+# nvidia-h200-x2.
+run python3 -m unittest -v tests/python/test_fsdp1.py
 run python3 -m unittest -v tests/python/test_cuda_ranks.py  # two GPUs: nvidia-h200-x2
 run python3 -m unittest -v tests/python/test_cuda_zero.py  # two GPUs: nvidia-h200-x2
 OPTIMD_TEST_DEVICE=cuda run python3 -m unittest tests.python.test_checkpoint

@@ -2,11 +2,14 @@
 test_frameworks.py:
 
     accelerate_fsdp_run.py KIND OUT ADDRESS [--fsdp_version 1|2]
+                           [--use_orig_params 0|1]
 
 KIND is torch or optimd (torch.optim.AdamW or optimd.torch.AdamW, made
 over the model before prepare(), as accelerate's users do with FSDP2;
 with FSDP1, over the prepared model's parameters, as accelerate's FSDP1
-guide says). prepare()
+guide says; --use_orig_params is FSDP1's, 1 by default as accelerate
+has it: the model's parameters stay, views of the flat buffers, where 0
+gives them as FlatParameters). prepare()
 shards the model with fully_shard and puts the new DTensor parameters into
 the optimizer's param_groups in place of the old ones; the run then trains
 the steps of test_frameworks.py with clipping and writes the final weights
@@ -30,15 +33,24 @@ def main():
     ap.add_argument("out")
     ap.add_argument("address")
     ap.add_argument("--fsdp_version", type=int, default=2)
+    ap.add_argument("--use_orig_params", type=int, default=1)
     args = ap.parse_args()
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=args.fsdp_version)
+    options = dict(fsdp_version=args.fsdp_version)
+    if args.fsdp_version == 1:
+        options["use_orig_params"] = bool(args.use_orig_params)
+    plugin = FullyShardedDataParallelPlugin(**options)
     accelerator = Accelerator(fsdp_plugin=plugin)
     model = _gpt2()
     if args.fsdp_version == 1:
         # FSDP1 replaces the parameters at prepare(): accelerate's FSDP1
         # guide makes the optimizer over the prepared model's.
         model = accelerator.prepare(model)
+        flat = {type(p).__name__ == "FlatParameter"
+                for p in model.parameters()}
+        if flat != {not args.use_orig_params}:
+            sys.exit("FSDP1 did not take use_orig_params=%d" %
+                     args.use_orig_params)
     params = model.parameters()
     if args.kind == "torch":
         opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)

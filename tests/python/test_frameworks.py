@@ -176,7 +176,7 @@ class FrameworkTest(unittest.TestCase):
         self.assert_close(again, ref)
         opt.optimizer.close()
 
-    def fsdp_run(self, kind, fsdp_version=2):
+    def fsdp_run(self, kind, fsdp_version=2, use_orig_params=1):
         """accelerate_fsdp_run.py in a process of its own (a torch.distributed
         group of one rank): its exit status, its stderr, and the final
         weights by name (None if it failed)."""
@@ -189,7 +189,8 @@ class FrameworkTest(unittest.TestCase):
         cmd = [sys.executable, os.path.join(os.path.dirname(__file__),
                                             "accelerate_fsdp_run.py"),
                kind, out, self.daemon.address,
-               "--fsdp_version", str(fsdp_version)]
+               "--fsdp_version", str(fsdp_version),
+               "--use_orig_params", str(use_orig_params)]
         run = subprocess.run(cmd, env=env, timeout=300, text=True,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         weights = torch.load(out) if run.returncode == 0 else None
@@ -197,20 +198,20 @@ class FrameworkTest(unittest.TestCase):
 
     @unittest.skipUnless(_have("accelerate", "transformers") and
                          DEVICE == "cuda", "needs accelerate and a GPU")
-    def test_accelerate_fsdp1_trains_as_torch_or_is_refused_clearly(self):
-        # FSDP version 1 flattens the parameters into its own buffer. Where
-        # the parameters stay views of it that the daemon writes in place,
-        # training matches torch's; where FSDP points them elsewhere, the
-        # run must stop with the error naming FSDP version 1: never a model
-        # trained wrong in silence.
-        code, err, ref = self.fsdp_run("torch", fsdp_version=1)
-        self.assertEqual(code, 0, err[-2000:])
-        code, err, ours = self.fsdp_run("optimd", fsdp_version=1)
-        if code != 0:
-            self.assertRegex(err, "NotImplementedError: .*managed by FSDP "
-                                  "version 1.*fsdp_version=2")
-            return
-        self.assert_matches_fsdp_reference(ours, ref)
+    def test_accelerate_fsdp1_matches_torch(self):
+        # FSDP version 1 keeps the values in flat buffers of its own; the
+        # daemon steps them there (in place: the FlatParameters, or with
+        # use_orig_params=True the parameters' views of them), so training
+        # matches torch's both ways, accelerate's clipping included.
+        for use_orig_params in (0, 1):
+            with self.subTest(use_orig_params=use_orig_params):
+                code, err, ref = self.fsdp_run(
+                    "torch", 1, use_orig_params)
+                self.assertEqual(code, 0, err[-2000:])
+                code, err, ours = self.fsdp_run(
+                    "optimd", 1, use_orig_params)
+                self.assertEqual(code, 0, err[-2000:])
+                self.assert_matches_fsdp_reference(ours, ref)
 
     @unittest.skipUnless(_have("accelerate", "transformers") and
                          DEVICE == "cuda", "needs accelerate and a GPU")

@@ -69,6 +69,27 @@ class Peaks:
         return peak
 
 
+class _Fsdp1Linear(torch.nn.Module):
+    """A linear layer held as FSDP version 1 holds it (one rank,
+    FULL_SHARD's moves): one FlatParameter marked `_fsdp_flattened` over
+    the local shard; forward points it at a gathered copy, computes with
+    views of that, and points it back at the shard (reshard), where
+    backward's gradient and the optimizer step find it."""
+
+    def __init__(self):
+        super().__init__()
+        self.flat = torch.nn.Parameter(torch.randn(15))
+        self.flat._fsdp_flattened = True
+        self.local_shard = self.flat.data
+
+    def forward(self, x):
+        self.flat.data = self.local_shard.clone()  # the all-gather
+        w, b = self.flat[:12].view(3, 4), self.flat[12:]
+        out = x @ w.t() + b
+        self.flat.data = self.local_shard
+        return out
+
+
 def session_keys(client):
     """The (job id, rank) of every session open in the daemon.
 
@@ -1244,28 +1265,81 @@ class TorchClientTest(unittest.TestCase):
         self.train_step(model, opt)
         opt.close()
 
-    def test_fsdp1_parameters_are_refused_clearly(self):
-        # FSDP version 1 marks the parameters it flattens into its own
-        # buffer (`_fsdp_flattened`) and points them at views of it again
-        # at each forward: the daemon's writes would never reach the model.
-        # Refused naming the parameter, at construction (nothing left in
-        # the daemon) or at the first step after FSDP took it over.
+    def fsdp1_run(self, make):
+        """Five clipped steps of _Fsdp1Linear through the optimizer `make`
+        builds over its flat parameter; the values FSDP's own buffer holds
+        at the end (what its next all-gather would read)."""
+        torch.manual_seed(3)
+        model = _Fsdp1Linear()
+        opt = make([model.flat])
+        # Stepped where FSDP keeps it, not moved off its buffer (which
+        # FSDP1 with NO_SHARD would go on reading as the shard).
+        self.assertEqual(model.flat.data_ptr(), model.local_shard.data_ptr())
+        for _ in range(5):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(self.x[:, :4]),
+                                         self.y[:, :1].expand(-1, 3)
+                                         ).backward()
+            opt.step()
+        return model.local_shard.clone(), opt
+
+    def test_fsdp1_flat_parameters_are_stepped_in_fsdps_buffer(self):
+        # FSDP version 1 keeps a parameter's values in a flat buffer of
+        # its own (the local shard), points the FlatParameter at a gathered
+        # copy for forward and backward and back at the shard after: the
+        # daemon must step the shard where it is (torch 1.13 cannot tell
+        # it is shared, so FSDP's mark is what says so).
+        ref, _ = self.fsdp1_run(
+            lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1))
+        ours, opt = self.fsdp1_run(lambda ps: self.make(
+            ps, lr=1e-2, weight_decay=0.1))
+        torch.manual_seed(3)
+        init = _Fsdp1Linear().local_shard
+        self.assertGreater((ref - init).abs().min().item(), 0.0)
+        self.assertLess(scale_err(ours, ref), 1e-5)
+        opt.close()
+
+    def test_fsdp1_taking_a_parameter_over_after_construction(self):
+        # FSDP1 with use_orig_params=True wrapped after the optimizer was
+        # made: the parameter becomes a view of FSDP's flat buffer, marked,
+        # and is stepped there from then on, as torch steps it.
+        def run(make):
+            torch.manual_seed(5)
+            p = torch.nn.Parameter(torch.randn(8))
+            opt = make([p])
+            flat = torch.zeros(16)
+            flat[4:12] = p.detach()
+            p.data = flat[4:12]  # FSDP1's view of its flat buffer
+            p._fsdp_flattened = True
+            for i in range(3):
+                p.grad = torch.full((8,), 0.5 - i)
+                opt.step()
+            return flat, opt
+        ref, _ = run(lambda ps: torch.optim.AdamW(ps, lr=0.1))
+        ours, opt = run(lambda ps: self.make(ps, lr=0.1))
+        self.assertLess(scale_err(ours, ref), 1e-6)
+        self.assertEqual(ours[:4].abs().sum().item(), 0.0)
+        opt.close()
+
+    def test_fsdp1_over_ranks_clipping_needs_gradient_sharding(self):
+        # A rank of FSDP1 holds a shard of each gradient or all of it, and
+        # the parameters do not say which: clipping by the job's norm needs
+        # gradient_sharding, refused without it (nothing left behind), at
+        # construction or at the step that first clips.
         client = optimd.Client(self.daemon.address)
         before = session_keys(client)
         flat = torch.nn.Parameter(torch.randn(8))
         flat._fsdp_flattened = True
-        with self.assertRaisesRegex(NotImplementedError,
-                                    "layer.weight is managed by FSDP "
-                                    "version 1.*fsdp_version=2"):
-            self.make([("layer.weight", flat)])
+        with self.assertRaisesRegex(ValueError, "FSDP version 1 over 2 "
+                                    "ranks.*gradient_sharding='sharded'"):
+            self.make([flat], rank=0, world_size=2, max_grad_norm=1.0)
         self.assertEqual(session_keys(client) - before, set())
         client.close()
-        p = torch.nn.Parameter(torch.randn(8))
-        opt = self.make([("layer.weight", p)])
-        p.data = torch.randn(8)  # FSDP's view of its flat buffer
-        p._fsdp_flattened = True
-        p.grad = torch.randn(8)
-        with self.assertRaisesRegex(NotImplementedError, "FSDP version 1"):
+        opt = self.make([flat], rank=0, world_size=2)
+        flat.grad = torch.randn(8)
+        opt.step()  # each rank steps its own shard: no job-wide number
+        opt.skip_nonfinite = True
+        with self.assertRaisesRegex(ValueError, "gradient_sharding"):
             opt.step()
         opt.close()
 

@@ -118,3 +118,11 @@ def _unreachable(name):
         "torch.multiprocessing.set_sharing_strategy('file_system') before "
         "model.share_memory(), or create the optimizer before sharing the "
         "model" % name)
+
+
+def is_fsdp1(p):
+    """Whether FSDP version 1 manages `p`: it marks its FlatParameters and,
+    with use_orig_params=True, the original parameters it points into them
+    (`_fsdp_flattened`). Their values live in FSDP's flat buffer, which it
+    gathers from and reshards into, so the daemon steps them there."""
+    return getattr(p, "_fsdp_flattened", False)

@@ -16,14 +16,14 @@ import weakref
 import torch
 
 from optimd import _secrets, cuda_ipc, errors
-from optimd._aliased import aliased, shm_handle
+from optimd._aliased import aliased, is_fsdp1, shm_handle
 from optimd._checkpoints import Checkpoints
 from optimd._cuda_segment import CudaSegment
 from optimd._dtensor import (any_sharded, check_mesh, is_dtensor, local_of,
                              shard_place)
 from optimd._grads import GradRouter, HandleCache, zero_in_place
-from optimd._jobs import (close_session, dist_identity, shared_job_id,
-                          shared_nccl_id, zero_sharding)
+from optimd._jobs import (check_fsdp1_job, close_session, dist_identity,
+                          shared_job_id, shared_nccl_id, zero_sharding)
 from optimd._layout import alias_like, is_dense, keeps_layout, memory_shape
 from optimd._names import ParamNames
 from optimd._overlap import Overlap, assign_stages
@@ -45,6 +45,7 @@ _MOMENT_DTYPES = {torch.float32: pb.DTYPE_FLOAT32,
 _SHARDING = {None: pb.GRADIENT_SHARDING_UNSPECIFIED,
              "replicated": pb.GRADIENT_SHARDING_REPLICATED,
              "sharded": pb.GRADIENT_SHARDING_SHARDED}
+_SHARDING_NAMES = {v: k for k, v in _SHARDING.items()}
 
 
 # torch's switches between implementations of one step; optimd has its own,
@@ -185,6 +186,9 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             gradient_sharding = "sharded"
         gradient_sharding = zero_sharding(shard_state, gradient_sharding,
                                            world_size)
+        check_fsdp1_job((p for g in self.param_groups for p in g["params"]),
+                        world_size, gradient_sharding,
+                        bool(max_grad_norm or skip_nonfinite))
         self._shard_state = bool(shard_state)
         # shard_state: the whole state put together on this rank by
         # consolidate_state_dict, which state_dict() returns.
@@ -438,7 +442,8 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         fresh = [p for g in self.param_groups for p in g["params"]
                  if id(p) not in registered and not _is_lazy(p) and
                  not is_dtensor(p)]
-        return aliased(fresh) | {i for i, kept in registered.items() if kept}
+        return aliased(fresh) | {id(p) for p in fresh if is_fsdp1(p)} | \
+            {i for i, kept in registered.items() if kept}
 
     @property
     def _param_handles(self):
@@ -566,7 +571,6 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             if is_dtensor(p):
                 check_mesh(p, name, self._world_size)
                 self._refuse_dtensor_options(name)
-            _refuse_fsdp1(p, name)
             if p.dtype not in DTYPES:
                 raise TypeError(
                     "optimd.torch supports float32, bfloat16, float16 and "
@@ -693,7 +697,10 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         moved = [s for s in self._homed
                  if s.param.data_ptr() != s.pview.data_ptr()]
         for s in moved:
-            _refuse_fsdp1(s.param, s.name)
+            if is_fsdp1(s.param):
+                # Taken over by FSDP1 since registration: its flat buffer
+                # holds the values from now on, stepped where they are.
+                s.in_place = True
         if any(s.param.dtype != s.pview.dtype and s.param.dtype in DTYPES and
                s.param.shape == s.pview.shape for s in moved):
             # model.half(), .bfloat16() or .double() after construction:
@@ -859,6 +866,10 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         self._write_back_state()
         self._sync_structure()
         self._sync_params()
+        if self.max_grad_norm or self.skip_nonfinite:  # set since, maybe
+            check_fsdp1_job(self._params_flat, self._world_size,
+                            _SHARDING_NAMES[self._identity["sharding"]],
+                            True)
         updates = self._router.updates()
         overrides = self._overrides()
         request = dict(
@@ -1040,20 +1051,6 @@ def _several_devices_error(cls_name, by_device, now=False):
         "%s(cpu_params) and %s(cuda_params)), or move the model to one "
         "device" % (cls_name, "now " if now else "", where, cls_name,
                     cls_name))
-
-
-def _refuse_fsdp1(p, name):
-    """FSDP version 1 keeps every parameter's values in a flat buffer of its
-    own and points the parameter (or its FlatParameter) at views of it
-    again at each forward: the daemon's updates would never reach the
-    model, so such a parameter (marked `_fsdp_flattened` by FSDP) raises."""
-    if getattr(p, "_fsdp_flattened", False):
-        raise NotImplementedError(
-            "optimd.torch: parameter %s is managed by FSDP version 1, which "
-            "keeps its values in a flat buffer of its own that the daemon "
-            "does not write; use FSDP2 (torch.distributed.fsdp.fully_shard, "
-            "or accelerate's FSDP with fsdp_version=2), whose DTensor "
-            "parameters optimd steps in place, or DDP" % name)
 
 
 def _not_dense_error(name, p):

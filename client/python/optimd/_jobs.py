@@ -9,6 +9,7 @@ import socket
 import torch
 
 from optimd import _secrets, errors
+from optimd._aliased import is_fsdp1
 
 
 def zero_sharding(shard_state, gradient_sharding, world_size):
@@ -29,6 +30,25 @@ def zero_sharding(shard_state, gradient_sharding, world_size):
             "gradient_sharding='sharded' without shard_state" %
             (gradient_sharding,))
     return "replicated"
+
+
+def check_fsdp1_job(params, world_size, gradient_sharding, job_wide):
+    """FSDP version 1 over several ranks: each rank holds a shard of every
+    flat gradient (FULL_SHARD, SHARD_GRAD_OP) or all of it (NO_SHARD),
+    which the parameters do not tell. A norm to clip by and a skip
+    (`job_wide`: max_grad_norm or skip_nonfinite) are the job's only when
+    gradient_sharding says which; without it each rank would clip by its
+    own shard's norm, so it raises."""
+    if world_size < 2 or gradient_sharding is not None or not job_wide or \
+            not any(map(is_fsdp1, params)):
+        return
+    raise ValueError(
+        "optimd.torch: FSDP version 1 over %d ranks with max_grad_norm or "
+        "skip_nonfinite needs gradient_sharding, so that the norm and the "
+        "skip are the job's: gradient_sharding='sharded' for FULL_SHARD "
+        "and SHARD_GRAD_OP, 'replicated' for NO_SHARD; otherwise (and for "
+        "HYBRID_SHARD) clip in the trainer with model.clip_grad_norm_, "
+        "FSDP's own" % world_size)
 
 
 def dist_identity(rank, world_size):

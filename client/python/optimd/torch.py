@@ -63,7 +63,9 @@ differences"):
     state tensors); the optimizer cannot be copied or deep-copied (pickled,
     it loads as a stand-in without session); capturable=True and
     differentiable=True raise ValueError.
-  * FSDP version 1's flat parameters raise NotImplementedError.
+  * FSDP version 1's parameters are stepped in FSDP's flat buffers
+    (README, "FSDP version 1"); over several ranks max_grad_norm and
+    skip_nonfinite need gradient_sharding (ValueError without).
   * Parameter memory other tensors share is stepped where it is (README):
     memory shared with other processes through file descriptors only
     (torch's default sharing strategy) raises RuntimeError; on torch 1.13
@@ -250,8 +252,9 @@ class AdamW(_AdamFamily, torch.optim.AdamW):
         --rank_timeout_s; calls then wait up to at least 900 s). On CUDA
         the ranks form one NCCL communicator (its id travels through
         torch.distributed, which must be initialized) and agree on the
-        device inside each step. Without gradient_sharding a step warns
-        once when max_grad_norm is set with sharded parameters.
+        device inside each step. DTensor (FSDP2) parameters get
+        "sharded" by themselves; FSDP version 1's must be told (ValueError
+        with max_grad_norm or skip_nonfinite and no gradient_sharding).
       shard_state: ZeRO for DDP (world_size > 1; implies
         gradient_sharding="replicated"). Every rank registers its whole
         parameters and all-reduced gradients as usual, but its daemon

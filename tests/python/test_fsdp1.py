@@ -1,0 +1,180 @@
+"""optimd.torch.AdamW over FSDP version 1 (FullyShardedDataParallel), whose
+parameters are FlatParameters (use_orig_params=False) or views of them
+(True): against torch.optim.AdamW on the same model, data and seed, the
+optimizer made after wrapping (FSDP's guide) and, with use_orig_params,
+before it; and over two ranks with gradient_sharding="sharded" against a
+single-process torch reference over the whole model. Skipped where torch's
+FSDP does not import (Debian's torch 1.13 under Python 3.11); on the GPU
+machine (torch 2.11):
+
+    OPTIMD_BINARY=... PYTHONPATH=client/python python3 -m unittest -v \\
+        tests/python/test_fsdp1.py
+
+Tolerance as test_fsdp2.py's: each weight within 1e-4 of its move from
+the initial value (1e-3 over two ranks, whose reductions round apart).
+"""
+import os
+import sys
+import tempfile
+import unittest
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from optimd.testing import Daemon
+from optimd.torch import AdamW
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_fsdp2 import _batches, _free_port, _model  # noqa: E402
+
+try:
+    from torch.distributed.fsdp import (FullStateDictConfig,
+                                        FullyShardedDataParallel,
+                                        StateDictType)
+except Exception:  # noqa: BLE001 (torch 1.13 under Python 3.11 raises
+    # ValueError from its own dataclasses while importing these)
+    FullyShardedDataParallel = None
+
+os.environ.setdefault("OPTIMD_SECRETS_DIR",
+                      tempfile.mkdtemp(prefix="optimd-secrets-"))
+
+
+def _wrap(m, use_orig_params):
+    """Each layer and the whole model in FSDP1 units, on the current
+    device (FULL_SHARD; one rank makes it NO_SHARD)."""
+    kw = dict(use_orig_params=use_orig_params,
+              device_id=torch.cuda.current_device())
+    for name in ("a", "unused", "b"):
+        setattr(m, name, FullyShardedDataParallel(getattr(m, name), **kw))
+    return FullyShardedDataParallel(m, **kw)
+
+
+def _full(m):
+    """The whole model's weights by their names (a collective)."""
+    with FullyShardedDataParallel.state_dict_type(
+            m, StateDictType.FULL_STATE_DICT,
+            FullStateDictConfig(rank0_only=False)):
+        return {k: v.detach().float().cpu().clone()
+                for k, v in m.state_dict().items()}
+
+
+def _train(m, opt, batches, clip_in_trainer=None, rank=0, world_size=1):
+    for i, x in enumerate(batches):
+        rows = x.shape[0] // world_size
+        m(x[rank * rows:(rank + 1) * rows].cuda()).backward()
+        if clip_in_trainer:
+            m.clip_grad_norm_(clip_in_trainer)  # FSDP's own, the job's norm
+        opt.step()
+        opt.zero_grad(set_to_none=i % 2 == 0)
+
+
+def _two_rank_worker(rank, init_file, address, out):
+    """One rank of a two-rank FSDP1 job on GPU `rank`."""
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method="file://" + init_file,
+                            rank=rank, world_size=2)
+    m = _wrap(_model("cuda"), use_orig_params=False)
+    opt = AdamW(m.parameters(), lr=1e-2, weight_decay=0.1,
+                max_grad_norm=0.5, gradient_sharding="sharded",
+                address=address)
+    _train(m, opt, _batches(), rank=rank, world_size=2)
+    opt.synchronize()
+    weights = _full(m)
+    if rank == 0:
+        torch.save(dict(weights=weights, grad_norm=opt.grad_norm), out)
+    opt.close()
+    dist.destroy_process_group()
+
+
+@unittest.skipIf(FullyShardedDataParallel is None or
+                 not torch.cuda.is_available(), "needs torch's FSDP and a GPU")
+class Fsdp1Test(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.daemon = Daemon(backend="cuda")
+        os.environ.update(MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+        dist.init_process_group("nccl", rank=0, world_size=1)
+
+    @classmethod
+    def tearDownClass(cls):
+        dist.destroy_process_group()
+        assert cls.daemon.stop() == 0
+
+    def assert_moved_alike(self, ours, ref, init, bound=1e-4):
+        self.assertEqual(sorted(ours), sorted(ref))
+        for name, q in ref.items():
+            moved = (q - init[name]).abs().max().item()
+            err = (ours[name] - q).abs().max().item()
+            self.assertLessEqual(err, bound * max(moved, 1e-12),
+                                 "%s: %g against a move of %g" % (
+                                     name, err, moved))
+
+    def one_rank(self, use_orig_params, before_wrap=False):
+        init = {k: v.float().cpu() for k, v in _model("cuda").state_dict()
+                .items()}
+        ref_model = _wrap(_model("cuda"), use_orig_params)
+        ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2,
+                                    weight_decay=0.1)
+        if before_wrap:
+            # With use_orig_params the parameters stay the same objects:
+            # an optimizer made before wrapping steps them in the flat
+            # buffers FSDP points them into, for torch's as for ours.
+            m = _model("cuda")
+            opt = AdamW(m.parameters(), lr=1e-2, weight_decay=0.1,
+                        max_grad_norm=0.5, address=self.daemon.address)
+            m = _wrap(m, use_orig_params)
+        else:
+            m = _wrap(_model("cuda"), use_orig_params)
+            opt = AdamW(m.parameters(), lr=1e-2, weight_decay=0.1,
+                        max_grad_norm=0.5, address=self.daemon.address)
+        batches = _batches()
+        _train(ref_model, ref_opt, batches, clip_in_trainer=0.5)
+        _train(m, opt, batches)
+        opt.synchronize()
+        ours = _full(m)
+        self.assert_moved_alike(ours, _full(ref_model), init)
+        for k in ("unused.weight", "unused.bias"):
+            # No gradient: not stepped (no decay), as in torch.
+            self.assertTrue(torch.equal(ours[k], init[k]), k)
+        opt.close()
+
+    def test_flat_parameters_match_torch(self):
+        self.one_rank(use_orig_params=False)
+
+    def test_original_parameters_match_torch(self):
+        self.one_rank(use_orig_params=True)
+
+    def test_optimizer_made_before_wrapping_matches_torch(self):
+        self.one_rank(use_orig_params=True, before_wrap=True)
+
+    @unittest.skipUnless(torch.cuda.device_count() >= 2,
+                         "needs two GPUs (nvidia-h200-x2)")
+    def test_two_ranks_clip_by_the_job_norm(self):
+        # Each rank holds half of every flat parameter and half of each
+        # batch; the daemon clips by the norm of both ranks' shards: the
+        # same as one process over the whole model with clip_grad_norm_.
+        scratch = tempfile.mkdtemp(prefix="optimd-fsdp1-")
+        out = os.path.join(scratch, "rank0.pt")
+        mp.start_processes(_two_rank_worker, args=(
+            os.path.join(scratch, "init"), self.daemon.address, out),
+            nprocs=2, start_method="spawn")
+        got = torch.load(out)
+        m = _model("cpu")
+        init = {k: v.clone() for k, v in m.state_dict().items()}
+        ref_opt = torch.optim.AdamW(m.parameters(), lr=1e-2,
+                                    weight_decay=0.1)
+        norm = None
+        for x in _batches():
+            m(x).backward()
+            norm = torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            ref_opt.step()
+            ref_opt.zero_grad()
+        self.assertAlmostEqual(got["grad_norm"], norm.item(),
+                               delta=1e-5 * norm.item())
+        self.assert_moved_alike(got["weights"], m.state_dict(), init,
+                                bound=1e-3)
+
+
+if __name__ == "__main__":
+    unittest.main()
