@@ -46,8 +46,8 @@ def main():
         # FSDP1 replaces the parameters at prepare(): accelerate's FSDP1
         # guide makes the optimizer over the prepared model's.
         model = accelerator.prepare(model)
-        flat = {type(p).__name__ == "FlatParameter"
-                for p in model.parameters()}
+        from torch.distributed.fsdp._flat_param import FlatParameter
+        flat = {isinstance(p, FlatParameter) for p in model.parameters()}
         if flat != {not args.use_orig_params}:
             sys.exit("FSDP1 did not take use_orig_params=%d" %
                      args.use_orig_params)
