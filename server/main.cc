@@ -79,7 +79,7 @@ ABSL_FLAG(bool, cuda_graphs, true,
 ABSL_FLAG(bool, cuda_blocking_sync, false,
           "CUDA backend: wait for each step's completion blocking in the "
           "driver instead of spinning on a CPU (which the trainer's host may "
-          "need); see bench/RESULTS.md, run 78.");
+          "need); see bench/RESULTS.md, runs 78-80.");
 ABSL_FLAG(std::string, state_dir, "",
           "When set, SaveState and LoadState only accept directories within "
           "this one (a client cannot make the daemon write anywhere else).");
