@@ -190,7 +190,9 @@ class FrameworkTest(unittest.TestCase):
                                             "accelerate_fsdp_run.py"),
                kind, out, self.daemon.address,
                "--fsdp_version", str(fsdp_version),
-               "--use_orig_params", str(use_orig_params)]
+               "--use_orig_params", str(use_orig_params),
+               "--state_dir", os.path.join(self.dir, "%s-state-%d-%d" % (
+                   kind, fsdp_version, use_orig_params))]
         run = subprocess.run(cmd, env=env, timeout=300, text=True,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         weights = torch.load(out) if run.returncode == 0 else None

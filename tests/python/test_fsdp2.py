@@ -179,6 +179,11 @@ class Fsdp2Test(unittest.TestCase):
         self.assertEqual(exp_avg.placements, p.placements)
         ref = get_optimizer_state_dict(models[0], ref_opt)["state"]
         ours = get_optimizer_state_dict(models[1], opt)
+        # As accelerate's save_state asks for it: moved to the CPU, which
+        # walks the groups' values too (tensors, numbers, strings only).
+        offloaded = get_optimizer_state_dict(
+            models[1], opt, options=StateDictOptions(cpu_offload=True))
+        self.assertEqual(sorted(offloaded["state"]), sorted(ref))
         self.assertEqual(sorted(ours["state"]), sorted(ref))
         for name, r in ref.items():
             for key in ("exp_avg", "exp_avg_sq"):

@@ -1507,6 +1507,28 @@ class TorchClientTest(unittest.TestCase):
             self.assertLessEqual(self.param_err(p, q), 1e-6)
         opt.close()
 
+    def test_state_dict_groups_hold_plain_values_and_load_back(self):
+        # torch.distributed.checkpoint's helpers (accelerate's FSDP2
+        # save_state) take tensors, numbers and strings only: the moments'
+        # dtype is in a state dict by name, and back a torch.dtype on load.
+        model = mlp()
+        opt = self.make(model.parameters(), exp_avg_dtype=torch.bfloat16)
+        self.train_step(model, opt)
+        sd = opt.state_dict()
+        plain = (int, float, bool, str, type(None), tuple, list)
+        for group in sd["param_groups"]:
+            for k, v in group.items():
+                self.assertIsInstance(v, plain, k)
+        self.assertEqual(sd["param_groups"][0]["exp_avg_dtype"],
+                         "torch.bfloat16")
+        opt.param_groups[0]["exp_avg_dtype"] = torch.float32
+        opt.load_state_dict(sd)
+        self.assertIs(opt.param_groups[0]["exp_avg_dtype"], torch.bfloat16)
+        self.assertEqual(opt.state[next(model.parameters())]["exp_avg"]
+                         .dtype, torch.bfloat16)
+        self.train_step(model, opt)
+        opt.close()
+
     def test_resume_after_trainer_crash_restores_weights(self):
         model = mlp()
         opt = self.make(model.parameters(), master_weights=True,

@@ -190,7 +190,8 @@ class StateDicts:
         index = {}
         groups = []
         for group in self.param_groups:
-            packed = {k: v for k, v in group.items() if k != "params"}
+            packed = {k: _plain(v) for k, v in group.items()
+                      if k != "params"}
             ids = []
             for p in group["params"]:
                 index.setdefault(id(p), len(index))
@@ -230,7 +231,7 @@ class StateDicts:
                     del g[k]
             for k, v in sg.items():
                 if k != "params":
-                    g[k] = tuple(v) if k == "betas" else v
+                    g[k] = tuple(v) if k == "betas" else _unplain(v)
             self._reconcile_group(gi, g)
             if self._layout_of(g) != mine["snapshot"]:
                 self._reregister(gi, g, mine)
@@ -333,6 +334,23 @@ class StateDicts:
                                       g["tensors"]],
                 slot_names=g["slots"]))
         self.state.invalidate()
+
+
+def _plain(v):
+    """A group's value as a state dict holds it: a torch.dtype (the
+    moments' exp_avg_dtype or state_dtype) by its name, "torch.bfloat16",
+    since torch.distributed.checkpoint's state-dict helpers take tensors,
+    numbers, strings and containers of them only."""
+    return str(v) if isinstance(v, torch.dtype) else v
+
+
+def _unplain(v):
+    """_plain's inverse: a dtype's name back to the torch.dtype."""
+    if isinstance(v, str) and v.startswith("torch."):
+        dtype = getattr(torch, v[len("torch."):], None)
+        if isinstance(dtype, torch.dtype):
+            return dtype
+    return v
 
 
 def _check_state_shapes(groups, saved, saved_state, slot_names):
