@@ -337,6 +337,87 @@ class DropIn(DaemonTestCase):
         self.assertEqual(lrs[0], lrs[1])
         self.assert_same(opt, ref)
 
+    @unittest.skipUnless(hasattr(torch.optim.Optimizer,
+                                 "register_state_dict_pre_hook"),
+                         "torch 2's optimizer hooks")
+    def test_step_and_state_dict_hooks_run_as_torch_runs_them(self):
+        # Step hooks, state_dict hooks (the post-hook's result is what
+        # state_dict returns) and load hooks (the pre-hook's result is what
+        # is loaded: here the lr it sets), each called once, in order.
+        opt, ref = self.both(one_param(4), lr=1e-2)
+        runs = []
+        for o in (opt, ref):
+            calls = []
+            o.register_step_pre_hook(
+                lambda o_, a, k: calls.append("step pre"))
+            o.register_step_post_hook(
+                lambda o_, a, k: calls.append("step post"))
+            o.register_state_dict_pre_hook(
+                lambda o_: calls.append("sd pre"))
+
+            def post(o_, sd):
+                calls.append("sd post")
+                return dict(sd, extra="kept")
+            o.register_state_dict_post_hook(post)
+
+            def load_pre(o_, sd):
+                calls.append("load pre")
+                groups = [dict(g, lr=0.5) for g in sd["param_groups"]]
+                return dict(sd, param_groups=groups)
+            o.register_load_state_dict_pre_hook(load_pre)
+            o.register_load_state_dict_post_hook(
+                lambda o_: calls.append("load post"))
+            p = o.param_groups[0]["params"][0]
+            p.grad = torch.ones(4, device=DEVICE)
+            o.step()
+            sd = o.state_dict()
+            self.assertEqual(sd["extra"], "kept")
+            o.load_state_dict(sd)
+            p.grad = torch.ones(4, device=DEVICE)
+            o.step()
+            runs.append((calls, o.param_groups[0]["lr"]))
+        self.assertEqual(runs[0], runs[1])
+        self.assertEqual(runs[1][1], 0.5)
+        self.assert_same(opt, ref)
+
+    def test_torchs_schedulers_and_averaging_train_as_torch(self):
+        # What a script puts around the optimizer: ReduceLROnPlateau,
+        # SequentialLR over a warm-up and warm restarts, SWA's averaged
+        # model and SWALR, an lr given as a tensor: the same lrs and weights.
+        sched = torch.optim.lr_scheduler
+        setups = {
+            "plateau": lambda o: sched.ReduceLROnPlateau(
+                o, patience=0, factor=0.5),
+            "sequential": lambda o: sched.SequentialLR(o, [
+                sched.LinearLR(o, 0.1, total_iters=2),
+                sched.CosineAnnealingWarmRestarts(o, 2)], milestones=[2]),
+            "swa": lambda o: torch.optim.swa_utils.SWALR(o, swa_lr=0.05),
+            "tensor lr": None,
+        }
+        for name, setup in setups.items():
+            with self.subTest(name):
+                lr = torch.tensor(1e-2) if setup is None else 1e-2
+                opt, ref = self.both(one_param(3, 4), lr=lr)
+                runs = []
+                for o in (opt, ref):
+                    s = setup(o) if setup else None
+                    p = o.param_groups[0]["params"][0]
+                    avg = torch.optim.swa_utils.AveragedModel(
+                        torch.nn.ParameterList([p]))
+                    for i in range(5):
+                        p.grad = torch.full_like(p, 0.5 - 0.2 * i)
+                        o.step()
+                        avg.update_parameters(torch.nn.ParameterList([p]))
+                        if name == "plateau":
+                            s.step(1.0)
+                        elif s is not None:
+                            s.step()
+                    runs.append((float(o.param_groups[0]["lr"]),
+                                 next(avg.parameters()).detach().clone()))
+                self.assertEqual(runs[0][0], runs[1][0])
+                torch.testing.assert_close(runs[0][1], runs[1][1], **TOL)
+                self.assert_same(opt, ref)
+
     def test_copies_raise_and_a_pickled_optimizer_holds_nothing(self):
         import pickle
 

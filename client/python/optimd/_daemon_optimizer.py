@@ -839,7 +839,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         self._open(resume=False, resume_secret=None)
         self.resumed = resumed
         if saved["state"]:
-            self.load_state_dict(saved)
+            self._load_state_dict(saved)  # internal: no user hooks
 
     def _overrides(self):
         """Hyperparameters of the groups whose values changed since the

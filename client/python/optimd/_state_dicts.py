@@ -175,10 +175,19 @@ class StateDicts:
                     "you meant to save the whole state" % (
                         self._identity["rank"], self._identity["rank"]))
             return self._consolidated
+        # torch 2's state-dict hooks (register_state_dict_pre_hook and
+        # _post_hook), called as torch's state_dict calls them.
+        for hook in _hooks(self, "_optimizer_state_dict_pre_hooks"):
+            hook(self)
         # Writes to optimizer.state first, as torch's state_dict shows them.
         self._write_back_state()
         self._sync_params()
-        return self._state_dict()
+        state_dict = self._state_dict()
+        for hook in _hooks(self, "_optimizer_state_dict_post_hooks"):
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     def _state_dict(self):
         return self._pack_state_dict(
@@ -202,6 +211,18 @@ class StateDicts:
         return {"state": packed_state, "param_groups": groups}
 
     def load_state_dict(self, state_dict):
+        # torch 2's load hooks: a pre-hook gets a shallow copy and may
+        # return the state dict to load; post-hooks run after the load.
+        state_dict = dict(state_dict)
+        for hook in _hooks(self, "_optimizer_load_state_dict_pre_hooks"):
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        self._load_state_dict(state_dict)
+        for hook in _hooks(self, "_optimizer_load_state_dict_post_hooks"):
+            hook(self)
+
+    def _load_state_dict(self, state_dict):
         # Parameters edited or materialized (a lazy module's, by the
         # model's own load_state_dict) are registered before their state.
         self._sync_structure()
@@ -334,6 +355,12 @@ class StateDicts:
                                       g["tensors"]],
                 slot_names=g["slots"]))
         self.state.invalidate()
+
+
+def _hooks(opt, table):
+    """The hooks registered in torch 2's `table` of `opt` (none in torch
+    1.13, which has no such tables)."""
+    return list(getattr(opt, table, {}).values())
 
 
 def _plain(v):
