@@ -2,10 +2,11 @@
 parameters are FlatParameters (use_orig_params=False) or views of them
 (True): against torch.optim.AdamW on the same model, data and seed, the
 optimizer made after wrapping (FSDP's guide) and, with use_orig_params,
-before it; and over two ranks with gradient_sharding="sharded" against a
-single-process torch reference over the whole model. Skipped where torch's
-FSDP does not import (Debian's torch 1.13 under Python 3.11); on the GPU
-machine (torch 2.11):
+before it, on one CUDA rank; and over two ranks (CPU with gloo; CUDA on
+nvidia-h200-x2) with gradient_sharding="sharded" against a single-process
+torch reference over the whole model. Skipped where torch's FSDP does not
+import (Debian's torch 1.13 under Python 3.11); on the GPU machine (torch
+2.11, whose FSDP1 also trains on the CPU):
 
     OPTIMD_BINARY=... PYTHONPATH=client/python python3 -m unittest -v \\
         tests/python/test_fsdp1.py
@@ -39,18 +40,26 @@ os.environ.setdefault("OPTIMD_SECRETS_DIR",
                       tempfile.mkdtemp(prefix="optimd-secrets-"))
 
 
-def _wrap(m, use_orig_params):
-    """Each layer and the whole model in FSDP1 units, on the current
-    device (FULL_SHARD; one rank makes it NO_SHARD)."""
+def _wrap(m, use_orig_params, device="cuda"):
+    """Each layer and the whole model in FSDP1 units, on the current CUDA
+    device or the CPU (FULL_SHARD; one rank makes it NO_SHARD)."""
     kw = dict(use_orig_params=use_orig_params,
-              device_id=torch.cuda.current_device())
+              device_id=torch.cuda.current_device() if device == "cuda"
+              else torch.device("cpu"))
     for name in ("a", "unused", "b"):
         setattr(m, name, FullyShardedDataParallel(getattr(m, name), **kw))
     return FullyShardedDataParallel(m, **kw)
 
 
 def _full(m):
-    """The whole model's weights by their names (a collective)."""
+    """The whole model's weights by their names (a collective). On the
+    CPU from the gathered parameters (FSDP1's full state dict there is
+    not one torch's own tests cover)."""
+    if next(m.parameters()).device.type == "cpu":
+        with FullyShardedDataParallel.summon_full_params(m, writeback=False):
+            return {k.replace("_fsdp_wrapped_module.", ""):
+                    v.detach().float().clone()
+                    for k, v in m.named_parameters()}
     with FullyShardedDataParallel.state_dict_type(
             m, StateDictType.FULL_STATE_DICT,
             FullStateDictConfig(rank0_only=False)):
@@ -58,26 +67,30 @@ def _full(m):
                 for k, v in m.state_dict().items()}
 
 
-def _train(m, opt, batches, clip_in_trainer=None, rank=0, world_size=1):
+def _train(m, opt, batches, clip_in_trainer=None, rank=0, world_size=1,
+           device="cuda"):
     for i, x in enumerate(batches):
         rows = x.shape[0] // world_size
-        m(x[rank * rows:(rank + 1) * rows].cuda()).backward()
+        m(x[rank * rows:(rank + 1) * rows].to(device)).backward()
         if clip_in_trainer:
             m.clip_grad_norm_(clip_in_trainer)  # FSDP's own, the job's norm
         opt.step()
         opt.zero_grad(set_to_none=i % 2 == 0)
 
 
-def _two_rank_worker(rank, init_file, address, out):
-    """One rank of a two-rank FSDP1 job on GPU `rank`."""
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method="file://" + init_file,
-                            rank=rank, world_size=2)
-    m = _wrap(_model("cuda"), use_orig_params=False)
+def _two_rank_worker(rank, init_file, address, out, device):
+    """One rank of a two-rank FSDP1 job (gloo on the CPU; NCCL on CUDA,
+    rank r on GPU r)."""
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo",
+                            init_method="file://" + init_file, rank=rank,
+                            world_size=2)
+    m = _wrap(_model(device), use_orig_params=False, device=device)
     opt = AdamW(m.parameters(), lr=1e-2, weight_decay=0.1,
                 max_grad_norm=0.5, gradient_sharding="sharded",
                 address=address)
-    _train(m, opt, _batches(), rank=rank, world_size=2)
+    _train(m, opt, _batches(), rank=rank, world_size=2, device=device)
     opt.synchronize()
     weights = _full(m)
     if rank == 0:
@@ -87,11 +100,15 @@ def _two_rank_worker(rank, init_file, address, out):
 
 
 @unittest.skipIf(FullyShardedDataParallel is None or
-                 not torch.cuda.is_available(), "needs torch's FSDP and a GPU")
+                 not torch.cuda.is_available(),
+                 "needs torch's FSDP, built with CUDA")
 class Fsdp1Test(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.daemon = Daemon(backend="cuda")
+        cls.daemons = {"cpu": Daemon(backend="cpu",
+                                     flags=["--rank_timeout_s=60"]),
+                       "cuda": Daemon(backend="cuda")}
+        cls.daemon = cls.daemons["cuda"]
         os.environ.update(MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
         dist.init_process_group("nccl", rank=0, world_size=1)
@@ -99,7 +116,8 @@ class Fsdp1Test(unittest.TestCase):
     @classmethod
     def tearDownClass(cls):
         dist.destroy_process_group()
-        assert cls.daemon.stop() == 0
+        for d in cls.daemons.values():
+            assert d.stop() == 0
 
     def assert_moved_alike(self, ours, ref, init, bound=1e-4):
         self.assertEqual(sorted(ours), sorted(ref))
@@ -148,17 +166,23 @@ class Fsdp1Test(unittest.TestCase):
     def test_optimizer_made_before_wrapping_matches_torch(self):
         self.one_rank(use_orig_params=True, before_wrap=True)
 
+    def test_two_cpu_ranks_clip_by_the_job_norm(self):
+        self.two_ranks("cpu")
+
     @unittest.skipUnless(torch.cuda.device_count() >= 2,
                          "needs two GPUs (nvidia-h200-x2)")
-    def test_two_ranks_clip_by_the_job_norm(self):
-        # Each rank holds half of every flat parameter and half of each
-        # batch; the daemon clips by the norm of both ranks' shards: the
-        # same as one process over the whole model with clip_grad_norm_.
+    def test_two_cuda_ranks_clip_by_the_job_norm(self):
+        self.two_ranks("cuda")
+
+    def two_ranks(self, device):
+        """Each rank holds half of every flat parameter and half of each
+        batch; the daemon clips by the norm of both ranks' shards: the
+        same as one process over the whole model with clip_grad_norm_."""
         scratch = tempfile.mkdtemp(prefix="optimd-fsdp1-")
         out = os.path.join(scratch, "rank0.pt")
         mp.start_processes(_two_rank_worker, args=(
-            os.path.join(scratch, "init"), self.daemon.address, out),
-            nprocs=2, start_method="spawn")
+            os.path.join(scratch, "init"), self.daemons[device].address, out,
+            device), nprocs=2, start_method="spawn")
         got = torch.load(out)
         m = _model("cpu")
         init = {k: v.clone() for k, v in m.state_dict().items()}
