@@ -40,12 +40,16 @@ os.environ.setdefault("OPTIMD_SECRETS_DIR",
                       tempfile.mkdtemp(prefix="optimd-secrets-"))
 
 
-def _wrap(m, use_orig_params, device="cuda"):
+def _wrap(m, use_orig_params, device="cuda", offload=False):
     """Each layer and the whole model in FSDP1 units, on the current CUDA
-    device or the CPU (FULL_SHARD; one rank makes it NO_SHARD)."""
+    device or the CPU (FULL_SHARD; one rank makes it NO_SHARD); `offload`:
+    the shards and their gradients kept in the CPU's memory between
+    steps (CPUOffload(offload_params=True))."""
+    from torch.distributed.fsdp import CPUOffload
     kw = dict(use_orig_params=use_orig_params,
               device_id=torch.cuda.current_device() if device == "cuda"
-              else torch.device("cpu"))
+              else torch.device("cpu"),
+              cpu_offload=CPUOffload(offload_params=offload))
     for name in ("a", "unused", "b"):
         setattr(m, name, FullyShardedDataParallel(getattr(m, name), **kw))
     return FullyShardedDataParallel(m, **kw)
@@ -58,7 +62,7 @@ def _full(m):
     if next(m.parameters()).device.type == "cpu":
         with FullyShardedDataParallel.summon_full_params(m, writeback=False):
             return {k.replace("_fsdp_wrapped_module.", ""):
-                    v.detach().float().clone()
+                    v.detach().float().cpu().clone()
                     for k, v in m.named_parameters()}
     with FullyShardedDataParallel.state_dict_type(
             m, StateDictType.FULL_STATE_DICT,
@@ -128,10 +132,10 @@ class Fsdp1Test(unittest.TestCase):
                                  "%s: %g against a move of %g" % (
                                      name, err, moved))
 
-    def one_rank(self, use_orig_params, before_wrap=False):
+    def one_rank(self, use_orig_params, before_wrap=False, offload=False):
         init = {k: v.float().cpu() for k, v in _model("cuda").state_dict()
                 .items()}
-        ref_model = _wrap(_model("cuda"), use_orig_params)
+        ref_model = _wrap(_model("cuda"), use_orig_params, offload=offload)
         ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2,
                                     weight_decay=0.1)
         if before_wrap:
@@ -143,7 +147,9 @@ class Fsdp1Test(unittest.TestCase):
                         max_grad_norm=0.5, address=self.daemon.address)
             m = _wrap(m, use_orig_params)
         else:
-            m = _wrap(_model("cuda"), use_orig_params)
+            m = _wrap(_model("cuda"), use_orig_params, offload=offload)
+            # Offloaded, the shards are in the CPU's memory: a CPU session
+            # (the daemon serves both devices).
             opt = AdamW(m.parameters(), lr=1e-2, weight_decay=0.1,
                         max_grad_norm=0.5, address=self.daemon.address)
         batches = _batches()
@@ -152,8 +158,10 @@ class Fsdp1Test(unittest.TestCase):
         opt.synchronize()
         ours = _full(m)
         self.assert_moved_alike(ours, _full(ref_model), init)
-        for k in ("unused.weight", "unused.bias"):
-            # No gradient: not stepped (no decay), as in torch.
+        for k in ("unused.weight", "unused.bias") if not offload else ():
+            # No gradient: not stepped (no decay), as in torch. Offloaded,
+            # FSDP1 gives every shard a gradient (zeros for the unused
+            # layer), which torch's step decays as ours does.
             self.assertTrue(torch.equal(ours[k], init[k]), k)
         opt.close()
 
@@ -165,6 +173,12 @@ class Fsdp1Test(unittest.TestCase):
 
     def test_optimizer_made_before_wrapping_matches_torch(self):
         self.one_rank(use_orig_params=True, before_wrap=True)
+
+    def test_offloaded_shards_match_torch(self):
+        # CPUOffload: FSDP1 copies the shards to the GPU for forward and
+        # backward and steps them, and their gradients, in the CPU's
+        # memory, where the daemon's CPU backend steps them in place.
+        self.one_rank(use_orig_params=False, offload=True)
 
     def test_two_cpu_ranks_clip_by_the_job_norm(self):
         self.two_ranks("cpu")
