@@ -216,6 +216,8 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
     # Whether sparse gradients are stepped (as their dense equivalent), as
     # torch's SGD steps them; torch's Adam and AdamW raise.
     _takes_sparse_grads = False
+    # Whether a registered parameter is FSDP1's (_index_buffers).
+    _any_fsdp1 = False
     # Whether the optimizer's state may be block8 (AdamW only).
     _takes_block8 = False
     # Whether it steps float64 parameters (the daemon's kernels for it take
@@ -453,15 +455,18 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             self._param_handle_cache = HandleCache()
         return self._param_handle_cache
 
-    def _refuse_dtensor_options(self, name):
-        """Options DTensor parameters do not take, refused by name."""
+    def _refuse_sharded_options(self, name, kind="DTensor", fsdp="FSDP2"):
+        """Options that FSDP's parameters (`kind`: DTensor or FSDP version
+        1) do not take, refused by name: shard_state would write one
+        rank's part over the other ranks' different shards, and overlap's
+        hooks cannot hold back FSDP's own all-gathers."""
         for option, on in (("overlap", self._identity["overlap"]),
                            ("shard_state", self._shard_state)):
             if on:
                 raise NotImplementedError(
-                    "optimd.torch: %s=True does not take DTensor parameters "
-                    "(parameter %s): FSDP2 shards the parameters and "
-                    "gathers them itself" % (option, name))
+                    "optimd.torch: %s=True does not take %s parameters "
+                    "(parameter %s): %s shards the parameters and "
+                    "gathers them itself" % (option, kind, name, fsdp))
 
     def _register_group(self, gi, group, existing, replace=False):
         self._check_group(gi, group)
@@ -570,7 +575,9 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             name = self._names.get(id(p), "%d.%d" % (gi, pi))
             if is_dtensor(p):
                 check_mesh(p, name, self._world_size)
-                self._refuse_dtensor_options(name)
+                self._refuse_sharded_options(name)
+            if is_fsdp1(p):
+                self._refuse_sharded_options(name, "FSDP version 1", "FSDP1")
             if p.dtype not in DTYPES:
                 raise TypeError(
                     "optimd.torch supports float32, bfloat16, float16 and "
@@ -630,6 +637,8 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         self._homed = [s for g in self._groups for s in g["tensors"]
                        if s.numel and not is_dtensor(s.param)]
         self._params_flat = [s.param for s in self._homed]
+        # Whether a step must check FSDP1's job options (check_fsdp1_job).
+        self._any_fsdp1 = any(map(is_fsdp1, self._params_flat))
         self._pptrs_flat = [s.pview.data_ptr() for s in self._homed]
         self._dtensors = [s for g in self._groups for s in g["tensors"]
                           if s.numel and is_dtensor(s.param)]
@@ -700,6 +709,8 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             if is_fsdp1(s.param):
                 # Taken over by FSDP1 since registration: its flat buffer
                 # holds the values from now on, stepped where they are.
+                self._refuse_sharded_options(s.name, "FSDP version 1",
+                                             "FSDP1")
                 s.in_place = True
         if any(s.param.dtype != s.pview.dtype and s.param.dtype in DTYPES and
                s.param.shape == s.pview.shape for s in moved):
@@ -733,6 +744,14 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         them (the memory they left is the trainer's, left alone)."""
         for s in moved:
             p = s.param
+            if is_fsdp1(p) and p.shape != s.pview.shape:
+                raise TypeError(
+                    "parameter %s is now %s, a part of FSDP version 1's "
+                    "shard of this rank; it was registered as %s before "
+                    "FSDP sharded it. Make the optimizer after wrapping "
+                    "the model (as FSDP's guide does), over the wrapped "
+                    "model's parameters" % (
+                        s.name, tuple(p.shape), tuple(s.pview.shape)))
             if p.dtype != s.pview.dtype or p.shape != s.pview.shape or \
                     not is_dense(p):
                 raise TypeError(
@@ -866,7 +885,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         self._write_back_state()
         self._sync_structure()
         self._sync_params()
-        if self.max_grad_norm or self.skip_nonfinite:  # set since, maybe
+        if self._any_fsdp1 and (self.max_grad_norm or self.skip_nonfinite):
             check_fsdp1_job(self._params_flat, self._world_size,
                             _SHARDING_NAMES[self._identity["sharding"]],
                             True)

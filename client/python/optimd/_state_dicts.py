@@ -164,30 +164,35 @@ class StateDicts:
         return entry if ref is not None and ref() is p else None
 
     def state_dict(self):
-        if self._shard_state:
-            # As torch's ZeroRedundancyOptimizer: the last whole state put
-            # together on this rank.
-            if self._consolidated is None:
-                raise RuntimeError(
-                    "optimd.torch: with shard_state=True the optimizer "
-                    "state is not put together on this rank (rank %d); call "
-                    "consolidate_state_dict(to=%d) on every rank first if "
-                    "you meant to save the whole state" % (
-                        self._identity["rank"], self._identity["rank"]))
-            return self._consolidated
         # torch 2's state-dict hooks (register_state_dict_pre_hook and
         # _post_hook), called as torch's state_dict calls them.
         for hook in _hooks(self, "_optimizer_state_dict_pre_hooks"):
             hook(self)
-        # Writes to optimizer.state first, as torch's state_dict shows them.
-        self._write_back_state()
-        self._sync_params()
-        state_dict = self._state_dict()
+        if self._shard_state:
+            state_dict = dict(self._consolidated_state())
+        else:
+            # Writes to optimizer.state first, as torch's state_dict
+            # shows them.
+            self._write_back_state()
+            self._sync_params()
+            state_dict = self._state_dict()
         for hook in _hooks(self, "_optimizer_state_dict_post_hooks"):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
         return state_dict
+
+    def _consolidated_state(self):
+        """shard_state: as torch's ZeroRedundancyOptimizer, the last whole
+        state put together on this rank."""
+        if self._consolidated is None:
+            raise RuntimeError(
+                "optimd.torch: with shard_state=True the optimizer state is "
+                "not put together on this rank (rank %d); call "
+                "consolidate_state_dict(to=%d) on every rank first if you "
+                "meant to save the whole state" % (
+                    self._identity["rank"], self._identity["rank"]))
+        return self._consolidated
 
     def _state_dict(self):
         return self._pack_state_dict(
@@ -199,8 +204,8 @@ class StateDicts:
         index = {}
         groups = []
         for group in self.param_groups:
-            packed = {k: _plain(v) for k, v in group.items()
-                      if k != "params"}
+            packed = {k: _plain(v) if k == self._state_dtype_key else v
+                      for k, v in group.items() if k != "params"}
             ids = []
             for p in group["params"]:
                 index.setdefault(id(p), len(index))
@@ -252,7 +257,8 @@ class StateDicts:
                     del g[k]
             for k, v in sg.items():
                 if k != "params":
-                    g[k] = tuple(v) if k == "betas" else _unplain(v)
+                    g[k] = tuple(v) if k == "betas" else \
+                        _unplain(v) if k == self._state_dtype_key else v
             self._reconcile_group(gi, g)
             if self._layout_of(g) != mine["snapshot"]:
                 self._reregister(gi, g, mine)
@@ -364,10 +370,11 @@ def _hooks(opt, table):
 
 
 def _plain(v):
-    """A group's value as a state dict holds it: a torch.dtype (the
-    moments' exp_avg_dtype or state_dtype) by its name, "torch.bfloat16",
+    """The moments' dtype (the group's exp_avg_dtype or state_dtype) as a
+    state dict holds it: a torch.dtype by its name, "torch.bfloat16",
     since torch.distributed.checkpoint's state-dict helpers take tensors,
-    numbers, strings and containers of them only."""
+    numbers, strings and containers of them only. The trainer's own keys
+    stay as they are, as torch keeps them."""
     return str(v) if isinstance(v, torch.dtype) else v
 
 
