@@ -418,6 +418,24 @@ class DropIn(DaemonTestCase):
                 torch.testing.assert_close(runs[0][1], runs[1][1], **TOL)
                 self.assert_same(opt, ref)
 
+    def test_state_read_before_a_first_step_stays_an_empty_entry(self):
+        # torch's state is a defaultdict: reading opt.state[q] for a
+        # parameter not stepped yet leaves {} there, in len(state) and in
+        # state_dict(), across steps of the others.
+        def params():
+            return [torch.nn.Parameter(torch.randn(3)) for _ in range(2)]
+        opt, ref = self.both(params, lr=1e-2)
+        runs = []
+        for o in (opt, ref):
+            p, q = o.param_groups[0]["params"]
+            self.assertEqual(o.state[q], {})
+            p.grad = torch.ones(3, device=DEVICE)
+            o.step()
+            runs.append((len(o.state), q in o.state, sorted(
+                (i, sorted(e)) for i, e in o.state_dict()["state"].items())))
+        self.assertEqual(runs[0], runs[1])
+        self.assertEqual(runs[1][2][1], (1, []))
+
     def test_copies_raise_and_a_pickled_optimizer_holds_nothing(self):
         import pickle
 

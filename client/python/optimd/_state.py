@@ -103,7 +103,9 @@ class DaemonState(dict):
             known = DAEMON_KEYS if id(p) in self._local_ids else \
                 self._fetched_keys.get(id(p), ())
             extra = {k: v for k, v in e.items() if k not in known}
-            if extra:
+            # An empty entry (read before the parameter's first step)
+            # stays too, as in torch's defaultdict and its state_dict.
+            if extra or not e:
                 self._extras[id(p)] = (weakref.ref(p), extra)
 
     def set_extras(self, entries):
