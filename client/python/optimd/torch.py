@@ -37,6 +37,13 @@ torch's step does.
 
 Differences from torch.optim.AdamW, all deliberate (README, "Deliberate
 differences"):
+  * bf16 and fp16 parameters keep an fp32 master (or a 16-bit remainder)
+    and fp32 moments, where torch steps them in their own dtype;
+    master_weights=False is refused for them.
+  * defaults, param_groups and state dicts carry optimd's own options
+    beside torch's keys; a parameter whose shape changes after
+    construction raises TypeError at the next step (torch's step raises
+    RuntimeError there).
   * After model.double() the state is carried over cast to float64 (as
     torch's load_state_dict casts it), so the moments are float64 from
     then on; torch's own step fails there (float32 moments, float64
