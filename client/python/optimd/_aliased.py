@@ -58,8 +58,9 @@ def aliased(params):
     """The ids of the parameters among `params` (plain tensors, not
     DTensors) whose memory other tensors share: two parameters over one
     storage, a parameter over part of its storage (a view of a larger
-    buffer), a CPU storage in shared memory, or (torch 2) a storage other
-    tensors use."""
+    buffer), a CPU storage in shared memory, (torch 2) a storage other
+    tensors use, or a parameter of FSDP version 1 (its flat buffer, which
+    torch 1.13 cannot see shared)."""
     params = [p for p in params if p.numel()]
     by_storage = collections.Counter(storage_of(p).data_ptr()
                                      for p in params)
@@ -69,7 +70,7 @@ def aliased(params):
         if (by_storage[st.data_ptr()] > 1 or
                 st.nbytes() != p.numel() * p.element_size() or
                 (p.device.type == "cpu" and st.is_shared()) or
-                shares_storage(p)):
+                shares_storage(p) or is_fsdp1(p)):
             out.add(id(p))
     return out
 

@@ -45,7 +45,6 @@ _MOMENT_DTYPES = {torch.float32: pb.DTYPE_FLOAT32,
 _SHARDING = {None: pb.GRADIENT_SHARDING_UNSPECIFIED,
              "replicated": pb.GRADIENT_SHARDING_REPLICATED,
              "sharded": pb.GRADIENT_SHARDING_SHARDED}
-_SHARDING_NAMES = {v: k for k, v in _SHARDING.items()}
 
 
 # torch's switches between implementations of one step; optimd has its own,
@@ -186,8 +185,9 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             gradient_sharding = "sharded"
         gradient_sharding = zero_sharding(shard_state, gradient_sharding,
                                            world_size)
-        check_fsdp1_job((p for g in self.param_groups for p in g["params"]),
-                        world_size, gradient_sharding,
+        check_fsdp1_job(any(is_fsdp1(p) for g in self.param_groups
+                            for p in g["params"]),
+                        world_size, gradient_sharding is not None,
                         bool(max_grad_norm or skip_nonfinite))
         self._shard_state = bool(shard_state)
         # shard_state: the whole state put together on this rank by
@@ -444,8 +444,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         fresh = [p for g in self.param_groups for p in g["params"]
                  if id(p) not in registered and not _is_lazy(p) and
                  not is_dtensor(p)]
-        return aliased(fresh) | {id(p) for p in fresh if is_fsdp1(p)} | \
-            {i for i, kept in registered.items() if kept}
+        return aliased(fresh) | {i for i, kept in registered.items() if kept}
 
     @property
     def _param_handles(self):
@@ -455,11 +454,13 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             self._param_handle_cache = HandleCache()
         return self._param_handle_cache
 
-    def _refuse_sharded_options(self, name, kind="DTensor", fsdp="FSDP2"):
-        """Options that FSDP's parameters (`kind`: DTensor or FSDP version
-        1) do not take, refused by name: shard_state would write one
-        rank's part over the other ranks' different shards, and overlap's
-        hooks cannot hold back FSDP's own all-gathers."""
+    def _refuse_sharded_options(self, name, p):
+        """Options that FSDP's parameters (p: FSDP2's DTensor, or FSDP
+        version 1's) do not take, refused by name: shard_state would write
+        one rank's part over the other ranks' different shards, and
+        overlap's hooks cannot hold back FSDP's own all-gathers."""
+        kind, fsdp = ("DTensor", "FSDP2") if is_dtensor(p) else \
+            ("FSDP version 1", "FSDP1")
         for option, on in (("overlap", self._identity["overlap"]),
                            ("shard_state", self._shard_state)):
             if on:
@@ -575,9 +576,8 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             name = self._names.get(id(p), "%d.%d" % (gi, pi))
             if is_dtensor(p):
                 check_mesh(p, name, self._world_size)
-                self._refuse_sharded_options(name)
-            if is_fsdp1(p):
-                self._refuse_sharded_options(name, "FSDP version 1", "FSDP1")
+            if is_dtensor(p) or is_fsdp1(p):
+                self._refuse_sharded_options(name, p)
             if p.dtype not in DTYPES:
                 raise TypeError(
                     "optimd.torch supports float32, bfloat16, float16 and "
@@ -709,8 +709,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             if is_fsdp1(s.param):
                 # Taken over by FSDP1 since registration: its flat buffer
                 # holds the values from now on, stepped where they are.
-                self._refuse_sharded_options(s.name, "FSDP version 1",
-                                             "FSDP1")
+                self._refuse_sharded_options(s.name, s.param)
                 s.in_place = True
         if any(s.param.dtype != s.pview.dtype and s.param.dtype in DTYPES and
                s.param.shape == s.pview.shape for s in moved):
@@ -885,10 +884,9 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         self._write_back_state()
         self._sync_structure()
         self._sync_params()
-        if self._any_fsdp1 and (self.max_grad_norm or self.skip_nonfinite):
-            check_fsdp1_job(self._params_flat, self._world_size,
-                            _SHARDING_NAMES[self._identity["sharding"]],
-                            True)
+        check_fsdp1_job(self._any_fsdp1, self._world_size,
+                        self._identity["sharding"] != _SHARDING[None],
+                        bool(self.max_grad_norm or self.skip_nonfinite))
         updates = self._router.updates()
         overrides = self._overrides()
         request = dict(

@@ -9,7 +9,6 @@ import socket
 import torch
 
 from optimd import _secrets, errors
-from optimd._aliased import is_fsdp1
 
 
 def zero_sharding(shard_state, gradient_sharding, world_size):
@@ -32,15 +31,15 @@ def zero_sharding(shard_state, gradient_sharding, world_size):
     return "replicated"
 
 
-def check_fsdp1_job(params, world_size, gradient_sharding, job_wide):
-    """FSDP version 1 over several ranks: each rank holds a shard of every
-    flat gradient (FULL_SHARD, SHARD_GRAD_OP) or all of it (NO_SHARD),
-    which the parameters do not tell. A norm to clip by and a skip
-    (`job_wide`: max_grad_norm or skip_nonfinite) are the job's only when
-    gradient_sharding says which; without it each rank would clip by its
-    own shard's norm, so it raises."""
-    if world_size < 2 or gradient_sharding is not None or not job_wide or \
-            not any(map(is_fsdp1, params)):
+def check_fsdp1_job(fsdp1, world_size, sharding_given, job_wide):
+    """FSDP version 1 (`fsdp1`: some parameter is its) over several ranks:
+    each rank holds a shard of every flat gradient (FULL_SHARD,
+    SHARD_GRAD_OP) or all of it (NO_SHARD), which the parameters do not
+    tell. A norm to clip by and a skip (`job_wide`: max_grad_norm or
+    skip_nonfinite) are the job's only when gradient_sharding says which
+    (`sharding_given`); without it each rank would clip by its own shard's
+    norm, so it raises."""
+    if not fsdp1 or world_size < 2 or sharding_given or not job_wide:
         return
     raise ValueError(
         "optimd.torch: FSDP version 1 over %d ranks with max_grad_norm or "
