@@ -26,7 +26,8 @@ import torch.multiprocessing as mp
 from optimd.testing import Daemon
 from optimd.torch import AdamW
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_fsdp2 import _batches, _free_port, _model  # noqa: E402
+from test_fsdp2 import (_batches, _free_port, _model,  # noqa: E402
+                        _train)
 
 try:
     from torch.distributed.fsdp import (FullStateDictConfig,
@@ -71,15 +72,8 @@ def _full(m):
                 for k, v in m.state_dict().items()}
 
 
-def _train(m, opt, batches, clip_in_trainer=None, rank=0, world_size=1,
-           device="cuda"):
-    for i, x in enumerate(batches):
-        rows = x.shape[0] // world_size
-        m(x[rank * rows:(rank + 1) * rows].to(device)).backward()
-        if clip_in_trainer:
-            m.clip_grad_norm_(clip_in_trainer)  # FSDP's own, the job's norm
-        opt.step()
-        opt.zero_grad(set_to_none=i % 2 == 0)
+def _fsdp_clip(m, max_norm):
+    m.clip_grad_norm_(max_norm)  # FSDP's own, the job's norm
 
 
 def _two_rank_worker(rank, init_file, address, out, device):
@@ -94,7 +88,7 @@ def _two_rank_worker(rank, init_file, address, out, device):
     opt = AdamW(m.parameters(), lr=1e-2, weight_decay=0.1,
                 max_grad_norm=0.5, gradient_sharding="sharded",
                 address=address)
-    _train(m, opt, _batches(), rank=rank, world_size=2, device=device)
+    _train(m, opt, _batches(), device, rank=rank, world_size=2)
     opt.synchronize()
     weights = _full(m)
     if rank == 0:
@@ -153,8 +147,9 @@ class Fsdp1Test(unittest.TestCase):
             opt = AdamW(m.parameters(), lr=1e-2, weight_decay=0.1,
                         max_grad_norm=0.5, address=self.daemon.address)
         batches = _batches()
-        _train(ref_model, ref_opt, batches, clip_in_trainer=0.5)
-        _train(m, opt, batches)
+        _train(ref_model, ref_opt, batches, "cuda", clip_in_trainer=0.5,
+               clip=_fsdp_clip)
+        _train(m, opt, batches, "cuda")
         opt.synchronize()
         ours = _full(m)
         self.assert_moved_alike(ours, _full(ref_model), init)

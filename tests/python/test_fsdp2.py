@@ -83,14 +83,21 @@ def _full(m):
             .detach().float().cpu().clone() for k, v in m.state_dict().items()}
 
 
+def _clip_grad_norm(m, max_norm):
+    torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm)
+
+
 def _train(m, opt, batches, device, clip_in_trainer=None, rank=0,
-           world_size=1):
+           world_size=1, clip=_clip_grad_norm):
+    """Steps over this rank's rows of each batch, clipping in the trainer
+    with `clip` (torch's clip_grad_norm_ unless told) when
+    clip_in_trainer is set."""
     for i, x in enumerate(batches):
         rows = x.shape[0] // world_size
         loss = m(x[rank * rows:(rank + 1) * rows].to(device))
         loss.backward()
         if clip_in_trainer:
-            torch.nn.utils.clip_grad_norm_(m.parameters(), clip_in_trainer)
+            clip(m, clip_in_trainer)
         opt.step()
         opt.zero_grad(set_to_none=i % 2 == 0)
 
