@@ -7,6 +7,7 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -204,7 +205,28 @@ struct Plan {
   std::vector<Layout> layouts;
   std::vector<PlanItem> items;
   std::vector<PlanTask> tasks;
+  // Update passes, run one after the other: an entry whose parameter
+  // memory overlaps an earlier entry's (two trainer parameters over one
+  // storage, tied through .data) is updated in a later pass, as torch
+  // steps parameters one after the other; every entry is in pass 0 in the
+  // usual case. pass_of_entry[e] is entry e's pass; items are ordered by
+  // (pass, entry) and no task spans two passes: pass p's tasks are
+  // [pass_tasks[p], pass_tasks[p + 1]). Computed from the pointers at
+  // registration.
+  std::vector<uint32_t> pass_of_entry;
+  std::vector<uint32_t> pass_tasks = {0, 0};
+  uint32_t passes() const {
+    return static_cast<uint32_t>(pass_tasks.size()) - 1;
+  }
 };
+
+// The update pass of each of `ranges` (the [begin, end) bytes of each
+// entry's parameter, in entry order): 0 for one that overlaps no other; in
+// a cluster of ranges linked by overlaps, each member's rank in entry
+// order, so that every overlapping pair is updated in entry order. Sorts
+// once: O(n log n) whatever the overlaps.
+std::vector<uint32_t> UpdatePasses(
+    const std::vector<std::pair<uintptr_t, uintptr_t>>& ranges);
 
 // What a backend keeps of a group's plan beside the host Plan; each backend
 // derives its own and is the only one to read it.

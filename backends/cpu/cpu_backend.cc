@@ -178,21 +178,27 @@ void CpuBackend::Update(const std::vector<Group*>& groups, double scale,
     const OptimizerScalars s =
         MakeOptimizerScalars(g->hyper, g->step + 1, scale, clip);
     const std::vector<OptimizerScalars> own = OwnStepScalars(*g, scale, clip);
-    pool_.ParallelFor(plan.tasks.size(), [&](uint64_t t, int) {
-      const absl::Status st = GuardMemoryFaults(
-          [&] {
-            for (uint32_t i = plan.tasks[t].first_item;
-                 i < plan.tasks[t].end_item; ++i) {
-              const PlanItem& item = plan.items[i];
-              if (plan.entries[item.entry].grad == nullptr) continue;
-              OptimizerStepRange(plan.layouts[item.entry],
-                                 plan.entries[item.entry], item.begin, item.end,
-                                 own.empty() ? s : own[item.entry]);
-            }
-          },
-          "step");
-      if (!st.ok()) fault_ = true;
-    });
+    // Pass by pass (Plan::pass_tasks): parameters over one memory are
+    // updated one after the other, as torch steps them.
+    for (uint32_t pass = 0; pass < plan.passes(); ++pass) {
+      const uint32_t first = plan.pass_tasks[pass];
+      pool_.ParallelFor(plan.pass_tasks[pass + 1] - first, [&](uint64_t k,
+                                                               int) {
+        const PlanTask& task = plan.tasks[first + k];
+        const absl::Status st = GuardMemoryFaults(
+            [&] {
+              for (uint32_t i = task.first_item; i < task.end_item; ++i) {
+                const PlanItem& item = plan.items[i];
+                if (plan.entries[item.entry].grad == nullptr) continue;
+                OptimizerStepRange(plan.layouts[item.entry],
+                                   plan.entries[item.entry], item.begin,
+                                   item.end, own.empty() ? s : own[item.entry]);
+              }
+            },
+            "step");
+        if (!st.ok()) fault_ = true;
+      });
+    }
   }
 }
 

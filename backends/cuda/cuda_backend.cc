@@ -186,6 +186,16 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
         "a step of sharded state (shard_state) has gathered the other "
         "ranks' parts: step without staged (overlap=False)");
   }
+  for (const Group* g : groups) {
+    if (options.staged && g->plan.passes() > 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "group '", g->id,
+          "' holds parameters over overlapping memory, updated one after "
+          "the other; a staged step (overlap) updates by stage instead: "
+          "step without staged (overlap=False), or give each parameter "
+          "memory of its own"));
+    }
+  }
   if (s.job != nullptr) {
     OPTIMD_RETURN_IF_ERROR(s.job->AwaitReady(stream_->stream()));
   }

@@ -201,8 +201,10 @@ void BuildDeviceTables(const Group& group, uint64_t item_elements,
                        DevicePlan* plan) {
   const Plan& host = group.plan;
   plan->entry_items.assign(host.entries.size(), {0, 0});
-  // One launch per distinct (stage, layout), by stage, then by the
-  // layout's first appearance; each covers all the items of its pair.
+  // One launch per distinct (update pass, stage, layout), by pass, then
+  // by stage, then by the layout's first appearance; each covers all the
+  // items of its triple. Passes (Plan::pass_of_entry) order parameters
+  // over one memory; there is one in the usual case.
   std::vector<Layout> layouts;
   std::vector<uint32_t> layout_of(host.entries.size());
   for (uint32_t e = 0; e < host.entries.size(); ++e) {
@@ -210,8 +212,10 @@ void BuildDeviceTables(const Group& group, uint64_t item_elements,
     if (it == layouts.end()) it = layouts.insert(it, host.layouts[e]);
     layout_of[e] = static_cast<uint32_t>(it - layouts.begin());
   }
+  const uint64_t per_pass = (uint64_t{kMaxStage} + 1) * layouts.size();
   const auto kind_of = [&](uint32_t entry) -> uint64_t {
-    return group.tensors[host.tensor_index[entry]].stage * layouts.size() +
+    return host.pass_of_entry[entry] * per_pass +
+           group.tensors[host.tensor_index[entry]].stage * layouts.size() +
            layout_of[entry];
   };
   std::map<uint64_t, std::vector<uint32_t>> items_of_kind;
@@ -221,7 +225,8 @@ void BuildDeviceTables(const Group& group, uint64_t item_elements,
   for (const auto& [kind, items] : items_of_kind) {
     Launch launch;
     launch.layout = layouts[kind % layouts.size()];
-    launch.stage = static_cast<uint32_t>(kind / layouts.size());
+    launch.stage = static_cast<uint32_t>(kind % per_pass / layouts.size());
+    launch.pass = static_cast<uint32_t>(kind / per_pass);
     AppendLaunch(host, items, item_elements, launch, plan);
   }
   plan->whole_launches = WholeLaunches(plan->launches);
@@ -230,7 +235,8 @@ void BuildDeviceTables(const Group& group, uint64_t item_elements,
 std::vector<Launch> WholeLaunches(const std::vector<Launch>& launches) {
   std::vector<Launch> whole;
   for (const Launch& l : launches) {
-    if (!whole.empty() && whole.back().layout == l.layout) {
+    if (!whole.empty() && whole.back().layout == l.layout &&
+        whole.back().pass == l.pass) {
       Launch& w = whole.back();
       w.num_items += l.num_items;
       w.fp8_count += l.fp8_count;  // adjacent in plan->fp8 too

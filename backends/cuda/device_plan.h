@@ -41,6 +41,7 @@ uint64_t UpdateBlockElements(const Layout& l, uint64_t item_elements);
 struct Launch {
   Layout layout;
   uint32_t stage = 0;  // of its tensors (TensorEntry::stage)
+  uint32_t pass = 0;   // of its tensors' entries (Plan::pass_of_entry)
   uint32_t first_item = 0;
   uint32_t num_items = 0;
   uint32_t first_block[2] = {0, 0};  // [0]: update, [1]: statistics
@@ -74,7 +75,8 @@ struct DevicePlan : BackendPlan {
   std::vector<std::pair<uint32_t, uint32_t>> entry_items;
   std::vector<Launch> launches;
   // The same items and blocks in fewer, larger launches: each run of
-  // consecutive launches of one layout merged into one (stages ignored).
+  // consecutive launches of one layout and pass merged into one (stages
+  // ignored).
   // The statistics pass and plain steps use them: every launch costs a
   // few tens of microseconds beyond its bytes, and a small one does not
   // fill the device. Same blocks, so the same partial sums and bits.
@@ -111,7 +113,8 @@ inline DevicePlan* PlanOf(const Group& group) {
 void BuildDeviceTables(const Group& group, uint64_t item_elements,
                        DevicePlan* plan);
 
-// `launches` with each run of consecutive launches of one layout merged
+// `launches` with each run of consecutive launches of one layout and
+// update pass merged
 // (their items and blocks are adjacent in the tables: AppendLaunch appends
 // them in order).
 std::vector<Launch> WholeLaunches(const std::vector<Launch>& launches);

@@ -169,21 +169,23 @@ void CheckItems(const Group& g, const DevicePlan& plan,
 // layout), sorted by stage, each over items of its own stage and layout.
 void CheckLaunches(const Group& g, const DevicePlan& plan) {
   uint32_t next_item = 0;
-  uint32_t last_stage = 0;
-  std::set<std::pair<uint32_t, std::string>> kinds;
+  std::pair<uint32_t, uint32_t> last = {0, 0};  // (pass, stage)
+  std::set<std::pair<std::pair<uint32_t, uint32_t>, std::string>> kinds;
   for (const Launch& launch : plan.launches) {
     EXPECT_EQ(launch.first_item, next_item);
     EXPECT_GT(launch.num_items, 0u);
-    EXPECT_GE(launch.stage, last_stage) << "launches not sorted by stage";
-    last_stage = launch.stage;
-    EXPECT_TRUE(kinds.emplace(launch.stage, launch.layout.DebugString()).second)
-        << "two launches of stage " << launch.stage << " and layout "
-        << launch.layout.DebugString();
+    const std::pair<uint32_t, uint32_t> order = {launch.pass, launch.stage};
+    EXPECT_GE(order, last) << "launches not sorted by pass, then stage";
+    last = order;
+    EXPECT_TRUE(kinds.emplace(order, launch.layout.DebugString()).second)
+        << "two launches of pass " << launch.pass << ", stage " << launch.stage
+        << " and layout " << launch.layout.DebugString();
     for (uint32_t c = launch.first_item;
          c < launch.first_item + launch.num_items; ++c) {
       const uint32_t entry = plan.items[c].entry;
       EXPECT_TRUE(g.plan.layouts[entry] == launch.layout);
       EXPECT_EQ(g.tensors[g.plan.tensor_index[entry]].stage, launch.stage);
+      EXPECT_EQ(g.plan.pass_of_entry[entry], launch.pass);
     }
     next_item = launch.first_item + launch.num_items;
   }
@@ -191,22 +193,23 @@ void CheckLaunches(const Group& g, const DevicePlan& plan) {
 }
 
 // The whole launches cover the same items and blocks as the launches, in
-// order, with no two neighbours of one layout: each is a run of launches
-// of its layout merged.
+// order, with no two neighbours of one layout and pass: each is a run of
+// launches of its layout and pass merged.
 void CheckWholeLaunches(const DevicePlan& plan) {
   size_t next = 0;  // the first launch not yet covered
   for (size_t w = 0; w < plan.whole_launches.size(); ++w) {
     const Launch& whole = plan.whole_launches[w];
     if (w > 0) {
-      EXPECT_FALSE(plan.whole_launches[w - 1].layout == whole.layout);
+      EXPECT_FALSE(plan.whole_launches[w - 1].layout == whole.layout &&
+                   plan.whole_launches[w - 1].pass == whole.pass);
     }
     ASSERT_LT(next, plan.launches.size());
     const Launch& first = plan.launches[next];
     EXPECT_EQ(whole.first_item, first.first_item);
     uint64_t items = 0, blocks[2] = {0, 0};
-    for (;
-         next < plan.launches.size() &&
-         plan.launches[next].layout == whole.layout && items < whole.num_items;
+    for (; next < plan.launches.size() &&
+           plan.launches[next].layout == whole.layout &&
+           plan.launches[next].pass == whole.pass && items < whole.num_items;
          ++next) {
       items += plan.launches[next].num_items;
       for (int t = 0; t < 2; ++t) {
@@ -382,6 +385,39 @@ TEST(DevicePlanTest, StagesOfOneLayoutMakeOneWholeLaunch) {
   ASSERT_EQ(plan.whole_launches.size(), 1u);
   EXPECT_EQ(plan.whole_launches[0].num_items, plan.items.size());
   EXPECT_EQ(plan.whole_launches[0].num_blocks[0], plan.tables[0].blocks.size());
+}
+
+// Two parameters over one memory (tied through .data, at stages 1 and
+// 0): the later one's items are launched after the earlier one's, in a
+// launch of their own, plain or staged.
+TEST(DevicePlanTest, ParametersOverOneMemoryAreLaunchedOneAfterTheOther) {
+  std::vector<TensorShape> shapes(4);
+  for (uint32_t i = 0; i < shapes.size(); ++i) {
+    shapes[i].numel = 5000 + i;
+    shapes[i].stage = i == 1 ? 1 : 0;
+  }
+  Group g;
+  g.id = "g";
+  for (uint32_t i = 0; i < shapes.size(); ++i) {
+    g.tensors.push_back(MakeTensor(i, shapes[i]));
+  }
+  g.tensors[3].param.data = g.tensors[1].param.data;
+  g.IndexTensors();
+  BuildPlan(g, 4096);
+  const DevicePlan plan = MakePlan(g, 4096);
+  CheckPlan(g, plan, 4096);
+  ASSERT_EQ(plan.whole_launches.size(), 2u);
+  EXPECT_EQ(plan.whole_launches[0].pass, 0u);
+  EXPECT_EQ(plan.whole_launches[1].pass, 1u);
+  const Launch& later = plan.whole_launches[1];
+  for (uint32_t c = later.first_item; c < later.first_item + later.num_items;
+       ++c) {
+    EXPECT_EQ(plan.items[c].entry, 3u);
+  }
+  // Launches by pass first: entry 3 (stage 0) after entry 1 (stage 1).
+  ASSERT_EQ(plan.launches.size(), 3u);
+  EXPECT_EQ(plan.launches.back().pass, 1u);
+  EXPECT_EQ(plan.launches.back().stage, 0u);
 }
 
 TEST(DevicePlanTest, AbsentGradientsHaveEmptyItems) {

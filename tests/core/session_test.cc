@@ -252,6 +252,49 @@ TEST_F(SessionTest, AttachmentsGoBeforeTheSessionsState) {
   EXPECT_EQ(budget_.used(), 0u);
 }
 
+// Two parameters over one memory (tied through .data), each with its own
+// gradient, in one group: stepped one after the other as torch steps them,
+// which is what two groups (stepped in order) give. More threads than
+// tasks of either, so that without the order they may meet mid-step (the
+// plan's order itself: core/group_test.cc).
+TEST(SessionOrderTest, ParametersOverOneMemoryAreSteppedOneAfterTheOther) {
+  CpuBackend backend(CpuBackend::Options{8, 4096});
+  StateBudget budget(1 << 20);
+  constexpr uint64_t kNumel = 4 * 4096;
+  std::vector<uint8_t> results[2];
+  for (int grouping = 0; grouping < 2; ++grouping) {
+    Session session(SessionIdentity{"job", 0, 1, -1}, &backend, &budget,
+                    Context(&backend));
+    auto params = *SharedMemoryRegion::Create(kNumel * 4);
+    auto grads = *SharedMemoryRegion::Create(2 * kNumel * 4);
+    for (uint64_t i = 0; i < kNumel; ++i) {
+      params->as<float>()[i] = 0.001f * static_cast<float>(i);
+      grads->as<float>()[i] = 1.0f;
+      grads->as<float>()[kNumel + i] = -0.25f * static_cast<float>(i % 7);
+    }
+    TensorSpec tensors[2];
+    for (int k = 0; k < 2; ++k) {
+      tensors[k].name = k == 0 ? "w" : "v";
+      tensors[k].numel = kNumel;
+      tensors[k].param_dtype_set = tensors[k].grad_dtype_set = true;
+      tensors[k].param = Handle(*params, 0, kNumel * 4);
+      tensors[k].grad = Handle(*grads, k * kNumel * 4, kNumel * 4);
+    }
+    GroupSpec first, second;
+    first.id = "first";
+    second.id = "second";
+    first.tensors = {tensors[0]};
+    (grouping == 0 ? first : second).tensors.push_back(tensors[1]);
+    ASSERT_TRUE(session.RegisterGroup(first).ok());
+    if (grouping == 1) {
+      ASSERT_TRUE(session.RegisterGroup(second).ok());
+    }
+    for (int step = 0; step < 10; ++step) ASSERT_TRUE(session.Step({}).ok());
+    results[grouping].assign(params->data(), params->data() + kNumel * 4);
+  }
+  EXPECT_EQ(results[0], results[1]);
+}
+
 TEST_F(SessionTest, UpdateBuffersTouchesOnlyThatEntry) {
   GroupSpec spec;
   spec.id = "g";

@@ -183,22 +183,35 @@ class DropIn(DaemonTestCase):
         self.assertEqual(ours[1].data_ptr(), flats[0].data_ptr() + 48)
 
     def test_weights_tied_through_data_stay_tied(self):
-        def params():
-            w = torch.nn.Parameter(torch.randn(4, 4))
-            v = torch.nn.Parameter(torch.empty(4, 4))
-            v.data = w.data
-            return [w, v]
+        # torch steps w, then v from w's new values (each with its own
+        # gradient and state); the daemon updates them in that order too,
+        # also where its threads or thread blocks would otherwise meet.
+        for shape in ((4, 4), (512, 300)):
+            def params():
+                w = torch.nn.Parameter(torch.randn(*shape))
+                v = torch.nn.Parameter(torch.empty(*shape))
+                v.data = w.data
+                return [w, v]
 
-        opt, ref = self.both(params, lr=1e-2)
-        for step in range(3):
-            for o in (opt, ref):
-                torch.manual_seed(step)
-                for p in o.param_groups[0]["params"]:
-                    p.grad = torch.randn(p.shape, device=DEVICE)
-                o.step()
-        w, v = opt.param_groups[0]["params"]
-        self.assertEqual(w.data_ptr(), v.data_ptr())
-        self.assert_same(opt, ref)
+            opt, ref = self.both(params, lr=1e-2)
+            for step in range(3):
+                for o in (opt, ref):
+                    torch.manual_seed(step)
+                    for p in o.param_groups[0]["params"]:
+                        p.grad = torch.randn(p.shape, device=DEVICE)
+                    o.step()
+            w, v = opt.param_groups[0]["params"]
+            self.assertEqual(w.data_ptr(), v.data_ptr())
+            self.assert_same(opt, ref)
+
+    @unittest.skipUnless(DEVICE.type == "cuda", "overlap is for CUDA")
+    def test_overlap_refuses_weights_tied_through_data(self):
+        w = torch.nn.Parameter(torch.randn(4, 4, device=DEVICE))
+        v = torch.nn.Parameter(torch.empty(4, 4, device=DEVICE))
+        v.data = w.data
+        with self.assertRaisesRegex(NotImplementedError, "one memory"):
+            AdamW([("w", w), ("v", v)], overlap=True,
+                  address=self.daemon.address)
 
     @cpu_only
     def test_share_memory_after_construction_is_followed_or_refused(self):

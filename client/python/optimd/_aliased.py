@@ -75,6 +75,22 @@ def aliased(params):
     return out
 
 
+def overlapping(params):
+    """The parameters among `params` whose memory overlaps another's (a
+    weight tied by `v.data = w.data`; views of one flat buffer side by side
+    do not overlap), in the order given."""
+    spans = sorted((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size(),
+                    i) for i, p in enumerate(params) if p.numel())
+    found = set()
+    end, owner = 0, None
+    for begin, stop, i in spans:
+        if begin < end:
+            found.update((i, owner))
+        if stop > end:
+            end, owner = stop, i
+    return [params[i] for i in sorted(found)]
+
+
 def shm_handle(t, name):
     """A shared-memory handle of CPU tensor `t` where it is: its storage in
     a named shared-memory file (moved there first if it is in private

@@ -16,7 +16,8 @@ import weakref
 import torch
 
 from optimd import _secrets, cuda_ipc, errors
-from optimd._aliased import aliased, is_fsdp1, shm_handle
+from optimd._aliased import (aliased, is_fsdp1, overlapping,
+                             shm_handle)
 from optimd._checkpoints import Checkpoints
 from optimd._cuda_segment import CudaSegment
 from optimd._dtensor import (any_sharded, check_mesh, is_dtensor, local_of,
@@ -593,6 +594,23 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
                                 "parameters")
             if p.numel() and not is_dense(local_of(p)):
                 raise _not_dense_error(name, local_of(p))
+        if self._identity["overlap"] and self._device.type == "cuda":
+            self._refuse_overlapping_memory()
+
+    def _refuse_overlapping_memory(self):
+        """overlap=True updates stage by stage, in the order of the next
+        forward; parameters over one memory (tied by `v.data = w.data`) must
+        be updated one after the other, as torch steps them, so they are
+        refused here, naming them."""
+        params = [p for g in self.param_groups for p in g["params"]
+                  if not _is_lazy(p) and not is_dtensor(p)]
+        tied = overlapping(params)
+        if tied:
+            raise NotImplementedError(
+                "optimd.torch: overlap=True does not take parameters over "
+                "one memory (%s: tied by .data?); tie them as one Parameter "
+                "(v = w) or use overlap=False" % ", ".join(
+                    self._names.get(id(p), "a parameter") for p in tied[:4]))
 
     def _flat_grads(self, group_id, renew=False):
         """The group's flat gradient segment, made on first use, with a
