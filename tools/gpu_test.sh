@@ -32,6 +32,8 @@ run python3 -m unittest -v tests/python/test_cuda_zero.py  # two GPUs: nvidia-h2
 OPTIMD_TEST_DEVICE=cuda run python3 -m unittest tests.python.test_checkpoint
 # The drop-in rows (torch and optimd side by side) on CUDA tensors.
 OPTIMD_TEST_DEVICE=cuda run python3 -m unittest tests.python.test_dropin
+# One optimizer over CPU and CUDA parameters (a part per device).
+run python3 -m unittest -v tests/python/test_several_devices.py
 # FP8 weights trained through the CUDA backend, every recipe (the loss must
 # fall to below half its first value).
 fp8_sock=$(mktemp -u /tmp/optimd-fp8-XXXXXX.sock)

@@ -30,6 +30,8 @@ from optimd._names import ParamNames
 from optimd._overlap import Overlap, assign_stages
 from optimd._state import DTYPES, DaemonState, set_state_request
 from optimd._state_dicts import StateDicts
+from optimd._several_devices import (SeveralDevices, become_several,
+                                     check_several)
 from optimd._step_flags import StepFlags
 from optimd.client import Client
 from optimd.shm import SharedSegment, align
@@ -142,10 +144,15 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
     def _start(self, params, defaults, *, address, job_id, rank, world_size,
                resume, max_grad_norm, grad_scale, skip_nonfinite, keep_fp32,
                overlap, resume_secret, timeout, gradient_sharding,
-               shard_state):
+               shard_state, names=None):
         """The shared part of construction, once the subclass has checked
-        its arguments and made `defaults`."""
-        self._names = ParamNames()
+        its arguments and made `defaults`. `names`: the parameters' names
+        (ParamNames) when `params` come without them (the parts of an
+        optimizer over several devices: _several_devices.py)."""
+        keep_fp32 = list(keep_fp32)
+        # As given, for the parts should the parameters spread over devices.
+        self._service = _service_options(locals())
+        self._names = ParamNames() if names is None else names
         params = self._strip_names(params)
         self._ready = False
         self._sent_hyper = None  # the hyperparameters the daemon has
@@ -170,6 +177,12 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         # skipped flag (a host sync); otherwise they are of the last
         # completed step.
         self.wait_for_step = False
+        by_device = self._by_device()
+        if len(by_device) > 1:
+            # One part per device, each with its session.
+            check_several(self, self._service, by_device)
+            become_several(self, self._service)
+            return
         self._device = self._check_devices()
         # One session per optimizer object: two optimizers of one process
         # (a GAN, a notebook cell run twice) never collide. resume=True
@@ -342,17 +355,30 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
                             torch.typename(params))
         return self._names.strip(params)
 
-    def _check_devices(self):
-        """The one device of every parameter; raises ValueError naming the
-        parameters of each device when they are on several."""
+    def _part_key(self, p):
+        """What an optimizer over several devices splits its parameters by,
+        one part (and session) per key (_several_devices.py): their
+        device."""
+        return p.device
+
+    def _part_label(self, key):
+        """A part's key as its job-id suffix and checkpoint folder: "cpu",
+        "cuda0"."""
+        return key.type + ("" if key.index is None else str(key.index))
+
+    def _by_device(self):
+        """{part key (device): the names of its parameters}."""
         by_device = {}
         for gi, g in enumerate(self.param_groups):
             for pi, p in enumerate(g["params"]):
-                by_device.setdefault(p.device, []).append(
+                by_device.setdefault(self._part_key(p), []).append(
                     self._names.get(id(p), "%d.%d" % (gi, pi)))
-        if len(by_device) > 1:
-            raise _several_devices_error(type(self).__name__, by_device)
-        device = next(iter(by_device), torch.device("cpu"))
+        return by_device
+
+    def _check_devices(self):
+        """The one device of every parameter (they are on one)."""
+        device = next((p.device for g in self.param_groups
+                       for p in g["params"]), torch.device("cpu"))
         if device.type not in ("cpu", "cuda"):
             raise ValueError("optimd.torch supports CPU and CUDA "
                              "parameters, not %s" % device)
@@ -365,6 +391,9 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         if self._ready:
             gi = len(self.param_groups) - 1
             try:
+                if len(self._by_device()) > 1:
+                    self._spread()
+                    return
                 self._check_devices()
                 self._register_group(gi, self.param_groups[gi],
                                      existing=False)
@@ -675,6 +704,9 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         for gi, (g, group) in enumerate(zip(self._groups, self.param_groups)):
             if not _changed_since_registered(g, group):
                 continue
+            if len(self._by_device()) > 1:
+                self._spread()
+                return
             device = self._check_devices()
             if device != self._device:
                 # New parameters elsewhere (accelerate's prepare() with
@@ -849,12 +881,8 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         are, and carries the state over (as torch's optimizer would go on
         with the changed parameters)."""
         if len(devices) > 1:
-            by_device = {}
-            for g in self._groups:
-                for s in g["tensors"]:
-                    by_device.setdefault(s.param.device, []).append(s.name)
-            raise _several_devices_error(type(self).__name__, by_device,
-                                         now=True)
+            self._spread()
+            return
         device = devices.pop()
         if device.type not in ("cpu", "cuda"):
             raise ValueError("the parameters moved to %s; optimd.torch "
@@ -876,6 +904,20 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         self.resumed = resumed
         if saved["state"]:
             self._load_state_dict(saved)  # internal: no user hooks
+
+    def _spread(self):
+        """The parameters are on several devices now (a group added on
+        another device, parameters moved there): the optimizer becomes one
+        over several devices (_several_devices.py), its state carried
+        over. Raises first, leaving it as it was, for what that does not
+        take."""
+        check_several(self, self._service, self._by_device())
+        self._look_at_replies(block=True)
+        self._write_back_state()
+        entries = {id(p): e for p, e in
+                   self.state.with_extras(self._fetch_state()).items()}
+        self._closer()
+        become_several(self, self._service, entries)
 
     def _overrides(self):
         """Hyperparameters of the groups whose values changed since the
@@ -902,6 +944,9 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         self._write_back_state()
         self._sync_structure()
         self._sync_params()
+        if isinstance(self, SeveralDevices):
+            # The parameters spread over devices just now.
+            return self._step_parts(loss)
         check_fsdp1_job(self._any_fsdp1, self._world_size,
                         self._identity["sharding"] != _SHARDING[None],
                         bool(self.max_grad_norm or self.skip_nonfinite))
@@ -1067,25 +1112,6 @@ class PickledOptimizer:
             "scheduler's state dict, say) and holds no daemon session nor "
             "state; use the optimizer of this process (its state: "
             "state_dict() / load_state_dict())" % self.__dict__["_name"])
-
-
-def _several_devices_error(cls_name, by_device, now=False):
-    """Parameters on several devices: torch's optimizers take them, an
-    optimd optimizer's session lives on one device (the daemon keeps its
-    state there and writes the updated parameters into that device's
-    memory), so it refuses them, naming a few parameters of each device."""
-    def names(ps):
-        return ", ".join(ps[:3]) + (" and %d more" % (len(ps) - 3)
-                                    if len(ps) > 3 else "")
-    where = "; ".join("%s: %s" % (d, names(ps)) for d, ps in
-                      sorted(by_device.items(), key=lambda kv: str(kv[0])))
-    return ValueError(
-        "optimd.torch.%s: the parameters are %son several devices (%s); an "
-        "optimizer's daemon session lives on one device, so all parameters "
-        "must be on one device. Make one optimizer per device (e.g. "
-        "%s(cpu_params) and %s(cuda_params)), or move the model to one "
-        "device" % (cls_name, "now " if now else "", where, cls_name,
-                    cls_name))
 
 
 def _not_dense_error(name, p):

@@ -52,13 +52,12 @@ differences"):
     step; the daemon keeps one state per tensor), unless under two names:
     a tied weight, registered once with the second name as its alias
     (optimd/_names.py).
-  * Parameters on several devices (CPU and CUDA, cuda:0 and cuda:1), which
-    torch's optimizers take, raise ValueError naming each device's
-    parameters: at construction (nothing is left in the daemon), at
-    add_param_group (param_groups stay as they were) or at the step after
-    a parameter moved. An optimizer's session lives on one device, where
-    the daemon keeps its state and writes the updated parameters; make one
-    optimizer per device instead.
+  * Parameters on several devices (CPU and CUDA, cuda:0 and cuda:1) are
+    taken as torch takes them, one part and session per device
+    (_several_devices.py); overlap, shard_state, gradient_sharding and
+    state_bytes then raise, and checkpoints are one folder per device.
+  * Two parameters over one memory (v.data = w.data) are updated one
+    after the other as in torch, but overlap=True refuses them.
   * A parameter not dense in memory (a view with gaps, base[:, ::2], or an
     expanded tensor) raises ValueError: the daemon steps each parameter as
     one run of memory; make it contiguous.
@@ -312,9 +311,9 @@ class AdamW(_AdamFamily, torch.optim.AdamW):
     exp_avg_dtype applies to float32, bf16 and fp16 parameters.
 
     Where it differs from torch.optim.AdamW (README, "Deliberate
-    differences"): a parameter listed twice in a group, parameters on
-    several devices (one optimizer per device instead) and parameters not
-    dense in memory raise; DTensor (FSDP2) parameters are stepped in
+    differences"): a parameter listed twice in a group and parameters not
+    dense in memory raise; parameters on several devices get a part (and
+    session) per device; DTensor (FSDP2) parameters are stepped in
     their local shards (replicated or hybrid placements raise); after
     model.double() the moments are cast to float64 and training goes on
     (torch's own step fails there).
