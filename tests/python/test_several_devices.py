@@ -14,7 +14,7 @@ import unittest
 import torch
 
 import optimd
-from optimd.testing import DaemonTestCase
+from optimd.testing import Daemon, DaemonTestCase
 from optimd.torch import AdamW
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -246,11 +246,18 @@ class CpuAndCuda(SeveralParts):
     devices = ("cpu", "cuda:0")
     nonfinite_layer = 1
 
+    @classmethod
+    def setUpClass(cls):
+        cls.daemon = Daemon(backend="cuda")  # it takes CPU sessions too
+
     def test_a_parameter_moved_to_the_gpu_is_followed(self):
         opt, ref, ours, theirs = self.both(two_groups, lr=1e-2)
         self.train(opt, ref, ours, theirs, steps=2)
         for layers in (ours, theirs):
             layers[0].to("cuda:0")
+        # torch's own state stays where it was (its step then fails): its
+        # load_state_dict moves it to the parameters, as ours follows them.
+        ref.load_state_dict(ref.state_dict())
         self.train(opt, ref, ours, theirs, steps=2)
         self.assert_same(ours, theirs)
 
