@@ -208,12 +208,16 @@ class DropIn(DaemonTestCase):
             self.assert_same(opt, ref)
 
     @unittest.skipUnless(DEVICE.type == "cuda", "overlap is for CUDA")
-    def test_overlap_refuses_weights_tied_through_data(self):
+    def test_overlap_refuses_tied_weights_and_views_with_gaps(self):
         w = torch.nn.Parameter(torch.randn(4, 4, device=DEVICE))
         v = torch.nn.Parameter(torch.empty(4, 4, device=DEVICE))
         v.data = w.data
         with self.assertRaisesRegex(NotImplementedError, "one memory"):
             AdamW([("w", w), ("v", v)], overlap=True,
+                  address=self.daemon.address)
+        gappy = torch.nn.Parameter(torch.randn(4, 6, device=DEVICE)[:, ::2])
+        with self.assertRaisesRegex(NotImplementedError, "gaps"):
+            AdamW([("gappy", gappy)], overlap=True,
                   address=self.daemon.address)
 
     @cpu_only
@@ -263,6 +267,50 @@ class DropIn(DaemonTestCase):
                 sched.step()
             self.assertLess(o.param_groups[0]["lr"], 0)
         self.assert_same(opt, ref)
+
+    def test_views_with_gaps_are_stepped_where_they_are(self):
+        # Every other column of a buffer of the trainer's: torch steps the
+        # view in place, strides and all, and the buffer sees it; so does
+        # optimd (the daemon steps a dense copy, copied back each step),
+        # given at construction or appended to a group later.
+        bases = [torch.randn(4, 6, device=DEVICE)]
+        bases.append(bases[0].clone())
+        views = [torch.nn.Parameter(b[:, ::2]) for b in bases]
+        extra = [torch.nn.Parameter(b[1:, 1::2]) for b in bases]
+        plain = [torch.nn.Parameter(torch.ones(3, device=DEVICE))
+                 for _ in range(2)]
+        opt = AdamW([views[0], plain[0]], lr=1e-2,
+                    address=self.daemon.address)
+        self.opts.append(opt)
+        ref = torch.optim.AdamW([views[1], plain[1]], lr=1e-2)
+        for step in range(4):
+            if step == 2:
+                opt.param_groups[0]["params"].append(extra[0])
+                ref.param_groups[0]["params"].append(extra[1])
+            for o in (opt, ref):
+                torch.manual_seed(step)
+                for p in o.param_groups[0]["params"]:
+                    p.grad = torch.randn(p.shape, device=DEVICE)
+                o.step()
+        self.assertEqual(views[0].stride(), (6, 2))
+        self.assertEqual(views[0].data_ptr(), bases[0].data_ptr())
+        torch.testing.assert_close(bases[0], bases[1], **TOL)
+        self.assert_same(opt, ref)
+        torch.testing.assert_close(opt.state[views[0]]["exp_avg"],
+                                   ref.state[views[1]]["exp_avg"], **TOL)
+
+    def test_a_parameter_resized_after_steps_raises_as_in_torch(self):
+        # p.data = torch.cat(...) once p has state: torch's step raises
+        # RuntimeError (its moments of the old size); so does ours.
+        opt, ref = self.both(one_param(3, 4), lr=1e-2)
+        for o in (opt, ref):
+            p = o.param_groups[0]["params"][0]
+            p.grad = torch.ones_like(p)
+            o.step()
+            p.data = torch.cat([p.data, p.data])
+            p.grad = torch.ones_like(p)
+            with self.assertRaises(RuntimeError):
+                o.step()
 
     def test_state_of_another_shape_raises_and_loads_nothing(self):
         params = one_param(4, 3)

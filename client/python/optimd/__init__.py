@@ -13,8 +13,10 @@ from optimd.errors import (AbortedError, AlreadyExistsError,  # noqa: E402
                            DaemonUnavailableError, DeadlineExceededError,
                            FailedPreconditionError, IncompatibleDaemonError,
                            InvalidArgumentError, MissingStateError,
-                           NotFoundError, OptimdError, PermissionDeniedError,
-                           ResourceExhaustedError, SessionError)
+                           NotFoundError, OptimdError,
+                           OverlappingParameterError, ParameterChangedError,
+                           PermissionDeniedError, ResourceExhaustedError,
+                           SessionError)
 from optimd.client import (API_REVISION, Client, __version__,  # noqa: E402
                            default_address)
 
@@ -24,7 +26,7 @@ __all__ = [
     "InvalidArgumentError", "ResourceExhaustedError",
     "FailedPreconditionError", "IncompatibleDaemonError",
     "PermissionDeniedError", "DeadlineExceededError", "AbortedError",
-    "MissingStateError",
+    "MissingStateError", "ParameterChangedError", "OverlappingParameterError",
     "__version__",
     "API_REVISION",
 ]

@@ -25,7 +25,8 @@ from optimd._dtensor import (any_sharded, check_mesh, is_dtensor, local_of,
 from optimd._grads import GradRouter, HandleCache, zero_in_place
 from optimd._jobs import (check_fsdp1_job, close_session, dist_identity,
                           shared_job_id, shared_nccl_id, zero_sharding)
-from optimd._layout import alias_like, is_dense, keeps_layout, memory_shape
+from optimd._layout import (alias_like, is_dense, keeps_layout,
+                            memory_shape, overlaps_itself)
 from optimd._names import ParamNames
 from optimd._overlap import Overlap, assign_stages
 from optimd._state import DTYPES, DaemonState, set_state_request
@@ -522,9 +523,12 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             s.gview = None
             s.keeps_grads = False  # optimd/_grads.py, _renew_held
             s.sent_ptr = 0
-            s.mirrored = is_dtensor(p) and not self._in_place()
+            # A view with gaps (base[:, ::2]) is stepped in a dense copy in
+            # the group's segment, copied both ways around each step.
+            gappy = _gappy(p)
+            s.mirrored = (is_dtensor(p) and not self._in_place()) or gappy
             s.in_place = (is_dtensor(p) and self._in_place()) or \
-                id(p) in shared
+                (id(p) in shared and not gappy)
             tensors.append((s, p_bytes))
             if not s.in_place:
                 p_bytes += align(s.numel * s.mem.element_size())
@@ -621,10 +625,26 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             if p.is_sparse:
                 raise TypeError("optimd.torch does not support sparse "
                                 "parameters")
-            if p.numel() and not is_dense(local_of(p)):
+            if p.numel() and overlaps_itself(local_of(p)):
+                raise _overlapping_error(name, local_of(p))
+            if is_dtensor(p) and p.numel() and not is_dense(local_of(p)):
                 raise _not_dense_error(name, local_of(p))
         if self._identity["overlap"] and self._device.type == "cuda":
             self._refuse_overlapping_memory()
+            self._refuse_gappy(group)
+
+    def _refuse_gappy(self, group):
+        """overlap=True releases parameters stage by stage on the GPU; a
+        parameter with gaps in its memory is stepped in a dense copy,
+        copied back after the whole step, so it is refused, naming it."""
+        for p in group["params"]:
+            if _gappy(p):
+                raise NotImplementedError(
+                    "optimd.torch: overlap=True does not take parameter %s "
+                    "(shape %s, strides %s), which has gaps in its memory; "
+                    "make it contiguous or use overlap=False" % (
+                        self._names.get(id(p), "?"), tuple(p.shape),
+                        p.stride()))
 
     def _refuse_overlapping_memory(self):
         """overlap=True updates stage by stage, in the order of the next
@@ -680,16 +700,19 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
     # The step.
     def _index_buffers(self):
         """Flat lists for the per-step check that nothing moved."""
-        # The entries re-homed into our segments (not DTensor shards).
+        # The entries re-homed into our segments (not DTensor shards nor
+        # mirrored ones).
         self._homed = [s for g in self._groups for s in g["tensors"]
-                       if s.numel and not is_dtensor(s.param)]
+                       if s.numel and not is_dtensor(s.param) and
+                       not s.mirrored]
         self._params_flat = [s.param for s in self._homed]
         # Whether a step must check FSDP1's job options (check_fsdp1_job).
         self._any_fsdp1 = any(map(is_fsdp1, self._params_flat))
         self._pptrs_flat = [s.pview.data_ptr() for s in self._homed]
         self._dtensors = [s for g in self._groups for s in g["tensors"]
                           if s.numel and is_dtensor(s.param)]
-        self._mirrored = [s for s in self._dtensors if s.mirrored]
+        self._mirrored = [s for g in self._groups for s in g["tensors"]
+                          if s.numel and s.mirrored]
         self._router = GradRouter(
             [s for g in self._groups for s in g["tensors"]], self._device,
             _weakly(self._flat_grads), densify=self._takes_sparse_grads)
@@ -776,7 +799,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             if p.dtype != s.pview.dtype or p.shape != s.pview.shape:
                 # A dtype the daemon does not step, or a new shape: we
                 # cannot go on silently.
-                raise TypeError(
+                raise errors.ParameterChangedError(
                     "parameter %s is now %s %s; it was registered as %s %s. "
                     "Convert the model before creating the optimizer (or "
                     "create a new one)" % (
@@ -794,7 +817,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         for s in moved:
             p = s.param
             if is_fsdp1(p) and p.shape != s.pview.shape:
-                raise TypeError(
+                raise errors.ParameterChangedError(
                     "parameter %s is now %s, a part of FSDP version 1's "
                     "shard of this rank; it was registered as %s before "
                     "FSDP sharded it. Make the optimizer after wrapping "
@@ -803,7 +826,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
                         s.name, tuple(p.shape), tuple(s.pview.shape)))
             if p.dtype != s.pview.dtype or p.shape != s.pview.shape or \
                     not is_dense(p):
-                raise TypeError(
+                raise errors.ParameterChangedError(
                     "parameter %s is now %s %s with strides %s; it was "
                     "registered as %s %s. Create a new optimizer for it" % (
                         s.name, p.dtype, tuple(p.shape), p.stride(),
@@ -982,6 +1005,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         stream = cuda_ipc.current_stream(self._device)
         flags, sequence = self._flags.next_step(self._client.steps_streamed)
         staged = self._overlap is not None
+        self._mirror_in()  # copies on our stream, before the ready flag
         self._flags.mark_ready(stream, staged=staged)
         future = self._client.step_async(step_flags=flags, sequence=sequence,
                                          staged=staged, **request)
@@ -989,6 +1013,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             self._overlap.started()  # forwards wait, stage by stage
         else:
             self._flags.wait_done(stream)
+            self._mirror_out()  # after the wait for the done flag
         self._pending.append(future)
         # wait_for_step: this step's own outcome; otherwise at most two
         # steps in flight before the host waits (bounded host lead).
@@ -1114,9 +1139,25 @@ class PickledOptimizer:
             "state_dict() / load_state_dict())" % self.__dict__["_name"])
 
 
+def _gappy(p):
+    """Whether plain parameter `p` has gaps in its memory (a view such as
+    base[:, ::2]): stepped in a dense copy (mirrored)."""
+    return not is_dtensor(p) and p.numel() > 0 and not is_dense(p) and \
+        not overlaps_itself(p)
+
+
+def _overlapping_error(name, p):
+    return errors.OverlappingParameterError(
+        "parameter %s (shape %s, strides %s) has elements that share memory "
+        "(an expanded tensor); an in-place step cannot update it (torch's "
+        "raises RuntimeError): make it a tensor of its own, e.g. "
+        "torch.nn.Parameter(t.clone())" % (name, tuple(p.shape), p.stride()))
+
+
 def _not_dense_error(name, p):
-    """The daemon steps a tensor as one run of memory: a view with gaps
-    (base[:, ::2]) or repeats (expand) would silently lose its strides."""
+    """The daemon steps a tensor as one run of memory: a DTensor's shard
+    with gaps, or a parameter given such memory after registration
+    (`p.data = base[:, ::2]`), would silently lose its strides."""
     return ValueError(
         "parameter %s (shape %s, strides %s) is not dense in memory; "
         "optimd.torch steps each parameter as one run of memory: make it "

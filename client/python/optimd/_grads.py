@@ -182,9 +182,10 @@ class GradRouter:
         if grad.device != mem.device:
             raise ValueError("parameter %s has its gradient on %s, not on %s"
                              % (s.name, grad.device, mem.device))
-        if grad.stride() != mem.stride() and grad.numel() > 1:
-            # The daemon reads the gradient in the parameter's memory order.
-            grad = torch.empty_like(mem).copy_(grad)
+        if grad.stride() != s.pview.stride() and grad.numel() > 1:
+            # The daemon reads the gradient in the memory order of the
+            # parameter it steps (a dense copy of one with gaps).
+            grad = torch.empty_like(s.pview).copy_(grad)
             self._copies[s.name] = grad
         return grad
 

@@ -19,6 +19,20 @@ def is_dense(t):
     return True
 
 
+def overlaps_itself(t):
+    """Whether two of `t`'s elements may share memory (an expanded tensor,
+    a stride of 0): each dimension, by stride, must step past the extent
+    of those before it."""
+    extent = 1
+    for d in sorted(range(t.dim()), key=lambda d: (t.stride(d), t.size(d))):
+        if t.size(d) == 1:
+            continue
+        if t.stride(d) < extent:
+            return True
+        extent = t.stride(d) * t.size(d)
+    return False
+
+
 def keeps_layout(t):
     """True when `t`'s own strides are kept (a dense non-contiguous
     tensor); otherwise it is stored contiguously."""

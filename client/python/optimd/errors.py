@@ -102,6 +102,19 @@ class MissingStateError(KeyError, ValueError):
         return Exception.__str__(self)  # the message, not its repr
 
 
+class ParameterChangedError(TypeError, RuntimeError):
+    """A parameter's shape or dtype changed under the optimizer in a way it
+    cannot follow (`p.data = torch.cat(...)` after steps). A TypeError, as
+    optimd.torch raised before, and a RuntimeError, as torch's own step
+    raises there (its state of the old size meets the new one)."""
+
+
+class OverlappingParameterError(ValueError, RuntimeError):
+    """A parameter two of whose elements share memory (an expanded
+    tensor): torch's in-place step raises RuntimeError on it; optimd.torch
+    raises this (a RuntimeError and a ValueError) when it is registered."""
+
+
 _BY_CODE = {
     c.code: c
     for c in (DaemonUnavailableError, SessionError, NotFoundError,

@@ -41,9 +41,10 @@ differences"):
     and fp32 moments, where torch steps them in their own dtype;
     master_weights=False is refused for them.
   * defaults, param_groups and state dicts carry optimd's own options
-    beside torch's keys; a parameter whose shape changes after
-    construction raises TypeError at the next step (torch's step raises
-    RuntimeError there).
+    beside torch's keys.
+  * A parameter whose shape changes after steps raises
+    optimd.ParameterChangedError (a RuntimeError, as torch's step raises,
+    and a TypeError) at the next step.
   * After model.double() the state is carried over cast to float64 (as
     torch's load_state_dict casts it), so the moments are float64 from
     then on; torch's own step fails there (float32 moments, float64
@@ -58,9 +59,10 @@ differences"):
     state_bytes then raise, and checkpoints are one folder per device.
   * Two parameters over one memory (v.data = w.data) are updated one
     after the other as in torch, but overlap=True refuses them.
-  * A parameter not dense in memory (a view with gaps, base[:, ::2], or an
-    expanded tensor) raises ValueError: the daemon steps each parameter as
-    one run of memory; make it contiguous.
+  * A view with gaps (base[:, ::2]) is stepped in a dense copy, copied
+    both ways around each step (overlap=True refuses it); an expanded
+    parameter raises optimd.OverlappingParameterError (a RuntimeError,
+    as torch's step raises, and a ValueError) when registered.
   * DTensor parameters (FSDP2's fully_shard) are stepped in their local
     shards (README, "FSDP2"); replicated or hybrid placements, overlap
     and shard_state with them raise NotImplementedError naming the
@@ -311,8 +313,8 @@ class AdamW(_AdamFamily, torch.optim.AdamW):
     exp_avg_dtype applies to float32, bf16 and fp16 parameters.
 
     Where it differs from torch.optim.AdamW (README, "Deliberate
-    differences"): a parameter listed twice in a group and parameters not
-    dense in memory raise; parameters on several devices get a part (and
+    differences"): a parameter listed twice in a group and expanded
+    parameters raise; parameters on several devices get a part (and
     session) per device; DTensor (FSDP2) parameters are stepped in
     their local shards (replicated or hybrid placements raise); after
     model.double() the moments are cast to float64 and training goes on
