@@ -299,6 +299,41 @@ class DropIn(DaemonTestCase):
         torch.testing.assert_close(opt.state[views[0]]["exp_avg"],
                                    ref.state[views[1]]["exp_avg"], **TOL)
 
+    def test_a_group_taken_out_of_param_groups_is_no_longer_stepped(self):
+        # `del opt.param_groups[0]`: torch steps the groups left; the
+        # parameters of the one taken out keep their state for a return.
+        def params():
+            return [torch.nn.Parameter(torch.randn(3)) for _ in range(3)]
+
+        opt, ref = self.both(params, lr=1e-2)
+        every = {o: list(o.param_groups[0]["params"]) for o in (opt, ref)}
+        for o in (opt, ref):
+            o.param_groups[0]["params"] = every[o][:2]
+            o.add_param_group({"params": every[o][2:], "lr": 3e-2})
+        for step in range(5):
+            for o in (opt, ref):
+                if step == 2:
+                    del o.param_groups[0]
+                if step == 4:
+                    o.add_param_group({"params": [every[o][0]]})
+                for p in every[o]:
+                    p.grad = torch.full_like(p, 0.5 + step)
+                o.step()
+        for p, q in zip(every[opt], every[ref]):
+            torch.testing.assert_close(p.detach(), q.detach(), **TOL)
+        torch.testing.assert_close(opt.state[every[opt][0]]["exp_avg"],
+                                   ref.state[every[ref][0]]["exp_avg"],
+                                   **TOL)
+        # Taken out and another added before any step: the same.
+        for o in (opt, ref):
+            del o.param_groups[0]
+            o.add_param_group({"params": [every[o][1]], "lr": 2e-2})
+            for p in every[o]:
+                p.grad = torch.full_like(p, -1.0)
+            o.step()
+        for p, q in zip(every[opt], every[ref]):
+            torch.testing.assert_close(p.detach(), q.detach(), **TOL)
+
     def test_a_parameter_resized_after_steps_raises_as_in_torch(self):
         # p.data = torch.cat(...) once p has state: torch's step raises
         # RuntimeError (its moments of the old size); so does ours.

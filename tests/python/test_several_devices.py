@@ -8,6 +8,9 @@ they were on two devices: the same code, the real daemon, two real
 sessions. With CUDA, the CPU and the GPU.
 """
 import os
+import signal
+import subprocess
+import sys
 import tempfile
 import unittest
 
@@ -23,14 +26,15 @@ HAS_CUDA = torch.cuda.is_available()
 
 class SplitAdamW(AdamW):
     """AdamW whose parameters of an odd number of elements form a part of
-    their own, as if on a second device."""
+    their own, as if on a second device; a parameter's `part` attribute,
+    where set, names its part instead (setting it moves the parameter to
+    another part, as a move to another device would)."""
 
     def _part_key(self, p):
-        return (str(p.device), p.numel() % 2)
+        return (str(p.device), getattr(p, "part", p.numel() % 2))
 
     def _part_label(self, key):
-        return "%s-%s" % (key[0].replace(":", ""), "odd" if key[1] else
-                          "even")
+        return "%s-%d" % (key[0].replace(":", ""), key[1])
 
 
 def model_on(devices):
@@ -215,6 +219,129 @@ class SeveralParts(SeveralDevicesCase):
                 address=self.daemon.address)
         self.assertEqual(session_keys(client) - before, set())
         client.close()
+
+
+def complex_parameter():
+    return torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))
+
+
+class ChangesOfParts(SeveralDevicesCase):
+    """Parts made anew, refused changes and resumes (CPU parts)."""
+
+    def test_a_parameter_moved_between_parts_keeps_its_state(self):
+        # Also the state of a parameter out of every group at the move.
+        opt, ref, ours, theirs = self.both(two_groups, lr=1e-2)
+        self.train(opt, ref, ours, theirs, steps=2)
+        for o, layers in ((opt, ours), (ref, theirs)):
+            ps = o.param_groups[1]["params"]
+            del ps[list(map(id, ps)).index(id(layers[2].weight))]
+        self.train(opt, ref, ours, theirs, steps=1)
+        ours[0].weight.part = 0  # 35 elements: from the odd part to the even
+        self.train(opt, ref, ours, theirs, steps=2)
+        for o, layers in ((opt, ours), (ref, theirs)):
+            o.param_groups[1]["params"].append(layers[2].weight)
+        self.train(opt, ref, ours, theirs, steps=2)
+        self.assert_same(ours, theirs)
+
+    def test_a_refused_group_keeps_the_parts_and_their_state(self):
+        # A group that would spread a one-device optimizer, one with a new
+        # part, and one on the parts there are: refused (TypeError, as
+        # before), and training goes on as if it had not been asked for.
+        opt, ref, ours, theirs = self.both(
+            lambda layers: [p for layer in layers for p in layer.parameters()
+                            if p.numel() % 2 == 0], lr=1e-2)
+        self.train(opt, ref, ours, theirs, steps=2)
+        odd = [p for layer in ours for p in layer.parameters()
+               if p.numel() % 2]
+        for extra in ([], [complex_parameter()]):
+            new_part = complex_parameter()
+            new_part.part = 2
+            with self.assertRaisesRegex(TypeError, "complex64"):
+                opt.add_param_group({"params": odd[:1] + [complex_parameter()]
+                                     + extra})
+            self.train(opt, ref, ours, theirs, steps=1)
+            with self.assertRaisesRegex(TypeError, "complex64"):
+                opt.add_param_group({"params": [new_part]})
+            self.train(opt, ref, ours, theirs, steps=1)
+            self.assertEqual(len(opt.param_groups), 1)
+        self.assert_same(ours, theirs)
+        self.assertEqual(len(opt.state), len(ref.state))
+
+    def test_a_refused_load_changes_no_part(self):
+        opt, ref, ours, theirs = self.both(two_groups, lr=1e-2)
+        self.train(opt, ref, ours, theirs, steps=2)
+        before = opt.state_dict()
+        bad = opt.state_dict()
+        last = max(bad["state"])
+        bad["state"][last]["exp_avg"] = torch.zeros(99)
+        with self.assertRaisesRegex(RuntimeError, "parameter %d" % last):
+            opt.load_state_dict(bad)
+        after = opt.state_dict()
+        for i, entry in before["state"].items():
+            self.assertTrue(torch.equal(after["state"][i]["exp_avg"],
+                                        entry["exp_avg"]))
+
+    def test_both_switches_of_decoupled_decay_follow_an_edit(self):
+        # Groups with adam_w_mode and torch's decoupled_weight_decay (torch
+        # 2.7's AdamW has both; added by hand where it has not): an edit of
+        # one switches both, in every part, as with one device.
+        results = []
+        for cls in (AdamW, self.cls):
+            layers = model_on(self.devices)
+            opt = cls([p for layer in layers for p in layer.parameters()],
+                      lr=1e-2, weight_decay=0.5, address=self.daemon.address)
+            self.opts.append(opt)
+            opt.param_groups[0]["decoupled_weight_decay"] = True
+            for step in range(4):
+                if step == 1:
+                    opt.param_groups[0]["decoupled_weight_decay"] = False
+                opt.zero_grad()
+                forward(layers, torch.ones(2, 5) * step).backward()
+                opt.step()
+            group = opt.param_groups[0]
+            self.assertEqual((group["adam_w_mode"],
+                              group["decoupled_weight_decay"]), (False, False))
+            results.append(layers)
+        self.assert_same(*results)
+
+    def test_parts_resume_and_parts_made_later_start_afresh(self):
+        # A trainer killed after two steps; its successor resumes each part
+        # (a wrong secret for one leaves both sessions for the retry), and a
+        # part made later starts afresh instead of looking for a session.
+        child = (
+            "import os, signal, sys, torch\n"
+            "import test_several_devices as t\n"
+            "layers = t.model_on(('cpu',))\n"
+            "opt = t.SplitAdamW([p for l in layers for p in l.parameters()],"
+            " lr=1e-2, address=sys.argv[1], job_id=sys.argv[2])\n"
+            "for step in range(2):\n"
+            "    opt.zero_grad()\n"
+            "    t.forward(layers, torch.ones(2, 5)).backward()\n"
+            "    opt.step()\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [os.path.dirname(os.path.abspath(__file__))] + sys.path))
+        job = "resume-" + str(os.getpid())
+        run = subprocess.run([sys.executable, "-c", child,
+                              self.daemon.address, job], env=env,
+                             stderr=subprocess.DEVNULL)
+        self.assertEqual(run.returncode, -signal.SIGKILL)
+        layers = model_on(self.devices)
+        params = [p for layer in layers for p in layer.parameters()]
+        with self.assertRaises(optimd.PermissionDeniedError):
+            self.cls(params, address=self.daemon.address, job_id=job,
+                     resume=True, resume_secret={"cpu-1": "wrong"})
+        opt = self.cls(params, address=self.daemon.address, job_id=job,
+                       resume=True)
+        self.opts.append(opt)
+        self.assertTrue(opt.resumed)
+        self.assertEqual(len(opt.state), len(params))
+        layers[0].weight.part = 7  # a new part, made afresh
+        opt.zero_grad()
+        forward(layers, torch.ones(2, 5)).backward()
+        opt.step()
+        self.assertEqual(len(opt._parts), 3)
+        self.assertEqual(len(opt.state), len(params))
 
 
 class OneDeviceBecomesSeveral(SeveralDevicesCase):

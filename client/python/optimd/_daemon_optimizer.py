@@ -32,7 +32,7 @@ from optimd._overlap import Overlap, assign_stages
 from optimd._state import DTYPES, DaemonState, set_state_request
 from optimd._state_dicts import StateDicts
 from optimd._several_devices import (SeveralDevices, become_several,
-                                     check_several)
+                                     check_several, held_state)
 from optimd._step_flags import StepFlags
 from optimd.client import Client
 from optimd.shm import SharedSegment, align
@@ -386,6 +386,11 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         return device
 
     def add_param_group(self, param_group):
+        if self._ready and len(self._groups) != len(self.param_groups):
+            # Groups taken out since the last step: the daemon's first.
+            self._sync_structure()
+            if isinstance(self, SeveralDevices):
+                return self.add_param_group(param_group)
         if isinstance(param_group, dict):
             param_group = self._names.strip_group(param_group)
         super().add_param_group(param_group)
@@ -398,11 +403,27 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
                 self._check_devices()
                 self._register_group(gi, self.param_groups[gi],
                                      existing=False)
+                self._restore_retired(gi)
             except BaseException:
                 # Refused: the optimizer stays as it was, no group half
                 # added (one in param_groups that the daemon never steps).
                 self.param_groups.pop()
+                if isinstance(self, SeveralDevices):
+                    # Refused while spreading over devices: its parts
+                    # made over the groups as they were, the state kept.
+                    self._rebuild_quietly()
                 raise
+
+    def _restore_retired(self, gi):
+        """Group `gi`, just registered: parameters taken out of a group
+        before get their state back, as torch's state keeps it."""
+        g = self._groups[gi]
+        entries = [self._take_retired(s.param) for s in g["tensors"]]
+        if any(e is not None for e in entries):
+            self._client.set_state(set_state_request(
+                g["id"], g["tensors"], entries,
+                slot_names=self._slot_names(self.param_groups[gi])))
+            self.state.invalidate()
 
     def _reconcile_group(self, gi, group):
         """Brings keys of param_groups[gi] that mean one thing into
@@ -759,6 +780,26 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
                 slot_names=self._slot_names(group)))
             self._sent_hyper = None
             self.state.invalidate()
+        if len(self._groups) > len(self.param_groups):
+            self._drop_removed_groups()
+
+    def _drop_removed_groups(self):
+        """Groups taken out of param_groups (`del opt.param_groups[i]`) are
+        no longer stepped, as in torch; their parameters in no group now
+        keep their state for a return."""
+        self._refuse_with_shard_state("removing param_groups")
+        state = self._fetch_state()
+        current = {id(p) for g in self.param_groups for p in g["params"]}
+        for g in self._groups[len(self.param_groups):]:
+            for s in g["tensors"]:
+                if id(s.param) not in current and s.param in state:
+                    self._retired[id(s.param)] = (weakref.ref(s.param),
+                                                  state[s.param])
+            self._client.unregister_group(g["id"])
+        del self._groups[len(self.param_groups):]
+        self._sent_hyper = None
+        self._index_buffers()
+        self.state.invalidate()
 
     def _sync_params(self):
         for gi, (g, group) in enumerate(zip(self._groups,
@@ -934,13 +975,22 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         over several devices (_several_devices.py), its state carried
         over. Raises first, leaving it as it was, for what that does not
         take."""
-        check_several(self, self._service, self._by_device())
+        # The parts start afresh (a secret given for this session is not
+        # theirs), holding this session's state.
+        check_several(self, dict(self._service, resume_secret=None),
+                      self._by_device())
         self._look_at_replies(block=True)
         self._write_back_state()
-        entries = {id(p): e for p, e in
-                   self.state.with_extras(self._fetch_state()).items()}
+        held = held_state(self.state.with_extras(self._fetch_state()),
+                          self.param_groups)
         self._closer()
-        become_several(self, self._service, entries)
+        # Its buffers go with the session (the parts have their own).
+        for name in ("_groups", "_router", "_homed", "_params_flat",
+                     "_pptrs_flat", "_dtensors", "_mirrored", "_flags",
+                     "_param_handle_cache"):
+            self.__dict__.pop(name, None)
+        self._retired = {}
+        become_several(self, self._service, held, resume=False)
 
     def _overrides(self):
         """Hyperparameters of the groups whose values changed since the

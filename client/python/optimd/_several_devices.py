@@ -35,6 +35,7 @@ import torch
 
 from optimd._dtensor import is_dtensor
 from optimd._aliased import is_fsdp1
+from optimd._state_dicts import _check_state_shapes
 
 # The fp32 range the daemon takes a gradient scale in (its reciprocal
 # multiplies gradients in fp32: server/convert.cc CheckStepOptions).
@@ -93,10 +94,21 @@ def several_class(cls):
     return _CLASSES[cls]
 
 
-def become_several(opt, service, entries=None):
+def held_state(state, groups):
+    """{param: entry} as what parts are made with: ({id(param): entry} of
+    the parameters of `groups`, {param: entry} of the others, kept for
+    their return to a group, as torch keeps them)."""
+    in_groups = {id(p) for g in groups for p in g["params"]}
+    return ({id(p): e for p, e in state.items() if id(p) in in_groups},
+            {p: e for p, e in state.items() if id(p) not in in_groups})
+
+
+def become_several(opt, service, held=None, resume=True):
     """Turns `opt` (its param_groups set, no session open) into an
-    optimizer over several devices, one part per device; `entries`:
-    {id(param): torch-format state entry} to carry over."""
+    optimizer over several devices, one part per device, carrying over
+    `held` (held_state()); `resume`: whether the parts resume as
+    service["resume"] says (construction) or start afresh (an optimizer
+    spreading over devices later)."""
     opt.__class__ = several_class(type(opt))
     # torch wraps each optimizer class's step once, for its step hooks.
     for patch in ("_patch_step_function", "_hook_for_profile"):
@@ -109,8 +121,11 @@ def become_several(opt, service, entries=None):
     opt._job = service["job_id"] or "%s-%d-%s" % (
         socket.gethostname(), os.getpid(), secrets.token_hex(4))
     opt._parts = {}
+    # The state the parts are to hold, until they are made: a failure
+    # there keeps it here, and the next call makes them again.
+    opt._held = held or ({}, {})
     opt.state = PartsState(opt)
-    opt._make_parts(entries or {})
+    opt._make_parts(resume=resume)
 
 
 class SeveralDevices:
@@ -121,31 +136,40 @@ class SeveralDevices:
     # Set by several_class: the class of each part.
     _one_device_class = None
 
-    def _make_parts(self, entries, group_options=None):
+    def _make_parts(self, resume=False):
         """Makes one part per device of the current param_groups, loading
-        `entries` ({id(param): entry}) into them; on failure closes those
-        made, so that nothing stays in the daemon."""
+        the held state into them; on failure lets go of those made (a
+        resumed session stays for a retry, a new one is closed) and keeps
+        the state held."""
         cls = self._one_device_class
         self._partition = {id(p): self._part_key(p) for g in self.param_groups
                            for p in g["params"]}
+        parts = {}
         try:
             for device in keys_of(self):
                 part = cls.__new__(cls)
                 part._start(self._groups_on(device), self.defaults,
-                            names=self._names, **self._part_service(device))
-                self._parts[device] = part
+                            names=self._names,
+                            **self._part_service(device, resume))
+                parts[device] = part
+            self._parts = parts
+            entries, retired = self._held
             if entries:
-                self._load_parts(entries, group_options)
+                self._load_parts(entries)
+            self._give_retired(retired)
         except BaseException:
-            self.close()
+            self._parts = {}
+            _let_go(parts.values())
             raise
+        self._held = None
         self.resumed = any(p.resumed for p in self._parts.values())
         self.resume_secret = {self._part_label(d): p.resume_secret
                               for d, p in self._parts.items()}
 
-    def _part_service(self, device):
+    def _part_service(self, device, resume):
         """The service options of the part on `device`: its own job id and
-        secret; clipping, skipping and loss scaling are done here."""
+        (resume: as given) secret; clipping, skipping and loss scaling are
+        done here."""
         service = dict(self._service)
         secrets_given = service["resume_secret"] or {}
         label = self._part_label(device)
@@ -153,7 +177,17 @@ class SeveralDevices:
                        resume_secret=secrets_given.get(label),
                        max_grad_norm=0.0, skip_nonfinite=False,
                        grad_scale=None)
+        if not resume:
+            service.update(resume=False, resume_secret=None)
         return service
+
+    def _give_retired(self, retired):
+        """The state of parameters out of every group ({param: entry}),
+        kept by the part of their device for their return."""
+        for p, entry in retired.items():
+            part = self._parts.get(self._part_key(p))
+            if part is not None:
+                part._retired[id(p)] = (weakref.ref(p), entry)
 
     def _groups_on(self, device):
         """param_groups as the part on `device` has them: every group, with
@@ -173,6 +207,8 @@ class SeveralDevices:
         """Passes the groups' options and parameters on to the parts; a
         parameter on another device than before (or a new device) makes
         the parts anew, the state carried over."""
+        if not self._parts:
+            self._make_parts()  # an earlier making failed: the state held
         partition = {id(p): self._part_key(p) for g in self.param_groups
                      for p in g["params"]}
         if any(self._partition.get(i, d) != d for i, d in partition.items()) \
@@ -181,30 +217,64 @@ class SeveralDevices:
             return
         self._partition.update(partition)
         for gi, group in enumerate(self.param_groups):
-            options = {k: v for k, v in group.items() if k != "params"}
             for device, part in self._parts.items():
-                mine = [p for p in group["params"]
-                        if self._part_key(p) == device]
-                if gi == len(part.param_groups):
-                    part.add_param_group(dict(options, params=mine))
-                pg = part.param_groups[gi]
-                for k in [k for k in pg if k != "params" and k not in group]:
-                    del pg[k]
-                pg.update(options)
-                if list(map(id, pg["params"])) != list(map(id, mine)):
-                    pg["params"] = mine
+                self._pass_on(gi, group, device, part)
+        for part in self._parts.values():
+            # Groups taken out of param_groups: out of the parts' too.
+            del part.param_groups[len(self.param_groups):]
+
+    def _pass_on(self, gi, group, device, part):
+        """Group `gi`'s options and its parameters on `device` into the
+        part's group; keys the part reconciles (two switches of one
+        meaning, _reconcile_group) come back into `group`."""
+        options = {k: v for k, v in group.items() if k != "params"}
+        mine = [p for p in group["params"] if self._part_key(p) == device]
+        if gi == len(part.param_groups):
+            part.add_param_group(dict(options, params=mine))
+        pg = part.param_groups[gi]
+        for k in [k for k in pg if k != "params" and k not in group]:
+            del pg[k]
+        pg.update(options)
+        if gi < len(part._groups):
+            part._reconcile_group(gi, pg)
+            group.update({k: v for k, v in pg.items()
+                          if k != "params" and group.get(k) != v})
+        if list(map(id, pg["params"])) != list(map(id, mine)):
+            pg["params"] = mine
 
     def _repartition(self):
-        entries = self._entries()
-        for part in self._parts.values():
+        """The parts made anew over the devices as they are, the state
+        held over (the old ones close first: the new ones take their job
+        ids)."""
+        self._held = self._entries()
+        self._close_parts()
+        self._make_parts()
+
+    def _rebuild(self):
+        """After a refused change: the parts made anew over param_groups as
+        they are, with the state they hold (or the state held)."""
+        if self._parts:
+            self._held = self._entries()
+            self._close_parts()
+        self._make_parts()
+
+    def _rebuild_quietly(self):
+        """_rebuild() where another error is on its way up: should it fail
+        too, the state stays held for the next call."""
+        try:
+            self._rebuild()
+        except Exception:
+            pass
+
+    def _close_parts(self):
+        parts, self._parts = list(self._parts.values()), {}
+        for part in parts:
             part.close()
-        self._parts = {}
-        self._make_parts(entries)
 
     def _entries(self):
-        """{id(param): entry} of every part, as its state dict has it."""
+        """The state of every part, as held_state() holds it."""
         self._write_back_state()
-        return {id(p): e for p, e in self._fetch_state().items()}
+        return held_state(self._fetch_state(), self.param_groups)
 
     # What the shared state-dict code (_state_dicts.py) calls.
     def _write_back_state(self):
@@ -261,7 +331,7 @@ class SeveralDevices:
         except BaseException:
             # Refused: the optimizer as it was, its state kept.
             self.param_groups.pop()
-            self._repartition()
+            self._rebuild_quietly()
             raise
 
     @torch.no_grad()
@@ -352,6 +422,9 @@ class SeveralDevices:
                 raise ValueError("loaded state dict contains a parameter "
                                  "group that doesn't match the size of "
                                  "optimizer's group")
+        # Checked whole first: a refused load changes no part.
+        _check_state_shapes(self.param_groups, saved, state_dict["state"],
+                            self._slot_names)
         entries = {id(p): state_dict["state"].get(pid)
                    for g, sg in zip(self.param_groups, saved)
                    for p, pid in zip(g["params"], sg["params"])}
@@ -482,8 +555,31 @@ class PartsState(dict):
         for p, entry in dict(*args, **kw).items():
             self[p] = entry
 
+    def setdefault(self, p, default=None):
+        return self._of(p).setdefault(p, default)
+
+    def copy(self):
+        return dict(self.items())
+
+    def __eq__(self, other):
+        return dict(self.items()) == other
+
+    __hash__ = None
+
     def __repr__(self):
         return repr(dict(self.items()))
+
+
+def _let_go(parts):
+    """Parts of a making that failed: a resumed session stays in the
+    daemon (for a retry, as a one-device optimizer leaves it), a new one
+    is closed."""
+    for part in parts:
+        if part.resumed:
+            part._closer.detach()
+            part._client.close()
+        else:
+            part.close()
 
 
 def _clip_coefficient(max_norm, norm):

@@ -232,6 +232,17 @@ class DaemonState(dict):
         dict.update(self, *args, **kw)
         self._dirty = True
 
+    def setdefault(self, p, default=None):
+        self._refresh()
+        if not dict.__contains__(self, p):
+            dict.__setitem__(self, p, default)
+            self._dirty = True
+        return dict.__getitem__(self, p)
+
+    def copy(self):
+        self._refresh()
+        return dict(dict.items(self))
+
 
 def _alive(held):
     p, entry, tensors = held

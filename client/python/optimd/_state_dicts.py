@@ -232,7 +232,8 @@ class StateDicts:
         # model's own load_state_dict) are registered before their state.
         self._sync_structure()
         self._sync_params()
-        if type(self)._load_state_dict is not StateDicts._load_state_dict:
+        from optimd._several_devices import SeveralDevices
+        if isinstance(self, SeveralDevices):
             # The parameters spread over devices just now: the optimizer
             # loads as one over several (_several_devices.py).
             return self._load_state_dict(state_dict)

@@ -269,8 +269,24 @@ class Client:
         if admin:
             metadata += self._admin
         try:
-            return getattr(self._stub, method)(
-                request, timeout=self.timeout, metadata=metadata)
+            try:
+                return getattr(self._stub, method)(
+                    request, timeout=self.timeout, metadata=metadata)
+            except grpc.RpcError as err:
+                if not _never_sent(err):
+                    raise
+                first = err
+            # The connection broke under an earlier call (gRPC resets one
+            # its quota refused) and this one never left: once more, waiting
+            # a little for the connection, which a live daemon gives back.
+            try:
+                return getattr(self._stub, method)(
+                    request, timeout=min(self.timeout, _RECONNECT_S),
+                    metadata=metadata, wait_for_ready=True)
+            except grpc.RpcError as again:
+                gone = (grpc.StatusCode.UNAVAILABLE,
+                        grpc.StatusCode.DEADLINE_EXCEEDED)
+                raise first if again.code() in gone else again
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.UNIMPLEMENTED:
                 self._refuse_if_older(method)
@@ -496,3 +512,15 @@ class Client:
 
     def get_metrics(self):
         return self._call("GetMetrics", pb.GetMetricsRequest())
+
+
+# How long a call that never left (its connection broken) waits for the
+# connection before the daemon counts as gone.
+_RECONNECT_S = 2.0
+
+
+def _never_sent(err):
+    """Whether RpcError `err` says the call never reached a daemon (no
+    connection), so that sending it again cannot apply it twice."""
+    return err.code() == grpc.StatusCode.UNAVAILABLE and \
+        "failed to connect" in (err.details() or "")

@@ -35,8 +35,8 @@ Turning amsgrad on
 after steps raises KeyError (optimd.MissingStateError) at the next step, as
 torch's step does.
 
-Differences from torch.optim.AdamW, all deliberate (README, "Deliberate
-differences"):
+Where it differs from torch.optim.AdamW, each deliberate, or behaves as
+torch in a way worth a word (README, "Deliberate differences"):
   * bf16 and fp16 parameters keep an fp32 master (or a 16-bit remainder)
     and fp32 moments, where torch steps them in their own dtype;
     master_weights=False is refused for them.
@@ -49,8 +49,9 @@ differences"):
     torch's load_state_dict casts it), so the moments are float64 from
     then on; torch's own step fails there (float32 moments, float64
     gradients).
-  * A parameter listed twice in a group raises (torch steps it twice per
-    step; the daemon keeps one state per tensor), unless under two names:
+  * A parameter listed twice in a group raises (torch warns that this
+    will be an error and meanwhile steps it twice per step; the daemon
+    keeps one state per tensor), unless under two names:
     a tied weight, registered once with the second name as its alias
     (optimd/_names.py).
   * Parameters on several devices (CPU and CUDA, cuda:0 and cuda:1) are
