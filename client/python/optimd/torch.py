@@ -20,7 +20,8 @@ Followed as torch follows them: zero_grad both ways (its default the
 installed torch's); a gradient set by hand on a parameter that requires
 none; load_state_dict replacing each group; SGD's default lr; edits of
 param_groups (hyperparameters, amsgrad and maximize, parameters added,
-removed or unfrozen: a parameter taken out keeps its state for a return);
+removed or unfrozen, groups taken out: a parameter taken out keeps its
+state for a return);
 lazy parameters once materialized; writes to optimizer.state, and state
 tensors held across steps (updated in place); parameters moved to another
 device or converted to bf16, fp16 or float64 after construction; float64
