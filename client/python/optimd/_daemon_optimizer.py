@@ -178,10 +178,10 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         # skipped flag (a host sync); otherwise they are of the last
         # completed step.
         self.wait_for_step = False
-        by_device = self._by_device()
-        if len(by_device) > 1:
+        keys = self._part_keys()
+        if len(keys) > 1:
             # One part per device, each with its session.
-            check_several(self, self._service, by_device)
+            check_several(self, self._service, keys)
             become_several(self, self._service)
             return
         self._device = self._check_devices()
@@ -367,14 +367,10 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         "cuda0"."""
         return key.type + ("" if key.index is None else str(key.index))
 
-    def _by_device(self):
-        """{part key (device): the names of its parameters}."""
-        by_device = {}
-        for gi, g in enumerate(self.param_groups):
-            for pi, p in enumerate(g["params"]):
-                by_device.setdefault(self._part_key(p), []).append(
-                    self._names.get(id(p), "%d.%d" % (gi, pi)))
-        return by_device
+    def _part_keys(self):
+        """The part keys (devices) of the parameters of param_groups."""
+        return {self._part_key(p) for g in self.param_groups
+                for p in g["params"]}
 
     def _check_devices(self):
         """The one device of every parameter (they are on one)."""
@@ -397,7 +393,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         if self._ready:
             gi = len(self.param_groups) - 1
             try:
-                if len(self._by_device()) > 1:
+                if len(self._part_keys()) > 1:
                     self._spread()
                     return
                 self._check_devices()
@@ -748,7 +744,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         for gi, (g, group) in enumerate(zip(self._groups, self.param_groups)):
             if not _changed_since_registered(g, group):
                 continue
-            if len(self._by_device()) > 1:
+            if len(self._part_keys()) > 1:
                 self._spread()
                 return
             device = self._check_devices()
@@ -763,13 +759,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
                 "of param_groups[%d]" % gi)
             self._check_group(gi, group)  # before it is unregistered
             state = self._fetch_state()
-            # A parameter taken out keeps its state for a return, as in
-            # torch (whose state is keyed by the parameter).
-            kept = {id(p) for p in group["params"]}
-            for s in g["tensors"]:
-                if id(s.param) not in kept and s.param in state:
-                    self._retired[id(s.param)] = (weakref.ref(s.param),
-                                                  state[s.param])
+            self._retire(g, state, {id(p) for p in group["params"]})
             self._client.unregister_group(g["id"])
             self._register_group(gi, group, existing=False, replace=True)
             new = self._groups[gi]
@@ -791,15 +781,21 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         state = self._fetch_state()
         current = {id(p) for g in self.param_groups for p in g["params"]}
         for g in self._groups[len(self.param_groups):]:
-            for s in g["tensors"]:
-                if id(s.param) not in current and s.param in state:
-                    self._retired[id(s.param)] = (weakref.ref(s.param),
-                                                  state[s.param])
+            self._retire(g, state, current)
             self._client.unregister_group(g["id"])
         del self._groups[len(self.param_groups):]
         self._sent_hyper = None
         self._index_buffers()
         self.state.invalidate()
+
+    def _retire(self, g, state, kept):
+        """The parameters of registration `g` not in `kept` (ids) keep
+        their state (from `state`) for a return, as in torch (whose state
+        is keyed by the parameter)."""
+        for s in g["tensors"]:
+            if id(s.param) not in kept and s.param in state:
+                self._retired[id(s.param)] = (weakref.ref(s.param),
+                                              state[s.param])
 
     def _sync_params(self):
         for gi, (g, group) in enumerate(zip(self._groups,
@@ -978,11 +974,10 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         # The parts start afresh (a secret given for this session is not
         # theirs), holding this session's state.
         check_several(self, dict(self._service, resume_secret=None),
-                      self._by_device())
+                      self._part_keys())
         self._look_at_replies(block=True)
         self._write_back_state()
-        held = held_state(self.state.with_extras(self._fetch_state()),
-                          self.param_groups)
+        held = held_state(self._whole_state(), self.param_groups)
         self._closer()
         # Its buffers go with the session (the parts have their own).
         for name in ("_groups", "_router", "_homed", "_params_flat",

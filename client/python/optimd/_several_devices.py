@@ -50,10 +50,10 @@ def keys_of(opt):
     return sorted(keys, key=str)
 
 
-def check_several(opt, service, by_device):
+def check_several(opt, service, keys):
     """Raises for what parts on several devices do not take, naming the
-    devices (`by_device`: {device: names of its parameters})."""
-    where = ", ".join(str(d) for d in sorted(by_device, key=str))
+    devices (`keys`: the parts' keys, _part_key)."""
+    where = ", ".join(str(d) for d in sorted(keys, key=str))
     cls_name = type(opt).__name__
     for option in ("overlap", "shard_state", "gradient_sharding"):
         if service[option]:
@@ -192,10 +192,12 @@ class SeveralDevices:
     def _groups_on(self, device):
         """param_groups as the part on `device` has them: every group, with
         its parameters on that device."""
-        return [dict({k: v for k, v in g.items() if k != "params"},
-                     params=[p for p in g["params"]
-                             if self._part_key(p) == device])
+        return [dict(_options(g), params=self._on(g["params"], device))
                 for g in self.param_groups]
+
+    def _on(self, params, device):
+        """Those of `params` in the part of `device`."""
+        return [p for p in params if self._part_key(p) == device]
 
     def part(self, device):
         """The optimizer of the parameters on `device` (its client, its
@@ -213,7 +215,7 @@ class SeveralDevices:
                      for p in g["params"]}
         if any(self._partition.get(i, d) != d for i, d in partition.items()) \
                 or set(partition.values()) - set(self._parts):
-            self._repartition()
+            self._rebuild()
             return
         self._partition.update(partition)
         for gi, group in enumerate(self.param_groups):
@@ -227,8 +229,8 @@ class SeveralDevices:
         """Group `gi`'s options and its parameters on `device` into the
         part's group; keys the part reconciles (two switches of one
         meaning, _reconcile_group) come back into `group`."""
-        options = {k: v for k, v in group.items() if k != "params"}
-        mine = [p for p in group["params"] if self._part_key(p) == device]
+        options = _options(group)
+        mine = self._on(group["params"], device)
         if gi == len(part.param_groups):
             part.add_param_group(dict(options, params=mine))
         pg = part.param_groups[gi]
@@ -242,17 +244,11 @@ class SeveralDevices:
         if list(map(id, pg["params"])) != list(map(id, mine)):
             pg["params"] = mine
 
-    def _repartition(self):
-        """The parts made anew over the devices as they are, the state
-        held over (the old ones close first: the new ones take their job
-        ids)."""
-        self._held = self._entries()
-        self._close_parts()
-        self._make_parts()
-
     def _rebuild(self):
-        """After a refused change: the parts made anew over param_groups as
-        they are, with the state they hold (or the state held)."""
+        """The parts made anew over param_groups as they are (parameters on
+        other devices, or a change refused), with the state they hold, or
+        the state held; the old ones close first, the new ones taking
+        their job ids."""
         if self._parts:
             self._held = self._entries()
             self._close_parts()
@@ -274,7 +270,7 @@ class SeveralDevices:
     def _entries(self):
         """The state of every part, as held_state() holds it."""
         self._write_back_state()
-        return held_state(self._fetch_state(), self.param_groups)
+        return held_state(self._whole_state(), self.param_groups)
 
     # What the shared state-dict code (_state_dicts.py) calls.
     def _write_back_state(self):
@@ -293,7 +289,7 @@ class SeveralDevices:
         """{param: entry} of every part, as their state dicts have them."""
         out = {}
         for part in self._parts.values():
-            out.update(part.state.with_extras(part._fetch_state()))
+            out.update(part._whole_state())
         return out
 
     def _load_parts(self, entries, group_options=None):
@@ -313,8 +309,7 @@ class SeveralDevices:
                     ids.append(index)
                     index += 1
                 options = group_options[gi] if group_options else g
-                groups.append(dict({k: v for k, v in options.items()
-                                    if k != "params"}, params=ids))
+                groups.append(dict(_options(options), params=ids))
             part._load_state_dict({"state": state, "param_groups": groups})
         # The groups take the options the load gave the parts' groups.
         first = next(iter(self._parts.values()))
@@ -568,6 +563,11 @@ class PartsState(dict):
 
     def __repr__(self):
         return repr(dict(self.items()))
+
+
+def _options(group):
+    """A param group's options: all but its parameters."""
+    return {k: v for k, v in group.items() if k != "params"}
 
 
 def _let_go(parts):

@@ -195,8 +195,13 @@ class StateDicts:
         return self._consolidated
 
     def _state_dict(self):
-        return self._pack_state_dict(
-            self.state.with_extras(self._fetch_state()))
+        return self._pack_state_dict(self._whole_state())
+
+    def _whole_state(self):
+        """{param: entry} as state_dict() packs it: the daemon's state,
+        that of parameters out of their group, and the trainer's own keys
+        in optimizer.state."""
+        return self.state.with_extras(self._fetch_state())
 
     def _pack_state_dict(self, state):
         """torch's state-dict format of {param: entry}: parameters by their
