@@ -307,7 +307,8 @@ absl::Status CudaBackend::SyncGroupCounters(const std::vector<Group*>& groups) {
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
   OPTIMD_RETURN_IF_ERROR(stream_->Sync());
   for (Group* g : groups) {
-    OPTIMD_RETURN_IF_ERROR(cuda::ReadGroupCounters(*PlanOf(*g), *g));
+    OPTIMD_RETURN_IF_ERROR(
+        cuda::ReadGroupCounters(stream_->stream(), *PlanOf(*g), *g));
   }
   return absl::OkStatus();
 }
@@ -315,7 +316,8 @@ absl::Status CudaBackend::SyncGroupCounters(const std::vector<Group*>& groups) {
 absl::Status CudaBackend::SetGroupStep(Group& group, uint64_t step) {
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
   OPTIMD_RETURN_IF_ERROR(stream_->Sync());
-  return cuda::WriteGroupCounters(*PlanOf(group), group, step);
+  return cuda::WriteGroupCounters(stream_->stream(), *PlanOf(group), group,
+                                  step);
 }
 
 absl::Status CudaBackend::WriteParams(Group& group) {

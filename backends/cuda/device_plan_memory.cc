@@ -138,38 +138,51 @@ absl::Status UploadTableChanges(cudaStream_t stream,
   return absl::OkStatus();
 }
 
-absl::Status ReadGroupCounters(const DevicePlan& plan, Group& group) {
+absl::Status ReadGroupCounters(cudaStream_t stream, const DevicePlan& plan,
+                               Group& group) {
   DeviceGroupState state;
-  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpy(
-      &state, plan.state_d.data(), sizeof(state), cudaMemcpyDeviceToHost));
-  group.step = state.step;
   std::vector<uint32_t> missed(group.plan.entries.size());
-  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpy(missed.data(), plan.missed_d.data(),
-                                         missed.size() * sizeof(uint32_t),
-                                         cudaMemcpyDeviceToHost));
+  // On the daemon's stream (non-blocking, so not ordered with the legacy
+  // stream a plain cudaMemcpy takes), then waited for.
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(&state, plan.state_d.data(),
+                                              sizeof(state),
+                                              cudaMemcpyDeviceToHost, stream));
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(
+      missed.data(), plan.missed_d.data(), missed.size() * sizeof(uint32_t),
+      cudaMemcpyDeviceToHost, stream));
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream));
+  group.step = state.step;
   for (uint32_t e = 0; e < missed.size(); ++e) {
     group.tensors[group.plan.tensor_index[e]].missed_steps = missed[e];
   }
   return absl::OkStatus();
 }
 
-absl::Status WriteGroupCounters(DevicePlan& plan, Group& group, uint64_t step) {
+absl::Status WriteGroupCounters(cudaStream_t stream, DevicePlan& plan,
+                                Group& group, uint64_t step) {
   DeviceGroupState state;
-  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpy(
-      &state, plan.state_d.data(), sizeof(state), cudaMemcpyDeviceToHost));
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(&state, plan.state_d.data(),
+                                              sizeof(state),
+                                              cudaMemcpyDeviceToHost, stream));
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream));
   state.step = step;
-  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpy(
-      plan.state_d.data(), &state, sizeof(state), cudaMemcpyHostToDevice));
-  group.step = step;
   std::vector<uint32_t> missed(group.plan.entries.size());
   for (uint32_t e = 0; e < missed.size(); ++e) {
     missed[e] = static_cast<uint32_t>(std::min<uint64_t>(
         group.tensors[group.plan.tensor_index[e]].missed_steps,
         std::numeric_limits<uint32_t>::max()));
   }
-  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpy(plan.missed_d.data(), missed.data(),
-                                         missed.size() * sizeof(uint32_t),
-                                         cudaMemcpyHostToDevice));
+  // Copies from pageable memory on the daemon's stream: the next step's
+  // kernels (on that stream) read the new counters, and the host buffers
+  // stay alive until the copies are done (the wait below).
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(plan.state_d.data(), &state,
+                                              sizeof(state),
+                                              cudaMemcpyHostToDevice, stream));
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(
+      plan.missed_d.data(), missed.data(), missed.size() * sizeof(uint32_t),
+      cudaMemcpyHostToDevice, stream));
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream));
+  group.step = step;
   return absl::OkStatus();
 }
 

@@ -33,12 +33,16 @@ absl::Status UploadTableChanges(cudaStream_t stream,
                                 const TableChanges& changes, DevicePlan& plan);
 
 // Reads the plan's step counter into group.step and each entry's missed
-// steps into its tensor; the stream must be idle.
-absl::Status ReadGroupCounters(const DevicePlan& plan, Group& group);
+// steps into its tensor, copied on `stream` (the daemon's, whose steps
+// write them) and waited for.
+absl::Status ReadGroupCounters(cudaStream_t stream, const DevicePlan& plan,
+                               Group& group);
 
 // Writes `step` as the group's step counter (device and group.step) and
-// each tensor's missed steps into the plan's; the stream must be idle.
-absl::Status WriteGroupCounters(DevicePlan& plan, Group& group, uint64_t step);
+// each tensor's missed steps into the plan's, copied on `stream` (the
+// daemon's, whose steps read them) and waited for.
+absl::Status WriteGroupCounters(cudaStream_t stream, DevicePlan& plan,
+                                Group& group, uint64_t step);
 
 }  // namespace cuda
 }  // namespace optimd

@@ -66,7 +66,10 @@ absl::StatusOr<std::unique_ptr<NcclJob>> NcclJob::Join(
   j->unique_id_.assign(reinterpret_cast<const char*>(&id), sizeof(id));
   if (cudaSetDevice(device) != cudaSuccess ||
       cudaMalloc(&j->warm_d_, 3 * sizeof(double)) != cudaSuccess ||
-      cudaMemset(j->warm_d_, 0, 3 * sizeof(double)) != cudaSuccess) {
+      cudaMemset(j->warm_d_, 0, 3 * sizeof(double)) != cudaSuccess ||
+      // The memset runs on the legacy stream, which the daemon's
+      // non-blocking stream does not wait for: done before any step.
+      cudaStreamSynchronize(cudaStreamLegacy) != cudaSuccess) {
     return absl::InternalError(
         absl::StrCat("cannot prepare the job's communicator on device ", device,
                      ": ", cudaGetErrorString(cudaGetLastError())));
