@@ -191,6 +191,31 @@ struct UpdateBlock8 : ItemBias {
     ItemBias::Prepare(cs, n);
     FillBlock8Table(codes);
   }
+  // The lane's elements (with kWhole all 8, else those below n): moments
+  // read back with the old scales (the code's value from the table, times
+  // the scale: Block8Decode), updated with AdamWElement into p, m and v;
+  // the largest magnitude bits of the new moments into mmax and vmax.
+  template <bool kWhole>
+  __device__ __forceinline__ void UpdateLane(
+      uint32_t n, const BiasScalars& b, float sm, float sv, const uint8_t* mq,
+      const uint8_t* vq, float* p, const float* g, float* m, float* v,
+      uint32_t& mmax, uint32_t& vmax) const {
+    const AdamWElementScalars e{s.grad_mul, s.decay, s.l2,  s.beta1,   s.beta2,
+                                s.omb1,     s.omb2,  s.eps, b.neg_step};
+    const auto div_bc2 = [b](float a) { return DivByRecip(a, b.bc2, b.rbc2); };
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (!kWhole && Block8Offset(j) >= n) continue;
+      m[j] = codes[mq[j]] * sm;
+      v[j] = codes[kBlock8Codes + vq[j]] * sv;
+      float unused = 0.0f;
+      p[j] = AdamWElement<false, kAdamW>(g[j], p[j], m[j], v[j], unused, e,
+                                         div_bc2);
+      mmax = max(mmax, __float_as_uint(m[j]) & 0x7fffffffu);
+      vmax = max(vmax, __float_as_uint(v[j]) & 0x7fffffffu);
+    }
+  }
+
   __device__ void Block(const DeviceItem& c, uint32_t k, uint64_t first,
                         uint32_t n) {
     const bool vector = n == kBlock8Elements && c.tiles > 0;
@@ -205,20 +230,13 @@ struct UpdateBlock8 : ItemBias {
     // By value: a reference into shared memory was read again for every
     // element.
     const BiasScalars b = bias[k];
-    const AdamWElementScalars e{s.grad_mul, s.decay, s.l2,  s.beta1,   s.beta2,
-                                s.omb1,     s.omb2,  s.eps, b.neg_step};
-    const auto div_bc2 = [b](float a) { return DivByRecip(a, b.bc2, b.rbc2); };
     uint32_t mmax = 0, vmax = 0;  // magnitude bits (WarpBlock8Scale)
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      if (!vector && Block8Offset(j) >= n) continue;
-      m[j] = codes[mq[j]] * sm;
-      v[j] = codes[kBlock8Codes + vq[j]] * sv;
-      float unused = 0.0f;
-      p[j] = AdamWElement<false, kAdamW>(g[j], p[j], m[j], v[j], unused, e,
-                                         div_bc2);
-      mmax = max(mmax, __float_as_uint(m[j]) & 0x7fffffffu);
-      vmax = max(vmax, __float_as_uint(v[j]) & 0x7fffffffu);
+    // A whole block's lanes skip the per-element validity test, whose
+    // branches cost more than the element's own update.
+    if (vector) {
+      UpdateLane<true>(n, b, sm, sv, mq, vq, p, g, m, v, mmax, vmax);
+    } else {
+      UpdateLane<false>(n, b, sm, sv, mq, vq, p, g, m, v, mmax, vmax);
     }
     const float new_sm = WarpBlock8Scale(mmax);
     const float new_sv = WarpBlock8Scale(vmax);
