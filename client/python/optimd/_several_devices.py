@@ -219,18 +219,22 @@ class SeveralDevices:
             return
         self._partition.update(partition)
         for gi, group in enumerate(self.param_groups):
+            # One look at each parameter's key (a device check per
+            # parameter per step is the host cost of this path).
+            by_part = {device: [] for device in self._parts}
+            for p in group["params"]:
+                by_part[partition[id(p)]].append(p)
             for device, part in self._parts.items():
-                self._pass_on(gi, group, device, part)
+                self._pass_on(gi, group, by_part[device], part)
         for part in self._parts.values():
             # Groups taken out of param_groups: out of the parts' too.
             del part.param_groups[len(self.param_groups):]
 
-    def _pass_on(self, gi, group, device, part):
-        """Group `gi`'s options and its parameters on `device` into the
-        part's group; keys the part reconciles (two switches of one
+    def _pass_on(self, gi, group, mine, part):
+        """Group `gi`'s options and `mine`, its parameters in the part, into
+        the part's group; keys the part reconciles (two switches of one
         meaning, _reconcile_group) come back into `group`."""
         options = _options(group)
-        mine = self._on(group["params"], device)
         if gi == len(part.param_groups):
             part.add_param_group(dict(options, params=mine))
         pg = part.param_groups[gi]
