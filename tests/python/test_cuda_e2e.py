@@ -293,5 +293,90 @@ class CudaEndToEnd(unittest.TestCase):
         opt.close()
 
 
+# About 0.1 s of the GPU spinning (torch.cuda._sleep counts clock cycles):
+# long against a call's round trip, so trainer work queued behind it is
+# still pending when the next call reaches the daemon.
+_SPIN_CYCLES = 200_000_000
+
+
+@unittest.skipUnless(torch.cuda.is_available(), "needs a GPU")
+class TrainerStreamOrder(unittest.TestCase):
+    """Calls in which the daemon reads or writes parameters outside a step
+    come after the trainer's queued work, as torch's stream order has it
+    (Client.before_trainer_memory)."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.gpu = Daemon(backend="cuda")
+        cls.dir = tempfile.mkdtemp(prefix="optimd-order-")
+
+    @classmethod
+    def tearDownClass(cls):
+        assert cls.gpu.stop() == 0
+
+    def make(self, p, job, **kw):
+        return AdamW([p], lr=0.0, weight_decay=0.0, address=self.gpu.address,
+                     job_id=job, **kw)
+
+    def step_once(self, opt, p):
+        p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.synchronize()
+
+    def test_masters_are_made_from_values_the_trainer_wrote_last(self):
+        # bf16 parameters: registration makes the fp32 master from them.
+        p = torch.nn.Parameter(torch.zeros(1 << 20, dtype=torch.bfloat16,
+                                           device="cuda"))
+        torch.cuda._sleep(_SPIN_CYCLES)
+        p.data.fill_(1.5)  # queued behind the spin
+        opt = self.make(p, "order-register", master_weights=True)
+        self.step_once(opt, p)  # lr 0: the parameter becomes its master
+        self.assertTrue(torch.all(p.detach() == 1.5))
+        opt.close()
+
+    def test_a_save_sees_an_edit_queued_before_it(self):
+        p = torch.nn.Parameter(torch.zeros(1 << 20, device="cuda"))
+        opt = self.make(p, "order-save")
+        self.step_once(opt, p)
+        torch.cuda._sleep(_SPIN_CYCLES)
+        with torch.no_grad():
+            p.fill_(3.0)  # fp32: the parameter is its own master
+        path = os.path.join(self.dir, "save")
+        opt.save_checkpoint(path)
+        with torch.no_grad():
+            p.zero_()
+        opt.load_checkpoint(path)
+        torch.cuda.synchronize()
+        self.assertTrue(torch.all(p.detach() == 3.0))
+        opt.close()
+
+    def test_a_load_is_not_overwritten_by_work_queued_before_it(self):
+        p = torch.nn.Parameter(torch.full((1 << 20,), 2.0, device="cuda"))
+        opt = self.make(p, "order-load")
+        self.step_once(opt, p)
+        path = os.path.join(self.dir, "load")
+        opt.save_checkpoint(path)
+        torch.cuda._sleep(_SPIN_CYCLES)
+        with torch.no_grad():
+            p.fill_(7.0)  # queued before the load, so the load wins
+        opt.load_checkpoint(path)
+        torch.cuda.synchronize()
+        self.assertTrue(torch.all(p.detach() == 2.0))
+        opt.close()
+
+    def test_streamed_state_comes_after_the_steps_sent_before_it(self):
+        p = torch.nn.Parameter(torch.zeros(1 << 20, device="cuda"))
+        opt = AdamW([p], lr=0.1, address=self.gpu.address,
+                    job_id="order-stream")
+        self.step_once(opt, p)
+        torch.cuda._sleep(_SPIN_CYCLES)
+        p.grad = torch.ones_like(p)
+        opt.step()  # still waiting for the trainer's stream
+        streamed = b"".join(opt.state_bytes())
+        opt.synchronize()
+        self.assertEqual(streamed, b"".join(opt.state_bytes()))
+        opt.close()
+
+
 if __name__ == "__main__":
     unittest.main()

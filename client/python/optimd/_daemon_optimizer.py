@@ -282,6 +282,8 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         ident = self._identity
         job, rank = ident["job"], ident["rank"]
         self._client = Client(ident["address"], timeout=ident["timeout"])
+        if self._device.type == "cuda":
+            self._client.before_trainer_memory = self._trainer_stream_done
         # CUDA: the trainer's stream and the daemon's are ordered by step
         # flags (_step_flags.py), so step() never waits for the daemon.
         self._flags = None
@@ -704,6 +706,16 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
                     seg_g.tensor(off, s.numel, s.mem.dtype), s.mem)
         g["segments"][1] = seg_g
         return seg_g
+
+    def _trainer_stream_done(self):
+        """CUDA: waits for the work queued on the trainer's stream, before a
+        call in which the daemon reads or writes the parameters outside a
+        step, on its own stream (Client.before_trainer_memory). Torch's
+        stream order would give that: the daemon reads what the trainer
+        wrote (the copy into the parameter's new memory at registration,
+        an in-place edit before a save), and what it writes (a load, a
+        resume) is not overwritten by trainer work queued before."""
+        torch.cuda.current_stream(self._device).synchronize()
 
     def _restore_after_resume(self):
         """A restarted trainer: write the daemon's weights into our buffers."""

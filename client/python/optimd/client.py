@@ -240,6 +240,10 @@ class Client:
         # unanswered: on_stream_broken(first_request_index, replies_ok,
         # error); request indices count every streamed step from 0.
         self.on_stream_broken = None
+        # Called before each call that has the daemon read or write the
+        # trainer's memory outside a step (_TOUCHES_TRAINER_MEMORY): the
+        # optimd.torch optimizers wait there for the trainer's CUDA stream.
+        self.before_trainer_memory = None
         self._streamed = 0
 
     @property
@@ -260,11 +264,17 @@ class Client:
     def __exit__(self, *exc):
         self.close()
 
-    def _call(self, method, request, admin=False):
-        # Steps still in flight come first: the daemon orders a session's
-        # calls by arrival, and a reply must not overtake them.
+    def _before(self, method):
+        """Steps still in flight come first: the daemon orders a session's
+        calls by arrival, and a reply must not overtake them; then, for a
+        call on the trainer's memory, before_trainer_memory."""
         if self._stream is not None:
             self._stream.drain()
+        if method in _TOUCHES_TRAINER_MEMORY and self.before_trainer_memory:
+            self.before_trainer_memory()
+
+    def _call(self, method, request, admin=False):
+        self._before(method)
         metadata = ((SESSION_METADATA_KEY, self.token),) if self.token else ()
         if admin:
             metadata += self._admin
@@ -476,6 +486,7 @@ class Client:
 
     def save_state_stream(self, chunk_bytes=0):
         """Yields the checkpoint file's bytes in chunks (SaveStateStream)."""
+        self._before("SaveStateStream")
         metadata = ((SESSION_METADATA_KEY, self.token),)
         try:
             for chunk in self._stub.SaveStateStream(
@@ -487,6 +498,7 @@ class Client:
 
     def load_state_stream(self, chunks):
         """Sends StateChunk messages (in order) to LoadStateStream."""
+        self._before("LoadStateStream")
         try:
             return self._stub.LoadStateStream(
                 iter(chunks), timeout=self.timeout,
@@ -517,6 +529,14 @@ class Client:
 # How long a call that never left (its connection broken) waits for the
 # connection before the daemon counts as gone.
 _RECONNECT_S = 2.0
+
+# The calls in which the daemon reads or writes the trainer's parameter
+# memory outside a step: registration (masters made from the parameters),
+# new buffers, loads and resumes (parameters written), state writes, saves
+# (parameters that are their own masters read).
+_TOUCHES_TRAINER_MEMORY = frozenset((
+    "RegisterGroup", "UpdateBuffers", "GetParams", "SetState", "LoadState",
+    "LoadStateStream", "SaveState", "SaveStateStream"))
 
 
 def _never_sent(err):
