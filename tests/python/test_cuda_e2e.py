@@ -10,6 +10,7 @@ torch.optim.AdamW(fused=True) in the same script.
 """
 import os
 import random
+import shutil
 import threading
 import time
 import unittest
@@ -313,6 +314,7 @@ class TrainerStreamOrder(unittest.TestCase):
     @classmethod
     def tearDownClass(cls):
         assert cls.gpu.stop() == 0
+        shutil.rmtree(cls.dir, ignore_errors=True)
 
     def make(self, p, job, **kw):
         return AdamW([p], lr=0.0, weight_decay=0.0, address=self.gpu.address,
@@ -341,7 +343,7 @@ class TrainerStreamOrder(unittest.TestCase):
         torch.cuda._sleep(_SPIN_CYCLES)
         with torch.no_grad():
             p.fill_(3.0)  # fp32: the parameter is its own master
-        path = os.path.join(self.dir, "save")
+        path = tempfile.mkdtemp(dir=self.dir)
         opt.save_checkpoint(path)
         with torch.no_grad():
             p.zero_()
@@ -354,7 +356,7 @@ class TrainerStreamOrder(unittest.TestCase):
         p = torch.nn.Parameter(torch.full((1 << 20,), 2.0, device="cuda"))
         opt = self.make(p, "order-load")
         self.step_once(opt, p)
-        path = os.path.join(self.dir, "load")
+        path = tempfile.mkdtemp(dir=self.dir)
         opt.save_checkpoint(path)
         torch.cuda._sleep(_SPIN_CYCLES)
         with torch.no_grad():
