@@ -1,6 +1,7 @@
 #include "backends/cuda/step_kernels.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "backends/cuda/cuda_status.h"
 #include "backends/cuda/device_memory.h"
@@ -85,10 +86,15 @@ absl::Status GrowStepScratch(int device, uint32_t groups,
   if (groups <= scratch.capacity) return absl::OkStatus();
   const uint32_t cap = std::max<uint32_t>(groups, 2 * scratch.capacity);
   // Each group's sum, then the job's total, non-finite and rank counts.
-  OPTIMD_ASSIGN_OR_RETURN(scratch.sums_d,
+  // Both are allocated before either replaces the old one: a failure
+  // leaves the scratch as it was, which the cached step graphs (keyed on
+  // its generation) still point at.
+  OPTIMD_ASSIGN_OR_RETURN(StateStorage sums_d,
                           DeviceAlloc(device, (cap + 3) * sizeof(double)));
-  OPTIMD_ASSIGN_OR_RETURN(scratch.steps_d,
+  OPTIMD_ASSIGN_OR_RETURN(StateStorage steps_d,
                           DeviceAlloc(device, cap * sizeof(cuda::GroupStep)));
+  scratch.sums_d = std::move(sums_d);
+  scratch.steps_d = std::move(steps_d);
   scratch.capacity = cap;
   ++scratch.generation;
   return absl::OkStatus();
