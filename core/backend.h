@@ -65,6 +65,10 @@ struct StepOptions {
   // 2, or 3 with a progress word ([2]), which a released step sets past
   // every stage.
   uint32_t step_flag_words = 2;
+  // The sequence follows the last one (Session::BindStepFlags accepted
+  // it): the trainer's stream writes ready = sequence, so a released step
+  // may wait for it.
+  bool sequence_in_order = false;
   // Staged (StepRequest.staged; needs three step-flag words): the update
   // runs stage by stage (TensorEntry::stage) and writes step_flags[2] =
   // s + 1 after stage s.
@@ -191,7 +195,10 @@ class Backend {
 
   // A step with step flags that failed or was refused: writes done =
   // options.sequence (and the progress word, if any, past every stage) in
-  // stream order, so that the trainer's stream goes on.
+  // stream order, so that the trainer's stream goes on. With a progress
+  // word and options.sequence_in_order, first waits for ready = sequence:
+  // the trainer's stream resets the progress word before it writes ready,
+  // and that reset must not land after the release.
   virtual absl::Status ReleaseStep(SessionContext* session,
                                    const StepOptions& options) {
     return absl::OkStatus();

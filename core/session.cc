@@ -92,6 +92,7 @@ absl::StatusOr<StepResult> Session::Step(const StepRequestSpec& request) {
   MutexLock lock(&mu_);
   StepOptions options = request.options;
   absl::Status bound = BindStepFlags(request, &options);
+  options.sequence_in_order = bound.ok();
   bool exchanged = false;
   absl::StatusOr<StepResult> result =
       !bound.ok()             ? bound

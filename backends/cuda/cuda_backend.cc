@@ -294,6 +294,12 @@ absl::Status CudaBackend::ReleaseStep(SessionContext*,
   if (options.step_flags == nullptr) return absl::OkStatus();
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
   if (options.step_flag_words > 2) {
+    // A staged step's trainer resets the progress word, then writes ready:
+    // past every stage only after that reset, or its forwards wait forever.
+    if (options.sequence_in_order) {
+      OPTIMD_RETURN_IF_ERROR(WaitStepFlag(
+          driver_, stream_->stream(), options.step_flags, options.sequence));
+    }
     OPTIMD_RETURN_IF_ERROR(WriteStepFlag(
         driver_, stream_->stream(), options.step_flags + 2, kPastEveryStage));
   }
