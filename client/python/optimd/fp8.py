@@ -228,6 +228,10 @@ class Fp8AdamW:
         return self._client.save_state(directory)
 
     def load_checkpoint(self, directory):
+        """The daemon rewrites the FP8 codes and scales from the loaded
+        masters: work queued on them before (a forward) finishes first."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         return self._client.load_state(directory)
 
     def close(self):
