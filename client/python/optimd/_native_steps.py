@@ -295,7 +295,10 @@ class NativeStepStream:
                 had_session=True, answers=self._answers)
         self._error = error
         try:
-            if pending and self._on_broken is not None:
+            # Also with every step answered, unless this end was asked for:
+            # an answered step may not have run yet, and a daemon gone
+            # now never writes its done flag (_step_flags.py).
+            if (pending or not self._closing) and self._on_broken is not None:
                 self._on_broken(self.replies_ok, error)
         finally:
             for reply in pending:

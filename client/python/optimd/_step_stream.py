@@ -42,6 +42,7 @@ class StepStream:
         self._pending = collections.deque()
         self._lock = threading.Lock()
         self._error = None
+        self._closing = False  # close() asked for the end
         self.replies_ok = 0
         self._call = stub.StepStream(self._outgoing(), metadata=metadata)
         self._reader = threading.Thread(target=self._read, daemon=True,
@@ -88,6 +89,7 @@ class StepStream:
 
     def close(self, timeout=10.0):
         """Ends the call after the requests sent so far are answered."""
+        self._closing = True
         self._requests.put(None)
         self._reader.join(timeout)
 
@@ -106,7 +108,10 @@ class StepStream:
         # First the clean-up (a caller waiting on a reply then finds it
         # done), then the errors.
         try:
-            if pending and self._on_broken is not None:
+            # Also with every step answered, unless this end was asked for:
+            # an answered step may not have run yet, and a daemon gone
+            # now never writes its done flag (_step_flags.py).
+            if (pending or not self._closing) and self._on_broken is not None:
                 self._on_broken(self.replies_ok, error)
         finally:
             for future in pending:

@@ -236,8 +236,9 @@ class Client:
         # Steps go over one StepStream per session by default: it saves a
         # call setup per step (about half the round trip; bench/RESULTS.md).
         self.use_step_stream = True
-        # Called on the reader thread when a step stream breaks with steps
-        # unanswered: on_stream_broken(first_request_index, replies_ok,
+        # Called on the reader thread when a step stream ends other than by
+        # close() (steps unanswered or not: an answered CUDA step may not
+        # have run): on_stream_broken(first_request_index, replies_ok,
         # error); request indices count every streamed step from 0.
         self.on_stream_broken = None
         # Called before each call that has the daemon read or write the
