@@ -165,6 +165,50 @@ class CudaEndToEnd(unittest.TestCase):
         self.assert_gpu_settles()
         daemon.stop()
 
+    def test_daemon_gone_after_answering_never_hangs_the_trainer_stream(self):
+        # A reply comes once the step is queued on the daemon, not run: a
+        # daemon gone then never writes that step's done flag.
+        daemon = Daemon(backend="cuda")
+        p = torch.nn.Parameter(torch.randn(1 << 20, device="cuda"))
+        opt = AdamW([p], lr=1e-2, address=daemon.address, job_id="answered")
+        for _ in range(3):
+            p.grad = torch.randn_like(p)
+            opt.step()
+        opt.synchronize()
+        torch.cuda._sleep(_SPIN_CYCLES)  # the ready flag comes late
+        p.grad = torch.randn_like(p)
+        opt.step()
+        opt._look_at_replies(block=True)  # answered, still waiting to run
+        daemon.process.kill()
+        daemon.process.wait()
+        self.assert_gpu_settles()
+        daemon.stop()
+
+    def test_refused_staged_step_never_hangs_the_next_forward(self):
+        # The trainer's stream resets the progress word before it writes
+        # ready; the daemon's release of a refused staged step must come
+        # after that reset, or the next forward's stage wait never ends.
+        torch.manual_seed(SEED)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 1024),
+                                    torch.nn.Linear(1024, 1)).cuda()
+        opt = AdamW(model.parameters(), lr=1e-3, overlap=True,
+                    address=self.gpu.address, job_id="staged-refused")
+        x = torch.randn(32, 64, device="cuda")
+        for _ in range(3):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+        opt.zero_grad()
+        torch.cuda._sleep(_SPIN_CYCLES)  # the reset and ready come late
+        model(x).square().mean().backward()
+        opt.param_groups[0]["lr"] = float("nan")  # refused by the daemon
+        opt.step()
+        model(x).sum()  # waits for its stage of the refused step
+        with self.assertRaises(optimd.InvalidArgumentError):
+            opt.synchronize()
+        self.assert_gpu_settles()
+        opt.close()
+
     def train_model(self, overlap, iters=12):
         """A small model with a large last layer (its update ends last),
         trained with clipping, one step skipped for a non-finite gradient,
