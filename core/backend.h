@@ -61,6 +61,7 @@ struct StepOptions {
   // ready, [1] done; null without. The step waits for ready >= sequence
   // and writes done = sequence after its work.
   uint32_t* step_flags = nullptr;
+  std::shared_ptr<const void> step_flags_mapping;  // keeps them mapped
   uint32_t sequence = 0;
   // 2, or 3 with a progress word ([2]), which a released step sets past
   // every stage.
@@ -224,6 +225,16 @@ class Backend {
   // Cheap, allocation-free; called before every step.
   virtual absl::Status CheckMappings(
       const std::vector<std::shared_ptr<const void>>& mappings) = 0;
+
+  // The trainer of `session` is gone (its process ended): the session's
+  // steps that wait on the device for the trainer's ready flag, which will
+  // never come, are let through as skipped steps, so that the device's
+  // other sessions go on; true when there were such steps. Thread-safe,
+  // unlike the other methods: called from any thread, never waiting for
+  // the device's worker or its stream. CPU steps never wait so.
+  virtual absl::StatusOr<bool> AbandonSteps(SessionContext* session) {
+    return false;
+  }
 
   // The trainer of a session is gone and the session freed: removes what
   // of its buffers would otherwise outlive both sides (the CPU backend

@@ -157,6 +157,7 @@ absl::Status Session::BindStepFlags(const StepRequestSpec& request,
         "first one");
   }
   options->step_flags = reinterpret_cast<uint32_t*>(step_flags_.data);
+  options->step_flags_mapping = step_flags_.mapping;
   options->sequence = static_cast<uint32_t>(request.sequence);
   options->step_flag_words = static_cast<uint32_t>(step_flags_.size / 4);
   if (request.options.staged && step_flags_.size < 12) return no_progress();

@@ -301,6 +301,12 @@ class Session {
     MutexLock lock(&mu_);
     after_next_step_ = std::move(fn);
   }
+  // Its trainer is gone: lets through the session's steps that wait for the
+  // trainer's ready flag, as skipped steps (Backend::AbandonSteps). Takes
+  // no lock of the session's: a step of it may hold that one, waiting.
+  absl::StatusOr<bool> AbandonSteps() {
+    return backend_->AbandonSteps(context_.get());
+  }
   // Marks the session orphaned since `unix_seconds` (0: not orphaned).
   void SetOrphanedSince(double unix_seconds) ABSL_LOCKS_EXCLUDED(info_mu_) {
     MutexLock lock(&info_mu_);

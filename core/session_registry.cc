@@ -299,6 +299,7 @@ SessionRegistry::Reaped SessionRegistry::Reap(absl::Time now,
         s->SetOrphanedSince(absl::ToDoubleSeconds(now - absl::UnixEpoch()));
         out.orphaned.push_back(s->identity());
       }
+      AbandonLocked(*s, &out);
       if (now - *trainer.orphaned_since >= grace) expired.push_back(token);
     }
     for (const std::string& token : expired) {
@@ -313,6 +314,15 @@ SessionRegistry::Reaped SessionRegistry::Reap(absl::Time now,
   return out;
 }
 
+void SessionRegistry::AbandonLocked(Session& session, Reaped* out) {
+  const absl::StatusOr<bool> abandoned = session.AbandonSteps();
+  if (!abandoned.ok()) {
+    out->abandon_failed.emplace_back(session.identity(), abandoned.status());
+  } else if (*abandoned) {
+    out->abandoned.push_back(session.identity());
+  }
+}
+
 absl::Status SessionRegistry::Evict(const std::string& job_id, uint32_t rank) {
   MutexLock lock(&mu_);
   auto it = token_by_rank_.find(std::make_pair(job_id, rank));
@@ -320,7 +330,14 @@ absl::Status SessionRegistry::Evict(const std::string& job_id, uint32_t rank) {
     return absl::NotFoundError(
         absl::StrCat("no session of job '", job_id, "' rank ", rank));
   }
-  EraseLocked(std::string(it->second));
+  const std::string token(it->second);
+  const auto trainer = trainers_.find(token);
+  if (trainer != trainers_.end() && trainer->second.process.has_value() &&
+      TrainerGone(*trainer->second.process)) {
+    Reaped ignored;
+    AbandonLocked(*by_token_.at(token), &ignored);
+  }
+  EraseLocked(token);
   return absl::OkStatus();
 }
 

@@ -81,14 +81,20 @@ class SessionRegistry {
   // Sessions whose trainer process is gone (killed, or exited without
   // CloseSession) are orphaned: kept for a resume for `grace`, then closed.
   // Reap checks every session's trainer once; a resume ends the orphanhood.
+  // Each check also lets through the steps of every orphaned session that
+  // wait on the device for the gone trainer's ready flag, as skipped steps
+  // (Backend::AbandonSteps), so that the device's other sessions go on.
   struct Reaped {
     std::vector<SessionIdentity> orphaned;  // newly
     std::vector<SessionIdentity> freed;
+    std::vector<SessionIdentity> abandoned;  // steps let through
+    std::vector<std::pair<SessionIdentity, absl::Status>> abandon_failed;
   };
   Reaped Reap(absl::Time now, absl::Duration grace) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Closes the session of `job_id` and `rank` (an operator's eviction);
-  // NOT_FOUND when there is none.
+  // Closes the session of `job_id` and `rank` (an operator's eviction),
+  // first letting through the steps that wait for its trainer's ready
+  // flag if that trainer is gone; NOT_FOUND when there is none.
   absl::Status Evict(const std::string& job_id, uint32_t rank)
       ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -163,6 +169,10 @@ class SessionRegistry {
 
   // Removes the session of `token` from every map.
   void EraseLocked(const std::string& token) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Session::AbandonSteps into `out` for a session whose trainer is gone;
+  // under the lock, so that no resume takes the session over meanwhile.
+  void AbandonLocked(Session& session, Reaped* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 };
 
 // 128 random bits as 32 hex characters, from the OS's entropy source.

@@ -198,12 +198,29 @@ struct Work {
   const uint32_t* missed;
 };
 
+// The steps of a session that the daemon let through without its trainer
+// (backends/cuda/trainer_gone.h): the trainer died before its stream wrote
+// their ready flag, so their gradients may be incomplete, and they are
+// skipped. Pinned host memory, one per session, written by the host and
+// read by the step's kernels: a step is abandoned when its ticket is at
+// most `through_ticket` and its flag sequence above `ready_seen`.
+struct AbandonedSteps {
+  uint64_t through_ticket;  // 0: none
+  uint32_t ready_seen;      // the trainer's last ready flag
+  uint32_t pad;
+};
+
 // One group's step arguments, written by the host into pinned memory.
 struct alignas(16) GroupStep {
   StepHyper hyper;
   const double* partials;  // the group's partial sums of squares
   uint32_t num_partials;
-  uint32_t pad;
+  // The step's sequence on the trainer's step flags (0: none) and its
+  // ticket, the session's count of steps launched (never reset), which
+  // AbandonedSteps compares, the same in every group.
+  uint32_t flag_sequence;
+  uint64_t ticket;
+  const volatile AbandonedSteps* abandoned;
   DeviceGroupState* state;  // the group's device-resident counters
   DeviceScalars* scalars;   // out: the group's step scalars
   // The plan entries without a gradient this step: absent[0] entries,

@@ -140,6 +140,15 @@ __device__ __forceinline__ double AppliedTotal(const GroupStep* scratch,
   return JobTotal(sums, n, ranks);
 }
 
+// True when the daemon let this step through without its trainer
+// (AbandonedSteps): the step is skipped, whatever the trainer asked for
+// non-finite gradients.
+__device__ __forceinline__ bool Abandoned(const GroupStep& a) {
+  if (a.abandoned == nullptr || a.flag_sequence == 0) return false;
+  return a.ticket <= a.abandoned->through_ticket &&
+         a.flag_sequence > a.abandoned->ready_seen;
+}
+
 __global__ void __launch_bounds__(kThreadsPerBlock)
     ReduceSumsKernel(const GroupStep* __restrict__ args,
                      GroupStep* __restrict__ scratch, uint32_t n,
@@ -169,8 +178,13 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
     __syncthreads();  // BlockSum's shared memory is reused next round
   }
   if (threadIdx.x == 0) {
+    const bool abandoned = n > 0 && Abandoned(scratch[0]);
+    if (abandoned) {
+      // Read by the kernels after this one: the step is skipped.
+      for (uint32_t g = 0; g < n; ++g) scratch[g].hyper.apply_nonfinite = 0;
+    }
     const double total = SessionTotal(sums, n);
-    const bool finite = isfinite(total);
+    const bool finite = isfinite(total) && !abandoned;
     sums[n] = contributes && finite ? total : 0.0;
     sums[n + 1] = finite ? 0.0 : 1.0;
     sums[n + 2] = 1.0;

@@ -29,6 +29,18 @@ void SessionReaper::Run() {
                         absl::FormatDuration(grace_),
                         " for a resume (resume=true)"));
     }
+    for (const SessionIdentity& id : reaped.abandoned) {
+      log_(absl::StrCat("session of job '", id.job_id, "' rank ", id.rank,
+                        ": steps waiting for its gone trainer's ready flag "
+                        "let through, skipped (their gradients may be "
+                        "incomplete)"));
+    }
+    for (const auto& [id, status] : reaped.abandon_failed) {
+      log_(absl::StrCat("session of job '", id.job_id, "' rank ", id.rank,
+                        ": cannot let through the steps waiting for its gone "
+                        "trainer: ",
+                        status.ToString()));
+    }
     for (const SessionIdentity& id : reaped.freed) {
       log_(absl::StrCat("session of job '", id.job_id, "' rank ", id.rank,
                         " freed: no resume within ",

@@ -20,6 +20,7 @@ run() {
 run .gpu/cuda_math_test
 run .gpu/cuda_backend_test
 run python3 -m unittest -v tests/python/test_cuda_e2e.py
+run python3 -m unittest -v tests/python/test_cuda_trainer_gone.py
 run python3 -m unittest -v tests/python/test_frameworks.py
 # FSDP2 (DTensor parameters): one CUDA rank, one and two CPU ranks, and two
 # CUDA ranks on nvidia-h200-x2.

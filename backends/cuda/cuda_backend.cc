@@ -21,6 +21,7 @@
 #include "backends/cuda/step_graph.h"
 #include "backends/cuda/step_kernels.h"
 #include "backends/cuda/step_records.h"
+#include "common/mutex.h"
 #include "common/status_macros.h"
 #include "core/step_math.h"
 
@@ -64,6 +65,7 @@ class CudaBackend final : public Backend {
                                    const StepOptions& options) override;
   absl::Status ReleaseStep(SessionContext* session,
                            const StepOptions& options) override;
+  absl::StatusOr<bool> AbandonSteps(SessionContext* session) override;
   absl::Status WriteParams(Group& group) override;
   absl::Status SyncGroupCounters(const std::vector<Group*>& groups) override;
   absl::StatusOr<StateStorage> AllocateHostStaging(uint64_t bytes) override {
@@ -99,6 +101,12 @@ class CudaBackend final : public Backend {
   const CudaBackendOptions options_;
   const DriverFns driver_;
   const std::unique_ptr<DeviceStream> stream_;
+
+  // AbandonSteps's, from any thread: a non-blocking stream of the device,
+  // made on first use (never destroyed: the backend lives as long as the
+  // daemon).
+  Mutex rescue_mu_;
+  cudaStream_t rescue_stream_ ABSL_GUARDED_BY(rescue_mu_) = nullptr;
 
   // The device's worker's only.
   uint64_t next_plan_id_ = 1;
@@ -211,7 +219,8 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
   // The ranks of a job skip a non-finite step whatever the trainer asked:
   // an all-reduce that ended part-way reads as one (StepOptions).
   const bool apply_nonfinite = options.assume_finite && s.job == nullptr;
-  OPTIMD_RETURN_IF_ERROR(FillRecord(record, groups, options, apply_nonfinite));
+  OPTIMD_RETURN_IF_ERROR(FillRecord(record, groups, options, apply_nonfinite,
+                                    seq, s.rescue->words()));
   OPTIMD_RETURN_IF_ERROR(
       LaunchRecorded(s, groups, record, options, statistics, progress));
   s.sequence = seq;
@@ -252,6 +261,8 @@ absl::Status CudaBackend::LaunchStep(CudaSession& s,
   const cudaStream_t stream = stream_->stream();
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventRecord(record.queued, stream));
   if (options.step_flags != nullptr) {
+    s.rescue->NoteWait(options.step_flags, options.step_flags_mapping,
+                       options.sequence, s.sequence + 1);
     OPTIMD_RETURN_IF_ERROR(
         WaitStepFlag(driver_, stream, options.step_flags, options.sequence));
   } else if (s.ready != nullptr) {
@@ -289,14 +300,17 @@ absl::Status CudaBackend::RecordStep(CudaSession& s, StepRecord& record) {
   return absl::OkStatus();
 }
 
-absl::Status CudaBackend::ReleaseStep(SessionContext*,
+absl::Status CudaBackend::ReleaseStep(SessionContext* session,
                                       const StepOptions& options) {
   if (options.step_flags == nullptr) return absl::OkStatus();
+  auto& s = *static_cast<CudaSession*>(session);
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
   if (options.step_flag_words > 2) {
     // A staged step's trainer resets the progress word, then writes ready:
     // past every stage only after that reset, or its forwards wait forever.
     if (options.sequence_in_order) {
+      s.rescue->NoteWait(options.step_flags, options.step_flags_mapping,
+                         options.sequence, s.sequence);
       OPTIMD_RETURN_IF_ERROR(WaitStepFlag(
           driver_, stream_->stream(), options.step_flags, options.sequence));
     }
@@ -307,6 +321,17 @@ absl::Status CudaBackend::ReleaseStep(SessionContext*,
   // sees the step's parameters.
   return WriteStepFlag(driver_, stream_->stream(), options.step_flags + 1,
                        options.sequence);
+}
+
+absl::StatusOr<bool> CudaBackend::AbandonSteps(SessionContext* session) {
+  MutexLock lock(&rescue_mu_);
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
+  if (rescue_stream_ == nullptr) {
+    OPTIMD_RETURN_IF_CUDA_ERROR(
+        cudaStreamCreateWithFlags(&rescue_stream_, cudaStreamNonBlocking));
+  }
+  return static_cast<CudaSession*>(session)->rescue->Rescue(driver_,
+                                                            rescue_stream_);
 }
 
 absl::Status CudaBackend::SyncGroupCounters(const std::vector<Group*>& groups) {

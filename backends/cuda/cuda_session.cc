@@ -62,6 +62,7 @@ absl::StatusOr<std::unique_ptr<CudaSession>> OpenCudaSession(
       OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(e, event_flags));
     }
   }
+  OPTIMD_ASSIGN_OR_RETURN(s->rescue, StepRescue::Create());
   s->last.known = false;
   return s;
 }

@@ -3,7 +3,7 @@
 // graphs captured for them; opened here and released by its destructor.
 // Filling and reading the records is step_records.h's; enqueuing the
 // steps step_kernels.h's. Not thread-safe: used only by the device's
-// worker.
+// worker, except `rescue` (trainer_gone.h).
 #ifndef OPTIMD_BACKENDS_CUDA_CUDA_SESSION_H_
 #define OPTIMD_BACKENDS_CUDA_CUDA_SESSION_H_
 
@@ -16,6 +16,7 @@
 
 #include "absl/status/statusor.h"
 #include "backends/cuda/nccl_job.h"
+#include "backends/cuda/trainer_gone.h"
 #include "core/backend.h"
 #include "core/buffer.h"
 #include "core/group.h"
@@ -80,6 +81,9 @@ class CudaSession : public SessionContext {
   std::vector<uint64_t> graph_key;
   // The job's ranks agreeing on the device (JoinJob); null otherwise.
   std::shared_ptr<NcclJob> job;
+  // The waits for the trainer's ready flag, let through if it dies (the
+  // one member used from other threads: its own lock).
+  std::unique_ptr<StepRescue> rescue;
 };
 
 // Opens the backend's side of a session on GPU `device` (current), which

@@ -74,7 +74,9 @@ void RefreshGraphKey(CudaSession& s, const std::vector<Group*>& groups,
 }
 
 absl::Status FillRecord(StepRecord& record, const std::vector<Group*>& groups,
-                        const StepOptions& options, bool apply_nonfinite) {
+                        const StepOptions& options, bool apply_nonfinite,
+                        uint64_t ticket,
+                        const volatile cuda::AbandonedSteps* abandoned) {
   const uint32_t n = static_cast<uint32_t>(groups.size());
   if (record.capacity < n || record.memory == nullptr) {
     if (record.memory != nullptr) cudaFreeHost(record.memory);
@@ -111,6 +113,9 @@ absl::Status FillRecord(StepRecord& record, const std::vector<Group*>& groups,
                apply_nonfinite ? 1 : 0};
     a.partials = reinterpret_cast<const double*>(plan->partials_d.data());
     a.num_partials = static_cast<uint32_t>(plan->tables[1].blocks.size());
+    a.flag_sequence = options.step_flags != nullptr ? options.sequence : 0;
+    a.ticket = ticket;
+    a.abandoned = abandoned;
     a.state = reinterpret_cast<DeviceGroupState*>(plan->state_d.data());
     a.scalars = reinterpret_cast<cuda::DeviceScalars*>(plan->scalars_d.data());
     a.absent = reinterpret_cast<const uint32_t*>(plan->absent_d.data());

@@ -34,9 +34,13 @@ void RefreshGraphKey(CudaSession& s, const std::vector<Group*>& groups,
 
 // The record's memory (grown to hold `groups`, dropping its graph then) and
 // every group's arguments. `apply_nonfinite`: a non-finite gradient norm
-// does not skip the step (StepOptions::assume_finite, no job).
+// does not skip the step (StepOptions::assume_finite, no job). `ticket`:
+// the session's number of the step, which `abandoned` (the session's
+// StepRescue::words) compares.
 absl::Status FillRecord(StepRecord& record, const std::vector<Group*>& groups,
-                        const StepOptions& options, bool apply_nonfinite);
+                        const StepOptions& options, bool apply_nonfinite,
+                        uint64_t ticket,
+                        const volatile cuda::AbandonedSteps* abandoned);
 
 // Waits for `event`, recorded after a step of `s` (bounded by the job's
 // timeout for a job's session: NcclJob::Wait).
