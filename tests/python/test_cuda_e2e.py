@@ -149,6 +149,32 @@ class CudaEndToEnd(unittest.TestCase):
         self.assertFalse(torch.equal(before, p.detach()))
         opt.close()
 
+    def test_a_refused_step_leaves_the_step_before_it_whole(self):
+        # The release after a refusal waits for the done flag of the step
+        # the daemon answered before it, however late its ready flag
+        # comes: released early, the trainer's stream would read the
+        # parameters while that step's update writes them.
+        p = torch.nn.Parameter(torch.randn(1 << 24, device="cuda"))
+        opt = AdamW([p], lr=1e-2, address=self.gpu.address,
+                    job_id="refused-late-" + self.id())
+        for _ in range(3):
+            p.grad = torch.randn_like(p)
+            opt.step()
+        opt.synchronize()
+        torch.cuda._sleep(80 * _SPIN_CYCLES)  # ~8 s: past the 5 s patience
+        p.grad = torch.randn_like(p)
+        opt.step()  # answered, waiting for its ready flag
+        opt._look_at_replies(block=True)
+        opt.param_groups[0]["lr"] = float("nan")  # refused by the daemon
+        p.grad = torch.randn_like(p)
+        opt.step()
+        seen = p.detach().clone()  # after the refused step's done flag
+        with self.assertRaises(optimd.InvalidArgumentError):
+            opt.synchronize()
+        self.assert_gpu_settles()
+        self.assertTrue(torch.equal(seen, p.detach()))
+        opt.close()
+
     def test_daemon_gone_never_hangs_the_trainer_stream(self):
         daemon = Daemon(backend="cuda")
         p = torch.nn.Parameter(torch.randn(1 << 20, device="cuda"))

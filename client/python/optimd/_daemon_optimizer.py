@@ -1095,9 +1095,12 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         """On the step stream's reader thread: the daemon will not release
         the unanswered steps; keep our stream from waiting forever."""
         failed = first_index + replies_ok - self._flags.first_index + 1
-        # Every step answered: wait for the last one's done flag instead
-        # (it comes if the daemon still runs it) before the release.
-        self._flags.release_after_break(min(failed, self._flags.sequence))
+        # Every step answered: the last one's done flag is the one to wait
+        # for.
+        answered = min(failed - 1, self._flags.sequence)
+        self._flags.release_after_break(
+            answered, min(failed, self._flags.sequence),
+            answers=self._client.daemon_answers)
 
     def synchronize(self):
         """Waits for every step sent; raises a failed step's error. With

@@ -11,11 +11,14 @@ while the GPU keeps the order.
 
 If the step stream breaks with steps unanswered (the daemon refused one and
 ended the stream, or went away), the daemon will not write their done
-flags: `release_after_break` waits briefly for the daemon's write of the
-failed step, then sets done (and progress) past every step so that the
-trainer's stream never hangs, and the flags are made anew (bound again with
-sequence 1) at the next step.
+flags: `release_after_break` waits for the done flag of the last step the
+daemon answered (its update writes the parameters first) while the daemon
+answers, and briefly for the failed step's (written if the daemon took it),
+then sets done (and progress) past every step so that the trainer's stream
+never hangs, and the flags are made anew (bound again with sequence 1) at
+the next step.
 """
+import logging
 import time
 
 import torch
@@ -74,21 +77,49 @@ class StepFlags:
         cuda_ipc.stream_wait_value32(stream, self.words.data_ptr() + 8,
                                      stage + 1)
 
-    def release_after_break(self, failed_sequence, timeout_s=5.0):
-        """Runs on the step stream's reader thread after it broke."""
+    def release_after_break(self, answered, failed, answers, patience_s=5.0,
+                            bound_s=600.0):
+        """Runs on the step stream's reader thread after it broke.
+
+        `answered`: the last step the daemon answered (0: none). It queued
+        that step and those before, whose updates write the parameters and
+        then the done flag: the release waits for it as long as the daemon
+        answers (`answers()`, asked every `patience_s`), up to `bound_s`, so
+        that the trainer's stream never reads parameters the daemon is still
+        writing. `failed`: the first step unanswered, whose done flag comes
+        only if the daemon took it (it releases a step it refuses once it
+        has read it): waited for up to `patience_s` more."""
         done = self.words.data_ptr() + 4
-        deadline = time.monotonic() + timeout_s
-        # The daemon releases a step it refused; wait for that write, or
-        # until it cannot come (the daemon is gone). Only driver calls on a
-        # non-blocking stream: torch's own ops here could queue behind the
-        # trainer's blocked stream.
+        # Only driver calls on a non-blocking stream: torch's own ops here
+        # could queue behind the trainer's blocked stream.
         with torch.cuda.device(self.device):  # this thread's context
-            while time.monotonic() < deadline:
-                if self._side.read_u32(done) >= failed_sequence:
-                    break
-                time.sleep(0.001)
+            if answered > 0:
+                self._await_answered(done, answered, answers, patience_s,
+                                     bound_s)
+            self._await(done, failed, time.monotonic() + patience_s)
             cuda_ipc.stream_write_value32(self._side, done + 4,
                                           _PAST_EVERY_STEP)
             cuda_ipc.stream_write_value32(self._side, done, _PAST_EVERY_STEP)
             self._side.synchronize()
         self._needs_rebind = True
+
+    def _await(self, done, sequence, deadline):
+        """Whether the done flag reached `sequence` before `deadline`."""
+        while time.monotonic() < deadline:
+            if self._side.read_u32(done) >= sequence:
+                return True
+            time.sleep(0.001)
+        return False
+
+    def _await_answered(self, done, sequence, answers, patience_s, bound_s):
+        start = time.monotonic()
+        while not self._await(done, sequence, time.monotonic() + patience_s):
+            if not answers():
+                return  # the daemon is gone, and its writes with it
+            if time.monotonic() - start > bound_s:
+                logging.getLogger("optimd").warning(
+                    "step %d, answered by the daemon, has not written its "
+                    "done flag in %.0f s: releasing the trainer's stream "
+                    "without it (the step's update may still write the "
+                    "parameters)", sequence, bound_s)
+                return
