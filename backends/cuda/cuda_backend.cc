@@ -221,13 +221,22 @@ absl::StatusOr<StepOutcome> CudaBackend::Step(SessionContext* session,
   const bool apply_nonfinite = options.assume_finite && s.job == nullptr;
   OPTIMD_RETURN_IF_ERROR(FillRecord(record, groups, options, apply_nonfinite,
                                     seq, s.rescue->words()));
-  OPTIMD_RETURN_IF_ERROR(
-      LaunchRecorded(s, groups, record, options, statistics, progress));
+  const absl::Status launched =
+      LaunchRecorded(s, groups, record, options, statistics, progress);
+  // Taken even by a launch that failed part-way: the next step must not
+  // refill this record's arguments while what was enqueued may read them.
   s.sequence = seq;
   record.groups = n;
   record.sequence = seq;
   record.grad_scale = EffectiveGradScale(options.grad_scale);
   record.statistics = statistics;
+  if (!launched.ok()) {
+    record.failed = true;
+    if (cudaEventRecord(record.event, stream_->stream()) != cudaSuccess) {
+      cudaGetLastError();  // the launch's own error is the one reported
+    }
+    return launched;
+  }
   return ReadOutcome(s, record, groups, options.wait, seq);
 }
 

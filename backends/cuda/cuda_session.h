@@ -45,6 +45,10 @@ struct StepRecord {
   // step's own grad_scale (NaN without the statistics pass).
   double grad_scale = 1;
   bool statistics = true;
+  // Its launch failed part-way: what was enqueued may still run, so the
+  // record is held until `event` (recorded after it) completes, and never
+  // read as an outcome.
+  bool failed = false;
   // The step's kernels as a CUDA graph bound to this record's memory, for the
   // session's current groups (CudaSession::graph_key); nullptr until built.
   cudaGraphExec_t exec = nullptr;

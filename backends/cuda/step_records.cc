@@ -134,11 +134,12 @@ absl::Status RecycleRecord(CudaSession& s, StepRecord& record,
                            const std::vector<Group*>& groups) {
   if (record.sequence != 0) {
     OPTIMD_RETURN_IF_ERROR(WaitForStep(s, record.event));
-    if (record.sequence > s.last_sequence) {
+    if (record.sequence > s.last_sequence && !record.failed) {
       StepOutcome ignored;
       OPTIMD_RETURN_IF_ERROR(ReadRecord(s, record, groups, &ignored));
     }
     record.sequence = 0;
+    record.failed = false;
   }
   return absl::OkStatus();
 }
@@ -162,7 +163,7 @@ absl::StatusOr<StepOutcome> ReadOutcome(CudaSession& s, StepRecord& record,
       const cudaError_t e = cudaEventQuery(r.event);
       if (e == cudaErrorNotReady) break;
       OPTIMD_RETURN_IF_CUDA_ERROR(e);
-      newest = &r;
+      if (!r.failed) newest = &r;
     }
     if (newest != nullptr) {
       OPTIMD_RETURN_IF_ERROR(ReadRecord(s, *newest, groups, &out));

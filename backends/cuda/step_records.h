@@ -47,7 +47,7 @@ absl::Status FillRecord(StepRecord& record, const std::vector<Group*>& groups,
 absl::Status WaitForStep(const CudaSession& s, cudaEvent_t event);
 
 // Makes `record` free for the next step: waits for its earlier step and
-// reads it if no newer one has been read.
+// reads it if no newer one has been read (a failed launch's never is).
 absl::Status RecycleRecord(CudaSession& s, StepRecord& record,
                            const std::vector<Group*>& groups);
 
