@@ -120,6 +120,14 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::TakeOverLocked(
         "resume_secret="));
   }
   std::shared_ptr<Session> session = old->second;
+  // Its trainer may have died since the reaper's last look: steps of it
+  // still waiting for its ready flag must not hold back the new one's.
+  const auto trainer = trainers_.find(old_token);
+  if (trainer != trainers_.end() && trainer->second.process.has_value() &&
+      TrainerGone(*trainer->second.process)) {
+    Reaped ignored;
+    AbandonLocked(*session, &ignored);
+  }
   by_token_.erase(old);
   trainers_.erase(old_token);
   session->SetOrphanedSince(0);
@@ -264,11 +272,13 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Find(
 }
 
 absl::Status SessionRegistry::Close(const std::string& token) {
+  std::shared_ptr<Session> closed;  // ends after the lock: it may wait
   MutexLock lock(&mu_);
   auto it = by_token_.find(token);
   if (it == by_token_.end()) {
     return absl::UnauthenticatedError("unknown session token");
   }
+  closed = it->second;
   EraseLocked(token);
   return absl::OkStatus();
 }
@@ -285,7 +295,6 @@ void SessionRegistry::EraseLocked(const std::string& token) {
 SessionRegistry::Reaped SessionRegistry::Reap(absl::Time now,
                                               absl::Duration grace) {
   Reaped out;
-  std::vector<std::shared_ptr<Session>> freed;
   {
     MutexLock lock(&mu_);
     std::vector<std::string> expired;
@@ -303,15 +312,17 @@ SessionRegistry::Reaped SessionRegistry::Reap(absl::Time now,
       if (now - *trainer.orphaned_since >= grace) expired.push_back(token);
     }
     for (const std::string& token : expired) {
-      freed.push_back(by_token_.at(token));
-      out.freed.push_back(freed.back()->identity());
+      out.freed_sessions.push_back(by_token_.at(token));
+      out.freed.push_back(out.freed_sessions.back()->identity());
       EraseLocked(token);
     }
   }
-  // Outside the registry's lock: this waits for the session's own lock,
-  // which a running step may hold.
-  for (const auto& s : freed) s->ForgetTrainerBuffers();
   return out;
+}
+
+void SessionRegistry::Dispose(std::vector<std::shared_ptr<Session>> freed) {
+  // This waits for each session's own lock, which a running step may hold.
+  for (const auto& s : freed) s->ForgetTrainerBuffers();
 }
 
 void SessionRegistry::AbandonLocked(Session& session, Reaped* out) {
@@ -324,6 +335,7 @@ void SessionRegistry::AbandonLocked(Session& session, Reaped* out) {
 }
 
 absl::Status SessionRegistry::Evict(const std::string& job_id, uint32_t rank) {
+  std::shared_ptr<Session> evicted;  // ends after the lock: it may wait
   MutexLock lock(&mu_);
   auto it = token_by_rank_.find(std::make_pair(job_id, rank));
   if (it == token_by_rank_.end()) {
@@ -337,6 +349,7 @@ absl::Status SessionRegistry::Evict(const std::string& job_id, uint32_t rank) {
     Reaped ignored;
     AbandonLocked(*by_token_.at(token), &ignored);
   }
+  evicted = by_token_.at(token);
   EraseLocked(token);
   return absl::OkStatus();
 }

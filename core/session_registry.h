@@ -89,8 +89,16 @@ class SessionRegistry {
     std::vector<SessionIdentity> freed;
     std::vector<SessionIdentity> abandoned;  // steps let through
     std::vector<std::pair<SessionIdentity, absl::Status>> abandon_failed;
+    // The freed sessions themselves, for Dispose: their end may wait for
+    // the device (a CUDA session's stream), so not on the thread that
+    // rescues.
+    std::vector<std::shared_ptr<Session>> freed_sessions;
   };
   Reaped Reap(absl::Time now, absl::Duration grace) ABSL_LOCKS_EXCLUDED(mu_);
+  // Lets the backends remove what of the freed sessions' trainer buffers
+  // would outlive both sides (Session::ForgetTrainerBuffers), and drops
+  // them.
+  static void Dispose(std::vector<std::shared_ptr<Session>> freed);
 
   // Closes the session of `job_id` and `rank` (an operator's eviction),
   // first letting through the steps that wait for its trainer's ready

@@ -202,12 +202,12 @@ struct Work {
 // (backends/cuda/trainer_gone.h): the trainer died before its stream wrote
 // their ready flag, so their gradients may be incomplete, and they are
 // skipped. Pinned host memory, one per session, written by the host and
-// read by the step's kernels: a step is abandoned when its ticket is at
-// most `through_ticket` and its flag sequence above `ready_seen`.
+// read by the step's kernels: a step is abandoned when its ticket (as 32
+// bits) lies in [first, through], the low and high halves of `range`,
+// compared cyclically; one word, so that a kernel never reads half of a
+// new range. 0: none (no step has ticket 0).
 struct AbandonedSteps {
-  uint64_t through_ticket;  // 0: none
-  uint32_t ready_seen;      // the trainer's last ready flag
-  uint32_t pad;
+  uint64_t range;
 };
 
 // One group's step arguments, written by the host into pinned memory.

@@ -145,8 +145,12 @@ __device__ __forceinline__ double AppliedTotal(const GroupStep* scratch,
 // non-finite gradients.
 __device__ __forceinline__ bool Abandoned(const GroupStep& a) {
   if (a.abandoned == nullptr || a.flag_sequence == 0) return false;
-  return a.ticket <= a.abandoned->through_ticket &&
-         a.flag_sequence > a.abandoned->ready_seen;
+  const uint64_t range = a.abandoned->range;
+  const uint32_t t = static_cast<uint32_t>(a.ticket);
+  const uint32_t first = static_cast<uint32_t>(range);
+  const uint32_t through = static_cast<uint32_t>(range >> 32);
+  return static_cast<int32_t>(t - first) >= 0 &&
+         static_cast<int32_t>(through - t) >= 0;
 }
 
 __global__ void __launch_bounds__(kThreadsPerBlock)

@@ -13,16 +13,44 @@ SessionReaper::SessionReaper(SessionRegistry* registry, absl::Duration grace,
       grace_(grace),
       period_(period),
       log_(std::move(log)),
+      disposer_([this] { RunDisposer(); }),
       thread_([this] { Run(); }) {}
 
 SessionReaper::~SessionReaper() {
   stop_.Notify();
   thread_.join();
+  {
+    MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  disposer_.join();
+}
+
+void SessionReaper::RunDisposer() {
+  while (true) {
+    std::vector<std::shared_ptr<Session>> batch;
+    {
+      MutexLock lock(&mu_);
+      mu_.Await(
+          +[](SessionReaper* r) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+            return r->stopping_ || !r->to_dispose_.empty();
+          },
+          this);
+      if (to_dispose_.empty()) return;  // stopping, nothing left
+      batch.swap(to_dispose_);
+    }
+    SessionRegistry::Dispose(std::move(batch));
+  }
 }
 
 void SessionReaper::Run() {
   while (!stop_.WaitForNotificationWithTimeout(period_)) {
-    const SessionRegistry::Reaped reaped = registry_->Reap(absl::Now(), grace_);
+    SessionRegistry::Reaped reaped = registry_->Reap(absl::Now(), grace_);
+    if (!reaped.freed_sessions.empty()) {
+      MutexLock lock(&mu_);
+      for (auto& s : reaped.freed_sessions) to_dispose_.push_back(std::move(s));
+      reaped.freed_sessions.clear();
+    }
     for (const SessionIdentity& id : reaped.orphaned) {
       log_(absl::StrCat("session of job '", id.job_id, "' rank ", id.rank,
                         " orphaned: its trainer is gone; kept ",

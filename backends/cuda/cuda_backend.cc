@@ -106,7 +106,7 @@ class CudaBackend final : public Backend {
   // made on first use (never destroyed: the backend lives as long as the
   // daemon).
   Mutex rescue_mu_;
-  cudaStream_t rescue_stream_ ABSL_GUARDED_BY(rescue_mu_) = nullptr;
+  RescueStream rescue_ ABSL_GUARDED_BY(rescue_mu_);
 
   // The device's worker's only.
   uint64_t next_plan_id_ = 1;
@@ -270,8 +270,12 @@ absl::Status CudaBackend::LaunchStep(CudaSession& s,
   const cudaStream_t stream = stream_->stream();
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventRecord(record.queued, stream));
   if (options.step_flags != nullptr) {
-    s.rescue->NoteWait(options.step_flags, options.step_flags_mapping,
-                       options.sequence, s.sequence + 1);
+    if (s.rescue->NoteWait(options.step_flags, options.step_flags_mapping,
+                           options.sequence, s.sequence + 1)) {
+      // A step of a gone trainer, abandoned: its flag is ours to write.
+      OPTIMD_RETURN_IF_ERROR(
+          WriteStepFlag(driver_, stream, options.step_flags, options.sequence));
+    }
     OPTIMD_RETURN_IF_ERROR(
         WaitStepFlag(driver_, stream, options.step_flags, options.sequence));
   } else if (s.ready != nullptr) {
@@ -318,8 +322,11 @@ absl::Status CudaBackend::ReleaseStep(SessionContext* session,
     // A staged step's trainer resets the progress word, then writes ready:
     // past every stage only after that reset, or its forwards wait forever.
     if (options.sequence_in_order) {
-      s.rescue->NoteWait(options.step_flags, options.step_flags_mapping,
-                         options.sequence, s.sequence);
+      if (s.rescue->NoteWait(options.step_flags, options.step_flags_mapping,
+                             options.sequence, s.sequence)) {
+        OPTIMD_RETURN_IF_ERROR(WriteStepFlag(
+            driver_, stream_->stream(), options.step_flags, options.sequence));
+      }
       OPTIMD_RETURN_IF_ERROR(WaitStepFlag(
           driver_, stream_->stream(), options.step_flags, options.sequence));
     }
@@ -335,12 +342,21 @@ absl::Status CudaBackend::ReleaseStep(SessionContext* session,
 absl::StatusOr<bool> CudaBackend::AbandonSteps(SessionContext* session) {
   MutexLock lock(&rescue_mu_);
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
-  if (rescue_stream_ == nullptr) {
+  if (rescue_.event == nullptr) {
+    if (rescue_.stream == nullptr) {
+      // The highest priority: its reads and writes go before any step's.
+      int least = 0, greatest = 0;
+      OPTIMD_RETURN_IF_CUDA_ERROR(
+          cudaDeviceGetStreamPriorityRange(&least, &greatest));
+      OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamCreateWithPriority(
+          &rescue_.stream, cudaStreamNonBlocking, greatest));
+    }
     OPTIMD_RETURN_IF_CUDA_ERROR(
-        cudaStreamCreateWithFlags(&rescue_stream_, cudaStreamNonBlocking));
+        cudaEventCreateWithFlags(&rescue_.event, cudaEventDisableTiming));
   }
-  return static_cast<CudaSession*>(session)->rescue->Rescue(driver_,
-                                                            rescue_stream_);
+  // Bounded: the registry's lock is held meanwhile (SessionRegistry::Reap).
+  return static_cast<CudaSession*>(session)->rescue->Rescue(
+      driver_, rescue_, absl::Now() + absl::Seconds(2));
 }
 
 absl::Status CudaBackend::SyncGroupCounters(const std::vector<Group*>& groups) {

@@ -26,14 +26,14 @@ from optimd.torch import AdamW
 os.environ.setdefault("OPTIMD_SECRETS_DIR",
                       tempfile.mkdtemp(prefix="optimd-secrets-"))
 
-# The trainer that dies: three whole steps (their parameters saved), then a
-# step whose ready flag its stream writes only after seconds of spinning,
-# sent and answered (queued by the daemon), then SIGKILL.
+# The trainer that dies: three whole steps (their parameters saved), then
+# `late` steps whose ready flags its stream writes only after seconds of
+# spinning, sent and answered (queued by the daemon), then SIGKILL.
 _DOOMED = r"""
 import os, signal, sys
 import torch
 from optimd.torch import AdamW
-address, job, saved = sys.argv[1:4]
+address, job, saved, late = sys.argv[1:5]
 torch.manual_seed(0)
 p = torch.nn.Parameter(torch.randn(1 << 20, device="cuda"))
 opt = AdamW([p], lr=1e-2, master_weights=True, address=address, job_id=job)
@@ -42,9 +42,10 @@ for _ in range(3):
     opt.step()
 opt.synchronize()
 torch.save(p.detach().cpu(), saved)
-torch.cuda._sleep(8_000_000_000)  # seconds: the ready flag never comes
-p.grad = torch.randn_like(p)
-opt.step()
+torch.cuda._sleep(8_000_000_000)  # seconds: the ready flags never come
+for _ in range(int(late)):
+    p.grad = torch.randn_like(p)
+    opt.step()
 opt._look_at_replies(block=True)
 print("queued", flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
@@ -65,15 +66,26 @@ class TrainerGone(unittest.TestCase):
         self.log.close()
 
     def settles(self, fn, timeout=30):
-        """Whether fn() returns within `timeout` seconds."""
-        t = threading.Thread(target=fn, daemon=True)
+        """Whether fn() returns within `timeout` seconds (what it raised
+        is raised here)."""
+        raised = []
+
+        def run():
+            try:
+                fn()
+            except BaseException as e:  # noqa: B902 (re-raised below)
+                raised.append(e)
+        t = threading.Thread(target=run, daemon=True)
         t.start()
         t.join(timeout)
+        if raised:
+            raise raised[0]
         return not t.is_alive()
 
-    def kill_a_trainer_mid_step(self, job, saved):
+    def kill_a_trainer_mid_step(self, job, saved, late=1):
         doomed = subprocess.run(
-            [sys.executable, "-c", _DOOMED, self.daemon.address, job, saved],
+            [sys.executable, "-c", _DOOMED, self.daemon.address, job, saved,
+             str(late)],
             stdout=subprocess.PIPE, timeout=120)
         self.assertIn(b"queued", doomed.stdout)
         self.assertEqual(doomed.returncode, -9)
@@ -96,11 +108,27 @@ class TrainerGone(unittest.TestCase):
                         "a session on the same GPU hangs behind the step of "
                         "a trainer that died before marking it ready")
         other.close()
-        # The step let through was skipped: a resume finds three steps and
-        # the parameters after them.
+        self.assert_resume_finds_the_last_whole_step("doomed", saved)
+        with open(self.log_path) as f:
+            self.assertIn("let through, skipped", f.read())
+
+    def test_a_resume_right_after_the_kill_finds_the_last_whole_step(self):
+        # Before the session reaper's next look (it looks every second):
+        # the resume itself lets the gone trainer's two queued steps
+        # through, or its own first call waits behind them for good.
+        saved = os.path.join(self.dir, "doomed.pt")
+        self.kill_a_trainer_mid_step("quick", saved, late=2)
+        self.assertTrue(self.settles(
+            lambda: self.assert_resume_finds_the_last_whole_step("quick",
+                                                                 saved)),
+            "a resume waits behind the steps of the trainer it replaces")
+
+    def assert_resume_finds_the_last_whole_step(self, job, saved):
+        """The steps let through were skipped: a resume finds three steps
+        and the parameters after them, and steps on."""
         p = torch.nn.Parameter(torch.zeros(1 << 20, device="cuda"))
         resumed = AdamW([p], lr=1e-2, master_weights=True, resume=True,
-                        address=self.daemon.address, job_id="doomed")
+                        address=self.daemon.address, job_id=job)
         self.assertTrue(resumed.resumed)
         self.assertEqual(int(resumed.state[p]["step"]), 3)
         self.assertTrue(torch.equal(p.detach().cpu(), torch.load(saved)))
@@ -109,8 +137,6 @@ class TrainerGone(unittest.TestCase):
         resumed.synchronize()
         self.assertEqual(int(resumed.state[p]["step"]), 4)
         resumed.close()
-        with open(self.log_path) as f:
-            self.assertIn("let through, skipped", f.read())
 
 
 if __name__ == "__main__":
