@@ -337,7 +337,9 @@ __device__ __forceinline__ void Walk(const Work& work, Body& body) {
 // all its new values. Items start on block8 blocks (BuildPlan), so no
 // block straddles two items or two work blocks. body.Prepare as for Walk;
 // body.Block(item, k, first, n): the n elements from `first` of the
-// block's item k, by the whole warp; body.Finish(items, n), by every
+// block's item k, by the whole warp; body.Prefetch(item, first, n), by the
+// whole warp with the arguments of the warp's next Block, before the
+// current one (a hint: it may do nothing); body.Finish(items, n), by every
 // thread once all of the work block's elements are done.
 template <class Body>
 __device__ __forceinline__ void WalkBlocks8(const Work& work, Body& body) {
@@ -358,17 +360,34 @@ __device__ __forceinline__ void WalkBlocks8(const Work& work, Body& body) {
   __syncthreads();
   if (n == 0) return;
   const uint32_t warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  uint32_t k = 0;
-  for (uint32_t b = warp; b < block_end[n - 1]; b += warps) {
-    while (b >= block_end[k]) ++k;
-    const DeviceItem& c = cs[k];
+  const uint32_t total = block_end[n - 1];
+  // Block b of item k (the first item whose block_end passes b): its first
+  // element and its length.
+  const auto start_of = [&](uint32_t b, uint32_t k) {
     const uint32_t first = k == 0 ? 0 : block_end[k - 1];
-    const uint64_t start =
-        c.begin + static_cast<uint64_t>(b - first) * kBlock8Elements;
-    const uint64_t left = c.end - start;
-    body.Block(
-        c, k, start,
-        static_cast<uint32_t>(left < kBlock8Elements ? left : kBlock8Elements));
+    return cs[k].begin + static_cast<uint64_t>(b - first) * kBlock8Elements;
+  };
+  const auto length_of = [&](uint32_t k, uint64_t start) {
+    const uint64_t left = cs[k].end - start;
+    return static_cast<uint32_t>(left < kBlock8Elements ? left
+                                                        : kBlock8Elements);
+  };
+  // Warp w takes blocks w, w + warps, ... (handing blocks out by a shared
+  // counter instead was slower: bench/RESULTS.md, 2026-12-05).
+  uint32_t k = 0;
+  for (uint32_t b = warp; b < total; b += warps) {
+    const uint32_t next = b + warps;
+    while (b >= block_end[k]) ++k;
+    // The next block is asked of L2 before this one is computed: its
+    // loads then wait for L2, not for memory.
+    if (next < total) {
+      uint32_t kn = k;
+      while (next >= block_end[kn]) ++kn;
+      const uint64_t start = start_of(next, kn);
+      body.Prefetch(cs[kn], start, length_of(kn, start));
+    }
+    const uint64_t start = start_of(b, k);
+    body.Block(cs[k], k, start, length_of(k, start));
   }
   __syncthreads();
   body.Finish(cs, n);

@@ -67,6 +67,9 @@ struct ItemBias {
     bias[threadIdx.x] = BiasOf(s, missed[cs[threadIdx.x].entry]);
   }
   __device__ void Finish(const DeviceItem* /*cs*/, uint32_t /*n*/) {}
+  // WalkBlocks8's request for a block's streams ahead of time: none.
+  __device__ void Prefetch(const DeviceItem& /*c*/, uint64_t /*first*/,
+                           uint32_t /*n*/) {}
 };
 
 // The update of a work block.
@@ -216,6 +219,66 @@ struct UpdateBlock8 : ItemBias {
     }
   }
 
+  // The codes of the lane's new moments under multipliers km and kv:
+  // Block8Encode's, exp_avg's two at a time by one conversion instruction.
+  __device__ __forceinline__ static void EncodeLane(
+      const float* m, const float* v, Block8Multiplier km, Block8Multiplier kv,
+      uint8_t* mq, uint8_t* vq) {
+#pragma unroll
+    for (int j = 0; j < 8; j += 2) {
+      const uint32_t pair = EncodeSigned8x2(m[j], m[j + 1], km.pre, km.mul);
+      mq[j] = static_cast<uint8_t>(pair);
+      mq[j + 1] = static_cast<uint8_t>(pair >> 8);
+      vq[j] = Block8Encode<false>(v[j], kv);
+      vq[j + 1] = Block8Encode<false>(v[j + 1], kv);
+    }
+  }
+
+  // Every stream a whole block's Block reads (the old parameter only where
+  // it is the weight or the remainder's high half) and its scales, one
+  // 128-byte line a lane: weight, gradient, exp_avg and exp_avg_sq codes,
+  // remainders, scales. A tensor's shorter last block is left to its loads.
+  __device__ void Prefetch(const DeviceItem& c, uint64_t first, uint32_t n) {
+    constexpr bool kRem = K == MasterKind::kRemainder;
+    constexpr uint32_t kWeightSize =
+        K == MasterKind::kFp32 ? sizeof(float) : sizeof(typename P::T);
+    constexpr uint32_t kGradSize = sizeof(typename G::T);
+    // 128-byte lines of a whole block's stream per byte of its elements.
+    constexpr uint32_t kLinesPerByte = kBlock8Elements / 128;
+    // The first lane of each stream.
+    constexpr uint32_t kGrad = kLinesPerByte * kWeightSize;
+    constexpr uint32_t kM = kGrad + kLinesPerByte * kGradSize;
+    constexpr uint32_t kV = kM + kLinesPerByte;
+    constexpr uint32_t kR = kV + kLinesPerByte;
+    constexpr uint32_t kS = kR + (kRem ? kLinesPerByte * 2 : 0);
+    static_assert(kS < 32, "a lane per line");
+    const uint32_t lane = threadIdx.x & 31;
+    if (n != kBlock8Elements || lane > kS) return;
+    const void* weight = K == MasterKind::kFp32 ? c.master : c.param;
+    const char* base = static_cast<const char*>(
+        lane < kGrad ? weight
+        : lane < kM  ? c.grad
+        : lane < kV  ? c.state[0]
+        : lane < kR  ? c.state[1]
+        : lane < kS  ? c.master
+                     : c.scales);
+    const uint32_t size = lane < kGrad ? kWeightSize
+                          : lane < kM  ? kGradSize
+                          : lane < kR  ? 1
+                          : lane < kS  ? 2
+                                       : 0;
+    const uint32_t line = lane - (lane < kGrad ? 0
+                                  : lane < kM  ? kGrad
+                                  : lane < kV  ? kM
+                                  : lane < kR  ? kV
+                                  : lane < kS  ? kR
+                                               : kS);
+    const uint64_t at = lane < kS ? first * size + 128 * line
+                                  : first / kBlock8Elements * kBlock8Slots *
+                                        sizeof(float);
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(base + at));
+  }
+
   __device__ void Block(const DeviceItem& c, uint32_t k, uint64_t first,
                         uint32_t n) {
     const bool vector = n == kBlock8Elements && c.tiles > 0;
@@ -242,14 +305,14 @@ struct UpdateBlock8 : ItemBias {
     const float new_sv = WarpBlock8Scale(vmax);
     const Block8Multiplier km = Block8MultiplierOf(new_sm);
     const Block8Multiplier kv = Block8MultiplierOf(new_sv);
-#pragma unroll
-    for (int j = 0; j < 8; j += 2) {
-      // Block8Encode<true>, two codes by one conversion instruction.
-      const uint32_t pair = EncodeSigned8x2(m[j], m[j + 1], km.pre, km.mul);
-      mq[j] = static_cast<uint8_t>(pair);
-      mq[j + 1] = static_cast<uint8_t>(pair >> 8);
-      vq[j] = Block8Encode<false>(v[j], kv);
-      vq[j + 1] = Block8Encode<false>(v[j + 1], kv);
+    // Scales of 2^-64 and above (every block of a training run's moments
+    // but those of gradients near zero) take the codes without the
+    // multiplication by pre = 1, which changes no bit: the same for the
+    // warp, so no lane takes another path.
+    if (km.pre == 1.0f && kv.pre == 1.0f) {
+      EncodeLane(m, v, {1.0f, km.mul}, {1.0f, kv.mul}, mq, vq);
+    } else {
+      EncodeLane(m, v, km, kv, mq, vq);
     }
     StoreBlock8Lane<P, K>(c, first, n, vector, p);
     StoreCodes(static_cast<uint8_t*>(c.state[0]), first, n, vector, mq);
