@@ -221,9 +221,11 @@ struct UpdateBlock8 : ItemBias {
 
   // The codes of the lane's new moments under multipliers km and kv:
   // Block8Encode's, exp_avg's two at a time by one conversion instruction.
-  __device__ __forceinline__ static void EncodeLane(
-      const float* m, const float* v, Block8Multiplier km, Block8Multiplier kv,
-      uint8_t* mq, uint8_t* vq) {
+  __device__ __forceinline__ static void EncodeLane(const float* m,
+                                                    const float* v,
+                                                    Block8Multiplier km,
+                                                    Block8Multiplier kv,
+                                                    uint8_t* mq, uint8_t* vq) {
 #pragma unroll
     for (int j = 0; j < 8; j += 2) {
       const uint32_t pair = EncodeSigned8x2(m[j], m[j + 1], km.pre, km.mul);
@@ -255,13 +257,12 @@ struct UpdateBlock8 : ItemBias {
     const uint32_t lane = threadIdx.x & 31;
     if (n != kBlock8Elements || lane > kS) return;
     const void* weight = K == MasterKind::kFp32 ? c.master : c.param;
-    const char* base = static_cast<const char*>(
-        lane < kGrad ? weight
-        : lane < kM  ? c.grad
-        : lane < kV  ? c.state[0]
-        : lane < kR  ? c.state[1]
-        : lane < kS  ? c.master
-                     : c.scales);
+    const char* base = static_cast<const char*>(lane < kGrad ? weight
+                                                : lane < kM  ? c.grad
+                                                : lane < kV  ? c.state[0]
+                                                : lane < kR  ? c.state[1]
+                                                : lane < kS  ? c.master
+                                                             : c.scales);
     const uint32_t size = lane < kGrad ? kWeightSize
                           : lane < kM  ? kGradSize
                           : lane < kR  ? 1
@@ -273,9 +274,9 @@ struct UpdateBlock8 : ItemBias {
                                   : lane < kR  ? kV
                                   : lane < kS  ? kR
                                                : kS);
-    const uint64_t at = lane < kS ? first * size + 128 * line
-                                  : first / kBlock8Elements * kBlock8Slots *
-                                        sizeof(float);
+    const uint64_t at =
+        lane < kS ? first * size + 128 * line
+                  : first / kBlock8Elements * kBlock8Slots * sizeof(float);
     asm volatile("prefetch.global.L2 [%0];" ::"l"(base + at));
   }
 
