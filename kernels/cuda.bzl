@@ -22,6 +22,7 @@ CUDA_KERNEL_HDRS = [
     "//core:layout.h",
     "//core:optimizer.h",
     "//core:step_math.h",
+    "//kernels:block8_stage.cuh",
     "//kernels:cuda_math.cuh",
     "//kernels:cuda_step_types.h",
     "//kernels:cuda_walk.cuh",

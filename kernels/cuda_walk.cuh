@@ -338,9 +338,11 @@ __device__ __forceinline__ void Walk(const Work& work, Body& body) {
 // block straddles two items or two work blocks. body.Prepare as for Walk;
 // body.Block(item, k, first, n): the n elements from `first` of the
 // block's item k, by the whole warp; body.Prefetch(item, first, n), by the
-// whole warp with the arguments of the warp's next Block, before the
-// current one (a hint: it may do nothing); body.Finish(items, n), by every
-// thread once all of the work block's elements are done.
+// whole warp: once with the arguments of the warp's first Block before
+// any, then before each Block with those of the Block after it (n = 0
+// where there is none), so a body can fetch one block ahead;
+// body.Finish(items, n), by every thread once all of the work block's
+// elements are done.
 template <class Body>
 __device__ __forceinline__ void WalkBlocks8(const Work& work, Body& body) {
   __shared__ uint4 buffer[kMaxItemsPerBlock * sizeof(DeviceItem) / 16];
@@ -373,18 +375,24 @@ __device__ __forceinline__ void WalkBlocks8(const Work& work, Body& body) {
                                                         : kBlock8Elements);
   };
   // Warp w takes blocks w, w + warps, ... (handing blocks out by a shared
-  // counter instead was slower: bench/RESULTS.md, 2026-12-05).
+  // counter instead was slower: bench/RESULTS.md, 2026-12-05). Each Block
+  // is preceded by the Prefetch of the warp's block after it.
   uint32_t k = 0;
+  if (warp < total) {
+    while (warp >= block_end[k]) ++k;
+    const uint64_t start = start_of(warp, k);
+    body.Prefetch(cs[k], start, length_of(k, start));
+  }
   for (uint32_t b = warp; b < total; b += warps) {
     const uint32_t next = b + warps;
     while (b >= block_end[k]) ++k;
-    // The next block is asked of L2 before this one is computed: its
-    // loads then wait for L2, not for memory.
     if (next < total) {
       uint32_t kn = k;
       while (next >= block_end[kn]) ++kn;
       const uint64_t start = start_of(next, kn);
       body.Prefetch(cs[kn], start, length_of(kn, start));
+    } else {
+      body.Prefetch(cs[k], 0, 0);
     }
     const uint64_t start = start_of(b, k);
     body.Block(cs[k], k, start, length_of(k, start));

@@ -11,6 +11,7 @@
 #include "kernels/adamw/adamw_cuda.h"
 #include "kernels/adamw/adamw_math.h"
 #include "kernels/adamw/adamw_scalars.cuh"
+#include "kernels/block8_stage.cuh"
 #include "kernels/cuda_walk.cuh"
 #include "kernels/fp8_cuda.cuh"
 
@@ -186,10 +187,23 @@ __device__ __forceinline__ void FillBlock8Table(float* table) {
 // (kernels/adamw/adamw_cpu.cc) with one warp per block8 block. Each lane
 // reads its elements' moments back (code value from the table, times the
 // old scale: Block8Decode), updates them with AdamWElement, then the warp
-// takes the block's new maxima and every lane stores its codes.
+// takes the block's new maxima and every lane stores its codes. A whole,
+// aligned block is read from the warp's shared-memory stage, which its
+// Prefetch filled while the warp computed the block before it
+// (kernels/block8_stage.cuh); another block straight from global memory.
 template <class P, class G, MasterKind K, bool kAdamW>
 struct UpdateBlock8 : ItemBias {
-  float* codes;  // shared memory: FillBlock8Table's
+  static constexpr bool kRem = K == MasterKind::kRemainder;
+  // The weight as stored: the fp32 master, or the parameter (alone, or
+  // the high half beside the remainder).
+  using W = std::conditional_t<K == MasterKind::kFp32, F32, P>;
+  using Stage = Block8Stage<sizeof(typename W::T), sizeof(typename G::T), kRem>;
+  static constexpr uint32_t kStageBytesPerWarp = 2 * Stage::kBytes;
+
+  float* codes;       // shared memory: FillBlock8Table's
+  char* stage;        // shared memory: this warp's two slots
+  uint32_t slot = 0;  // the slot the next Prefetch fills
+
   __device__ void Prepare(const DeviceItem* cs, uint32_t n) {
     ItemBias::Prepare(cs, n);
     FillBlock8Table(codes);
@@ -236,61 +250,92 @@ struct UpdateBlock8 : ItemBias {
     }
   }
 
-  // Every stream a whole block's Block reads (the old parameter only where
-  // it is the weight or the remainder's high half) and its scales, one
-  // 128-byte line a lane: weight, gradient, exp_avg and exp_avg_sq codes,
-  // remainders, scales. A tensor's shorter last block is left to its loads.
+  // Whether Block reads this block from the stage: whole, and every
+  // stream 16-byte aligned (the item's tiles say so for its start, and a
+  // block lies a multiple of 256 elements further).
+  __device__ static bool Staged(const DeviceItem& c, uint32_t n) {
+    return n == kBlock8Elements && c.tiles > 0;
+  }
+
+  // Copies a staged block's streams into the next slot (nothing for
+  // another block), as one group of the lane's copies.
   __device__ void Prefetch(const DeviceItem& c, uint64_t first, uint32_t n) {
-    constexpr bool kRem = K == MasterKind::kRemainder;
-    constexpr uint32_t kWeightSize =
-        K == MasterKind::kFp32 ? sizeof(float) : sizeof(typename P::T);
-    constexpr uint32_t kGradSize = sizeof(typename G::T);
-    // 128-byte lines of a whole block's stream per byte of its elements.
-    constexpr uint32_t kLinesPerByte = kBlock8Elements / 128;
-    // The first lane of each stream.
-    constexpr uint32_t kGrad = kLinesPerByte * kWeightSize;
-    constexpr uint32_t kM = kGrad + kLinesPerByte * kGradSize;
-    constexpr uint32_t kV = kM + kLinesPerByte;
-    constexpr uint32_t kR = kV + kLinesPerByte;
-    constexpr uint32_t kS = kR + (kRem ? kLinesPerByte * 2 : 0);
-    static_assert(kS < 32, "a lane per line");
-    const uint32_t lane = threadIdx.x & 31;
-    if (n != kBlock8Elements || lane > kS) return;
-    const void* weight = K == MasterKind::kFp32 ? c.master : c.param;
-    const char* base = static_cast<const char*>(lane < kGrad ? weight
-                                                : lane < kM  ? c.grad
-                                                : lane < kV  ? c.state[0]
-                                                : lane < kR  ? c.state[1]
-                                                : lane < kS  ? c.master
-                                                             : c.scales);
-    const uint32_t size = lane < kGrad ? kWeightSize
-                          : lane < kM  ? kGradSize
-                          : lane < kR  ? 1
-                          : lane < kS  ? 2
-                                       : 0;
-    const uint32_t line = lane - (lane < kGrad ? 0
-                                  : lane < kM  ? kGrad
-                                  : lane < kV  ? kM
-                                  : lane < kR  ? kV
-                                  : lane < kS  ? kR
-                                               : kS);
-    const uint64_t at =
-        lane < kS ? first * size + 128 * line
-                  : first / kBlock8Elements * kBlock8Slots * sizeof(float);
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(base + at));
+    char* to = stage + slot * Stage::kBytes;
+    slot ^= 1;
+    if (Staged(c, n)) {
+      constexpr uint32_t kWeight = sizeof(typename W::T);
+      constexpr uint32_t kGrad = sizeof(typename G::T);
+      const void* weight = K == MasterKind::kFp32 ? c.master : c.param;
+      StageBytes<kBlock8Elements * kWeight>(
+          to, static_cast<const char*>(weight) + first * kWeight);
+      StageBytes<kBlock8Elements * kGrad>(
+          to + Stage::kGradAt,
+          static_cast<const char*>(c.grad) + first * kGrad);
+      if constexpr (kRem) {
+        StageBytes<kBlock8Elements * 2>(
+            to + Stage::kRemAt, static_cast<const char*>(c.master) + first * 2);
+      }
+      StageBytes<kBlock8Elements>(to + Stage::kExpAvgAt,
+                                  static_cast<const char*>(c.state[0]) + first);
+      StageBytes<kBlock8Elements>(to + Stage::kExpAvgSqAt,
+                                  static_cast<const char*>(c.state[1]) + first);
+      if ((threadIdx.x & 31) == 0) {
+        Stage8Bytes(to + Stage::kScalesAt,
+                    static_cast<const char*>(c.scales) +
+                        first / kBlock8Elements * kBlock8Slots * sizeof(float));
+      }
+    }
+    CommitStage();
+  }
+
+  // A staged block's lane elements: weights, gradients, codes and scales.
+  __device__ __forceinline__ static void LoadStagedLane(const char* from,
+                                                        float* p, float* g,
+                                                        uint8_t* mq,
+                                                        uint8_t* vq, float* sm,
+                                                        float* sv) {
+    uint32_t w[W::kTileWords], gw[G::kTileWords];
+    LoadStagedTile<sizeof(typename W::T)>(from, w);
+    if constexpr (kRem) {
+      uint32_t r[4];
+      LoadStagedTile<2>(from + Stage::kRemAt, r);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        ReconstructFromRemainder2(w[j], r[j], &p[2 * j], &p[2 * j + 1]);
+      }
+    } else {
+      W::Unpack(w, p);
+    }
+    LoadStagedTile<sizeof(typename G::T)>(from + Stage::kGradAt, gw);
+    G::Unpack(gw, g);
+    LoadStagedCodes(from + Stage::kExpAvgAt, mq);
+    LoadStagedCodes(from + Stage::kExpAvgSqAt, vq);
+    *sm = *reinterpret_cast<const float*>(from + Stage::kScalesAt);
+    *sv = *reinterpret_cast<const float*>(from + Stage::kScalesAt + 4);
   }
 
   __device__ void Block(const DeviceItem& c, uint32_t k, uint64_t first,
                         uint32_t n) {
-    const bool vector = n == kBlock8Elements && c.tiles > 0;
+    // Since this block's Prefetch the walk has made one more (the next
+    // block's, into the other slot): this block's slot is the one the
+    // Prefetch after that refills.
+    const char* from = stage + slot * Stage::kBytes;
+    WaitForStageButNewest();
+    const bool vector = Staged(c, n);
     float p[8], g[8], m[8] = {}, v[8] = {};
     uint8_t mq[8], vq[8];
-    LoadBlock8Lane<P, G, K>(c, first, n, vector, p, g);
-    LoadCodes(static_cast<const uint8_t*>(c.state[0]), first, n, vector, mq);
-    LoadCodes(static_cast<const uint8_t*>(c.state[1]), first, n, vector, vq);
+    float sm, sv;
     float* scales = static_cast<float*>(c.scales) +
                     (first / kBlock8Elements) * kBlock8Slots;
-    const float sm = scales[0], sv = scales[1];
+    if (vector) {
+      LoadStagedLane(from, p, g, mq, vq, &sm, &sv);
+    } else {
+      LoadBlock8Lane<P, G, K>(c, first, n, false, p, g);
+      LoadCodes(static_cast<const uint8_t*>(c.state[0]), first, n, false, mq);
+      LoadCodes(static_cast<const uint8_t*>(c.state[1]), first, n, false, vq);
+      sm = scales[0];
+      sv = scales[1];
+    }
     // By value: a reference into shared memory was read again for every
     // element.
     const BiasScalars b = bias[k];
@@ -318,7 +363,9 @@ struct UpdateBlock8 : ItemBias {
     StoreBlock8Lane<P, K>(c, first, n, vector, p);
     StoreCodes(static_cast<uint8_t*>(c.state[0]), first, n, vector, mq);
     StoreCodes(static_cast<uint8_t*>(c.state[1]), first, n, vector, vq);
-    __syncwarp();  // every lane has read the old scales
+    // Every lane has read the old scales, and its part of the slot, which
+    // the Prefetch after the next one refills.
+    __syncwarp();
     if ((threadIdx.x & 31) == 0) {
       scales[0] = new_sm;
       scales[1] = new_sv;
@@ -393,7 +440,12 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 4)
   if (s.skip) return;
   __shared__ BiasScalars bias[kMaxItemsPerBlock];
   __shared__ float codes[2 * kBlock8Codes];
-  UpdateBlock8<P, G, K, kAdamW> body{{s, work.missed, bias}, codes};
+  using Body = UpdateBlock8<P, G, K, kAdamW>;
+  __shared__ uint4 stage[kThreadsPerBlock / 32 * Body::kStageBytesPerWarp / 16];
+  Body body{{s, work.missed, bias},
+            codes,
+            reinterpret_cast<char*>(stage) +
+                (threadIdx.x >> 5) * Body::kStageBytesPerWarp};
   WalkBlocks8(work, body);
 }
 
