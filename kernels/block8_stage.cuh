@@ -98,7 +98,8 @@ __device__ __forceinline__ void LoadStagedTile(const char* s, uint32_t* w) {
   }
 }
 
-// A lane's 8 codes of a staged 1-byte stream, as LoadCodes gives them.
+// A lane's 8 codes of a staged 1-byte stream, in the order LoadCodes
+// gives them (Block8Offset).
 __device__ __forceinline__ void LoadStagedCodes(const char* s, uint8_t* c) {
   const uint32_t lane = threadIdx.x & 31;
   const uint32_t a = *reinterpret_cast<const uint32_t*>(s + 4 * lane);

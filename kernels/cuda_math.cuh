@@ -124,6 +124,17 @@ __device__ __forceinline__ void ReconstructFromRemainder2(uint32_t hi,
                       static_cast<uint32_t>(static_cast<int32_t>(rem) >> 16));
 }
 
+// ReconstructFromRemainder2 of a tile lane's 8 masters: h and r as LoadTile
+// gives a 2-byte stream's words.
+__device__ __forceinline__ void ReconstructFromRemainder8(const uint32_t* h,
+                                                          const uint32_t* r,
+                                                          float* x) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    ReconstructFromRemainder2(h[j], r[j], &x[2 * j], &x[2 * j + 1]);
+  }
+}
+
 // Block8 exp_avg codes (Block8Encode<true>, core/block8.h) of lo and hi in
 // a block of multiplier {pre, mul}, in the low and the high byte, by one
 // conversion instruction. The signed code set is float8_e4m3fn's scaled

@@ -237,10 +237,7 @@ __device__ __forceinline__ void LoadRemainderMasters(
     uint32_t h[4], r[4];
     LoadTile<2>(param, i, h, half);
     LoadTile<2>(rem, i, r, half);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      ReconstructFromRemainder2(h[j], r[j], &x[2 * j], &x[2 * j + 1]);
-    }
+    ReconstructFromRemainder8(h, r, x);
   }
 }
 
@@ -409,23 +406,11 @@ __device__ __forceinline__ uint32_t Block8Offset(int j) {
   return (j < 4 ? 0 : 128 - 4) + 4 * lane + j;
 }
 
-// A WalkBlocks8 block's bytes of one stream (block8 codes, FP8 codes): 4
-// at first + 4 * lane and 4 at first + 128 + 4 * lane when the block is
-// whole and aligned, else byte by byte (invalid elements: 0).
+// The bytes of a lane's elements of a WalkBlocks8 block of one stream
+// (block8 codes) read one by one (invalid elements: 0); a whole aligned
+// block is staged instead (LoadStagedCodes, kernels/block8_stage.cuh).
 __device__ __forceinline__ void LoadCodes(const uint8_t* q, uint64_t first,
-                                          uint32_t n, bool vector, uint8_t* c) {
-  if (vector) {
-    const uint32_t lane = threadIdx.x & 31;
-    const uint32_t a = *reinterpret_cast<const uint32_t*>(q + first + 4 * lane);
-    const uint32_t b =
-        *reinterpret_cast<const uint32_t*>(q + first + 128 + 4 * lane);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      c[j] = static_cast<uint8_t>(a >> (8 * j));
-      c[j + 4] = static_cast<uint8_t>(b >> (8 * j));
-    }
-    return;
-  }
+                                          uint32_t n, uint8_t* c) {
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     const uint32_t e = Block8Offset(j);

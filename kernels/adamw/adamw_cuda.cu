@@ -131,19 +131,13 @@ __device__ __forceinline__ float WarpBlock8Scale(uint32_t bits) {
   return Block8Scale(__uint_as_float(__reduce_max_sync(0xffffffffu, bits)));
 }
 
-// The weights (N = 8: a tile lane's share; N = 1: one element) of a block8
-// block's lane, from valid elements only.
+// The weights and gradients of a block8 block's lane read element by
+// element from global memory (a block that is not staged: partial or
+// unaligned), valid elements only (the others: 0).
 template <class P, class G, MasterKind K>
 __device__ __forceinline__ void LoadBlock8Lane(const DeviceItem& c,
                                                uint64_t first, uint32_t n,
-                                               bool vector, float* p,
-                                               float* g) {
-  if (vector) {
-    const uint64_t i = first + 4 * (threadIdx.x & 31);
-    LoadWeight<8, P, K>(c, i, p);
-    LoadF<8, G>(c.grad, i, g);
-    return;
-  }
+                                               float* p, float* g) {
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     const uint32_t e = Block8Offset(j);
@@ -299,10 +293,7 @@ struct UpdateBlock8 : ItemBias {
     if constexpr (kRem) {
       uint32_t r[4];
       LoadStagedTile<2>(from + Stage::kRemAt, r);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        ReconstructFromRemainder2(w[j], r[j], &p[2 * j], &p[2 * j + 1]);
-      }
+      ReconstructFromRemainder8(w, r, p);
     } else {
       W::Unpack(w, p);
     }
@@ -330,9 +321,9 @@ struct UpdateBlock8 : ItemBias {
     if (vector) {
       LoadStagedLane(from, p, g, mq, vq, &sm, &sv);
     } else {
-      LoadBlock8Lane<P, G, K>(c, first, n, false, p, g);
-      LoadCodes(static_cast<const uint8_t*>(c.state[0]), first, n, false, mq);
-      LoadCodes(static_cast<const uint8_t*>(c.state[1]), first, n, false, vq);
+      LoadBlock8Lane<P, G, K>(c, first, n, p, g);
+      LoadCodes(static_cast<const uint8_t*>(c.state[0]), first, n, mq);
+      LoadCodes(static_cast<const uint8_t*>(c.state[1]), first, n, vq);
       sm = scales[0];
       sv = scales[1];
     }
