@@ -89,6 +89,15 @@ def run_optimd(binary, extra):
     return rows
 
 
+def peer_key(row):
+    """The torch model a row is compared with: the same parameter count
+    and tensors, in the parameter dtype a torch user of that layout trains
+    (bf16 for bf16 parameters, with torch's bf16 moments; fp32 for the
+    rest, FP8 layouts included, whose masters are fp32)."""
+    dtype = torch.bfloat16 if row["name"].startswith("bf16") else torch.float32
+    return (row["params"], row["tensors"], dtype)
+
+
 # The torch peer doing the same work as each optimd step mode.
 PEER = {"assume_finite": "plain", "default": "scaler", "clip": "clip"}
 
@@ -113,13 +122,11 @@ def main():
     print("torch", torch.__version__, torch.cuda.get_device_name())
     peers = {}
     for r in rows:
-        if r["name"] in ("fp32", "fp32_small"):
-            key = (r["params"], r["tensors"])
-            if key not in peers:
-                peers[key] = torch_fused_ms(r["params"], r["tensors"],
-                                            torch.float32)
-                print("torch %d tensors: %s" % (r["tensors"], ", ".join(
-                    "%s %.3f ms" % kv for kv in peers[key].items())))
+        key = peer_key(r)
+        if key not in peers:
+            peers[key] = torch_fused_ms(*key)
+            print("torch %d tensors of %s: %s" % (key[1], key[2], ", ".join(
+                "%s %.3f ms" % kv for kv in peers[key].items())))
     print()
     print("optimd mode -> torch peer: " + ", ".join(
         "%s -> %s" % kv for kv in PEER.items()))
@@ -128,7 +135,7 @@ def main():
         "peer ms", "/peer", "plain ms", "/plain", "% copy", "host us",
         "cpu us"))
     for r in rows:
-        t = peers.get((r["params"], r["tensors"]))
+        t = peers.get(peer_key(r))
         peer = t[PEER[r["mode"]]] if t else None
         plain = t["plain"] if t else None
         fmt = lambda x: "%.3f" % x if x else "-"
