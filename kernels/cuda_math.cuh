@@ -35,6 +35,38 @@ __device__ __forceinline__ float DivByRecip(float a, float b, float rb) {
   return isfinite(q) ? q1 : q;
 }
 
+// The bits of the floats SqrtInRange takes: every normal float from 2^-101
+// up to the largest finite one, the range in which the hardware's
+// reciprocal square root refined by one Newton step and one correction is
+// the correctly rounded square root (tests/cuda_math_test compares it with
+// IEEE square root on every float of the range).
+constexpr uint32_t kSqrtInRangeLow = 0x0d000000u;   // 2^-101
+constexpr uint32_t kSqrtInRangeHigh = 0x7f7fffffu;  // FLT_MAX
+
+// sqrt(x), correctly rounded, for x whose bits lie in [kSqrtInRangeLow,
+// kSqrtInRangeHigh]: the operations of IEEE square root's common case
+// without its per-element range test and branch, which a caller makes once
+// for many elements (any other x gives an unspecified result). They are the
+// instructions nvcc emits for sqrtf (sm_90: MUFU.RSQ, FMUL.FTZ x * y,
+// FMUL.FTZ y * 0.5, FFMA -s * s + x, FFMA r * h + s) where its own test,
+// (bits - 0x0d000000) <= 0x727fffff unsigned, passes: the same range.
+__device__ __forceinline__ float SqrtInRange(float x) {
+  float y;
+  asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  const float root = __fmul_rn(x, y);
+  const float half_y = __fmul_rn(y, 0.5f);
+  const float r = __fmaf_rn(-root, root, x);
+  return __fmaf_rn(r, half_y, root);
+}
+
+// DivByRecip for a finite a (a square root SqrtInRange took, at most
+// 2^64), whose quotient is then finite too: no test of it.
+__device__ __forceinline__ float DivByRecipFinite(float a, float b, float rb) {
+  const float q = __fmul_rn(a, rb);
+  const float r = __fmaf_rn(-b, q, a);
+  return __fmaf_rn(r, rb, q);
+}
+
 // x rounded to bfloat16, to nearest even, keeping a NaN's sign and payload
 // (quieted), bit for bit as the CPU reference rounds.
 __device__ __forceinline__ uint16_t Bf16FromFloat(float x) {
@@ -133,6 +165,26 @@ __device__ __forceinline__ void ReconstructFromRemainder8(const uint32_t* h,
   for (int j = 0; j < 4; ++j) {
     ReconstructFromRemainder2(h[j], r[j], &x[2 * j], &x[2 * j + 1]);
   }
+}
+
+// Block8Decode<true>(c, scale) (core/block8.h) from the code's bits: the
+// magnitude's 7 bits placed as a float's exponent and mantissa (4 and 3
+// bits, whose fp32 subnormals are the code's subnormals, as ftz is off)
+// and the sign bit as the float's, scaled exactly by 2^(127 - 15) to the
+// code's value, then times the scale: one rounding, as the CPU's.
+// tests/cuda_math_test compares both with Block8Decode on every code under
+// many scales.
+__device__ __forceinline__ float DecodeSigned8Times(uint8_t c, float scale) {
+  const uint32_t u = c;
+  const uint32_t bits = ((u & 0x7fu) << 20) | ((u & 0x80u) << 24);
+  return __fmul_rn(__fmul_rn(__uint_as_float(bits), 0x1p112f), scale);
+}
+
+// Block8Decode<false>(c, scale) the same way: 5 exponent and 3 mantissa
+// bits, scaled by 2^(127 - 31).
+__device__ __forceinline__ float DecodeUnsigned8Times(uint8_t c, float scale) {
+  const uint32_t bits = static_cast<uint32_t>(c) << 20;
+  return __fmul_rn(__fmul_rn(__uint_as_float(bits), 0x1p96f), scale);
 }
 
 // Block8 exp_avg codes (Block8Encode<true>, core/block8.h) of lo and hi in

@@ -335,11 +335,11 @@ __device__ __forceinline__ void Walk(const Work& work, Body& body) {
 // block straddles two items or two work blocks. body.Prepare as for Walk;
 // body.Block(item, k, first, n): the n elements from `first` of the
 // block's item k, by the whole warp; body.Prefetch(item, first, n), by the
-// whole warp: once with the arguments of the warp's first Block before
-// any, then before each Block with those of the Block after it (n = 0
-// where there is none), so a body can fetch one block ahead;
-// body.Finish(items, n), by every thread once all of the work block's
-// elements are done.
+// whole warp: once with the arguments of the warp's first Block, before
+// Prepare (so that its loads overlap Prepare), then before each Block with
+// those of the Block after it (n = 0 where there is none), so a body can fetch
+// one block ahead; body.Finish(items, n), by every thread once all of the work
+// block's elements are done.
 template <class Body>
 __device__ __forceinline__ void WalkBlocks8(const Work& work, Body& body) {
   __shared__ uint4 buffer[kMaxItemsPerBlock * sizeof(DeviceItem) / 16];
@@ -348,6 +348,30 @@ __device__ __forceinline__ void WalkBlocks8(const Work& work, Body& body) {
   const DeviceItem* cs = reinterpret_cast<const DeviceItem*>(buffer);
   const uint32_t n = CopyItems(work, work.blocks[blockIdx.x], buffer);
   __syncthreads();
+  const uint32_t warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const auto length_of = [&](uint32_t k, uint64_t start) {
+    const uint64_t left = cs[k].end - start;
+    return static_cast<uint32_t>(left < kBlock8Elements ? left
+                                                        : kBlock8Elements);
+  };
+  // The warp's first block (block `warp`), found by counting items' blocks
+  // here rather than through block_end, so that its Prefetch starts before
+  // Prepare and the barrier after it.
+  {
+    uint32_t k = 0, before = 0;
+    while (k < n) {
+      const uint32_t blocks =
+          static_cast<uint32_t>(Block8Blocks(cs[k].end - cs[k].begin));
+      if (warp < before + blocks) break;
+      before += blocks;
+      ++k;
+    }
+    if (k < n) {
+      const uint64_t start =
+          cs[k].begin + static_cast<uint64_t>(warp - before) * kBlock8Elements;
+      body.Prefetch(cs[k], start, length_of(k, start));
+    }
+  }
   if (threadIdx.x == 0) {
     uint32_t blocks = 0;
     for (uint32_t k = 0; k < n; ++k) {
@@ -358,28 +382,17 @@ __device__ __forceinline__ void WalkBlocks8(const Work& work, Body& body) {
   body.Prepare(cs, n);
   __syncthreads();
   if (n == 0) return;
-  const uint32_t warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const uint32_t total = block_end[n - 1];
   // Block b of item k (the first item whose block_end passes b): its first
-  // element and its length.
+  // element.
   const auto start_of = [&](uint32_t b, uint32_t k) {
     const uint32_t first = k == 0 ? 0 : block_end[k - 1];
     return cs[k].begin + static_cast<uint64_t>(b - first) * kBlock8Elements;
-  };
-  const auto length_of = [&](uint32_t k, uint64_t start) {
-    const uint64_t left = cs[k].end - start;
-    return static_cast<uint32_t>(left < kBlock8Elements ? left
-                                                        : kBlock8Elements);
   };
   // Warp w takes blocks w, w + warps, ... (handing blocks out by a shared
   // counter instead was slower: bench/RESULTS.md, 2026-12-05). Each Block
   // is preceded by the Prefetch of the warp's block after it.
   uint32_t k = 0;
-  if (warp < total) {
-    while (warp >= block_end[k]) ++k;
-    const uint64_t start = start_of(warp, k);
-    body.Prefetch(cs[k], start, length_of(k, start));
-  }
   for (uint32_t b = warp; b < total; b += warps) {
     const uint32_t next = b + warps;
     while (b >= block_end[k]) ++k;

@@ -49,6 +49,16 @@ struct DivisionCheck {
   }
 };
 
+// SqrtInRange against IEEE square root: x runs over every float from 0
+// (ForEachBits' start) and is shifted into SqrtInRange's range.
+struct SqrtInRangeCheck {
+  __device__ bool operator()(uint32_t u) const {
+    const float x = __uint_as_float(u + cuda::kSqrtInRangeLow);
+    return __float_as_uint(cuda::SqrtInRange(x)) ==
+           __float_as_uint(__fsqrt_rn(x));
+  }
+};
+
 struct Bf16Check {
   __device__ bool operator()(uint32_t bits) const {
     const float x = __uint_as_float(bits);
@@ -93,6 +103,21 @@ struct Signed8Check {
       }
     }
     return true;
+  }
+};
+
+// The arithmetic block8 decodes against Block8Decode, the CPU's: code u's
+// low byte under a scale made of u's other bits (every exponent, zero,
+// subnormal, infinite and NaN scales among them).
+struct Decode8Check {
+  __device__ bool operator()(uint32_t u) const {
+    const uint8_t c = static_cast<uint8_t>(u);
+    const float scale =
+        __uint_as_float((__brev(u) ^ 0x5a5a5a5au) & 0x7fffffffu);
+    return SameOrBothNan(cuda::DecodeSigned8Times(c, scale),
+                         Block8Decode<true>(c, scale)) &&
+           SameOrBothNan(cuda::DecodeUnsigned8Times(c, scale),
+                         Block8Decode<false>(c, scale));
   }
 };
 
@@ -177,6 +202,20 @@ MathCheck CheckDivisionByRecip(float b) {
   return RunCheck(static_cast<uint64_t>(kLast) + 1, [&](unsigned long long* m,
                                                         uint32_t* f) {
     ForEachBits<<<4096, 256>>>(kLast, DivisionCheck{b, rb}, m, f);
+  });
+}
+
+MathCheck CheckSqrtInRange() {
+  constexpr uint64_t kLastOffset =
+      cuda::kSqrtInRangeHigh - cuda::kSqrtInRangeLow;
+  return RunCheck(kLastOffset + 1, [](unsigned long long* m, uint32_t* f) {
+    ForEachBits<<<4096, 256>>>(kLastOffset, SqrtInRangeCheck{}, m, f);
+  });
+}
+
+MathCheck CheckDecode8() {
+  return RunCheck(uint64_t{1} << 32, [](unsigned long long* m, uint32_t* f) {
+    ForEachBits<<<4096, 256>>>(0xffffffffull, Decode8Check{}, m, f);
   });
 }
 

@@ -22,6 +22,16 @@ struct MathCheck {
 // bits, or both NaN.
 MathCheck CheckDivisionByRecip(float b);
 
+// Compares SqrtInRange with IEEE square root on every float of its range
+// (bits kSqrtInRangeLow to kSqrtInRangeHigh); first_bad_bits is the
+// differing float's offset from kSqrtInRangeLow.
+MathCheck CheckSqrtInRange();
+
+// Compares DecodeSigned8Times and DecodeUnsigned8Times (kernels/cuda_math.cuh)
+// with Block8Decode (core/block8.h) for every 32-bit u: code u & 0xff
+// under a scale made of a bit permutation of u (the sign bit cleared).
+MathCheck CheckDecode8();
+
 // Compares the hardware conversion to bfloat16 (cvt.rn.bf16.f32) with
 // Bf16FromFloat for every float: `mismatches` counts the floats other than
 // NaNs where they differ, plus the canonical NaN 0x7fffffff if it differs.

@@ -61,6 +61,26 @@ TEST(CudaMathTest, DivisionByRecipEqualsIeeeDivision) {
   }
 }
 
+// The block8 step takes square roots by SqrtInRange where a warp's second
+// moments all lie in its range: it must be IEEE square root on all of it.
+TEST(CudaMathTest, SqrtInRangeEqualsIeeeSquareRoot) {
+  const MathCheck c = CheckSqrtInRange();
+  ASSERT_TRUE(c.error.empty()) << c.error;
+  ASSERT_EQ(c.compared, 0x7f7fffffull - 0x0d000000ull + 1);
+  EXPECT_EQ(c.mismatches, 0u) << "first differing x: bits 0x" << std::hex
+                              << (c.first_bad_bits + 0x0d000000u);
+}
+
+// The block8 step reads moments back by the code's bits, the CPU by its
+// decode functions: the same values for every code and scale.
+TEST(CudaMathTest, ArithmeticBlock8DecodeEqualsTheReference) {
+  const MathCheck c = CheckDecode8();
+  ASSERT_TRUE(c.error.empty()) << c.error;
+  ASSERT_EQ(c.compared, uint64_t{1} << 32);
+  EXPECT_EQ(c.mismatches, 0u)
+      << "first differing u: 0x" << std::hex << c.first_bad_bits;
+}
+
 // The step kernels round results of GPU arithmetic to bfloat16 with one
 // conversion instruction; it must agree with the reference rounding on
 // every float (NaNs aside, of which GPU arithmetic makes only the

@@ -164,23 +164,10 @@ __device__ __forceinline__ void StoreBlock8Lane(const DeviceItem& c,
   }
 }
 
-// The values of every block8 code before scaling, as the thread block's
-// shared table: signed codes (exp_avg) at [0, 256), unsigned (exp_avg_sq)
-// at [256, 512), filled by the same functions the CPU decodes with, so a
-// lookup gives their bits for one shared-memory load instead of the
-// decode's dozen instructions.
-constexpr int kBlock8Codes = 256;
-__device__ __forceinline__ void FillBlock8Table(float* table) {
-  for (int c = threadIdx.x; c < 2 * kBlock8Codes; c += blockDim.x) {
-    const uint8_t code = static_cast<uint8_t>(c);
-    table[c] = c < kBlock8Codes ? DecodeSigned8(code) : DecodeUnsigned8(code);
-  }
-}
-
 // AdamW over block8 moments: the CPU reference's StepBlock8
 // (kernels/adamw/adamw_cpu.cc) with one warp per block8 block. Each lane
-// reads its elements' moments back (code value from the table, times the
-// old scale: Block8Decode), updates them with AdamWElement, then the warp
+// reads its elements' moments back (Block8Decode, by DecodeSigned8Times
+// and DecodeUnsigned8Times), updates them with AdamWElement, then the warp
 // takes the block's new maxima and every lane stores its codes. A whole,
 // aligned block is read from the warp's shared-memory stage, which its
 // Prefetch filled while the warp computed the block before it
@@ -194,18 +181,17 @@ struct UpdateBlock8 : ItemBias {
   using Stage = Block8Stage<sizeof(typename W::T), sizeof(typename G::T), kRem>;
   static constexpr uint32_t kStageBytesPerWarp = 2 * Stage::kBytes;
 
-  float* codes;       // shared memory: FillBlock8Table's
   char* stage;        // shared memory: this warp's two slots
   uint32_t slot = 0;  // the slot the next Prefetch fills
 
-  __device__ void Prepare(const DeviceItem* cs, uint32_t n) {
-    ItemBias::Prepare(cs, n);
-    FillBlock8Table(codes);
-  }
   // The lane's elements (with kWhole all 8, else those below n): moments
-  // read back with the old scales (the code's value from the table, times
-  // the scale: Block8Decode), updated with AdamWElement into p, m and v;
-  // the largest magnitude bits of the new moments into mmax and vmax.
+  // read back with the old scales (Block8Decode), updated with AdamWElement
+  // into p, m and v; the largest magnitude bits of the new moments into mmax
+  // and vmax (as the block's new scales need them). AdamWElement in two halves:
+  // the moments of every element first, so that the warp knows whether all its
+  // second moments lie where SqrtInRange is IEEE square root; then the weights,
+  // by SqrtInRange where they do (one test for the warp instead of IEEE square
+  // root's test and branch per element).
   template <bool kWhole>
   __device__ __forceinline__ void UpdateLane(
       uint32_t n, const BiasScalars& b, float sm, float sv, const uint8_t* mq,
@@ -213,17 +199,39 @@ struct UpdateBlock8 : ItemBias {
       uint32_t& mmax, uint32_t& vmax) const {
     const AdamWElementScalars e{s.grad_mul, s.decay, s.l2,  s.beta1,   s.beta2,
                                 s.omb1,     s.omb2,  s.eps, b.neg_step};
-    const auto div_bc2 = [b](float a) { return DivByRecip(a, b.bc2, b.rbc2); };
+    // The smallest and largest bits of the lane's new v, sign included.
+    uint32_t vlow = 0xffffffffu, vhigh = 0;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       if (!kWhole && Block8Offset(j) >= n) continue;
-      m[j] = codes[mq[j]] * sm;
-      v[j] = codes[kBlock8Codes + vq[j]] * sv;
-      float unused = 0.0f;
-      p[j] = AdamWElement<false, kAdamW>(g[j], p[j], m[j], v[j], unused, e,
-                                         div_bc2);
+      m[j] = DecodeSigned8Times(mq[j], sm);
+      v[j] = DecodeUnsigned8Times(vq[j], sv);
+      p[j] = AdamWMoments<kAdamW>(g[j], p[j], m[j], v[j], e);
       mmax = max(mmax, __float_as_uint(m[j]) & 0x7fffffffu);
       vmax = max(vmax, __float_as_uint(v[j]) & 0x7fffffffu);
+      vlow = min(vlow, __float_as_uint(v[j]));
+      vhigh = max(vhigh, __float_as_uint(v[j]));
+    }
+    // Zero, subnormal, infinite, NaN and negative v (-0) fail the test.
+    const bool in_range =
+        __reduce_min_sync(0xffffffffu, vlow) >= kSqrtInRangeLow &&
+        __reduce_max_sync(0xffffffffu, vhigh) <= kSqrtInRangeHigh;
+    if (in_range) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        if (!kWhole && Block8Offset(j) >= n) continue;
+        p[j] = AdamWApply(p[j], m[j], SqrtInRange(v[j]), e, [b](float a) {
+          return DivByRecipFinite(a, b.bc2, b.rbc2);
+        });
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        if (!kWhole && Block8Offset(j) >= n) continue;
+        p[j] = AdamWApply(p[j], m[j], AdamWSqrt(v[j]), e, [b](float a) {
+          return DivByRecip(a, b.bc2, b.rbc2);
+        });
+      }
     }
   }
 
@@ -430,11 +438,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 4)
   const DeviceScalars s = *scalars;
   if (s.skip) return;
   __shared__ BiasScalars bias[kMaxItemsPerBlock];
-  __shared__ float codes[2 * kBlock8Codes];
   using Body = UpdateBlock8<P, G, K, kAdamW>;
   __shared__ uint4 stage[kThreadsPerBlock / 32 * Body::kStageBytesPerWarp / 16];
   Body body{{s, work.missed, bias},
-            codes,
             reinterpret_cast<char*>(stage) +
                 (threadIdx.x >> 5) * Body::kStageBytesPerWarp};
   WalkBlocks8(work, body);

@@ -27,14 +27,13 @@ using AdamWElementScalars = AdamWElementScalarsT<float>;
 OPTIMD_HOST_DEVICE inline float AdamWSqrt(float x) { return sqrtf(x); }
 OPTIMD_HOST_DEVICE inline double AdamWSqrt(double x) { return sqrt(x); }
 
-// g: the gradient as stored (converted to T); p: the weight; m, v (and
-// vmax with kAmsgrad): the moments as T, updated in place. Returns the
-// new weight. div(a) is a / sqrt(bias_correction2), correctly rounded (the
-// CPU divides; CUDA multiplies fp32 by the reciprocal and corrects).
-template <bool kAmsgrad, bool kAdamW, class T, class DivBc2>
-OPTIMD_HOST_DEVICE inline T AdamWElement(T g, T p, T& m, T& v, T& vmax,
-                                         const AdamWElementScalarsT<T>& s,
-                                         DivBc2 div) {
+// The first half of an element's update: g (the gradient as stored,
+// converted to T) scaled, the weight p decayed (AdamW) or g given the L2
+// term (Adam), and the moments m and v updated in place. Returns the
+// decayed weight.
+template <bool kAdamW, class T>
+OPTIMD_HOST_DEVICE inline T AdamWMoments(T g, T p, T& m, T& v,
+                                         const AdamWElementScalarsT<T>& s) {
   g = g * s.grad_mul;
   if constexpr (kAdamW) {
     p = p * s.decay;
@@ -43,13 +42,35 @@ OPTIMD_HOST_DEVICE inline T AdamWElement(T g, T p, T& m, T& v, T& vmax,
   }
   m = m * s.beta1 + s.one_minus_beta1 * g;
   v = v * s.beta2 + s.one_minus_beta2 * g * g;
+  return p;
+}
+
+// The second half: the new weight from the decayed weight p, the new m and
+// root, the square root of the second moment the step divides by.
+// div(a) is a / sqrt(bias_correction2), correctly rounded (the CPU
+// divides; CUDA multiplies fp32 by the reciprocal and corrects).
+template <class T, class DivBc2>
+OPTIMD_HOST_DEVICE inline T AdamWApply(T p, T m, T root,
+                                       const AdamWElementScalarsT<T>& s,
+                                       DivBc2 div) {
+  const T denom = div(root) + s.eps;
+  return p + s.neg_step * (m / denom);
+}
+
+// g: the gradient as stored (converted to T); p: the weight; m, v (and
+// vmax with kAmsgrad): the moments as T, updated in place. Returns the
+// new weight.
+template <bool kAmsgrad, bool kAdamW, class T, class DivBc2>
+OPTIMD_HOST_DEVICE inline T AdamWElement(T g, T p, T& m, T& v, T& vmax,
+                                         const AdamWElementScalarsT<T>& s,
+                                         DivBc2 div) {
+  p = AdamWMoments<kAdamW>(g, p, m, v, s);
   T vd = v;
   if constexpr (kAmsgrad) {
     vd = vmax < vd ? vd : vmax;  // std::max(vmax, v), NaN included
     vmax = vd;
   }
-  const T denom = div(AdamWSqrt(vd)) + s.eps;
-  return p + s.neg_step * (m / denom);
+  return AdamWApply(p, m, AdamWSqrt(vd), s, div);
 }
 
 }  // namespace optimd
