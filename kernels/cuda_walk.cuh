@@ -349,6 +349,14 @@ __device__ __forceinline__ void WalkBlocks8(const Work& work, Body& body) {
   const uint32_t n = CopyItems(work, work.blocks[blockIdx.x], buffer);
   __syncthreads();
   const uint32_t warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const auto blocks_of = [&](uint32_t k) {
+    return static_cast<uint32_t>(Block8Blocks(cs[k].end - cs[k].begin));
+  };
+  // Block b of item k, whose first block is block `first` of the work
+  // block: its first element.
+  const auto start_in = [&](uint32_t b, uint32_t k, uint32_t first) {
+    return cs[k].begin + static_cast<uint64_t>(b - first) * kBlock8Elements;
+  };
   const auto length_of = [&](uint32_t k, uint64_t start) {
     const uint64_t left = cs[k].end - start;
     return static_cast<uint32_t>(left < kBlock8Elements ? left
@@ -358,24 +366,17 @@ __device__ __forceinline__ void WalkBlocks8(const Work& work, Body& body) {
   // here rather than through block_end, so that its Prefetch starts before
   // Prepare and the barrier after it.
   {
-    uint32_t k = 0, before = 0;
-    while (k < n) {
-      const uint32_t blocks =
-          static_cast<uint32_t>(Block8Blocks(cs[k].end - cs[k].begin));
-      if (warp < before + blocks) break;
-      before += blocks;
-      ++k;
-    }
+    uint32_t k = 0, first = 0;
+    while (k < n && warp >= first + blocks_of(k)) first += blocks_of(k++);
     if (k < n) {
-      const uint64_t start =
-          cs[k].begin + static_cast<uint64_t>(warp - before) * kBlock8Elements;
+      const uint64_t start = start_in(warp, k, first);
       body.Prefetch(cs[k], start, length_of(k, start));
     }
   }
   if (threadIdx.x == 0) {
     uint32_t blocks = 0;
     for (uint32_t k = 0; k < n; ++k) {
-      blocks += static_cast<uint32_t>(Block8Blocks(cs[k].end - cs[k].begin));
+      blocks += blocks_of(k);
       block_end[k] = blocks;
     }
   }
@@ -386,8 +387,7 @@ __device__ __forceinline__ void WalkBlocks8(const Work& work, Body& body) {
   // Block b of item k (the first item whose block_end passes b): its first
   // element.
   const auto start_of = [&](uint32_t b, uint32_t k) {
-    const uint32_t first = k == 0 ? 0 : block_end[k - 1];
-    return cs[k].begin + static_cast<uint64_t>(b - first) * kBlock8Elements;
+    return start_in(b, k, k == 0 ? 0 : block_end[k - 1]);
   };
   // Warp w takes blocks w, w + warps, ... (handing blocks out by a shared
   // counter instead was slower: bench/RESULTS.md, 2026-12-05). Each Block

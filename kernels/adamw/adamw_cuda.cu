@@ -216,22 +216,21 @@ struct UpdateBlock8 : ItemBias {
     const bool in_range =
         __reduce_min_sync(0xffffffffu, vlow) >= kSqrtInRangeLow &&
         __reduce_max_sync(0xffffffffu, vhigh) <= kSqrtInRangeHigh;
+    // The weights, with square roots by `root` and the division by
+    // sqrt(bias_correction2) by `div_bc2`.
+    const auto apply = [&](auto root, auto div_bc2) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        if (!kWhole && Block8Offset(j) >= n) continue;
+        p[j] = AdamWApply(p[j], m[j], root(v[j]), e, div_bc2);
+      }
+    };
     if (in_range) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        if (!kWhole && Block8Offset(j) >= n) continue;
-        p[j] = AdamWApply(p[j], m[j], SqrtInRange(v[j]), e, [b](float a) {
-          return DivByRecipFinite(a, b.bc2, b.rbc2);
-        });
-      }
+      apply([](float x) { return SqrtInRange(x); },
+            [b](float a) { return DivByRecipFinite(a, b.bc2, b.rbc2); });
     } else {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        if (!kWhole && Block8Offset(j) >= n) continue;
-        p[j] = AdamWApply(p[j], m[j], AdamWSqrt(v[j]), e, [b](float a) {
-          return DivByRecip(a, b.bc2, b.rbc2);
-        });
-      }
+      apply([](float x) { return AdamWSqrt(x); },
+            [b](float a) { return DivByRecip(a, b.bc2, b.rbc2); });
     }
   }
 
