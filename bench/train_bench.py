@@ -20,6 +20,11 @@ of its iteration; the ratio goals apply there) and one users train with
 (at least 16k tokens per step). Clipping at 1.0 is torch's clip_grad_norm_
 against optimd's max_grad_norm (the daemon clips inside its step).
 
+With --graphed, every peer's forward and backward run as CUDA graphs
+(torch.cuda.make_graphed_callables): a deep model's eager iteration is
+bound by Python's per-op cost whatever the optimizer, and graphs are how a
+trainer gets past that; the optimizer step and clipping stay eager.
+
 With --overlap, two more peers in the same run: optimd with overlap=True,
 and the same loop without any optimizer and without clipping (zero_grad,
 forward, backward), from which the optimizer time still visible in an iteration is
@@ -122,6 +127,19 @@ class Trainer:
         self.clip = clip
         self.batches = batches
         self.i = 0
+        self.graphed = False
+
+    def graph(self):
+        """Forward and backward captured in CUDA graphs and replayed
+        (torch.cuda.make_graphed_callables), as a host-bound trainer would
+        run them: the iteration's host time is then the optimizer's and
+        the launches of a few graphs. Autocast's weight cache must be off
+        in capture and replay. Gradients come out of the graphs' static
+        buffers, at the same addresses every iteration."""
+        with torch.autocast("cuda", dtype=torch.bfloat16,
+                            cache_enabled=False):
+            torch.cuda.make_graphed_callables(self.model, self.batches[0])
+        self.graphed = True
 
     def phases(self):
         """(name, callable) of one iteration, in order."""
@@ -130,7 +148,8 @@ class Trainer:
         state = {}
 
         def forward():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast("cuda", dtype=torch.bfloat16,
+                                cache_enabled=not self.graphed):
                 state["loss"] = self.model(x, y)
 
         def clip():
@@ -223,6 +242,9 @@ def compare(name, cfg, batch, seq, clip, daemon, args):
         # No clipping either: optimd clips inside its step.
         peers["no_opt"] = Trainer(copy.deepcopy(base), None, None, data)
     del base
+    if args.graphed:
+        for t in peers.values():
+            t.graph()
     params = sum(p.numel() for p in peers["torch"].model.parameters())
     tensors = len(list(peers["torch"].model.parameters()))
     losses = {}
@@ -259,7 +281,8 @@ def compare(name, cfg, batch, seq, clip, daemon, args):
     # Ratios of the blocks of one round (run next to each other): steadier
     # than the ratio of medians where the host's speed drifts.
     paired = sorted(o / t for o, t in zip(blocks["optimd"], blocks["torch"]))
-    row = dict(model=name, params=params, tensors=tensors, batch=batch,
+    row = dict(model=name, graphed=bool(args.graphed), params=params,
+               tensors=tensors, batch=batch,
                seq=seq, tokens=batch * seq, clip=clip,
                torch_ms=it["torch"], optimd_ms=it["optimd"],
                ratio=it["optimd"] / it["torch"],
@@ -338,9 +361,10 @@ def profile_steps(trainer, iters):
 
 
 def print_row(r):
-    print("%-9s %5.0fM %5d tensors  batch %2dx%-4d clip %-4s  torch %8.3f ms"
+    print("%-9s %s%5.0fM %5d tensors  batch %2dx%-4d clip %-4s  torch %8.3f ms"
           "  optimd %8.3f ms  ratio %.3f  step share torch %4.1f%% optimd "
-          "%4.1f%%" % (r["model"], r["params"] / 1e6, r["tensors"],
+          "%4.1f%%" % (r["model"], "graphed " if r["graphed"] else "",
+                       r["params"] / 1e6, r["tensors"],
                        r["batch"], r["seq"], r["clip"], r["torch_ms"],
                        r["optimd_ms"], r["ratio"],
                        100 * r["torch_step_share"],
@@ -391,6 +415,11 @@ def main():
     ap.add_argument("--overlap", action="store_true",
                     help="also optimd with overlap=True, and the loop "
                          "without an optimizer")
+    ap.add_argument("--graphed", action="store_true",
+                    help="every peer's forward and backward captured in CUDA "
+                         "graphs and replayed (make_graphed_callables), so "
+                         "that a deep model's iteration is not bound by "
+                         "Python's per-op cost; not with --overlap")
     ap.add_argument("--daemon_env", action="append", default=[],
                     help="KEY=VALUE for the daemon's environment only (e.g. "
                          "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=30 under MPS)")
@@ -413,6 +442,9 @@ def main():
                          "without waiting for it to take them (how they "
                          "were sent before; bench/step_handoff.py)")
     args = ap.parse_args()
+    if args.graphed and args.overlap:
+        ap.error("--graphed and --overlap exclude each other: overlap's "
+                 "forward pre-hooks do not run inside a graph's replay")
     if args.queued_send:
         from optimd import _step_stream
         from step_handoff import queued_send
@@ -442,9 +474,10 @@ def main():
                     rows.append(r)
     print("\n== iteration time, optimd / torch fused (same run)")
     for r in rows:
-        print("%-9s tokens %6d clip %-4s ratio %.3f, paired %.3f (torch step "
-              "%4.1f%% of its iteration)%s" % (
-                  r["model"], r["tokens"], r["clip"], r["ratio"],
+        print("%-9s %stokens %6d clip %-4s ratio %.3f, paired %.3f (torch "
+              "step %4.1f%% of its iteration)%s" % (
+                  r["model"], "graphed " if r["graphed"] else "",
+                  r["tokens"], r["clip"], r["ratio"],
                   r["paired_ratio"],
                   100 * r["torch_step_share"],
                   "  overlap ratio %.3f, visible %.0f%%" % (
