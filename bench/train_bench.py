@@ -383,6 +383,12 @@ def print_row(r):
           (" ".join("%s %.5f" % kv for kv in r["loss_after_warmup"].items()),
            r["moved_entries_per_step"],
            "; optimd with skip_nonfinite" if r["skip_nonfinite"] else ""))
+    lt, lo = (r["loss_after_warmup"][k] for k in ("torch", "optimd"))
+    if abs(lo - lt) > 0.01 * abs(lt):
+        # Eager runs agree to four or five digits: the rows compare
+        # different training (with --graphed, bench/RESULTS.md run 104).
+        print("    WARNING: torch's and optimd's losses after the warm-up "
+              "differ by more than 1%")
     print("    steps through %s" % ("liboptimd_step_channel.so"
                                      if r["native_steps"] else
                                      "grpcio's step stream"))
