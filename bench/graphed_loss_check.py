@@ -14,23 +14,17 @@ import copy
 import torch
 
 from optimd.testing import Daemon
-from optimd.torch import AdamW as OptimdAdamW
-from train_bench import GPT, MODELS, Trainer, batches
+from train_bench import (GPT, MODELS, Trainer, batches, optimd_adamw,
+                         torch_adamw)
 
 ITERS = 4
 
 
 def peers(base, data, daemon, job):
-    def torch_adamw(m):
-        return torch.optim.AdamW(m.parameters(), lr=3e-4, weight_decay=0.1,
-                                 fused=True)
-
-    def optimd_adamw(m):
-        return OptimdAdamW(m.parameters(), lr=3e-4, weight_decay=0.1,
-                           address=daemon.address, job_id=job)
     return {"torch A": Trainer(copy.deepcopy(base), torch_adamw, None, data),
             "torch B": Trainer(copy.deepcopy(base), torch_adamw, None, data),
-            "optimd": Trainer(copy.deepcopy(base), optimd_adamw, None, data)}
+            "optimd": Trainer(copy.deepcopy(base),
+                              optimd_adamw(daemon, job), None, data)}
 
 
 def main():

@@ -219,21 +219,32 @@ def batches(cfg, batch, seq, n=4):
     return out
 
 
+# Both peers' hyperparameters.
+HYPER = dict(lr=3e-4, weight_decay=0.1)
+
+
+def torch_adamw(model):
+    return torch.optim.AdamW(model.parameters(), fused=True, **HYPER)
+
+
+def optimd_adamw(daemon, job_id, **options):
+    """A make_opt for Trainer: optimd.torch.AdamW with `options`."""
+    return lambda m: OptimdAdamW(m.parameters(), address=daemon.address,
+                                 job_id=job_id, **HYPER, **options)
+
+
 def compare(name, cfg, batch, seq, clip, daemon, args):
     torch.manual_seed(0)
     base = GPT(seq=seq, **cfg).cuda()
     data = batches(cfg, batch, seq)
+
     def optimd(overlap):
-        return lambda m: OptimdAdamW(
-            m.parameters(), lr=3e-4, weight_decay=0.1,
-            address=daemon.address,
-            job_id="%s-%d-%s-%s" % (name, batch, clip, overlap),
+        return optimd_adamw(
+            daemon, "%s-%d-%s-%s" % (name, batch, clip, overlap),
             max_grad_norm=clip or 0.0, overlap=overlap,
             skip_nonfinite=args.skip_nonfinite)
     peers = {
-        "torch": Trainer(copy.deepcopy(base), lambda m: torch.optim.AdamW(
-            m.parameters(), lr=3e-4, weight_decay=0.1, fused=True), clip,
-            data),
+        "torch": Trainer(copy.deepcopy(base), torch_adamw, clip, data),
         "optimd": Trainer(copy.deepcopy(base), optimd(False), None, data),
     }
     if args.overlap:
