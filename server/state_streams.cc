@@ -243,10 +243,12 @@ class OptimizerServiceImpl::LoadStreamReactor final
   }
 
   // May run beside OnReadDone, the worker's load or the claim's outcome: it
-  // only ends the claim (or the wait for it). The spool file goes when the
-  // read that the cancel fails returns.
+  // takes the spool file out of its directory (before the claim passes to
+  // the session's next stream) and ends the claim (or the wait for it).
+  // The file's descriptor closes when the read that the cancel fails
+  // returns.
   void OnCancel() override {
-    { MutexLock published(&spool_mu_); }  // see the constructor
+    Unlink();
     if (claims_->Release(session_.get(), this)) {
       Finish(grpc::Status(grpc::StatusCode::CANCELLED,
                           "the stream broke; nothing was loaded"));
@@ -398,12 +400,25 @@ class OptimizerServiceImpl::LoadStreamReactor final
     Finish(std::move(s));
   }
 
+  // Takes the spool file out of its directory; its descriptor stays open,
+  // as a write may be under way on gRPC's reading thread.
+  void Unlink() {
+    MutexLock lock(&spool_mu_);
+    if (fd_ >= 0 && !unlinked_) {
+      unlink(path_.c_str());
+      unlinked_ = true;
+    }
+  }
+
+  // Closes the spool file and takes it out of its directory, unless
+  // Unlink() did (the name may since be another stream's).
   void Cleanup() {
     MutexLock lock(&spool_mu_);
     if (fd_ >= 0) {
       close(fd_);
-      unlink(path_.c_str());
+      if (!unlinked_) unlink(path_.c_str());
       fd_ = -1;
+      unlinked_ = true;
     }
   }
 
@@ -425,6 +440,7 @@ class OptimizerServiceImpl::LoadStreamReactor final
   Mutex spool_mu_;
   std::string path_ ABSL_GUARDED_BY(spool_mu_);
   int fd_ ABSL_GUARDED_BY(spool_mu_) = -1;
+  bool unlinked_ ABSL_GUARDED_BY(spool_mu_) = false;
   grpc::ByteBuffer in_;
   v1::StateChunk chunk_;  // the chunk being spooled, parsed from in_
   uint64_t received_ = 0;
