@@ -3,8 +3,10 @@ and with forward and backward as CUDA graphs (train_bench --graphed): two
 torch.optim.AdamW(fused=True) copies and one optimd.torch.AdamW, each
 trained for a few iterations in turn (train_bench's warm-up order), then
 the three again one iteration at a time. Equal training gives equal losses
-to four or five digits; bench/RESULTS.md run 104 found graphed train_bench
-rows whose peers differ.
+to four or five digits. Run 105 (bench/RESULTS.md) found why graphed
+train_bench rows' peers differed: the graphs kept the shared first batch
+as their static input and copied later batches into it, so each peer after
+the first trained on other data; Trainer.graph now captures on a copy.
 
     LD_LIBRARY_PATH=.gpu/lib OPTIMD_BINARY=.gpu/optimd \\
         PYTHONPATH=client/python:bench python3 bench/graphed_loss_check.py

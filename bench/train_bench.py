@@ -135,10 +135,14 @@ class Trainer:
         run them: the iteration's host time is then the optimizer's and
         the launches of a few graphs. Autocast's weight cache must be off
         in capture and replay. Gradients come out of the graphs' static
-        buffers, at the same addresses every iteration."""
+        buffers, at the same addresses every iteration. The sample batch
+        is a copy: the graphs keep their sample tensors as their static
+        inputs and copy every later batch into them, which would overwrite
+        the first batch that every peer shares."""
+        sample = tuple(t.clone() for t in self.batches[0])
         with torch.autocast("cuda", dtype=torch.bfloat16,
                             cache_enabled=False):
-            torch.cuda.make_graphed_callables(self.model, self.batches[0])
+            torch.cuda.make_graphed_callables(self.model, sample)
         self.graphed = True
 
     def phases(self):
