@@ -187,42 +187,6 @@ __device__ __forceinline__ float DecodeUnsigned8Times(uint8_t c, float scale) {
   return __fmul_rn(__fmul_rn(__uint_as_float(bits), 0x1p96f), scale);
 }
 
-// The two decodes above in one multiplication, by the block's scale times
-// the code's power of two (Folded*Scale) instead of by each in turn: the
-// same real product, rounded once, so the same float, provided that the
-// folded scale is exact, which it is below the limits (a power-of-two
-// multiple of a finite float that stays finite). Callers test the block's
-// scale once, against the limit, for all of its codes.
-constexpr float kSigned8FoldLimit = 0x1p16f;
-constexpr float kUnsigned8FoldLimit = 0x1p32f;
-__device__ __forceinline__ float FoldedSigned8Scale(float scale) {
-  return __fmul_rn(scale, 0x1p112f);
-}
-__device__ __forceinline__ float FoldedUnsigned8Scale(float scale) {
-  return __fmul_rn(scale, 0x1p96f);
-}
-__device__ __forceinline__ float DecodeSigned8Folded(uint8_t c, float folded) {
-  const uint32_t u = c;
-  const uint32_t bits = ((u & 0x7fu) << 20) | ((u & 0x80u) << 24);
-  return __fmul_rn(__uint_as_float(bits), folded);
-}
-__device__ __forceinline__ float DecodeUnsigned8Folded(uint8_t c,
-                                                       float folded) {
-  return __fmul_rn(__uint_as_float(static_cast<uint32_t>(c) << 20), folded);
-}
-
-// Block8Encode<false>(x, k) (core/block8.h) for the unit u = (x * k.pre) *
-// k.mul given, where u is at least 2^-30 (and not a NaN): the code set's
-// normal range, so EncodeUnit<5>'s integer rounding alone, without its
-// subnormal arm and the choice between the two. A caller shows the bound
-// once for a block (UpdateBlock8, kernels/adamw/adamw_cuda.cu).
-constexpr uint32_t kUnsigned8NormalLow = 97u << 23;  // 2^-30
-__device__ __forceinline__ uint8_t EncodeUnsigned8Normal(float unit) {
-  const uint32_t u = min(__float_as_uint(unit), 0x3f800000u);  // above 1: 1
-  const uint32_t r = u + 0x7ffffu + ((u >> 20) & 1u);
-  return static_cast<uint8_t>((r >> 20) - (96u << 3));
-}
-
 // Block8 exp_avg codes (Block8Encode<true>, core/block8.h) of lo and hi in
 // a block of multiplier {pre, mul}, in the low and the high byte, by one
 // conversion instruction. The signed code set is float8_e4m3fn's scaled

@@ -128,16 +128,13 @@ struct FoldedDecode8Check {
   __device__ bool operator()(uint32_t u) const {
     const uint8_t c = static_cast<uint8_t>(u);
     const uint32_t bits = __brev(u) ^ 0x5a5a5a5au;
-    const float sm =
-        __uint_as_float(bits % __float_as_uint(cuda::kSigned8FoldLimit));
+    const float sm = __uint_as_float(bits % __float_as_uint(kSigned8FoldLimit));
     const float sv =
-        __uint_as_float(bits % __float_as_uint(cuda::kUnsigned8FoldLimit));
-    return SameOrBothNan(
-               cuda::DecodeSigned8Folded(c, cuda::FoldedSigned8Scale(sm)),
-               Block8Decode<true>(c, sm)) &&
-           SameOrBothNan(
-               cuda::DecodeUnsigned8Folded(c, cuda::FoldedUnsigned8Scale(sv)),
-               Block8Decode<false>(c, sv));
+        __uint_as_float(bits % __float_as_uint(kUnsigned8FoldLimit));
+    return SameOrBothNan(DecodeSigned8Folded(c, FoldedSigned8Scale(sm)),
+                         Block8Decode<true>(c, sm)) &&
+           SameOrBothNan(DecodeUnsigned8Folded(c, FoldedUnsigned8Scale(sv)),
+                         Block8Decode<false>(c, sv));
   }
 };
 
@@ -145,8 +142,8 @@ struct FoldedDecode8Check {
 // over every float from 0 (ForEachBits' start), shifted up to 2^-30.
 struct Unsigned8NormalCheck {
   __device__ bool operator()(uint32_t u) const {
-    const float x = __uint_as_float(u + cuda::kUnsigned8NormalLow);
-    return cuda::EncodeUnsigned8Normal(x) == EncodeUnsigned8(x);
+    const float x = __uint_as_float(u + kUnsigned8NormalLow);
+    return EncodeUnsigned8Normal(x) == EncodeUnsigned8(x);
   }
 };
 
@@ -257,7 +254,7 @@ MathCheck CheckFoldedDecode8() {
 MathCheck CheckUnsigned8Normal() {
   // Up to +infinity, which a unit never is but the encode clamps as it
   // clamps every value above 1.
-  constexpr uint64_t kLastOffset = 0x7f800000u - cuda::kUnsigned8NormalLow;
+  constexpr uint64_t kLastOffset = 0x7f800000u - kUnsigned8NormalLow;
   return RunCheck(kLastOffset + 1, [](unsigned long long* m, uint32_t* f) {
     ForEachBits<<<4096, 256>>>(kLastOffset, Unsigned8NormalCheck{}, m, f);
   });

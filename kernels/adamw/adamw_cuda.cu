@@ -196,7 +196,7 @@ struct UpdateBlock8 : ItemBias {
   // The lane's elements (with kWhole all 8, else those below n): moments
   // read back with the old scales (Block8Decode: with kFolded by one
   // multiplication, sm and sv then the scales folded with the codes' powers
-  // of two, kernels/cuda_math.cuh), updated with AdamWElement into p, m and
+  // of two, core/block8.h), updated with AdamWElement into p, m and
   // v; the largest magnitude bits of the new exp_avg into mmax (as its new
   // scale needs them). AdamWElement in two halves: the moments of every
   // element first, so that the warp knows whether all its second moments lie
