@@ -172,6 +172,45 @@ OPTIMD_HOST_DEVICE inline float Block8Decode(uint8_t c, float scale) {
   return (kSigned ? DecodeSigned8(c) : DecodeUnsigned8(c)) * scale;
 }
 
+// Shortcuts the CUDA step takes where a test made once for a block shows
+// that they give the codec's own bits (core/block8_test and, on the GPU,
+// tests/cuda_math_test check them).
+//
+// Block8Decode in one multiplication: the code's bits placed as a float's
+// exponent and mantissa (the signed code's sign bit as the float's; the
+// codes' subnormals are the float's subnormals), times the scale folded
+// with the power of two that takes those bits to the code's value
+// (2^(127 - 15) signed, 2^(127 - 31) unsigned). That is the same real
+// product, rounded once, so the same float as code value times scale,
+// where the folded scale is exact: for scales below the limits (a
+// power-of-two multiple of a finite float that stays finite).
+inline constexpr float kSigned8FoldLimit = 0x1p16f;
+inline constexpr float kUnsigned8FoldLimit = 0x1p32f;
+OPTIMD_HOST_DEVICE inline float FoldedSigned8Scale(float scale) {
+  return scale * 0x1p112f;
+}
+OPTIMD_HOST_DEVICE inline float FoldedUnsigned8Scale(float scale) {
+  return scale * 0x1p96f;
+}
+OPTIMD_HOST_DEVICE inline float DecodeSigned8Folded(uint8_t c, float folded) {
+  const uint32_t u = c;
+  return block8::FromBits(((u & 0x7fu) << 20) | ((u & 0x80u) << 24)) * folded;
+}
+OPTIMD_HOST_DEVICE inline float DecodeUnsigned8Folded(uint8_t c, float folded) {
+  return block8::FromBits(static_cast<uint32_t>(c) << 20) * folded;
+}
+
+// EncodeUnsigned8 of a unit of at least 2^-30 (the code set's normal range;
+// not a NaN): EncodeUnit<5>'s integer rounding alone, without its subnormal
+// arm and the choice between the two.
+inline constexpr uint32_t kUnsigned8NormalLow = 97u << 23;  // 2^-30
+OPTIMD_HOST_DEVICE inline uint8_t EncodeUnsigned8Normal(float unit) {
+  uint32_t u = block8::Bits(unit);
+  if (u > 0x3f800000u) u = 0x3f800000u;  // above 1: 1
+  const uint32_t r = u + 0x7ffffu + ((u >> 20) & 1u);
+  return static_cast<uint8_t>((r >> 20) - (96u << 3));
+}
+
 // Host helpers for state reads, writes and tests: one block of n <=
 // kBlock8Elements values to codes and scale, and back.
 inline float QuantizeBlock8(bool is_signed, const float* x, uint64_t n,

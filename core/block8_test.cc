@@ -216,5 +216,58 @@ TEST(Block8Test, InfiniteAndNaNValuesHaveOneCode) {
   EXPECT_EQ(Block8Encode<true>(0.5f, Block8MultiplierOf(nan)), 0x78);
   EXPECT_EQ(Block8Encode<true>(-0.5f, Block8MultiplierOf(nan)), 0xf8);
 }
+
+// The CUDA step's one-multiplication decode equals the codec's decode for
+// every code under scales below the fold limits: zero, the smallest
+// subnormal, the largest below each limit, and a spread of bit patterns.
+TEST(Block8Test, FoldedDecodeEqualsTheDecode) {
+  const auto check = [](bool is_signed, float limit) {
+    const uint32_t top = FloatBits(limit);
+    std::vector<uint32_t> scales = {0, 1, 0x00800000u, top - 1};
+    for (uint32_t s = 0; s < top; s += 65521) scales.push_back(s);
+    for (const uint32_t s : scales) {
+      const float scale = BitsToFloat(s);
+      for (uint32_t c = 0; c < 256; ++c) {
+        const uint8_t code = static_cast<uint8_t>(c);
+        const float got =
+            is_signed
+                ? DecodeSigned8Folded(code, FoldedSigned8Scale(scale))
+                : DecodeUnsigned8Folded(code, FoldedUnsigned8Scale(scale));
+        const float want = is_signed ? Block8Decode<true>(code, scale)
+                                     : Block8Decode<false>(code, scale);
+        ASSERT_EQ(FloatBits(got), FloatBits(want))
+            << (is_signed ? "signed" : "unsigned") << " code " << c
+            << " scale bits 0x" << std::hex << s;
+      }
+    }
+  };
+  check(true, kSigned8FoldLimit);
+  check(false, kUnsigned8FoldLimit);
+}
+
+// EncodeUnsigned8Normal equals EncodeUnsigned8 from 2^-30 up to infinity:
+// at every rounding tie and its neighbours in every binade and mantissa
+// step, and on a spread of other floats.
+TEST(Block8Test, NormalRangeEncodeEqualsTheEncode) {
+  std::vector<uint32_t> xs;
+  for (uint32_t e = 97; e <= 255; ++e) {
+    for (uint32_t m = 0; m < 8; ++m) {
+      for (const uint32_t low :
+           {0u, 1u, 0x7ffffu, 0x80000u, 0x80001u, 0xfffffu}) {
+        const uint32_t u = (e << 23) | (m << 20) | low;
+        if (u <= 0x7f800000u) xs.push_back(u);
+      }
+    }
+  }
+  for (uint32_t u = kUnsigned8NormalLow; u <= 0x7f800000u; u += 4093) {
+    xs.push_back(u);
+  }
+  for (const uint32_t u : xs) {
+    ASSERT_EQ(EncodeUnsigned8Normal(BitsToFloat(u)),
+              EncodeUnsigned8(BitsToFloat(u)))
+        << "bits 0x" << std::hex << u;
+  }
+}
+
 }  // namespace
 }  // namespace optimd

@@ -121,6 +121,32 @@ struct Decode8Check {
   }
 };
 
+// The folded block8 decodes against Block8Decode, the CPU's: code u's low
+// byte under a scale below the fold limits made of u's other bits (zero and
+// subnormal scales among them).
+struct FoldedDecode8Check {
+  __device__ bool operator()(uint32_t u) const {
+    const uint8_t c = static_cast<uint8_t>(u);
+    const uint32_t bits = __brev(u) ^ 0x5a5a5a5au;
+    const float sm = __uint_as_float(bits % __float_as_uint(kSigned8FoldLimit));
+    const float sv =
+        __uint_as_float(bits % __float_as_uint(kUnsigned8FoldLimit));
+    return SameOrBothNan(DecodeSigned8Folded(c, FoldedSigned8Scale(sm)),
+                         Block8Decode<true>(c, sm)) &&
+           SameOrBothNan(DecodeUnsigned8Folded(c, FoldedUnsigned8Scale(sv)),
+                         Block8Decode<false>(c, sv));
+  }
+};
+
+// EncodeUnsigned8Normal against the CPU's code on its whole range: x runs
+// over every float from 0 (ForEachBits' start), shifted up to 2^-30.
+struct Unsigned8NormalCheck {
+  __device__ bool operator()(uint32_t u) const {
+    const float x = __uint_as_float(u + kUnsigned8NormalLow);
+    return EncodeUnsigned8Normal(x) == EncodeUnsigned8(x);
+  }
+};
+
 // Two elements packed into one word equal the single-element operations.
 struct PackedCheck {
   __device__ bool operator()(uint32_t u) const {
@@ -216,6 +242,21 @@ MathCheck CheckSqrtInRange() {
 MathCheck CheckDecode8() {
   return RunCheck(uint64_t{1} << 32, [](unsigned long long* m, uint32_t* f) {
     ForEachBits<<<4096, 256>>>(0xffffffffull, Decode8Check{}, m, f);
+  });
+}
+
+MathCheck CheckFoldedDecode8() {
+  return RunCheck(uint64_t{1} << 32, [](unsigned long long* m, uint32_t* f) {
+    ForEachBits<<<4096, 256>>>(0xffffffffull, FoldedDecode8Check{}, m, f);
+  });
+}
+
+MathCheck CheckUnsigned8Normal() {
+  // Up to +infinity, which a unit never is but the encode clamps as it
+  // clamps every value above 1.
+  constexpr uint64_t kLastOffset = 0x7f800000u - kUnsigned8NormalLow;
+  return RunCheck(kLastOffset + 1, [](unsigned long long* m, uint32_t* f) {
+    ForEachBits<<<4096, 256>>>(kLastOffset, Unsigned8NormalCheck{}, m, f);
   });
 }
 

@@ -32,6 +32,16 @@ MathCheck CheckSqrtInRange();
 // under a scale made of a bit permutation of u (the sign bit cleared).
 MathCheck CheckDecode8();
 
+// Compares DecodeSigned8Folded and DecodeUnsigned8Folded (core/block8.h),
+// compiled for the GPU, under the folded scale with Block8Decode under the
+// scale, for every 32-bit u: code u & 0xff under scales below the fold limits
+// made of a bit permutation of u.
+MathCheck CheckFoldedDecode8();
+// Compares EncodeUnsigned8Normal with EncodeUnsigned8 (core/block8.h), both
+// compiled for the GPU, on
+// every float from 2^-30 (kUnsigned8NormalLow) up to +infinity;
+// first_bad_bits is the differing float's offset from kUnsigned8NormalLow.
+MathCheck CheckUnsigned8Normal();
 // Compares the hardware conversion to bfloat16 (cvt.rn.bf16.f32) with
 // Bf16FromFloat for every float: `mismatches` counts the floats other than
 // NaNs where they differ, plus the canonical NaN 0x7fffffff if it differs.

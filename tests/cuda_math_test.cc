@@ -81,6 +81,27 @@ TEST(CudaMathTest, ArithmeticBlock8DecodeEqualsTheReference) {
       << "first differing u: 0x" << std::hex << c.first_bad_bits;
 }
 
+// The block8 step decodes a block's moments by the scale folded with the
+// codes' powers of two where the scale lies below the fold limit: the same
+// values as the reference for every code and every such scale tried.
+TEST(CudaMathTest, FoldedBlock8DecodeEqualsTheReference) {
+  const MathCheck c = CheckFoldedDecode8();
+  ASSERT_TRUE(c.error.empty()) << c.error;
+  ASSERT_EQ(c.compared, uint64_t{1} << 32);
+  EXPECT_EQ(c.mismatches, 0u)
+      << "first differing u: 0x" << std::hex << c.first_bad_bits;
+}
+
+// Where a warp's second moments span few binades, the block8 step encodes
+// them without the subnormal arm: the reference's code on the whole range.
+TEST(CudaMathTest, NormalUnsigned8EncodeEqualsTheReference) {
+  const MathCheck c = CheckUnsigned8Normal();
+  ASSERT_TRUE(c.error.empty()) << c.error;
+  ASSERT_EQ(c.compared, 0x7f800000ull - (97ull << 23) + 1);
+  EXPECT_EQ(c.mismatches, 0u) << "first differing x: bits 0x" << std::hex
+                              << (c.first_bad_bits + (97u << 23));
+}
+
 // The step kernels round results of GPU arithmetic to bfloat16 with one
 // conversion instruction; it must agree with the reference rounding on
 // every float (NaNs aside, of which GPU arithmetic makes only the

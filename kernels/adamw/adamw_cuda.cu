@@ -184,19 +184,32 @@ struct UpdateBlock8 : ItemBias {
   char* stage;        // shared memory: this warp's two slots
   uint32_t slot = 0;  // the slot the next Prefetch fills
 
+  // What the warp's new second moments show, for the steps after
+  // UpdateLane: their largest bits (sign included) over the warp, and
+  // whether their codes all lie in the code set's normal range
+  // (VCodesNormal).
+  struct WarpV {
+    uint32_t high;
+    bool codes_normal;
+  };
+
   // The lane's elements (with kWhole all 8, else those below n): moments
-  // read back with the old scales (Block8Decode), updated with AdamWElement
-  // into p, m and v; the largest magnitude bits of the new moments into mmax
-  // and vmax (as the block's new scales need them). AdamWElement in two halves:
-  // the moments of every element first, so that the warp knows whether all its
-  // second moments lie where SqrtInRange is IEEE square root; then the weights,
-  // by SqrtInRange where they do (one test for the warp instead of IEEE square
-  // root's test and branch per element).
-  template <bool kWhole>
-  __device__ __forceinline__ void UpdateLane(
-      uint32_t n, const BiasScalars& b, float sm, float sv, const uint8_t* mq,
-      const uint8_t* vq, float* p, const float* g, float* m, float* v,
-      uint32_t& mmax, uint32_t& vmax) const {
+  // read back with the old scales (Block8Decode: with kFolded by one
+  // multiplication, sm and sv then the scales folded with the codes' powers
+  // of two, core/block8.h), updated with AdamWElement into p, m and
+  // v; the largest magnitude bits of the new exp_avg into mmax (as its new
+  // scale needs them). AdamWElement in two halves: the moments of every
+  // element first, so that the warp knows whether all its second moments lie
+  // where SqrtInRange is IEEE square root; then the weights, by SqrtInRange
+  // where they do (one test for the warp instead of IEEE square root's test
+  // and branch per element).
+  template <bool kWhole, bool kFolded>
+  __device__ __forceinline__ WarpV UpdateLane(uint32_t n, const BiasScalars& b,
+                                              float sm, float sv,
+                                              const uint8_t* mq,
+                                              const uint8_t* vq, float* p,
+                                              const float* g, float* m,
+                                              float* v, uint32_t& mmax) const {
     const AdamWElementScalars e{s.grad_mul, s.decay, s.l2,  s.beta1,   s.beta2,
                                 s.omb1,     s.omb2,  s.eps, b.neg_step};
     // The smallest and largest bits of the lane's new v, sign included.
@@ -204,18 +217,19 @@ struct UpdateBlock8 : ItemBias {
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       if (!kWhole && Block8Offset(j) >= n) continue;
-      m[j] = DecodeSigned8Times(mq[j], sm);
-      v[j] = DecodeUnsigned8Times(vq[j], sv);
+      m[j] = kFolded ? DecodeSigned8Folded(mq[j], sm)
+                     : DecodeSigned8Times(mq[j], sm);
+      v[j] = kFolded ? DecodeUnsigned8Folded(vq[j], sv)
+                     : DecodeUnsigned8Times(vq[j], sv);
       p[j] = AdamWMoments<kAdamW>(g[j], p[j], m[j], v[j], e);
       mmax = max(mmax, __float_as_uint(m[j]) & 0x7fffffffu);
-      vmax = max(vmax, __float_as_uint(v[j]) & 0x7fffffffu);
       vlow = min(vlow, __float_as_uint(v[j]));
       vhigh = max(vhigh, __float_as_uint(v[j]));
     }
+    vlow = __reduce_min_sync(0xffffffffu, vlow);
+    vhigh = __reduce_max_sync(0xffffffffu, vhigh);
     // Zero, subnormal, infinite, NaN and negative v (-0) fail the test.
-    const bool in_range =
-        __reduce_min_sync(0xffffffffu, vlow) >= kSqrtInRangeLow &&
-        __reduce_max_sync(0xffffffffu, vhigh) <= kSqrtInRangeHigh;
+    const bool in_range = vlow >= kSqrtInRangeLow && vhigh <= kSqrtInRangeHigh;
     // The weights, with square roots by `root` and the division by
     // sqrt(bias_correction2) by `div_bc2`.
     const auto apply = [&](auto root, auto div_bc2) {
@@ -232,10 +246,42 @@ struct UpdateBlock8 : ItemBias {
       apply([](float x) { return AdamWSqrt(x); },
             [b](float a) { return DivByRecip(a, b.bc2, b.rbc2); });
     }
+    return {vhigh, VCodesNormal(in_range, vlow, vhigh)};
+  }
+
+  // The block's new exp_avg_sq scale (WarpBlock8Scale of the magnitudes of
+  // v, the lane's elements; those of a partial block's missing elements are
+  // 0). Where no v has its sign bit set (the rule: v is a sum of squares),
+  // the largest bits are the largest magnitude's, and the warp has them.
+  __device__ __forceinline__ static float NewVScale(const WarpV& w,
+                                                    const float* v) {
+    if ((w.high >> 31) == 0) return Block8Scale(__uint_as_float(w.high));
+    uint32_t vmax = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      vmax = max(vmax, __float_as_uint(v[j]) & 0x7fffffffu);
+    }
+    return WarpBlock8Scale(vmax);
+  }
+
+  // Whether every exp_avg_sq code of the block lies in the code set's normal
+  // range under a multiplier kv whose pre is 1, so that EncodeUnsigned8Normal
+  // gives them, for the warp's smallest and largest bits of v: all v lie
+  // where SqrtInRange does (positive, normal, finite) and span at most 29
+  // binades. Then with v in [2^a, 2^(b+1)), the scale below 2^(b+1) and
+  // kv.mul = RN(1/scale) at least 2^-(b+1), every unit is at least
+  // 2^(a-b-1) >= 2^-30.
+  __device__ __forceinline__ static bool VCodesNormal(bool in_range,
+                                                      uint32_t low,
+                                                      uint32_t high) {
+    return in_range && (high >> 23) - (low >> 23) <= 29;
   }
 
   // The codes of the lane's new moments under multipliers km and kv:
-  // Block8Encode's, exp_avg's two at a time by one conversion instruction.
+  // Block8Encode's, exp_avg's two at a time by one conversion instruction;
+  // with kVNormal (VCodesNormal, and km.pre = kv.pre = 1) exp_avg_sq's by
+  // EncodeUnsigned8Normal.
+  template <bool kVNormal>
   __device__ __forceinline__ static void EncodeLane(const float* m,
                                                     const float* v,
                                                     Block8Multiplier km,
@@ -246,8 +292,11 @@ struct UpdateBlock8 : ItemBias {
       const uint32_t pair = EncodeSigned8x2(m[j], m[j + 1], km.pre, km.mul);
       mq[j] = static_cast<uint8_t>(pair);
       mq[j + 1] = static_cast<uint8_t>(pair >> 8);
-      vq[j] = Block8Encode<false>(v[j], kv);
-      vq[j + 1] = Block8Encode<false>(v[j + 1], kv);
+#pragma unroll
+      for (int i = j; i < j + 2; ++i) {
+        vq[i] = kVNormal ? EncodeUnsigned8Normal(__fmul_rn(v[i], kv.mul))
+                         : Block8Encode<false>(v[i], kv);
+      }
     }
   }
 
@@ -337,26 +386,37 @@ struct UpdateBlock8 : ItemBias {
     // By value: a reference into shared memory was read again for every
     // element.
     const BiasScalars b = bias[k];
-    uint32_t mmax = 0, vmax = 0;  // magnitude bits (WarpBlock8Scale)
+    uint32_t mmax = 0;  // magnitude bits (WarpBlock8Scale)
     // A whole block's lanes skip the per-element validity test, whose
-    // branches cost more than the element's own update.
-    if (vector) {
-      UpdateLane<true>(n, b, sm, sv, mq, vq, p, g, m, v, mmax, vmax);
+    // branches cost more than the element's own update, where its scales
+    // fold with the codes' powers of two (those of every block of a training
+    // run's moments; the test is the same for the warp, so no lane takes
+    // another path); other blocks take the test (n is 256 for a whole one).
+    // A third path, whole blocks with unfolded scales, made the compiler
+    // spill registers in the others.
+    WarpV w;
+    if (vector && sm < kSigned8FoldLimit && sv < kUnsigned8FoldLimit) {
+      w = UpdateLane<true, true>(n, b, FoldedSigned8Scale(sm),
+                                 FoldedUnsigned8Scale(sv), mq, vq, p, g, m, v,
+                                 mmax);
     } else {
-      UpdateLane<false>(n, b, sm, sv, mq, vq, p, g, m, v, mmax, vmax);
+      w = UpdateLane<false, false>(n, b, sm, sv, mq, vq, p, g, m, v, mmax);
     }
     const float new_sm = WarpBlock8Scale(mmax);
-    const float new_sv = WarpBlock8Scale(vmax);
+    const float new_sv = NewVScale(w, v);
     const Block8Multiplier km = Block8MultiplierOf(new_sm);
     const Block8Multiplier kv = Block8MultiplierOf(new_sv);
     // Scales of 2^-64 and above (every block of a training run's moments
     // but those of gradients near zero) take the codes without the
-    // multiplication by pre = 1, which changes no bit: the same for the
-    // warp, so no lane takes another path.
+    // multiplication by pre = 1, which changes no bit.
     if (km.pre == 1.0f && kv.pre == 1.0f) {
-      EncodeLane(m, v, {1.0f, km.mul}, {1.0f, kv.mul}, mq, vq);
+      if (w.codes_normal) {
+        EncodeLane<true>(m, v, {1.0f, km.mul}, {1.0f, kv.mul}, mq, vq);
+      } else {
+        EncodeLane<false>(m, v, {1.0f, km.mul}, {1.0f, kv.mul}, mq, vq);
+      }
     } else {
-      EncodeLane(m, v, km, kv, mq, vq);
+      EncodeLane<false>(m, v, km, kv, mq, vq);
     }
     StoreBlock8Lane<P, K>(c, first, n, vector, p);
     StoreCodes(static_cast<uint8_t*>(c.state[0]), first, n, vector, mq);
