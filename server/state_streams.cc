@@ -313,7 +313,15 @@ class OptimizerServiceImpl::LoadStreamReactor final
 
  private:
   // With the session's claim: opens the spool file, reads the first chunk.
+  // A call the client has broken off already (it may reach the daemon
+  // after the client's next stream, and wait for that one's claim) ends
+  // without a file.
   void Begin() {
+    if (context_->IsCancelled()) {
+      End(grpc::Status(grpc::StatusCode::CANCELLED,
+                       "the stream broke; nothing was loaded"));
+      return;
+    }
     log::Info(absl::StrCat("checkpoint load started (stream): ", name_));
     const std::string dir = SpoolDirectory(options_);
     int error = 0;
