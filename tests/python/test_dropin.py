@@ -13,6 +13,7 @@ import unittest
 
 import torch
 
+from optimd import errors
 from optimd.testing import Daemon, DaemonTestCase
 from optimd.torch import SGD, AdamW
 
@@ -741,6 +742,25 @@ class DropIn(DaemonTestCase):
         opt, ref, (ours, theirs) = self._twins(make, steps)
         self.assertEqual(ours, theirs)
         torch.testing.assert_close(flats[0], flats[1], **TOL)
+
+    def test_a_parameter_stepped_in_place_given_memory_in_another_order(self):
+        # A parameter over a flat buffer (stepped where it is) given memory
+        # of its shape whose elements lie in another order: its moments lie
+        # in the order it was registered in, so following it would give
+        # each element another's. Refused by name, with both layouts.
+        flat = torch.randn(12, device=DEVICE)
+        a = torch.nn.Parameter(flat[:6].view(2, 3))
+        b = torch.nn.Parameter(flat[6:])
+        opt = AdamW([a, b], lr=1e-2, address=self.daemon.address)
+        for p in (a, b):
+            p.grad = torch.ones_like(p)
+        opt.step()
+        a.data = a.detach().t().contiguous().t()  # strides (1, 2)
+        with self.assertRaises(errors.ParameterChangedError) as cm:
+            opt.step()
+        self.assertIn("strides (1, 2)", str(cm.exception))
+        self.assertIn("strides (3, 1)", str(cm.exception))
+        opt.close()
 
     def test_state_of_a_parameter_appended_then_written_before_its_step(self):
         make = one_param(2)

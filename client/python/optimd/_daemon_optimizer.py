@@ -873,13 +873,17 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
                     "the model (as FSDP's guide does), over the wrapped "
                     "model's parameters" % (
                         s.name, tuple(p.shape), tuple(s.pview.shape)))
+            # Its state lies in the registered memory order: memory in
+            # another order would take each element's moments from another.
             if p.dtype != s.pview.dtype or p.shape != s.pview.shape or \
-                    not is_dense(p):
+                    not is_dense(p) or not _same_order(p, s.pview):
                 raise errors.ParameterChangedError(
                     "parameter %s is now %s %s with strides %s; it was "
-                    "registered as %s %s. Create a new optimizer for it" % (
+                    "registered as %s %s with strides %s. Create a new "
+                    "optimizer for it" % (
                         s.name, p.dtype, tuple(p.shape), p.stride(),
-                        s.pview.dtype, tuple(s.pview.shape)))
+                        s.pview.dtype, tuple(s.pview.shape),
+                        s.pview.stride()))
         by_group = {}
         for s in moved:
             s.mem = local_of(s.param)
@@ -1239,6 +1243,13 @@ def _changed_since_registered(g, group):
     if g["frozen"] and set(map(_grad_of, g["frozen"])) != {None}:
         return True
     return bool(g["lazy"]) and not all(map(_is_lazy, g["lazy"]))
+
+
+def _same_order(a, b):
+    """Whether tensors a and b of one shape lay their elements out in the
+    same order (strides of dimensions of one element do not count)."""
+    return all(x == y for x, y, n in zip(a.stride(), b.stride(), a.shape)
+               if n > 1)
 
 
 def _flat_or_none(t):
