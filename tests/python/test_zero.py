@@ -57,6 +57,15 @@ def _zero_rank(rank, init_file, address, out, inf_step, ckpt):
     dist.init_process_group("gloo", init_method="file://" + init_file,
                             rank=rank, world_size=2)
     model = make_model()
+    if ckpt:
+        # The first weight stepped where it is (part of a larger buffer)
+        # with its elements in an order of their own (transposed): the
+        # load's parts of it are ranges of its memory.
+        w = model[0].weight
+        buf = torch.empty(2 * w.numel())
+        view = buf[:w.numel()].view(w.shape[1], w.shape[0]).t()
+        view.copy_(w.detach())
+        w.data = view
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = AdamW(ddp.parameters(), lr=LR, address=address,
                 max_grad_norm=MAX_NORM, shard_state=True,

@@ -1253,8 +1253,12 @@ def _same_order(a, b):
 
 
 def _flat_or_none(t):
-    """`t` as one dimension where its memory is in that order (pflat)."""
-    return t.view(-1) if t.is_contiguous() else None
+    """`t`'s memory as one dimension, in memory order (pflat, which the
+    state's parts cut by memory ranges): where its elements fill their
+    memory without gaps (contiguous, transposed, channels_last)."""
+    if t.is_contiguous():
+        return t.view(-1)
+    return t.as_strided((t.numel(),), (1,)) if is_dense(t) else None
 
 
 _grad_of = operator.attrgetter("grad")
