@@ -44,6 +44,10 @@ class OptimizerServiceImpl::SaveStreamReactor final
         return;
       }
       snapshot_ = *std::move(snapshot);
+      // Under mu_, which Produce takes first: the producer cannot end the
+      // call (after which OnDone reads producer_ and deletes this) before
+      // producer_ holds it.
+      MutexLock lock(&mu_);
       producer_ = std::thread([this] { Produce(); });
     });
   }
@@ -73,6 +77,7 @@ class OptimizerServiceImpl::SaveStreamReactor final
 
  private:
   void Produce() {
+    { MutexLock started(&mu_); }  // producer_ is set (the constructor's Post)
     const uint64_t total = snapshot_->FileSize();
     for (uint64_t offset = 0; offset < total;) {
       const uint64_t n = std::min(chunk_bytes_, total - offset);
