@@ -762,6 +762,24 @@ class DropIn(DaemonTestCase):
         self.assertIn("strides (3, 1)", str(cm.exception))
         opt.close()
 
+    def test_parameters_stepped_in_place_tied_after_the_optimizer(self):
+        # Two parameters over one flat buffer (stepped where they are), one
+        # then given the other's memory: their update passes were planned
+        # apart, so following it would update one memory twice at once.
+        # Refused by name.
+        flat = torch.randn(8, device=DEVICE)
+        a = torch.nn.Parameter(flat[:4])
+        b = torch.nn.Parameter(flat[4:])
+        opt = AdamW([a, b], lr=1e-2, address=self.daemon.address)
+        for p in (a, b):
+            p.grad = torch.ones_like(p)
+        opt.step()
+        b.data = a.data
+        with self.assertRaises(errors.ParameterChangedError) as cm:
+            opt.step()
+        self.assertIn("shares memory", str(cm.exception))
+        opt.close()
+
     def test_state_of_a_parameter_appended_then_written_before_its_step(self):
         make = one_param(2)
 

@@ -884,6 +884,17 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
                         s.name, p.dtype, tuple(p.shape), p.stride(),
                         s.pview.dtype, tuple(s.pview.shape),
                         s.pview.stride()))
+        # Update passes of parameters over one memory are planned at
+        # registration: one moved onto another's memory is refused.
+        tied = {id(p) for p in overlapping(
+            [s.param for s in self._homed if not is_dtensor(s.param)])}
+        for s in moved:
+            if id(s.param) in tied:
+                raise errors.ParameterChangedError(
+                    "parameter %s now shares memory with another parameter "
+                    "(tied by `.data` after the optimizer was made); tie "
+                    "weights before making the optimizer, or make a new "
+                    "one" % s.name)
         by_group = {}
         for s in moved:
             s.mem = local_of(s.param)
