@@ -863,6 +863,10 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         """Parameters registered where they are and given other memory
         since (`p.data = t`): stepped where they are now, as torch steps
         them (the memory they left is the trainer's, left alone)."""
+        if moved:
+            # A staged step may still write the memory they left, whose
+            # last reference the entries below let go.
+            self._finish_overlap()
         for s in moved:
             p = s.param
             if is_fsdp1(p) and p.shape != s.pview.shape:
