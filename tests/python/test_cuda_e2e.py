@@ -280,11 +280,12 @@ class CudaEndToEnd(unittest.TestCase):
         self.assert_gpu_settles()
         opt.close()
 
-    def train_model(self, overlap, iters=12):
+    def train_model(self, overlap, iters=12, graphed=False):
         """A small model with a large last layer (its update ends last),
         trained with clipping, one step skipped for a non-finite gradient,
-        and a refused step; returns the loss bits of every iteration, the
-        final parameters and the optimizer."""
+        and a refused step (with `graphed`, its forward and backward CUDA
+        graphs captured after the optimizer is made); returns the loss bits
+        of every iteration, the final parameters and the optimizer."""
         torch.manual_seed(SEED)
         model = torch.nn.Sequential(
             torch.nn.Embedding(1000, 64), torch.nn.LayerNorm(64),
@@ -299,6 +300,8 @@ class CudaEndToEnd(unittest.TestCase):
                     address=self.gpu.address, job_id=self.id() + str(overlap))
         data = torch.randint(0, 1000, (iters, 32), generator=torch.Generator()
                              .manual_seed(SEED)).cuda()
+        if graphed:
+            torch.cuda.make_graphed_callables(model, (data[0].clone(),))
         losses = []
         for i in range(iters):
             opt.zero_grad(set_to_none=i % 4 != 3)
@@ -338,6 +341,25 @@ class CudaEndToEnd(unittest.TestCase):
             self.assertTrue(torch.equal(p, q))
         # The steps were staged: the progress word is past every stage.
         self.assertEqual(opt._flags.words[2].item(), 0x7FFFFFFF)
+        opt.close()
+
+    def test_overlap_with_a_graphed_model_gives_the_plain_steps_bits(self):
+        # The model's forward a CUDA graph: its submodules' hooks do not run
+        # in the replay, so the model's own waits for every stage under it;
+        # the same bits as plain steps through the same graphs.
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        try:
+            plain_losses, plain, opt = self.train_model(overlap=False,
+                                                        graphed=True)
+            opt.close()
+            losses, params, opt = self.train_model(overlap=True,
+                                                   graphed=True)
+        finally:
+            torch.use_deterministic_algorithms(False)
+        self.assertTrue(torch.equal(losses, plain_losses),
+                        "%s != %s" % (losses, plain_losses))
+        for p, q in zip(params, plain):
+            self.assertTrue(torch.equal(p, q))
         opt.close()
 
     def test_sgd_and_lion_give_the_cpu_reference_bits(self):

@@ -19,7 +19,10 @@ needs step n complete: `synchronize()`, `zero_grad(set_to_none=False)`,
 `close()`) makes the trainer's stream wait for its done flag first.
 
 The contract (README): a parameter is current when the module that holds it
-runs its forward, or after `opt.synchronize()`; code that reads parameters
+runs its forward (a module whose forward is a CUDA graph, from
+torch.cuda.make_graphed_callables, waits for every parameter under it, as
+its submodules' hooks do not run in the replay), or after
+`opt.synchronize()`; code that reads parameters
 elsewhere (a functional use of another module's weight, evaluation without
 the module's forward, `model.state_dict()`) calls `opt.synchronize()` first.
 """
@@ -41,6 +44,13 @@ def assign_stages(tensors):
     for s in tensors:
         s.stage = min(STAGES - 1, before * STAGES // total)
         before += s.numel
+
+
+def _graphed(module):
+    """Whether torch.cuda.make_graphed_callables made `module`'s forward a
+    CUDA graph's replay (its own forward, set on the module)."""
+    forward = module.__dict__.get("forward")
+    return "make_graphed_callables" in getattr(forward, "__qualname__", "")
 
 
 class Overlap:
@@ -79,8 +89,20 @@ class Overlap:
     def before_forward(self, module):
         if not self._pending:
             return
+        if torch.cuda.is_current_stream_capturing():
+            # A captured wait would wait for this step's stages at every
+            # replay, long passed: later replays would not wait at all.
+            raise RuntimeError(
+                "optimd.torch: overlap=True: a CUDA graph is being captured "
+                "while a step's update runs; capture before the first step "
+                "or after opt.synchronize()")
+        # A module whose forward is a CUDA graph (make_graphed_callables)
+        # replays its submodules without their hooks: it waits for the
+        # stages of every parameter under it.
+        params = module.parameters() if _graphed(module) else \
+            module._parameters.values()
         stage = -1
-        for p in module._parameters.values():
+        for p in params:
             if p is not None:
                 stage = max(stage, self._stage_of.get(id(p), -1))
         if stage > self._waited:
