@@ -24,6 +24,9 @@ With --graphed, every peer's forward and backward run as CUDA graphs
 (torch.cuda.make_graphed_callables): a deep model's eager iteration is
 bound by Python's per-op cost whatever the optimizer, and graphs are how a
 trainer gets past that; the optimizer step and clipping stay eager.
+With --graphed_blocks, each transformer block is a graph of its own (the
+rest eager), which --overlap can use: each block's replay waits only for
+its own parameters' stages.
 
 With --overlap, two more peers in the same run: optimd with overlap=True,
 and the same loop without any optimizer and without clipping (zero_grad,
@@ -145,6 +148,24 @@ class Trainer:
             torch.cuda.make_graphed_callables(self.model, sample)
         self.graphed = True
 
+    def graph_blocks(self):
+        """Each transformer block's forward and backward as CUDA graphs of
+        its own, the embeddings, final norm and head eager: with overlap,
+        each block's replay waits only for its own parameters' stages
+        (optimd waits, for a module whose forward is a graph, for every
+        parameter under it)."""
+        x, _ = self.batches[0]
+        d = self.model.tok.embedding_dim
+        blocks = tuple(self.model.blocks)
+        # A block takes the fp32 residual stream (autocast's bf16 outputs
+        # are added to it) and gives it back.
+        sample = tuple((torch.randn(*x.shape, d, device=x.device,
+                                    requires_grad=True),) for _ in blocks)
+        with torch.autocast("cuda", dtype=torch.bfloat16,
+                            cache_enabled=False):
+            torch.cuda.make_graphed_callables(blocks, sample)
+        self.graphed = True
+
     def phases(self):
         """(name, callable) of one iteration, in order."""
         x, y = self.batches[self.i % len(self.batches)]
@@ -260,6 +281,9 @@ def compare(name, cfg, batch, seq, clip, daemon, args):
     if args.graphed:
         for t in peers.values():
             t.graph()
+    elif args.graphed_blocks:
+        for t in peers.values():
+            t.graph_blocks()
     params = sum(p.numel() for p in peers["torch"].model.parameters())
     tensors = len(list(peers["torch"].model.parameters()))
     losses = {}
@@ -296,7 +320,8 @@ def compare(name, cfg, batch, seq, clip, daemon, args):
     # Ratios of the blocks of one round (run next to each other): steadier
     # than the ratio of medians where the host's speed drifts.
     paired = sorted(o / t for o, t in zip(blocks["optimd"], blocks["torch"]))
-    row = dict(model=name, graphed=bool(args.graphed), params=params,
+    row = dict(model=name, graphed=bool(args.graphed),
+               graphed_blocks=bool(args.graphed_blocks), params=params,
                tensors=tensors, batch=batch,
                seq=seq, tokens=batch * seq, clip=clip,
                torch_ms=it["torch"], optimd_ms=it["optimd"],
@@ -375,10 +400,18 @@ def profile_steps(trainer, iters):
     stats.sort_stats("tottime").print_stats(15)
 
 
+def _graph_label(r):
+    """How a row's forward and backward ran: whole-model graphs, a graph
+    per block, or eager."""
+    if r["graphed"]:
+        return "graphed "
+    return "blocks " if r.get("graphed_blocks") else ""
+
+
 def print_row(r):
     print("%-9s %s%5.0fM %5d tensors  batch %2dx%-4d clip %-4s  torch %8.3f ms"
           "  optimd %8.3f ms  ratio %.3f  step share torch %4.1f%% optimd "
-          "%4.1f%%" % (r["model"], "graphed " if r["graphed"] else "",
+          "%4.1f%%" % (r["model"], _graph_label(r),
                        r["params"] / 1e6, r["tensors"],
                        r["batch"], r["seq"], r["clip"], r["torch_ms"],
                        r["optimd_ms"], r["ratio"],
@@ -441,6 +474,11 @@ def main():
                          "graphs and replayed (make_graphed_callables), so "
                          "that a deep model's iteration is not bound by "
                          "Python's per-op cost; not with --overlap")
+    ap.add_argument("--graphed_blocks", action="store_true",
+                    help="each transformer block's forward and backward "
+                         "captured as CUDA graphs of its own, the rest "
+                         "eager; with --overlap each block waits for its "
+                         "own parameters")
     ap.add_argument("--daemon_env", action="append", default=[],
                     help="KEY=VALUE for the daemon's environment only (e.g. "
                          "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=30 under MPS)")
@@ -464,8 +502,11 @@ def main():
                          "were sent before; bench/step_handoff.py)")
     args = ap.parse_args()
     if args.graphed and args.overlap:
-        ap.error("--graphed and --overlap exclude each other: overlap's "
-                 "forward pre-hooks do not run inside a graph's replay")
+        ap.error("--graphed and --overlap exclude each other: a whole "
+                 "model's graph waits for every stage before its replay "
+                 "(use --graphed_blocks)")
+    if args.graphed and args.graphed_blocks:
+        ap.error("--graphed or --graphed_blocks, not both")
     if args.queued_send:
         from optimd import _step_stream
         from step_handoff import queued_send
@@ -497,7 +538,7 @@ def main():
     for r in rows:
         print("%-9s %stokens %6d clip %-4s ratio %.3f, paired %.3f (torch "
               "step %4.1f%% of its iteration)%s" % (
-                  r["model"], "graphed " if r["graphed"] else "",
+                  r["model"], _graph_label(r),
                   r["tokens"], r["clip"], r["ratio"],
                   r["paired_ratio"],
                   100 * r["torch_step_share"],
