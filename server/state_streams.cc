@@ -255,8 +255,7 @@ class OptimizerServiceImpl::LoadStreamReactor final
   void OnCancel() override {
     Unlink();
     if (claims_->Release(session_.get(), this)) {
-      Finish(grpc::Status(grpc::StatusCode::CANCELLED,
-                          "the stream broke; nothing was loaded"));
+      Finish(Broken());
     }
   }
 
@@ -279,8 +278,7 @@ class OptimizerServiceImpl::LoadStreamReactor final
       return;
     }
     if (context_->IsCancelled()) {
-      Fail(grpc::Status(grpc::StatusCode::CANCELLED,
-                        "the stream broke; nothing was loaded"));
+      Fail(Broken());
       return;
     }
     if (total_ == 0 || received_ != total_) {
@@ -323,8 +321,7 @@ class OptimizerServiceImpl::LoadStreamReactor final
   // without a file.
   void Begin() {
     if (context_->IsCancelled()) {
-      End(grpc::Status(grpc::StatusCode::CANCELLED,
-                       "the stream broke; nothing was loaded"));
+      End(Broken());
       return;
     }
     log::Info(absl::StrCat("checkpoint load started (stream): ", name_));
@@ -413,24 +410,33 @@ class OptimizerServiceImpl::LoadStreamReactor final
     Finish(std::move(s));
   }
 
+  // The status of a stream the client broke off.
+  static grpc::Status Broken() {
+    return grpc::Status(grpc::StatusCode::CANCELLED,
+                        "the stream broke; nothing was loaded");
+  }
+
   // Takes the spool file out of its directory; its descriptor stays open,
   // as a write may be under way on gRPC's reading thread.
   void Unlink() {
     MutexLock lock(&spool_mu_);
-    if (fd_ >= 0 && !unlinked_) {
-      unlink(path_.c_str());
-      unlinked_ = true;
-    }
+    UnlinkLocked();
   }
 
-  // Closes the spool file and takes it out of its directory, unless
-  // Unlink() did (the name may since be another stream's).
+  // Takes the spool file out of its directory, and closes it.
   void Cleanup() {
     MutexLock lock(&spool_mu_);
     if (fd_ >= 0) {
+      UnlinkLocked();
       close(fd_);
-      if (!unlinked_) unlink(path_.c_str());
       fd_ = -1;
+    }
+  }
+
+  // Once only: after an Unlink the name may be another stream's file.
+  void UnlinkLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(spool_mu_) {
+    if (fd_ >= 0 && !unlinked_) {
+      unlink(path_.c_str());
       unlinked_ = true;
     }
   }
