@@ -434,7 +434,8 @@ def print_row(r):
     lt, lo = (r["loss_after_warmup"][k] for k in ("torch", "optimd"))
     if abs(lo - lt) > 0.01 * abs(lt):
         # Eager runs agree to four or five digits: the rows compare
-        # different training (with --graphed, bench/RESULTS.md run 104).
+        # different training (as run 104's graphed rows did, whose peers
+        # shared a graph's static input: bench/RESULTS.md run 105).
         print("    WARNING: torch's and optimd's losses after the warm-up "
               "differ by more than 1%")
     print("    steps through %s" % ("liboptimd_step_channel.so"

@@ -328,17 +328,7 @@ class CudaEndToEnd(unittest.TestCase):
         # of every iteration and the final parameters equal a run without
         # overlap bit for bit (plain steps equal the CPU reference in the
         # tests above and in cuda_backend_test).
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        try:
-            plain_losses, plain, opt = self.train_model(overlap=False)
-            opt.close()
-            losses, params, opt = self.train_model(overlap=True)
-        finally:
-            torch.use_deterministic_algorithms(False)
-        self.assertTrue(torch.equal(losses, plain_losses),
-                        "%s != %s" % (losses, plain_losses))
-        for p, q in zip(params, plain):
-            self.assertTrue(torch.equal(p, q))
+        opt = self.assert_overlap_gives_the_plain_steps_bits(graphed=False)
         # The steps were staged: the progress word is past every stage.
         self.assertEqual(opt._flags.words[2].item(), 0x7FFFFFFF)
         opt.close()
@@ -347,20 +337,26 @@ class CudaEndToEnd(unittest.TestCase):
         # The model's forward a CUDA graph: its submodules' hooks do not run
         # in the replay, so the model's own waits for every stage under it;
         # the same bits as plain steps through the same graphs.
+        self.assert_overlap_gives_the_plain_steps_bits(graphed=True).close()
+
+    def assert_overlap_gives_the_plain_steps_bits(self, graphed):
+        """train_model with overlap gives the losses and parameters of
+        train_model without, bit for bit; returns the overlap run's
+        optimizer."""
         torch.use_deterministic_algorithms(True, warn_only=True)
         try:
             plain_losses, plain, opt = self.train_model(overlap=False,
-                                                        graphed=True)
+                                                        graphed=graphed)
             opt.close()
             losses, params, opt = self.train_model(overlap=True,
-                                                   graphed=True)
+                                                   graphed=graphed)
         finally:
             torch.use_deterministic_algorithms(False)
         self.assertTrue(torch.equal(losses, plain_losses),
                         "%s != %s" % (losses, plain_losses))
         for p, q in zip(params, plain):
             self.assertTrue(torch.equal(p, q))
-        opt.close()
+        return opt
 
     def test_sgd_and_lion_give_the_cpu_reference_bits(self):
         # Parameters without a gradient now and then: SGD's momentum buffer

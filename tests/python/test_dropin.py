@@ -743,6 +743,14 @@ class DropIn(DaemonTestCase):
         self.assertEqual(ours, theirs)
         torch.testing.assert_close(flats[0], flats[1], **TOL)
 
+    def stepped_once(self, params):
+        """optimd's AdamW over `params`, stepped once (gradients of ones)."""
+        opt = AdamW(params, lr=1e-2, address=self.daemon.address)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        return opt
+
     def test_a_parameter_stepped_in_place_given_memory_in_another_order(self):
         # A parameter over a flat buffer (stepped where it is) given memory
         # of its shape whose elements lie in another order: its moments lie
@@ -750,11 +758,7 @@ class DropIn(DaemonTestCase):
         # each element another's. Refused by name, with both layouts.
         flat = torch.randn(12, device=DEVICE)
         a = torch.nn.Parameter(flat[:6].view(2, 3))
-        b = torch.nn.Parameter(flat[6:])
-        opt = AdamW([a, b], lr=1e-2, address=self.daemon.address)
-        for p in (a, b):
-            p.grad = torch.ones_like(p)
-        opt.step()
+        opt = self.stepped_once([a, torch.nn.Parameter(flat[6:])])
         a.data = a.detach().t().contiguous().t()  # strides (1, 2)
         with self.assertRaises(errors.ParameterChangedError) as cm:
             opt.step()
@@ -768,12 +772,8 @@ class DropIn(DaemonTestCase):
         # apart, so following it would update one memory twice at once.
         # Refused by name.
         flat = torch.randn(8, device=DEVICE)
-        a = torch.nn.Parameter(flat[:4])
-        b = torch.nn.Parameter(flat[4:])
-        opt = AdamW([a, b], lr=1e-2, address=self.daemon.address)
-        for p in (a, b):
-            p.grad = torch.ones_like(p)
-        opt.step()
+        a, b = torch.nn.Parameter(flat[:4]), torch.nn.Parameter(flat[4:])
+        opt = self.stepped_once([a, b])
         b.data = a.data
         with self.assertRaises(errors.ParameterChangedError) as cm:
             opt.step()
