@@ -56,6 +56,11 @@ def allocation_of(tensor):
     if err != 0:
         raise RuntimeError("cuPointerGetAttributes failed with CUDA driver "
                            "error %d" % err)
+    if out[1] == 0:
+        # The driver answers for memory it does not own (an empty tensor's
+        # null pointer, host memory) with zeros rather than an error.
+        raise RuntimeError("tensor at 0x%x is not in CUDA device memory"
+                           % tensor.data_ptr())
     return out[0], out[1], out[2]
 
 
@@ -82,6 +87,9 @@ def mem_handle_at(base, device):
         err = runtime.cudaIpcGetMemHandle(ctypes.byref(handle),
                                           ctypes.c_void_p(base))
     if err != 0:
+        # Taken off the runtime's last-error slot, or torch's next kernel
+        # launch check would report it as its own.
+        runtime.cudaGetLastError()
         raise RuntimeError(
             "cudaIpcGetMemHandle failed with CUDA error %d (allocations of "
             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True cannot be "
