@@ -486,7 +486,8 @@ def main():
     ap.add_argument("--daemon_flag", action="append", default=[],
                     help="a flag for the daemon (e.g. --cuda_graphs=false)")
     ap.add_argument("--clips", default="none,1.0",
-                    help="which clip rows: none, 1.0, or both")
+                    help="which clip rows, a list of none and max norms "
+                         "(default: none,1.0)")
     ap.add_argument("--step_call", default="stream",
                     choices=("stream", "unary", "future"),
                     help="how optimd's client sends a step: over its step "

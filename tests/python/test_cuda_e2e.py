@@ -412,7 +412,9 @@ class CudaEndToEnd(unittest.TestCase):
               "%.3f ms, torch AdamW(fused=True) %.3f ms, ratio %.3f" %
               (n, count, t_ours, t_ref, t_ours / t_ref))
         # The daemon times each step it reports on its own stream: its work
-        # fits in the step's share of the wall time.
+        # fits in the step's share of the wall time. Where the step is all
+        # GPU work (the H200) the two are equal but for the timers' own
+        # resolution, hence the 5% margin.
         timed_steps = (after.step_device_time.count -
                        before.step_device_time.count)
         self.assertGreater(timed_steps, 0)
@@ -423,7 +425,7 @@ class CudaEndToEnd(unittest.TestCase):
         print("daemon: %d steps timed, device %.3f ms, ready wait %.3f ms "
               "per step" % (timed_steps, device_ms, wait_ms))
         self.assertGreater(device_ms, 0)
-        self.assertLess(device_ms, t_ours)
+        self.assertLess(device_ms, t_ours * 1.05)
         opt.close()
 
 
