@@ -11,6 +11,7 @@ import operator
 import os
 import secrets
 import socket
+import warnings
 import weakref
 
 import torch
@@ -499,8 +500,26 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
                  not is_dtensor(p)]
         kept = {i for i, was in registered.items() if was}
         if self._device.type == "cuda":
-            return {id(p) for p in fresh} | kept
+            return {id(p) for p in fresh if self._exportable(p)} | kept
         return aliased(fresh) | kept
+
+    def _exportable(self, p):
+        """Whether CUDA IPC can export the allocation of parameter p (not
+        memory of a pluggable allocator or another library's pool). One
+        it cannot is moved into its group's buffer, as before this
+        registered CUDA parameters where they are, with a warning: graphs
+        captured before the optimizer then miss its steps."""
+        try:
+            self._param_handles.handle(local_of(p))
+            return True
+        except RuntimeError as e:
+            warnings.warn(
+                "optimd.torch: parameter %s is in CUDA memory that CUDA IPC "
+                "cannot share (%s); it moves into the optimizer's own "
+                "buffer, so CUDA graphs captured before the optimizer was "
+                "made do not see its steps" % (
+                    self._names.get(id(p), "?"), e))
+            return False
 
     @property
     def _param_handles(self):
