@@ -164,6 +164,36 @@ class CudaEndToEnd(unittest.TestCase):
         opt_g.close()
         opt_c.close()
 
+    def test_memory_cuda_ipc_cannot_export_is_stepped_in_the_buffer(self):
+        # A parameter in an expandable segment (memory CUDA IPC cannot
+        # export) moves into its group's buffer with a warning naming it,
+        # and its steps still equal the CPU reference's. An odd size, so
+        # the allocation is a fresh (expandable) segment, not a block the
+        # cache kept from before.
+        g = torch.Generator().manual_seed(SEED)
+        init = torch.randn((37 << 20) + 4099, generator=g)
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        try:
+            p = torch.nn.Parameter(init.cuda())
+        finally:
+            torch.cuda.memory._set_allocator_settings(
+                "expandable_segments:False")
+        q = torch.nn.Parameter(init.clone())
+        with self.assertWarnsRegex(UserWarning, "cannot share"):
+            opt_g = AdamW([p], lr=1e-2, address=self.gpu.address,
+                          job_id="gpu-" + self.id())
+        opt_c = AdamW([q], lr=1e-2, address=self.cpu.address,
+                      job_id="cpu-" + self.id())
+        for step in range(3):
+            grad = torch.randn(q.shape, generator=g)
+            p.grad, q.grad = grad.cuda(), grad
+            opt_g.step()
+            opt_c.step()
+            self.assertTrue(torch.equal(p.detach().cpu(), q.detach()),
+                            "step %d" % step)
+        opt_g.close()
+        opt_c.close()
+
     def assert_gpu_settles(self, timeout=30):
         """The trainer's stream finishes its queued work: nothing waits
         forever on a step flag."""

@@ -508,7 +508,10 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         memory of a pluggable allocator or another library's pool). One
         it cannot is moved into its group's buffer, as before this
         registered CUDA parameters where they are, with a warning: graphs
-        captured before the optimizer then miss its steps."""
+        captured before the optimizer then miss its steps. An empty one
+        has no memory to export and none to move."""
+        if p.numel() == 0:
+            return True
         try:
             self._param_handles.handle(local_of(p))
             return True
@@ -518,7 +521,8 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
                 "cannot share (%s); it moves into the optimizer's own "
                 "buffer, so CUDA graphs captured before the optimizer was "
                 "made do not see its steps" % (
-                    self._names.get(id(p), "?"), e))
+                    self._names.get(id(p), "of shape %s" % (tuple(p.shape),)),
+                    e))
             return False
 
     @property
