@@ -121,30 +121,30 @@ class CudaEndToEnd(unittest.TestCase):
 
     def test_graphed_forward_and_backward_match_cpu_reference(self):
         # A trainer whose forward and backward are CUDA graphs
-        # (torch.cuda.make_graphed_callables): its gradients come out of the
-        # graphs' static buffers, and the graphs read the parameters that
-        # optimd updates in place. Every replayed
+        # (torch.cuda.make_graphed_callables), captured before the optimizer
+        # is made: its gradients come out of the graphs' static buffers, and
+        # the graphs read the parameters where they were. Every replayed
         # forward sees the parameters of the step before it (an eager
         # forward on them agrees), and the steps are bit-identical to the
         # CPU reference given the same gradients, clipping included.
-        # (Graphs captured before the optimizer was made read the
-        # parameters' old memory: bench/RESULTS.md run 108.)
+        # (Before every CUDA parameter was registered where it is, graphs
+        # captured before the optimizer was made read the parameters' old
+        # memory: bench/RESULTS.md run 108.)
         g = torch.Generator().manual_seed(SEED)
         torch.manual_seed(SEED)
         model = torch.nn.Sequential(torch.nn.Linear(64, 128),
                                     torch.nn.GELU(),
                                     torch.nn.Linear(128, 8)).cuda()
         batches = [torch.randn(32, 64, generator=g).cuda() for _ in range(3)]
+        # Captured before the optimizer is made (a copy as the sample: the
+        # graphs keep it as their static input).
+        torch.cuda.make_graphed_callables(model, (batches[0].clone(),))
         ref = [torch.nn.Parameter(p.detach().cpu().clone())
                for p in model.parameters()]
-        # The optimizer first: on CUDA it moves the parameters into its
-        # group's buffer, which graphs captured before would not see.
         opt_g = AdamW(model.parameters(), lr=1e-2, max_grad_norm=0.5,
                       address=self.gpu.address, job_id="gpu-" + self.id())
         opt_c = AdamW(ref, lr=1e-2, max_grad_norm=0.5,
                       address=self.cpu.address, job_id="cpu-" + self.id())
-        # A copy as the sample: the graphs keep it as their static input.
-        torch.cuda.make_graphed_callables(model, (batches[0].clone(),))
         for step in range(12):
             x = batches[step % 3]
             opt_g.zero_grad()
@@ -161,6 +161,36 @@ class CudaEndToEnd(unittest.TestCase):
             for p, q in zip(model.parameters(), ref):
                 self.assertTrue(torch.equal(p.detach().cpu(), q.detach()),
                                 "step %d" % step)
+        opt_g.close()
+        opt_c.close()
+
+    def test_memory_cuda_ipc_cannot_export_is_stepped_in_the_buffer(self):
+        # A parameter in an expandable segment (memory CUDA IPC cannot
+        # export) moves into its group's buffer with a warning naming it,
+        # and its steps still equal the CPU reference's. An odd size, so
+        # the allocation is a fresh (expandable) segment, not a block the
+        # cache kept from before.
+        g = torch.Generator().manual_seed(SEED)
+        init = torch.randn((37 << 20) + 4099, generator=g)
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        try:
+            p = torch.nn.Parameter(init.cuda())
+        finally:
+            torch.cuda.memory._set_allocator_settings(
+                "expandable_segments:False")
+        q = torch.nn.Parameter(init.clone())
+        with self.assertWarnsRegex(UserWarning, "cannot share"):
+            opt_g = AdamW([p], lr=1e-2, address=self.gpu.address,
+                          job_id="gpu-" + self.id())
+        opt_c = AdamW([q], lr=1e-2, address=self.cpu.address,
+                      job_id="cpu-" + self.id())
+        for step in range(3):
+            grad = torch.randn(q.shape, generator=g)
+            p.grad, q.grad = grad.cuda(), grad
+            opt_g.step()
+            opt_c.step()
+            self.assertTrue(torch.equal(p.detach().cpu(), q.detach()),
+                            "step %d" % step)
         opt_g.close()
         opt_c.close()
 

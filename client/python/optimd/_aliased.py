@@ -1,14 +1,14 @@
 """Parameters whose memory other tensors share.
 
-The optimd.torch optimizers copy each parameter into a segment the daemon
-maps and point the parameter at it (`p.data = ...`). That cuts the
-parameter off from every other tensor over its memory: a flat buffer the
-parameters are views of, a weight tied by `v.data = w.data`, tensors of a
-`state_dict()` taken before, and other processes that see the memory after
-`model.share_memory()` (Hogwild). Such a parameter is registered where it
-is instead, so everything that shares its memory sees each step, as with
-torch:
-* CUDA: by a CUDA IPC handle of its allocation;
+On the CPU, the optimd.torch optimizers copy each parameter into a segment
+the daemon maps and point the parameter at it (`p.data = ...`). That cuts
+the parameter off from every other tensor over its memory: a flat buffer
+the parameters are views of, a weight tied by `v.data = w.data`, tensors
+of a `state_dict()` taken before, and other processes that see the memory
+after `model.share_memory()` (Hogwild). Such a parameter is registered
+where it is instead, so everything that shares its memory sees each step,
+as with torch (on CUDA every parameter is registered where it is, by a
+CUDA IPC handle of its allocation; overlapping() still matters there):
 * CPU: its storage is moved into a named shared-memory file with torch's
   own `_share_filename_cpu_` (all tensors over the storage follow, as with
   `share_memory_()`), which the daemon maps by name; memory already in a

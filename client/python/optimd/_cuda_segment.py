@@ -1,5 +1,6 @@
 """Device memory the daemon reaches over CUDA IPC, for the optimd.torch
-optimizers' flat buffers and FP8 parameters.
+optimizers' flat gradient buffers, the parameters CUDA IPC cannot export
+where they are, and FP8 parameters.
 """
 import torch
 

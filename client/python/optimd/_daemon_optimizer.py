@@ -11,6 +11,7 @@ import operator
 import os
 import secrets
 import socket
+import warnings
 import weakref
 
 import torch
@@ -111,8 +112,8 @@ class _TensorEntry:
     view of the group's segment, or `mem` itself when registered in place)
     and `mirrored` says whether `mem` and `pview` are copied both ways
     around each step (a DTensor shard on the CPU). `in_place`: registered
-    in its own memory (a DTensor shard on CUDA, or memory other tensors
-    share: optimd/_aliased.py), not in the group's segment."""
+    in its own memory (every CUDA parameter, or on the CPU memory other
+    tensors share: optimd/_aliased.py), not in the group's segment."""
 
     __slots__ = ("param", "mem", "name", "numel", "pview", "gview",
                  "frozen", "group_id", "sent_ptr", "stage", "pflat",
@@ -486,15 +487,43 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         return shm_handle(s.mem, s.name)
 
     def _shared_memory_params(self):
-        """The ids of the parameters to register where they are, because
-        other tensors share their memory (optimd/_aliased.py); those
-        registered before keep where they were registered."""
+        """The ids of the parameters to register where they are: on CUDA
+        every one (by its allocation's IPC handle), so that whatever holds
+        a parameter's address rather than the tensor (a CUDA graph captured
+        before the optimizer was made) sees each step, as with torch; on
+        the CPU those whose memory other tensors share (optimd/_aliased.py).
+        Those registered before keep where they were registered."""
         registered = {id(s.param): s.in_place
                       for g in self._groups for s in g["tensors"]}
         fresh = [p for g in self.param_groups for p in g["params"]
                  if id(p) not in registered and not _is_lazy(p) and
                  not is_dtensor(p)]
-        return aliased(fresh) | {i for i, kept in registered.items() if kept}
+        kept = {i for i, was in registered.items() if was}
+        if self._device.type == "cuda":
+            return {id(p) for p in fresh if self._exportable(p)} | kept
+        return aliased(fresh) | kept
+
+    def _exportable(self, p):
+        """Whether CUDA IPC can export the allocation of parameter p (not
+        memory of a pluggable allocator or another library's pool). One
+        it cannot is moved into its group's buffer, as before this
+        registered CUDA parameters where they are, with a warning: graphs
+        captured before the optimizer then miss its steps. An empty one
+        has no memory to export and none to move."""
+        if p.numel() == 0:
+            return True
+        try:
+            self._param_handles.handle(local_of(p))
+            return True
+        except RuntimeError as e:
+            warnings.warn(
+                "optimd.torch: parameter %s is in CUDA memory that CUDA IPC "
+                "cannot share (%s); it moves into the optimizer's own "
+                "buffer, so CUDA graphs captured before the optimizer was "
+                "made do not see its steps" % (
+                    self._names.get(id(p), "of shape %s" % (tuple(p.shape),)),
+                    e))
+            return False
 
     @property
     def _param_handles(self):

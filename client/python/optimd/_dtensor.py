@@ -4,7 +4,7 @@ local shard where FSDP2 keeps it.
 FSDP2 gives each parameter a DTensor whose local tensor is a view of its
 own sharded buffer, the one it all-gathers from before each forward, so
 an update must land in that memory: the parameter cannot be re-homed into
-a segment of ours as other parameters are.
+a segment of ours as other parameters on the CPU are.
 
 * CUDA: the local shard is registered where it is (a CUDA IPC handle of
   its allocation, as gradients are), and the daemon writes it in place.

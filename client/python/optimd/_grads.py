@@ -274,7 +274,8 @@ def zero_in_place(grad):
 
 
 class HandleCache:
-    """CUDA IPC handles of the allocations holding gradients, by the
+    """CUDA IPC handles of the allocations holding gradients (or, in the
+    optimizer's own cache, parameters registered where they are), by the
     allocation's unique buffer id (cuda_ipc.allocation_of), kept across
     steps: gradients that alternate between allocations (overlap keeps the
     last step's alive while the next forward allocates) cost one driver
