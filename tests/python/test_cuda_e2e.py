@@ -123,22 +123,41 @@ class CudaEndToEnd(unittest.TestCase):
         # A trainer whose forward and backward are CUDA graphs
         # (torch.cuda.make_graphed_callables), captured before the optimizer
         # is made: its gradients come out of the graphs' static buffers, and
-        # the graphs read the parameters where they were. Every replayed
-        # forward sees the parameters of the step before it (an eager
-        # forward on them agrees), and the steps are bit-identical to the
-        # CPU reference given the same gradients, clipping included.
-        # (Before every CUDA parameter was registered where it is, graphs
-        # captured before the optimizer was made read the parameters' old
-        # memory: bench/RESULTS.md run 108.)
+        # the graphs read the parameters where they were. (Before every
+        # CUDA parameter was registered where it is, graphs captured before
+        # the optimizer was made read the parameters' old memory:
+        # bench/RESULTS.md run 108.)
+        def graphed(model, sample):
+            torch.cuda.make_graphed_callables(model, (sample,))
+            return model
+        self.assert_fast_forward_matches_cpu_reference(graphed)
+
+    def test_compiled_reduce_overhead_model_matches_cpu_reference(self):
+        # torch.compile(mode="reduce-overhead"): inductor's kernels replayed
+        # as CUDA graphs (cudagraph trees), recorded before the optimizer is
+        # made, with the parameters as static inputs at their addresses.
+        def compiled(model, sample):
+            fast = torch.compile(model, mode="reduce-overhead")
+            for _ in range(3):  # warm-up, then the graphs are recorded
+                fast(sample).square().mean().backward()
+            model.zero_grad(set_to_none=True)
+            return fast
+        self.assert_fast_forward_matches_cpu_reference(compiled)
+
+    def assert_fast_forward_matches_cpu_reference(self, make_fast):
+        """`make_fast(model, sample)` (before the optimizer is made) gives
+        the callable the trainer runs. Every forward through it sees the
+        parameters of the step before it (an eager forward on them
+        agrees), and the steps are bit-identical to the CPU reference given
+        the same gradients, clipping included."""
         g = torch.Generator().manual_seed(SEED)
         torch.manual_seed(SEED)
         model = torch.nn.Sequential(torch.nn.Linear(64, 128),
                                     torch.nn.GELU(),
                                     torch.nn.Linear(128, 8)).cuda()
         batches = [torch.randn(32, 64, generator=g).cuda() for _ in range(3)]
-        # Captured before the optimizer is made (a copy as the sample: the
-        # graphs keep it as their static input).
-        torch.cuda.make_graphed_callables(model, (batches[0].clone(),))
+        # A copy as the sample: graphs keep it as their static input.
+        fast = make_fast(model, batches[0].clone())
         ref = [torch.nn.Parameter(p.detach().cpu().clone())
                for p in model.parameters()]
         opt_g = AdamW(model.parameters(), lr=1e-2, max_grad_norm=0.5,
@@ -148,7 +167,7 @@ class CudaEndToEnd(unittest.TestCase):
         for step in range(12):
             x = batches[step % 3]
             opt_g.zero_grad()
-            out = model(x)  # the forward graph's replay
+            out = fast(x)
             with torch.no_grad():
                 eager = model[2](model[1](model[0](x)))
             torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-5,
@@ -310,12 +329,14 @@ class CudaEndToEnd(unittest.TestCase):
         self.assert_gpu_settles()
         opt.close()
 
-    def train_model(self, overlap, iters=12, graphed=False):
+    def train_model(self, overlap, iters=12, wrap=None):
         """A small model with a large last layer (its update ends last),
         trained with clipping, one step skipped for a non-finite gradient,
-        and a refused step (with `graphed`, its forward and backward CUDA
-        graphs captured after the optimizer is made); returns the loss bits
-        of every iteration, the final parameters and the optimizer."""
+        and a refused step; `wrap`: "graphs" (its forward and backward CUDA
+        graphs captured after the optimizer is made), "compile"
+        (torch.compile(model)) or "compile_in_place" (model.compile()).
+        Returns the loss bits of every iteration, the final parameters and
+        the optimizer."""
         torch.manual_seed(SEED)
         model = torch.nn.Sequential(
             torch.nn.Embedding(1000, 64), torch.nn.LayerNorm(64),
@@ -330,12 +351,17 @@ class CudaEndToEnd(unittest.TestCase):
                     address=self.gpu.address, job_id=self.id() + str(overlap))
         data = torch.randint(0, 1000, (iters, 32), generator=torch.Generator()
                              .manual_seed(SEED)).cuda()
-        if graphed:
+        forward = model
+        if wrap == "graphs":
             torch.cuda.make_graphed_callables(model, (data[0].clone(),))
+        elif wrap == "compile":
+            forward = torch.compile(model, backend="aot_eager")
+        elif wrap == "compile_in_place":
+            model.compile(backend="aot_eager")
         losses = []
         for i in range(iters):
             opt.zero_grad(set_to_none=i % 4 != 3)
-            loss = model(data[i]).float().square().mean()
+            loss = forward(data[i]).float().square().mean()
             losses.append(loss.detach())
             loss.backward()
             if i == 5:
@@ -358,7 +384,7 @@ class CudaEndToEnd(unittest.TestCase):
         # of every iteration and the final parameters equal a run without
         # overlap bit for bit (plain steps equal the CPU reference in the
         # tests above and in cuda_backend_test).
-        opt = self.assert_overlap_gives_the_plain_steps_bits(graphed=False)
+        opt = self.assert_overlap_gives_the_plain_steps_bits()
         # The steps were staged: the progress word is past every stage.
         self.assertEqual(opt._flags.words[2].item(), 0x7FFFFFFF)
         opt.close()
@@ -367,19 +393,27 @@ class CudaEndToEnd(unittest.TestCase):
         # The model's forward a CUDA graph: its submodules' hooks do not run
         # in the replay, so the model's own waits for every stage under it;
         # the same bits as plain steps through the same graphs.
-        self.assert_overlap_gives_the_plain_steps_bits(graphed=True).close()
+        self.assert_overlap_gives_the_plain_steps_bits("graphs").close()
 
-    def assert_overlap_gives_the_plain_steps_bits(self, graphed):
+    def test_overlap_with_a_compiled_model_gives_the_plain_steps_bits(self):
+        # torch.compile(model): the OptimizedModule's own hook runs eagerly
+        # before the compiled code and waits for every stage under it;
+        # model.compile(): the hooks run inside the compiled code.
+        for wrap in ("compile", "compile_in_place"):
+            with self.subTest(wrap=wrap):
+                torch._dynamo.reset()
+                self.assert_overlap_gives_the_plain_steps_bits(wrap).close()
+
+    def assert_overlap_gives_the_plain_steps_bits(self, wrap=None):
         """train_model with overlap gives the losses and parameters of
         train_model without, bit for bit; returns the overlap run's
         optimizer."""
         torch.use_deterministic_algorithms(True, warn_only=True)
         try:
             plain_losses, plain, opt = self.train_model(overlap=False,
-                                                        graphed=graphed)
+                                                        wrap=wrap)
             opt.close()
-            losses, params, opt = self.train_model(overlap=True,
-                                                   graphed=graphed)
+            losses, params, opt = self.train_model(overlap=True, wrap=wrap)
         finally:
             torch.use_deterministic_algorithms(False)
         self.assertTrue(torch.equal(losses, plain_losses),

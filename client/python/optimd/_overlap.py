@@ -21,7 +21,8 @@ needs step n complete: `synchronize()`, `zero_grad(set_to_none=False)`,
 The contract (README): a parameter is current when the module that holds it
 runs its forward (a module whose forward is a CUDA graph, from
 torch.cuda.make_graphed_callables, waits for every parameter under it, as
-its submodules' hooks do not run in the replay), or after
+its submodules' hooks do not run in the replay; so does torch.compile's
+wrapper, and under model.compile() each wait is a graph break), or after
 `opt.synchronize()`; code that reads parameters
 elsewhere (a functional use of another module's weight, evaluation without
 the module's forward, `model.state_dict()`) calls `opt.synchronize()` first.
@@ -46,11 +47,25 @@ def assign_stages(tensors):
         before += s.numel
 
 
-def _graphed(module):
-    """Whether torch.cuda.make_graphed_callables made `module`'s forward a
-    CUDA graph's replay (its own forward, set on the module)."""
+def _runs_whole(module):
+    """Whether `module`'s forward may read its submodules' parameters
+    without their hooks having waited: a CUDA graph's replay
+    (torch.cuda.make_graphed_callables sets the module's own forward), or
+    torch.compile(model)'s wrapper, whose own hooks run eagerly before the
+    compiled code."""
+    if type(module).__name__ == "OptimizedModule":
+        return True
     forward = module.__dict__.get("forward")
     return "make_graphed_callables" in getattr(forward, "__qualname__", "")
+
+
+def _eager(fn):
+    """`fn` run eagerly where torch.compile traces a module's forward (a
+    graph break): its waits are CUDA driver calls dynamo cannot trace, and
+    traced reads of the overlap's state would be specialized on. torch
+    before 2.1 has no torch.compile and takes `fn` as it is."""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return fn if disable is None else disable(fn)
 
 
 class Overlap:
@@ -61,8 +76,13 @@ class Overlap:
         self._pending = False  # a staged step whose done is not awaited
         self._waited = -1  # the highest stage this step's forward awaited
         self._kept_grads = []  # gradients the pending step may still read
+        # The highest stage under a module that runs whole (a walk over
+        # every parameter under it), found at its first forward after a
+        # registration.
+        self._graphed_stage = weakref.WeakKeyDictionary()
         opt = weakref.ref(optimizer)
 
+        @_eager
         def hook(module, args):
             o = opt()
             if o is not None and o._overlap is not None:
@@ -73,6 +93,7 @@ class Overlap:
         weakref.finalize(optimizer, self._hook.remove)
 
     def set_stages(self, tensors):
+        self._graphed_stage.clear()
         for s in tensors:
             self._stage_of[id(s.param)] = s.stage
             self._last_stage = max(self._last_stage, s.stage)
@@ -96,15 +117,7 @@ class Overlap:
                 "optimd.torch: overlap=True: a CUDA graph is being captured "
                 "while a step's update runs; capture before the first step "
                 "or after opt.synchronize()")
-        # A module whose forward is a CUDA graph (make_graphed_callables)
-        # replays its submodules without their hooks: it waits for the
-        # stages of every parameter under it.
-        params = module.parameters() if _graphed(module) else \
-            module._parameters.values()
-        stage = -1
-        for p in params:
-            if p is not None:
-                stage = max(stage, self._stage_of.get(id(p), -1))
+        stage = self._stage_for(module)
         if stage > self._waited:
             self._flags.wait_stage(
                 torch.cuda.current_stream(self._flags.device), stage)
@@ -113,6 +126,25 @@ class Overlap:
                 # Work queued from here on runs after every stage's update:
                 # the allocator may hand their gradients' memory out again.
                 self._kept_grads.clear()
+
+    def _stage_for(self, module):
+        """The highest stage of the parameters `module`'s forward reads:
+        its own, or every parameter under it for a module that runs whole
+        (_runs_whole)."""
+        if not _runs_whole(module):
+            return self._highest_stage(module._parameters.values())
+        stage = self._graphed_stage.get(module)
+        if stage is None:
+            stage = self._highest_stage(module.parameters())
+            self._graphed_stage[module] = stage
+        return stage
+
+    def _highest_stage(self, params):
+        stage = -1
+        for p in params:
+            if p is not None:
+                stage = max(stage, self._stage_of.get(id(p), -1))
+        return stage
 
     def finish(self):
         """Makes the current stream wait for the pending step's done flag,
