@@ -132,18 +132,6 @@ class CudaEndToEnd(unittest.TestCase):
             return model
         self.assert_fast_forward_matches_cpu_reference(graphed)
 
-    def test_compiled_reduce_overhead_model_matches_cpu_reference(self):
-        # torch.compile(mode="reduce-overhead"): inductor's kernels replayed
-        # as CUDA graphs (cudagraph trees), recorded before the optimizer is
-        # made, with the parameters as static inputs at their addresses.
-        def compiled(model, sample):
-            fast = torch.compile(model, mode="reduce-overhead")
-            for _ in range(3):  # warm-up, then the graphs are recorded
-                fast(sample).square().mean().backward()
-            model.zero_grad(set_to_none=True)
-            return fast
-        self.assert_fast_forward_matches_cpu_reference(compiled)
-
     def assert_fast_forward_matches_cpu_reference(self, make_fast):
         """`make_fast(model, sample)` (before the optimizer is made) gives
         the callable the trainer runs. Every forward through it sees the
