@@ -15,7 +15,8 @@ Models (GPT-style decoders, fp32 parameters, bf16 autocast):
   deep2400  d=256, 200 layers: about 2,400 tensors
   small30m  d=512, 8 layers: about 30M parameters, where the daemon round
             trip weighs most
-each at two batches: an optimizer-heavy one (torch's step is at least 30%
+each at two batches by default (--batches also takes mid): an
+optimizer-heavy one (torch's step is at least 30%
 of its iteration; the ratio goals apply there) and one users train with
 (at least 16k tokens per step). Clipping at 1.0 is torch's clip_grad_norm_
 against optimd's max_grad_norm (the daemon clips inside its step).
@@ -484,15 +485,19 @@ def main():
                     help="KEY=VALUE for the daemon's environment only (e.g. "
                          "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=30 under MPS)")
     ap.add_argument("--daemon_flag", action="append", default=[],
-                    help="a flag for the daemon (e.g. --cuda_graphs=false)")
+                    help="a flag for the daemon, attached with '=' "
+                         "(e.g. --daemon_flag=--cuda_graphs=false); "
+                         "repeatable")
     ap.add_argument("--clips", default="none,1.0",
                     help="which clip rows, a list of none and max norms "
-                         "(default: none,1.0)")
+                         "(default: none,1.0; the users batch runs without "
+                         "clipping only for gpt400m)")
     ap.add_argument("--step_call", default="stream",
                     choices=("stream", "unary", "future"),
                     help="how optimd's client sends a step: over its step "
-                         "stream (gRPC Python threads take the request and "
-                         "read the reply), as a blocking unary Step on the "
+                         "stream (liboptimd_step_channel.so where found, "
+                         "else grpcio's, whose Python threads take the "
+                         "request and read the reply), as a blocking unary Step on the "
                          "trainer's thread, or as a unary Step future "
                          "(gRPC's channel thread completes it)")
     ap.add_argument("--profile_steps", type=int, default=0,
@@ -501,7 +506,9 @@ def main():
     ap.add_argument("--queued_send", action="store_true",
                     help="optimd's step requests queued for gRPC's thread "
                          "without waiting for it to take them (how they "
-                         "were sent before; bench/step_handoff.py)")
+                         "were sent before; bench/step_handoff.py); "
+                         "grpcio's stream only: set "
+                         "OPTIMD_STEP_CHANNEL=python")
     args = ap.parse_args()
     if args.graphed and args.overlap:
         ap.error("--graphed and --overlap exclude each other: a whole "

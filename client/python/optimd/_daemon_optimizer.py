@@ -122,7 +122,7 @@ class _TensorEntry:
 
 class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
     """What every optimd.torch optimizer shares: the daemon session, the
-    parameters re-homed into memory it reaches, gradients, steps, state and
+    parameters registered where it reaches them, gradients, steps, state and
     checkpoints. A subclass (AdamW, SGD, Lion) gives its optimizer's
     hyperparameters:
       _kind: the API's OptimizerKind.
@@ -614,9 +614,11 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         self._index_buffers()
 
     def _home_param(self, s, seg_p, p_off):
-        """Puts tensor `s` where the daemon steps it: its view of the
-        group's segment, which becomes the parameter's memory; a DTensor's
-        shard stays in FSDP2's memory (in place, or mirrored)."""
+        """Puts tensor `s` where the daemon steps it: its own memory where
+        it is registered in place (every exportable CUDA parameter, or CPU
+        memory other tensors share); a DTensor's shard in FSDP2's memory
+        (in place, or mirrored); otherwise its view of the group's segment,
+        which becomes the parameter's memory."""
         if is_dtensor(s.param) and self._in_place():
             s.pview = s.mem
             s.pflat = _flat_or_none(s.mem)
@@ -1105,7 +1107,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         """CUDA: mark the gradients ready on our stream, send the step, make
         our stream wait for its done flag; look at replies as they come
         (their outcome: skipped, grad_norm) and raise a failed step's error
-        at the latest one step later."""
+        at the first step() or synchronize() after its reply came."""
         self._look_at_replies(block=False)
         stream = cuda_ipc.current_stream(self._device)
         flags, sequence = self._flags.next_step(self._client.steps_streamed)
@@ -1120,8 +1122,9 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             self._flags.wait_done(stream)
             self._mirror_out()  # after the wait for the done flag
         self._pending.append(future)
-        # wait_for_step: this step's own outcome; otherwise at most two
-        # steps in flight before the host waits (bounded host lead).
+        # wait_for_step: this step's own outcome; otherwise whatever
+        # replies have come (the host is not held back; the trainer's
+        # stream keeps the order).
         self._look_at_replies(block=self.wait_for_step,
                               keep=0 if self.wait_for_step else 2)
 

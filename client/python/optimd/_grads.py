@@ -16,8 +16,8 @@ existing one otherwise. optimd follows autograd instead of fighting it:
   and `.grad` becomes that view.
 * A parameter whose `.grad` is None at step() is absent: the daemon leaves
   it out of the step (no decay, no moment update), as torch does.
-* zero_grad(set_to_none=False) points every existing gradient at its view
-  of the group's flat gradient segment and zeroes each segment in one
+* zero_grad(set_to_none=False) points every gradient autograd made (and
+  nobody else holds) at its view of the group's flat gradient segment and zeroes each segment in one
   launch; later backwards accumulate there.
 * A gradient tensor the trainer holds (a view of a flat buffer of its own,
   or one it keeps a reference to) stays the trainer's, as in torch: it is

@@ -63,7 +63,8 @@ def _eager(fn):
     """`fn` run eagerly where torch.compile traces a module's forward (a
     graph break): its waits are CUDA driver calls dynamo cannot trace, and
     traced reads of the overlap's state would be specialized on. torch
-    before 2.1 has no torch.compile and takes `fn` as it is."""
+    before 2.1 has no torch.compiler.disable and takes `fn` as it is (use
+    overlap with torch.compile on torch 2.1 or later)."""
     disable = getattr(getattr(torch, "compiler", None), "disable", None)
     return fn if disable is None else disable(fn)
 

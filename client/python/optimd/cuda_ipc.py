@@ -1,5 +1,6 @@
 """CUDA IPC for the PyTorch client: memory handles of torch allocations and
-interprocess events, through the CUDA runtime torch already loaded.
+stream memory operations (the step flags' waits and writes), through the
+CUDA runtime and driver torch already loaded.
 
 torch's own storage IPC handles are in torch's format, not raw
 cudaIpcMemHandle_t; the daemon needs the raw handle of the allocation and

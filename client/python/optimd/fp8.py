@@ -145,8 +145,8 @@ class Fp8Parameter:
 
     def scaled_mm_operands(self):
         """(data transposed, scale_inv) as torch._scaled_mm's second operand
-        and its scale for y = x @ W^T (per-tensor recipe; block recipes'
-        scale layouts follow torch's blockwise rules, see the docs)."""
+        and its scale for y = x @ W^T: the per-tensor recipe only (a block
+        recipe's scales are not one number: reshape raises)."""
         return self.data.t(), self.scale_inv.reshape(())
 
     def spec(self, name):
@@ -169,8 +169,9 @@ class Fp8Parameter:
 class Fp8AdamW:
     """AdamW over FP8 parameters, stepped by the daemon: one session, one
     group. step() hands the gradients to the daemon and returns once the
-    new codes and scale inverses are in the parameters' buffers. Not
-    thread-safe."""
+    new codes and scale inverses are in the parameters' buffers; a step
+    with an inf or NaN gradient is skipped whole (its reply's `skipped`),
+    unlike optimd.torch's default. Not thread-safe."""
 
     _sessions = itertools.count()
 

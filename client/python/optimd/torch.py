@@ -5,11 +5,13 @@ step runs in the optimd daemon.
     opt = AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2)
     # or SGD(model.parameters(), lr=0.1, momentum=0.9), Lion(...)
 
-Parameters are re-homed into memory the daemon can reach (POSIX shared
-memory on the CPU, one CUDA allocation per group shared by CUDA IPC): each
-parameter keeps its identity for the model, only its storage moves, and the
-daemon writes new values there with no copy. Gradients stay where autograd
-puts them: zero_grad() sets them to None as torch 2's does (on torch 1.x
+The daemon writes new values into the parameters' own memory with no copy.
+On CUDA every parameter is stepped where it is, through its allocation's
+CUDA IPC handle (only memory CUDA IPC cannot export moves into its group's
+buffer, with a warning). On the CPU a parameter's storage moves into POSIX
+shared memory, keeping the parameter's identity for the model (one whose
+memory other tensors share stays where it is and is stepped there). On
+CUDA gradients stay where autograd puts them: zero_grad() sets them to None as torch 2's does (on torch 1.x
 its default zeroes them, as there), backward writes
 fresh ones, and each step tells the daemon only which moved or went away
 (see optimd/_grads.py); a parameter whose `.grad` is None is not stepped.
@@ -240,10 +242,14 @@ class AdamW(_AdamFamily, torch.optim.AdamW):
         elsewhere pass resume_secret=, the old optimizer's
         `opt.resume_secret`); a wrong or missing one raises
         optimd.PermissionDeniedError.
-      master_weights: None (an fp32 master exactly for non-fp32 parameters),
-        True (always, so a crashed trainer can get fp32 weights back), False.
+      master_weights: None (an fp32 master for bf16 and fp16 parameters
+        only), True (fp32 parameters too, so a crashed trainer can get fp32
+        weights back; refused for float64), False.
       store_param_remainders: bf16 parameters keep an int16 remainder instead
-        of an fp32 master (exact; 4 bytes less per parameter).
+        of an fp32 master (exact; 4 bytes less per parameter); every
+        parameter of such a group must be bf16.
+      timeout: seconds each daemon call may take (default 60; at least 900
+        with gradient_sharding).
       exp_avg_dtype: torch.float32 or torch.bfloat16 moments, or
         optimd.torch.BLOCK8: both moments in 8 bits with one fp32 scale per
         256 elements (2 bytes per parameter; not with amsgrad). State dicts
@@ -303,7 +309,8 @@ class AdamW(_AdamFamily, torch.optim.AdamW):
         synchronize() before reading parameters anywhere else (another
         module's weight used functionally, model.state_dict()). Same
         results as without. No effect on CPU parameters (the CPU step
-        completes before step() returns).
+        completes before step() returns), but refused there as on CUDA
+        with FSDP parameters and shard_state.
     Parameters may be given as (name, tensor) pairs to name their state;
     a tied weight given under each of its names (tied_named_parameters(
     model), or torch 2.x's named_parameters(remove_duplicate=False)) is
@@ -359,7 +366,8 @@ class Adam(_AdamFamily, torch.optim.Adam):
     """torch.optim.Adam with the step in the optimd daemon: AdamW with
     Adam's L2 weight decay (folded into the gradient) and torch.optim.Adam's
     defaults (weight_decay=0), so that a torch.optim.Adam user changes only
-    the import. The optimd arguments are those of optimd.torch.AdamW."""
+    the import. The optimd arguments are those of optimd.torch.AdamW but
+    adam_w_mode."""
 
     _torch_class = torch.optim.Adam
 
@@ -389,7 +397,7 @@ class SGD(_DaemonOptimizer, torch.optim.SGD):
       address, job_id, rank, world_size, resume, resume_secret,
         master_weights, store_param_remainders, max_grad_norm,
         gradient_sharding, grad_scale, skip_nonfinite, keep_fp32, overlap,
-        timeout: as optimd.torch.AdamW has them.
+        shard_state, timeout: as optimd.torch.AdamW has them.
       state_dtype: torch.float32 or torch.bfloat16 momentum buffers.
     Parameters may be given as (name, tensor) pairs to name their state;
     a tied weight given under each of its names (tied_named_parameters(
@@ -498,7 +506,7 @@ class Lion(_DaemonOptimizer):
       address, job_id, rank, world_size, resume, resume_secret,
         master_weights, store_param_remainders, max_grad_norm,
         gradient_sharding, grad_scale, skip_nonfinite, keep_fp32, overlap,
-        timeout: as optimd.torch.AdamW has them.
+        shard_state, timeout: as optimd.torch.AdamW has them.
       state_dtype: torch.float32 or torch.bfloat16 momentum.
     Parameters may be given as (name, tensor) pairs to name their state;
     a tied weight given under each of its names (tied_named_parameters(
