@@ -361,13 +361,16 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::Step(
 // then reads the next: steps of a stream are strictly ordered. Each
 // request arrives as bytes and is parsed into an arena of its own once its
 // parsed cost is held against the request budget (ParseHeld), which is
-// released when its step is done.
+// released when its step is done. Each step finds its session by the
+// stream's token again: a session closed, evicted or resumed by another
+// trainer after the stream opened ends the stream at its next request, and
+// the stream does not keep the session's state alive.
 class OptimizerServiceImpl::StepStreamReactor final
     : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
-  StepStreamReactor(OptimizerServiceImpl* service,
-                    std::shared_ptr<Session> session, DeviceWorker* worker)
-      : service_(service), session_(std::move(session)), worker_(worker) {
+  StepStreamReactor(OptimizerServiceImpl* service, std::string token,
+                    DeviceWorker* worker)
+      : service_(service), token_(std::move(token)), worker_(worker) {
     StartRead(&in_);
   }
 
@@ -391,7 +394,12 @@ class OptimizerServiceImpl::StepStreamReactor final
     }
     worker_->Post([this, start, request, held] {
       v1::StepResponse response;
-      absl::Status s = service_->RunStep(*session_, *request, &response, start);
+      absl::StatusOr<std::shared_ptr<Session>> session =
+          service_->registry_->Find(token_);
+      absl::Status s = session.ok() ? service_->RunStep(**session, *request,
+                                                        &response, start)
+                                    : StreamSessionGone(session.status());
+      session = absl::CancelledError();  // not held past its step
       arena_.reset();
       service_->request_budget_->Release(held);
       if (!s.ok()) {
@@ -423,8 +431,18 @@ class OptimizerServiceImpl::StepStreamReactor final
   void OnDone() override { delete this; }
 
  private:
+  // Why a step of this stream found no session.
+  static absl::Status StreamSessionGone(const absl::Status& found) {
+    return absl::Status(
+        found.code(),
+        absl::StrCat(found.message(),
+                     " (the session of this step stream was closed, evicted "
+                     "or resumed by another trainer after the stream opened; "
+                     "open a new stream with the session's current token)"));
+  }
+
   OptimizerServiceImpl* const service_;
-  const std::shared_ptr<Session> session_;
+  const std::string token_;
   DeviceWorker* const worker_;
   grpc::ByteBuffer in_;
   grpc::ByteBuffer out_;
@@ -448,8 +466,7 @@ OptimizerServiceImpl::StepStream(grpc::CallbackServerContext* context) {
                                           "optimd is shutting down")
                            : ToGrpcStatus(session.status()));
   }
-  DeviceWorker* worker = WorkerFor(*session);
-  return new StepStreamReactor(this, *std::move(session), worker);
+  return new StepStreamReactor(this, TokenOf(context), WorkerFor(*session));
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::GetParams(

@@ -1219,6 +1219,26 @@ TEST_F(E2eTest, StepStreamOrdersStepsAndEndsOnError) {
             StatusCode::kUnauthenticated);
 }
 
+// A step stream opened before its session was evicted ends at its next
+// request with UNAUTHENTICATED and steps nothing; it does not keep the
+// evicted session's state alive meanwhile.
+TEST_F(E2eTest, StepStreamOfAnEvictedSessionStepsNothingAndHoldsNoState) {
+  OpenSession(client_.get());
+  ASSERT_TRUE(client_->RegisterGroup(Group("g", {Tensor("w", 8, 0)})).ok());
+  for (int i = 0; i < 8; ++i) grads_->as<float>()[i] = 0.25f;
+  ASSERT_TRUE(client_->StreamStep(v1::StepRequest()).ok());  // stream open
+  auto admin = Connect();
+  ASSERT_TRUE(admin->EvictSession("job", 0).ok());
+  EXPECT_EQ(admin->GetMetrics()->state_bytes(), 0u);
+  const float before = params_->as<float>()[0];
+  auto r = client_->StreamStep(v1::StepRequest());
+  EXPECT_EQ(r.status().code(), StatusCode::kUnauthenticated) << r.status();
+  EXPECT_NE(std::string(r.status().message()).find("step stream"),
+            std::string::npos);
+  EXPECT_EQ(params_->as<float>()[0], before);
+  EXPECT_EQ(admin->GetMetrics()->steps(), 1u);
+}
+
 // Two sessions on one daemon (and one CPU worker): session A's bad steps
 // (an override of an unknown group, a negative grad_scale, a gradient
 // buffer past its segment) are refused with their own status and change

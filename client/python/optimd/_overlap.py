@@ -62,11 +62,25 @@ def _runs_whole(module):
 def _eager(fn):
     """`fn` run eagerly where torch.compile traces a module's forward (a
     graph break): its waits are CUDA driver calls dynamo cannot trace, and
-    traced reads of the overlap's state would be specialized on. torch
-    before 2.1 has no torch.compiler.disable and takes `fn` as it is (use
-    overlap with torch.compile on torch 2.1 or later)."""
-    disable = getattr(getattr(torch, "compiler", None), "disable", None)
-    return fn if disable is None else disable(fn)
+    traced reads of the overlap's state would be specialized on. Outside
+    tracing `fn` is called as it is, without the disabling wrapper's cost
+    at every module's forward. torch before 2.1 has no
+    torch.compiler.disable and takes `fn` as it is (use overlap with
+    torch.compile on torch 2.1 or later)."""
+    compiler = getattr(torch, "compiler", None)
+    disable = getattr(compiler, "disable", None)
+    if disable is None:
+        return fn
+    disabled = disable(fn)
+    is_compiling = getattr(compiler, "is_compiling", None)
+    if is_compiling is None:  # torch 2.1-2.2: always through the wrapper
+        return disabled
+
+    def call(*args):
+        if is_compiling():
+            return disabled(*args)
+        return fn(*args)
+    return call
 
 
 class Overlap:
