@@ -1183,6 +1183,29 @@ TEST_F(E2eTest, SegmentShrunkAfterRegistration) {
             StatusCode::kFailedPrecondition);
 }
 
+// A segment shrunk after it was first mapped: a later registration or
+// buffer update in it is checked against its size now, and refused as
+// INVALID_ARGUMENT where it lies past the end; regions within the new
+// size are taken.
+TEST_F(E2eTest, RegionsAreCheckedAgainstASegmentsSizeNow) {
+  OpenSession(client_.get());
+  auto seg = *SharedMemoryRegion::Create(1 << 20);
+  auto first = Tensor("a", 16, 0);
+  *first.mutable_grad() = seg->Handle(0, 64);
+  ASSERT_TRUE(client_->RegisterGroup(Group("g", {first})).ok());
+  ASSERT_EQ(truncate(("/dev/shm" + seg->name()).c_str(), 4096), 0);
+  auto past = Tensor("b", 16, 64);
+  *past.mutable_grad() = seg->Handle(768 << 10, 64);
+  absl::Status refused = client_->RegisterGroup(Group("h", {past})).status();
+  EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument) << refused;
+  EXPECT_NE(std::string(refused.message()).find("past the end"),
+            std::string::npos)
+      << refused;
+  auto within = Tensor("b", 16, 64);
+  *within.mutable_grad() = seg->Handle(1024, 64);
+  EXPECT_TRUE(client_->RegisterGroup(Group("h", {within})).ok());
+}
+
 TEST_F(E2eTest, StepStreamOrdersStepsAndEndsOnError) {
   OpenSession(client_.get());
   ASSERT_TRUE(client_->RegisterGroup(Group("g", {Tensor("w", 8, 0)})).ok());

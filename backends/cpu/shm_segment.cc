@@ -57,7 +57,14 @@ absl::StatusOr<std::shared_ptr<SharedMemorySegment>> SharedMemorySegment::Open(
         absl::StrCat("cannot stat shared-memory segment '", name,
                      "': ", std::strerror(err)));
   }
-  if (!S_ISREG(st.st_mode) || st.st_size <= 0) {
+  if (!S_ISREG(st.st_mode)) {
+    close(fd);
+    return absl::InvalidArgumentError(
+        absl::StrCat("shared-memory segment '", name,
+                     "' is not a regular file (a FIFO, device or directory "
+                     "under /dev/shm); name the trainer's segment"));
+  }
+  if (st.st_size <= 0) {
     close(fd);
     return absl::InvalidArgumentError(
         absl::StrCat("shared-memory segment '", name,
@@ -82,6 +89,11 @@ bool SharedMemorySegment::StillNamed() const {
   struct stat st;
   return stat(absl::StrCat(kShmDirectory, name_).c_str(), &st) == 0 &&
          st.st_dev == dev_ && st.st_ino == ino_;
+}
+
+bool SharedMemorySegment::SizeUnchanged() const {
+  struct stat st;
+  return fstat(fd_, &st) == 0 && static_cast<uint64_t>(st.st_size) == size_;
 }
 
 SharedMemorySegment::~SharedMemorySegment() {
@@ -120,9 +132,13 @@ absl::StatusOr<BufferRef> SegmentCache::Resolve(const BufferHandle& handle,
   {
     MutexLock lock(&mu_);
     segment = segments_.Find(handle.segment_name);
-    // A name unlinked or recreated since it was cached: open what it names
-    // now (tensors registered earlier keep their own mapping).
-    if (segment != nullptr && !segment->StillNamed()) segment = nullptr;
+    // A name unlinked, recreated or resized since it was cached: open what
+    // it names now, at its size now (tensors registered earlier keep their
+    // own mapping, checked at each step).
+    if (segment != nullptr &&
+        (!segment->StillNamed() || !segment->SizeUnchanged())) {
+      segment = nullptr;
+    }
     if (segment == nullptr) {
       auto opened = SharedMemorySegment::Open(handle.segment_name);
       if (!opened.ok()) {

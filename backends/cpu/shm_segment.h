@@ -47,6 +47,9 @@ class SharedMemorySegment {
   // True when the segment's name still names this object.
   bool StillNamed() const;
 
+  // True when the segment's file is still the size it was mapped at.
+  bool SizeUnchanged() const;
+
  private:
   SharedMemorySegment(std::string name, int fd, uint8_t* data, uint64_t size,
                       dev_t dev, ino_t ino)

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "gtest/gtest.h"
@@ -98,6 +99,19 @@ TEST(SegmentCacheTest, DetectsShrunkSegment) {
   ASSERT_EQ(ftruncate(seg.fd(), 100), 0);
   EXPECT_EQ((*opened)->CheckStillMapped().code(),
             absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(SegmentCacheTest, FifoUnderDevShmIsRefusedAsNotARegularFile) {
+  const std::string name = "/optimd-shm-test-fifo-" + std::to_string(getpid());
+  const std::string path = "/dev/shm" + name;
+  ASSERT_EQ(mkfifo(path.c_str(), 0600), 0);
+  auto opened = SharedMemorySegment::Open(name);
+  unlink(path.c_str());
+  ASSERT_FALSE(opened.ok());
+  EXPECT_EQ(opened.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(opened.status().message().find("not a regular file"),
+            std::string::npos)
+      << opened.status();
 }
 
 TEST(SegmentCacheTest, EmptySegmentIsRefused) {
