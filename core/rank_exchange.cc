@@ -95,6 +95,12 @@ absl::StatusOr<double> RankExchange::Reduce(uint32_t rank, double sumsq,
   arrived_[rank] = false;
   --arrivals_;
   if (!aborted_.empty()) return absl::AbortedError(aborted_);
+  if (done && left_[rank]) {
+    return absl::AbortedError(absl::StrCat(
+        "the session of rank ", rank, " of job '", job_id_,
+        "' was closed or evicted while its step waited for the other "
+        "ranks' statistics; nothing changed"));
+  }
   if (done) {
     return absl::AbortedError(absl::StrCat(
         "a rank of job '", job_id_,

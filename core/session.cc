@@ -32,8 +32,13 @@ Session::~Session() {
     attachments_.clear();
   }
   budget_->Release(state_bytes_);
-  // Ranks waiting for this one's statistics stop waiting.
-  if (exchange_ != nullptr) exchange_->Leave(identity_.rank);
+  LeaveRankExchange();
+}
+
+void Session::LeaveRankExchange() {
+  if (exchange_ != nullptr && !left_exchange_.exchange(true)) {
+    exchange_->Leave(identity_.rank);
+  }
 }
 
 absl::Status Session::JoinDeviceJob(const Backend::DeviceJob& job) {

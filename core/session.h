@@ -216,6 +216,11 @@ class Session {
   }
   // Whether steps wait for the job's other ranks (a thread of its own).
   bool exchanges_statistics() const { return exchange_ != nullptr; }
+  // Leaves the job's rank exchange, once: when the session is closed,
+  // evicted or reaped (SessionRegistry), and at the latest when destroyed.
+  // Ranks waiting for this one, and this session's own step waiting for
+  // them, stop waiting with ABORTED.
+  void LeaveRankExchange();
   // The rule RegisterGroup applies to new tensor names beside its own
   // checks (none when empty); set by SessionRegistry::Create before the
   // session is shared.
@@ -439,6 +444,7 @@ class Session {
   // Constant after construction.
   const SessionIdentity identity_;
   std::shared_ptr<RankExchange> exchange_;
+  std::atomic<bool> left_exchange_{false};
   absl::Duration rank_timeout_;
   TensorNameRule tensor_name_rule_;
   Backend* const backend_;

@@ -287,6 +287,10 @@ void SessionRegistry::EraseLocked(const std::string& token) {
   auto it = by_token_.find(token);
   if (it == by_token_.end()) return;
   const SessionIdentity& id = it->second->identity();
+  // A step of it waiting for the other ranks ends now, not at the rank
+  // timeout (its call, the close's and the session's other calls queue
+  // behind it).
+  it->second->LeaveRankExchange();
   token_by_rank_.erase(std::make_pair(id.job_id, id.rank));
   by_token_.erase(it);
   trainers_.erase(token);

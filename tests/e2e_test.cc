@@ -924,6 +924,32 @@ TEST_F(E2eTest, StoppingDaemonEndsRankWaits) {
   daemon_.reset();  // stopped: TearDown has nothing to check
 }
 
+// Evicting a session whose step waits for its job's other rank ends that
+// step at once (ABORTED), not at --rank_timeout_s.
+TEST_F(E2eTest, EvictingAWaitingRankEndsItsWait) {
+  daemon_->Stop();
+  auto d = DaemonProcess::Start({"--rank_timeout_s=300"});
+  ASSERT_TRUE(d.ok()) << d.status();
+  daemon_ = *std::move(d);
+  auto c = Connect();
+  v1::CreateSessionRequest cs = CpuSession("job", 0);
+  cs.set_world_size(2);
+  cs.set_gradient_sharding(v1::GRADIENT_SHARDING_REPLICATED);
+  ASSERT_TRUE(c->CreateSession(cs).ok());
+  ASSERT_TRUE(c->RegisterGroup(Group("g", {Tensor("w", 4, 0)})).ok());
+  absl::StatusOr<v1::StepResponse> waiting;
+  std::thread t([&] { waiting = c->Step(v1::StepRequest()); });
+  absl::SleepFor(absl::Milliseconds(300));
+  const absl::Time start = absl::Now();
+  ASSERT_TRUE(Connect()->EvictSession("job", 0).ok());
+  t.join();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+  EXPECT_EQ(waiting.status().code(), StatusCode::kAborted) << waiting.status();
+  EXPECT_NE(std::string(waiting.status().message()).find("evicted"),
+            std::string::npos)
+      << waiting.status();
+}
+
 TEST_F(E2eTest, ResumeKeepsState) {
   OpenSession(client_.get(), "job", 0);
   ASSERT_TRUE(client_->RegisterGroup(Group("g", {Tensor("w", 4, 0)})).ok());
