@@ -104,6 +104,39 @@ class E2eTest : public ::testing::Test {
     return *std::move(c);
   }
 
+  // Restarts the daemon with --rank_timeout_s=300, starts a step of rank 0
+  // of a two-rank job (it waits for rank 1), runs `end_wait` once the step
+  // waits, and returns the step's status; the step must end within 20 s of
+  // `end_wait`.
+  absl::Status RankWaitEndedBy(const std::function<void()>& end_wait) {
+    daemon_->Stop();
+    auto d = DaemonProcess::Start({"--rank_timeout_s=300"});
+    if (!d.ok()) return SetupFailed(d.status());
+    daemon_ = *std::move(d);
+    auto c = Connect();
+    v1::CreateSessionRequest cs = CpuSession("job", 0);
+    cs.set_world_size(2);
+    cs.set_gradient_sharding(v1::GRADIENT_SHARDING_REPLICATED);
+    if (auto s = c->CreateSession(cs); !s.ok()) return SetupFailed(s.status());
+    if (auto g = c->RegisterGroup(Group("g", {Tensor("w", 4, 0)})); !g.ok()) {
+      return SetupFailed(g.status());
+    }
+    absl::StatusOr<v1::StepResponse> waiting;
+    std::thread t([&] { waiting = c->Step(v1::StepRequest()); });
+    absl::SleepFor(absl::Milliseconds(300));
+    const absl::Time start = absl::Now();
+    end_wait();
+    t.join();
+    EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+    return waiting.status();
+  }
+
+  // A test's setup failed: the test fails, whatever it expects of `s`.
+  static absl::Status SetupFailed(const absl::Status& s) {
+    ADD_FAILURE() << "setup failed: " << s;
+    return s;
+  }
+
   // Opens a CPU session; keeps its resume secret in secret_.
   void OpenSession(Client* c, const std::string& job = "job", int rank = 0) {
     auto s = c->CreateSession(CpuSession(job, rank));
@@ -903,51 +936,19 @@ TEST_F(E2eTest, RanksAgreeOnTheJobsGradientNorm) {
 // that wait at once (ABORTED) instead of holding its shutdown until
 // --rank_timeout_s.
 TEST_F(E2eTest, StoppingDaemonEndsRankWaits) {
-  daemon_->Stop();
-  auto d = DaemonProcess::Start({"--rank_timeout_s=300"});
-  ASSERT_TRUE(d.ok()) << d.status();
-  daemon_ = *std::move(d);
-  auto c = Connect();
-  v1::CreateSessionRequest cs = CpuSession("job", 0);
-  cs.set_world_size(2);
-  cs.set_gradient_sharding(v1::GRADIENT_SHARDING_REPLICATED);
-  ASSERT_TRUE(c->CreateSession(cs).ok());
-  ASSERT_TRUE(c->RegisterGroup(Group("g", {Tensor("w", 4, 0)})).ok());
-  absl::StatusOr<v1::StepResponse> waiting;
-  std::thread t([&] { waiting = c->Step(v1::StepRequest()); });
-  absl::SleepFor(absl::Milliseconds(300));
-  const absl::Time start = absl::Now();
-  EXPECT_EQ(daemon_->Stop(), 0);
-  t.join();
-  EXPECT_LT(absl::Now() - start, absl::Seconds(20));
-  EXPECT_FALSE(waiting.ok());
+  absl::Status step = RankWaitEndedBy([&] { EXPECT_EQ(daemon_->Stop(), 0); });
+  EXPECT_FALSE(step.ok());
   daemon_.reset();  // stopped: TearDown has nothing to check
 }
 
 // Evicting a session whose step waits for its job's other rank ends that
 // step at once (ABORTED), not at --rank_timeout_s.
 TEST_F(E2eTest, EvictingAWaitingRankEndsItsWait) {
-  daemon_->Stop();
-  auto d = DaemonProcess::Start({"--rank_timeout_s=300"});
-  ASSERT_TRUE(d.ok()) << d.status();
-  daemon_ = *std::move(d);
-  auto c = Connect();
-  v1::CreateSessionRequest cs = CpuSession("job", 0);
-  cs.set_world_size(2);
-  cs.set_gradient_sharding(v1::GRADIENT_SHARDING_REPLICATED);
-  ASSERT_TRUE(c->CreateSession(cs).ok());
-  ASSERT_TRUE(c->RegisterGroup(Group("g", {Tensor("w", 4, 0)})).ok());
-  absl::StatusOr<v1::StepResponse> waiting;
-  std::thread t([&] { waiting = c->Step(v1::StepRequest()); });
-  absl::SleepFor(absl::Milliseconds(300));
-  const absl::Time start = absl::Now();
-  ASSERT_TRUE(Connect()->EvictSession("job", 0).ok());
-  t.join();
-  EXPECT_LT(absl::Now() - start, absl::Seconds(20));
-  EXPECT_EQ(waiting.status().code(), StatusCode::kAborted) << waiting.status();
-  EXPECT_NE(std::string(waiting.status().message()).find("evicted"),
-            std::string::npos)
-      << waiting.status();
+  absl::Status step = RankWaitEndedBy(
+      [&] { ASSERT_TRUE(Connect()->EvictSession("job", 0).ok()); });
+  EXPECT_EQ(step.code(), StatusCode::kAborted) << step;
+  EXPECT_NE(std::string(step.message()).find("evicted"), std::string::npos)
+      << step;
 }
 
 TEST_F(E2eTest, ResumeKeepsState) {
