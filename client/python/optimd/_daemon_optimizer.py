@@ -894,10 +894,11 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         """Parameters registered where they are and given other memory
         since (`p.data = t`): stepped where they are now, as torch steps
         them (the memory they left is the trainer's, left alone)."""
-        if moved:
-            # A staged step may still write the memory they left, whose
-            # last reference the entries below let go.
-            self._finish_overlap()
+        if not moved:
+            return
+        # A staged step may still write the memory they left, whose last
+        # reference the entries below let go.
+        self._finish_overlap()
         for s in moved:
             p = s.param
             if is_fsdp1(p) and p.shape != s.pview.shape:
@@ -940,8 +941,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             update.tensors.add(name=s.name, param=self._in_place_handle(s))
         for update in by_group.values():
             self._client.update_buffers(update)
-        if moved:
-            self._index_buffers()
+        self._index_buffers()
 
     def _follow_swapped_storages(self):
         """CPU: memory swapped under a parameter and the daemon's view of it
@@ -1125,15 +1125,13 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         # wait_for_step: this step's own outcome; otherwise whatever
         # replies have come (the host is not held back; the trainer's
         # stream keeps the order).
-        self._look_at_replies(block=self.wait_for_step,
-                              keep=0 if self.wait_for_step else 2)
+        self._look_at_replies(block=self.wait_for_step)
 
-    def _look_at_replies(self, block, keep=0):
-        """Takes the replies that have come; with `block`, first waits until
-        at most `keep` steps are unanswered."""
+    def _look_at_replies(self, block):
+        """Takes the replies that have come; with `block`, first waits for
+        every step sent."""
         while self._pending:
-            if not self._pending[0].done() and not (
-                    block and len(self._pending) > keep):
+            if not block and not self._pending[0].done():
                 break
             self._take_reply(self._pending.popleft().result())
 
