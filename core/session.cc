@@ -32,13 +32,12 @@ Session::~Session() {
     attachments_.clear();
   }
   budget_->Release(state_bytes_);
-  LeaveRankExchange();
+  Retire();
 }
 
-void Session::LeaveRankExchange() {
-  if (exchange_ != nullptr && !left_exchange_.exchange(true)) {
-    exchange_->Leave(identity_.rank);
-  }
+void Session::Retire() {
+  if (retired_->exchange(true)) return;
+  if (exchange_ != nullptr) exchange_->Leave(identity_.rank);
 }
 
 absl::Status Session::JoinDeviceJob(const Backend::DeviceJob& job) {

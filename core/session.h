@@ -216,11 +216,15 @@ class Session {
   }
   // Whether steps wait for the job's other ranks (a thread of its own).
   bool exchanges_statistics() const { return exchange_ != nullptr; }
-  // Leaves the job's rank exchange, once: when the session is closed,
-  // evicted or reaped (SessionRegistry), and at the latest when destroyed.
-  // Ranks waiting for this one, and this session's own step waiting for
-  // them, stop waiting with ABORTED.
-  void LeaveRankExchange();
+  // Retires the session, once: when it is closed, evicted or reaped
+  // (SessionRegistry), and at the latest when destroyed. It leaves the
+  // job's rank exchange (ranks waiting for this one, and this session's own
+  // step waiting for them, stop waiting with ABORTED) and sets retired(),
+  // which ends the streams of its snapshots still being sent.
+  void Retire();
+  // Set by Retire. Shared, so that a snapshot stream holds the flag and not
+  // the session (whose state would stay allocated).
+  std::shared_ptr<const std::atomic<bool>> retired() const { return retired_; }
   // The rule RegisterGroup applies to new tensor names beside its own
   // checks (none when empty); set by SessionRegistry::Create before the
   // session is shared.
@@ -444,7 +448,8 @@ class Session {
   // Constant after construction.
   const SessionIdentity identity_;
   std::shared_ptr<RankExchange> exchange_;
-  std::atomic<bool> left_exchange_{false};
+  const std::shared_ptr<std::atomic<bool>> retired_ =
+      std::make_shared<std::atomic<bool>>(false);
   absl::Duration rank_timeout_;
   TensorNameRule tensor_name_rule_;
   Backend* const backend_;

@@ -289,8 +289,9 @@ void SessionRegistry::EraseLocked(const std::string& token) {
   const SessionIdentity& id = it->second->identity();
   // A step of it waiting for the other ranks ends now, not at the rank
   // timeout (its call, the close's and the session's other calls queue
-  // behind it).
-  it->second->LeaveRankExchange();
+  // behind it), and so do streams of its snapshots a client stopped
+  // reading (each holds host memory).
+  it->second->Retire();
   token_by_rank_.erase(std::make_pair(id.job_id, id.rank));
   by_token_.erase(it);
   trainers_.erase(token);

@@ -25,15 +25,20 @@ namespace optimd {
 
 // Streams a snapshot's file bytes. A thread of its own computes the
 // checksums and produces one chunk at a time, waiting for each write to
-// complete before the next (flow control by the client's reads).
+// complete before the next (flow control by the client's reads). The
+// stream ends when its session is retired (closed, evicted, reaped): a
+// client that stopped reading does not keep the snapshot past its session.
 class OptimizerServiceImpl::SaveStreamReactor final
     : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   SaveStreamReactor(OptimizerServiceImpl* service,
+                    grpc::CallbackServerContext* context,
                     std::shared_ptr<Session> session, DeviceWorker* worker,
                     uint64_t chunk_bytes)
       : service_(service),
+        context_(context),
         name_(SessionName(session->identity())),
+        retired_(session->retired()),
         chunk_bytes_(chunk_bytes),
         start_(absl::Now()) {
     log::Info(absl::StrCat("checkpoint save started (stream): ", name_));
@@ -88,7 +93,7 @@ class OptimizerServiceImpl::SaveStreamReactor final
           offset, n, reinterpret_cast<uint8_t*>(chunk_.mutable_data()->data()));
       {
         MutexLock lock(&mu_);
-        if (cancelled_) break;
+        if (cancelled_ || retired_->load()) break;
         writing_ = true;
       }
       // The last chunk's write is done: its bytes may go.
@@ -103,17 +108,9 @@ class OptimizerServiceImpl::SaveStreamReactor final
         return;
       }
       StartWrite(&out_);
-      MutexLock lock(&mu_);
-      mu_.Await(
-          +[](SaveStreamReactor* r) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-            return !r->writing_ || r->cancelled_;
-          },
-          this);
-      if (!write_ok_ || cancelled_) {
-        cancelled_ = true;
-        break;
-      }
+      if (!AwaitWrite()) break;
       offset += n;
+      MutexLock lock(&mu_);
       sent_ = offset;
     }
     bool cancelled;
@@ -123,10 +120,39 @@ class OptimizerServiceImpl::SaveStreamReactor final
     }
     const uint64_t sent = sent_bytes();
     snapshot_.reset();
-    End(cancelled ? grpc::Status(grpc::StatusCode::CANCELLED,
-                                 "the client stopped reading")
-                  : grpc::Status::OK,
-        sent, total);
+    grpc::Status status;
+    if (retired_->load()) {
+      status = grpc::Status(grpc::StatusCode::ABORTED,
+                            "the session was closed, evicted or reaped while "
+                            "its checkpoint was streamed");
+    } else if (cancelled) {
+      status = grpc::Status(grpc::StatusCode::CANCELLED,
+                            "the client stopped reading");
+    }
+    End(status, sent, total);
+  }
+
+  // Waits for the write just started; false when the stream is to end: the
+  // write failed, the client cancelled, or the session was retired (then
+  // the call is cancelled, which also ends a write the client never reads).
+  bool AwaitWrite() {
+    MutexLock lock(&mu_);
+    while (!mu_.AwaitWithDeadline(
+        +[](SaveStreamReactor* r) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+          return !r->writing_ || r->cancelled_;
+        },
+        this, absl::Now() + kRetiredPoll)) {
+      if (retired_->load()) {
+        cancelled_ = true;
+        context_->TryCancel();
+        return false;
+      }
+    }
+    if (!write_ok_ || cancelled_ || retired_->load()) {
+      cancelled_ = true;
+      return false;
+    }
+    return true;
   }
 
   uint64_t sent_bytes() {
@@ -140,8 +166,13 @@ class OptimizerServiceImpl::SaveStreamReactor final
     Finish(status);
   }
 
+  // How often a write the client does not read looks at retired_.
+  static constexpr absl::Duration kRetiredPoll = absl::Seconds(1);
+
   OptimizerServiceImpl* const service_;
+  grpc::CallbackServerContext* const context_;
   const std::string name_;
+  const std::shared_ptr<const std::atomic<bool>> retired_;
   const uint64_t chunk_bytes_;
   const absl::Time start_;
   std::unique_ptr<CheckpointSnapshot> snapshot_;
@@ -199,7 +230,8 @@ OptimizerServiceImpl::SaveStateStream(grpc::CallbackServerContext* context,
                                     "chunk_bytes may be at most 64 MiB"));
   }
   DeviceWorker* worker = WorkerFor(*session);
-  return new SaveStreamReactor(this, *std::move(session), worker, chunk);
+  return new SaveStreamReactor(this, context, *std::move(session), worker,
+                               chunk);
 }
 
 // Spools the streamed file to a private temporary file, then loads it on

@@ -26,6 +26,7 @@
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "client/shm_tensor.h"
+#include "common/mutex.h"
 #include "common/version.h"
 #include "core/backend.h"
 #include "core/group.h"
@@ -441,6 +442,48 @@ struct OwnTensorSession {
            (s.ok() ? s->SerializeAsString() : "");
   }
 };
+
+// A checkpoint stream the client stopped reading ends when its session is
+// closed, and the snapshot it held (host memory reserved against the state
+// budget) goes with it; it once stayed until the client went away.
+TEST_F(E2eTest, ClosingASessionEndsItsUnreadCheckpointStream) {
+  constexpr uint64_t kNumel = uint64_t{8} << 20;  // a 96 MiB file
+  OwnTensorSession s;
+  s.Open(*daemon_, "unread-stream", kNumel, 1);
+  const uint64_t state_bytes = s.client->GetMetrics()->state_bytes();
+  Mutex mu;
+  bool first_chunk = false, release = false;
+  auto holds = +[](bool* b) { return *b; };
+  absl::StatusOr<uint64_t> streamed;
+  std::thread reader([&] {
+    streamed = s.client->SaveStateStream(
+        v1::SaveStateStreamRequest(), [&](const v1::StateChunk&) {
+          MutexLock lock(&mu);
+          first_chunk = true;
+          mu.Await(holds, &release);  // reads no further
+          return absl::OkStatus();
+        });
+  });
+  {
+    MutexLock lock(&mu);
+    mu.Await(holds, &first_chunk);
+  }
+  // The snapshot (parameters and state) is reserved while it streams.
+  EXPECT_GT(s.client->GetMetrics()->state_bytes(), state_bytes);
+  ASSERT_TRUE(s.client->CloseSession().ok());
+  uint64_t held = 1;
+  for (absl::Time end = absl::Now() + absl::Seconds(30);
+       absl::Now() < end && held != 0; absl::SleepFor(absl::Milliseconds(50))) {
+    held = s.client->GetMetrics()->state_bytes();
+  }
+  EXPECT_EQ(held, 0u) << "the unread stream still holds its snapshot";
+  {
+    MutexLock lock(&mu);
+    release = true;
+  }
+  reader.join();
+  EXPECT_FALSE(streamed.ok()) << "a stream of " << *streamed << " bytes";
+}
 
 // A corrupt checkpoint of several MiB, loaded from a file and streamed in,
 // is refused with DATA_LOSS and changes nothing: the session keeps stepping
