@@ -11,6 +11,8 @@ torch.optim.AdamW(fused=True) in the same script.
 import os
 import random
 import shutil
+import subprocess
+import sys
 import threading
 import time
 import unittest
@@ -201,6 +203,22 @@ class CudaEndToEnd(unittest.TestCase):
         opt_g.close()
         opt_c.close()
 
+    def test_expandable_segments_train_as_the_cpu_reference(self):
+        # Under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set before
+        # torch starts: a process of its own) nothing torch allocates can
+        # be shared by CUDA IPC; the optimizer's buffers are its own and
+        # gradients are copied into them.
+        env = dict(os.environ,
+                   PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                              "expandable_segments_run.py")
+        run = subprocess.run(
+            [sys.executable, script, self.gpu.address, self.cpu.address,
+             str(SEED)], env=env, capture_output=True, text=True,
+            timeout=300)
+        self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
+        self.assertIn("equal to the CPU reference", run.stdout)
+
     def assert_gpu_settles(self, timeout=30):
         """The trainer's stream finishes its queued work: nothing waits
         forever on a step flag."""
@@ -291,6 +309,43 @@ class CudaEndToEnd(unittest.TestCase):
         daemon.process.wait()
         self.assert_gpu_settles()
         daemon.stop()
+
+    def test_steps_wait_once_more_than_two_replies_are_out(self):
+        # A refused step's error (and opt.skipped) comes at most two steps
+        # late: with the daemon frozen, the first two steps return, the
+        # third waits for the oldest reply.
+        daemon = Daemon(backend="cuda")
+        p = torch.nn.Parameter(torch.randn(1000, device="cuda"))
+        opt = AdamW([p], lr=1e-2, address=daemon.address,
+                    job_id="lag-" + self.id())
+        p.grad = torch.randn_like(p)
+        opt.step()
+        opt.synchronize()
+        returned = []
+
+        def three_steps():  # in a thread of its own, as some trainers
+            for _ in range(3):
+                p.grad = torch.randn_like(p)
+                opt.step()
+                returned.append(len(opt._pending))
+
+        daemon.freeze()
+        try:
+            t = threading.Thread(target=three_steps, daemon=True)
+            t.start()
+            t.join(3)
+            self.assertEqual(returned, [1, 2])
+            self.assertTrue(t.is_alive(), "a third step did not wait")
+        finally:
+            daemon.thaw()
+        t.join(30)
+        self.assertFalse(t.is_alive())
+        self.assertEqual(len(returned), 3)
+        self.assertLessEqual(returned[2], 2)
+        opt.synchronize()
+        opt.close()
+        self.assert_gpu_settles()
+        self.assertEqual(daemon.stop(), 0)
 
     def test_refused_staged_step_never_hangs_the_next_forward(self):
         # The trainer's stream resets the progress word before it writes

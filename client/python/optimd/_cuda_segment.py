@@ -24,7 +24,7 @@ class CudaSegment:
 
     def __init__(self, nbytes, device):
         from optimd import cuda_ipc
-        self.buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self.buffer = cuda_ipc.shareable_zeros(nbytes, device)
         self.device = device
         self.ipc_handle, self.base_offset = cuda_ipc.mem_handle(self.buffer)
 

@@ -104,6 +104,10 @@ def _weakly(method):
     return call
 
 
+# Step replies a CUDA step() leaves unlooked-at; one more waits for the
+# oldest (_DaemonOptimizer._look_at_replies).
+_MAX_PENDING_REPLIES = 2
+
 class _TensorEntry:
     """Where one parameter lives in the group's shared segments. `param`
     is the parameter (the key of its state), `mem` the tensor whose memory
@@ -475,9 +479,29 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         return request
 
     def _in_place(self):
-        """Whether DTensor shards are registered where they are (CUDA)
-        rather than mirrored in shared memory (CPU)."""
-        return self._device.type == "cuda"
+        """Whether DTensor shards are registered where they are (CUDA,
+        where CUDA IPC can export torch's memory) rather than mirrored in
+        memory the daemon reaches (CPU shared memory; CUDA buffers of the
+        optimizer's own)."""
+        return self._device.type == "cuda" and self._torch_memory_shareable()
+
+    def _torch_memory_shareable(self):
+        """CUDA: whether CUDA IPC can export torch's allocations. Not under
+        PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: then parameters
+        move into the optimizer's own buffers (DTensor shards are copied
+        there and back around each step) and gradients are copied into
+        them at each step, at the cost of those copies; said once."""
+        shareable = cuda_ipc.torch_memory_shareable(self._device)
+        if not shareable and not getattr(self, "_said_unshareable", False):
+            self._said_unshareable = True
+            warnings.warn(
+                "optimd.torch: CUDA IPC cannot share torch's allocations "
+                "here (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True); "
+                "parameters move into the optimizer's own buffers and "
+                "gradients are copied there at each step, so CUDA graphs "
+                "captured before the optimizer was made do not see its "
+                "steps, and each step copies every gradient once")
+        return shareable
 
     def _in_place_handle(self, s):
         """The handle of a tensor registered in its own memory: its CUDA
@@ -512,6 +536,8 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         has no memory to export and none to move."""
         if p.numel() == 0:
             return True
+        if not self._torch_memory_shareable():
+            return False  # said once, for every parameter
         try:
             self._param_handles.handle(local_of(p))
             return True
@@ -775,7 +801,8 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
                           if s.numel and s.mirrored]
         self._router = GradRouter(
             [s for g in self._groups for s in g["tensors"]], self._device,
-            _weakly(self._flat_grads), densify=self._takes_sparse_grads)
+            _weakly(self._flat_grads), densify=self._takes_sparse_grads,
+            copies=self._device.type == "cpu" or not self._in_place())
 
     def _sync_structure(self):
         """A group whose parameters were added or removed since it was
@@ -1123,15 +1150,20 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             self._mirror_out()  # after the wait for the done flag
         self._pending.append(future)
         # wait_for_step: this step's own outcome; otherwise whatever
-        # replies have come (the host is not held back; the trainer's
-        # stream keeps the order).
+        # replies have come, waiting only when more than
+        # _MAX_PENDING_REPLIES are out (the trainer's stream keeps the
+        # order).
         self._look_at_replies(block=self.wait_for_step)
 
     def _look_at_replies(self, block):
         """Takes the replies that have come; with `block`, first waits for
-        every step sent."""
+        every step sent. Without, it waits for the oldest replies while
+        more than _MAX_PENDING_REPLIES are out: the daemon replies once a
+        step is queued on its stream, so this rarely waits, and it bounds
+        how late a refused step's error (and opt.skipped) can come."""
         while self._pending:
-            if not block and not self._pending[0].done():
+            if (not block and not self._pending[0].done()
+                    and len(self._pending) <= _MAX_PENDING_REPLIES):
                 break
             self._take_reply(self._pending.popleft().result())
 

@@ -13,7 +13,9 @@ existing one otherwise. optimd follows autograd instead of fighting it:
 * CPU: the daemon reads shared memory only, so a gradient autograd put in
   ordinary memory is copied into the tensor's view of the group's shared
   gradient segment (the same bytes autograd would have accumulated into)
-  and `.grad` becomes that view.
+  and `.grad` becomes that view. The same on CUDA where CUDA IPC cannot
+  export torch's allocations (expandable segments): the segment is then
+  the optimizer's own device memory.
 * A parameter whose `.grad` is None at step() is absent: the daemon leaves
   it out of the step (no decay, no moment update), as torch does.
 * zero_grad(set_to_none=False) points every gradient autograd made (and
@@ -95,13 +97,17 @@ class GradRouter:
     numel, frozen, gview, group_id, sent_ptr); gview is None until the
     group's flat gradient segment exists."""
 
-    def __init__(self, tensors, device, flat_segment, densify=False):
+    def __init__(self, tensors, device, flat_segment, densify=False,
+                 copies=False):
         # flat_segment(group_id) -> the group's flat gradient segment,
         # created on first use (CUDA) or already there (CPU). densify: a
         # sparse gradient is stepped as its dense equivalent (torch's SGD
         # steps sparse gradients; the daemon reads dense memory), `.grad`
         # staying sparse; otherwise it raises as torch's Adam does.
         self._densify = densify
+        # copies: gradients are copied into the flat segments (CPU; CUDA
+        # where torch's allocations cannot be exported), not read in place.
+        self._copies_in = copies
         # What _checked copied for the daemon, by tensor name.
         self._copies = {}
         self._tensors = [s for s in tensors if not s.frozen and s.numel]
@@ -122,8 +128,8 @@ class GradRouter:
         `.grad`, as UpdateBuffersRequest messages; empty when nothing
         moved."""
         grads = self._local_grads()
-        if not self._cuda:
-            grads = self._home_cpu_grads(grads)
+        if self._copies_in:
+            grads = self._home_grads(grads)
         try:
             ptrs = list(map(_ptr, grads))
         except RuntimeError:  # a sparse gradient has no data pointer
@@ -198,9 +204,10 @@ class GradRouter:
         else:
             handles.fill(out, grad)
 
-    def _home_cpu_grads(self, grads):
-        """CPU: the daemon reads shared memory only; a gradient elsewhere is
-        copied into its shared view, which then becomes `.grad` when the
+    def _home_grads(self, grads):
+        """CPU (and CUDA without exportable torch memory): the daemon reads
+        the flat segments only; a gradient elsewhere is copied into its
+        view there, which then becomes `.grad` when the
         gradient is autograd's and nobody else's (_ours_to_take; a
         DTensor's gradient stays FSDP2's, and one the trainer owns its own:
         both are copied each step). Returns what the daemon reads for each
@@ -209,6 +216,8 @@ class GradRouter:
         out = []
         for s, grad in zip(self._tensors, grads):
             if grad is not None and grad is not s.gview:
+                if s.gview is None:
+                    self._flat_segment(s.group_id)  # creates every gview
                 take = not (is_dtensor(s.param) or grad.is_sparse or
                             s.keeps_grads) and _ours_to_take(grad)
                 grad = self._checked(s, grad)

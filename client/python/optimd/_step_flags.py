@@ -36,9 +36,11 @@ class StepFlags:
         self._new_words()
 
     def _new_words(self):
-        # A small block of torch's caching allocator: the daemon maps the
-        # segment holding it (cached per allocation like any buffer).
-        self.words = torch.zeros(3, dtype=torch.int32, device=self.device)
+        # A small block of torch's caching allocator (where CUDA IPC can
+        # export it): the daemon maps the segment holding it (cached per
+        # allocation like any buffer).
+        self.words = cuda_ipc.shareable_zeros(12, self.device).view(
+            torch.int32)
         self.sequence = 0  # the last step sent
         self.first_index = None  # the client's stream index of step 1
         self._bound = False
@@ -63,19 +65,20 @@ class StepFlags:
         """A staged step first resets the progress word (the daemon's writes
         of the step before are done: its done flag was awaited)."""
         if staged:
-            cuda_ipc.stream_write_value32(stream, self.words.data_ptr() + 8, 0)
+            cuda_ipc.stream_write_value32(stream, self.words.data_ptr() + 8,
+                                          0, self.device)
         cuda_ipc.stream_write_value32(stream, self.words.data_ptr(),
-                                      self.sequence)
+                                      self.sequence, self.device)
 
     def wait_done(self, stream):
         cuda_ipc.stream_wait_value32(stream, self.words.data_ptr() + 4,
-                                     self.sequence)
+                                     self.sequence, self.device)
 
     def wait_stage(self, stream, stage):
         """Until the step being run has written stage `stage`'s
         parameters."""
         cuda_ipc.stream_wait_value32(stream, self.words.data_ptr() + 8,
-                                     stage + 1)
+                                     stage + 1, self.device)
 
     def release_after_break(self, answered, failed, answers, patience_s=5.0,
                             bound_s=600.0):

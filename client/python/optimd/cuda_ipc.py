@@ -55,6 +55,11 @@ def allocation_of(tensor):
     err = driver.cuPointerGetAttributes(3, _POINTER_ATTRIBUTES, data,
                                         tensor.data_ptr())
     if err != 0:
+        # A thread without a current CUDA context: the tensor's device's.
+        with torch.cuda.device(tensor.device):
+            err = driver.cuPointerGetAttributes(3, _POINTER_ATTRIBUTES, data,
+                                                tensor.data_ptr())
+    if err != 0:
         raise RuntimeError("cuPointerGetAttributes failed with CUDA driver "
                            "error %d" % err)
     if out[1] == 0:
@@ -71,9 +76,10 @@ def allocation_range(tensor):
     _, driver = _libs()
     base = ctypes.c_uint64()
     size = ctypes.c_size_t()
-    err = driver.cuMemGetAddressRange_v2(ctypes.byref(base),
-                                         ctypes.byref(size),
-                                         ctypes.c_uint64(tensor.data_ptr()))
+    with torch.cuda.device(tensor.device):  # a context for this thread
+        err = driver.cuMemGetAddressRange_v2(
+            ctypes.byref(base), ctypes.byref(size),
+            ctypes.c_uint64(tensor.data_ptr()))
     if err != 0:
         raise RuntimeError("cuMemGetAddressRange failed with CUDA driver "
                            "error %d" % err)
@@ -142,28 +148,36 @@ def current_stream(device):
     return RawStream(raw(index))
 
 
-def stream_write_value32(stream, address, value):
+def stream_write_value32(stream, address, value, device=None):
     """Enqueues on `stream` (a torch.cuda.Stream): *address = value, after
-    a memory fence (the stream's earlier writes are visible first)."""
+    a memory fence (the stream's earlier writes are visible first).
+    `device`: the stream's, made current for a thread that has no CUDA
+    context yet (a step() from a thread of its own)."""
     global _write_value32, _wait_value32
     if _write_value32 is None:
         _write_value32, _wait_value32 = _stream_value_fns()
-    err = _write_value32(stream.cuda_stream, address, value,
-                         _WRITE_VALUE_DEFAULT)
-    if err != 0:
-        raise RuntimeError("cuStreamWriteValue32 failed with CUDA driver "
-                           "error %d" % err)
+    _stream_op(_write_value32, "cuStreamWriteValue32", stream, address,
+               value, _WRITE_VALUE_DEFAULT, device)
 
 
-def stream_wait_value32(stream, address, value):
+def stream_wait_value32(stream, address, value, device=None):
     """Enqueues on `stream`: wait until *address >= value (as uint32)."""
     global _write_value32, _wait_value32
     if _wait_value32 is None:
         _write_value32, _wait_value32 = _stream_value_fns()
-    err = _wait_value32(stream.cuda_stream, address, value, _WAIT_VALUE_GEQ)
+    _stream_op(_wait_value32, "cuStreamWaitValue32", stream, address, value,
+               _WAIT_VALUE_GEQ, device)
+
+
+def _stream_op(fn, name, stream, address, value, flags, device):
+    err = fn(stream.cuda_stream, address, value, flags)
+    if err != 0 and device is not None:
+        # A thread without a current context (CUDA_ERROR_INVALID_CONTEXT):
+        # the device's primary context, as torch's own calls would set.
+        with torch.cuda.device(device):
+            err = fn(stream.cuda_stream, address, value, flags)
     if err != 0:
-        raise RuntimeError("cuStreamWaitValue32 failed with CUDA driver "
-                           "error %d" % err)
+        raise RuntimeError("%s failed with CUDA driver error %d" % (name, err))
 
 
 class SideStream:
@@ -202,3 +216,71 @@ class SideStream:
 def _check(err, what):
     if err != 0:
         raise RuntimeError("%s failed with CUDA driver error %d" % (what, err))
+
+
+_shareable_by_device = {}
+
+
+def torch_memory_shareable(device):
+    """Whether CUDA IPC can export what torch's caching allocator hands out
+    on `device`: not under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    (its segments are mapped with cuMemMap, which cudaIpcGetMemHandle
+    refuses). Probed once per device with a fresh allocation."""
+    index = device.index if device.index is not None else \
+        torch.cuda.current_device()
+    shareable = _shareable_by_device.get(index)
+    if shareable is None:
+        probe = torch.empty(1, device=torch.device("cuda", index))
+        try:
+            mem_handle(probe)
+            shareable = True
+        except RuntimeError:
+            shareable = False
+        _shareable_by_device[index] = shareable
+    return shareable
+
+
+class _OwnDeviceMemory:
+    """Device memory of cudaMalloc's, outside torch's allocator (which
+    CUDA IPC may not be able to export), offered to torch.as_tensor
+    through the CUDA array interface; freed when the last tensor over it
+    goes (torch keeps this object alive as long as the storage)."""
+
+    def __init__(self, nbytes, device):
+        runtime, _ = _libs()
+        runtime.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p),
+                                       ctypes.c_size_t]
+        runtime.cudaFree.argtypes = [ctypes.c_void_p]
+        self._runtime = runtime
+        self._device = device
+        ptr = ctypes.c_void_p()
+        with torch.cuda.device(device):
+            err = runtime.cudaMalloc(ctypes.byref(ptr), max(nbytes, 1))
+        if err != 0:
+            runtime.cudaGetLastError()  # not torch's next launch check's
+            raise torch.cuda.OutOfMemoryError(
+                "optimd.torch: cudaMalloc of %d bytes for the optimizer's "
+                "shared buffers failed with CUDA error %d" % (nbytes, err))
+        self._ptr = ptr.value
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (self._ptr, False),
+            "version": 2}
+
+    def __del__(self):
+        ptr, self._ptr = self._ptr, None
+        if ptr:
+            try:
+                with torch.cuda.device(self._device):
+                    self._runtime.cudaFree(ptr)
+            except Exception:  # interpreter shutdown: the process frees it
+                pass
+
+
+def shareable_zeros(nbytes, device):
+    """A zeroed uint8 CUDA tensor of `nbytes` that CUDA IPC can export:
+    torch's when its allocator's memory can be shared, else memory of
+    cudaMalloc's own."""
+    if torch_memory_shareable(device):
+        return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    buffer = torch.as_tensor(_OwnDeviceMemory(nbytes, device), device=device)
+    return buffer.zero_()
