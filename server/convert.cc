@@ -3,6 +3,7 @@
 #include <cmath>
 #include <optional>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 
@@ -243,7 +244,14 @@ absl::StatusOr<StepRequestSpec> StepSpecFromProto(
   spec.step_flags = BufferHandleFromProto(request.step_flags());
   spec.sequence = request.sequence();
   spec.step = request.step();
+  absl::flat_hash_set<std::string> overridden;
   for (const auto& o : request.overrides()) {
+    // Two for one group would leave which one applies to their order.
+    if (!overridden.insert(o.group_id()).second) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "StepRequest.overrides names group '", o.group_id().substr(0, 200),
+          "' twice; send one GroupOverride per group"));
+    }
     HyperOverride h;
     h.group_id = o.group_id();
     h.keep_lr = !o.has_lr();

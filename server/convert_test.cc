@@ -155,5 +155,17 @@ TEST(ConvertTest, StepDefaults) {
   EXPECT_FALSE(s.overrides[0].beta1.has_value());
 }
 
+TEST(ConvertTest, TwoOverridesOfOneGroupAreRefused) {
+  v1::StepRequest r;
+  r.add_overrides()->set_group_id("g");
+  r.add_overrides()->set_group_id("h");
+  ASSERT_TRUE(StepSpecFromProto(r).ok());
+  r.add_overrides()->set_group_id("g");
+  auto s = StepSpecFromProto(r);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.status().message().find("'g' twice"), absl::string_view::npos)
+      << s.status();
+}
+
 }  // namespace
 }  // namespace optimd
