@@ -244,14 +244,7 @@ absl::StatusOr<StepRequestSpec> StepSpecFromProto(
   spec.step_flags = BufferHandleFromProto(request.step_flags());
   spec.sequence = request.sequence();
   spec.step = request.step();
-  absl::flat_hash_set<std::string> overridden;
   for (const auto& o : request.overrides()) {
-    // Two for one group would leave which one applies to their order.
-    if (!overridden.insert(o.group_id()).second) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "StepRequest.overrides names group '", o.group_id().substr(0, 200),
-          "' twice; send one GroupOverride per group"));
-    }
     HyperOverride h;
     h.group_id = o.group_id();
     h.keep_lr = !o.has_lr();
@@ -273,6 +266,15 @@ absl::StatusOr<StepRequestSpec> StepSpecFromProto(
 }
 
 absl::Status CheckStepOptions(const v1::StepRequest& request) {
+  absl::flat_hash_set<absl::string_view> overridden;
+  for (const auto& o : request.overrides()) {
+    // Two for one group would leave which one applies to their order.
+    if (!overridden.insert(o.group_id()).second) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "StepRequest.overrides names group '", o.group_id().substr(0, 200),
+          "' twice; send one GroupOverride per group"));
+    }
+  }
   const double scale = request.grad_scale();
   if (scale == 0) return absl::OkStatus();
   if (!std::isnormal(scale) || scale < 0 ||

@@ -121,7 +121,7 @@ class OptimizerServiceImpl::SaveStreamReactor final
     const uint64_t sent = sent_bytes();
     snapshot_.reset();
     grpc::Status status;
-    if (retired_->load()) {
+    if (sent < total && retired_->load()) {
       status = grpc::Status(grpc::StatusCode::ABORTED,
                             "the session was closed, evicted or reaped while "
                             "its checkpoint was streamed");
@@ -148,7 +148,7 @@ class OptimizerServiceImpl::SaveStreamReactor final
         return false;
       }
     }
-    if (!write_ok_ || cancelled_ || retired_->load()) {
+    if (!write_ok_ || cancelled_) {
       cancelled_ = true;
       return false;
     }

@@ -1059,6 +1059,16 @@ TEST_F(E2eTest, UnknownAndDuplicateNames) {
   v1::StepRequest sr;
   sr.add_overrides()->set_group_id("nope");
   EXPECT_EQ(client_->Step(sr).status().code(), StatusCode::kNotFound);
+  // Two overrides of one group: refused, nothing stepped.
+  v1::StepRequest twice;
+  twice.add_overrides()->set_group_id("g");
+  twice.add_overrides()->set_group_id("g");
+  auto refused = client_->Step(twice);
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("'g' twice"), std::string::npos);
+  EXPECT_EQ(client_->GetMetrics()->steps(), 0u);
+  ASSERT_TRUE(client_->Step(v1::StepRequest()).ok());
+  EXPECT_EQ(client_->GetMetrics()->steps(), 1u);
   v1::GetParamsRequest gp;
   gp.add_group_ids("nope");
   EXPECT_EQ(client_->GetParams(gp).status().code(), StatusCode::kNotFound);

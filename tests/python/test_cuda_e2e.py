@@ -323,9 +323,13 @@ class CudaEndToEnd(unittest.TestCase):
         opt.synchronize()
         returned = []
 
-        def three_steps():  # in a thread of its own, as some trainers
+        # A gradient that moved, for the thread's first step to find.
+        p.grad = torch.randn_like(p)
+
+        def three_steps():
+            # In a thread of its own, as some trainers step, which has made
+            # no CUDA call before (no current context on device 0).
             for _ in range(3):
-                p.grad = torch.randn_like(p)
                 opt.step()
                 returned.append(len(opt._pending))
 

@@ -108,6 +108,10 @@ def _weakly(method):
 # oldest (_DaemonOptimizer._look_at_replies).
 _MAX_PENDING_REPLIES = 2
 
+# Whether this process was told that torch's CUDA memory cannot be shared
+# (_DaemonOptimizer._torch_memory_shareable): once, not per optimizer.
+_SAID_UNSHAREABLE = False
+
 class _TensorEntry:
     """Where one parameter lives in the group's shared segments. `param`
     is the parameter (the key of its state), `mem` the tensor whose memory
@@ -491,12 +495,14 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         move into the optimizer's own buffers (DTensor shards are copied
         there and back around each step) and gradients are copied into
         them at each step, at the cost of those copies; said once."""
+        global _SAID_UNSHAREABLE
         shareable = cuda_ipc.torch_memory_shareable(self._device)
-        if not shareable and not getattr(self, "_said_unshareable", False):
-            self._said_unshareable = True
+        if not shareable and not _SAID_UNSHAREABLE:
+            _SAID_UNSHAREABLE = True
             warnings.warn(
                 "optimd.torch: CUDA IPC cannot share torch's allocations "
-                "here (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True); "
+                "here (as under PYTORCH_CUDA_ALLOC_CONF="
+                "expandable_segments:True or backend:cudaMallocAsync); "
                 "parameters move into the optimizer's own buffers and "
                 "gradients are copied there at each step, so CUDA graphs "
                 "captured before the optimizer was made do not see its "

@@ -37,6 +37,27 @@ def _libs():
     return _runtime, _driver
 
 
+class _context_of:
+    """Makes `device`'s primary context current in this thread for the
+    driver calls inside (a thread that has made no CUDA call of its own
+    has none, and the driver's calls then fail with
+    CUDA_ERROR_INVALID_CONTEXT): torch's device guard, which calls
+    cudaSetDevice only for another device than the thread's (device 0 on
+    a fresh thread, without a context), and a runtime call that binds the
+    context (cudaFree(NULL) frees nothing)."""
+
+    def __init__(self, device):
+        self._guard = torch.cuda.device(device)
+
+    def __enter__(self):
+        self._guard.__enter__()
+        runtime, _ = _libs()
+        runtime.cudaFree(None)
+
+    def __exit__(self, *exc):
+        return self._guard.__exit__(*exc)
+
+
 # CUpointer_attribute values: the allocation's process-wide unique id, its
 # start and its size.
 _POINTER_ATTRIBUTES = (ctypes.c_int * 3)(7, 11, 12)
@@ -55,8 +76,8 @@ def allocation_of(tensor):
     err = driver.cuPointerGetAttributes(3, _POINTER_ATTRIBUTES, data,
                                         tensor.data_ptr())
     if err != 0:
-        # A thread without a current CUDA context: the tensor's device's.
-        with torch.cuda.device(tensor.device):
+        # A thread without a current CUDA context.
+        with _context_of(tensor.device):
             err = driver.cuPointerGetAttributes(3, _POINTER_ATTRIBUTES, data,
                                                 tensor.data_ptr())
     if err != 0:
@@ -76,7 +97,7 @@ def allocation_range(tensor):
     _, driver = _libs()
     base = ctypes.c_uint64()
     size = ctypes.c_size_t()
-    with torch.cuda.device(tensor.device):  # a context for this thread
+    with _context_of(tensor.device):
         err = driver.cuMemGetAddressRange_v2(
             ctypes.byref(base), ctypes.byref(size),
             ctypes.c_uint64(tensor.data_ptr()))
@@ -172,9 +193,8 @@ def stream_wait_value32(stream, address, value, device=None):
 def _stream_op(fn, name, stream, address, value, flags, device):
     err = fn(stream.cuda_stream, address, value, flags)
     if err != 0 and device is not None:
-        # A thread without a current context (CUDA_ERROR_INVALID_CONTEXT):
-        # the device's primary context, as torch's own calls would set.
-        with torch.cuda.device(device):
+        # A thread without a current context (CUDA_ERROR_INVALID_CONTEXT).
+        with _context_of(device):
             err = fn(stream.cuda_stream, address, value, flags)
     if err != 0:
         raise RuntimeError("%s failed with CUDA driver error %d" % (name, err))
@@ -252,6 +272,7 @@ class _OwnDeviceMemory:
                                        ctypes.c_size_t]
         runtime.cudaFree.argtypes = [ctypes.c_void_p]
         self._runtime = runtime
+        self._ptr = None
         self._device = device
         ptr = ctypes.c_void_p()
         with torch.cuda.device(device):
@@ -267,11 +288,15 @@ class _OwnDeviceMemory:
             "version": 2}
 
     def __del__(self):
-        ptr, self._ptr = self._ptr, None
+        ptr, self._ptr = getattr(self, "_ptr", None), None
         if ptr:
             try:
                 with torch.cuda.device(self._device):
-                    self._runtime.cudaFree(ptr)
+                    if self._runtime.cudaFree(ptr) != 0:
+                        # Not left for torch's next launch check (a free
+                        # refused during a graph capture, say: the memory
+                        # stays until the process ends).
+                        self._runtime.cudaGetLastError()
             except Exception:  # interpreter shutdown: the process frees it
                 pass
 
