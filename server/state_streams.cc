@@ -136,23 +136,31 @@ class OptimizerServiceImpl::SaveStreamReactor final
   // write failed, the client cancelled, or the session was retired (then
   // the call is cancelled, which also ends a write the client never reads).
   bool AwaitWrite() {
-    MutexLock lock(&mu_);
-    while (!mu_.AwaitWithDeadline(
-        +[](SaveStreamReactor* r) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-          return !r->writing_ || r->cancelled_;
-        },
-        this, absl::Now() + kRetiredPoll)) {
-      if (retired_->load()) {
-        cancelled_ = true;
-        context_->TryCancel();
-        return false;
+    {
+      MutexLock lock(&mu_);
+      bool retired_while_pending = false;
+      while (!mu_.AwaitWithDeadline(
+          +[](SaveStreamReactor* r) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+            return !r->writing_ || r->cancelled_;
+          },
+          this, absl::Now() + kRetiredPoll)) {
+        if (retired_->load()) {
+          cancelled_ = true;
+          retired_while_pending = true;
+          break;
+        }
+      }
+      if (!retired_while_pending) {
+        if (!write_ok_ || cancelled_) {
+          cancelled_ = true;
+          return false;
+        }
+        return true;
       }
     }
-    if (!write_ok_ || cancelled_) {
-      cancelled_ = true;
-      return false;
-    }
-    return true;
+    // Outside mu_, which OnCancel takes.
+    context_->TryCancel();
+    return false;
   }
 
   uint64_t sent_bytes() {
