@@ -95,7 +95,7 @@ class StepFlags:
         done = self.words.data_ptr() + 4
         # Only driver calls on a non-blocking stream: torch's own ops here
         # could queue behind the trainer's blocked stream.
-        with torch.cuda.device(self.device):  # this thread's context
+        with cuda_ipc.context_of(self.device):  # this thread's context
             if answered > 0:
                 self._await_answered(done, answered, answers, patience_s,
                                      bound_s)

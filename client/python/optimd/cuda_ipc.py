@@ -6,6 +6,7 @@ torch's own storage IPC handles are in torch's format, not raw
 cudaIpcMemHandle_t; the daemon needs the raw handle of the allocation and
 the offset of the tensor in it, so this module asks the runtime directly.
 """
+import contextlib
 import ctypes
 
 import torch
@@ -37,7 +38,8 @@ def _libs():
     return _runtime, _driver
 
 
-class _context_of:
+@contextlib.contextmanager
+def context_of(device):
     """Makes `device`'s primary context current in this thread for the
     driver calls inside (a thread that has made no CUDA call of its own
     has none, and the driver's calls then fail with
@@ -45,17 +47,10 @@ class _context_of:
     cudaSetDevice only for another device than the thread's (device 0 on
     a fresh thread, without a context), and a runtime call that binds the
     context (cudaFree(NULL) frees nothing)."""
-
-    def __init__(self, device):
-        self._guard = torch.cuda.device(device)
-
-    def __enter__(self):
-        self._guard.__enter__()
+    with torch.cuda.device(device):
         runtime, _ = _libs()
         runtime.cudaFree(None)
-
-    def __exit__(self, *exc):
-        return self._guard.__exit__(*exc)
+        yield
 
 
 # CUpointer_attribute values: the allocation's process-wide unique id, its
@@ -77,7 +72,7 @@ def allocation_of(tensor):
                                         tensor.data_ptr())
     if err != 0:
         # A thread without a current CUDA context.
-        with _context_of(tensor.device):
+        with context_of(tensor.device):
             err = driver.cuPointerGetAttributes(3, _POINTER_ATTRIBUTES, data,
                                                 tensor.data_ptr())
     if err != 0:
@@ -97,7 +92,7 @@ def allocation_range(tensor):
     _, driver = _libs()
     base = ctypes.c_uint64()
     size = ctypes.c_size_t()
-    with _context_of(tensor.device):
+    with context_of(tensor.device):
         err = driver.cuMemGetAddressRange_v2(
             ctypes.byref(base), ctypes.byref(size),
             ctypes.c_uint64(tensor.data_ptr()))
@@ -194,7 +189,7 @@ def _stream_op(fn, name, stream, address, value, flags, device):
     err = fn(stream.cuda_stream, address, value, flags)
     if err != 0 and device is not None:
         # A thread without a current context (CUDA_ERROR_INVALID_CONTEXT).
-        with _context_of(device):
+        with context_of(device):
             err = fn(stream.cuda_stream, address, value, flags)
     if err != 0:
         raise RuntimeError("%s failed with CUDA driver error %d" % (name, err))
