@@ -38,6 +38,27 @@ Session::~Session() {
 void Session::Retire() {
   if (retired_->exchange(true)) return;
   if (exchange_ != nullptr) exchange_->Leave(identity_.rank);
+  // Under retire_mu_, so that a caller's ForgetOnRetire (before its
+  // captures go) waits for a call under way.
+  MutexLock lock(&retire_mu_);
+  for (auto& [id, fn] : on_retire_) fn();
+  on_retire_.clear();
+}
+
+uint64_t Session::OnRetire(std::function<void()> fn) {
+  MutexLock lock(&retire_mu_);
+  if (retired_->load()) {
+    fn();
+    return 0;
+  }
+  const uint64_t id = ++next_on_retire_;
+  on_retire_.emplace(id, std::move(fn));
+  return id;
+}
+
+void Session::ForgetOnRetire(uint64_t id) {
+  MutexLock lock(&retire_mu_);
+  on_retire_.erase(id);
 }
 
 absl::Status Session::JoinDeviceJob(const Backend::DeviceJob& job) {

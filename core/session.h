@@ -225,6 +225,14 @@ class Session {
   // Set by Retire. Shared, so that a snapshot stream holds the flag and not
   // the session (whose state would stay allocated).
   std::shared_ptr<const std::atomic<bool>> retired() const { return retired_; }
+  // Calls `fn` when the session is retired (at once if it is already), on
+  // the retiring thread, with no session lock held: for a stream that holds
+  // the session, so that it ends instead of keeping a closed session's
+  // state. `fn` must not wait for work that calls ForgetOnRetire. Returns
+  // the id ForgetOnRetire takes; the caller forgets it before `fn`'s
+  // captures go.
+  uint64_t OnRetire(std::function<void()> fn) ABSL_LOCKS_EXCLUDED(retire_mu_);
+  void ForgetOnRetire(uint64_t id) ABSL_LOCKS_EXCLUDED(retire_mu_);
   // The rule RegisterGroup applies to new tensor names beside its own
   // checks (none when empty); set by SessionRegistry::Create before the
   // session is shared.
@@ -448,6 +456,11 @@ class Session {
   // Constant after construction.
   const SessionIdentity identity_;
   std::shared_ptr<RankExchange> exchange_;
+  // What OnRetire registered, called once by Retire.
+  Mutex retire_mu_;
+  std::map<uint64_t, std::function<void()>> on_retire_
+      ABSL_GUARDED_BY(retire_mu_);
+  uint64_t next_on_retire_ ABSL_GUARDED_BY(retire_mu_) = 0;
   const std::shared_ptr<std::atomic<bool>> retired_ =
       std::make_shared<std::atomic<bool>>(false);
   absl::Duration rank_timeout_;

@@ -272,6 +272,10 @@ class OptimizerServiceImpl::LoadStreamReactor final
     // that ThreadSanitizer cannot see (an uninstrumented library), and
     // OnCancel may run on any of them: it takes this lock before reading
     // the members set above, which orders the two where TSan can see it.
+    // A session closed, evicted or reaped while its checkpoint arrives: the
+    // call is cancelled (as if the client broke it off), so that a client
+    // that stopped sending does not keep the session's state alive.
+    on_retire_ = session_->OnRetire([this] { context_->TryCancel(); });
     { MutexLock publish(&spool_mu_); }
     if (claims_->Claim(session_.get(), this, [this](bool granted) {
           if (granted) {
@@ -349,7 +353,8 @@ class OptimizerServiceImpl::LoadStreamReactor final
   }
 
   void OnDone() override {
-    Cleanup();
+    Cleanup();  // first: its lock orders the constructor's writes before
+    session_->ForgetOnRetire(on_retire_);
     claims_->Release(session_.get(), this);
     delete this;
   }
@@ -491,6 +496,7 @@ class OptimizerServiceImpl::LoadStreamReactor final
   grpc::ByteBuffer* const out_;
   v1::LoadStateResponse response_;
   LoadStreamClaims* const claims_;
+  uint64_t on_retire_ = 0;  // Session::OnRetire's id
   // The spool file. Begin() may run on the thread of another stream's
   // cancel (the claim granted), the writes on gRPC's reading thread, the
   // load and Cleanup() on the worker or gRPC's: gRPC orders them

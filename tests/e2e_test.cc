@@ -485,6 +485,51 @@ TEST_F(E2eTest, ClosingASessionEndsItsUnreadCheckpointStream) {
   EXPECT_FALSE(streamed.ok()) << "a stream of " << *streamed << " bytes";
 }
 
+// A checkpoint arriving by LoadStateStream whose client stopped sending
+// ends when its session is closed: the stream held the session, whose state
+// stayed allocated (counted against the budget) until the client went away.
+TEST_F(E2eTest, ClosingASessionEndsItsStalledLoadStream) {
+  constexpr uint64_t kNumel = uint64_t{8} << 20;  // 64 MiB of moments
+  OwnTensorSession s;
+  s.Open(*daemon_, "stalled-load", kNumel, 1);
+  Mutex mu;
+  bool first_chunk = false, release = false;
+  auto holds = +[](bool* b) { return *b; };
+  absl::StatusOr<v1::LoadStateResponse> loaded;
+  std::thread sender([&] {
+    loaded = s.client->LoadStateStream([&](v1::StateChunk* c) {
+      MutexLock lock(&mu);
+      if (!first_chunk) {
+        c->set_offset(0);
+        c->set_total_bytes(1 << 20);
+        c->set_data(std::string(1024, 'x'));
+        first_chunk = true;
+        return true;
+      }
+      mu.Await(holds, &release);  // sends no more
+      return false;
+    });
+  });
+  {
+    MutexLock lock(&mu);
+    mu.Await(holds, &first_chunk);
+  }
+  EXPECT_GE(s.client->GetMetrics()->state_bytes(), kNumel * 8);
+  ASSERT_TRUE(s.client->CloseSession().ok());
+  uint64_t held = 1;
+  for (absl::Time end = absl::Now() + absl::Seconds(30);
+       absl::Now() < end && held != 0; absl::SleepFor(absl::Milliseconds(50))) {
+    held = s.client->GetMetrics()->state_bytes();
+  }
+  EXPECT_EQ(held, 0u) << "the stalled load stream still holds the session";
+  {
+    MutexLock lock(&mu);
+    release = true;
+  }
+  sender.join();
+  EXPECT_FALSE(loaded.ok());
+}
+
 // A corrupt checkpoint of several MiB, loaded from a file and streamed in,
 // is refused with DATA_LOSS and changes nothing: the session keeps stepping
 // with its old state, bit for bit the same as a twin that never loaded.

@@ -252,6 +252,21 @@ TEST_F(SessionTest, AttachmentsGoBeforeTheSessionsState) {
   EXPECT_EQ(budget_.used(), 0u);
 }
 
+TEST_F(SessionTest, OnRetireCallsOnceAtRetireOrAtOnce) {
+  int first = 0, forgotten = 0, late = 0;
+  session_.OnRetire([&] { ++first; });
+  const uint64_t id = session_.OnRetire([&] { ++forgotten; });
+  session_.ForgetOnRetire(id);
+  EXPECT_FALSE(session_.retired()->load());
+  session_.Retire();
+  session_.Retire();  // once
+  EXPECT_TRUE(session_.retired()->load());
+  EXPECT_EQ(first, 1);
+  EXPECT_EQ(forgotten, 0);
+  session_.OnRetire([&] { ++late; });  // retired already: at once
+  EXPECT_EQ(late, 1);
+}
+
 // Two parameters over one memory (tied through .data), each with its own
 // gradient, in one group: stepped one after the other as torch steps them,
 // which is what two groups (stepped in order) give. More threads than
