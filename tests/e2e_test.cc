@@ -443,6 +443,17 @@ struct OwnTensorSession {
   }
 };
 
+// The daemon's state bytes (GetMetrics) once they reach 0, or after 30 s.
+uint64_t StateBytesAfterSettling(Client* client) {
+  uint64_t held = client->GetMetrics()->state_bytes();
+  for (absl::Time end = absl::Now() + absl::Seconds(30);
+       held != 0 && absl::Now() < end;) {
+    absl::SleepFor(absl::Milliseconds(50));
+    held = client->GetMetrics()->state_bytes();
+  }
+  return held;
+}
+
 // A checkpoint stream the client stopped reading ends when its session is
 // closed, and the snapshot it held (host memory reserved against the state
 // budget) goes with it; it once stayed until the client went away.
@@ -471,11 +482,7 @@ TEST_F(E2eTest, ClosingASessionEndsItsUnreadCheckpointStream) {
   // The snapshot (parameters and state) is reserved while it streams.
   EXPECT_GT(s.client->GetMetrics()->state_bytes(), state_bytes);
   ASSERT_TRUE(s.client->CloseSession().ok());
-  uint64_t held = 1;
-  for (absl::Time end = absl::Now() + absl::Seconds(30);
-       absl::Now() < end && held != 0; absl::SleepFor(absl::Milliseconds(50))) {
-    held = s.client->GetMetrics()->state_bytes();
-  }
+  const uint64_t held = StateBytesAfterSettling(s.client.get());
   EXPECT_EQ(held, 0u) << "the unread stream still holds its snapshot";
   {
     MutexLock lock(&mu);
@@ -516,11 +523,7 @@ TEST_F(E2eTest, ClosingASessionEndsItsStalledLoadStream) {
   }
   EXPECT_GE(s.client->GetMetrics()->state_bytes(), kNumel * 8);
   ASSERT_TRUE(s.client->CloseSession().ok());
-  uint64_t held = 1;
-  for (absl::Time end = absl::Now() + absl::Seconds(30);
-       absl::Now() < end && held != 0; absl::SleepFor(absl::Milliseconds(50))) {
-    held = s.client->GetMetrics()->state_bytes();
-  }
+  const uint64_t held = StateBytesAfterSettling(s.client.get());
   EXPECT_EQ(held, 0u) << "the stalled load stream still holds the session";
   {
     MutexLock lock(&mu);
