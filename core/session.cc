@@ -36,7 +36,7 @@ Session::~Session() {
 }
 
 void Session::Retire() {
-  if (retired_->exchange(true)) return;
+  if (retired_.exchange(true)) return;
   if (exchange_ != nullptr) exchange_->Leave(identity_.rank);
   // Under retire_mu_, so that a caller's ForgetOnRetire (before its
   // captures go) waits for a call under way.
@@ -47,7 +47,7 @@ void Session::Retire() {
 
 uint64_t Session::OnRetire(std::function<void()> fn) {
   MutexLock lock(&retire_mu_);
-  if (retired_->load()) {
+  if (retired_.load()) {
     fn();
     return 0;
   }

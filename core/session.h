@@ -219,18 +219,23 @@ class Session {
   // Retires the session, once: when it is closed, evicted or reaped
   // (SessionRegistry), and at the latest when destroyed. It leaves the
   // job's rank exchange (ranks waiting for this one, and this session's own
-  // step waiting for them, stop waiting with ABORTED) and sets retired(),
-  // which ends the streams of its snapshots still being sent.
+  // step waiting for them, stop waiting with ABORTED), sets retired() and
+  // calls what OnRetire registered (the session's checkpoint streams still
+  // under way end).
   void Retire();
-  // Set by Retire. Shared, so that a snapshot stream holds the flag and not
-  // the session (whose state would stay allocated).
-  std::shared_ptr<const std::atomic<bool>> retired() const { return retired_; }
-  // Calls `fn` when the session is retired (at once if it is already), on
-  // the retiring thread, with no session lock held: for a stream that holds
-  // the session, so that it ends instead of keeping a closed session's
-  // state. `fn` must not wait for work that calls ForgetOnRetire. Returns
-  // the id ForgetOnRetire takes; the caller forgets it before `fn`'s
-  // captures go.
+  // Whether Retire has run (it may still be calling what OnRetire
+  // registered).
+  bool retired() const { return retired_.load(); }
+  // Calls `fn` when the session is retired, on the retiring thread (at
+  // once, on this thread, if it is retired already): for a stream that
+  // holds the session, so that it ends instead of keeping a closed
+  // session's state. `fn` runs under retire_mu_, and under
+  // SessionRegistry's lock when the registry retires the session: it must
+  // not call OnRetire, ForgetOnRetire or the registry, nor wait for work
+  // that does (cancelling a call is what it is for). The caller of
+  // OnRetire must not hold a lock that `fn` takes. Returns the id
+  // ForgetOnRetire takes; the caller forgets it before `fn`'s captures go
+  // (ForgetOnRetire waits for a call under way).
   uint64_t OnRetire(std::function<void()> fn) ABSL_LOCKS_EXCLUDED(retire_mu_);
   void ForgetOnRetire(uint64_t id) ABSL_LOCKS_EXCLUDED(retire_mu_);
   // The rule RegisterGroup applies to new tensor names beside its own
@@ -461,8 +466,7 @@ class Session {
   std::map<uint64_t, std::function<void()>> on_retire_
       ABSL_GUARDED_BY(retire_mu_);
   uint64_t next_on_retire_ ABSL_GUARDED_BY(retire_mu_) = 0;
-  const std::shared_ptr<std::atomic<bool>> retired_ =
-      std::make_shared<std::atomic<bool>>(false);
+  std::atomic<bool> retired_{false};  // set once, by Retire
   absl::Duration rank_timeout_;
   TensorNameRule tensor_name_rule_;
   Backend* const backend_;

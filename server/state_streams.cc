@@ -27,7 +27,9 @@ namespace optimd {
 // checksums and produces one chunk at a time, waiting for each write to
 // complete before the next (flow control by the client's reads). The
 // stream ends when its session is retired (closed, evicted, reaped): a
-// client that stopped reading does not keep the snapshot past its session.
+// Session::OnRetire callback cancels the call, as the load stream's does,
+// so that a client that stopped reading does not keep the snapshot (or
+// the session, which the reactor holds until OnDone) past its session.
 class OptimizerServiceImpl::SaveStreamReactor final
     : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
@@ -37,24 +39,20 @@ class OptimizerServiceImpl::SaveStreamReactor final
                     uint64_t chunk_bytes)
       : service_(service),
         context_(context),
-        name_(SessionName(session->identity())),
-        retired_(session->retired()),
+        session_(std::move(session)),
+        name_(SessionName(session_->identity())),
         chunk_bytes_(chunk_bytes),
         start_(absl::Now()) {
     log::Info(absl::StrCat("checkpoint save started (stream): ", name_));
-    worker->Post([this, session = std::move(session)] {
-      auto snapshot = SnapshotSession(*session);
-      if (!snapshot.ok()) {
-        End(ToGrpcStatus(snapshot.status()), 0, 0);
-        return;
-      }
-      snapshot_ = *std::move(snapshot);
-      // Under mu_, which Produce takes first: the producer cannot end the
-      // call (after which OnDone reads producer_ and deletes this) before
-      // producer_ holds it.
+    // Not under mu_: for a session retired already, the callback runs here,
+    // at once, and takes mu_ itself.
+    const uint64_t on_retire =
+        session_->OnRetire([this] { OnSessionRetired(); });
+    {
       MutexLock lock(&mu_);
-      producer_ = std::thread([this] { Produce(); });
-    });
+      on_retire_ = on_retire;
+    }
+    worker->Post([this] { Start(); });
   }
 
   void OnWriteDone(bool ok) override {
@@ -77,12 +75,63 @@ class OptimizerServiceImpl::SaveStreamReactor final
         producer_.join();
       }
     }
+    uint64_t on_retire;
+    {
+      MutexLock lock(&mu_);
+      on_retire = on_retire_;
+    }
+    // Last, before this goes: waits for a retirement callback under way
+    // (Session::Retire calls it under the lock that ForgetOnRetire takes).
+    session_->ForgetOnRetire(on_retire);
     delete this;
   }
 
  private:
+  // Session::OnRetire's callback, on the retiring thread (or the
+  // constructor's, for a session retired already). A call whose outcome is
+  // not yet settled is cancelled: that ends a write the client does not
+  // read (OnWriteDone(false), OnCancel) and stops the producer. A call
+  // that sent every byte or is ending otherwise is left to its Finish, so
+  // that a close right after a complete stream does not fail it.
+  void OnSessionRetired() {
+    bool cancel;
+    {
+      MutexLock lock(&mu_);
+      retired_ = true;
+      cancel = !finishing_;
+    }
+    // Outside mu_, which OnCancel takes.
+    if (cancel) context_->TryCancel();
+  }
+
+  // On the session's worker: takes the snapshot and starts the producer.
+  // A session retired first ends the call without one (a snapshot of a
+  // closed session would only hold host memory until the producer saw it).
+  void Start() {
+    bool retired;
+    {
+      MutexLock lock(&mu_);
+      retired = retired_;
+    }
+    if (retired) {
+      End(RetiredStatus(), 0, 0);
+      return;
+    }
+    auto snapshot = SnapshotSession(*session_);
+    if (!snapshot.ok()) {
+      End(ToGrpcStatus(snapshot.status()), 0, 0);
+      return;
+    }
+    snapshot_ = *std::move(snapshot);
+    // Under mu_, which Produce takes first: the producer cannot end the
+    // call (after which OnDone reads producer_ and deletes this) before
+    // producer_ holds it.
+    MutexLock lock(&mu_);
+    producer_ = std::thread([this] { Produce(); });
+  }
+
   void Produce() {
-    { MutexLock started(&mu_); }  // producer_ is set (the constructor's Post)
+    { MutexLock started(&mu_); }  // producer_ is set (Start)
     const uint64_t total = snapshot_->FileSize();
     for (uint64_t offset = 0; offset < total;) {
       const uint64_t n = std::min(chunk_bytes_, total - offset);
@@ -93,7 +142,7 @@ class OptimizerServiceImpl::SaveStreamReactor final
           offset, n, reinterpret_cast<uint8_t*>(chunk_.mutable_data()->data()));
       {
         MutexLock lock(&mu_);
-        if (cancelled_ || retired_->load()) break;
+        if (cancelled_ || retired_) break;
         writing_ = true;
       }
       // The last chunk's write is done: its bytes may go.
@@ -112,55 +161,49 @@ class OptimizerServiceImpl::SaveStreamReactor final
       offset += n;
       MutexLock lock(&mu_);
       sent_ = offset;
+      // Every byte sent: a retirement from now on leaves the call to Finish.
+      if (offset == total) finishing_ = true;
     }
-    bool cancelled;
-    {
-      MutexLock lock(&mu_);
-      cancelled = cancelled_;
-    }
-    const uint64_t sent = sent_bytes();
     snapshot_.reset();
-    grpc::Status status;
-    if (sent < total && retired_->load()) {
-      status = grpc::Status(grpc::StatusCode::ABORTED,
-                            "the session was closed, evicted or reaped while "
-                            "its checkpoint was streamed");
-    } else if (cancelled) {
-      status = grpc::Status(grpc::StatusCode::CANCELLED,
-                            "the client stopped reading");
-    }
-    End(status, sent, total);
+    End(Outcome(total), sent_bytes(), total);
   }
 
   // Waits for the write just started; false when the stream is to end: the
-  // write failed, the client cancelled, or the session was retired (then
-  // the call is cancelled, which also ends a write the client never reads).
+  // write failed or the call was cancelled (by the client, or by
+  // OnSessionRetired, whose cancel also ends a write the client never
+  // reads).
   bool AwaitWrite() {
-    {
-      MutexLock lock(&mu_);
-      bool retired_while_pending = false;
-      while (!mu_.AwaitWithDeadline(
-          +[](SaveStreamReactor* r) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-            return !r->writing_ || r->cancelled_;
-          },
-          this, absl::Now() + kRetiredPoll)) {
-        if (retired_->load()) {
-          cancelled_ = true;
-          retired_while_pending = true;
-          break;
-        }
-      }
-      if (!retired_while_pending) {
-        if (!write_ok_ || cancelled_) {
-          cancelled_ = true;
-          return false;
-        }
-        return true;
-      }
+    MutexLock lock(&mu_);
+    mu_.Await(
+        +[](SaveStreamReactor* r) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+          return !r->writing_ || r->cancelled_;
+        },
+        this);
+    if (!write_ok_ || cancelled_) {
+      cancelled_ = true;
+      return false;
     }
-    // Outside mu_, which OnCancel takes.
-    context_->TryCancel();
-    return false;
+    return true;
+  }
+
+  // How the producer's stream of `total` bytes ends: ABORTED when its
+  // session was retired with bytes unsent; CANCELLED when the client broke
+  // it off (a write failed) otherwise; OK when every byte was sent, even if
+  // the session was retired just after.
+  grpc::Status Outcome(uint64_t total) {
+    MutexLock lock(&mu_);
+    if (sent_ < total && retired_) return RetiredStatus();
+    if (cancelled_ && !retired_) {
+      return grpc::Status(grpc::StatusCode::CANCELLED,
+                          "the client stopped reading");
+    }
+    return grpc::Status::OK;
+  }
+
+  static grpc::Status RetiredStatus() {
+    return grpc::Status(grpc::StatusCode::ABORTED,
+                        "the session was closed, evicted or reaped while "
+                        "its checkpoint was streamed");
   }
 
   uint64_t sent_bytes() {
@@ -169,18 +212,20 @@ class OptimizerServiceImpl::SaveStreamReactor final
   }
 
   void End(const grpc::Status& status, uint64_t sent, uint64_t total) {
+    {
+      MutexLock lock(&mu_);
+      finishing_ = true;
+    }
     service_->EndStreamedSave(name_, status, sent, total,
                               absl::ToDoubleSeconds(absl::Now() - start_));
     Finish(status);
   }
 
-  // How often a write the client does not read looks at retired_.
-  static constexpr absl::Duration kRetiredPoll = absl::Seconds(1);
-
   OptimizerServiceImpl* const service_;
   grpc::CallbackServerContext* const context_;
+  // Held until OnDone, which forgets the retirement callback with it.
+  const std::shared_ptr<Session> session_;
   const std::string name_;
-  const std::shared_ptr<const std::atomic<bool>> retired_;
   const uint64_t chunk_bytes_;
   const absl::Time start_;
   std::unique_ptr<CheckpointSnapshot> snapshot_;
@@ -188,9 +233,14 @@ class OptimizerServiceImpl::SaveStreamReactor final
   grpc::ByteBuffer out_;  // chunk_, serialized for its write
   std::thread producer_;
   Mutex mu_;
+  uint64_t on_retire_ ABSL_GUARDED_BY(mu_) = 0;  // Session::OnRetire's id
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool write_ok_ ABSL_GUARDED_BY(mu_) = true;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  bool retired_ ABSL_GUARDED_BY(mu_) = false;  // set by OnSessionRetired
+  // The call ends by its Finish (every byte sent, or End reached): a
+  // retirement no longer cancels it.
+  bool finishing_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t sent_ ABSL_GUARDED_BY(mu_) = 0;  // bytes the client received
 };
 

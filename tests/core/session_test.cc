@@ -257,10 +257,10 @@ TEST_F(SessionTest, OnRetireCallsOnceAtRetireOrAtOnce) {
   session_.OnRetire([&] { ++first; });
   const uint64_t id = session_.OnRetire([&] { ++forgotten; });
   session_.ForgetOnRetire(id);
-  EXPECT_FALSE(session_.retired()->load());
+  EXPECT_FALSE(session_.retired());
   session_.Retire();
   session_.Retire();  // once
-  EXPECT_TRUE(session_.retired()->load());
+  EXPECT_TRUE(session_.retired());
   EXPECT_EQ(first, 1);
   EXPECT_EQ(forgotten, 0);
   session_.OnRetire([&] { ++late; });  // retired already: at once
