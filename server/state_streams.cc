@@ -403,7 +403,10 @@ class OptimizerServiceImpl::LoadStreamReactor final
   }
 
   void OnDone() override {
-    Cleanup();  // first: its lock orders the constructor's writes before
+    // Cleanup first: its lock (spool_mu_, published in the constructor)
+    // orders the constructor's writes, on_retire_ included, before the
+    // reads here, where ThreadSanitizer can see it.
+    Cleanup();
     session_->ForgetOnRetire(on_retire_);
     claims_->Release(session_.get(), this);
     delete this;
