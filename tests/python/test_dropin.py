@@ -7,6 +7,7 @@ the same result (or the same exception).
 The real daemon (CPU backend) over its socket, real shared memory.
 """
 import copy
+import functools
 import os
 import tempfile
 import unittest
@@ -920,6 +921,63 @@ class DropIn(DaemonTestCase):
         torch.manual_seed(0)
         initial = torch.nn.Linear(3, 2).weight.detach()
         self.assertFalse(torch.equal(results[0][0], initial))
+
+
+    def test_a_slot_turned_off_and_on_again_resumes_as_in_torch(self):
+        # torch's step leaves a slot it stops using in the state (SGD's
+        # momentum_buffer at momentum 0, max_exp_avg_sq with amsgrad off),
+        # where state_dict() shows it, and takes it up again when the
+        # option comes back on.
+        cases = {"momentum": (SGD, torch.optim.SGD, 0.9, 0.0),
+                 "amsgrad": (AdamW, torch.optim.AdamW, True, False)}
+        for key, (ours, theirs, on, off) in cases.items():
+            with self.subTest(key):
+                runs = []
+                for make in (functools.partial(
+                        ours, address=self.daemon.address), theirs):
+                    torch.manual_seed(0)
+                    p = torch.nn.Parameter(torch.randn(4, 3, device=DEVICE))
+                    o = make([p], lr=0.1, **{key: on})
+                    if make is not theirs:
+                        self.opts.append(o)
+                    for step in range(8):
+                        if step in (3, 5):
+                            o.param_groups[0][key] = off if step == 3 else on
+                        p.grad = torch.randn(4, 3, device=DEVICE)
+                        o.step()
+                        if step == 4:
+                            while_off = {k: v.clone() for k, v in
+                                         o.state_dict()["state"][0].items()
+                                         if v is not None}
+                    runs.append((p.detach().clone(), while_off))
+                torch.testing.assert_close(runs[0][0], runs[1][0], **TOL)
+                self.assertEqual(sorted(runs[0][1]), sorted(runs[1][1]))
+                for k in runs[1][1]:
+                    torch.testing.assert_close(runs[0][1][k], runs[1][1][k],
+                                               **TOL)
+
+    def test_loaded_groups_are_copies_as_in_torch(self):
+        # torch's load_state_dict deep-copies the saved param_groups: a
+        # value the state dict holds (a list, a tensor lr a scheduler
+        # fills in place) is not the optimizer's.
+        opt, ref = self.both(one_param(4), lr=1e-2)
+        runs = []
+        for o in (opt, ref):
+            p = o.param_groups[0]["params"][0]
+            p.grad = torch.ones(4, device=DEVICE)
+            o.step()
+            sd = o.state_dict()
+            sd["param_groups"][0].update(tags=["a"], lr=torch.tensor(0.1))
+            o.load_state_dict(sd)
+            sd["param_groups"][0]["tags"].append("b")
+            sd["param_groups"][0]["lr"].fill_(0.5)
+            p.grad = torch.ones(4, device=DEVICE)
+            o.step()
+            runs.append((o.param_groups[0]["tags"],
+                         float(o.param_groups[0]["lr"])))
+        self.assertEqual(runs[0], runs[1])
+        self.assertEqual(runs[1][0], ["a"])
+        self.assert_same(opt, ref)
 
 
 class _cpu:

@@ -114,16 +114,31 @@ class DaemonState(dict):
         self._extras = {id(p): (weakref.ref(p), extra)
                         for p, extra in entries.items() if extra}
 
+    def move_extras(self, entries, taken):
+        """{param: {key: value}}: keys the daemon no longer keeps (slots of
+        a group registered anew without them), kept here as the trainer's
+        own keys are; the keys `taken` it keeps again leave every entry."""
+        for ref, extra in self._extras.values():
+            for k in taken:
+                extra.pop(k, None)
+        for p, extra in entries.items():
+            if extra:
+                kept = self._extras.setdefault(id(p), (weakref.ref(p), {}))
+                kept[1].update(extra)
+
     def with_extras(self, state):
         """`state` ({param: entry} from the daemon) with the trainer's own
-        keys of each entry, as torch's state and state_dict carry them."""
+        keys of each entry, as torch's state and state_dict carry them (a
+        key the daemon's entry has as None, no state, takes the kept
+        value: SGD's momentum_buffer without momentum)."""
         for ref, extra in self._extras.values():
             p = ref()
             if p is None:
                 continue
             entry = state.setdefault(p, {})
             for k, v in extra.items():
-                entry.setdefault(k, v)
+                if entry.get(k) is None:
+                    entry[k] = v
         return state
 
     def _remember(self):
@@ -144,7 +159,10 @@ class DaemonState(dict):
         fetched, local = self._fetch(), self._local()
         held, self._held = self._held, {}
         dict.clear(self)
-        self._fetched_keys = {id(p): set(e) for p, e in fetched.items()}
+        # A None is no state (SGD's momentum_buffer without momentum): a
+        # kept value of that key stays the trainer's (with_extras).
+        self._fetched_keys = {id(p): {k for k, v in e.items() if v is not None}
+                              for p, e in fetched.items()}
         for p, entry in self.with_extras(fetched).items():
             dict.__setitem__(self, p, _into_held(held.get(id(p)), p, entry))
         dict.update(self, local)

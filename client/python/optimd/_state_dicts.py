@@ -4,6 +4,7 @@ fetched from the daemon; load_state_dict(); ZeRO-sharded state put together
 (consolidate_state_dict) and taken apart (_zero_state.py); edits of
 param_groups that need the group registered anew with its state.
 """
+import copy
 import weakref
 
 import torch
@@ -11,7 +12,7 @@ import torch
 from optimd._dtensor import like_param
 from optimd._layout import view_like
 from optimd import _zero_state
-from optimd._state import DTYPES, set_state_request
+from optimd._state import DAEMON_KEYS, DTYPES, set_state_request
 
 _TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
 
@@ -228,7 +229,11 @@ class StateDicts:
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        self._load_state_dict(state_dict)
+        # The groups a copy, as torch's load takes one: they share no value
+        # (a list, a tensor lr filled in place) with the state dict given.
+        # Loads of our own (a move to another device) keep the values.
+        self._load_state_dict(dict(state_dict, param_groups=copy.deepcopy(
+            state_dict["param_groups"])))
         for hook in _hooks(self, "_optimizer_load_state_dict_post_hooks"):
             hook(self)
 
@@ -337,15 +342,30 @@ class StateDicts:
         self._refuse_with_shard_state(
             "changing param_groups[%d]'s %s" % (gi, ", ".join(
                 k for k in sorted(now) if now[k] != mine["snapshot"].get(k))))
-        state = self._fetch_state()
-        tensors_state = [state.get(s.param) for s in mine["tensors"]]
+        # Taken with the trainer's own keys, among them slots the group
+        # no longer stepped with (below): one in use again comes back.
+        self.state.invalidate()
+        state = self._whole_state()
+        tensors_state = [_daemon_keys(state.get(s.param))
+                         for s in mine["tensors"]]
         self._check_layout_change(gi, group, mine["snapshot"], tensors_state)
+        was = set(mine["slots"])
         self._reregister(gi, group, mine)
         self._client.set_state(set_state_request(
             mine["id"], mine["tensors"], tensors_state,
             slot_names=self._slot_names(group)))
         self._sent_hyper = None
         self.state.invalidate()
+        # torch's step leaves a slot it no longer uses in the state
+        # (momentum_buffer once SGD's momentum is 0, max_exp_avg_sq once
+        # amsgrad is off), and uses it again when it is turned back on;
+        # the daemon keeps only the slots it steps with, so such a slot is
+        # kept here meanwhile, as a key of the trainer's is.
+        now = set(mine["slots"])
+        self.state.move_extras(
+            {s.param: {k: e[k] for k in was - now if e.get(k) is not None}
+             for s, e in zip(mine["tensors"], tensors_state) if e},
+            taken=now - was)
 
     def _write_back_state(self):
         """Writes to optimizer.state since it was fetched (an entry zeroed,
@@ -371,6 +391,13 @@ class StateDicts:
                                       g["tensors"]],
                 slot_names=g["slots"]))
         self.state.invalidate()
+
+
+def _daemon_keys(entry):
+    """The keys of a state entry that the daemon keeps (the trainer's own
+    left out); None for none."""
+    entry = {k: v for k, v in (entry or {}).items() if k in DAEMON_KEYS}
+    return entry or None
 
 
 def _hooks(opt, table):

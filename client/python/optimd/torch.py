@@ -207,8 +207,11 @@ class _AdamFamily(_DaemonOptimizer):
 
     def _check_layout_change(self, gi, group, snapshot, tensors_state):
         # Turning amsgrad on once the group has state fails in torch too
-        # (its step finds no max_exp_avg_sq: KeyError).
-        if group["amsgrad"] and not snapshot["amsgrad"] and any(tensors_state):
+        # (its step finds no max_exp_avg_sq: KeyError), unless it was on
+        # before: torch's state keeps the slot meanwhile, and so do we.
+        if group["amsgrad"] and not snapshot["amsgrad"] and any(
+                e and "exp_avg" in e and "max_exp_avg_sq" not in e
+                for e in tensors_state):
             raise errors.MissingStateError(
                 "param_groups[%d]['amsgrad'] was turned on after steps: the "
                 "state has no max_exp_avg_sq (torch.optim.AdamW's step "
