@@ -16,7 +16,7 @@ import torch
 
 from optimd import errors
 from optimd.testing import Daemon, DaemonTestCase
-from optimd.torch import SGD, AdamW
+from optimd.torch import SGD, Adam, AdamW
 
 # OPTIMD_TEST_DEVICE=cuda runs the tests on CUDA tensors and the daemon's
 # CUDA backend (GPU machine: tools/gpu_test.sh); the CPU backend's own
@@ -978,6 +978,33 @@ class DropIn(DaemonTestCase):
         self.assertEqual(runs[0], runs[1])
         self.assertEqual(runs[1][0], ["a"])
         self.assert_same(opt, ref)
+
+    def test_adamw_loading_adams_state_stays_adamw_as_in_torch(self):
+        # torch's AdamW steps as AdamW after loading an Adam state dict
+        # (torch 2.7 and later set decoupled_weight_decay in each loaded
+        # group): torch.optim.Adam's and optimd.torch.Adam's alike.
+        for source in ("torch", "optimd"):
+            with self.subTest(source):
+                torch.manual_seed(0)
+                q = torch.nn.Parameter(torch.randn(4, 3, device=DEVICE))
+                if source == "torch":
+                    adam = torch.optim.Adam([q], lr=0.1, weight_decay=0.5)
+                else:
+                    adam = Adam([q], lr=0.1, weight_decay=0.5,
+                                address=self.daemon.address)
+                    self.opts.append(adam)
+                q.grad = torch.randn(4, 3, device=DEVICE)
+                adam.step()
+                sd = adam.state_dict()
+                opt, ref = self.both(one_param(4, 3), lr=0.1,
+                                     weight_decay=0.5)
+                for o in (opt, ref):
+                    o.load_state_dict(sd)
+                    p = o.param_groups[0]["params"][0]
+                    for _ in range(3):
+                        p.grad = torch.ones(4, 3, device=DEVICE)
+                        o.step()
+                self.assert_same(opt, ref)
 
 
 class _cpu:

@@ -232,10 +232,16 @@ class StateDicts:
         # The groups a copy, as torch's load takes one: they share no value
         # (a list, a tensor lr filled in place) with the state dict given.
         # Loads of our own (a move to another device) keep the values.
-        self._load_state_dict(dict(state_dict, param_groups=copy.deepcopy(
-            state_dict["param_groups"])))
+        groups = copy.deepcopy(state_dict["param_groups"])
+        self._as_torch_loads(groups)
+        self._load_state_dict(dict(state_dict, param_groups=groups))
         for hook in _hooks(self, "_optimizer_load_state_dict_post_hooks"):
             hook(self)
+
+    def _as_torch_loads(self, groups):
+        """Changes loaded `groups` (copies) as the installed torch's
+        optimizer of the same class changes them in its load (an
+        optimizer whose torch class does so overrides this)."""
 
     def _load_state_dict(self, state_dict):
         # Parameters edited or materialized (a lazy module's, by the

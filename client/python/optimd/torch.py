@@ -333,6 +333,19 @@ class AdamW(_AdamFamily, torch.optim.AdamW):
     (torch's own step fails there).
     """
 
+    def _as_torch_loads(self, groups):
+        """torch.optim.AdamW steps as AdamW after any load: from torch 2.7
+        its load sets decoupled_weight_decay in every group (of a
+        torch.optim.Adam state dict too), and before, its step had no other
+        way. So does this one, unless made with adam_w_mode=False (optimd's
+        own switch, which a load then sets as the state dict says)."""
+        if not self.defaults["adam_w_mode"]:
+            return
+        for group in groups:
+            for k in _DECAY_SWITCHES:
+                if k in group or k in self.defaults:
+                    group[k] = True
+
 
 def _decoupled(group):
     """Whether a group's weight decay is AdamW's."""
