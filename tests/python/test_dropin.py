@@ -1007,6 +1007,31 @@ class DropIn(DaemonTestCase):
                 self.assert_same(opt, ref)
 
 
+    def test_a_group_put_into_param_groups_by_hand_is_stepped(self):
+        # A group inserted into (or appended to) param_groups without
+        # add_param_group: torch steps every group there is, zeroes its
+        # gradients, and the groups after it keep their state.
+        def params():
+            return [torch.nn.Parameter(torch.randn(3)) for _ in range(3)]
+        opt, ref = self.both(params, lr=0.1)
+        for o in (opt, ref):
+            a, b, c = o.param_groups[0]["params"]
+            o.param_groups[0]["params"] = [a]
+            a.grad = torch.ones(3, device=DEVICE)
+            o.step()
+            o.param_groups.insert(0, dict(o.param_groups[0], params=[b]))
+            o.param_groups.append(dict(o.param_groups[0], params=[c],
+                                       lr=0.2))
+            for i in range(3):
+                o.zero_grad(set_to_none=False)
+                for p in (a, b, c):
+                    if p.grad is None:
+                        p.grad = torch.zeros(3, device=DEVICE)
+                    p.grad += torch.full((3,), 1.0 - i, device=DEVICE)
+                o.step()
+        self.assert_same(opt, ref)
+        self.assertEqual(len(opt.state_dict()["state"]), 3)
+
 class _cpu:
     """torch 1.13 has no device context: tensors are made on the CPU."""
 

@@ -848,6 +848,28 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             self.state.invalidate()
         if len(self._groups) > len(self.param_groups):
             self._drop_removed_groups()
+        elif len(self._groups) < len(self.param_groups):
+            self._register_added_groups()
+
+    def _register_added_groups(self):
+        """Groups put into param_groups by the trainer itself (appended or
+        inserted, not through add_param_group) are stepped from now on,
+        as torch steps every group of param_groups; a parameter of theirs
+        taken out of another group keeps its state. A group without a
+        hyperparameter raises KeyError, as torch's step does."""
+        for gi in range(len(self._groups), len(self.param_groups)):
+            if len(self._part_keys()) > 1:
+                self._spread()
+                return
+            device = self._check_devices()
+            if device != self._device:
+                self._reopen({device})
+                return
+            self._refuse_with_shard_state("adding param_groups")
+            self._register_group(gi, self.param_groups[gi], existing=False)
+            self._restore_retired(gi)
+        self._sent_hyper = None
+        self.state.invalidate()
 
     def _drop_removed_groups(self):
         """Groups taken out of param_groups (`del opt.param_groups[i]`) are
@@ -1235,8 +1257,8 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         """Whether the gradient router holds the parameters of param_groups
         as they are now (none added, removed, unfrozen or materialized
         since the last step registered them)."""
-        return not any(map(_changed_since_registered, self._groups,
-                           self.param_groups))
+        return len(self._groups) == len(self.param_groups) and not any(
+            map(_changed_since_registered, self._groups, self.param_groups))
 
 
     # Daemon access.
