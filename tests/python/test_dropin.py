@@ -15,6 +15,7 @@ import unittest
 import torch
 
 from optimd import errors
+from optimd._names import torch_takes_names
 from optimd.testing import Daemon, DaemonTestCase
 from optimd.torch import SGD, Adam, AdamW
 
@@ -1031,6 +1032,38 @@ class DropIn(DaemonTestCase):
                 o.step()
         self.assert_same(opt, ref)
         self.assertEqual(len(opt.state_dict()["state"]), 3)
+
+    @unittest.skipUnless(torch_takes_names(), "torch 2.6's param_names")
+    def test_names_stay_when_a_state_dict_without_them_loads(self):
+        # torch's load keeps a group's "param_names" when the saved group
+        # has none (a state dict of an optimizer made over bare tensors).
+        def params():
+            return [("w", torch.nn.Parameter(torch.randn(3)))]
+        opt, ref = self.both(params, lr=0.1)
+        bare = torch.optim.AdamW([torch.nn.Parameter(torch.randn(3))])
+        for o in (opt, ref):
+            o.load_state_dict(bare.state_dict())
+        self.assertEqual(opt.param_groups[0].get("param_names"), ["w"])
+        self.assertEqual(opt.state_dict()["param_groups"][0]["param_names"],
+                         ref.state_dict()["param_groups"][0]["param_names"])
+
+    def test_a_state_assigned_by_the_trainer_is_the_state(self):
+        # `opt.state = defaultdict(dict)` (a reset some scripts do):
+        # torch's next step starts every parameter afresh.
+        import collections
+
+        opt, ref = self.both(one_param(3), lr=0.1)
+        for o in (opt, ref):
+            p = o.param_groups[0]["params"][0]
+            for i in range(4):
+                if i == 2:
+                    o.state = collections.defaultdict(dict)
+                    self.assertEqual(len(o.state), 0)
+                p.grad = torch.full((3,), 1.0 + i, device=DEVICE)
+                o.step()
+        self.assert_same(opt, ref)
+        self.assertEqual(float(opt.state_dict()["state"][0]["step"]), 2.0)
+
 
 class _cpu:
     """torch 1.13 has no device context: tensors are made on the CPU."""

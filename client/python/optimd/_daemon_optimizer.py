@@ -32,8 +32,9 @@ from optimd._names import ParamNames
 from optimd._overlap import Overlap, assign_stages
 from optimd._state import DTYPES, DaemonState, set_state_request
 from optimd._state_dicts import StateDicts
-from optimd._several_devices import (SeveralDevices, become_several,
-                                     check_several, held_state)
+from optimd._several_devices import (PartsState, SeveralDevices,
+                                     become_several, check_several,
+                                     held_state)
 from optimd._step_flags import StepFlags
 from optimd.client import Client
 from optimd.shm import SharedSegment, align
@@ -1260,6 +1261,27 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         return len(self._groups) == len(self.param_groups) and not any(
             map(_changed_since_registered, self._groups, self.param_groups))
 
+
+    @property
+    def state(self):
+        """optimizer.state: the daemon's state in torch's format
+        (optimd/_state.py; over several devices, _several_devices.py)."""
+        return self.__dict__["state"]
+
+    @state.setter
+    def state(self, value):
+        # A mapping the trainer assigns (`opt.state = defaultdict(dict)`,
+        # a reset) is the state from then on, as in torch: written into
+        # the daemon's at the next step. What the optimizer assigns itself
+        # (torch's constructor, then ours) is kept as it is.
+        current = self.__dict__.get("state")
+        ours = (DaemonState, PartsState)
+        if isinstance(current, ours) and not isinstance(value, ours):
+            entries = dict(value)
+            current.clear()
+            current.update(entries)
+            return
+        self.__dict__["state"] = value
 
     # Daemon access.
     @property

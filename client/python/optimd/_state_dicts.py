@@ -270,8 +270,10 @@ class StateDicts:
             # The group becomes the saved one, as torch's load_state_dict
             # replaces it: a key it lacks goes (a scheduler's initial_lr,
             # say), but for the constructor's options, which take their
-            # constructor values (torch gives its own the defaults).
-            for k in [k for k in g if k not in sg and k != "params"]:
+            # constructor values (torch gives its own the defaults), and
+            # the parameters' names, which stay as torch keeps them.
+            for k in [k for k in g if k not in sg and
+                      k not in ("params", "param_names")]:
                 if k in self.defaults:
                     g[k] = self.defaults[k]
                 else:
