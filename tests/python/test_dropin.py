@@ -1064,6 +1064,29 @@ class DropIn(DaemonTestCase):
         self.assert_same(opt, ref)
         self.assertEqual(float(opt.state_dict()["state"][0]["step"]), 2.0)
 
+    def test_step_has_torchs_dtype_under_a_low_precision_default(self):
+        # torch 2 keeps "step" in its scalar dtype (float32 unless the
+        # default is float64) whatever the default dtype; torch 1.13 in
+        # the default dtype. A mixed-precision script may set bf16 as the
+        # default.
+        before = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            opt, ref = self.both(lambda: [torch.nn.Parameter(
+                torch.randn(3, dtype=torch.float32))], lr=0.1)
+            for o in (opt, ref):
+                p = o.param_groups[0]["params"][0]
+                for _ in range(3):
+                    p.grad = torch.ones(3, dtype=torch.float32,
+                                        device=DEVICE)
+                    o.step()
+            mine = opt.state_dict()["state"][0]["step"]
+            theirs = ref.state_dict()["state"][0]["step"]
+        finally:
+            torch.set_default_dtype(before)
+        self.assertEqual(mine.dtype, theirs.dtype)
+        self.assertEqual(float(mine), float(theirs))
+
 
 class _cpu:
     """torch 1.13 has no device context: tensors are made on the CPU."""

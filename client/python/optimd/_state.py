@@ -19,6 +19,7 @@ and a step fetches the state again only while one of them is alive.
 import weakref
 
 import torch
+from torch.optim import optimizer as _torch_optimizer
 
 from optimd._dtensor import local_of
 from optimd._layout import memory_order
@@ -260,6 +261,16 @@ class DaemonState(dict):
     def copy(self):
         self._refresh()
         return dict(dict.items(self))
+
+
+def step_tensor(count):
+    """A state entry's "step" as the installed torch makes it: a 0-d tensor
+    of torch's scalar dtype (from torch 2.0: float32, float64 under a
+    float64 default dtype, whatever else the default is), or of the default
+    dtype on torch before it."""
+    scalar_dtype = getattr(_torch_optimizer, "_get_scalar_dtype", None)
+    dtype = scalar_dtype() if scalar_dtype is not None else None
+    return torch.tensor(float(count), dtype=dtype)
 
 
 def _alive(held):

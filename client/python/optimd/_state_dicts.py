@@ -12,7 +12,8 @@ import torch
 from optimd._dtensor import like_param
 from optimd._layout import view_like
 from optimd import _zero_state
-from optimd._state import DAEMON_KEYS, DTYPES, set_state_request
+from optimd._state import (DAEMON_KEYS, DTYPES, set_state_request,
+                           step_tensor)
 
 _TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
 
@@ -90,7 +91,7 @@ class StateDicts:
         stepped (torch has no state for it then)."""
         if own == 0 and s.numel:
             return None
-        entry = {"step": torch.tensor(float(own))} \
+        entry = {"step": step_tensor(own)} \
             if self._state_has_step else {}
         for kind, flat in flats.items():
             # fp32 and float64 parameters need no master in torch's format.

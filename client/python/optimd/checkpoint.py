@@ -47,6 +47,7 @@ import struct
 import torch
 
 from optimd._layout import from_memory_shape
+from optimd._state import step_tensor
 
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16,
            "F16": torch.float16, "F64": torch.float64, "I16": torch.int16,
@@ -283,7 +284,7 @@ def to_torch_state_dict(path, shapes=None, params=None):
             # has no state entry for it.
             own = g["step"] - missed.get(ti, 0)
             if not t["frozen"] and own > 0:
-                entry = {"step": torch.tensor(float(own))} \
+                entry = {"step": step_tensor(own)} \
                     if kind == "adamw" else {}
                 for k, value in _slot_values(name, t, tensors):
                     entry[k] = _shaped(value, shape, like)
@@ -325,7 +326,7 @@ def merge_shards(directory):
                 entry = state.setdefault(name, {}) if own > 0 and \
                     not t["frozen"] else None
                 if entry is not None:
-                    entry["step"] = torch.tensor(float(own))
+                    entry["step"] = step_tensor(own)
                     if m is not None:
                         pieces.append((entry, "master", m))
                     pieces += [(entry, k, v)
