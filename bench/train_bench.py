@@ -259,7 +259,9 @@ def optimd_adamw(daemon, job_id, **options):
                                  job_id=job_id, **HYPER, **options)
 
 
-def compare(name, cfg, batch, seq, clip, daemon, args):
+def make_peers(name, cfg, batch, seq, clip, daemon, args):
+    """The trainers of one row, each over its own copy of one model: torch
+    fused, optimd, and with --overlap optimd overlapped and no optimizer."""
     torch.manual_seed(0)
     base = GPT(seq=seq, **cfg).cuda()
     data = batches(cfg, batch, seq)
@@ -285,19 +287,18 @@ def compare(name, cfg, batch, seq, clip, daemon, args):
     elif args.graphed_blocks:
         for t in peers.values():
             t.graph_blocks()
-    params = sum(p.numel() for p in peers["torch"].model.parameters())
-    tensors = len(list(peers["torch"].model.parameters()))
-    losses = {}
-    for k, t in peers.items():
-        for _ in range(args.warmup):
-            losses[k] = t.iterate()["loss"].item()
+    return peers
+
+
+def run_rounds(peers, client, args):
+    """Timed blocks of back-to-back iterations, peers alternating. Returns
+    the blocks' ms per iteration, the daemon's own timing of each peer's
+    steps ([count, device s, ready-wait s]: device time of the step's work,
+    and its stream's wait for the trainer's ready flag), and the host's
+    back-to-back seconds per phase."""
     blocks = {k: [] for k in peers}
-    client = peers["optimd"].opt.client
-    moved_before = client.get_metrics().plan_entry_updates
-    # The daemon's own timing of each peer's steps (CUDA): device time of
-    # the step's work, and its stream's wait for the trainer's ready flag.
     device = {k: [0, 0.0, 0.0] for k in peers}
-    ahead = {k: {} for k in peers}  # back-to-back host seconds per phase
+    ahead = {k: {} for k in peers}
     for b in range(args.blocks):
         # Every other round in reverse order, so that a drift of the
         # machine (its host clock) weighs on every peer alike.
@@ -310,6 +311,20 @@ def compare(name, cfg, batch, seq, clip, daemon, args):
                 m0.step_device_time.count
             device[k][1] += m1.step_device_time.sum - m0.step_device_time.sum
             device[k][2] += m1.step_ready_wait.sum - m0.step_ready_wait.sum
+    return blocks, device, ahead
+
+
+def compare(name, cfg, batch, seq, clip, daemon, args):
+    peers = make_peers(name, cfg, batch, seq, clip, daemon, args)
+    params = sum(p.numel() for p in peers["torch"].model.parameters())
+    tensors = len(list(peers["torch"].model.parameters()))
+    losses = {}
+    for k, t in peers.items():
+        for _ in range(args.warmup):
+            losses[k] = t.iterate()["loss"].item()
+    client = peers["optimd"].opt.client
+    moved_before = client.get_metrics().plan_entry_updates
+    blocks, device, ahead = run_rounds(peers, client, args)
     # Plan entries the daemon rewrote per step (gradients the allocator
     # moved): 0 in the steady state.
     moved = (client.get_metrics().plan_entry_updates - moved_before) / (
@@ -454,7 +469,7 @@ def print_row(r):
                100 * r["visible_overlap"], 100 * r["visible_torch"]))
 
 
-def main():
+def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="gpt400m,deep2400,small30m")
     ap.add_argument("--batches", default="heavy,users",
@@ -516,13 +531,11 @@ def main():
                  "(use --graphed_blocks)")
     if args.graphed and args.graphed_blocks:
         ap.error("--graphed or --graphed_blocks, not both")
-    if args.queued_send:
-        from optimd import _step_stream
-        from step_handoff import queued_send
-        _step_stream.StepStream.send = queued_send
-    if args.step_call != "stream":
-        use_step_call(args.step_call)
-    torch.backends.cuda.matmul.allow_tf32 = True
+    return args
+
+
+def run_rows(args):
+    """Every row asked for, each printed as it is measured."""
     rows = []
     saved = dict(os.environ)
     os.environ.update(kv.split("=", 1) for kv in args.daemon_env)
@@ -543,6 +556,19 @@ def main():
                     r = compare(name, cfg, batch, seq, clip, daemon, args)
                     print_row(r)
                     rows.append(r)
+    return rows
+
+
+def main():
+    args = parse_args()
+    if args.queued_send:
+        from optimd import _step_stream
+        from step_handoff import queued_send
+        _step_stream.StepStream.send = queued_send
+    if args.step_call != "stream":
+        use_step_call(args.step_call)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    rows = run_rows(args)
     print("\n== iteration time, optimd / torch fused (same run)")
     for r in rows:
         print("%-9s %stokens %6d clip %-4s ratio %.3f, paired %.3f (torch "

@@ -195,6 +195,18 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             become_several(self, self._service)
             return
         self._device = self._check_devices()
+        self._identity = self._job_identity(
+            address=address, job_id=job_id, rank=rank, world_size=world_size,
+            max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite,
+            overlap=overlap, timeout=timeout,
+            gradient_sharding=gradient_sharding, shard_state=shard_state)
+        self._open(resume, resume_secret)
+
+    def _job_identity(self, *, address, job_id, rank, world_size,
+                      max_grad_norm, skip_nonfinite, overlap, timeout,
+                      gradient_sharding, shard_state):
+        """The session's identity (address, job, rank, sharding, ...) from
+        the constructor's options and the process group, checked."""
         # One session per optimizer object: two optimizers of one process
         # (a GAN, a notebook cell run twice) never collide. resume=True
         # needs the job id of the session to take over.
@@ -231,12 +243,10 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             # A step may wait for the other ranks up to the daemon's
             # --rank_timeout_s (600 s by default): the call must outlast it.
             timeout = max(timeout, 900.0)
-        self._identity = dict(address=address, timeout=timeout, job=job,
-                              rank=rank, world_size=world_size,
-                              overlap=overlap,
-                              sharding=_SHARDING[gradient_sharding],
-                              shard_state=self._shard_state)
-        self._open(resume, resume_secret)
+        return dict(address=address, timeout=timeout, job=job,
+                    rank=rank, world_size=world_size, overlap=overlap,
+                    sharding=_SHARDING[gradient_sharding],
+                    shard_state=self._shard_state)
 
     # Whether sparse gradients are stepped (as their dense equivalent), as
     # torch's SGD steps them; torch's Adam and AdamW raise.
