@@ -1,6 +1,7 @@
 """optimd.torch.AdamW as a drop-in torch optimizer: training a model,
 several groups, state dicts both ways with torch.optim.AdamW, resume after a
 trainer crash, and clear Python errors."""
+import atexit
 import gc
 import math
 import os
@@ -1742,6 +1743,98 @@ class TorchClientTest(unittest.TestCase):
         self.assertTrue(torch.allclose(opt.state[p0]["max_exp_avg_sq"],
                                        ref.state[q0]["max_exp_avg_sq"],
                                        rtol=1e-5))
+        opt.close()
+
+    def test_a_forked_child_neither_uses_nor_closes_the_session(self):
+        # The child's calls raise at once (the parent's gRPC connection is
+        # no use to it), and what its ordinary exit would run (the
+        # optimizer's finalizer: close(); atexit's functions) leaves the
+        # parent's session open. os._exit after: unittest would catch a
+        # SystemExit and go on with the other tests in the child.
+        model = mlp()
+        opt = self.make(model.parameters(), lr=1e-2, job_id=None)
+        self.train_step(model, opt)
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(20)  # a hang fails the test, not the suite
+            try:
+                self.train_step(model, opt)
+                code = 3  # stepped through the parent's connection
+            except optimd.FailedPreconditionError as e:
+                code = 0 if "fork" in str(e) else 4
+            except BaseException:  # noqa: B902 (any other failure)
+                code = 5
+            try:
+                opt.close()
+                atexit._run_exitfuncs()
+            except BaseException:  # noqa: B902
+                code = code or 6
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        self.assertTrue(os.WIFEXITED(status), status)
+        self.assertEqual(os.WEXITSTATUS(status), 0)
+        with optimd.Client(self.daemon.address) as c:
+            jobs = [s.job_id for s in c.list_sessions().sessions]
+        self.assertIn(opt._identity["job"], jobs)
+        self.train_step(model, opt)  # the parent's session goes on
+        opt.close()
+
+    def test_a_closed_optimizer_says_so(self):
+        model = mlp()
+        opt = self.make(model.parameters(), lr=1e-2)
+        self.train_step(model, opt)
+        opt.close()
+        for use in (lambda: self.train_step(model, opt), opt.state_dict):
+            with self.assertRaisesRegex(optimd.FailedPreconditionError,
+                                        "was closed"):
+                use()
+
+    def test_a_checkpoint_stream_left_early_lets_its_snapshot_go(self):
+        # A read interrupted inside gRPC's wait for a chunk (where SIGINT
+        # lands most often): the traceback, which a notebook keeps, holds
+        # gRPC's frames and with them the call; the call is cancelled all
+        # the same, so that the daemon's two snapshots per session do not
+        # stay taken. 4M parameters: more than gRPC's flow-control windows
+        # hold, so a stream nobody reads stays open.
+        import grpc
+
+        params = [torch.nn.Parameter(torch.zeros(1 << 20)) for _ in range(4)]
+        opt = self.make(params, lr=1e-2)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        rendezvous = grpc._channel._MultiThreadedRendezvous
+        real_next = rendezvous.__next__
+        calls = []
+
+        def interrupted_next(call):
+            calls.append(call)
+            if len(calls) % 2 == 0:
+                raise KeyboardInterrupt
+            return real_next(call)
+        kept = []
+        gc.disable()  # cyclic collection would end abandoned calls too
+        try:
+            with mock.patch.object(rendezvous, "__next__", interrupted_next):
+                for _ in range(3):
+                    try:
+                        for _ in opt.state_bytes(chunk_bytes=1 << 16):
+                            pass
+                    except KeyboardInterrupt as e:
+                        kept.append(e)
+            del calls[:]
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    whole = b"".join(opt.state_bytes())
+                    break
+                except optimd.ResourceExhaustedError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+        finally:
+            gc.enable()
+        self.assertGreater(len(whole), 0)
         opt.close()
 
 

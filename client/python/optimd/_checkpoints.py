@@ -26,8 +26,15 @@ class Checkpoints:
         what save_checkpoint would write), for a checkpoint store of your
         own. The state is copied at a step boundary when iteration starts."""
         self._write_back_state()
-        for chunk in self._client.save_state_stream(chunk_bytes):
-            yield chunk.data
+        chunks = self._client.save_state_stream(chunk_bytes)
+        try:
+            for chunk in chunks:
+                yield chunk.data
+        finally:
+            # Left early (a KeyboardInterrupt at this yield, whose traceback
+            # a notebook keeps, holds this frame): the stream's call is
+            # cancelled now, not when the traceback goes.
+            chunks.close()
 
     def load_state_bytes(self, chunks):
         """Loads a checkpoint from an iterable of byte strings (as yielded by

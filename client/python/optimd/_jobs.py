@@ -98,7 +98,10 @@ def close_session(client, job, rank):
     secret once the session is really closed (not when the daemon is gone
     or another trainer has taken the session over: a resume may still need
     it); at interpreter exit a daemon already gone is no error worth
-    raising."""
+    raising. Nothing in a forked child (its exit would close the parent's
+    session through the parent's connection)."""
+    if not client.owned_here:
+        return
     try:
         if client.token:
             client.close_session()

@@ -173,6 +173,9 @@ class _Connection:
     def __init__(self, channel):
         self.channel = channel
         self.stream = None
+        # gRPC's connections do not survive fork(): a child closing them
+        # (its collection of the Client) would shut the parent's down.
+        self.pid = os.getpid()
 
     def close_stream(self, timeout=10.0):
         if self.stream is not None:
@@ -182,7 +185,10 @@ class _Connection:
     def close(self, timeout=10.0):
         """timeout: how long steps in flight may take to be answered; a
         collected Client's waits for none (its finalizer may run on any
-        thread, the stream's own included)."""
+        thread, the stream's own included). Nothing in a forked child: the
+        connection is its parent's."""
+        if os.getpid() != self.pid:
+            return
         self.close_stream(timeout)
         self.channel.close()
 
@@ -265,10 +271,35 @@ class Client:
     def __exit__(self, *exc):
         self.close()
 
+    @property
+    def owned_here(self):
+        """Whether this process made the connection (not a forked child of
+        the process that did)."""
+        return os.getpid() == self._connection.pid
+
+    def _check_usable(self):
+        """A closed client, or one a forked child inherited, raises at once
+        (the child's calls would wait forever on its parent's connection,
+        or close the parent's session)."""
+        if not self.owned_here:
+            raise errors.FailedPreconditionError(
+                "this connection to the optimd daemon at %s was made by "
+                "process %d; process %d, a fork of it, cannot use it (gRPC "
+                "connections do not survive fork): make the optimizer in the "
+                "child, or start workers with the 'spawn' method" % (
+                    self.address, self._connection.pid, os.getpid()))
+        if not self._closer.alive:
+            raise errors.FailedPreconditionError(
+                "this connection to the optimd daemon at %s was closed "
+                "(close() of the Client, or of the optimizer holding it): "
+                "make a new optimizer and load_state_dict() into it to go on"
+                % self.address)
+
     def _before(self, method):
         """Steps still in flight come first: the daemon orders a session's
         calls by arrival, and a reply must not overtake them; then, for a
         call on the trainer's memory, before_trainer_memory."""
+        self._check_usable()
         if self._stream is not None:
             self._stream.drain()
         if method in _TOUCHES_TRAINER_MEMORY and self.before_trainer_memory:
@@ -424,6 +455,7 @@ class Client:
         return request
 
     def _send_step(self, request):
+        self._check_usable()
         if self._stream is not None and self._stream.broken:
             self._stream.close()
             self._stream = None
@@ -489,13 +521,20 @@ class Client:
         """Yields the checkpoint file's bytes in chunks (SaveStateStream)."""
         self._before("SaveStateStream")
         metadata = ((SESSION_METADATA_KEY, self.token),)
+        call = self._stub.SaveStateStream(
+            pb.SaveStateStreamRequest(chunk_bytes=chunk_bytes),
+            metadata=metadata)
         try:
-            for chunk in self._stub.SaveStateStream(
-                    pb.SaveStateStreamRequest(chunk_bytes=chunk_bytes),
-                    metadata=metadata):
+            for chunk in call:
                 yield chunk
         except grpc.RpcError as err:
             raise errors.from_rpc_error(err, self.address) from None
+        finally:
+            # Left early (an exception, KeyboardInterrupt included, or the
+            # reader stopped): the call is cancelled, so that the daemon
+            # lets its snapshot of the state go now (it holds at most two
+            # per session).
+            call.cancel()
 
     def load_state_stream(self, chunks):
         """Sends StateChunk messages (in order) to LoadStateStream."""
