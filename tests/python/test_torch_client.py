@@ -891,10 +891,14 @@ class TorchClientTest(unittest.TestCase):
         def same():
             for p, q in zip(ours, theirs):
                 self.assertLessEqual(self.param_err(p, q), 1e-6)
+            # The moments of a slot just restarted come from one gradient,
+            # which the weights' last-bit differences move by up to about
+            # 1e-4 of the slot's largest element (seed 1053755779: 5.5e-5);
+            # a write not acting as in torch moves them by order 1.
             for p, q in zip(ours, theirs):
                 for k, v in ref.state[q].items():
                     self.assertLessEqual(
-                        scale_err(opt.state[p][k].float(), v.float()), 1e-5,
+                        scale_err(opt.state[p][k].float(), v.float()), 1e-4,
                         k)
         for _ in range(3):
             self.step_twins(opt, ref)
