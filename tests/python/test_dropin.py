@@ -585,8 +585,10 @@ class DropIn(DaemonTestCase):
         def steps(o):
             ps = o.param_groups[0]["params"]
             sd = o.state_dict()
-            for i in range(2):
-                sd["state"][i] = {"step": torch.tensor(3.0)}
+            for i, shape in enumerate(((2, 3), (2,))):
+                sd["state"][i] = {"step": torch.tensor(3.0),
+                                  "exp_avg": torch.full(shape, 0.1),
+                                  "exp_avg_sq": torch.full(shape, 0.2)}
             o.load_state_dict(sd)
             w, b = ps
             w.materialize((2, 3))
@@ -1086,6 +1088,37 @@ class DropIn(DaemonTestCase):
             torch.set_default_dtype(before)
         self.assertEqual(mine.dtype, theirs.dtype)
         self.assertEqual(float(mine), float(theirs))
+
+    def test_a_loaded_entry_missing_a_moment_is_refused(self):
+        # torch's load takes an entry without exp_avg_sq and its next step
+        # fails (KeyError); optimd's load raises that KeyError at once and
+        # changes nothing (the daemon would otherwise restart the moment
+        # at zero under the saved step count).
+        import copy
+
+        opt, ref = self.both(one_param(4), lr=0.1)
+        for o in (opt, ref):
+            o.param_groups[0]["params"][0].grad = torch.ones(4, device=DEVICE)
+            o.step()
+        for cut in (("exp_avg_sq",), ("exp_avg", "exp_avg_sq")):
+            bad = copy.deepcopy(opt.state_dict())
+            bad["param_groups"][0]["lr"] = 0.5
+            for k in cut:
+                del bad["state"][0][k]
+            with self.assertRaisesRegex(KeyError, "exp_avg_sq"):
+                opt.load_state_dict(bad)
+            theirs = torch.optim.AdamW(
+                [torch.nn.Parameter(torch.zeros(4, device=DEVICE))], lr=0.1)
+            theirs.load_state_dict(bad)
+            theirs.param_groups[0]["params"][0].grad = torch.ones(
+                4, device=DEVICE)
+            with self.assertRaises(KeyError):
+                theirs.step()
+        self.assertEqual(opt.param_groups[0]["lr"], 0.1)
+        for o in (opt, ref):
+            o.param_groups[0]["params"][0].grad = torch.ones(4, device=DEVICE)
+            o.step()
+        self.assert_same(opt, ref)
 
 
 class _cpu:

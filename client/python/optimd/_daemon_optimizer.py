@@ -255,6 +255,10 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
     _any_fsdp1 = False
     # Whether the optimizer's state may be block8 (AdamW only).
     _takes_block8 = False
+    # Whether a loaded entry with state must hold every slot (torch's Adam
+    # and AdamW fail on a missing one; its SGD starts a missing momentum
+    # buffer from the gradient).
+    _every_slot_needed = True
     # Whether it steps float64 parameters (the daemon's kernels for it take
     # the float64 layout; a subclass whose kernels do not leaves it False,
     # and float64 parameters raise TypeError before the daemon is asked).

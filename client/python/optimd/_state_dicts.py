@@ -11,7 +11,7 @@ import torch
 
 from optimd._dtensor import like_param
 from optimd._layout import view_like
-from optimd import _zero_state
+from optimd import _zero_state, errors
 from optimd._state import (DAEMON_KEYS, DTYPES, set_state_request,
                            step_tensor)
 
@@ -266,6 +266,9 @@ class StateDicts:
                                  "optimizer's group")
         saved_state = state_dict["state"]
         _check_state_shapes(groups, saved, saved_state, self._slot_names)
+        if self._every_slot_needed:
+            _check_state_complete(groups, saved, saved_state,
+                                  self._slot_names)
         masters = False
         for gi, (g, sg, mine) in enumerate(zip(groups, saved, self._groups)):
             # The group becomes the saved one, as torch's load_state_dict
@@ -455,6 +458,31 @@ def _check_state_shapes(groups, saved, saved_state, slot_names):
                         "dict saved for this model (torch's step would "
                         "fail on the shapes)" % (key, pid, tuple(value.shape),
                                                  tuple(p.shape)))
+
+
+def _check_state_complete(groups, saved, saved_state, slot_names):
+    """Raises before anything is loaded when a saved entry has state (a
+    step or a slot) but lacks a slot its group steps with (exp_avg_sq
+    left out, say): torch's load takes it and its next step fails
+    (KeyError); the daemon would start the slot at zero under the saved
+    step count, silently. An entry without state starts afresh, as in
+    torch."""
+    for g, sg in zip(groups, saved):
+        slots = slot_names(dict(g, **{k: v for k, v in sg.items()
+                                     if k != "params"}))
+        for pid in sg["params"]:
+            entry = {k: v for k, v in (saved_state.get(pid) or {}).items()
+                     if v is not None}
+            has = [k for k in ("step",) + tuple(slots) if k in entry]
+            missing = [k for k in slots if k not in entry]
+            if has and missing:
+                raise errors.MissingStateError(
+                    "optimd.torch: the loaded state of parameter %d has %s "
+                    "but no %s (torch's next step would fail: KeyError); "
+                    "load a complete state dict, or leave the parameter's "
+                    "entry out to start its state afresh" % (
+                        pid, ", ".join(map(repr, has)),
+                        ", ".join(map(repr, missing))))
 
 
 def _blob_tensor(t):

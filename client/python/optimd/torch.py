@@ -434,6 +434,7 @@ class SGD(_DaemonOptimizer, torch.optim.SGD):
 
     _kind = pb.OPTIMIZER_KIND_SGD
     _torch_class = torch.optim.SGD
+    _every_slot_needed = False  # a missing momentum buffer: from the grad
     _state_has_step = False
     _state_dtype_key = "state_dtype"
     _takes_float64 = True
