@@ -1120,6 +1120,29 @@ class DropIn(DaemonTestCase):
             o.step()
         self.assert_same(opt, ref)
 
+    def test_a_loaded_step_that_is_no_count_is_refused(self):
+        # A step the daemon cannot count (negative, fractional, past 2**53)
+        # raises ValueError naming the parameter before anything changes
+        # (torch corrects its bias by any float; truncating it would step
+        # differently, silently).
+        import copy
+
+        opt, ref = self.both(one_param(4), lr=0.1)
+        for o in (opt, ref):
+            o.param_groups[0]["params"][0].grad = torch.ones(4, device=DEVICE)
+            o.step()
+        for step in (-5.0, 3.7, 1e20, float("nan")):
+            bad = copy.deepcopy(opt.state_dict())
+            bad["param_groups"][0]["lr"] = 0.5
+            bad["state"][0]["step"] = torch.tensor(step)
+            with self.assertRaisesRegex(ValueError, "parameter 0 has step"):
+                opt.load_state_dict(bad)
+        self.assertEqual(opt.param_groups[0]["lr"], 0.1)
+        for o in (opt, ref):
+            o.param_groups[0]["params"][0].grad = torch.ones(4, device=DEVICE)
+            o.step()
+        self.assert_same(opt, ref)
+
 
 class _cpu:
     """torch 1.13 has no device context: tensors are made on the CPU."""

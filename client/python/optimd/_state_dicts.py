@@ -266,6 +266,7 @@ class StateDicts:
                                  "optimizer's group")
         saved_state = state_dict["state"]
         _check_state_shapes(groups, saved, saved_state, self._slot_names)
+        _check_steps(saved, saved_state)
         if self._every_slot_needed:
             _check_state_complete(groups, saved, saved_state,
                                   self._slot_names)
@@ -458,6 +459,24 @@ def _check_state_shapes(groups, saved, saved_state, slot_names):
                         "dict saved for this model (torch's step would "
                         "fail on the shapes)" % (key, pid, tuple(value.shape),
                                                  tuple(p.shape)))
+
+
+def _check_steps(saved, saved_state):
+    """Raises before anything is loaded when a saved entry's "step" is not
+    a count the daemon keeps: a whole number from 0 to 2**53 (torch takes
+    any float and corrects its bias by it; the daemon counts whole steps,
+    and would take 3.7 as 3, silently)."""
+    for sg in saved:
+        for pid in sg["params"]:
+            step = (saved_state.get(pid) or {}).get("step")
+            if step is None:
+                continue
+            value = float(step)
+            if not (0 <= value <= 2.0 ** 53 and value == int(value)):
+                raise ValueError(
+                    "optimd.torch: the loaded state of parameter %d has step "
+                    "%r; optimd counts whole steps from 0 to 2**53 (give the "
+                    "step count the state was saved at)" % (pid, value))
 
 
 def _check_state_complete(groups, saved, saved_state, slot_names):
