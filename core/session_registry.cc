@@ -265,8 +265,11 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Find(
   auto it = by_token_.find(token);
   if (it == by_token_.end()) {
     return absl::UnauthenticatedError(
-        "unknown session token (closed, taken over by a resumed session, or "
-        "from another daemon)");
+        "unknown session token: its session was closed or reaped, taken "
+        "over by a resumed session, or made by another daemon or by this "
+        "one before a restart (a daemon stopped by SIGTERM saved every "
+        "session and offers it to resume=True; otherwise load a "
+        "checkpoint)");
   }
   return it->second;
 }

@@ -9,6 +9,7 @@
 #include <random>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "backends/cpu/cpu_backend.h"
 #include "checkpoint/key_names.h"
@@ -780,6 +781,9 @@ TEST(SessionRegistryTest, TokensResumeAndClose) {
   EXPECT_EQ(b->session, a->session);
   EXPECT_EQ(registry.Find(a->token).status().code(),
             absl::StatusCode::kUnauthenticated);
+  // What a trainer meets after the daemon restarted: what to do next.
+  EXPECT_TRUE(absl::StrContains(registry.Find(a->token).status().message(),
+                                "resume=True"));
   EXPECT_TRUE(registry.Find(b->token).ok());
   EXPECT_EQ(registry.Find("").status().code(),
             absl::StatusCode::kUnauthenticated);
