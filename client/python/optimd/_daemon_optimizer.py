@@ -835,15 +835,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         for gi, (g, group) in enumerate(zip(self._groups, self.param_groups)):
             if not _changed_since_registered(g, group):
                 continue
-            if len(self._part_keys()) > 1:
-                self._spread()
-                return
-            device = self._check_devices()
-            if device != self._device:
-                # New parameters elsewhere (accelerate's prepare() with
-                # FSDP2 puts DTensors on the GPU into param_groups): the
-                # session moves to them, registering every group anew.
-                self._reopen({device})
+            if self._followed_elsewhere():
                 return
             self._refuse_with_shard_state(
                 "adding, removing, unfreezing or materializing parameters "
@@ -866,6 +858,21 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         elif len(self._groups) < len(self.param_groups):
             self._register_added_groups()
 
+    def _followed_elsewhere(self):
+        """Whether param_groups now hold parameters on other devices, which
+        the optimizer then followed, registering every group anew: spread
+        over several devices (a part each), or its session moved to the
+        one device they are all on now (accelerate's prepare() with FSDP2
+        puts DTensors on the GPU into param_groups)."""
+        if len(self._part_keys()) > 1:
+            self._spread()
+            return True
+        device = self._check_devices()
+        if device != self._device:
+            self._reopen({device})
+            return True
+        return False
+
     def _register_added_groups(self):
         """Groups put into param_groups by the trainer itself (appended or
         inserted, not through add_param_group) are stepped from now on,
@@ -873,12 +880,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         taken out of another group keeps its state. A group without a
         hyperparameter raises KeyError, as torch's step does."""
         for gi in range(len(self._groups), len(self.param_groups)):
-            if len(self._part_keys()) > 1:
-                self._spread()
-                return
-            device = self._check_devices()
-            if device != self._device:
-                self._reopen({device})
+            if self._followed_elsewhere():
                 return
             self._refuse_with_shard_state("adding param_groups")
             self._register_group(gi, self.param_groups[gi], existing=False)
