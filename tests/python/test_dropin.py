@@ -1094,8 +1094,6 @@ class DropIn(DaemonTestCase):
         # fails (KeyError); optimd's load raises that KeyError at once and
         # changes nothing (the daemon would otherwise restart the moment
         # at zero under the saved step count).
-        import copy
-
         opt, ref = self.both(one_param(4), lr=0.1)
         for o in (opt, ref):
             o.param_groups[0]["params"][0].grad = torch.ones(4, device=DEVICE)
@@ -1125,8 +1123,6 @@ class DropIn(DaemonTestCase):
         # raises ValueError naming the parameter before anything changes
         # (torch corrects its bias by any float; truncating it would step
         # differently, silently).
-        import copy
-
         opt, ref = self.both(one_param(4), lr=0.1)
         for o in (opt, ref):
             o.param_groups[0]["params"][0].grad = torch.ones(4, device=DEVICE)

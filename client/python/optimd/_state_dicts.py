@@ -437,6 +437,14 @@ def _unplain(v):
     return v
 
 
+def _saved_slots(group, saved_group, slot_names):
+    """The state slots `group` steps with once it takes the keys of the
+    saved group (its amsgrad, momentum, ...): slot_names of the two
+    merged."""
+    return slot_names(dict(group, **{k: v for k, v in saved_group.items()
+                                     if k != "params"}))
+
+
 def _check_state_shapes(groups, saved, saved_state, slot_names):
     """Raises before anything is loaded when a saved state slot is not of
     its parameter's shape (a state dict of another model): torch's load
@@ -445,8 +453,7 @@ def _check_state_shapes(groups, saved, saved_state, slot_names):
     of a group with the saved group's keys. Other keys (a step, the
     trainer's own) and lazy parameters are not checked."""
     for g, sg in zip(groups, saved):
-        slots = set(slot_names(dict(g, **{k: v for k, v in sg.items()
-                                         if k != "params"}))) | {"master"}
+        slots = set(_saved_slots(g, sg, slot_names)) | {"master"}
         for p, pid in zip(g["params"], sg["params"]):
             if torch.nn.parameter.is_lazy(p):
                 continue
@@ -487,8 +494,7 @@ def _check_state_complete(groups, saved, saved_state, slot_names):
     step count, silently. An entry without state starts afresh, as in
     torch."""
     for g, sg in zip(groups, saved):
-        slots = slot_names(dict(g, **{k: v for k, v in sg.items()
-                                     if k != "params"}))
+        slots = _saved_slots(g, sg, slot_names)
         for pid in sg["params"]:
             entry = {k: v for k, v in (saved_state.get(pid) or {}).items()
                      if v is not None}
