@@ -571,53 +571,8 @@ class CheckpointTest(unittest.TestCase):
                 for k, v in opt.state[p].items():
                     self.assertTrue(torch.equal(v, state_before[k]), k)
 
-            from optimd.v1 import optimd_pb2 as pb
-            with self.assertRaises(optimd.InvalidArgumentError):
-                opt.client._call("LoadState",
-                                 pb.LoadStateRequest(directory="relative"))
-            with self.assertRaises(optimd.NotFoundError):
-                opt.load_checkpoint(os.path.join(self.dir, "missing"))
-            # Not a regular file: refused at once (a FIFO without a writer
-            # must not hold the daemon), and the daemon still steps.
-            fifo_dir = os.path.join(self.dir, "fifo")
-            os.mkdir(fifo_dir)
-            os.mkfifo(os.path.join(fifo_dir, os.path.basename(path)))
-            with self.assertRaises(optimd.FailedPreconditionError) as cm:
-                opt.load_checkpoint(fifo_dir)
-            self.assertIn("not a regular file", str(cm.exception))
-            unchanged()
-            # Truncated.
-            with open(path, "wb") as f:
-                f.write(good[:len(good) // 2])
-            with self.assertRaises(optimd.OptimdError) as cm:
-                opt.load_checkpoint(self.dir)
-            self.assertEqual(cm.exception.code.name, "DATA_LOSS")
-            unchanged()
-            # Another format.
-            with open(path, "wb") as f:
-                f.write(b"PK\x03\x04 this is a zip file, not a checkpoint")
-            with self.assertRaises(optimd.InvalidArgumentError):
-                opt.load_checkpoint(self.dir)
-            unchanged()
-            # A newer format version.
-            with open(path, "wb") as f:
-                f.write(good.replace(b'\\"format_version\\":1',
-                                     b'\\"format_version\\":7'))
-            with self.assertRaises(optimd.InvalidArgumentError) as cm:
-                opt.load_checkpoint(self.dir)
-            self.assertIn("newer", str(cm.exception))
-            unchanged()
-            # Corrupt data: every checksum is verified before anything
-            # changes (test_corrupt_large_checkpoint_changes_nothing).
-            corrupt = bytearray(good)
-            corrupt[-5] ^= 0xFF
-            with open(path, "wb") as f:
-                f.write(bytes(corrupt))
-            with self.assertRaises(optimd.OptimdError) as cm:
-                opt.load_checkpoint(self.dir)
-            self.assertEqual(cm.exception.code.name, "DATA_LOSS")
-            self.assertIn("checksum", str(cm.exception))
-            unchanged()
+            self.assert_bad_paths_refused(opt, path, unchanged)
+            self.assert_damaged_files_refused(opt, path, good, unchanged)
             with open(path, "wb") as f:
                 f.write(good)
             opt.load_checkpoint(self.dir)
@@ -625,6 +580,63 @@ class CheckpointTest(unittest.TestCase):
             opt.step()
             opt.close()
         # A checkpoint of other shapes or layouts is refused whole.
+        self.assert_other_shapes_refused(path, good)
+
+    def assert_bad_paths_refused(self, opt, path, unchanged):
+        """Loads from a relative, a missing and a FIFO path are refused."""
+        from optimd.v1 import optimd_pb2 as pb
+        with self.assertRaises(optimd.InvalidArgumentError):
+            opt.client._call("LoadState",
+                             pb.LoadStateRequest(directory="relative"))
+        with self.assertRaises(optimd.NotFoundError):
+            opt.load_checkpoint(os.path.join(self.dir, "missing"))
+        # Not a regular file: refused at once (a FIFO without a writer
+        # must not hold the daemon), and the daemon still steps.
+        fifo_dir = os.path.join(self.dir, "fifo")
+        os.mkdir(fifo_dir)
+        os.mkfifo(os.path.join(fifo_dir, os.path.basename(path)))
+        with self.assertRaises(optimd.FailedPreconditionError) as cm:
+            opt.load_checkpoint(fifo_dir)
+        self.assertIn("not a regular file", str(cm.exception))
+        unchanged()
+
+    def assert_damaged_files_refused(self, opt, path, good, unchanged):
+        """Truncated, foreign, newer and corrupt files are refused."""
+        # Truncated.
+        with open(path, "wb") as f:
+            f.write(good[:len(good) // 2])
+        with self.assertRaises(optimd.OptimdError) as cm:
+            opt.load_checkpoint(self.dir)
+        self.assertEqual(cm.exception.code.name, "DATA_LOSS")
+        unchanged()
+        # Another format.
+        with open(path, "wb") as f:
+            f.write(b"PK\x03\x04 this is a zip file, not a checkpoint")
+        with self.assertRaises(optimd.InvalidArgumentError):
+            opt.load_checkpoint(self.dir)
+        unchanged()
+        # A newer format version.
+        with open(path, "wb") as f:
+            f.write(good.replace(b'\\"format_version\\":1',
+                                 b'\\"format_version\\":7'))
+        with self.assertRaises(optimd.InvalidArgumentError) as cm:
+            opt.load_checkpoint(self.dir)
+        self.assertIn("newer", str(cm.exception))
+        unchanged()
+        # Corrupt data: every checksum is verified before anything
+        # changes (test_corrupt_large_checkpoint_changes_nothing).
+        corrupt = bytearray(good)
+        corrupt[-5] ^= 0xFF
+        with open(path, "wb") as f:
+            f.write(bytes(corrupt))
+        with self.assertRaises(optimd.OptimdError) as cm:
+            opt.load_checkpoint(self.dir)
+        self.assertEqual(cm.exception.code.name, "DATA_LOSS")
+        self.assertIn("checksum", str(cm.exception))
+        unchanged()
+
+    def assert_other_shapes_refused(self, path, good):
+        """`good`, loaded by a session of other shapes, is refused whole."""
         with Daemon() as d:
             q = torch.nn.Parameter(torch.randn(999))
             opt = AdamW([("w", q)], lr=1e-3, address=d.address, job_id="bad")

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import unittest
+from types import SimpleNamespace
 
 import torch
 
@@ -63,6 +64,54 @@ def _loader():
     return torch.utils.data.DataLoader(
         _data(), batch_size=4, collate_fn=lambda b: {
             k: torch.stack([x[k] for x in b]) for k in b[0]})
+
+
+def _script_model():
+    """The script's seeded modules on DEVICE, and its two kinds of params."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(64, 32).to(DEVICE)
+    body = torch.nn.Sequential(torch.nn.Linear(32, 32),
+                               torch.nn.GELU(),
+                               torch.nn.LayerNorm(32)).to(DEVICE)
+    experts = torch.nn.ModuleList(
+        torch.nn.Linear(32, 32) for _ in range(2)).to(DEVICE)
+    head = torch.nn.Linear(32, 64, bias=False).to(DEVICE)
+    head.weight = emb.weight  # tied
+    side = torch.nn.Linear(32, 1).to(DEVICE)
+    body[2].requires_grad_(False)  # frozen, unfrozen at step 6
+    decay = [p for m in (emb, body, experts) for p in m.parameters()
+             if p.dim() > 1]
+    other = [p for m in (body, experts) for p in m.parameters()
+             if p.dim() <= 1]
+    return SimpleNamespace(emb=emb, body=body, experts=experts, head=head,
+                           side=side, decay=decay, other=other)
+
+
+def _script_groups(m):
+    """The script's param groups: decay on m's matrices, none on the rest."""
+    return [dict(params=m.decay, weight_decay=0.1),
+            dict(params=m.other, weight_decay=0.0)]
+
+
+def _script_step(i, m, data, opt, opt2, sched, scaler):
+    """Step i of the script: fp16 autocast, GradScaler, clipping, sched."""
+    if i == 6:
+        m.body[2].requires_grad_(True)
+    opt.zero_grad()
+    opt2.zero_grad()
+    with torch.autocast("cuda", dtype=torch.float16):
+        x = m.body(m.emb(data[i]))
+        x = x + m.experts[0](x)  # expert 1 never routed
+        loss = torch.nn.functional.cross_entropy(
+            m.head(x).float(), data[(i + 1) % 20])
+        loss = loss + m.side(x.detach()).float().square().mean()
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(m.decay + m.other, 1.0)
+    scaler.step(opt)
+    scaler.step(opt2)
+    scaler.update()
+    sched.step()
 
 
 class FrameworkTest(unittest.TestCase):
@@ -305,6 +354,44 @@ class FrameworkTest(unittest.TestCase):
         for o in (opts["optimd"], opt):
             o.close()
 
+    def run_training_script(self, make):
+        """Runs the script with make(params, name)'s optimizers; its weights."""
+        m = _script_model()
+        opt = make(_script_groups(m), "main")
+        opt2 = make(m.side.parameters(), "side")
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3,
+                                                    total_steps=40)
+        scaler = torch.cuda.amp.GradScaler()
+        data = torch.randint(0, 64, (20, 16), generator=torch.Generator()
+                             .manual_seed(3)).to(DEVICE)
+        for i in range(10):
+            _script_step(i, m, data, opt, opt2, sched, scaler)
+        path = os.path.join(self.dir, "ckpt-%s.pt" % make.__name__)
+        torch.save(dict(opt=opt.state_dict(), opt2=opt2.state_dict(),
+                        sched=sched.state_dict()), path)
+        # A new optimizer (as in a new process) resumes from the file.
+        if hasattr(opt, "close"):
+            opt.close()
+            opt2.close()
+        opt = make(_script_groups(m), "main-resumed")
+        opt2 = make(m.side.parameters(), "side-resumed")
+        saved = torch.load(path, weights_only=False)
+        opt.load_state_dict(saved["opt"])
+        opt2.load_state_dict(saved["opt2"])
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3,
+                                                    total_steps=40)
+        sched.load_state_dict(saved["sched"])
+        for i in range(10, 20):
+            _script_step(i, m, data, opt, opt2, sched, scaler)
+        params = [p.detach().float().cpu().clone() for mod in
+                  (m.emb, m.body, m.experts, m.side) for p in mod.parameters()]
+        self.assertTrue(torch.equal(params[0], m.emb.weight.detach()
+                                    .float().cpu()))
+        for o in (opt, opt2):
+            if hasattr(o, "close"):
+                o.close()
+        return params
+
     @unittest.skipUnless(DEVICE == "cuda", "needs a GPU")
     def test_a_torch_training_script_runs_unchanged(self):
         # One script written for torch.optim.AdamW, run with each optimizer
@@ -313,80 +400,6 @@ class FrameworkTest(unittest.TestCase):
         # that gets no gradient, tied weights, a second optimizer, and a
         # checkpoint saved with torch.save and resumed by a new optimizer.
         # The weights end as torch's, within the per-step tolerance.
-        def script(make):
-            torch.manual_seed(0)
-            emb = torch.nn.Embedding(64, 32).to(DEVICE)
-            body = torch.nn.Sequential(torch.nn.Linear(32, 32),
-                                       torch.nn.GELU(),
-                                       torch.nn.LayerNorm(32)).to(DEVICE)
-            experts = torch.nn.ModuleList(
-                torch.nn.Linear(32, 32) for _ in range(2)).to(DEVICE)
-            head = torch.nn.Linear(32, 64, bias=False).to(DEVICE)
-            head.weight = emb.weight  # tied
-            side = torch.nn.Linear(32, 1).to(DEVICE)
-            body[2].requires_grad_(False)  # frozen, unfrozen at step 6
-            decay = [p for m in (emb, body, experts) for p in m.parameters()
-                     if p.dim() > 1]
-            other = [p for m in (body, experts) for p in m.parameters()
-                     if p.dim() <= 1]
-            def groups():
-                return [dict(params=decay, weight_decay=0.1),
-                        dict(params=other, weight_decay=0.0)]
-            opt = make(groups(), "main")
-            opt2 = make(side.parameters(), "side")
-            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3,
-                                                        total_steps=40)
-            scaler = torch.cuda.amp.GradScaler()
-            data = torch.randint(0, 64, (20, 16), generator=torch.Generator()
-                                 .manual_seed(3)).to(DEVICE)
-
-            def step(i):
-                if i == 6:
-                    body[2].requires_grad_(True)
-                opt.zero_grad()
-                opt2.zero_grad()
-                with torch.autocast("cuda", dtype=torch.float16):
-                    x = body(emb(data[i]))
-                    x = x + experts[0](x)  # expert 1 never routed
-                    loss = torch.nn.functional.cross_entropy(
-                        head(x).float(), data[(i + 1) % 20])
-                    loss = loss + side(x.detach()).float().square().mean()
-                scaler.scale(loss).backward()
-                scaler.unscale_(opt)
-                torch.nn.utils.clip_grad_norm_(decay + other, 1.0)
-                scaler.step(opt)
-                scaler.step(opt2)
-                scaler.update()
-                sched.step()
-
-            for i in range(10):
-                step(i)
-            path = os.path.join(self.dir, "ckpt-%s.pt" % make.__name__)
-            torch.save(dict(opt=opt.state_dict(), opt2=opt2.state_dict(),
-                            sched=sched.state_dict()), path)
-            # A new optimizer (as in a new process) resumes from the file.
-            if hasattr(opt, "close"):
-                opt.close()
-                opt2.close()
-            opt = make(groups(), "main-resumed")
-            opt2 = make(side.parameters(), "side-resumed")
-            saved = torch.load(path, weights_only=False)
-            opt.load_state_dict(saved["opt"])
-            opt2.load_state_dict(saved["opt2"])
-            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3,
-                                                        total_steps=40)
-            sched.load_state_dict(saved["sched"])
-            for i in range(10, 20):
-                step(i)
-            params = [p.detach().float().cpu().clone() for m in
-                      (emb, body, experts, side) for p in m.parameters()]
-            self.assertTrue(torch.equal(params[0], emb.weight.detach()
-                                        .float().cpu()))
-            for o in (opt, opt2):
-                if hasattr(o, "close"):
-                    o.close()
-            return params
-
         def torch_adamw(params, name):
             return torch.optim.AdamW(params, lr=1e-3)
 
@@ -394,8 +407,8 @@ class FrameworkTest(unittest.TestCase):
             return AdamW(params, lr=1e-3, address=self.daemon.address,
                          job_id=self.id() + name)
 
-        ref = script(torch_adamw)
-        ours = script(optimd_adamw)
+        ref = self.run_training_script(torch_adamw)
+        ours = self.run_training_script(optimd_adamw)
         for i, (p, q) in enumerate(zip(ours, ref)):
             scale = q.abs().max().clamp_min(1e-6)
             self.assertLessEqual(((p - q).abs().max() / scale).item(), 1e-4,

@@ -144,27 +144,48 @@ class OperationsTest(unittest.TestCase):
         runs = [make(d1, i, "ops-%d" % i) for i in range(2)]
         for i, (params, opt) in enumerate(runs):
             train(params, opt, i, range(STEPS))
+        # Held to the end: collected, they would close their sessions.
+        evicted, first = self.refuse_evict_kill_and_resume(d1)
+        self.save_and_load_checkpoints(runs)
+        self.assert_metrics_match_events(d1)
+        self.refuse_a_burst_of_calls(d1)
+        self.assertEqual(d1.stop(), 0)  # SIGTERM: saves both sessions
+        self.assert_first_log_lines(d1)
+
+        d2 = self.start("second.log")
+        try:
+            self.assert_trainers_resume_bit_exactly(d2, runs)
+        finally:
+            self.assertEqual(d2.stop(), 0)
+        self.assert_second_log_lines(d2)
+
+    def refuse_evict_kill_and_resume(self, d):
+        """A refused step, an evicted, a killed and a resumed session."""
         # A refused step, an evicted session, a killed trainer.
-        params, bad = make(d1, 9, "refused")
+        params, bad = make(d, 9, "refused")
         bad.param_groups[0]["lr"] = float("nan")
         with self.assertRaises(optimd.InvalidArgumentError):
             train(params, bad, 9, range(1))
         bad.close()
-        _, evicted = make(d1, 8, "evicted")
-        optimd.Client(d1.address).evict_session("evicted", 0)
+        _, evicted = make(d, 8, "evicted")
+        optimd.Client(d.address).evict_session("evicted", 0)
         trainer = subprocess.Popen([sys.executable, "-c", (
             "import os, signal, torch\n"
             "from optimd.torch import AdamW\n"
             "p = torch.nn.Parameter(torch.randn(10))\n"
             "opt = AdamW([p], address=%r, job_id='killed')\n"
-            "os.kill(os.getpid(), signal.SIGKILL)\n") % d1.address])
+            "os.kill(os.getpid(), signal.SIGKILL)\n") % d.address])
         self.assertEqual(trainer.wait(60), -9)
-        self.wait_for_log(d1, r"job 'killed' rank 0 freed")
+        self.wait_for_log(d, r"job 'killed' rank 0 freed")
         # A live session resumed by a restarted trainer.
-        _, first = make(d1, 7, "again")
-        _, again = make(d1, 7, "again", resume=True)
+        _, first = make(d, 7, "again")
+        _, again = make(d, 7, "again", resume=True)
         self.assertTrue(again.resumed)
         again.close()
+        return evicted, first
+
+    def save_and_load_checkpoints(self, runs):
+        """Streams a save and load; a save and a damaged load that fail."""
         # Checkpoints: a streamed save and load (the same state back), a
         # save that fails, and a streamed load of damaged bytes that fails
         # and changes nothing.
@@ -179,7 +200,9 @@ class OperationsTest(unittest.TestCase):
         with self.assertRaises(optimd.OptimdError):
             runs[1][1].load_state_bytes([bytes(damaged)])
 
-        families = self.scrape(d1)
+    def assert_metrics_match_events(self, d):
+        """/metrics counts the events, exactly as GetMetrics replies."""
+        families = self.scrape(d)
         # Left: the two trainers (refused closed, evicted, killed freed).
         self.assertEqual(families["optimd_sessions"].samples[0].value, 2)
         steps = {s.labels["job_id"]: s.value for s in
@@ -197,25 +220,28 @@ class OperationsTest(unittest.TestCase):
         # Full precision: every sample of the scrape, parsed, is the very
         # double GetMetrics replies with (nothing changed in between), and
         # the reply's own text is the same text.
-        reply = optimd.Client(d1.address).get_metrics()
+        reply = optimd.Client(d.address).get_metrics()
         self.assertEqual(samples(families), reply_samples(reply))
-        self.assertEqual(self.scrape_text(d1), reply.prometheus_text)
+        self.assertEqual(self.scrape_text(d), reply.prometheus_text)
         with self.assertRaises(urllib.error.HTTPError) as e:
-            urllib.request.urlopen(d1.metrics_url.replace("/metrics", "/x"))
+            urllib.request.urlopen(d.metrics_url.replace("/metrics", "/x"))
         self.assertEqual(e.exception.code, 404)
 
+    def refuse_a_burst_of_calls(self, d):
+        """Makes 41 calls that the daemon refuses, one after another."""
         # A burst of refused calls: 20 lines per 10 s window, and the rest
         # counted in one line, here at the latest when the daemon stops (41
         # calls put more than 20 in one window, however they fall).
-        admin = optimd.Client(d1.address)
+        admin = optimd.Client(d.address)
         for _ in range(41):
             with self.assertRaises(optimd.NotFoundError):
                 admin.evict_session("nobody", 0)
         admin.close()
 
-        self.assertEqual(d1.stop(), 0)  # SIGTERM: saves both sessions
-        d1.log.seek(0)
-        log = d1.log.read()
+    def assert_first_log_lines(self, d):
+        """The stopped first daemon's log has a dated line for each event."""
+        d.log.seek(0)
+        log = d.log.read()
         for line in (r"session created: job 'ops-0' rank 0",
                      r"group registered: job 'ops-1' rank 0 group '0', 2 "
                      r"tensors",
@@ -248,30 +274,31 @@ class OperationsTest(unittest.TestCase):
             self.assertRegex(log, line)
         self.assertRegex(log, r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d")  # dated
 
-        d2 = self.start("second.log")
-        try:
-            for i in range(2):
-                fresh = [torch.nn.Parameter(torch.zeros_like(p))
-                         for p in runs[i][0]]
-                opt = AdamW(fresh, lr=1e-2, address=d2.address,
-                            job_id="ops-%d" % i, master_weights=True,
-                            resume=True)
-                self.assertTrue(opt.resumed)
-                train(fresh, opt, i, range(STEPS, 2 * STEPS))
-                ref, ref_opt = make(d2, i, "ref-%d" % i)
-                train(ref, ref_opt, i, range(2 * STEPS))
-                for p, q in zip(fresh, ref):
-                    self.assertTrue(torch.equal(p.detach(), q.detach()))
-                opt.close()
-                ref_opt.close()
-            families = self.scrape(d2)
-            self.assertIn("optimd_checkpoint_loads", families)
-            self.assertEqual(
-                families["optimd_checkpoint_loads"].samples[0].value, 2)
-        finally:
-            self.assertEqual(d2.stop(), 0)
-        d2.log.seek(0)
-        log = d2.log.read()
+    def assert_trainers_resume_bit_exactly(self, d, runs):
+        """Both trainers resume on `d` and go on as runs never stopped."""
+        for i in range(2):
+            fresh = [torch.nn.Parameter(torch.zeros_like(p))
+                     for p in runs[i][0]]
+            opt = AdamW(fresh, lr=1e-2, address=d.address,
+                        job_id="ops-%d" % i, master_weights=True,
+                        resume=True)
+            self.assertTrue(opt.resumed)
+            train(fresh, opt, i, range(STEPS, 2 * STEPS))
+            ref, ref_opt = make(d, i, "ref-%d" % i)
+            train(ref, ref_opt, i, range(2 * STEPS))
+            for p, q in zip(fresh, ref):
+                self.assertTrue(torch.equal(p.detach(), q.detach()))
+            opt.close()
+            ref_opt.close()
+        families = self.scrape(d)
+        self.assertIn("optimd_checkpoint_loads", families)
+        self.assertEqual(
+            families["optimd_checkpoint_loads"].samples[0].value, 2)
+
+    def assert_second_log_lines(self, d):
+        """The second daemon's log says it loaded the saved sessions."""
+        d.log.seek(0)
+        log = d.log.read()
         self.assertRegex(log, r"session resumed: job 'ops-0' rank 0 .*; its "
                               r"state saved at the daemon's last stop is in ")
         self.assertRegex(log, r"checkpoint load started: job 'ops-0' rank 0")
