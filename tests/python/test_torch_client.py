@@ -2,6 +2,7 @@
 several groups, state dicts both ways with torch.optim.AdamW, resume after a
 trainer crash, and clear Python errors."""
 import atexit
+import copy
 import gc
 import math
 import os
@@ -21,6 +22,7 @@ import torch
 
 import optimd
 import optimd.testing
+import optimd.torch
 from optimd.testing import Daemon
 from optimd.torch import AdamW
 
@@ -1748,6 +1750,111 @@ class TorchClientTest(unittest.TestCase):
                                        ref.state[q0]["max_exp_avg_sq"],
                                        rtol=1e-5))
         opt.close()
+
+    def edited_and_loaded(self, key, value, dtype, steps=3):
+        """One bf16-or-fp32 parameter stepped `steps` times, `key` set to
+        `value` in its group, then three more steps; and a fresh optimizer
+        made with key=value that loads the state dict of the moment of the
+        edit and takes the same three steps. Returns both parameters and
+        the first optimizer's state entry and registration request."""
+        torch.manual_seed(SEED)
+        grads = [torch.randn(64, 32).to(dtype) for _ in range(steps + 3)]
+        p = torch.nn.Parameter(torch.randn(64, 32).to(dtype))
+        opt = self.make([p], lr=1e-2)
+        for g in grads[:steps]:
+            p.grad = g.clone()
+            opt.step()
+        saved = copy.deepcopy(opt.state_dict())
+        q = torch.nn.Parameter(p.detach().clone())
+        opt.param_groups[0][key] = value
+        options = dict(lr=1e-2)
+        options[key] = value
+        ref = self.make([q], job_id=self.id() + "-ref", **options)
+        saved["param_groups"][0][key] = value
+        ref.load_state_dict(saved)
+        for g in grads[steps:]:
+            p.grad, q.grad = g.clone(), g.clone()
+            opt.step()
+            ref.step()
+        entry = {k: v.clone() for k, v in opt.state[p].items()}
+        request = opt._groups[0]["request"]
+        opt.close()
+        ref.close()
+        return p, q, entry, request
+
+    def test_optimds_own_options_edited_in_param_groups_take_effect(self):
+        # Each acts from the next step as if the optimizer had been made
+        # with it and had loaded the state of the moment of the edit; each
+        # was silently ignored before (the registration kept the old one).
+        from optimd.v1 import optimd_pb2 as layouts
+        for key, value, dtype, slot_dtype, master in (
+                ("bias_correction", False, torch.float32, torch.float32,
+                 layouts.MASTER_WEIGHTS_UNSPECIFIED),
+                ("exp_avg_dtype", torch.bfloat16, torch.float32,
+                 torch.bfloat16, layouts.MASTER_WEIGHTS_UNSPECIFIED),
+                ("exp_avg_dtype", optimd.torch.BLOCK8, torch.float32,
+                 torch.float32, layouts.MASTER_WEIGHTS_UNSPECIFIED),
+                ("store_param_remainders", True, torch.bfloat16,
+                 torch.float32, layouts.MASTER_WEIGHTS_REMAINDER)):
+            with self.subTest(key=key, value=value):
+                p, q, entry, request = self.edited_and_loaded(key, value,
+                                                              dtype)
+                self.assertTrue(torch.equal(p, q))
+                self.assertEqual(entry["exp_avg"].dtype, slot_dtype)
+                self.assertEqual(request.layout.master_weights, master)
+                # A remainder keeps the fp32 master exactly: the same
+                # values. The others part from unedited steps.
+                unedited = self.edited_and_loaded("lr", 1e-2, dtype)[0]
+                self.assertEqual(torch.equal(p, unedited),
+                                 key == "store_param_remainders")
+
+    def test_refused_storage_edits_change_nothing(self):
+        # An edit the daemon refuses (a bf16 parameter needs a master) or
+        # the client refuses (an unknown moment dtype, amsgrad with 8-bit
+        # moments) raises at the step, and the optimizer steps on as before
+        # once the key is put back; so does a refused load.
+        torch.manual_seed(SEED)
+        p = torch.nn.Parameter(torch.randn(64, 32).to(torch.bfloat16))
+        opt = self.make([p], lr=1e-2)
+        p.grad = torch.randn_like(p)
+        opt.step()
+        group = opt.param_groups[0]
+        for key, value, error in (
+                ("master_weights", False, optimd.InvalidArgumentError),
+                ("exp_avg_dtype", torch.float16, TypeError),
+                ("master_weights", "yes", TypeError)):
+            with self.subTest(key=key, value=value):
+                before = copy.deepcopy(opt.state_dict())
+                kept, param = group[key], p.detach().clone()
+                group[key] = value
+                with self.assertRaisesRegex(error, key):
+                    opt.step()
+                self.assertTrue(torch.equal(p, param))
+                group[key] = kept
+                self.assert_same_state_dict(opt.state_dict(), before)
+        saved = opt.state_dict()
+        saved["param_groups"][0]["master_weights"] = False
+        saved["param_groups"][0]["lr"] = 0.5
+        before = copy.deepcopy(opt.state_dict())
+        with self.assertRaises(optimd.InvalidArgumentError):
+            opt.load_state_dict(saved)
+        self.assert_same_state_dict(opt.state_dict(), before)
+        group["amsgrad"], group["exp_avg_dtype"] = True, optimd.torch.BLOCK8
+        with self.assertRaisesRegex(ValueError, "amsgrad"):
+            opt.step()
+        group["amsgrad"], group["exp_avg_dtype"] = False, torch.float32
+        opt.step()
+        self.assertEqual(opt.state[p]["step"].item(), 2)
+        opt.close()
+
+    def assert_same_state_dict(self, got, want):
+        """Equal param_groups and equal state tensors, bit for bit."""
+        self.assertEqual(got["param_groups"], want["param_groups"])
+        self.assertEqual(got["state"].keys(), want["state"].keys())
+        for i, entry in want["state"].items():
+            self.assertEqual(got["state"][i].keys(), entry.keys())
+            for k, v in entry.items():
+                self.assertTrue(torch.equal(got["state"][i][k], v), k)
 
     def test_a_forked_child_neither_uses_nor_closes_the_session(self):
         # The child's calls raise at once (the parent's gRPC connection is

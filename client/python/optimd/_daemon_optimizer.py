@@ -300,6 +300,37 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
                                  "%s=%r is not supported" %
                                  (cls.__name__, k, v))
 
+    def _storage_of(self, group):
+        """A group's storage options, part of _layout_of: fixed by its
+        registration, so an edit of one in param_groups registers the group
+        anew with its state converted, as loading the state dict into an
+        optimizer made with the new options would convert it."""
+        return dict(master_weights=group.get("master_weights"),
+                    store_param_remainders=bool(
+                        group.get("store_param_remainders", False)),
+                    state_dtype=group.get(self._state_dtype_key,
+                                          torch.float32))
+
+    def _check_storage(self, gi, group):
+        """Raises, before anything changes, for storage options in
+        param_groups[gi] that no registration takes (an edit, or a loaded
+        group)."""
+        key = self._state_dtype_key
+        try:
+            self._check_options({}, group.get(key, torch.float32))
+        except (TypeError, ValueError) as err:
+            raise type(err)("param_groups[%d][%r]: %s" % (gi, key, err)) \
+                from None
+        if group.get("amsgrad") and isinstance(group.get(key), str):
+            raise ValueError(
+                "param_groups[%d]: amsgrad needs torch.float32 or "
+                "torch.bfloat16 moments, not block8 (its running maximum "
+                "has no 8-bit form)" % gi)
+        if group.get("master_weights") not in (None, True, False):
+            raise TypeError(
+                "param_groups[%d]['master_weights'] must be None, True or "
+                "False, not %r" % (gi, group.get("master_weights")))
+
     def _open(self, resume, resume_secret):
         """Opens (or resumes) the session on self._device and registers
         every group."""

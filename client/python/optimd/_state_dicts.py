@@ -270,26 +270,9 @@ class StateDicts:
         if self._every_slot_needed:
             _check_state_complete(groups, saved, saved_state,
                                   self._slot_names)
+        self._take_saved_groups(groups, saved)
         masters = False
         for gi, (g, sg, mine) in enumerate(zip(groups, saved, self._groups)):
-            # The group becomes the saved one, as torch's load_state_dict
-            # replaces it: a key it lacks goes (a scheduler's initial_lr,
-            # say), but for the constructor's options, which take their
-            # constructor values (torch gives its own the defaults), and
-            # the parameters' names, which stay as torch keeps them.
-            for k in [k for k in g if k not in sg and
-                      k not in ("params", "param_names")]:
-                if k in self.defaults:
-                    g[k] = self.defaults[k]
-                else:
-                    del g[k]
-            for k, v in sg.items():
-                if k != "params":
-                    g[k] = tuple(v) if k == "betas" else \
-                        _unplain(v) if k == self._state_dtype_key else v
-            self._reconcile_group(gi, g)
-            if self._layout_of(g) != mine["snapshot"]:
-                self._reregister(gi, g, mine)
             entries = {id(p): saved_state.get(pid)
                        for p, pid in zip(g["params"], sg["params"])}
             for p in mine["lazy"]:
@@ -321,22 +304,86 @@ class StateDicts:
             for g, sg in zip(groups, saved)
             for p, pid in zip(g["params"], sg["params"])})
 
-    def _reregister(self, gi, group, mine):
+    def _take_saved_groups(self, groups, saved):
+        """Each group becomes the saved one, as torch's load_state_dict
+        replaces it, and one whose layout (_layout_of) changed with it is
+        registered anew. Refused for any group, every group gets its keys
+        and registration (with its state) back, and the refusal is
+        raised."""
+        taken = []  # (gi, keys before, state entries if registered anew)
+        state = None
+        try:
+            for gi, (g, sg, mine) in enumerate(zip(groups, saved,
+                                                   self._groups)):
+                taken.append((gi, dict(g), None))
+                self._take_saved_keys(gi, g, sg)
+                if self._layout_of(g) == mine["snapshot"]:
+                    continue
+                self._check_storage(gi, g)
+                if state is None:
+                    self.state.invalidate()
+                    state = self._whole_state()
+                entries = [_daemon_keys(state.get(s.param))
+                           for s in mine["tensors"]]
+                self._reregister(gi, g, mine, restore=entries)
+                taken[-1] = (gi, taken[-1][1], entries)
+        except Exception:
+            for gi, keys, entries in reversed(taken):
+                groups[gi].clear()
+                groups[gi].update(keys)
+                if entries is not None:
+                    mine = self._groups[gi]
+                    self._reregister(gi, groups[gi], mine, restore=entries)
+                    self._client.set_state(set_state_request(
+                        mine["id"], mine["tensors"], entries,
+                        slot_names=mine["slots"]))
+            raise
+
+    def _take_saved_keys(self, gi, g, sg):
+        """Group g takes saved group sg's keys: a key sg lacks goes (a
+        scheduler's initial_lr, say), but for the constructor's options,
+        which take their constructor values (torch gives its own the
+        defaults), and the parameters' names, which stay as torch keeps
+        them."""
+        for k in [k for k in g if k not in sg and
+                  k not in ("params", "param_names")]:
+            if k in self.defaults:
+                g[k] = self.defaults[k]
+            else:
+                del g[k]
+        for k, v in sg.items():
+            if k != "params":
+                g[k] = tuple(v) if k == "betas" else \
+                    _unplain(v) if k == self._state_dtype_key else v
+        self._reconcile_group(gi, g)
+
+    def _reregister(self, gi, group, mine, restore):
         """New hyperparameters that steps do not carry (_layout_of): the
         group is registered afresh over the same buffers (its state is the
-        caller's to write)."""
-        self._client.unregister_group(mine["id"])
+        caller's to write). Where the daemon refuses the new registration
+        (a bf16 parameter without a master, say), the old one is made
+        again with `restore` (its tensors' state entries) and the refusal
+        raised: nothing has changed."""
         seg_p = mine["segments"][0]
         tensors = list(zip(mine["tensors"], _param_offsets(mine)))
         request = self._group_request(gi, group, tensors, seg_p)
-        self._client.register_group(request)
+        self._client.unregister_group(mine["id"])
+        try:
+            self._client.register_group(request)
+        except errors.OptimdError:
+            self._client.register_group(mine["request"])
+            self._client.set_state(set_state_request(
+                mine["id"], mine["tensors"], restore,
+                slot_names=mine["slots"]))
+            raise
+        finally:
+            # Registered afresh: every gradient is absent to the daemon.
+            for s in mine["tensors"]:
+                s.sent_ptr = 0
+            self._index_buffers()
         mine["snapshot"] = self._layout_of(group)
         mine["slots"] = self._slot_names(group)
         mine["request"] = request
-        # Registered afresh: every gradient is absent to the daemon.
-        for s in mine["tensors"]:
-            s.sent_ptr = 0
-        self._index_buffers()
 
     def _refuse_with_shard_state(self, what):
         """shard_state: `what`, which carries the state over through a state
@@ -361,9 +408,10 @@ class StateDicts:
         state = self._whole_state()
         tensors_state = [_daemon_keys(state.get(s.param))
                          for s in mine["tensors"]]
+        self._check_storage(gi, group)
         self._check_layout_change(gi, group, mine["snapshot"], tensors_state)
         was = set(mine["slots"])
-        self._reregister(gi, group, mine)
+        self._reregister(gi, group, mine, restore=tensors_state)
         self._client.set_state(set_state_request(
             mine["id"], mine["tensors"], tensors_state,
             slot_names=self._slot_names(group)))

@@ -175,7 +175,9 @@ class _AdamFamily(_DaemonOptimizer):
 
     def _layout_of(self, group):
         return dict(amsgrad=group["amsgrad"], maximize=group["maximize"],
-                    decoupled_weight_decay=_decoupled(group))
+                    decoupled_weight_decay=_decoupled(group),
+                    bias_correction=bool(group.get("bias_correction", True)),
+                    **self._storage_of(group))
 
     def add_param_group(self, param_group):
         # A group that sets one of the two switches of decoupled decay gets
@@ -490,7 +492,7 @@ class SGD(_DaemonOptimizer, torch.optim.SGD):
     def _layout_of(self, group):
         return dict(momentum_on=group["momentum"] != 0,
                     dampening=group["dampening"], nesterov=group["nesterov"],
-                    maximize=group["maximize"])
+                    maximize=group["maximize"], **self._storage_of(group))
 
     def _slot_names(self, group):
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
@@ -579,7 +581,7 @@ class Lion(_DaemonOptimizer):
                     weight_decay=float(group["weight_decay"]))
 
     def _layout_of(self, group):
-        return dict(maximize=group["maximize"])
+        return dict(maximize=group["maximize"], **self._storage_of(group))
 
     def _slot_names(self, group):
         return ("exp_avg",)
