@@ -32,6 +32,15 @@ print("seed", SEED)
 os.environ.setdefault("OPTIMD_SECRETS_DIR",
                       tempfile.mkdtemp(prefix="optimd-secrets-"))
 
+# Twin models that compute their own gradients (train_step) part by more
+# than float32 rounding: after the first step their weights differ by ulps
+# (optimd's and torch's AdamW order their arithmetic differently), and a
+# gradient element that is a small difference of large terms then differs
+# by much more, relatively, which Adam's m / sqrt(v) carries into the
+# update. One random seed reached 1.7e-6 in three steps. A wrong
+# hyperparameter or a missed step parts them by 1e-3 or more.
+OWN_GRADS_TOL = 1e-4
+
 
 def mlp():
     return torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Tanh(),
@@ -981,7 +990,7 @@ class TorchClientTest(unittest.TestCase):
             self.train_step(ours, opt)
             self.train_step(theirs, ref)
             for p, q in zip(ours.parameters(), theirs.parameters()):
-                self.assertLessEqual(self.param_err(p, q), 1e-6)
+                self.assertLessEqual(self.param_err(p, q), OWN_GRADS_TOL)
         steps = [float(o.state[p]["step"]) for o, m in ((opt, ours),
                                                          (ref, theirs))
                  for p in m.parameters()]
@@ -1000,7 +1009,7 @@ class TorchClientTest(unittest.TestCase):
             self.train_step(again, opt)
             self.train_step(theirs, ref)
         for p, q in zip(again.parameters(), theirs.parameters()):
-            self.assertLessEqual(self.param_err(p, q), 1e-6)
+            self.assertLessEqual(self.param_err(p, q), OWN_GRADS_TOL)
         self.assertEqual(float(opt.state[next(again.parameters())]["step"]),
                          6.0)
         opt.close()
@@ -1422,7 +1431,7 @@ class TorchClientTest(unittest.TestCase):
             self.train_step(ours, opt)
             self.train_step(theirs, ref)
         for p, q in zip(ours[0].parameters(), theirs[0].parameters()):
-            self.assertLessEqual(self.param_err(p, q), 1e-6)
+            self.assertLessEqual(self.param_err(p, q), OWN_GRADS_TOL)
         opt.close()
 
     def test_named_parameters_as_in_torch(self):
@@ -1444,7 +1453,7 @@ class TorchClientTest(unittest.TestCase):
             self.train_step(ours, opt)
             self.train_step(theirs, ref)
         for p, q in zip(ours.parameters(), theirs.parameters()):
-            self.assertLessEqual(self.param_err(p, q), 1e-6)
+            self.assertLessEqual(self.param_err(p, q), OWN_GRADS_TOL)
         sd, ref_sd = opt.state_dict(), ref.state_dict()
         self.assertEqual(sd["param_groups"][0].get("param_names"),
                          ref_sd["param_groups"][0].get("param_names"))
@@ -1515,7 +1524,7 @@ class TorchClientTest(unittest.TestCase):
             torch.nn.functional.mse_loss(b(self.x), self.y).backward()
             ref.step()
         for p, q in zip(a.parameters(), b.parameters()):
-            self.assertLessEqual(self.param_err(p, q), 1e-6)
+            self.assertLessEqual(self.param_err(p, q), OWN_GRADS_TOL)
         # optimd -> torch.
         sd = opt.state_dict()
         self.assertEqual(int(sd["state"][0]["step"]), 10)
@@ -1529,7 +1538,7 @@ class TorchClientTest(unittest.TestCase):
             torch.nn.functional.mse_loss(c(self.x), self.y).backward()
             ref2.step()
         for p, q in zip(a.parameters(), c.parameters()):
-            self.assertLessEqual(self.param_err(p, q), 1e-6)
+            self.assertLessEqual(self.param_err(p, q), OWN_GRADS_TOL)
         opt.close()
 
     def test_state_dict_groups_hold_plain_values_and_load_back(self):
