@@ -809,6 +809,38 @@ class CheckpointTest(unittest.TestCase):
             opt.step()
             opt.close()
 
+    def test_a_stream_the_daemon_stops_sending_ends_after_the_timeout(self):
+        """A state stream whose daemon stops sending (stopped here with
+        SIGSTOP) raises DeadlineExceededError once one wait for a chunk
+        passes the client's timeout, where it waited forever before; a
+        reader slower than the timeout is not cut off."""
+        import signal
+        import time
+        with Daemon() as d:
+            p = torch.nn.Parameter(torch.randn(16_000_000))
+            opt = AdamW([("w", p)], address=d.address, job_id="stalled",
+                        timeout=2.0)
+            p.grad = torch.ones_like(p)
+            opt.step()
+            stream = opt.client.save_state_stream(1 << 20)
+            next(stream)
+            time.sleep(3)  # the reader's own time does not count
+            next(stream)
+            d.process.send_signal(signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                with self.assertRaises(optimd.DeadlineExceededError) as cm:
+                    for _ in stream:
+                        pass
+                self.assertLess(time.monotonic() - t0, 30)
+                self.assertIn("sent no chunk", str(cm.exception))
+            finally:
+                d.process.send_signal(signal.SIGCONT)
+            # The daemon and the session go on.
+            opt.step()
+            self.assertEqual(opt.state[p]["step"].item(), 2)
+            opt.close()
+
     def test_unread_snapshots_count_against_the_state_budget(self):
         """Each SaveStateStream holds a host copy of the state until it is
         read to the end; those copies used to be unbounded and invisible to

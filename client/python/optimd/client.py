@@ -15,6 +15,7 @@ import grpc
 from optimd import errors
 from optimd import _native_steps
 from optimd._step_stream import StepStream
+from optimd._stream_watchdog import StreamWatchdog
 from optimd.v1 import optimd_pb2 as pb
 from optimd.v1 import optimd_pb2_grpc as pb_grpc
 
@@ -524,12 +525,28 @@ class Client:
         call = self._stub.SaveStateStream(
             pb.SaveStateStreamRequest(chunk_bytes=chunk_bytes),
             metadata=metadata)
+        # Each wait for a chunk is bounded by the client's timeout; the
+        # whole stream is not (a large state read slowly takes long).
+        watchdog = StreamWatchdog(call, self.timeout)
+        chunks = iter(call)
         try:
-            for chunk in call:
+            while True:
+                try:
+                    chunk = watchdog.next_of(chunks)
+                except StopIteration:
+                    return
                 yield chunk
         except grpc.RpcError as err:
+            if watchdog.fired:
+                raise errors.DeadlineExceededError(
+                    "the daemon at %s sent no chunk of the state for %g s "
+                    "(the client's timeout); it may be stopped or wedged: "
+                    "check it (optimd's log, its health endpoint), or give "
+                    "a larger timeout=" % (self.address, self.timeout)) \
+                    from None
             raise errors.from_rpc_error(err, self.address) from None
         finally:
+            watchdog.stop()
             # Left early (an exception, KeyboardInterrupt included, or the
             # reader stopped): the call is cancelled, so that the daemon
             # lets its snapshot of the state go now (it holds at most two
