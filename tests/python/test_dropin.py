@@ -621,6 +621,27 @@ class DropIn(DaemonTestCase):
         _, _, (ours, theirs) = self._twins(make, steps)
         self.assertEqual(ours, theirs)
 
+    @unittest.skipUnless(DEVICE.type == "cuda",
+                         "torch 1.13 fuses CUDA parameters only")
+    def test_a_fused_groups_step_lives_where_torchs_fused_keeps_it(self):
+        # torch's fused AdamW keeps each step as a float32 tensor on the
+        # parameter's device; so does optimd's for a group with
+        # fused=True (its own step is fused whatever the flag says).
+        make = one_param(4, 3)
+
+        def steps(o):
+            p = o.param_groups[0]["params"][0]
+            for _ in range(2):
+                p.grad = torch.ones(4, 3, device=DEVICE)
+                o.step()
+            step = o.state[p]["step"]
+            sd_step = o.state_dict()["state"][0]["step"]
+            return (step.dtype, step.device, tuple(step.shape), step.item(),
+                    sd_step.device)
+
+        _, _, (ours, theirs) = self._twins(make, steps, fused=True)
+        self.assertEqual(ours, theirs)
+
     def test_a_negative_lr_survives_a_group_registered_anew(self):
         make = one_param(3)
 

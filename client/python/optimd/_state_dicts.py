@@ -40,10 +40,14 @@ class StateDicts:
                 "every rank")
         by_group = self._daemon_group_states()
         out = {}
-        for g in self._groups:
+        for gi, g in enumerate(self._groups):
             gs = by_group[g["id"]]
             if gs.step == 0:
                 continue
+            # A group taken out of param_groups (its state being retired)
+            # has no keys left to ask.
+            fused = gi < len(self.param_groups) and \
+                bool(self.param_groups[gi].get("fused"))
             blobs = {}
             for t in gs.tensors:
                 blobs.setdefault(t.tensor, {})[t.kind] = t
@@ -53,7 +57,8 @@ class StateDicts:
                 mine = blobs.get(s.name, {})
                 own = next(iter(mine.values())).step if mine else gs.step
                 entry = self._state_entry(s, own, {
-                    kind: _blob_tensor(t) for kind, t in mine.items()})
+                    kind: _blob_tensor(t) for kind, t in mine.items()},
+                    fused)
                 if entry is not None:
                     out[s.param] = entry
         return out
@@ -85,13 +90,15 @@ class StateDicts:
                 by_group[gs.group_id].tensors.extend(gs.tensors)
         return by_group
 
-    def _state_entry(self, s, own, flats):
+    def _state_entry(self, s, own, flats, fused=False):
         """Tensor `s`'s torch-format entry from its own step count and its
         state buffers ({kind: 1-D in memory order}); None when it was never
-        stepped (torch has no state for it then)."""
+        stepped (torch has no state for it then). `fused`: its group's
+        fused=True, whose step torch keeps on the parameter's device."""
         if own == 0 and s.numel:
             return None
-        entry = {"step": step_tensor(own)} \
+        device = s.param.device if fused else None
+        entry = {"step": step_tensor(own, device)} \
             if self._state_has_step else {}
         for kind, flat in flats.items():
             # fp32 and float64 parameters need no master in torch's format.

@@ -497,12 +497,12 @@ class SGD(_DaemonOptimizer, torch.optim.SGD):
     def _slot_names(self, group):
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
 
-    def _state_entry(self, s, own, flats):
+    def _state_entry(self, s, own, flats, fused=False):
         """As torch's SGD keeps it: a stepped parameter of a group without
         momentum (no buffer from the daemon) has the installed torch's
         entry, {"momentum_buffer": None} or none at all (with a master of
         its own, bf16 or fp16, just that); loads drop the None."""
-        entry = super()._state_entry(s, own, flats)
+        entry = super()._state_entry(s, own, flats, fused)
         if entry is None or "momentum_buffer" in entry:
             return entry
         entry.update(dict.fromkeys(_torch_sgd_unset_slots()))
