@@ -836,7 +836,9 @@ class CheckpointTest(unittest.TestCase):
                 self.assertIn("sent no chunk", str(cm.exception))
             finally:
                 d.process.send_signal(signal.SIGCONT)
-            # The daemon and the session go on.
+            # The daemon and the session go on (on a loaded machine the
+            # calls below may need more than the short bound).
+            opt.client.timeout = 60.0
             opt.step()
             self.assertEqual(opt.state[p]["step"].item(), 2)
             opt.close()

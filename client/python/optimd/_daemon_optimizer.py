@@ -129,6 +129,29 @@ class _TensorEntry:
                  "mirrored", "in_place", "keeps_grads")
 
 
+def _storage_refusal(group, dtype, state_dtype_key):
+    """Why the daemon would refuse a registration of a `dtype` parameter
+    with `group`'s storage options (its rules, checked here before a group
+    already registered is taken down for them), or None."""
+    remainder = bool(group.get("store_param_remainders", False))
+    master = group.get("master_weights")
+    if remainder and dtype != torch.bfloat16:
+        return "is %s: remainders (store_param_remainders) are for " \
+            "bfloat16 parameters only" % dtype
+    if dtype == torch.float64 and master:
+        return "is float64: stepped in float64 in place, it takes no " \
+            "master_weights"
+    if dtype == torch.float64 and \
+            group.get(state_dtype_key, torch.float32) is not torch.float32:
+        return "is float64: its state stays float64, as in torch; " \
+            "%s applies to other dtypes" % state_dtype_key
+    if dtype in (torch.bfloat16, torch.float16) and master is False and \
+            not remainder:
+        return "is %s: it needs a master (master_weights None or True, " \
+            "or store_param_remainders for bfloat16)" % dtype
+    return None
+
+
 class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
     """What every optimd.torch optimizer shares: the daemon session, the
     parameters registered where it reaches them, gradients, steps, state and
@@ -330,6 +353,12 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             raise TypeError(
                 "param_groups[%d]['master_weights'] must be None, True or "
                 "False, not %r" % (gi, group.get("master_weights")))
+        if gi < len(self._groups):
+            for s in self._groups[gi]["tensors"]:
+                refusal = _storage_refusal(group, s.mem.dtype, key)
+                if refusal:
+                    raise ValueError("param_groups[%d]: %s %s" %
+                                     (gi, s.name, refusal))
 
     def _open(self, resume, resume_secret):
         """Opens (or resumes) the session on self._device and registers
@@ -943,11 +972,16 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
                 self._retired[id(s.param)] = (weakref.ref(s.param),
                                               state[s.param])
 
-    def _sync_params(self):
+    def _sync_params(self, follow_layout=True):
+        """Follows parameters moved, swapped or resharded since the last
+        call and, with `follow_layout`, layout keys edited in param_groups
+        (a step's; state_dict() and load_state_dict() leave those to the
+        next step, as torch's take effect only in its step, so that a
+        refused edit does not block a load that replaces it)."""
         for gi, (g, group) in enumerate(zip(self._groups,
                                             self.param_groups)):
             self._reconcile_group(gi, group)
-            if self._layout_of(group) != g["snapshot"]:
+            if follow_layout and self._layout_of(group) != g["snapshot"]:
                 self._follow_layout_keys(gi, group, g)
         self._follow_dtensor_shards()
         # map() keeps this at well under a microsecond per parameter.

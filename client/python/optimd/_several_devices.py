@@ -281,10 +281,10 @@ class SeveralDevices:
         for part in self._parts.values():
             part._write_back_state()
 
-    def _sync_params(self):
+    def _sync_params(self, follow_layout=True):
         self._sync_parts()
         for part in self._parts.values():
-            part._sync_params()
+            part._sync_params(follow_layout)
 
     def _sync_structure(self):
         self._sync_parts()
@@ -300,7 +300,12 @@ class SeveralDevices:
         """Loads `entries` ({id(param): entry}) into the parts, each
         through its own load (torch's load_state_dict semantics), with
         `group_options` (one dict per group) as the groups' options or,
-        without, the groups' current ones."""
+        without, the groups' current ones. Options a part's registration
+        would refuse raise before any part is loaded."""
+        for part in self._parts.values():
+            for gi, g in enumerate(self.param_groups):
+                part._check_storage(
+                    gi, _options(group_options[gi] if group_options else g))
         for device, part in self._parts.items():
             state, groups, index = {}, [], 0
             for gi, g in enumerate(self.param_groups):

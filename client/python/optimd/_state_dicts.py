@@ -40,14 +40,14 @@ class StateDicts:
                 "every rank")
         by_group = self._daemon_group_states()
         out = {}
-        for gi, g in enumerate(self._groups):
+        # By parameter: param_groups may be out of step with the
+        # registrations here (groups taken out, their state being kept).
+        fused = {id(p) for group in self.param_groups if group.get("fused")
+                 for p in group["params"]}
+        for g in self._groups:
             gs = by_group[g["id"]]
             if gs.step == 0:
                 continue
-            # A group taken out of param_groups (its state being retired)
-            # has no keys left to ask.
-            fused = gi < len(self.param_groups) and \
-                bool(self.param_groups[gi].get("fused"))
             blobs = {}
             for t in gs.tensors:
                 blobs.setdefault(t.tensor, {})[t.kind] = t
@@ -58,7 +58,7 @@ class StateDicts:
                 own = next(iter(mine.values())).step if mine else gs.step
                 entry = self._state_entry(s, own, {
                     kind: _blob_tensor(t) for kind, t in mine.items()},
-                    fused)
+                    id(s.param) in fused)
                 if entry is not None:
                     out[s.param] = entry
         return out
@@ -183,7 +183,7 @@ class StateDicts:
             # Writes to optimizer.state first, as torch's state_dict
             # shows them.
             self._write_back_state()
-            self._sync_params()
+            self._sync_params(follow_layout=False)
             state_dict = self._state_dict()
         for hook in _hooks(self, "_optimizer_state_dict_post_hooks"):
             result = hook(self, state_dict)
@@ -255,7 +255,7 @@ class StateDicts:
         # Parameters edited or materialized (a lazy module's, by the
         # model's own load_state_dict) are registered before their state.
         self._sync_structure()
-        self._sync_params()
+        self._sync_params(follow_layout=False)
         from optimd._several_devices import SeveralDevices
         if isinstance(self, SeveralDevices):
             # The parameters spread over devices just now: the optimizer
@@ -319,6 +319,7 @@ class StateDicts:
         raised."""
         taken = []  # (gi, keys before, state entries if registered anew)
         state = None
+        self._write_back_state()  # kept if the load is refused
         try:
             for gi, (g, sg, mine) in enumerate(zip(groups, saved,
                                                    self._groups)):
@@ -327,23 +328,25 @@ class StateDicts:
                 if self._layout_of(g) == mine["snapshot"]:
                     continue
                 self._check_storage(gi, g)
-                if state is None:
+                if state is None and not self._shard_state:
                     self.state.invalidate()
                     state = self._whole_state()
-                entries = [_daemon_keys(state.get(s.param))
-                           for s in mine["tensors"]]
+                entries = None if state is None else [
+                    _daemon_keys(state.get(s.param)) for s in mine["tensors"]]
                 self._reregister(gi, g, mine, restore=entries)
                 taken[-1] = (gi, taken[-1][1], entries)
         except Exception:
             for gi, keys, entries in reversed(taken):
                 groups[gi].clear()
                 groups[gi].update(keys)
-                if entries is not None:
+                if self._layout_of(groups[gi]) != \
+                        self._groups[gi]["snapshot"]:
                     mine = self._groups[gi]
                     self._reregister(gi, groups[gi], mine, restore=entries)
-                    self._client.set_state(set_state_request(
-                        mine["id"], mine["tensors"], entries,
-                        slot_names=mine["slots"]))
+                    if entries is not None:
+                        self._client.set_state(set_state_request(
+                            mine["id"], mine["tensors"], entries,
+                            slot_names=mine["slots"]))
             raise
 
     def _take_saved_keys(self, gi, g, sg):
@@ -368,9 +371,10 @@ class StateDicts:
         """New hyperparameters that steps do not carry (_layout_of): the
         group is registered afresh over the same buffers (its state is the
         caller's to write). Where the daemon refuses the new registration
-        (a bf16 parameter without a master, say), the old one is made
-        again with `restore` (its tensors' state entries) and the refusal
-        raised: nothing has changed."""
+        (one _check_storage does not foresee), the old one is made again
+        with `restore` (its tensors' state entries; None under
+        shard_state, where each rank holds a part only and its state is
+        not restored) and the refusal raised."""
         seg_p = mine["segments"][0]
         tensors = list(zip(mine["tensors"], _param_offsets(mine)))
         request = self._group_request(gi, group, tensors, seg_p)
@@ -378,15 +382,26 @@ class StateDicts:
         try:
             self._client.register_group(request)
         except errors.OptimdError:
-            self._client.register_group(mine["request"])
-            self._client.set_state(set_state_request(
-                mine["id"], mine["tensors"], restore,
-                slot_names=mine["slots"]))
+            # The old layout and hyperparameters over the tensors where
+            # they are now (moved or swapped since the first registration).
+            old = type(request)()
+            old.CopyFrom(request)
+            old.layout.CopyFrom(mine["request"].layout)
+            old.hyperparameters.CopyFrom(mine["request"].hyperparameters)
+            self._client.register_group(old)
+            mine["request"] = old
+            if restore is not None:
+                self._client.set_state(set_state_request(
+                    mine["id"], mine["tensors"], restore,
+                    slot_names=mine["slots"]))
             raise
         finally:
-            # Registered afresh: every gradient is absent to the daemon.
+            # Registered afresh: every gradient is absent to the daemon,
+            # and the next step sends every hyperparameter (a scheduler's
+            # lr among them) again.
             for s in mine["tensors"]:
                 s.sent_ptr = 0
+            self._sent_hyper = None
             self._index_buffers()
         mine["snapshot"] = self._layout_of(group)
         mine["slots"] = self._slot_names(group)
