@@ -7,6 +7,7 @@ SplitAdamW, which splits CPU parameters by the parity of their size as if
 they were on two devices: the same code, the real daemon, two real
 sessions. With CUDA, the CPU and the GPU.
 """
+import copy
 import os
 import signal
 import subprocess
@@ -70,7 +71,7 @@ class SeveralDevicesCase(DaemonTestCase):
             out.append(model_on(self.devices))
         opt = self.cls(groups_of(out[0]), address=self.daemon.address, **kw)
         self.opts.append(opt)
-        for k in ("max_grad_norm", "skip_nonfinite"):
+        for k in ("max_grad_norm", "skip_nonfinite", "exp_avg_dtype"):
             kw.pop(k, None)
         return opt, torch.optim.AdamW(groups_of(out[1]), **kw), out[0], out[1]
 
@@ -280,6 +281,20 @@ class ChangesOfParts(SeveralDevicesCase):
         for i, entry in before["state"].items():
             self.assertTrue(torch.equal(after["state"][i]["exp_avg"],
                                         entry["exp_avg"]))
+
+    def test_its_own_state_dict_loads_back(self):
+        # optimd's own keys come back as names in a saved state dict
+        # (exp_avg_dtype "torch.bfloat16"): loaded as the dtypes they name.
+        opt, ref, ours, theirs = self.both(two_groups, lr=1e-2,
+                                           exp_avg_dtype=torch.bfloat16)
+        self.train(opt, ref, ours, theirs, steps=2)
+        saved = copy.deepcopy(opt.state_dict())
+        opt.load_state_dict(saved)
+        again = opt.state_dict()
+        self.assertEqual(again["param_groups"], saved["param_groups"])
+        for i, entry in saved["state"].items():
+            for k, v in entry.items():
+                self.assertTrue(torch.equal(again["state"][i][k], v), k)
 
     def test_both_switches_of_decoupled_decay_follow_an_edit(self):
         # Groups with adam_w_mode and torch's decoupled_weight_decay (torch

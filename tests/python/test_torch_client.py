@@ -1847,6 +1847,7 @@ class TorchClientTest(unittest.TestCase):
                 self.assertTrue(torch.equal(p, param))
                 group[key] = kept
                 self.assert_same_state_dict(opt.state_dict(), before)
+        group["maximize"] = True  # an edit the refused load must keep
         saved = opt.state_dict()
         saved["param_groups"][0]["master_weights"] = False
         saved["param_groups"][0]["lr"] = 0.5

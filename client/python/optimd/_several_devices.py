@@ -35,7 +35,7 @@ import torch
 
 from optimd._dtensor import is_dtensor
 from optimd._aliased import is_fsdp1
-from optimd._state_dicts import _check_state_shapes
+from optimd._state_dicts import _check_state_shapes, _unplain
 
 # The fp32 range the daemon takes a gradient scale in (its reciprocal
 # multiplies gradients in fp32: server/convert.cc CheckStepOptions).
@@ -303,9 +303,13 @@ class SeveralDevices:
         without, the groups' current ones. Options a part's registration
         would refuse raise before any part is loaded."""
         for part in self._parts.values():
+            key = part._state_dtype_key
             for gi, g in enumerate(self.param_groups):
-                part._check_storage(
-                    gi, _options(group_options[gi] if group_options else g))
+                options = dict(_options(group_options[gi] if group_options
+                                        else g))
+                if key in options:  # a saved state dict's dtype is a name
+                    options[key] = _unplain(options[key])
+                part._check_storage(gi, options)
         for device, part in self._parts.items():
             state, groups, index = {}, [], 0
             for gi, g in enumerate(self.param_groups):
@@ -345,6 +349,13 @@ class SeveralDevices:
             with torch.enable_grad():
                 loss = closure()
         self._sync_parts()
+        # Storage edits a part's registration would refuse raise before
+        # any part steps.
+        for part in self._parts.values():
+            for gi, (g, mine) in enumerate(zip(part.param_groups,
+                                               part._groups)):
+                if part._layout_of(g) != mine["snapshot"]:
+                    part._check_storage(gi, g)
         return self._step_parts(loss)
 
     def _step_parts(self, loss):

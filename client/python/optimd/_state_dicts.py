@@ -317,13 +317,15 @@ class StateDicts:
         registered anew. Refused for any group, every group gets its keys
         and registration (with its state) back, and the refusal is
         raised."""
-        taken = []  # (gi, keys before, state entries if registered anew)
+        # (gi, keys before, registration before and state entries where
+        # this load registered the group anew)
+        taken = []
         state = None
         self._write_back_state()  # kept if the load is refused
         try:
             for gi, (g, sg, mine) in enumerate(zip(groups, saved,
                                                    self._groups)):
-                taken.append((gi, dict(g), None))
+                taken.append((gi, dict(g), None, None))
                 self._take_saved_keys(gi, g, sg)
                 if self._layout_of(g) == mine["snapshot"]:
                     continue
@@ -333,21 +335,33 @@ class StateDicts:
                     state = self._whole_state()
                 entries = None if state is None else [
                     _daemon_keys(state.get(s.param)) for s in mine["tensors"]]
+                was = {k: mine[k] for k in ("request", "snapshot", "slots")}
                 self._reregister(gi, g, mine, restore=entries)
-                taken[-1] = (gi, taken[-1][1], entries)
+                taken[-1] = (gi, taken[-1][1], was, entries)
         except Exception:
-            for gi, keys, entries in reversed(taken):
+            for gi, keys, was, entries in reversed(taken):
                 groups[gi].clear()
                 groups[gi].update(keys)
-                if self._layout_of(groups[gi]) != \
-                        self._groups[gi]["snapshot"]:
-                    mine = self._groups[gi]
-                    self._reregister(gi, groups[gi], mine, restore=entries)
-                    if entries is not None:
-                        self._client.set_state(set_state_request(
-                            mine["id"], mine["tensors"], entries,
-                            slot_names=mine["slots"]))
+                if was is not None:
+                    self._restore_registration(self._groups[gi], was,
+                                               entries)
             raise
+
+    def _restore_registration(self, mine, was, entries):
+        """Registration `mine` made again as it was (`was`: its request,
+        snapshot and slots then), with `entries` as its state (None under
+        shard_state: not restored)."""
+        self._client.unregister_group(mine["id"])
+        self._client.register_group(was["request"])
+        mine.update(was)
+        for s in mine["tensors"]:
+            s.sent_ptr = 0
+        self._sent_hyper = None
+        self._index_buffers()
+        if entries is not None:
+            self._client.set_state(set_state_request(
+                mine["id"], mine["tensors"], entries,
+                slot_names=mine["slots"]))
 
     def _take_saved_keys(self, gi, g, sg):
         """Group g takes saved group sg's keys: a key sg lacks goes (a
