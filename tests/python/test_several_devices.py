@@ -296,6 +296,27 @@ class ChangesOfParts(SeveralDevicesCase):
             for k, v in entry.items():
                 self.assertTrue(torch.equal(again["state"][i][k], v), k)
 
+    def test_a_storage_edit_one_part_refuses_steps_no_part(self):
+        # master_weights=False suits the fp32 part and not the bf16 one:
+        # refused before either part steps.
+        fp32 = torch.nn.Parameter(torch.randn(4))  # even: part 0
+        bf16 = torch.nn.Parameter(torch.randn(3).to(torch.bfloat16))
+        opt = self.cls([fp32, bf16], lr=1e-2, address=self.daemon.address)
+        self.opts.append(opt)
+        for p in (fp32, bf16):
+            p.grad = torch.ones_like(p)
+        opt.step()
+        before = [p.detach().clone() for p in (fp32, bf16)]
+        opt.param_groups[0]["master_weights"] = False
+        with self.assertRaisesRegex(ValueError, "needs a master"):
+            opt.step()
+        for p, was in zip((fp32, bf16), before):
+            self.assertTrue(torch.equal(p.detach(), was))
+            self.assertEqual(opt.state[p]["step"].item(), 1)
+        opt.param_groups[0]["master_weights"] = None
+        opt.step()
+        self.assertEqual(opt.state[fp32]["step"].item(), 2)
+
     def test_both_switches_of_decoupled_decay_follow_an_edit(self):
         # Groups with adam_w_mode and torch's decoupled_weight_decay (torch
         # 2.7's AdamW has both; added by hand where it has not): an edit of
