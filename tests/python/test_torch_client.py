@@ -4,6 +4,7 @@ trainer crash, and clear Python errors."""
 import atexit
 import copy
 import gc
+import itertools
 import math
 import os
 import random
@@ -1902,6 +1903,27 @@ class TorchClientTest(unittest.TestCase):
             self.assertFalse(torch.equal(p.detach(), before))
             self.assertEqual(opt.state[p]["step"].item(), 4)
             opt.close()
+
+    def test_storage_prechecks_agree_with_the_daemon(self):
+        # The client's checks of storage options before a group is taken
+        # down (_storage_refusal) refuse exactly what the daemon's
+        # registration refuses, for every parameter dtype and option.
+        from optimd._daemon_optimizer import _storage_refusal
+        for dtype, master, remainder, moments in itertools.product(
+                (torch.float32, torch.bfloat16, torch.float16,
+                 torch.float64), (None, True, False), (False, True),
+                (torch.float32, torch.bfloat16, optimd.torch.BLOCK8)):
+            options = dict(master_weights=master, exp_avg_dtype=moments,
+                           store_param_remainders=remainder)
+            with self.subTest(dtype=dtype, **options):
+                p = torch.nn.Parameter(torch.zeros(4, dtype=dtype))
+                try:
+                    self.make([p], job_id=None, **options).close()
+                    accepted = True
+                except optimd.InvalidArgumentError:
+                    accepted = False
+                predicted = _storage_refusal(options, dtype, "exp_avg_dtype")
+                self.assertEqual(predicted is None, accepted, predicted)
 
     def assert_same_state_dict(self, got, want):
         """Equal param_groups and equal state tensors, bit for bit."""
