@@ -288,13 +288,17 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
     _takes_float64 = False
 
     @classmethod
-    def _check_options(cls, torch_options, state_dtype):
+    def _check_options(cls, torch_options, state_dtype, amsgrad=False):
         if isinstance(state_dtype, str) and state_dtype == BLOCK8:
             if not cls._takes_block8:
                 raise ValueError(
                     "optimd.torch.%s: block8 state is for AdamW/Adam "
                     "moments only; use torch.float32 or torch.bfloat16"
                     % cls.__name__)
+            if amsgrad:
+                raise ValueError(
+                    "amsgrad needs torch.float32 or torch.bfloat16 moments, "
+                    "not block8 (its running maximum has no 8-bit form)")
         elif state_dtype not in (torch.float32, torch.bfloat16):
             raise TypeError("the state dtype must be torch.float32 or "
                             "torch.bfloat16%s, not %s" %
@@ -340,15 +344,11 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         group)."""
         key = self._state_dtype_key
         try:
-            self._check_options({}, group.get(key, torch.float32))
+            self._check_options({}, group.get(key, torch.float32),
+                                group.get("amsgrad"))
         except (TypeError, ValueError) as err:
             raise type(err)("param_groups[%d][%r]: %s" % (gi, key, err)) \
                 from None
-        if group.get("amsgrad") and isinstance(group.get(key), str):
-            raise ValueError(
-                "param_groups[%d]: amsgrad needs torch.float32 or "
-                "torch.bfloat16 moments, not block8 (its running maximum "
-                "has no 8-bit form)" % gi)
         if group.get("master_weights") not in (None, True, False):
             raise TypeError(
                 "param_groups[%d]['master_weights'] must be None, True or "

@@ -335,8 +335,7 @@ class StateDicts:
                     state = self._whole_state()
                 entries = None if state is None else [
                     _daemon_keys(state.get(s.param)) for s in mine["tensors"]]
-                was = {k: mine[k] for k in ("request", "snapshot", "slots")}
-                self._reregister(gi, g, mine, restore=entries)
+                was = self._reregister(gi, g, mine, restore=entries)
                 taken[-1] = (gi, taken[-1][1], was, entries)
         except Exception:
             for gi, keys, was, entries in reversed(taken):
@@ -352,8 +351,16 @@ class StateDicts:
         snapshot and slots then), with `entries` as its state (None under
         shard_state: not restored)."""
         self._client.unregister_group(mine["id"])
-        self._client.register_group(was["request"])
-        mine.update(was)
+        self._register_as(mine, was, entries)
+
+    def _register_as(self, mine, record, entries):
+        """Registers group `mine`, of which the daemon holds no
+        registration now, as `record` (its request, snapshot and slots),
+        with `entries` as its state (None: the caller's to write). Every
+        gradient is then absent to the daemon, and the next step sends
+        every hyperparameter (a scheduler's lr among them) again."""
+        self._client.register_group(record["request"])
+        mine.update(record)
         for s in mine["tensors"]:
             s.sent_ptr = 0
         self._sent_hyper = None
@@ -388,38 +395,27 @@ class StateDicts:
         (one _check_storage does not foresee), the old one is made again
         with `restore` (its tensors' state entries; None under
         shard_state, where each rank holds a part only and its state is
-        not restored) and the refusal raised."""
+        not restored) and the refusal raised. Returns the registration's
+        record before (its request, snapshot and slots)."""
         seg_p = mine["segments"][0]
         tensors = list(zip(mine["tensors"], _param_offsets(mine)))
         request = self._group_request(gi, group, tensors, seg_p)
+        was = {k: mine[k] for k in ("request", "snapshot", "slots")}
         self._client.unregister_group(mine["id"])
         try:
-            self._client.register_group(request)
+            self._register_as(mine, dict(
+                request=request, snapshot=self._layout_of(group),
+                slots=self._slot_names(group)), None)
         except errors.OptimdError:
             # The old layout and hyperparameters over the tensors where
             # they are now (moved or swapped since the first registration).
             old = type(request)()
             old.CopyFrom(request)
-            old.layout.CopyFrom(mine["request"].layout)
-            old.hyperparameters.CopyFrom(mine["request"].hyperparameters)
-            self._client.register_group(old)
-            mine["request"] = old
-            if restore is not None:
-                self._client.set_state(set_state_request(
-                    mine["id"], mine["tensors"], restore,
-                    slot_names=mine["slots"]))
+            old.layout.CopyFrom(was["request"].layout)
+            old.hyperparameters.CopyFrom(was["request"].hyperparameters)
+            self._register_as(mine, dict(was, request=old), restore)
             raise
-        finally:
-            # Registered afresh: every gradient is absent to the daemon,
-            # and the next step sends every hyperparameter (a scheduler's
-            # lr among them) again.
-            for s in mine["tensors"]:
-                s.sent_ptr = 0
-            self._sent_hyper = None
-            self._index_buffers()
-        mine["snapshot"] = self._layout_of(group)
-        mine["slots"] = self._slot_names(group)
-        mine["request"] = request
+        return was
 
     def _refuse_with_shard_state(self, what):
         """shard_state: `what`, which carries the state over through a state
@@ -451,7 +447,6 @@ class StateDicts:
         self._client.set_state(set_state_request(
             mine["id"], mine["tensors"], tensors_state,
             slot_names=self._slot_names(group)))
-        self._sent_hyper = None
         self.state.invalidate()
         # torch's step leaves a slot it no longer uses in the state
         # (momentum_buffer once SGD's momentum is 0, max_exp_avg_sq once

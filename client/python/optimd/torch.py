@@ -132,11 +132,7 @@ class _AdamFamily(_DaemonOptimizer):
         if not 0.0 <= weight_decay:
             raise ValueError(
                 "Invalid weight_decay value: {}".format(weight_decay))
-        self._check_options(torch_options, exp_avg_dtype)
-        if amsgrad and isinstance(exp_avg_dtype, str):
-            raise ValueError("amsgrad needs torch.float32 or torch.bfloat16 "
-                             "moments, not block8 (its running maximum has "
-                             "no 8-bit form)")
+        self._check_options(torch_options, exp_avg_dtype, amsgrad)
         defaults = _torch_defaults(self._torch_class)
         defaults.update(torch_options)
         decoupled = bool(adam_w_mode or
