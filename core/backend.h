@@ -64,7 +64,8 @@ struct StepOptions {
   std::shared_ptr<const void> step_flags_mapping;  // keeps them mapped
   uint32_t sequence = 0;
   // 2, or 3 with a progress word ([2]), which a released step sets past
-  // every stage.
+  // every stage, or 8: also the global-timer stamps of the step's start
+  // and end on the device ([4..5] and [6..7], uint64; CUDA backend).
   uint32_t step_flag_words = 2;
   // The sequence follows the last one (Session::BindStepFlags accepted
   // it): the trainer's stream writes ready = sequence, so a released step

@@ -160,11 +160,20 @@ absl::Status Session::BindStepFlags(const StepRequestSpec& request,
           "be 1, got ",
           request.sequence));
     }
-    // Two words (ready, done), or three with a staged step's progress.
-    const uint64_t words = request.step_flags.size == 12 ? 3 : 2;
+    // Two words (ready, done), three with a staged step's progress, or
+    // eight with the step's two global-timer stamps after a spare word.
+    const uint64_t size = request.step_flags.size;
+    if (size != 8 && size != 12 && size != 32) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "step_flags are 8 bytes (ready, done), 12 (and a staged step's "
+          "progress) or 32 (and the step's timer stamps); got ",
+          size));
+    }
+    // Aligned as their widest word: 8 bytes for the stamps.
+    const DType word = size == 32 ? DType::kFloat64 : DType::kFloat32;
     OPTIMD_ASSIGN_OR_RETURN(
         step_flags_, ResolveRegion("step_flags", "buffer", request.step_flags,
-                                   words, DType::kFloat32));
+                                   size / DTypeSize(word), word));
     last_sequence_ = 0;
   }
   const auto no_progress = [] {

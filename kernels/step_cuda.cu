@@ -243,6 +243,12 @@ __global__ void WriteProgressKernel(uint32_t* word, uint32_t value) {
   *reinterpret_cast<volatile uint32_t*>(word) = value;
 }
 
+__global__ void StampGlobalTimerKernel(uint64_t* where) {
+  uint64_t now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  *reinterpret_cast<volatile uint64_t*>(where) = now;
+}
+
 template <class S>
 absl::Status ConvertTo(DType dst_dtype, const void* src, void* dst, uint64_t n,
                        Stream stream) {
@@ -337,6 +343,11 @@ absl::Status LaunchWriteProgress(uint32_t* word, uint32_t value,
                                  Stream stream) {
   WriteProgressKernel<<<1, 1, 0, stream>>>(word, value);
   return LaunchStatus("progress kernel launch");
+}
+
+absl::Status LaunchStampGlobalTimer(uint64_t* where, Stream stream) {
+  StampGlobalTimerKernel<<<1, 1, 0, stream>>>(where);
+  return LaunchStatus("timer stamp kernel launch");
 }
 
 absl::Status LaunchConvert(DType src_dtype, const void* src, DType dst_dtype,

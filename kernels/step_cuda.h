@@ -84,6 +84,12 @@ absl::Status LaunchCommitSteps(const GroupStep* scratch, uint32_t n,
 // that it is captured into the step graph like the updates around it.
 absl::Status LaunchWriteProgress(uint32_t* word, uint32_t value, Stream stream);
 
+// *where = the GPU's global timer (nanoseconds, the same clock in every
+// context on the device) when `stream` reaches this kernel: the step's
+// own stamps in 32-byte step flags (StepRequest.step_flags), which a
+// trainer sets beside stamps of its own stream (bench/step_trace.py).
+absl::Status LaunchStampGlobalTimer(uint64_t* where, Stream stream);
+
 // dst[i] = src[i] converted (exact widening, or rounding to nearest even),
 // for i < n. Used for master weights at registration and GetParams.
 absl::Status LaunchConvert(DType src_dtype, const void* src, DType dst_dtype,

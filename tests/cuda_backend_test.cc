@@ -960,6 +960,51 @@ TEST_F(CudaBackendTest, StagedStepsMatchTheCpuReferenceAndWriteProgress) {
   EXPECT_EQ(words[1], 1u);
 }
 
+// 32-byte step flags carry the step's start and end on the global timer,
+// in order and step after step; flags of another size are refused, and
+// the step stays untaken.
+TEST_F(CudaBackendTest, StepFlagsOf32BytesCarryTheStepsTimerStamps) {
+  GroupSpec spec;
+  spec.id = "g";
+  Twin twin(cpu_.get(), gpu_.get(),
+            RandomTensors(DType::kFloat32, DType::kFloat32, 4), spec, &rng_);
+  ASSERT_TRUE(twin.status().ok());
+  auto flags = g_trainer->Alloc(64);
+  ASSERT_TRUE(flags.ok());
+  BufferHandle handle;
+  handle.kind = BufferHandle::Kind::kCudaIpc;
+  handle.ipc_handle = flags->ipc_handle;
+  handle.device = 0;
+  handle.size = 16;
+  StepRequestSpec odd;
+  odd.step_flags = handle;
+  odd.sequence = 1;
+  auto refused = twin.gpu_session().Step(odd);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("32"), std::string::npos);
+  EXPECT_EQ(twin.gpu_session().Info().steps, 0u);
+  handle.size = 32;
+  auto* words = reinterpret_cast<uint32_t*>(g_trainer->staging());
+  uint64_t last_end = 0;
+  for (uint32_t seq = 1; seq <= 3; ++seq) {
+    twin.FillGrads(false);
+    words[0] = seq;  // ready, as the trainer's stream writes it
+    ASSERT_TRUE(g_trainer->Upload(flags->id, 0, 4, 0).ok());
+    StepRequestSpec step;
+    if (seq == 1) step.step_flags = handle;
+    step.sequence = seq;
+    step.options.wait = true;
+    ASSERT_TRUE(twin.gpu_session().Step(step).ok());
+    ASSERT_TRUE(g_trainer->Download(flags->id, 0, 32, 0).ok());
+    uint64_t stamps[2];
+    std::memcpy(stamps, words + 4, sizeof(stamps));
+    EXPECT_EQ(words[1], seq);
+    EXPECT_GT(stamps[0], last_end) << "step " << seq;
+    EXPECT_GE(stamps[1], stamps[0]) << "step " << seq;
+    last_end = stamps[1];
+  }
+}
+
 TEST_F(CudaBackendTest, AsynchronousStepsReportTheLastCompletedStep) {
   GroupSpec spec;
   spec.id = "g";

@@ -24,6 +24,7 @@
 #include "common/mutex.h"
 #include "common/status_macros.h"
 #include "core/step_math.h"
+#include "kernels/step_cuda.h"
 
 namespace optimd {
 namespace {
@@ -282,6 +283,14 @@ absl::Status CudaBackend::LaunchStep(CudaSession& s,
     OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(stream, s.ready, 0));
   }
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventRecord(record.began, stream));
+  // 32-byte flags: the step's start and end on the device's global timer,
+  // beside the trainer's own stamps (StepRequest.step_flags).
+  uint64_t* stamps = options.step_flag_words >= 8
+                         ? reinterpret_cast<uint64_t*>(options.step_flags + 4)
+                         : nullptr;
+  if (stamps != nullptr) {
+    OPTIMD_RETURN_IF_ERROR(cuda::LaunchStampGlobalTimer(stamps, stream));
+  }
   const auto enqueue = [&](cudaStream_t on) {
     return EnqueueStepKernels(s, groups, record, scratch_, statistics, progress,
                               lease, on);
@@ -298,6 +307,9 @@ absl::Status CudaBackend::LaunchStep(CudaSession& s,
     // ZeRO: every rank's updated part reaches every rank's parameters
     // before the done flag (a skipped step broadcasts unchanged parts).
     OPTIMD_RETURN_IF_ERROR(lease->EnqueueGather(groups, stream));
+  }
+  if (stamps != nullptr) {
+    OPTIMD_RETURN_IF_ERROR(cuda::LaunchStampGlobalTimer(stamps + 1, stream));
   }
   if (options.step_flags != nullptr) {
     // The done flag only: a staged step has written its progress.

@@ -30,8 +30,13 @@ _PAST_EVERY_STEP = 0x7FFFFFFF
 
 
 class StepFlags:
-    def __init__(self, device):
+    """With `stamps`, 32 bytes: the daemon also writes its global-timer
+    stamps of each step's start and end into words [4:8] (two int64;
+    bench/step_trace.py reads them)."""
+
+    def __init__(self, device, stamps=False):
         self.device = device
+        self._size = 32 if stamps else 12
         self._side = cuda_ipc.SideStream(device)
         self._new_words()
 
@@ -39,7 +44,7 @@ class StepFlags:
         # A small block of torch's caching allocator (where CUDA IPC can
         # export it): the daemon maps the segment holding it (cached per
         # allocation like any buffer).
-        self.words = cuda_ipc.shareable_zeros(12, self.device).view(
+        self.words = cuda_ipc.shareable_zeros(self._size, self.device).view(
             torch.int32)
         self.sequence = 0  # the last step sent
         self.first_index = None  # the client's stream index of step 1
@@ -59,7 +64,7 @@ class StepFlags:
         handle, offset = cuda_ipc.mem_handle(self.words)
         return pb.BufferHandle(cuda_ipc=pb.CudaIpcBuffer(
             ipc_handle=handle, device=self.device.index or 0, offset=offset,
-            size=12)), self.sequence
+            size=self._size)), self.sequence
 
     def mark_ready(self, stream, staged=False):
         """A staged step first resets the progress word (the daemon's writes
