@@ -41,6 +41,10 @@ ratios of the blocks of one round ("paired": steadier where the host's
 speed drifts during the run). Phases: CUDA events and host clocks around each phase of
 separate iterations; GPU ms are event gaps (they include time the GPU
 waits for the host), host ms are the Python call's own time; medians.
+In those separate iterations optimd's step phase also holds the step
+request's way to the daemon (its stream cannot start before the request
+comes, where back to back it is queued ahead): bench/step_trace.py
+breaks back-to-back iterations down instead, the hand-off included.
 """
 import argparse
 import copy
