@@ -8,18 +8,28 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace optimd {
 
 // A request's description of a trainer buffer. Plain data, not yet checked.
+// kCudaVmm: one physical allocation under a region (CudaVmmChunk in the
+// API).
+struct VmmChunk {
+  std::string fd_id;  // the descriptor's id in the daemon's FdStore
+  uint64_t size = 0;
+};
+
 struct BufferHandle {
-  enum class Kind { kNone, kSharedMemory, kCudaIpc };
+  enum class Kind { kNone, kSharedMemory, kCudaIpc, kCudaVmm };
   Kind kind = Kind::kNone;
   // kSharedMemory: the shm_open name.
   std::string segment_name;
   // kCudaIpc: the raw cudaIpcMemHandle_t bytes and the device they live on.
   std::string ipc_handle;
   int device = -1;
+  // kCudaVmm: the chunks under the region, in address order (and `device`).
+  std::vector<VmmChunk> vmm_chunks;
   // Byte region within the segment or allocation.
   uint64_t offset = 0;
   uint64_t size = 0;

@@ -83,6 +83,17 @@ BufferHandle BufferHandleFromProto(const v1::BufferHandle& h) {
       out.offset = h.cuda_ipc().offset();
       out.size = h.cuda_ipc().size();
       break;
+    case v1::BufferHandle::kCudaVmm:
+      out.kind = BufferHandle::Kind::kCudaVmm;
+      out.device = h.cuda_vmm().device();
+      out.offset = h.cuda_vmm().offset();
+      out.size = h.cuda_vmm().size();
+      // Bounded by the request's size; the backend refuses past 65536.
+      out.vmm_chunks.reserve(h.cuda_vmm().chunks_size());
+      for (const v1::CudaVmmChunk& c : h.cuda_vmm().chunks()) {
+        out.vmm_chunks.push_back(VmmChunk{c.fd_id(), c.size()});
+      }
+      break;
     default:
       break;
   }

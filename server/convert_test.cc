@@ -65,6 +65,29 @@ TEST(ConvertTest, GroupSpecDefaultsAndErrors) {
 
 // The API's optimizer kinds map by number both ways; a number no
 // optimizer has is refused, naming the known ones.
+// A cuda_vmm handle keeps its device, region and chunks in order.
+TEST(ConvertTest, CudaVmmHandlesKeepTheirChunksInOrder) {
+  v1::BufferHandle h;
+  auto* vmm = h.mutable_cuda_vmm();
+  vmm->set_device(1);
+  vmm->set_offset(4096);
+  vmm->set_size(3 << 20);
+  for (int i = 0; i < 2; ++i) {
+    auto* c = vmm->add_chunks();
+    c->set_fd_id(std::string(16, static_cast<char>('a' + i)));
+    c->set_size(2 << 20);
+  }
+  const BufferHandle out = BufferHandleFromProto(h);
+  EXPECT_EQ(out.kind, BufferHandle::Kind::kCudaVmm);
+  EXPECT_EQ(out.device, 1);
+  EXPECT_EQ(out.offset, 4096u);
+  EXPECT_EQ(out.size, 3u << 20);
+  ASSERT_EQ(out.vmm_chunks.size(), 2u);
+  EXPECT_EQ(out.vmm_chunks[0].fd_id, std::string(16, 'a'));
+  EXPECT_EQ(out.vmm_chunks[1].fd_id, std::string(16, 'b'));
+  EXPECT_EQ(out.vmm_chunks[1].size, 2u << 20);
+}
+
 TEST(ConvertTest, OptimizerKindsByNumber) {
   v1::RegisterGroupRequest r;
   r.set_group_id("g");

@@ -37,11 +37,13 @@
 #include "checkpoint/key_names.h"
 #include "checkpoint/temporaries.h"
 #include "common/default_address.h"
+#include "common/fd_store.h"
 #include "common/pem_file.h"
 #include "common/stale_files.h"
 #include "common/version.h"
 #include "core/session_registry.h"
 #include "server/device_worker.h"
+#include "server/fd_socket.h"
 #include "server/grpc_log.h"
 #include "server/log.h"
 #include "server/metrics_http.h"
@@ -139,6 +141,15 @@ ABSL_FLAG(double, shutdown_save_s, 540,
 
 namespace {
 
+// Descriptors that trainers passed over the descriptor socket, held while
+// their connections last (the daemon maps a chunk anew from its descriptor
+// whenever a buffer names it), each an open file of the daemon: bounded so
+// that trainers cannot take all of the daemon's descriptors. 4096 chunks of
+// 20 MiB (torch's expandable segments grow by such chunks) are 80 GiB, a
+// GPU's memory per connection; the total allows 16 such connections.
+constexpr size_t kMaxHeldDescriptors = 65536;
+constexpr size_t kMaxHeldDescriptorsPerConnection = 4096;
+
 void Log(const std::string& line) { optimd::log::Info(line); }
 // What keeps the daemon from starting (it exits non-zero next).
 void Fail(const std::string& line) { optimd::log::Error(line); }
@@ -192,8 +203,10 @@ void ParseFlags(int argc, char** argv) {
 
 // One backend per GPU (--backend), then the CPU backend, which serves
 // sessions of CPU tensors (device -1) beside the GPUs if there are any.
-// Empty (logged) when --backend cannot be honoured.
-std::vector<std::unique_ptr<optimd::Backend>> MakeBackends() {
+// The GPUs' backends take trainers' descriptors from `fd_store`. Empty
+// (logged) when --backend cannot be honoured.
+std::vector<std::unique_ptr<optimd::Backend>> MakeBackends(
+    [[maybe_unused]] optimd::FdStore* fd_store) {
   std::vector<std::unique_ptr<optimd::Backend>> backends;
   const std::string flag = absl::GetFlag(FLAGS_backend);
   if (flag != "auto" && flag != "cpu" && flag != "cuda") {
@@ -208,6 +221,7 @@ std::vector<std::unique_ptr<optimd::Backend>> MakeBackends() {
       optimd::CudaBackendOptions cuda_options;
       cuda_options.use_graphs = absl::GetFlag(FLAGS_cuda_graphs);
       cuda_options.blocking_sync = absl::GetFlag(FLAGS_cuda_blocking_sync);
+      cuda_options.fd_store = fd_store;
       auto b = optimd::CreateCudaBackend(d, cuda_options);
       if (!b.ok()) {
         optimd::log::Warn(
@@ -248,6 +262,10 @@ struct Listener {
   std::string address;
   // The Unix socket; null on TCP.
   std::unique_ptr<optimd::UnixSocketListener> unix_socket;
+  // The descriptor socket beside the Unix socket ("<path>.fds"); null on
+  // TCP, which cannot carry descriptors. Declared after unix_socket, so
+  // that it goes first.
+  std::unique_ptr<optimd::FdSocket> fd_socket;
   // TCP: the listening sockets, the TLS credentials, and where gRPC takes
   // the connections (set by StartServer); null on a Unix socket.
   std::unique_ptr<optimd::TcpListener> tcp;
@@ -321,6 +339,23 @@ int OpenListener(Listener* l) {
     return 1;
   }
   l->unix_socket = *std::move(claimed);
+  return 0;
+}
+
+// Starts the descriptor socket beside the claimed Unix socket, serving
+// `fd_store`; nothing on TCP. The daemon's exit code on failure (logged),
+// else 0.
+int StartFdSocket(Listener* l, optimd::FdStore* fd_store) {
+  if (l->unix_socket == nullptr) return 0;
+  auto fd_socket = std::make_unique<optimd::FdSocket>(
+      l->unix_socket->path() + ".fds", fd_store);
+  if (const absl::Status started = fd_socket->Start(); !started.ok()) {
+    Fail(std::string(started.message()));
+    return 1;
+  }
+  Log(absl::StrCat("descriptor socket on ", fd_socket->path(),
+                   " (trainers' CUDA memory descriptors)"));
+  l->fd_socket = std::move(fd_socket);
   return 0;
 }
 
@@ -490,7 +525,9 @@ void AwaitShutdown(const sigset_t& signals,
   if (service.pending() > 0) {
     optimd::log::Warn("grace period over; cancelling the calls still running");
   }
-  // No connection may reach the server once it shuts down.
+  // No connection may reach the server once it shuts down. The descriptor
+  // socket goes first, and closes the descriptors no registration took.
+  if (listener.fd_socket != nullptr) listener.fd_socket->Stop();
   if (listener.unix_socket != nullptr) listener.unix_socket->Stop();
   if (listener.tcp != nullptr) listener.tcp->Stop();
   server.Shutdown(absl::ToChronoTime(absl::Now()));
@@ -569,10 +606,17 @@ int main(int argc, char** argv) {
   signal(SIGXFSZ, SIG_IGN);
   const rlim_t files = RaiseFileLimit();
 
-  std::vector<std::unique_ptr<optimd::Backend>> backends = MakeBackends();
+  // Outlives the backends and the descriptor socket, which use it.
+  optimd::FdStore fd_store(kMaxHeldDescriptors,
+                           kMaxHeldDescriptorsPerConnection);
+  std::vector<std::unique_ptr<optimd::Backend>> backends =
+      MakeBackends(&fd_store);
   if (backends.empty()) return 2;
   Listener listener;
   if (const int code = OpenListener(&listener); code != 0) return code;
+  if (const int code = StartFdSocket(&listener, &fd_store); code != 0) {
+    return code;
+  }
   optimd::StateBudget budget(absl::GetFlag(FLAGS_max_state_bytes));
   std::vector<optimd::Backend*> backend_ptrs;
   for (const auto& b : backends) backend_ptrs.push_back(b.get());
@@ -614,6 +658,7 @@ int main(int argc, char** argv) {
   server->Wait();
   waiter.join();
   workers.clear();               // runs what is still queued
+  listener.fd_socket.reset();    // stopped above: its files are gone
   listener.unix_socket.reset();  // removes the socket file and its lock
   Log("stopped");
   return 0;

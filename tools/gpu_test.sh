@@ -25,8 +25,9 @@ run python3 -m unittest -v tests/python/test_frameworks.py
 # FSDP2 (DTensor parameters): one CUDA rank, one and two CPU ranks, and two
 # CUDA ranks on nvidia-h200-x2.
 run python3 -m unittest -v tests/python/test_fsdp2.py
-# The one CUDA rank again where CUDA IPC cannot share torch's allocations:
-# the shards are mirrored in the optimizer's own buffers.
+# The one CUDA rank again where CUDA IPC cannot share torch's allocations
+# (expandable segments): the daemon maps the shards' chunks from the
+# descriptors the client passes over its descriptor socket.
 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run python3 -m unittest -v \
   tests.python.test_fsdp2.Fsdp2Test.test_one_cuda_rank_matches_torch_in_place
 # FSDP1 (FlatParameters, both use_orig_params): one CUDA rank; two on

@@ -21,6 +21,7 @@
 #include "backends/cuda/step_graph.h"
 #include "backends/cuda/step_kernels.h"
 #include "backends/cuda/step_records.h"
+#include "backends/cuda/vmm_mapping.h"
 #include "common/mutex.h"
 #include "common/status_macros.h"
 #include "core/step_math.h"
@@ -42,7 +43,8 @@ class CudaBackend final : public Backend {
         options_(options),
         driver_(driver),
         stream_(std::move(stream)),
-        ipc_mappings_(device, stream_->stream(), driver.mem_get_address_range) {
+        ipc_mappings_(device, stream_->stream(), driver.mem_get_address_range),
+        vmm_mappings_(device, stream_->stream(), driver.vmm, options.fd_store) {
   }
 
   BackendKind kind() const override { return BackendKind::kCuda; }
@@ -50,6 +52,9 @@ class CudaBackend final : public Backend {
   absl::StatusOr<BufferRef> ResolveBuffer(const BufferHandle& handle,
                                           uint64_t alignment,
                                           const std::string& what) override {
+    if (handle.kind == BufferHandle::Kind::kCudaVmm) {
+      return vmm_mappings_.Resolve(handle, alignment, what);
+    }
     return ipc_mappings_.Resolve(handle, alignment, what);
   }
   absl::StatusOr<StateStorage> AllocateState(uint64_t bytes) override;
@@ -112,6 +117,7 @@ class CudaBackend final : public Backend {
   // The device's worker's only.
   uint64_t next_plan_id_ = 1;
   IpcMappingCache ipc_mappings_;
+  VmmMappingCache vmm_mappings_;
   StepScratch scratch_;
 };
 

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/fd_store.h"
 #include "core/backend.h"
 
 namespace optimd {
@@ -30,6 +31,10 @@ struct CudaBackendOptions {
   // a spinning waiter takes a CPU the trainer's host may need (measured in
   // bench/RESULTS.md; off by default until measured further).
   bool blocking_sync = false;
+  // Descriptors of trainer memory made with cuMemCreate, passed over the
+  // daemon's descriptor socket (cuda_vmm buffers); null: none are taken.
+  // Outlives the backend.
+  const FdStore* fd_store = nullptr;
 };
 
 // Number of usable CUDA devices. 0, with the reason in *why, when there is

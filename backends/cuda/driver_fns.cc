@@ -31,7 +31,18 @@ absl::StatusOr<DriverFns> FindDriverFns() {
       {"cuStreamWaitValue32",
        reinterpret_cast<void**>(&driver.stream_wait_value32)},
       {"cuStreamWriteValue32",
-       reinterpret_cast<void**>(&driver.stream_write_value32)}};
+       reinterpret_cast<void**>(&driver.stream_write_value32)},
+      {"cuMemImportFromShareableHandle",
+       reinterpret_cast<void**>(&driver.vmm.import_handle)},
+      {"cuMemGetAllocationPropertiesFromHandle",
+       reinterpret_cast<void**>(&driver.vmm.get_properties)},
+      {"cuMemRelease", reinterpret_cast<void**>(&driver.vmm.release)},
+      {"cuMemAddressReserve",
+       reinterpret_cast<void**>(&driver.vmm.address_reserve)},
+      {"cuMemAddressFree", reinterpret_cast<void**>(&driver.vmm.address_free)},
+      {"cuMemMap", reinterpret_cast<void**>(&driver.vmm.map)},
+      {"cuMemUnmap", reinterpret_cast<void**>(&driver.vmm.unmap)},
+      {"cuMemSetAccess", reinterpret_cast<void**>(&driver.vmm.set_access)}};
   for (const auto& [name, fn] : wanted) {
     cudaDriverEntryPointQueryResult found;
     OPTIMD_RETURN_IF_CUDA_ERROR(cudaGetDriverEntryPointByVersion(

@@ -14,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "backends/cuda/ipc_mapping.h"
+#include "backends/cuda/vmm_mapping.h"
 
 namespace optimd {
 
@@ -24,6 +25,7 @@ struct DriverFns {
   MemGetAddressRangeFn mem_get_address_range = nullptr;
   StreamValue32Fn stream_wait_value32 = nullptr;
   StreamValue32Fn stream_write_value32 = nullptr;
+  VmmDriverFns vmm;
 };
 
 // Every entry point of DriverFns (the current device's driver);

@@ -206,8 +206,10 @@ class CudaEndToEnd(unittest.TestCase):
     def test_expandable_segments_train_as_the_cpu_reference(self):
         # Under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set before
         # torch starts: a process of its own) nothing torch allocates can
-        # be shared by CUDA IPC; the optimizer's buffers are its own and
-        # gradients are copied into them.
+        # be shared by CUDA IPC; the daemon maps it chunk by chunk from
+        # descriptors the client passes over its descriptor socket, and
+        # steps parameters and reads gradients where they are, also
+        # after torch.cuda.empty_cache() unmapped freed chunks.
         env = dict(os.environ,
                    PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)),

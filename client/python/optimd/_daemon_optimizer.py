@@ -36,6 +36,7 @@ from optimd._several_devices import (PartsState, SeveralDevices,
                                      become_several, check_several,
                                      held_state)
 from optimd._step_flags import StepFlags
+from optimd._vmm import VmmSharer
 from optimd.client import Client
 from optimd.shm import SharedSegment, align
 from optimd.v1 import optimd_pb2 as pb
@@ -565,19 +566,25 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         return self._device.type == "cuda" and self._torch_memory_shareable()
 
     def _torch_memory_shareable(self):
-        """CUDA: whether CUDA IPC can export torch's allocations. Not under
-        PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: then parameters
-        move into the optimizer's own buffers (DTensor shards are copied
-        there and back around each step) and gradients are copied into
-        them at each step, at the cost of those copies; said once."""
+        """CUDA: whether the daemon can reach torch's allocations where
+        they are: by CUDA IPC, or under
+        PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True chunk by chunk
+        over the daemon's descriptor socket (_vmm.py). Where neither can
+        (cudaMallocAsync's pool; a daemon on TCP), parameters move into the
+        optimizer's own buffers (DTensor shards are copied there and back
+        around each step) and gradients are copied into them at each step,
+        at the cost of those copies; said once."""
         global _SAID_UNSHAREABLE
-        shareable = cuda_ipc.torch_memory_shareable(self._device)
+        shareable = cuda_ipc.torch_memory_shareable(self._device) or \
+            self._vmm_sharer() is not None
         if not shareable and not _SAID_UNSHAREABLE:
             _SAID_UNSHAREABLE = True
             warnings.warn(
-                "optimd.torch: CUDA IPC cannot share torch's allocations "
-                "here (as under PYTORCH_CUDA_ALLOC_CONF="
-                "expandable_segments:True or backend:cudaMallocAsync); "
+                "optimd.torch: the daemon cannot reach torch's allocations "
+                "here (CUDA IPC cannot share them, as under "
+                "PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync, or "
+                "expandable_segments:True with a daemon on TCP or without "
+                "a descriptor socket); "
                 "parameters move into the optimizer's own buffers and "
                 "gradients are copied there at each step, so CUDA graphs "
                 "captured before the optimizer was made do not see its "
@@ -637,8 +644,20 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         """CUDA IPC handles of the allocations of parameters registered in
         place, made on first use."""
         if getattr(self, "_param_handle_cache", None) is None:
-            self._param_handle_cache = HandleCache()
+            self._param_handle_cache = HandleCache(self._vmm_sharer())
         return self._param_handle_cache
+
+    def _vmm_sharer(self):
+        """Where CUDA IPC cannot export torch's memory (expandable
+        segments), what shares it with the daemon chunk by chunk
+        (_vmm.py), or None; made once."""
+        if not hasattr(self, "_vmm"):
+            self._vmm = None
+            if self._device.type == "cuda" and \
+                    not cuda_ipc.torch_memory_shareable(self._device):
+                self._vmm = VmmSharer.open(self._identity["address"],
+                                           self._device)
+        return self._vmm
 
     def _refuse_sharded_options(self, name, p):
         """Options that FSDP's parameters (p: FSDP2's DTensor, or FSDP
@@ -883,7 +902,8 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         self._router = GradRouter(
             [s for g in self._groups for s in g["tensors"]], self._device,
             _weakly(self._flat_grads), densify=self._takes_sparse_grads,
-            copies=self._device.type == "cpu" or not self._in_place())
+            copies=self._device.type == "cpu" or not self._in_place(),
+            vmm=self._vmm_sharer())
 
     def _sync_structure(self):
         """A group whose parameters were added or removed since it was

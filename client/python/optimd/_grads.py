@@ -98,7 +98,7 @@ class GradRouter:
     group's flat gradient segment exists."""
 
     def __init__(self, tensors, device, flat_segment, densify=False,
-                 copies=False):
+                 copies=False, vmm=None):
         # flat_segment(group_id) -> the group's flat gradient segment,
         # created on first use (CUDA) or already there (CPU). densify: a
         # sparse gradient is stepped as its dense equivalent (torch's SGD
@@ -121,7 +121,8 @@ class GradRouter:
         # router over more groups starts from the truth): a data pointer, or
         # 0 when absent. Registration leaves every tensor absent.
         self._sent = [s.sent_ptr for s in self._tensors]
-        self._handles = HandleCache() if self._cuda else None
+        self._handles = HandleCache(vmm) if self._cuda else None
+        self._vmm = vmm
 
     def updates(self):
         """The buffer updates that bring the daemon to the gradients now in
@@ -135,6 +136,10 @@ class GradRouter:
         except RuntimeError:  # a sparse gradient has no data pointer
             ptrs = [-1 if g is not None and g.is_sparse else _ptr(g)
                     for g in grads]
+        if self._vmm is not None and self._vmm.remapped():
+            # torch unmapped memory: a gradient at its old pointer may be
+            # in another chunk now; every one is sent anew.
+            self._sent = [None] * len(self._sent)
         if ptrs == self._sent:
             return []
         by_group = {}
@@ -310,8 +315,11 @@ class HandleCache:
 
     MAX_ALLOCATIONS = 4096
 
-    def __init__(self):
+    def __init__(self, vmm=None):
         self._by_id = {}
+        # torch's memory is expandable segments, shared chunk by chunk
+        # (_vmm.py), or None: CUDA IPC.
+        self._vmm = vmm
 
     def handle(self, tensor):
         """A BufferHandle of where `tensor` is."""
@@ -322,6 +330,9 @@ class HandleCache:
     def fill(self, out, tensor):
         """Sets BufferHandle `out` to where `tensor` is."""
         from optimd import cuda_ipc
+        if self._vmm is not None:
+            self._vmm.fill(out, tensor)
+            return
         buffer_id, base, _ = cuda_ipc.allocation_of(tensor)
         ipc_handle = self._by_id.get(buffer_id)
         if ipc_handle is None:

@@ -1,0 +1,75 @@
+// FdStore: file descriptors that trainers passed to the daemon over its
+// descriptor socket (server/fd_socket.h), each under a 16-byte id the
+// trainer chose, until a request that names the id takes it: the POSIX
+// descriptors of a trainer's CUDA memory made with cuMemCreate (torch's
+// expandable segments), which CUDA IPC handles cannot share
+// (BufferHandle::Kind::kCudaVmm).
+//
+// Each descriptor belongs to the connection that brought it: when that
+// connection ends, its descriptors not taken are closed. The store holds
+// at most `max_total` descriptors, and at most `max_per_owner` per
+// connection. Thread-safe.
+#ifndef OPTIMD_COMMON_FD_STORE_H_
+#define OPTIMD_COMMON_FD_STORE_H_
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/mutex.h"
+#include "common/unique_fd.h"
+
+namespace optimd {
+
+class FdStore {
+ public:
+  static constexpr size_t kIdBytes = 16;
+
+  FdStore(size_t max_total, size_t max_per_owner)
+      : max_total_(max_total), max_per_owner_(max_per_owner) {}
+  FdStore(const FdStore&) = delete;
+  FdStore& operator=(const FdStore&) = delete;
+
+  // Keeps every descriptor of `fds` under the id at the same index of
+  // `ids`, for connection `owner`; all or none: an id of the wrong
+  // length, an id given twice or already held, or more descriptors than
+  // the bounds allow is refused (InvalidArgument, ResourceExhausted) and
+  // every descriptor of `fds` is closed.
+  absl::Status Put(uint64_t owner, const std::vector<std::string>& ids,
+                   std::vector<UniqueFd> fds) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The descriptor under `id`, now the caller's; NotFound when no
+  // connection brought it (or it was taken, or its connection ended).
+  absl::StatusOr<UniqueFd> Take(const std::string& id) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // A duplicate of the descriptor under `id` (close-on-exec), the
+  // caller's, the store keeping its own: the daemon imports a trainer's
+  // chunk of CUDA memory as often as it maps it anew. NotFound as Take.
+  absl::StatusOr<UniqueFd> Dup(const std::string& id) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Closes the descriptors of `owner` not taken.
+  void DropOwner(uint64_t owner) ABSL_LOCKS_EXCLUDED(mu_);
+
+  size_t size() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  struct Entry {
+    uint64_t owner;
+    UniqueFd fd;
+  };
+
+  const size_t max_total_;
+  const size_t max_per_owner_;
+  mutable Mutex mu_;
+  std::map<std::string, Entry> entries_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, size_t> per_owner_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace optimd
+
+#endif  // OPTIMD_COMMON_FD_STORE_H_
