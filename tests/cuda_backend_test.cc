@@ -11,7 +11,9 @@
 // its last bits, so those results are compared to 1e-6 relative.
 #include "backends/cuda/cuda_backend.h"
 
+#include <cuda.h>
 #include <cuda_runtime.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <cmath>
@@ -20,6 +22,8 @@
 
 #include "backends/cpu/cpu_backend.h"
 #include "client/shm_tensor.h"
+#include "common/fd_store.h"
+#include "common/unique_fd.h"
 #include "core/fp8.h"
 #include "core/session.h"
 #include "core/session_registry.h"
@@ -864,6 +868,128 @@ TEST_F(CudaBackendTest, BadHandlesAreInvalidArgumentAndHarmless) {
       absl::StatusCode::kInvalidArgument);
   // Still healthy: a valid handle resolves, from the cache.
   EXPECT_TRUE(gpu_->ResolveBuffer(h, 4, "ok").ok());
+}
+
+// A chunk of cuMemCreate's memory on GPU 0, exportable as a POSIX
+// descriptor (as torch's expandable segments are), through the driver's
+// entry points (the test links the runtime only).
+class VmmChunk0 {
+ public:
+  explicit VmmChunk0(uint64_t size) : size_(size) {
+    Find("cuMemCreate", &create_);
+    Find("cuMemRelease", &release_);
+    Find("cuMemExportToShareableHandle", &export_);
+    CUmemAllocationProp prop = {};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = 0;
+    ok_ = create_ != nullptr && create_(&handle_, size, &prop, 0) == 0;
+  }
+  ~VmmChunk0() {
+    if (ok_) release_(handle_);
+  }
+  bool ok() const { return ok_; }
+  // A new descriptor of the chunk, the caller's.
+  UniqueFd Export() const {
+    int fd = -1;
+    if (export_(&fd, handle_, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0) !=
+        0) {
+      return UniqueFd();
+    }
+    return UniqueFd(fd);
+  }
+
+ private:
+  template <class Fn>
+  static void Find(const char* name, Fn* fn) {
+    cudaDriverEntryPointQueryResult found;
+    if (cudaGetDriverEntryPointByVersion(name, reinterpret_cast<void**>(fn),
+                                         12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      *fn = nullptr;
+    }
+  }
+  const uint64_t size_;
+  CUresult (*create_)(CUmemGenericAllocationHandle*, size_t,
+                      const CUmemAllocationProp*,
+                      unsigned long long) =  // NOLINT
+      nullptr;
+  CUresult (*release_)(CUmemGenericAllocationHandle) = nullptr;
+  CUresult (*export_)(void*, CUmemGenericAllocationHandle,
+                      CUmemAllocationHandleType,
+                      unsigned long long) =  // NOLINT
+      nullptr;
+  CUmemGenericAllocationHandle handle_ = 0;
+  bool ok_ = false;
+};
+
+// cuda_vmm buffers: a chunk passed as a descriptor maps, twice over one
+// region, and the memory is the device's; every bad handle gets a specific
+// status and leaves the backend healthy.
+TEST_F(CudaBackendTest, VmmBuffersMapTheirChunksAndRefuseBadOnes) {
+  FdStore store(16, 16);
+  CudaBackendOptions options{4096, 4};
+  options.fd_store = &store;
+  auto made = CreateCudaBackend(0, options);
+  ASSERT_TRUE(made.ok()) << made.status();
+  Backend& gpu = **made;
+  const uint64_t kChunk = 2 << 20;
+  VmmChunk0 a(kChunk), b(kChunk);
+  ASSERT_TRUE(a.ok() && b.ok());
+  std::vector<UniqueFd> fds;
+  fds.push_back(a.Export());
+  fds.push_back(b.Export());
+  fds.push_back(UniqueFd(memfd_create("not-cuda", 0)));
+  for (const UniqueFd& fd : fds) ASSERT_TRUE(fd.valid());
+  const std::string ida(16, 'a'), idb(16, 'b'), idm(16, 'm');
+  ASSERT_TRUE(store.Put(1, {ida, idb, idm}, std::move(fds)).ok());
+  BufferHandle h;
+  h.kind = BufferHandle::Kind::kCudaVmm;
+  h.device = 0;
+  h.vmm_chunks = {{ida, kChunk}, {idb, kChunk}};
+  h.offset = kChunk - 4096;  // across the two chunks
+  h.size = 8192;
+  auto ref = gpu.ResolveBuffer(h, 4, "t");
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  ASSERT_EQ(cudaMemset(ref->data, 0x5a, h.size), cudaSuccess);
+  std::vector<uint8_t> back(h.size);
+  ASSERT_EQ(cudaMemcpy(back.data(), ref->data, h.size, cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  EXPECT_EQ(std::count(back.begin(), back.end(), 0x5a),
+            static_cast<long>(h.size));
+  const auto refused = [&](BufferHandle bad, absl::StatusCode code,
+                           const char* says) {
+    auto r = gpu.ResolveBuffer(bad, 4, "w");
+    EXPECT_EQ(r.status().code(), code) << says << ": " << r.status();
+    EXPECT_NE(r.status().message().find(says), std::string::npos) << r.status();
+  };
+  BufferHandle bad = h;
+  bad.vmm_chunks = {{std::string(16, 'z'), kChunk}};
+  bad.offset = 0;
+  refused(bad, absl::StatusCode::kNotFound, "no descriptor");
+  bad.vmm_chunks = {{idm, kChunk}};
+  refused(bad, absl::StatusCode::kInvalidArgument, "not CUDA memory");
+  bad.vmm_chunks = {{ida, kChunk * 2}};
+  refused(bad, absl::StatusCode::kInvalidArgument, "cuMemMap");
+  bad.vmm_chunks = {};
+  refused(bad, absl::StatusCode::kInvalidArgument, "chunks");
+  bad.vmm_chunks = {{"short", kChunk}};
+  refused(bad, absl::StatusCode::kInvalidArgument, "fd_id");
+  bad = h;
+  bad.offset = 2 * kChunk;
+  refused(bad, absl::StatusCode::kInvalidArgument, "past the end");
+  bad = h;
+  bad.device = 1;
+  refused(bad, absl::StatusCode::kInvalidArgument, "GPU 1");
+  // A daemon without descriptors (on TCP) refuses every cuda_vmm buffer.
+  auto plain = CreateCudaBackend(0, CudaBackendOptions{4096, 4});
+  ASSERT_TRUE(plain.ok());
+  auto none = (*plain)->ResolveBuffer(h, 4, "w");
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kFailedPrecondition);
+  // Still healthy: the region resolves again, from the cache.
+  EXPECT_TRUE(gpu.ResolveBuffer(h, 4, "ok").ok());
 }
 
 // A buffer of another GPU's memory, with the request naming that GPU, is
