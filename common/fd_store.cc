@@ -43,8 +43,9 @@ absl::Status FdStore::Put(uint64_t owner, const std::vector<std::string>& ids,
     if (mine == 0) per_owner_.erase(owner);
     return absl::ResourceExhaustedError(absl::StrCat(
         "the daemon holds at most ", max_per_owner_,
-        " descriptors not yet used per connection (", max_total_,
-        " in all): register the buffers of those sent before sending more"));
+        " descriptors per connection (", max_total_,
+        " in all): a trainer that names more chunks of CUDA memory starts "
+        "a new connection, and so forgets those it sent before"));
   }
   for (size_t i = 0; i < ids.size(); ++i) {
     entries_[ids[i]] = Entry{owner, std::move(fds[i])};
@@ -86,6 +87,11 @@ absl::StatusOr<UniqueFd> FdStore::Dup(const std::string& id) const {
         "cannot duplicate a trainer's descriptor: ", std::strerror(errno)));
   }
   return copy;
+}
+
+bool FdStore::Holds(const std::string& id) const {
+  MutexLock lock(&mu_);
+  return entries_.count(id) != 0;
 }
 
 void FdStore::DropOwner(uint64_t owner) {

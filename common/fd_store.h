@@ -1,12 +1,12 @@
 // FdStore: file descriptors that trainers passed to the daemon over its
 // descriptor socket (server/fd_socket.h), each under a 16-byte id the
-// trainer chose, until a request that names the id takes it: the POSIX
-// descriptors of a trainer's CUDA memory made with cuMemCreate (torch's
-// expandable segments), which CUDA IPC handles cannot share
-// (BufferHandle::Kind::kCudaVmm).
+// trainer chose: the POSIX descriptors of a trainer's CUDA memory made
+// with cuMemCreate (torch's expandable segments), which CUDA IPC handles
+// cannot share (BufferHandle::Kind::kCudaVmm). The CUDA backend imports a
+// chunk from a duplicate (Dup) whenever a buffer names its id.
 //
 // Each descriptor belongs to the connection that brought it: when that
-// connection ends, its descriptors not taken are closed. The store holds
+// connection ends, its descriptors still held are closed. The store holds
 // at most `max_total` descriptors, and at most `max_per_owner` per
 // connection. Thread-safe.
 #ifndef OPTIMD_COMMON_FD_STORE_H_
@@ -51,6 +51,9 @@ class FdStore {
   // chunk of CUDA memory as often as it maps it anew. NotFound as Take.
   absl::StatusOr<UniqueFd> Dup(const std::string& id) const
       ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Whether a descriptor is held under `id`.
+  bool Holds(const std::string& id) const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Closes the descriptors of `owner` not taken.
   void DropOwner(uint64_t owner) ABSL_LOCKS_EXCLUDED(mu_);

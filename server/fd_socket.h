@@ -1,8 +1,9 @@
 // FdSocket: the daemon's descriptor socket, on which trainers pass it the
 // POSIX file descriptors of their CUDA memory (cuMemExportToShareableHandle
 // of torch's expandable segments), which gRPC cannot carry. Each descriptor
-// goes into an FdStore under a 16-byte id the trainer chose, until a
-// request naming the id takes it.
+// goes into an FdStore under a 16-byte id the trainer chose, and stays
+// there while its connection lasts: the CUDA backend imports the chunk
+// from a duplicate whenever a buffer names the id and it holds no mapping.
 //
 // The socket is a Unix socket of type SOCK_SEQPACKET (the daemon puts it
 // at "<its socket path>.fds"), created with mode 0600 and claimed as the
@@ -16,9 +17,8 @@
 //            kept under the i-th id.
 // Each message is answered with one byte (Reply): stored; refused (a
 // malformed message, or an id given twice or already held: none of its
-// descriptors is kept); store full. A connection's descriptors not taken
-// are closed when it ends, so a trainer keeps it open until the buffers
-// they belong to are registered.
+// descriptors is kept); store full. A connection's descriptors are closed
+// when it ends, so a trainer keeps it open while it names their chunks.
 //
 // Bounds: at most kMaxConnections connections at once (more are closed as
 // soon as accepted), the FdStore's own bounds on descriptors. One thread

@@ -142,9 +142,10 @@ ABSL_FLAG(double, shutdown_save_s, 540,
 namespace {
 
 // Descriptors that trainers passed over the descriptor socket, held while
-// their connections last (the daemon maps a chunk anew from its descriptor
-// whenever a buffer names it), each an open file of the daemon: bounded so
-// that trainers cannot take all of the daemon's descriptors. 4096 chunks of
+// their connections last (the daemon imports a chunk from its descriptor
+// whenever a buffer names it and no mapping of it lives), each an open
+// file of the daemon: bounded, beside the daemon's own limit on open files
+// (a descriptor that cannot be received refuses its message). 4096 chunks of
 // 20 MiB (torch's expandable segments grow by such chunks) are 80 GiB, a
 // GPU's memory per connection; the total allows 16 such connections.
 constexpr size_t kMaxHeldDescriptors = 65536;
@@ -343,15 +344,19 @@ int OpenListener(Listener* l) {
 }
 
 // Starts the descriptor socket beside the claimed Unix socket, serving
-// `fd_store`; nothing on TCP. The daemon's exit code on failure (logged),
-// else 0.
+// `fd_store`; nothing on TCP. One that cannot start (a path too long for
+// a socket, say) is logged and done without: 0 either way.
 int StartFdSocket(Listener* l, optimd::FdStore* fd_store) {
   if (l->unix_socket == nullptr) return 0;
   auto fd_socket = std::make_unique<optimd::FdSocket>(
       l->unix_socket->path() + ".fds", fd_store);
   if (const absl::Status started = fd_socket->Start(); !started.ok()) {
-    Fail(std::string(started.message()));
-    return 1;
+    // Trainers then copy what CUDA IPC cannot share (the client falls
+    // back by itself); the daemon serves all the rest.
+    optimd::log::Warn(absl::StrCat(
+        "no descriptor socket (", started.message(),
+        "): trainers' expandable segments will be copied, not mapped"));
+    return 0;
   }
   Log(absl::StrCat("descriptor socket on ", fd_socket->path(),
                    " (trainers' CUDA memory descriptors)"));

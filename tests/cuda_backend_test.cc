@@ -977,6 +977,10 @@ TEST_F(CudaBackendTest, VmmBuffersMapTheirChunksAndRefuseBadOnes) {
   refused(bad, absl::StatusCode::kInvalidArgument, "chunks");
   bad.vmm_chunks = {{"short", kChunk}};
   refused(bad, absl::StatusCode::kInvalidArgument, "fd_id");
+  bad.vmm_chunks = {{ida, kChunk - 4096}};
+  refused(bad, absl::StatusCode::kInvalidArgument, "multiple of 2 MiB");
+  bad.vmm_chunks = {{ida, kChunk}, {ida, kChunk}};
+  refused(bad, absl::StatusCode::kInvalidArgument, "twice");
   bad = h;
   bad.offset = 2 * kChunk;
   refused(bad, absl::StatusCode::kInvalidArgument, "past the end");
@@ -990,6 +994,10 @@ TEST_F(CudaBackendTest, VmmBuffersMapTheirChunksAndRefuseBadOnes) {
   EXPECT_EQ(none.status().code(), absl::StatusCode::kFailedPrecondition);
   // Still healthy: the region resolves again, from the cache.
   EXPECT_TRUE(gpu.ResolveBuffer(h, 4, "ok").ok());
+  // Once the connection that brought the descriptors is gone, their ids
+  // are refused, though the region mapped before lives on in `ref`.
+  store.DropOwner(1);
+  refused(h, absl::StatusCode::kNotFound, "no descriptor");
 }
 
 // A buffer of another GPU's memory, with the request naming that GPU, is

@@ -1,5 +1,6 @@
 #include "backends/cuda/vmm_mapping.h"
 
+#include <set>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -88,12 +89,27 @@ absl::Status VmmMappingCache::Check(const BufferHandle& handle,
                      " chunks, got ", chunks.size()));
   }
   uint64_t total = 0;
+  std::set<std::string> ids;
   for (const VmmChunk& c : chunks) {
     if (c.fd_id.size() != FdStore::kIdBytes || c.size == 0 ||
-        c.size > (uint64_t{1} << 40) || total + c.size < total) {
+        c.size % kChunkGranularity != 0 || c.size > (uint64_t{1} << 40)) {
       return absl::InvalidArgumentError(absl::StrCat(
           what, ": each cuda_vmm chunk needs a ", FdStore::kIdBytes,
-          "-byte fd_id and a size of 1 byte to 1 TiB"));
+          "-byte fd_id and a size that is a multiple of 2 MiB, up to 1 "
+          "TiB"));
+    }
+    if (!ids.insert(c.fd_id).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": a cuda_vmm buffer names one chunk twice"));
+    }
+    // The connection that brought it still holds it (a forgotten id is
+    // not mapped again, even where an earlier mapping lives on).
+    if (!fd_store_->Holds(c.fd_id)) {
+      return absl::NotFoundError(absl::StrCat(
+          what,
+          ": no descriptor under a chunk's id: the trainer sends it "
+          "over the daemon's descriptor socket (<socket>.fds) first, "
+          "and keeps that connection open while it names the chunk"));
     }
     total += c.size;
   }
@@ -142,7 +158,7 @@ absl::StatusOr<std::shared_ptr<VmmRegion>> VmmMappingCache::Map(
   CUdeviceptr base = 0;
   // Aligned as cuMemCreate's chunks are (2 MiB), or the map is refused.
   const CUresult reserved =
-      driver_.address_reserve(&base, total, uint64_t{2} << 20, 0, 0);
+      driver_.address_reserve(&base, total, kChunkGranularity, 0, 0);
   if (reserved != CUDA_SUCCESS) {
     return absl::ResourceExhaustedError(
         absl::StrCat(what, ": cannot reserve ", total,

@@ -54,6 +54,10 @@ class VmmRegion;
 class VmmMappingCache {
  public:
   static constexpr size_t kMaxChunks = 65536;
+  // cuMemCreate's granularity on every GPU the daemon serves (torch's
+  // chunks are 2 MiB and 20 MiB): chunk sizes and reservations are
+  // multiples of it.
+  static constexpr uint64_t kChunkGranularity = uint64_t{2} << 20;
 
   // `fd_store` may be null: then every kCudaVmm handle is refused (a
   // daemon that listens on TCP takes no descriptors).

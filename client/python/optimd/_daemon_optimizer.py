@@ -643,21 +643,30 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
     def _param_handles(self):
         """CUDA IPC handles of the allocations of parameters registered in
         place, made on first use."""
-        if getattr(self, "_param_handle_cache", None) is None:
-            self._param_handle_cache = HandleCache(self._vmm_sharer())
+        vmm = self._vmm_sharer()
+        cache = getattr(self, "_param_handle_cache", None)
+        if cache is None or cache.vmm is not vmm:
+            self._param_handle_cache = HandleCache(vmm)
         return self._param_handle_cache
 
     def _vmm_sharer(self):
         """Where CUDA IPC cannot export torch's memory (expandable
         segments), what shares it with the daemon chunk by chunk
-        (_vmm.py), or None; made once."""
-        if not hasattr(self, "_vmm"):
-            self._vmm = None
+        (_vmm.py), or None; made once per device the optimizer is on."""
+        if getattr(self, "_vmm_device", None) != self._device:
+            self._close_vmm()
+            self._vmm_device = self._device
             if self._device.type == "cuda" and \
                     not cuda_ipc.torch_memory_shareable(self._device):
-                self._vmm = VmmSharer.open(self._identity["address"],
+                self._vmm = VmmSharer.open(self._client.address,
                                            self._device)
         return self._vmm
+
+    def _close_vmm(self):
+        if getattr(self, "_vmm", None) is not None:
+            self._vmm.close()
+        self._vmm = None
+        self._vmm_device = None
 
     def _refuse_sharded_options(self, name, p):
         """Options that FSDP's parameters (p: FSDP2's DTensor, or FSDP
@@ -1398,6 +1407,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             self._overlap.close()
             self._overlap = None
         self._closer()
+        self._close_vmm()
 
     def __reduce_ex__(self, protocol):
         """Pickled as a stand-in without a session (PickledOptimizer): what

@@ -33,6 +33,7 @@ import torch
 
 from optimd._aliased import shares_storage
 from optimd._dtensor import is_dtensor, local_of
+from optimd._vmm import NotVmmMemory
 from optimd.v1 import optimd_pb2 as pb
 
 _get_grad = operator.attrgetter("grad")
@@ -121,8 +122,13 @@ class GradRouter:
         # router over more groups starts from the truth): a data pointer, or
         # 0 when absent. Registration leaves every tensor absent.
         self._sent = [s.sent_ptr for s in self._tensors]
-        self._handles = HandleCache(vmm) if self._cuda else None
+        self._handles = HandleCache(vmm, vmm_refreshed=True) \
+            if self._cuda else None
         self._vmm = vmm
+        # A generation no sharer has: a new router sends every gradient
+        # at its first step (its tensors' sent_ptr may date from chunks
+        # forgotten since).
+        self._vmm_generation = -1
 
     def updates(self):
         """The buffer updates that bring the daemon to the gradients now in
@@ -136,9 +142,11 @@ class GradRouter:
         except RuntimeError:  # a sparse gradient has no data pointer
             ptrs = [-1 if g is not None and g.is_sparse else _ptr(g)
                     for g in grads]
-        if self._vmm is not None and self._vmm.remapped():
-            # torch unmapped memory: a gradient at its old pointer may be
+        if self._vmm is not None and \
+                self._vmm.refresh() != self._vmm_generation:
+            # torch released memory: a gradient at its old pointer may be
             # in another chunk now; every one is sent anew.
+            self._vmm_generation = self._vmm.generation
             self._sent = [None] * len(self._sent)
         if ptrs == self._sent:
             return []
@@ -315,11 +323,13 @@ class HandleCache:
 
     MAX_ALLOCATIONS = 4096
 
-    def __init__(self, vmm=None):
+    def __init__(self, vmm=None, vmm_refreshed=False):
         self._by_id = {}
         # torch's memory is expandable segments, shared chunk by chunk
-        # (_vmm.py), or None: CUDA IPC.
-        self._vmm = vmm
+        # (_vmm.py), or None: CUDA IPC. vmm_refreshed: the owner refreshes
+        # the sharer before its fills (GradRouter, once a step).
+        self.vmm = vmm
+        self._vmm_refreshed = vmm_refreshed
 
     def handle(self, tensor):
         """A BufferHandle of where `tensor` is."""
@@ -330,9 +340,12 @@ class HandleCache:
     def fill(self, out, tensor):
         """Sets BufferHandle `out` to where `tensor` is."""
         from optimd import cuda_ipc
-        if self._vmm is not None:
-            self._vmm.fill(out, tensor)
-            return
+        if self.vmm is not None:
+            try:
+                self.vmm.fill(out, tensor, refreshed=self._vmm_refreshed)
+                return
+            except NotVmmMemory:
+                out.Clear()  # cudaMalloc's memory: CUDA IPC below
         buffer_id, base, _ = cuda_ipc.allocation_of(tensor)
         ipc_handle = self._by_id.get(buffer_id)
         if ipc_handle is None:

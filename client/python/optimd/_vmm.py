@@ -14,11 +14,15 @@ A chunk stays the daemon's to map while this client's connection lasts.
 torch unmaps chunks only of free memory (empty_cache, or when an
 allocation fails and it frees its cache), and may then map a new chunk at
 the same address: a gradient at the same pointer would then be in other
-memory than the daemon maps. So at each step the client looks at torch's
-count of unmaps (num_device_free); when it moved, it forgets every chunk
-(a new connection: the daemon drops the old descriptors) and sends every
-gradient anew. Parameters are live memory, which torch never unmaps.
+memory than the daemon maps. So at each step, and before it names any
+other buffer, the client looks at torch's counts of device maps and
+releases (num_device_alloc, num_device_free); when they moved, it forgets
+every chunk (a new connection: the daemon drops the old descriptors) and
+sends every gradient anew. Between two such looks a known chunk is found
+without a driver call. Memory that is not cuMemCreate's (a CUDA graph's
+private pool) raises NotVmmMemory, and goes by CUDA IPC instead. Parameters are live memory, which torch never unmaps.
 """
+import bisect
 import ctypes
 import os
 import socket
@@ -31,6 +35,7 @@ from optimd.v1 import optimd_pb2 as pb
 
 _POSIX_FD = 1  # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 _MAX_BATCH = 64  # descriptors per message (the daemon's bound)
+_REPLY_TIMEOUT_S = 60
 _REPLIES = {1: "refused the message", 2: "holds too many descriptors"}
 
 
@@ -62,6 +67,11 @@ def _chunk_range(address):
     return base.value, size.value
 
 
+class NotVmmMemory(RuntimeError):
+    """Memory not made with cuMemCreate (cudaMalloc's: a CUDA graph's
+    private pool, another library's), which CUDA IPC shares instead."""
+
+
 def _export(address):
     """A POSIX descriptor of the physical chunk mapped at `address`."""
     driver = _driver()
@@ -69,7 +79,7 @@ def _export(address):
     err = driver.cuMemRetainAllocationHandle(ctypes.byref(handle),
                                              ctypes.c_void_p(address))
     if err != 0:
-        raise RuntimeError(
+        raise NotVmmMemory(
             "cuMemRetainAllocationHandle failed with CUDA driver error %d "
             "(memory not made with cuMemCreate)" % err)
     fd = ctypes.c_int(-1)
@@ -85,14 +95,21 @@ def _export(address):
     return fd.value
 
 
-def _device_frees(device):
-    """torch's count of device memory releases (unmaps of expandable
-    segments among them) on `device`, or None where torch does not keep
-    it."""
+def _device_releases(device):
+    """torch's counts of device memory maps and releases (unmaps of
+    expandable segments among them) on `device`, or None where torch does
+    not keep them. Both together: reset_accumulated_memory_stats() zeroes
+    them, and a release followed by a reset then still reads as a change
+    (the maps counted before cannot come back to zero unseen)."""
     index = device.index if device.index is not None else \
         torch.cuda.current_device()
     stats = getattr(torch._C, "_cuda_memoryStats", None)
-    return None if stats is None else stats(index).get("num_device_free")
+    if stats is None:
+        return None
+    got = stats(index)
+    if "num_device_free" not in got or "num_device_alloc" not in got:
+        return None
+    return got["num_device_alloc"], got["num_device_free"]
 
 
 class DescriptorChannel:
@@ -104,6 +121,8 @@ class DescriptorChannel:
     def __init__(self, path):
         self.path = path
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # The daemon answers at once; a stopped one must not hang a step.
+        self._sock.settimeout(_REPLY_TIMEOUT_S)
         try:
             self._sock.connect(path)
         except OSError:
@@ -136,7 +155,9 @@ class VmmSharer:
         self.device = device
         self._channel = None
         self._chunks = {}  # the chunk's address here -> (id, size)
-        self._frees = _device_frees(device)
+        self._bases = []  # the chunks' addresses, sorted
+        self._frees = _device_releases(device)
+        self.generation = 0
 
     @classmethod
     def open(cls, address, device):
@@ -144,7 +165,7 @@ class VmmSharer:
         memory cannot be shared this way (another allocator, an old
         torch, a TCP address, a daemon without a descriptor socket)."""
         path = descriptor_socket_path(address)
-        if path is None or _device_frees(device) is None:
+        if path is None or _device_releases(device) is None:
             return None
         sharer = cls(path, device)
         probe = torch.empty(1, device=device)
@@ -155,12 +176,14 @@ class VmmSharer:
             return None
         return sharer
 
-    def fill(self, out, tensor):
-        """Sets BufferHandle `out` to where `tensor` is."""
+    def fill(self, out, tensor, refreshed=False):
+        """Sets BufferHandle `out` to where `tensor` is; `refreshed`: the
+        caller has just called refresh() (GradRouter, once a step)."""
+        if not refreshed:
+            self.refresh()
         start = tensor.data_ptr()
         nbytes = tensor.numel() * tensor.element_size()
-        with cuda_ipc.context_of(tensor.device):
-            chunks = self._chunks_of(start, max(nbytes, 1))
+        chunks = self._chunks_of(start, max(nbytes, 1), tensor.device)
         vmm = out.cuda_vmm
         vmm.device = tensor.device.index or 0
         for _, (fd_id, size) in chunks:
@@ -168,46 +191,75 @@ class VmmSharer:
         vmm.offset = start - chunks[0][0]
         vmm.size = nbytes
 
-    def _chunks_of(self, start, nbytes):
+    def _known(self, address):
+        """(base, (id, size)) of the known chunk holding `address`, or
+        None (no driver call: nothing was unmapped since it was seen)."""
+        i = bisect.bisect_right(self._bases, address) - 1
+        if i >= 0:
+            base = self._bases[i]
+            entry = self._chunks[base]
+            if address < base + entry[1]:
+                return base, entry
+        return None
+
+    def _chunks_of(self, start, nbytes, device):
         """[(address, (id, size))] of the chunks under [start, +nbytes),
         sending the daemon those it has not got."""
         out, fresh = [], []
         address, end = start, start + nbytes
         try:
             while address < end:
-                base, size = _chunk_range(address)
-                entry = self._chunks.get(base)
-                if entry is None or entry[1] != size:
-                    fresh.append((base, os.urandom(16), _export(base)))
-                    entry = (fresh[-1][1], size)
-                out.append((base, entry))
-                address = base + size
+                known = self._known(address)
+                if known is None:
+                    with cuda_ipc.context_of(device):
+                        base, size = _chunk_range(address)
+                        fresh.append((base, os.urandom(16), _export(base)))
+                    known = base, (fresh[-1][1], size)
+                out.append(known)
+                address = known[0] + known[1][1]
             self._send([(i, fd) for _, i, fd in fresh])
         finally:
             for _, _, fd in fresh:
                 os.close(fd)
-        for (base, entry) in out:
+        for base, entry in out:
+            if base not in self._chunks:
+                bisect.insort(self._bases, base)
             self._chunks[base] = entry
         return out
 
     def _send(self, batch):
-        if self._channel is None:
-            self._channel = DescriptorChannel(self._path)
-        self._channel.send(batch)
+        """Sends [(id, descriptor)]; on any failure the connection and
+        every chunk are forgotten (a new generation), so that the daemon
+        and this client never disagree on which ids it holds."""
+        if not batch:
+            return
+        try:
+            if self._channel is None:
+                self._channel = DescriptorChannel(self._path)
+            self._channel.send(batch)
+        except (OSError, RuntimeError):
+            self._forget()
+            raise
 
-    def remapped(self):
-        """Whether torch released device memory since the last look; if
-        so, every chunk is forgotten (the daemon drops their
-        descriptors with this connection) and sent again when named."""
-        frees = _device_frees(self.device)
-        if frees == self._frees:
-            return False
-        self._frees = frees
+    def refresh(self):
+        """The generation of the chunks known: it moves on when torch
+        released device memory since the last look (every chunk is then
+        forgotten, and the daemon drops their descriptors with this
+        connection), so that whoever sent buffers of an older generation
+        sends them anew."""
+        frees = _device_releases(self.device)
+        if frees != self._frees:
+            self._frees = frees
+            self._forget()
+        return self.generation
+
+    def _forget(self):
         self.close()
-        return True
+        self.generation += 1
 
     def close(self):
         self._chunks.clear()
+        self._bases.clear()
         if self._channel is not None:
             self._channel.close()
             self._channel = None
