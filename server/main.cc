@@ -145,11 +145,12 @@ namespace {
 // their connections last (the daemon imports a chunk from its descriptor
 // whenever a buffer names it and no mapping of it lives), each an open
 // file of the daemon: bounded, beside the daemon's own limit on open files
-// (a descriptor that cannot be received refuses its message). 4096 chunks of
-// 20 MiB (torch's expandable segments grow by such chunks) are 80 GiB, a
-// GPU's memory per connection; the total allows 16 such connections.
+// (a descriptor that cannot be received refuses its message). 16384
+// chunks of 20 MiB (torch's expandable segments grow by such chunks) are
+// 320 GiB, more than a GPU's memory, per connection; the total allows
+// four such connections.
 constexpr size_t kMaxHeldDescriptors = 65536;
-constexpr size_t kMaxHeldDescriptorsPerConnection = 4096;
+constexpr size_t kMaxHeldDescriptorsPerConnection = 16384;
 
 void Log(const std::string& line) { optimd::log::Info(line); }
 // What keeps the daemon from starting (it exits non-zero next).
