@@ -54,24 +54,6 @@ absl::Status FdStore::Put(uint64_t owner, const std::vector<std::string>& ids,
   return absl::OkStatus();
 }
 
-absl::StatusOr<UniqueFd> FdStore::Take(const std::string& id) {
-  MutexLock lock(&mu_);
-  auto it = entries_.find(id);
-  if (it == entries_.end()) {
-    return absl::NotFoundError(
-        "no descriptor under this id: send it over the daemon's descriptor "
-        "socket (<socket>.fds) first, on a connection kept open until the "
-        "buffer is registered");
-  }
-  UniqueFd fd = std::move(it->second.fd);
-  auto owner = per_owner_.find(it->second.owner);
-  if (owner != per_owner_.end() && --owner->second == 0) {
-    per_owner_.erase(owner);
-  }
-  entries_.erase(it);
-  return fd;
-}
-
 absl::StatusOr<UniqueFd> FdStore::Dup(const std::string& id) const {
   MutexLock lock(&mu_);
   auto it = entries_.find(id);

@@ -42,20 +42,17 @@ class FdStore {
   absl::Status Put(uint64_t owner, const std::vector<std::string>& ids,
                    std::vector<UniqueFd> fds) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // The descriptor under `id`, now the caller's; NotFound when no
-  // connection brought it (or it was taken, or its connection ended).
-  absl::StatusOr<UniqueFd> Take(const std::string& id) ABSL_LOCKS_EXCLUDED(mu_);
-
   // A duplicate of the descriptor under `id` (close-on-exec), the
   // caller's, the store keeping its own: the daemon imports a trainer's
-  // chunk of CUDA memory as often as it maps it anew. NotFound as Take.
+  // chunk of CUDA memory as often as it maps it anew. NotFound when no
+  // connection brought it, or the one that did has ended.
   absl::StatusOr<UniqueFd> Dup(const std::string& id) const
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // Whether a descriptor is held under `id`.
   bool Holds(const std::string& id) const ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Closes the descriptors of `owner` not taken.
+  // Closes the descriptors of `owner`.
   void DropOwner(uint64_t owner) ABSL_LOCKS_EXCLUDED(mu_);
 
   size_t size() const ABSL_LOCKS_EXCLUDED(mu_);

@@ -57,9 +57,9 @@ std::vector<Pipe> MakePipes(int n) {
   return pipes;
 }
 
-// The taken descriptor is the very file that was put: what is written
-// through one reads back through the other.
-TEST(FdStoreTest, TakeYieldsTheSameOpenFile) {
+// A duplicate is the very file that was put: what is written through one
+// reads back through the other; the store keeps its own.
+TEST(FdStoreTest, DupYieldsTheSameOpenFile) {
   UniqueFd memfd(memfd_create("optimd-fd-store-test", MFD_CLOEXEC));
   ASSERT_TRUE(memfd.valid());
   UniqueFd mine(dup(memfd.get()));
@@ -69,9 +69,10 @@ TEST(FdStoreTest, TakeYieldsTheSameOpenFile) {
   fds.push_back(std::move(memfd));
   ASSERT_TRUE(store.Put(1, {Id(1)}, std::move(fds)).ok());
   EXPECT_EQ(store.size(), 1u);
-  absl::StatusOr<UniqueFd> taken = store.Take(Id(1));
+  absl::StatusOr<UniqueFd> taken = store.Dup(Id(1));
   ASSERT_TRUE(taken.ok()) << taken.status();
-  EXPECT_EQ(store.size(), 0u);
+  EXPECT_EQ(store.size(), 1u);
+  EXPECT_TRUE(store.Holds(Id(1)));
   struct stat a, b;
   ASSERT_EQ(fstat(taken->get(), &a), 0);
   ASSERT_EQ(fstat(mine.get(), &b), 0);
@@ -83,13 +84,16 @@ TEST(FdStoreTest, TakeYieldsTheSameOpenFile) {
   EXPECT_EQ(std::string(back, 6), "optimd");
 }
 
-TEST(FdStoreTest, TakeTwiceIsNotFound) {
+// Duplicates leave the store's own open; an id never put is NotFound.
+TEST(FdStoreTest, DupKeepsTheStoresDescriptor) {
   FdStore store(8, 8);
   std::vector<Pipe> pipes = MakePipes(1);
   ASSERT_TRUE(store.Put(1, {Id(1)}, WriteEnds(pipes)).ok());
-  ASSERT_TRUE(store.Take(Id(1)).ok());
-  EXPECT_EQ(store.Take(Id(1)).status().code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(store.Take(Id(2)).status().code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(store.Dup(Id(1)).ok());  // closed at once
+  ASSERT_TRUE(store.Dup(Id(1)).ok());
+  EXPECT_FALSE(WriteEndClosed(pipes[0]));
+  EXPECT_EQ(store.Dup(Id(2)).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_FALSE(store.Holds(Id(2)));
 }
 
 // A batch with one id twice is refused whole, and each of its descriptors
@@ -101,7 +105,7 @@ TEST(FdStoreTest, IdTwiceInABatchClosesEveryDescriptor) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(store.size(), 0u);
   for (const Pipe& p : pipes) EXPECT_TRUE(WriteEndClosed(p));
-  EXPECT_EQ(store.Take(Id(2)).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store.Dup(Id(2)).status().code(), absl::StatusCode::kNotFound);
 }
 
 // An id already held refuses the whole new batch; the one held stays.
@@ -115,7 +119,7 @@ TEST(FdStoreTest, IdAlreadyHeldRefusesTheBatch) {
   for (const Pipe& p : pipes) EXPECT_TRUE(WriteEndClosed(p));
   EXPECT_FALSE(WriteEndClosed(held[0]));
   EXPECT_EQ(store.size(), 1u);
-  EXPECT_EQ(store.Take(Id(2)).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store.Dup(Id(2)).status().code(), absl::StatusCode::kNotFound);
 }
 
 TEST(FdStoreTest, MalformedBatchesCloseEveryDescriptor) {
@@ -145,10 +149,11 @@ TEST(FdStoreTest, PerOwnerBound) {
   // Another owner has a bound of its own.
   std::vector<Pipe> other = MakePipes(2);
   EXPECT_TRUE(store.Put(2, {Id(4), Id(5)}, WriteEnds(other)).ok());
-  // A descriptor taken makes room for its owner again.
-  ASSERT_TRUE(store.Take(Id(1)).ok());
+  // A duplicate makes no room: the store keeps the descriptor.
+  ASSERT_TRUE(store.Dup(Id(1)).ok());
   std::vector<Pipe> again = MakePipes(1);
-  EXPECT_TRUE(store.Put(1, {Id(3)}, WriteEnds(again)).ok());
+  EXPECT_EQ(store.Put(1, {Id(3)}, WriteEnds(again)).code(),
+            absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(store.size(), 4u);
 }
 
@@ -174,15 +179,16 @@ TEST(FdStoreTest, DropOwnerClosesOnlyThatOwnersDescriptors) {
   for (const Pipe& p : gone) EXPECT_TRUE(WriteEndClosed(p));
   EXPECT_FALSE(WriteEndClosed(kept[0]));
   EXPECT_EQ(store.size(), 1u);
-  EXPECT_EQ(store.Take(Id(1)).status().code(), absl::StatusCode::kNotFound);
-  EXPECT_TRUE(store.Take(Id(3)).ok());
+  EXPECT_EQ(store.Dup(Id(1)).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(store.Dup(Id(3)).ok());
   // The owner's count went with it: a full batch fits again.
   std::vector<Pipe> again = MakePipes(4);
   EXPECT_TRUE(
       store.Put(1, {Id(1), Id(2), Id(4), Id(5)}, WriteEnds(again)).ok());
 }
 
-// Owners putting and taking from threads of their own (for ThreadSanitizer).
+// Owners putting, duplicating and dropping from threads of their own (for
+// ThreadSanitizer).
 TEST(FdStoreTest, OwnersOnThreadsOfTheirOwn) {
   FdStore store(64, 8);
   std::vector<std::thread> threads;
@@ -192,11 +198,9 @@ TEST(FdStoreTest, OwnersOnThreadsOfTheirOwn) {
         std::vector<Pipe> pipes = MakePipes(1);
         const std::string id = Id(t * 1000 + i);
         EXPECT_TRUE(store.Put(t, {id}, WriteEnds(pipes)).ok());
-        if (i % 2 == 0) {
-          EXPECT_TRUE(store.Take(id).ok());
-        } else {
-          store.DropOwner(t);
-        }
+        if (i % 2 == 0) EXPECT_TRUE(store.Dup(id).ok());
+        EXPECT_TRUE(store.Holds(id));
+        store.DropOwner(t);
         EXPECT_TRUE(WriteEndClosed(pipes[0]));
       }
     });

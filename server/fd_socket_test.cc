@@ -169,7 +169,7 @@ TEST_F(FdSocketTest, StoresABatchAndYieldsItsDescriptors) {
   ASSERT_EQ(Reply(conn.get()), 0);
   EXPECT_EQ(store.size(), 2u);
   for (int i = 0; i < 2; ++i) {
-    absl::StatusOr<UniqueFd> taken = store.Take(Id(i));
+    absl::StatusOr<UniqueFd> taken = store.Dup(Id(i));
     ASSERT_TRUE(taken.ok()) << taken.status();
     struct stat a, b;
     ASSERT_EQ(fstat(taken->get(), &a), 0);
@@ -183,7 +183,7 @@ TEST_F(FdSocketTest, StoresABatchAndYieldsItsDescriptors) {
               static_cast<ssize_t>(back.size()));
     EXPECT_EQ(back, text);
   }
-  EXPECT_EQ(store.size(), 0u);
+  EXPECT_EQ(store.size(), 2u);  // held while the connection lasts
 }
 
 // Every malformed message is answered 1, keeps nothing, and leaves no
@@ -287,8 +287,8 @@ TEST_F(FdSocketTest, StoreFullIsAnsweredTwo) {
   for (const Pipe& each : p) EXPECT_TRUE(WriteEndClosed(each));
 }
 
-// A connection's descriptors not taken are closed when it ends; one taken
-// is the taker's.
+// A connection's descriptors are closed when it ends; a duplicate made
+// before is its holder's.
 TEST_F(FdSocketTest, ClosingTheConnectionDropsItsDescriptors) {
   FdStore store(16, 16);
   FdSocket fds(path_, &store);
@@ -301,12 +301,13 @@ TEST_F(FdSocketTest, ClosingTheConnectionDropsItsDescriptors) {
   taken.write.reset();
   left.write.reset();
   ASSERT_EQ(Reply(conn.get()), 0);
-  absl::StatusOr<UniqueFd> mine = store.Take(Id(0));
+  absl::StatusOr<UniqueFd> mine = store.Dup(Id(0));
   ASSERT_TRUE(mine.ok());
   EXPECT_FALSE(WriteEndClosed(left));
   conn.reset();
   EXPECT_TRUE(Eventually([&] { return store.size() == 0; }));
   EXPECT_TRUE(Eventually([&] { return WriteEndClosed(left); }));
+  // A duplicate made before is its holder's.
   EXPECT_FALSE(WriteEndClosed(taken));
 }
 
