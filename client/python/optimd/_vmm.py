@@ -55,18 +55,6 @@ def _driver():
     return driver
 
 
-def _chunk_range(address):
-    """(start, size) of the physical chunk mapped at `address`."""
-    base = ctypes.c_uint64()
-    size = ctypes.c_size_t()
-    err = _driver().cuMemGetAddressRange_v2(
-        ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(address))
-    if err != 0:
-        raise RuntimeError("cuMemGetAddressRange failed with CUDA driver "
-                           "error %d" % err)
-    return base.value, size.value
-
-
 class NotVmmMemory(RuntimeError):
     """Memory not made with cuMemCreate (cudaMalloc's: a CUDA graph's
     private pool, another library's), which CUDA IPC shares instead."""
@@ -101,12 +89,10 @@ def _device_releases(device):
     not keep them. Both together: reset_accumulated_memory_stats() zeroes
     them, and a release followed by a reset then still reads as a change
     (the maps counted before cannot come back to zero unseen)."""
-    index = device.index if device.index is not None else \
-        torch.cuda.current_device()
     stats = getattr(torch._C, "_cuda_memoryStats", None)
     if stats is None:
         return None
-    got = stats(index)
+    got = stats(cuda_ipc.device_index(device))
     if "num_device_free" not in got or "num_device_alloc" not in got:
         return None
     return got["num_device_alloc"], got["num_device_free"]
@@ -165,9 +151,11 @@ class VmmSharer:
         memory cannot be shared this way (another allocator, an old
         torch, a TCP address, a daemon without a descriptor socket)."""
         path = descriptor_socket_path(address)
-        if path is None or _device_releases(device) is None:
+        if path is None:
             return None
         sharer = cls(path, device)
+        if sharer._frees is None:
+            return None
         probe = torch.empty(1, device=device)
         try:
             sharer.fill(pb.BufferHandle(), probe)
@@ -212,7 +200,7 @@ class VmmSharer:
                 known = self._known(address)
                 if known is None:
                     with cuda_ipc.context_of(device):
-                        base, size = _chunk_range(address)
+                        base, size = cuda_ipc.address_range(address)
                         fresh.append((base, os.urandom(16), _export(base)))
                     known = base, (fresh[-1][1], size)
                 out.append(known)

@@ -86,20 +86,32 @@ def allocation_of(tensor):
     return out[0], out[1], out[2]
 
 
-def allocation_range(tensor):
-    """(base address, size) of the CUDA allocation holding a tensor's
-    data."""
+def address_range(address):
+    """(base address, size) of the allocation mapped at device address
+    `address` (for memory of cuMemCreate's, its physical chunk), in this
+    thread's current context."""
     _, driver = _libs()
     base = ctypes.c_uint64()
     size = ctypes.c_size_t()
-    with context_of(tensor.device):
-        err = driver.cuMemGetAddressRange_v2(
-            ctypes.byref(base), ctypes.byref(size),
-            ctypes.c_uint64(tensor.data_ptr()))
+    err = driver.cuMemGetAddressRange_v2(
+        ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(address))
     if err != 0:
         raise RuntimeError("cuMemGetAddressRange failed with CUDA driver "
                            "error %d" % err)
     return base.value, size.value
+
+
+def allocation_range(tensor):
+    """(base address, size) of the CUDA allocation holding a tensor's
+    data."""
+    with context_of(tensor.device):
+        return address_range(tensor.data_ptr())
+
+
+def device_index(device):
+    """The ordinal of CUDA `device` (the current one where it has none)."""
+    return device.index if device.index is not None else \
+        torch.cuda.current_device()
 
 
 def mem_handle_at(base, device):
@@ -159,9 +171,7 @@ def current_stream(device):
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     if raw is None:
         return torch.cuda.current_stream(device)
-    index = device.index if device.index is not None else \
-        torch.cuda.current_device()
-    return RawStream(raw(index))
+    return RawStream(raw(device_index(device)))
 
 
 def stream_write_value32(stream, address, value, device=None):
@@ -241,8 +251,7 @@ def torch_memory_shareable(device):
     on `device`: not under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     (its segments are mapped with cuMemMap, which cudaIpcGetMemHandle
     refuses). Probed once per device with a fresh allocation."""
-    index = device.index if device.index is not None else \
-        torch.cuda.current_device()
+    index = device_index(device)
     shareable = _shareable_by_device.get(index)
     if shareable is None:
         probe = torch.empty(1, device=torch.device("cuda", index))
