@@ -34,7 +34,6 @@ peers alike; the iteration times are a little longer than
 bench/train_bench.py's.
 """
 import argparse
-import copy
 import statistics
 import warnings
 
@@ -42,8 +41,7 @@ import cupy
 import torch
 
 from optimd._step_flags import StepFlags
-from train_bench import GPT, MODELS, MID, Trainer, batches, optimd_adamw, \
-    torch_adamw
+from train_bench import MODELS, MID, make_peers
 from optimd.testing import Daemon
 
 _STAMP = cupy.RawKernel(r'''
@@ -127,23 +125,11 @@ def spans(rows, clip, is_optimd):
 
 
 def row(name, batch, seq, clip, daemon, args):
-    cfg = MODELS[name][0]
-    torch.manual_seed(0)
-    base = GPT(seq=seq, **cfg).cuda()
-    data = batches(cfg, batch, seq)
-    make = {"torch": torch_adamw,
-            "optimd": optimd_adamw(daemon, "trace-%s-%d-%s" % (name, batch,
-                                                                clip),
-                                   max_grad_norm=clip or 0.0)}
-    peers, rings = {}, {}
-    for k, make_opt in make.items():
-        t = Trainer(copy.deepcopy(base), make_opt,
-                    clip if k == "torch" else None, data)
-        rings[k] = Ring(args.iters)
-        if k == "optimd":
-            stamp_step_flags(t.opt, rings[k])
-        peers[k] = t
-    del base
+    # train_bench's peers, plain: no overlap, no graphs, torch's
+    # non-finite semantics (the defaults main() sets on args).
+    peers = make_peers(name, MODELS[name][0], batch, seq, clip, daemon, args)
+    rings = {k: Ring(args.iters) for k in peers}
+    stamp_step_flags(peers["optimd"].opt, rings["optimd"])
     for t in peers.values():
         for _ in range(args.warmup):
             t.iterate()
@@ -189,6 +175,8 @@ def main():
     ap.add_argument("--iters", type=int, default=12)
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--daemon_flag", action="append", default=[])
+    ap.set_defaults(overlap=False, skip_nonfinite=False, graphed=False,
+                    graphed_blocks=False)
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     with Daemon(backend="cuda", flags=args.daemon_flag) as daemon:
