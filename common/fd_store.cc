@@ -54,15 +54,21 @@ absl::Status FdStore::Put(uint64_t owner, const std::vector<std::string>& ids,
   return absl::OkStatus();
 }
 
+namespace {
+
+absl::Status NotHeld() {
+  return absl::NotFoundError(
+      "no descriptor under this id: the trainer sends it over the "
+      "daemon's descriptor socket (<socket>.fds) first, and keeps that "
+      "connection open while the daemon may map its memory");
+}
+
+}  // namespace
+
 absl::StatusOr<UniqueFd> FdStore::Dup(const std::string& id) const {
   MutexLock lock(&mu_);
   auto it = entries_.find(id);
-  if (it == entries_.end()) {
-    return absl::NotFoundError(
-        "no descriptor under this id: the trainer sends it over the "
-        "daemon's descriptor socket (<socket>.fds) first, and keeps that "
-        "connection open while the daemon may map its memory");
-  }
+  if (it == entries_.end()) return NotHeld();
   UniqueFd copy(fcntl(it->second.fd.get(), F_DUPFD_CLOEXEC, 0));
   if (!copy.valid()) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -71,9 +77,9 @@ absl::StatusOr<UniqueFd> FdStore::Dup(const std::string& id) const {
   return copy;
 }
 
-bool FdStore::Holds(const std::string& id) const {
+absl::Status FdStore::Held(const std::string& id) const {
   MutexLock lock(&mu_);
-  return entries_.count(id) != 0;
+  return entries_.count(id) != 0 ? absl::OkStatus() : NotHeld();
 }
 
 void FdStore::DropOwner(uint64_t owner) {

@@ -49,8 +49,8 @@ class FdStore {
   absl::StatusOr<UniqueFd> Dup(const std::string& id) const
       ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Whether a descriptor is held under `id`.
-  bool Holds(const std::string& id) const ABSL_LOCKS_EXCLUDED(mu_);
+  // OK when a descriptor is held under `id`, else NotFound as Dup.
+  absl::Status Held(const std::string& id) const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Closes the descriptors of `owner`.
   void DropOwner(uint64_t owner) ABSL_LOCKS_EXCLUDED(mu_);

@@ -12,6 +12,7 @@
 
 #include "common/unique_fd.h"
 #include "gtest/gtest.h"
+#include "testing/watched_pipe.h"
 
 namespace optimd {
 namespace {
@@ -22,39 +23,6 @@ std::string Id(int n) {
   id[0] = static_cast<char>(n);
   id[1] = static_cast<char>(n >> 8);
   return id;
-}
-
-// A pipe whose write end goes to the store: the read end (non-blocking),
-// kept by the test, reads the end of the file once every copy of the
-// write end is closed.
-struct Pipe {
-  UniqueFd read;
-  UniqueFd write;
-};
-
-Pipe MakePipe() {
-  int ends[2] = {-1, -1};
-  EXPECT_EQ(pipe2(ends, O_CLOEXEC | O_NONBLOCK), 0);
-  return Pipe{UniqueFd(ends[0]), UniqueFd(ends[1])};
-}
-
-// Whether every copy of the pipe's write end is closed.
-bool WriteEndClosed(const Pipe& p) {
-  char c;
-  return read(p.read.get(), &c, 1) == 0;
-}
-
-// The write ends of `pipes`, handed over (the pipes keep their read ends).
-std::vector<UniqueFd> WriteEnds(std::vector<Pipe>& pipes) {
-  std::vector<UniqueFd> fds;
-  for (Pipe& p : pipes) fds.push_back(std::move(p.write));
-  return fds;
-}
-
-std::vector<Pipe> MakePipes(int n) {
-  std::vector<Pipe> pipes;
-  for (int i = 0; i < n; ++i) pipes.push_back(MakePipe());
-  return pipes;
 }
 
 // A duplicate is the very file that was put: what is written through one
@@ -72,7 +40,7 @@ TEST(FdStoreTest, DupYieldsTheSameOpenFile) {
   absl::StatusOr<UniqueFd> taken = store.Dup(Id(1));
   ASSERT_TRUE(taken.ok()) << taken.status();
   EXPECT_EQ(store.size(), 1u);
-  EXPECT_TRUE(store.Holds(Id(1)));
+  EXPECT_TRUE(store.Held(Id(1)).ok());
   struct stat a, b;
   ASSERT_EQ(fstat(taken->get(), &a), 0);
   ASSERT_EQ(fstat(mine.get(), &b), 0);
@@ -93,7 +61,7 @@ TEST(FdStoreTest, DupKeepsTheStoresDescriptor) {
   ASSERT_TRUE(store.Dup(Id(1)).ok());
   EXPECT_FALSE(WriteEndClosed(pipes[0]));
   EXPECT_EQ(store.Dup(Id(2)).status().code(), absl::StatusCode::kNotFound);
-  EXPECT_FALSE(store.Holds(Id(2)));
+  EXPECT_EQ(store.Held(Id(2)).code(), absl::StatusCode::kNotFound);
 }
 
 // A batch with one id twice is refused whole, and each of its descriptors
@@ -199,7 +167,7 @@ TEST(FdStoreTest, OwnersOnThreadsOfTheirOwn) {
         const std::string id = Id(t * 1000 + i);
         EXPECT_TRUE(store.Put(t, {id}, WriteEnds(pipes)).ok());
         if (i % 2 == 0) EXPECT_TRUE(store.Dup(id).ok());
-        EXPECT_TRUE(store.Holds(id));
+        EXPECT_TRUE(store.Held(id).ok());
         store.DropOwner(t);
         EXPECT_TRUE(WriteEndClosed(pipes[0]));
       }

@@ -8,6 +8,15 @@
 
 namespace optimd {
 
+absl::Status CheckBufferDevice(int buffer_device, int device,
+                               const std::string& what) {
+  if (buffer_device == device) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(what, ": the buffer is on GPU ", buffer_device,
+                   " but this session's state lives on GPU ", device,
+                   "; one session's tensors must share its device"));
+}
+
 absl::StatusOr<BufferRef> IpcMappingCache::Resolve(const BufferHandle& handle,
                                                    uint64_t alignment,
                                                    const std::string& what) {
@@ -22,12 +31,7 @@ absl::StatusOr<BufferRef> IpcMappingCache::Resolve(const BufferHandle& handle,
         what, ": ipc_handle must be ", sizeof(cudaIpcMemHandle_t),
         " bytes (a cudaIpcMemHandle_t), got ", handle.ipc_handle.size()));
   }
-  if (handle.device != device_) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": the buffer is on GPU ", handle.device,
-                     " but this session's state lives on GPU ", device_,
-                     "; one session's tensors must share its device"));
-  }
+  OPTIMD_RETURN_IF_ERROR(CheckBufferDevice(handle.device, device_, what));
   std::shared_ptr<IpcMapping> mapping;
   {
     MutexLock lock(&mu_);

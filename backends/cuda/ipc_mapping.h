@@ -46,6 +46,12 @@ class IpcMapping {
   const uint64_t size_;
 };
 
+// OK when a buffer the request puts on GPU `buffer_device` is on this
+// session's GPU `device`; `what` names the tensor. Shared with the
+// mappings of cuMemCreate's memory (vmm_mapping.h).
+absl::Status CheckBufferDevice(int buffer_device, int device,
+                               const std::string& what);
+
 // Caches the IPC allocations opened on one device by their handles.
 // Thread-safe.
 class IpcMappingCache {

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "backends/cuda/ipc_mapping.h"
 #include "common/status_macros.h"
 
 namespace optimd {
@@ -68,20 +69,15 @@ class VmmRegion {
   std::vector<std::shared_ptr<VmmChunkImport>> chunks_;
 };
 
-absl::Status VmmMappingCache::Check(const BufferHandle& handle,
-                                    const std::string& what) const {
+absl::StatusOr<uint64_t> VmmMappingCache::Check(const BufferHandle& handle,
+                                                const std::string& what) const {
   if (fd_store_ == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat(
         what,
         ": this daemon takes no file descriptors (it listens on TCP): "
         "cuda_vmm buffers need its Unix socket"));
   }
-  if (handle.device != device_) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": the buffer is on GPU ", handle.device,
-                     " but this session's state lives on GPU ", device_,
-                     "; one session's tensors must share its device"));
-  }
+  OPTIMD_RETURN_IF_ERROR(CheckBufferDevice(handle.device, device_, what));
   const auto& chunks = handle.vmm_chunks;
   if (chunks.empty() || chunks.size() > kMaxChunks) {
     return absl::InvalidArgumentError(
@@ -104,12 +100,9 @@ absl::Status VmmMappingCache::Check(const BufferHandle& handle,
     }
     // The connection that brought it still holds it (a forgotten id is
     // not mapped again, even where an earlier mapping lives on).
-    if (!fd_store_->Holds(c.fd_id)) {
-      return absl::NotFoundError(absl::StrCat(
-          what,
-          ": no descriptor under a chunk's id: the trainer sends it "
-          "over the daemon's descriptor socket (<socket>.fds) first, "
-          "and keeps that connection open while it names the chunk"));
+    if (absl::Status held = fd_store_->Held(c.fd_id); !held.ok()) {
+      return absl::Status(held.code(),
+                          absl::StrCat(what, ": ", held.message()));
     }
     total += c.size;
   }
@@ -118,13 +111,13 @@ absl::Status VmmMappingCache::Check(const BufferHandle& handle,
         what, ": region [", handle.offset, ", ", handle.offset, " + ",
         handle.size, ") lies past the end of its chunks (", total, " bytes)"));
   }
-  return absl::OkStatus();
+  return total;
 }
 
 absl::StatusOr<BufferRef> VmmMappingCache::Resolve(const BufferHandle& handle,
                                                    uint64_t alignment,
                                                    const std::string& what) {
-  OPTIMD_RETURN_IF_ERROR(Check(handle, what));
+  OPTIMD_ASSIGN_OR_RETURN(const uint64_t total, Check(handle, what));
   std::string key;
   for (const VmmChunk& c : handle.vmm_chunks) {
     absl::StrAppend(&key, c.fd_id, c.size, ";");
@@ -134,7 +127,7 @@ absl::StatusOr<BufferRef> VmmMappingCache::Resolve(const BufferHandle& handle,
     MutexLock lock(&mu_);
     region = regions_.Find(key);
     if (region == nullptr) {
-      OPTIMD_ASSIGN_OR_RETURN(region, Map(handle, what));
+      OPTIMD_ASSIGN_OR_RETURN(region, Map(handle, total, what));
       regions_.Put(key, region);
     }
   }
@@ -151,9 +144,7 @@ absl::StatusOr<BufferRef> VmmMappingCache::Resolve(const BufferHandle& handle,
 }
 
 absl::StatusOr<std::shared_ptr<VmmRegion>> VmmMappingCache::Map(
-    const BufferHandle& handle, const std::string& what) {
-  uint64_t total = 0;
-  for (const VmmChunk& c : handle.vmm_chunks) total += c.size;
+    const BufferHandle& handle, uint64_t total, const std::string& what) {
   cudaSetDevice(device_);
   CUdeviceptr base = 0;
   // Aligned as cuMemCreate's chunks are (2 MiB), or the map is refused.

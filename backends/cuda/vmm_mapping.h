@@ -77,8 +77,12 @@ class VmmMappingCache {
       ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  absl::Status Check(const BufferHandle& handle, const std::string& what) const;
+  // The handle's bounds, ids and device checked; its chunks' total size.
+  absl::StatusOr<uint64_t> Check(const BufferHandle& handle,
+                                 const std::string& what) const;
+  // Maps the handle's chunks, `total` bytes (Check's), one after the other.
   absl::StatusOr<std::shared_ptr<VmmRegion>> Map(const BufferHandle& handle,
+                                                 uint64_t total,
                                                  const std::string& what)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::shared_ptr<VmmChunkImport>> Import(
