@@ -19,6 +19,7 @@
 #include "common/fd_store.h"
 #include "common/unique_fd.h"
 #include "gtest/gtest.h"
+#include "testing/watched_pipe.h"
 
 namespace optimd {
 namespace {
@@ -130,24 +131,6 @@ class FdSocketTest : public ::testing::Test {
   std::string dir_;
   std::string path_;
 };
-
-// A pipe: the test keeps the read end (non-blocking), which reads the end
-// of the file once no process holds the write end any more.
-struct Pipe {
-  UniqueFd read;
-  UniqueFd write;
-};
-
-Pipe MakePipe() {
-  int ends[2] = {-1, -1};
-  EXPECT_EQ(pipe2(ends, O_CLOEXEC | O_NONBLOCK), 0);
-  return Pipe{UniqueFd(ends[0]), UniqueFd(ends[1])};
-}
-
-bool WriteEndClosed(const Pipe& p) {
-  char c;
-  return read(p.read.get(), &c, 1) == 0;
-}
 
 TEST_F(FdSocketTest, StoresABatchAndYieldsItsDescriptors) {
   FdStore store(16, 16);
