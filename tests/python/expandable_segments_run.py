@@ -11,6 +11,10 @@ backward's gradients may lie in new chunks at the same addresses. Run by
 test_cuda_e2e.py:
 
     python3 tests/python/expandable_segments_run.py GPU_ADDRESS CPU_ADDRESS SEED
+
+With a fourth argument, `release-in-copy`, it runs release_in_copy
+instead; `release-in-copy-one-pass` runs it with the client's updates
+built once (as before the client built them again), which must fail.
 """
 import copy
 import sys
@@ -19,6 +23,7 @@ import warnings
 import torch
 
 from optimd import cuda_ipc
+from optimd._grads import GradRouter
 from optimd.torch import AdamW
 
 
@@ -80,5 +85,77 @@ def main(gpu_address, cpu_address, seed):
           "loss %.5f -> %.5f" % (first_loss, last_loss))
 
 
+def release_in_copy(gpu_address, cpu_address, seed, one_pass=False):
+    """A gradient the client must copy for the daemon (its strides are not
+    its parameter's) while torch releases cached memory to make room for
+    that copy, as its allocator does when an allocation would exceed the
+    device (torch.cuda.empty_cache() at the copy's start stands in for that
+    release, once a step). The copy is then mapped at the address of a
+    chunk the daemon was sent earlier (the other parameter's freed
+    gradient): the client must name the copy's new chunk, not the old."""
+    torch.manual_seed(seed)
+    # Gradients of 128 and 64 MiB, chunks of their own in the large pool:
+    # the hole the first leaves when unmapped holds the second's copy
+    # (torch maps a new block in the smallest unmapped range it fits).
+    n = 4096
+    shapes = [(2 * n, n), (n, n)]
+    params = [torch.nn.Parameter(torch.randn(s, device="cuda") * 1e-2)
+              for s in shapes]
+    refs = [torch.nn.Parameter(p.detach().cpu()) for p in params]
+    opt = AdamW(params, lr=1e-3, address=gpu_address,
+                job_id="release-in-copy-gpu")
+    ref = AdamW(refs, lr=1e-3, address=cpu_address,
+                job_id="release-in-copy-cpu")
+    if one_pass:
+        GradRouter.updates = GradRouter._updates_once
+    checked = GradRouter._checked
+    release = [False]
+
+    freed = [0]  # where the first parameter's last gradient was
+
+    def releasing_checked(router, s, grad):
+        if not (grad.is_cuda and release[0]):
+            return checked(router, s, grad)
+        release[0] = False
+        torch.cuda.empty_cache()
+        copy = checked(router, s, grad)
+        print("copy at %+d bytes from the freed gradient"
+              % (copy.data_ptr() - freed[0]))
+        return copy
+
+    GradRouter._checked = releasing_checked
+    frees = torch.cuda.memory_stats()["num_device_free"]
+    for step in range(6):
+        if step % 2 == 0:
+            grads = [torch.randn(shapes[0], device="cuda"), None]
+        else:
+            # Made while the first gradient still holds its chunks; that
+            # gradient is then freed, and the copy of this one may take
+            # its addresses.
+            grads = [None, torch.randn(n, n, device="cuda").t()]
+            release[0] = True
+        if params[0].grad is not None:
+            freed[0] = params[0].grad.data_ptr()
+        for p, q, g in zip(params, refs, grads):
+            p.grad = g
+            q.grad = None if g is None else g.cpu()
+        del grads, g
+        opt.step()
+        ref.step()
+        for i, (p, q) in enumerate(zip(params, refs)):
+            assert torch.equal(p.detach().cpu(), q.detach()), (step, i)
+    assert torch.cuda.memory_stats()["num_device_free"] > frees
+    opt.close()
+    ref.close()
+    print("release in copy: 6 steps equal to the CPU reference")
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    mode = sys.argv[4] if len(sys.argv) > 4 else None
+    if mode is None:
+        main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    elif mode.startswith("release-in-copy"):
+        release_in_copy(sys.argv[1], sys.argv[2], int(sys.argv[3]),
+                        one_pass=mode.endswith("one-pass"))
+    else:
+        sys.exit("unknown mode %r" % mode)

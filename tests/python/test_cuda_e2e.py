@@ -210,16 +210,37 @@ class CudaEndToEnd(unittest.TestCase):
         # descriptors the client passes over its descriptor socket, and
         # steps parameters and reads gradients where they are, also
         # after torch.cuda.empty_cache() unmapped freed chunks.
+        run = self.run_expandable()
+        self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
+        self.assertIn("equal to the CPU reference", run.stdout)
+
+    def run_expandable(self, *mode):
+        """Runs expandable_segments_run.py in a process of its own (the
+        variable is read when torch starts)."""
         env = dict(os.environ,
                    PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                               "expandable_segments_run.py")
-        run = subprocess.run(
+        return subprocess.run(
             [sys.executable, script, self.gpu.address, self.cpu.address,
-             str(SEED)], env=env, capture_output=True, text=True,
-            timeout=300)
+             str(SEED)] + list(mode), env=env, capture_output=True,
+            text=True, timeout=300)
+
+    def test_a_release_while_copying_a_gradient_is_seen(self):
+        # torch may release cached memory (unmap chunks) inside the very
+        # allocation the client makes to copy a gradient for the daemon;
+        # the copy can then lie where a chunk the daemon knows was. The
+        # client builds the step's updates again when that happened: the
+        # steps equal the CPU reference, and they do not when the updates
+        # are built once (the same script, its negative control).
+        run = self.run_expandable("release-in-copy")
         self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
         self.assertIn("equal to the CPU reference", run.stdout)
+        control = self.run_expandable("release-in-copy-one-pass")
+        self.assertNotEqual(control.returncode, 0,
+                            "the negative control passed: the copy did not "
+                            "take a released chunk's address")
+        self.assertIn("AssertionError: (1, 1)", control.stderr)
 
     def assert_gpu_settles(self, timeout=30):
         """The trainer's stream finishes its queued work: nothing waits

@@ -37,6 +37,9 @@ from optimd._vmm import NotVmmMemory
 from optimd.v1 import optimd_pb2 as pb
 
 _get_grad = operator.attrgetter("grad")
+# How many times GradRouter.updates builds a step's updates while torch
+# keeps releasing device memory under them.
+_VMM_TRIES = 3
 
 
 def _ptr(t):
@@ -129,11 +132,28 @@ class GradRouter:
         # at its first step (its tensors' sent_ptr may date from chunks
         # forgotten since).
         self._vmm_generation = -1
+        self._allocated = False  # _checked copied a gradient in this pass
 
     def updates(self):
         """The buffer updates that bring the daemon to the gradients now in
         `.grad`, as UpdateBuffersRequest messages; empty when nothing
         moved."""
+        for _ in range(_VMM_TRIES):
+            self._allocated = False
+            out = self._updates_once()
+            # A copy made for the daemon (_checked) can make torch release
+            # cached memory to satisfy it; chunks named above may then be
+            # gone: the updates are built again against the new chunks.
+            if not (self._allocated and self._vmm is not None) or \
+                    self._vmm.refresh() == self._vmm_generation:
+                return out
+        raise RuntimeError(
+            "torch released device memory each time optimd copied a "
+            "gradient for the daemon (%d tries); free memory on %s or set "
+            "PYTORCH_CUDA_ALLOC_CONF without expandable_segments"
+            % (_VMM_TRIES, self._vmm.device))
+
+    def _updates_once(self):
         grads = self._local_grads()
         if self._copies_in:
             grads = self._home_grads(grads)
@@ -185,6 +205,7 @@ class GradRouter:
         if grad.is_sparse and self._densify:
             grad = grad.to_dense()
             self._copies[s.name] = grad
+            self._allocated = True
         if grad.is_sparse:
             # The exception torch's Adam and AdamW raise (its SGD steps
             # sparse gradients; the daemon steps dense memory only).
@@ -206,6 +227,7 @@ class GradRouter:
             # parameter it steps (a dense copy of one with gaps).
             grad = torch.empty_like(s.pview).copy_(grad)
             self._copies[s.name] = grad
+            self._allocated = True
         return grad
 
     def _fill_handle(self, out, s, grad, handles):
