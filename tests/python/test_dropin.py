@@ -680,6 +680,42 @@ class DropIn(DaemonTestCase):
         self.assertEqual(ours, theirs)
         self.assert_same(opt, ref)
 
+    def test_a_refused_step_leaves_the_next_steps_torchs(self):
+        # A step the daemon refuses (here for its learning rate) still
+        # leaves the daemon where the gradients are (one parameter had
+        # none): the client sends only what moved since, and the next
+        # steps are torch's on the same gradients without the refused one.
+        opt, ref = self.both(lambda: [torch.nn.Parameter(torch.randn(6)),
+                                      torch.nn.Parameter(torch.randn(4))],
+                             lr=1e-2)
+        a, b = opt.param_groups[0]["params"]
+        a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
+        opt.step()
+        a.grad = None
+        b.grad = torch.full_like(b, 2.0)
+        opt.param_groups[0]["lr"] = float("nan")
+        with self.assertRaisesRegex(errors.InvalidArgumentError,
+                                    "learning rate"):
+            opt.step()
+            opt.synchronize()
+        opt.param_groups[0]["lr"] = 1e-2
+        for step, scale in enumerate((3.0, 4.0)):
+            # ref skips the refused step; a has no gradient at the first.
+            for o in (opt, ref) if step else (opt,):
+                ps = o.param_groups[0]["params"]
+                ps[0].grad = None if not step else torch.full_like(ps[0],
+                                                                   scale)
+                ps[1].grad = torch.full_like(ps[1], scale)
+            if not step:
+                ra, rb = ref.param_groups[0]["params"]
+                ra.grad, rb.grad = torch.ones_like(ra), torch.ones_like(rb)
+                ref.step()
+                ra.grad, rb.grad = None, torch.full_like(rb, scale)
+            opt.step()
+            ref.step()
+        opt.synchronize()
+        self.assert_same(opt, ref)
+
     def test_a_gradient_kept_after_set_to_none_keeps_its_values(self):
         # A trainer that keeps each step's gradients (gradient noise
         # estimates, say).
