@@ -4,6 +4,7 @@
 #include <pthread.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -38,6 +39,7 @@ struct Message {
   enum Kind {
     kBatch,    // ids and fds hold a well-formed batch
     kBad,      // malformed: answer kRefused (fds are closed with it)
+    kNoRoom,   // the daemon ran out of descriptors receiving it: kFull
     kNothing,  // nothing to read after all
     kEnded,    // the peer is gone, or the connection failed
   };
@@ -74,6 +76,20 @@ bool PeerHungUp(int fd) {
   return poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP)) != 0;
 }
 
+// Whether `fd` may be kept: neither a socket nor a file of no type (an
+// anonymous inode: io_uring, epoll, eventfd). A socket keeps its peer's
+// connection open, and an io_uring the files registered with it: either
+// may be the other end of the very connection that brought it, which then
+// never ends while the daemon holds it, and the daemon holds it until that
+// connection ends. A trainer's memory is a character device (CUDA exports
+// it as a descriptor of /dev/nvidiactl) or a regular file (a memfd).
+bool Keepable(int fd) {
+  struct stat st;
+  if (fstat(fd, &st) != 0) return false;
+  const mode_t type = st.st_mode & S_IFMT;
+  return type != 0 && type != S_IFSOCK;
+}
+
 uint32_t LittleEndian32(const unsigned char* b) {
   return uint32_t{b[0]} | uint32_t{b[1]} << 8 | uint32_t{b[2]} << 16 |
          uint32_t{b[3]} << 24;
@@ -92,6 +108,9 @@ Message::Kind ParseBatch(const unsigned char* payload, size_t bytes,
       bytes != FdSocket::kHeaderBytes + count * FdStore::kIdBytes ||
       m->fds.size() != count) {
     return Message::kBad;
+  }
+  for (const UniqueFd& fd : m->fds) {
+    if (!Keepable(fd.get())) return Message::kBad;
   }
   for (uint32_t i = 0; i < count; ++i) {
     m->ids.emplace_back(reinterpret_cast<const char*>(payload) +
@@ -128,8 +147,14 @@ Message Receive(int fd) {
   m.fds = TakeDescriptors(&msg, &other);
   if (n == 0 && m.fds.empty() && !other && PeerHungUp(fd)) {
     m.kind = Message::kEnded;
-  } else if ((msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) != 0 || other) {
+  } else if ((msg.msg_flags & MSG_TRUNC) != 0 || other) {
     m.kind = Message::kBad;
+  } else if ((msg.msg_flags & MSG_CTRUNC) != 0) {
+    // The control buffer holds kMaxBatch descriptors: fewer and truncated
+    // means the daemon had no descriptor left for the rest (the kernel
+    // closed those it could not give).
+    m.kind =
+        m.fds.size() < FdSocket::kMaxBatch ? Message::kNoRoom : Message::kBad;
   } else {
     m.kind = ParseBatch(payload, static_cast<size_t>(n), &m);
   }
@@ -261,10 +286,11 @@ bool FdSocket::Serve(const Connection& c) {
     case Message::kEnded:
       return false;
     case Message::kBad:
+    case Message::kNoRoom:
     case Message::kBatch:
       break;
   }
-  Reply reply = Reply::kRefused;
+  Reply reply = m.kind == Message::kNoRoom ? Reply::kFull : Reply::kRefused;
   if (m.kind == Message::kBatch) {
     const absl::Status stored = store_->Put(c.owner, m.ids, std::move(m.fds));
     reply = stored.ok() ? Reply::kStored

@@ -16,9 +16,12 @@
 //   ancillary data: SCM_RIGHTS carrying exactly N descriptors, the i-th
 //            kept under the i-th id.
 // Each message is answered with one byte (Reply): stored; refused (a
-// malformed message, or an id given twice or already held: none of its
-// descriptors is kept); store full. A connection's descriptors are closed
-// when it ends, so a trainer keeps it open while it names their chunks.
+// malformed message, an id given twice or already held, or a descriptor
+// that is a socket or an anonymous inode such as an io_uring, which could
+// keep its own connection from ever ending: none of its descriptors is
+// kept); store full (or the daemon out of descriptors). A connection's
+// descriptors are closed when it ends, so a trainer keeps it open while it
+// names their chunks.
 //
 // Bounds: at most kMaxConnections connections at once (more are closed as
 // soon as accepted), the FdStore's own bounds on descriptors. One thread
@@ -60,8 +63,8 @@ class FdSocket {
   // The byte answering each message.
   enum class Reply : uint8_t {
     kStored = 0,   // every descriptor of the message is kept
-    kRefused = 1,  // a malformed message or a bad id: none is kept
-    kFull = 2,     // the store's bounds: none is kept
+    kRefused = 1,  // malformed, a bad id or a bad descriptor: none kept
+    kFull = 2,     // the store's bounds, or no descriptor left: none kept
   };
 
   // Serves `path` into `store`, which must outlive this FdSocket.

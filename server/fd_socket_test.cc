@@ -3,12 +3,16 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/eventfd.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -86,6 +90,18 @@ int OpenDescriptors() {
   while (readdir(dir) != nullptr) ++n;
   closedir(dir);
   return n;
+}
+
+// The highest descriptor number open in this process.
+int HighestDescriptor() {
+  int highest = -1;
+  DIR* dir = opendir("/proc/self/fd");
+  if (dir == nullptr) return -1;
+  while (const dirent* e = readdir(dir)) {
+    if (e->d_name[0] != '.') highest = std::max(highest, atoi(e->d_name));
+  }
+  closedir(dir);
+  return highest;
 }
 
 bool Exists(const std::string& path) { return access(path.c_str(), F_OK) == 0; }
@@ -252,6 +268,105 @@ TEST_F(FdSocketTest, RefusesCredentialsInsteadOfDescriptors) {
             static_cast<ssize_t>(payload.size()));
   EXPECT_EQ(Reply(conn.get()), 1);
   EXPECT_EQ(store.size(), 0u);
+}
+
+// A socket or an anonymous inode (io_uring, epoll, eventfd) is refused:
+// the connection's own other end, kept, would keep the connection from
+// ever ending, and with it the descriptors it brought. A character device
+// (CUDA exports memory as a /dev/nvidiactl descriptor) and other files are
+// kept.
+TEST_F(FdSocketTest, RefusesSocketsAndAnonymousInodes) {
+  FdStore store(16, 16);
+  FdSocket fds(path_, &store);
+  ASSERT_TRUE(fds.Start().ok());
+  UniqueFd conn = Connect();
+  ASSERT_TRUE(conn.valid());
+  ASSERT_TRUE(Send(conn.get(), "", {}));
+  ASSERT_EQ(Reply(conn.get()), 1);  // accepted: counted below
+  int pair[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair), 0);
+  UniqueFd pair_end(pair[0]), other_end(pair[1]);
+  UniqueFd event(eventfd(0, EFD_CLOEXEC));
+  ASSERT_TRUE(event.valid());
+  const int before = OpenDescriptors();
+  const struct {
+    const char* what;
+    int fd;
+  } refused[] = {
+      {"this connection's own end", conn.get()},
+      {"a socket", pair_end.get()},
+      {"an eventfd", event.get()},
+  };
+  for (const auto& r : refused) {
+    ASSERT_TRUE(Send(conn.get(), Payload(Ids(1), 1), {r.fd})) << r.what;
+    EXPECT_EQ(Reply(conn.get()), 1) << r.what;
+    EXPECT_EQ(store.size(), 0u) << r.what;
+    EXPECT_EQ(OpenDescriptors(), before) << r.what;
+  }
+  {
+    // One refused descriptor refuses the whole batch.
+    Pipe p = MakePipe();
+    ASSERT_TRUE(
+        Send(conn.get(), Payload(Ids(2), 2), {p.write.get(), pair_end.get()}));
+    p.write.reset();
+    EXPECT_EQ(Reply(conn.get()), 1);
+    EXPECT_TRUE(WriteEndClosed(p));
+  }
+  UniqueFd null_device(open("/dev/null", O_RDWR | O_CLOEXEC));
+  UniqueFd directory(open(dir_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  ASSERT_TRUE(null_device.valid() && directory.valid());
+  ASSERT_TRUE(Send(conn.get(), Payload(Ids(2), 2),
+                   {null_device.get(), directory.get()}));
+  EXPECT_EQ(Reply(conn.get()), 0);
+  EXPECT_EQ(store.size(), 2u);
+  // The connection ends with its peer, and its descriptors with it: of
+  // those counted, both ends of the connection are gone.
+  null_device.reset();
+  directory.reset();
+  conn.reset();
+  EXPECT_TRUE(Eventually([&] { return store.size() == 0; }));
+  EXPECT_TRUE(Eventually([&] { return OpenDescriptors() == before - 2; }))
+      << OpenDescriptors() << " open, " << before << " before";
+}
+
+// A message the daemon has no descriptors left for (its open-files limit)
+// is answered 2, as a full store is, and leaves none of them open; the
+// connection serves on once descriptors come free.
+TEST_F(FdSocketTest, OutOfDescriptorsIsAnsweredTwo) {
+  FdStore store(256, 256);
+  FdSocket fds(path_, &store);
+  ASSERT_TRUE(fds.Start().ok());
+  UniqueFd conn = Connect();
+  ASSERT_TRUE(conn.valid());
+  ASSERT_TRUE(Send(conn.get(), "", {}));
+  ASSERT_EQ(Reply(conn.get()), 1);  // accepted
+  UniqueFd memfd(memfd_create("optimd-fd-socket-test", MFD_CLOEXEC));
+  ASSERT_TRUE(memfd.valid());
+  const std::vector<int> batch(FdSocket::kMaxBatch, memfd.get());
+  const int before = OpenDescriptors();
+  rlimit saved{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+  // Room for a few descriptors, not for a batch (this process's
+  // descriptors lie below the limit, so `before - 1` of them count).
+  const int room = 8;
+  rlimit low = saved;
+  low.rlim_cur = std::max(HighestDescriptor() + 1, before - 1) + room;
+  ASSERT_LT(low.rlim_cur - (before - 1), FdSocket::kMaxBatch);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  const bool sent =
+      Send(conn.get(), Payload(Ids(FdSocket::kMaxBatch), FdSocket::kMaxBatch),
+           batch);
+  const int reply = Reply(conn.get());
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+  ASSERT_TRUE(sent);
+  EXPECT_EQ(reply, 2);
+  EXPECT_EQ(store.size(), 0u);
+  EXPECT_EQ(OpenDescriptors(), before);
+  ASSERT_TRUE(Send(conn.get(),
+                   Payload(Ids(FdSocket::kMaxBatch), FdSocket::kMaxBatch),
+                   batch));
+  EXPECT_EQ(Reply(conn.get()), 0);
+  EXPECT_EQ(store.size(), FdSocket::kMaxBatch);
 }
 
 // Past the store's bounds: 2, nothing of the batch kept.
