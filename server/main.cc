@@ -144,13 +144,23 @@ namespace {
 // Descriptors that trainers passed over the descriptor socket, held while
 // their connections last (the daemon imports a chunk from its descriptor
 // whenever a buffer names it and no mapping of it lives), each an open
-// file of the daemon: bounded, beside the daemon's own limit on open files
-// (a descriptor that cannot be received refuses its message). 16384
-// chunks of 20 MiB (torch's expandable segments grow by such chunks) are
-// 320 GiB, more than a GPU's memory, per connection; the total allows
-// four such connections.
+// file of the daemon: bounded. 16384 chunks of 20 MiB (torch's expandable
+// segments grow by such chunks) are 320 GiB, more than a GPU's memory, per
+// connection; the total allows four such connections where the daemon's
+// limit on open files does (HeldDescriptorBound).
 constexpr size_t kMaxHeldDescriptors = 65536;
 constexpr size_t kMaxHeldDescriptorsPerConnection = 16384;
+
+// The bound on held descriptors in all for a limit of `files` open files
+// (0: unknown): at most three quarters of it, so that trainers' chunks
+// cannot take the descriptors the daemon needs for its clients'
+// connections, checkpoint files and mappings (deploy/'s limit is 65536,
+// kMaxHeldDescriptors too).
+size_t HeldDescriptorBound(rlim_t files) {
+  if (files == 0) return kMaxHeldDescriptors;
+  return static_cast<size_t>(
+      std::min<rlim_t>(kMaxHeldDescriptors, files / 4 * 3));
+}
 
 void Log(const std::string& line) { optimd::log::Info(line); }
 // What keeps the daemon from starting (it exits non-zero next).
@@ -613,8 +623,9 @@ int main(int argc, char** argv) {
   const rlim_t files = RaiseFileLimit();
 
   // Outlives the backends and the descriptor socket, which use it.
-  optimd::FdStore fd_store(kMaxHeldDescriptors,
-                           kMaxHeldDescriptorsPerConnection);
+  const size_t held_bound = HeldDescriptorBound(files);
+  optimd::FdStore fd_store(
+      held_bound, std::min(held_bound, kMaxHeldDescriptorsPerConnection));
   std::vector<std::unique_ptr<optimd::Backend>> backends =
       MakeBackends(&fd_store);
   if (backends.empty()) return 2;
