@@ -233,6 +233,9 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequestSpec& request,
   for (const auto& [group_id, updates] : request.buffer_updates) {
     OPTIMD_RETURN_IF_ERROR(UpdateBuffersLocked(group_id, updates));
   }
+  // Closing waits for the device's stream (steps before this one), which
+  // is why mappings are kept; only after the trainer gave memory back.
+  if (request.memory_released) recent_mappings_.clear();
   if (needs_load_) {
     return absl::FailedPreconditionError(
         "the last LoadState failed part-way and left the state mixed; load "

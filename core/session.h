@@ -97,6 +97,10 @@ struct StepRequestSpec {
   // number (0: no step flags).
   BufferHandle step_flags;
   uint64_t sequence = 0;
+  // The trainer's allocator gave memory back since the last step: the
+  // mappings no buffer uses (recent_mappings_) are closed after the
+  // buffer updates, so that memory it freed returns to the device.
+  bool memory_released = false;
   // Why the step was refused before it reached the session (request
   // validation); the session refuses it with this, after releasing its
   // step flags.

@@ -255,6 +255,7 @@ absl::StatusOr<StepRequestSpec> StepSpecFromProto(
   spec.step_flags = BufferHandleFromProto(request.step_flags());
   spec.sequence = request.sequence();
   spec.step = request.step();
+  spec.memory_released = request.memory_released();
   for (const auto& o : request.overrides()) {
     HyperOverride h;
     h.group_id = o.group_id();

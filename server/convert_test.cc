@@ -176,6 +176,9 @@ TEST(ConvertTest, StepDefaults) {
   ASSERT_EQ(s.overrides.size(), 1u);
   EXPECT_EQ(s.overrides[0].lr, 0.1);
   EXPECT_FALSE(s.overrides[0].beta1.has_value());
+  EXPECT_FALSE(s.memory_released);
+  r.set_memory_released(true);
+  EXPECT_TRUE(StepSpecFromProto(r)->memory_released);
 }
 
 TEST(ConvertTest, TwoOverridesOfOneGroupAreRefused) {

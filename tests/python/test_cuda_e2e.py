@@ -214,6 +214,38 @@ class CudaEndToEnd(unittest.TestCase):
         self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
         self.assertIn("equal to the CPU reference", run.stdout)
 
+    def test_memory_torch_gives_back_returns_to_the_device(self):
+        # torch.cuda.empty_cache() frees the blocks of gradients that
+        # zero_grad(set_to_none=True) let go; the daemon still maps them
+        # (it keeps mappings for allocations handed out again). At the next
+        # step the client says torch gave memory back, and the daemon
+        # closes what no buffer uses: the device gets those blocks back.
+        params = [torch.nn.Parameter(torch.randn(4096, 4096, device="cuda"))
+                  for _ in range(8)]  # 512 MiB of gradients
+        opt = AdamW(params, lr=1e-3, address=self.gpu.address,
+                    job_id="released-" + self.id())
+
+        def step():
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt.step()
+            opt.synchronize()
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            torch.cuda.synchronize()
+            return torch.cuda.mem_get_info()[0] / 2**20
+
+        for _ in range(3):
+            first = step()
+        # These gradients are new allocations (the cache was emptied); the
+        # step closes the daemon's mappings of the ones before.
+        then = step()
+        self.assertGreater(then, first - 64,
+                           "the daemon still holds the gradients torch "
+                           "freed a step before (MiB free: %.0f, then %.0f)"
+                           % (first, then))
+        opt.close()
+
     def run_expandable(self, *mode):
         """Runs expandable_segments_run.py in a process of its own (the
         variable is read when torch starts)."""

@@ -1256,7 +1256,10 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             # Torch's semantics unless skipping is asked for: the daemon
             # neither checks nor skips (proto: StepRequest.assume_finite).
             assume_finite=not self.skip_nonfinite,
-            buffer_updates=updates)
+            buffer_updates=updates,
+            # The daemon then closes its mappings of memory no buffer
+            # uses, so that what torch gave back returns to the device.
+            memory_released=self._router.memory_released)
         if self._flags is None:
             self._mirror_in()
             self._take_reply(self._client.step(**request))

@@ -33,7 +33,7 @@ import torch
 
 from optimd._aliased import shares_storage
 from optimd._dtensor import is_dtensor, local_of
-from optimd._vmm import NotVmmMemory
+from optimd._vmm import NotVmmMemory, device_releases
 from optimd.v1 import optimd_pb2 as pb
 
 _get_grad = operator.attrgetter("grad")
@@ -133,11 +133,23 @@ class GradRouter:
         # forgotten since).
         self._vmm_generation = -1
         self._allocated = False  # _checked copied a gradient in this pass
+        # torch's counts of device releases at the last step (CUDA without
+        # expandable segments; the sharer keeps its own), and whether they
+        # moved before the step being built (StepRequest.memory_released).
+        self._device = device
+        self._releases = device_releases(device) \
+            if self._cuda and vmm is None else None
+        self.memory_released = False
 
     def updates(self):
         """The buffer updates that bring the daemon to the gradients now in
         `.grad`, as UpdateBuffersRequest messages; empty when nothing
         moved."""
+        self.memory_released = False
+        if self._releases is not None:
+            releases = device_releases(self._device)
+            self.memory_released = releases != self._releases
+            self._releases = releases
         for _ in range(_VMM_TRIES):
             self._allocated = False
             out = self._updates_once()
@@ -167,6 +179,7 @@ class GradRouter:
             # torch released memory: a gradient at its old pointer may be
             # in another chunk now; every one is sent anew.
             self._vmm_generation = self._vmm.generation
+            self.memory_released = True
             self._sent = [None] * len(self._sent)
         if ptrs == self._sent:
             return []

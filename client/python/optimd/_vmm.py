@@ -83,7 +83,7 @@ def _export(address):
     return fd.value
 
 
-def _device_releases(device):
+def device_releases(device):
     """torch's counts of device memory maps and releases (unmaps of
     expandable segments among them) on `device`, or None where torch does
     not keep them. Both together: reset_accumulated_memory_stats() zeroes
@@ -142,7 +142,7 @@ class VmmSharer:
         self._channel = None
         self._chunks = {}  # the chunk's address here -> (id, size)
         self._bases = []  # the chunks' addresses, sorted
-        self._frees = _device_releases(device)
+        self._frees = device_releases(device)
         self.generation = 0
 
     @classmethod
@@ -235,7 +235,7 @@ class VmmSharer:
         forgotten, and the daemon drops their descriptors with this
         connection), so that whoever sent buffers of an older generation
         sends them anew."""
-        frees = _device_releases(self.device)
+        frees = device_releases(self.device)
         if frees != self._frees:
             self._frees = frees
             self._forget()

@@ -419,13 +419,16 @@ class Client:
     # Steps and state.
     def step(self, step=0, lr_overrides=None, grad_scale=0.0,
              max_grad_norm=0.0, wait=False, assume_finite=False,
-             buffer_updates=(), step_flags=None, sequence=0):
+             buffer_updates=(), step_flags=None, sequence=0,
+             memory_released=False):
         """One step; returns its reply. buffer_updates: UpdateBuffersRequest
         messages applied first (gradients that moved or went away since the
-        last step); step_flags, sequence: see StepRequest."""
+        last step); step_flags, sequence, memory_released: see
+        StepRequest."""
         request = self._step_request(
             step, lr_overrides, grad_scale, max_grad_norm, wait,
-            assume_finite, buffer_updates, step_flags, sequence)
+            assume_finite, buffer_updates, step_flags, sequence,
+            memory_released=memory_released)
         if not self.use_step_stream:
             return self._call("Step", request)
         return self._result(self._send_step(request))
@@ -440,12 +443,13 @@ class Client:
     def _step_request(step=0, lr_overrides=None, grad_scale=0.0,
                       max_grad_norm=0.0, wait=False, assume_finite=False,
                       buffer_updates=(), step_flags=None, sequence=0,
-                      staged=False):
+                      staged=False, memory_released=False):
         request = pb.StepRequest(step=step, grad_scale=grad_scale,
                                  max_grad_norm=max_grad_norm, wait=wait,
                                  assume_finite=assume_finite,
                                  buffer_updates=buffer_updates,
-                                 sequence=sequence, staged=staged)
+                                 sequence=sequence, staged=staged,
+                                 memory_released=memory_released)
         if step_flags is not None:
             request.step_flags.CopyFrom(step_flags)
         for group_id, value in (lr_overrides or {}).items():
