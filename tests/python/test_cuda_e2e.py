@@ -220,16 +220,28 @@ class CudaEndToEnd(unittest.TestCase):
         # (it keeps mappings for allocations handed out again). At the next
         # step the client says torch gave memory back, and the daemon
         # closes what no buffer uses: the device gets those blocks back.
+        # A new allocation may lie at a freed one's address: the client
+        # then sends the gradients anew, and the steps equal the CPU
+        # reference's.
         params = [torch.nn.Parameter(torch.randn(4096, 4096, device="cuda"))
                   for _ in range(8)]  # 512 MiB of gradients
+        refs = [torch.nn.Parameter(p.detach().cpu()) for p in params]
         opt = AdamW(params, lr=1e-3, address=self.gpu.address,
                     job_id="released-" + self.id())
+        ref = AdamW(refs, lr=1e-3, address=self.cpu.address,
+                    job_id="released-cpu-" + self.id())
 
         def step():
-            for p in params:
+            for p, q in zip(params, refs):
                 p.grad = torch.randn_like(p)
+                q.grad = p.grad.cpu()
             opt.step()
+            ref.step()
             opt.synchronize()
+            for i, (p, q) in enumerate(zip(params, refs)):
+                self.assertTrue(torch.equal(p.detach().cpu(), q.detach()),
+                                "parameter %d differs from the CPU "
+                                "reference" % i)
             opt.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
             torch.cuda.synchronize()
@@ -245,6 +257,7 @@ class CudaEndToEnd(unittest.TestCase):
                            "freed a step before (MiB free: %.0f, then %.0f)"
                            % (first, then))
         opt.close()
+        ref.close()
 
     def run_expandable(self, *mode):
         """Runs expandable_segments_run.py in a process of its own (the

@@ -148,7 +148,13 @@ class GradRouter:
         self.memory_released = False
         if self._releases is not None:
             releases = device_releases(self._device)
-            self.memory_released = releases != self._releases
+            if releases != self._releases:
+                # torch freed allocations (cudaFree), and a new one may lie
+                # at a freed one's address: every gradient is sent anew,
+                # by its allocation's handle (the daemon's mapping of a
+                # freed one still reads the old memory).
+                self.memory_released = True
+                self._sent = [None] * len(self._sent)
             self._releases = releases
         for _ in range(_VMM_TRIES):
             self._allocated = False
