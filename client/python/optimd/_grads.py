@@ -136,9 +136,11 @@ class GradRouter:
         # torch's counts of device releases at the last step (CUDA without
         # expandable segments; the sharer keeps its own), and whether they
         # moved before the step being built (StepRequest.memory_released).
+        # A new router starts from counts no torch has: its first step
+        # sends every gradient (torch may have freed memory since the
+        # router before it looked).
         self._device = device
-        self._releases = device_releases(device) \
-            if self._cuda and vmm is None else None
+        self._releases = () if self._cuda and vmm is None else None
         self.memory_released = False
 
     def updates(self):
