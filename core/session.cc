@@ -121,7 +121,7 @@ absl::StatusOr<StepResult> Session::Step(const StepRequestSpec& request) {
   bool exchanged = false;
   absl::StatusOr<StepResult> result =
       !bound.ok()             ? bound
-      : !request.refused.ok() ? request.refused
+      : !request.refused.ok() ? RefuseAfterUpdates(request)
                               : StepLocked(request, options, &exchanged);
   if (exchange_ != nullptr && !result.ok() && !exchanged) {
     // The other ranks skip this step rather than wait for this rank.
@@ -227,15 +227,25 @@ absl::Status Session::CheckOverrides(
   return absl::OkStatus();
 }
 
-absl::StatusOr<StepResult> Session::StepLocked(const StepRequestSpec& request,
-                                               const StepOptions& o,
-                                               bool* exchanged) {
+absl::Status Session::ApplyStepUpdates(const StepRequestSpec& request) {
   for (const auto& [group_id, updates] : request.buffer_updates) {
     OPTIMD_RETURN_IF_ERROR(UpdateBuffersLocked(group_id, updates));
   }
   // Closing waits for the device's stream (steps before this one), which
   // is why mappings are kept; only after the trainer gave memory back.
   if (request.memory_released) recent_mappings_.clear();
+  return absl::OkStatus();
+}
+
+absl::Status Session::RefuseAfterUpdates(const StepRequestSpec& request) {
+  OPTIMD_RETURN_IF_ERROR(ApplyStepUpdates(request));
+  return request.refused;
+}
+
+absl::StatusOr<StepResult> Session::StepLocked(const StepRequestSpec& request,
+                                               const StepOptions& o,
+                                               bool* exchanged) {
+  OPTIMD_RETURN_IF_ERROR(ApplyStepUpdates(request));
   if (needs_load_) {
     return absl::FailedPreconditionError(
         "the last LoadState failed part-way and left the state mixed; load "

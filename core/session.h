@@ -388,6 +388,15 @@ class Session {
       const std::vector<std::string>& group_ids)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RefreshMappings() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The step's buffer updates, then (memory_released) the closing of the
+  // mappings no buffer uses.
+  absl::Status ApplyStepUpdates(const StepRequestSpec& request)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A step refused for its options (request.refused) still applies its
+  // buffer updates: they say where the trainer's gradients are now, and
+  // the trainer counts them as told. Returns the refusal.
+  absl::Status RefuseAfterUpdates(const StepRequestSpec& request)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status UpdateBuffersLocked(const std::string& group_id,
                                    const std::vector<BufferUpdate>& updates)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -15,6 +15,7 @@ import unittest
 import torch
 
 from optimd import errors
+from optimd._grads import GradRouter
 from optimd._names import torch_takes_names
 from optimd.testing import Daemon, DaemonTestCase
 from optimd.torch import SGD, Adam, AdamW
@@ -713,6 +714,49 @@ class DropIn(DaemonTestCase):
                 ra.grad, rb.grad = None, torch.full_like(rb, scale)
             opt.step()
             ref.step()
+        opt.synchronize()
+        self.assert_same(opt, ref)
+
+    def test_a_step_refused_before_it_runs_leaves_the_next_steps_torchs(self):
+        # A step refused for its options before the session runs it (here
+        # its grad_scale) still tells the daemon where the gradients are
+        # (one parameter had none): the parameter without a gradient is
+        # not stepped with its old one at the next steps. Twice: the
+        # client then tells the daemon every gradient again, and (with
+        # that switched off) the daemon applied the refused step's buffer
+        # updates; either keeps the steps torch's.
+        for client_forgets in (True, False):
+            with self.subTest(client_forgets=client_forgets):
+                if not client_forgets:
+                    self.patch(GradRouter, "forget", lambda router: None)
+                self.refuse_a_step_by_its_options()
+
+    def patch(self, owner, name, value):
+        old = getattr(owner, name)
+        setattr(owner, name, value)
+        self.addCleanup(setattr, owner, name, old)
+
+    def refuse_a_step_by_its_options(self):
+        opt, ref = self.both(lambda: [torch.nn.Parameter(torch.randn(6)),
+                                      torch.nn.Parameter(torch.randn(4))],
+                             lr=1e-2)
+        for o in (opt, ref):
+            a, b = o.param_groups[0]["params"]
+            a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
+            o.step()
+        a, b = opt.param_groups[0]["params"]
+        a.grad, b.grad = None, torch.full_like(b, 2.0)
+        opt.grad_scale = float("inf")
+        with self.assertRaisesRegex(errors.InvalidArgumentError,
+                                    "grad_scale"):
+            opt.step()
+            opt.synchronize()
+        opt.grad_scale = None
+        for scale in (3.0, 4.0):
+            for o in (opt, ref):
+                a, b = o.param_groups[0]["params"]
+                a.grad, b.grad = None, torch.full_like(b, scale)
+                o.step()
         opt.synchronize()
         self.assert_same(opt, ref)
 

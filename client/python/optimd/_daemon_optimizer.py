@@ -1246,7 +1246,23 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         check_fsdp1_job(self._any_fsdp1, self._world_size,
                         self._identity["sharding"] != _SHARDING[None],
                         bool(self.max_grad_norm or self.skip_nonfinite))
-        updates = self._router.updates()
+        if self._flags is not None:
+            # An earlier step's error, before this step's updates are built
+            # on what that step told the daemon.
+            self._look_at_replies(block=False)
+        try:
+            self._request_step(self._router.updates())
+        except BaseException:
+            # The daemon may not have what the router counts as told (a
+            # step that failed, or updates built part-way): the next step
+            # tells it every gradient again.
+            self._router.forget()
+            raise
+        self.state.invalidate()
+        self.state.follow()  # state tensors the trainer holds, as in torch
+        return loss
+
+    def _request_step(self, updates):
         overrides = self._overrides()
         request = dict(
             lr_overrides=overrides[0] if overrides else None,
@@ -1268,16 +1284,12 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             self._step_with_flags(request)
         if overrides:
             self._sent_hyper = overrides[1]
-        self.state.invalidate()
-        self.state.follow()  # state tensors the trainer holds, as in torch
-        return loss
 
     def _step_with_flags(self, request):
         """CUDA: mark the gradients ready on our stream, send the step, make
         our stream wait for its done flag; look at replies as they come
         (their outcome: skipped, grad_norm) and raise a failed step's error
         at the first step() or synchronize() after its reply came."""
-        self._look_at_replies(block=False)
         stream = cuda_ipc.current_stream(self._device)
         flags, sequence = self._flags.next_step(self._client.steps_streamed)
         staged = self._overlap is not None
@@ -1307,7 +1319,14 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             if (not block and not self._pending[0].done()
                     and len(self._pending) <= _MAX_PENDING_REPLIES):
                 break
-            self._take_reply(self._pending.popleft().result())
+            try:
+                reply = self._pending.popleft().result()
+            except BaseException:
+                # Steps sent after it were built on what it carried.
+                if getattr(self, "_router", None) is not None:
+                    self._router.forget()
+                raise
+            self._take_reply(reply)
 
     def _take_reply(self, reply):
         if reply.known:

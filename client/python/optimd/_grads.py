@@ -33,10 +33,27 @@ import torch
 
 from optimd._aliased import shares_storage
 from optimd._dtensor import is_dtensor, local_of
-from optimd._vmm import NotVmmMemory, device_releases
+from optimd._vmm import NotVmmMemory
 from optimd.v1 import optimd_pb2 as pb
 
 _get_grad = operator.attrgetter("grad")
+
+
+def segments_freed(device):
+    """torch's counts of what its caching allocator gave back to the device
+    (cudaFree) on `device`: its device frees (torch 2.1 on) and its
+    segments freed (every torch); any change is a release. None where
+    torch keeps neither (an allocator of another library's)."""
+    stats = getattr(torch._C, "_cuda_memoryStats", None)
+    if stats is None:
+        return None
+    try:
+        got = stats(device.index if device.index is not None
+                    else torch.cuda.current_device())
+    except RuntimeError:  # a pluggable allocator keeps no stats
+        return None
+    counts = (got.get("num_device_free"), got.get("segment.all.freed"))
+    return None if counts == (None, None) else counts
 # How many times GradRouter.updates builds a step's updates while torch
 # keeps releasing device memory under them.
 _VMM_TRIES = 3
@@ -133,15 +150,26 @@ class GradRouter:
         # forgotten since).
         self._vmm_generation = -1
         self._allocated = False  # _checked copied a gradient in this pass
-        # torch's counts of device releases at the last step (CUDA without
-        # expandable segments; the sharer keeps its own), and whether they
-        # moved before the step being built (StepRequest.memory_released).
-        # A new router starts from counts no torch has: its first step
-        # sends every gradient (torch may have freed memory since the
-        # router before it looked).
+        # torch's count of segments freed at the last step (CUDA IPC: not
+        # with expandable segments, whose sharer keeps its own counts, nor
+        # with copies, where the daemon reads buffers of the optimizer's
+        # own), and whether it moved before the step being built
+        # (StepRequest.memory_released). A new router starts from a count
+        # no torch has: its first step sends every gradient (torch may
+        # have freed memory since the router before it looked).
         self._device = device
-        self._releases = () if self._cuda and vmm is None else None
+        self._releases = () if self._cuda and vmm is None and \
+            not copies else None
         self.memory_released = False
+
+    def forget(self):
+        """The daemon may not have what this router told it (a step failed
+        or was never sent): the next step tells it every gradient again."""
+        self._sent = [None] * len(self._sent)
+        for s in self._tensors:
+            s.sent_ptr = None
+        if self._releases is not None:
+            self._releases = ()
 
     def updates(self):
         """The buffer updates that bring the daemon to the gradients now in
@@ -149,7 +177,7 @@ class GradRouter:
         moved."""
         self.memory_released = False
         if self._releases is not None:
-            releases = device_releases(self._device)
+            releases = segments_freed(self._device)
             if releases != self._releases:
                 # torch freed allocations (cudaFree), and a new one may lie
                 # at a freed one's address: every gradient is sent anew,

@@ -92,7 +92,10 @@ def device_releases(device):
     stats = getattr(torch._C, "_cuda_memoryStats", None)
     if stats is None:
         return None
-    got = stats(cuda_ipc.device_index(device))
+    try:
+        got = stats(cuda_ipc.device_index(device))
+    except RuntimeError:  # an allocator that keeps no stats (pluggable)
+        return None
     if "num_device_free" not in got or "num_device_alloc" not in got:
         return None
     return got["num_device_alloc"], got["num_device_free"]
