@@ -51,6 +51,11 @@ absl::Status Session::UpdateBuffersLocked(
       e.grad = std::move(r.grad);
       e.grad_absent = false;
     } else if (r.absent) {
+      // Its last gradient's mapping goes among the recent ones (backends
+      // read no gradient of an absent entry), so that memory the trainer
+      // freed can return at its next release (memory_released).
+      new_mapping |= RetainIfReplaced(e.grad.mapping, nullptr);
+      e.grad = BufferRef{};
       e.grad_absent = true;
     }
     const uint32_t k = group->plan.entry_of_tensor[r.tensor];

@@ -144,6 +144,17 @@ class FdSocketTest : public ::testing::Test {
     return fd;
   }
 
+  // A connection the socket has taken up: an empty message on it was
+  // answered (1, malformed), so the connection's own descriptors are in
+  // any count made after. Invalid when the socket does not serve.
+  UniqueFd Accepted() const {
+    UniqueFd conn = Connect();
+    if (!conn.valid() || !Send(conn.get(), "", {}) || Reply(conn.get()) != 1) {
+      return UniqueFd();
+    }
+    return conn;
+  }
+
   std::string dir_;
   std::string path_;
 };
@@ -191,12 +202,8 @@ TEST_F(FdSocketTest, RefusesMalformedMessagesWithoutKeepingAny) {
   FdStore store(256, 256);
   FdSocket fds(path_, &store);
   ASSERT_TRUE(fds.Start().ok());
-  UniqueFd conn = Connect();
+  UniqueFd conn = Accepted();  // counted below
   ASSERT_TRUE(conn.valid());
-  // An empty message: answered once the connection is accepted, so the
-  // count below includes it.
-  ASSERT_TRUE(Send(conn.get(), "", {}));
-  ASSERT_EQ(Reply(conn.get()), 1);
   std::vector<UniqueFd> files;
   std::vector<int> raw;
   for (int i = 0; i < 70; ++i) {
@@ -279,10 +286,8 @@ TEST_F(FdSocketTest, RefusesSocketsAndAnonymousInodes) {
   FdStore store(16, 16);
   FdSocket fds(path_, &store);
   ASSERT_TRUE(fds.Start().ok());
-  UniqueFd conn = Connect();
+  UniqueFd conn = Accepted();  // counted below
   ASSERT_TRUE(conn.valid());
-  ASSERT_TRUE(Send(conn.get(), "", {}));
-  ASSERT_EQ(Reply(conn.get()), 1);  // accepted: counted below
   int pair[2];
   ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair), 0);
   UniqueFd pair_end(pair[0]), other_end(pair[1]);
@@ -336,10 +341,8 @@ TEST_F(FdSocketTest, OutOfDescriptorsIsAnsweredTwo) {
   FdStore store(256, 256);
   FdSocket fds(path_, &store);
   ASSERT_TRUE(fds.Start().ok());
-  UniqueFd conn = Connect();
+  UniqueFd conn = Accepted();
   ASSERT_TRUE(conn.valid());
-  ASSERT_TRUE(Send(conn.get(), "", {}));
-  ASSERT_EQ(Reply(conn.get()), 1);  // accepted
   UniqueFd memfd(memfd_create("optimd-fd-socket-test", MFD_CLOEXEC));
   ASSERT_TRUE(memfd.valid());
   const std::vector<int> batch(FdSocket::kMaxBatch, memfd.get());
@@ -425,11 +428,7 @@ TEST_F(FdSocketTest, ClientGoneMidwayLeavesNothing) {
   p.write.reset();
   EXPECT_TRUE(Eventually([&] { return WriteEndClosed(p); }));
   EXPECT_EQ(store.size(), 0u);
-  {
-    UniqueFd conn = Connect();
-    ASSERT_TRUE(Send(conn.get(), "", {}));
-    EXPECT_EQ(Reply(conn.get()), 1);
-  }
+  EXPECT_TRUE(Accepted().valid());
   // The daemon's ends of the connections are closed too.
   EXPECT_TRUE(Eventually([&] { return OpenDescriptors() == before - 1; }));
 }
@@ -475,9 +474,7 @@ TEST_F(FdSocketTest, DropsAClientThatDoesNotRead) {
     }
   }
   EXPECT_TRUE(dropped);
-  UniqueFd conn = Connect();
-  ASSERT_TRUE(Send(conn.get(), "", {}));
-  EXPECT_EQ(Reply(conn.get()), 1);
+  EXPECT_TRUE(Accepted().valid());
 }
 
 // Stop closes the connections (and their descriptors) and removes the
@@ -517,9 +514,7 @@ TEST_F(FdSocketTest, SecondSocketOnALivePathFails) {
   }
   EXPECT_TRUE(Exists(path_));
   EXPECT_TRUE(Exists(path_ + ".lock"));
-  UniqueFd conn = Connect();
-  ASSERT_TRUE(Send(conn.get(), "", {}));
-  EXPECT_EQ(Reply(conn.get()), 1);
+  EXPECT_TRUE(Accepted().valid());
 }
 
 // A socket file nobody listens on (a dead daemon's) is replaced; one with
@@ -544,9 +539,7 @@ TEST_F(FdSocketTest, ReplacesOnlyAStaleSocketFile) {
   {
     FdSocket fds(path_, &store);
     ASSERT_TRUE(fds.Start().ok());
-    UniqueFd conn = Connect();
-    ASSERT_TRUE(Send(conn.get(), "", {}));
-    EXPECT_EQ(Reply(conn.get()), 1);
+    EXPECT_TRUE(Accepted().valid());
   }
   ASSERT_EQ(close(open(path_.c_str(), O_CREAT | O_WRONLY | O_CLOEXEC, 0600)),
             0);
