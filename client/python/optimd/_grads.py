@@ -33,7 +33,7 @@ import torch
 
 from optimd._aliased import shares_storage
 from optimd._dtensor import is_dtensor, local_of
-from optimd._vmm import NotVmmMemory
+from optimd._vmm import NotVmmMemory, allocator_counts
 from optimd.v1 import optimd_pb2 as pb
 
 _get_grad = operator.attrgetter("grad")
@@ -44,16 +44,10 @@ def segments_freed(device):
     (cudaFree) on `device`: its device frees (torch 2.1 on) and its
     segments freed (every torch); any change is a release. None where
     torch keeps neither (an allocator of another library's)."""
-    stats = getattr(torch._C, "_cuda_memoryStats", None)
-    if stats is None:
-        return None
-    try:
-        got = stats(device.index if device.index is not None
-                    else torch.cuda.current_device())
-    except RuntimeError:  # a pluggable allocator keeps no stats
-        return None
-    counts = (got.get("num_device_free"), got.get("segment.all.freed"))
-    return None if counts == (None, None) else counts
+    counts = allocator_counts(device, ("num_device_free", "segment.all.freed"))
+    return None if counts is None or counts == (None, None) else counts
+
+
 # How many times GradRouter.updates builds a step's updates while torch
 # keeps releasing device memory under them.
 _VMM_TRIES = 3

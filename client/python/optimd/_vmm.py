@@ -20,7 +20,8 @@ releases (num_device_alloc, num_device_free); when they moved, it forgets
 every chunk (a new connection: the daemon drops the old descriptors) and
 sends every gradient anew. Between two such looks a known chunk is found
 without a driver call. Memory that is not cuMemCreate's (a CUDA graph's
-private pool) raises NotVmmMemory, and goes by CUDA IPC instead. Parameters are live memory, which torch never unmaps.
+private pool) raises NotVmmMemory, and goes by CUDA IPC instead.
+Parameters are live memory, which torch never unmaps.
 """
 import bisect
 import ctypes
@@ -83,12 +84,10 @@ def _export(address):
     return fd.value
 
 
-def device_releases(device):
-    """torch's counts of device memory maps and releases (unmaps of
-    expandable segments among them) on `device`, or None where torch does
-    not keep them. Both together: reset_accumulated_memory_stats() zeroes
-    them, and a release followed by a reset then still reads as a change
-    (the maps counted before cannot come back to zero unseen)."""
+def allocator_counts(device, keys):
+    """torch's caching allocator's counters `keys` on `device`, as a tuple
+    (None for a key this torch does not keep), or None where it keeps no
+    stats (a pluggable allocator)."""
     stats = getattr(torch._C, "_cuda_memoryStats", None)
     if stats is None:
         return None
@@ -96,9 +95,17 @@ def device_releases(device):
         got = stats(cuda_ipc.device_index(device))
     except RuntimeError:  # an allocator that keeps no stats (pluggable)
         return None
-    if "num_device_free" not in got or "num_device_alloc" not in got:
-        return None
-    return got["num_device_alloc"], got["num_device_free"]
+    return tuple(got.get(key) for key in keys)
+
+
+def device_releases(device):
+    """torch's counts of device memory maps and releases (unmaps of
+    expandable segments among them) on `device`, or None where torch does
+    not keep them. Both together: reset_accumulated_memory_stats() zeroes
+    them, and a release followed by a reset then still reads as a change
+    (the maps counted before cannot come back to zero unseen)."""
+    counts = allocator_counts(device, ("num_device_alloc", "num_device_free"))
+    return None if counts is None or None in counts else counts
 
 
 class DescriptorChannel:
