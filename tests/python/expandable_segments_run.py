@@ -15,6 +15,8 @@ test_cuda_e2e.py:
 With a fourth argument, `release-in-copy`, it runs release_in_copy
 instead; `release-in-copy-one-pass` runs it with the client's updates
 built once (as before the client built them again), which must fail.
+`side-release` runs release_on_a_side_stream, and `side-release-unheld`
+its negative control.
 """
 import copy
 import sys
@@ -24,6 +26,7 @@ import torch
 
 from optimd import cuda_ipc
 from optimd._grads import GradRouter
+from optimd._vmm import VmmSharer
 from optimd.torch import AdamW
 
 
@@ -150,6 +153,57 @@ def release_in_copy(gpu_address, cpu_address, seed, one_pass=False):
     print("release in copy: 6 steps equal to the CPU reference")
 
 
+def release_on_a_side_stream(gpu_address, cpu_address, seed, unheld=False):
+    """A release torch makes on another stream (its unmap synchronizes
+    that stream only) while the daemon is steps behind: the trainer's
+    stream sleeps before its first step's ready flag, so the daemon's
+    device worker waits for a step record with later steps queued behind
+    it. Each release makes the client forget every chunk and send each
+    step's gradient by ids of a new descriptor connection; the retired
+    connection must stay open until the steps that name its ids are
+    answered. `unheld`: the client closes it at once (as it did before),
+    which must fail."""
+    torch.manual_seed(seed)
+    n = 1024  # 4 MiB: torch's large pool
+    p = torch.nn.Parameter(torch.randn(n, n, device="cuda"))
+    q = torch.nn.Parameter(p.detach().cpu())
+    opt = AdamW([p], lr=1e-3, address=gpu_address, job_id="side-release-gpu")
+    ref = AdamW([q], lr=1e-3, address=cpu_address, job_id="side-release-cpu")
+    if unheld:
+        take = VmmSharer.take_retired
+
+        def closing_at_once(sharer):
+            for channel in take(sharer):
+                channel.close()
+            return []
+
+        VmmSharer.take_retired = closing_at_once
+    steps = 16  # twice the daemon's step records
+    grads = [torch.randn(n, n, device="cuda") for _ in range(steps)]
+    cpu_grads = [g.cpu() for g in grads]
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # no free chunk on the trainer's stream
+    frees = torch.cuda.memory_stats()["num_device_free"]
+    torch.cuda._sleep(4_000_000_000)  # about 2 s of the trainer's stream
+    for step in range(steps):
+        p.grad = grads[step]
+        q.grad = cpu_grads[step]
+        with torch.cuda.stream(side):
+            scratch = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+        del scratch
+        torch.cuda.empty_cache()  # unmaps the side stream's chunks
+        opt.step()
+        ref.step()
+    opt.synchronize()
+    assert torch.equal(p.detach().cpu(), q.detach()), "differs"
+    assert torch.cuda.memory_stats()["num_device_free"] >= frees + steps
+    opt.close()
+    ref.close()
+    print("side-stream releases: %d steps equal to the CPU reference"
+          % steps)
+
+
 if __name__ == "__main__":
     mode = sys.argv[4] if len(sys.argv) > 4 else None
     if mode is None:
@@ -157,5 +211,8 @@ if __name__ == "__main__":
     elif mode.startswith("release-in-copy"):
         release_in_copy(sys.argv[1], sys.argv[2], int(sys.argv[3]),
                         one_pass=mode.endswith("one-pass"))
+    elif mode.startswith("side-release"):
+        release_on_a_side_stream(sys.argv[1], sys.argv[2], int(sys.argv[3]),
+                                 unheld=mode.endswith("unheld"))
     else:
         sys.exit("unknown mode %r" % mode)

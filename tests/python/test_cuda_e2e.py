@@ -287,6 +287,20 @@ class CudaEndToEnd(unittest.TestCase):
                             "take a released chunk's address")
         self.assertIn("AssertionError: (1, 1)", control.stderr)
 
+    def test_a_release_on_a_side_stream_leaves_queued_steps_their_chunks(
+            self):
+        # Torch releases memory of another stream while the daemon is steps
+        # behind; the descriptor connection of the chunks the queued steps
+        # name stays open until they are answered. The negative control
+        # closes it at once, and a queued step is refused.
+        run = self.run_expandable("side-release")
+        self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
+        self.assertIn("equal to the CPU reference", run.stdout)
+        control = self.run_expandable("side-release-unheld")
+        self.assertNotEqual(control.returncode, 0,
+                            "the negative control passed: no step was "
+                            "queued behind the release")
+
     def assert_gpu_settles(self, timeout=30):
         """The trainer's stream finishes its queued work: nothing waits
         forever on a step flag."""

@@ -1263,6 +1263,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         return loss
 
     def _request_step(self, updates):
+        self._hold_retired_channels()
         overrides = self._overrides()
         request = dict(
             lr_overrides=overrides[0] if overrides else None,
@@ -1302,7 +1303,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         else:
             self._flags.wait_done(stream)
             self._mirror_out()  # after the wait for the done flag
-        self._pending.append(future)
+        self._pending.append((future, []))
         # wait_for_step: this step's own outcome; otherwise whatever
         # replies have come, waiting only when more than
         # _MAX_PENDING_REPLIES are out (the trainer's stream keeps the
@@ -1316,17 +1317,35 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         step is queued on its stream, so this rarely waits, and it bounds
         how late a refused step's error (and opt.skipped) can come."""
         while self._pending:
-            if (not block and not self._pending[0].done()
+            if (not block and not self._pending[0][0].done()
                     and len(self._pending) <= _MAX_PENDING_REPLIES):
                 break
+            future, retired = self._pending.popleft()
             try:
-                reply = self._pending.popleft().result()
+                reply = future.result()
             except BaseException:
                 # Steps sent after it were built on what it carried.
                 if getattr(self, "_router", None) is not None:
                     self._router.forget()
                 raise
+            finally:
+                for channel in retired:
+                    channel.close()
             self._take_reply(reply)
+
+    def _hold_retired_channels(self):
+        """Descriptor connections the sharer retired while this step's
+        updates were built (torch released memory) stay open until every
+        step sent before this one is answered: the daemon resolves a step's
+        chunk ids when its device worker reaches the step, and a connection
+        closed sooner takes them with it."""
+        vmm = getattr(self, "_vmm", None)
+        retired = vmm.take_retired() if vmm is not None else []
+        if self._pending:
+            self._pending[-1][1].extend(retired)
+            return
+        for channel in retired:
+            channel.close()
 
     def _take_reply(self, reply):
         if reply.known:

@@ -154,6 +154,10 @@ class VmmSharer:
         self._bases = []  # the chunks' addresses, sorted
         self._frees = device_releases(device)
         self.generation = 0
+        # Connections of forgotten generations, still open: steps sent
+        # before may name their ids, which the daemon resolves only when its
+        # device worker reaches those steps (take_retired).
+        self._retired = []
 
     @classmethod
     def open(cls, address, device):
@@ -242,23 +246,37 @@ class VmmSharer:
     def refresh(self):
         """The generation of the chunks known: it moves on when torch
         released device memory since the last look (every chunk is then
-        forgotten, and the daemon drops their descriptors with this
-        connection), so that whoever sent buffers of an older generation
-        sends them anew."""
+        forgotten, and its connection retired: the daemon drops their
+        descriptors when it is closed), so that whoever sent buffers of an
+        older generation sends them anew."""
         frees = device_releases(self.device)
         if frees != self._frees:
             self._frees = frees
+            if self._channel is not None:
+                self._retired.append(self._channel)
+                self._channel = None
             self._forget()
         return self.generation
 
+    def take_retired(self):
+        """The connections retired since the last call, for the caller to
+        close once every step sent before them is answered."""
+        retired, self._retired = self._retired, []
+        return retired
+
     def _forget(self):
-        self.close()
+        self._close_current()
         self.generation += 1
 
-    def close(self):
+    def _close_current(self):
         self._chunks.clear()
         self._bases.clear()
         if self._channel is not None:
             self._channel.close()
             self._channel = None
+
+    def close(self):
+        self._close_current()
+        for channel in self.take_retired():
+            channel.close()
 
