@@ -1136,6 +1136,34 @@ class DropIn(DaemonTestCase):
         self.assert_same(opt, ref)
         self.assertEqual(len(opt.state_dict()["state"]), 3)
 
+    def test_a_parameter_moved_into_an_earlier_group_keeps_its_state(self):
+        # A parameter taken out of a later group and put into an earlier
+        # one: its state goes with it, as torch's is keyed by the
+        # parameter; state_dict() shows the state it is stepped with, and
+        # a later edit of that group carries the live state, not the one
+        # it had when it moved.
+        def params():
+            return [{"params": [torch.nn.Parameter(torch.randn(3))
+                                for _ in range(2)]},
+                    {"params": [torch.nn.Parameter(torch.randn(4))],
+                     "lr": 0.2}]
+        opt, ref = self.both(params, lr=0.1)
+        runs = []
+        for o in (opt, ref):
+            first, second = o.param_groups
+            for i in range(6):
+                if i == 2:
+                    first["params"].append(second["params"].pop())
+                elif i == 4:
+                    second["params"].append(first["params"].pop(0))
+                for p in first["params"] + second["params"]:
+                    p.grad = torch.full_like(p, 1.0 - 0.3 * i)
+                o.step()
+                runs.append(sorted(float(e["step"]) for e in
+                                   o.state_dict()["state"].values()))
+        self.assertEqual(runs[:6], runs[6:])
+        self.assert_same(opt, ref)
+
     @unittest.skipUnless(torch_takes_names(), "torch 2.6's param_names")
     def test_names_stay_when_a_state_dict_without_them_loads(self):
         # torch's load keeps a group's "param_names" when the saved group

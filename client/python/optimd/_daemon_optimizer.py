@@ -995,9 +995,15 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
     def _retire(self, g, state, kept):
         """The parameters of registration `g` not in `kept` (ids) keep
         their state (from `state`) for a return, as in torch (whose state
-        is keyed by the parameter)."""
+        is keyed by the parameter). One registered in another group (moved
+        into a group registered anew before this one) is not kept: its
+        state lives there, and a copy kept here would later stand in for
+        it, stale (in state_dict(), and in the next registration anew)."""
+        elsewhere = {id(s.param) for other in self._groups
+                     if other is not g for s in other["tensors"]}
         for s in g["tensors"]:
-            if id(s.param) not in kept and s.param in state:
+            if id(s.param) not in kept and id(s.param) not in elsewhere \
+                    and s.param in state:
                 self._retired[id(s.param)] = (weakref.ref(s.param),
                                               state[s.param])
 
