@@ -124,11 +124,9 @@ double CopyMs(uint64_t bytes, int repeats) {
   return ms / repeats;
 }
 
-int Run(IpcTrainer* trainer) {
-  const uint64_t total = static_cast<uint64_t>(absl::GetFlag(FLAGS_params));
-  const int steps = absl::GetFlag(FLAGS_steps);
-  const int grad_byte = absl::GetFlag(FLAGS_grad_byte);
-  const Config configs[] = {
+// Every configuration the benchmark knows, in the order it times them.
+std::vector<Config> Configs() {
+  return {
       {"fp32", 16, DType::kFloat32, DType::kFloat32, DType::kFloat32,
        MasterRequest::kNone},
       {"fp32", 1000, DType::kFloat32, DType::kFloat32, DType::kFloat32,
@@ -161,178 +159,301 @@ int Run(IpcTrainer* trainer) {
       {"fp8_mxfp8_bf16m", 1000, DType::kFloat8E4M3, DType::kBFloat16,
        DType::kBFloat16, MasterRequest::kFp32, 0, Fp8Recipe::kMxfp8},
   };
-  std::vector<std::unique_ptr<Backend>> backends;
-  std::vector<CudaBackendOptions> variants;
+}
+
+// One CUDA backend of the options it was made with.
+struct BackendVariant {
+  std::unique_ptr<Backend> backend;
+  CudaBackendOptions options;
+};
+
+// A backend for every pair of --item_elements and --graphs values, item
+// size outermost. False, with the reason on stderr, for a bad flag value
+// or a backend that cannot be made.
+bool CreateBackendVariants(std::vector<BackendVariant>* variants) {
   for (const std::string& v : absl::GetFlag(FLAGS_item_elements)) {
     for (const std::string& g : absl::GetFlag(FLAGS_graphs)) {
       CudaBackendOptions options;
       uint64_t item = 0;
       if (!absl::SimpleAtoi(v, &item) || (g != "0" && g != "1")) {
         std::fprintf(stderr, "bad --item_elements or --graphs value\n");
-        return 1;
+        return false;
       }
       if (item > 0) options.item_elements = item;
       options.use_graphs = g == "1";
       auto backend = CreateCudaBackend(0, options);
       if (!backend.ok()) {
         std::fprintf(stderr, "%s\n", backend.status().ToString().c_str());
-        return 1;
+        return false;
       }
-      backends.push_back(*std::move(backend));
-      variants.push_back(options);
+      variants->push_back({*std::move(backend), options});
     }
   }
-  OptimizerHyper hyper;
+  return true;
+}
+
+// The groups' hyperparameters for --optimizer (the defaults are AdamW's).
+// False, with the reason on stderr, for an unknown optimizer.
+bool ParseOptimizer(OptimizerHyper* hyper) {
   const std::string optimizer = absl::GetFlag(FLAGS_optimizer);
   if (optimizer == "sgd") {
-    hyper.kind = OptimizerKind::kSgd;
-    hyper.momentum = 0.9;
+    hyper->kind = OptimizerKind::kSgd;
+    hyper->momentum = 0.9;
   } else if (optimizer == "lion") {
-    hyper.kind = OptimizerKind::kLion;
-    hyper.beta2 = 0.99;
+    hyper->kind = OptimizerKind::kLion;
+    hyper->beta2 = 0.99;
   } else if (optimizer != "adamw") {
     std::fprintf(stderr, "unknown --optimizer %s\n", optimizer.c_str());
-    return 1;
+    return false;
   }
+  return true;
+}
+
+// Whether every --modes value is a mode the benchmark knows; the first
+// unknown one is named on stderr.
+bool ModesAreKnown() {
   for (const std::string& m : absl::GetFlag(FLAGS_modes)) {
     if (m != "default" && m != "assume_finite" && m != "clip") {
       std::fprintf(stderr, "unknown mode %s\n", m.c_str());
-      return 1;
+      return false;
     }
   }
-  for (const Config& c : configs) {
-    const std::vector<std::string> only = absl::GetFlag(FLAGS_only);
-    if (!only.empty() &&
-        std::find(only.begin(), only.end(), c.name) == only.end()) {
-      continue;
+  return true;
+}
+
+// Whether --only leaves configuration `c` in.
+bool Selected(const Config& c) {
+  const std::vector<std::string> only = absl::GetFlag(FLAGS_only);
+  return only.empty() ||
+         std::find(only.begin(), only.end(), c.name) != only.end();
+}
+
+// One configuration's buffers in the trainer process, and the geometry
+// they were sized for: `tensors` tensors of `per` elements each.
+struct ConfigBuffers {
+  uint64_t per = 0;
+  std::vector<uint64_t> shape;  // of every tensor
+  uint64_t scale_bytes = 0;     // FP8 scales of one tensor
+  IpcTrainer::Allocation params, grads, scales;
+};
+
+// Allocates configuration `c`'s parameters, gradients (every byte
+// `grad_byte`) and FP8 scales over `total` parameters (unless the
+// configuration sets its own count). False, said on stderr, when the
+// trainer cannot allocate them.
+bool AllocateBuffers(IpcTrainer* trainer, const Config& c, uint64_t total,
+                     int grad_byte, ConfigBuffers* b) {
+  const uint64_t n = c.params_override ? c.params_override : total;
+  const uint64_t per = n / c.tensors;
+  const uint64_t ps = DTypeSize(c.param), gs = DTypeSize(c.grad);
+  auto params = trainer->Alloc(per * c.tensors * ps + 256);
+  auto grads = trainer->Alloc(per * c.tensors * gs + 256,
+                              static_cast<uint8_t>(grad_byte));
+  const std::vector<uint64_t> shape =
+      per % 4096 == 0 ? std::vector<uint64_t>{per / 4096, 4096}
+                      : std::vector<uint64_t>{per};
+  const uint64_t scale_bytes =
+      Fp8Geometry::Of(c.recipe, per, shape).ScaleBytes();
+  auto scales = trainer->Alloc(scale_bytes * c.tensors + 256);
+  if (!params.ok() || !grads.ok() || !scales.ok()) {
+    std::fprintf(stderr, "trainer allocation failed\n");
+    return false;
+  }
+  b->per = per;
+  b->shape = shape;
+  b->scale_bytes = scale_bytes;
+  b->params = *params;
+  b->grads = *grads;
+  b->scales = *scales;
+  return true;
+}
+
+// Bytes one step of configuration `c` must move per parameter: read grad,
+// state slots and master (or the parameter where the master is not a
+// separate fp32 copy), write them back. The same for every backend
+// variant: one copy baseline per configuration.
+uint64_t BytesPerParam(const Config& c, const OptimizerHyper& hyper) {
+  const uint64_t ps = DTypeSize(c.param), gs = DTypeSize(c.grad);
+  Layout l =
+      *ResolveLayout("t", c.param, c.grad, c.moment, c.master, false, hyper);
+  return gs + l.MasterBytesPerElement() * 2 +
+         l.MomentBytesPerElement() * 2 * l.state_slots +
+         (c.master == MasterRequest::kFp32 ? ps : 2 * ps);
+}
+
+// Group "g" of configuration `c`: its tensors "t0", "t1", ... side by side
+// in the trainer's buffers `b`, each FP8 tensor with its scales.
+GroupSpec MakeGroupSpec(const Config& c, const OptimizerHyper& hyper,
+                        const ConfigBuffers& b) {
+  const uint64_t per = b.per;
+  const uint64_t ps = DTypeSize(c.param), gs = DTypeSize(c.grad);
+  GroupSpec spec;
+  spec.id = "g";
+  spec.master = c.master;
+  spec.moment_dtype = c.moment;
+  spec.hyper = hyper;
+  for (uint64_t i = 0; i < c.tensors; ++i) {
+    TensorSpec t;
+    t.name = "t" + std::to_string(i);
+    t.numel = per;
+    t.param_dtype = c.param;
+    t.grad_dtype = c.grad;
+    t.param_dtype_set = t.grad_dtype_set = true;
+    t.param.kind = t.grad.kind = BufferHandle::Kind::kCudaIpc;
+    t.param.device = t.grad.device = 0;
+    t.param.ipc_handle = b.params.ipc_handle;
+    t.grad.ipc_handle = b.grads.ipc_handle;
+    t.param.offset = i * per * ps;
+    t.grad.offset = i * per * gs;
+    t.param.size = per * ps;
+    t.grad.size = per * gs;
+    if (c.recipe != Fp8Recipe::kNone) {
+      t.shape = b.shape;
+      t.fp8_recipe = c.recipe;
+      t.scale_inv = t.param;
+      t.scale_inv.ipc_handle = b.scales.ipc_handle;
+      t.scale_inv.offset = i * b.scale_bytes;
+      t.scale_inv.size = b.scale_bytes;
     }
-    const uint64_t n = c.params_override ? c.params_override : total;
-    const uint64_t per = n / c.tensors;
-    const uint64_t ps = DTypeSize(c.param), gs = DTypeSize(c.grad);
-    auto params = trainer->Alloc(per * c.tensors * ps + 256);
-    auto grads = trainer->Alloc(per * c.tensors * gs + 256,
-                                static_cast<uint8_t>(grad_byte));
-    const std::vector<uint64_t> shape =
-        per % 4096 == 0 ? std::vector<uint64_t>{per / 4096, 4096}
-                        : std::vector<uint64_t>{per};
-    const uint64_t scale_bytes =
-        Fp8Geometry::Of(c.recipe, per, shape).ScaleBytes();
-    auto scales = trainer->Alloc(scale_bytes * c.tensors + 256);
-    if (!params.ok() || !grads.ok() || !scales.ok()) {
-      std::fprintf(stderr, "trainer allocation failed\n");
-      return 1;
-    }
-    Layout l =
-        *ResolveLayout("t", c.param, c.grad, c.moment, c.master, false, hyper);
-    // Bytes one step must move: read grad, state slots and master (or the
-    // parameter where the master is not a separate fp32 copy), write them
-    // back. The same for every backend variant: one copy baseline per
-    // configuration.
-    const uint64_t bpp = gs + l.MasterBytesPerElement() * 2 +
-                         l.MomentBytesPerElement() * 2 * l.state_slots +
-                         (c.master == MasterRequest::kFp32 ? ps : 2 * ps);
-    const double copy_ms = CopyMs(per * c.tensors * bpp / 2, 10);
-    for (size_t bi = 0; bi < backends.size(); ++bi) {
-      Backend* backend = backends[bi].get();
-      StateBudget budget(0);
-      std::string done;
-      auto ctx = backend->OpenSession(0, "", &done);
-      if (!ctx.ok()) {
-        std::fprintf(stderr, "%s\n", ctx.status().ToString().c_str());
+    spec.tensors.push_back(t);
+  }
+  return spec;
+}
+
+// The two steps of a step mode: one that returns once launched, and one
+// that waits for the GPU.
+struct ModeSteps {
+  StepRequestSpec async_step, wait_step;
+};
+
+ModeSteps StepsOfMode(const std::string& mode) {
+  ModeSteps m;
+  m.wait_step.options.wait = true;
+  for (StepRequestSpec* r : {&m.async_step, &m.wait_step}) {
+    r->options.assume_finite = mode == "assume_finite";
+    if (mode == "clip") r->options.max_grad_norm = 1.0;
+  }
+  return m;
+}
+
+// What one step mode measured on one backend variant.
+struct ModeTimes {
+  double first_ms = 0;  // each of the first steps, waited for
+  double gpu_ms = 0;    // per step, steps back to back
+  double host_s = 0;    // median wall time of one asynchronous Step
+  double cpu_s = 0;     // median thread CPU time of the same
+};
+
+ModeTimes TimeMode(Session& s, const ModeSteps& m, int step_records,
+                   int steps) {
+  ModeTimes times;
+  // The first steps after a change of configuration (here: the mode), one
+  // per step record, each capture a CUDA graph for their record: their wall
+  // time, each waited for from an idle GPU, against gpu_ms (and against the
+  // same without graphs).
+  const double f0 = Now();
+  for (int i = 0; i < step_records; ++i) MustStep(s, m.wait_step);
+  times.first_ms = (Now() - f0) * 1e3 / step_records;
+  const double t0 = Now();
+  for (int i = 0; i < steps; ++i) MustStep(s, m.async_step);
+  MustStep(s, m.wait_step);
+  times.gpu_ms = (Now() - t0) * 1e3 / (steps + 1);
+  // Host time of one asynchronous Step (the launches and bookkeeping), with
+  // the GPU idle before it so that nothing blocks: the median of 51 (the
+  // host of a shared machine is noisy).
+  // Also the thread's CPU time, which leaves out time the thread spent
+  // preempted by other processes.
+  std::vector<double> host, cpu;
+  for (int i = 0; i < 51; ++i) {
+    MustStep(s, m.wait_step);
+    const double c0 = ThreadCpu();
+    const double h0 = Now();
+    MustStep(s, m.async_step);
+    host.push_back(Now() - h0);
+    cpu.push_back(ThreadCpu() - c0);
+  }
+  std::sort(host.begin(), host.end());
+  std::sort(cpu.begin(), cpu.end());
+  MustStep(s, m.wait_step);
+  times.host_s = host[host.size() / 2];
+  times.cpu_s = cpu[cpu.size() / 2];
+  return times;
+}
+
+// What the RESULT line of one configuration says beside its times.
+struct ConfigRun {
+  const Config& c;
+  uint64_t per;      // elements per tensor
+  uint64_t bpp;      // bytes per parameter a step moves
+  double copy_ms;    // the copy baseline of the same bytes
+  double reg_s = 0;  // the group's registration, on this backend
+};
+
+void PrintResult(const ConfigRun& run, const std::string& mode,
+                 const CudaBackendOptions& variant, const ModeTimes& t) {
+  std::printf(
+      "RESULT %s %llu %llu %llu %.3f %.1f %.3f %s %llu %d %.1f "
+      "(registration %.2f s; first %d steps, waited: %.3f ms "
+      "each)\n",
+      run.c.name, static_cast<unsigned long long>(run.c.tensors),
+      static_cast<unsigned long long>(run.per * run.c.tensors),
+      static_cast<unsigned long long>(run.bpp), t.gpu_ms, t.host_s * 1e6,
+      run.copy_ms, mode.c_str(),
+      static_cast<unsigned long long>(variant.item_elements),
+      variant.use_graphs ? 1 : 0, t.cpu_s * 1e6, run.reg_s,
+      variant.step_records, t.first_ms);
+  std::fflush(stdout);
+}
+
+// Registers the configuration's group on one backend variant and times
+// every --modes value there, a RESULT line each. False, said on stderr,
+// when the session cannot be opened or the group registered.
+bool TimeOnBackend(const BackendVariant& variant, const GroupSpec& spec,
+                   ConfigRun run, int steps) {
+  Backend* backend = variant.backend.get();
+  StateBudget budget(0);
+  std::string done;
+  auto ctx = backend->OpenSession(0, "", &done);
+  if (!ctx.ok()) {
+    std::fprintf(stderr, "%s\n", ctx.status().ToString().c_str());
+    return false;
+  }
+  Session s(SessionIdentity{"bench", 0, 1, 0}, backend, &budget,
+            *std::move(ctx));
+  const double r0 = Now();
+  auto reg = s.RegisterGroup(spec);
+  if (!reg.ok()) {
+    std::fprintf(stderr, "%s\n", reg.status().ToString().c_str());
+    return false;
+  }
+  run.reg_s = Now() - r0;
+  for (const std::string& mode : absl::GetFlag(FLAGS_modes)) {
+    const ModeTimes t =
+        TimeMode(s, StepsOfMode(mode), variant.options.step_records, steps);
+    PrintResult(run, mode, variant.options, t);
+  }
+  return true;
+}
+
+int Run(IpcTrainer* trainer) {
+  const uint64_t total = static_cast<uint64_t>(absl::GetFlag(FLAGS_params));
+  const int steps = absl::GetFlag(FLAGS_steps);
+  const int grad_byte = absl::GetFlag(FLAGS_grad_byte);
+  std::vector<BackendVariant> variants;
+  if (!CreateBackendVariants(&variants)) return 1;
+  OptimizerHyper hyper;
+  if (!ParseOptimizer(&hyper) || !ModesAreKnown()) return 1;
+  for (const Config& c : Configs()) {
+    if (!Selected(c)) continue;
+    ConfigBuffers buffers;
+    if (!AllocateBuffers(trainer, c, total, grad_byte, &buffers)) return 1;
+    const uint64_t bpp = BytesPerParam(c, hyper);
+    const double copy_ms = CopyMs(buffers.per * c.tensors * bpp / 2, 10);
+    const GroupSpec spec = MakeGroupSpec(c, hyper, buffers);
+    for (const BackendVariant& variant : variants) {
+      if (!TimeOnBackend(variant, spec, {c, buffers.per, bpp, copy_ms},
+                         steps)) {
         return 1;
-      }
-      {
-        Session s(SessionIdentity{"bench", 0, 1, 0}, backend, &budget,
-                  *std::move(ctx));
-        GroupSpec spec;
-        spec.id = "g";
-        spec.master = c.master;
-        spec.moment_dtype = c.moment;
-        spec.hyper = hyper;
-        for (uint64_t i = 0; i < c.tensors; ++i) {
-          TensorSpec t;
-          t.name = "t" + std::to_string(i);
-          t.numel = per;
-          t.param_dtype = c.param;
-          t.grad_dtype = c.grad;
-          t.param_dtype_set = t.grad_dtype_set = true;
-          t.param.kind = t.grad.kind = BufferHandle::Kind::kCudaIpc;
-          t.param.device = t.grad.device = 0;
-          t.param.ipc_handle = params->ipc_handle;
-          t.grad.ipc_handle = grads->ipc_handle;
-          t.param.offset = i * per * ps;
-          t.grad.offset = i * per * gs;
-          t.param.size = per * ps;
-          t.grad.size = per * gs;
-          if (c.recipe != Fp8Recipe::kNone) {
-            t.shape = shape;
-            t.fp8_recipe = c.recipe;
-            t.scale_inv = t.param;
-            t.scale_inv.ipc_handle = scales->ipc_handle;
-            t.scale_inv.offset = i * scale_bytes;
-            t.scale_inv.size = scale_bytes;
-          }
-          spec.tensors.push_back(t);
-        }
-        const double r0 = Now();
-        auto reg = s.RegisterGroup(spec);
-        if (!reg.ok()) {
-          std::fprintf(stderr, "%s\n", reg.status().ToString().c_str());
-          return 1;
-        }
-        const double reg_s = Now() - r0;
-        for (const std::string& mode : absl::GetFlag(FLAGS_modes)) {
-          StepRequestSpec async_step, wait_step;
-          wait_step.options.wait = true;
-          for (StepRequestSpec* r : {&async_step, &wait_step}) {
-            r->options.assume_finite = mode == "assume_finite";
-            if (mode == "clip") r->options.max_grad_norm = 1.0;
-          }
-          // The first steps after a change of configuration (here: the
-          // mode), one per step record, each capture a CUDA graph for
-          // their record: their wall time, each waited for from an idle GPU,
-          // against gpu_ms (and against the same without graphs).
-          const double f0 = Now();
-          for (int i = 0; i < variants[bi].step_records; ++i) {
-            MustStep(s, wait_step);
-          }
-          const double first_ms =
-              (Now() - f0) * 1e3 / variants[bi].step_records;
-          const double t0 = Now();
-          for (int i = 0; i < steps; ++i) MustStep(s, async_step);
-          MustStep(s, wait_step);
-          const double gpu_ms = (Now() - t0) * 1e3 / (steps + 1);
-          // Host time of one asynchronous Step (the launches and
-          // bookkeeping), with the GPU idle before it so that nothing
-          // blocks: the median of 51 (the host of a shared machine is
-          // noisy).
-          // Also the thread's CPU time, which leaves out time the thread
-          // spent preempted by other processes.
-          std::vector<double> host, cpu;
-          for (int i = 0; i < 51; ++i) {
-            MustStep(s, wait_step);
-            const double c0 = ThreadCpu();
-            const double h0 = Now();
-            MustStep(s, async_step);
-            host.push_back(Now() - h0);
-            cpu.push_back(ThreadCpu() - c0);
-          }
-          std::sort(host.begin(), host.end());
-          std::sort(cpu.begin(), cpu.end());
-          MustStep(s, wait_step);
-          std::printf(
-              "RESULT %s %llu %llu %llu %.3f %.1f %.3f %s %llu %d %.1f "
-              "(registration %.2f s; first %d steps, waited: %.3f ms "
-              "each)\n",
-              c.name, static_cast<unsigned long long>(c.tensors),
-              static_cast<unsigned long long>(per * c.tensors),
-              static_cast<unsigned long long>(bpp), gpu_ms,
-              host[host.size() / 2] * 1e6, copy_ms, mode.c_str(),
-              static_cast<unsigned long long>(variants[bi].item_elements),
-              variants[bi].use_graphs ? 1 : 0, cpu[cpu.size() / 2] * 1e6, reg_s,
-              variants[bi].step_records, first_ms);
-          std::fflush(stdout);
-        }
       }
     }
   }
