@@ -1164,6 +1164,32 @@ class DropIn(DaemonTestCase):
         self.assertEqual(runs[:6], runs[6:])
         self.assert_same(opt, ref)
 
+    def test_a_parameter_put_into_a_second_group_raises(self):
+        # torch raises ValueError for a parameter in two groups when made
+        # or in add_param_group, but an edit of param_groups gets past
+        # that, and its step then updates the parameter once per group.
+        # optimd.torch raises torch's ValueError at that step instead,
+        # changing nothing: with the edit undone it goes on as torch.
+        def params():
+            return [{"params": [torch.nn.Parameter(torch.randn(3))]},
+                    {"params": [torch.nn.Parameter(torch.randn(3))],
+                     "lr": 0.2}]
+        opt, ref = self.both(params, lr=0.1)
+        for o in (opt, ref):
+            for i in range(3):
+                if o is opt and i == 1:
+                    shared = o.param_groups[0]["params"][0]
+                    o.param_groups[1]["params"].append(shared)
+                    with self.assertRaisesRegex(
+                            ValueError, "more than one parameter group"):
+                        o.step()
+                    o.param_groups[1]["params"].pop()
+                for g in o.param_groups:
+                    g["params"][0].grad = torch.full((3,), 1.0 - i,
+                                                     device=DEVICE)
+                o.step()
+        self.assert_same(opt, ref)
+
     @unittest.skipUnless(torch_takes_names(), "torch 2.6's param_names")
     def test_names_stay_when_a_state_dict_without_them_loads(self):
         # torch's load keeps a group's "param_names" when the saved group

@@ -924,6 +924,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         for gi, (g, group) in enumerate(zip(self._groups, self.param_groups)):
             if not _changed_since_registered(g, group):
                 continue
+            self._refuse_parameters_in_two_groups()
             if self._followed_elsewhere():
                 return
             self._refuse_with_shard_state(
@@ -947,6 +948,23 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         elif len(self._groups) < len(self.param_groups):
             self._register_added_groups()
 
+    def _refuse_parameters_in_two_groups(self):
+        """A parameter put into a second group by an edit of param_groups
+        raises torch's ValueError, as torch's constructor and
+        add_param_group raise for it; torch's step would update it once per
+        group, the daemon keeps one state per tensor. Before anything of
+        the edit is followed, so the optimizer stays as it was."""
+        seen = set()
+        for group in self.param_groups:
+            ids = set(map(id, group["params"]))
+            if not seen.isdisjoint(ids):
+                raise ValueError(
+                    "some parameters appear in more than one parameter "
+                    "group: param_groups was edited so that a parameter is "
+                    "in two groups; torch steps it once per group, "
+                    "optimd.torch refuses: take it out of one of them")
+            seen |= ids
+
     def _followed_elsewhere(self):
         """Whether param_groups now hold parameters on other devices, which
         the optimizer then followed, registering every group anew: spread
@@ -968,6 +986,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         as torch steps every group of param_groups; a parameter of theirs
         taken out of another group keeps its state. A group without a
         hyperparameter raises KeyError, as torch's step does."""
+        self._refuse_parameters_in_two_groups()
         for gi in range(len(self._groups), len(self.param_groups)):
             if self._followed_elsewhere():
                 return

@@ -56,7 +56,10 @@ torch in a way worth a word (README, "Deliberate differences"):
     will be an error and meanwhile steps it twice per step; the daemon
     keeps one state per tensor), unless under two names:
     a tied weight, registered once with the second name as its alias
-    (optimd/_names.py).
+    (optimd/_names.py). So does one put into a second group by an edit of
+    param_groups, at the next step (torch's ValueError, which its
+    constructor and add_param_group raise; its step would update it once
+    per group).
   * Parameters on several devices (CPU and CUDA, cuda:0 and cuda:1) are
     taken as torch takes them, one part and session per device
     (_several_devices.py); overlap, shard_state, gradient_sharding and
