@@ -834,6 +834,72 @@ uint64_t PeakResidentBytes(pid_t pid) {
   return 0;
 }
 
+// A SetState of 24 MiB: exp_avg of tensor "w" of group "g" as 6 Mi fp32
+// zeros.
+v1::SetStateRequest LargeSetState() {
+  v1::SetStateRequest big;
+  big.set_group_id("g");
+  v1::StateTensor* t = big.add_tensors();
+  t->set_tensor("w");
+  t->set_kind("exp_avg");
+  t->set_dtype(v1::DTYPE_FLOAT32);
+  t->set_numel(6 << 20);
+  t->set_data(std::string(24 << 20, '\0'));
+  return big;
+}
+
+// Sends `request` `n` times to `daemon` for the session of `token`, one
+// every 100 ms, each on a connection of its own from a thread of its own,
+// and gives each one's status (a failed connection's, where it could not
+// connect) once all are answered.
+std::vector<absl::Status> SendEachOnItsOwnConnection(
+    DaemonProcess* daemon, const std::string& token,
+    const v1::SetStateRequest& request, int n) {
+  std::vector<absl::Status> statuses(n);
+  std::vector<std::thread> senders;
+  for (int i = 0; i < n; ++i) {
+    absl::SleepFor(absl::Milliseconds(100));
+    senders.emplace_back([&, i] {
+      auto c = daemon->Connect();
+      if (!c.ok()) {
+        statuses[i] = c.status();
+        return;
+      }
+      (*c)->set_session_token(token);
+      statuses[i] = (*c)->SetState(request);
+    });
+  }
+  for (auto& s : senders) s.join();
+  return statuses;
+}
+
+// How requests past the daemon's request memory bound were answered.
+struct RequestTally {
+  int refused_here = 0;  // by the daemon's bound, naming its flag
+  std::map<StatusCode, int> codes;
+};
+
+// Tallies `statuses`, expecting each to be one that a request past the
+// bound may get.
+RequestTally TallyBoundedRequests(const std::vector<absl::Status>& statuses) {
+  RequestTally tally;
+  for (const absl::Status& s : statuses) {
+    ++tally.codes[s.code()];
+    if (s.code() == StatusCode::kResourceExhausted &&
+        s.message().find("--max_request_memory_bytes") != std::string::npos) {
+      ++tally.refused_here;
+    }
+    // Refused for memory (by the daemon, or by gRPC: the stream reset or
+    // the connection closed), or run after the step and refused for its
+    // size (the tensor has 4 elements): nothing else.
+    EXPECT_TRUE(s.code() == StatusCode::kResourceExhausted ||
+                s.code() == StatusCode::kUnavailable ||
+                s.code() == StatusCode::kInvalidArgument)
+        << s;
+  }
+  return tally;
+}
+
 // Requests that wait for a busy worker hold their parsed copies: those are
 // bounded by --max_request_memory_bytes too, not only gRPC's buffers. A
 // rank's step waits for its job's other rank (up to --rank_timeout_s) on
@@ -869,29 +935,8 @@ TEST_F(E2eTest, RequestsWaitingForAWorkerAreBoundedInMemory) {
       [&] { alone = client_->Step(v1::StepRequest()).status(); });
   absl::SleepFor(absl::Milliseconds(300));
   const uint64_t before = PeakResidentBytes(daemon_->pid());
-  v1::SetStateRequest big;
-  big.set_group_id("g");
-  v1::StateTensor* t = big.add_tensors();
-  t->set_tensor("w");
-  t->set_kind("exp_avg");
-  t->set_dtype(v1::DTYPE_FLOAT32);
-  t->set_numel(6 << 20);
-  t->set_data(std::string(24 << 20, '\0'));
-  std::vector<absl::Status> statuses(kRequests);
-  std::vector<std::thread> senders;
-  for (int i = 0; i < kRequests; ++i) {
-    absl::SleepFor(absl::Milliseconds(100));
-    senders.emplace_back([&, i] {
-      auto c = daemon_->Connect();
-      if (!c.ok()) {
-        statuses[i] = c.status();
-        return;
-      }
-      (*c)->set_session_token(client_->session_token());
-      statuses[i] = (*c)->SetState(big);
-    });
-  }
-  for (auto& s : senders) s.join();
+  const std::vector<absl::Status> statuses = SendEachOnItsOwnConnection(
+      daemon_.get(), client_->session_token(), LargeSetState(), kRequests);
   const uint64_t grown = PeakResidentBytes(daemon_->pid()) - before;
   stepper.join();
   // The step ends at the timeout, unless gRPC, short of its quota while
@@ -899,29 +944,14 @@ TEST_F(E2eTest, RequestsWaitingForAWorkerAreBoundedInMemory) {
   EXPECT_TRUE(alone.code() == StatusCode::kDeadlineExceeded ||
               alone.code() == StatusCode::kResourceExhausted)
       << alone;
-  int refused_here = 0;
-  std::map<StatusCode, int> codes;
-  for (const absl::Status& s : statuses) {
-    ++codes[s.code()];
-    if (s.code() == StatusCode::kResourceExhausted &&
-        s.message().find("--max_request_memory_bytes") != std::string::npos) {
-      ++refused_here;
-    }
-    // Refused for memory (by the daemon, or by gRPC: the stream reset or
-    // the connection closed), or run after the step and refused for its
-    // size (the tensor has 4 elements): nothing else.
-    EXPECT_TRUE(s.code() == StatusCode::kResourceExhausted ||
-                s.code() == StatusCode::kUnavailable ||
-                s.code() == StatusCode::kInvalidArgument)
-        << s;
-  }
+  const RequestTally tally = TallyBoundedRequests(statuses);
   std::printf("peak growth %llu MiB; refused by the daemon's bound %d of %d\n",
-              static_cast<unsigned long long>(grown >> 20), refused_here,
+              static_cast<unsigned long long>(grown >> 20), tally.refused_here,
               kRequests);
-  for (const auto& [code, n] : codes) {
+  for (const auto& [code, n] : tally.codes) {
     std::printf("  %s: %d\n", absl::StatusCodeToString(code).c_str(), n);
   }
-  EXPECT_GT(refused_here, 0);
+  EXPECT_GT(tally.refused_here, 0);
   EXPECT_LT(grown, 5 * kBound);
 }
 
@@ -1144,13 +1174,17 @@ TEST_F(E2eTest, UnknownAndDuplicateNames) {
   EXPECT_EQ(client_->UnregisterGroup("g").code(), StatusCode::kNotFound);
 }
 
-TEST_F(E2eTest, BadBuffersAreInvalidArgumentNamingTheTensor) {
-  OpenSession(client_.get());
-  struct Case {
-    const char* what;
-    std::function<void(v1::TensorSpec*)> spoil;
-  };
-  const Case cases[] = {
+// One way to spoil the second tensor of a group: `spoil` changes its spec,
+// or, where it is null, the group asks for a layout that the tensor cannot
+// have.
+struct BadBufferCase {
+  const char* what;
+  std::function<void(v1::TensorSpec*)> spoil;
+};
+
+// Every bad buffer, dtype or layout that RegisterGroup must refuse.
+std::vector<BadBufferCase> BadBufferCases() {
+  return {
       {"size not numel x dtype",
        [](v1::TensorSpec* t) {
          t->mutable_grad()->mutable_shared_memory()->set_size(12);
@@ -1190,7 +1224,29 @@ TEST_F(E2eTest, BadBuffersAreInvalidArgumentNamingTheTensor) {
        [](v1::TensorSpec* t) { t->set_numel(0); }},
       {"remainder with an fp32 parameter", nullptr},
   };
-  for (const Case& c : cases) {
+}
+
+// Step arguments out of range (negative or NaN grad_scale, negative
+// max_grad_norm, an infinite lr override of group "g") are refused.
+void ExpectBadStepArgumentsRefused(Client* client) {
+  v1::StepRequest sr;
+  sr.set_grad_scale(-2);
+  EXPECT_EQ(client->Step(sr).status().code(), StatusCode::kInvalidArgument);
+  sr.set_grad_scale(NAN);
+  EXPECT_EQ(client->Step(sr).status().code(), StatusCode::kInvalidArgument);
+  sr.set_grad_scale(1);
+  sr.set_max_grad_norm(-1);
+  EXPECT_EQ(client->Step(sr).status().code(), StatusCode::kInvalidArgument);
+  sr.set_max_grad_norm(0);
+  auto* o = sr.add_overrides();
+  o->set_group_id("g");
+  o->set_lr(INFINITY);
+  EXPECT_EQ(client->Step(sr).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST_F(E2eTest, BadBuffersAreInvalidArgumentNamingTheTensor) {
+  OpenSession(client_.get());
+  for (const BadBufferCase& c : BadBufferCases()) {
     auto r = Group("g", {Tensor("ok", 4, 0), Tensor("bad.tensor", 4, 64)});
     if (c.spoil) {
       c.spoil(r.mutable_tensors(1));
@@ -1220,19 +1276,7 @@ TEST_F(E2eTest, BadBuffersAreInvalidArgumentNamingTheTensor) {
             StatusCode::kInvalidArgument);
   // Bad step arguments.
   ASSERT_TRUE(client_->RegisterGroup(Group("g", {Tensor("w", 4, 0)})).ok());
-  v1::StepRequest sr;
-  sr.set_grad_scale(-2);
-  EXPECT_EQ(client_->Step(sr).status().code(), StatusCode::kInvalidArgument);
-  sr.set_grad_scale(NAN);
-  EXPECT_EQ(client_->Step(sr).status().code(), StatusCode::kInvalidArgument);
-  sr.set_grad_scale(1);
-  sr.set_max_grad_norm(-1);
-  EXPECT_EQ(client_->Step(sr).status().code(), StatusCode::kInvalidArgument);
-  sr.set_max_grad_norm(0);
-  auto* o = sr.add_overrides();
-  o->set_group_id("g");
-  o->set_lr(INFINITY);
-  EXPECT_EQ(client_->Step(sr).status().code(), StatusCode::kInvalidArgument);
+  ExpectBadStepArgumentsRefused(client_.get());
   // None of the refused calls built a plan or took a step.
   EXPECT_EQ(PlanBuilds(), 1u);
   EXPECT_EQ(client_->GetMetrics()->steps(), 0u);

@@ -61,6 +61,221 @@ class Random {
   std::mt19937_64 rng_;
 };
 
+// Sends requests of random fields through one client: each call to
+// SendOne() sends one request (or none, for a close that the dice skip)
+// and takes its answer, whatever it is. Every choice comes from `r`, in a
+// fixed order, so that a seed replays the same requests. Not thread-safe.
+class RandomRequests {
+ public:
+  // `seg`: a real segment, one of the names that buffer handles use.
+  RandomRequests(Random* r, Client* client, const SharedMemoryRegion* seg)
+      : r_(*r),
+        client_(client),
+        seg_(seg),
+        segments_{seg->name(), "/optimd-missing", "relative", "/a/b", ""} {}
+
+  // A new session while there is none (and now and then anyway), else a
+  // valid group now and then, else one request of a random kind.
+  void SendOne() {
+    if (client_->session_token().empty() || r_.U(50) == 0) {
+      CreateSession();
+    } else if (r_.U(8) == 0) {
+      RegisterValidGroup();
+    } else {
+      SendRandomKind();
+    }
+  }
+
+ private:
+  void SendRandomKind() {
+    switch (r_.U(9)) {
+      case 0:
+      case 1:
+        RegisterRandomGroup();
+        break;
+      case 2:
+        Step();
+        break;
+      case 3:
+        SetAndGetState();
+        break;
+      case 4:
+        (void)client_->UnregisterGroup(r_.Coin() ? "g" : r_.Name());
+        break;
+      case 5: {
+        v1::GetParamsRequest g;
+        if (r_.Coin()) g.add_group_ids(r_.Name());
+        (void)client_->GetParams(g);
+        break;
+      }
+      case 6:
+        UpdateBuffers();
+        break;
+      case 7:
+        if (r_.U(10) == 0) (void)client_->CloseSession();
+        break;
+      case 8:
+        (void)client_->ListSessions();
+        break;
+    }
+  }
+
+  // A buffer handle left unset, over shared memory (a real segment or a
+  // bad name, aligned or random offset and size) or CUDA IPC.
+  void FillHandle(v1::BufferHandle* h) {
+    const uint64_t kind = r_.U(4);
+    if (kind == 0) return;  // unset
+    if (kind == 3) {
+      auto* c = h->mutable_cuda_ipc();
+      c->set_ipc_handle(std::string(r_.U(70), 'x'));
+      c->set_device(static_cast<int32_t>(r_.U(3)) - 1);
+      c->set_offset(r_.Size());
+      c->set_size(r_.Size());
+      return;
+    }
+    auto* s = h->mutable_shared_memory();
+    s->set_segment_name(segments_[r_.U(segments_.size())]);
+    s->set_offset(r_.Coin() ? 4 * r_.U(1000) : r_.Size());
+    s->set_size(r_.Coin() ? 4 * r_.U(1000) : r_.Size());
+  }
+
+  void CreateSession() {
+    v1::CreateSessionRequest cs;
+    cs.set_job_id(r_.Coin() ? "job" : r_.Name());
+    cs.set_rank(static_cast<uint32_t>(r_.U(3)));
+    cs.set_world_size(static_cast<uint32_t>(r_.U(3)));
+    cs.set_device(static_cast<int32_t>(r_.U(3)) - 1);
+    cs.set_resume(true);
+    if (r_.U(10) == 0) cs.set_ready_event(std::string(r_.U(80), 'e'));
+    if (r_.U(4) == 0) {
+      cs.set_gradient_sharding(
+          static_cast<v1::GradientSharding>(r_.U(4)));  // 3: unknown
+    }
+    (void)client_->CreateSession(cs);
+  }
+
+  // A valid group, so that the other calls also meet real state.
+  void RegisterValidGroup() {
+    v1::RegisterGroupRequest g;
+    g.set_group_id("g" + std::to_string(r_.U(4)));
+    g.mutable_hyperparameters()->set_lr(1e-3);
+    g.mutable_hyperparameters()->set_amsgrad(r_.Coin());
+    // AdamW, SGD (with momentum or without) or Lion.
+    g.mutable_hyperparameters()->set_optimizer(
+        static_cast<v1::OptimizerKind>(r_.U(4)));
+    g.mutable_hyperparameters()->set_momentum(r_.Coin() ? 0.9 : 0);
+    g.mutable_hyperparameters()->set_beta2(0.99);
+    for (uint64_t t = 1 + r_.U(3); t > 0; --t) {
+      auto* ts = g.add_tensors();
+      ts->set_name("v" + std::to_string(r_.U(1000)));
+      const uint64_t n = r_.U(500);
+      ts->set_numel(n);
+      ts->set_param_dtype(v1::DTYPE_FLOAT32);
+      ts->set_grad_dtype(v1::DTYPE_FLOAT32);
+      if (n > 0) {
+        *ts->mutable_param() = seg_->Handle(4 * r_.U(100000), 4 * n);
+        *ts->mutable_grad() = seg_->Handle(4 * r_.U(100000), 4 * n);
+      }
+    }
+    (void)client_->RegisterGroup(g);
+  }
+
+  // A group of random hyperparameters, layout and tensors.
+  void RegisterRandomGroup() {
+    v1::RegisterGroupRequest g;
+    g.set_group_id(r_.Coin() ? "g" : r_.Name());
+    auto* h = g.mutable_hyperparameters();
+    h->set_lr(r_.Real());
+    h->set_beta1(r_.Real());
+    h->set_beta2(r_.Coin() ? 0.999 : r_.Real());
+    h->set_eps(r_.Real());
+    h->set_weight_decay(r_.Real());
+    h->set_mode(static_cast<v1::AdamMode>(r_.U(4)));
+    h->set_amsgrad(r_.Coin());
+    h->set_optimizer(static_cast<v1::OptimizerKind>(r_.U(5)));
+    h->set_momentum(r_.Coin() ? 0 : r_.Real());
+    h->set_dampening(r_.Real());
+    h->set_nesterov(r_.Coin());
+    g.mutable_layout()->set_master_weights(
+        static_cast<v1::MasterWeights>(r_.U(5)));
+    g.mutable_layout()->set_moment_dtype(r_.DType());
+    for (uint64_t t = r_.U(4); t > 0; --t) {
+      auto* ts = g.add_tensors();
+      ts->set_name(r_.Name() + std::to_string(r_.U(3)));
+      ts->set_numel(r_.Coin() ? r_.U(300) : r_.Size());
+      ts->set_param_dtype(r_.DType());
+      ts->set_grad_dtype(r_.DType());
+      ts->set_frozen(r_.U(5) == 0);
+      ts->set_keep_fp32(r_.U(5) == 0);
+      FillHandle(ts->mutable_param());
+      FillHandle(ts->mutable_grad());
+    }
+    (void)client_->RegisterGroup(g);
+  }
+
+  // A step of random scales, overrides and buffer updates, unary or over
+  // StepStream.
+  void Step() {
+    v1::StepRequest s;
+    s.set_grad_scale(r_.Coin() ? 0 : r_.Real());
+    s.set_max_grad_norm(r_.Coin() ? 0 : r_.Real());
+    s.set_assume_finite(r_.Coin());
+    if (r_.Coin()) {
+      auto* o = s.add_overrides();
+      o->set_group_id(r_.Coin() ? "g" : r_.Name());
+      o->set_lr(r_.Real());
+      if (r_.Coin()) o->set_beta1(r_.Real());
+      if (r_.Coin()) o->set_momentum(r_.Coin() ? 0 : r_.Real());
+    }
+    if (r_.U(4) == 0) {
+      auto* u = s.add_buffer_updates();
+      u->set_group_id("g");
+      auto* t = u->add_tensors();
+      t->set_name(r_.Name() + std::to_string(r_.U(3)));
+      FillHandle(t->mutable_param());
+      FillHandle(t->mutable_grad());
+    }
+    (void)(r_.Coin() ? client_->Step(s) : client_->StreamStep(s));
+  }
+
+  // A SetState of one random blob, now and then followed by a GetState.
+  void SetAndGetState() {
+    v1::SetStateRequest s;
+    s.set_group_id(r_.Coin() ? "g" : r_.Name());
+    s.set_step(r_.Size());
+    auto* t = s.add_tensors();
+    t->set_tensor(r_.Name() + std::to_string(r_.U(3)));
+    static const char* kKinds[] = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq",
+                                   "master", "bogus"};
+    t->set_kind(kKinds[r_.U(5)]);
+    t->set_dtype(r_.DType());
+    t->set_numel(r_.U(300));
+    t->set_data(std::string(r_.U(1200), '\x3f'));
+    (void)client_->SetState(s);
+    if (r_.Coin()) {
+      v1::GetStateRequest g;
+      g.set_metadata_only(r_.Coin());
+      if (r_.Coin()) g.add_tensor_names(r_.Name() + std::to_string(r_.U(3)));
+      (void)client_->GetState(g);
+    }
+  }
+
+  void UpdateBuffers() {
+    v1::UpdateBuffersRequest u;
+    u.set_group_id(r_.Coin() ? "g" : r_.Name());
+    auto* t = u.add_tensors();
+    t->set_name(r_.Name() + std::to_string(r_.U(3)));
+    FillHandle(t->mutable_param());
+    FillHandle(t->mutable_grad());
+    (void)client_->UpdateBuffers(u);
+  }
+
+  Random& r_;
+  Client* const client_;
+  const SharedMemoryRegion* const seg_;
+  const std::vector<std::string> segments_;  // names for shared memory
+};
+
 TEST(RandomRequestsTest, DaemonSurvivesAndStaysConsistent) {
   const uint32_t seed = TestSeed();
   Random r(seed);
@@ -71,173 +286,10 @@ TEST(RandomRequestsTest, DaemonSurvivesAndStaysConsistent) {
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   auto client = *(*daemon)->Connect();
   auto seg = *SharedMemoryRegion::Create(1 << 20);
-  std::vector<std::string> segments = {seg->name(), "/optimd-missing",
-                                       "relative", "/a/b", ""};
-  auto handle = [&](v1::BufferHandle* h) {
-    const uint64_t kind = r.U(4);
-    if (kind == 0) return;  // unset
-    if (kind == 3) {
-      auto* c = h->mutable_cuda_ipc();
-      c->set_ipc_handle(std::string(r.U(70), 'x'));
-      c->set_device(static_cast<int32_t>(r.U(3)) - 1);
-      c->set_offset(r.Size());
-      c->set_size(r.Size());
-      return;
-    }
-    auto* s = h->mutable_shared_memory();
-    s->set_segment_name(segments[r.U(segments.size())]);
-    s->set_offset(r.Coin() ? 4 * r.U(1000) : r.Size());
-    s->set_size(r.Coin() ? 4 * r.U(1000) : r.Size());
-  };
+  RandomRequests requests(&r, client.get(), seg.get());
   int answered = 0;
   for (int i = 0; i < 3000; ++i) {
-    if (client->session_token().empty() || r.U(50) == 0) {
-      v1::CreateSessionRequest cs;
-      cs.set_job_id(r.Coin() ? "job" : r.Name());
-      cs.set_rank(static_cast<uint32_t>(r.U(3)));
-      cs.set_world_size(static_cast<uint32_t>(r.U(3)));
-      cs.set_device(static_cast<int32_t>(r.U(3)) - 1);
-      cs.set_resume(true);
-      if (r.U(10) == 0) cs.set_ready_event(std::string(r.U(80), 'e'));
-      if (r.U(4) == 0) {
-        cs.set_gradient_sharding(
-            static_cast<v1::GradientSharding>(r.U(4)));  // 3: unknown
-      }
-      (void)client->CreateSession(cs);
-      ++answered;
-      continue;
-    }
-    if (r.U(8) == 0) {
-      // A valid group, so that the other calls also meet real state.
-      v1::RegisterGroupRequest g;
-      g.set_group_id("g" + std::to_string(r.U(4)));
-      g.mutable_hyperparameters()->set_lr(1e-3);
-      g.mutable_hyperparameters()->set_amsgrad(r.Coin());
-      // AdamW, SGD (with momentum or without) or Lion.
-      g.mutable_hyperparameters()->set_optimizer(
-          static_cast<v1::OptimizerKind>(r.U(4)));
-      g.mutable_hyperparameters()->set_momentum(r.Coin() ? 0.9 : 0);
-      g.mutable_hyperparameters()->set_beta2(0.99);
-      for (uint64_t t = 1 + r.U(3); t > 0; --t) {
-        auto* ts = g.add_tensors();
-        ts->set_name("v" + std::to_string(r.U(1000)));
-        const uint64_t n = r.U(500);
-        ts->set_numel(n);
-        ts->set_param_dtype(v1::DTYPE_FLOAT32);
-        ts->set_grad_dtype(v1::DTYPE_FLOAT32);
-        if (n > 0) {
-          *ts->mutable_param() = seg->Handle(4 * r.U(100000), 4 * n);
-          *ts->mutable_grad() = seg->Handle(4 * r.U(100000), 4 * n);
-        }
-      }
-      (void)client->RegisterGroup(g);
-      ++answered;
-      continue;
-    }
-    switch (r.U(9)) {
-      case 0:
-      case 1: {
-        v1::RegisterGroupRequest g;
-        g.set_group_id(r.Coin() ? "g" : r.Name());
-        auto* h = g.mutable_hyperparameters();
-        h->set_lr(r.Real());
-        h->set_beta1(r.Real());
-        h->set_beta2(r.Coin() ? 0.999 : r.Real());
-        h->set_eps(r.Real());
-        h->set_weight_decay(r.Real());
-        h->set_mode(static_cast<v1::AdamMode>(r.U(4)));
-        h->set_amsgrad(r.Coin());
-        h->set_optimizer(static_cast<v1::OptimizerKind>(r.U(5)));
-        h->set_momentum(r.Coin() ? 0 : r.Real());
-        h->set_dampening(r.Real());
-        h->set_nesterov(r.Coin());
-        g.mutable_layout()->set_master_weights(
-            static_cast<v1::MasterWeights>(r.U(5)));
-        g.mutable_layout()->set_moment_dtype(r.DType());
-        for (uint64_t t = r.U(4); t > 0; --t) {
-          auto* ts = g.add_tensors();
-          ts->set_name(r.Name() + std::to_string(r.U(3)));
-          ts->set_numel(r.Coin() ? r.U(300) : r.Size());
-          ts->set_param_dtype(r.DType());
-          ts->set_grad_dtype(r.DType());
-          ts->set_frozen(r.U(5) == 0);
-          ts->set_keep_fp32(r.U(5) == 0);
-          handle(ts->mutable_param());
-          handle(ts->mutable_grad());
-        }
-        (void)client->RegisterGroup(g);
-        break;
-      }
-      case 2: {
-        v1::StepRequest s;
-        s.set_grad_scale(r.Coin() ? 0 : r.Real());
-        s.set_max_grad_norm(r.Coin() ? 0 : r.Real());
-        s.set_assume_finite(r.Coin());
-        if (r.Coin()) {
-          auto* o = s.add_overrides();
-          o->set_group_id(r.Coin() ? "g" : r.Name());
-          o->set_lr(r.Real());
-          if (r.Coin()) o->set_beta1(r.Real());
-          if (r.Coin()) o->set_momentum(r.Coin() ? 0 : r.Real());
-        }
-        if (r.U(4) == 0) {
-          auto* u = s.add_buffer_updates();
-          u->set_group_id("g");
-          auto* t = u->add_tensors();
-          t->set_name(r.Name() + std::to_string(r.U(3)));
-          handle(t->mutable_param());
-          handle(t->mutable_grad());
-        }
-        (void)(r.Coin() ? client->Step(s) : client->StreamStep(s));
-        break;
-      }
-      case 3: {
-        v1::SetStateRequest s;
-        s.set_group_id(r.Coin() ? "g" : r.Name());
-        s.set_step(r.Size());
-        auto* t = s.add_tensors();
-        t->set_tensor(r.Name() + std::to_string(r.U(3)));
-        static const char* kKinds[] = {"exp_avg", "exp_avg_sq",
-                                       "max_exp_avg_sq", "master", "bogus"};
-        t->set_kind(kKinds[r.U(5)]);
-        t->set_dtype(r.DType());
-        t->set_numel(r.U(300));
-        t->set_data(std::string(r.U(1200), '\x3f'));
-        (void)client->SetState(s);
-        if (r.Coin()) {
-          v1::GetStateRequest g;
-          g.set_metadata_only(r.Coin());
-          if (r.Coin()) g.add_tensor_names(r.Name() + std::to_string(r.U(3)));
-          (void)client->GetState(g);
-        }
-        break;
-      }
-      case 4:
-        (void)client->UnregisterGroup(r.Coin() ? "g" : r.Name());
-        break;
-      case 5: {
-        v1::GetParamsRequest g;
-        if (r.Coin()) g.add_group_ids(r.Name());
-        (void)client->GetParams(g);
-        break;
-      }
-      case 6: {
-        v1::UpdateBuffersRequest u;
-        u.set_group_id(r.Coin() ? "g" : r.Name());
-        auto* t = u.add_tensors();
-        t->set_name(r.Name() + std::to_string(r.U(3)));
-        handle(t->mutable_param());
-        handle(t->mutable_grad());
-        (void)client->UpdateBuffers(u);
-        break;
-      }
-      case 7:
-        if (r.U(10) == 0) (void)client->CloseSession();
-        break;
-      case 8:
-        (void)client->ListSessions();
-        break;
-    }
+    requests.SendOne();
     ++answered;
   }
   EXPECT_EQ(answered, 3000);

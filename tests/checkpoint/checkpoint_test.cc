@@ -526,10 +526,87 @@ TEST(CheckpointTest, SymlinkedCheckpointUnderStateDirIsRefused) {
       << loaded.status();
 }
 
+// A named edit of a checkpoint's header.
+using HeaderEdit = std::pair<std::string, std::function<void(HeaderParts&)>>;
+
+// The first group of a split checkpoint's metadata, and its
+// hyperparameters.
+nlohmann::json& FirstGroup(HeaderParts& p) { return p.meta["groups"][0]; }
+nlohmann::json& FirstGroupHyper(HeaderParts& p) {
+  return FirstGroup(p)["hyperparameters"];
+}
+
+// Edits of one header field each that the loader must refuse: wrong type,
+// out of range, missing, or nested past the limit.
+std::vector<HeaderEdit> MalformedHeaderEdits() {
+  using nlohmann::json;
+  return {
+      {"step as a string", [](HeaderParts& p) { FirstGroup(p)["step"] = "1"; }},
+      {"negative step", [](HeaderParts& p) { FirstGroup(p)["step"] = -1; }},
+      {"fractional step", [](HeaderParts& p) { FirstGroup(p)["step"] = 1.5; }},
+      {"huge step", [](HeaderParts& p) { FirstGroup(p)["step"] = 1e300; }},
+      {"step past the limit",
+       [](HeaderParts& p) { FirstGroup(p)["step"] = uint64_t{1} << 60; }},
+      {"no step", [](HeaderParts& p) { FirstGroup(p).erase("step"); }},
+      {"lr as a string",
+       [](HeaderParts& p) { FirstGroupHyper(p)["lr"] = "0.1"; }},
+      {"lr past fp32",
+       [](HeaderParts& p) { FirstGroupHyper(p)["lr"] = -1e39; }},
+      {"no lr", [](HeaderParts& p) { FirstGroupHyper(p).erase("lr"); }},
+      {"beta1 of 1.5",
+       [](HeaderParts& p) { FirstGroupHyper(p)["beta1"] = 1.5; }},
+      {"negative eps", [](HeaderParts& p) { FirstGroupHyper(p)["eps"] = -1; }},
+      {"amsgrad as a number",
+       [](HeaderParts& p) { FirstGroupHyper(p)["amsgrad"] = 1; }},
+      {"hyperparameters a number",
+       [](HeaderParts& p) { FirstGroup(p)["hyperparameters"] = 3; }},
+      {"no hyperparameters",
+       [](HeaderParts& p) { FirstGroup(p).erase("hyperparameters"); }},
+      {"groups an object",
+       [](HeaderParts& p) { p.meta["groups"] = json::object(); }},
+      {"group a string", [](HeaderParts& p) { p.meta["groups"][0] = "g"; }},
+      {"id a number", [](HeaderParts& p) { FirstGroup(p)["id"] = 7; }},
+      {"tensor null",
+       [](HeaderParts& p) { FirstGroup(p)["tensors"][0] = nullptr; }},
+      {"numel a string",
+       [](HeaderParts& p) { FirstGroup(p)["tensors"][0]["numel"] = "100"; }},
+      {"format version a string",
+       [](HeaderParts& p) { p.meta["format_version"] = "1"; }},
+      {"crc32c an array",
+       [](HeaderParts& p) { p.meta["crc32c"] = json::array(); }},
+      {"crc32c not hex",
+       [](HeaderParts& p) { p.meta["crc32c"]["w"] = "zzzzzzzz"; }},
+      {"negative data offset",
+       [](HeaderParts& p) { p.header["w"]["data_offsets"][0] = -1; }},
+      {"data offsets past 2^64",
+       [](HeaderParts& p) {
+         p.header["w"]["data_offsets"] = {~uint64_t{0} - 10, ~uint64_t{0} + 0};
+       }},
+      {"nested shape",
+       [](HeaderParts& p) { p.header["w"]["shape"] = {{100}}; }},
+      {"dtype a number", [](HeaderParts& p) { p.header["w"]["dtype"] = 5; }},
+      {"missed_steps a number",
+       [](HeaderParts& p) { FirstGroup(p)["missed_steps"] = 3; }},
+      {"missed_steps of a tensor past the group's",
+       [](HeaderParts& p) {
+         FirstGroup(p)["missed_steps"] = {{5, 1}};
+       }},
+      {"missed_steps above the step",
+       [](HeaderParts& p) {
+         FirstGroup(p)["missed_steps"] = {{0, 1u << 30}};
+       }},
+      {"deep nesting",
+       [](HeaderParts& p) {
+         json deep = 1;
+         for (int i = 0; i < 100; ++i) deep = json::array({deep});
+         FirstGroup(p)["extra"] = deep;
+       }},
+  };
+}
+
 // Every header field is checked for presence, type and range before any
 // state changes: a wrong-typed step or lr used to abort the daemon.
 TEST(CheckpointTest, MalformedHeaderFieldsAreRefusedAndChangeNothing) {
-  using nlohmann::json;
   OneTensorSession s;
   ScratchDir dir;
   auto saved = SaveSession(s.session(), dir.path(), CheckpointOptions());
@@ -537,70 +614,7 @@ TEST(CheckpointTest, MalformedHeaderFieldsAreRefusedAndChangeNothing) {
   const std::string good = ReadFile(saved->path);
   ASSERT_TRUE(s.session().Step({}).ok());  // the state moves past the file
   const std::string before = s.Fingerprint();
-  using Edit = std::function<void(HeaderParts&)>;
-  auto group = [](HeaderParts& p) -> json& { return p.meta["groups"][0]; };
-  auto hyper = [&](HeaderParts& p) -> json& {
-    return group(p)["hyperparameters"];
-  };
-  const std::vector<std::pair<std::string, Edit>> edits = {
-      {"step as a string", [&](HeaderParts& p) { group(p)["step"] = "1"; }},
-      {"negative step", [&](HeaderParts& p) { group(p)["step"] = -1; }},
-      {"fractional step", [&](HeaderParts& p) { group(p)["step"] = 1.5; }},
-      {"huge step", [&](HeaderParts& p) { group(p)["step"] = 1e300; }},
-      {"step past the limit",
-       [&](HeaderParts& p) { group(p)["step"] = uint64_t{1} << 60; }},
-      {"no step", [&](HeaderParts& p) { group(p).erase("step"); }},
-      {"lr as a string", [&](HeaderParts& p) { hyper(p)["lr"] = "0.1"; }},
-      {"lr past fp32", [&](HeaderParts& p) { hyper(p)["lr"] = -1e39; }},
-      {"no lr", [&](HeaderParts& p) { hyper(p).erase("lr"); }},
-      {"beta1 of 1.5", [&](HeaderParts& p) { hyper(p)["beta1"] = 1.5; }},
-      {"negative eps", [&](HeaderParts& p) { hyper(p)["eps"] = -1; }},
-      {"amsgrad as a number", [&](HeaderParts& p) { hyper(p)["amsgrad"] = 1; }},
-      {"hyperparameters a number",
-       [&](HeaderParts& p) { group(p)["hyperparameters"] = 3; }},
-      {"no hyperparameters",
-       [&](HeaderParts& p) { group(p).erase("hyperparameters"); }},
-      {"groups an object",
-       [&](HeaderParts& p) { p.meta["groups"] = json::object(); }},
-      {"group a string", [&](HeaderParts& p) { p.meta["groups"][0] = "g"; }},
-      {"id a number", [&](HeaderParts& p) { group(p)["id"] = 7; }},
-      {"tensor null",
-       [&](HeaderParts& p) { group(p)["tensors"][0] = nullptr; }},
-      {"numel a string",
-       [&](HeaderParts& p) { group(p)["tensors"][0]["numel"] = "100"; }},
-      {"format version a string",
-       [&](HeaderParts& p) { p.meta["format_version"] = "1"; }},
-      {"crc32c an array",
-       [&](HeaderParts& p) { p.meta["crc32c"] = json::array(); }},
-      {"crc32c not hex",
-       [&](HeaderParts& p) { p.meta["crc32c"]["w"] = "zzzzzzzz"; }},
-      {"negative data offset",
-       [&](HeaderParts& p) { p.header["w"]["data_offsets"][0] = -1; }},
-      {"data offsets past 2^64",
-       [&](HeaderParts& p) {
-         p.header["w"]["data_offsets"] = {~uint64_t{0} - 10, ~uint64_t{0} + 0};
-       }},
-      {"nested shape",
-       [&](HeaderParts& p) { p.header["w"]["shape"] = {{100}}; }},
-      {"dtype a number", [&](HeaderParts& p) { p.header["w"]["dtype"] = 5; }},
-      {"missed_steps a number",
-       [&](HeaderParts& p) { group(p)["missed_steps"] = 3; }},
-      {"missed_steps of a tensor past the group's",
-       [&](HeaderParts& p) {
-         group(p)["missed_steps"] = {{5, 1}};
-       }},
-      {"missed_steps above the step",
-       [&](HeaderParts& p) {
-         group(p)["missed_steps"] = {{0, 1u << 30}};
-       }},
-      {"deep nesting",
-       [&](HeaderParts& p) {
-         json deep = 1;
-         for (int i = 0; i < 100; ++i) deep = json::array({deep});
-         group(p)["extra"] = deep;
-       }},
-  };
-  for (const auto& [what, edit] : edits) {
+  for (const auto& [what, edit] : MalformedHeaderEdits()) {
     SCOPED_TRACE(what);
     HeaderParts p = SplitCheckpoint(good);
     edit(p);
@@ -811,6 +825,74 @@ TEST(CheckpointTest, DamagedMetadataIsDataLoss) {
   EXPECT_TRUE(LoadSession(s.session(), dir.path(), CheckpointOptions()).ok());
 }
 
+// A named change that another process makes to a file at `path`.
+using FileChange =
+    std::pair<std::string, std::function<void(const std::string& path)>>;
+
+// Changes to a checkpoint whose bytes are `file`: written in place with the
+// same bytes, grown, only its times set, or replaced at its name by
+// `corrupt`.
+std::vector<FileChange> ChangesDuringALoad(const std::string& file,
+                                           const std::string& corrupt) {
+  return {
+      {"rewritten in place",
+       [file](const std::string& path) {
+         std::fstream f(path, std::ios::binary | std::ios::in | std::ios::out);
+         f.seekp(0);
+         f.write(file.data(), file.size());
+       }},
+      {"grown",
+       [](const std::string& path) {
+         std::ofstream(path, std::ios::binary | std::ios::app) << "x";
+       }},
+      {"times set",
+       [](const std::string& path) {
+         const timespec now[2] = {{0, UTIME_NOW}, {0, UTIME_NOW}};
+         ASSERT_EQ(utimensat(AT_FDCWD, path.c_str(), now, 0), 0);
+       }},
+      {"replaced at its name",
+       [corrupt](const std::string& path) {
+         WriteFile(path + ".new", corrupt);
+         ASSERT_EQ(std::rename((path + ".new").c_str(), path.c_str()), 0);
+       }},
+  };
+}
+
+// File times tick with the kernel's coarse clock (at most 10 ms): they are
+// set far back and a change comes 50 ms later (this returns after 50 ms),
+// so that it always shows (in mtime, or in ctime).
+void SetTimesFarBack(const std::string& path) {
+  const timespec old[2] = {{1000000000, 0}, {1000000000, 0}};
+  ASSERT_EQ(utimensat(AT_FDCWD, path.c_str(), old, 0), 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+}
+
+// Loads `session` from `dir` on a thread of its own while `gate` holds the
+// load's first read of the file; `change` runs while it is held (if a read
+// came), then the gate opens and the load ends into `loaded`. Gives the
+// hold's status: DEADLINE_EXCEEDED when no read came within 60 s.
+absl::Status LoadWithItsFirstReadHeld(
+    FileReadGate& gate, Session& session, const std::string& dir,
+    const std::function<void()>& change,
+    absl::StatusOr<CheckpointResult>* loaded) {
+  std::thread load(
+      [&] { *loaded = LoadSession(session, dir, CheckpointOptions()); });
+  const absl::Status held = gate.HoldNextRead(getpid(), absl::Seconds(60));
+  if (held.ok()) change();
+  gate.Open();
+  load.join();
+  return held;
+}
+
+// `loaded` is the refusal of a file changed during its load.
+void ExpectAbortedAsChanged(const absl::Status& loaded) {
+  EXPECT_EQ(loaded.code(), absl::StatusCode::kAborted) << loaded;
+  EXPECT_NE(loaded.message().find("changed while its checksums were verified"),
+            std::string::npos)
+      << loaded;
+  EXPECT_NE(loaded.message().find("nothing was loaded"), std::string::npos);
+}
+
 // A file that another process changes while a load reads it (written in
 // place with the same bytes, grown, only its times set, or replaced at its
 // name, which changes the opened file's ctime as its link goes) is ABORTED
@@ -829,40 +911,10 @@ TEST(CheckpointTest, FileChangedDuringItsLoadIsAbortedAndChangesNothing) {
   corrupt[corrupt.size() - 1] ^= 0x40;
   // Step on, so that a load would change the state back.
   ASSERT_TRUE(s.session().Step({}).ok());
-  const std::vector<
-      std::pair<std::string, std::function<void(const std::string&)>>>
-      changes = {
-          {"rewritten in place",
-           [&](const std::string& path) {
-             std::fstream f(path,
-                            std::ios::binary | std::ios::in | std::ios::out);
-             f.seekp(0);
-             f.write(file.data(), file.size());
-           }},
-          {"grown",
-           [&](const std::string& path) {
-             std::ofstream(path, std::ios::binary | std::ios::app) << "x";
-           }},
-          {"times set",
-           [&](const std::string& path) {
-             const timespec now[2] = {{0, UTIME_NOW}, {0, UTIME_NOW}};
-             ASSERT_EQ(utimensat(AT_FDCWD, path.c_str(), now, 0), 0);
-           }},
-          {"replaced at its name",
-           [&](const std::string& path) {
-             WriteFile(path + ".new", corrupt);
-             ASSERT_EQ(std::rename((path + ".new").c_str(), path.c_str()), 0);
-           }},
-      };
-  for (const auto& [what, change] : changes) {
-    SCOPED_TRACE(what);
+  for (const FileChange& change : ChangesDuringALoad(file, corrupt)) {
+    SCOPED_TRACE(change.first);
     WriteFile(saved->path, file);
-    // File times tick with the kernel's coarse clock (at most 10 ms): they
-    // are set far back and the change comes 50 ms later, so that it always
-    // shows (in mtime, or in ctime).
-    const timespec old[2] = {{1000000000, 0}, {1000000000, 0}};
-    ASSERT_EQ(utimensat(AT_FDCWD, saved->path.c_str(), old, 0), 0);
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    ASSERT_NO_FATAL_FAILURE(SetTimesFarBack(saved->path));
     const std::string before = s.Fingerprint();
     auto gate = FileReadGate::Create(saved->path);
     if (gate.status().code() == absl::StatusCode::kFailedPrecondition) {
@@ -870,23 +922,11 @@ TEST(CheckpointTest, FileChangedDuringItsLoadIsAbortedAndChangesNothing) {
     }
     ASSERT_TRUE(gate.ok()) << gate.status();
     absl::StatusOr<CheckpointResult> loaded;
-    std::thread load([&] {
-      loaded = LoadSession(s.session(), dir.path(), CheckpointOptions());
-    });
-    const absl::Status held =
-        (*gate)->HoldNextRead(getpid(), absl::Seconds(60));
-    if (held.ok()) change(saved->path);
-    (*gate)->Open();
-    load.join();
+    const absl::Status held = LoadWithItsFirstReadHeld(
+        **gate, s.session(), dir.path(), [&] { change.second(saved->path); },
+        &loaded);
     ASSERT_TRUE(held.ok()) << held;
-    EXPECT_EQ(loaded.status().code(), absl::StatusCode::kAborted)
-        << loaded.status();
-    EXPECT_NE(loaded.status().message().find(
-                  "changed while its checksums were verified"),
-              std::string::npos)
-        << loaded.status();
-    EXPECT_NE(loaded.status().message().find("nothing was loaded"),
-              std::string::npos);
+    ExpectAbortedAsChanged(loaded.status());
     EXPECT_EQ(s.Fingerprint(), before);
     // Not left needing a load: it steps.
     ASSERT_TRUE(s.session().Step({}).ok());
