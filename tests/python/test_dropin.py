@@ -1190,6 +1190,37 @@ class DropIn(DaemonTestCase):
                 o.step()
         self.assert_same(opt, ref)
 
+    def test_betas_given_as_a_list_stay_that_list(self):
+        # torch keeps `betas` as given (a list from a config file): the
+        # groups, defaults and state dicts hold that list, a load keeps the
+        # saved one's type, and a script may set an item of it in place.
+        for cls, ref_cls in ((AdamW, torch.optim.AdamW),
+                             (Adam, torch.optim.Adam)):
+            with self.subTest(cls.__name__):
+                runs = []
+                for make in (functools.partial(
+                        cls, address=self.daemon.address), ref_cls):
+                    torch.manual_seed(0)
+                    p = torch.nn.Parameter(torch.randn(4, device=DEVICE))
+                    o = make([p], lr=0.1, betas=[0.9, 0.99])
+                    if make is not ref_cls:
+                        self.opts.append(o)
+                    seen = [o.defaults["betas"], o.param_groups[0]["betas"],
+                            o.state_dict()["param_groups"][0]["betas"]]
+                    for i in range(3):
+                        p.grad = torch.full_like(p, 1.0 - 0.4 * i)
+                        o.step()
+                        o.param_groups[0]["betas"][0] = 0.5
+                    o.load_state_dict(o.state_dict())
+                    seen.append(o.param_groups[0]["betas"])
+                    p.grad = torch.ones_like(p)
+                    o.step()
+                    runs.append(([(type(b), list(b)) for b in seen],
+                                 p.detach().clone()))
+                self.assertEqual(runs[0][0], runs[1][0])
+                self.assertIs(runs[1][0][0][0], list)
+                torch.testing.assert_close(runs[0][1], runs[1][1], **TOL)
+
     @unittest.skipUnless(torch_takes_names(), "torch 2.6's param_names")
     def test_names_stay_when_a_state_dict_without_them_loads(self):
         # torch's load keeps a group's "param_names" when the saved group

@@ -384,8 +384,7 @@ class StateDicts:
                 del g[k]
         for k, v in sg.items():
             if k != "params":
-                g[k] = tuple(v) if k == "betas" else \
-                    _unplain(v) if k == self._state_dtype_key else v
+                g[k] = _unplain(v) if k == self._state_dtype_key else v
         self._reconcile_group(gi, g)
 
     def _reregister(self, gi, group, mine, restore):

@@ -141,7 +141,7 @@ class _AdamFamily(_DaemonOptimizer):
         decoupled = bool(adam_w_mode or
                          torch_options.get("decoupled_weight_decay", False))
         defaults.update(dict(
-            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
             amsgrad=amsgrad, maximize=maximize, master_weights=master_weights,
             store_param_remainders=store_param_remainders,
             exp_avg_dtype=exp_avg_dtype, adam_w_mode=decoupled,
