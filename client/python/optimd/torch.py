@@ -141,7 +141,9 @@ class _AdamFamily(_DaemonOptimizer):
         decoupled = bool(adam_w_mode or
                          torch_options.get("decoupled_weight_decay", False))
         defaults.update(dict(
-            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+            lr=lr, eps=eps, weight_decay=weight_decay,
+            betas=betas if _torch_betas_kept_as_given(self._torch_class)
+            else tuple(betas),
             amsgrad=amsgrad, maximize=maximize, master_weights=master_weights,
             store_param_remainders=store_param_remainders,
             exp_avg_dtype=exp_avg_dtype, adam_w_mode=decoupled,
@@ -361,6 +363,15 @@ def _torch_group_keys(cls):
     defaults, which may hold one its constructor does not take (AdamW's
     decoupled_weight_decay, torch 2.7 and later)."""
     return frozenset(cls([torch.zeros(1, requires_grad=True)]).defaults)
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_betas_kept_as_given(cls):
+    """Whether the installed torch's `cls` keeps `betas` as given (a list
+    stays a list: torch 1.13) or makes it a tuple (later torch 2.x). A
+    probe of torch's own class, as _torch_sgd_unset_slots."""
+    made = cls([torch.zeros(1, requires_grad=True)], betas=[0.9, 0.999])
+    return isinstance(made.defaults["betas"], list)
 
 
 @functools.lru_cache(maxsize=None)
