@@ -223,6 +223,16 @@ class CudaEndToEnd(unittest.TestCase):
         # A new allocation may lie at a freed one's address: the client
         # then sends the gradients anew, and the steps equal the CPU
         # reference's.
+        self.run_releasing_steps(reset_stats=False)
+
+    def test_a_release_then_a_reset_of_torchs_stats_is_seen(self):
+        # torch.cuda.reset_accumulated_memory_stats() after each
+        # empty_cache() zeroes the counts of device frees the client
+        # compares, so that they read the same at every step; the client
+        # counts the resets too.
+        self.run_releasing_steps(reset_stats=True)
+
+    def run_releasing_steps(self, reset_stats):
         params = [torch.nn.Parameter(torch.randn(4096, 4096, device="cuda"))
                   for _ in range(8)]  # 512 MiB of gradients
         refs = [torch.nn.Parameter(p.detach().cpu()) for p in params]
@@ -244,6 +254,8 @@ class CudaEndToEnd(unittest.TestCase):
                                 "reference" % i)
             opt.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
+            if reset_stats:
+                torch.cuda.reset_accumulated_memory_stats()
             torch.cuda.synchronize()
             return torch.cuda.mem_get_info()[0] / 2**20
 

@@ -1232,6 +1232,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         self._write_back_state()
         held = held_state(self._whole_state(), self.param_groups)
         self._closer()
+        self._close_vmm()
         # Its buffers go with the session (the parts have their own).
         for name in ("_groups", "_router", "_homed", "_params_flat",
                      "_pptrs_flat", "_dtensors", "_mirrored", "_flags",
@@ -1282,6 +1283,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             # step that failed, or updates built part-way): the next step
             # tells it every gradient again.
             self._router.forget()
+            self._hold_retired_channels()
             raise
         self.state.invalidate()
         self.state.follow()  # state tensors the trainer holds, as in torch
@@ -1474,6 +1476,16 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             self._overlap = None
         self._closer()
         self._close_vmm()
+        self._drop_pending()
+
+    def _drop_pending(self):
+        """Forgets the replies not yet looked at (the session is gone), and
+        closes the descriptor connections held for them."""
+        pending = getattr(self, "_pending", ())
+        self._pending = collections.deque()
+        for _, retired in pending:
+            for channel in retired:
+                channel.close()
 
     def __reduce_ex__(self, protocol):
         """Pickled as a stand-in without a session (PickledOptimizer): what

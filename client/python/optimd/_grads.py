@@ -33,7 +33,7 @@ import torch
 
 from optimd._aliased import shares_storage
 from optimd._dtensor import is_dtensor, local_of
-from optimd._vmm import NotVmmMemory, allocator_counts
+from optimd._vmm import NotVmmMemory, allocator_counts, stat_resets
 from optimd.v1 import optimd_pb2 as pb
 
 _get_grad = operator.attrgetter("grad")
@@ -42,10 +42,14 @@ _get_grad = operator.attrgetter("grad")
 def segments_freed(device):
     """torch's counts of what its caching allocator gave back to the device
     (cudaFree) on `device`: its device frees (torch 2.1 on) and its
-    segments freed (every torch); any change is a release. None where
+    segments freed (every torch), and how many times torch's accumulated
+    stats were reset (a reset zeroes the others); any change is a release.
+    None where
     torch keeps neither (an allocator of another library's)."""
     counts = allocator_counts(device, ("num_device_free", "segment.all.freed"))
-    return None if counts is None or counts == (None, None) else counts
+    if counts is None or counts == (None, None):
+        return None
+    return counts + (stat_resets(),)
 
 
 # How many times GradRouter.updates builds a step's updates while torch
@@ -162,8 +166,11 @@ class GradRouter:
         self._sent = [None] * len(self._sent)
         for s in self._tensors:
             s.sent_ptr = None
+        # And says again that memory was released, should the step that
+        # said it have failed.
         if self._releases is not None:
             self._releases = ()
+        self._vmm_generation = -1
 
     def updates(self):
         """The buffer updates that bring the daemon to the gradients now in

@@ -16,9 +16,10 @@ allocation fails and it frees its cache), and may then map a new chunk at
 the same address: a gradient at the same pointer would then be in other
 memory than the daemon maps. So at each step, and before it names any
 other buffer, the client looks at torch's counts of device maps and
-releases (num_device_alloc, num_device_free); when they moved, it forgets
-every chunk (a new connection: the daemon drops the old descriptors) and
-sends every gradient anew. Between two such looks a known chunk is found
+releases (num_device_alloc, num_device_free, and how many times they were
+reset); when they moved, it forgets every chunk (a new connection: the
+daemon drops the old descriptors once the steps sent before are answered)
+and sends every gradient anew. Between two such looks a known chunk is found
 without a driver call. Memory that is not cuMemCreate's (a CUDA graph's
 private pool) raises NotVmmMemory, and goes by CUDA IPC instead.
 Parameters are live memory, which torch never unmaps.
@@ -84,6 +85,40 @@ def _export(address):
     return fd.value
 
 
+# Resets of torch's accumulated allocator stats in this process
+# (torch.cuda.reset_accumulated_memory_stats). A reset zeroes the counts the
+# release checks compare, so that a release and then a reset could read as
+# no change: every count of device_releases and _grads.segments_freed
+# carries this one too.
+_stat_resets = 0
+
+
+def _counting(reset):
+    def counted(*args, **kwargs):
+        global _stat_resets
+        _stat_resets += 1
+        return reset(*args, **kwargs)
+
+    counted.uncounted = reset
+    return counted
+
+
+def _count_stat_resets():
+    """Puts a counter in front of torch's reset of the accumulated stats,
+    which torch.cuda.reset_accumulated_memory_stats looks up on torch._C at
+    each call. Once per process."""
+    reset = getattr(torch._C, "_cuda_resetAccumulatedMemoryStats", None)
+    if reset is not None and not hasattr(reset, "uncounted"):
+        torch._C._cuda_resetAccumulatedMemoryStats = _counting(reset)
+
+
+_count_stat_resets()
+
+
+def stat_resets():
+    return _stat_resets
+
+
 def allocator_counts(device, keys):
     """torch's caching allocator's counters `keys` on `device`, as a tuple
     (None for a key this torch does not keep), or None where it keeps no
@@ -101,11 +136,12 @@ def allocator_counts(device, keys):
 def device_releases(device):
     """torch's counts of device memory maps and releases (unmaps of
     expandable segments among them) on `device`, or None where torch does
-    not keep them. Both together: reset_accumulated_memory_stats() zeroes
-    them, and a release followed by a reset then still reads as a change
-    (the maps counted before cannot come back to zero unseen)."""
+    not keep them, and how many times reset_accumulated_memory_stats()
+    zeroed them: a release and then a reset still read as a change."""
     counts = allocator_counts(device, ("num_device_alloc", "num_device_free"))
-    return None if counts is None or None in counts else counts
+    if counts is None or None in counts:
+        return None
+    return counts + (_stat_resets,)
 
 
 class DescriptorChannel:
@@ -230,9 +266,9 @@ class VmmSharer:
         return out
 
     def _send(self, batch):
-        """Sends [(id, descriptor)]; on any failure the connection and
-        every chunk are forgotten (a new generation), so that the daemon
-        and this client never disagree on which ids it holds."""
+        """Sends [(id, descriptor)]; on any failure every chunk is
+        forgotten (a new generation) and the connection retired, so that
+        the daemon and this client never disagree on which ids it holds."""
         if not batch:
             return
         try:
@@ -252,9 +288,6 @@ class VmmSharer:
         frees = device_releases(self.device)
         if frees != self._frees:
             self._frees = frees
-            if self._channel is not None:
-                self._retired.append(self._channel)
-                self._channel = None
             self._forget()
         return self.generation
 
@@ -265,18 +298,17 @@ class VmmSharer:
         return retired
 
     def _forget(self):
-        self._close_current()
-        self.generation += 1
-
-    def _close_current(self):
+        """Forgets every chunk (a new generation); the connection is
+        retired, not closed: steps sent may still name its ids."""
         self._chunks.clear()
         self._bases.clear()
         if self._channel is not None:
-            self._channel.close()
+            self._retired.append(self._channel)
             self._channel = None
+        self.generation += 1
 
     def close(self):
-        self._close_current()
+        self._forget()
         for channel in self.take_retired():
             channel.close()
 
