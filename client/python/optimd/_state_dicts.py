@@ -342,16 +342,30 @@ class StateDicts:
                 groups[gi].clear()
                 groups[gi].update(keys)
                 if was is not None:
-                    self._restore_registration(self._groups[gi], was,
+                    self._restore_registration(gi, groups[gi], was,
                                                entries)
             raise
 
-    def _restore_registration(self, mine, was, entries):
-        """Registration `mine` made again as it was (`was`: its request,
-        snapshot and slots then), with `entries` as its state (None under
-        shard_state: not restored)."""
+    def _restore_registration(self, gi, group, was, entries):
+        """Registration `gi` made again as it was (`was`: its request,
+        snapshot and slots then) over its tensors where they are now, with
+        `entries` as its state (None under shard_state: not restored)."""
+        mine = self._groups[gi]
+        old = self._request_as_was(gi, group, mine, was)
         self._client.unregister_group(mine["id"])
-        self._register_as(mine, was, entries)
+        self._register_as(mine, dict(was, request=old), entries)
+
+    def _request_as_was(self, gi, group, mine, was):
+        """`was`'s layout and hyperparameters over the tensors where they
+        are now: moved or swapped since, or their memory's chunks sent to
+        the daemon anew (expandable segments), whose old ids the daemon no
+        longer holds."""
+        seg_p = mine["segments"][0]
+        tensors = list(zip(mine["tensors"], _param_offsets(mine)))
+        old = self._group_request(gi, group, tensors, seg_p)
+        old.layout.CopyFrom(was["request"].layout)
+        old.hyperparameters.CopyFrom(was["request"].hyperparameters)
+        return old
 
     def _register_as(self, mine, record, entries):
         """Registers group `mine`, of which the daemon holds no
@@ -406,12 +420,7 @@ class StateDicts:
                 request=request, snapshot=self._layout_of(group),
                 slots=self._slot_names(group)), None)
         except errors.OptimdError:
-            # The old layout and hyperparameters over the tensors where
-            # they are now (moved or swapped since the first registration).
-            old = type(request)()
-            old.CopyFrom(request)
-            old.layout.CopyFrom(was["request"].layout)
-            old.hyperparameters.CopyFrom(was["request"].hyperparameters)
+            old = self._request_as_was(gi, group, mine, was)
             self._register_as(mine, dict(was, request=old), restore)
             raise
         return was
