@@ -26,7 +26,7 @@ import torch
 
 from optimd import cuda_ipc
 from optimd._grads import GradRouter
-from optimd._vmm import VmmSharer
+from optimd._vmm import VmmSharer, close_channels
 from optimd.torch import AdamW
 
 
@@ -173,8 +173,7 @@ def release_on_a_side_stream(gpu_address, cpu_address, seed, unheld=False):
         take = VmmSharer.take_retired
 
         def closing_at_once(sharer):
-            for channel in take(sharer):
-                channel.close()
+            close_channels(take(sharer))
             return []
 
         VmmSharer.take_retired = closing_at_once

@@ -290,13 +290,9 @@ class CudaEndToEnd(unittest.TestCase):
         # client builds the step's updates again when that happened: the
         # steps equal the CPU reference, and they do not when the updates
         # are built once (the same script, its negative control).
-        run = self.run_expandable("release-in-copy")
-        self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
-        self.assertIn("equal to the CPU reference", run.stdout)
-        control = self.run_expandable("release-in-copy-one-pass")
-        self.assertNotEqual(control.returncode, 0,
-                            "the negative control passed: the copy did not "
-                            "take a released chunk's address")
+        control = self.assert_mode_and_its_control(
+            "release-in-copy", "release-in-copy-one-pass",
+            "the copy did not take a released chunk's address")
         self.assertIn("AssertionError: (1, 1)", control.stderr)
 
     def test_a_release_on_a_side_stream_leaves_queued_steps_their_chunks(
@@ -305,13 +301,21 @@ class CudaEndToEnd(unittest.TestCase):
         # behind; the descriptor connection of the chunks the queued steps
         # name stays open until they are answered. The negative control
         # closes it at once, and a queued step is refused.
-        run = self.run_expandable("side-release")
+        self.assert_mode_and_its_control(
+            "side-release", "side-release-unheld",
+            "no step was queued behind the release")
+
+    def assert_mode_and_its_control(self, mode, control_mode, why_not):
+        """expandable_segments_run.py's `mode` equals the CPU reference,
+        and its negative control `control_mode` fails (`why_not`: what a
+        passing control would mean); returns the control's run."""
+        run = self.run_expandable(mode)
         self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
         self.assertIn("equal to the CPU reference", run.stdout)
-        control = self.run_expandable("side-release-unheld")
+        control = self.run_expandable(control_mode)
         self.assertNotEqual(control.returncode, 0,
-                            "the negative control passed: no step was "
-                            "queued behind the release")
+                            "the negative control passed: " + why_not)
+        return control
 
     def assert_gpu_settles(self, timeout=30):
         """The trainer's stream finishes its queued work: nothing waits

@@ -36,7 +36,7 @@ from optimd._several_devices import (PartsState, SeveralDevices,
                                      become_several, check_several,
                                      held_state)
 from optimd._step_flags import StepFlags
-from optimd._vmm import VmmSharer
+from optimd._vmm import VmmSharer, close_channels
 from optimd.client import Client
 from optimd.shm import SharedSegment, align
 from optimd.v1 import optimd_pb2 as pb
@@ -921,10 +921,13 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         since, is registered anew over its current parameters, keeping the
         state of those it had (torch picks such changes up at its next
         step)."""
-        for gi, (g, group) in enumerate(zip(self._groups, self.param_groups)):
-            if not _changed_since_registered(g, group):
-                continue
+        changed = [gi for gi, (g, group) in
+                   enumerate(zip(self._groups, self.param_groups))
+                   if _changed_since_registered(g, group)]
+        if changed or len(self._groups) < len(self.param_groups):
             self._refuse_parameters_in_two_groups()
+        for gi in changed:
+            g, group = self._groups[gi], self.param_groups[gi]
             if self._followed_elsewhere():
                 return
             self._refuse_with_shard_state(
@@ -986,7 +989,6 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         as torch steps every group of param_groups; a parameter of theirs
         taken out of another group keeps its state. A group without a
         hyperparameter raises KeyError, as torch's step does."""
-        self._refuse_parameters_in_two_groups()
         for gi in range(len(self._groups), len(self.param_groups)):
             if self._followed_elsewhere():
                 return
@@ -1356,8 +1358,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
                     self._router.forget()
                 raise
             finally:
-                for channel in retired:
-                    channel.close()
+                close_channels(retired)
             self._take_reply(reply)
 
     def _hold_retired_channels(self):
@@ -1371,8 +1372,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         if self._pending:
             self._pending[-1][1].extend(retired)
             return
-        for channel in retired:
-            channel.close()
+        close_channels(retired)
 
     def _take_reply(self, reply):
         if reply.known:
@@ -1484,8 +1484,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         pending = getattr(self, "_pending", ())
         self._pending = collections.deque()
         for _, retired in pending:
-            for channel in retired:
-                channel.close()
+            close_channels(retired)
 
     def __reduce_ex__(self, protocol):
         """Pickled as a stand-in without a session (PickledOptimizer): what

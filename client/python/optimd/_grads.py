@@ -33,7 +33,7 @@ import torch
 
 from optimd._aliased import shares_storage
 from optimd._dtensor import is_dtensor, local_of
-from optimd._vmm import NotVmmMemory, allocator_counts, stat_resets
+from optimd._vmm import NotVmmMemory, release_counts
 from optimd.v1 import optimd_pb2 as pb
 
 _get_grad = operator.attrgetter("grad")
@@ -42,14 +42,10 @@ _get_grad = operator.attrgetter("grad")
 def segments_freed(device):
     """torch's counts of what its caching allocator gave back to the device
     (cudaFree) on `device`: its device frees (torch 2.1 on) and its
-    segments freed (every torch), and how many times torch's accumulated
-    stats were reset (a reset zeroes the others); any change is a release.
-    None where
-    torch keeps neither (an allocator of another library's)."""
-    counts = allocator_counts(device, ("num_device_free", "segment.all.freed"))
-    if counts is None or counts == (None, None):
-        return None
-    return counts + (stat_resets(),)
+    segments freed (every torch), and their resets (release_counts). None
+    where torch keeps neither (an allocator of another library's)."""
+    return release_counts(device, ("num_device_free", "segment.all.freed"),
+                          every_key=False)
 
 
 # How many times GradRouter.updates builds a step's updates while torch

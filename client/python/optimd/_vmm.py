@@ -115,14 +115,12 @@ def _count_stat_resets():
 _count_stat_resets()
 
 
-def stat_resets():
-    return _stat_resets
-
-
-def allocator_counts(device, keys):
-    """torch's caching allocator's counters `keys` on `device`, as a tuple
-    (None for a key this torch does not keep), or None where it keeps no
-    stats (a pluggable allocator)."""
+def release_counts(device, keys, every_key):
+    """torch's caching allocator's counters `keys` on `device`, then how
+    many times they were reset (_stat_resets), as a tuple compared from
+    step to step: any change is a release. None where torch keeps no stats
+    (a pluggable allocator), or lacks any of `keys` (`every_key`) or all of
+    them."""
     stats = getattr(torch._C, "_cuda_memoryStats", None)
     if stats is None:
         return None
@@ -130,18 +128,25 @@ def allocator_counts(device, keys):
         got = stats(cuda_ipc.device_index(device))
     except RuntimeError:  # an allocator that keeps no stats (pluggable)
         return None
-    return tuple(got.get(key) for key in keys)
+    counts = tuple(got.get(key) for key in keys)
+    kept = [c is not None for c in counts]
+    if not (all(kept) if every_key else any(kept)):
+        return None
+    return counts + (_stat_resets,)
 
 
 def device_releases(device):
     """torch's counts of device memory maps and releases (unmaps of
-    expandable segments among them) on `device`, or None where torch does
-    not keep them, and how many times reset_accumulated_memory_stats()
-    zeroed them: a release and then a reset still read as a change."""
-    counts = allocator_counts(device, ("num_device_alloc", "num_device_free"))
-    if counts is None or None in counts:
-        return None
-    return counts + (_stat_resets,)
+    expandable segments among them) on `device` and of their resets
+    (release_counts), or None where torch does not keep them."""
+    return release_counts(device, ("num_device_alloc", "num_device_free"),
+                          every_key=True)
+
+
+def close_channels(channels):
+    """Closes descriptor connections (a sharer's retired ones)."""
+    for channel in channels:
+        channel.close()
 
 
 class DescriptorChannel:
@@ -309,6 +314,5 @@ class VmmSharer:
 
     def close(self):
         self._forget()
-        for channel in self.take_retired():
-            channel.close()
+        close_channels(self.take_retired())
 
