@@ -231,8 +231,9 @@ absl::Status Session::ApplyStepUpdates(const StepRequestSpec& request) {
   for (const auto& [group_id, updates] : request.buffer_updates) {
     OPTIMD_RETURN_IF_ERROR(UpdateBuffersLocked(group_id, updates));
   }
-  // Closing waits for the device's stream (steps before this one), which
-  // is why mappings are kept; only after the trainer gave memory back.
+  // Mappings no buffer uses are kept (torch hands its blocks out again)
+  // and closed only after the trainer gave memory back; a backend closes
+  // them once the steps queued before this one no longer use them.
   if (request.memory_released) recent_mappings_.clear();
   return absl::OkStatus();
 }

@@ -16,11 +16,16 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <thread>
 
 #include "backends/cpu/cpu_backend.h"
+#include "backends/cuda/ipc_mapping.h"
+#include "backends/cuda/mapping_reaper.h"
 #include "client/shm_tensor.h"
 #include "common/fd_store.h"
 #include "common/unique_fd.h"
@@ -1385,6 +1390,84 @@ TEST_F(CudaBackendTest, TensorOver2To31Elements) {
     EXPECT_EQ(std::memcmp(g_trainer->staging(), &p0[k * w], w * 2), 0)
         << "window at element " << windows[k];
   }
+}
+
+// Holds a stream until released: a host function queued on it waits for
+// the gate, as a step waits for its trainer's ready flag.
+struct StreamGate {
+  std::atomic<bool> open{false};
+  static void CUDART_CB Wait(void* arg) {
+    auto* gate = static_cast<StreamGate*>(arg);
+    while (!gate->open.load()) std::this_thread::sleep_for(kPoll);
+  }
+  static constexpr std::chrono::milliseconds kPoll{1};
+};
+
+// A mapping let go of while the device's stream is busy (another
+// session's step waiting for its trainer) costs the thread that lets go
+// nothing: it is closed once the stream has passed the work queued before.
+// The allocation opened again meanwhile maps anew and stays usable after.
+TEST(MappingReaperTest, LettingGoOfAMappingWaitsForNothing) {
+  MemGetAddressRangeFn range = nullptr;
+  cudaDriverEntryPointQueryResult found;
+  ASSERT_EQ(cudaGetDriverEntryPointByVersion("cuMemGetAddressRange",
+                                             reinterpret_cast<void**>(&range),
+                                             12000, cudaEnableDefault, &found),
+            cudaSuccess);
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
+            cudaSuccess);
+  auto reaper = std::make_shared<MappingReaper>(0, stream);
+  IpcMappingCache cache(0, reaper, range);
+  auto alloc = *g_trainer->Alloc(1 << 20);
+  BufferHandle h;
+  h.kind = BufferHandle::Kind::kCudaIpc;
+  h.ipc_handle = alloc.ipc_handle;
+  h.device = 0;
+  h.size = 1 << 20;
+  auto first = cache.Resolve(h, 4, "t");
+  ASSERT_TRUE(first.ok()) << first.status();
+  // An idle stream: the mapping is closed at once, by the caller.
+  first->mapping.reset();
+  EXPECT_EQ(reaper->ended(), 1u);
+
+  auto held = cache.Resolve(h, 4, "t");
+  ASSERT_TRUE(held.ok()) << held.status();
+  StreamGate gate;
+  ASSERT_EQ(cudaLaunchHostFunc(stream, StreamGate::Wait, &gate), cudaSuccess);
+  // Opens the gate after 3 s, should letting go wait for the stream.
+  std::thread opener([&gate] {
+    std::this_thread::sleep_for(std::chrono::seconds(3));
+    gate.open = true;
+  });
+  const auto start = std::chrono::steady_clock::now();
+  held->mapping.reset();
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+          .count();
+  EXPECT_LT(waited, 1.0) << "letting go of a mapping waited for the stream";
+  EXPECT_EQ(reaper->ended(), 1u) << "closed under the stream's work";
+  EXPECT_EQ(reaper->pending(), 1);
+  // Opened again before the old mapping is closed: the driver counts the
+  // opens, and the new mapping outlives the old one's close.
+  auto again = cache.Resolve(h, 4, "t");
+  ASSERT_TRUE(again.ok()) << again.status();
+  opener.join();
+  for (int i = 0; i < 5000 && reaper->ended() < 2; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  EXPECT_EQ(reaper->ended(), 2u) << "never closed after the stream passed";
+  EXPECT_EQ(reaper->pending(), 0);
+  ASSERT_EQ(cudaMemsetAsync(again->data, 0x3c, 1 << 20, stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  uint8_t byte = 0;
+  ASSERT_EQ(cudaMemcpy(&byte, again->data + 12345, 1, cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  EXPECT_EQ(byte, 0x3c);
+  again->mapping.reset();
+  reaper.reset();
+  ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
 }  // namespace

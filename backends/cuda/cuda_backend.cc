@@ -16,6 +16,7 @@
 #include "backends/cuda/device_stream.h"
 #include "backends/cuda/driver_fns.h"
 #include "backends/cuda/ipc_mapping.h"
+#include "backends/cuda/mapping_reaper.h"
 #include "backends/cuda/masters.h"
 #include "backends/cuda/nccl_job.h"
 #include "backends/cuda/step_graph.h"
@@ -43,9 +44,9 @@ class CudaBackend final : public Backend {
         options_(options),
         driver_(driver),
         stream_(std::move(stream)),
-        ipc_mappings_(device, stream_->stream(), driver.mem_get_address_range),
-        vmm_mappings_(device, stream_->stream(), driver.vmm, options.fd_store) {
-  }
+        reaper_(std::make_shared<MappingReaper>(device, stream_->stream())),
+        ipc_mappings_(device, reaper_, driver.mem_get_address_range),
+        vmm_mappings_(device, reaper_, driver.vmm, options.fd_store) {}
 
   BackendKind kind() const override { return BackendKind::kCuda; }
 
@@ -107,6 +108,9 @@ class CudaBackend final : public Backend {
   const CudaBackendOptions options_;
   const DriverFns driver_;
   const std::unique_ptr<DeviceStream> stream_;
+  // Ends the trainer mappings let go of, after the stream's work before;
+  // shared with the mappings, which may outlive the backend.
+  const std::shared_ptr<MappingReaper> reaper_;
 
   // AbandonSteps's, from any thread: a non-blocking stream of the device,
   // made on first use (never destroyed: the backend lives as long as the

@@ -88,8 +88,9 @@ absl::StatusOr<std::shared_ptr<IpcMapping>> IpcMappingCache::Open(
   }
   const uint64_t usable =
       range_size - (reinterpret_cast<uint64_t>(base) - range_base);
-  auto mapping = std::make_shared<IpcMapping>(
-      device_, stream_, static_cast<uint8_t*>(base), usable);
+  std::shared_ptr<IpcMapping> mapping(
+      new IpcMapping(device_, static_cast<uint8_t*>(base), usable),
+      [reaper = reaper_](IpcMapping* m) { reaper->Retire([m] { delete m; }); });
   mappings_.Put(handle.ipc_handle, mapping);
   return mapping;
 }

@@ -11,9 +11,11 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "backends/cuda/mapping_reaper.h"
 #include "common/mutex.h"
 #include "common/weak_cache.h"
 #include "core/buffer.h"
@@ -22,18 +24,18 @@ namespace optimd {
 
 using MemGetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
 
-// One opened IPC allocation. Closing waits for the device's stream, so a
-// mapping is never closed under a step that uses it. Immutable; safe to
-// share across threads.
+// One opened IPC allocation, closed when it is destroyed. The cache hands
+// it out with a MappingReaper as its deleter, so that it is destroyed only
+// after the device's stream has finished the steps that use it. Immutable;
+// safe to share across threads.
 class IpcMapping {
  public:
-  IpcMapping(int device, cudaStream_t stream, uint8_t* base, uint64_t size)
-      : device_(device), stream_(stream), base_(base), size_(size) {}
+  IpcMapping(int device, uint8_t* base, uint64_t size)
+      : device_(device), base_(base), size_(size) {}
   IpcMapping(const IpcMapping&) = delete;
   IpcMapping& operator=(const IpcMapping&) = delete;
   ~IpcMapping() {
     cudaSetDevice(device_);
-    cudaStreamSynchronize(stream_);
     cudaIpcCloseMemHandle(base_);
   }
   uint8_t* base() const { return base_; }
@@ -41,7 +43,6 @@ class IpcMapping {
 
  private:
   const int device_;
-  const cudaStream_t stream_;
   uint8_t* const base_;
   const uint64_t size_;
 };
@@ -56,12 +57,13 @@ absl::Status CheckBufferDevice(int buffer_device, int device,
 // Thread-safe.
 class IpcMappingCache {
  public:
-  // Mappings on `device`, closed after `stream` drains; the size of an
-  // allocation comes from the driver's cuMemGetAddressRange.
-  IpcMappingCache(int device, cudaStream_t stream,
+  // Mappings on `device`, closed through `reaper` once the device's
+  // stream has passed the work queued before they were let go; the size
+  // of an allocation comes from the driver's cuMemGetAddressRange.
+  IpcMappingCache(int device, std::shared_ptr<MappingReaper> reaper,
                   MemGetAddressRangeFn mem_get_address_range)
       : device_(device),
-        stream_(stream),
+        reaper_(std::move(reaper)),
         mem_get_address_range_(mem_get_address_range) {}
   IpcMappingCache(const IpcMappingCache&) = delete;
   IpcMappingCache& operator=(const IpcMappingCache&) = delete;
@@ -81,7 +83,7 @@ class IpcMappingCache {
 
   // Constant after construction.
   const int device_;
-  const cudaStream_t stream_;
+  const std::shared_ptr<MappingReaper> reaper_;
   const MemGetAddressRangeFn mem_get_address_range_;
 
   Mutex mu_;

@@ -47,8 +47,8 @@ absl::StatusOr<std::unique_ptr<StepRescue>> StepRescue::Create() {
 
 bool StepRescue::NoteWait(uint32_t* flags, std::shared_ptr<const void> keep,
                           uint32_t sequence, uint64_t ticket) {
-  // Mappings let go of here end after the lock: an IpcMapping's end waits
-  // for the device's stream.
+  // Mappings let go of here end after the lock: an idle stream's mapping
+  // is closed in this thread (mapping_reaper.h).
   std::vector<std::shared_ptr<const void>> dropped;
   MutexLock lock(&mu_);
   // Flags bound anew start at sequence 1 (Session::BindStepFlags).

@@ -25,19 +25,14 @@ class VmmChunkImport {
 
 class VmmRegion {
  public:
-  VmmRegion(const VmmDriverFns& driver, int device, cudaStream_t stream,
-            CUdeviceptr base, uint64_t size)
-      : driver_(driver),
-        device_(device),
-        stream_(stream),
-        base_(base),
-        size_(size) {}
+  VmmRegion(const VmmDriverFns& driver, int device, CUdeviceptr base,
+            uint64_t size)
+      : driver_(driver), device_(device), base_(base), size_(size) {}
   VmmRegion(const VmmRegion&) = delete;
   VmmRegion& operator=(const VmmRegion&) = delete;
   ~VmmRegion() {
     if (mapped_ > 0) {
       cudaSetDevice(device_);
-      cudaStreamSynchronize(stream_);
       driver_.unmap(base_, mapped_);
     }
     driver_.address_free(base_, size_);
@@ -62,7 +57,6 @@ class VmmRegion {
  private:
   const VmmDriverFns driver_;
   const int device_;
-  const cudaStream_t stream_;
   const CUdeviceptr base_;
   const uint64_t size_;
   uint64_t mapped_ = 0;
@@ -155,8 +149,9 @@ absl::StatusOr<std::shared_ptr<VmmRegion>> VmmMappingCache::Map(
         absl::StrCat(what, ": cannot reserve ", total,
                      " bytes of address space (CUresult ", reserved, ")"));
   }
-  auto region =
-      std::make_shared<VmmRegion>(driver_, device_, stream_, base, total);
+  std::shared_ptr<VmmRegion> region(
+      new VmmRegion(driver_, device_, base, total),
+      [reaper = reaper_](VmmRegion* r) { reaper->Retire([r] { delete r; }); });
   for (const VmmChunk& c : handle.vmm_chunks) {
     OPTIMD_ASSIGN_OR_RETURN(std::shared_ptr<VmmChunkImport> chunk,
                             Import(c, what));

@@ -15,10 +15,12 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "backends/cuda/mapping_reaper.h"
 #include "common/fd_store.h"
 #include "common/mutex.h"
 #include "common/weak_cache.h"
@@ -46,8 +48,8 @@ struct VmmDriverFns {
 // One physical allocation imported from its descriptor; released when
 // the last region over it goes.
 class VmmChunkImport;
-// One region's chunks mapped contiguously; unmapped after the device's
-// stream drains, so never under a step that uses it.
+// One region's chunks mapped contiguously; unmapped through the cache's
+// MappingReaper once the device's stream has passed the steps that use it.
 class VmmRegion;
 
 // Regions of trainer memory on one device, by their chunks. Thread-safe.
@@ -61,10 +63,10 @@ class VmmMappingCache {
 
   // `fd_store` may be null: then every kCudaVmm handle is refused (a
   // daemon that listens on TCP takes no descriptors).
-  VmmMappingCache(int device, cudaStream_t stream, const VmmDriverFns& driver,
-                  const FdStore* fd_store)
+  VmmMappingCache(int device, std::shared_ptr<MappingReaper> reaper,
+                  const VmmDriverFns& driver, const FdStore* fd_store)
       : device_(device),
-        stream_(stream),
+        reaper_(std::move(reaper)),
         driver_(driver),
         fd_store_(fd_store) {}
   VmmMappingCache(const VmmMappingCache&) = delete;
@@ -90,7 +92,7 @@ class VmmMappingCache {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const int device_;
-  const cudaStream_t stream_;
+  const std::shared_ptr<MappingReaper> reaper_;
   const VmmDriverFns driver_;
   const FdStore* const fd_store_;
 

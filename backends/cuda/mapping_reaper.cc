@@ -1,0 +1,95 @@
+#include "backends/cuda/mapping_reaper.h"
+
+#include <pthread.h>
+
+#include <utility>
+
+namespace optimd {
+
+MappingReaper::MappingReaper(int device, cudaStream_t stream)
+    : device_(device), stream_(stream), thread_([this] { Loop(); }) {
+  pthread_setname_np(thread_.native_handle(), "optimd-unmap");
+}
+
+MappingReaper::~MappingReaper() {
+  {
+    MutexLock lock(&mu_);
+    stop_ = true;
+    if (!mu_.AwaitWithDeadline(
+            +[](MappingReaper* r)
+                 ABSL_NO_THREAD_SAFETY_ANALYSIS { return r->queue_.empty(); },
+            this, absl::Now() + kDrainBound)) {
+      abandon_ = true;
+    }
+  }
+  thread_.join();
+}
+
+void MappingReaper::Retire(std::function<void()> end) {
+  cudaSetDevice(device_);
+  if (cudaStreamQuery(stream_) == cudaSuccess) {
+    end();
+    ended_.fetch_add(1, std::memory_order_acq_rel);
+    return;
+  }
+  cudaEvent_t event = nullptr;
+  if (cudaEventCreateWithFlags(&event, cudaEventDisableTiming) != cudaSuccess ||
+      cudaEventRecord(event, stream_) != cudaSuccess) {
+    cudaGetLastError();  // reported by the wait below, if it persists
+    if (event != nullptr) cudaEventDestroy(event);
+    cudaStreamSynchronize(stream_);
+    end();
+    ended_.fetch_add(1, std::memory_order_acq_rel);
+    return;
+  }
+  MutexLock lock(&mu_);
+  queue_.push_back(Pending{event, std::move(end)});
+}
+
+int MappingReaper::pending() const {
+  MutexLock lock(&mu_);
+  return static_cast<int>(queue_.size());
+}
+
+bool MappingReaper::AwaitEvent(cudaEvent_t event) {
+  // Polled, a millisecond apart, so that the destructor can end the wait;
+  // a blocking wait could outlive the daemon's end on a stream that never
+  // finishes (a collective whose peer is gone).
+  while (cudaEventQuery(event) == cudaErrorNotReady) {
+    MutexLock lock(&mu_);
+    if (mu_.AwaitWithDeadline(
+            +[](MappingReaper* r)
+                 ABSL_NO_THREAD_SAFETY_ANALYSIS { return r->abandon_; },
+            this, absl::Now() + absl::Milliseconds(1))) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void MappingReaper::Loop() {
+  cudaSetDevice(device_);
+  for (;;) {
+    Pending next;
+    {
+      MutexLock lock(&mu_);
+      mu_.Await(
+          +[](MappingReaper* r) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+            return r->stop_ || !r->queue_.empty();
+          },
+          this);
+      if (queue_.empty() || abandon_) return;
+      next = queue_.front();
+    }
+    // An error of the stream's (a fault) ends the wait too: the work before
+    // the event is over either way.
+    if (!AwaitEvent(next.event)) return;
+    cudaEventDestroy(next.event);
+    next.end();
+    ended_.fetch_add(1, std::memory_order_acq_rel);
+    MutexLock lock(&mu_);
+    queue_.pop_front();
+  }
+}
+
+}  // namespace optimd
