@@ -373,6 +373,37 @@ class CudaEndToEnd(unittest.TestCase):
         self.assertTrue(torch.equal(seen, p.detach()))
         opt.close()
 
+    def test_two_optimizers_steps_out_of_order_never_deadlock(self):
+        # One trainer, two optimizers on one GPU; the first one's step
+        # request reaches the daemon after the second one's. The second
+        # optimizer waits for the first one's reply before it sends, so
+        # that the daemon's stream never waits for the second ready flag
+        # ahead of the first step (two_optimizers_run.py). Without that
+        # wait, the script's negative control, both processes wait for
+        # each other. Each run has a daemon of its own.
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                              "two_optimizers_run.py")
+        daemon = Daemon(backend="cuda")
+        try:
+            ordered = subprocess.run(
+                [sys.executable, script, daemon.address],
+                capture_output=True, text=True, timeout=120)
+            self.assertEqual(ordered.returncode, 0, ordered.stderr[-3000:])
+            self.assertIn("steps done", ordered.stdout)
+        finally:
+            self.assertEqual(daemon.stop(), 0)
+        daemon = Daemon(backend="cuda")
+        try:
+            with self.assertRaises(subprocess.TimeoutExpired,
+                                   msg="the control did not deadlock: the "
+                                   "requests were not out of order"):
+                subprocess.run([sys.executable, script, daemon.address,
+                                "unordered"], capture_output=True,
+                               text=True, timeout=30)
+        finally:
+            daemon.process.kill()
+            daemon.stop()
+
     def test_daemon_gone_never_hangs_the_trainer_stream(self):
         daemon = Daemon(backend="cuda")
         p = torch.nn.Parameter(torch.randn(1 << 20, device="cuda"))

@@ -2051,5 +2051,52 @@ class TorchClientTest(unittest.TestCase):
         opt.close()
 
 
+class StepOrderTest(unittest.TestCase):
+    """optimd/_step_order.py: before a flagged step goes out, the reply to
+    the step another optimizer of the process sent last to the same daemon
+    and GPU is waited for (the GPU deadlock it prevents is
+    test_cuda_e2e's test_two_optimizers_steps_out_of_order_never_deadlock)."""
+
+    def setUp(self):
+        from optimd import _step_order
+        self.order = _step_order
+        self.first, self.second = object(), object()
+        self.key = ("unix:/nowhere-%s" % self.id(), "cuda:0")
+
+    def tearDown(self):
+        self.order.forget(self.first)
+        self.order.forget(self.second)
+
+    def test_waits_for_the_other_optimizers_reply(self):
+        import concurrent.futures
+        import threading
+        reply = concurrent.futures.Future()
+        self.order.sent(self.key, self.first, reply)
+        threading.Timer(0.3, reply.set_exception,
+                        [RuntimeError("its own error")]).start()
+        start = time.monotonic()
+        self.order.wait_for_earlier(self.key, self.second, 10)
+        self.assertGreaterEqual(time.monotonic() - start, 0.25)
+
+    def test_never_waits_for_its_own_or_another_gpus_reply(self):
+        import concurrent.futures
+        self.order.sent(self.key, self.first, concurrent.futures.Future())
+        start = time.monotonic()
+        self.order.wait_for_earlier(self.key, self.first, 10)
+        self.order.wait_for_earlier((self.key[0], "cuda:1"), self.second, 10)
+        self.assertLess(time.monotonic() - start, 0.2)
+
+    def test_a_reply_that_never_comes_is_waited_for_the_timeout_only(self):
+        import concurrent.futures
+        self.order.sent(self.key, self.first, concurrent.futures.Future())
+        start = time.monotonic()
+        self.order.wait_for_earlier(self.key, self.second, 0.2)
+        self.assertLess(time.monotonic() - start, 2)
+        self.order.forget(self.first)  # closed: nothing to wait for
+        start = time.monotonic()
+        self.order.wait_for_earlier(self.key, self.second, 10)
+        self.assertLess(time.monotonic() - start, 0.2)
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -17,6 +17,7 @@ import weakref
 import torch
 
 from optimd import _secrets, cuda_ipc, errors
+from optimd import _step_order as step_order
 from optimd._aliased import (aliased, is_fsdp1, overlapping,
                              shm_handle)
 from optimd._checkpoints import Checkpoints
@@ -1325,8 +1326,11 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         staged = self._overlap is not None
         self._mirror_in()  # copies on our stream, before the ready flag
         self._flags.mark_ready(stream, staged=staged)
+        order = (self._client.address, self._device)
+        step_order.wait_for_earlier(order, self, self._client.timeout)
         future = self._client.step_async(step_flags=flags, sequence=sequence,
                                          staged=staged, **request)
+        step_order.sent(order, self, future)
         if staged:
             self._overlap.started()  # forwards wait, stage by stage
         else:
@@ -1477,6 +1481,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         self._closer()
         self._close_vmm()
         self._drop_pending()
+        step_order.forget(self)
 
     def _drop_pending(self):
         """Forgets the replies not yet looked at (the session is gone), and
