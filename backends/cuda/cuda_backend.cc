@@ -48,6 +48,8 @@ class CudaBackend final : public Backend {
         ipc_mappings_(device, reaper_, driver.mem_get_address_range),
         vmm_mappings_(device, reaper_, driver.vmm, options.fd_store) {}
 
+  ~CudaBackend() override { reaper_->StreamEnds(); }
+
   BackendKind kind() const override { return BackendKind::kCuda; }
 
   absl::StatusOr<BufferRef> ResolveBuffer(const BufferHandle& handle,
@@ -109,7 +111,8 @@ class CudaBackend final : public Backend {
   const DriverFns driver_;
   const std::unique_ptr<DeviceStream> stream_;
   // Ends the trainer mappings let go of, after the stream's work before;
-  // shared with the mappings, which may outlive the backend.
+  // shared with the mappings' deleters (a mapping let go of after the
+  // backend ends is closed at once: StreamEnds).
   const std::shared_ptr<MappingReaper> reaper_;
 
   // AbandonSteps's, from any thread: a non-blocking stream of the device,

@@ -15,19 +15,35 @@ MappingReaper::~MappingReaper() {
   {
     MutexLock lock(&mu_);
     stop_ = true;
-    if (!mu_.AwaitWithDeadline(
-            +[](MappingReaper* r)
-                 ABSL_NO_THREAD_SAFETY_ANALYSIS { return r->queue_.empty(); },
-            this, absl::Now() + kDrainBound)) {
-      abandon_ = true;
-    }
+    DrainLocked();
   }
   thread_.join();
 }
 
+void MappingReaper::StreamEnds() {
+  MutexLock lock(&mu_);
+  stream_gone_ = true;
+  DrainLocked();
+}
+
+void MappingReaper::DrainLocked() {
+  if (abandon_) return;  // given up on once already
+  if (!mu_.AwaitWithDeadline(
+          +[](MappingReaper* r)
+               ABSL_NO_THREAD_SAFETY_ANALYSIS { return r->queue_.empty(); },
+          this, absl::Now() + kDrainBound)) {
+    abandon_ = true;
+  }
+}
+
 void MappingReaper::Retire(std::function<void()> end) {
+  bool stream_gone;
+  {
+    MutexLock lock(&mu_);
+    stream_gone = stream_gone_;
+  }
   cudaSetDevice(device_);
-  if (cudaStreamQuery(stream_) == cudaSuccess) {
+  if (stream_gone || cudaStreamQuery(stream_) == cudaSuccess) {
     end();
     ended_.fetch_add(1, std::memory_order_acq_rel);
     return;

@@ -44,6 +44,11 @@ class MappingReaper {
   // resort.
   void Retire(std::function<void()> end) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // The stream is about to be destroyed (its backend ends): waits, as the
+  // destructor does, for the mappings pending; those let go of later are
+  // ended at once, by the caller.
+  void StreamEnds() ABSL_LOCKS_EXCLUDED(mu_);
+
   // Mappings ended so far, and those waiting for the stream.
   uint64_t ended() const { return ended_.load(std::memory_order_acquire); }
   int pending() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -54,6 +59,9 @@ class MappingReaper {
     std::function<void()> end;
   };
   void Loop() ABSL_LOCKS_EXCLUDED(mu_);
+  // Waits up to kDrainBound for the queue to empty; gives up on it (the
+  // thread leaves the rest) when it does not.
+  void DrainLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Waits for `event`; false when the destructor gave up on the stream.
   bool AwaitEvent(cudaEvent_t event) ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -63,6 +71,7 @@ class MappingReaper {
 
   mutable Mutex mu_;
   std::deque<Pending> queue_ ABSL_GUARDED_BY(mu_);  // oldest first
+  bool stream_gone_ ABSL_GUARDED_BY(mu_) = false;   // StreamEnds
   bool stop_ ABSL_GUARDED_BY(mu_) = false;     // drain, then end the thread
   bool abandon_ ABSL_GUARDED_BY(mu_) = false;  // end it now
 

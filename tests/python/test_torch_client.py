@@ -2052,50 +2052,59 @@ class TorchClientTest(unittest.TestCase):
 
 
 class StepOrderTest(unittest.TestCase):
-    """optimd/_step_order.py: before a flagged step goes out, the reply to
-    the step another optimizer of the process sent last to the same daemon
-    and GPU is waited for (the GPU deadlock it prevents is
-    test_cuda_e2e's test_two_optimizers_steps_out_of_order_never_deadlock)."""
+    """optimd/_step_order.py: before a flagged step goes out, the replies
+    to the steps other optimizers of the process sent on the same GPU are
+    waited for (the GPU deadlock it prevents is test_cuda_e2e's
+    test_two_optimizers_steps_out_of_order_never_deadlock)."""
+
+    class Owner:
+        pass
 
     def setUp(self):
         from optimd import _step_order
         self.order = _step_order
-        self.first, self.second = object(), object()
-        self.key = ("unix:/nowhere-%s" % self.id(), "cuda:0")
+        self.first, self.second = self.Owner(), self.Owner()
+        self.device = "device of %s" % self.id()
 
     def tearDown(self):
         self.order.forget(self.first)
         self.order.forget(self.second)
 
-    def test_waits_for_the_other_optimizers_reply(self):
+    def waited(self, owner, device=None, timeout=10):
+        start = time.monotonic()
+        self.order.wait_for_others(device or self.device, owner, timeout)
+        return time.monotonic() - start
+
+    def test_waits_for_every_other_optimizers_reply(self):
         import concurrent.futures
         import threading
-        reply = concurrent.futures.Future()
-        self.order.sent(self.key, self.first, reply)
-        threading.Timer(0.3, reply.set_exception,
+        third = self.Owner()
+        replies = [concurrent.futures.Future() for _ in range(2)]
+        self.order.sent(self.device, self.first, replies[0])
+        self.order.sent(self.device, third, replies[1])
+        threading.Timer(0.2, replies[0].set_result, [None]).start()
+        threading.Timer(0.4, replies[1].set_exception,
                         [RuntimeError("its own error")]).start()
-        start = time.monotonic()
-        self.order.wait_for_earlier(self.key, self.second, 10)
-        self.assertGreaterEqual(time.monotonic() - start, 0.25)
+        self.assertGreaterEqual(self.waited(self.second), 0.35)
+        self.order.forget(third)
 
     def test_never_waits_for_its_own_or_another_gpus_reply(self):
         import concurrent.futures
-        self.order.sent(self.key, self.first, concurrent.futures.Future())
-        start = time.monotonic()
-        self.order.wait_for_earlier(self.key, self.first, 10)
-        self.order.wait_for_earlier((self.key[0], "cuda:1"), self.second, 10)
-        self.assertLess(time.monotonic() - start, 0.2)
+        self.order.sent(self.device, self.first, concurrent.futures.Future())
+        self.assertLess(self.waited(self.first), 0.2)
+        self.assertLess(self.waited(self.second, device="another"), 0.2)
 
-    def test_a_reply_that_never_comes_is_waited_for_the_timeout_only(self):
+    def test_a_closed_or_collected_optimizers_reply_is_not_waited_for(self):
         import concurrent.futures
-        self.order.sent(self.key, self.first, concurrent.futures.Future())
-        start = time.monotonic()
-        self.order.wait_for_earlier(self.key, self.second, 0.2)
-        self.assertLess(time.monotonic() - start, 2)
-        self.order.forget(self.first)  # closed: nothing to wait for
-        start = time.monotonic()
-        self.order.wait_for_earlier(self.key, self.second, 10)
-        self.assertLess(time.monotonic() - start, 0.2)
+        gone = self.Owner()
+        self.order.sent(self.device, gone, concurrent.futures.Future())
+        del gone
+        gc.collect()
+        self.assertLess(self.waited(self.second), 0.2)
+        self.order.sent(self.device, self.first, concurrent.futures.Future())
+        self.assertGreaterEqual(self.waited(self.second, timeout=0.2), 0.15)
+        self.order.forget(self.first)
+        self.assertLess(self.waited(self.second), 0.2)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ def held_back(send, seconds):
 
 def main(address, unordered):
     if unordered:
-        optimd._step_order.wait_for_earlier = lambda *args: None
+        optimd._step_order.wait_for_others = lambda *args: None
     torch.manual_seed(0)
     ours = [torch.nn.Parameter(torch.randn(4096, device="cuda"))
             for _ in range(2)]

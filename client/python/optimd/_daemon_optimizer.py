@@ -1321,16 +1321,17 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         our stream wait for its done flag; look at replies as they come
         (their outcome: skipped, grad_norm) and raise a failed step's error
         at the first step() or synchronize() after its reply came."""
+        # Before anything of this step is marked or numbered: a wait that
+        # raises (Ctrl-C) leaves nothing half done.
+        step_order.wait_for_others(self._device, self, self._client.timeout)
         stream = cuda_ipc.current_stream(self._device)
         flags, sequence = self._flags.next_step(self._client.steps_streamed)
         staged = self._overlap is not None
         self._mirror_in()  # copies on our stream, before the ready flag
         self._flags.mark_ready(stream, staged=staged)
-        order = (self._client.address, self._device)
-        step_order.wait_for_earlier(order, self, self._client.timeout)
         future = self._client.step_async(step_flags=flags, sequence=sequence,
                                          staged=staged, **request)
-        step_order.sent(order, self, future)
+        step_order.sent(self._device, self, future)
         if staged:
             self._overlap.started()  # forwards wait, stage by stage
         else:

@@ -11,43 +11,66 @@ each side), its wait would hold the first step back for good, and the
 first step's done flag is what the trainer's stream waits for before it
 writes the second ready flag: a deadlock of both processes.
 
-So before an optimizer sends a flagged step, it waits until the step that
-another optimizer of this process sent last to the same daemon and GPU is
+So before an optimizer marks a step ready and sends it, it waits until
+every step that other optimizers of this process sent on the same GPU is
 answered: the daemon answers a step once it is queued on its stream (a
 `wait_for_step` step once it is done, which needs nothing of the steps
-after it). An optimizer's own steps are kept in order by their sequence
-numbers. The wait costs nothing where the other optimizer's reply has
-come, as between the steps of a GAN's two optimizers, which a forward
-and a backward apart.
+after it). The GPU alone is the key: two addresses may name one daemon,
+and a reply of another daemon is no longer to wait for. An optimizer's own
+steps are kept in order by their sequence numbers. The wait costs nothing
+where the other optimizers' replies have come, as between the steps of a
+GAN's two optimizers, a forward and a backward apart.
 """
 import concurrent.futures
 import threading
+import weakref
+
+_DEFAULT_BOUND = 60.0  # s, where the client has no timeout of its own
 
 _lock = threading.Lock()
-_last_sent = {}  # (daemon address, device) -> (owner id, reply future)
+# device -> [(weakref to the sending optimizer, reply future)], unanswered
+_unanswered = {}
 
 
-def wait_for_earlier(key, owner, timeout):
-    """Waits (up to `timeout` s) for the reply of the last flagged step
-    another optimizer sent under `key`; its error is its own to raise."""
+def _others(device, owner):
+    """The unanswered replies of other live optimizers on `device`; drops
+    the answered ones and those of optimizers gone (looked at outside the
+    lock: a reply's done() may poll its stream)."""
     with _lock:
-        entry = _last_sent.get(key)
-    if entry is None or entry[0] == id(owner):
-        return
-    try:
-        entry[1].exception(timeout)
-    except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
-        pass  # that optimizer's own step() or synchronize() reports it
+        entries = list(_unanswered.get(device, ()))
+    settled = [e for e in entries if e[0]() is None or e[1].done()]
+    if settled:
+        with _lock:
+            _unanswered[device] = [
+                e for e in _unanswered.get(device, ())
+                if not any(e is s for s in settled)]
+    return [future for ref, future in entries
+            if ref() is not owner and not any(e[1] is future
+                                              for e in settled)]
 
 
-def sent(key, owner, future):
-    """Records `future` as the reply of the last flagged step under `key`."""
+def wait_for_others(device, owner, timeout):
+    """Waits (up to `timeout` s each, a finite bound where None) for the
+    replies of the flagged steps other optimizers sent on `device`; their
+    errors are theirs to raise. Any failure of the wait is left to those
+    optimizers too: this step goes out either way."""
+    bound = _DEFAULT_BOUND if timeout is None else timeout
+    for future in _others(device, owner):
+        try:
+            future.exception(bound)
+        except Exception:  # noqa: BLE001 (timeouts, a broken stream: theirs)
+            pass
+
+
+def sent(device, owner, future):
+    """Records `future` as the reply of a flagged step `owner` sent."""
     with _lock:
-        _last_sent[key] = (id(owner), future)
+        _unanswered.setdefault(device, []).append((weakref.ref(owner), future))
 
 
 def forget(owner):
-    """Drops what `owner` (closed) sent last."""
+    """Drops what `owner` (closed) sent."""
     with _lock:
-        for key in [k for k, (o, _) in _last_sent.items() if o == id(owner)]:
-            del _last_sent[key]
+        for device, entries in _unanswered.items():
+            _unanswered[device] = [(r, f) for r, f in entries
+                                   if r() is not owner]
