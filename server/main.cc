@@ -547,6 +547,14 @@ void AwaitShutdown(const sigset_t& signals,
   if (listener.unix_socket != nullptr) listener.unix_socket->Stop();
   if (listener.tcp != nullptr) listener.tcp->Stop();
   server.Shutdown(absl::ToChronoTime(absl::Now()));
+  // Steps of a trainer gone since the reaper's last look (or with no
+  // reaper) still wait on the device for ready flags nobody will write;
+  // the saves below and the sessions' end wait for the device's stream.
+  // Let them through first (no session is freed: the grace is infinite).
+  optimd::SessionRegistry::Reaped last =
+      registry.Reap(absl::Now(), absl::InfiniteDuration());
+  last.orphaned.clear();  // saved or dropped below, not kept
+  optimd::LogReaped(last, absl::InfiniteDuration(), Log);
   refusals.Flush(absl::InfiniteFuture());  // no call is refused from here on
   // Nothing runs on the workers now: every session's state is at a step
   // boundary.

@@ -6,6 +6,32 @@
 
 namespace optimd {
 
+void LogReaped(const SessionRegistry::Reaped& reaped, absl::Duration grace,
+               const std::function<void(const std::string&)>& log) {
+  for (const SessionIdentity& id : reaped.orphaned) {
+    log(absl::StrCat("session of job '", id.job_id, "' rank ", id.rank,
+                     " orphaned: its trainer is gone; kept ",
+                     absl::FormatDuration(grace),
+                     " for a resume (resume=true)"));
+  }
+  for (const SessionIdentity& id : reaped.abandoned) {
+    log(absl::StrCat("session of job '", id.job_id, "' rank ", id.rank,
+                     ": steps waiting for its gone trainer's ready flag "
+                     "let through, skipped (their gradients may be "
+                     "incomplete)"));
+  }
+  for (const auto& [id, status] : reaped.abandon_failed) {
+    log(absl::StrCat("session of job '", id.job_id, "' rank ", id.rank,
+                     ": cannot let through the steps waiting for its gone "
+                     "trainer: ",
+                     status.ToString()));
+  }
+  for (const SessionIdentity& id : reaped.freed) {
+    log(absl::StrCat("session of job '", id.job_id, "' rank ", id.rank,
+                     " freed: no resume within ", absl::FormatDuration(grace)));
+  }
+}
+
 SessionReaper::SessionReaper(SessionRegistry* registry, absl::Duration grace,
                              absl::Duration period,
                              std::function<void(const std::string&)> log)
@@ -51,29 +77,7 @@ void SessionReaper::Run() {
       for (auto& s : reaped.freed_sessions) to_dispose_.push_back(std::move(s));
       reaped.freed_sessions.clear();
     }
-    for (const SessionIdentity& id : reaped.orphaned) {
-      log_(absl::StrCat("session of job '", id.job_id, "' rank ", id.rank,
-                        " orphaned: its trainer is gone; kept ",
-                        absl::FormatDuration(grace_),
-                        " for a resume (resume=true)"));
-    }
-    for (const SessionIdentity& id : reaped.abandoned) {
-      log_(absl::StrCat("session of job '", id.job_id, "' rank ", id.rank,
-                        ": steps waiting for its gone trainer's ready flag "
-                        "let through, skipped (their gradients may be "
-                        "incomplete)"));
-    }
-    for (const auto& [id, status] : reaped.abandon_failed) {
-      log_(absl::StrCat("session of job '", id.job_id, "' rank ", id.rank,
-                        ": cannot let through the steps waiting for its gone "
-                        "trainer: ",
-                        status.ToString()));
-    }
-    for (const SessionIdentity& id : reaped.freed) {
-      log_(absl::StrCat("session of job '", id.job_id, "' rank ", id.rank,
-                        " freed: no resume within ",
-                        absl::FormatDuration(grace_)));
-    }
+    LogReaped(reaped, grace_, log_);
   }
 }
 

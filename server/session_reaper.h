@@ -23,6 +23,11 @@
 
 namespace optimd {
 
+// Logs what one look of SessionRegistry::Reap found (`grace` as the reaper
+// keeps orphans).
+void LogReaped(const SessionRegistry::Reaped& reaped, absl::Duration grace,
+               const std::function<void(const std::string&)>& log);
+
 class SessionReaper {
  public:
   // `grace`: how long an orphaned session waits for its trainer's resume.

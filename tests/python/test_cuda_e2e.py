@@ -380,7 +380,10 @@ class CudaEndToEnd(unittest.TestCase):
         # that the daemon's stream never waits for the second ready flag
         # ahead of the first step (two_optimizers_run.py). Without that
         # wait, the script's negative control, both processes wait for
-        # each other. Each run has a daemon of its own.
+        # each other. Each run has a daemon of its own; the control's,
+        # stopped at once after its trainer is killed, lets the gone
+        # trainer's waiting step through before it ends (its stream would
+        # otherwise keep the daemon from exiting).
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                               "two_optimizers_run.py")
         daemon = Daemon(backend="cuda")
@@ -401,8 +404,7 @@ class CudaEndToEnd(unittest.TestCase):
                                 "unordered"], capture_output=True,
                                text=True, timeout=30)
         finally:
-            daemon.process.kill()
-            daemon.stop()
+            self.assertEqual(daemon.stop(), 0)
 
     def test_daemon_gone_never_hangs_the_trainer_stream(self):
         daemon = Daemon(backend="cuda")
