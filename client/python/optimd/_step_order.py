@@ -28,25 +28,22 @@ import weakref
 _DEFAULT_BOUND = 60.0  # s, where the client has no timeout of its own
 
 _lock = threading.Lock()
-# device -> [(weakref to the sending optimizer, reply future)], unanswered
-_unanswered = {}
+# device -> {id(optimizer): (weak reference to it, its last step's reply)}.
+# An optimizer's last reply is all to wait for: its replies come in order.
+_latest = {}
 
 
 def _others(device, owner):
-    """The unanswered replies of other live optimizers on `device`; drops
-    the answered ones and those of optimizers gone (looked at outside the
-    lock: a reply's done() may poll its stream)."""
+    """The unanswered last replies of the other live optimizers on
+    `device` (done() looked at outside the lock: it may poll a stream);
+    forgets optimizers gone. Nothing to look at where `owner` is alone."""
     with _lock:
-        entries = list(_unanswered.get(device, ()))
-    settled = [e for e in entries if e[0]() is None or e[1].done()]
-    if settled:
-        with _lock:
-            _unanswered[device] = [
-                e for e in _unanswered.get(device, ())
-                if not any(e is s for s in settled)]
-    return [future for ref, future in entries
-            if ref() is not owner and not any(e[1] is future
-                                              for e in settled)]
+        entries = _latest.get(device, {})
+        for key in [k for k, (ref, _) in entries.items() if ref() is None]:
+            del entries[key]
+        others = [future for ref, future in entries.values()
+                  if ref() is not owner]
+    return [future for future in others if not future.done()]
 
 
 def wait_for_others(device, owner, timeout):
@@ -63,14 +60,17 @@ def wait_for_others(device, owner, timeout):
 
 
 def sent(device, owner, future):
-    """Records `future` as the reply of a flagged step `owner` sent."""
+    """Records `future` as the reply of the last flagged step `owner` sent
+    on `device`."""
     with _lock:
-        _unanswered.setdefault(device, []).append((weakref.ref(owner), future))
+        _latest.setdefault(device, {})[id(owner)] = (weakref.ref(owner),
+                                                      future)
 
 
 def forget(owner):
     """Drops what `owner` (closed) sent."""
     with _lock:
-        for device, entries in _unanswered.items():
-            _unanswered[device] = [(r, f) for r, f in entries
-                                   if r() is not owner]
+        for entries in _latest.values():
+            entry = entries.get(id(owner))
+            if entry is not None and entry[0]() is owner:
+                del entries[id(owner)]
