@@ -255,7 +255,7 @@ bool FdSocket::AcceptWaiting() {
   // A bounded number per wake, so that a stream of connections refused at
   // the limit cannot keep the loop from the connections it serves (the
   // listener stays readable for the rest).
-  for (size_t accepted = 0; accepted <= kMaxConnections; ++accepted) {
+  for (size_t accepted = 0; accepted <= max_connections_; ++accepted) {
     UniqueFd fd(accept4(listener_.get(), nullptr, nullptr,
                         SOCK_NONBLOCK | SOCK_CLOEXEC));
     if (!fd.valid()) {
@@ -263,11 +263,11 @@ bool FdSocket::AcceptWaiting() {
       if (err == EINTR || err == ECONNABORTED) continue;
       return err == EAGAIN || err == EWOULDBLOCK;  // else EMFILE, ENOMEM...
     }
-    if (connections_.size() >= kMaxConnections) {
+    if (connections_.size() >= max_connections_) {
       if (!at_limit_) {
         at_limit_ = true;
         log::Warn(absl::StrCat("descriptor socket ", path_, ": ",
-                               kMaxConnections,
+                               max_connections_,
                                " connections open; closing new ones until "
                                "one ends"));
       }

@@ -23,7 +23,7 @@
 // descriptors are closed when it ends, so a trainer keeps it open while it
 // names their chunks.
 //
-// Bounds: at most kMaxConnections connections at once (more are closed as
+// Bounds: at most max_connections connections at once (more are closed as
 // soon as accepted), the FdStore's own bounds on descriptors. One thread
 // serves every connection through poll(); sockets are non-blocking, a
 // client that does not read its replies is disconnected, and no message
@@ -36,6 +36,7 @@
 #ifndef OPTIMD_SERVER_FD_SOCKET_H_
 #define OPTIMD_SERVER_FD_SOCKET_H_
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -51,8 +52,11 @@ namespace optimd {
 
 class FdSocket {
  public:
-  // Connections served at once; one more is closed when accepted.
-  static constexpr size_t kMaxConnections = 64;
+  // Connections served at once by default; one more is closed when
+  // accepted. Each optimizer of a trainer under expandable segments holds
+  // one, and briefly one more per release of memory (until its steps sent
+  // before are answered): a node's trainers stay far below this.
+  static constexpr size_t kDefaultMaxConnections = 1024;
   // Descriptors in one message at most.
   static constexpr uint32_t kMaxBatch = 64;
   // The first four bytes of every message.
@@ -67,9 +71,13 @@ class FdSocket {
     kFull = 2,     // the store's bounds, or no descriptor left: none kept
   };
 
-  // Serves `path` into `store`, which must outlive this FdSocket.
-  FdSocket(std::string path, FdStore* store)
-      : path_(std::move(path)), store_(store) {}
+  // Serves `path` into `store`, which must outlive this FdSocket, to at
+  // most `max_connections` connections at once (at least 1).
+  FdSocket(std::string path, FdStore* store,
+           size_t max_connections = kDefaultMaxConnections)
+      : path_(std::move(path)),
+        store_(store),
+        max_connections_(std::max<size_t>(max_connections, 1)) {}
   FdSocket(const FdSocket&) = delete;
   FdSocket& operator=(const FdSocket&) = delete;
   ~FdSocket() { Stop(); }
@@ -99,7 +107,7 @@ class FdSocket {
   absl::Status Listen();
   // The loop's body: until Stop, waits for connections and messages.
   void Run();
-  // Accepts the connections waiting (at most kMaxConnections + 1 a call);
+  // Accepts the connections waiting (at most max_connections_ + 1 a call);
   // false when descriptors or memory ran out (the loop then waits before
   // accepting again).
   bool AcceptWaiting();
@@ -112,6 +120,7 @@ class FdSocket {
   // Constant after construction.
   const std::string path_;
   FdStore* const store_;
+  const size_t max_connections_;
 
   // Set by Start, reset by Stop; read by the loop's thread while it runs.
   UniqueFd lock_;      // "<path>.lock", held while the socket file is ours

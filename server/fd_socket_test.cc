@@ -433,14 +433,15 @@ TEST_F(FdSocketTest, ClientGoneMidwayLeavesNothing) {
   EXPECT_TRUE(Eventually([&] { return OpenDescriptors() == before - 1; }));
 }
 
-// Past kMaxConnections, a connection is closed at once; a slot freed
-// serves a new one.
+// Past its limit of connections, a connection is closed at once; a slot
+// freed serves a new one.
 TEST_F(FdSocketTest, ClosesConnectionsPastTheLimit) {
+  constexpr size_t kLimit = 8;
   FdStore store(16, 16);
-  FdSocket fds(path_, &store);
+  FdSocket fds(path_, &store, kLimit);
   ASSERT_TRUE(fds.Start().ok());
   std::vector<UniqueFd> open;
-  for (size_t i = 0; i < FdSocket::kMaxConnections; ++i) {
+  for (size_t i = 0; i < kLimit; ++i) {
     open.push_back(Connect());
     ASSERT_TRUE(Send(open.back().get(), "", {}));
     ASSERT_EQ(Reply(open.back().get()), 1) << "connection " << i;

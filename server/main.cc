@@ -357,10 +357,17 @@ int OpenListener(Listener* l) {
 // Starts the descriptor socket beside the claimed Unix socket, serving
 // `fd_store`; nothing on TCP. One that cannot start (a path too long for
 // a socket, say) is logged and done without: 0 either way.
-int StartFdSocket(Listener* l, optimd::FdStore* fd_store) {
+int StartFdSocket(Listener* l, optimd::FdStore* fd_store, rlim_t files) {
   if (l->unix_socket == nullptr) return 0;
+  // An eighth of the open-files limit at most, as for the held descriptors
+  // (HeldDescriptorBound): the daemon's own connections and files first.
+  const size_t connections =
+      files == 0 || files == RLIM_INFINITY
+          ? optimd::FdSocket::kDefaultMaxConnections
+          : std::min<size_t>(optimd::FdSocket::kDefaultMaxConnections,
+                             static_cast<size_t>(files / 8));
   auto fd_socket = std::make_unique<optimd::FdSocket>(
-      l->unix_socket->path() + ".fds", fd_store);
+      l->unix_socket->path() + ".fds", fd_store, connections);
   if (const absl::Status started = fd_socket->Start(); !started.ok()) {
     // Trainers then copy what CUDA IPC cannot share (the client falls
     // back by itself); the daemon serves all the rest.
@@ -639,7 +646,7 @@ int main(int argc, char** argv) {
   if (backends.empty()) return 2;
   Listener listener;
   if (const int code = OpenListener(&listener); code != 0) return code;
-  if (const int code = StartFdSocket(&listener, &fd_store); code != 0) {
+  if (const int code = StartFdSocket(&listener, &fd_store, files); code != 0) {
     return code;
   }
   optimd::StateBudget budget(absl::GetFlag(FLAGS_max_state_bytes));
