@@ -256,8 +256,11 @@ class Session {
   // Points tensors of a group at new buffers (a restarted trainer, or a
   // gradient buffer the allocator moved). Only the changed plan entries are
   // updated. All or nothing.
+  // With `memory_released`, then closes the mappings no buffer uses
+  // (StepRequestSpec::memory_released).
   absl::Status UpdateBuffers(const std::string& group_id,
-                             const std::vector<BufferUpdate>& updates)
+                             const std::vector<BufferUpdate>& updates,
+                             bool memory_released = false)
       ABSL_LOCKS_EXCLUDED(mu_);
   // Applies the request's buffer updates, then steps. With step flags, a
   // failed or refused step still releases the trainer's stream.

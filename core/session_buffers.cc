@@ -17,9 +17,12 @@
 namespace optimd {
 
 absl::Status Session::UpdateBuffers(const std::string& group_id,
-                                    const std::vector<BufferUpdate>& updates) {
+                                    const std::vector<BufferUpdate>& updates,
+                                    bool memory_released) {
   MutexLock lock(&mu_);
-  return UpdateBuffersLocked(group_id, updates);
+  OPTIMD_RETURN_IF_ERROR(UpdateBuffersLocked(group_id, updates));
+  if (memory_released) recent_mappings_.clear();
+  return absl::OkStatus();
 }
 
 absl::Status Session::UpdateBuffersLocked(

@@ -310,7 +310,8 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::UpdateBuffers(
          v1::UpdateBuffersResponse*) -> absl::Status {
         auto updates = BufferUpdatesFromProto(request);
         if (!updates.ok()) return updates.status();
-        return s.UpdateBuffers(request.group_id(), *updates);
+        return s.UpdateBuffers(request.group_id(), *updates,
+                               request.memory_released());
       });
 }
 

@@ -232,6 +232,61 @@ class CudaEndToEnd(unittest.TestCase):
         # counts the resets too.
         self.run_releasing_steps(reset_stats=True)
 
+    def test_out_of_memory_gives_back_gradients_the_daemon_maps(self):
+        # Gradients set to None, then freed by torch's allocator as it
+        # retries before an out-of-memory error, stay mapped by the daemon
+        # until the next step. torch's out-of-memory observer has the
+        # daemon close them (optimd/_oom_release.py), so that a retry
+        # before the next step finds their memory, as under torch; the
+        # steps after equal the CPU reference. The control, with the
+        # release taken out, gets that memory back only at the next step.
+        gained = self.memory_after_out_of_memory(release=True)
+        self.assertGreater(gained, 448, "MiB given back: %.0f" % gained)
+        gained = self.memory_after_out_of_memory(release=False)
+        self.assertLess(gained, 256, "the control got back %.0f MiB: the "
+                        "test does not see the daemon's mappings" % gained)
+
+    def memory_after_out_of_memory(self, release):
+        """MiB of device memory that an out-of-memory error gave back after
+        zero_grad(set_to_none=True), 512 MiB of gradients having been
+        stepped."""
+        params = [torch.nn.Parameter(torch.randn(4096, 4096, device="cuda"))
+                  for _ in range(8)]
+        refs = [torch.nn.Parameter(p.detach().cpu()) for p in params]
+        opt = AdamW(params, lr=1e-3, address=self.gpu.address,
+                    job_id="oom-%s-%s" % (release, self.id()))
+        ref = AdamW(refs, lr=1e-3, address=self.cpu.address,
+                    job_id="oom-cpu-%s-%s" % (release, self.id()))
+        if not release:
+            opt.release_freed_gradients = lambda: None
+
+        def step():
+            for p, q in zip(params, refs):
+                p.grad = torch.randn_like(p)
+                q.grad = p.grad.cpu()
+            opt.step()
+            ref.step()
+            opt.synchronize()
+            for i, (p, q) in enumerate(zip(params, refs)):
+                self.assertTrue(torch.equal(p.detach().cpu(), q.detach()),
+                                "parameter %d differs from the CPU "
+                                "reference" % i)
+            opt.zero_grad(set_to_none=True)
+            ref.zero_grad(set_to_none=True)
+
+        step()
+        step()
+        torch.cuda.synchronize()
+        before = torch.cuda.mem_get_info()[0]
+        total = torch.cuda.mem_get_info()[1]
+        with self.assertRaises(torch.cuda.OutOfMemoryError):
+            torch.empty(total, dtype=torch.uint8, device="cuda")
+        gained = (torch.cuda.mem_get_info()[0] - before) / 2**20
+        step()
+        opt.close()
+        ref.close()
+        return gained
+
     def run_releasing_steps(self, reset_stats):
         params = [torch.nn.Parameter(torch.randn(4096, 4096, device="cuda"))
                   for _ in range(8)]  # 512 MiB of gradients

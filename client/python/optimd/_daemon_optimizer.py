@@ -17,6 +17,7 @@ import weakref
 import torch
 
 from optimd import _secrets, cuda_ipc, errors
+from optimd import _oom_release as oom_release
 from optimd import _step_order as step_order
 from optimd._aliased import (aliased, is_fsdp1, overlapping,
                              shm_handle)
@@ -377,6 +378,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         self._pending = collections.deque()  # replies not yet looked at
         if self._device.type == "cuda":
             self._flags = StepFlags(self._device)
+            oom_release.watch(self)
             if ident["overlap"]:
                 self._overlap = Overlap(self, self._flags)
             # Weakly: the client must not keep the optimizer alive (its
@@ -1316,6 +1318,27 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         if overrides:
             self._sent_hyper = overrides[1]
 
+    def release_freed_gradients(self):
+        """Torch ran out of device memory (_oom_release.py): tells the
+        daemon that the gradients `.grad` no longer holds are absent and
+        that memory was released, so that it closes its mappings of them
+        and a retry finds their memory on the device, as under torch. CUDA
+        IPC only (expandable segments' chunks stay with their descriptor
+        connection until the next step)."""
+        router = getattr(self, "_router", None)
+        if router is None or self._flags is None or \
+                getattr(self, "_vmm", None) is not None:
+            return
+        updates = router.freed_updates() or \
+            [pb.UpdateBuffersRequest(group_id=self._groups[0]["id"])]
+        updates[-1].memory_released = True
+        try:
+            for update in updates:
+                self._client.update_buffers(update)
+        except BaseException:
+            router.forget()  # the next step tells the daemon everything
+            raise
+
     def _step_with_flags(self, request):
         """CUDA: mark the gradients ready on our stream, send the step, make
         our stream wait for its done flag; look at replies as they come
@@ -1483,6 +1506,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         self._close_vmm()
         self._drop_pending()
         step_order.forget(self)
+        oom_release.forget(self)
 
     def _drop_pending(self):
         """Forgets the replies not yet looked at (the session is gone), and

@@ -168,6 +168,32 @@ class GradRouter:
             self._releases = ()
         self._vmm_generation = -1
 
+    def freed_updates(self):
+        """UpdateBuffersRequest messages marking absent every gradient the
+        daemon reads in torch's memory that `.grad` no longer holds at the
+        address sent (set to None, or moved): torch may have freed it, and
+        the daemon's mapping keeps that memory allocated. The next step
+        sends the gradients present then. Empty where the daemon reads
+        copies in buffers of the optimizer's own."""
+        if self._copies_in:
+            return []
+        by_group = {}
+        for i, grad in enumerate(self._local_grads()):
+            sent = self._sent[i]
+            if sent == 0:
+                continue  # absent already
+            try:
+                if grad is not None and _ptr(grad) == sent:
+                    continue
+            except RuntimeError:  # sparse: no data pointer of its own
+                pass
+            s = self._tensors[i]
+            by_group.setdefault(
+                s.group_id, pb.UpdateBuffersRequest(group_id=s.group_id)
+            ).tensors.add(name=s.name, grad_absent=True)
+            self._sent[i] = s.sent_ptr = 0
+        return list(by_group.values())
+
     def updates(self):
         """The buffer updates that bring the daemon to the gradients now in
         `.grad`, as UpdateBuffersRequest messages; empty when nothing

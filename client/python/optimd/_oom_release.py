@@ -1,0 +1,61 @@
+"""Memory torch frees while the daemon still maps it, given back when torch
+runs out of device memory.
+
+The daemon keeps its CUDA IPC mappings of the gradients it read at the
+last step, and closes those of memory torch gave back only at the next
+step (StepRequest.memory_released). In between, gradients set to None and
+then freed by torch's allocator (its retry before an out-of-memory error,
+or `torch.cuda.empty_cache()`) stay allocated on the device. A script that
+catches the error and retries before stepping again (a smaller batch, as
+accelerate's `find_executable_batch_size` does) would find less memory
+than under torch. So on an out-of-memory error (torch's observer, called
+before it raises) every optimizer on that GPU tells the daemon which
+gradients are gone and that memory was released (UpdateBuffers): the
+daemon closes those mappings, and the retry finds their memory.
+"""
+import logging
+import threading
+import weakref
+
+import torch
+
+_log = logging.getLogger("optimd")
+_lock = threading.Lock()
+_optimizers = weakref.WeakSet()
+_attached = False
+
+
+def watch(optimizer):
+    """Releases what `optimizer` (on a GPU, its `_device`) has the daemon
+    map when torch runs out of memory on that GPU. A no-op on a torch
+    without out-of-memory observers."""
+    global _attached
+    attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+    if attach is None:
+        return
+    with _lock:
+        _optimizers.add(optimizer)
+        if not _attached:
+            attach(_on_out_of_memory)
+            _attached = True
+
+
+def forget(optimizer):
+    """Stops watching `optimizer` (closed)."""
+    with _lock:
+        _optimizers.discard(optimizer)
+
+
+def _on_out_of_memory(device, *_):
+    """torch's observer (device, allocation size, allocated, free): never
+    raises, so that torch raises its own error."""
+    with _lock:
+        optimizers = list(_optimizers)
+    for opt in optimizers:
+        try:
+            if opt._device.index == device:
+                opt.release_freed_gradients()
+        except Exception as e:  # noqa: BLE001 (torch's error comes next)
+            _log.warning("optimd: out of memory on cuda:%d, and the daemon's "
+                         "mappings of freed gradients stay until the next "
+                         "step: %s", device, e)
