@@ -146,7 +146,7 @@ absl::Status Apply(Session& s, char kind, const std::string& bytes) {
       if (absl::Status p = ScanAndParse(bytes, &r); !p.ok()) return p;
       auto updates = BufferUpdatesFromProto(r);
       if (!updates.ok()) return updates.status();
-      return s.UpdateBuffers(r.group_id(), *updates);
+      return s.UpdateBuffers(r.group_id(), *updates, r.memory_released());
     }
     case 2: {
       v1::StepRequest r;

@@ -11,6 +11,7 @@ import operator
 import os
 import secrets
 import socket
+import threading
 import warnings
 import weakref
 
@@ -187,6 +188,9 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         (ParamNames) when `params` come without them (the parts of an
         optimizer over several devices: _several_devices.py)."""
         keep_fp32 = list(keep_fp32)
+        # Held while step() runs after the closure: an out-of-memory error
+        # elsewhere releases nothing meanwhile (release_freed_gradients).
+        self._step_lock = threading.Lock()
         # As given, for the parts should the parameters spread over devices.
         self._service = _service_options(locals())
         self._names = ParamNames() if names is None else names
@@ -1265,6 +1269,10 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        with self._step_lock:
+            return self._step_after_closure(loss)
+
+    def _step_after_closure(self, loss):
         self._finish_overlap()
         # Writes to optimizer.state first: following edited param_groups
         # below carries the state over from the daemon.
@@ -1326,18 +1334,26 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         IPC only (expandable segments' chunks stay with their descriptor
         connection until the next step)."""
         router = getattr(self, "_router", None)
-        if router is None or self._flags is None or \
-                getattr(self, "_vmm", None) is not None:
+        if router is None or self._flags is None or not self._groups or \
+                getattr(self, "_vmm", None) is not None or \
+                router._releases is None:  # the daemon reads copies
             return
-        updates = router.freed_updates() or \
-            [pb.UpdateBuffersRequest(group_id=self._groups[0]["id"])]
-        updates[-1].memory_released = True
+        # Not while this optimizer steps (another thread, or this error
+        # inside step()): that step's updates could cross these, and its
+        # failure or the next step says memory_released anyway.
+        if not self._step_lock.acquire(blocking=False):
+            return
         try:
+            updates = router.freed_updates() or \
+                [pb.UpdateBuffersRequest(group_id=self._groups[0]["id"])]
+            updates[-1].memory_released = True
             for update in updates:
-                self._client.update_buffers(update)
+                self._client.update_buffers(update, trainer_memory=False)
         except BaseException:
             router.forget()  # the next step tells the daemon everything
             raise
+        finally:
+            self._step_lock.release()
 
     def _step_with_flags(self, request):
         """CUDA: mark the gradients ready on our stream, send the step, make

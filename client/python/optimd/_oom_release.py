@@ -25,19 +25,40 @@ _optimizers = weakref.WeakSet()
 _attached = False
 
 
+def _observable():
+    """Whether torch's allocator calls observers that may wait: torch 2.2
+    or later, whose native allocator attaches them on every device and
+    lets go of its lock before calling them (older ones attach to one
+    device, and may call them with the lock held)."""
+    try:
+        major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (2, 2) and hasattr(
+        torch._C, "_cuda_attach_out_of_memory_observer")
+
+
 def watch(optimizer):
     """Releases what `optimizer` (on a GPU, its `_device`) has the daemon
-    map when torch runs out of memory on that GPU. A no-op on a torch
-    without out-of-memory observers."""
+    map when torch runs out of memory on that GPU. A no-op where torch's
+    allocator takes no observers (an older torch, cudaMallocAsync, a
+    pluggable allocator)."""
     global _attached
-    attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
-    if attach is None:
-        return
     with _lock:
-        _optimizers.add(optimizer)
+        if _attached is None:
+            return  # refused once
         if not _attached:
-            attach(_on_out_of_memory)
+            if not _observable():
+                _attached = None
+                return
+            try:
+                torch._C._cuda_attach_out_of_memory_observer(
+                    _on_out_of_memory)
+            except RuntimeError:  # "... does not yet support ..."
+                _attached = None
+                return
             _attached = True
+        _optimizers.add(optimizer)
 
 
 def forget(optimizer):
@@ -51,6 +72,8 @@ def _on_out_of_memory(device, *_):
     raises, so that torch raises its own error."""
     with _lock:
         optimizers = list(_optimizers)
+    if torch.cuda.is_current_stream_capturing():
+        return  # no stream may wait during a capture
     for opt in optimizers:
         try:
             if opt._device.index == device:

@@ -296,18 +296,20 @@ class Client:
                 "make a new optimizer and load_state_dict() into it to go on"
                 % self.address)
 
-    def _before(self, method):
+    def _before(self, method, trainer_memory=True):
         """Steps still in flight come first: the daemon orders a session's
         calls by arrival, and a reply must not overtake them; then, for a
-        call on the trainer's memory, before_trainer_memory."""
+        call on the trainer's memory (`trainer_memory` False: one that
+        neither reads nor writes it), before_trainer_memory."""
         self._check_usable()
         if self._stream is not None:
             self._stream.drain()
-        if method in _TOUCHES_TRAINER_MEMORY and self.before_trainer_memory:
+        if trainer_memory and method in _TOUCHES_TRAINER_MEMORY and \
+                self.before_trainer_memory:
             self.before_trainer_memory()
 
-    def _call(self, method, request, admin=False):
-        self._before(method)
+    def _call(self, method, request, admin=False, trainer_memory=True):
+        self._before(method, trainer_memory)
         metadata = ((SESSION_METADATA_KEY, self.token),) if self.token else ()
         if admin:
             metadata += self._admin
@@ -413,8 +415,11 @@ class Client:
         return self._call("UnregisterGroup",
                           pb.UnregisterGroupRequest(group_id=group_id))
 
-    def update_buffers(self, request):
-        return self._call("UpdateBuffers", request)
+    def update_buffers(self, request, trainer_memory=True):
+        """trainer_memory False: the update only marks gradients absent,
+        so it need not wait for the trainer's stream."""
+        return self._call("UpdateBuffers", request,
+                          trainer_memory=trainer_memory)
 
     # Steps and state.
     def step(self, step=0, lr_overrides=None, grad_scale=0.0,
