@@ -114,16 +114,19 @@ TEST(DescriptorExhaustionTest, ServesAgainAfterRunningOutOfDescriptors) {
   }
   ASSERT_GT(conns.size(), kDaemonFiles);
   // The daemon runs out (every descriptor it may have is open), and closes
-  // the connections it cannot serve rather than leaving them waiting.
+  // the connections it cannot serve rather than leaving them waiting. While
+  // out, it closes its spare descriptor to accept and close each one, so a
+  // look may find one descriptor fewer than the limit (a loaded machine
+  // under TSan saw 63 of 64 at every look).
+  const int out = static_cast<int>(kDaemonFiles) - 1;
   int open = 0, closed = 0;
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while ((open < static_cast<int>(kDaemonFiles) || closed == 0) &&
-         absl::Now() < deadline) {
+  while ((open < out || closed == 0) && absl::Now() < deadline) {
     absl::SleepFor(absl::Milliseconds(20));
     open = std::max(open, OpenDescriptors((*d)->pid()));
     closed = ClosedByPeer(conns);
   }
-  EXPECT_EQ(open, static_cast<int>(kDaemonFiles)) << "never ran out";
+  EXPECT_GE(open, out) << "never ran out";
   EXPECT_GT(closed, 0) << "connections past the limit were left waiting";
   ASSERT_TRUE((*d)->Alive());
 
