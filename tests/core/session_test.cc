@@ -6,6 +6,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <random>
 #include <vector>
 
@@ -332,6 +333,43 @@ TEST_F(SessionTest, UpdateBuffersTouchesOnlyThatEntry) {
   EXPECT_EQ(session_.UpdateBuffers("nope", {}).code(),
             absl::StatusCode::kNotFound);
   EXPECT_EQ(backend_.counters().plan_entry_updates.load(), 1u);
+}
+
+// Mappings of this process whose file is shared-memory segment `name`.
+int MappingsOf(const std::string& name) {
+  std::ifstream maps("/proc/self/maps");
+  const std::string file = "/dev/shm/" + name.substr(name.rfind('/') + 1);
+  int n = 0;
+  for (std::string line; std::getline(maps, line);) {
+    n += absl::EndsWith(line, file) ? 1 : 0;
+  }
+  return n;
+}
+
+// A gradient the trainer freed (marked absent) keeps its mapping among the
+// recent ones until memory is said to be released: at the next step, or
+// at once by UpdateBuffers' memory_released (an out-of-memory error's
+// release).
+TEST_F(SessionTest, UpdateBuffersThatReleaseMemoryCloseUnusedMappings) {
+  GroupSpec spec;
+  spec.id = "g";
+  spec.tensors = {Fp32Tensor("a", 8, 0), Fp32Tensor("b", 8, 64)};
+  ASSERT_TRUE(session_.RegisterGroup(spec).ok());
+  auto other = *SharedMemoryRegion::Create(64);
+  BufferUpdate moved;
+  moved.tensor = "b";
+  moved.grad = Handle(*other, 0, 32);
+  ASSERT_TRUE(session_.UpdateBuffers("g", {moved}).ok());
+  ASSERT_EQ(MappingsOf(other->name()), 2) << "the test's and the session's";
+  BufferUpdate absent;
+  absent.tensor = "b";
+  absent.grad_absent = true;
+  ASSERT_TRUE(session_.UpdateBuffers("g", {absent}).ok());
+  EXPECT_EQ(MappingsOf(other->name()), 2) << "closed before a release";
+  ASSERT_TRUE(session_.UpdateBuffers("g", {}, /*memory_released=*/true).ok());
+  EXPECT_EQ(MappingsOf(other->name()), 1) << "still mapped after a release";
+  auto s = session_.Step(StepRequestSpec());
+  ASSERT_TRUE(s.ok()) << s.status();  // "a" alone
 }
 
 // A tensor whose gradient is absent (torch's .grad is None) is not stepped:
