@@ -1514,6 +1514,10 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         """Closes the session: the daemon frees this trainer's state. Done
         by itself when the optimizer is collected or the process exits
         normally (a killed trainer's session stays for resume=True)."""
+        # First: whatever of the rest fails, nothing waits for this
+        # optimizer's replies or asks it to release memory any more.
+        step_order.forget(self)
+        oom_release.forget(self)
         if self._overlap is not None:
             self._finish_overlap()
             self._overlap.close()
@@ -1521,8 +1525,6 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         self._closer()
         self._close_vmm()
         self._drop_pending()
-        step_order.forget(self)
-        oom_release.forget(self)
 
     def _drop_pending(self):
         """Forgets the replies not yet looked at (the session is gone), and
