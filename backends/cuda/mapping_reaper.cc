@@ -44,8 +44,7 @@ void MappingReaper::Retire(std::function<void()> end) {
   }
   cudaSetDevice(device_);
   if (stream_gone || cudaStreamQuery(stream_) == cudaSuccess) {
-    end();
-    ended_.fetch_add(1, std::memory_order_acq_rel);
+    End(end);
     return;
   }
   cudaEvent_t event = nullptr;
@@ -54,12 +53,16 @@ void MappingReaper::Retire(std::function<void()> end) {
     cudaGetLastError();  // reported by the wait below, if it persists
     if (event != nullptr) cudaEventDestroy(event);
     cudaStreamSynchronize(stream_);
-    end();
-    ended_.fetch_add(1, std::memory_order_acq_rel);
+    End(end);
     return;
   }
   MutexLock lock(&mu_);
   queue_.push_back(Pending{event, std::move(end)});
+}
+
+void MappingReaper::End(const std::function<void()>& end) {
+  end();
+  ended_.fetch_add(1, std::memory_order_acq_rel);
 }
 
 int MappingReaper::pending() const {
@@ -101,8 +104,7 @@ void MappingReaper::Loop() {
     // the event is over either way.
     if (!AwaitEvent(next.event)) return;
     cudaEventDestroy(next.event);
-    next.end();
-    ended_.fetch_add(1, std::memory_order_acq_rel);
+    End(next.end);
     MutexLock lock(&mu_);
     queue_.pop_front();
   }

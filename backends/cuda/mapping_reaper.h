@@ -59,6 +59,8 @@ class MappingReaper {
     std::function<void()> end;
   };
   void Loop() ABSL_LOCKS_EXCLUDED(mu_);
+  // Runs `end` and counts it.
+  void End(const std::function<void()>& end);
   // Waits up to kDrainBound for the queue to empty; gives up on it (the
   // thread leaves the rest) when it does not.
   void DrainLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -232,6 +232,19 @@ class CudaEndToEnd(unittest.TestCase):
         # counts the resets too.
         self.run_releasing_steps(reset_stats=True)
 
+    def step_against_cpu(self, opt, ref, params, refs):
+        """One step of `opt` (CUDA) and `ref` (CPU) on the same fresh
+        gradients; the parameters must then be equal bit for bit."""
+        for p, q in zip(params, refs):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.cpu()
+        opt.step()
+        ref.step()
+        opt.synchronize()
+        for i, (p, q) in enumerate(zip(params, refs)):
+            self.assertTrue(torch.equal(p.detach().cpu(), q.detach()),
+                            "parameter %d differs from the CPU reference" % i)
+
     def test_out_of_memory_gives_back_gradients_the_daemon_maps(self):
         # Gradients set to None, then freed by torch's allocator as it
         # retries before an out-of-memory error, stay mapped by the daemon
@@ -261,16 +274,7 @@ class CudaEndToEnd(unittest.TestCase):
             opt.release_freed_gradients = lambda: None
 
         def step():
-            for p, q in zip(params, refs):
-                p.grad = torch.randn_like(p)
-                q.grad = p.grad.cpu()
-            opt.step()
-            ref.step()
-            opt.synchronize()
-            for i, (p, q) in enumerate(zip(params, refs)):
-                self.assertTrue(torch.equal(p.detach().cpu(), q.detach()),
-                                "parameter %d differs from the CPU "
-                                "reference" % i)
+            self.step_against_cpu(opt, ref, params, refs)
             opt.zero_grad(set_to_none=True)
             ref.zero_grad(set_to_none=True)
 
@@ -297,16 +301,7 @@ class CudaEndToEnd(unittest.TestCase):
                     job_id="released-cpu-" + self.id())
 
         def step():
-            for p, q in zip(params, refs):
-                p.grad = torch.randn_like(p)
-                q.grad = p.grad.cpu()
-            opt.step()
-            ref.step()
-            opt.synchronize()
-            for i, (p, q) in enumerate(zip(params, refs)):
-                self.assertTrue(torch.equal(p.detach().cpu(), q.detach()),
-                                "parameter %d differs from the CPU "
-                                "reference" % i)
+            self.step_against_cpu(opt, ref, params, refs)
             opt.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
             if reset_stats:
