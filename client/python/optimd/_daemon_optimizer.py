@@ -1335,8 +1335,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         connection until the next step)."""
         router = getattr(self, "_router", None)
         if router is None or self._flags is None or not self._groups or \
-                getattr(self, "_vmm", None) is not None or \
-                router._releases is None:  # the daemon reads copies
+                not router.maps_torch_memory:
             return
         # Not while this optimizer steps (another thread, or this error
         # inside step()): that step's updates could cross these, and its

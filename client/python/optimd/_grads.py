@@ -168,6 +168,12 @@ class GradRouter:
             self._releases = ()
         self._vmm_generation = -1
 
+    @property
+    def maps_torch_memory(self):
+        """Whether the daemon reads gradients in torch's own allocations by
+        CUDA IPC (not copies, not expandable segments' chunks)."""
+        return self._releases is not None
+
     def freed_updates(self):
         """UpdateBuffersRequest messages marking absent every gradient the
         daemon reads in torch's memory that `.grad` no longer holds at the
