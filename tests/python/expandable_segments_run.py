@@ -16,7 +16,8 @@ With a fourth argument, `release-in-copy`, it runs release_in_copy
 instead; `release-in-copy-one-pass` runs it with the client's updates
 built once (as before the client built them again), which must fail.
 `side-release` runs release_on_a_side_stream, and `side-release-unheld`
-its negative control.
+its negative control. `oom-release` runs out_of_memory, and
+`oom-release-held` its negative control.
 """
 import copy
 import sys
@@ -203,6 +204,51 @@ def release_on_a_side_stream(gpu_address, cpu_address, seed, unheld=False):
           % steps)
 
 
+def out_of_memory(gpu_address, cpu_address, seed, release=True):
+    """Gradients set to None, whose chunks torch unmaps as it retries before
+    an out-of-memory error: the daemon holds their descriptors and
+    mappings, so that memory stays allocated unless the client's
+    out-of-memory observer has the daemon let go (optimd/_oom_release.py).
+    Prints the MiB the error gave back; the steps before and after equal
+    the CPU reference. `release` False: the control, whose observer does
+    nothing."""
+    torch.manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(4096, 4096, device="cuda"))
+              for _ in range(8)]  # 512 MiB of gradients
+    refs = [torch.nn.Parameter(p.detach().cpu()) for p in params]
+    opt = AdamW(params, lr=1e-3, address=gpu_address, job_id="oom-gpu")
+    ref = AdamW(refs, lr=1e-3, address=cpu_address, job_id="oom-cpu")
+    if not release:
+        opt.release_freed_gradients = lambda: None
+
+    def step(n):
+        for p, q in zip(params, refs):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.cpu()
+        opt.step()
+        ref.step()
+        for i, (p, q) in enumerate(zip(params, refs)):
+            assert torch.equal(p.detach().cpu(), q.detach()), (n, i)
+        opt.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+
+    step(0)
+    step(1)
+    torch.cuda.synchronize()
+    before, total = torch.cuda.mem_get_info()
+    try:
+        torch.empty(total, dtype=torch.uint8, device="cuda")
+        raise AssertionError("an allocation of the whole device succeeded")
+    except torch.cuda.OutOfMemoryError:
+        pass
+    gained = (torch.cuda.mem_get_info()[0] - before) / 2**20
+    step(2)
+    opt.close()
+    ref.close()
+    print("out of memory: %.0f MiB given back; 3 steps equal to the CPU "
+          "reference" % gained)
+
+
 if __name__ == "__main__":
     mode = sys.argv[4] if len(sys.argv) > 4 else None
     if mode is None:
@@ -213,5 +259,8 @@ if __name__ == "__main__":
     elif mode.startswith("side-release"):
         release_on_a_side_stream(sys.argv[1], sys.argv[2], int(sys.argv[3]),
                                  unheld=mode.endswith("unheld"))
+    elif mode.startswith("oom-release"):
+        out_of_memory(sys.argv[1], sys.argv[2], int(sys.argv[3]),
+                      release=not mode.endswith("held"))
     else:
         sys.exit("unknown mode %r" % mode)

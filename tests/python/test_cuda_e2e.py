@@ -10,6 +10,7 @@ torch.optim.AdamW(fused=True) in the same script.
 """
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -259,6 +260,22 @@ class CudaEndToEnd(unittest.TestCase):
         self.assertLess(gained, 256, "the control got back %.0f MiB: the "
                         "test does not see the daemon's mappings" % gained)
 
+    def test_out_of_memory_gives_back_expandable_segments_chunks(self):
+        # The same under expandable segments: the daemon holds the chunks'
+        # descriptors and mappings. The client closes its descriptor
+        # connections and the daemon lets go of the freed gradients'
+        # chunks; the control (the release taken out) keeps them.
+        gained = []
+        for mode in ("oom-release", "oom-release-held"):
+            run = self.run_expandable(mode)
+            self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
+            self.assertIn("equal to the CPU reference", run.stdout)
+            gained.append(float(re.search(r"(-?[0-9.]+) MiB given back",
+                                          run.stdout).group(1)))
+        self.assertGreater(gained[0], 448, "MiB given back: %.0f" % gained[0])
+        self.assertLess(gained[1], 256, "the control got back %.0f MiB: the "
+                        "test does not see the daemon's chunks" % gained[1])
+
     def memory_after_out_of_memory(self, release):
         """MiB of device memory that an out-of-memory error gave back after
         zero_grad(set_to_none=True), 512 MiB of gradients having been
@@ -455,6 +472,20 @@ class CudaEndToEnd(unittest.TestCase):
                                text=True, timeout=30)
         finally:
             self.assertEqual(daemon.stop(), 0)
+
+    def test_an_optimizer_trains_under_cuda_malloc_async(self):
+        # cudaMallocAsync's pool: no CUDA IPC export and no out-of-memory
+        # observers (torch raises on attaching one). The optimizer must
+        # still be built and train (malloc_async_run.py).
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                              "malloc_async_run.py")
+        env = dict(os.environ,
+                   PYTORCH_CUDA_ALLOC_CONF="backend:cudaMallocAsync")
+        run = subprocess.run([sys.executable, script, self.gpu.address],
+                             capture_output=True, text=True, timeout=120,
+                             env=env)
+        self.assertEqual(run.returncode, 0, run.stderr[-3000:])
+        self.assertIn("allocator cudaMallocAsync, steps done", run.stdout)
 
     def test_daemon_gone_never_hangs_the_trainer_stream(self):
         daemon = Daemon(backend="cuda")

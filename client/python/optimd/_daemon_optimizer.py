@@ -6,6 +6,7 @@ and the step. Its state dicts (_state_dicts.py) and checkpoints
 optimd/torch.py.
 """
 import collections
+import concurrent.futures
 import inspect
 import operator
 import os
@@ -1329,10 +1330,10 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
     def release_freed_gradients(self):
         """Torch ran out of device memory (_oom_release.py): tells the
         daemon that the gradients `.grad` no longer holds are absent and
-        that memory was released, so that it closes its mappings of them
-        and a retry finds their memory on the device, as under torch. CUDA
-        IPC only (expandable segments' chunks stay with their descriptor
-        connection until the next step)."""
+        that memory was released, so that it lets go of them and a retry
+        finds their memory on the device, as under torch. Under expandable
+        segments the descriptor connections of the chunks sent so far are
+        closed first (_close_chunk_connections)."""
         router = getattr(self, "_router", None)
         if router is None or self._flags is None or not self._groups or \
                 not router.maps_torch_memory:
@@ -1343,6 +1344,8 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         if not self._step_lock.acquire(blocking=False):
             return
         try:
+            if getattr(self, "_vmm", None) is not None:
+                self._close_chunk_connections()
             updates = router.freed_updates() or \
                 [pb.UpdateBuffersRequest(group_id=self._groups[0]["id"])]
             updates[-1].memory_released = True
@@ -1353,6 +1356,30 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             raise
         finally:
             self._step_lock.release()
+
+    def _close_chunk_connections(self):
+        """Expandable segments: the daemon holds the descriptor of every
+        chunk sent over the sharer's connections, and each keeps its chunk
+        allocated after torch unmapped it. Once every step sent is answered
+        (the daemon has resolved their chunk ids), the sharer forgets its
+        chunks and every connection is closed, so that the daemon drops
+        those descriptors; the next step sends its gradients anew. The
+        replies stay for _look_at_replies, errors included."""
+        bound = self._client.timeout or 60.0
+        for future, _ in self._pending:
+            try:
+                future.exception(bound)  # waits; the error stays the step's
+            except concurrent.futures.TimeoutError:
+                raise RuntimeError(
+                    "the daemon did not answer the steps sent before within "
+                    "%.0f s" % bound) from None
+            except concurrent.futures.CancelledError:
+                pass
+        for _, retired in self._pending:
+            close_channels(retired)
+            retired.clear()
+        self._vmm.forget_chunks()
+        close_channels(self._vmm.take_retired())
 
     def _step_with_flags(self, request):
         """CUDA: mark the gradients ready on our stream, send the step, make

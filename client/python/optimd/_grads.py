@@ -170,9 +170,9 @@ class GradRouter:
 
     @property
     def maps_torch_memory(self):
-        """Whether the daemon reads gradients in torch's own allocations by
-        CUDA IPC (not copies, not expandable segments' chunks)."""
-        return self._releases is not None
+        """Whether the daemon reads gradients in torch's own memory (CUDA
+        IPC, or expandable segments' chunks), not copies."""
+        return self._cuda and not self._copies_in
 
     def freed_updates(self):
         """UpdateBuffersRequest messages marking absent every gradient the

@@ -11,7 +11,10 @@ accelerate's `find_executable_batch_size` does) would find less memory
 than under torch. So on an out-of-memory error (torch's observer, called
 before it raises) every optimizer on that GPU tells the daemon which
 gradients are gone and that memory was released (UpdateBuffers): the
-daemon closes those mappings, and the retry finds their memory.
+daemon closes those mappings, and the retry finds their memory. Under
+expandable segments the daemon also holds each chunk's descriptor, so the
+optimizer first closes its descriptor connections
+(_DaemonOptimizer._close_chunk_connections).
 """
 import logging
 import threading

@@ -302,6 +302,12 @@ class VmmSharer:
         retired, self._retired = self._retired, []
         return retired
 
+    def forget_chunks(self):
+        """Forgets every chunk (a new generation), retiring the connection
+        (take_retired): the caller knows the daemon needs none of its
+        chunks' descriptors any more."""
+        self._forget()
+
     def _forget(self):
         """Forgets every chunk (a new generation); the connection is
         retired, not closed: steps sent may still name its ids."""
