@@ -65,7 +65,18 @@ OptimizerServiceImpl::OptimizerServiceImpl(SessionRegistry* registry,
   RemoveStaleSpoolFiles(SpoolDirectory(checkpoint_options_));
 }
 
-DeviceWorker* OptimizerServiceImpl::WorkerFor(
+namespace {
+
+// A worker the service does not own (a backend's, or its I/O worker), as
+// WorkerFor hands workers out.
+std::shared_ptr<DeviceWorker> Unowned(DeviceWorker* worker) {
+  return std::shared_ptr<DeviceWorker>(std::shared_ptr<DeviceWorker>(),
+                                       worker);
+}
+
+}  // namespace
+
+std::shared_ptr<DeviceWorker> OptimizerServiceImpl::WorkerFor(
     const std::shared_ptr<Session>& session) const {
   if (session->exchanges_statistics()) {
     MutexLock lock(&rank_workers_mu_);
@@ -79,15 +90,16 @@ DeviceWorker* OptimizerServiceImpl::WorkerFor(
                  : std::next(it);
       }
       mine.session = session;
-      mine.worker = std::make_unique<DeviceWorker>("optimd-rank");
+      mine.worker = std::make_shared<DeviceWorker>("optimd-rank");
     }
-    return mine.worker.get();
+    return mine.worker;
   }
   const std::vector<Backend*>& backends = registry_->backends();
   for (size_t i = 0; i < backends.size() && i < workers_.size(); ++i) {
-    if (backends[i] == session->backend()) return workers_[i];
+    if (backends[i] == session->backend()) return Unowned(workers_[i]);
   }
-  return workers_[0];  // not reached: every session has a registry backend
+  // Not reached: every session has a registry backend.
+  return Unowned(workers_[0]);
 }
 
 int OptimizerServiceImpl::Pending() const {
@@ -148,10 +160,11 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::OnWorker(
   // File I/O of host-addressable sessions runs on the I/O worker, so that
   // other sessions keep stepping; not for sessions whose steps may wait for
   // other ranks while holding the session (the I/O worker would wait too).
-  DeviceWorker* worker = file_io && (*session)->backend()->HostAddressable() &&
-                                 !(*session)->exchanges_statistics()
-                             ? &io_worker_
-                             : WorkerFor(*session);
+  std::shared_ptr<DeviceWorker> worker =
+      file_io && (*session)->backend()->HostAddressable() &&
+              !(*session)->exchanges_statistics()
+          ? Unowned(&io_worker_)
+          : WorkerFor(*session);
   worker->Post(
       [call, work = std::move(work), session = *std::move(session)]() mutable {
         call->Finish(work(*session, call->request(), call->response()));
@@ -261,7 +274,7 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::CloseSession(
       absl::StrCat("session closed: ", SessionName((*session)->identity())));
   // Freeing the state can take a while; the worker drops the last reference
   // after any step of this session already queued.
-  DeviceWorker* worker = WorkerFor(*session);
+  std::shared_ptr<DeviceWorker> worker = WorkerFor(*session);
   worker->Post([reactor, s = *std::move(session)]() mutable {
     s.reset();
     reactor->Finish(grpc::Status::OK);
@@ -370,8 +383,8 @@ class OptimizerServiceImpl::StepStreamReactor final
     : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   StepStreamReactor(OptimizerServiceImpl* service, std::string token,
-                    DeviceWorker* worker)
-      : service_(service), token_(std::move(token)), worker_(worker) {
+                    std::shared_ptr<DeviceWorker> worker)
+      : service_(service), token_(std::move(token)), worker_(std::move(worker)) {
     StartRead(&in_);
   }
 
@@ -444,7 +457,9 @@ class OptimizerServiceImpl::StepStreamReactor final
 
   OptimizerServiceImpl* const service_;
   const std::string token_;
-  DeviceWorker* const worker_;
+  // Kept alive by the stream: a closed session's own worker (WorkerFor)
+  // would otherwise go with the next session's.
+  const std::shared_ptr<DeviceWorker> worker_;
   grpc::ByteBuffer in_;
   grpc::ByteBuffer out_;
   // The request being stepped, parsed; replaced by each read.

@@ -204,9 +204,13 @@ class OptimizerServiceImpl final : public OptimizerServiceBase {
       std::make_unique<RequestBudget>();
   // The worker that runs `session`'s work: its backend's, or, for a
   // session whose steps wait for the job's other ranks, a thread of its
-  // own (so that one rank's wait never holds up another session). Called
-  // from gRPC threads only: it may end the threads of freed sessions.
-  DeviceWorker* WorkerFor(const std::shared_ptr<Session>& session) const
+  // own (so that one rank's wait never holds up another session). Shared:
+  // a reactor that outlives its session (a step stream holds only the
+  // token) keeps its worker alive. Called from gRPC threads only, and a
+  // worker's last holder lets go on one (a reactor's OnDone): the end of a
+  // worker joins its thread.
+  std::shared_ptr<DeviceWorker> WorkerFor(
+      const std::shared_ptr<Session>& session) const
       ABSL_LOCKS_EXCLUDED(rank_workers_mu_);
   // Tasks queued or running on all workers.
   int Pending() const ABSL_LOCKS_EXCLUDED(rank_workers_mu_);
@@ -226,7 +230,7 @@ class OptimizerServiceImpl final : public OptimizerServiceBase {
   // such session's worker is made.
   struct RankWorker {
     std::weak_ptr<Session> session;
-    std::unique_ptr<DeviceWorker> worker;
+    std::shared_ptr<DeviceWorker> worker;
   };
   mutable Mutex rank_workers_mu_;
   mutable std::map<const Session*, RankWorker> rank_workers_

@@ -35,7 +35,8 @@ class OptimizerServiceImpl::SaveStreamReactor final
  public:
   SaveStreamReactor(OptimizerServiceImpl* service,
                     grpc::CallbackServerContext* context,
-                    std::shared_ptr<Session> session, DeviceWorker* worker,
+                    std::shared_ptr<Session> session,
+                    std::shared_ptr<DeviceWorker> worker,
                     uint64_t chunk_bytes)
       : service_(service),
         context_(context),
@@ -287,8 +288,9 @@ OptimizerServiceImpl::SaveStateStream(grpc::CallbackServerContext* context,
     return new Refused(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                                     "chunk_bytes may be at most 64 MiB"));
   }
-  DeviceWorker* worker = WorkerFor(*session);
-  return new SaveStreamReactor(this, context, *std::move(session), worker,
+  std::shared_ptr<DeviceWorker> worker = WorkerFor(*session);
+  return new SaveStreamReactor(this, context, *std::move(session),
+                               std::move(worker),
                                chunk);
 }
 
@@ -306,7 +308,8 @@ class OptimizerServiceImpl::LoadStreamReactor final
  public:
   LoadStreamReactor(OptimizerServiceImpl* service,
                     grpc::CallbackServerContext* context,
-                    std::shared_ptr<Session> session, DeviceWorker* worker,
+                    std::shared_ptr<Session> session,
+                    std::shared_ptr<DeviceWorker> worker,
                     CheckpointOptions options, grpc::ByteBuffer* out,
                     LoadStreamClaims* claims)
       : service_(service),
@@ -314,7 +317,7 @@ class OptimizerServiceImpl::LoadStreamReactor final
         start_(absl::Now()),
         context_(context),
         session_(std::move(session)),
-        worker_(worker),
+        worker_(std::move(worker)),
         options_(std::move(options)),
         out_(out),
         claims_(claims) {
@@ -544,7 +547,7 @@ class OptimizerServiceImpl::LoadStreamReactor final
   const absl::Time start_;
   grpc::CallbackServerContext* const context_;
   const std::shared_ptr<Session> session_;
-  DeviceWorker* const worker_;
+  const std::shared_ptr<DeviceWorker> worker_;
   const CheckpointOptions options_;
   grpc::ByteBuffer* const out_;
   v1::LoadStateResponse response_;
@@ -590,8 +593,9 @@ OptimizerServiceImpl::LoadStateStream(grpc::CallbackServerContext* context,
   };
   auto session = SessionOf(context);
   if (!session.ok()) return new Refused(ToGrpcStatus(session.status()));
-  DeviceWorker* worker = WorkerFor(*session);
-  return new LoadStreamReactor(this, context, *std::move(session), worker,
+  std::shared_ptr<DeviceWorker> worker = WorkerFor(*session);
+  return new LoadStreamReactor(this, context, *std::move(session),
+                               std::move(worker),
                                checkpoint_options_, response,
                                &load_stream_claims_);
 }

@@ -1434,6 +1434,41 @@ TEST_F(E2eTest, StepStreamOfAnEvictedSessionStepsNothingAndHoldsNoState) {
   EXPECT_EQ(admin->GetMetrics()->steps(), 1u);
 }
 
+// A rank session steps on a worker of its own, which goes once the session
+// is freed and another rank session asks for its worker. A step stream
+// opened before its session was closed keeps that worker alive: its next
+// request is refused (UNAUTHENTICATED) on it, and the daemon lives on (the
+// freed worker was used before; ASan caught it).
+TEST_F(E2eTest, StepStreamOutlivingItsRankSessionKeepsItsWorker) {
+  auto rank_session = [&](Client* c, const std::string& job) {
+    v1::CreateSessionRequest cs = CpuSession(job, 0);
+    cs.set_world_size(2);
+    cs.set_gradient_sharding(v1::GRADIENT_SHARDING_REPLICATED);
+    auto s = c->CreateSession(cs);
+    ASSERT_TRUE(s.ok()) << s.status();
+    ASSERT_TRUE(c->RegisterGroup(Group("g", {Tensor("w", 4, 0)})).ok());
+  };
+  ASSERT_NO_FATAL_FAILURE(rank_session(client_.get(), "a"));
+  // The stream opens without a step (a step would wait for rank 1).
+  auto channel = grpc::CreateChannel(daemon_->address(),
+                                     grpc::InsecureChannelCredentials());
+  auto stub = v1::Optimizer::NewStub(channel);
+  grpc::ClientContext context;
+  context.AddMetadata("x-optimd-session", client_->session_token());
+  auto stream = stub->StepStream(&context);
+  absl::SleepFor(absl::Milliseconds(300));  // the stream's reactor exists
+  ASSERT_TRUE(client_->CloseSession().ok());
+  auto other = Connect();
+  ASSERT_NO_FATAL_FAILURE(rank_session(other.get(), "b"));
+  ASSERT_TRUE(stream->Write(v1::StepRequest()));
+  v1::StepResponse response;
+  EXPECT_FALSE(stream->Read(&response));
+  const grpc::Status ended = stream->Finish();
+  EXPECT_EQ(ended.error_code(), grpc::StatusCode::UNAUTHENTICATED)
+      << ended.error_message();
+  EXPECT_TRUE(other->Health().ok());
+}
+
 // Two sessions on one daemon (and one CPU worker): session A's bad steps
 // (an override of an unknown group, a negative grad_scale, a gradient
 // buffer past its segment) are refused with their own status and change
