@@ -70,8 +70,7 @@ namespace {
 // A worker the service does not own (a backend's, or its I/O worker), as
 // WorkerFor hands workers out.
 std::shared_ptr<DeviceWorker> Unowned(DeviceWorker* worker) {
-  return std::shared_ptr<DeviceWorker>(std::shared_ptr<DeviceWorker>(),
-                                       worker);
+  return std::shared_ptr<DeviceWorker>(std::shared_ptr<DeviceWorker>(), worker);
 }
 
 }  // namespace
@@ -384,7 +383,9 @@ class OptimizerServiceImpl::StepStreamReactor final
  public:
   StepStreamReactor(OptimizerServiceImpl* service, std::string token,
                     std::shared_ptr<DeviceWorker> worker)
-      : service_(service), token_(std::move(token)), worker_(std::move(worker)) {
+      : service_(service),
+        token_(std::move(token)),
+        worker_(std::move(worker)) {
     StartRead(&in_);
   }
 

@@ -36,8 +36,7 @@ class OptimizerServiceImpl::SaveStreamReactor final
   SaveStreamReactor(OptimizerServiceImpl* service,
                     grpc::CallbackServerContext* context,
                     std::shared_ptr<Session> session,
-                    std::shared_ptr<DeviceWorker> worker,
-                    uint64_t chunk_bytes)
+                    std::shared_ptr<DeviceWorker> worker, uint64_t chunk_bytes)
       : service_(service),
         context_(context),
         session_(std::move(session)),
@@ -290,8 +289,7 @@ OptimizerServiceImpl::SaveStateStream(grpc::CallbackServerContext* context,
   }
   std::shared_ptr<DeviceWorker> worker = WorkerFor(*session);
   return new SaveStreamReactor(this, context, *std::move(session),
-                               std::move(worker),
-                               chunk);
+                               std::move(worker), chunk);
 }
 
 // Spools the streamed file to a private temporary file, then loads it on
@@ -595,8 +593,7 @@ OptimizerServiceImpl::LoadStateStream(grpc::CallbackServerContext* context,
   if (!session.ok()) return new Refused(ToGrpcStatus(session.status()));
   std::shared_ptr<DeviceWorker> worker = WorkerFor(*session);
   return new LoadStreamReactor(this, context, *std::move(session),
-                               std::move(worker),
-                               checkpoint_options_, response,
+                               std::move(worker), checkpoint_options_, response,
                                &load_stream_claims_);
 }
 
