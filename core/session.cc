@@ -228,8 +228,17 @@ absl::Status Session::CheckOverrides(
 }
 
 absl::Status Session::ApplyStepUpdates(const StepRequestSpec& request) {
+  // Every group's updates are checked before any is applied: a bad one
+  // leaves the buffers of the groups before it as they were.
+  std::vector<GroupUpdates> resolved;
+  resolved.reserve(request.buffer_updates.size());
   for (const auto& [group_id, updates] : request.buffer_updates) {
-    OPTIMD_RETURN_IF_ERROR(UpdateBuffersLocked(group_id, updates));
+    OPTIMD_ASSIGN_OR_RETURN(GroupUpdates r,
+                            ResolveGroupUpdates(group_id, updates));
+    resolved.push_back(std::move(r));
+  }
+  for (GroupUpdates& r : resolved) {
+    OPTIMD_RETURN_IF_ERROR(ApplyGroupUpdates(r));
   }
   // Mappings no buffer uses are kept (torch hands its blocks out again)
   // and closed only after the trainer gave memory back; a backend closes

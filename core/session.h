@@ -403,6 +403,16 @@ class Session {
   absl::Status UpdateBuffersLocked(const std::string& group_id,
                                    const std::vector<BufferUpdate>& updates)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // One group's buffer updates, checked and mapped, not yet applied.
+  struct GroupUpdates;
+  // Finds group `group_id` and resolves `updates` against it; changes
+  // nothing.
+  absl::StatusOr<GroupUpdates> ResolveGroupUpdates(
+      const std::string& group_id, const std::vector<BufferUpdate>& updates)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Applies what ResolveGroupUpdates checked.
+  absl::Status ApplyGroupUpdates(GroupUpdates& resolved)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Binds the request's step flags (if any) and checks its sequence; sets
   // options->step_flags and ->sequence when the step uses them (also when
   // the sequence is refused, so that the step can be released).
@@ -427,6 +437,10 @@ class Session {
     BufferRef full_param;  // sharded tensors: the whole parameter
     bool has_param = false, has_grad = false;
     bool absent = false;  // the gradient goes away
+  };
+  struct GroupUpdates {
+    Group* group = nullptr;
+    std::vector<ResolvedUpdate> resolved;
   };
   // ResolveUpdates' part for a sharded tensor `e`: the whole buffers are
   // checked, this rank's part of them mapped.

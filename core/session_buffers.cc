@@ -27,6 +27,13 @@ absl::Status Session::UpdateBuffers(const std::string& group_id,
 
 absl::Status Session::UpdateBuffersLocked(
     const std::string& group_id, const std::vector<BufferUpdate>& updates) {
+  OPTIMD_ASSIGN_OR_RETURN(GroupUpdates resolved,
+                          ResolveGroupUpdates(group_id, updates));
+  return ApplyGroupUpdates(resolved);
+}
+
+absl::StatusOr<Session::GroupUpdates> Session::ResolveGroupUpdates(
+    const std::string& group_id, const std::vector<BufferUpdate>& updates) {
   Group* group = FindGroup(group_id);
   if (group == nullptr) {
     return absl::NotFoundError(absl::StrCat(
@@ -35,6 +42,12 @@ absl::Status Session::UpdateBuffersLocked(
   // Resolve everything first; apply only when all are valid.
   OPTIMD_ASSIGN_OR_RETURN(std::vector<ResolvedUpdate> resolved,
                           ResolveUpdates(*group, updates));
+  return GroupUpdates{group, std::move(resolved)};
+}
+
+absl::Status Session::ApplyGroupUpdates(GroupUpdates& updates) {
+  Group* group = updates.group;
+  std::vector<ResolvedUpdate>& resolved = updates.resolved;
   std::vector<uint32_t> entries;
   entries.reserve(resolved.size());
   bool new_mapping = false;

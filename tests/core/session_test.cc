@@ -372,6 +372,34 @@ TEST_F(SessionTest, UpdateBuffersThatReleaseMemoryCloseUnusedMappings) {
   ASSERT_TRUE(s.ok()) << s.status();  // "a" alone
 }
 
+// A step's buffer updates are all checked before any applies: a bad one of
+// a later group leaves an earlier group's buffers where they were.
+TEST_F(SessionTest, StepBufferUpdatesOfSeveralGroupsAllOrNone) {
+  GroupSpec g1, g2;
+  g1.id = "g1";
+  g1.tensors = {Fp32Tensor("a", 8, 0)};
+  g2.id = "g2";
+  g2.tensors = {Fp32Tensor("b", 8, 64)};
+  ASSERT_TRUE(session_.RegisterGroup(g1).ok());
+  ASSERT_TRUE(session_.RegisterGroup(g2).ok());
+  for (int i = 0; i < 16; ++i) grads_->as<float>()[i] = 0.5f;
+  auto other = *SharedMemoryRegion::Create(64);
+  for (int i = 0; i < 8; ++i) other->as<float>()[i] = NAN;
+  BufferUpdate moved;
+  moved.tensor = "a";
+  moved.grad = Handle(*other, 0, 32);
+  BufferUpdate unknown;
+  unknown.tensor = "nope";
+  unknown.grad_absent = true;
+  StepRequestSpec bad;
+  bad.buffer_updates = {{"g1", {moved}}, {"g2", {unknown}}};
+  EXPECT_EQ(session_.Step(bad).status().code(), absl::StatusCode::kNotFound);
+  // g1's gradient is still the finite one: the step is not skipped.
+  auto s = session_.Step({});
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_FALSE(s->outcome.skipped) << "the refused step moved g1's gradient";
+}
+
 // A tensor whose gradient is absent (torch's .grad is None) is not stepped:
 // its parameter, moments and the norm ignore it, while its neighbour steps
 // as if it were alone; given a gradient again, it steps again.
