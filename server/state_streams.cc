@@ -26,10 +26,11 @@ namespace optimd {
 // Streams a snapshot's file bytes. A thread of its own computes the
 // checksums and produces one chunk at a time, waiting for each write to
 // complete before the next (flow control by the client's reads). The
-// stream ends when its session is retired (closed, evicted, reaped): a
-// Session::OnRetire callback cancels the call, as the load stream's does,
-// so that a client that stopped reading does not keep the snapshot (or
-// the session, which the reactor holds until OnDone) past its session.
+// stream ends with ABORTED when its session is retired (closed, evicted,
+// reaped) before every byte was sent; a write that a client which stopped
+// reading never takes is cancelled after a grace, so that such a client
+// does not keep the snapshot (or the session, which the reactor holds
+// until OnDone) past its session.
 class OptimizerServiceImpl::SaveStreamReactor final
     : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
@@ -88,20 +89,14 @@ class OptimizerServiceImpl::SaveStreamReactor final
 
  private:
   // Session::OnRetire's callback, on the retiring thread (or the
-  // constructor's, for a session retired already). A call whose outcome is
-  // not yet settled is cancelled: that ends a write the client does not
-  // read (OnWriteDone(false), OnCancel) and stops the producer. A call
-  // that sent every byte or is ending otherwise is left to its Finish, so
-  // that a close right after a complete stream does not fail it.
+  // constructor's, for a session retired already): the producer ends the
+  // call with ABORTED at its next chunk (Start, Produce), or once the
+  // write under way is done (AwaitWrite). A call that sent every byte is
+  // left to its Finish, so that a close right after a complete stream does
+  // not fail it.
   void OnSessionRetired() {
-    bool cancel;
-    {
-      MutexLock lock(&mu_);
-      retired_ = true;
-      cancel = !finishing_;
-    }
-    // Outside mu_, which OnCancel takes.
-    if (cancel) context_->TryCancel();
+    MutexLock lock(&mu_);
+    retired_ = true;
   }
 
   // On the session's worker: takes the snapshot and starts the producer.
@@ -161,18 +156,33 @@ class OptimizerServiceImpl::SaveStreamReactor final
       offset += n;
       MutexLock lock(&mu_);
       sent_ = offset;
-      // Every byte sent: a retirement from now on leaves the call to Finish.
-      if (offset == total) finishing_ = true;
     }
     snapshot_.reset();
     End(Outcome(total), sent_bytes(), total);
   }
 
   // Waits for the write just started; false when the stream is to end: the
-  // write failed or the call was cancelled (by the client, or by
-  // OnSessionRetired, whose cancel also ends a write the client never
-  // reads).
+  // write failed or the call was cancelled. Once the session is retired, a
+  // write the client does not take within kRetiredWriteGrace is
+  // cancelled, so that such a client does not keep the
+  // snapshot (or the session) past its session.
   bool AwaitWrite() {
+    bool stuck;
+    {
+      MutexLock lock(&mu_);
+      mu_.Await(
+          +[](SaveStreamReactor* r) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+            return !r->writing_ || r->cancelled_ || r->retired_;
+          },
+          this);
+      stuck = !mu_.AwaitWithDeadline(
+          +[](SaveStreamReactor* r) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+            return !r->writing_ || r->cancelled_;
+          },
+          this, absl::Now() + kRetiredWriteGrace);
+    }
+    // Outside mu_, which OnCancel takes.
+    if (stuck) context_->TryCancel();
     MutexLock lock(&mu_);
     mu_.Await(
         +[](SaveStreamReactor* r) ABSL_NO_THREAD_SAFETY_ANALYSIS {
@@ -183,7 +193,7 @@ class OptimizerServiceImpl::SaveStreamReactor final
       cancelled_ = true;
       return false;
     }
-    return true;
+    return true;  // a retirement ends the stream at its next chunk
   }
 
   // How the producer's stream of `total` bytes ends: ABORTED when its
@@ -212,14 +222,14 @@ class OptimizerServiceImpl::SaveStreamReactor final
   }
 
   void End(const grpc::Status& status, uint64_t sent, uint64_t total) {
-    {
-      MutexLock lock(&mu_);
-      finishing_ = true;
-    }
     service_->EndStreamedSave(name_, status, sent, total,
                               absl::ToDoubleSeconds(absl::Now() - start_));
     Finish(status);
   }
+
+  // How long a write may stay untaken by the client once the session is
+  // retired.
+  static constexpr absl::Duration kRetiredWriteGrace = absl::Seconds(2);
 
   OptimizerServiceImpl* const service_;
   grpc::CallbackServerContext* const context_;
@@ -238,10 +248,7 @@ class OptimizerServiceImpl::SaveStreamReactor final
   bool write_ok_ ABSL_GUARDED_BY(mu_) = true;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   bool retired_ ABSL_GUARDED_BY(mu_) = false;  // set by OnSessionRetired
-  // The call ends by its Finish (every byte sent, or End reached): a
-  // retirement no longer cancels it.
-  bool finishing_ ABSL_GUARDED_BY(mu_) = false;
-  uint64_t sent_ ABSL_GUARDED_BY(mu_) = 0;  // bytes the client received
+  uint64_t sent_ ABSL_GUARDED_BY(mu_) = 0;     // bytes the client received
 };
 
 void OptimizerServiceImpl::EndStreamedSave(const std::string& name,

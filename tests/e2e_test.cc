@@ -492,6 +492,38 @@ TEST_F(E2eTest, ClosingASessionEndsItsUnreadCheckpointStream) {
   EXPECT_FALSE(streamed.ok()) << "a stream of " << *streamed << " bytes";
 }
 
+// A checkpoint streamed to a client that reads it while its session is
+// closed ends with ABORTED, the status that says why (not CANCELLED).
+TEST_F(E2eTest, ClosingASessionAbortsItsReadCheckpointStream) {
+  constexpr uint64_t kNumel = uint64_t{8} << 20;  // a 96 MiB file
+  OwnTensorSession s;
+  s.Open(*daemon_, "read-stream", kNumel, 1);
+  Mutex mu;
+  bool first_chunk = false;
+  auto holds = +[](bool* b) { return *b; };
+  absl::StatusOr<uint64_t> streamed;
+  std::thread reader([&] {
+    v1::SaveStateStreamRequest request;
+    request.set_chunk_bytes(uint64_t{1} << 20);
+    streamed = s.client->SaveStateStream(request, [&](const v1::StateChunk&) {
+      {
+        MutexLock lock(&mu);
+        first_chunk = true;
+      }
+      absl::SleepFor(absl::Milliseconds(20));
+      return absl::OkStatus();
+    });
+  });
+  {
+    MutexLock lock(&mu);
+    mu.Await(holds, &first_chunk);
+  }
+  ASSERT_TRUE(s.client->CloseSession().ok());
+  reader.join();
+  EXPECT_EQ(streamed.status().code(), StatusCode::kAborted)
+      << streamed.status();
+}
+
 // A checkpoint arriving by LoadStateStream whose client stopped sending
 // ends when its session is closed: the stream held the session, whose state
 // stayed allocated (counted against the budget) until the client went away.
