@@ -49,6 +49,11 @@ absl::Status SessionRegistry::CheckIdentity(const SessionIdentity& identity,
                                                    " is not below world_size ",
                                                    identity.world_size));
   }
+  if (identity.world_size > kMaxWorldSize) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("world_size ", identity.world_size, " is over ",
+                     kMaxWorldSize, ", the most ranks a job may have"));
+  }
   if (identity.device < -1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "device must be -1 (CPU) or a CUDA ordinal, got ", identity.device));
@@ -180,6 +185,13 @@ absl::StatusOr<std::shared_ptr<RankExchange>> SessionRegistry::ExchangeFor(
   // Elsewhere the ranks agree on the device (Backend::JoinJob).
   if (backend.kind() != BackendKind::kCpu)
     return std::shared_ptr<RankExchange>();
+  if (identity.world_size > kMaxSessions) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("world_size ", identity.world_size,
+                     ": every rank of a CPU job opens "
+                     "its session on this daemon, which holds at most ",
+                     kMaxSessions, " sessions"));
+  }
   for (auto it = exchanges_.begin(); it != exchanges_.end();) {
     it = it->second.expired() ? exchanges_.erase(it) : std::next(it);
   }

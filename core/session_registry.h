@@ -25,6 +25,9 @@ namespace optimd {
 // Open sessions the daemon holds at most (each costs a little memory and
 // a line in every ListSessions and GetMetrics reply).
 inline constexpr size_t kMaxSessions = 4096;
+// Ranks of one job: above any job run today, and a bound on what a job's
+// per-rank tables cost.
+inline constexpr uint32_t kMaxWorldSize = uint32_t{1} << 20;
 
 // True when `a` equals `b`, compared in time independent of where they
 // differ (resume secrets).

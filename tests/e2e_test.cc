@@ -1330,6 +1330,18 @@ TEST_F(E2eTest, InvalidSessionRequests) {
   r.set_job_id("");
   EXPECT_EQ(client_->CreateSession(r).status().code(),
             StatusCode::kInvalidArgument);
+  // A CPU job's ranks all open sessions here; a world_size past the
+  // daemon's sessions, or past any job's, is refused before anything is
+  // sized by it.
+  r.set_job_id("j");
+  r.set_gradient_sharding(v1::GRADIENT_SHARDING_REPLICATED);
+  for (uint32_t world_size : {100000000u, 4294967295u, 4097u}) {
+    r.set_world_size(world_size);
+    auto s = client_->CreateSession(r);
+    EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument) << world_size;
+    EXPECT_NE(s.status().message().find("world_size"), std::string::npos)
+        << s.status();
+  }
 }
 
 TEST_F(E2eTest, ZeroElementAndFrozenTensors) {
