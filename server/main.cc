@@ -217,8 +217,18 @@ void ParseFlags(int argc, char** argv) {
 // sessions of CPU tensors (device -1) beside the GPUs if there are any.
 // The GPUs' backends take trainers' descriptors from `fd_store`. Empty
 // (logged) when --backend cannot be honoured.
+// Trainers' shared-memory segments the CPU backend holds open at most for
+// a limit of `files` open files (0: unknown): an eighth of it, beside the
+// held descriptors' three quarters (HeldDescriptorBound), so that one
+// trainer's segments cannot take the descriptors of others' connections.
+int64_t OpenSegmentBound(rlim_t files) {
+  constexpr int64_t kMost = optimd::SegmentCache::kDefaultMaxOpen;
+  if (files == 0) return kMost;
+  return std::min<int64_t>(kMost, static_cast<int64_t>(files / 8));
+}
+
 std::vector<std::unique_ptr<optimd::Backend>> MakeBackends(
-    [[maybe_unused]] optimd::FdStore* fd_store) {
+    [[maybe_unused]] optimd::FdStore* fd_store, rlim_t files) {
   std::vector<std::unique_ptr<optimd::Backend>> backends;
   const std::string flag = absl::GetFlag(FLAGS_backend);
   if (flag != "auto" && flag != "cpu" && flag != "cuda") {
@@ -263,6 +273,7 @@ std::vector<std::unique_ptr<optimd::Backend>> MakeBackends(
   }
   optimd::CpuBackend::Options cpu_options;
   cpu_options.threads = absl::GetFlag(FLAGS_cpu_threads);
+  cpu_options.max_open_segments = OpenSegmentBound(files);
   backends.push_back(std::make_unique<optimd::CpuBackend>(cpu_options));
   return backends;
 }
@@ -642,7 +653,7 @@ int main(int argc, char** argv) {
   optimd::FdStore fd_store(
       held_bound, std::min(held_bound, kMaxHeldDescriptorsPerConnection));
   std::vector<std::unique_ptr<optimd::Backend>> backends =
-      MakeBackends(&fd_store);
+      MakeBackends(&fd_store, files);
   if (backends.empty()) return 2;
   Listener listener;
   if (const int code = OpenListener(&listener); code != 0) return code;

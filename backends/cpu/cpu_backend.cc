@@ -18,7 +18,9 @@
 namespace optimd {
 
 CpuBackend::CpuBackend(const Options& options)
-    : options_(options), pool_(options.threads) {
+    : options_(options),
+      segments_(options.max_open_segments),
+      pool_(options.threads) {
   MutexLock lock(&pool_mu_);
   partial_sums_.assign(static_cast<size_t>(pool_.size()) * 8, 0.0);
 }

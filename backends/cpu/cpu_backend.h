@@ -22,6 +22,8 @@ class CpuBackend final : public Backend {
     int threads = 0;
     // Elements per work item of a plan.
     uint64_t item_elements = 1 << 16;
+    // Trainers' shared-memory segments open at most (SegmentCache).
+    int64_t max_open_segments = SegmentCache::kDefaultMaxOpen;
   };
 
   explicit CpuBackend(const Options& options);

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 
@@ -16,7 +17,14 @@ namespace {
 // Where glibc's shm_open keeps segments.
 constexpr char kShmDirectory[] = "/dev/shm";
 
+// Segments open in this process, each holding a descriptor.
+std::atomic<int64_t> open_segments{0};
+
 }  // namespace
+
+int64_t SharedMemorySegment::OpenCount() {
+  return open_segments.load(std::memory_order_relaxed);
+}
 
 absl::Status ValidateSegmentName(const std::string& name) {
   if (name.size() < 2 || name.size() > 251 || name[0] != '/') {
@@ -45,6 +53,13 @@ absl::StatusOr<std::shared_ptr<SharedMemorySegment>> SharedMemorySegment::Open(
   const int fd = shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
   if (fd < 0) {
     const int err = errno;
+    if (err == EMFILE || err == ENFILE) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "cannot open shared-memory segment '", name,
+          "': the daemon is out of file descriptors (", std::strerror(err),
+          "); register tensors in fewer segments, or raise its open-files "
+          "limit"));
+    }
     return absl::InvalidArgumentError(absl::StrCat(
         "cannot open shared-memory segment '", name, "': ", std::strerror(err),
         err == ENOENT ? " (does the trainer still hold it?)" : ""));
@@ -79,6 +94,7 @@ absl::StatusOr<std::shared_ptr<SharedMemorySegment>> SharedMemorySegment::Open(
     return absl::InvalidArgumentError(absl::StrCat(
         "cannot map shared-memory segment '", name, "': ", std::strerror(err)));
   }
+  open_segments.fetch_add(1, std::memory_order_relaxed);
   return std::shared_ptr<SharedMemorySegment>(new SharedMemorySegment(
       name, fd, static_cast<uint8_t*>(p), size, st.st_dev, st.st_ino));
 }
@@ -99,6 +115,7 @@ bool SharedMemorySegment::SizeUnchanged() const {
 SharedMemorySegment::~SharedMemorySegment() {
   munmap(data_, size_);
   close(fd_);
+  open_segments.fetch_sub(1, std::memory_order_relaxed);
 }
 
 absl::Status SharedMemorySegment::CheckStillMapped() const {
@@ -140,6 +157,13 @@ absl::StatusOr<BufferRef> SegmentCache::Resolve(const BufferHandle& handle,
       segment = nullptr;
     }
     if (segment == nullptr) {
+      if (SharedMemorySegment::OpenCount() >= max_open_) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            what, ": the daemon holds ", max_open_,
+            " shared-memory segments open, its bound (from its open-files "
+            "limit); register tensors in fewer, larger segments, or close "
+            "sessions that hold others"));
+      }
       auto opened = SharedMemorySegment::Open(handle.segment_name);
       if (!opened.ok()) {
         return absl::Status(

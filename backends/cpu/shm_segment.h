@@ -34,6 +34,9 @@ class SharedMemorySegment {
   SharedMemorySegment& operator=(const SharedMemorySegment&) = delete;
   ~SharedMemorySegment();
 
+  // Segments open in this process (each holds a descriptor).
+  static int64_t OpenCount();
+
   const std::string& name() const { return name_; }
   uint8_t* data() const { return data_; }
   uint64_t size() const { return size_; }
@@ -73,7 +76,11 @@ class SharedMemorySegment {
 // still names the cached object. Thread-safe.
 class SegmentCache {
  public:
-  SegmentCache() = default;
+  // At most `max_open` segments open in the process (each holds a
+  // descriptor): past it, a new one is RESOURCE_EXHAUSTED.
+  static constexpr int64_t kDefaultMaxOpen = 65536;
+  explicit SegmentCache(int64_t max_open = kDefaultMaxOpen)
+      : max_open_(max_open) {}
   SegmentCache(const SegmentCache&) = delete;
   SegmentCache& operator=(const SegmentCache&) = delete;
 
@@ -90,6 +97,7 @@ class SegmentCache {
   uint64_t opens() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
+  const int64_t max_open_;
   mutable Mutex mu_;
   WeakCache<SharedMemorySegment> segments_ ABSL_GUARDED_BY(mu_);
   uint64_t opens_ ABSL_GUARDED_BY(mu_) = 0;

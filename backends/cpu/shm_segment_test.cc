@@ -65,6 +65,27 @@ TEST(SegmentCacheTest, MapsOnceAndReleasesWhenUnused) {
   EXPECT_EQ(cache.opens(), 2u);
 }
 
+// Each open segment holds a descriptor: past the cache's bound a new one is
+// RESOURCE_EXHAUSTED, naming the tensor, while segments already open still
+// resolve; once one is let go, another opens.
+TEST(SegmentCacheTest, SegmentsPastTheBoundAreResourceExhausted) {
+  const int64_t before = SharedMemorySegment::OpenCount();
+  SegmentCache cache(before + 2);
+  ScopedSegment a(64), b(64), c(64);
+  auto ra = cache.Resolve(Shm(a.name(), 0, 64), 4, "a");
+  auto rb = cache.Resolve(Shm(b.name(), 0, 64), 4, "b");
+  ASSERT_TRUE(ra.ok()) << ra.status();
+  ASSERT_TRUE(rb.ok()) << rb.status();
+  auto rc = cache.Resolve(Shm(c.name(), 0, 64), 4, "c");
+  EXPECT_EQ(rc.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(rc.status().message().find("c: "), std::string::npos)
+      << rc.status();
+  EXPECT_TRUE(cache.Resolve(Shm(a.name(), 0, 32), 4, "a again").ok());
+  EXPECT_EQ(SharedMemorySegment::OpenCount(), before + 2);
+  ra = absl::CancelledError();  // lets segment a go
+  EXPECT_TRUE(cache.Resolve(Shm(c.name(), 0, 64), 4, "c").ok());
+}
+
 TEST(SegmentCacheTest, RejectsBadRegions) {
   ScopedSegment seg(4096);
   SegmentCache cache;
