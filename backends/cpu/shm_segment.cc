@@ -143,7 +143,7 @@ absl::StatusOr<BufferRef> SegmentCache::Resolve(const BufferHandle& handle,
     return absl::InvalidArgumentError(
         absl::StrCat(what,
                      ": the CPU backend needs a shared_memory buffer "
-                     "handle, not a CUDA IPC one"));
+                     "handle, not a CUDA one (cuda_ipc or cuda_vmm)"));
   }
   std::shared_ptr<SharedMemorySegment> segment;
   {
