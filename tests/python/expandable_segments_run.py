@@ -209,7 +209,9 @@ def out_of_memory(gpu_address, cpu_address, seed, release=True):
     an out-of-memory error: the daemon holds their descriptors and
     mappings, so that memory stays allocated unless the client's
     out-of-memory observer has the daemon let go (optimd/_oom_release.py).
-    Prints the MiB the error gave back; the steps before and after equal
+    Prints whether an allocation of 400 MiB more than was free before the
+    error then succeeds (the driver's free-memory count shows memory freed
+    by the daemon's process only later); the steps before and after equal
     the CPU reference. `release` False: the control, whose observer does
     nothing."""
     torch.manual_seed(seed)
@@ -241,12 +243,18 @@ def out_of_memory(gpu_address, cpu_address, seed, release=True):
         raise AssertionError("an allocation of the whole device succeeded")
     except torch.cuda.OutOfMemoryError:
         pass
-    gained = (torch.cuda.mem_get_info()[0] - before) / 2**20
+    try:
+        retry = torch.empty(before + (400 << 20), dtype=torch.uint8,
+                            device="cuda")
+        del retry
+        outcome = "ok"
+    except torch.cuda.OutOfMemoryError:
+        outcome = "failed"
     step(2)
     opt.close()
     ref.close()
-    print("out of memory: %.0f MiB given back; 3 steps equal to the CPU "
-          "reference" % gained)
+    print("out of memory: a retry of 400 MiB past the memory free before "
+          "%s; 3 steps equal to the CPU reference" % outcome)
 
 
 if __name__ == "__main__":
