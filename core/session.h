@@ -85,6 +85,9 @@ struct BufferUpdate {
   // The tensor has no gradient from now on (grad must be kNone): it is left
   // out of steps until an update gives it a gradient buffer again.
   bool grad_absent = false;
+  // The trainer wrote the parameter: its master is set from it
+  // (TensorBuffers.param_written).
+  bool param_written = false;
 };
 
 struct StepRequestSpec {
@@ -413,6 +416,11 @@ class Session {
   // Applies what ResolveGroupUpdates checked.
   absl::Status ApplyGroupUpdates(GroupUpdates& resolved)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sets the masters of `group`'s tensors `written` (indices) from their
+  // parameters, which the trainer wrote.
+  absl::Status MastersFromWrittenParams(Group& group,
+                                        const std::vector<uint32_t>& written)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Binds the request's step flags (if any) and checks its sequence; sets
   // options->step_flags and ->sequence when the step uses them (also when
   // the sequence is refused, so that the step can be released).
@@ -436,7 +444,8 @@ class Session {
     BufferRef param, grad;
     BufferRef full_param;  // sharded tensors: the whole parameter
     bool has_param = false, has_grad = false;
-    bool absent = false;  // the gradient goes away
+    bool absent = false;         // the gradient goes away
+    bool param_written = false;  // the master is set from the parameter
   };
   struct GroupUpdates {
     Group* group = nullptr;

@@ -80,7 +80,37 @@ absl::Status Session::ApplyGroupUpdates(GroupUpdates& updates) {
   // Mappings a step checks change only when a buffer moved to another
   // segment or allocation: the steady state of a moving gradient skips it.
   if (new_mapping) RefreshMappings();
-  return backend_->UpdatePlanEntries(*group, entries);
+  OPTIMD_RETURN_IF_ERROR(backend_->UpdatePlanEntries(*group, entries));
+  std::vector<uint32_t> written;
+  for (const ResolvedUpdate& r : resolved) {
+    if (r.param_written) written.push_back(r.tensor);
+  }
+  return MastersFromWrittenParams(*group, written);
+}
+
+absl::Status Session::MastersFromWrittenParams(
+    Group& group, const std::vector<uint32_t>& written) {
+  if (written.empty()) return absl::OkStatus();
+  // The parameters are read where they are: a segment shrunk under its
+  // mapping must fail here, not fault.
+  OPTIMD_RETURN_IF_ERROR(backend_->CheckMappings(mappings_));
+  for (uint32_t i : written) {
+    TensorEntry& t = group.tensors[i];
+    // The parameter's values as a "master" blob, which WriteStateBlob
+    // converts exactly (bf16 and fp16 widen to fp32; a remainder layout's
+    // remainder becomes zero) and writes back unchanged to the parameter.
+    StateBlob b;
+    b.tensor = t.name;
+    b.kind = "master";
+    b.dtype = t.layout.param_dtype;
+    b.numel = t.numel;
+    b.data.resize(t.numel * DTypeSize(b.dtype));
+    OPTIMD_RETURN_IF_ERROR(backend_->CopyToHost(
+        t.param.data, reinterpret_cast<uint8_t*>(b.data.data()),
+        b.data.size()));
+    OPTIMD_RETURN_IF_ERROR(WriteStateBlob(b, &t));
+  }
+  return absl::OkStatus();
 }
 
 bool Session::RetainIfReplaced(const std::shared_ptr<const void>& old_mapping,
@@ -119,9 +149,17 @@ absl::StatusOr<std::vector<Session::ResolvedUpdate>> Session::ResolveUpdates(
                        "': grad_absent with a grad buffer; send "
                        "one or the other"));
     }
+    if (u.param_written && e.layout.fp8_recipe != Fp8Recipe::kNone) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor '", u.tensor,
+          "': param_written is not taken for an FP8 parameter (its codes "
+          "depend on the master's scale); set its master with SetState"));
+    }
     ResolvedUpdate r;
     r.tensor = idx;
     r.absent = u.grad_absent && e.Steppable();
+    r.param_written =
+        u.param_written && e.numel > 0 && e.layout.master != MasterKind::kNone;
     if (e.sharded) {
       OPTIMD_RETURN_IF_ERROR(ResolveShardedUpdate(e, u, &r));
       resolved.push_back(std::move(r));

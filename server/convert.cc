@@ -239,6 +239,7 @@ absl::StatusOr<std::vector<BufferUpdate>> BufferUpdatesFromProto(
     u.param = BufferHandleFromProto(t.param());
     u.grad = BufferHandleFromProto(t.grad());
     u.grad_absent = t.grad_absent();
+    u.param_written = t.param_written();
     out.push_back(std::move(u));
   }
   return out;
@@ -250,6 +251,15 @@ absl::StatusOr<StepRequestSpec> StepSpecFromProto(
   for (const v1::UpdateBuffersRequest& u : request.buffer_updates()) {
     auto updates = BufferUpdatesFromProto(u);
     if (!updates.ok()) return updates.status();
+    for (const BufferUpdate& b : *updates) {
+      if (b.param_written) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "tensor '", b.tensor,
+            "': param_written goes with UpdateBuffers, once the trainer's "
+            "writes are done, not with a step (whose buffer updates the "
+            "daemon applies before the trainer's stream reaches the step)"));
+      }
+    }
     spec.buffer_updates.emplace_back(u.group_id(), *std::move(updates));
   }
   spec.step_flags = BufferHandleFromProto(request.step_flags());

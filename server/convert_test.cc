@@ -179,6 +179,12 @@ TEST(ConvertTest, StepDefaults) {
   EXPECT_FALSE(s.memory_released);
   r.set_memory_released(true);
   EXPECT_TRUE(StepSpecFromProto(r)->memory_released);
+  // param_written goes with UpdateBuffers, not with a step.
+  auto* t = r.add_buffer_updates()->add_tensors();
+  t->set_name("w");
+  t->set_param_written(true);
+  EXPECT_EQ(StepSpecFromProto(r).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(ConvertTest, TwoOverridesOfOneGroupAreRefused) {

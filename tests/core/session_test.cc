@@ -400,6 +400,53 @@ TEST_F(SessionTest, StepBufferUpdatesOfSeveralGroupsAllOrNone) {
   EXPECT_FALSE(s->outcome.skipped) << "the refused step moved g1's gradient";
 }
 
+// A bf16 parameter keeps an fp32 master in the daemon. Values the trainer
+// writes into the parameter (a weight load, a clip) reach the master with
+// an update that says so (param_written), and the next step starts from
+// them, as torch's steps from the written tensor; without it the step
+// writes the old master over them.
+TEST_F(SessionTest, WrittenParameterSetsItsMaster) {
+  TensorSpec t;
+  t.name = "w";
+  t.numel = 8;
+  t.param_dtype = t.grad_dtype = DType::kBFloat16;
+  t.param_dtype_set = t.grad_dtype_set = true;
+  t.param = Handle(*params_, 0, 16);
+  t.grad = Handle(*grads_, 0, 16);
+  GroupSpec spec;
+  spec.id = "g";
+  spec.hyper.weight_decay = 0;
+  spec.tensors = {t};
+  uint16_t* p = params_->as<uint16_t>();
+  for (int i = 0; i < 8; ++i) {
+    p[i] = FloatToBFloat16(1.0f);
+    grads_->as<uint16_t>()[i] = FloatToBFloat16(0.5f);
+  }
+  ASSERT_TRUE(session_.RegisterGroup(spec).ok());
+  ASSERT_TRUE(session_.Step({}).ok());
+  for (int i = 0; i < 8; ++i) p[i] = FloatToBFloat16(5.0f);
+  BufferUpdate written;
+  written.tensor = "w";
+  written.param_written = true;
+  ASSERT_TRUE(session_.UpdateBuffers("g", {written}).ok());
+  auto state = session_.ReadState({"g"}, true, {}, uint64_t{1} << 20);
+  ASSERT_TRUE(state.ok()) << state.status();
+  bool seen = false;
+  for (const StateBlob& b : (*state)[0].tensors) {
+    if (b.kind != "master") continue;
+    seen = true;
+    ASSERT_EQ(b.dtype, DType::kFloat32);
+    const float* m = reinterpret_cast<const float*>(b.data.data());
+    for (int i = 0; i < 8; ++i) EXPECT_EQ(m[i], 5.0f) << i;
+  }
+  EXPECT_TRUE(seen);
+  ASSERT_TRUE(session_.Step({}).ok());
+  for (int i = 0; i < 8; ++i) {
+    EXPECT_NEAR(BFloat16ToFloat(p[i]), 5.0f, 0.1f) << "stepped from the "
+                                                      "old master";
+  }
+}
+
 // A tensor whose gradient is absent (torch's .grad is None) is not stepped:
 // its parameter, moments and the norm ignore it, while its neighbour steps
 // as if it were alone; given a gradient again, it steps again.
