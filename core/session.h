@@ -421,6 +421,8 @@ class Session {
   absl::Status MastersFromWrittenParams(Group& group,
                                         const std::vector<uint32_t>& written)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status MasterFromWrittenParam(TensorEntry& t)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Binds the request's step flags (if any) and checks its sequence; sets
   // options->step_flags and ->sequence when the step uses them (also when
   // the sequence is refused, so that the step can be released).

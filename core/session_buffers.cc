@@ -95,20 +95,7 @@ absl::Status Session::MastersFromWrittenParams(
   // mapping must fail here, not fault.
   OPTIMD_RETURN_IF_ERROR(backend_->CheckMappings(mappings_));
   for (uint32_t i : written) {
-    TensorEntry& t = group.tensors[i];
-    // The parameter's values as a "master" blob, which WriteStateBlob
-    // converts exactly (bf16 and fp16 widen to fp32; a remainder layout's
-    // remainder becomes zero) and writes back unchanged to the parameter.
-    StateBlob b;
-    b.tensor = t.name;
-    b.kind = "master";
-    b.dtype = t.layout.param_dtype;
-    b.numel = t.numel;
-    b.data.resize(t.numel * DTypeSize(b.dtype));
-    OPTIMD_RETURN_IF_ERROR(backend_->CopyToHost(
-        t.param.data, reinterpret_cast<uint8_t*>(b.data.data()),
-        b.data.size()));
-    OPTIMD_RETURN_IF_ERROR(WriteStateBlob(b, &t));
+    OPTIMD_RETURN_IF_ERROR(MasterFromWrittenParam(group.tensors[i]));
   }
   return absl::OkStatus();
 }
@@ -158,8 +145,10 @@ absl::StatusOr<std::vector<Session::ResolvedUpdate>> Session::ResolveUpdates(
     ResolvedUpdate r;
     r.tensor = idx;
     r.absent = u.grad_absent && e.Steppable();
+    // A remainder layout's parameter is its master's high half: written
+    // values are stepped from already (with the old low half).
     r.param_written =
-        u.param_written && e.numel > 0 && e.layout.master != MasterKind::kNone;
+        u.param_written && e.numel > 0 && e.layout.master == MasterKind::kFp32;
     if (e.sharded) {
       OPTIMD_RETURN_IF_ERROR(ResolveShardedUpdate(e, u, &r));
       resolved.push_back(std::move(r));
