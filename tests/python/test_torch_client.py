@@ -208,6 +208,47 @@ class TorchClientTest(unittest.TestCase):
         kw.setdefault("job_id", self.id())
         return AdamW(params, **kw)
 
+    def test_values_written_into_bf16_parameters_are_stepped_from(self):
+        # torch steps from what the trainer wrote into its parameters. A
+        # bf16 parameter's fp32 master lives in the daemon; the client tells
+        # it of the writes torch counts (a state-dict load, an in-place
+        # edit) and of new memory (`p.data = t`), and the next step starts
+        # from the written values. torch's fp32 AdamW over the same values
+        # is the reference (the master's math), to bf16 rounding.
+        torch.manual_seed(SEED)
+        ours = torch.nn.Linear(12, 4).to(torch.bfloat16)
+        theirs = torch.nn.Linear(12, 4)
+        theirs.load_state_dict({k: v.float()
+                                for k, v in ours.state_dict().items()})
+        opt = self.make(ours.parameters(), lr=1e-2)
+        ref = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
+
+        def step():
+            for p, q in zip(ours.parameters(), theirs.parameters()):
+                p.grad = torch.randn(p.shape).to(torch.bfloat16)
+                q.grad = p.grad.float()
+            opt.step()
+            ref.step()
+            for p, q in zip(ours.parameters(), theirs.parameters()):
+                torch.testing.assert_close(p.detach().float(), q.detach(),
+                                           rtol=1e-2, atol=1e-2)
+
+        step()
+        step()
+        ours.load_state_dict({k: torch.full_like(v, 5.0)
+                              for k, v in ours.state_dict().items()})
+        theirs.load_state_dict({k: torch.full_like(v, 5.0)
+                                for k, v in theirs.state_dict().items()})
+        step()
+        with torch.no_grad():
+            ours.weight[0].fill_(-3.0)
+            theirs.weight[0].fill_(-3.0)
+        step()
+        ours.bias.data = torch.full((4,), 2.0, dtype=torch.bfloat16)
+        theirs.bias.data = torch.full((4,), 2.0)
+        step()
+        opt.close()
+
     def train_step(self, model, opt):
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(model(self.x), self.y)

@@ -118,6 +118,14 @@ _MAX_PENDING_REPLIES = 2
 # (_DaemonOptimizer._torch_memory_shareable): once, not per optimizer.
 _SAID_UNSHAREABLE = False
 
+_param_version = operator.attrgetter("param._version")
+
+
+def _versions(entries):
+    """torch's counts of in-place writes of the entries' parameters."""
+    return list(map(_param_version, entries))
+
+
 class _TensorEntry:
     """Where one parameter lives in the group's shared segments. `param`
     is the parameter (the key of its state), `mem` the tensor whose memory
@@ -912,6 +920,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         # Whether a step must check FSDP1's job options (check_fsdp1_job).
         self._any_fsdp1 = any(map(is_fsdp1, self._params_flat))
         self._pptrs_flat = [s.pview.data_ptr() for s in self._homed]
+        self._watch_written_params()
         self._dtensors = [s for g in self._groups for s in g["tensors"]
                           if s.numel and is_dtensor(s.param)]
         self._mirrored = [s for g in self._groups for s in g["tensors"]
@@ -921,6 +930,41 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             _weakly(self._flat_grads), densify=self._takes_sparse_grads,
             copies=self._device.type == "cpu" or not self._in_place(),
             vmm=self._vmm_sharer())
+
+    def _watch_written_params(self):
+        """The parameters whose values the daemon keeps in an fp32 master
+        (bf16 and fp16 ones, and any of a group with master_weights=True;
+        the daemon leaves a remainder layout's alone), and their version
+        counts now: a write into one after this (a weight load, an in-place
+        edit; not through `.data`, which torch does not count) is told to
+        the daemon at the next step (_follow_written_params)."""
+        masters = {g["id"] for g, group in zip(self._groups, self.param_groups)
+                   if group.get("master_weights")}
+        self._watched = [s for s in self._homed
+                         if s.param.dtype in (torch.bfloat16, torch.float16)
+                         or s.group_id in masters]
+        # Parameters watched before keep their count (a write made before
+        # this call is still to be told); new ones start now.
+        seen = dict(zip(map(id, getattr(self, "_watched_before", ())),
+                        getattr(self, "_versions", ())))
+        self._versions = [seen.get(id(s), s.param._version)
+                          for s in self._watched]
+        self._watched_before = self._watched
+
+    def _follow_written_params(self):
+        """Tells the daemon which watched parameters were written since
+        the last step (their version counts moved): each element the
+        trainer changed becomes its master's value, as torch steps from
+        the written tensor (UpdateBuffers' param_written; on CUDA after
+        the trainer's stream, which the call waits for)."""
+        if not getattr(self, "_watched", None):
+            return
+        versions = _versions(self._watched)
+        if versions == self._versions:
+            return
+        self._tell_written([s for s, now, then in zip(
+            self._watched, versions, self._versions) if now != then])
+        self._versions = versions
 
     def _sync_structure(self):
         """A group whose parameters were added or removed since it was
@@ -1090,6 +1134,19 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
                 raise _not_dense_error(s.name, p)
             s.pview.copy_(p.detach())
             p.data = s.pview
+        self._tell_written([s for s in moved if not s.in_place])
+
+    def _tell_written(self, entries):
+        """Tells the daemon that the trainer wrote the parameters of
+        `entries` (UpdateBuffers' param_written): the elements it changed
+        become their masters' values."""
+        by_group = {}
+        for s in entries:
+            by_group.setdefault(
+                s.group_id, pb.UpdateBuffersRequest(group_id=s.group_id)
+            ).tensors.add(name=s.name, param_written=True)
+        for update in by_group.values():
+            self._client.update_buffers(update)
 
     def _follow_moved_in_place(self, moved):
         """Parameters registered where they are and given other memory
@@ -1139,7 +1196,9 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             s.pflat = _flat_or_none(s.pview)
             update = by_group.setdefault(
                 s.group_id, pb.UpdateBuffersRequest(group_id=s.group_id))
-            update.tensors.add(name=s.name, param=self._in_place_handle(s))
+            # New memory holds the trainer's values: masters follow them.
+            update.tensors.add(name=s.name, param=self._in_place_handle(s),
+                               param_written=True)
         for update in by_group.values():
             self._client.update_buffers(update)
         self._index_buffers()
@@ -1280,6 +1339,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         self._write_back_state()
         self._sync_structure()
         self._sync_params()
+        self._follow_written_params()
         if isinstance(self, SeveralDevices):
             # The parameters spread over devices just now.
             return self._step_parts(loss)
@@ -1301,6 +1361,9 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             raise
         self.state.invalidate()
         self.state.follow()  # state tensors the trainer holds, as in torch
+        # What the step itself wrote (a mirror's copy back) is no write of
+        # the trainer's.
+        self._versions = _versions(getattr(self, "_watched", ()))
         return loss
 
     def _request_step(self, updates):
