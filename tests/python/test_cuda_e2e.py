@@ -245,6 +245,33 @@ class CudaEndToEnd(unittest.TestCase):
             self.assertTrue(torch.equal(p.detach().cpu(), q.detach()),
                             "parameter %d differs from the CPU reference" % i)
 
+    def test_values_written_into_bf16_parameters_reach_their_masters(self):
+        # bf16 parameters keep fp32 masters in the daemon. Values the
+        # trainer writes (an in-place edit, a state-dict load) are told at
+        # the next step (param_written) and stepped from, after the
+        # trainer's stream; the same writes on the CPU reference give the
+        # same bits.
+        torch.manual_seed(SEED)
+        params = [torch.nn.Parameter(torch.randn(s, device="cuda").to(
+            torch.bfloat16)) for s in [(1000, 257), (4099,)]]
+        refs = [torch.nn.Parameter(p.detach().cpu()) for p in params]
+        opt = AdamW(params, lr=1e-2, address=self.gpu.address,
+                    job_id="written-" + self.id())
+        ref = AdamW(refs, lr=1e-2, address=self.cpu.address,
+                    job_id="written-cpu-" + self.id())
+        self.step_against_cpu(opt, ref, params, refs)
+        self.step_against_cpu(opt, ref, params, refs)
+        torch.cuda._sleep(10 * _SPIN_CYCLES)  # the writes come late
+        with torch.no_grad():
+            for p, q in zip(params, refs):
+                p[: p.shape[0] // 2].fill_(5.0)
+                q[: q.shape[0] // 2].fill_(5.0)
+        self.step_against_cpu(opt, ref, params, refs)
+        self.assertLess((params[1][:2049].float() - 5.0).abs().max().item(),
+                        0.1, "stepped from the old masters")
+        opt.close()
+        ref.close()
+
     def test_out_of_memory_gives_back_gradients_the_daemon_maps(self):
         # Gradients set to None, then freed by torch's allocator as it
         # retries before an out-of-memory error, stay mapped by the daemon
