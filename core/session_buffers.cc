@@ -42,6 +42,13 @@ absl::StatusOr<Session::GroupUpdates> Session::ResolveGroupUpdates(
   // Resolve everything first; apply only when all are valid.
   OPTIMD_ASSIGN_OR_RETURN(std::vector<ResolvedUpdate> resolved,
                           ResolveUpdates(*group, updates));
+  // Written parameters are read where they are (MastersFromWrittenParams):
+  // a segment shrunk under its mapping must fail here, before anything
+  // is applied, not fault then.
+  if (std::any_of(resolved.begin(), resolved.end(),
+                  [](const ResolvedUpdate& r) { return r.param_written; })) {
+    OPTIMD_RETURN_IF_ERROR(backend_->CheckMappings(mappings_));
+  }
   return GroupUpdates{group, std::move(resolved)};
 }
 
@@ -90,10 +97,6 @@ absl::Status Session::ApplyGroupUpdates(GroupUpdates& updates) {
 
 absl::Status Session::MastersFromWrittenParams(
     Group& group, const std::vector<uint32_t>& written) {
-  if (written.empty()) return absl::OkStatus();
-  // The parameters are read where they are: a segment shrunk under its
-  // mapping must fail here, not fault.
-  OPTIMD_RETURN_IF_ERROR(backend_->CheckMappings(mappings_));
   for (uint32_t i : written) {
     OPTIMD_RETURN_IF_ERROR(MasterFromWrittenParam(group.tensors[i]));
   }

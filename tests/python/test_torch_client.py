@@ -239,6 +239,12 @@ class TorchClientTest(unittest.TestCase):
                               for k, v in ours.state_dict().items()})
         theirs.load_state_dict({k: torch.full_like(v, 5.0)
                                 for k, v in theirs.state_dict().items()})
+        # A state dict taken before the next step holds the written values
+        # as masters.
+        masters = [e["master"] for e in opt.state_dict()["state"].values()]
+        self.assertEqual(len(masters), 2)
+        for m in masters:
+            self.assertTrue(torch.equal(m, torch.full_like(m, 5.0)))
         step()
         with torch.no_grad():
             ours.weight[0].fill_(-3.0)

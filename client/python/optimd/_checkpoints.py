@@ -19,6 +19,7 @@ class Checkpoints:
         background=True it returns once a consistent copy is taken and writes
         it while training goes on; see save_status()."""
         self._write_back_state()  # writes to optimizer.state, as torch's
+        self._follow_written_params()  # masters as the parameters now are
         return self._client.save_state(directory, background=background)
 
     def state_bytes(self, chunk_bytes=4 << 20):

@@ -940,9 +940,13 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         the daemon at the next step (_follow_written_params)."""
         masters = {g["id"] for g, group in zip(self._groups, self.param_groups)
                    if group.get("master_weights")}
+        remainders = {g["id"] for g, group in
+                      zip(self._groups, self.param_groups)
+                      if group.get("store_param_remainders")}
         self._watched = [s for s in self._homed
-                         if s.param.dtype in (torch.bfloat16, torch.float16)
-                         or s.group_id in masters]
+                         if s.group_id not in remainders and
+                         (s.param.dtype in (torch.bfloat16, torch.float16)
+                          or s.group_id in masters)]
         # Parameters watched before keep their count (a write made before
         # this call is still to be told); new ones start now.
         seen = dict(zip(map(id, getattr(self, "_watched_before", ())),
@@ -1305,7 +1309,8 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         # Its buffers go with the session (the parts have their own).
         for name in ("_groups", "_router", "_homed", "_params_flat",
                      "_pptrs_flat", "_dtensors", "_mirrored", "_flags",
-                     "_param_handle_cache"):
+                     "_param_handle_cache", "_watched", "_versions",
+                     "_watched_before"):
             self.__dict__.pop(name, None)
         self._retired = {}
         become_several(self, self._service, held, resume=False)
@@ -1334,6 +1339,10 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
 
     def _step_after_closure(self, loss):
         self._finish_overlap()
+        # Before anything below reads the daemon's masters back (a group
+        # registered anew carries its state over): the trainer's writes
+        # reach them first.
+        self._follow_written_params()
         # Writes to optimizer.state first: following edited param_groups
         # below carries the state over from the daemon.
         self._write_back_state()

@@ -177,6 +177,8 @@ class StateDicts:
         # _post_hook), called as torch's state_dict calls them.
         for hook in _hooks(self, "_optimizer_state_dict_pre_hooks"):
             hook(self)
+        # Masters as the trainer's parameters now are (their writes).
+        self._follow_written_params()
         if self._shard_state:
             state_dict = dict(self._consolidated_state())
         else:
