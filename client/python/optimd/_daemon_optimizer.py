@@ -27,7 +27,8 @@ from optimd._checkpoints import Checkpoints
 from optimd._cuda_segment import CudaSegment
 from optimd._dtensor import (any_sharded, check_mesh, is_dtensor, local_of,
                              shard_place)
-from optimd._grads import GradRouter, HandleCache, zero_in_place
+from optimd._grads import (GradRouter, HandleCache, update_of,
+                           zero_in_place)
 from optimd._jobs import (check_fsdp1_job, close_session, dist_identity,
                           shared_job_id, shared_nccl_id, zero_sharding)
 from optimd._layout import (alias_like, is_dense, keeps_layout,
@@ -1146,9 +1147,8 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         become their masters' values."""
         by_group = {}
         for s in entries:
-            by_group.setdefault(
-                s.group_id, pb.UpdateBuffersRequest(group_id=s.group_id)
-            ).tensors.add(name=s.name, param_written=True)
+            update_of(by_group, s).tensors.add(name=s.name,
+                                               param_written=True)
         for update in by_group.values():
             self._client.update_buffers(update)
 
@@ -1198,8 +1198,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             s.mem = local_of(s.param)
             s.pview = s.mem.detach()
             s.pflat = _flat_or_none(s.pview)
-            update = by_group.setdefault(
-                s.group_id, pb.UpdateBuffersRequest(group_id=s.group_id))
+            update = update_of(by_group, s)
             # New memory holds the trainer's values: masters follow them.
             update.tensors.add(name=s.name, param=self._in_place_handle(s),
                                param_written=True)
@@ -1348,7 +1347,6 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         self._write_back_state()
         self._sync_structure()
         self._sync_params()
-        self._follow_written_params()
         if isinstance(self, SeveralDevices):
             # The parameters spread over devices just now.
             return self._step_parts(loss)

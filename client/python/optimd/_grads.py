@@ -106,6 +106,16 @@ def _calibrate_held():
 _HELD_REFS = _calibrate_held()
 
 
+def update_of(by_group, entry):
+    """The UpdateBuffersRequest of `entry`'s group in `by_group` (group id
+    -> request), made on its first use."""
+    request = by_group.get(entry.group_id)
+    if request is None:
+        request = by_group[entry.group_id] = pb.UpdateBuffersRequest(
+            group_id=entry.group_id)
+    return request
+
+
 class GradRouter:
     """The gradients of one optimizer's steppable tensors, in registration
     order. `tensors` are the optimizer's _TensorEntry objects (param, name,
@@ -194,9 +204,7 @@ class GradRouter:
             except RuntimeError:  # sparse: no data pointer of its own
                 pass
             s = self._tensors[i]
-            by_group.setdefault(
-                s.group_id, pb.UpdateBuffersRequest(group_id=s.group_id)
-            ).tensors.add(name=s.name, grad_absent=True)
+            update_of(by_group, s).tensors.add(name=s.name, grad_absent=True)
             self._sent[i] = s.sent_ptr = 0
         return list(by_group.values())
 
@@ -254,8 +262,7 @@ class GradRouter:
             if ptr == sent:
                 continue
             s = self._tensors[i]
-            update = by_group.setdefault(
-                s.group_id, pb.UpdateBuffersRequest(group_id=s.group_id))
+            update = update_of(by_group, s)
             if ptr == 0:
                 update.tensors.add(name=s.name, grad_absent=True)
             else:
