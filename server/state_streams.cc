@@ -172,28 +172,26 @@ class OptimizerServiceImpl::SaveStreamReactor final
       MutexLock lock(&mu_);
       mu_.Await(
           +[](SaveStreamReactor* r) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-            return !r->writing_ || r->cancelled_ || r->retired_;
+            return WriteOver(r) || r->retired_;
           },
           this);
-      stuck = !mu_.AwaitWithDeadline(
-          +[](SaveStreamReactor* r) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-            return !r->writing_ || r->cancelled_;
-          },
-          this, absl::Now() + kRetiredWriteGrace);
+      stuck = !mu_.AwaitWithDeadline(&WriteOver, this,
+                                     absl::Now() + kRetiredWriteGrace);
     }
     // Outside mu_, which OnCancel takes.
     if (stuck) context_->TryCancel();
     MutexLock lock(&mu_);
-    mu_.Await(
-        +[](SaveStreamReactor* r) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-          return !r->writing_ || r->cancelled_;
-        },
-        this);
+    mu_.Await(&WriteOver, this);
     if (!write_ok_ || cancelled_) {
       cancelled_ = true;
       return false;
     }
     return true;  // a retirement ends the stream at its next chunk
+  }
+
+  // The write under way is done, or the call cancelled (which ends it).
+  static bool WriteOver(SaveStreamReactor* r) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    return !r->writing_ || r->cancelled_;
   }
 
   // How the producer's stream of `total` bytes ends: ABORTED when its
