@@ -416,8 +416,10 @@ class Session {
   // Applies what ResolveGroupUpdates checked.
   absl::Status ApplyGroupUpdates(GroupUpdates& resolved)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Sets the masters of `group`'s tensors `written` (indices) from their
-  // parameters, which the trainer wrote.
+  // For `group`'s tensors `written` (indices), whose parameters the trainer
+  // may have written: each element whose parameter differs from the one
+  // its master gives takes the parameter's value as its master
+  // (MasterFromWrittenParam).
   absl::Status MastersFromWrittenParams(Group& group,
                                         const std::vector<uint32_t>& written)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

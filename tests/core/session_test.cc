@@ -58,6 +58,14 @@ class SessionTest : public ::testing::Test {
     return t;
   }
 
+  // Registers group "g" of fp32 tensors "a" and "b", 8 elements each.
+  void RegisterGroupAB() {
+    GroupSpec spec;
+    spec.id = "g";
+    spec.tensors = {Fp32Tensor("a", 8, 0), Fp32Tensor("b", 8, 64)};
+    ASSERT_TRUE(session_.RegisterGroup(spec).ok());
+  }
+
   CpuBackend backend_;
   StateBudget budget_;
   Session session_;
@@ -313,10 +321,7 @@ TEST(SessionOrderTest, ParametersOverOneMemoryAreSteppedOneAfterTheOther) {
 }
 
 TEST_F(SessionTest, UpdateBuffersTouchesOnlyThatEntry) {
-  GroupSpec spec;
-  spec.id = "g";
-  spec.tensors = {Fp32Tensor("a", 8, 0), Fp32Tensor("b", 8, 64)};
-  ASSERT_TRUE(session_.RegisterGroup(spec).ok());
+  ASSERT_NO_FATAL_FAILURE(RegisterGroupAB());
   auto other = *SharedMemoryRegion::Create(64);
   BufferUpdate u;
   u.tensor = "b";
@@ -351,10 +356,7 @@ int MappingsOf(const std::string& name) {
 // at once by UpdateBuffers' memory_released (an out-of-memory error's
 // release).
 TEST_F(SessionTest, UpdateBuffersThatReleaseMemoryCloseUnusedMappings) {
-  GroupSpec spec;
-  spec.id = "g";
-  spec.tensors = {Fp32Tensor("a", 8, 0), Fp32Tensor("b", 8, 64)};
-  ASSERT_TRUE(session_.RegisterGroup(spec).ok());
+  ASSERT_NO_FATAL_FAILURE(RegisterGroupAB());
   auto other = *SharedMemoryRegion::Create(64);
   BufferUpdate moved;
   moved.tensor = "b";
