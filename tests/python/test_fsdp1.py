@@ -175,6 +175,37 @@ class Fsdp1Test(unittest.TestCase):
         # memory, where the daemon's CPU backend steps them in place.
         self.one_rank(use_orig_params=False, offload=True)
 
+    def test_values_written_into_bf16_parameters_are_stepped_from(self):
+        # bf16 parameters keep fp32 masters in the daemon. Values written
+        # through FSDP1's gathered parameters (summon_full_params with
+        # writeback) are the next step's starting point, as in torch; a
+        # training step by itself tells the daemon nothing.
+        m = _wrap(_model("cuda").to(torch.bfloat16), use_orig_params=True)
+        opt = AdamW(m.parameters(), lr=1e-2, address=self.daemon.address)
+        told = []
+        tell = opt._tell_written
+        opt._tell_written = lambda entries: (told.append(len(entries)),
+                                             tell(entries))
+        batches = _batches()
+
+        def step(x):
+            m(x.to("cuda", torch.bfloat16)).backward()
+            opt.step()
+            opt.zero_grad()
+
+        step(batches[0])
+        step(batches[1])
+        self.assertEqual(told, [], "steps alone told writes")
+        with FullyShardedDataParallel.summon_full_params(m, writeback=True):
+            with torch.no_grad():
+                m.a.weight.fill_(5.0)
+        step(batches[2])
+        opt.synchronize()
+        full = _full(m)
+        self.assertLess((full["a.weight"] - 5.0).abs().max().item(), 0.1,
+                        "stepped from the old masters")
+        opt.close()
+
     def test_two_cpu_ranks_clip_by_the_job_norm(self):
         self.two_ranks("cpu")
 

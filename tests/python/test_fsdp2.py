@@ -222,6 +222,48 @@ class Fsdp2Test(unittest.TestCase):
         self.check_state(models, ref_opt, opt)
         opt.close()
 
+    def test_values_written_into_bf16_shards_are_stepped_from_cpu(self):
+        self.written_bf16_shards("cpu")
+
+    @unittest.skipUnless(torch.cuda.is_available(), "needs a GPU")
+    def test_values_written_into_bf16_shards_are_stepped_from_cuda(self):
+        self.written_bf16_shards("cuda")
+
+    def written_bf16_shards(self, device):
+        """bf16 DTensor parameters keep fp32 masters in the daemon. Values
+        written through a DTensor or into its local shard (as FSDP2's own
+        loads do) are the next step's starting point, as in torch; a
+        training step by itself tells the daemon nothing."""
+        m = _shard(_model(device).to(torch.bfloat16), device, 1)
+        opt = AdamW(m.named_parameters(), lr=1e-2,
+                    address=self.daemons[device].address)
+        told = []
+        tell = opt._tell_written
+        opt._tell_written = lambda entries: (told.append(len(entries)),
+                                             tell(entries))
+
+        def step(x):
+            m(x.to(device, torch.bfloat16)).backward()
+            opt.step()
+            opt.zero_grad()
+
+        batches = _batches()
+        step(batches[0])
+        step(batches[1])
+        self.assertEqual(told, [], "steps alone told writes")
+        with torch.no_grad():
+            m.a.weight.fill_(5.0)
+            m.b.weight.to_local().fill_(-4.0)
+        step(batches[2])
+        opt.synchronize()
+        self.assertEqual(told, [2])
+        full = _full(m)
+        self.assertLess((full["a.weight"] - 5.0).abs().max().item(), 0.1,
+                        "stepped from the old masters")
+        self.assertLess((full["b.weight"] + 4.0).abs().max().item(), 0.1,
+                        "stepped from the old masters")
+        opt.close()
+
     def test_two_cpu_ranks_clip_by_the_job_norm(self):
         self.two_ranks("cpu")
 

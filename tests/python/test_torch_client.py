@@ -255,6 +255,39 @@ class TorchClientTest(unittest.TestCase):
         step()
         opt.close()
 
+    def test_values_written_into_a_mirrored_bf16_parameter_are_stepped_from(
+            self):
+        # A view with gaps (base[:, ::2]) is stepped in a dense copy that is
+        # mirrored both ways around each step: a write into it is copied in
+        # before the daemon is told. torch's fp32 AdamW is the reference.
+        torch.manual_seed(SEED)
+        base = torch.randn(6, 10).to(torch.bfloat16)
+        ours = torch.nn.Parameter(base[:, ::2])
+        theirs = torch.nn.Parameter(ours.detach().float().clone())
+        opt = self.make([ours], lr=1e-2)
+        ref = torch.optim.AdamW([theirs], lr=1e-2)
+
+        def step():
+            ours.grad = torch.randn(ours.shape).to(torch.bfloat16)
+            theirs.grad = ours.grad.float()
+            opt.step()
+            ref.step()
+            torch.testing.assert_close(ours.detach().float(), theirs.detach(),
+                                       rtol=1e-2, atol=1e-2)
+
+        step()
+        step()
+        with torch.no_grad():
+            ours[:3].fill_(5.0)
+            theirs[:3].fill_(5.0)
+        step()
+        base[:, 2].fill_(-4.0)  # through the base: the view's count moves
+        with torch.no_grad():
+            theirs[:, 1].fill_(-4.0)
+        step()
+        step()
+        opt.close()
+
     def train_step(self, model, opt):
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(model(self.x), self.y)

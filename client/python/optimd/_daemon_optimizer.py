@@ -122,9 +122,14 @@ _SAID_UNSHAREABLE = False
 _param_version = operator.attrgetter("param._version")
 
 
-def _versions(entries):
-    """torch's counts of in-place writes of the entries' parameters."""
-    return list(map(_param_version, entries))
+def _write_counts(plain, shards):
+    """torch's counts of in-place writes of the entries' parameters: of
+    `plain` ones (their views share the count), and of DTensor `shards`,
+    where both the DTensor's count and its local shard's move (a write
+    through the DTensor counts on it alone, FSDP2's own writes into the
+    shard on the shard alone)."""
+    return list(map(_param_version, plain)) + [
+        s.param._version + s.mem._version for s in shards]
 
 
 class _TensorEntry:
@@ -788,15 +793,19 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             s.param.data = s.pview
 
     def _mirror_in(self):
-        """CPU: DTensor shards into the shared memory the daemon steps."""
+        """Mirrored parameters (DTensor shards on the CPU, views with gaps)
+        into the memory the daemon steps."""
         for s in self._mirrored:
             s.pview.copy_(s.mem)
 
     def _mirror_out(self):
-        """CPU: what the daemon wrote into shared memory back into the
-        DTensor shards (after a step, a resume, a load)."""
+        """What the daemon wrote into the memory it steps back into the
+        mirrored parameters (DTensor shards on the CPU, views with gaps)
+        after a step, a resume, a load."""
+        before = [s.mem._version for s in self._mirrored]
         for s in self._mirrored:
             s.mem.copy_(s.pview)
+        self._forget_own_writes(self._mirrored, before)
 
     def _check_group(self, gi, group):
         """Raises for a group the daemon cannot step, before anything of it
@@ -935,41 +944,65 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
     def _watch_written_params(self):
         """The parameters whose values the daemon keeps in an fp32 master
         (bf16 and fp16 ones, and any of a group with master_weights=True;
-        the daemon leaves a remainder layout's alone), and their version
-        counts now: a write into one after this (a weight load, an in-place
-        edit; not through `.data`, which torch does not count) is told to
-        the daemon at the next step (_follow_written_params)."""
+        the daemon leaves a remainder layout's alone), DTensor shards and
+        mirrored ones included, and their write counts now: a write into
+        one after this (a weight load, an in-place edit; not through
+        `.data`, which torch does not count) is told to the daemon at the
+        next step (_follow_written_params)."""
         masters = {g["id"] for g, group in zip(self._groups, self.param_groups)
                    if group.get("master_weights")}
         remainders = {g["id"] for g, group in
                       zip(self._groups, self.param_groups)
                       if group.get("store_param_remainders")}
-        self._watched = [s for s in self._homed
-                         if s.group_id not in remainders and
-                         (s.param.dtype in (torch.bfloat16, torch.float16)
-                          or s.group_id in masters)]
+        watched = [s for g in self._groups for s in g["tensors"]
+                   if s.numel and s.group_id not in remainders and
+                   (s.mem.dtype in (torch.bfloat16, torch.float16)
+                    or s.group_id in masters)]
+        self._watched_plain = [s for s in watched if not is_dtensor(s.param)]
+        self._watched_shards = [s for s in watched if is_dtensor(s.param)]
+        self._watched = self._watched_plain + self._watched_shards
+        self._watch_index = {id(s): i for i, s in enumerate(self._watched)}
         # Parameters watched before keep their count (a write made before
         # this call is still to be told); new ones start now.
         seen = dict(zip(map(id, getattr(self, "_watched_before", ())),
                         getattr(self, "_versions", ())))
-        self._versions = [seen.get(id(s), s.param._version)
-                          for s in self._watched]
+        self._versions = [seen.get(id(s), now) for s, now in zip(
+            self._watched, self._write_counts())]
         self._watched_before = self._watched
+
+    def _write_counts(self):
+        """The watched parameters' write counts now (_write_counts)."""
+        return _write_counts(getattr(self, "_watched_plain", ()),
+                             getattr(self, "_watched_shards", ()))
 
     def _follow_written_params(self):
         """Tells the daemon which watched parameters were written since
-        the last step (their version counts moved): each element the
+        the last step (their write counts moved): each element the
         trainer changed becomes its master's value, as torch steps from
         the written tensor (UpdateBuffers' param_written; on CUDA after
-        the trainer's stream, which the call waits for)."""
+        the trainer's stream, which the call waits for). A mirrored one
+        is copied into the memory the daemon reads first."""
         if not getattr(self, "_watched", None):
             return
-        versions = _versions(self._watched)
+        versions = self._write_counts()
         if versions == self._versions:
             return
-        self._tell_written([s for s, now, then in zip(
-            self._watched, versions, self._versions) if now != then])
+        written = [s for s, now, then in zip(
+            self._watched, versions, self._versions) if now != then]
+        for s in written:
+            if s.mirrored:
+                s.pview.copy_(s.mem)
+        self._tell_written(written)
         self._versions = versions
+
+    def _forget_own_writes(self, entries, counts_before):
+        """Copies of the daemon's values into `entries` (mirrors) are no
+        writes of the trainer's: their recorded counts move with them."""
+        index = getattr(self, "_watch_index", {})
+        for s, before in zip(entries, counts_before):
+            i = index.get(id(s))
+            if i is not None:
+                self._versions[i] += s.mem._version - before
 
     def _sync_structure(self):
         """A group whose parameters were added or removed since it was
@@ -1309,7 +1342,8 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         for name in ("_groups", "_router", "_homed", "_params_flat",
                      "_pptrs_flat", "_dtensors", "_mirrored", "_flags",
                      "_param_handle_cache", "_watched", "_versions",
-                     "_watched_before"):
+                     "_watched_before", "_watched_plain", "_watched_shards",
+                     "_watch_index"):
             self.__dict__.pop(name, None)
         self._retired = {}
         become_several(self, self._service, held, resume=False)
@@ -1370,7 +1404,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         self.state.follow()  # state tensors the trainer holds, as in torch
         # What the step itself wrote (a mirror's copy back) is no write of
         # the trainer's.
-        self._versions = _versions(getattr(self, "_watched", ()))
+        self._versions = self._write_counts()
         return loss
 
     def _request_step(self, updates):
