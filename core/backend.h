@@ -221,6 +221,13 @@ class Backend {
   // Writes master weights into the trainer's parameter buffers.
   virtual absl::Status WriteParams(Group& group) = 0;
 
+  // The trainer wrote tensor `t`'s parameter (UpdateBuffers'
+  // param_written; the trainer has finished writing before the call):
+  // each element it changed becomes its fp32 master's value
+  // (AdoptWrittenParamRange, kernels/master_cpu.h). In stream order after
+  // the steps queued before it, and before the steps queued after it.
+  virtual absl::Status AdoptWrittenParam(const TensorEntry& t) = 0;
+
   // Checks that the distinct mappings (BufferRef::mapping) a session uses are
   // still valid, e.g. that no shared-memory segment was shrunk under them.
   // Cheap, allocation-free; called before every step.

@@ -419,11 +419,9 @@ class Session {
   // For `group`'s tensors `written` (indices), whose parameters the trainer
   // may have written: each element whose parameter differs from the one
   // its master gives takes the parameter's value as its master
-  // (MasterFromWrittenParam).
+  // (Backend::AdoptWrittenParam).
   absl::Status MastersFromWrittenParams(Group& group,
                                         const std::vector<uint32_t>& written)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status MasterFromWrittenParam(TensorEntry& t)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Binds the request's step flags (if any) and checks its sequence; sets
   // options->step_flags and ->sequence when the step uses them (also when

@@ -98,7 +98,7 @@ absl::Status Session::ApplyGroupUpdates(GroupUpdates& updates) {
 absl::Status Session::MastersFromWrittenParams(
     Group& group, const std::vector<uint32_t>& written) {
   for (uint32_t i : written) {
-    OPTIMD_RETURN_IF_ERROR(MasterFromWrittenParam(group.tensors[i]));
+    OPTIMD_RETURN_IF_ERROR(backend_->AdoptWrittenParam(group.tensors[i]));
   }
   return absl::OkStatus();
 }

@@ -3,7 +3,6 @@
 // state lent to checkpoints (LockedSession). Registration and steps are in
 // session.cc.
 #include <algorithm>
-#include <cstring>
 #include <set>
 
 #include "absl/strings/str_cat.h"
@@ -336,38 +335,6 @@ absl::Status Session::WriteStateBlob(const StateBlob& b, TensorEntry* t) {
     OPTIMD_RETURN_IF_ERROR(put(t->layout.param_dtype, t->param.data));
   }
   return absl::OkStatus();
-}
-
-absl::Status Session::MasterFromWrittenParam(TensorEntry& t) {
-  const uint64_t n = t.numel;
-  const DType dtype = t.layout.param_dtype;
-  const size_t size = DTypeSize(dtype);
-  std::string param(n * size, '\0');
-  std::vector<float> master(n);
-  OPTIMD_RETURN_IF_ERROR(backend_->CopyToHost(
-      t.param.data, reinterpret_cast<uint8_t*>(param.data()), param.size()));
-  OPTIMD_RETURN_IF_ERROR(backend_->CopyToHost(
-      t.master.data(), reinterpret_cast<uint8_t*>(master.data()), n * 4));
-  // The parameter each master gives (the step writes it rounded so): an
-  // element whose parameter differs was written, and its master becomes
-  // the written value (exact: bf16 and fp16 widen); the others keep their
-  // masters, so that a write the trainer only may have made costs no
-  // precision.
-  std::vector<double> values(master.begin(), master.end());
-  std::string given(n * size, '\0');
-  FromDouble(dtype, values.data(), n, given.data());
-  ToDouble(dtype, param.data(), n, values.data());
-  bool changed = false;
-  for (uint64_t k = 0; k < n; ++k) {
-    if (std::memcmp(given.data() + k * size, param.data() + k * size, size) !=
-        0) {
-      master[k] = static_cast<float>(values[k]);
-      changed = true;
-    }
-  }
-  if (!changed) return absl::OkStatus();
-  return backend_->CopyFromHost(reinterpret_cast<const uint8_t*>(master.data()),
-                                t.master.data(), n * 4);
 }
 
 absl::Status Session::WriteFp8Param(const std::vector<float>& master,

@@ -1,6 +1,7 @@
 #include "kernels/master_cpu.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "core/dtype.h"
 #include "core/fp8_quantize.h"
@@ -71,6 +72,17 @@ void StoreParam(DType d, void* p, uint64_t i, float x) {
   }
 }
 
+// A parameter element's bits (zero-extended), as the trainer's memory
+// holds them.
+uint32_t ParamBits(DType d, const void* p, uint64_t i) {
+  if (d == DType::kFloat32) {
+    uint32_t bits;
+    std::memcpy(&bits, static_cast<const float*>(p) + i, sizeof(bits));
+    return bits;
+  }
+  return static_cast<const uint16_t*>(p)[i];
+}
+
 }  // namespace
 
 double GradSumSquaresRange(DType grad_dtype, const void* grad, uint64_t begin,
@@ -123,6 +135,23 @@ void WriteParamFromMasterRange(const Layout& layout, const TensorPointers& t,
   const float* master = static_cast<const float*>(t.master);
   for (uint64_t i = begin; i < end; ++i) {
     StoreParam(layout.param_dtype, t.param, i, master[i]);
+  }
+}
+
+void AdoptWrittenParamRange(const Layout& layout, const TensorPointers& t,
+                            uint64_t begin, uint64_t end) {
+  const DType d = layout.param_dtype;
+  if (layout.master != MasterKind::kFp32 ||
+      (d != DType::kFloat32 && d != DType::kBFloat16 && d != DType::kFloat16)) {
+    return;
+  }
+  float* master = static_cast<float*>(t.master);
+  for (uint64_t i = begin; i < end; ++i) {
+    float given;  // the parameter master[i] gives, in its own slot
+    StoreParam(d, &given, 0, master[i]);
+    if (ParamBits(d, &given, 0) != ParamBits(d, t.param, i)) {
+      master[i] = LoadParam(d, t.param, i);
+    }
   }
 }
 

@@ -33,6 +33,16 @@ void InitMasterRange(const Layout& layout, const TensorPointers& t,
 void WriteParamFromMasterRange(const Layout& layout, const TensorPointers& t,
                                uint64_t begin, uint64_t end);
 
+// Follows the trainer's writes into a parameter (UpdateBuffers'
+// param_written): each element of [begin, end) whose parameter differs, bit
+// for bit, from the one its master gives (WriteParamFromMasterRange's
+// rounding) was written, and its master becomes the parameter's value
+// (exact widening); the others keep their masters, so that a write the
+// trainer only may have made costs no precision. kFp32 masters of bf16,
+// fp16 and fp32 parameters only; anything else is left alone.
+void AdoptWrittenParamRange(const Layout& layout, const TensorPointers& t,
+                            uint64_t begin, uint64_t end);
+
 }  // namespace optimd
 
 #endif  // OPTIMD_KERNELS_MASTER_CPU_H_

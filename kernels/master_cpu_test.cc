@@ -33,5 +33,44 @@ TEST(MasterCpuTest, Float64GradientSumOfSquares) {
   EXPECT_EQ(GradSumSquaresRange(DType::kFloat64, g.data(), 2, 4), 25.0);
 }
 
+// Elements whose parameter differs from what the master gives take the
+// parameter's value; the others keep their masters' extra precision, and
+// a zero's sign counts as a write.
+TEST(MasterCpuTest, WrittenParameterElementsSetTheirMasters) {
+  Layout bf16;
+  bf16.param_dtype = DType::kBFloat16;
+  bf16.master = MasterKind::kFp32;
+  std::vector<float> master = {1.0001f, 2.5f, -3.0f, 0.0f};
+  std::vector<uint16_t> param(4);
+  TensorPointers t;
+  t.param = param.data();
+  t.master = master.data();
+  WriteParamFromMasterRange(bf16, t, 0, 4);
+  param[1] = FloatToBFloat16(7.0f);
+  param[3] = FloatToBFloat16(-0.0f);
+  AdoptWrittenParamRange(bf16, t, 0, 4);
+  EXPECT_EQ(master[0], 1.0001f);  // kept: rounds to its parameter
+  EXPECT_EQ(master[1], 7.0f);
+  EXPECT_EQ(master[2], -3.0f);
+  EXPECT_TRUE(std::signbit(master[3]));
+
+  Layout fp32 = bf16;  // master_weights over fp32 parameters
+  fp32.param_dtype = DType::kFloat32;
+  std::vector<float> p32 = {1.5f, 2.0f};
+  std::vector<float> m32 = {1.5f, 4.0f};
+  t.param = p32.data();
+  t.master = m32.data();
+  AdoptWrittenParamRange(fp32, t, 0, 2);
+  EXPECT_EQ(m32, (std::vector<float>{1.5f, 2.0f}));
+
+  Layout remainder = bf16;  // left alone
+  remainder.master = MasterKind::kRemainder;
+  std::vector<int16_t> rest = {5, 6};
+  t.param = param.data();
+  t.master = rest.data();
+  AdoptWrittenParamRange(remainder, t, 0, 2);
+  EXPECT_EQ(rest, (std::vector<int16_t>{5, 6}));
+}
+
 }  // namespace
 }  // namespace optimd

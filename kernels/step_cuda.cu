@@ -96,6 +96,24 @@ __global__ void ConvertKernel(const void* __restrict__ src,
   }
 }
 
+__device__ inline uint32_t BitsOf(float x) { return __float_as_uint(x); }
+__device__ inline uint32_t BitsOf(uint16_t x) { return x; }
+
+template <class P>
+__global__ void AdoptWrittenKernel(const void* __restrict__ param,
+                                   float* __restrict__ master, uint64_t n) {
+  const auto* p = static_cast<const typename P::T*>(param);
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  for (uint64_t i =
+           static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i < n; i += stride) {
+    const typename P::T written = p[i];
+    if (BitsOf(P::Store(master[i])) != BitsOf(written)) {
+      master[i] = P::Load(written);
+    }
+  }
+}
+
 // The step scalars of one group: skipped when the total sum of squares is
 // not finite, unless the step applies non-finite gradients; else the
 // gradient multiplier (loss scale, clip coefficient, maximize:
@@ -365,6 +383,34 @@ absl::Status LaunchConvert(DType src_dtype, const void* src, DType dst_dtype,
       break;
   }
   return absl::InvalidArgumentError("unknown dtype");
+}
+
+absl::Status LaunchAdoptWritten(DType param_dtype, const void* param,
+                                float* master, uint64_t n, Stream stream) {
+  if (n == 0) return absl::OkStatus();
+  const unsigned blocks = static_cast<unsigned>(
+      std::min<uint64_t>((n + kThreadsPerBlock - 1) / kThreadsPerBlock, 65536));
+  switch (param_dtype) {
+    case DType::kFloat32:
+      AdoptWrittenKernel<F32>
+          <<<blocks, kThreadsPerBlock, 0, stream>>>(param, master, n);
+      break;
+    case DType::kBFloat16:
+      AdoptWrittenKernel<BF16>
+          <<<blocks, kThreadsPerBlock, 0, stream>>>(param, master, n);
+      break;
+    case DType::kFloat16:
+      AdoptWrittenKernel<F16>
+          <<<blocks, kThreadsPerBlock, 0, stream>>>(param, master, n);
+      break;
+    case DType::kBlock8:      // state only, never a parameter
+    case DType::kFloat64:     // never has a master (ResolveLayout)
+    case DType::kFloat8E4M3:  // scaled codes: param_written is refused
+    case DType::kFloat8E5M2:
+      return absl::InvalidArgumentError(
+          "written parameters are followed for bf16, fp16 and fp32 only");
+  }
+  return LaunchStatus("written-parameter kernel launch");
 }
 
 }  // namespace cuda

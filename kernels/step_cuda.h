@@ -95,6 +95,13 @@ absl::Status LaunchStampGlobalTimer(uint64_t* where, Stream stream);
 absl::Status LaunchConvert(DType src_dtype, const void* src, DType dst_dtype,
                            void* dst, uint64_t n, Stream stream);
 
+// master[i] = param[i] widened where param[i] differs, bit for bit, from
+// master[i] rounded to param_dtype (bf16, fp16 or fp32), for i < n: the
+// trainer's writes into a parameter (AdoptWrittenParamRange's rule,
+// kernels/master_cpu.h).
+absl::Status LaunchAdoptWritten(DType param_dtype, const void* param,
+                                float* master, uint64_t n, Stream stream);
+
 }  // namespace cuda
 }  // namespace optimd
 

@@ -327,6 +327,12 @@ absl::Status CpuBackend::WriteParams(Group& group) {
       "GetParams");
 }
 
+absl::Status CpuBackend::AdoptWrittenParam(const TensorEntry& t) {
+  return GuardMemoryFaults(
+      [&] { AdoptWrittenParamRange(t.layout, t.Pointers(), 0, t.numel); },
+      "UpdateBuffers");
+}
+
 absl::Status CpuBackend::CopyToHost(const uint8_t* src, uint8_t* dst,
                                     uint64_t bytes) {
   return GuardMemoryFaults(

@@ -46,6 +46,7 @@ class CpuBackend final : public Backend {
                                    const std::vector<Group*>& groups,
                                    const StepOptions& options) override;
   absl::Status WriteParams(Group& group) override;
+  absl::Status AdoptWrittenParam(const TensorEntry& t) override;
   absl::Status CheckMappings(
       const std::vector<std::shared_ptr<const void>>& mappings) override;
 

@@ -76,6 +76,7 @@ class CudaBackend final : public Backend {
                            const StepOptions& options) override;
   absl::StatusOr<bool> AbandonSteps(SessionContext* session) override;
   absl::Status WriteParams(Group& group) override;
+  absl::Status AdoptWrittenParam(const TensorEntry& t) override;
   absl::Status SyncGroupCounters(const std::vector<Group*>& groups) override;
   absl::StatusOr<StateStorage> AllocateHostStaging(uint64_t bytes) override {
     OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
@@ -405,6 +406,18 @@ absl::Status CudaBackend::WriteParams(Group& group) {
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
   OPTIMD_RETURN_IF_ERROR(ParamsFromMasters(*this, group, stream_->stream()));
   return stream_->Sync();
+}
+
+absl::Status CudaBackend::AdoptWrittenParam(const TensorEntry& t) {
+  if (t.numel == 0 || t.layout.master != MasterKind::kFp32 ||
+      t.layout.fp8_recipe != Fp8Recipe::kNone) {
+    return absl::OkStatus();
+  }
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
+  // No wait: the steps after it are queued behind it on the same stream.
+  return cuda::LaunchAdoptWritten(t.layout.param_dtype, t.param.data,
+                                  reinterpret_cast<float*>(t.master.data()),
+                                  t.numel, stream_->stream());
 }
 
 absl::Status CudaBackend::CopyToHost(const uint8_t* src, uint8_t* dst,
