@@ -266,6 +266,10 @@ class TorchClientTest(unittest.TestCase):
         theirs = torch.nn.Parameter(ours.detach().float().clone())
         opt = self.make([ours], lr=1e-2)
         ref = torch.optim.AdamW([theirs], lr=1e-2)
+        told = []
+        tell = opt._tell_written
+        opt._tell_written = lambda entries: (told.append(len(entries)),
+                                             tell(entries))
 
         def step():
             ours.grad = torch.randn(ours.shape).to(torch.bfloat16)
@@ -277,6 +281,8 @@ class TorchClientTest(unittest.TestCase):
 
         step()
         step()
+        opt.state_dict()  # copies the daemon's values back: no write
+        self.assertEqual(told, [], "the mirror's own copies told as writes")
         with torch.no_grad():
             ours[:3].fill_(5.0)
             theirs[:3].fill_(5.0)
@@ -286,6 +292,7 @@ class TorchClientTest(unittest.TestCase):
             theirs[:, 1].fill_(-4.0)
         step()
         step()
+        self.assertEqual(told, [1, 1])
         opt.close()
 
     def train_step(self, model, opt):
