@@ -24,10 +24,11 @@ namespace optimd {
 namespace cuda {
 
 // Element types. Store: round to nearest even, keeping a NaN's sign and
-// payload (as the CPU reference does). Round: the same for every value but
-// NaN, which it may make the canonical NaN: the step kernels store with it
-// only results of GPU arithmetic, whose NaNs are canonical already, and for
-// those both agree (tests/cuda_math_test checks every float).
+// payload as the CPU reference does (F16: the hardware conversion, whose
+// NaN may differ from the reference's in its bits). Round: the same for every
+// value but NaN, which it may make the canonical NaN: the step kernels store
+// with it only results of GPU arithmetic, whose NaNs are canonical already, and
+// for those both agree (tests/cuda_math_test checks every float).
 //
 // A lane's share of a tile (8 elements, see LoadTile) travels as kTileWords
 // 32-bit words: Unpack turns them into floats, Pack rounds floats into

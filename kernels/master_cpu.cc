@@ -1,6 +1,7 @@
 #include "kernels/master_cpu.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "core/dtype.h"
@@ -83,6 +84,13 @@ uint32_t ParamBits(DType d, const void* p, uint64_t i) {
   return static_cast<const uint16_t*>(p)[i];
 }
 
+// The bits of the parameter that `x` gives (StoreParam's rounding).
+uint32_t GivenBits(DType d, float x) {
+  if (d == DType::kBFloat16) return FloatToBFloat16(x);
+  if (d == DType::kFloat16) return FloatToHalf(x);
+  return ParamBits(DType::kFloat32, &x, 0);  // AdoptWrittenParamRange's rest
+}
+
 }  // namespace
 
 double GradSumSquaresRange(DType grad_dtype, const void* grad, uint64_t begin,
@@ -147,11 +155,12 @@ void AdoptWrittenParamRange(const Layout& layout, const TensorPointers& t,
   }
   float* master = static_cast<float*>(t.master);
   for (uint64_t i = begin; i < end; ++i) {
-    float given;  // the parameter master[i] gives, in its own slot
-    StoreParam(d, &given, 0, master[i]);
-    if (ParamBits(d, &given, 0) != ParamBits(d, t.param, i)) {
-      master[i] = LoadParam(d, t.param, i);
-    }
+    if (GivenBits(d, master[i]) == ParamBits(d, t.param, i)) continue;
+    const float written = LoadParam(d, t.param, i);
+    // A NaN master stays what it is under a NaN parameter: fp16's NaN
+    // rounding differs between the CPU and CUDA in its payload.
+    if (std::isnan(written) && std::isnan(master[i])) continue;
+    master[i] = written;
   }
 }
 

@@ -63,6 +63,18 @@ TEST(MasterCpuTest, WrittenParameterElementsSetTheirMasters) {
   AdoptWrittenParamRange(fp32, t, 0, 2);
   EXPECT_EQ(m32, (std::vector<float>{1.5f, 2.0f}));
 
+  Layout fp16 = bf16;
+  fp16.param_dtype = DType::kFloat16;
+  std::vector<float> m16 = {std::nanf(""), 1.0f, 3.0f};
+  std::vector<uint16_t> p16 = {FloatToHalf(-std::nanf("")),
+                               FloatToHalf(std::nanf("")), FloatToHalf(3.0f)};
+  t.param = p16.data();
+  t.master = m16.data();
+  AdoptWrittenParamRange(fp16, t, 0, 3);
+  EXPECT_TRUE(std::isnan(m16[0]) && !std::signbit(m16[0]));  // NaN stays
+  EXPECT_TRUE(std::isnan(m16[1]));                           // written NaN
+  EXPECT_EQ(m16[2], 3.0f);
+
   Layout remainder = bf16;  // left alone
   remainder.master = MasterKind::kRemainder;
   std::vector<int16_t> rest = {5, 6};

@@ -108,8 +108,11 @@ __global__ void AdoptWrittenKernel(const void* __restrict__ param,
            static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
        i < n; i += stride) {
     const typename P::T written = p[i];
-    if (BitsOf(P::Store(master[i])) != BitsOf(written)) {
-      master[i] = P::Load(written);
+    const float m = master[i];
+    const float w = P::Load(written);
+    // As AdoptWrittenParamRange: a NaN master stays under a NaN parameter.
+    if (BitsOf(P::Store(m)) != BitsOf(written) && !(isnan(w) && isnan(m))) {
+      master[i] = w;
     }
   }
 }

@@ -926,6 +926,26 @@ class CheckpointTest(unittest.TestCase):
                 ["step"], 2)
             opt.close()
 
+    def test_streamed_state_holds_values_written_into_bf16_parameters(self):
+        # state_bytes() is what save_checkpoint() would write: masters as
+        # the trainer's parameters are, writes since the last step told.
+        params = [torch.nn.Parameter(torch.randn(3, 4).to(torch.bfloat16))]
+        with Daemon(backend="cpu") as d:
+            opt = AdamW(params, lr=1e-2, address=d.address, job_id="written")
+            params[0].grad = torch.ones_like(params[0])
+            opt.step()
+            with torch.no_grad():
+                params[0].fill_(5.0)
+            streamed = b"".join(opt.state_bytes())
+            opt.close()
+            fresh = [torch.nn.Parameter(torch.zeros(3, 4, dtype=torch.bfloat16))]
+            again = AdamW(fresh, lr=1e-2, address=d.address, job_id="again")
+            again.load_state_bytes([streamed])
+            master = again.state_dict()["state"][0]["master"]
+            self.assertTrue(torch.equal(master, torch.full_like(master, 5.0)),
+                            master)
+            again.close()
+
     def test_streamed_state_equals_the_file_and_loads_bit_exact(self):
         gen = torch.Generator().manual_seed(SEED)
         init = [torch.randn(*s, generator=gen) for s in SHAPES]

@@ -175,12 +175,19 @@ class Fsdp1Test(unittest.TestCase):
         # memory, where the daemon's CPU backend steps them in place.
         self.one_rank(use_orig_params=False, offload=True)
 
+    def test_values_written_into_bf16_flat_parameters_are_stepped_from(self):
+        self.written_bf16(use_orig_params=False)
+
     def test_values_written_into_bf16_parameters_are_stepped_from(self):
-        # bf16 parameters keep fp32 masters in the daemon. Values written
-        # through FSDP1's gathered parameters (summon_full_params with
-        # writeback) are the next step's starting point, as in torch; a
-        # training step by itself tells the daemon nothing.
-        m = _wrap(_model("cuda").to(torch.bfloat16), use_orig_params=True)
+        self.written_bf16(use_orig_params=True)
+
+    def written_bf16(self, use_orig_params):
+        """bf16 parameters keep fp32 masters in the daemon. Values written
+        through FSDP1's gathered parameters (summon_full_params with
+        writeback, which copies them into each FlatParameter's local
+        shard) are the next step's starting point, as in torch; a training
+        step by itself tells the daemon nothing."""
+        m = _wrap(_model("cuda").to(torch.bfloat16), use_orig_params)
         opt = AdamW(m.parameters(), lr=1e-2, address=self.daemon.address)
         told = []
         tell = opt._tell_written
@@ -201,6 +208,7 @@ class Fsdp1Test(unittest.TestCase):
                 m.a.weight.fill_(5.0)
         step(batches[2])
         opt.synchronize()
+        self.assertEqual(len(told), 1)
         full = _full(m)
         self.assertLess((full["a.weight"] - 5.0).abs().max().item(), 0.1,
                         "stepped from the old masters")

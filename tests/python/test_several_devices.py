@@ -154,6 +154,23 @@ class SeveralParts(SeveralDevicesCase):
         self.train(fresh, twin, layers, their_layers, steps=2)
         self.assert_same(layers, their_layers)
 
+    def test_state_dict_holds_values_written_into_bf16_parameters(self):
+        # Each part keeps the fp32 masters of its bf16 parameters; a write
+        # into them is told before the state dict is read.
+        params = [torch.nn.Parameter(torch.randn(3, 4).to(torch.bfloat16)),
+                  torch.nn.Parameter(torch.randn(5).to(torch.bfloat16))]
+        opt = self.cls(params, lr=1e-2, address=self.daemon.address)
+        self.opts.append(opt)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        with torch.no_grad():
+            for p in params:
+                p.fill_(5.0)
+        for entry in opt.state_dict()["state"].values():
+            self.assertTrue(torch.equal(entry["master"], torch.full_like(
+                entry["master"], 5.0)), entry["master"])
+
     def test_a_non_finite_gradient_on_one_part_skips_every_part(self):
         opt, _, ours, _ = self.both(two_groups, skip_nonfinite=True)
         forward(ours, torch.randn(8, 5)).backward()

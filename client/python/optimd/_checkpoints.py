@@ -27,6 +27,7 @@ class Checkpoints:
         what save_checkpoint would write), for a checkpoint store of your
         own. The state is copied at a step boundary when iteration starts."""
         self._write_back_state()
+        self._follow_written_params()  # masters as the parameters now are
         chunks = self._client.save_state_stream(chunk_bytes)
         try:
             for chunk in chunks:

@@ -122,14 +122,25 @@ _SAID_UNSHAREABLE = False
 _param_version = operator.attrgetter("param._version")
 
 
+def _shard_of(p):
+    """The tensor that holds a sharded parameter's values on this rank
+    under a write count of its own: a DTensor's local shard (FSDP2 writes
+    into it), FSDP1's local shard of a FlatParameter (its reshard and its
+    state-dict loads copy into `_local_shard`, a `.data` alias); None for
+    any other parameter."""
+    if is_dtensor(p):
+        return p._local_tensor
+    return getattr(p, "_local_shard", None)
+
+
 def _write_counts(plain, shards):
     """torch's counts of in-place writes of the entries' parameters: of
-    `plain` ones (their views share the count), and of DTensor `shards`,
-    where both the DTensor's count and its local shard's move (a write
-    through the DTensor counts on it alone, FSDP2's own writes into the
-    shard on the shard alone)."""
+    `plain` ones (their views share the count), and of sharded ones, the
+    parameter's count plus its shard's (_shard_of; a write through the
+    parameter counts on it alone, the sharding's own writes into the shard
+    on the shard alone)."""
     return list(map(_param_version, plain)) + [
-        s.param._version + s.mem._version for s in shards]
+        s.param._version + _shard_of(s.param)._version for s in shards]
 
 
 class _TensorEntry:
@@ -958,8 +969,10 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
                    if s.numel and s.group_id not in remainders and
                    (s.mem.dtype in (torch.bfloat16, torch.float16)
                     or s.group_id in masters)]
-        self._watched_plain = [s for s in watched if not is_dtensor(s.param)]
-        self._watched_shards = [s for s in watched if is_dtensor(s.param)]
+        self._watched_plain = [s for s in watched
+                               if _shard_of(s.param) is None]
+        self._watched_shards = [s for s in watched
+                                if _shard_of(s.param) is not None]
         self._watched = self._watched_plain + self._watched_shards
         self._watch_index = {id(s): i for i, s in enumerate(self._watched)}
         # Parameters watched before keep their count (a write made before
@@ -984,11 +997,15 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         is copied into the memory the daemon reads first."""
         if not getattr(self, "_watched", None):
             return
+        # A DTensor given a new local shard (FSDP2 re-pads uneven shards
+        # at its lazy init) is watched, and mirrored, from the new one on.
+        swapped = self._follow_dtensor_shards()
         versions = self._write_counts()
-        if versions == self._versions:
+        if versions == self._versions and not swapped:
             return
         written = [s for s, now, then in zip(
-            self._watched, versions, self._versions) if now != then]
+            self._watched, versions, self._versions)
+            if now != then or id(s) in swapped]
         for s in written:
             if s.mirrored:
                 s.pview.copy_(s.mem)
@@ -1273,7 +1290,9 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         new one, e.g. after model.to()): a mirrored one is followed (the
         mirror copies it each step), and so is one registered in place
         while it is the same memory; one in other memory would leave the
-        daemon writing memory FSDP2 no longer reads, so it raises."""
+        daemon writing memory FSDP2 no longer reads, so it raises. Returns
+        the ids of the entries followed."""
+        followed = set()
         for s in self._dtensors:
             mem = local_of(s.param)
             if mem is s.mem:
@@ -1283,6 +1302,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
                 if s.pview is s.mem:
                     s.pview = mem
                 s.mem = mem
+                followed.add(id(s))
                 continue
             raise RuntimeError(
                 "optimd.torch: the local shard of DTensor parameter %s was "
@@ -1290,6 +1310,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
                 "%s); create the optimizer after fully_shard() and after "
                 "moving or casting the model" % (
                     s.name, mem.dtype, tuple(mem.shape), mem.device))
+        return followed
 
     def _reopen(self, devices):
         """The parameters moved (model.to(), accelerate's prepare() of a

@@ -281,6 +281,10 @@ class SeveralDevices:
         for part in self._parts.values():
             part._write_back_state()
 
+    def _follow_written_params(self):
+        for part in self._parts.values():
+            part._follow_written_params()
+
     def _sync_params(self, follow_layout=True):
         self._sync_parts()
         for part in self._parts.values():
