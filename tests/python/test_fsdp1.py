@@ -186,7 +186,7 @@ class Fsdp1Test(unittest.TestCase):
         through FSDP1's gathered parameters (summon_full_params with
         writeback, which copies them into each FlatParameter's local
         shard) are the next step's starting point, as in torch; a training
-        step by itself tells the daemon nothing."""
+        step after the first tells the daemon nothing."""
         m = _wrap(_model("cuda").to(torch.bfloat16), use_orig_params)
         opt = AdamW(m.parameters(), lr=1e-2, address=self.daemon.address)
         told = []
@@ -200,7 +200,8 @@ class Fsdp1Test(unittest.TestCase):
             opt.step()
             opt.zero_grad()
 
-        step(batches[0])
+        step(batches[0])  # FSDP1's lazy init may touch the shards
+        told.clear()
         step(batches[1])
         self.assertEqual(told, [], "steps alone told writes")
         with FullyShardedDataParallel.summon_full_params(m, writeback=True):
