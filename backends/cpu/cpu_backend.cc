@@ -2,6 +2,7 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
@@ -328,9 +329,24 @@ absl::Status CpuBackend::WriteParams(Group& group) {
 }
 
 absl::Status CpuBackend::AdoptWrittenParam(const TensorEntry& t) {
-  return GuardMemoryFaults(
-      [&] { AdoptWrittenParamRange(t.layout, t.Pointers(), 0, t.numel); },
-      "UpdateBuffers");
+  // Over the pool in pieces, as registration sets masters: a large tensor
+  // written every step (a pruning mask) costs its own bytes' time.
+  constexpr uint64_t kPiece = uint64_t{1} << 16;
+  const TensorPointers p = t.Pointers();
+  std::atomic<bool> fault{false};
+  MutexLock lock(&pool_mu_);
+  pool_.ParallelFor((t.numel + kPiece - 1) / kPiece, [&](uint64_t i, int) {
+    const uint64_t begin = i * kPiece;
+    const uint64_t end = std::min(t.numel, begin + kPiece);
+    if (!GuardMemoryFaults(
+             [&] { AdoptWrittenParamRange(t.layout, p, begin, end); },
+             "UpdateBuffers")
+             .ok()) {
+      fault = true;
+    }
+  });
+  if (fault) return fault_guard_internal::FaultStatus("UpdateBuffers");
+  return absl::OkStatus();
 }
 
 absl::Status CpuBackend::CopyToHost(const uint8_t* src, uint8_t* dst,
