@@ -295,6 +295,24 @@ class TorchClientTest(unittest.TestCase):
         self.assertEqual(told, [1, 1])
         opt.close()
 
+    def test_writes_into_a_local_shard_alias_are_stepped_from(self):
+        # FSDP1 copies into a FlatParameter's `_local_shard`, a `.data`
+        # alias whose write count is its own (torch 1.13's FSDP does not
+        # import here, so the alias is made as FSDP1 makes it). Two halves
+        # of one buffer, as a flat buffer's, are stepped where they are.
+        flat = torch.randn(12, 4).to(torch.bfloat16)
+        p, other = (torch.nn.Parameter(flat[:6]), torch.nn.Parameter(flat[6:]))
+        p._local_shard = p.data
+        opt = self.make([p, other], lr=1e-2)
+        p.grad = torch.ones_like(p)
+        opt.step()
+        p._local_shard.fill_(5.0)
+        master = opt.state_dict()["state"][0]["master"]
+        self.assertTrue(torch.equal(master, torch.full_like(master, 5.0)))
+        opt.step()
+        self.assertLess((p.float() - 5.0).abs().max().item(), 0.1)
+        opt.close()
+
     def train_step(self, model, opt):
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(model(self.x), self.y)
