@@ -71,6 +71,15 @@ absl::StatusOr<sockaddr_in> ParseListen(const std::string& listen) {
 
 }  // namespace
 
+// Clients that send a request slowly (a byte at a time, each within the
+// idle timeout) hold their connections: a limit far above what scrapers
+// use keeps a few such clients from shutting the scraper out, a short idle
+// timeout and a small buffer per connection (a scrape's request is a few
+// hundred bytes; longer ones get 431) bound what each holds.
+constexpr unsigned kMaxConnections = 512;
+constexpr unsigned kIdleTimeoutS = 3;
+constexpr size_t kConnectionMemory = 8 << 10;
+
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
     const std::string& listen, std::function<std::string()> render) {
   auto addr = ParseListen(listen);
@@ -80,8 +89,9 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
   server->daemon_ = MHD_start_daemon(
       MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL, 0, nullptr, nullptr,
       &Handle, server.get(), MHD_OPTION_SOCK_ADDR, &*addr,
-      MHD_OPTION_CONNECTION_LIMIT, 16u, MHD_OPTION_CONNECTION_TIMEOUT, 10u,
-      MHD_OPTION_END);
+      MHD_OPTION_CONNECTION_LIMIT, kMaxConnections,
+      MHD_OPTION_CONNECTION_TIMEOUT, kIdleTimeoutS,
+      MHD_OPTION_CONNECTION_MEMORY_LIMIT, kConnectionMemory, MHD_OPTION_END);
   if (server->daemon_ == nullptr) {
     return absl::UnavailableError(absl::StrCat(
         "cannot serve metrics on ", listen, " (address in use or not ours)"));

@@ -1,7 +1,8 @@
 // The daemon's Prometheus endpoint: GET /metrics over HTTP (--metrics_listen),
 // served by libmicrohttpd (Debian's libmicrohttpd-dev) on a thread of its
 // own. Only GET /metrics is answered (404 for other paths, 405 for other
-// methods); at most 16 connections at once, each closed after 10 s idle.
+// methods); at most 512 connections at once, each closed after 3 s idle
+// and given 8 KiB for its request (metrics_http.cc says why).
 //
 // Thread-safe: `render` is called on the server's thread and must be.
 #ifndef OPTIMD_SERVER_METRICS_HTTP_H_
