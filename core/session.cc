@@ -67,6 +67,14 @@ absl::Status Session::JoinDeviceJob(const Backend::DeviceJob& job) {
   return absl::OkStatus();
 }
 
+absl::Status Session::CheckHandleKinds(const std::string& tensor,
+                                       const BufferHandle& param,
+                                       const BufferHandle& grad) const {
+  OPTIMD_RETURN_IF_ERROR(
+      CheckHandleKind(backend_->kind(), tensor, "param", param));
+  return CheckHandleKind(backend_->kind(), tensor, "grad", grad);
+}
+
 absl::StatusOr<BufferRef> Session::ResolveRegion(const std::string& tensor,
                                                  const char* which,
                                                  const BufferHandle& handle,

@@ -381,6 +381,11 @@ class Session {
   Group* FindGroup(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   const Group* FindGroup(const std::string& id) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A tensor's param and grad handles (those given) are of kinds this
+  // session's backend maps (CheckHandleKind): checked before their sizes.
+  absl::Status CheckHandleKinds(const std::string& tensor,
+                                const BufferHandle& param,
+                                const BufferHandle& grad) const;
   // Checks a trainer buffer's size against numel x dtype, then maps it.
   absl::StatusOr<BufferRef> ResolveRegion(const std::string& tensor,
                                           const char* which,

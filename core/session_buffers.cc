@@ -145,6 +145,7 @@ absl::StatusOr<std::vector<Session::ResolvedUpdate>> Session::ResolveUpdates(
           "': param_written is not taken for an FP8 parameter (its codes "
           "depend on the master's scale); set its master with SetState"));
     }
+    OPTIMD_RETURN_IF_ERROR(CheckHandleKinds(u.tensor, u.param, u.grad));
     ResolvedUpdate r;
     r.tensor = idx;
     r.absent = u.grad_absent && e.Steppable();

@@ -113,6 +113,23 @@ absl::Status TooLarge(const std::string& group) {
       "holds; check the tensors' element counts"));
 }
 
+absl::Status CheckHandleKind(BackendKind backend, const std::string& tensor,
+                             const char* which, const BufferHandle& h) {
+  if (h.kind == BufferHandle::Kind::kNone) return absl::OkStatus();
+  const bool shared_memory = h.kind == BufferHandle::Kind::kSharedMemory;
+  if (backend == BackendKind::kCpu && !shared_memory) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor '", tensor, "': the CPU backend needs a shared_memory ", which,
+        " buffer handle, not a CUDA one (cuda_ipc or cuda_vmm)"));
+  }
+  if (backend == BackendKind::kCuda && shared_memory) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor '", tensor, "': the CUDA backend needs a cuda_ipc or ",
+        "cuda_vmm ", which, " buffer handle, not a shared-memory one"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckRegion(const std::string& tensor, const char* which,
                          const BufferHandle& h, uint64_t want_bytes) {
   if (h.kind == BufferHandle::Kind::kNone) {

@@ -48,6 +48,11 @@ absl::Status CheckCounts(const GroupSpec& spec, size_t groups, size_t tensors);
 // kMaxSessionBytes.
 absl::Status TooLarge(const std::string& group);
 
+// A tensor's `which` buffer handle, if given, is of a kind `backend`
+// maps: shared memory on the CPU, CUDA IPC or VMM on CUDA.
+absl::Status CheckHandleKind(BackendKind backend, const std::string& tensor,
+                             const char* which, const BufferHandle& h);
+
 // A tensor's `which` buffer ("param", "grad", "scale_inv") is given and
 // exactly `want_bytes` long.
 absl::Status CheckRegion(const std::string& tensor, const char* which,

@@ -34,6 +34,9 @@ absl::Status Session::CheckTensor(const GroupSpec& spec, const TensorSpec& t,
     return absl::AlreadyExistsError(absl::StrCat(
         "tensor '", t.name, "' is already registered in this session"));
   }
+  OPTIMD_RETURN_IF_ERROR(CheckHandleKinds(t.name, t.param, t.grad));
+  OPTIMD_RETURN_IF_ERROR(
+      CheckHandleKind(backend_->kind(), t.name, "scale_inv", t.scale_inv));
   OPTIMD_RETURN_IF_ERROR(CheckNameIsNoAlias(spec.id, t.name, *names));
   OPTIMD_RETURN_IF_ERROR(CheckAliases(spec.id, t, names));
   if (!t.param_dtype_set) {

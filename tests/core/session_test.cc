@@ -139,6 +139,33 @@ TEST_F(SessionTest, FailedRegistrationChangesNothing) {
   EXPECT_TRUE(session_.RegisterGroup(spec).ok());
 }
 
+// A CUDA handle given to the CPU backend is refused for its kind, before
+// its size is looked at, at registration and in an update.
+TEST_F(SessionTest, AHandleOfAnotherBackendIsRefusedByItsKind) {
+  GroupSpec spec;
+  spec.id = "g";
+  spec.tensors = {Fp32Tensor("a", 4, 0)};
+  spec.tensors[0].grad = BufferHandle{};
+  spec.tensors[0].grad.kind = BufferHandle::Kind::kCudaIpc;
+  auto r = session_.RegisterGroup(spec);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("needs a shared_memory grad buffer"),
+            absl::string_view::npos)
+      << r.status();
+  EXPECT_TRUE(session_.Info().group_ids.empty());
+
+  spec.tensors = {Fp32Tensor("a", 4, 0)};
+  ASSERT_TRUE(session_.RegisterGroup(spec).ok());
+  BufferUpdate update;
+  update.tensor = "a";
+  update.param.kind = BufferHandle::Kind::kCudaVmm;
+  const absl::Status s = session_.UpdateBuffers("g", {update});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("needs a shared_memory param buffer"),
+            absl::string_view::npos)
+      << s;
+}
+
 // The registry's tensor-name rule (the daemon's: checkpoint keys that
 // would collide) is every new session's, applied against the session's
 // registered names too, and a refused group changes nothing.
