@@ -17,14 +17,32 @@ DeviceWorker::~DeviceWorker() {
   thread_.join();
 }
 
-void DeviceWorker::Post(std::function<void()> task) {
+void DeviceWorker::Post(const void* owner, std::function<void()> task) {
   MutexLock lock(&mu_);
-  queue_.push_back(std::move(task));
+  std::deque<std::function<void()>>& queue = queues_[owner];
+  if (queue.empty()) turns_.push_back(owner);
+  queue.push_back(std::move(task));
+  ++queued_;
 }
 
 int DeviceWorker::pending() const {
   MutexLock lock(&mu_);
-  return static_cast<int>(queue_.size()) + running_;
+  return queued_ + running_;
+}
+
+std::function<void()> DeviceWorker::TakeNext() {
+  const void* owner = turns_.front();
+  turns_.pop_front();
+  auto it = queues_.find(owner);
+  std::function<void()> task = std::move(it->second.front());
+  it->second.pop_front();
+  if (it->second.empty()) {
+    queues_.erase(it);
+  } else {
+    turns_.push_back(owner);  // its next task waits for the others' turns
+  }
+  --queued_;
+  return task;
 }
 
 void DeviceWorker::Loop() {
@@ -34,12 +52,11 @@ void DeviceWorker::Loop() {
       MutexLock lock(&mu_);
       mu_.Await(
           +[](DeviceWorker* w) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-            return w->stop_ || !w->queue_.empty();
+            return w->stop_ || w->queued_ > 0;
           },
           this);
-      if (queue_.empty()) return;  // stop_ and drained
-      task = std::move(queue_.front());
-      queue_.pop_front();
+      if (queued_ == 0) return;  // stop_ and drained
+      task = TakeNext();
       running_ = 1;
     }
     task();

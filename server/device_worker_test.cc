@@ -1,6 +1,7 @@
 #include "server/device_worker.h"
 
 #include <atomic>
+#include <string>
 #include <vector>
 
 #include "absl/synchronization/notification.h"
@@ -16,7 +17,7 @@ TEST(DeviceWorkerTest, RunsTasksInOrderOnOneThread) {
   {
     DeviceWorker worker("test");
     for (int i = 0; i < 100; ++i) {
-      worker.Post([&, i] {
+      worker.Post(nullptr, [&, i] {
         if (i == 0) id = std::this_thread::get_id();
         if (std::this_thread::get_id() != id) one_thread = false;
         order.push_back(i);
@@ -31,14 +32,41 @@ TEST(DeviceWorkerTest, RunsTasksInOrderOnOneThread) {
 TEST(DeviceWorkerTest, PendingCountsQueuedAndRunning) {
   DeviceWorker worker("test");
   absl::Notification release, started;
-  worker.Post([&] {
+  worker.Post(nullptr, [&] {
     started.Notify();
     release.WaitForNotification();
   });
-  worker.Post([] {});
+  worker.Post(nullptr, [] {});
   started.WaitForNotification();
   EXPECT_EQ(worker.pending(), 2);
   release.Notify();
+}
+
+// One owner's many queued tasks (a session's concurrent requests) do not
+// hold back another owner's task: owners take turns, one task each, and
+// each owner's own tasks keep their order.
+TEST(DeviceWorkerTest, OwnersTakeTurns) {
+  const int a = 0, b = 0, c = 0;  // owners, by address
+  std::vector<std::string> order;
+  {
+    DeviceWorker worker("test");
+    absl::Notification release, started;
+    worker.Post(&c, [&] {
+      started.Notify();
+      release.WaitForNotification();
+    });
+    started.WaitForNotification();
+    for (int i = 0; i < 10; ++i) {
+      worker.Post(&a, [&, i] { order.push_back("a" + std::to_string(i)); });
+    }
+    worker.Post(&b, [&] { order.push_back("b0"); });
+    worker.Post(&b, [&] { order.push_back("b1"); });
+    EXPECT_EQ(worker.pending(), 13);
+    release.Notify();
+  }
+  const std::vector<std::string> expected = {
+      "a0", "b0", "a1", "b1", "a2", "a3", "a4", "a5", "a6", "a7", "a8", "a9"};
+  EXPECT_EQ(order, expected);
 }
 
 }  // namespace

@@ -164,10 +164,11 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::OnWorker(
               !(*session)->exchanges_statistics()
           ? Unowned(&io_worker_)
           : WorkerFor(*session);
-  worker->Post(
-      [call, work = std::move(work), session = *std::move(session)]() mutable {
-        call->Finish(work(*session, call->request(), call->response()));
-      });
+  const void* owner = session->get();
+  worker->Post(owner, [call, work = std::move(work),
+                       session = *std::move(session)]() mutable {
+    call->Finish(work(*session, call->request(), call->response()));
+  });
   return call;
 }
 
@@ -274,7 +275,8 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::CloseSession(
   // Freeing the state can take a while; the worker drops the last reference
   // after any step of this session already queued.
   std::shared_ptr<DeviceWorker> worker = WorkerFor(*session);
-  worker->Post([reactor, s = *std::move(session)]() mutable {
+  const void* owner = session->get();
+  worker->Post(owner, [reactor, s = *std::move(session)]() mutable {
     s.reset();
     reactor->Finish(grpc::Status::OK);
   });
@@ -382,9 +384,11 @@ class OptimizerServiceImpl::StepStreamReactor final
     : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   StepStreamReactor(OptimizerServiceImpl* service, std::string token,
+                    const Session* session,
                     std::shared_ptr<DeviceWorker> worker)
       : service_(service),
         token_(std::move(token)),
+        owner_(session),
         worker_(std::move(worker)) {
     StartRead(&in_);
   }
@@ -407,7 +411,7 @@ class OptimizerServiceImpl::StepStreamReactor final
       Finish(ToGrpcStatus(parsed));
       return;
     }
-    worker_->Post([this, start, request, held] {
+    worker_->Post(owner_, [this, start, request, held] {
       v1::StepResponse response;
       absl::StatusOr<std::shared_ptr<Session>> session =
           service_->registry_->Find(token_);
@@ -458,6 +462,9 @@ class OptimizerServiceImpl::StepStreamReactor final
 
   OptimizerServiceImpl* const service_;
   const std::string token_;
+  // The session's turn on the worker (DeviceWorker::Post); an address
+  // only: the stream does not hold the session.
+  const void* const owner_;
   // Kept alive by the stream: a closed session's own worker (WorkerFor)
   // would otherwise go with the next session's.
   const std::shared_ptr<DeviceWorker> worker_;
@@ -483,7 +490,8 @@ OptimizerServiceImpl::StepStream(grpc::CallbackServerContext* context) {
                                           "optimd is shutting down")
                            : ToGrpcStatus(session.status()));
   }
-  return new StepStreamReactor(this, TokenOf(context), WorkerFor(*session));
+  return new StepStreamReactor(this, TokenOf(context), session->get(),
+                               WorkerFor(*session));
 }
 
 grpc::ServerUnaryReactor* OptimizerServiceImpl::GetParams(

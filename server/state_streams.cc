@@ -53,7 +53,7 @@ class OptimizerServiceImpl::SaveStreamReactor final
       MutexLock lock(&mu_);
       on_retire_ = on_retire;
     }
-    worker->Post([this] { Start(); });
+    worker->Post(session_.get(), [this] { Start(); });
   }
 
   void OnWriteDone(bool ok) override {
@@ -388,7 +388,7 @@ class OptimizerServiceImpl::LoadStreamReactor final
                             " bytes; nothing was loaded"));
       return;
     }
-    worker_->Post([this] {
+    worker_->Post(session_.get(), [this] {
       const std::string path = SpoolPath();
       auto r = LoadSessionFile(*session_, path, options_);
       if (!r.ok()) {
