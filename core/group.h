@@ -267,6 +267,9 @@ struct Group {
   // Backend-specific plan data (the CUDA backend's device-resident item
   // table); null on the CPU backend. Set by the backend's PrepareGroup.
   std::shared_ptr<BackendPlan> backend_plan;
+  // Its share of --max_metadata_bytes (core/metadata_bytes.h), reserved
+  // at registration.
+  uint64_t metadata_bytes = 0;
 
   uint64_t StateBytes() const {
     uint64_t n = 0;

@@ -32,6 +32,7 @@ Session::~Session() {
     attachments_.clear();
   }
   budget_->Release(state_bytes_);
+  budget_->ReleaseMetadata(metadata_bytes_);
   Retire();
 }
 

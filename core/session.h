@@ -541,6 +541,8 @@ class Session {
   // the list.
   std::vector<Group*> step_groups_ ABSL_GUARDED_BY(mu_);
   uint64_t state_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  // The groups' metadata bytes (Group::metadata_bytes), all together.
+  uint64_t metadata_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   // Bytes of the trainers' parameters registered (at most kMaxSessionBytes).
   uint64_t param_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   // The backend's totals (StepOutcome), the one count of the session's

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
+#include "core/metadata_bytes.h"
 #include "core/session.h"
 #include "core/session_checks.h"
 
@@ -204,16 +205,24 @@ absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
     OPTIMD_RETURN_IF_ERROR(MapWholeParams(spec, ranges, group.get()));
   }
 
-  // Pass 3: state memory, within the daemon's budget.
-  OPTIMD_RETURN_IF_ERROR(
-      budget_->Reserve(bytes, absl::StrCat("group '", spec.id, "'")));
-  absl::Status s = AllocateGroupState(backend_, group.get());
+  // Pass 3: state memory and metadata, within the daemon's budgets.
+  const std::string what = absl::StrCat("group '", spec.id.substr(0, 128), "'");
+  const uint64_t metadata = GroupMetadataBytes(kept);
+  OPTIMD_RETURN_IF_ERROR(budget_->ReserveMetadata(metadata, what));
+  absl::Status s = budget_->Reserve(bytes, what);
+  if (!s.ok()) {
+    budget_->ReleaseMetadata(metadata);
+    return s;
+  }
+  group->metadata_bytes = metadata;
+  s = AllocateGroupState(backend_, group.get());
   if (s.ok()) {
     group->IndexTensors();
     s = backend_->PrepareGroup(*group);
   }
   if (!s.ok()) {
     budget_->Release(bytes);
+    budget_->ReleaseMetadata(metadata);
     return s;
   }
   *state_bytes = bytes;
@@ -234,6 +243,7 @@ absl::StatusOr<RegisterResult> Session::RegisterGroup(const GroupSpec& spec) {
     param_bytes_ += t.numel * DTypeSize(t.layout.param_dtype);
   }
   state_bytes_ += bytes;
+  metadata_bytes_ += group->metadata_bytes;
   groups_.push_back(std::move(group));
   RefreshMappings();
   PublishInfo();
@@ -245,6 +255,7 @@ absl::Status Session::UnregisterGroup(const std::string& id) {
   for (auto it = groups_.begin(); it != groups_.end(); ++it) {
     if ((*it)->id != id) continue;
     const uint64_t bytes = (*it)->StateBytes();
+    const uint64_t metadata = (*it)->metadata_bytes;
     for (const TensorEntry& t : (*it)->tensors) {
       tensor_names_.erase(t.name);
       for (const std::string& a : t.aliases) alias_names_.erase(a);
@@ -253,6 +264,8 @@ absl::Status Session::UnregisterGroup(const std::string& id) {
     groups_.erase(it);
     state_bytes_ -= bytes;
     budget_->Release(bytes);
+    metadata_bytes_ -= metadata;
+    budget_->ReleaseMetadata(metadata);
     RefreshMappings();
     PublishInfo();
     return absl::OkStatus();

@@ -1,8 +1,12 @@
-// The daemon-wide limit on optimizer state bytes (--max_state_bytes).
+// The daemon-wide limits on what sessions hold: optimizer state bytes
+// (--max_state_bytes) and the host memory of their bookkeeping — tensor
+// names, aliases, shapes and entries (--max_metadata_bytes, estimated by
+// core/metadata_bytes.h).
 #ifndef OPTIMD_CORE_STATE_BUDGET_H_
 #define OPTIMD_CORE_STATE_BUDGET_H_
 
 #include <cstdint>
+#include <string>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -11,23 +15,39 @@
 
 namespace optimd {
 
+// --max_metadata_bytes' default: about 1.7 million tensors with short
+// names, far beyond any model, while a client cannot grow the daemon
+// without bound through names and aliases.
+inline constexpr uint64_t kDefaultMetadataLimit = uint64_t{1} << 30;
+
 // Thread-safe.
 class StateBudget {
  public:
-  // 0 means unlimited.
-  explicit StateBudget(uint64_t limit) : limit_(limit) {}
+  // 0 means unlimited, for either.
+  explicit StateBudget(uint64_t limit,
+                       uint64_t metadata_limit = kDefaultMetadataLimit)
+      : limit_(limit), metadata_limit_(metadata_limit) {}
 
-  // Reserves `bytes` or fails with RESOURCE_EXHAUSTED, changing nothing.
+  // Reserves `bytes` of optimizer state or fails with RESOURCE_EXHAUSTED,
+  // changing nothing.
   absl::Status Reserve(uint64_t bytes, const std::string& what)
       ABSL_LOCKS_EXCLUDED(mu_);
   void Release(uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t used() const ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t limit() const { return limit_; }
 
+  // The same for metadata bytes.
+  absl::Status ReserveMetadata(uint64_t bytes, const std::string& what)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  void ReleaseMetadata(uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  uint64_t metadata_used() const ABSL_LOCKS_EXCLUDED(mu_);
+
  private:
   const uint64_t limit_;
+  const uint64_t metadata_limit_;
   mutable Mutex mu_;
   uint64_t used_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t metadata_used_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace optimd

@@ -42,6 +42,7 @@
 #include "common/stale_files.h"
 #include "common/version.h"
 #include "core/session_registry.h"
+#include "core/state_budget.h"
 #include "server/device_worker.h"
 #include "server/fd_socket.h"
 #include "server/grpc_log.h"
@@ -71,6 +72,11 @@ ABSL_FLAG(uint64_t, max_state_bytes, 0,
           "Upper bound on optimizer state held for all sessions, in bytes; "
           "0 means no limit. Registrations past it fail with "
           "RESOURCE_EXHAUSTED.");
+ABSL_FLAG(uint64_t, max_metadata_bytes, optimd::kDefaultMetadataLimit,
+          "Upper bound on the daemon's memory for registered tensors' "
+          "names, aliases, shapes and entries, all sessions together, in "
+          "bytes (an estimate); 0 means no limit. Registrations past it "
+          "fail with RESOURCE_EXHAUSTED.");
 ABSL_FLAG(int, cpu_threads, 0,
           "Threads for the CPU backend's steps; 0 means one per hardware "
           "thread.");
@@ -660,7 +666,8 @@ int main(int argc, char** argv) {
   if (const int code = StartFdSocket(&listener, &fd_store, files); code != 0) {
     return code;
   }
-  optimd::StateBudget budget(absl::GetFlag(FLAGS_max_state_bytes));
+  optimd::StateBudget budget(absl::GetFlag(FLAGS_max_state_bytes),
+                             absl::GetFlag(FLAGS_max_metadata_bytes));
   std::vector<optimd::Backend*> backend_ptrs;
   for (const auto& b : backends) backend_ptrs.push_back(b.get());
   std::vector<std::unique_ptr<optimd::DeviceWorker>> workers =

@@ -152,6 +152,10 @@ std::vector<MetricFamily> MetricFamilies(const v1::GetMetricsResponse& m) {
                        MetricType::Gauge));
   out.push_back(Scalar("optimd_state_bytes", "Optimizer state bytes held.",
                        m.state_bytes(), MetricType::Gauge));
+  out.push_back(Scalar("optimd_metadata_bytes",
+                       "Memory estimated for registered tensors' names, "
+                       "aliases, shapes and entries.",
+                       m.metadata_bytes(), MetricType::Gauge));
   out.push_back(Scalar("optimd_checkpoint_saves_total", "Checkpoints saved.",
                        m.checkpoint_saves()));
   out.push_back(Scalar("optimd_checkpoint_save_bytes_total",

@@ -770,6 +770,7 @@ void OptimizerServiceImpl::FillMetrics(v1::GetMetricsResponse* response,
   const auto sessions = registry_->List();
   response->set_sessions(sessions.size());
   response->set_state_bytes(registry_->budget()->used());
+  response->set_metadata_bytes(registry_->budget()->metadata_used());
   step_latency_.ToProto(response->mutable_step_latency());
   step_host_time_.ToProto(response->mutable_step_host_time());
   step_device_time_.ToProto(response->mutable_step_device_time());

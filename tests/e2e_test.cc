@@ -1760,6 +1760,49 @@ TEST(E2eBudgetTest, RegistrationPastMaxStateBytes) {
   EXPECT_EQ((*d)->Stop(), 0);
 }
 
+// Names and aliases cost the daemon memory without any state: a group of
+// zero-element tensors with 64 aliases of 1,000 bytes each is refused past
+// --max_metadata_bytes (the same group used to grow the daemon by about
+// 140 KB a tensor under any --max_state_bytes), and the metadata of a
+// group is given back when it goes.
+TEST(E2eBudgetTest, RegistrationPastMaxMetadataBytes) {
+  auto d = DaemonProcess::Start({"--max_metadata_bytes=1048576"});
+  ASSERT_TRUE(d.ok()) << d.status();
+  auto c = *(*d)->Connect();
+  ASSERT_TRUE(c->CreateSession(CpuSession("j")).ok());
+  v1::RegisterGroupRequest r;
+  r.set_group_id("g");
+  r.mutable_hyperparameters()->set_lr(1e-3);
+  for (int i = 0; i < 200; ++i) {
+    auto* t = r.add_tensors();
+    t->set_name("w" + std::to_string(i));
+    t->set_param_dtype(v1::DTYPE_FLOAT32);
+    t->set_grad_dtype(v1::DTYPE_FLOAT32);
+    for (int a = 0; a < 64; ++a) {
+      t->add_aliases(absl::StrCat(i, ".", a, ".", std::string(1000, 'x')));
+    }
+  }
+  auto s = c->RegisterGroup(r);
+  EXPECT_EQ(s.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(s.status().message().find("--max_metadata_bytes"),
+            std::string::npos)
+      << s.status().message();
+  auto m = c->GetMetrics();
+  ASSERT_TRUE(m.ok());
+  EXPECT_EQ(m->metadata_bytes(), 0u);
+  for (auto& t : *r.mutable_tensors()) t.clear_aliases();
+  ASSERT_TRUE(c->RegisterGroup(r).ok());
+  m = c->GetMetrics();
+  ASSERT_TRUE(m.ok());
+  EXPECT_GT(m->metadata_bytes(), 200u * 100);
+  EXPECT_LT(m->metadata_bytes(), 1048576u);
+  ASSERT_TRUE(c->UnregisterGroup("g").ok());
+  m = c->GetMetrics();
+  ASSERT_TRUE(m.ok());
+  EXPECT_EQ(m->metadata_bytes(), 0u);
+  EXPECT_EQ((*d)->Stop(), 0);
+}
+
 // A group whose state the machine cannot hold is refused, not allocated
 // (zeroing it would get the daemon killed). The trainer's buffers are
 // sparse shared memory, never touched.

@@ -16,6 +16,7 @@
 #include "checkpoint/key_names.h"
 #include "checkpoint/session_checkpoint.h"
 #include "client/shm_tensor.h"
+#include "core/metadata_bytes.h"
 #include "core/session_registry.h"
 #include "gtest/gtest.h"
 
@@ -230,6 +231,45 @@ TEST_F(SessionTest, BudgetIsEnforcedAndReleased) {
   ASSERT_TRUE(s.UnregisterGroup("big").ok());
   EXPECT_EQ(small.used(), 0u);
   EXPECT_EQ(s.UnregisterGroup("big").code(), absl::StatusCode::kNotFound);
+}
+
+// Names and aliases hold the daemon's memory too: a group whose aliases
+// pass --max_metadata_bytes is refused, changing nothing, within the state
+// budget; the metadata is given back with the group and with the session.
+TEST_F(SessionTest, MetadataBudgetIsEnforcedAndReleased) {
+  GroupSpec spec;
+  spec.id = "named";
+  spec.tensors = {Fp32Tensor("a", 10, 0)};
+  const uint64_t plain = GroupMetadataBytes(spec);
+  for (int i = 0; i < 64; ++i) {
+    spec.tensors[0].aliases.push_back(std::to_string(i) +
+                                      std::string(1000, 'x'));
+  }
+  const uint64_t aliased = GroupMetadataBytes(spec);
+  EXPECT_GT(aliased, plain + 2 * 64 * 1000);
+  StateBudget small(0, aliased - 1);
+  {
+    Session s(SessionIdentity{"j", 0, 1, -1}, &backend_, &small,
+              Context(&backend_));
+    auto r = s.RegisterGroup(spec);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+    EXPECT_NE(r.status().message().find("--max_metadata_bytes"),
+              absl::string_view::npos)
+        << r.status();
+    EXPECT_TRUE(s.Info().group_ids.empty());
+    EXPECT_EQ(small.used(), 0u);
+    EXPECT_EQ(small.metadata_used(), 0u);
+    spec.tensors[0].aliases.resize(1);
+    ASSERT_TRUE(s.RegisterGroup(spec).ok());
+    const uint64_t one_alias = GroupMetadataBytes(spec);
+    EXPECT_EQ(small.metadata_used(), one_alias);
+    EXPECT_EQ(small.used(), 80u);
+    ASSERT_TRUE(s.UnregisterGroup("named").ok());
+    EXPECT_EQ(small.metadata_used(), 0u);
+    ASSERT_TRUE(s.RegisterGroup(spec).ok());
+  }
+  EXPECT_EQ(small.metadata_used(), 0u);  // the session's destructor
+  EXPECT_EQ(small.used(), 0u);
 }
 
 // LockedSession::ReserveSnapshot: one host copy of the parameters and
