@@ -136,7 +136,8 @@ absl::StatusOr<StepResult> Session::Step(const StepRequestSpec& request) {
     // The other ranks skip this step rather than wait for this rank.
     exchange_
         ->Reduce(identity_.rank, std::numeric_limits<double>::quiet_NaN(),
-                 absl::Now() + rank_timeout_)
+                 absl::Now() + (request.caller_gone ? absl::ZeroDuration()
+                                                    : rank_timeout_))
         .IgnoreError();
   }
   if (options.step_flags != nullptr) {

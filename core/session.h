@@ -108,6 +108,10 @@ struct StepRequestSpec {
   // validation); the session refuses it with this, after releasing its
   // step flags.
   absl::Status refused;
+  // The refusal is for a call nobody waits for any more (cancelled, or its
+  // session retired): its NaN contribution to the job's exchange (which
+  // makes ranks already waiting skip the step) waits for no other rank.
+  bool caller_gone = false;
 };
 
 struct StepResult {

@@ -30,6 +30,12 @@ int DeviceWorker::pending() const {
   return queued_ + running_;
 }
 
+int DeviceWorker::queued(const void* owner) const {
+  MutexLock lock(&mu_);
+  auto it = queues_.find(owner);
+  return it == queues_.end() ? 0 : static_cast<int>(it->second.size());
+}
+
 std::function<void()> DeviceWorker::TakeNext() {
   const void* owner = turns_.front();
   turns_.pop_front();

@@ -35,6 +35,8 @@ class DeviceWorker {
 
   // Tasks posted and not yet finished.
   int pending() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Tasks of `owner` posted and not yet started.
+  int queued(const void* owner) const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   void Loop();

@@ -135,10 +135,32 @@ absl::StatusOr<std::shared_ptr<Session>> OptimizerServiceImpl::SessionOf(
   return registry_->Find(TokenOf(context));
 }
 
+namespace {
+
+// Why a call queued on a worker is not to run by its turn: its client
+// cancelled it (or the shutdown did, after its grace), or its session was
+// closed, evicted or reaped meanwhile; OK when it is to run.
+absl::Status NotToRun(grpc::CallbackServerContext& context,
+                      const Session& session) {
+  if (session.retired()) {
+    return absl::AbortedError(
+        "the session was closed, evicted or reaped before this call's turn "
+        "came; nothing was done");
+  }
+  if (context.IsCancelled()) {
+    return absl::CancelledError(
+        "the call was cancelled (by its client, its deadline or the "
+        "daemon's shutdown) before its turn came; nothing was done");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 template <typename Request, typename Response, typename Work>
 grpc::ServerUnaryReactor* OptimizerServiceImpl::OnWorker(
     grpc::CallbackServerContext* context, const grpc::ByteBuffer* bytes,
-    grpc::ByteBuffer* out, Work work, bool file_io) {
+    grpc::ByteBuffer* out, Work work, bool file_io, WhenGone when_gone) {
   auto* call = new RawUnaryCall<Request, Response>(out, request_budget_.get());
   if (draining_.load()) {
     call->Finish(
@@ -150,12 +172,6 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::OnWorker(
     call->Finish(session.status());
     return call;
   }
-  // Parsed only once its cost is known and held; held until the call is
-  // done.
-  if (absl::Status parsed = call->Parse(*bytes); !parsed.ok()) {
-    call->Finish(parsed);
-    return call;
-  }
   // File I/O of host-addressable sessions runs on the I/O worker, so that
   // other sessions keep stepping; not for sessions whose steps may wait for
   // other ranks while holding the session (the I/O worker would wait too).
@@ -165,8 +181,27 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::OnWorker(
           ? Unowned(&io_worker_)
           : WorkerFor(*session);
   const void* owner = session->get();
-  worker->Post(owner, [call, work = std::move(work),
+  if (worker->queued(owner) >= kMaxQueuedCallsPerSession) {
+    call->Finish(absl::ResourceExhaustedError(absl::StrCat(
+        "this session already has ", kMaxQueuedCallsPerSession,
+        " calls waiting for its device's worker; wait for their replies "
+        "before sending more (nothing was done)")));
+    return call;
+  }
+  // Parsed only once its cost is known and held; held until the call is
+  // done.
+  if (absl::Status parsed = call->Parse(*bytes); !parsed.ok()) {
+    call->Finish(parsed);
+    return call;
+  }
+  worker->Post(owner, [call, context, when_gone, work = std::move(work),
                        session = *std::move(session)]() mutable {
+    if (when_gone == WhenGone::kSkip) {
+      if (absl::Status gone = NotToRun(*context, *session); !gone.ok()) {
+        call->Finish(gone);
+        return;
+      }
+    }
     call->Finish(work(*session, call->request(), call->response()));
   });
   return call;
@@ -178,6 +213,12 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::CreateSession(
   auto* reactor =
       new RawUnaryCall<v1::CreateSessionRequest, v1::CreateSessionResponse>(
           out, request_budget_.get());
+  if (draining_.load()) {
+    // The daemon is stopping: a new session could do no work.
+    reactor->Finish(
+        grpc::Status(grpc::StatusCode::UNAVAILABLE, "optimd is shutting down"));
+    return reactor;
+  }
   if (!reactor->Parsed(*bytes)) return reactor;
   const v1::CreateSessionRequest* request = &reactor->request();
   v1::CreateSessionResponse* response = reactor->response();
@@ -332,13 +373,15 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::UpdateBuffers(
 absl::Status OptimizerServiceImpl::RunStep(Session& s,
                                            const v1::StepRequest& request,
                                            v1::StepResponse* response,
-                                           absl::Time start) {
+                                           absl::Time start,
+                                           absl::Status refused) {
   auto spec = StepSpecFromProto(request);
   if (!spec.ok()) return spec.status();
   const absl::Time host_start = absl::Now();
-  // Refused options still go through Session::Step, which releases the
+  // Refused steps still go through Session::Step, which releases the
   // step's flags before refusing it.
-  spec->refused = CheckStepOptions(request);
+  spec->refused = refused.ok() ? CheckStepOptions(request) : refused;
+  spec->caller_gone = !refused.ok();
   auto result = s.Step(*spec);
   if (!result.ok()) return result.status();
   step_host_time_.Observe(absl::ToDoubleSeconds(absl::Now() - host_start));
@@ -366,10 +409,11 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::Step(
   const absl::Time start = absl::Now();
   return OnWorker<v1::StepRequest, v1::StepResponse>(
       context, request, response,
-      [this, start](Session& s, const v1::StepRequest& request,
-                    v1::StepResponse* response) -> absl::Status {
-        return RunStep(s, request, response, start);
-      });
+      [this, start, context](Session& s, const v1::StepRequest& request,
+                             v1::StepResponse* response) -> absl::Status {
+        return RunStep(s, request, response, start, NotToRun(*context, s));
+      },
+      /*file_io=*/false, WhenGone::kRun);
 }
 
 // Reads one request, runs it on the session's worker, writes its response,

@@ -29,6 +29,11 @@ namespace optimd {
 
 // The metadata key that carries the session token.
 inline constexpr char kSessionMetadataKey[] = "x-optimd-session";
+// Unary calls of one session waiting for its worker at most: past it a call
+// is refused (RESOURCE_EXHAUSTED), so that a client that sends without
+// waiting for replies cannot take the daemon's request memory from the
+// other sessions. Far above what a trainer keeps in flight.
+inline constexpr int kMaxQueuedCallsPerSession = 1024;
 
 // The service's methods, in the API's order. Every one takes its requests
 // (and a stream's messages) as bytes (raw_call.h), so that a request's
@@ -152,8 +157,12 @@ class OptimizerServiceImpl final : public OptimizerServiceBase {
 
   // One step of `session` (on its device worker): buffer updates, the step,
   // the reply. Shared by Step and StepStream.
+  // `refused`: NotToRun's reason when nobody waits for the step any more:
+  // it is refused (its buffer updates still applied, its flags released)
+  // and waits for no other rank; OK otherwise.
   absl::Status RunStep(Session& session, const v1::StepRequest& request,
-                       v1::StepResponse* response, absl::Time start);
+                       v1::StepResponse* response, absl::Time start,
+                       absl::Status refused = absl::OkStatus());
 
   // The session named by the call's metadata, or UNAUTHENTICATED.
   absl::StatusOr<std::shared_ptr<Session>> SessionOf(
@@ -190,11 +199,18 @@ class OptimizerServiceImpl final : public OptimizerServiceBase {
   // `bytes` (RawUnaryCall: refused before parsing, with RESOURCE_EXHAUSTED,
   // when it has more entries than a session can hold or its parsed cost
   // would pass the request budget); an OK status sends `response` to `out`.
+  // A call whose turn comes after its client cancelled it (gone, past its
+  // deadline, or cancelled by the shutdown after its grace) or after its
+  // session was retired is finished unrun (WhenGone::kSkip, NotToRun's
+  // status), or `work` runs anyway and refuses it itself (kRun: Step,
+  // whose refusal releases the trainer's step flags).
+  enum class WhenGone { kSkip, kRun };
   template <typename Request, typename Response, typename Work>
   grpc::ServerUnaryReactor* OnWorker(grpc::CallbackServerContext* context,
                                      const grpc::ByteBuffer* bytes,
                                      grpc::ByteBuffer* out, Work work,
-                                     bool file_io = false);
+                                     bool file_io = false,
+                                     WhenGone when_gone = WhenGone::kSkip);
 
   SessionRegistry* const registry_;
   const RestartStore* restart_store_ = nullptr;

@@ -23,6 +23,7 @@
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "client/shm_tensor.h"
@@ -987,6 +988,138 @@ TEST_F(E2eTest, RequestsWaitingForAWorkerAreBoundedInMemory) {
   }
   EXPECT_GT(tally.refused_here, 0);
   EXPECT_LT(grown, 5 * kBound);
+}
+
+// Calls whose client gave up while they waited for the session's worker
+// (here: their deadline passed behind a step of a job missing a rank) are
+// not run when their turn comes: each registration would otherwise have
+// added a group, and each step waited for the missing rank again.
+TEST_F(E2eTest, CallsCancelledWhileQueuedAreNotRun) {
+  daemon_->Stop();
+  auto d = DaemonProcess::Start({"--rank_timeout_s=2"});
+  ASSERT_TRUE(d.ok()) << d.status();
+  daemon_ = *std::move(d);
+  client_ = Connect();
+  v1::CreateSessionRequest cs = CpuSession("job", 0);
+  cs.set_world_size(2);
+  cs.set_gradient_sharding(v1::GRADIENT_SHARDING_SHARDED);
+  ASSERT_TRUE(client_->CreateSession(cs).ok());
+  ASSERT_TRUE(client_->RegisterGroup(Group("g", {Tensor("w", 4, 0)})).ok());
+  // Rank 0 alone: its step holds the session's worker until the timeout.
+  std::thread stepper([&] { client_->Step(v1::StepRequest()).IgnoreError(); });
+  absl::SleepFor(absl::Milliseconds(300));
+  auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(
+      daemon_->address(), grpc::InsecureChannelCredentials()));
+  constexpr int kCalls = 6;
+  std::vector<grpc::Status> statuses(2 * kCalls);
+  std::vector<std::thread> senders;
+  for (int i = 0; i < 2 * kCalls; ++i) {
+    senders.emplace_back([&, i] {
+      grpc::ClientContext context;
+      context.set_deadline(
+          absl::ToChronoTime(absl::Now() + absl::Milliseconds(200)));
+      context.AddMetadata("x-optimd-session", client_->session_token());
+      if (i < kCalls) {
+        const std::string id = "queued" + std::to_string(i);
+        v1::RegisterGroupResponse response;
+        statuses[i] = stub->RegisterGroup(
+            &context, Group(id, {Tensor(id, 4, 64 * (i + 1))}), &response);
+      } else {
+        v1::StepResponse response;
+        statuses[i] = stub->Step(&context, v1::StepRequest(), &response);
+      }
+    });
+  }
+  for (std::thread& t : senders) t.join();
+  stepper.join();
+  for (const grpc::Status& s : statuses) {
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED)
+        << s.error_message();
+  }
+  // Queued behind all of them: done once they are.
+  const absl::Time start = absl::Now();
+  ASSERT_TRUE(
+      client_->RegisterGroup(Group("last", {Tensor("v", 4, 64 * (kCalls + 1))}))
+          .ok());
+  EXPECT_LT(absl::Now() - start, absl::Seconds(kCalls))
+      << "the cancelled steps waited for the missing rank";
+  auto m = client_->GetMetrics();
+  ASSERT_TRUE(m.ok()) << m.status();
+  ASSERT_EQ(m->session_infos_size(), 1);
+  const auto& ids = m->session_infos(0).group_ids();
+  ASSERT_EQ(ids.size(), 2);
+  EXPECT_EQ(ids[0], "g");
+  EXPECT_EQ(ids[1], "last");
+}
+
+// A client that sends without waiting for replies gets at most
+// kMaxQueuedCallsPerSession (server/optimizer_service.h) calls queued on
+// its session's worker; the rest
+// are refused at once, naming what to do, and the queued ones still run.
+TEST_F(E2eTest, CallsQueuedPerSessionAreCapped) {
+  daemon_->Stop();
+  auto d = DaemonProcess::Start({"--rank_timeout_s=2"});
+  ASSERT_TRUE(d.ok()) << d.status();
+  daemon_ = *std::move(d);
+  client_ = Connect();
+  v1::CreateSessionRequest cs = CpuSession("job", 0);
+  cs.set_world_size(2);
+  cs.set_gradient_sharding(v1::GRADIENT_SHARDING_SHARDED);
+  ASSERT_TRUE(client_->CreateSession(cs).ok());
+  ASSERT_TRUE(client_->RegisterGroup(Group("g", {Tensor("w", 4, 0)})).ok());
+  std::thread stepper([&] { client_->Step(v1::StepRequest()).IgnoreError(); });
+  absl::SleepFor(absl::Milliseconds(300));
+  auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(
+      daemon_->address(), grpc::InsecureChannelCredentials()));
+  constexpr int kCap = 1024;  // kMaxQueuedCallsPerSession
+  constexpr int kCalls = kCap + 100;
+  struct Call {
+    grpc::ClientContext context;
+    v1::GetParamsResponse response;
+    grpc::Status status;
+  };
+  std::vector<std::unique_ptr<Call>> calls;
+  absl::Mutex mu;
+  int done = 0;
+  v1::GetParamsRequest request;
+  request.add_group_ids("g");
+  for (int i = 0; i < kCalls; ++i) {
+    calls.push_back(std::make_unique<Call>());
+    Call* c = calls.back().get();
+    c->context.set_deadline(
+        absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
+    c->context.AddMetadata("x-optimd-session", client_->session_token());
+    stub->async()->GetParams(&c->context, &request, &c->response,
+                             [c, &mu, &done](grpc::Status s) {
+                               absl::MutexLock lock(&mu);
+                               c->status = std::move(s);
+                               ++done;
+                             });
+  }
+  {
+    absl::MutexLock lock(&mu);
+    mu.Await(absl::Condition(
+        +[](int* n) { return *n == kCalls; }, &done));
+  }
+  stepper.join();
+  int ok = 0, refused = 0;
+  for (const auto& c : calls) {
+    if (c->status.ok()) {
+      ++ok;
+    } else if (c->status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
+      ++refused;
+      EXPECT_NE(c->status.error_message().find("wait for their replies"),
+                std::string::npos)
+          << c->status.error_message();
+    } else {
+      ADD_FAILURE() << c->status.error_message();
+    }
+  }
+  // The cap is checked before the call is queued, by gRPC's threads at
+  // once: a few more than kCap may pass it.
+  EXPECT_GE(refused, kCalls - kCap - 32);
+  EXPECT_GE(ok, kCap / 2);
+  EXPECT_EQ(ok + refused, kCalls);
 }
 
 // A daemon told to stop while a LoadStateStream waits for its session's
