@@ -443,14 +443,21 @@ absl::StatusOr<SnapshotReservation> LockedSession::ReserveSnapshot() {
         "held (SaveStateStream streams not read to the end, or a background ",
         "save writing); finish or cancel them first"));
   }
-  // A snapshot holds the parameters and the state, in host memory.
+  // A snapshot holds the parameters and the state, in host memory, and
+  // a header of every tensor's names and shapes, which takes up to about
+  // as much again as their metadata while it is built.
   const uint64_t bytes = s.param_bytes_ + s.state_bytes_;
-  OPTIMD_RETURN_IF_ERROR(s.budget_->Reserve(
-      bytes,
-      "a snapshot of the session's state (SaveStateStream or a "
-      "background save)"));
+  const std::string what =
+      "a snapshot of the session's state (SaveStateStream or a background "
+      "save)";
+  OPTIMD_RETURN_IF_ERROR(s.budget_->ReserveMetadata(s.metadata_bytes_, what));
+  if (absl::Status reserved = s.budget_->Reserve(bytes, what); !reserved.ok()) {
+    s.budget_->ReleaseMetadata(s.metadata_bytes_);
+    return reserved;
+  }
   s.live_snapshots_->fetch_add(1);
-  return SnapshotReservation(s.budget_, bytes, s.live_snapshots_);
+  return SnapshotReservation(s.budget_, bytes, s.metadata_bytes_,
+                             s.live_snapshots_);
 }
 
 }  // namespace optimd

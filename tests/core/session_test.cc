@@ -303,6 +303,38 @@ TEST_F(SessionTest, SnapshotReservationsAreBoundedAndGivenBack) {
   EXPECT_EQ(budget_.used(), state);
 }
 
+// A snapshot's header holds every tensor's names and shapes: each snapshot
+// reserves the session's metadata bytes again, refused past
+// --max_metadata_bytes with nothing held, and given back with it.
+TEST_F(SessionTest, SnapshotsReserveTheirHeadersMetadata) {
+  GroupSpec spec;
+  spec.id = "g";
+  spec.tensors = {Fp32Tensor("a", 10, 0)};
+  const uint64_t metadata = GroupMetadataBytes(spec);
+  StateBudget budget(0, 2 * metadata + metadata / 2);
+  Session s(SessionIdentity{"j", 0, 1, -1}, &backend_, &budget,
+            Context(&backend_));
+  ASSERT_TRUE(s.RegisterGroup(spec).ok());
+  ASSERT_EQ(budget.metadata_used(), metadata);
+  std::vector<SnapshotReservation> held;
+  s.WithLockedState([&](LockedSession& locked) {
+    auto r = locked.ReserveSnapshot();
+    ASSERT_TRUE(r.ok()) << r.status();
+    held.push_back(*std::move(r));
+    EXPECT_EQ(budget.metadata_used(), 2 * metadata);
+    const uint64_t state = budget.used();
+    auto refused = locked.ReserveSnapshot();
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+    EXPECT_NE(refused.status().message().find("--max_metadata_bytes"),
+              absl::string_view::npos)
+        << refused.status();
+    EXPECT_EQ(budget.metadata_used(), 2 * metadata);
+    EXPECT_EQ(budget.used(), state);
+  });
+  held.clear();
+  EXPECT_EQ(budget.metadata_used(), metadata);
+}
+
 // What a session keeps for a layer above goes first when the session goes:
 // its state is still reserved while an attachment ends (a background
 // save's writing thread may still read it).
