@@ -27,8 +27,8 @@ constexpr uint64_t kTensorSlackBytes = 128;
 }  // namespace
 
 uint64_t TensorMetadataBytes(const TensorSpec& t) {
-  uint64_t bytes = sizeof(TensorEntry) + StringBytes(t.name) -
-                   sizeof(std::string);
+  uint64_t bytes =
+      sizeof(TensorEntry) + StringBytes(t.name) - sizeof(std::string);
   if (t.numel > 0 && !t.frozen) bytes += kPlanEntryBytes;
   bytes += 2 * (kIndexNodeBytes + StringBytes(t.name));  // name set, index
   for (const std::string& a : t.aliases) {

@@ -1,7 +1,7 @@
 // What a registered group costs the daemon's host memory besides its state:
 // each tensor's entry and name indexes, its name, aliases and shapes, and a
-// steppable one's plan entry. An estimate from the request (the containers' own overheads
-// approximated per node), counted against --max_metadata_bytes
+// steppable one's plan entry. An estimate from the request (the containers' own
+// overheads approximated per node), counted against --max_metadata_bytes
 // (core/state_budget.h) so that names and aliases cannot grow the daemon
 // without bound.
 #ifndef OPTIMD_CORE_METADATA_BYTES_H_
