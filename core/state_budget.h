@@ -16,9 +16,9 @@
 namespace optimd {
 
 // --max_metadata_bytes' default: about three sessions at the cap of
-// kMaxTensorsPerSession steppable tensors with short names (and a snapshot
-// of one), far beyond any model, while a client cannot grow the daemon
-// without bound through names and aliases.
+// kMaxTensorsPerSession steppable tensors with short names (or two and a
+// snapshot of one), far beyond any model, while a client cannot grow the
+// daemon without bound through names and aliases.
 inline constexpr uint64_t kDefaultMetadataLimit = uint64_t{4} << 30;
 
 // Thread-safe.

@@ -2,6 +2,8 @@
 
 #include <pthread.h>
 
+#include <algorithm>
+
 namespace optimd {
 
 DeviceWorker::DeviceWorker(std::string name) : name_(std::move(name)) {
@@ -25,6 +27,14 @@ void DeviceWorker::Post(const void* owner, std::function<void()> task) {
   ++queued_;
 }
 
+void DeviceWorker::Drain(const void* owner) {
+  MutexLock lock(&mu_);
+  if (queues_.count(owner) == 0) return;  // nothing waits
+  draining_.insert(owner);
+  turns_.erase(std::find(turns_.begin(), turns_.end(), owner));
+  turns_.push_front(owner);
+}
+
 int DeviceWorker::pending() const {
   MutexLock lock(&mu_);
   return queued_ + running_;
@@ -44,6 +54,9 @@ std::function<void()> DeviceWorker::TakeNext() {
   it->second.pop_front();
   if (it->second.empty()) {
     queues_.erase(it);
+    draining_.erase(owner);
+  } else if (draining_.count(owner) != 0) {
+    turns_.push_front(owner);  // drained before anyone else
   } else {
     turns_.push_back(owner);  // its next task waits for the others' turns
   }

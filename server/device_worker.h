@@ -12,6 +12,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
@@ -33,6 +34,11 @@ class DeviceWorker {
   void Post(const void* owner, std::function<void()> task)
       ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Serves `owner`'s waiting tasks before any other owner's, one after the
+  // other, until none is left (a retired session: its tasks finish at
+  // once, and the last one frees its state before a new session's work).
+  void Drain(const void* owner) ABSL_LOCKS_EXCLUDED(mu_);
+
   // Tasks posted and not yet finished.
   int pending() const ABSL_LOCKS_EXCLUDED(mu_);
   // Tasks of `owner` posted and not yet started.
@@ -49,8 +55,11 @@ class DeviceWorker {
   // not kept.
   std::unordered_map<const void*, std::deque<std::function<void()>>> queues_
       ABSL_GUARDED_BY(mu_);
-  // Owners with waiting tasks, in the order they take their turns.
+  // Owners with waiting tasks, in the order they take their turns; a
+  // draining owner stays at the front until its tasks are done.
   std::deque<const void*> turns_ ABSL_GUARDED_BY(mu_);
+  // Owners being drained (Drain) that still have waiting tasks.
+  std::unordered_set<const void*> draining_ ABSL_GUARDED_BY(mu_);
   int queued_ ABSL_GUARDED_BY(mu_) = 0;
   int running_ ABSL_GUARDED_BY(mu_) = 0;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;

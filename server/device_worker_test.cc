@@ -69,5 +69,33 @@ TEST(DeviceWorkerTest, OwnersTakeTurns) {
   EXPECT_EQ(order, expected);
 }
 
+// A drained owner (a retired session) has its waiting tasks served before
+// any other owner's, then takes turns again like any other.
+TEST(DeviceWorkerTest, ADrainedOwnerGoesFirstUntilItsTasksAreDone) {
+  const int a = 0, b = 0, c = 0;
+  std::vector<std::string> order;
+  {
+    DeviceWorker worker("test");
+    absl::Notification release, started;
+    worker.Post(&c, [&] {
+      started.Notify();
+      release.WaitForNotification();
+    });
+    started.WaitForNotification();
+    for (int i = 0; i < 3; ++i) {
+      worker.Post(&a, [&, i] { order.push_back("a" + std::to_string(i)); });
+    }
+    for (int i = 0; i < 4; ++i) {
+      worker.Post(&b, [&, i] { order.push_back("b" + std::to_string(i)); });
+    }
+    worker.Drain(&b);
+    worker.Drain(&c);  // nothing of it waits: no effect
+    release.Notify();
+  }
+  const std::vector<std::string> expected = {"b0", "b1", "b2", "b3",
+                                             "a0", "a1", "a2"};
+  EXPECT_EQ(order, expected);
+}
+
 }  // namespace
 }  // namespace optimd

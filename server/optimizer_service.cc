@@ -241,6 +241,16 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::CreateSession(
     reactor->Finish(ToGrpcStatus(created.status()));
     return reactor;
   }
+  if (!created->resumed) {
+    // Once retired (closed, evicted, reaped), the session's queued calls
+    // finish unrun one after the other, so that its state is freed before
+    // the next session's work on the device.
+    created->session->OnRetire(
+        [worker = WorkerFor(created->session),
+         owner = static_cast<const void*>(created->session.get())] {
+          worker->Drain(owner);
+        });
+  }
   std::optional<std::string> saved_dir;
   if (request->resume() && !created->resumed && restart_store_ != nullptr) {
     saved_dir = restart_store_->Find(id.job_id, id.rank);

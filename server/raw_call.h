@@ -17,26 +17,28 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "common/status_macros.h"
 #include "server/convert.h"
 #include "server/request_budget.h"
 #include "server/request_scan.h"
 
 namespace optimd {
 
-// Scans `bytes` as a `Request`, holds their parsed cost against `budget`
-// (*held: the bytes held, for the caller to release), then parses them into
-// *request. On an error nothing is held and nothing was parsed.
+// Scans `bytes` as a `Request`, holds their parsed cost and `extra` bytes
+// together against `budget` (one reservation, so that a request larger than
+// the budget is still taken when nothing else is held; *held: the bytes
+// held, for the caller to release), then parses them into *request. On an
+// error before the reservation nothing is held; on a parse error after it,
+// *held says what is.
 template <typename Request>
 absl::Status ParseHeld(const grpc::ByteBuffer& bytes, RequestBudget* budget,
-                       Request* request, uint64_t* held) {
+                       Request* request, uint64_t* held, uint64_t extra = 0) {
   auto scan = ScanRequest(bytes, *Request::descriptor());
   if (!scan.ok()) return scan.status();
-  if (absl::Status reserved = budget->Reserve(scan->held_bytes);
+  if (absl::Status reserved = budget->Reserve(scan->held_bytes + extra);
       !reserved.ok()) {
     return reserved;
   }
-  *held = scan->held_bytes;
+  *held = scan->held_bytes + extra;
   grpc::ByteBuffer copy(bytes);  // shares the slices
   grpc::ProtoBufferReader reader(&copy);
   if (!request->ParseFromZeroCopyStream(&reader)) {
@@ -69,10 +71,7 @@ class RawUnaryCall final : public grpc::ServerUnaryReactor {
   // too, kCallBytes, so that calls queued without end are bounded by the
   // budget however small their requests.
   absl::Status Parse(const grpc::ByteBuffer& bytes) {
-    OPTIMD_RETURN_IF_ERROR(budget_->Reserve(kCallBytes));
-    absl::Status parsed = ParseHeld(bytes, budget_, request_, &held_);
-    held_ += kCallBytes;  // released with the request's in the destructor
-    return parsed;
+    return ParseHeld(bytes, budget_, request_, &held_, kCallBytes);
   }
 
   const Request& request() const { return *request_; }

@@ -18,7 +18,10 @@ import urllib.request
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+import grpc
+
 import optimd
+import optimd.errors
 import optimd.testing
 from optimd.testing import Daemon
 from optimd.torch import AdamW
@@ -103,6 +106,22 @@ def reply_samples(reply):
             labels = (("job_id", info.job_id), ("rank", str(info.rank)))
             out[(name, labels)] = float(getattr(info, field))
     return out
+
+
+class ShutdownMessageTest(unittest.TestCase):
+    def test_a_call_refused_by_a_stopping_daemon_says_so(self):
+        # The daemon's refusal while it drains (UNAVAILABLE "optimd is
+        # shutting down"), as gRPC hands it over: not "no daemon answers".
+        class Refusal(grpc.RpcError):
+            def code(self):
+                return grpc.StatusCode.UNAVAILABLE
+
+            def details(self):
+                return "optimd is shutting down"
+        e = optimd.errors.from_rpc_error(Refusal(), "unix:/run/o.sock")
+        self.assertIsInstance(e, optimd.DaemonUnavailableError)
+        self.assertIn("unix:/run/o.sock is shutting down", str(e))
+        self.assertNotIn("start one", str(e))
 
 
 class OperationsTest(unittest.TestCase):

@@ -236,6 +236,8 @@ class ParseCostTest(unittest.TestCase):
                                  {"RESOURCE_EXHAUSTED", "ALREADY_EXISTS"},
                                  results)
             self.assertGreater(codes["RESOURCE_EXHAUSTED"], 0, results)
+            self.assertGreater(codes["ALREADY_EXISTS"], 0,
+                               "none was taken alone: %s" % results)
             for code, details in results:
                 if code == "RESOURCE_EXHAUSTED":
                     self.assertIn("--max_request_memory_bytes", details)

@@ -156,6 +156,11 @@ def from_rpc_error(err, address=None, had_session=False, answers=None):
                    "send smaller requests (fewer tensors per call) or start "
                    "the daemon with a larger --max_request_memory_bytes" %
                    details)
+    elif cls is DaemonUnavailableError and "shutting down" in (details or ""):
+        message = ("the optimd daemon%s is shutting down (%s): nothing was "
+                   "done; retry once it is started again (with --save_dir "
+                   "it saved its sessions: resume=True)" %
+                   (" at %s" % address if address else "", details))
     elif cls is DaemonUnavailableError:
         where = " at %s" % address if address else ""
         message = ("no optimd daemon answers%s (%s); start one with "
