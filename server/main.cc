@@ -707,6 +707,7 @@ int main(int argc, char** argv) {
   });
   server->Wait();
   waiter.join();
+  service.EndDrains();           // the workers go now, the sessions later
   workers.clear();               // runs what is still queued
   listener.fd_socket.reset();    // stopped above: its files are gone
   listener.unix_socket.reset();  // removes the socket file and its lock

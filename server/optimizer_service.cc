@@ -246,9 +246,10 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::CreateSession(
     // finish unrun one after the other, so that its state is freed before
     // the next session's work on the device.
     created->session->OnRetire(
-        [worker = WorkerFor(created->session),
+        [drains = drains_, worker = WorkerFor(created->session),
          owner = static_cast<const void*>(created->session.get())] {
-          worker->Drain(owner);
+          MutexLock lock(&drains->mu);
+          if (drains->on) worker->Drain(owner);
         });
   }
   std::optional<std::string> saved_dir;

@@ -15,6 +15,7 @@
 #include "absl/time/time.h"
 #include "checkpoint/background_save.h"
 #include "checkpoint/checkpoint.h"
+#include "common/mutex.h"
 #include "core/session_registry.h"
 #include "optimd/v1/optimd.grpc.pb.h"
 #include "server/admin_guard.h"
@@ -75,6 +76,14 @@ class OptimizerServiceImpl final : public OptimizerServiceBase {
   void StartDraining() { draining_.store(true); }
   // Calls still queued on the device workers.
   int pending() const { return Pending(); }
+  // Sessions retired from now on no longer drain their queued calls on
+  // their workers (DeviceWorker::Drain): called before the backends'
+  // workers are destroyed, since sessions may be retired (reaped, or
+  // freed with the registry) after them.
+  void EndDrains() ABSL_LOCKS_EXCLUDED(drains_->mu) {
+    MutexLock lock(&drains_->mu);
+    drains_->on = false;
+  }
   // Where sessions saved at the daemon's last stop are found, for
   // CreateSession(resume=true); must outlive the service. Set before
   // serving.
@@ -241,6 +250,13 @@ class OptimizerServiceImpl final : public OptimizerServiceBase {
   std::atomic<uint64_t> checkpoint_loads_{0}, checkpoint_load_bytes_{0};
   std::atomic<uint64_t> checkpoint_failures_{0};
   std::atomic<bool> draining_{false};
+  // Whether retired sessions still drain their workers (EndDrains); shared
+  // with the sessions' retire callbacks, which may outlive the service.
+  struct Drains {
+    Mutex mu;
+    bool on ABSL_GUARDED_BY(mu) = true;
+  };
+  const std::shared_ptr<Drains> drains_ = std::make_shared<Drains>();
   // Workers of sessions whose ranks exchange statistics, by session; an
   // entry whose session is gone is dropped (its thread ended) when the next
   // such session's worker is made.
