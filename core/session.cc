@@ -31,8 +31,7 @@ Session::~Session() {
     MutexLock lock(&attachments_mu_);
     attachments_.clear();
   }
-  budget_->Release(state_bytes_);
-  budget_->ReleaseMetadata(metadata_bytes_);
+  budget_->Release(state_bytes_, metadata_bytes_);
   Retire();
 }
 

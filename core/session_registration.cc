@@ -208,21 +208,15 @@ absl::StatusOr<std::unique_ptr<Group>> Session::BuildGroup(
   // Pass 3: state memory and metadata, within the daemon's budgets.
   const std::string what = absl::StrCat("group '", spec.id.substr(0, 128), "'");
   const uint64_t metadata = GroupMetadataBytes(kept);
-  OPTIMD_RETURN_IF_ERROR(budget_->ReserveMetadata(metadata, what));
-  absl::Status s = budget_->Reserve(bytes, what);
-  if (!s.ok()) {
-    budget_->ReleaseMetadata(metadata);
-    return s;
-  }
+  OPTIMD_RETURN_IF_ERROR(budget_->Reserve(bytes, metadata, what));
   group->metadata_bytes = metadata;
-  s = AllocateGroupState(backend_, group.get());
+  absl::Status s = AllocateGroupState(backend_, group.get());
   if (s.ok()) {
     group->IndexTensors();
     s = backend_->PrepareGroup(*group);
   }
   if (!s.ok()) {
-    budget_->Release(bytes);
-    budget_->ReleaseMetadata(metadata);
+    budget_->Release(bytes, metadata);
     return s;
   }
   *state_bytes = bytes;
@@ -263,9 +257,8 @@ absl::Status Session::UnregisterGroup(const std::string& id) {
     }
     groups_.erase(it);
     state_bytes_ -= bytes;
-    budget_->Release(bytes);
     metadata_bytes_ -= metadata;
-    budget_->ReleaseMetadata(metadata);
+    budget_->Release(bytes, metadata);
     RefreshMappings();
     PublishInfo();
     return absl::OkStatus();

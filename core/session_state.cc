@@ -450,11 +450,7 @@ absl::StatusOr<SnapshotReservation> LockedSession::ReserveSnapshot() {
   const std::string what =
       "a snapshot of the session's state (SaveStateStream or a background "
       "save)";
-  OPTIMD_RETURN_IF_ERROR(s.budget_->ReserveMetadata(s.metadata_bytes_, what));
-  if (absl::Status reserved = s.budget_->Reserve(bytes, what); !reserved.ok()) {
-    s.budget_->ReleaseMetadata(s.metadata_bytes_);
-    return reserved;
-  }
+  OPTIMD_RETURN_IF_ERROR(s.budget_->Reserve(bytes, s.metadata_bytes_, what));
   s.live_snapshots_->fetch_add(1);
   return SnapshotReservation(s.budget_, bytes, s.metadata_bytes_,
                              s.live_snapshots_);

@@ -54,10 +54,7 @@ class SnapshotReservation {
 
  private:
   void Release() {
-    if (budget_ != nullptr) {
-      budget_->Release(bytes_);
-      budget_->ReleaseMetadata(metadata_bytes_);
-    }
+    if (budget_ != nullptr) budget_->Release(bytes_, metadata_bytes_);
     if (live_ != nullptr) live_->fetch_sub(1);
     budget_ = nullptr;
     bytes_ = 0;

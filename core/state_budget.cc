@@ -15,34 +15,12 @@ void Subtract(uint64_t* used, uint64_t bytes) {
 
 }  // namespace
 
-absl::Status StateBudget::Reserve(uint64_t bytes, const std::string& what) {
+absl::Status StateBudget::Reserve(uint64_t bytes, uint64_t metadata_bytes,
+                                  const std::string& what) {
   MutexLock lock(&mu_);
-  if (!Fits(limit_, used_, bytes)) {
+  if (!Fits(metadata_limit_, metadata_used_, metadata_bytes)) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        what, " needs ", bytes, " bytes of optimizer state but only ",
-        limit_ - used_, " of the daemon's --max_state_bytes=", limit_,
-        " are free; free other groups or raise the limit"));
-  }
-  used_ += bytes;
-  return absl::OkStatus();
-}
-
-void StateBudget::Release(uint64_t bytes) {
-  MutexLock lock(&mu_);
-  Subtract(&used_, bytes);
-}
-
-uint64_t StateBudget::used() const {
-  MutexLock lock(&mu_);
-  return used_;
-}
-
-absl::Status StateBudget::ReserveMetadata(uint64_t bytes,
-                                          const std::string& what) {
-  MutexLock lock(&mu_);
-  if (!Fits(metadata_limit_, metadata_used_, bytes)) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        what, " needs about ", bytes,
+        what, " needs about ", metadata_bytes,
         " bytes of the daemon's memory for its tensors' names, aliases and "
         "shapes but only ",
         metadata_limit_ - metadata_used_,
@@ -50,13 +28,26 @@ absl::Status StateBudget::ReserveMetadata(uint64_t bytes,
         " are free; use shorter names or fewer aliases, free other groups "
         "or raise the limit"));
   }
-  metadata_used_ += bytes;
+  if (!Fits(limit_, used_, bytes)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        what, " needs ", bytes, " bytes of optimizer state but only ",
+        limit_ - used_, " of the daemon's --max_state_bytes=", limit_,
+        " are free; free other groups or raise the limit"));
+  }
+  used_ += bytes;
+  metadata_used_ += metadata_bytes;
   return absl::OkStatus();
 }
 
-void StateBudget::ReleaseMetadata(uint64_t bytes) {
+void StateBudget::Release(uint64_t bytes, uint64_t metadata_bytes) {
   MutexLock lock(&mu_);
-  Subtract(&metadata_used_, bytes);
+  Subtract(&used_, bytes);
+  Subtract(&metadata_used_, metadata_bytes);
+}
+
+uint64_t StateBudget::used() const {
+  MutexLock lock(&mu_);
+  return used_;
 }
 
 uint64_t StateBudget::metadata_used() const {

@@ -29,18 +29,16 @@ class StateBudget {
                        uint64_t metadata_limit = kDefaultMetadataLimit)
       : limit_(limit), metadata_limit_(metadata_limit) {}
 
-  // Reserves `bytes` of optimizer state or fails with RESOURCE_EXHAUSTED,
-  // changing nothing.
-  absl::Status Reserve(uint64_t bytes, const std::string& what)
+  // Reserves `bytes` of optimizer state and `metadata_bytes` of metadata
+  // together, or fails with RESOURCE_EXHAUSTED naming the limit passed
+  // (metadata's first), changing nothing.
+  absl::Status Reserve(uint64_t bytes, uint64_t metadata_bytes,
+                       const std::string& what) ABSL_LOCKS_EXCLUDED(mu_);
+  // Gives back what Reserve took.
+  void Release(uint64_t bytes, uint64_t metadata_bytes)
       ABSL_LOCKS_EXCLUDED(mu_);
-  void Release(uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t used() const ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t limit() const { return limit_; }
-
-  // The same for metadata bytes.
-  absl::Status ReserveMetadata(uint64_t bytes, const std::string& what)
-      ABSL_LOCKS_EXCLUDED(mu_);
-  void ReleaseMetadata(uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t metadata_used() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
