@@ -137,6 +137,11 @@ absl::StatusOr<std::shared_ptr<Session>> OptimizerServiceImpl::SessionOf(
 
 namespace {
 
+// What calls get while the daemon drains (StartDraining).
+grpc::Status ShuttingDown() {
+  return grpc::Status(grpc::StatusCode::UNAVAILABLE, "optimd is shutting down");
+}
+
 // Why a call queued on a worker is not to run by its turn: its client
 // cancelled it (or the shutdown did, after its grace), or its session was
 // closed, evicted or reaped meanwhile; OK when it is to run.
@@ -163,8 +168,7 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::OnWorker(
     grpc::ByteBuffer* out, Work work, bool file_io, WhenGone when_gone) {
   auto* call = new RawUnaryCall<Request, Response>(out, request_budget_.get());
   if (draining_.load()) {
-    call->Finish(
-        grpc::Status(grpc::StatusCode::UNAVAILABLE, "optimd is shutting down"));
+    call->Finish(ShuttingDown());
     return call;
   }
   auto session = SessionOf(context);
@@ -215,8 +219,7 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::CreateSession(
           out, request_budget_.get());
   if (draining_.load()) {
     // The daemon is stopping: a new session could do no work.
-    reactor->Finish(
-        grpc::Status(grpc::StatusCode::UNAVAILABLE, "optimd is shutting down"));
+    reactor->Finish(ShuttingDown());
     return reactor;
   }
   if (!reactor->Parsed(*bytes)) return reactor;
@@ -540,10 +543,8 @@ OptimizerServiceImpl::StepStream(grpc::CallbackServerContext* context) {
       explicit Refused(grpc::Status s) { Finish(std::move(s)); }
       void OnDone() override { delete this; }
     };
-    return new Refused(draining_.load()
-                           ? grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                                          "optimd is shutting down")
-                           : ToGrpcStatus(session.status()));
+    return new Refused(draining_.load() ? ShuttingDown()
+                                        : ToGrpcStatus(session.status()));
   }
   return new StepStreamReactor(this, TokenOf(context), session->get(),
                                WorkerFor(*session));
