@@ -1,6 +1,7 @@
 #include "server/device_worker.h"
 
 #include <atomic>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -29,15 +30,31 @@ TEST(DeviceWorkerTest, RunsTasksInOrderOnOneThread) {
   EXPECT_TRUE(one_thread.load());
 }
 
+// Posts a task of `owner` that holds the worker until `release` is
+// notified; returns once it runs.
+void HoldWorker(DeviceWorker& worker, const void* owner,
+                absl::Notification* release) {
+  auto started = std::make_shared<absl::Notification>();
+  worker.Post(owner, [started, release] {
+    started->Notify();
+    release->WaitForNotification();
+  });
+  started->WaitForNotification();
+}
+
+// Posts `count` tasks of `owner`, the i-th appending `name` + i to *order.
+void PostNamed(DeviceWorker& worker, const void* owner, const std::string& name,
+               int count, std::vector<std::string>* order) {
+  for (int i = 0; i < count; ++i) {
+    worker.Post(owner, [=] { order->push_back(name + std::to_string(i)); });
+  }
+}
+
 TEST(DeviceWorkerTest, PendingCountsQueuedAndRunning) {
   DeviceWorker worker("test");
-  absl::Notification release, started;
-  worker.Post(nullptr, [&] {
-    started.Notify();
-    release.WaitForNotification();
-  });
+  absl::Notification release;
+  HoldWorker(worker, nullptr, &release);
   worker.Post(nullptr, [] {});
-  started.WaitForNotification();
   EXPECT_EQ(worker.pending(), 2);
   release.Notify();
 }
@@ -50,17 +67,10 @@ TEST(DeviceWorkerTest, OwnersTakeTurns) {
   std::vector<std::string> order;
   {
     DeviceWorker worker("test");
-    absl::Notification release, started;
-    worker.Post(&c, [&] {
-      started.Notify();
-      release.WaitForNotification();
-    });
-    started.WaitForNotification();
-    for (int i = 0; i < 10; ++i) {
-      worker.Post(&a, [&, i] { order.push_back("a" + std::to_string(i)); });
-    }
-    worker.Post(&b, [&] { order.push_back("b0"); });
-    worker.Post(&b, [&] { order.push_back("b1"); });
+    absl::Notification release;
+    HoldWorker(worker, &c, &release);
+    PostNamed(worker, &a, "a", 10, &order);
+    PostNamed(worker, &b, "b", 2, &order);
     EXPECT_EQ(worker.pending(), 13);
     release.Notify();
   }
@@ -76,18 +86,10 @@ TEST(DeviceWorkerTest, ADrainedOwnerGoesFirstUntilItsTasksAreDone) {
   std::vector<std::string> order;
   {
     DeviceWorker worker("test");
-    absl::Notification release, started;
-    worker.Post(&c, [&] {
-      started.Notify();
-      release.WaitForNotification();
-    });
-    started.WaitForNotification();
-    for (int i = 0; i < 3; ++i) {
-      worker.Post(&a, [&, i] { order.push_back("a" + std::to_string(i)); });
-    }
-    for (int i = 0; i < 4; ++i) {
-      worker.Post(&b, [&, i] { order.push_back("b" + std::to_string(i)); });
-    }
+    absl::Notification release;
+    HoldWorker(worker, &c, &release);
+    PostNamed(worker, &a, "a", 3, &order);
+    PostNamed(worker, &b, "b", 4, &order);
     worker.Drain(&b);
     worker.Drain(&c);  // nothing of it waits: no effect
     release.Notify();

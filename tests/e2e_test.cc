@@ -140,6 +140,28 @@ class E2eTest : public ::testing::Test {
     return s;
   }
 
+  // Restarts the daemon with `flags`, opens rank 0 of a two-rank job
+  // (gradients sharded) on client_ with group "g", and starts its step on
+  // *stepper: the step waits for rank 1 (--rank_timeout_s in `flags`, or
+  // the session's close), holding the session's worker meanwhile; its
+  // status goes to *step once *stepper ends.
+  void HoldWorkerWithARankWait(const std::vector<std::string>& flags,
+                               std::thread* stepper, absl::Status* step) {
+    daemon_->Stop();
+    auto d = DaemonProcess::Start(flags);
+    ASSERT_TRUE(d.ok()) << d.status();
+    daemon_ = *std::move(d);
+    client_ = Connect();
+    v1::CreateSessionRequest cs = CpuSession("job", 0);
+    cs.set_world_size(2);
+    cs.set_gradient_sharding(v1::GRADIENT_SHARDING_SHARDED);
+    ASSERT_TRUE(client_->CreateSession(cs).ok());
+    ASSERT_TRUE(client_->RegisterGroup(Group("g", {Tensor("w", 4, 0)})).ok());
+    *stepper = std::thread(
+        [this, step] { *step = client_->Step(v1::StepRequest()).status(); });
+    absl::SleepFor(absl::Milliseconds(300));
+  }
+
   // Opens a CPU session; keeps its resume secret in secret_.
   void OpenSession(Client* c, const std::string& job = "job", int rank = 0) {
     auto s = c->CreateSession(CpuSession(job, rank));
@@ -953,23 +975,13 @@ TEST_F(E2eTest, RequestsWaitingForAWorkerAreBoundedInMemory) {
 #endif
   constexpr uint64_t kBound = uint64_t{64} << 20;
   constexpr int kRequests = 32;
-  daemon_->Stop();
-  auto d = DaemonProcess::Start(
-      {"--rank_timeout_s=8",
-       "--max_request_memory_bytes=" + std::to_string(kBound)});
-  ASSERT_TRUE(d.ok()) << d.status();
-  daemon_ = *std::move(d);
-  client_ = Connect();
-  v1::CreateSessionRequest cs = CpuSession("job", 0);
-  cs.set_world_size(2);
-  cs.set_gradient_sharding(v1::GRADIENT_SHARDING_SHARDED);
-  ASSERT_TRUE(client_->CreateSession(cs).ok());
-  ASSERT_TRUE(client_->RegisterGroup(Group("g", {Tensor("w", 4, 0)})).ok());
   // Rank 0 alone: its step holds the session's worker until the timeout.
+  std::thread stepper;
   absl::Status alone;
-  std::thread stepper(
-      [&] { alone = client_->Step(v1::StepRequest()).status(); });
-  absl::SleepFor(absl::Milliseconds(300));
+  ASSERT_NO_FATAL_FAILURE(HoldWorkerWithARankWait(
+      {"--rank_timeout_s=8",
+       "--max_request_memory_bytes=" + std::to_string(kBound)},
+      &stepper, &alone));
   const uint64_t before = PeakResidentBytes(daemon_->pid());
   const std::vector<absl::Status> statuses = SendEachOnItsOwnConnection(
       daemon_.get(), client_->session_token(), LargeSetState(), kRequests);
@@ -996,19 +1008,11 @@ TEST_F(E2eTest, RequestsWaitingForAWorkerAreBoundedInMemory) {
 // not run when their turn comes: each registration would otherwise have
 // added a group, and each step waited for the missing rank again.
 TEST_F(E2eTest, CallsCancelledWhileQueuedAreNotRun) {
-  daemon_->Stop();
-  auto d = DaemonProcess::Start({"--rank_timeout_s=2"});
-  ASSERT_TRUE(d.ok()) << d.status();
-  daemon_ = *std::move(d);
-  client_ = Connect();
-  v1::CreateSessionRequest cs = CpuSession("job", 0);
-  cs.set_world_size(2);
-  cs.set_gradient_sharding(v1::GRADIENT_SHARDING_SHARDED);
-  ASSERT_TRUE(client_->CreateSession(cs).ok());
-  ASSERT_TRUE(client_->RegisterGroup(Group("g", {Tensor("w", 4, 0)})).ok());
   // Rank 0 alone: its step holds the session's worker until the timeout.
-  std::thread stepper([&] { client_->Step(v1::StepRequest()).IgnoreError(); });
-  absl::SleepFor(absl::Milliseconds(300));
+  std::thread stepper;
+  absl::Status alone;
+  ASSERT_NO_FATAL_FAILURE(
+      HoldWorkerWithARankWait({"--rank_timeout_s=2"}, &stepper, &alone));
   auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(
       daemon_->address(), grpc::InsecureChannelCredentials()));
   constexpr int kCalls = 6;
@@ -1058,20 +1062,12 @@ TEST_F(E2eTest, CallsCancelledWhileQueuedAreNotRun) {
 // its session's worker; the rest
 // are refused at once, naming what to do, and the queued ones still run.
 TEST_F(E2eTest, CallsQueuedPerSessionAreCapped) {
-  daemon_->Stop();
-  auto d = DaemonProcess::Start({"--rank_timeout_s=120"});
-  ASSERT_TRUE(d.ok()) << d.status();
-  daemon_ = *std::move(d);
-  client_ = Connect();
-  v1::CreateSessionRequest cs = CpuSession("job", 0);
-  cs.set_world_size(2);
-  cs.set_gradient_sharding(v1::GRADIENT_SHARDING_SHARDED);
-  ASSERT_TRUE(client_->CreateSession(cs).ok());
-  ASSERT_TRUE(client_->RegisterGroup(Group("g", {Tensor("w", 4, 0)})).ok());
   // Rank 0 alone: its step holds the session's worker until the session
   // is closed below.
-  std::thread stepper([&] { client_->Step(v1::StepRequest()).IgnoreError(); });
-  absl::SleepFor(absl::Milliseconds(300));
+  std::thread stepper;
+  absl::Status alone;
+  ASSERT_NO_FATAL_FAILURE(
+      HoldWorkerWithARankWait({"--rank_timeout_s=120"}, &stepper, &alone));
   auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(
       daemon_->address(), grpc::InsecureChannelCredentials()));
   constexpr int kCap = 1024;  // kMaxQueuedCallsPerSession
