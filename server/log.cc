@@ -23,6 +23,46 @@ spdlog::logger& Logger() {
 
 }  // namespace
 
+void SetLevel(Level level) {
+  switch (level) {
+    case Level::kInfo:
+      Logger().set_level(spdlog::level::info);
+      break;
+    case Level::kWarning:
+      Logger().set_level(spdlog::level::warn);
+      break;
+    case Level::kError:
+      Logger().set_level(spdlog::level::err);
+      break;
+  }
+}
+
+bool AbslParseFlag(absl::string_view text, Level* level, std::string* error) {
+  if (text == "info") {
+    *level = Level::kInfo;
+  } else if (text == "warning") {
+    *level = Level::kWarning;
+  } else if (text == "error") {
+    *level = Level::kError;
+  } else {
+    *error = "must be info, warning or error";
+    return false;
+  }
+  return true;
+}
+
+std::string AbslUnparseFlag(Level level) {
+  switch (level) {
+    case Level::kInfo:
+      return "info";
+    case Level::kWarning:
+      return "warning";
+    case Level::kError:
+      return "error";
+  }
+  return "info";
+}
+
 void Info(const std::string& line) { Logger().info("{}", line); }
 
 void Warn(const std::string& line) { Logger().warn("{}", line); }

@@ -9,8 +9,18 @@
 
 #include <string>
 
+#include "absl/strings/string_view.h"
+
 namespace optimd {
 namespace log {
+
+// The least severe lines written; those below it are dropped (the daemon's
+// --log_level: a node with many short sessions may keep only warnings).
+enum class Level { kInfo, kWarning, kError };
+void SetLevel(Level level);
+// Flag syntax: "info", "warning" or "error".
+bool AbslParseFlag(absl::string_view text, Level* level, std::string* error);
+std::string AbslUnparseFlag(Level level);
 
 void Info(const std::string& line);
 // Something went wrong for one session or call; the daemon goes on.

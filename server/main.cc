@@ -136,6 +136,10 @@ ABSL_FLAG(uint64_t, max_listing_bytes, optimd::kMaxListingBytes,
           "reply may take, encoded (a session that would cross it is left "
           "out and counted in sessions_omitted / session_infos_omitted); "
           "from 4096 to the default, 256 MiB.");
+ABSL_FLAG(optimd::log::Level, log_level, optimd::log::Level::kInfo,
+          "The least severe log lines written: info (sessions, groups, "
+          "checkpoints, shutdown), warning (refusals and failures) or "
+          "error.");
 ABSL_FLAG(int, shutdown_grace_s, 30,
           "On SIGINT/SIGTERM, how long in-flight calls may run before they "
           "are cancelled.");
@@ -217,6 +221,7 @@ void ParseFlags(int argc, char** argv) {
       "optimd [--listen=unix:/path] [--backend=auto|cpu|cuda] "
       "[--max_state_bytes=N]");
   absl::ParseCommandLine(argc, argv);
+  optimd::log::SetLevel(absl::GetFlag(FLAGS_log_level));
 }
 
 // One backend per GPU (--backend), then the CPU backend, which serves

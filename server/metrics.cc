@@ -156,6 +156,9 @@ std::vector<MetricFamily> MetricFamilies(const v1::GetMetricsResponse& m) {
                        "Memory estimated for registered tensors' names, "
                        "aliases, shapes and entries.",
                        m.metadata_bytes(), MetricType::Gauge));
+  out.push_back(Scalar("optimd_worker_tasks",
+                       "Requests waiting for or running on device workers.",
+                       m.worker_tasks(), MetricType::Gauge));
   out.push_back(Scalar("optimd_checkpoint_saves_total", "Checkpoints saved.",
                        m.checkpoint_saves()));
   out.push_back(Scalar("optimd_checkpoint_save_bytes_total",

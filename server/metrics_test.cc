@@ -179,6 +179,7 @@ TEST(MetricsTest, EveryFamilyKeepsItsNameAndType) {
                       "optimd_sessions" + gauge,
                       "optimd_state_bytes" + gauge,
                       "optimd_metadata_bytes" + gauge,
+                      "optimd_worker_tasks" + gauge,
                       "optimd_checkpoint_saves_total" + counter,
                       "optimd_checkpoint_save_bytes_total" + counter,
                       "optimd_checkpoint_loads_total" + counter,

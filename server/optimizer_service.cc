@@ -827,6 +827,7 @@ void OptimizerServiceImpl::FillMetrics(v1::GetMetricsResponse* response,
   response->set_sessions(sessions.size());
   response->set_state_bytes(registry_->budget()->used());
   response->set_metadata_bytes(registry_->budget()->metadata_used());
+  response->set_worker_tasks(Pending());
   step_latency_.ToProto(response->mutable_step_latency());
   step_host_time_.ToProto(response->mutable_step_host_time());
   step_device_time_.ToProto(response->mutable_step_device_time());

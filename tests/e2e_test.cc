@@ -1101,11 +1101,23 @@ TEST_F(E2eTest, CallsQueuedPerSessionAreCapped) {
           changed.notify_all();
         });
   }
-  {
-    // Refusals come back at once; the queued calls wait for the step.
+  // Refusals come back at once; the queued calls wait for the step (the
+  // one worker task running). The session is closed only once every call
+  // has reached the daemon, so none meets a closed session.
+  // (No ASSERT before the close: the calls' callbacks use this frame.)
+  const absl::Time until = absl::Now() + absl::Seconds(60);
+  for (int waiting = 0;;) {
+    auto m = client_->GetMetrics();
+    EXPECT_TRUE(m.ok()) << m.status();
+    if (m.ok()) waiting = static_cast<int>(m->worker_tasks()) - 1;
     std::unique_lock<std::mutex> lock(mu);
-    changed.wait_for(lock, std::chrono::seconds(60),
-                     [&] { return refused >= kRefusedAtLeast; });
+    if (waiting + refused == kCalls) break;
+    if (!m.ok() || absl::Now() > until) {
+      ADD_FAILURE() << waiting << " queued and " << refused << " refused of "
+                    << kCalls;
+      break;
+    }
+    changed.wait_for(lock, std::chrono::milliseconds(50));
   }
   grpc::ClientContext close_context;
   close_context.AddMetadata("x-optimd-session", client_->session_token());
@@ -2034,6 +2046,12 @@ TEST_F(E2eTest, LongNamesAndTooManyTensorsAreRefused) {
 // and a line in every listing. Past either cap RESOURCE_EXHAUSTED, nothing
 // created; a closed session makes room again.
 TEST_F(E2eTest, SessionsAndGroupsPastTheirCapsAreRefused) {
+  // Without a line per session and group in the test's log.
+  daemon_->Stop();
+  auto d = DaemonProcess::Start({"--log_level=warning"});
+  ASSERT_TRUE(d.ok()) << d.status();
+  daemon_ = *std::move(d);
+  client_ = Connect();
   auto c = Connect();
   for (size_t i = 0; i < kMaxSessions; ++i) {
     auto s = c->CreateSession(CpuSession(absl::StrCat("job", i)));

@@ -74,6 +74,7 @@ SCALARS = (("optimd_steps_total", "steps"),
            ("optimd_sessions", "sessions"),
            ("optimd_state_bytes", "state_bytes"),
            ("optimd_metadata_bytes", "metadata_bytes"),
+           ("optimd_worker_tasks", "worker_tasks"),
            ("optimd_checkpoint_saves_total", "checkpoint_saves"),
            ("optimd_checkpoint_save_bytes_total", "checkpoint_save_bytes"),
            ("optimd_checkpoint_loads_total", "checkpoint_loads"),
@@ -360,6 +361,34 @@ class OperationsTest(unittest.TestCase):
                       address=d2.address, job_id="big", resume=True)
         finally:
             self.assertEqual(d2.stop(), 0)
+
+    def test_log_level_warning_keeps_only_warnings_and_errors(self):
+        """--log_level=warning drops the info lines (sessions, start-up)
+        and keeps refusals; a bad level keeps the daemon from starting."""
+        log = open(os.path.join(self.dir, "quiet.log"), "w+")
+        d = Daemon(flags=["--log_level=warning"], stderr=log)
+        try:
+            opt = AdamW([torch.nn.Parameter(torch.zeros(4))],
+                        address=d.address, job_id="quiet")
+            opt.step()
+            admin = optimd.Client(d.address)
+            with self.assertRaises(optimd.NotFoundError):
+                admin.evict_session("nobody", 0)
+            admin.close()
+            opt.close()
+        finally:
+            self.assertEqual(d.stop(), 0)
+        log.seek(0)
+        text = log.read()
+        self.assertRegex(text, r"warning optimd: refused /optimd.v1.Optimizer/"
+                               r"EvictSession: NOT_FOUND: ")
+        self.assertNotIn(" info optimd: ", text)
+        out = subprocess.run(
+            [optimd.testing.find_binary(), "--log_level=verbose",
+             "--listen=unix:" + os.path.join(self.dir, "s.sock")],
+            capture_output=True, text=True, timeout=60)
+        self.assertNotEqual(out.returncode, 0)
+        self.assertIn("must be info, warning or error", out.stderr)
 
     def test_start_up_failures_are_logged_as_errors(self):
         """What keeps the daemon from starting is an error line (dated,
