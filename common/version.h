@@ -24,7 +24,9 @@ inline constexpr char kVersion[] = "0.5.0";
 //    TensorSpec.fp8_recipe and scale_inv).
 // 10: DTYPE_FLOAT64 parameters for SGD and Lion.
 // 11: TensorSpec.global_shape and global_offset (shards in checkpoints).
-inline constexpr uint32_t kApiRevision = 11;
+// 12: TensorBuffers.param_written in a step's buffer_updates;
+//     GetMetricsResponse.worker_tasks.
+inline constexpr uint32_t kApiRevision = 12;
 
 // The initial-metadata keys under which every reply of the daemon carries
 // kVersion and kApiRevision (as decimal text): the grpc.health.v1 Check's

@@ -93,6 +93,12 @@ struct StepOptions {
   // session contributes a non-finite sum for a step that failed before, so
   // that the other ranks skip that step instead of waiting for this one).
   bool* exchanged = nullptr;
+  // Tensors whose parameters the trainer wrote before this step (a step's
+  // buffer updates with param_written): the backend adopts them as
+  // masters (AdoptWrittenParam) after the step's wait for the ready flag
+  // and before the update, skipped step or not; ReleaseStep too, when the
+  // step failed. Null or empty: none.
+  const std::vector<const TensorEntry*>* written = nullptr;
 };
 
 struct StepOutcome {
@@ -198,9 +204,10 @@ class Backend {
   // A step with step flags that failed or was refused: writes done =
   // options.sequence (and the progress word, if any, past every stage) in
   // stream order, so that the trainer's stream goes on. With a progress
-  // word and options.sequence_in_order, first waits for ready = sequence:
-  // the trainer's stream resets the progress word before it writes ready,
-  // and that reset must not land after the release.
+  // word or written parameters (options.written), and
+  // options.sequence_in_order, first waits for ready = sequence: the
+  // trainer's stream resets the progress word, and finishes its writes,
+  // before it writes ready; then adopts the written parameters.
   virtual absl::Status ReleaseStep(SessionContext* session,
                                    const StepOptions& options) {
     return absl::OkStatus();

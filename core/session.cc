@@ -126,6 +126,8 @@ absl::StatusOr<StepResult> Session::Step(const StepRequestSpec& request) {
   StepOptions options = request.options;
   absl::Status bound = BindStepFlags(request, &options);
   options.sequence_in_order = bound.ok();
+  step_written_.clear();
+  options.written = &step_written_;
   bool exchanged = false;
   absl::StatusOr<StepResult> result =
       !bound.ok()             ? bound
@@ -142,10 +144,18 @@ absl::StatusOr<StepResult> Session::Step(const StepRequestSpec& request) {
   if (options.step_flags != nullptr) {
     if (!result.ok()) {
       // The trainer's stream waits for this step's done flag: release it
-      // whatever went wrong (a failure here leaves only that wait).
+      // whatever went wrong (a failure here leaves only that wait). The
+      // release adopts the written parameters first.
       backend_->ReleaseStep(context_.get(), options).IgnoreError();
     }
     if (bound.ok()) last_sequence_ = options.sequence;
+  } else if (!result.ok()) {
+    // The trainer's writes stand whatever happened to the step (adopting
+    // again what the step adopted changes nothing). A failure here is the
+    // device's, which the next call meets too.
+    for (const TensorEntry* t : step_written_) {
+      backend_->AdoptWrittenParam(*t).IgnoreError();
+    }
   }
   if (result.ok() && after_next_step_) {
     const std::function<void()> after = std::move(after_next_step_);
@@ -247,7 +257,7 @@ absl::Status Session::ApplyStepUpdates(const StepRequestSpec& request) {
     resolved.push_back(std::move(r));
   }
   for (GroupUpdates& r : resolved) {
-    OPTIMD_RETURN_IF_ERROR(ApplyGroupUpdates(r));
+    OPTIMD_RETURN_IF_ERROR(ApplyGroupUpdates(r, &step_written_));
   }
   // Mappings no buffer uses are kept (torch hands its blocks out again)
   // and closed only after the trainer gave memory back; a backend closes

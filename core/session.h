@@ -422,15 +422,14 @@ class Session {
   absl::StatusOr<GroupUpdates> ResolveGroupUpdates(
       const std::string& group_id, const std::vector<BufferUpdate>& updates)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Applies what ResolveGroupUpdates checked.
-  absl::Status ApplyGroupUpdates(GroupUpdates& resolved)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // For `group`'s tensors `written` (indices), whose parameters the trainer
-  // may have written: each element whose parameter differs from the one
-  // its master gives takes the parameter's value as its master
-  // (Backend::AdoptWrittenParam).
-  absl::Status MastersFromWrittenParams(Group& group,
-                                        const std::vector<uint32_t>& written)
+  // Applies what ResolveGroupUpdates checked. The tensors whose
+  // parameters the trainer wrote (param_written) adopt them as masters
+  // (Backend::AdoptWrittenParam) now, or with `step_written` (a step's
+  // updates) are added to it for the step to adopt once the trainer's
+  // stream reaches it (StepOptions::written).
+  absl::Status ApplyGroupUpdates(
+      GroupUpdates& resolved,
+      std::vector<const TensorEntry*>* step_written = nullptr)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Binds the request's step flags (if any) and checks its sequence; sets
   // options->step_flags and ->sequence when the step uses them (also when
@@ -567,6 +566,9 @@ class Session {
   // the last step that used them.
   BufferRef step_flags_ ABSL_GUARDED_BY(mu_);
   uint64_t last_sequence_ ABSL_GUARDED_BY(mu_) = 0;
+  // The running step's tensors whose parameters the trainer wrote
+  // (StepOptions::written); emptied as each step starts.
+  std::vector<const TensorEntry*> step_written_ ABSL_GUARDED_BY(mu_);
   // RunAfterNextStep's, cleared when run.
   std::function<void()> after_next_step_ ABSL_GUARDED_BY(mu_);
 

@@ -42,7 +42,7 @@ absl::StatusOr<Session::GroupUpdates> Session::ResolveGroupUpdates(
   // Resolve everything first; apply only when all are valid.
   OPTIMD_ASSIGN_OR_RETURN(std::vector<ResolvedUpdate> resolved,
                           ResolveUpdates(*group, updates));
-  // Written parameters are read where they are (MastersFromWrittenParams):
+  // Written parameters are read where they are (AdoptWrittenParam):
   // a segment shrunk under its mapping must fail here, before anything
   // is applied, not fault then.
   if (std::any_of(resolved.begin(), resolved.end(),
@@ -52,7 +52,8 @@ absl::StatusOr<Session::GroupUpdates> Session::ResolveGroupUpdates(
   return GroupUpdates{group, std::move(resolved)};
 }
 
-absl::Status Session::ApplyGroupUpdates(GroupUpdates& updates) {
+absl::Status Session::ApplyGroupUpdates(
+    GroupUpdates& updates, std::vector<const TensorEntry*>* step_written) {
   Group* group = updates.group;
   std::vector<ResolvedUpdate>& resolved = updates.resolved;
   std::vector<uint32_t> entries;
@@ -88,17 +89,14 @@ absl::Status Session::ApplyGroupUpdates(GroupUpdates& updates) {
   // segment or allocation: the steady state of a moving gradient skips it.
   if (new_mapping) RefreshMappings();
   OPTIMD_RETURN_IF_ERROR(backend_->UpdatePlanEntries(*group, entries));
-  std::vector<uint32_t> written;
   for (const ResolvedUpdate& r : resolved) {
-    if (r.param_written) written.push_back(r.tensor);
-  }
-  return MastersFromWrittenParams(*group, written);
-}
-
-absl::Status Session::MastersFromWrittenParams(
-    Group& group, const std::vector<uint32_t>& written) {
-  for (uint32_t i : written) {
-    OPTIMD_RETURN_IF_ERROR(backend_->AdoptWrittenParam(group.tensors[i]));
+    if (!r.param_written) continue;
+    const TensorEntry& t = group->tensors[r.tensor];
+    if (step_written != nullptr) {
+      step_written->push_back(&t);
+    } else {
+      OPTIMD_RETURN_IF_ERROR(backend_->AdoptWrittenParam(t));
+    }
   }
   return absl::OkStatus();
 }

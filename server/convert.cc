@@ -251,8 +251,6 @@ absl::StatusOr<StepRequestSpec> StepSpecFromProto(
   for (const v1::UpdateBuffersRequest& u : request.buffer_updates()) {
     auto updates = BufferUpdatesFromProto(u);
     if (!updates.ok()) return updates.status();
-    // Never applied from a step (CheckStepOptions refuses it there).
-    for (BufferUpdate& b : *updates) b.param_written = false;
     spec.buffer_updates.emplace_back(u.group_id(), *std::move(updates));
   }
   spec.step_flags = BufferHandleFromProto(request.step_flags());
@@ -281,17 +279,6 @@ absl::StatusOr<StepRequestSpec> StepSpecFromProto(
 }
 
 absl::Status CheckStepOptions(const v1::StepRequest& request) {
-  for (const v1::UpdateBuffersRequest& u : request.buffer_updates()) {
-    for (const v1::TensorBuffers& t : u.tensors()) {
-      if (t.param_written()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "tensor '", t.name().substr(0, 200),
-            "': param_written goes with UpdateBuffers, once the trainer's "
-            "writes are done, not with a step (whose buffer updates the "
-            "daemon applies before the trainer's stream reaches the step)"));
-      }
-    }
-  }
   absl::flat_hash_set<absl::string_view> overridden;
   for (const auto& o : request.overrides()) {
     // Two for one group would leave which one applies to their order.

@@ -259,6 +259,13 @@ absl::StatusOr<StepOutcome> CpuBackend::Step(SessionContext* session,
                                              const std::vector<Group*>& groups,
                                              const StepOptions& options) {
   auto* totals = static_cast<CpuSession*>(session);
+  // The trainer's writes into its parameters first (its writes are done:
+  // a CPU trainer sends the step after them).
+  if (options.written != nullptr) {
+    for (const TensorEntry* t : *options.written) {
+      OPTIMD_RETURN_IF_ERROR(AdoptWrittenParam(*t));
+    }
+  }
   StepOutcome out;
   // Pass 1: the sum of squares of every gradient of the session (of the
   // job, when its ranks exchange them).

@@ -77,6 +77,8 @@ class CudaBackend final : public Backend {
   absl::StatusOr<bool> AbandonSteps(SessionContext* session) override;
   absl::Status WriteParams(Group& group) override;
   absl::Status AdoptWrittenParam(const TensorEntry& t) override;
+  // AdoptWrittenParam for each of options.written, in stream order.
+  absl::Status AdoptWritten(const StepOptions& options);
   absl::Status SyncGroupCounters(const std::vector<Group*>& groups) override;
   absl::StatusOr<StateStorage> AllocateHostStaging(uint64_t bytes) override {
     OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
@@ -297,6 +299,8 @@ absl::Status CudaBackend::LaunchStep(CudaSession& s,
     OPTIMD_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(stream, s.ready, 0));
   }
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventRecord(record.began, stream));
+  // The trainer's writes into its parameters are done once it is ready.
+  OPTIMD_RETURN_IF_ERROR(AdoptWritten(options));
   // 32-byte flags: the step's start and end on the device's global timer,
   // beside the trainer's own stamps (StepRequest.step_flags).
   uint64_t* stamps = options.step_flag_words >= 8
@@ -344,18 +348,21 @@ absl::Status CudaBackend::ReleaseStep(SessionContext* session,
   if (options.step_flags == nullptr) return absl::OkStatus();
   auto& s = *static_cast<CudaSession*>(session);
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
-  if (options.step_flag_words > 2) {
-    // A staged step's trainer resets the progress word, then writes ready:
-    // past every stage only after that reset, or its forwards wait forever.
-    if (options.sequence_in_order) {
-      if (s.rescue->NoteWait(options.step_flags, options.step_flags_mapping,
-                             options.sequence, s.sequence)) {
-        OPTIMD_RETURN_IF_ERROR(WriteStepFlag(
-            driver_, stream_->stream(), options.step_flags, options.sequence));
-      }
-      OPTIMD_RETURN_IF_ERROR(WaitStepFlag(
+  const bool adopts = options.written != nullptr && !options.written->empty();
+  // A staged step's trainer resets the progress word, then writes ready:
+  // past every stage only after that reset, or its forwards wait forever.
+  // A trainer's writes into its parameters are done once it is ready.
+  if ((options.step_flag_words > 2 || adopts) && options.sequence_in_order) {
+    if (s.rescue->NoteWait(options.step_flags, options.step_flags_mapping,
+                           options.sequence, s.sequence)) {
+      OPTIMD_RETURN_IF_ERROR(WriteStepFlag(
           driver_, stream_->stream(), options.step_flags, options.sequence));
     }
+    OPTIMD_RETURN_IF_ERROR(WaitStepFlag(driver_, stream_->stream(),
+                                        options.step_flags, options.sequence));
+    OPTIMD_RETURN_IF_ERROR(AdoptWritten(options));
+  }
+  if (options.step_flag_words > 2) {
     OPTIMD_RETURN_IF_ERROR(WriteStepFlag(
         driver_, stream_->stream(), options.step_flags + 2, kPastEveryStage));
   }
@@ -406,6 +413,14 @@ absl::Status CudaBackend::WriteParams(Group& group) {
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
   OPTIMD_RETURN_IF_ERROR(ParamsFromMasters(*this, group, stream_->stream()));
   return stream_->Sync();
+}
+
+absl::Status CudaBackend::AdoptWritten(const StepOptions& options) {
+  if (options.written == nullptr) return absl::OkStatus();
+  for (const TensorEntry* t : *options.written) {
+    OPTIMD_RETURN_IF_ERROR(AdoptWrittenParam(*t));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status CudaBackend::AdoptWrittenParam(const TensorEntry& t) {

@@ -562,6 +562,69 @@ TEST_F(SessionTest, WrittenParameterSetsItsMaster) {
   }
 }
 
+// param_written may ride with a step's buffer updates: the step adopts
+// the written values before its update, and so does a step that skips or
+// fails, since the trainer's writes stand whatever happens to the step.
+TEST_F(SessionTest, WrittenParameterRidesWithTheStep) {
+  TensorSpec t;
+  t.name = "w";
+  t.numel = 8;
+  t.param_dtype = t.grad_dtype = DType::kBFloat16;
+  t.param_dtype_set = t.grad_dtype_set = true;
+  t.param = Handle(*params_, 0, 16);
+  t.grad = Handle(*grads_, 0, 16);
+  GroupSpec spec;
+  spec.id = "g";
+  spec.hyper.weight_decay = 0;
+  spec.tensors = {t};
+  uint16_t* p = params_->as<uint16_t>();
+  uint16_t* g = grads_->as<uint16_t>();
+  for (int i = 0; i < 8; ++i) {
+    p[i] = FloatToBFloat16(1.0f);
+    g[i] = FloatToBFloat16(0.5f);
+  }
+  ASSERT_TRUE(session_.RegisterGroup(spec).ok());
+  ASSERT_TRUE(session_.Step({}).ok());
+  auto master = [&](int i) {
+    auto state = session_.ReadState({"g"}, true, {}, uint64_t{1} << 20);
+    EXPECT_TRUE(state.ok()) << state.status();
+    for (const StateBlob& b : (*state)[0].tensors) {
+      if (b.kind == "master") {
+        return reinterpret_cast<const float*>(b.data.data())[i];
+      }
+    }
+    ADD_FAILURE() << "no master";
+    return 0.0f;
+  };
+  const float kept = master(7);
+  BufferUpdate written;
+  written.tensor = "w";
+  written.param_written = true;
+  StepRequestSpec step;
+  step.buffer_updates = {{"g", {written}}};
+  // Stepped from the written values; element 7 from its master.
+  for (int i = 0; i < 7; ++i) p[i] = FloatToBFloat16(5.0f);
+  ASSERT_TRUE(session_.Step(step).ok());
+  for (int i = 0; i < 7; ++i) {
+    EXPECT_NEAR(BFloat16ToFloat(p[i]), 5.0f, 0.1f) << i;
+  }
+  EXPECT_LT(master(7), kept) << "element 7 was not stepped from its master";
+  // A step that fails after its updates were applied still adopts.
+  p[0] = FloatToBFloat16(7.0f);
+  StepRequestSpec failing = step;
+  failing.options.grad_scale = -1;
+  EXPECT_EQ(session_.Step(failing).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(master(0), 7.0f);
+  // And so does a step skipped for a non-finite gradient.
+  p[1] = FloatToBFloat16(9.0f);
+  g[2] = FloatToBFloat16(std::numeric_limits<float>::quiet_NaN());
+  auto skipped = session_.Step(step);
+  ASSERT_TRUE(skipped.ok()) << skipped.status();
+  EXPECT_TRUE(skipped->outcome.skipped);
+  EXPECT_EQ(master(1), 9.0f);
+}
+
 // A tensor whose gradient is absent (torch's .grad is None) is not stepped:
 // its parameter, moments and the norm ignore it, while its neighbour steps
 // as if it were alone; given a gradient again, it steps again.

@@ -61,6 +61,54 @@ class DropIn(DaemonTestCase):
             for p, q in zip(g["params"], h["params"]):
                 torch.testing.assert_close(p.detach(), q.detach(), **TOL)
 
+    def test_a_loaded_group_without_an_option_takes_torchs_value(self):
+        # An older torch's state dict lacks options added since (maximize,
+        # nesterov...): torch's load gives them its own defaults, not the
+        # values the optimizer was made with.
+        for kw, cls in ((dict(maximize=True), None),
+                        (dict(momentum=0.9, nesterov=True), "SGD")):
+            made = []
+            for c in ((SGD, torch.optim.SGD) if cls else
+                      (AdamW, torch.optim.AdamW)):
+                torch.manual_seed(0)
+                p = torch.nn.Parameter(torch.randn(5))
+                extra = dict(address=self.daemon.address) \
+                    if c.__module__.startswith("optimd") else {}
+                o = c([p], lr=0.1, **kw, **extra)
+                if extra:
+                    self.opts.append(o)
+                made.append((o, p))
+            saved = made[1][0].state_dict()
+            key = next(iter(kw.keys() - {"momentum"}))
+            del saved["param_groups"][0][key]
+            for o, p in made:
+                o.load_state_dict(copy.deepcopy(saved))
+                p.grad = torch.ones(5)
+                o.step()
+            self.assertEqual(made[0][0].param_groups[0][key],
+                             made[1][0].param_groups[0][key])
+            torch.testing.assert_close(made[0][1].detach(),
+                                       made[1][1].detach(), **TOL)
+
+    def test_a_backward_through_a_graph_from_before_the_step_fails(self):
+        # torch's step writes the parameters in place, which autograd
+        # counts: a backward through a graph that saved a parameter before
+        # the step raises instead of using the new values (a GAN's
+        # generator loss through the discriminator just stepped). The
+        # daemon's writes move that count too; a parameter without a
+        # gradient is not stepped and keeps its count.
+        for o in self.both(lambda: [torch.nn.Parameter(torch.randn(3)),
+                                    torch.nn.Parameter(torch.randn(3))]):
+            w, idle = o.param_groups[0]["params"]
+            (w * w).sum().backward()
+            kept = (w * w).sum()  # saves w
+            idle_count = idle._version
+            o.step()
+            self.assertEqual(idle._version, idle_count, type(o))
+            with self.assertRaisesRegex(RuntimeError, "inplace operation"):
+                kept.backward()
+            o.step()  # and again with the same gradients
+
     def test_gradients_in_a_buffer_of_the_trainers_stay_there(self):
         # A trainer that keeps every gradient in one flat buffer of its own
         # (p.grad = a view of it) and clears that buffer itself.

@@ -249,7 +249,14 @@ class TorchClientTest(unittest.TestCase):
         with torch.no_grad():
             ours.weight[0].fill_(-3.0)
             theirs.weight[0].fill_(-3.0)
+        # The write rides with the step: no call of its own.
+        calls = []
+        update_buffers = opt._client.update_buffers
+        opt._client.update_buffers = lambda *a, **k: (
+            calls.append(a), update_buffers(*a, **k))[1]
         step()
+        self.assertEqual(calls, [])
+        opt._client.update_buffers = update_buffers
         ours.bias.data = torch.full((4,), 2.0, dtype=torch.bfloat16)
         theirs.bias.data = torch.full((4,), 2.0)
         step()
@@ -266,10 +273,18 @@ class TorchClientTest(unittest.TestCase):
         theirs = torch.nn.Parameter(ours.detach().float().clone())
         opt = self.make([ours], lr=1e-2)
         ref = torch.optim.AdamW([theirs], lr=1e-2)
-        told = []
+        told = []  # entries told, by UpdateBuffers or with a step
         tell = opt._tell_written
         opt._tell_written = lambda entries: (told.append(len(entries)),
                                              tell(entries))
+        carried = opt._step_written_updates
+
+        def carry():
+            updates = carried()
+            if updates:
+                told.append(sum(len(u.tensors) for u in updates))
+            return updates
+        opt._step_written_updates = carry
 
         def step():
             ours.grad = torch.randn(ours.shape).to(torch.bfloat16)

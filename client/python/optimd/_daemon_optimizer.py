@@ -99,6 +99,10 @@ def _service_options(arguments):
     return {k: arguments[k] for k in _SERVICE_OPTIONS}
 
 
+def _nothing():
+    pass
+
+
 def _weakly(method):
     """`method` of an object, called without keeping the object alive."""
     ref = weakref.WeakMethod(method)
@@ -401,6 +405,10 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         self._client = Client(ident["address"], timeout=ident["timeout"])
         if self._device.type == "cuda":
             self._client.before_trainer_memory = self._trainer_stream_done
+        # Weakly: the client must not keep its optimizer alive (its calls
+        # after the optimizer is gone, closing the session, tell nothing).
+        tell = weakref.WeakMethod(self._send_written_params)
+        self._client.before_other_call = lambda: (tell() or _nothing)()
         # CUDA: the trainer's stream and the daemon's are ordered by step
         # flags (_step_flags.py), so step() never waits for the daemon.
         self._flags = None
@@ -995,22 +1003,59 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         the written tensor (UpdateBuffers' param_written; on CUDA after
         the trainer's stream, which the call waits for). A mirrored one
         is copied into the memory the daemon reads first."""
+        self._written_unsent.extend(self._newly_written_params())
+        self._send_written_params()
+
+    def _newly_written_params(self):
+        """The watched parameters written since the last look (their
+        write counts moved), mirrored ones copied into the memory the
+        daemon reads (on the trainer's stream); to be told."""
         if not getattr(self, "_watched", None):
-            return
+            return []
         # A DTensor given a new local shard (FSDP2 re-pads uneven shards
         # at its lazy init) is watched, and mirrored, from the new one on.
         swapped = self._follow_dtensor_shards()
         versions = self._write_counts()
         if versions == self._versions and not swapped:
-            return
+            return []
         written = [s for s, now, then in zip(
             self._watched, versions, self._versions)
             if now != then or id(s) in swapped]
         for s in written:
             if s.mirrored:
                 s.pview.copy_(s.mem)
-        self._tell_written(written)
         self._versions = versions
+        return written
+
+    @property
+    def _written_unsent(self):
+        """Parameters written and not yet told: a step carries them
+        (_step_written_updates); any other call of the daemon's tells them
+        first (Client.before_other_call)."""
+        if "_unsent_writes" not in self.__dict__:
+            self._unsent_writes = []
+        return self._unsent_writes
+
+    def _send_written_params(self):
+        """Tells the daemon now of the writes no step carried."""
+        written, self._unsent_writes = self._written_unsent, []
+        if written:
+            try:
+                self._tell_written(written)
+            except BaseException:
+                self._unsent_writes = written + self._unsent_writes
+                raise
+
+    def _step_written_updates(self):
+        """The writes to tell with this step, as UpdateBuffersRequests
+        of param_written (the daemon adopts them once the trainer's stream
+        reaches the step: no wait for that stream here); taken from the
+        unsent ones, which keep them until the step is sent."""
+        by_group = {}
+        for s in self._written_unsent:
+            update_of(by_group, s).tensors.add(name=s.name,
+                                               param_written=True)
+        return list(by_group.values())
 
     def _forget_own_writes(self, entries, counts_before):
         """Copies of the daemon's values into `entries` (mirrors) are no
@@ -1393,10 +1438,12 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
 
     def _step_after_closure(self, loss):
         self._finish_overlap()
-        # Before anything below reads the daemon's masters back (a group
-        # registered anew carries its state over): the trainer's writes
-        # reach them first.
-        self._follow_written_params()
+        # Carried by the step; anything below that calls the daemon (a
+        # group registered anew carries its state over) tells them first.
+        if isinstance(self, SeveralDevices):
+            self._follow_written_params()
+        else:
+            self._written_unsent.extend(self._newly_written_params())
         # Writes to optimizer.state first: following edited param_groups
         # below carries the state over from the daemon.
         self._write_back_state()
@@ -1413,7 +1460,9 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             # on what that step told the daemon.
             self._look_at_replies(block=False)
         try:
-            self._request_step(self._router.updates())
+            self._request_step(self._router.updates() +
+                               self._step_written_updates())
+            self._unsent_writes = []
         except BaseException:
             # The daemon may not have what the router counts as told (a
             # step that failed, or updates built part-way): the next step
@@ -1449,6 +1498,8 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             self._mirror_out()
         else:
             self._step_with_flags(request)
+        # Written in place, as torch's steps write them (_versions.py).
+        self._router.stepped().bump()
         if overrides:
             self._sent_hyper = overrides[1]
 

@@ -33,6 +33,7 @@ import torch
 
 from optimd._aliased import shares_storage
 from optimd._dtensor import is_dtensor, local_of
+from optimd._versions import VersionBumper
 from optimd._vmm import NotVmmMemory, release_counts
 from optimd.v1 import optimd_pb2 as pb
 
@@ -146,6 +147,8 @@ class GradRouter:
         # router over more groups starts from the truth): a data pointer, or
         # 0 when absent. Registration leaves every tensor absent.
         self._sent = [s.sent_ptr for s in self._tensors]
+        # stepped()'s, and the _sent it was made for.
+        self._stepped, self._stepped_for = None, None
         self._handles = HandleCache(vmm, vmm_refreshed=True) \
             if self._cuda else None
         self._vmm = vmm
@@ -165,6 +168,16 @@ class GradRouter:
         self._releases = () if self._cuda and vmm is None and \
             not copies else None
         self.memory_released = False
+
+    def stepped(self):
+        """A VersionBumper over the parameters whose gradients the daemon
+        has: those the step just sent updates (torch's steps skip a
+        parameter whose `.grad` is None)."""
+        if self._stepped_for != self._sent:
+            self._stepped_for = list(self._sent)
+            self._stepped = VersionBumper(
+                s.param for s, sent in zip(self._tensors, self._sent) if sent)
+        return self._stepped
 
     def forget(self):
         """The daemon may not have what this router told it (a step failed

@@ -5,6 +5,7 @@ fetched from the daemon; load_state_dict(); ZeRO-sharded state put together
 param_groups that need the group registered anew with its state.
 """
 import copy
+import functools
 import weakref
 
 import torch
@@ -16,6 +17,20 @@ from optimd._state import (DAEMON_KEYS, DTYPES, set_state_request,
                            step_tensor)
 
 _TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_load_fills(cls):
+    """The keys the installed torch's optimizer `cls` gives a loaded param
+    group that lacks them, with their values: its __setstate__'s defaults
+    for options older torch versions did not save (maximize, foreach,
+    ...). A probe of torch's own class (None: no such class, nothing)."""
+    if cls is None:
+        return {}
+    # lr: required by some torch versions' SGD; the load drops it.
+    opt = cls([torch.zeros(1, requires_grad=True)], lr=0.01)
+    opt.load_state_dict({"state": {}, "param_groups": [{"params": [0]}]})
+    return {k: v for k, v in opt.param_groups[0].items() if k != "params"}
 
 
 class StateDicts:
@@ -388,13 +403,18 @@ class StateDicts:
 
     def _take_saved_keys(self, gi, g, sg):
         """Group g takes saved group sg's keys: a key sg lacks goes (a
-        scheduler's initial_lr, say), but for the constructor's options,
-        which take their constructor values (torch gives its own the
-        defaults), and the parameters' names, which stay as torch keeps
-        them."""
+        scheduler's initial_lr, say), but for the options torch fills in
+        on a load (an older torch's state dict lacks maximize, say), which
+        take torch's values as torch's optimizer does, the other
+        constructor options, which take their constructor values (optimd's
+        own; where torch's step would raise KeyError for one of its own),
+        and the parameters' names, which stay as torch keeps them."""
+        fills = _torch_load_fills(type(self)._torch_class)
         for k in [k for k in g if k not in sg and
                   k not in ("params", "param_names")]:
-            if k in self.defaults:
+            if k in fills:
+                g[k] = fills[k]
+            elif k in self.defaults:
                 g[k] = self.defaults[k]
             else:
                 del g[k]

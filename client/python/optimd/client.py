@@ -24,7 +24,7 @@ ADMIN_METADATA_KEY = "x-optimd-admin"
 # The client's version, and the API revision it needs of a daemon
 # (common/version.h says what each revision added).
 __version__ = "0.5.0"
-API_REVISION = 11
+API_REVISION = 12
 
 
 def default_address():
@@ -252,6 +252,10 @@ class Client:
         # trainer's memory outside a step (_TOUCHES_TRAINER_MEMORY): the
         # optimd.torch optimizers wait there for the trainer's CUDA stream.
         self.before_trainer_memory = None
+        # Called before each call other than a step: the optimd.torch
+        # optimizers tell there the parameter writes a step would have
+        # carried (_DaemonOptimizer._send_written_params).
+        self.before_other_call = None
         self._streamed = 0
 
     @property
@@ -304,6 +308,8 @@ class Client:
         self._check_usable()
         if self._stream is not None:
             self._stream.drain()
+        if self.before_other_call and method != "Step":
+            self.before_other_call()
         if trainer_memory and method in _TOUCHES_TRAINER_MEMORY and \
                 self.before_trainer_memory:
             self.before_trainer_memory()
