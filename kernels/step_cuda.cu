@@ -99,9 +99,25 @@ __global__ void ConvertKernel(const void* __restrict__ src,
 __device__ inline uint32_t BitsOf(float x) { return __float_as_uint(x); }
 __device__ inline uint32_t BitsOf(uint16_t x) { return x; }
 
+// Whether step `ticket` lies in the abandoned range (AbandonedSteps),
+// compared cyclically as 32 bits.
+__device__ __forceinline__ bool InAbandonedRange(
+    const volatile AbandonedSteps* abandoned, uint64_t ticket) {
+  if (abandoned == nullptr) return false;
+  const uint64_t range = abandoned->range;
+  const uint32_t t = static_cast<uint32_t>(ticket);
+  const uint32_t first = static_cast<uint32_t>(range);
+  const uint32_t through = static_cast<uint32_t>(range >> 32);
+  return static_cast<int32_t>(t - first) >= 0 &&
+         static_cast<int32_t>(through - t) >= 0;
+}
+
 template <class P>
 __global__ void AdoptWrittenKernel(const void* __restrict__ param,
-                                   float* __restrict__ master, uint64_t n) {
+                                   float* __restrict__ master, uint64_t n,
+                                   const volatile AbandonedSteps* abandoned,
+                                   uint64_t ticket) {
+  if (InAbandonedRange(abandoned, ticket)) return;
   const auto* p = static_cast<const typename P::T*>(param);
   const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
   for (uint64_t i =
@@ -165,13 +181,7 @@ __device__ __forceinline__ double AppliedTotal(const GroupStep* scratch,
 // (AbandonedSteps): the step is skipped, whatever the trainer asked for
 // non-finite gradients.
 __device__ __forceinline__ bool Abandoned(const GroupStep& a) {
-  if (a.abandoned == nullptr || a.flag_sequence == 0) return false;
-  const uint64_t range = a.abandoned->range;
-  const uint32_t t = static_cast<uint32_t>(a.ticket);
-  const uint32_t first = static_cast<uint32_t>(range);
-  const uint32_t through = static_cast<uint32_t>(range >> 32);
-  return static_cast<int32_t>(t - first) >= 0 &&
-         static_cast<int32_t>(through - t) >= 0;
+  return a.flag_sequence != 0 && InAbandonedRange(a.abandoned, a.ticket);
 }
 
 __global__ void __launch_bounds__(kThreadsPerBlock)
@@ -389,22 +399,24 @@ absl::Status LaunchConvert(DType src_dtype, const void* src, DType dst_dtype,
 }
 
 absl::Status LaunchAdoptWritten(DType param_dtype, const void* param,
-                                float* master, uint64_t n, Stream stream) {
+                                float* master, uint64_t n, Stream stream,
+                                const volatile AbandonedSteps* abandoned,
+                                uint64_t ticket) {
   if (n == 0) return absl::OkStatus();
   const unsigned blocks = static_cast<unsigned>(
       std::min<uint64_t>((n + kThreadsPerBlock - 1) / kThreadsPerBlock, 65536));
   switch (param_dtype) {
     case DType::kFloat32:
-      AdoptWrittenKernel<F32>
-          <<<blocks, kThreadsPerBlock, 0, stream>>>(param, master, n);
+      AdoptWrittenKernel<F32><<<blocks, kThreadsPerBlock, 0, stream>>>(
+          param, master, n, abandoned, ticket);
       break;
     case DType::kBFloat16:
-      AdoptWrittenKernel<BF16>
-          <<<blocks, kThreadsPerBlock, 0, stream>>>(param, master, n);
+      AdoptWrittenKernel<BF16><<<blocks, kThreadsPerBlock, 0, stream>>>(
+          param, master, n, abandoned, ticket);
       break;
     case DType::kFloat16:
-      AdoptWrittenKernel<F16>
-          <<<blocks, kThreadsPerBlock, 0, stream>>>(param, master, n);
+      AdoptWrittenKernel<F16><<<blocks, kThreadsPerBlock, 0, stream>>>(
+          param, master, n, abandoned, ticket);
       break;
     case DType::kBlock8:      // state only, never a parameter
     case DType::kFloat64:     // never has a master (ResolveLayout)

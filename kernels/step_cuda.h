@@ -98,9 +98,12 @@ absl::Status LaunchConvert(DType src_dtype, const void* src, DType dst_dtype,
 // master[i] = param[i] widened where param[i] differs, bit for bit, from
 // master[i] rounded to param_dtype (bf16, fp16 or fp32), for i < n: the
 // trainer's writes into a parameter (AdoptWrittenParamRange's rule,
-// kernels/master_cpu.h).
-absl::Status LaunchAdoptWritten(DType param_dtype, const void* param,
-                                float* master, uint64_t n, Stream stream);
+// kernels/master_cpu.h). With `abandoned`, nothing when step `ticket` is
+// among the abandoned steps (a gone trainer's: its writes may be partial).
+absl::Status LaunchAdoptWritten(
+    DType param_dtype, const void* param, float* master, uint64_t n,
+    Stream stream, const volatile AbandonedSteps* abandoned = nullptr,
+    uint64_t ticket = 0);
 
 }  // namespace cuda
 }  // namespace optimd

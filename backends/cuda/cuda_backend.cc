@@ -77,8 +77,12 @@ class CudaBackend final : public Backend {
   absl::StatusOr<bool> AbandonSteps(SessionContext* session) override;
   absl::Status WriteParams(Group& group) override;
   absl::Status AdoptWrittenParam(const TensorEntry& t) override;
-  // AdoptWrittenParam for each of options.written, in stream order.
-  absl::Status AdoptWritten(const StepOptions& options);
+  // AdoptWrittenParam for each of options.written, in stream order, after
+  // the wait for the ready flag of session `s`'s step `ticket`: nothing
+  // where that step is abandoned (its trainer gone, its writes maybe
+  // partial).
+  absl::Status AdoptWritten(CudaSession& s, const StepOptions& options,
+                            uint64_t ticket);
   absl::Status SyncGroupCounters(const std::vector<Group*>& groups) override;
   absl::StatusOr<StateStorage> AllocateHostStaging(uint64_t bytes) override {
     OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
@@ -300,7 +304,7 @@ absl::Status CudaBackend::LaunchStep(CudaSession& s,
   }
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaEventRecord(record.began, stream));
   // The trainer's writes into its parameters are done once it is ready.
-  OPTIMD_RETURN_IF_ERROR(AdoptWritten(options));
+  OPTIMD_RETURN_IF_ERROR(AdoptWritten(s, options, s.sequence + 1));
   // 32-byte flags: the step's start and end on the device's global timer,
   // beside the trainer's own stamps (StepRequest.step_flags).
   uint64_t* stamps = options.step_flag_words >= 8
@@ -349,6 +353,7 @@ absl::Status CudaBackend::ReleaseStep(SessionContext* session,
   auto& s = *static_cast<CudaSession*>(session);
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
   const bool adopts = options.written != nullptr && !options.written->empty();
+  absl::Status adopted;
   // A staged step's trainer resets the progress word, then writes ready:
   // past every stage only after that reset, or its forwards wait forever.
   // A trainer's writes into its parameters are done once it is ready.
@@ -360,7 +365,9 @@ absl::Status CudaBackend::ReleaseStep(SessionContext* session,
     }
     OPTIMD_RETURN_IF_ERROR(WaitStepFlag(driver_, stream_->stream(),
                                         options.step_flags, options.sequence));
-    OPTIMD_RETURN_IF_ERROR(AdoptWritten(options));
+    // Its failure is reported after the flags are written: the trainer's
+    // stream must go on whatever went wrong.
+    adopted = AdoptWritten(s, options, s.sequence);
   }
   if (options.step_flag_words > 2) {
     OPTIMD_RETURN_IF_ERROR(WriteStepFlag(
@@ -368,8 +375,9 @@ absl::Status CudaBackend::ReleaseStep(SessionContext* session,
   }
   // The write's memory fence: the trainer's stream, once it sees the flag,
   // sees the step's parameters.
-  return WriteStepFlag(driver_, stream_->stream(), options.step_flags + 1,
-                       options.sequence);
+  OPTIMD_RETURN_IF_ERROR(WriteStepFlag(
+      driver_, stream_->stream(), options.step_flags + 1, options.sequence));
+  return adopted;
 }
 
 absl::StatusOr<bool> CudaBackend::AbandonSteps(SessionContext* session) {
@@ -415,10 +423,16 @@ absl::Status CudaBackend::WriteParams(Group& group) {
   return stream_->Sync();
 }
 
-absl::Status CudaBackend::AdoptWritten(const StepOptions& options) {
+absl::Status CudaBackend::AdoptWritten(CudaSession& s,
+                                       const StepOptions& options,
+                                       uint64_t ticket) {
   if (options.written == nullptr) return absl::OkStatus();
   for (const TensorEntry* t : *options.written) {
-    OPTIMD_RETURN_IF_ERROR(AdoptWrittenParam(*t));
+    if (t->numel == 0 || t->layout.master != MasterKind::kFp32) continue;
+    OPTIMD_RETURN_IF_ERROR(cuda::LaunchAdoptWritten(
+        t->layout.param_dtype, t->param.data,
+        reinterpret_cast<float*>(t->master.data()), t->numel, stream_->stream(),
+        options.step_flags != nullptr ? s.rescue->words() : nullptr, ticket));
   }
   return absl::OkStatus();
 }

@@ -262,6 +262,47 @@ class TorchClientTest(unittest.TestCase):
         step()
         opt.close()
 
+    def test_writes_across_a_failed_step_and_an_absent_gradient(self):
+        # A write is told once however often it was seen (one left from a
+        # refused step and one since: "updated twice" otherwise), and in
+        # the same entry as its gradient's return. torch's fp32 AdamW over
+        # the same values is the reference, to bf16 rounding.
+        torch.manual_seed(SEED)
+        ours = [torch.nn.Parameter(torch.randn(8).to(torch.bfloat16))
+                for _ in range(2)]
+        theirs = [torch.nn.Parameter(p.detach().float().clone())
+                  for p in ours]
+        opt = self.make(ours, lr=1e-2)
+        ref = torch.optim.AdamW(theirs, lr=1e-2)
+
+        def step(grads=(True, True)):
+            for p, q, g in zip(ours, theirs, grads):
+                p.grad = torch.randn(8).to(torch.bfloat16) if g else None
+                q.grad = p.grad.float() if g else None
+            opt.step()
+            ref.step()
+            for p, q in zip(ours, theirs):
+                torch.testing.assert_close(p.detach().float(), q.detach(),
+                                           rtol=1e-2, atol=1e-2)
+
+        def write(value):
+            with torch.no_grad():
+                ours[0].fill_(value)
+                theirs[0].fill_(value)
+
+        step()
+        write(3.0)
+        opt.param_groups[0]["betas"] = (1.5, 0.999)  # refused
+        with self.assertRaisesRegex(optimd.InvalidArgumentError, "beta1"):
+            opt.step()
+        opt.param_groups[0]["betas"] = (0.9, 0.999)
+        write(4.0)
+        step()
+        step(grads=(False, True))
+        write(5.0)
+        step()
+        opt.close()
+
     def test_values_written_into_a_mirrored_bf16_parameter_are_stepped_from(
             self):
         # A view with gaps (base[:, ::2]) is stepped in a dense copy that is
@@ -277,14 +318,13 @@ class TorchClientTest(unittest.TestCase):
         tell = opt._tell_written
         opt._tell_written = lambda entries: (told.append(len(entries)),
                                              tell(entries))
-        carried = opt._step_written_updates
+        carried = opt._with_written
 
-        def carry():
-            updates = carried()
-            if updates:
-                told.append(sum(len(u.tensors) for u in updates))
-            return updates
-        opt._step_written_updates = carry
+        def carry(updates, written):
+            if written:
+                told.append(len(written))
+            return carried(updates, written)
+        opt._with_written = carry
 
         def step():
             ours.grad = torch.randn(ours.shape).to(torch.bfloat16)

@@ -42,6 +42,7 @@ from optimd._several_devices import (PartsState, SeveralDevices,
                                      held_state)
 from optimd._step_flags import StepFlags
 from optimd._vmm import VmmSharer, close_channels
+from optimd._written import PendingWrites
 from optimd.client import Client
 from optimd.shm import SharedSegment, align
 from optimd.v1 import optimd_pb2 as pb
@@ -1003,7 +1004,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         the written tensor (UpdateBuffers' param_written; on CUDA after
         the trainer's stream, which the call waits for). A mirrored one
         is copied into the memory the daemon reads first."""
-        self._written_unsent.extend(self._newly_written_params())
+        self._written_unsent.add(self._newly_written_params())
         self._send_written_params()
 
     def _newly_written_params(self):
@@ -1029,33 +1030,49 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
 
     @property
     def _written_unsent(self):
-        """Parameters written and not yet told: a step carries them
-        (_step_written_updates); any other call of the daemon's tells them
-        first (Client.before_other_call)."""
+        """Parameters written and not yet told (_written.py): a step
+        carries them (_with_written); any other call of the daemon's tells
+        them first (Client.before_other_call)."""
         if "_unsent_writes" not in self.__dict__:
-            self._unsent_writes = []
+            self._unsent_writes = PendingWrites()
         return self._unsent_writes
 
     def _send_written_params(self):
         """Tells the daemon now of the writes no step carried."""
-        written, self._unsent_writes = self._written_unsent, []
+        written = self._written_unsent.take()
         if written:
             try:
                 self._tell_written(written)
             except BaseException:
-                self._unsent_writes = written + self._unsent_writes
+                self._written_unsent.put_back(written)
                 raise
 
-    def _step_written_updates(self):
-        """The writes to tell with this step, as UpdateBuffersRequests
-        of param_written (the daemon adopts them once the trainer's stream
-        reaches the step: no wait for that stream here); taken from the
-        unsent ones, which keep them until the step is sent."""
-        by_group = {}
-        for s in self._written_unsent:
-            update_of(by_group, s).tensors.add(name=s.name,
-                                               param_written=True)
-        return list(by_group.values())
+    def _retell_writes(self):
+        """A step failed, maybe before the daemon took its updates: every
+        watched parameter is told as written with the next step (an
+        unwritten one changes nothing: its parameter is its master's
+        rounding)."""
+        self._written_unsent.add(getattr(self, "_watched", ()))
+
+    def _with_written(self, updates, written):
+        """The step's buffer updates `updates` (the router's) with the
+        writes `written` told too (param_written, in the entry of the
+        tensor's group, and on the tensor's own entry if it has one): the
+        daemon adopts them once the trainer's stream reaches the step, so
+        no wait for that stream here."""
+        by_group = {u.group_id: u for u in updates}
+        for s in written:
+            if s.group_id not in by_group:
+                by_group[s.group_id] = update_of(by_group, s)
+                updates.append(by_group[s.group_id])
+            update = by_group[s.group_id]
+            for t in update.tensors:
+                if t.name == s.name:
+                    t.param_written = True
+                    break
+            else:
+                update.tensors.add(name=s.name, param_written=True)
+        return updates
 
     def _forget_own_writes(self, entries, counts_before):
         """Copies of the daemon's values into `entries` (mirrors) are no
@@ -1443,7 +1460,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
         if isinstance(self, SeveralDevices):
             self._follow_written_params()
         else:
-            self._written_unsent.extend(self._newly_written_params())
+            self._written_unsent.add(self._newly_written_params())
         # Writes to optimizer.state first: following edited param_groups
         # below carries the state over from the daemon.
         self._write_back_state()
@@ -1459,10 +1476,11 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             # An earlier step's error, before this step's updates are built
             # on what that step told the daemon.
             self._look_at_replies(block=False)
+        written = self._written_unsent.snapshot()
         try:
-            self._request_step(self._router.updates() +
-                               self._step_written_updates())
-            self._unsent_writes = []
+            self._request_step(self._with_written(self._router.updates(),
+                                                  written))
+            self._written_unsent.discard(written)
         except BaseException:
             # The daemon may not have what the router counts as told (a
             # step that failed, or updates built part-way): the next step
@@ -1602,6 +1620,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
                 # Steps sent after it were built on what it carried.
                 if getattr(self, "_router", None) is not None:
                     self._router.forget()
+                self._retell_writes()
                 raise
             finally:
                 close_channels(retired)

@@ -32,7 +32,7 @@ class VersionBumper:
         else:
             try:
                 _increment(self._tensors)
-            except TypeError:  # this torch takes one tensor
+            except (TypeError, RuntimeError):  # torch 2.1-2.4: one tensor
                 self._one_at_a_time = True
                 self.bump()
 
