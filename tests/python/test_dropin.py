@@ -90,6 +90,22 @@ class DropIn(DaemonTestCase):
             torch.testing.assert_close(made[0][1].detach(),
                                        made[1][1].detach(), **TOL)
 
+    def test_defaults_are_torchs_values_and_types(self):
+        # torch's defaults as its constructors give them (weight_decay 0,
+        # an int, for Adam and SGD): code that prints or compares configs
+        # sees the same.
+        p = torch.nn.Parameter(torch.zeros(2))
+        for ours, theirs, kw in ((Adam, torch.optim.Adam, {}),
+                                 (AdamW, torch.optim.AdamW, {}),
+                                 (SGD, torch.optim.SGD, dict(lr=0.1))):
+            o = ours([p], address=self.daemon.address, **kw)
+            self.opts.append(o)
+            t = theirs([p], **kw)
+            for k, v in t.defaults.items():
+                self.assertIn(k, o.defaults)
+                self.assertEqual((o.defaults[k], type(o.defaults[k])),
+                                 (v, type(v)), (ours.__name__, k))
+
     def test_a_backward_through_a_graph_from_before_the_step_fails(self):
         # torch's step writes the parameters in place, which autograd
         # counts: a backward through a graph that saved a parameter before

@@ -400,7 +400,7 @@ class Adam(_AdamFamily, torch.optim.Adam):
     _torch_class = torch.optim.Adam
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-                 weight_decay=0.0, amsgrad=False, **kwargs):
+                 weight_decay=0, amsgrad=False, **kwargs):
         if "adam_w_mode" in kwargs:
             raise TypeError("optimd.torch.Adam is Adam (L2 decay); use "
                             "optimd.torch.AdamW for decoupled decay")
@@ -451,8 +451,8 @@ class SGD(_DaemonOptimizer, torch.optim.SGD):
     _state_dtype_key = "state_dtype"
     _takes_float64 = True
 
-    def __init__(self, params, lr=None, momentum=0.0, dampening=0.0,
-                 weight_decay=0.0, nesterov=False, *, maximize=False,
+    def __init__(self, params, lr=None, momentum=0, dampening=0,
+                 weight_decay=0, nesterov=False, *, maximize=False,
                  address=None, job_id=None, rank=None, world_size=None,
                  resume=False, master_weights=None,
                  store_param_remainders=False, state_dtype=torch.float32,
