@@ -148,9 +148,11 @@ absl::StatusOr<std::vector<Session::ResolvedUpdate>> Session::ResolveUpdates(
     r.tensor = idx;
     r.absent = u.grad_absent && e.Steppable();
     // A remainder layout's parameter is its master's high half: written
-    // values are stepped from already (with the old low half).
-    r.param_written =
-        u.param_written && e.numel > 0 && e.layout.master == MasterKind::kFp32;
+    // values are stepped from already (with the old low half), but for
+    // +-0 and +-inf, whose low halves are cleared (AdoptWrittenParamRange).
+    r.param_written = u.param_written && e.numel > 0 &&
+                      (e.layout.master == MasterKind::kFp32 ||
+                       e.layout.master == MasterKind::kRemainder);
     if (e.sharded) {
       OPTIMD_RETURN_IF_ERROR(ResolveShardedUpdate(e, u, &r));
       resolved.push_back(std::move(r));

@@ -149,6 +149,15 @@ void WriteParamFromMasterRange(const Layout& layout, const TensorPointers& t,
 void AdoptWrittenParamRange(const Layout& layout, const TensorPointers& t,
                             uint64_t begin, uint64_t end) {
   const DType d = layout.param_dtype;
+  if (layout.master == MasterKind::kRemainder && d == DType::kBFloat16) {
+    const uint16_t* param = static_cast<const uint16_t*>(t.param);
+    int16_t* rem = static_cast<int16_t*>(t.master);
+    for (uint64_t i = begin; i < end; ++i) {
+      const uint16_t magnitude = param[i] & 0x7fff;
+      if (magnitude == 0 || magnitude == 0x7f80) rem[i] = 0;
+    }
+    return;
+  }
   if (layout.master != MasterKind::kFp32 ||
       (d != DType::kFloat32 && d != DType::kBFloat16 && d != DType::kFloat16)) {
     return;

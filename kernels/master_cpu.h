@@ -39,7 +39,12 @@ void WriteParamFromMasterRange(const Layout& layout, const TensorPointers& t,
 // rounding) was written, and its master becomes the parameter's value
 // (exact widening); the others keep their masters, so that a write the
 // trainer only may have made costs no precision. kFp32 masters of bf16,
-// fp16 and fp32 parameters only; anything else is left alone.
+// fp16 and fp32 parameters. A remainder layout (kRemainder: the bf16
+// parameter is the master's high half) steps from a written value with its
+// old low half, except where that would change what the value is: a
+// written +-0 or +-inf gets a zero remainder (with a negative one, +0
+// would become a NaN master, +inf a finite one). Anything else is left
+// alone.
 void AdoptWrittenParamRange(const Layout& layout, const TensorPointers& t,
                             uint64_t begin, uint64_t end);
 

@@ -75,13 +75,19 @@ TEST(MasterCpuTest, WrittenParameterElementsSetTheirMasters) {
   EXPECT_TRUE(std::isnan(m16[1]));                           // written NaN
   EXPECT_EQ(m16[2], 3.0f);
 
-  Layout remainder = bf16;  // left alone
+  // A remainder layout keeps its remainders, but under a written +-0 or
+  // +-inf: with a negative remainder, +0 read back as a NaN master (and
+  // the weight stayed 0 for good), +inf as a finite one.
+  Layout remainder = bf16;
   remainder.master = MasterKind::kRemainder;
-  std::vector<int16_t> rest = {5, 6};
-  t.param = param.data();
+  std::vector<uint16_t> high = {
+      FloatToBFloat16(1.0f), FloatToBFloat16(0.0f), FloatToBFloat16(-0.0f),
+      FloatToBFloat16(INFINITY), FloatToBFloat16(-INFINITY)};
+  std::vector<int16_t> rest = {-5, -6, -7, -8, 9};
+  t.param = high.data();
   t.master = rest.data();
-  AdoptWrittenParamRange(remainder, t, 0, 2);
-  EXPECT_EQ(rest, (std::vector<int16_t>{5, 6}));
+  AdoptWrittenParamRange(remainder, t, 0, 5);
+  EXPECT_EQ(rest, (std::vector<int16_t>{-5, 0, 0, 0, 0}));
 }
 
 }  // namespace

@@ -112,6 +112,21 @@ __device__ __forceinline__ bool InAbandonedRange(
          static_cast<int32_t>(through - t) >= 0;
 }
 
+// AdoptWrittenParamRange's rule for a remainder layout: a written +-0 or
+// +-inf gets a zero remainder.
+__global__ void AdoptWrittenRemainderKernel(
+    const uint16_t* __restrict__ param, int16_t* __restrict__ rem, uint64_t n,
+    const volatile AbandonedSteps* abandoned, uint64_t ticket) {
+  if (InAbandonedRange(abandoned, ticket)) return;
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  for (uint64_t i =
+           static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i < n; i += stride) {
+    const uint16_t magnitude = param[i] & 0x7fffu;
+    if (magnitude == 0 || magnitude == 0x7f80u) rem[i] = 0;
+  }
+}
+
 template <class P>
 __global__ void AdoptWrittenKernel(const void* __restrict__ param,
                                    float* __restrict__ master, uint64_t n,
@@ -396,6 +411,18 @@ absl::Status LaunchConvert(DType src_dtype, const void* src, DType dst_dtype,
       break;
   }
   return absl::InvalidArgumentError("unknown dtype");
+}
+
+absl::Status LaunchAdoptWrittenRemainder(
+    const void* param, void* remainder, uint64_t n, Stream stream,
+    const volatile AbandonedSteps* abandoned, uint64_t ticket) {
+  if (n == 0) return absl::OkStatus();
+  const unsigned blocks = static_cast<unsigned>(
+      std::min<uint64_t>((n + kThreadsPerBlock - 1) / kThreadsPerBlock, 65536));
+  AdoptWrittenRemainderKernel<<<blocks, kThreadsPerBlock, 0, stream>>>(
+      static_cast<const uint16_t*>(param), static_cast<int16_t*>(remainder), n,
+      abandoned, ticket);
+  return LaunchStatus("written-remainder kernel launch");
 }
 
 absl::Status LaunchAdoptWritten(DType param_dtype, const void* param,

@@ -105,6 +105,13 @@ absl::Status LaunchAdoptWritten(
     Stream stream, const volatile AbandonedSteps* abandoned = nullptr,
     uint64_t ticket = 0);
 
+// A remainder layout's rule (AdoptWrittenParamRange): remainder[i] = 0
+// where the bf16 param[i] is +-0 or +-inf, for i < n; `abandoned` and
+// `ticket` as LaunchAdoptWritten's.
+absl::Status LaunchAdoptWrittenRemainder(
+    const void* param, void* remainder, uint64_t n, Stream stream,
+    const volatile AbandonedSteps* abandoned = nullptr, uint64_t ticket = 0);
+
 }  // namespace cuda
 }  // namespace optimd
 

@@ -144,21 +144,30 @@ grpc::Status ShuttingDown() {
 
 // Why a call queued on a worker is not to run by its turn: its client
 // cancelled it (or the shutdown did, after its grace), or its session was
-// closed, evicted or reaped meanwhile; OK when it is to run.
+// closed, evicted or reaped meanwhile; OK when it is to run. `outcome`
+// says what became of the call.
 absl::Status NotToRun(grpc::CallbackServerContext& context,
-                      const Session& session) {
+                      const Session& session,
+                      absl::string_view outcome = "nothing was done") {
   if (session.retired()) {
-    return absl::AbortedError(
+    return absl::AbortedError(absl::StrCat(
         "the session was closed, evicted or reaped before this call's turn "
-        "came; nothing was done");
+        "came; ",
+        outcome));
   }
   if (context.IsCancelled()) {
-    return absl::CancelledError(
+    return absl::CancelledError(absl::StrCat(
         "the call was cancelled (by its client, its deadline or the "
-        "daemon's shutdown) before its turn came; nothing was done");
+        "daemon's shutdown) before its turn came; ",
+        outcome));
   }
   return absl::OkStatus();
 }
+
+// A refused step's outcome (Session::RefuseAfterUpdates).
+constexpr absl::string_view kStepNotRun =
+    "the step was not run, but its buffer updates (where the trainer's "
+    "buffers are, and its writes into parameters) were applied";
 
 }  // namespace
 
@@ -425,7 +434,8 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::Step(
       context, request, response,
       [this, start, context](Session& s, const v1::StepRequest& request,
                              v1::StepResponse* response) -> absl::Status {
-        return RunStep(s, request, response, start, NotToRun(*context, s));
+        return RunStep(s, request, response, start,
+                       NotToRun(*context, s, kStepNotRun));
       },
       /*file_io=*/false, WhenGone::kRun);
 }

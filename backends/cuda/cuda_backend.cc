@@ -83,6 +83,11 @@ class CudaBackend final : public Backend {
   // partial).
   absl::Status AdoptWritten(CudaSession& s, const StepOptions& options,
                             uint64_t ticket);
+  // One tensor's adopt kernel (AdoptWrittenParamRange's rule for its
+  // layout), in stream order; nothing for a step `ticket` in `abandoned`.
+  absl::Status LaunchAdopt(const TensorEntry& t,
+                           const volatile cuda::AbandonedSteps* abandoned,
+                           uint64_t ticket);
   absl::Status SyncGroupCounters(const std::vector<Group*>& groups) override;
   absl::StatusOr<StateStorage> AllocateHostStaging(uint64_t bytes) override {
     OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
@@ -428,25 +433,38 @@ absl::Status CudaBackend::AdoptWritten(CudaSession& s,
                                        uint64_t ticket) {
   if (options.written == nullptr) return absl::OkStatus();
   for (const TensorEntry* t : *options.written) {
-    if (t->numel == 0 || t->layout.master != MasterKind::kFp32) continue;
-    OPTIMD_RETURN_IF_ERROR(cuda::LaunchAdoptWritten(
-        t->layout.param_dtype, t->param.data,
-        reinterpret_cast<float*>(t->master.data()), t->numel, stream_->stream(),
-        options.step_flags != nullptr ? s.rescue->words() : nullptr, ticket));
+    OPTIMD_RETURN_IF_ERROR(LaunchAdopt(
+        *t, options.step_flags != nullptr ? s.rescue->words() : nullptr,
+        ticket));
   }
   return absl::OkStatus();
 }
 
-absl::Status CudaBackend::AdoptWrittenParam(const TensorEntry& t) {
-  if (t.numel == 0 || t.layout.master != MasterKind::kFp32 ||
-      t.layout.fp8_recipe != Fp8Recipe::kNone) {
+absl::Status CudaBackend::LaunchAdopt(
+    const TensorEntry& t, const volatile cuda::AbandonedSteps* abandoned,
+    uint64_t ticket) {
+  if (t.numel == 0 || t.layout.fp8_recipe != Fp8Recipe::kNone) {
     return absl::OkStatus();
   }
+  switch (t.layout.master) {
+    case MasterKind::kFp32:
+      return cuda::LaunchAdoptWritten(t.layout.param_dtype, t.param.data,
+                                      reinterpret_cast<float*>(t.master.data()),
+                                      t.numel, stream_->stream(), abandoned,
+                                      ticket);
+    case MasterKind::kRemainder:
+      return cuda::LaunchAdoptWrittenRemainder(t.param.data, t.master.data(),
+                                               t.numel, stream_->stream(),
+                                               abandoned, ticket);
+    default:
+      return absl::OkStatus();
+  }
+}
+
+absl::Status CudaBackend::AdoptWrittenParam(const TensorEntry& t) {
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
   // No wait: the steps after it are queued behind it on the same stream.
-  return cuda::LaunchAdoptWritten(t.layout.param_dtype, t.param.data,
-                                  reinterpret_cast<float*>(t.master.data()),
-                                  t.numel, stream_->stream());
+  return LaunchAdopt(t, nullptr, 0);
 }
 
 absl::Status CudaBackend::CopyToHost(const uint8_t* src, uint8_t* dst,

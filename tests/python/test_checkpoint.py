@@ -818,13 +818,15 @@ class CheckpointTest(unittest.TestCase):
         import time
         with Daemon() as d:
             p = torch.nn.Parameter(torch.randn(16_000_000))
+            # 5 s: a loaded machine (CI's parallel tests) may take over 2 s
+            # to send a chunk the reader asks for.
             opt = AdamW([("w", p)], address=d.address, job_id="stalled",
-                        timeout=2.0)
+                        timeout=5.0)
             p.grad = torch.ones_like(p)
             opt.step()
             stream = opt.client.save_state_stream(1 << 20)
             next(stream)
-            time.sleep(3)  # the reader's own time does not count
+            time.sleep(6)  # the reader's own time does not count
             next(stream)
             d.process.send_signal(signal.SIGSTOP)
             try:

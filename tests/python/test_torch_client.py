@@ -262,6 +262,34 @@ class TorchClientTest(unittest.TestCase):
         step()
         opt.close()
 
+    def test_pruned_weights_with_remainders_step_again(self):
+        # store_param_remainders keeps the master as the bf16 parameter and
+        # a 16-bit remainder, the same bits as an fp32 master: pruning
+        # (writing zeros) must leave the two layouts alike. With a negative
+        # remainder a written 0 once read as a NaN master and the weight
+        # stayed 0 for good.
+        results = []
+        for extra in (dict(master_weights=True),
+                      dict(store_param_remainders=True)):
+            torch.manual_seed(SEED)
+            p = torch.nn.Parameter(torch.randn(1000).to(torch.bfloat16))
+            opt = self.make([p], lr=1e-3, **extra)
+            grads = [torch.randn(1000).to(torch.bfloat16) for _ in range(6)]
+            for g in grads[:3]:
+                p.grad = g
+                opt.step()
+            with torch.no_grad():
+                p.mul_((torch.arange(1000) % 2).to(torch.bfloat16))
+            for g in grads[3:]:
+                p.grad = g
+                opt.step()
+            master = opt.state_dict()["state"][0]["master"]
+            self.assertFalse(master.isnan().any(), extra)
+            self.assertEqual(int((p.detach()[0::2] == 0).sum()), 0, extra)
+            results.append(p.detach().clone())
+            opt.close()
+        self.assertTrue(torch.equal(results[0], results[1]))
+
     def test_writes_across_a_failed_step_and_an_absent_gradient(self):
         # A write is told once however often it was seen (one left from a
         # refused step and one since: "updated twice" otherwise), and in

@@ -964,18 +964,16 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
     def _watch_written_params(self):
         """The parameters whose values the daemon keeps in an fp32 master
         (bf16 and fp16 ones, and any of a group with master_weights=True;
-        the daemon leaves a remainder layout's alone), DTensor shards and
-        mirrored ones included, and their write counts now: a write into
+        a remainder layout's too, whose written zeros and infinities need
+        their remainders cleared), DTensor shards and mirrored ones
+        included, and their write counts now: a write into
         one after this (a weight load, an in-place edit; not through
         `.data`, which torch does not count) is told to the daemon at the
         next step (_follow_written_params)."""
         masters = {g["id"] for g, group in zip(self._groups, self.param_groups)
                    if group.get("master_weights")}
-        remainders = {g["id"] for g, group in
-                      zip(self._groups, self.param_groups)
-                      if group.get("store_param_remainders")}
         watched = [s for g in self._groups for s in g["tensors"]
-                   if s.numel and s.group_id not in remainders and
+                   if s.numel and
                    (s.mem.dtype in (torch.bfloat16, torch.float16)
                     or s.group_id in masters)]
         self._watched_plain = [s for s in watched
