@@ -62,6 +62,8 @@ if [ "${1:-}" = "--bench" ]; then
   kill "$daemon"
   wait "$daemon"
   run python3 bench/gpu_bench.py
+  # A write into the parameters every step (a pruning mask), against torch.
+  run python3 bench/written_params_bench.py --device cuda
 fi
 if [ "$failed" != 0 ]; then
   echo "== some GPU tests failed"

@@ -272,6 +272,35 @@ class CudaEndToEnd(unittest.TestCase):
         opt.close()
         ref.close()
 
+    def test_pruned_weights_with_remainders_match_the_cpu_reference(self):
+        # store_param_remainders: a written 0 or infinity gets a zero
+        # remainder (cuda::LaunchAdoptWrittenRemainder), riding with the
+        # step after the trainer's stream; the CPU reference gives the
+        # same bits, and no pruned weight stays 0.
+        torch.manual_seed(SEED)
+        params = [torch.nn.Parameter(torch.randn(s, device="cuda").to(
+            torch.bfloat16)) for s in [(1000, 257), (4099,)]]
+        refs = [torch.nn.Parameter(p.detach().cpu()) for p in params]
+        kw = dict(lr=1e-2, store_param_remainders=True)
+        opt = AdamW(params, address=self.gpu.address,
+                    job_id="pruned-" + self.id(), **kw)
+        ref = AdamW(refs, address=self.cpu.address,
+                    job_id="pruned-cpu-" + self.id(), **kw)
+        for _ in range(3):
+            self.step_against_cpu(opt, ref, params, refs)
+        torch.cuda._sleep(10 * _SPIN_CYCLES)  # the writes come late
+        with torch.no_grad():
+            for p, q in zip(params, refs):
+                mask = (torch.arange(p.numel()) % 2).reshape(p.shape).to(
+                    torch.bfloat16)
+                p.mul_(mask.cuda())
+                q.mul_(mask)
+        for _ in range(3):
+            self.step_against_cpu(opt, ref, params, refs)
+        self.assertEqual(int((params[1][0::2] == 0).sum()), 0)
+        opt.close()
+        ref.close()
+
     def test_out_of_memory_gives_back_gradients_the_daemon_maps(self):
         # Gradients set to None, then freed by torch's allocator as it
         # retries before an out-of-memory error, stay mapped by the daemon
