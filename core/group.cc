@@ -28,6 +28,20 @@ uint64_t ItemElements(const TensorPointers& t, uint64_t item_elements) {
 
 }  // namespace
 
+absl::Status Group::TensorNotFound(const std::string& name,
+                                   const std::string& what) const {
+  for (const TensorEntry& t : tensors) {
+    if (std::find(t.aliases.begin(), t.aliases.end(), name) !=
+        t.aliases.end()) {
+      return absl::NotFoundError(absl::StrCat(
+          what, "tensor '", name, "' is an alias of '", t.name, "' in group '",
+          id, "': name the tensor '", t.name, "'"));
+    }
+  }
+  return absl::NotFoundError(
+      absl::StrCat(what, "tensor '", name, "' is not in group '", id, "'"));
+}
+
 std::vector<uint32_t> UpdatePasses(
     const std::vector<std::pair<uintptr_t, uintptr_t>>& ranges) {
   std::vector<uint32_t> pass(ranges.size(), 0);

@@ -283,6 +283,11 @@ struct Group {
     auto it = index_by_name.find(name);
     return it == index_by_name.end() ? tensors.size() : it->second;
   }
+  // NOT_FOUND for `name`, which FindTensor did not find; names the tensor
+  // when `name` is one of its aliases (calls take the registered name).
+  absl::Status TensorNotFound(const std::string& name,
+                              const std::string& what = "") const;
+
   // Builds the name index; called once `tensors` is final.
   void IndexTensors() {
     index_by_name.clear();

@@ -120,10 +120,7 @@ absl::StatusOr<std::vector<Session::ResolvedUpdate>> Session::ResolveUpdates(
   std::vector<bool> seen(group.tensors.size(), false);
   for (const BufferUpdate& u : updates) {
     const size_t found = group.FindTensor(u.tensor);
-    if (found == group.tensors.size()) {
-      return absl::NotFoundError(absl::StrCat(
-          "tensor '", u.tensor, "' is not in group '", group.id, "'"));
-    }
+    if (found == group.tensors.size()) return group.TensorNotFound(u.tensor);
     const uint32_t idx = static_cast<uint32_t>(found);
     if (seen[idx]) {
       return absl::InvalidArgumentError(

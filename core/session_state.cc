@@ -246,10 +246,7 @@ Session::CheckStateBlobs(Group* g, const std::vector<StateBlob>& blobs) {
   for (const StateBlob& b : blobs) {
     const size_t index = g->FindTensor(b.tensor);
     TensorEntry* t = index < g->tensors.size() ? &g->tensors[index] : nullptr;
-    if (t == nullptr) {
-      return absl::NotFoundError(absl::StrCat(
-          "tensor '", b.tensor, "' is not in group '", g->id, "'"));
-    }
+    if (t == nullptr) return g->TensorNotFound(b.tensor);
     const int slot =
         StateSlotIndex(t->layout.optimizer, kMaxStateSlots, b.kind);
     if (slot < 0 && b.kind != "master") {
@@ -388,8 +385,7 @@ absl::StatusOr<std::vector<uint64_t>> Session::MissedSteps(
   for (const auto& [name, own] : tensor_steps) {
     const size_t found = g.FindTensor(name);
     if (found == g.tensors.size()) {
-      return absl::NotFoundError(absl::StrCat(
-          "tensor_steps: tensor '", name, "' is not in group '", g.id, "'"));
+      return g.TensorNotFound(name, "tensor_steps: ");
     }
     if (seen[found]) {
       return absl::InvalidArgumentError(

@@ -788,6 +788,15 @@ TEST_F(SessionTest, AliasesAreCheckedLikeNames) {
   EXPECT_EQ(session_.Info().group_ids.size(), 1u);
   spec.tensors[0].aliases = {"head.weight", "decoder.weight"};
   ASSERT_TRUE(session_.RegisterGroup(spec).ok());
+  // Calls name the tensor by its registered name; an alias is named back.
+  BufferUpdate by_alias;
+  by_alias.tensor = "decoder.weight";
+  by_alias.grad_absent = true;
+  const absl::Status aliased = session_.UpdateBuffers("g", {by_alias});
+  EXPECT_EQ(aliased.code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(aliased.message().find("is an alias of 'emb'"),
+            absl::string_view::npos)
+      << aliased;
   // Taken now; free again once the group is gone.
   GroupSpec again;
   again.id = "again";
