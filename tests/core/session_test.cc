@@ -48,6 +48,29 @@ class SessionTest : public ::testing::Test {
     grads_ = *SharedMemoryRegion::Create(4096);
   }
 
+  // Registers group "g" of one bf16 tensor "w" of 8 elements (parameters
+  // 1, gradients 0.5, no weight decay; an fp32 master in the daemon) and
+  // steps it once.
+  void RegisterBf16AndStep() {
+    TensorSpec t;
+    t.name = "w";
+    t.numel = 8;
+    t.param_dtype = t.grad_dtype = DType::kBFloat16;
+    t.param_dtype_set = t.grad_dtype_set = true;
+    t.param = Handle(*params_, 0, 16);
+    t.grad = Handle(*grads_, 0, 16);
+    GroupSpec spec;
+    spec.id = "g";
+    spec.hyper.weight_decay = 0;
+    spec.tensors = {t};
+    for (int i = 0; i < 8; ++i) {
+      params_->as<uint16_t>()[i] = FloatToBFloat16(1.0f);
+      grads_->as<uint16_t>()[i] = FloatToBFloat16(0.5f);
+    }
+    ASSERT_TRUE(session_.RegisterGroup(spec).ok());
+    ASSERT_TRUE(session_.Step({}).ok());
+  }
+
   TensorSpec Fp32Tensor(const std::string& name, uint64_t numel,
                         uint64_t offset) {
     TensorSpec t;
@@ -507,24 +530,8 @@ TEST_F(SessionTest, StepBufferUpdatesOfSeveralGroupsAllOrNone) {
 // them, as torch's steps from the written tensor; without it the step
 // writes the old master over them.
 TEST_F(SessionTest, WrittenParameterSetsItsMaster) {
-  TensorSpec t;
-  t.name = "w";
-  t.numel = 8;
-  t.param_dtype = t.grad_dtype = DType::kBFloat16;
-  t.param_dtype_set = t.grad_dtype_set = true;
-  t.param = Handle(*params_, 0, 16);
-  t.grad = Handle(*grads_, 0, 16);
-  GroupSpec spec;
-  spec.id = "g";
-  spec.hyper.weight_decay = 0;
-  spec.tensors = {t};
+  ASSERT_NO_FATAL_FAILURE(RegisterBf16AndStep());
   uint16_t* p = params_->as<uint16_t>();
-  for (int i = 0; i < 8; ++i) {
-    p[i] = FloatToBFloat16(1.0f);
-    grads_->as<uint16_t>()[i] = FloatToBFloat16(0.5f);
-  }
-  ASSERT_TRUE(session_.RegisterGroup(spec).ok());
-  ASSERT_TRUE(session_.Step({}).ok());
   auto masters = [&] {
     std::vector<float> out;
     auto state = session_.ReadState({"g"}, true, {}, uint64_t{1} << 20);
@@ -566,25 +573,9 @@ TEST_F(SessionTest, WrittenParameterSetsItsMaster) {
 // the written values before its update, and so does a step that skips or
 // fails, since the trainer's writes stand whatever happens to the step.
 TEST_F(SessionTest, WrittenParameterRidesWithTheStep) {
-  TensorSpec t;
-  t.name = "w";
-  t.numel = 8;
-  t.param_dtype = t.grad_dtype = DType::kBFloat16;
-  t.param_dtype_set = t.grad_dtype_set = true;
-  t.param = Handle(*params_, 0, 16);
-  t.grad = Handle(*grads_, 0, 16);
-  GroupSpec spec;
-  spec.id = "g";
-  spec.hyper.weight_decay = 0;
-  spec.tensors = {t};
+  ASSERT_NO_FATAL_FAILURE(RegisterBf16AndStep());
   uint16_t* p = params_->as<uint16_t>();
   uint16_t* g = grads_->as<uint16_t>();
-  for (int i = 0; i < 8; ++i) {
-    p[i] = FloatToBFloat16(1.0f);
-    g[i] = FloatToBFloat16(0.5f);
-  }
-  ASSERT_TRUE(session_.RegisterGroup(spec).ok());
-  ASSERT_TRUE(session_.Step({}).ok());
   auto master = [&](int i) {
     auto state = session_.ReadState({"g"}, true, {}, uint64_t{1} << 20);
     EXPECT_TRUE(state.ok()) << state.status();
