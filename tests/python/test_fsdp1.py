@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from optimd.testing import Daemon
+from optimd.testing import Daemon, record_written_tells
 from optimd.torch import AdamW
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_fsdp2 import (_batches, _free_port, _model,  # noqa: E402
@@ -189,10 +189,7 @@ class Fsdp1Test(unittest.TestCase):
         step after the first tells the daemon nothing."""
         m = _wrap(_model("cuda").to(torch.bfloat16), use_orig_params)
         opt = AdamW(m.parameters(), lr=1e-2, address=self.daemon.address)
-        told = []
-        tell = opt._tell_written
-        opt._tell_written = lambda entries: (told.append(len(entries)),
-                                             tell(entries))
+        told = record_written_tells(opt)
         batches = _batches()
 
         def step(x):

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from optimd.checkpoint import merge_shards
-from optimd.testing import Daemon
+from optimd.testing import Daemon, record_written_tells
 from optimd.torch import AdamW
 
 try:
@@ -237,10 +237,7 @@ class Fsdp2Test(unittest.TestCase):
         m = _shard(_model(device).to(torch.bfloat16), device, 1)
         opt = AdamW(m.named_parameters(), lr=1e-2,
                     address=self.daemons[device].address)
-        told = []
-        tell = opt._tell_written
-        opt._tell_written = lambda entries: (told.append(len(entries)),
-                                             tell(entries))
+        told = record_written_tells(opt)
 
         def step(x):
             m(x.to(device, torch.bfloat16)).backward()

@@ -24,7 +24,7 @@ import torch
 import optimd
 import optimd.testing
 import optimd.torch
-from optimd.testing import Daemon
+from optimd.testing import Daemon, record_written_tells
 from optimd.torch import AdamW
 
 SEED = int(os.environ.get("OPTIMD_TEST_SEED", random.randrange(1 << 30)))
@@ -342,17 +342,7 @@ class TorchClientTest(unittest.TestCase):
         theirs = torch.nn.Parameter(ours.detach().float().clone())
         opt = self.make([ours], lr=1e-2)
         ref = torch.optim.AdamW([theirs], lr=1e-2)
-        told = []  # entries told, by UpdateBuffers or with a step
-        tell = opt._tell_written
-        opt._tell_written = lambda entries: (told.append(len(entries)),
-                                             tell(entries))
-        carried = opt._with_written
-
-        def carry(updates, written):
-            if written:
-                told.append(len(written))
-            return carried(updates, written)
-        opt._with_written = carry
+        told = record_written_tells(opt)
 
         def step():
             ours.grad = torch.randn(ours.shape).to(torch.bfloat16)

@@ -153,6 +153,28 @@ def run_threads(fns):
             raise e
 
 
+def record_written_tells(opt):
+    """Returns a list that grows by the number of parameters `opt` tells
+    the daemon were written, each time it tells some: by an UpdateBuffers
+    call of their own or with a step. Tests use it to check that a write is
+    told once, and that steps alone tell nothing."""
+    told = []
+    tell = opt._tell_written
+    carry = opt._with_written
+
+    def tell_now(entries):
+        told.append(len(entries))
+        return tell(entries)
+
+    def tell_with_step(updates, written):
+        if written:
+            told.append(len(written))
+        return carry(updates, written)
+    opt._tell_written = tell_now
+    opt._with_written = tell_with_step
+    return told
+
+
 class DaemonTestCase(unittest.TestCase):
     """One private daemon per test class (started with `daemon_flags`,
     stopped cleanly after the class: a daemon that does not exit 0 fails
