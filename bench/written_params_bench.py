@@ -10,6 +10,7 @@ that both step the masked elements from zero alike.
         python3 bench/written_params_bench.py [--device cuda] [--dim 4096]
 """
 import argparse
+import sys
 import time
 
 import torch
@@ -72,6 +73,8 @@ def main():
                                            job_id="written-" + name),
                           fresh(), m, args.iters, device)
             ours[name] = (ms, opt)
+            print("optimd, %s: %.3f ms" % (name, ms), file=sys.stderr,
+                  flush=True)
         theirs = {}
         for name, m in (("none", None), ("mask", mask)):
             theirs[name] = run(

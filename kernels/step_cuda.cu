@@ -112,12 +112,23 @@ __device__ __forceinline__ bool InAbandonedRange(
          static_cast<int32_t>(through - t) >= 0;
 }
 
+__global__ void NoteAbandonedKernel(const volatile AbandonedSteps* abandoned,
+                                    uint64_t ticket, uint32_t* skip) {
+  *skip = InAbandonedRange(abandoned, ticket) ? 1u : 0u;
+}
+
+// Blocks of an adopt kernel (grid-stride loops).
+unsigned AdoptBlocks(uint64_t n) {
+  return static_cast<unsigned>(
+      std::min<uint64_t>((n + kThreadsPerBlock - 1) / kThreadsPerBlock, 65536));
+}
+
 // AdoptWrittenParamRange's rule for a remainder layout: a written +-0 or
 // +-inf gets a zero remainder.
 __global__ void AdoptWrittenRemainderKernel(
     const uint16_t* __restrict__ param, int16_t* __restrict__ rem, uint64_t n,
-    const volatile AbandonedSteps* abandoned, uint64_t ticket) {
-  if (InAbandonedRange(abandoned, ticket)) return;
+    const uint32_t* __restrict__ skip) {
+  if (skip != nullptr && *skip != 0) return;
   const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
   for (uint64_t i =
            static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -130,9 +141,8 @@ __global__ void AdoptWrittenRemainderKernel(
 template <class P>
 __global__ void AdoptWrittenKernel(const void* __restrict__ param,
                                    float* __restrict__ master, uint64_t n,
-                                   const volatile AbandonedSteps* abandoned,
-                                   uint64_t ticket) {
-  if (InAbandonedRange(abandoned, ticket)) return;
+                                   const uint32_t* __restrict__ skip) {
+  if (skip != nullptr && *skip != 0) return;
   const auto* p = static_cast<const typename P::T*>(param);
   const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
   for (uint64_t i =
@@ -413,37 +423,41 @@ absl::Status LaunchConvert(DType src_dtype, const void* src, DType dst_dtype,
   return absl::InvalidArgumentError("unknown dtype");
 }
 
-absl::Status LaunchAdoptWrittenRemainder(
-    const void* param, void* remainder, uint64_t n, Stream stream,
-    const volatile AbandonedSteps* abandoned, uint64_t ticket) {
+absl::Status LaunchNoteAbandoned(const volatile AbandonedSteps* abandoned,
+                                 uint64_t ticket, uint32_t* skip,
+                                 Stream stream) {
+  NoteAbandonedKernel<<<1, 1, 0, stream>>>(abandoned, ticket, skip);
+  return LaunchStatus("abandoned-step kernel launch");
+}
+
+absl::Status LaunchAdoptWrittenRemainder(const void* param, void* remainder,
+                                         uint64_t n, Stream stream,
+                                         const uint32_t* skip) {
   if (n == 0) return absl::OkStatus();
-  const unsigned blocks = static_cast<unsigned>(
-      std::min<uint64_t>((n + kThreadsPerBlock - 1) / kThreadsPerBlock, 65536));
+  const unsigned blocks = AdoptBlocks(n);
   AdoptWrittenRemainderKernel<<<blocks, kThreadsPerBlock, 0, stream>>>(
       static_cast<const uint16_t*>(param), static_cast<int16_t*>(remainder), n,
-      abandoned, ticket);
+      skip);
   return LaunchStatus("written-remainder kernel launch");
 }
 
 absl::Status LaunchAdoptWritten(DType param_dtype, const void* param,
                                 float* master, uint64_t n, Stream stream,
-                                const volatile AbandonedSteps* abandoned,
-                                uint64_t ticket) {
+                                const uint32_t* skip) {
   if (n == 0) return absl::OkStatus();
-  const unsigned blocks = static_cast<unsigned>(
-      std::min<uint64_t>((n + kThreadsPerBlock - 1) / kThreadsPerBlock, 65536));
+  const unsigned blocks = AdoptBlocks(n);
   switch (param_dtype) {
     case DType::kFloat32:
       AdoptWrittenKernel<F32><<<blocks, kThreadsPerBlock, 0, stream>>>(
-          param, master, n, abandoned, ticket);
+          param, master, n, skip);
       break;
     case DType::kBFloat16:
       AdoptWrittenKernel<BF16><<<blocks, kThreadsPerBlock, 0, stream>>>(
-          param, master, n, abandoned, ticket);
+          param, master, n, skip);
       break;
     case DType::kFloat16:
       AdoptWrittenKernel<F16><<<blocks, kThreadsPerBlock, 0, stream>>>(
-          param, master, n, abandoned, ticket);
+          param, master, n, skip);
       break;
     case DType::kBlock8:      // state only, never a parameter
     case DType::kFloat64:     // never has a master (ResolveLayout)

@@ -95,22 +95,30 @@ absl::Status LaunchStampGlobalTimer(uint64_t* where, Stream stream);
 absl::Status LaunchConvert(DType src_dtype, const void* src, DType dst_dtype,
                            void* dst, uint64_t n, Stream stream);
 
+// *skip = 1 when step `ticket` is among the `abandoned` steps (a gone
+// trainer's: its writes may be partial), else 0: read once, after the
+// step's wait for its ready flag, for the adopt kernels of that step
+// (`abandoned` is in pinned host memory, which every block reading it
+// would cross the bus for).
+absl::Status LaunchNoteAbandoned(const volatile AbandonedSteps* abandoned,
+                                 uint64_t ticket, uint32_t* skip,
+                                 Stream stream);
+
 // master[i] = param[i] widened where param[i] differs, bit for bit, from
 // master[i] rounded to param_dtype (bf16, fp16 or fp32), for i < n: the
 // trainer's writes into a parameter (AdoptWrittenParamRange's rule,
-// kernels/master_cpu.h). With `abandoned`, nothing when step `ticket` is
-// among the abandoned steps (a gone trainer's: its writes may be partial).
-absl::Status LaunchAdoptWritten(
-    DType param_dtype, const void* param, float* master, uint64_t n,
-    Stream stream, const volatile AbandonedSteps* abandoned = nullptr,
-    uint64_t ticket = 0);
+// kernels/master_cpu.h). With `skip` (device memory,
+// LaunchNoteAbandoned's), nothing when *skip is non-zero.
+absl::Status LaunchAdoptWritten(DType param_dtype, const void* param,
+                                float* master, uint64_t n, Stream stream,
+                                const uint32_t* skip = nullptr);
 
 // A remainder layout's rule (AdoptWrittenParamRange): remainder[i] = 0
-// where the bf16 param[i] is +-0 or +-inf, for i < n; `abandoned` and
-// `ticket` as LaunchAdoptWritten's.
-absl::Status LaunchAdoptWrittenRemainder(
-    const void* param, void* remainder, uint64_t n, Stream stream,
-    const volatile AbandonedSteps* abandoned = nullptr, uint64_t ticket = 0);
+// where the bf16 param[i] is +-0 or +-inf, for i < n; `skip` as
+// LaunchAdoptWritten's.
+absl::Status LaunchAdoptWrittenRemainder(const void* param, void* remainder,
+                                         uint64_t n, Stream stream,
+                                         const uint32_t* skip = nullptr);
 
 }  // namespace cuda
 }  // namespace optimd

@@ -84,10 +84,9 @@ class CudaBackend final : public Backend {
   absl::Status AdoptWritten(CudaSession& s, const StepOptions& options,
                             uint64_t ticket);
   // One tensor's adopt kernel (AdoptWrittenParamRange's rule for its
-  // layout), in stream order; nothing for a step `ticket` in `abandoned`.
-  absl::Status LaunchAdopt(const TensorEntry& t,
-                           const volatile cuda::AbandonedSteps* abandoned,
-                           uint64_t ticket);
+  // layout), in stream order; nothing where `skip` (device memory, or
+  // none) holds non-zero.
+  absl::Status LaunchAdopt(const TensorEntry& t, const uint32_t* skip);
   absl::Status SyncGroupCounters(const std::vector<Group*>& groups) override;
   absl::StatusOr<StateStorage> AllocateHostStaging(uint64_t bytes) override {
     OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
@@ -138,6 +137,9 @@ class CudaBackend final : public Backend {
   IpcMappingCache ipc_mappings_;
   VmmMappingCache vmm_mappings_;
   StepScratch scratch_;
+  // AdoptWritten's word: whether the step whose writes it adopts was
+  // abandoned (cuda::LaunchNoteAbandoned), made on first use.
+  StateStorage adopt_skip_;
 };
 
 absl::StatusOr<StateStorage> CudaBackend::AllocateState(uint64_t bytes) {
@@ -431,18 +433,28 @@ absl::Status CudaBackend::WriteParams(Group& group) {
 absl::Status CudaBackend::AdoptWritten(CudaSession& s,
                                        const StepOptions& options,
                                        uint64_t ticket) {
-  if (options.written == nullptr) return absl::OkStatus();
+  if (options.written == nullptr || options.written->empty()) {
+    return absl::OkStatus();
+  }
+  const uint32_t* skip = nullptr;
+  if (options.step_flags != nullptr) {
+    if (adopt_skip_.data() == nullptr) {
+      OPTIMD_ASSIGN_OR_RETURN(adopt_skip_,
+                              DeviceAlloc(device_, sizeof(uint32_t)));
+    }
+    auto* word = reinterpret_cast<uint32_t*>(adopt_skip_.data());
+    OPTIMD_RETURN_IF_ERROR(cuda::LaunchNoteAbandoned(
+        s.rescue->words(), ticket, word, stream_->stream()));
+    skip = word;
+  }
   for (const TensorEntry* t : *options.written) {
-    OPTIMD_RETURN_IF_ERROR(LaunchAdopt(
-        *t, options.step_flags != nullptr ? s.rescue->words() : nullptr,
-        ticket));
+    OPTIMD_RETURN_IF_ERROR(LaunchAdopt(*t, skip));
   }
   return absl::OkStatus();
 }
 
-absl::Status CudaBackend::LaunchAdopt(
-    const TensorEntry& t, const volatile cuda::AbandonedSteps* abandoned,
-    uint64_t ticket) {
+absl::Status CudaBackend::LaunchAdopt(const TensorEntry& t,
+                                      const uint32_t* skip) {
   if (t.numel == 0 || t.layout.fp8_recipe != Fp8Recipe::kNone) {
     return absl::OkStatus();
   }
@@ -450,12 +462,10 @@ absl::Status CudaBackend::LaunchAdopt(
     case MasterKind::kFp32:
       return cuda::LaunchAdoptWritten(t.layout.param_dtype, t.param.data,
                                       reinterpret_cast<float*>(t.master.data()),
-                                      t.numel, stream_->stream(), abandoned,
-                                      ticket);
+                                      t.numel, stream_->stream(), skip);
     case MasterKind::kRemainder:
-      return cuda::LaunchAdoptWrittenRemainder(t.param.data, t.master.data(),
-                                               t.numel, stream_->stream(),
-                                               abandoned, ticket);
+      return cuda::LaunchAdoptWrittenRemainder(
+          t.param.data, t.master.data(), t.numel, stream_->stream(), skip);
     default:
       return absl::OkStatus();
   }
@@ -464,7 +474,7 @@ absl::Status CudaBackend::LaunchAdopt(
 absl::Status CudaBackend::AdoptWrittenParam(const TensorEntry& t) {
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
   // No wait: the steps after it are queued behind it on the same stream.
-  return LaunchAdopt(t, nullptr, 0);
+  return LaunchAdopt(t, nullptr);
 }
 
 absl::Status CudaBackend::CopyToHost(const uint8_t* src, uint8_t* dst,
