@@ -246,6 +246,19 @@ absl::Status WriteRequestSeeds(const std::string& dir) {
   mo->set_momentum(0.8);
   v1::StepRequest momentum_off = momentum;
   momentum_off.mutable_overrides(0)->set_momentum(0);
+  // Writes into bf16 parameters (fp32 masters), carried by a step: one
+  // beside a new gradient, one alone, in the two groups.
+  v1::StepRequest written = step;
+  written.mutable_buffer_updates(0)->mutable_tensors(0)->set_name("g.h");
+  written.mutable_buffer_updates(0)->mutable_tensors(0)->set_param_written(
+      true);
+  *written.mutable_buffer_updates(0)->mutable_tensors(0)->mutable_grad() =
+      Handle(kGrads, 1024, 32);
+  auto* alone = written.add_buffer_updates();
+  alone->set_group_id("s");
+  auto* sw = alone->add_tensors();
+  sw->set_name("s.h");
+  sw->set_param_written(true);
   v1::SetStateRequest buffer = set;
   buffer.set_group_id("s");
   buffer.mutable_tensors(0)->set_tensor("s.w");
@@ -267,6 +280,7 @@ absl::Status WriteRequestSeeds(const std::string& dir) {
       {0, "valid-register-lion",
        OptimizerGroup("l", 3072, v1::OPTIMIZER_KIND_LION).SerializeAsString()},
       {2, "valid-step-momentum", momentum.SerializeAsString()},
+      {2, "valid-step-written", written.SerializeAsString()},
       {2, "step-momentum-off", momentum_off.SerializeAsString()},
       {3, "valid-setstate-momentum-buffer", buffer.SerializeAsString()}};
   for (const auto& [k, name, bytes] : more) {

@@ -7,7 +7,7 @@
 int main(int argc, char** argv) {
   optimd::CorpusReplay replay;
   replay.default_dir = "server/testdata/request_corpus";
-  replay.min_valid = 8;
+  replay.min_valid = 9;
   replay.write_seeds = optimd::WriteRequestSeeds;
   replay.run = optimd::ApplyFuzzRequest;
   return optimd::ReplayCorpusMain(argc, argv, replay);
