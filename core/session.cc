@@ -252,6 +252,14 @@ absl::Status Session::ApplyStepUpdates(const StepRequestSpec& request) {
   std::vector<GroupUpdates> resolved;
   resolved.reserve(request.buffer_updates.size());
   for (const auto& [group_id, updates] : request.buffer_updates) {
+    // Two for one group would leave which buffer wins to their order.
+    for (const GroupUpdates& before : resolved) {
+      if (before.group->id == group_id) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "StepRequest.buffer_updates names group '", group_id,
+            "' twice; send one UpdateBuffersRequest per group"));
+      }
+    }
     OPTIMD_ASSIGN_OR_RETURN(GroupUpdates r,
                             ResolveGroupUpdates(group_id, updates));
     resolved.push_back(std::move(r));

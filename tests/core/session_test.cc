@@ -497,7 +497,8 @@ TEST_F(SessionTest, UpdateBuffersThatReleaseMemoryCloseUnusedMappings) {
 }
 
 // A step's buffer updates are all checked before any applies: a bad one of
-// a later group leaves an earlier group's buffers where they were.
+// a later group, or a group named twice, leaves an earlier group's buffers
+// where they were.
 TEST_F(SessionTest, StepBufferUpdatesOfSeveralGroupsAllOrNone) {
   GroupSpec g1, g2;
   g1.id = "g1";
@@ -518,6 +519,17 @@ TEST_F(SessionTest, StepBufferUpdatesOfSeveralGroupsAllOrNone) {
   StepRequestSpec bad;
   bad.buffer_updates = {{"g1", {moved}}, {"g2", {unknown}}};
   EXPECT_EQ(session_.Step(bad).status().code(), absl::StatusCode::kNotFound);
+  // Two updates of one group: which would win is left to their order.
+  BufferUpdate stays;
+  stays.tensor = "a";
+  stays.grad = Handle(*grads_, 0, 32);
+  StepRequestSpec twice;
+  twice.buffer_updates = {{"g1", {moved}}, {"g1", {stays}}};
+  const absl::Status refused = session_.Step(twice).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.message().find("names group 'g1' twice"),
+            std::string::npos)
+      << refused;
   // g1's gradient is still the finite one: the step is not skipped.
   auto s = session_.Step({});
   ASSERT_TRUE(s.ok()) << s.status();
