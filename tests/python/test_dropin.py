@@ -474,6 +474,35 @@ class DropIn(DaemonTestCase):
         self.assertEqual(seen[0], (2, 2, 7, 7))
         self.assert_same(opt, ref)
 
+    def test_state_under_keys_that_are_no_parameters_stays(self):
+        # torch's optimizer.state takes any key, and its load keeps an
+        # entry of an index no group holds under that index; state_dict()
+        # gives both back.
+        opt, ref = self.both(one_param(3), lr=1e-2)
+        seen = []
+        for o in (opt, ref):
+            p = o.param_groups[0]["params"][0]
+            p.grad = torch.ones(3, device=DEVICE)
+            o.step()
+            o.state["schedule"] = {"warmup": 5}
+            p.grad = torch.ones(3, device=DEVICE)
+            o.step()
+            sd = o.state_dict()
+            state = dict(sd["state"])
+            state[9] = {k: v.clone() for k, v in sd["state"][0].items()}
+            o.load_state_dict(dict(sd, state=state))
+            p.grad = torch.ones(3, device=DEVICE)
+            o.step()
+            sd = o.state_dict()
+            seen.append((sd["state"]["schedule"], o.state["schedule"],
+                         sorted(sd["state"][9]),
+                         float(sd["state"][9]["step"]),
+                         float(sd["state"][0]["step"])))
+        self.assertEqual(seen[0], seen[1])
+        self.assertEqual(seen[0][0], {"warmup": 5})
+        self.assertEqual(seen[0][3:], (2.0, 3.0))
+        self.assert_same(opt, ref)
+
     def test_a_schedulers_state_dict_saves_and_loads(self):
         # torch 1.13's OneCycleLR keeps a bound method in its state dict,
         # which pickles the optimizer along.

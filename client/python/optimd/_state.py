@@ -107,12 +107,12 @@ class DaemonState(dict):
             # An empty entry (read before the parameter's first step)
             # stays too, as in torch's defaultdict and its state_dict.
             if extra or not e:
-                self._extras[id(p)] = (weakref.ref(p), extra)
+                self._extras[id(p)] = (_key_ref(p), extra)
 
     def set_extras(self, entries):
         """{param: {key: value}}: keys of a loaded state dict's entries
         that the daemon does not keep, kept in optimizer.state."""
-        self._extras = {id(p): (weakref.ref(p), extra)
+        self._extras = {id(p): (_key_ref(p), extra)
                         for p, extra in entries.items() if extra}
 
     def move_extras(self, entries, taken):
@@ -124,7 +124,7 @@ class DaemonState(dict):
                 extra.pop(k, None)
         for p, extra in entries.items():
             if extra:
-                kept = self._extras.setdefault(id(p), (weakref.ref(p), {}))
+                kept = self._extras.setdefault(id(p), (_key_ref(p), {}))
                 kept[1].update(extra)
 
     def with_extras(self, state):
@@ -144,8 +144,10 @@ class DaemonState(dict):
 
     def _remember(self):
         for p, e in dict.items(self):
-            if id(p) in self._local_ids:
-                continue  # the optimizer's own objects: always current
+            if id(p) in self._local_ids or not isinstance(p, torch.Tensor):
+                # The optimizer's own objects (always current), and entries
+                # under keys that are no parameters (kept whole as extras).
+                continue
             try:
                 entry_ref = weakref.ref(e)
             except TypeError:  # a plain dict the trainer put there
@@ -275,6 +277,16 @@ def step_tensor(count, device=None):
     scalar_dtype = getattr(_torch_optimizer, "_get_scalar_dtype", None)
     dtype = scalar_dtype() if scalar_dtype is not None else None
     return torch.tensor(float(count), dtype=dtype)
+
+
+def _key_ref(key):
+    """A weak reference to a parameter, as extras hold them; a key that is
+    no parameter (torch's state takes any: a loaded entry of an index no
+    group holds, a library's own key) is held as it is."""
+    try:
+        return weakref.ref(key)
+    except TypeError:
+        return lambda: key
 
 
 def _alive(held):

@@ -243,7 +243,9 @@ class StateDicts:
                 ids.append(index[id(p)])
             packed["params"] = ids
             groups.append(packed)
-        packed_state = {index[id(p)]: v for p, v in state.items()}
+        # A key that is no parameter is packed as it is, as torch does.
+        packed_state = {index[id(p)] if isinstance(p, torch.Tensor) else p: v
+                        for p, v in state.items()}
         return {"state": packed_state, "param_groups": groups}
 
     def load_state_dict(self, state_dict):
@@ -321,12 +323,18 @@ class StateDicts:
         # Keys the daemon does not keep (a library's own), kept as torch's
         # load keeps every key; None is no state (SGD's momentum_buffer
         # without momentum: the installed torch's entry says what it is).
-        self.state.set_extras({
+        extras = {
             p: {k: v for k, v in (saved_state.get(pid) or {}).items()
                 if v is not None and
                 k not in self._slot_names(g) + ("step", "master")}
             for g, sg in zip(groups, saved)
-            for p, pid in zip(g["params"], sg["params"])})
+            for p, pid in zip(g["params"], sg["params"])}
+        # An entry of a key no group holds stays whole under that key, as
+        # torch's load keeps it (and its state_dict gives it back).
+        held = {pid for sg in saved for pid in sg["params"]}
+        extras.update({k: dict(e) for k, e in saved_state.items()
+                       if k not in held and e})
+        self.state.set_extras(extras)
 
     def _take_saved_groups(self, groups, saved):
         """Each group becomes the saved one, as torch's load_state_dict
