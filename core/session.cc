@@ -255,9 +255,9 @@ absl::Status Session::ApplyStepUpdates(const StepRequestSpec& request) {
     // Two for one group would leave which buffer wins to their order.
     for (const GroupUpdates& before : resolved) {
       if (before.group->id == group_id) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "StepRequest.buffer_updates names group '", group_id,
-            "' twice; send one UpdateBuffersRequest per group"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("StepRequest.buffer_updates names group '", group_id,
+                         "' twice; send one UpdateBuffersRequest per group"));
       }
     }
     OPTIMD_ASSIGN_OR_RETURN(GroupUpdates r,

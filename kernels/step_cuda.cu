@@ -125,9 +125,10 @@ unsigned AdoptBlocks(uint64_t n) {
 
 // AdoptWrittenParamRange's rule for a remainder layout: a written +-0 or
 // +-inf gets a zero remainder.
-__global__ void AdoptWrittenRemainderKernel(
-    const uint16_t* __restrict__ param, int16_t* __restrict__ rem, uint64_t n,
-    const uint32_t* __restrict__ skip) {
+__global__ void AdoptWrittenRemainderKernel(const uint16_t* __restrict__ param,
+                                            int16_t* __restrict__ rem,
+                                            uint64_t n,
+                                            const uint32_t* __restrict__ skip) {
   if (skip != nullptr && *skip != 0) return;
   const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
   for (uint64_t i =
@@ -448,16 +449,16 @@ absl::Status LaunchAdoptWritten(DType param_dtype, const void* param,
   const unsigned blocks = AdoptBlocks(n);
   switch (param_dtype) {
     case DType::kFloat32:
-      AdoptWrittenKernel<F32><<<blocks, kThreadsPerBlock, 0, stream>>>(
-          param, master, n, skip);
+      AdoptWrittenKernel<F32>
+          <<<blocks, kThreadsPerBlock, 0, stream>>>(param, master, n, skip);
       break;
     case DType::kBFloat16:
-      AdoptWrittenKernel<BF16><<<blocks, kThreadsPerBlock, 0, stream>>>(
-          param, master, n, skip);
+      AdoptWrittenKernel<BF16>
+          <<<blocks, kThreadsPerBlock, 0, stream>>>(param, master, n, skip);
       break;
     case DType::kFloat16:
-      AdoptWrittenKernel<F16><<<blocks, kThreadsPerBlock, 0, stream>>>(
-          param, master, n, skip);
+      AdoptWrittenKernel<F16>
+          <<<blocks, kThreadsPerBlock, 0, stream>>>(param, master, n, skip);
       break;
     case DType::kBlock8:      // state only, never a parameter
     case DType::kFloat64:     // never has a master (ResolveLayout)

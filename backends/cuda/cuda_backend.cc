@@ -443,8 +443,8 @@ absl::Status CudaBackend::AdoptWritten(CudaSession& s,
                               DeviceAlloc(device_, sizeof(uint32_t)));
     }
     auto* word = reinterpret_cast<uint32_t*>(adopt_skip_.data());
-    OPTIMD_RETURN_IF_ERROR(cuda::LaunchNoteAbandoned(
-        s.rescue->words(), ticket, word, stream_->stream()));
+    OPTIMD_RETURN_IF_ERROR(cuda::LaunchNoteAbandoned(s.rescue->words(), ticket,
+                                                     word, stream_->stream()));
     skip = word;
   }
   for (const TensorEntry* t : *options.written) {

@@ -527,8 +527,7 @@ TEST_F(SessionTest, StepBufferUpdatesOfSeveralGroupsAllOrNone) {
   twice.buffer_updates = {{"g1", {moved}}, {"g1", {stays}}};
   const absl::Status refused = session_.Step(twice).status();
   EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(refused.message().find("names group 'g1' twice"),
-            std::string::npos)
+  EXPECT_NE(refused.message().find("names group 'g1' twice"), std::string::npos)
       << refused;
   // g1's gradient is still the finite one: the step is not skipped.
   auto s = session_.Step({});
