@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import grpc
 
 import optimd
+import optimd.client
 import optimd.errors
 import optimd.testing
 from optimd.testing import Daemon
@@ -123,6 +124,41 @@ class ShutdownMessageTest(unittest.TestCase):
         self.assertIsInstance(e, optimd.DaemonUnavailableError)
         self.assertIn("unix:/run/o.sock is shutting down", str(e))
         self.assertNotIn("start one", str(e))
+
+
+class GoneDaemonTest(unittest.TestCase):
+    def test_a_call_to_a_daemon_that_stopped_is_not_sent_again(self):
+        # A call that never left waits for the connection once more only
+        # where something still listens (a connection gRPC dropped): a
+        # daemon that stopped fails the call at once, as an optimizer's
+        # close at exit does.
+        d = Daemon()
+        client = optimd.client.Client(d.address)
+        sent = []
+
+        class Recorder:
+            def __init__(self, stub):
+                self.stub = stub
+
+            def __getattr__(self, name):
+                method = getattr(self.stub, name)
+
+                def call(*args, **kwargs):
+                    sent.append(kwargs.get("wait_for_ready", False))
+                    return method(*args, **kwargs)
+                return call
+        client._stub = Recorder(client._stub)
+        try:
+            client.get_metrics()
+            self.assertFalse(optimd.client._refuses_connections(d.address))
+            d.stop()
+            self.assertTrue(optimd.client._refuses_connections(d.address))
+            with self.assertRaises(optimd.DaemonUnavailableError):
+                client.get_metrics()
+            self.assertEqual(sent, [False, False])
+        finally:
+            client.close()
+            d.stop()
 
 
 class OperationsTest(unittest.TestCase):

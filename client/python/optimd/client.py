@@ -327,6 +327,8 @@ class Client:
                 if not _never_sent(err):
                     raise
                 first = err
+            if _refuses_connections(self.address):
+                raise first  # no daemon listens there: gone, no wait
             # The connection broke under an earlier call (gRPC resets one
             # its quota refused) and this one never left: once more, waiting
             # a little for the connection, which a live daemon gives back.
@@ -609,6 +611,37 @@ _RECONNECT_S = 2.0
 _TOUCHES_TRAINER_MEMORY = frozenset((
     "RegisterGroup", "UpdateBuffers", "GetParams", "SetState", "LoadState",
     "LoadStateStream", "SaveState", "SaveStateStream"))
+
+
+def _refuses_connections(address):
+    """Whether nothing listens at `address` now: its Unix socket file is
+    gone or refuses a connection, or its TCP port refuses one (a daemon
+    that stopped or died), as opposed to a connection gRPC dropped. A
+    probe that cannot tell (a timeout, another scheme) says False."""
+    if address.startswith("unix:"):
+        path = address[len("unix:"):]
+        if path.startswith("//"):
+            path = path[2:]
+        target, family = path, socket.AF_UNIX
+    elif "://" in address or ":" not in address:
+        return False
+    else:
+        host, _, port = address.rpartition(":")
+        if not port.isdigit():
+            return False
+        target, family = (host.strip("[]"), int(port)), socket.AF_INET6 \
+            if host.startswith("[") else socket.AF_INET
+    probe = socket.socket(family, socket.SOCK_STREAM)
+    probe.settimeout(0.5)
+    try:
+        probe.connect(target)
+    except (FileNotFoundError, ConnectionRefusedError):
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return False
 
 
 def _never_sent(err):
