@@ -503,6 +503,27 @@ class DropIn(DaemonTestCase):
         self.assertEqual(seen[0][3:], (2.0, 3.0))
         self.assert_same(opt, ref)
 
+    def test_a_loaded_steps_dtype_stays(self):
+        # torch's load leaves the step of a group without fused or
+        # capturable as it was (an int64 count from a hand-made or older
+        # state dict), and its steps count on in that dtype.
+        opt, ref = self.both(one_param(3), lr=1e-2, foreach=False)
+        seen = []
+        for o in (opt, ref):
+            p = o.param_groups[0]["params"][0]
+            p.grad = torch.ones(3, device=DEVICE)
+            o.step()
+            sd = o.state_dict()
+            sd["state"][0]["step"] = torch.tensor(1, dtype=torch.int64)
+            o.load_state_dict(sd)
+            p.grad = torch.ones(3, device=DEVICE)
+            o.step()
+            step = o.state_dict()["state"][0]["step"]
+            seen.append((step.dtype, int(step), o.state[p]["step"].dtype))
+        self.assertEqual(seen[0], seen[1])
+        self.assertEqual(seen[0], (torch.int64, 2, torch.int64))
+        self.assert_same(opt, ref)
+
     def test_a_schedulers_state_dict_saves_and_loads(self):
         # torch 1.13's OneCycleLR keeps a bound method in its state dict,
         # which pickles the optimizer along.

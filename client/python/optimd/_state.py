@@ -265,15 +265,20 @@ class DaemonState(dict):
         return dict(dict.items(self))
 
 
-def step_tensor(count, device=None):
+def step_tensor(count, device=None, dtype=None):
     """A state entry's "step" as the installed torch makes it: a 0-d tensor
     of torch's scalar dtype (from torch 2.0: float32, float64 under a
     float64 default dtype, whatever else the default is), or of the default
     dtype on torch before it. With `device` (the parameter's, for a group
     with fused=True), as torch's fused optimizers keep it: float32 on the
-    parameter's device, whatever the default dtype."""
+    parameter's device, whatever the default dtype. With `dtype` (a loaded
+    step's), of that dtype."""
     if device is not None:
         return torch.tensor(float(count), dtype=torch.float32, device=device)
+    if dtype is not None:
+        return torch.tensor(
+            float(count) if dtype.is_floating_point else int(count),
+            dtype=dtype)
     scalar_dtype = getattr(_torch_optimizer, "_get_scalar_dtype", None)
     dtype = scalar_dtype() if scalar_dtype is not None else None
     return torch.tensor(float(count), dtype=dtype)

@@ -113,7 +113,13 @@ class StateDicts:
         if own == 0 and s.numel:
             return None
         device = s.param.device if fused else None
-        entry = {"step": step_tensor(own, device)} \
+        # A loaded step of another dtype (an int64 count) keeps it, as
+        # torch's load leaves the step of a group without fused or
+        # capturable as it was, and its steps add to it in place.
+        kept = None if fused else self.__dict__.get(
+            "_loaded_step_dtypes", {}).get(id(s.param))
+        dtype = kept[1] if kept is not None and kept[0]() is s.param else None
+        entry = {"step": step_tensor(own, device, dtype)} \
             if self._state_has_step else {}
         for kind, flat in flats.items():
             # fp32 and float64 parameters need no master in torch's format.
@@ -320,6 +326,8 @@ class StateDicts:
         # New state, as torch's load makes new tensors: what was handed out
         # before is let go.
         self.state.invalidate(follow=False)
+        self._loaded_step_dtypes = _loaded_step_dtypes(groups, saved,
+                                                       saved_state)
         # Keys the daemon does not keep (a library's own), kept as torch's
         # load keeps every key; None is no state (SGD's momentum_buffer
         # without momentum: the installed torch's entry says what it is).
@@ -583,6 +591,22 @@ def _check_state_shapes(groups, saved, saved_state, slot_names):
                         "dict saved for this model (torch's step would "
                         "fail on the shapes)" % (key, pid, tuple(value.shape),
                                                  tuple(p.shape)))
+
+
+def _loaded_step_dtypes(groups, saved, saved_state):
+    """{id(param): (weak param, dtype)} of the loaded steps whose dtype is
+    not the one a step of this client's gets (step_tensor), in groups
+    without fused or capturable (whose steps torch makes float32)."""
+    default = step_tensor(0).dtype
+    out = {}
+    for g, sg in zip(groups, saved):
+        if g.get("fused") or g.get("capturable"):
+            continue
+        for p, pid in zip(g["params"], sg["params"]):
+            step = (saved_state.get(pid) or {}).get("step")
+            if isinstance(step, torch.Tensor) and step.dtype != default:
+                out[id(p)] = (weakref.ref(p), step.dtype)
+    return out
 
 
 def _check_steps(saved, saved_state):
