@@ -615,32 +615,37 @@ _TOUCHES_TRAINER_MEMORY = frozenset((
 
 def _refuses_connections(address):
     """Whether nothing listens at `address` now: its Unix socket file is
-    gone or refuses a connection, or its TCP port refuses one (a daemon
-    that stopped or died), as opposed to a connection gRPC dropped. A
-    probe that cannot tell (a timeout, another scheme) says False."""
+    gone or refuses a connection, or its TCP port refuses one at every
+    address the host name gives (a daemon that stopped or died), as
+    opposed to a connection gRPC dropped. A probe that cannot tell (a
+    timeout, another scheme) says False."""
     if address.startswith("unix:"):
         path = address[len("unix:"):]
         if path.startswith("//"):
             path = path[2:]
-        target, family = path, socket.AF_UNIX
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(0.5)
+        connect = functools.partial(probe.connect, path)
     elif "://" in address or ":" not in address:
         return False
     else:
         host, _, port = address.rpartition(":")
         if not port.isdigit():
             return False
-        target, family = (host.strip("[]"), int(port)), socket.AF_INET6 \
-            if host.startswith("[") else socket.AF_INET
-    probe = socket.socket(family, socket.SOCK_STREAM)
-    probe.settimeout(0.5)
+        probe = None
+        connect = functools.partial(socket.create_connection,
+                                    (host.strip("[]"), int(port)), 0.5)
     try:
-        probe.connect(target)
+        connected = connect()
+        if probe is None:
+            connected.close()
     except (FileNotFoundError, ConnectionRefusedError):
         return True
     except OSError:
         return False
     finally:
-        probe.close()
+        if probe is not None:
+            probe.close()
     return False
 
 
