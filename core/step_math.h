@@ -66,6 +66,15 @@ OPTIMD_HOST_DEVICE inline DoubleDouble DoubleDoubleProduct(DoubleDouble x,
   return {hi, lo - (hi - p.hi)};
 }
 
+// Whether a bf16 parameter value the trainer wrote (its bits) clears its
+// remainder in a remainder layout (the parameter is its fp32 master's high
+// half): +-0 and +-inf, which with a negative remainder would read back as
+// a NaN master and a finite one (AdoptWrittenParamRange).
+OPTIMD_HOST_DEVICE inline bool WrittenBf16ClearsRemainder(unsigned short bits) {
+  const unsigned short magnitude = bits & 0x7fffu;
+  return magnitude == 0 || magnitude == 0x7f80u;
+}
+
 // beta^t (0 <= beta <= 1) for a bias correction: repeated squaring in
 // double-double, rounded to double once. Its error stays far below half an
 // ulp for any t that matters, so it is the correctly rounded power (what

@@ -6,6 +6,7 @@
 
 #include "core/dtype.h"
 #include "core/fp8_quantize.h"
+#include "core/step_math.h"
 #include "kernels/cpu_layout.h"
 
 namespace optimd {
@@ -153,8 +154,7 @@ void AdoptWrittenParamRange(const Layout& layout, const TensorPointers& t,
     const uint16_t* param = static_cast<const uint16_t*>(t.param);
     int16_t* rem = static_cast<int16_t*>(t.master);
     for (uint64_t i = begin; i < end; ++i) {
-      const uint16_t magnitude = param[i] & 0x7fff;
-      if (magnitude == 0 || magnitude == 0x7f80) rem[i] = 0;
+      if (WrittenBf16ClearsRemainder(param[i])) rem[i] = 0;
     }
     return;
   }

@@ -134,8 +134,7 @@ __global__ void AdoptWrittenRemainderKernel(const uint16_t* __restrict__ param,
   for (uint64_t i =
            static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
        i < n; i += stride) {
-    const uint16_t magnitude = param[i] & 0x7fffu;
-    if (magnitude == 0 || magnitude == 0x7f80u) rem[i] = 0;
+    if (WrittenBf16ClearsRemainder(param[i])) rem[i] = 0;
   }
 }
 
