@@ -33,6 +33,7 @@ import struct
 import torch
 
 from optimd import cuda_ipc
+from optimd.client import unix_socket_path
 from optimd.v1 import optimd_pb2 as pb
 
 _POSIX_FD = 1  # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
@@ -44,12 +45,8 @@ _REPLIES = {1: "refused the message", 2: "holds too many descriptors"}
 def descriptor_socket_path(address):
     """The daemon's descriptor socket for gRPC address `address`, or None
     where descriptors cannot travel (TCP)."""
-    if not address.startswith("unix:"):
-        return None
-    path = address[len("unix:"):]
-    if path.startswith("//"):  # unix:///abs/path
-        path = path[2:]
-    return path + ".fds"
+    path = unix_socket_path(address)
+    return None if path is None else path + ".fds"
 
 
 def _driver():

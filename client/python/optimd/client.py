@@ -38,6 +38,15 @@ def default_address():
     return "unix:/tmp/optimd-%d.sock" % os.getuid()
 
 
+def unix_socket_path(address):
+    """The socket file of a "unix:" gRPC address (unix:/path or
+    unix:///path, as gRPC reads both), or None for any other address."""
+    if not address.startswith("unix:"):
+        return None
+    path = address[len("unix:"):]
+    return path[2:] if path.startswith("//") else path
+
+
 def _check_address(address):
     """Refuses, at once and saying why, what cannot reach a daemon: a bare
     socket path (taken for a TCP address), a socket file that is missing,
@@ -49,9 +58,7 @@ def _check_address(address):
                 "prefix it is a TCP address, which the daemon serves over "
                 "TLS only)" % (address, address))
         return
-    path = address[len("unix:"):]
-    if path.startswith("//"):
-        path = path[2:]  # unix:///abs/path, as gRPC reads it
+    path = unix_socket_path(address)
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -619,10 +626,8 @@ def _refuses_connections(address):
     address the host name gives (a daemon that stopped or died), as
     opposed to a connection gRPC dropped. A probe that cannot tell (a
     timeout, another scheme) says False."""
-    if address.startswith("unix:"):
-        path = address[len("unix:"):]
-        if path.startswith("//"):
-            path = path[2:]
+    path = unix_socket_path(address)
+    if path is not None:
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         probe.settimeout(0.5)
         connect = functools.partial(probe.connect, path)
