@@ -109,7 +109,10 @@ PEER = {"assume_finite": "plain", "default": "scaler", "clip": "clip"}
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bench", default=".gpu/cuda_step_bench")
-    ap.add_argument("--params", type=float, default=1e9)
+    ap.add_argument("--params", type=float, default=0,
+                    help="parameters per configuration (0: 1e9 on a card "
+                    "of 120 GiB or more, as the H200; else 5e8, which fits "
+                    "an 80 GB H100 with the copy baseline)")
     ap.add_argument("--modes", default="assume_finite,default,clip")
     ap.add_argument("--item_elements", default="0",
                     help="comma-separated item sizes (0: the default)")
@@ -117,6 +120,9 @@ def main():
                     help="comma-separated use_graphs values (0, 1)")
     ap.add_argument("--only", default="")
     args = ap.parse_args()
+    if not args.params:
+        total = torch.cuda.get_device_properties(0).total_memory
+        args.params = 1e9 if total >= 120 * 2**30 else 5e8
     extra = ["--params=%g" % args.params, "--modes=" + args.modes,
              "--item_elements=" + args.item_elements,
              "--graphs=" + args.graphs]

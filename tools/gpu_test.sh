@@ -3,22 +3,23 @@
 # machine, from the repository root), and with --bench the GPU benchmarks
 # too. Exits non-zero if any test fails.
 #
-#   tools/gpu_test.sh [--part=1|2] [--bench]
+#   tools/gpu_test.sh [--part=1|2|3] [--bench]
 #
-# The whole run takes over ten minutes on one GPU; --part=1 (the C++
-# tests, the CUDA end-to-end, framework and FSDP suites, the two-GPU
-# suites) and --part=2 (checkpoints, drop-in rows, several devices, the
-# FP8 examples, and the benchmarks with --bench) each fit in one.
+# The tests take over ten minutes on one GPU; --part=1 (the C++ tests, the
+# CUDA end-to-end and FSDP suites, the two-GPU suites), --part=2
+# (frameworks, checkpoints, drop-in rows, several devices, the FP8
+# examples) and --part=3 (the benchmarks alone) each fit in one device
+# call. Without --part it runs parts 1 and 2, and part 3 too with --bench.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=all
 bench=0
 for arg in "$@"; do
   case "$arg" in
-    --part=1 | --part=2) part=${arg#--part=} ;;
+    --part=1 | --part=2 | --part=3) part=${arg#--part=} ;;
     --bench) bench=1 ;;
     *)
-      echo "usage: tools/gpu_test.sh [--part=1|2] [--bench]" >&2
+      echo "usage: tools/gpu_test.sh [--part=1|2|3] [--bench]" >&2
       exit 2
       ;;
   esac
@@ -47,7 +48,6 @@ part1() {
   run .gpu/cuda_backend_test
   run python3 -m unittest -v tests/python/test_cuda_e2e.py
   run python3 -m unittest -v tests/python/test_cuda_trainer_gone.py
-  run python3 -m unittest -v tests/python/test_frameworks.py
   # FSDP2 (DTensor parameters): one CUDA rank, one and two CPU ranks, and two
   # CUDA ranks on nvidia-h200-x2.
   run python3 -m unittest -v tests/python/test_fsdp2.py
@@ -64,6 +64,7 @@ part1() {
 }
 
 part2() {
+  run python3 -m unittest -v tests/python/test_frameworks.py
   OPTIMD_TEST_DEVICE=cuda run python3 -m unittest tests.python.test_checkpoint
   # The drop-in rows (torch and optimd side by side) on CUDA tensors.
   OPTIMD_TEST_DEVICE=cuda run python3 -m unittest tests.python.test_dropin
@@ -97,9 +98,16 @@ benchmarks() {
   run python3 bench/gpu_bench.py
 }
 
-[ "$part" = 2 ] || part1
-[ "$part" = 1 ] || part2
-[ "$bench" = 0 ] || [ "$part" = 1 ] || benchmarks
+case "$part" in
+  1) part1 ;;
+  2) part2 ;;
+  3) benchmarks ;;
+  all)
+    part1
+    part2
+    [ "$bench" = 0 ] || benchmarks
+    ;;
+esac
 if [ "$failed" != 0 ]; then
   echo "== some GPU tests failed"
   exit 1
