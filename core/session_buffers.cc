@@ -82,8 +82,10 @@ absl::Status Session::ApplyGroupUpdates(
       e.grad = BufferRef{};
       e.grad_absent = true;
     }
+    // A write alone (param_written) moves no buffer: its entry stays.
+    const bool moved = r.has_param || r.has_grad || r.absent;
     const uint32_t k = group->plan.entry_of_tensor[r.tensor];
-    if (k != Plan::kNoEntry) entries.push_back(k);
+    if (moved && k != Plan::kNoEntry) entries.push_back(k);
   }
   // Mappings a step checks change only when a buffer moved to another
   // segment or allocation: the steady state of a moving gradient skips it.

@@ -606,10 +606,13 @@ TEST_F(SessionTest, WrittenParameterRidesWithTheStep) {
   step.buffer_updates = {{"g", {written}}};
   // Stepped from the written values; element 7 from its master.
   for (int i = 0; i < 7; ++i) p[i] = FloatToBFloat16(5.0f);
+  const uint64_t entry_updates = backend_.counters().plan_entry_updates.load();
   ASSERT_TRUE(session_.Step(step).ok());
   for (int i = 0; i < 7; ++i) {
     EXPECT_NEAR(BFloat16ToFloat(p[i]), 5.0f, 0.1f) << i;
   }
+  // A write moves no buffer: the plan's entries stay (on CUDA, no upload).
+  EXPECT_EQ(backend_.counters().plan_entry_updates.load(), entry_updates);
   EXPECT_LT(master(7), kept) << "element 7 was not stepped from its master";
   // A step that fails after its updates were applied still adopts.
   p[0] = FloatToBFloat16(7.0f);
