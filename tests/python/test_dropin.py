@@ -653,6 +653,59 @@ class DropIn(DaemonTestCase):
         self.assertEqual(runs[0], runs[1])
         self.assertEqual(runs[1][2][1], (1, []))
 
+    def test_state_read_after_a_step_of_another_stays_an_empty_entry(self):
+        # Read once another parameter has stepped (the state fetched), in
+        # the same group and in a group added after the step: {} is in
+        # len(state) and in state_dict(), as in torch's.
+        for added in (False, True):
+            def params():
+                return [torch.nn.Parameter(torch.randn(3)) for _ in range(2)]
+            opt, ref = self.both(params, lr=1e-2)
+            runs = []
+            for o in (opt, ref):
+                p, q = o.param_groups[0]["params"]
+                if added:
+                    o.param_groups[0]["params"] = [p]
+                p.grad = torch.ones(3, device=DEVICE)
+                o.step()
+                if added:
+                    o.add_param_group({"params": [q]})
+                self.assertEqual(o.state[q], {})
+                runs.append((len(o.state), q in o.state,
+                             o.state_dict()["state"].get(1)))
+            self.assertEqual(runs[0], runs[1])
+            self.assertEqual(runs[0][2], {})
+
+    def test_a_state_entry_missing_a_key_raises_at_the_step_as_torch(self):
+        # A step alone before the first step, or a moment or the step
+        # deleted after steps: torch's step raises KeyError and changes
+        # nothing; so does optimd's (MissingStateError), every step until
+        # the entry is whole again or emptied, which starts it afresh.
+        def set_step(o, p):
+            o.state[p]["step"] = torch.tensor(10.0)
+
+        def deleter(key):
+            return lambda o, p: o.state[p].pop(key)
+
+        for edit, steps in ((set_step, 0), (deleter("exp_avg_sq"), 2),
+                            (deleter("exp_avg"), 2), (deleter("step"), 2)):
+            opt, ref = self.both(one_param(4), lr=0.1)
+            for o in (opt, ref):
+                p = o.param_groups[0]["params"][0]
+                for _ in range(steps):
+                    p.grad = torch.ones(4, device=DEVICE)
+                    o.step()
+                edit(o, p)
+                before = p.detach().clone()
+                p.grad = torch.ones(4, device=DEVICE)
+                for _ in range(2):
+                    with self.assertRaises(KeyError):
+                        o.step()
+                self.assertTrue(torch.equal(p.detach(), before))
+                o.state[p] = {}
+                o.step()
+            self.assert_same(opt, ref)
+
     def test_copies_raise_and_a_pickled_optimizer_holds_nothing(self):
         import pickle
 

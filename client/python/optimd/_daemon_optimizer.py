@@ -320,6 +320,9 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
     # and AdamW fail on a missing one; its SGD starts a missing momentum
     # buffer from the gradient).
     _every_slot_needed = True
+    # Whether its state entries hold a step count (torch's Adam and AdamW
+    # read it at every step; Lion keeps none).
+    _counts_steps = True
     # Whether it steps float64 parameters (the daemon's kernels for it take
     # the float64 layout; a subclass whose kernels do not leaves it False,
     # and float64 parameters raise TypeError before the daemon is asked).

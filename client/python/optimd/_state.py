@@ -132,6 +132,10 @@ class DaemonState(dict):
         keys of each entry, as torch's state and state_dict carry them (a
         key the daemon's entry has as None, no state, takes the kept
         value: SGD's momentum_buffer without momentum)."""
+        if self._fresh:
+            # The dict holds them now (an entry read since the last fetch
+            # leaves {} there, as torch's defaultdict does).
+            self._keep_extras()
         for ref, extra in self._extras.values():
             p = ref()
             if p is None:

@@ -301,7 +301,7 @@ class StateDicts:
         _check_steps(saved, saved_state)
         if self._every_slot_needed:
             _check_state_complete(groups, saved, saved_state,
-                                  self._slot_names)
+                                  self._slot_names, self._counts_steps)
         self._take_saved_groups(groups, saved)
         masters = False
         for gi, (g, sg, mine) in enumerate(zip(groups, saved, self._groups)):
@@ -512,6 +512,8 @@ class StateDicts:
         written = self.state.written()
         if written is None:
             return
+        if self._every_slot_needed:
+            self._check_written_complete(written)
         registered = {id(s.param) for g in self._groups for s in g["tensors"]}
         for group in self.param_groups:
             for p in group["params"]:
@@ -529,6 +531,30 @@ class StateDicts:
                                       g["tensors"]],
                 slot_names=g["slots"]))
         self.state.invalidate()
+
+
+    def _check_written_complete(self, written):
+        """Raises, writing nothing, when a written entry has a step or a
+        moment but lacks another (a key deleted, a step set alone):
+        torch's step raises KeyError on it, the daemon would start the
+        missing ones afresh under the entry's step. The entry stays
+        written, so every step raises until it is made whole or emptied
+        (opt.state[p] = {} starts it afresh, as in torch)."""
+        for gi, (group, g) in enumerate(zip(self.param_groups, self._groups)):
+            for s in g["tensors"]:
+                has, missing = _incomplete(written.get(s.param), g["slots"],
+                                           self._counts_steps)
+                if missing:
+                    at = [i for i, p in enumerate(group["params"])
+                          if p is s.param]
+                    raise errors.MissingStateError(
+                        "optimd.torch: optimizer.state of param_groups[%d]"
+                        "['params'][%s] has %s but no %s (torch's step "
+                        "raises KeyError); give it the missing keys, or set "
+                        "opt.state[p] = {} to start its state afresh" % (
+                            gi, at[0] if at else "?",
+                            ", ".join(map(repr, has)),
+                            ", ".join(map(repr, missing))))
 
 
 def _daemon_keys(entry):
@@ -627,7 +653,8 @@ def _check_steps(saved, saved_state):
                     "step count the state was saved at)" % (pid, value))
 
 
-def _check_state_complete(groups, saved, saved_state, slot_names):
+def _check_state_complete(groups, saved, saved_state, slot_names,
+                          counts_steps):
     """Raises before anything is loaded when a saved entry has state (a
     step or a slot) but lacks a slot its group steps with (exp_avg_sq
     left out, say): torch's load takes it and its next step fails
@@ -637,11 +664,9 @@ def _check_state_complete(groups, saved, saved_state, slot_names):
     for g, sg in zip(groups, saved):
         slots = _saved_slots(g, sg, slot_names)
         for pid in sg["params"]:
-            entry = {k: v for k, v in (saved_state.get(pid) or {}).items()
-                     if v is not None}
-            has = [k for k in ("step",) + tuple(slots) if k in entry]
-            missing = [k for k in slots if k not in entry]
-            if has and missing:
+            has, missing = _incomplete(saved_state.get(pid), slots,
+                                       counts_steps)
+            if missing:
                 raise errors.MissingStateError(
                     "optimd.torch: the loaded state of parameter %d has %s "
                     "but no %s (torch's next step would fail: KeyError); "
@@ -649,6 +674,21 @@ def _check_state_complete(groups, saved, saved_state, slot_names):
                     "entry out to start its state afresh" % (
                         pid, ", ".join(map(repr, has)),
                         ", ".join(map(repr, missing))))
+
+
+def _incomplete(entry, slots, counts_steps):
+    """(the keys it has, the keys it lacks) of a state entry that has one
+    of `slots` or a step but not all of them (the step only where
+    `counts_steps`; torch's step reads each: KeyError); ([], []) for a
+    complete or an empty entry."""
+    entry = {k: v for k, v in (entry or {}).items() if v is not None}
+    # A step is wanted where the optimizer counts them; elsewhere one given
+    # is state that lacks its slots all the same.
+    step = ("step",) if counts_steps or "step" in entry else ()
+    wanted = step + tuple(slots)
+    has = [k for k in wanted if k in entry]
+    missing = [k for k in wanted if k not in entry]
+    return (has, missing) if has and missing else ([], [])
 
 
 def _blob_tensor(t):

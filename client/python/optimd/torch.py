@@ -593,6 +593,8 @@ class Lion(_DaemonOptimizer):
     def _layout_of(self, group):
         return dict(maximize=group["maximize"], **self._storage_of(group))
 
+    _counts_steps = False
+
     def _slot_names(self, group):
         return ("exp_avg",)
 
