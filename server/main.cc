@@ -129,7 +129,9 @@ ABSL_FLAG(uint64_t, max_request_memory_bytes, uint64_t{4} << 30,
           "connection). The same bound holds the parsed requests waiting "
           "for or running on the workers (their cost once parsed, counted "
           "from their bytes before parsing; past it a request "
-          "is refused with RESOURCE_EXHAUSTED). A message alone may be "
+          "is refused with RESOURCE_EXHAUSTED) and the replies not yet "
+          "read by their callers (past it a GetState, GetMetrics or "
+          "ListSessions reply is refused). A message alone may be "
           "1 GiB: keep it above that. 0: no bound.");
 ABSL_FLAG(uint64_t, max_listing_bytes, optimd::kMaxListingBytes,
           "The most bytes the session list of a ListSessions or GetMetrics "

@@ -1,6 +1,7 @@
 #include "server/optimizer_service.h"
 
 #include <cmath>
+#include <type_traits>
 
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
@@ -175,7 +176,12 @@ template <typename Request, typename Response, typename Work>
 grpc::ServerUnaryReactor* OptimizerServiceImpl::OnWorker(
     grpc::CallbackServerContext* context, const grpc::ByteBuffer* bytes,
     grpc::ByteBuffer* out, Work work, bool file_io, WhenGone when_gone) {
-  auto* call = new RawUnaryCall<Request, Response>(out, request_budget_.get());
+  // GetState's reply may be large and changes nothing.
+  constexpr ReplyKind kReply = std::is_same_v<Response, v1::GetStateResponse>
+                                   ? ReplyKind::kRefusable
+                                   : ReplyKind::kMustSend;
+  auto* call =
+      new RawUnaryCall<Request, Response>(out, request_budget_.get(), kReply);
   if (draining_.load()) {
     call->Finish(ShuttingDown());
     return call;
@@ -782,7 +788,7 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::ListSessions(
     grpc::ByteBuffer* out) {
   auto* reactor =
       new RawUnaryCall<v1::ListSessionsRequest, v1::ListSessionsResponse>(
-          out, request_budget_.get());
+          out, request_budget_.get(), ReplyKind::kRefusable);
   if (!reactor->Parsed(*bytes)) return reactor;
   v1::ListSessionsResponse* response = reactor->response();
   const absl::Status admin = CheckAdmin(context, "ListSessions");
@@ -801,7 +807,7 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::GetMetrics(
     grpc::ByteBuffer* out) {
   auto* reactor =
       new RawUnaryCall<v1::GetMetricsRequest, v1::GetMetricsResponse>(
-          out, request_budget_.get());
+          out, request_budget_.get(), ReplyKind::kRefusable);
   if (!reactor->Parsed(*bytes)) return reactor;
   v1::GetMetricsResponse* response = reactor->response();
   // Job ids (and group ids, which name a job's parts) are for callers the

@@ -3,7 +3,11 @@
 // parsed: the bytes are scanned (request_scan.h), their parsed cost is held
 // against the request budget for the call's life, and only then are they
 // parsed, into an arena that goes with the call. The response is
-// serialized when the call is finished.
+// serialized when the call is finished, and its bytes held against the
+// same budget until gRPC is done with the call (its caller read it): the
+// reply of a call that changed nothing (ReplyKind::kRefusable) is refused
+// with RESOURCE_EXHAUSTED when that would pass the budget, any other is
+// held past it.
 //
 // A RawUnaryCall is made by its handler and deletes itself when gRPC is
 // done with it (OnDone). Finish is called once, from any thread; request()
@@ -53,13 +57,19 @@ absl::Status ParseHeld(const grpc::ByteBuffer& bytes, RequestBudget* budget,
 // bench/RESULTS.md).
 inline constexpr uint64_t kCallBytes = 16 << 10;
 
+// Whether a call's reply may be refused for the budget (a call that
+// changed nothing: GetState, GetMetrics, ListSessions) or must be sent.
+enum class ReplyKind { kMustSend, kRefusable };
+
 template <typename Request, typename Response>
 class RawUnaryCall final : public grpc::ServerUnaryReactor {
  public:
   // `out`: where the response goes; `budget` must outlive the call.
-  RawUnaryCall(grpc::ByteBuffer* out, RequestBudget* budget)
+  RawUnaryCall(grpc::ByteBuffer* out, RequestBudget* budget,
+               ReplyKind reply = ReplyKind::kMustSend)
       : out_(out),
         budget_(budget),
+        reply_(reply),
         request_(google::protobuf::Arena::CreateMessage<Request>(&arena_)),
         response_(google::protobuf::Arena::CreateMessage<Response>(&arena_)) {}
   RawUnaryCall(const RawUnaryCall&) = delete;
@@ -93,6 +103,7 @@ class RawUnaryCall final : public grpc::ServerUnaryReactor {
       bool own_buffer;
       grpc::Status serialized = grpc::SerializationTraits<Response>::Serialize(
           *response_, out_, &own_buffer);
+      if (serialized.ok()) serialized = HoldReply();
       if (!serialized.ok()) {
         grpc::ServerUnaryReactor::Finish(serialized);
         return;
@@ -107,8 +118,23 @@ class RawUnaryCall final : public grpc::ServerUnaryReactor {
  private:
   ~RawUnaryCall() override { budget_->Release(held_); }
 
+  // Holds the serialized reply's bytes until the call is done; a
+  // refusable one past the budget is dropped, and the refusal returned.
+  grpc::Status HoldReply() {
+    const uint64_t bytes = out_->Length();
+    if (reply_ == ReplyKind::kMustSend) {
+      budget_->Hold(bytes);
+    } else if (absl::Status held = budget_->ReserveReply(bytes); !held.ok()) {
+      out_->Clear();
+      return ToGrpcStatus(held);
+    }
+    held_ += bytes;
+    return grpc::Status::OK;
+  }
+
   grpc::ByteBuffer* const out_;
   RequestBudget* const budget_;
+  const ReplyKind reply_;
   google::protobuf::Arena arena_;
   Request* const request_;
   Response* const response_;

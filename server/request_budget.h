@@ -1,8 +1,11 @@
 // The bytes of requests the daemon holds parsed while they wait for or run
-// on a worker, bounded as a whole. gRPC's ResourceQuota
-// (--max_request_memory_bytes) bounds only its own buffers: a parsed
-// request is a copy beside them that lives until its call is finished, so
-// requests queued behind a busy worker would otherwise grow without bound.
+// on a worker, and of replies not yet taken by their callers, bounded as a
+// whole. gRPC's ResourceQuota (--max_request_memory_bytes) bounds only its
+// receive buffers: a parsed request is a copy beside them that lives until
+// its call is finished, so requests queued behind a busy worker would
+// otherwise grow without bound; and a reply stays in gRPC's send buffers
+// until its caller reads it, so a caller that sends calls and never reads
+// their replies would grow the daemon without bound.
 //
 // Thread-safe.
 #ifndef OPTIMD_SERVER_REQUEST_BUDGET_H_
@@ -28,12 +31,22 @@ class RequestBudget {
   // request larger than the limit alone is still taken when nothing else
   // is held (gRPC's quota let it in).
   absl::Status Reserve(uint64_t bytes);
+  // As Reserve, for a serialized reply of a call that changed nothing (its
+  // refusal says so).
+  absl::Status ReserveReply(uint64_t bytes);
+  // Holds `bytes` whatever the limit: the reply of a call that changed
+  // something, which must reach its caller.
+  void Hold(uint64_t bytes) { used_.fetch_add(bytes); }
   void Release(uint64_t bytes);
 
   uint64_t limit() const { return limit_; }
   uint64_t used() const { return used_.load(); }
 
  private:
+  // Holds `bytes` if the limit allows (Reserve's rule); else false, with
+  // *used the bytes held meanwhile.
+  bool TryReserve(uint64_t bytes, uint64_t* used);
+
   const uint64_t limit_;
   std::atomic<uint64_t> used_{0};
 };

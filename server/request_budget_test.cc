@@ -24,6 +24,23 @@ TEST(RequestBudgetTest, RefusesWhatWouldPassTheLimitAndTakesItBackAfter) {
   EXPECT_EQ(budget.used(), 0u);
 }
 
+TEST(RequestBudgetTest, RepliesAreReservedOrHeldPastTheLimit) {
+  RequestBudget budget(100);
+  ASSERT_TRUE(budget.ReserveReply(60).ok());
+  const absl::Status refused = budget.ReserveReply(41);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(refused.message().find("replies not yet read"), std::string::npos)
+      << refused;
+  EXPECT_EQ(budget.used(), 60u);
+  // The reply of a call that changed something is held whatever the limit,
+  // and refuses what comes after it.
+  budget.Hold(70);
+  EXPECT_EQ(budget.used(), 130u);
+  EXPECT_EQ(budget.Reserve(1).code(), absl::StatusCode::kResourceExhausted);
+  budget.Release(130);
+  EXPECT_EQ(budget.used(), 0u);
+}
+
 TEST(RequestBudgetTest, ARequestLargerThanTheLimitAloneIsTaken) {
   RequestBudget budget(100);
   ASSERT_TRUE(budget.Reserve(500).ok());

@@ -9,6 +9,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 import unittest
 
 import grpc
@@ -348,6 +349,98 @@ class BrokenConnectionTest(unittest.TestCase):
             # it got there; rank 0 closes over a new connection.
             opts[1].close()
             opts[0].close()
+
+
+def _frame(kind, flags, stream, payload=b""):
+    """An HTTP/2 frame (RFC 9113, section 4.1)."""
+    return (len(payload).to_bytes(3, "big") + bytes([kind, flags]) +
+            stream.to_bytes(4, "big") + payload)
+
+
+def _header(name, value):
+    """An HPACK literal header field without indexing, names and values
+    below 127 bytes (RFC 7541, section 6.2.2)."""
+    assert len(name) < 127 and len(value) < 127
+    return b"\x00" + bytes([len(name)]) + name + bytes([len(value)]) + value
+
+
+class UnreadReplies:
+    """A connection that sends unary calls and never reads their replies
+    (past the first reads that take the daemon's settings): the replies
+    wait in the daemon's send buffers, as behind a stalled caller."""
+
+    def __init__(self, socket_path):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(socket_path)
+        self.sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" +
+                          _frame(4, 0, 0))
+        # The daemon's SETTINGS first, acknowledged: gRPC closes a
+        # connection whose peer never does.
+        self.sock.settimeout(10)
+        head = b""
+        while len(head) < 9:
+            head += self.sock.recv(9 - len(head))
+        assert head[3] == 4, head
+        self.sock.sendall(_frame(4, 1, 0))
+        self.stream = 1
+
+    def call(self, method, request, token):
+        fields = b"".join(_header(k, v) for k, v in (
+            (b":method", b"POST"), (b":scheme", b"http"),
+            (b":path", b"/optimd.v1.Optimizer/" + method),
+            (b":authority", b"localhost"),
+            (b"content-type", b"application/grpc"), (b"te", b"trailers"),
+            (b"x-optimd-session", token.encode())))
+        body = request.SerializeToString()
+        message = b"\x00" + len(body).to_bytes(4, "big") + body
+        self.sock.sendall(_frame(1, 0x4, self.stream, fields) +
+                          _frame(0, 0x1, self.stream, message))
+        self.stream += 2
+
+    def close(self):
+        self.sock.close()
+
+
+class UnreadRepliesTest(unittest.TestCase):
+    def test_replies_never_read_are_bounded_and_let_go_with_the_caller(self):
+        # Each GetState reply holds about 24 MiB (parameter, two moments);
+        # eight never read would hold 192 MiB, three times the bound. The
+        # replies past the bound are refused, and so are other callers'
+        # reads meanwhile, until the stalled caller goes.
+        bound = 64 << 20
+        with Daemon(flags=["--max_request_memory_bytes=%d" % bound]) as d:
+            before = peak_rss(d.process.pid)
+            p = torch.nn.Parameter(torch.ones(2 << 20))
+            opt = AdamW([("w", p)], lr=0.1, address=d.address)
+            self.addCleanup(opt.close)
+            p.grad = torch.ones_like(p)
+            opt.step()
+            stalled = UnreadReplies(d.address[len("unix:"):])
+            for _ in range(8):
+                stalled.call(b"GetState", pb.GetStateRequest(),
+                             opt.client.token)
+            refused = None
+            for _ in range(100):  # until the daemon has answered all eight
+                try:
+                    opt.client.get_state()
+                except optimd.ResourceExhaustedError as e:
+                    refused = e
+                    break
+                time.sleep(0.05)
+            self.assertIsNotNone(refused, "a read past the bound was served")
+            self.assertIn("replies not yet read", str(refused))
+            self.assertIn("--max_request_memory_bytes", str(refused))
+            self.assertLess(peak_rss(d.process.pid) - before, 4 * bound)
+            stalled.close()
+            for _ in range(100):
+                try:
+                    state = opt.client.get_state()
+                    break
+                except optimd.ResourceExhaustedError:
+                    time.sleep(0.05)
+            else:
+                self.fail("the stalled caller's replies were kept")
+            self.assertEqual(len(state.groups), 1)
 
 
 if __name__ == "__main__":
