@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/mutex.h"
@@ -323,10 +324,22 @@ class Session {
 
   SessionInfo Info() const ABSL_LOCKS_EXCLUDED(info_mu_);
   // Its trainer is gone for good (the session is being freed): let the
-  // backend remove the trainer's buffers that would outlive both sides.
-  void ForgetTrainerBuffers() ABSL_LOCKS_EXCLUDED(mu_) {
+  // backend remove the trainer's buffers that would outlive both sides,
+  // except the mappings in `kept` (those of sessions still registered).
+  void ForgetTrainerBuffers(const absl::flat_hash_set<const void*>& kept)
+      ABSL_LOCKS_EXCLUDED(mu_) {
     MutexLock lock(&mu_);
-    backend_->ForgetTrainerBuffers(mappings_);
+    std::vector<std::shared_ptr<const void>> forgotten;
+    for (const auto& m : mappings_) {
+      if (!kept.contains(m.get())) forgotten.push_back(m);
+    }
+    backend_->ForgetTrainerBuffers(forgotten);
+  }
+  // Adds the mappings its buffers use to *out.
+  void AddMappings(absl::flat_hash_set<const void*>* out)
+      ABSL_LOCKS_EXCLUDED(mu_) {
+    MutexLock lock(&mu_);
+    for (const auto& m : mappings_) out->insert(m.get());
   }
   // Runs `fn` once, after the session's next successful step, under the
   // session's lock (`fn` must not call the session). The server removes

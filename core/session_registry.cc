@@ -341,8 +341,15 @@ SessionRegistry::Reaped SessionRegistry::Reap(absl::Time now,
 }
 
 void SessionRegistry::Dispose(std::vector<std::shared_ptr<Session>> freed) {
+  std::vector<std::shared_ptr<Session>> live;
+  {
+    MutexLock lock(&mu_);
+    for (const auto& entry : by_token_) live.push_back(entry.second);
+  }
   // This waits for each session's own lock, which a running step may hold.
-  for (const auto& s : freed) s->ForgetTrainerBuffers();
+  absl::flat_hash_set<const void*> mapped_by_live;
+  for (const auto& s : live) s->AddMappings(&mapped_by_live);
+  for (const auto& s : freed) s->ForgetTrainerBuffers(mapped_by_live);
 }
 
 void SessionRegistry::AbandonLocked(Session& session, Reaped* out) {

@@ -99,9 +99,11 @@ class SessionRegistry {
   };
   Reaped Reap(absl::Time now, absl::Duration grace) ABSL_LOCKS_EXCLUDED(mu_);
   // Lets the backends remove what of the freed sessions' trainer buffers
-  // would outlive both sides (Session::ForgetTrainerBuffers), and drops
-  // them.
-  static void Dispose(std::vector<std::shared_ptr<Session>> freed);
+  // would outlive both sides (Session::ForgetTrainerBuffers), but not what
+  // a session still registered maps too (another trainer's buffers in the
+  // same segment), and drops them.
+  void Dispose(std::vector<std::shared_ptr<Session>> freed)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // Closes the session of `job_id` and `rank` (an operator's eviction),
   // first letting through the steps that wait for its trainer's ready

@@ -65,7 +65,7 @@ void SessionReaper::RunDisposer() {
       if (to_dispose_.empty()) return;  // stopping, nothing left
       batch.swap(to_dispose_);
     }
-    SessionRegistry::Dispose(std::move(batch));
+    registry_->Dispose(std::move(batch));
   }
 }
 

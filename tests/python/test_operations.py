@@ -24,6 +24,8 @@ import optimd
 import optimd.client
 import optimd.errors
 import optimd.testing
+from optimd.v1 import optimd_pb2 as pb
+from optimd.v1 import optimd_pb2_grpc as pb_grpc
 from optimd.testing import Daemon
 from optimd.torch import AdamW
 
@@ -159,6 +161,73 @@ class GoneDaemonTest(unittest.TestCase):
         finally:
             client.close()
             d.stop()
+
+
+class SharedSegmentTest(unittest.TestCase):
+    def segment(self, tag):
+        """A shared-memory segment of 16 KiB of this test's own: its name."""
+        name = "/optimd-ops-%s-%d-%s" % (tag, os.getpid(), os.urandom(4).hex())
+        fd = os.open("/dev/shm" + name, os.O_RDWR | os.O_CREAT | os.O_EXCL,
+                     0o600)
+        self.addCleanup(lambda: os.path.exists("/dev/shm" + name) and
+                        os.unlink("/dev/shm" + name))
+        os.ftruncate(fd, 4 * 4096)
+        os.close(fd)
+        return name
+
+    def test_a_freed_sessions_segment_stays_while_another_session_maps_it(
+            self):
+        # Session A (a live trainer, this process) registers buffers in a
+        # segment; session B, whose trainer then dies, registers a frozen
+        # tensor in the same segment and one in a segment of its own.
+        # Freeing B removes its own segment and leaves the shared one's
+        # name to A: A's buffers are still resolved by it.
+        shared, own = self.segment("shared"), self.segment("own")
+
+        def handle(name, offset):
+            return pb.BufferHandle(shared_memory=pb.SharedMemoryBuffer(
+                segment_name=name, offset=offset, size=4096))
+
+        def tensor(request, name, segment, offset, frozen):
+            t = request.tensors.add(name=name, numel=1024, frozen=frozen,
+                                    param_dtype=pb.DTYPE_FLOAT32,
+                                    grad_dtype=pb.DTYPE_FLOAT32)
+            t.param.CopyFrom(handle(segment, offset))
+            if not frozen:
+                t.grad.CopyFrom(handle(segment, offset + 4096))
+
+        with Daemon(flags=["--orphan_grace_s=1"]) as d, \
+                grpc.insecure_channel(d.address) as channel:
+            stub = pb_grpc.OptimizerStub(channel)
+
+            def session(job, pid):
+                token = stub.CreateSession(pb.CreateSessionRequest(
+                    job_id=job, world_size=1, device=-1, trainer_pid=pid),
+                    timeout=30).session_token
+                return (("x-optimd-session", token),)
+            a = session("live", os.getpid())
+            request = pb.RegisterGroupRequest(group_id="g")
+            request.hyperparameters.lr = 0.01
+            tensor(request, "a", shared, 0, frozen=False)
+            stub.RegisterGroup(request, metadata=a, timeout=30)
+            child = subprocess.Popen(["sleep", "60"])
+            b = session("gone", child.pid)
+            request = pb.RegisterGroupRequest(group_id="g")
+            tensor(request, "b", shared, 2 * 4096, frozen=True)
+            tensor(request, "own", own, 0, frozen=True)
+            stub.RegisterGroup(request, metadata=b, timeout=30)
+            child.kill()
+            child.wait()
+            deadline = time.time() + 30
+            while os.path.exists("/dev/shm" + own):
+                self.assertLess(time.time(), deadline, "B never freed")
+                time.sleep(0.1)
+            self.assertTrue(os.path.exists("/dev/shm" + shared))
+            update = pb.UpdateBuffersRequest(group_id="g")
+            update.tensors.add(name="a").grad.CopyFrom(handle(shared,
+                                                              3 * 4096))
+            stub.UpdateBuffers(update, metadata=a, timeout=30)
+            stub.Step(pb.StepRequest(), metadata=a, timeout=30)
 
 
 class OperationsTest(unittest.TestCase):
