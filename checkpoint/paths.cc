@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <cstdlib>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "checkpoint/file_io.h"
@@ -33,6 +34,13 @@ std::string LegacyCheckpointFileName(const std::string& job_id, uint32_t rank) {
 
 absl::StatusOr<std::string> ResolveCheckpointDir(
     const std::string& directory, const CheckpointOptions& options) {
+  // The file system's calls stop at a NUL: the path written would not be
+  // the path given.
+  if (directory.find('\0') != std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("checkpoint directory '", absl::CHexEscape(directory),
+                     "' holds a NUL byte; give the directory's path alone"));
+  }
   if (directory.empty() || directory[0] != '/') {
     return absl::InvalidArgumentError(
         absl::StrCat("checkpoint directory '", directory,

@@ -262,6 +262,11 @@ TEST(CheckpointTest, DirectoriesAreCheckedAndConfined) {
   const std::string root = scratch.path();
   ASSERT_EQ(mkdir((root + "/inside").c_str(), 0700), 0);
   CheckpointOptions open;
+  // The file system would stop at the NUL and write into root.
+  EXPECT_EQ(ResolveCheckpointDir(root + std::string("\0/etc", 5), open)
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(ResolveCheckpointDir("relative", open).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(ResolveCheckpointDir(root + "/missing", open).status().code(),
