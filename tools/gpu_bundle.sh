@@ -26,4 +26,4 @@ rm -f .gpu/lib/libnccl.so*
 (cd .gpu && chmod -R u+w . && tar -cf - -- * | xz -T0 -3 >../.gpu-bundle.tar.xz)
 rm -rf .gpu && mkdir .gpu && mv .gpu-bundle.tar.xz .gpu/bundle.tar.xz
 echo "== bundled into .gpu/bundle.tar.xz ($(du -h .gpu/bundle.tar.xz | cut -f1));" \
-  "on the GPU machine run tools/gpu_test.sh [--part=1|2] [--bench]"
+  "on the GPU machine run tools/gpu_test.sh [--part=1|2|3] [--bench]"
