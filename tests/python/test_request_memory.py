@@ -19,6 +19,7 @@ import optimd
 from optimd.testing import Daemon
 from optimd.torch import AdamW
 from optimd.v1 import optimd_pb2 as pb
+from optimd.v1 import optimd_pb2_grpc as pb_grpc
 
 QUOTA = 64 << 20
 REQUESTS = 32
@@ -406,40 +407,42 @@ class UnreadRepliesTest(unittest.TestCase):
         # Each GetState reply holds about 24 MiB (parameter, two moments);
         # eight never read would hold 192 MiB, three times the bound. The
         # replies past the bound are refused, and so are other callers'
-        # reads meanwhile, until the stalled caller goes.
+        # reads meanwhile, until the stalled caller goes; the client sends
+        # a refused read again meanwhile.
         bound = 64 << 20
-        with Daemon(flags=["--max_request_memory_bytes=%d" % bound]) as d:
+        with Daemon(flags=["--max_request_memory_bytes=%d" % bound]) as d, \
+                grpc.insecure_channel(d.address) as channel:
             before = peak_rss(d.process.pid)
             p = torch.nn.Parameter(torch.ones(2 << 20))
             opt = AdamW([("w", p)], lr=0.1, address=d.address)
             self.addCleanup(opt.close)
             p.grad = torch.ones_like(p)
             opt.step()
+            token = opt.client.token
             stalled = UnreadReplies(d.address[len("unix:"):])
             for _ in range(8):
-                stalled.call(b"GetState", pb.GetStateRequest(),
-                             opt.client.token)
+                stalled.call(b"GetState", pb.GetStateRequest(), token)
+            stub = pb_grpc.OptimizerStub(channel)
             refused = None
             for _ in range(100):  # until the daemon has answered all eight
                 try:
-                    opt.client.get_state()
-                except optimd.ResourceExhaustedError as e:
+                    stub.GetState(pb.GetStateRequest(), timeout=30,
+                                  metadata=(("x-optimd-session", token),))
+                except grpc.RpcError as e:
                     refused = e
                     break
                 time.sleep(0.05)
             self.assertIsNotNone(refused, "a read past the bound was served")
-            self.assertIn("replies not yet read", str(refused))
-            self.assertIn("--max_request_memory_bytes", str(refused))
+            self.assertEqual(refused.code(),
+                             grpc.StatusCode.RESOURCE_EXHAUSTED)
+            self.assertIn("replies not yet read", refused.details())
+            self.assertIn("--max_request_memory_bytes", refused.details())
             self.assertLess(peak_rss(d.process.pid) - before, 4 * bound)
-            stalled.close()
-            for _ in range(100):
-                try:
-                    state = opt.client.get_state()
-                    break
-                except optimd.ResourceExhaustedError:
-                    time.sleep(0.05)
-            else:
-                self.fail("the stalled caller's replies were kept")
+            # The stalled caller goes while the client's read waits.
+            closer = threading.Timer(0.5, stalled.close)
+            closer.start()
+            state = opt.client.get_state()
+            closer.join()
             self.assertEqual(len(state.groups), 1)
 
 

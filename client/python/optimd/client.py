@@ -8,6 +8,7 @@ import functools
 import os
 import pwd
 import socket
+import time
 import weakref
 
 import grpc
@@ -530,8 +531,27 @@ class Client:
         return self._call("GetParams",
                           pb.GetParamsRequest(group_ids=list(group_ids)))
 
+    def _read(self, method, request, admin=False):
+        """_call for a call that changes nothing. Refused because the
+        daemon's replies not yet read hold its memory bound (other callers'
+        large reads at the same moment), it is sent again after a pause,
+        for up to the client's timeout."""
+        deadline = None if self.timeout is None else \
+            time.monotonic() + self.timeout
+        pause = 0.05
+        while True:
+            try:
+                return self._call(method, request, admin=admin)
+            except errors.ResourceExhaustedError as err:
+                if "replies not yet read" not in str(err) or (
+                        deadline is not None and
+                        time.monotonic() + pause > deadline):
+                    raise
+            time.sleep(pause)
+            pause = min(2 * pause, 1.0)
+
     def get_state(self, group_ids=(), metadata_only=False, tensor_names=()):
-        return self._call("GetState", pb.GetStateRequest(
+        return self._read("GetState", pb.GetStateRequest(
             group_ids=list(group_ids), metadata_only=metadata_only,
             tensor_names=list(tensor_names)))
 
@@ -596,7 +616,7 @@ class Client:
 
     # Admin.
     def list_sessions(self):
-        return self._call("ListSessions", pb.ListSessionsRequest(),
+        return self._read("ListSessions", pb.ListSessionsRequest(),
                           admin=True)
 
     def evict_session(self, job_id, rank=0):
@@ -604,7 +624,7 @@ class Client:
             job_id=job_id, rank=rank), admin=True)
 
     def get_metrics(self):
-        return self._call("GetMetrics", pb.GetMetricsRequest())
+        return self._read("GetMetrics", pb.GetMetricsRequest())
 
 
 # How long a call that never left (its connection broken) waits for the
