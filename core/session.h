@@ -335,11 +335,12 @@ class Session {
     }
     backend_->ForgetTrainerBuffers(forgotten);
   }
-  // Adds the mappings its buffers use to *out.
-  void AddMappings(absl::flat_hash_set<const void*>* out)
-      ABSL_LOCKS_EXCLUDED(mu_) {
-    MutexLock lock(&mu_);
-    for (const auto& m : mappings_) out->insert(m.get());
+  // Adds the mappings its buffers use to *out, without waiting for the
+  // session (a step may hold it for as long as other ranks take).
+  void AddMappings(absl::flat_hash_set<const void*>* out) const
+      ABSL_LOCKS_EXCLUDED(mappings_mu_) {
+    MutexLock lock(&mappings_mu_);
+    for (const auto& m : shown_mappings_) out->insert(m.get());
   }
   // Runs `fn` once, after the session's next successful step, under the
   // session's lock (`fn` must not call the session). The server removes
@@ -547,6 +548,10 @@ class Session {
   std::set<std::string> alias_names_ ABSL_GUARDED_BY(mu_);
   // Distinct buffer mappings the groups use, checked before each step.
   std::vector<std::shared_ptr<const void>> mappings_ ABSL_GUARDED_BY(mu_);
+  // A copy of mappings_ for AddMappings, set with it.
+  mutable Mutex mappings_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  std::vector<std::shared_ptr<const void>> shown_mappings_
+      ABSL_GUARDED_BY(mappings_mu_);
   // Mappings buffers moved away from, most recent first, kept open: a
   // trainer's allocator hands the same allocations out again (gradients
   // that autograd allocates anew each step), and reopening one costs an IPC

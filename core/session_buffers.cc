@@ -225,6 +225,8 @@ void Session::RefreshMappings() {
   step_groups_.clear();
   step_groups_.reserve(groups_.size());
   for (const auto& g : groups_) step_groups_.push_back(g.get());
+  MutexLock lock(&mappings_mu_);
+  shown_mappings_ = mappings_;
 }
 
 }  // namespace optimd

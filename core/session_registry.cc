@@ -346,9 +346,13 @@ void SessionRegistry::Dispose(std::vector<std::shared_ptr<Session>> freed) {
     MutexLock lock(&mu_);
     for (const auto& entry : by_token_) live.push_back(entry.second);
   }
-  // This waits for each session's own lock, which a running step may hold.
+  // A segment a session registers in after this look may still be
+  // unlinked (its mapping stays; only a new resolve by name fails).
   absl::flat_hash_set<const void*> mapped_by_live;
   for (const auto& s : live) s->AddMappings(&mapped_by_live);
+  live.clear();
+  // This waits for each freed session's own lock, which a running step
+  // may hold.
   for (const auto& s : freed) s->ForgetTrainerBuffers(mapped_by_live);
 }
 

@@ -6,8 +6,8 @@
 // serialized when the call is finished, and its bytes held against the
 // same budget until gRPC is done with the call (its caller read it): the
 // reply of a call that changed nothing (ReplyKind::kRefusable) is refused
-// with RESOURCE_EXHAUSTED when that would pass the budget, any other is
-// held past it.
+// with RESOURCE_EXHAUSTED when that would pass half the budget
+// (RequestBudget::ReserveReply), any other is held past it.
 //
 // A RawUnaryCall is made by its handler and deletes itself when gRPC is
 // done with it (OnDone). Finish is called once, from any thread; request()
@@ -124,7 +124,8 @@ class RawUnaryCall final : public grpc::ServerUnaryReactor {
     const uint64_t bytes = out_->Length();
     if (reply_ == ReplyKind::kMustSend) {
       budget_->Hold(bytes);
-    } else if (absl::Status held = budget_->ReserveReply(bytes); !held.ok()) {
+    } else if (absl::Status held = budget_->ReserveReply(bytes, held_);
+               !held.ok()) {
       out_->Clear();
       return ToGrpcStatus(held);
     }

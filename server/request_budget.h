@@ -31,9 +31,12 @@ class RequestBudget {
   // request larger than the limit alone is still taken when nothing else
   // is held (gRPC's quota let it in).
   absl::Status Reserve(uint64_t bytes);
-  // As Reserve, for a serialized reply of a call that changed nothing (its
-  // refusal says so).
-  absl::Status ReserveReply(uint64_t bytes);
+  // Holds the serialized reply of a call that changed nothing, whose
+  // request holds `own` bytes already. RESOURCE_EXHAUSTED, holding
+  // nothing, when what is held would pass half the limit, so that replies
+  // never leave requests (steps) without room; a reply is still taken when
+  // its call holds all that is held.
+  absl::Status ReserveReply(uint64_t bytes, uint64_t own);
   // Holds `bytes` whatever the limit: the reply of a call that changed
   // something, which must reach its caller.
   void Hold(uint64_t bytes) { used_.fetch_add(bytes); }
@@ -43,9 +46,9 @@ class RequestBudget {
   uint64_t used() const { return used_.load(); }
 
  private:
-  // Holds `bytes` if the limit allows (Reserve's rule); else false, with
-  // *used the bytes held meanwhile.
-  bool TryReserve(uint64_t bytes, uint64_t* used);
+  // Holds `bytes` unless `cap` (0: none) would be passed while more than
+  // `own` bytes are held; else false, with *used the bytes held meanwhile.
+  bool TryReserve(uint64_t bytes, uint64_t cap, uint64_t own, uint64_t* used);
 
   const uint64_t limit_;
   std::atomic<uint64_t> used_{0};

@@ -24,20 +24,26 @@ TEST(RequestBudgetTest, RefusesWhatWouldPassTheLimitAndTakesItBackAfter) {
   EXPECT_EQ(budget.used(), 0u);
 }
 
-TEST(RequestBudgetTest, RepliesAreReservedOrHeldPastTheLimit) {
+TEST(RequestBudgetTest, RepliesTakeHalfTheLimitOrAreHeldPastIt) {
   RequestBudget budget(100);
-  ASSERT_TRUE(budget.ReserveReply(60).ok());
-  const absl::Status refused = budget.ReserveReply(41);
+  // A reply whose call holds all that is held is taken, however large.
+  ASSERT_TRUE(budget.Reserve(10).ok());
+  ASSERT_TRUE(budget.ReserveReply(500, 10).ok());
+  budget.Release(510);
+  // Else replies stop at half the limit: the rest is the requests'.
+  ASSERT_TRUE(budget.Reserve(10).ok());
+  ASSERT_TRUE(budget.ReserveReply(30, 0).ok());
+  const absl::Status refused = budget.ReserveReply(11, 0);
   EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(refused.message().find("replies not yet read"), std::string::npos)
       << refused;
-  EXPECT_EQ(budget.used(), 60u);
-  // The reply of a call that changed something is held whatever the limit,
-  // and refuses what comes after it.
+  EXPECT_EQ(budget.used(), 40u);
+  EXPECT_TRUE(budget.Reserve(60).ok());  // requests may use the rest
+  // The reply of a call that changed something is held whatever the limit.
   budget.Hold(70);
-  EXPECT_EQ(budget.used(), 130u);
+  EXPECT_EQ(budget.used(), 170u);
   EXPECT_EQ(budget.Reserve(1).code(), absl::StatusCode::kResourceExhausted);
-  budget.Release(130);
+  budget.Release(170);
   EXPECT_EQ(budget.used(), 0u);
 }
 

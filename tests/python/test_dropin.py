@@ -687,24 +687,32 @@ class DropIn(DaemonTestCase):
         def deleter(key):
             return lambda o, p: o.state[p].pop(key)
 
+        # state_dict() and load_state_dict() do not raise on it, and a
+        # good state dict loaded makes the state whole again.
         for edit, steps in ((set_step, 0), (deleter("exp_avg_sq"), 2),
                             (deleter("exp_avg"), 2), (deleter("step"), 2)):
-            opt, ref = self.both(one_param(4), lr=0.1)
-            for o in (opt, ref):
-                p = o.param_groups[0]["params"][0]
-                for _ in range(steps):
-                    p.grad = torch.ones(4, device=DEVICE)
-                    o.step()
-                edit(o, p)
-                before = p.detach().clone()
-                p.grad = torch.ones(4, device=DEVICE)
-                for _ in range(2):
-                    with self.assertRaises(KeyError):
+            for recover in ("empty", "load"):
+                opt, ref = self.both(one_param(4), lr=0.1)
+                for o in (opt, ref):
+                    p = o.param_groups[0]["params"][0]
+                    for _ in range(steps):
+                        p.grad = torch.ones(4, device=DEVICE)
                         o.step()
-                self.assertTrue(torch.equal(p.detach(), before))
-                o.state[p] = {}
-                o.step()
-            self.assert_same(opt, ref)
+                    good = copy.deepcopy(o.state_dict())
+                    edit(o, p)
+                    before = p.detach().clone()
+                    p.grad = torch.ones(4, device=DEVICE)
+                    for _ in range(2):
+                        with self.assertRaises(KeyError):
+                            o.step()
+                    self.assertTrue(torch.equal(p.detach(), before))
+                    if recover == "empty":
+                        o.state[p] = {}
+                    else:
+                        o.state_dict()
+                        o.load_state_dict(good)
+                    o.step()
+                self.assert_same(opt, ref)
 
     def test_copies_raise_and_a_pickled_optimizer_holds_nothing(self):
         import pickle

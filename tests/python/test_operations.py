@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import unittest
 import urllib.error
@@ -164,6 +165,8 @@ class GoneDaemonTest(unittest.TestCase):
 
 
 class SharedSegmentTest(unittest.TestCase):
+    """Shared-memory segments of a session freed after its trainer died."""
+
     def segment(self, tag):
         """A shared-memory segment of 16 KiB of this test's own: its name."""
         name = "/optimd-ops-%s-%d-%s" % (tag, os.getpid(), os.urandom(4).hex())
@@ -175,59 +178,98 @@ class SharedSegmentTest(unittest.TestCase):
         os.close(fd)
         return name
 
-    def test_a_freed_sessions_segment_stays_while_another_session_maps_it(
-            self):
-        # Session A (a live trainer, this process) registers buffers in a
-        # segment; session B, whose trainer then dies, registers a frozen
-        # tensor in the same segment and one in a segment of its own.
-        # Freeing B removes its own segment and leaves the shared one's
-        # name to A: A's buffers are still resolved by it.
-        shared, own = self.segment("shared"), self.segment("own")
+    @staticmethod
+    def handle(name, offset):
+        return pb.BufferHandle(shared_memory=pb.SharedMemoryBuffer(
+            segment_name=name, offset=offset, size=4096))
 
-        def handle(name, offset):
-            return pb.BufferHandle(shared_memory=pb.SharedMemoryBuffer(
-                segment_name=name, offset=offset, size=4096))
-
-        def tensor(request, name, segment, offset, frozen):
+    def register(self, stub, session, tensors):
+        """Registers group "g" of `tensors`: (name, segment, offset,
+        frozen) each, 1024 float32 elements, a gradient after the
+        parameter unless frozen."""
+        request = pb.RegisterGroupRequest(group_id="g")
+        request.hyperparameters.lr = 0.01
+        for name, segment, offset, frozen in tensors:
             t = request.tensors.add(name=name, numel=1024, frozen=frozen,
                                     param_dtype=pb.DTYPE_FLOAT32,
                                     grad_dtype=pb.DTYPE_FLOAT32)
-            t.param.CopyFrom(handle(segment, offset))
+            t.param.CopyFrom(self.handle(segment, offset))
             if not frozen:
-                t.grad.CopyFrom(handle(segment, offset + 4096))
+                t.grad.CopyFrom(self.handle(segment, offset + 4096))
+        stub.RegisterGroup(request, metadata=session, timeout=30)
 
+    @staticmethod
+    def session(stub, job, pid, rank=0, world_size=1, sharding=0):
+        token = stub.CreateSession(pb.CreateSessionRequest(
+            job_id=job, rank=rank, world_size=world_size, device=-1,
+            trainer_pid=pid, gradient_sharding=sharding),
+            timeout=30).session_token
+        return (("x-optimd-session", token),)
+
+    def free_a_trainers_session(self, stub, shared=None):
+        """A session whose trainer then dies, with a frozen tensor in a
+        segment of its own (and one in `shared`): waits until the daemon
+        freed it, which removes its own segment; the seconds it took."""
+        own = self.segment("own")
+        child = subprocess.Popen(["sleep", "60"])
+        gone = self.session(stub, "gone", child.pid)
+        tensors = [("own", own, 0, True)]
+        if shared:
+            tensors.append(("b", shared, 2 * 4096, True))
+        self.register(stub, gone, tensors)
+        child.kill()
+        child.wait()
+        start = time.time()
+        while os.path.exists("/dev/shm" + own):
+            self.assertLess(time.time() - start, 30, "never freed")
+            time.sleep(0.05)
+        return time.time() - start
+
+    def test_a_freed_sessions_segment_stays_while_another_session_maps_it(
+            self):
+        # Session A (a live trainer, this process) registers buffers in a
+        # segment the freed session maps too: the segment's name stays
+        # A's, and A's buffers are still resolved by it.
+        shared = self.segment("shared")
         with Daemon(flags=["--orphan_grace_s=1"]) as d, \
                 grpc.insecure_channel(d.address) as channel:
             stub = pb_grpc.OptimizerStub(channel)
-
-            def session(job, pid):
-                token = stub.CreateSession(pb.CreateSessionRequest(
-                    job_id=job, world_size=1, device=-1, trainer_pid=pid),
-                    timeout=30).session_token
-                return (("x-optimd-session", token),)
-            a = session("live", os.getpid())
-            request = pb.RegisterGroupRequest(group_id="g")
-            request.hyperparameters.lr = 0.01
-            tensor(request, "a", shared, 0, frozen=False)
-            stub.RegisterGroup(request, metadata=a, timeout=30)
-            child = subprocess.Popen(["sleep", "60"])
-            b = session("gone", child.pid)
-            request = pb.RegisterGroupRequest(group_id="g")
-            tensor(request, "b", shared, 2 * 4096, frozen=True)
-            tensor(request, "own", own, 0, frozen=True)
-            stub.RegisterGroup(request, metadata=b, timeout=30)
-            child.kill()
-            child.wait()
-            deadline = time.time() + 30
-            while os.path.exists("/dev/shm" + own):
-                self.assertLess(time.time(), deadline, "B never freed")
-                time.sleep(0.1)
+            live = self.session(stub, "live", os.getpid())
+            self.register(stub, live, [("a", shared, 0, False)])
+            self.free_a_trainers_session(stub, shared)
             self.assertTrue(os.path.exists("/dev/shm" + shared))
             update = pb.UpdateBuffersRequest(group_id="g")
-            update.tensors.add(name="a").grad.CopyFrom(handle(shared,
-                                                              3 * 4096))
-            stub.UpdateBuffers(update, metadata=a, timeout=30)
-            stub.Step(pb.StepRequest(), metadata=a, timeout=30)
+            update.tensors.add(name="a").grad.CopyFrom(
+                self.handle(shared, 3 * 4096))
+            stub.UpdateBuffers(update, metadata=live, timeout=30)
+            stub.Step(pb.StepRequest(), metadata=live, timeout=30)
+
+    def test_a_step_waiting_for_other_ranks_does_not_hold_up_the_freeing(
+            self):
+        # Rank 0 of a two-rank job waits in its step for rank 1 (up to the
+        # 60 s rank timeout), holding its session: a session freed
+        # meanwhile goes at once all the same.
+        segment = self.segment("ranks")
+        with Daemon(flags=["--orphan_grace_s=1", "--rank_timeout_s=60"]) \
+                as d, grpc.insecure_channel(d.address) as channel:
+            stub = pb_grpc.OptimizerStub(channel)
+            ranks = [self.session(stub, "ranks", os.getpid(), rank, 2,
+                                  pb.GRADIENT_SHARDING_SHARDED)
+                     for rank in (0, 1)]
+            for rank, session in enumerate(ranks):
+                self.register(stub, session,
+                              [("a", segment, rank * 8192, False)])
+            step = pb.StepRequest(max_grad_norm=1.0)
+            waiting = threading.Thread(target=stub.Step, args=(step,),
+                                       kwargs=dict(metadata=ranks[0],
+                                                   timeout=60))
+            waiting.start()
+            time.sleep(0.5)
+            took = self.free_a_trainers_session(stub)
+            self.assertTrue(waiting.is_alive(), "rank 0 stopped waiting")
+            self.assertLess(took, 15)
+            stub.Step(step, metadata=ranks[1], timeout=60)
+            waiting.join(60)
 
 
 class OperationsTest(unittest.TestCase):

@@ -1464,6 +1464,7 @@ class _DaemonOptimizer(StateDicts, Checkpoints, torch.optim.Optimizer):
             self._written_unsent.add(self._newly_written_params())
         # Writes to optimizer.state first: following edited param_groups
         # below carries the state over from the daemon.
+        self._refuse_incomplete_state()
         self._write_back_state()
         self._sync_structure()
         self._sync_params()

@@ -281,6 +281,10 @@ class SeveralDevices:
         for part in self._parts.values():
             part._write_back_state()
 
+    def _refuse_incomplete_state(self):
+        for part in self._parts.values():
+            part._refuse_incomplete_state()
+
     def _follow_written_params(self):
         for part in self._parts.values():
             part._follow_written_params()

@@ -512,8 +512,6 @@ class StateDicts:
         written = self.state.written()
         if written is None:
             return
-        if self._every_slot_needed:
-            self._check_written_complete(written)
         registered = {id(s.param) for g in self._groups for s in g["tensors"]}
         for group in self.param_groups:
             for p in group["params"]:
@@ -533,28 +531,33 @@ class StateDicts:
         self.state.invalidate()
 
 
-    def _check_written_complete(self, written):
-        """Raises, writing nothing, when a written entry has a step or a
-        moment but lacks another (a key deleted, a step set alone):
-        torch's step raises KeyError on it, the daemon would start the
-        missing ones afresh under the entry's step. The entry stays
-        written, so every step raises until it is made whole or emptied
-        (opt.state[p] = {} starts it afresh, as in torch)."""
-        for gi, (group, g) in enumerate(zip(self.param_groups, self._groups)):
+    def _refuse_incomplete_state(self):
+        """Before a step: raises, writing nothing, when an entry written
+        into optimizer.state has a step or a moment but lacks another (a
+        key deleted, a step set alone). torch's step raises KeyError on
+        it; the daemon would start the missing ones afresh under the
+        entry's step. The entry stays written, so every step raises until
+        it is made whole or emptied (opt.state[p] = {} starts it afresh,
+        as in torch). Other writers of the state (state_dict(), saves,
+        loads) take it as it is, as torch's do."""
+        written = self.state.written() if self._every_slot_needed else None
+        if not written:
+            return
+        where = {id(p): (gi, pi) for gi, group in enumerate(self.param_groups)
+                 for pi, p in enumerate(group["params"])}
+        for g in self._groups:
             for s in g["tensors"]:
                 has, missing = _incomplete(written.get(s.param), g["slots"],
                                            self._counts_steps)
                 if missing:
-                    at = [i for i, p in enumerate(group["params"])
-                          if p is s.param]
                     raise errors.MissingStateError(
-                        "optimd.torch: optimizer.state of param_groups[%d]"
+                        "optimd.torch: optimizer.state of param_groups[%s]"
                         "['params'][%s] has %s but no %s (torch's step "
                         "raises KeyError); give it the missing keys, or set "
                         "opt.state[p] = {} to start its state afresh" % (
-                            gi, at[0] if at else "?",
-                            ", ".join(map(repr, has)),
-                            ", ".join(map(repr, missing))))
+                            where.get(id(s.param), ("?", "?")) + (
+                                ", ".join(map(repr, has)),
+                                ", ".join(map(repr, missing)))))
 
 
 def _daemon_keys(entry):
