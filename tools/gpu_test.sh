@@ -9,7 +9,7 @@
 # CUDA end-to-end and FSDP suites, the two-GPU suites), --part=2
 # (frameworks, checkpoints, drop-in rows, several devices, the FP8
 # examples) and --part=3 (the benchmarks alone) each fit in one device
-# call. Without --part it runs parts 1 and 2, and part 3 too with --bench.
+# call. Without --part it runs parts 1 and 2; --bench adds part 3 to any.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=all
@@ -101,13 +101,14 @@ benchmarks() {
 case "$part" in
   1) part1 ;;
   2) part2 ;;
-  3) benchmarks ;;
   all)
     part1
     part2
-    [ "$bench" = 0 ] || benchmarks
     ;;
 esac
+if [ "$part" = 3 ] || [ "$bench" = 1 ]; then
+  benchmarks
+fi
 if [ "$failed" != 0 ]; then
   echo "== some GPU tests failed"
   exit 1
