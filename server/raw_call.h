@@ -80,8 +80,15 @@ class RawUnaryCall final : public grpc::ServerUnaryReactor {
   // (gRPC's call and reactor objects, the arena, a queued task) is held
   // too, kCallBytes, so that calls queued without end are bounded by the
   // budget however small their requests.
+  // A call whose reply may be refused is refused here already when
+  // replies fill their part of the budget (RequestBudget::CheckReplyRoom).
   absl::Status Parse(const grpc::ByteBuffer& bytes) {
-    return ParseHeld(bytes, budget_, request_, &held_, kCallBytes);
+    absl::Status parsed =
+        ParseHeld(bytes, budget_, request_, &held_, kCallBytes);
+    if (parsed.ok() && reply_ == ReplyKind::kRefusable) {
+      parsed = budget_->CheckReplyRoom(held_);
+    }
+    return parsed;
   }
 
   const Request& request() const { return *request_; }

@@ -1,7 +1,5 @@
 #include "server/request_budget.h"
 
-#include <algorithm>
-
 #include "absl/strings/str_cat.h"
 
 namespace optimd {
@@ -29,13 +27,25 @@ absl::Status RequestBudget::Reserve(uint64_t bytes) {
 }
 
 absl::Status RequestBudget::ReserveReply(uint64_t bytes, uint64_t own) {
-  const uint64_t cap = limit_ == 0 ? 0 : std::max<uint64_t>(limit_ / 2, 1);
   uint64_t used = 0;
-  if (TryReserve(bytes, cap, own, &used)) return absl::OkStatus();
+  if (TryReserve(bytes, ReplyCap(), own, &used)) return absl::OkStatus();
+  return NoReplyRoom(used, bytes);
+}
+
+absl::Status RequestBudget::CheckReplyRoom(uint64_t own) const {
+  const uint64_t used = used_.load();
+  if (ReplyCap() == 0 || used <= own || used < ReplyCap()) {
+    return absl::OkStatus();
+  }
+  return NoReplyRoom(used, 0);
+}
+
+absl::Status RequestBudget::NoReplyRoom(uint64_t used, uint64_t bytes) const {
   return absl::ResourceExhaustedError(absl::StrCat(
       "requests and replies not yet read by their callers hold ", used,
-      " bytes of the daemon's memory, and this reply (", bytes,
-      " bytes) would pass half of --max_request_memory_bytes (", limit_,
+      " bytes of the daemon's memory, and this reply",
+      bytes == 0 ? "" : absl::StrCat(" (", bytes, " bytes)"),
+      " would pass half of --max_request_memory_bytes (", limit_,
       "; the other half is kept for requests); nothing was changed: retry "
       "later, ask for less, or read the replies of calls already sent"));
 }

@@ -11,6 +11,7 @@
 #ifndef OPTIMD_SERVER_REQUEST_BUDGET_H_
 #define OPTIMD_SERVER_REQUEST_BUDGET_H_
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 
@@ -37,6 +38,10 @@ class RequestBudget {
   // never leave requests (steps) without room; a reply is still taken when
   // its call holds all that is held.
   absl::Status ReserveReply(uint64_t bytes, uint64_t own);
+  // ReserveReply's refusal, before a reply is made, when what is held
+  // beside a call's own `own` bytes already fills half the limit: a call
+  // refused then costs no reply's making.
+  absl::Status CheckReplyRoom(uint64_t own) const;
   // Holds `bytes` whatever the limit: the reply of a call that changed
   // something, which must reach its caller.
   void Hold(uint64_t bytes) { used_.fetch_add(bytes); }
@@ -49,6 +54,12 @@ class RequestBudget {
   // Holds `bytes` unless `cap` (0: none) would be passed while more than
   // `own` bytes are held; else false, with *used the bytes held meanwhile.
   bool TryReserve(uint64_t bytes, uint64_t cap, uint64_t own, uint64_t* used);
+
+  // The most bytes refusable replies may bring the budget to; 0: none.
+  uint64_t ReplyCap() const {
+    return limit_ == 0 ? 0 : std::max<uint64_t>(limit_ / 2, 1);
+  }
+  absl::Status NoReplyRoom(uint64_t used, uint64_t bytes) const;
 
   const uint64_t limit_;
   std::atomic<uint64_t> used_{0};

@@ -38,7 +38,13 @@ TEST(RequestBudgetTest, RepliesTakeHalfTheLimitOrAreHeldPastIt) {
   EXPECT_NE(refused.message().find("replies not yet read"), std::string::npos)
       << refused;
   EXPECT_EQ(budget.used(), 40u);
-  EXPECT_TRUE(budget.Reserve(60).ok());  // requests may use the rest
+  EXPECT_TRUE(budget.CheckReplyRoom(0).ok());  // 40 of the 50
+  EXPECT_TRUE(budget.Reserve(60).ok());        // requests may use the rest
+  // Past half, a reply is refused before it is made, unless its call
+  // holds all that is held.
+  EXPECT_EQ(budget.CheckReplyRoom(5).code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(budget.CheckReplyRoom(100).ok());
   // The reply of a call that changed something is held whatever the limit.
   budget.Hold(70);
   EXPECT_EQ(budget.used(), 170u);
