@@ -165,6 +165,16 @@ absl::Status NotToRun(grpc::CallbackServerContext& context,
   return absl::OkStatus();
 }
 
+// Finishes `call` (CANCELLED) if its caller went before it ran (a
+// connection closed with calls it never read): a large reply is not made
+// for nobody. True then.
+template <typename Call>
+bool FinishedIfGone(grpc::CallbackServerContext& context, Call* call) {
+  if (!context.IsCancelled()) return false;
+  call->Finish(grpc::Status::CANCELLED);
+  return true;
+}
+
 // A refused step's outcome (Session::RefuseAfterUpdates).
 constexpr absl::string_view kStepNotRun =
     "the step was not run, but its buffer updates (where the trainer's "
@@ -789,7 +799,9 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::ListSessions(
   auto* reactor =
       new RawUnaryCall<v1::ListSessionsRequest, v1::ListSessionsResponse>(
           out, request_budget_.get(), ReplyKind::kRefusable);
-  if (!reactor->Parsed(*bytes)) return reactor;
+  if (!reactor->Parsed(*bytes) || FinishedIfGone(*context, reactor)) {
+    return reactor;
+  }
   v1::ListSessionsResponse* response = reactor->response();
   const absl::Status admin = CheckAdmin(context, "ListSessions");
   if (!admin.ok()) {
@@ -808,7 +820,9 @@ grpc::ServerUnaryReactor* OptimizerServiceImpl::GetMetrics(
   auto* reactor =
       new RawUnaryCall<v1::GetMetricsRequest, v1::GetMetricsResponse>(
           out, request_budget_.get(), ReplyKind::kRefusable);
-  if (!reactor->Parsed(*bytes)) return reactor;
+  if (!reactor->Parsed(*bytes) || FinishedIfGone(*context, reactor)) {
+    return reactor;
+  }
   v1::GetMetricsResponse* response = reactor->response();
   // Job ids (and group ids, which name a job's parts) are for callers the
   // daemon knows, as sessions are: an anonymous TCP caller sees each
