@@ -530,7 +530,6 @@ class StateDicts:
                 slot_names=g["slots"]))
         self.state.invalidate()
 
-
     def _refuse_incomplete_state(self):
         """Before a step: raises, writing nothing, when an entry written
         into optimizer.state has a step or a moment but lacks another (a
@@ -543,21 +542,21 @@ class StateDicts:
         written = self.state.written() if self._every_slot_needed else None
         if not written:
             return
-        where = {id(p): (gi, pi) for gi, group in enumerate(self.param_groups)
-                 for pi, p in enumerate(group["params"])}
         for g in self._groups:
             for s in g["tensors"]:
                 has, missing = _incomplete(written.get(s.param), g["slots"],
                                            self._counts_steps)
                 if missing:
+                    where = next(((gi, pi) for gi, group in enumerate(
+                        self.param_groups) for pi, p in enumerate(
+                            group["params"]) if p is s.param), ("?", "?"))
                     raise errors.MissingStateError(
                         "optimd.torch: optimizer.state of param_groups[%s]"
                         "['params'][%s] has %s but no %s (torch's step "
                         "raises KeyError); give it the missing keys, or set "
                         "opt.state[p] = {} to start its state afresh" % (
-                            where.get(id(s.param), ("?", "?")) + (
-                                ", ".join(map(repr, has)),
-                                ", ".join(map(repr, missing)))))
+                            where + (", ".join(map(repr, has)),
+                                     ", ".join(map(repr, missing)))))
 
 
 def _daemon_keys(entry):
