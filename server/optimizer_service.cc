@@ -143,6 +143,18 @@ grpc::Status ShuttingDown() {
   return grpc::Status(grpc::StatusCode::UNAVAILABLE, "optimd is shutting down");
 }
 
+// CANCELLED when the call's client went (cancelled it, its deadline
+// passed, or the daemon shuts down) before its turn came; `outcome` says
+// what was not done.
+absl::Status GoneBeforeItsTurn(grpc::CallbackServerContext& context,
+                               absl::string_view outcome) {
+  if (!context.IsCancelled()) return absl::OkStatus();
+  return absl::CancelledError(
+      absl::StrCat("the call was cancelled (by its client, its deadline or the "
+                   "daemon's shutdown) before its turn came; ",
+                   outcome));
+}
+
 // Why a call queued on a worker is not to run by its turn: its client
 // cancelled it (or the shutdown did, after its grace), or its session was
 // closed, evicted or reaped meanwhile; OK when it is to run. `outcome`
@@ -156,13 +168,7 @@ absl::Status NotToRun(grpc::CallbackServerContext& context,
         "came; ",
         outcome));
   }
-  if (context.IsCancelled()) {
-    return absl::CancelledError(absl::StrCat(
-        "the call was cancelled (by its client, its deadline or the "
-        "daemon's shutdown) before its turn came; ",
-        outcome));
-  }
-  return absl::OkStatus();
+  return GoneBeforeItsTurn(context, outcome);
 }
 
 // Finishes `call` (CANCELLED) if its caller went before it ran (a
@@ -170,8 +176,9 @@ absl::Status NotToRun(grpc::CallbackServerContext& context,
 // for nobody. True then.
 template <typename Call>
 bool FinishedIfGone(grpc::CallbackServerContext& context, Call* call) {
-  if (!context.IsCancelled()) return false;
-  call->Finish(grpc::Status::CANCELLED);
+  absl::Status gone = GoneBeforeItsTurn(context, "nothing was done");
+  if (gone.ok()) return false;
+  call->Finish(gone);
   return true;
 }
 
