@@ -2,6 +2,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "client/daemon_checks.h"
@@ -77,6 +78,11 @@ Client::Client(std::string target, std::shared_ptr<grpc::Channel> channel,
 
 absl::Status Client::Explain(const absl::Status& s) const {
   return token_.empty() ? s : ExplainSessionStatus(target_, s);
+}
+
+bool Client::RepliesNotYetRead(const absl::Status& s) {
+  return s.code() == absl::StatusCode::kResourceExhausted &&
+         absl::StrContains(s.message(), "replies not yet read");
 }
 
 void Client::Prepare(grpc::ClientContext* context) const {
@@ -193,7 +199,7 @@ absl::StatusOr<v1::GetParamsResponse> Client::GetParams(
 
 absl::StatusOr<v1::GetStateResponse> Client::GetState(
     const v1::GetStateRequest& request) {
-  return Call(&v1::Optimizer::Stub::GetState, request);
+  return Read(&v1::Optimizer::Stub::GetState, request);
 }
 
 absl::Status Client::SetState(const v1::SetStateRequest& request) {
@@ -259,7 +265,7 @@ absl::StatusOr<v1::LoadStateResponse> Client::LoadStateStream(
 }
 
 absl::StatusOr<v1::ListSessionsResponse> Client::ListSessions() {
-  return Call(&v1::Optimizer::Stub::ListSessions, v1::ListSessionsRequest());
+  return Read(&v1::Optimizer::Stub::ListSessions, v1::ListSessionsRequest());
 }
 
 absl::Status Client::EvictSession(const std::string& job_id, uint32_t rank) {
@@ -270,7 +276,7 @@ absl::Status Client::EvictSession(const std::string& job_id, uint32_t rank) {
 }
 
 absl::StatusOr<v1::GetMetricsResponse> Client::GetMetrics() {
-  return Call(&v1::Optimizer::Stub::GetMetrics, v1::GetMetricsRequest());
+  return Read(&v1::Optimizer::Stub::GetMetrics, v1::GetMetricsRequest());
 }
 
 absl::StatusOr<std::string> Client::Health() {

@@ -4,13 +4,16 @@
 #ifndef OPTIMD_CLIENT_CLIENT_H_
 #define OPTIMD_CLIENT_CLIENT_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/version.h"
 #include "optimd/v1/optimd.grpc.pb.h"
@@ -138,13 +141,16 @@ class Client {
   // One unary call: a context with the deadline and the session's (and
   // admin) metadata, the stub's `method`, its status as absl::Status
   // (Explain).
+  // `deadline`: the call's, instead of the client's timeout from now.
   template <class Response, class Request>
   absl::StatusOr<Response> Call(
       grpc::Status (v1::Optimizer::Stub::*method)(grpc::ClientContext*,
                                                   const Request&, Response*),
-      const Request& request) {
+      const Request& request,
+      std::optional<absl::Time> deadline = std::nullopt) {
     grpc::ClientContext context;
     Prepare(&context);
+    if (deadline) context.set_deadline(absl::ToChronoTime(*deadline));
     Response response;
     absl::Status s =
         FromGrpcStatus((stub_.get()->*method)(&context, request, &response));
@@ -154,6 +160,30 @@ class Client {
     if (!s.ok()) return Explain(s);
     return response;
   }
+  // Call for a call that changes nothing. Refused because the daemon's
+  // replies not yet read hold its memory bound (other callers' large reads
+  // at the same moment: RepliesNotYetRead), it is sent again after a pause
+  // that grows from 50 ms to 1 s, within the client's timeout in all.
+  template <class Response, class Request>
+  absl::StatusOr<Response> Read(
+      grpc::Status (v1::Optimizer::Stub::*method)(grpc::ClientContext*,
+                                                  const Request&, Response*),
+      const Request& request) {
+    const absl::Time deadline = absl::Now() + options_.timeout;
+    absl::Duration pause = absl::Milliseconds(50);
+    for (;;) {
+      absl::StatusOr<Response> r = Call(method, request, deadline);
+      if (r.ok() || !RepliesNotYetRead(r.status()) ||
+          absl::Now() + pause > deadline) {
+        return r;
+      }
+      absl::SleepFor(pause);
+      pause = std::min(2 * pause, absl::Seconds(1));
+    }
+  }
+  // Whether `s` is the daemon's refusal of a reply while replies not yet
+  // read by their callers hold its request memory.
+  static bool RepliesNotYetRead(const absl::Status& s);
   // After an UNIMPLEMENTED call: FAILED_PRECONDITION naming both versions
   // when the daemon is older than this client needs (a call without a
   // session is never checked against the revision otherwise); OK when it

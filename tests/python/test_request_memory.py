@@ -7,6 +7,7 @@ import collections
 import os
 import shutil
 import socket
+import subprocess
 import tempfile
 import threading
 import time
@@ -403,47 +404,90 @@ class UnreadReplies:
 
 
 class UnreadRepliesTest(unittest.TestCase):
+    # Each GetState reply holds about 24 MiB (parameter, two moments);
+    # eight never read would hold 192 MiB, three times a bound of 64 MiB.
+    # The replies past the bound are refused, and so are other callers'
+    # reads meanwhile, until the stalled caller goes.
+
+    def stall(self, d, channel, bound):
+        """A session of one 2M-element tensor, and a caller that asked for
+        its state eight times and reads nothing, once the daemon refuses
+        reads for it. Returns the optimizer and the stalled caller."""
+        before = peak_rss(d.process.pid)
+        p = torch.nn.Parameter(torch.ones(2 << 20))
+        opt = AdamW([("w", p)], lr=0.1, address=d.address)
+        self.addCleanup(opt.close)
+        p.grad = torch.ones_like(p)
+        opt.step()
+        token = opt.client.token
+        stalled = UnreadReplies(d.address[len("unix:"):])
+        self.addCleanup(stalled.close)
+        for _ in range(8):
+            stalled.call(b"GetState", pb.GetStateRequest(), token)
+        stub = pb_grpc.OptimizerStub(channel)
+        refused = None
+        for _ in range(100):  # until the daemon has answered them all
+            try:
+                stub.GetState(pb.GetStateRequest(), timeout=30,
+                              metadata=(("x-optimd-session", token),))
+            except grpc.RpcError as e:
+                refused = e
+                break
+            time.sleep(0.05)
+        self.assertIsNotNone(refused, "a read past the bound was served")
+        self.assertEqual(refused.code(), grpc.StatusCode.RESOURCE_EXHAUSTED)
+        self.assertIn("replies not yet read", refused.details())
+        self.assertIn("--max_request_memory_bytes", refused.details())
+        self.assertLess(peak_rss(d.process.pid) - before, 4 * bound)
+        return opt, stalled
+
     def test_replies_never_read_are_bounded_and_let_go_with_the_caller(self):
-        # Each GetState reply holds about 24 MiB (parameter, two moments);
-        # eight never read would hold 192 MiB, three times the bound. The
-        # replies past the bound are refused, and so are other callers'
-        # reads meanwhile, until the stalled caller goes; the client sends
-        # a refused read again meanwhile.
         bound = 64 << 20
         with Daemon(flags=["--max_request_memory_bytes=%d" % bound]) as d, \
                 grpc.insecure_channel(d.address) as channel:
-            before = peak_rss(d.process.pid)
-            p = torch.nn.Parameter(torch.ones(2 << 20))
-            opt = AdamW([("w", p)], lr=0.1, address=d.address)
-            self.addCleanup(opt.close)
-            p.grad = torch.ones_like(p)
-            opt.step()
-            token = opt.client.token
-            stalled = UnreadReplies(d.address[len("unix:"):])
-            for _ in range(8):
-                stalled.call(b"GetState", pb.GetStateRequest(), token)
-            stub = pb_grpc.OptimizerStub(channel)
-            refused = None
-            for _ in range(100):  # until the daemon has answered all eight
-                try:
-                    stub.GetState(pb.GetStateRequest(), timeout=30,
-                                  metadata=(("x-optimd-session", token),))
-                except grpc.RpcError as e:
-                    refused = e
-                    break
-                time.sleep(0.05)
-            self.assertIsNotNone(refused, "a read past the bound was served")
-            self.assertEqual(refused.code(),
-                             grpc.StatusCode.RESOURCE_EXHAUSTED)
-            self.assertIn("replies not yet read", refused.details())
-            self.assertIn("--max_request_memory_bytes", refused.details())
-            self.assertLess(peak_rss(d.process.pid) - before, 4 * bound)
-            # The stalled caller goes while the client's read waits.
+            opt, stalled = self.stall(d, channel, bound)
+            # The stalled caller goes while the client's read waits: the
+            # client sends its refused read again meanwhile.
             closer = threading.Timer(0.5, stalled.close)
             closer.start()
             state = opt.client.get_state()
             closer.join()
             self.assertEqual(len(state.groups), 1)
+
+    def test_optimctl_reads_again_once_the_stalled_caller_goes(self):
+        optimctl = os.environ.get("OPTIMCTL_BINARY", "")
+        self.assertTrue(os.path.exists(optimctl),
+                        "set OPTIMCTL_BINARY to optimctl's path")
+        bound = 32 << 20
+        with Daemon(flags=["--max_request_memory_bytes=%d" % bound]) as d:
+            p = torch.nn.Parameter(torch.ones(2 << 20))
+            opt = AdamW([("w", p)], lr=0.1, address=d.address)
+            self.addCleanup(opt.close)
+            stalled = UnreadReplies(d.address[len("unix:"):])
+            self.addCleanup(stalled.close)
+            stalled.call(b"GetState", pb.GetStateRequest(), opt.client.token)
+            # Its reply (24 MiB), made while that call held all the daemon's
+            # request memory, is taken past half the bound: every other
+            # read then finds that half full, however small. No other call
+            # may be in flight while the daemon makes it: wait, not probe.
+            time.sleep(1.0)
+            command = [optimctl, "--target=" + d.address, "sessions"]
+            # While the caller stalls, the C++ client's reads are refused
+            # for as long as it waits,
+            held = subprocess.run(command + ["--timeout_s=1"],
+                                  capture_output=True, text=True, timeout=60)
+            self.assertNotEqual(held.returncode, 0, held.stdout)
+            self.assertIn("replies not yet read", held.stderr)
+            # and it sends them again until the caller goes.
+            closer = threading.Timer(0.5, stalled.close)
+            closer.start()
+            listed = subprocess.run(command + ["--timeout_s=30"],
+                                    capture_output=True, text=True,
+                                    timeout=90)
+            closer.join()
+            self.assertEqual(listed.returncode, 0, listed.stderr)
+            self.assertEqual(len(listed.stdout.splitlines()), 2,
+                             listed.stdout)  # the header and the session
 
 
 if __name__ == "__main__":

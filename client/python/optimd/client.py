@@ -322,7 +322,10 @@ class Client:
                 self.before_trainer_memory:
             self.before_trainer_memory()
 
-    def _call(self, method, request, admin=False, trainer_memory=True):
+    def _call(self, method, request, admin=False, trainer_memory=True,
+              timeout=None):
+        """One call (timeout: the client's unless given)."""
+        timeout = self.timeout if timeout is None else timeout
         self._before(method, trainer_memory)
         metadata = ((SESSION_METADATA_KEY, self.token),) if self.token else ()
         if admin:
@@ -330,7 +333,7 @@ class Client:
         try:
             try:
                 return getattr(self._stub, method)(
-                    request, timeout=self.timeout, metadata=metadata)
+                    request, timeout=timeout, metadata=metadata)
             except grpc.RpcError as err:
                 if not _never_sent(err):
                     raise
@@ -342,7 +345,8 @@ class Client:
             # a little for the connection, which a live daemon gives back.
             try:
                 return getattr(self._stub, method)(
-                    request, timeout=min(self.timeout, _RECONNECT_S),
+                    request, timeout=_RECONNECT_S if timeout is None
+                    else min(timeout, _RECONNECT_S),
                     metadata=metadata, wait_for_ready=True)
             except grpc.RpcError as again:
                 gone = (grpc.StatusCode.UNAVAILABLE,
@@ -535,13 +539,15 @@ class Client:
         """_call for a call that changes nothing. Refused because the
         daemon's replies not yet read hold its memory bound (other callers'
         large reads at the same moment), it is sent again after a pause,
-        for up to the client's timeout."""
+        for up to the client's timeout in all."""
         deadline = None if self.timeout is None else \
             time.monotonic() + self.timeout
         pause = 0.05
         while True:
+            left = None if deadline is None else \
+                max(deadline - time.monotonic(), 0.001)
             try:
-                return self._call(method, request, admin=admin)
+                return self._call(method, request, admin=admin, timeout=left)
             except errors.ResourceExhaustedError as err:
                 if "replies not yet read" not in str(err) or (
                         deadline is not None and
