@@ -19,8 +19,12 @@
 // and fp8_mxfp8_bf16m (e4m3 weights, bf16 gradients), e.g.
 //   cuda_step_bench --only=fp8_tensor,fp8_1x128,fp8_128x128,fp8_mxfp8
 // whose bytes per parameter count the codes written once (the master is
-// read and written once; the requantization's second read of the master is
-// not counted: it is the cost the one-pass form would remove).
+// read and written once; a second read of the master, where per-tensor
+// scaling's predicted amax misses, is not counted). Their weights are
+// normal (sigma 1, e4m3 codes, scale inverses 1) and their gradients
+// normal (sigma 0.01), element by element, as a model's (--fp8_random=false:
+// the constant bytes above, every element alike, which no amax prediction can
+// miss).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -29,6 +33,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -36,6 +41,8 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
 #include "backends/cuda/cuda_backend.h"
+#include "backends/cuda/device_plan.h"
+#include "core/fp8.h"
 #include "core/layout.h"
 #include "core/session.h"
 #include "testing/ipc_trainer.h"
@@ -54,6 +61,9 @@ ABSL_FLAG(std::vector<std::string>, item_elements, {"0"},
           "Elements per plan item to time (0: the backend's default).");
 ABSL_FLAG(std::string, optimizer, "adamw",
           "The groups' optimizer: adamw, sgd (momentum 0.9) or lion.");
+ABSL_FLAG(bool, fp8_random, true,
+          "FP8 configurations: normal weights and gradients, element by "
+          "element (false: --grad_byte gradients and zero weights).");
 ABSL_FLAG(std::vector<std::string>, graphs, {"1"},
           "CudaBackendOptions::use_graphs values to time (0, 1).");
 
@@ -268,6 +278,55 @@ bool AllocateBuffers(IpcTrainer* trainer, const Config& c, uint64_t total,
   return true;
 }
 
+// Fills bytes [0, bytes) of trainer allocation `id` with value(i) for byte
+// i of each staging-sized chunk (the staging area's pattern repeats).
+template <typename Value>
+bool FillRepeating(IpcTrainer* trainer, int id, uint64_t bytes,
+                   uint64_t staging_bytes, Value value) {
+  for (uint64_t i = 0; i < staging_bytes; ++i) trainer->staging()[i] = value(i);
+  for (uint64_t at = 0; at < bytes; at += staging_bytes) {
+    const uint64_t n = std::min(staging_bytes, bytes - at);
+    if (!trainer->Upload(id, at, n, 0).ok()) {
+      std::fprintf(stderr, "trainer upload failed\n");
+      return false;
+    }
+  }
+  return true;
+}
+
+// An FP8 configuration's weights (e4m3 codes of normal values, sigma 1,
+// scale inverses 1) and bf16 gradients (normal, sigma 0.01), element by
+// element.
+bool FillFp8Random(IpcTrainer* trainer, const Config& c, const ConfigBuffers& b,
+                   uint64_t staging_bytes) {
+  // 1: fp32 1.0f, or MXFP8's e8m0 code 127.
+  const bool e8m0 = c.recipe == Fp8Recipe::kMxfp8;
+  if (!FillRepeating(trainer, b.scales.id, b.scale_bytes * c.tensors,
+                     staging_bytes, [e8m0](uint64_t i) -> uint8_t {
+                       if (e8m0) return 127;
+                       return i % 4 == 3 ? 0x3f : i % 4 == 2 ? 0x80 : 0;
+                     })) {
+    return false;
+  }
+  std::mt19937 rng(1);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<float> x(staging_bytes);
+  for (float& v : x) v = normal(rng);
+  const uint64_t n = b.per * c.tensors;
+  const bool params =
+      FillRepeating(trainer, b.params.id, n, staging_bytes,
+                    [&](uint64_t i) { return EncodeFp8<kE4M3>(x[i]); });
+  // bf16: the upper half of the fp32 bits (truncated; any value will do).
+  return params &&
+         FillRepeating(
+             trainer, b.grads.id, 2 * n, staging_bytes, [&](uint64_t i) {
+               uint32_t bits;
+               const float g = 0.01f * x[(i / 2 + 7919) % staging_bytes];
+               std::memcpy(&bits, &g, 4);
+               return static_cast<uint8_t>(bits >> (i % 2 ? 24 : 16));
+             });
+}
+
 // Bytes one step of configuration `c` must move per parameter: read grad,
 // state slots and master (or the parameter where the master is not a
 // separate fp32 copy), write them back. The same for every backend
@@ -405,6 +464,26 @@ void PrintResult(const ConfigRun& run, const std::string& mode,
   std::fflush(stdout);
 }
 
+// Per-tensor FP8 scaling: the steps whose encode pass read the masters
+// back (the amax prediction missed, or had no candidates yet), summed
+// over the group's tensors (cuda::Fp8Prediction).
+void PrintEncodePasses(Session& s) {
+  s.WithGroups([](const auto& groups) {
+    const cuda::DevicePlan* plan = cuda::PlanOf(*groups.at(0));
+    std::vector<cuda::Fp8Prediction> p(plan->fp8.size());
+    if (cudaMemcpy(p.data(), plan->fp8_predictions_d.data(),
+                   p.size() * sizeof(cuda::Fp8Prediction),
+                   cudaMemcpyDeviceToHost) != cudaSuccess) {
+      std::fprintf(stderr, "cannot read the amax predictions\n");
+      return;
+    }
+    uint64_t passes = 0;
+    for (const auto& t : p) passes += t.encode_passes;
+    std::printf("ENCODE_PASSES %llu over %zu tensors, all steps\n",
+                static_cast<unsigned long long>(passes), p.size());
+  });
+}
+
 // Registers the configuration's group on one backend variant and times
 // every --modes value there, a RESULT line each. False, said on stderr,
 // when the session cannot be opened or the group registered.
@@ -432,8 +511,12 @@ bool TimeOnBackend(const BackendVariant& variant, const GroupSpec& spec,
         TimeMode(s, StepsOfMode(mode), variant.options.step_records, steps);
     PrintResult(run, mode, variant.options, t);
   }
+  if (run.c.recipe == Fp8Recipe::kTensor) PrintEncodePasses(s);
   return true;
 }
+
+// The trainer's staging area: the period of FillFp8Random's values.
+constexpr uint64_t kStagingBytes = 16 << 20;
 
 int Run(IpcTrainer* trainer) {
   const uint64_t total = static_cast<uint64_t>(absl::GetFlag(FLAGS_params));
@@ -447,6 +530,11 @@ int Run(IpcTrainer* trainer) {
     if (!Selected(c)) continue;
     ConfigBuffers buffers;
     if (!AllocateBuffers(trainer, c, total, grad_byte, &buffers)) return 1;
+    if (c.recipe != Fp8Recipe::kNone && absl::GetFlag(FLAGS_fp8_random) &&
+        c.grad == DType::kBFloat16 &&
+        !FillFp8Random(trainer, c, buffers, kStagingBytes)) {
+      return 1;
+    }
     const uint64_t bpp = BytesPerParam(c, hyper);
     const double copy_ms = CopyMs(buffers.per * c.tensors * bpp / 2, 10);
     const GroupSpec spec = MakeGroupSpec(c, hyper, buffers);
@@ -465,7 +553,7 @@ int Run(IpcTrainer* trainer) {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  auto trainer = optimd::IpcTrainer::Start(0, 1 << 20);
+  auto trainer = optimd::IpcTrainer::Start(0, optimd::kStagingBytes);
   if (!trainer.ok()) return 1;
   const int rc = optimd::Run(trainer->get());
   trainer->reset();

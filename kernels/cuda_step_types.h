@@ -100,24 +100,55 @@ struct UnitTask {
   uint32_t unit;
 };
 
+// The candidates a per-tensor-scaled (kTensorAmax) parameter keeps for
+// the next step's amax.
+constexpr uint32_t kAmaxCandidates = 64;
+
+// A per-tensor-scaled parameter's predicted amax (AdamW's update only;
+// docs/fp8_parameters.md, "Fusion"). Before the update a kernel steps the
+// candidates (elements near the last amax) without storing them and takes
+// their largest magnitude; the update encodes every element with the scale
+// of that prediction, and the encode pass reads the masters back only
+// where the true amax (the update's atomic maximum) differs from it. The
+// codes are a function of the new masters and the amax's bits alone, so
+// the prediction decides only whether the second read happens, never the
+// bits. Zeroed with the plan.
+struct Fp8Prediction {
+  uint32_t amax;       // the predicted amax's bits
+  uint32_t predicted;  // 1: the update encodes with `amax`
+  // Candidates for the next step, elements whose new magnitude lies near
+  // the amax: found by the update [0] (near the prediction) and by the
+  // encode pass [1] (near the true amax). A count may pass
+  // kAmaxCandidates; only the first kAmaxCandidates are kept.
+  uint32_t count[2];
+  // Steps whose encode pass read the masters back (the tests' view of
+  // how often the prediction missed).
+  uint32_t encode_passes;
+  uint32_t pad;
+  uint64_t index[2][kAmaxCandidates];
+};
+
 // One FP8 parameter: its fp32 master, the trainer's codes and scale
 // inverses, its scaling units and how they are written. first_unit: the
 // units of the plan's FP8 parameters before it. amax: for the passes with
 // an encode pass (kTensorAmax, kElementAmax), one word per unit (the largest
 // magnitude's fp32 bits, a NaN's above every number's), zeroed before each
-// update; amax_first is its offset in the plan's amax words.
+// update; amax_first is its offset in the plan's amax words. prediction:
+// kTensorAmax parameters' (else null). first_item: the parameter's first
+// item in the plan.
 struct DeviceFp8Tensor {
   const float* master;
   uint8_t* param;
   void* scale_inv;
   uint32_t* amax;
+  Fp8Prediction* prediction;
   Fp8Geometry geometry;
   uint64_t first_unit;
   uint64_t amax_first;
   uint32_t e5m2;   // 1: float8_e5m2, 0: float8_e4m3fn
   uint32_t entry;  // the plan entry
   Fp8Pass pass;
-  uint32_t pad;
+  uint32_t first_item;
 };
 
 // Hyperparameters of a group for one step, passed in pinned memory.
@@ -196,6 +227,10 @@ struct Work {
   // Per plan entry, the group's applied steps in which the tensor had no
   // gradient (its own step number is t - missed[entry]).
   const uint32_t* missed;
+  // The update's (table 0's) FP8 parameters, num_fp8 of them: the amax
+  // prediction's work (Fp8Prediction).
+  const DeviceFp8Tensor* fp8;
+  uint32_t num_fp8;
 };
 
 // The steps of a session that the daemon let through without its trainer

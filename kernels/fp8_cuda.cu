@@ -30,22 +30,37 @@ __device__ __forceinline__ float ElementMultiplier(const DeviceFp8Tensor& t,
                            UnitStart(t.geometry, e));
 }
 
+// Where the update already encoded a per-tensor-scaled item with the
+// true amax (its prediction held): Fp8Encode's `from`.
+constexpr uint32_t kEncoded = kNoPrediction;
+
 // The walk's body. kPerTensor (every tensor of the launch has per-tensor
 // scaling, Fp8Pass::kTensorAmax): each item's multiplier once, in Prepare
 // (the tensor's first item writes the scale inverse), and nothing per
-// element but the encode, so the kernel fits the registers of eight
-// resident blocks a multiprocessor. Otherwise kElementAmax tensors, unit
-// by element; the one-pass tensors (kFused, kUnitWalk) are left alone.
+// element but the encode and the candidates for the next step's amax
+// prediction, so the kernel fits the registers of eight resident blocks a
+// multiprocessor; an item whose codes the update wrote from a prediction
+// equal to the true amax is left alone (Fp8Prediction). Otherwise
+// kElementAmax tensors, unit by element; the one-pass tensors (kFused,
+// kUnitWalk) are left alone.
 template <class P, bool kPerTensor>
 struct Fp8Encode {
-  float* mul;  // shared memory, one per item of the block
+  float* mul;      // shared memory, one per item of the block
+  uint32_t* from;  // shared memory: CandidateBits, or kEncoded
   __device__ void Prepare(const DeviceItem* cs, uint32_t n) {
     if (!kPerTensor || threadIdx.x >= n) return;
     const DeviceItem& c = cs[threadIdx.x];
     const DeviceFp8Tensor& t = Fp8Of(c);
+    const uint32_t amax = t.amax[0];
+    if (PredictedAmax(t) == amax) {
+      from[threadIdx.x] = kEncoded;
+      return;
+    }
+    from[threadIdx.x] = CandidateBits(amax);
+    const bool first = c.begin == 0 && c.end > c.begin;
     mul[threadIdx.x] =
-        UnitMultiplier<P>(t.geometry.recipe, t.amax[0], t.scale_inv, 0,
-                          c.begin == 0 && c.end > c.begin);
+        UnitMultiplier<P>(t.geometry.recipe, amax, t.scale_inv, 0, first);
+    if (first && t.prediction != nullptr) ++t.prediction->encode_passes;
   }
   // The multipliers of a lane's tile share at i (LoadTile's order).
   __device__ void TileMultipliers(const DeviceFp8Tensor& t, uint32_t k,
@@ -65,6 +80,7 @@ struct Fp8Encode {
   __device__ void Tile(const DeviceItem& c, uint32_t k, uint64_t i) {
     const DeviceFp8Tensor& t = Fp8Of(c);
     if (!kPerTensor && t.pass != Fp8Pass::kElementAmax) return;
+    if (kPerTensor && from[k] == kEncoded) return;
     float x[8], m[8];
     LoadF<8, F32>(c.master, i, x);
     TileMultipliers(t, k, i, m);
@@ -77,13 +93,24 @@ struct Fp8Encode {
     uint8_t* q = static_cast<uint8_t*>(c.param);
     *reinterpret_cast<uint32_t*>(q + i) = w[0];
     *reinterpret_cast<uint32_t*>(q + i + kTileElements / 2) = w[1];
+    if constexpr (kPerTensor) {
+      if (t.prediction == nullptr) return;
+      uint32_t bits[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) bits[j] = MagnitudeBits(x[j]);
+      AddTileCandidates(t.prediction, 1, i, 0xffu, bits, from[k]);
+    }
   }
   __device__ void Scalar(const DeviceItem& c, uint32_t k, uint64_t i) {
     const DeviceFp8Tensor& t = Fp8Of(c);
     if (!kPerTensor && t.pass != Fp8Pass::kElementAmax) return;
+    if (kPerTensor && from[k] == kEncoded) return;
+    const float x = static_cast<const float*>(c.master)[i];
     const float m = kPerTensor ? mul[k] : ElementMultiplier<P>(t, i);
-    static_cast<uint8_t*>(c.param)[i] =
-        Fp8Codec<P>::Encode(static_cast<const float*>(c.master)[i] * m);
+    static_cast<uint8_t*>(c.param)[i] = Fp8Codec<P>::Encode(x * m);
+    if (kPerTensor && t.prediction != nullptr && MagnitudeBits(x) >= from[k]) {
+      AddCandidate(t.prediction, 1, i);
+    }
   }
 };
 
@@ -96,7 +123,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 8)
                              const DeviceScalars* __restrict__ scalars) {
   if (scalars->skip) return;
   __shared__ float mul[kMaxItemsPerBlock];
-  Fp8Encode<P, true> body{mul};
+  __shared__ uint32_t from[kMaxItemsPerBlock];
+  Fp8Encode<P, true> body{mul, from};
   Walk(work, body);
 }
 
@@ -105,7 +133,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
     Fp8EncodeKernel(const Work work,
                     const DeviceScalars* __restrict__ scalars) {
   if (scalars->skip) return;
-  Fp8Encode<P, false> body{nullptr};
+  Fp8Encode<P, false> body{nullptr, nullptr};
   Walk(work, body);
 }
 

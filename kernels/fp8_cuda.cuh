@@ -128,21 +128,122 @@ __device__ __forceinline__ void RecordAmax(const DeviceFp8Tensor& t,
   }
 }
 
+// A parameter without a predicted amax this step (Fp8Prediction): no
+// magnitude's bits are this large.
+constexpr uint32_t kNoPrediction = 0xffffffffu;
+
+// The amax bits that the update of t encodes with: its prediction's, or
+// kNoPrediction.
+__device__ __forceinline__ uint32_t PredictedAmax(const DeviceFp8Tensor& t) {
+  const Fp8Prediction* pr = t.prediction;
+  return pr != nullptr && pr->predicted ? pr->amax : kNoPrediction;
+}
+
+// The bits from which a new master is a candidate for the next step's
+// amax prediction, given this step's amax bits: within 1/16 of it, a
+// margin above what a step moves the largest weight.
+__device__ __forceinline__ uint32_t CandidateBits(uint32_t amax_bits) {
+  return MagnitudeBits(__uint_as_float(amax_bits) * 0.9375f);
+}
+
+// Keeps element `index` in candidate list `list` of pr while it has room
+// (one thread alone; a full list takes no atomic).
+__device__ __forceinline__ void AddCandidate(Fp8Prediction* pr, int list,
+                                             uint64_t index) {
+  if (*static_cast<volatile uint32_t*>(&pr->count[list]) >= kAmaxCandidates) {
+    return;
+  }
+  const uint32_t slot = atomicAdd(&pr->count[list], 1u);
+  if (slot < kAmaxCandidates) pr->index[list][slot] = index;
+}
+
+// The candidates among a lane's tile elements (element j at base + j, or
+// base + kTileHalf + j - 4 for j >= 4, as LoadTile lays them out): those
+// of `valid` (bit j) whose bits reach `from`, by the whole warp. One atomic
+// a warp for all its candidates, none once the list is full: a tensor
+// whose elements are all alike (a norm's ones) makes every element one.
+__device__ __forceinline__ void AddTileCandidates(Fp8Prediction* pr, int list,
+                                                  uint64_t base, uint32_t valid,
+                                                  const uint32_t* bits,
+                                                  uint32_t from) {
+  uint32_t mine = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    if (bits[j] >= from) mine |= 1u << j;
+  }
+  mine &= valid;
+  if (__ballot_sync(0xffffffffu, mine != 0) == 0) return;
+  const uint32_t lane = threadIdx.x & 31;
+  const uint32_t n = __popc(mine);
+  uint32_t through = n;  // the candidates of lanes 0..lane
+#pragma unroll
+  for (uint32_t o = 1; o < 32; o <<= 1) {
+    const uint32_t below = __shfl_up_sync(0xffffffffu, through, o);
+    if (lane >= o) through += below;
+  }
+  uint32_t first = kAmaxCandidates;
+  if (lane == 31) {
+    uint32_t* count = &pr->count[list];
+    if (*static_cast<volatile uint32_t*>(count) < kAmaxCandidates) {
+      first = atomicAdd(count, through);
+    }
+  }
+  uint32_t slot = __shfl_sync(0xffffffffu, first, 31) + (through - n);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    if ((mine >> j & 1u) == 0) continue;
+    if (slot < kAmaxCandidates) {
+      pr->index[list][slot] = base + (j < 4 ? j : kTileHalf + j - 4);
+    }
+    ++slot;
+  }
+}
+
+// A per-tensor-scaled warp block's codes from the predicted amax (the
+// update's, for the encode pass to leave alone where the true amax is the
+// same), and its candidates for the next prediction. The block at the
+// tensor's start writes the scale inverse.
+template <class P>
+__device__ __forceinline__ void EncodePredicted(const DeviceFp8Tensor& t,
+                                                uint64_t first, uint32_t n,
+                                                bool vector, const float* p,
+                                                const uint32_t* bits,
+                                                uint32_t predicted) {
+  const uint32_t lane = threadIdx.x & 31;
+  const float mul = UnitMultiplier<P>(t.geometry.recipe, predicted, t.scale_inv,
+                                      0, first == 0 && lane == 0);
+  uint8_t codes[8];
+  uint32_t valid = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    codes[j] = Fp8Codec<P>::Encode(p[j] * mul);
+    if (Block8Offset(j) < n) valid |= 1u << j;
+  }
+  StoreCodes(t.param, first, n, vector, codes);
+  AddTileCandidates(t.prediction, 0, first + 4 * lane, valid, bits,
+                    CandidateBits(predicted));
+}
+
 // After the update of a warp block of an FP8 parameter's item c (n valid
 // elements from `first`, the lanes' new masters in p, 0 where invalid):
 // its codes and scale inverses (kFused), or its units' amax (item_amax:
-// the item's shared word, see RecordAmax).
+// the item's shared word, see RecordAmax) and, with a predicted amax
+// (`predicted`, else kNoPrediction), the codes from it.
 template <class P>
 __device__ __forceinline__ void Fp8AfterUpdate(const DeviceItem& c,
                                                uint64_t first, uint32_t n,
                                                bool vector, const float* p,
-                                               uint32_t* item_amax) {
+                                               uint32_t* item_amax,
+                                               uint32_t predicted) {
   const DeviceFp8Tensor& t = Fp8Of(c);
   uint32_t bits[8];
 #pragma unroll
   for (int j = 0; j < 8; ++j) bits[j] = MagnitudeBits(p[j]);
   if (HasEncodePass(t.pass)) {
     RecordAmax(t, first, n, bits, item_amax);
+    if (predicted != kNoPrediction) {
+      EncodePredicted<P>(t, first, n, vector, p, bits, predicted);
+    }
   } else if (t.pass == Fp8Pass::kUnitWalk) {
     return;  // walked by unit (WalkUnit), never by item
   } else if (t.geometry.recipe == Fp8Recipe::kMxfp8) {

@@ -87,13 +87,13 @@ void AppendFp8(const Plan& host, const std::vector<uint32_t>& items,
     t.first_unit = units;
     t.e5m2 = host.layouts[item.entry].param_dtype == DType::kFloat8E5M2;
     t.entry = item.entry;
+    t.first_item = plan->entry_items[item.entry].first;
     t.pass = ChooseFp8Pass(p.fp8, ItemStep(host, items, item.entry));
     t.amax_first = plan->fp8_amax_words;
     if (HasEncodePass(t.pass)) plan->fp8_amax_words += p.fp8.Units();
     if (t.pass == Fp8Pass::kUnitWalk) {
-      const uint32_t first_item = plan->entry_items[item.entry].first;
       for (uint64_t u = 0; u < p.fp8.Units(); ++u) {
-        plan->unit_tasks.push_back({first_item, static_cast<uint32_t>(u)});
+        plan->unit_tasks.push_back({t.first_item, static_cast<uint32_t>(u)});
       }
     }
     plan->fp8.push_back(t);
@@ -303,6 +303,9 @@ Work LaunchWork(const DevicePlan& plan, const Launch& launch, int table) {
                  launch.first_unit_task;
   w.items = reinterpret_cast<const DeviceItem*>(plan.items_d.data());
   w.missed = reinterpret_cast<const uint32_t*>(plan.missed_d.data());
+  w.fp8 = reinterpret_cast<const DeviceFp8Tensor*>(plan.fp8_d.data()) +
+          launch.fp8_first;
+  w.num_fp8 = table == 0 ? launch.fp8_count : 0;
   return w;
 }
 

@@ -89,6 +89,9 @@ struct DevicePlan : BackendPlan {
   StateStorage fp8_d;
   uint64_t fp8_amax_words = 0;
   StateStorage fp8_amax_d;
+  // One Fp8Prediction per kTensorAmax parameter (DeviceFp8Tensor::
+  // prediction), zeroed: kept from step to step for the plan's life.
+  StateStorage fp8_predictions_d;
   // One per unit of each kUnitWalk parameter, in launch order
   // (Launch::first_unit_task), and their device copy.
   std::vector<UnitTask> unit_tasks;

@@ -26,9 +26,10 @@ absl::Status UploadRows(cudaStream_t stream, const std::vector<T>& host,
   return absl::OkStatus();
 }
 
-// Allocates the FP8 parameters' table and amax words, points each FP8
-// parameter at its amax words and each of its items at its table row, and
-// uploads the table and the unit tasks (the items follow in UploadPlan).
+// Allocates the FP8 parameters' table, amax words and amax predictions,
+// points each FP8 parameter at its words and each of its items at its
+// table row, and uploads the table and the unit tasks (the items follow in
+// UploadPlan).
 absl::Status UploadFp8(int device, cudaStream_t stream, DevicePlan& plan) {
   OPTIMD_ASSIGN_OR_RETURN(
       plan.fp8_d, DeviceAlloc(device, std::max<uint64_t>(1, plan.fp8.size()) *
@@ -39,11 +40,23 @@ absl::Status UploadFp8(int device, cudaStream_t stream, DevicePlan& plan) {
                               sizeof(uint32_t)));
   OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(plan.fp8_amax_d.data(), 0,
                                               plan.fp8_amax_d.size(), stream));
+  const uint64_t predictions = std::count_if(
+      plan.fp8.begin(), plan.fp8.end(),
+      [](const auto& t) { return t.pass == Fp8Pass::kTensorAmax; });
+  OPTIMD_ASSIGN_OR_RETURN(
+      plan.fp8_predictions_d,
+      DeviceAlloc(device,
+                  std::max<uint64_t>(1, predictions) * sizeof(Fp8Prediction)));
+  OPTIMD_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(
+      plan.fp8_predictions_d.data(), 0, plan.fp8_predictions_d.size(), stream));
   auto* rows_d = reinterpret_cast<DeviceFp8Tensor*>(plan.fp8_d.data());
   auto* amax_d = reinterpret_cast<uint32_t*>(plan.fp8_amax_d.data());
+  auto* prediction_d =
+      reinterpret_cast<Fp8Prediction*>(plan.fp8_predictions_d.data());
   for (size_t f = 0; f < plan.fp8.size(); ++f) {
     DeviceFp8Tensor& t = plan.fp8[f];
     t.amax = HasEncodePass(t.pass) ? amax_d + t.amax_first : nullptr;
+    t.prediction = t.pass == Fp8Pass::kTensorAmax ? prediction_d++ : nullptr;
     const auto [first, end] = plan.entry_items[t.entry];
     for (uint32_t c = first; c < end; ++c) plan.items[c].scales = rows_d + f;
   }

@@ -21,9 +21,10 @@ namespace {
 
 // State slots: exp_avg, exp_avg_sq, max_exp_avg_sq (amsgrad).
 // The new weights are left in p[0 .. N). N == 8: a tile lane's elements,
-// the second four at i + half (LoadTile).
+// the second four at i + half (LoadTile). Without kStore nothing is
+// written (the FP8 amax prediction's look ahead).
 template <int N, class P, class G, class M, MasterKind K, bool kAms,
-          bool kAdamW>
+          bool kAdamW, bool kStore = true>
 __device__ __forceinline__ void UpdateN(const DeviceItem& t, uint64_t i,
                                         const DeviceScalars& s,
                                         const BiasScalars& b, float* p,
@@ -41,6 +42,7 @@ __device__ __forceinline__ void UpdateN(const DeviceItem& t, uint64_t i,
   for (int k = 0; k < N; ++k) {
     p[k] = AdamWElement<kAms, kAdamW>(g[k], p[k], m[k], v[k], x[k], e, div_bc2);
   }
+  if constexpr (!kStore) return;
   StoreF<N, M>(t.state[0], i, m, half);
   StoreF<N, M>(t.state[1], i, v, half);
   if constexpr (kAms) StoreF<N, M>(t.state[2], i, x, half);
@@ -93,9 +95,14 @@ struct Update : ItemBias {
 template <class P, class G, class M, bool kAms, bool kAdamW>
 struct UpdateFp8 : ItemBias {
   uint32_t* item_amax;  // shared memory, one per item of the block
+  // Shared memory, one per item: its tensor's predicted amax bits, or
+  // kNoPrediction (PredictedAmax).
+  uint32_t* item_predicted;
   __device__ void Prepare(const DeviceItem* cs, uint32_t n) {
     ItemBias::Prepare(cs, n);
-    if (threadIdx.x < n) item_amax[threadIdx.x] = 0;
+    if (threadIdx.x >= n) return;
+    item_amax[threadIdx.x] = 0;
+    item_predicted[threadIdx.x] = PredictedAmax(Fp8Of(cs[threadIdx.x]));
   }
   __device__ void Finish(const DeviceItem* cs, uint32_t n) {
     FinishItemAmax(cs, n, item_amax);
@@ -118,7 +125,7 @@ struct UpdateFp8 : ItemBias {
         }
       }
     }
-    Fp8AfterUpdate<P>(c, first, n, vector, p, item_amax + k);
+    Fp8AfterUpdate<P>(c, first, n, vector, p, item_amax + k, item_predicted[k]);
   }
 };
 
@@ -512,8 +519,58 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 4)
   if (s.skip) return;
   __shared__ BiasScalars bias[kMaxItemsPerBlock];
   __shared__ uint32_t item_amax[kMaxItemsPerBlock];
-  UpdateFp8<P, G, M, kAms, kAdamW> body{{s, work.missed, bias}, item_amax};
+  __shared__ uint32_t item_predicted[kMaxItemsPerBlock];
+  UpdateFp8<P, G, M, kAms, kAdamW> body{
+      {s, work.missed, bias}, item_amax, item_predicted};
   WalkBlocks8(work, body);
+}
+
+// The predicted amax of each per-tensor-scaled FP8 parameter of the
+// launch (Fp8Prediction), before its update: a thread block per FP8
+// parameter of work.fp8, a thread per candidate, each stepped as the
+// update will step it but nothing stored; then the candidate lists are
+// emptied for the update and the encode pass to fill again. A parameter
+// without a gradient this step is not stepped and keeps its lists.
+template <class P, class G, class M, bool kAms, bool kAdamW>
+__global__ void __launch_bounds__(2 * kAmaxCandidates)
+    AdamWFp8PredictKernel(const Work work,
+                          const DeviceScalars* __restrict__ scalars) {
+  const DeviceScalars s = *scalars;
+  const DeviceFp8Tensor& t = work.fp8[blockIdx.x];
+  Fp8Prediction* pr = t.prediction;
+  if (s.skip || pr == nullptr) return;
+  const DeviceItem& c = work.items[t.first_item];
+  if (c.grad == nullptr) return;
+  const uint32_t list = threadIdx.x / kAmaxCandidates;
+  const uint32_t slot = threadIdx.x % kAmaxCandidates;
+  const uint64_t index = pr->index[list][slot];
+  uint32_t bits = 0;
+  const bool found =
+      slot < pr->count[list] && index < t.geometry.rows * t.geometry.cols;
+  if (found) {
+    float p;
+    UpdateN<1, P, G, M, MasterKind::kFp32, kAms, kAdamW, false>(
+        c, index, s, BiasOf(s, work.missed[c.entry]), &p);
+    bits = MagnitudeBits(p);
+  }
+  constexpr uint32_t kWarps = 2 * kAmaxCandidates / 32;
+  __shared__ uint32_t warp_max[kWarps], warp_found[kWarps];
+  const uint32_t m = __reduce_max_sync(0xffffffffu, bits);
+  const uint32_t any = __reduce_or_sync(0xffffffffu, found ? 1u : 0u);
+  if ((threadIdx.x & 31) == 0) {
+    warp_max[threadIdx.x >> 5] = m;
+    warp_found[threadIdx.x >> 5] = any;
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  uint32_t amax = 0, predicted = 0;
+  for (uint32_t w = 0; w < kWarps; ++w) {
+    amax = max(amax, warp_max[w]);
+    predicted |= warp_found[w];
+  }
+  pr->amax = amax;
+  pr->predicted = predicted;
+  pr->count[0] = pr->count[1] = 0;
 }
 
 // The update of one unit of a kUnitWalk FP8 parameter (WalkUnit,
@@ -619,10 +676,17 @@ struct AdamWLaunch {
         <<<work.num_blocks, kThreadsPerBlock, 0, stream>>>(work, scalars);
     return LaunchStatus("AdamW block8 kernel launch");
   }
-  // The item walk, then the unit walk (Fp8Pass::kUnitWalk), each where
-  // it has work.
+  // The amax prediction (per-tensor scaling), the item walk, then the
+  // unit walk (Fp8Pass::kUnitWalk), each where it has work.
   template <class P, class G, class M, bool kAms, bool kAdamW>
   absl::Status GoFp8() {
+    if (layout.fp8_recipe == Fp8Recipe::kTensor && work.num_fp8 > 0) {
+      AdamWFp8PredictKernel<P, G, M, kAms, kAdamW>
+          <<<work.num_fp8, 2 * kAmaxCandidates, 0, stream>>>(work, scalars);
+      const absl::Status launched =
+          LaunchStatus("AdamW FP8 amax prediction kernel launch");
+      if (!launched.ok()) return launched;
+    }
     if (work.num_blocks > 0) {
       AdamWFp8Kernel<P, G, M, kAms, kAdamW>
           <<<work.num_blocks, kThreadsPerBlock, 0, stream>>>(work, scalars);
