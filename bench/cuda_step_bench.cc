@@ -64,6 +64,10 @@ ABSL_FLAG(std::string, optimizer, "adamw",
 ABSL_FLAG(bool, fp8_random, true,
           "FP8 configurations: normal weights and gradients, element by "
           "element (false: --grad_byte gradients and zero weights).");
+ABSL_FLAG(bool, fp8_uniform, false,
+          "With --fp8_random: weights uniform in [-1, 1] (a flat top, as "
+          "torch's default initialization of a Linear layer) instead of "
+          "normal.");
 ABSL_FLAG(std::vector<std::string>, graphs, {"1"},
           "CudaBackendOptions::use_graphs values to time (0, 1).");
 
@@ -310,8 +314,10 @@ bool FillFp8Random(IpcTrainer* trainer, const Config& c, const ConfigBuffers& b,
   }
   std::mt19937 rng(1);
   std::normal_distribution<float> normal(0.f, 1.f);
+  std::uniform_real_distribution<float> uniform(-1.f, 1.f);
+  const bool flat = absl::GetFlag(FLAGS_fp8_uniform);
   std::vector<float> x(staging_bytes);
-  for (float& v : x) v = normal(rng);
+  for (float& v : x) v = flat ? uniform(rng) : normal(rng);
   const uint64_t n = b.per * c.tensors;
   const bool params =
       FillRepeating(trainer, b.params.id, n, staging_bytes,

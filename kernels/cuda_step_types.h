@@ -124,9 +124,26 @@ struct Fp8Prediction {
   // Steps whose encode pass read the masters back (the tests' view of
   // how often the prediction missed).
   uint32_t encode_passes;
-  uint32_t pad;
+  // 1 when this step's encode pass read the masters back (set by it, taken
+  // by the next prediction), and the steps in a row that did: after two,
+  // the update encodes from a prediction only every kRetryEvery steps,
+  // since a wrong one costs the codes' write besides the read.
+  uint32_t read_back;
+  uint32_t misses;
+  // The candidates' band, below the amax by amax / 2^(4 + narrow):
+  // narrowed while more than kAmaxCandidates elements lie in it (a flat
+  // top, as a uniform initialization's), so that the list keeps the
+  // largest rather than the first to arrive; widened again below a
+  // quarter of that.
+  uint32_t narrow;
   uint64_t index[2][kAmaxCandidates];
 };
+
+// After two steps in a row whose prediction missed, the update encodes
+// from a prediction again every this many steps (Fp8Prediction::misses).
+constexpr uint32_t kRetryEvery = 16;
+// The narrowest candidate band (Fp8Prediction::narrow).
+constexpr uint32_t kMaxNarrow = 20;
 
 // One FP8 parameter: its fp32 master, the trainer's codes and scale
 // inverses, its scaling units and how they are written. first_unit: the

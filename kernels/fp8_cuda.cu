@@ -56,11 +56,15 @@ struct Fp8Encode {
       from[threadIdx.x] = kEncoded;
       return;
     }
-    from[threadIdx.x] = CandidateBits(amax);
+    Fp8Prediction* pr = t.prediction;
+    from[threadIdx.x] = CandidateBits(amax, pr != nullptr ? pr->narrow : 0);
     const bool first = c.begin == 0 && c.end > c.begin;
     mul[threadIdx.x] =
         UnitMultiplier<P>(t.geometry.recipe, amax, t.scale_inv, 0, first);
-    if (first && t.prediction != nullptr) ++t.prediction->encode_passes;
+    if (first && pr != nullptr) {
+      ++pr->encode_passes;
+      pr->read_back = 1;
+    }
   }
   // The multipliers of a lane's tile share at i (LoadTile's order).
   __device__ void TileMultipliers(const DeviceFp8Tensor& t, uint32_t k,

@@ -140,10 +140,13 @@ __device__ __forceinline__ uint32_t PredictedAmax(const DeviceFp8Tensor& t) {
 }
 
 // The bits from which a new master is a candidate for the next step's
-// amax prediction, given this step's amax bits: within 1/16 of it, a
-// margin above what a step moves the largest weight.
-__device__ __forceinline__ uint32_t CandidateBits(uint32_t amax_bits) {
-  return MagnitudeBits(__uint_as_float(amax_bits) * 0.9375f);
+// amax prediction, given this step's amax bits: within amax / 2^(4 +
+// narrow) of it (Fp8Prediction::narrow; 1/16 at most, a margin above what
+// a step moves the largest weight).
+__device__ __forceinline__ uint32_t CandidateBits(uint32_t amax_bits,
+                                                  uint32_t narrow) {
+  const float a = __uint_as_float(amax_bits);
+  return MagnitudeBits(a - ldexpf(a, -4 - static_cast<int>(narrow)));
 }
 
 // Keeps element `index` in candidate list `list` of pr while it has room
@@ -221,7 +224,7 @@ __device__ __forceinline__ void EncodePredicted(const DeviceFp8Tensor& t,
   }
   StoreCodes(t.param, first, n, vector, codes);
   AddTileCandidates(t.prediction, 0, first + 4 * lane, valid, bits,
-                    CandidateBits(predicted));
+                    CandidateBits(predicted, t.prediction->narrow));
 }
 
 // After the update of a warp block of an FP8 parameter's item c (n valid

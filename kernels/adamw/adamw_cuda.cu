@@ -525,6 +525,22 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 4)
   WalkBlocks8(work, body);
 }
 
+// Takes the last step's outcome into pr's miss count and candidate band
+// (Fp8Prediction::misses, narrow); whether the update is to encode from
+// this step's prediction. By pr's one thread, before its lists are
+// emptied.
+__device__ __forceinline__ bool KeepsPredicting(Fp8Prediction* pr) {
+  pr->misses = pr->read_back ? pr->misses + 1 : 0;
+  pr->read_back = 0;
+  const uint32_t found = max(pr->count[0], pr->count[1]);
+  if (found > kAmaxCandidates && pr->narrow < kMaxNarrow) {
+    ++pr->narrow;
+  } else if (found < kAmaxCandidates / 4 && pr->narrow > 0) {
+    --pr->narrow;
+  }
+  return pr->misses < 2 || pr->misses % kRetryEvery == 0;
+}
+
 // The predicted amax of each per-tensor-scaled FP8 parameter of the
 // launch (Fp8Prediction), before its update: a thread block per FP8
 // parameter of work.fp8, a thread per candidate, each stepped as the
@@ -563,13 +579,13 @@ __global__ void __launch_bounds__(2 * kAmaxCandidates)
   }
   __syncthreads();
   if (threadIdx.x != 0) return;
-  uint32_t amax = 0, predicted = 0;
+  uint32_t amax = 0, found_any = 0;
   for (uint32_t w = 0; w < kWarps; ++w) {
     amax = max(amax, warp_max[w]);
-    predicted |= warp_found[w];
+    found_any |= warp_found[w];
   }
   pr->amax = amax;
-  pr->predicted = predicted;
+  pr->predicted = found_any && KeepsPredicting(pr);
   pr->count[0] = pr->count[1] = 0;
 }
 
