@@ -41,10 +41,10 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
 #include "backends/cuda/cuda_backend.h"
-#include "backends/cuda/device_plan.h"
 #include "core/fp8.h"
 #include "core/layout.h"
 #include "core/session.h"
+#include "testing/fp8_predictions.h"
 #include "testing/ipc_trainer.h"
 
 ABSL_FLAG(double, params, 1e9, "Parameters per configuration.");
@@ -474,20 +474,15 @@ void PrintResult(const ConfigRun& run, const std::string& mode,
 // back (the amax prediction missed, or had no candidates yet), summed
 // over the group's tensors (cuda::Fp8Prediction).
 void PrintEncodePasses(Session& s) {
-  s.WithGroups([](const auto& groups) {
-    const cuda::DevicePlan* plan = cuda::PlanOf(*groups.at(0));
-    std::vector<cuda::Fp8Prediction> p(plan->fp8.size());
-    if (cudaMemcpy(p.data(), plan->fp8_predictions_d.data(),
-                   p.size() * sizeof(cuda::Fp8Prediction),
-                   cudaMemcpyDeviceToHost) != cudaSuccess) {
-      std::fprintf(stderr, "cannot read the amax predictions\n");
-      return;
-    }
-    uint64_t passes = 0;
-    for (const auto& t : p) passes += t.encode_passes;
-    std::printf("ENCODE_PASSES %llu over %zu tensors, all steps\n",
-                static_cast<unsigned long long>(passes), p.size());
-  });
+  const auto p = ReadFp8Predictions(s);
+  if (!p.ok()) {
+    std::fprintf(stderr, "%s\n", p.status().ToString().c_str());
+    return;
+  }
+  uint64_t passes = 0;
+  for (const auto& t : *p) passes += t.encode_passes;
+  std::printf("ENCODE_PASSES %llu over %zu tensors, all steps\n",
+              static_cast<unsigned long long>(passes), p->size());
 }
 
 // Registers the configuration's group on one backend variant and times

@@ -24,7 +24,6 @@
 #include <thread>
 
 #include "backends/cpu/cpu_backend.h"
-#include "backends/cuda/device_plan.h"
 #include "backends/cuda/ipc_mapping.h"
 #include "backends/cuda/mapping_reaper.h"
 #include "client/shm_tensor.h"
@@ -35,6 +34,7 @@
 #include "core/session_registry.h"
 #include "gtest/gtest.h"
 #include "kernels/adamw/adamw_cpu.h"
+#include "testing/fp8_predictions.h"
 #include "testing/ipc_trainer.h"
 
 namespace optimd {
@@ -631,22 +631,6 @@ TEST_F(CudaBackendTest, Fp8ParametersMatchTheCpuReferenceBitForBit) {
   }
 }
 
-// The amax predictions of the per-tensor-scaled FP8 parameters of the
-// session's only group, in plan order (cuda::Fp8Prediction).
-std::vector<cuda::Fp8Prediction> AmaxPredictions(Session& session) {
-  return session.WithGroups([](const auto& groups) {
-    const cuda::DevicePlan* plan = cuda::PlanOf(*groups.at(0));
-    std::vector<cuda::Fp8Prediction> out(std::count_if(
-        plan->fp8.begin(), plan->fp8.end(),
-        [](const auto& t) { return t.pass == cuda::Fp8Pass::kTensorAmax; }));
-    EXPECT_EQ(cudaMemcpy(out.data(), plan->fp8_predictions_d.data(),
-                         out.size() * sizeof(cuda::Fp8Prediction),
-                         cudaMemcpyDeviceToHost),
-              cudaSuccess);
-    return out;
-  });
-}
-
 // Per-tensor-scaled FP8 parameters whose update encodes from a predicted
 // amax: with a small learning rate the largest weight stays among the
 // candidates, so after the first step (no candidates yet) the encode pass
@@ -681,8 +665,9 @@ TEST_F(CudaBackendTest, Fp8PerTensorAmaxPredictionKeepsTheBits) {
         twin.FillGrads(/*poison=*/step == 3);
         twin.Step(StepRequestSpec(), /*exact=*/true);
       }
-      const std::vector<cuda::Fp8Prediction> p =
-          AmaxPredictions(twin.gpu_session());
+      const auto read = ReadFp8Predictions(twin.gpu_session());
+      ASSERT_TRUE(read.ok()) << read.status();
+      const std::vector<cuda::Fp8Prediction>& p = *read;
       ASSERT_EQ(p.size(), ts.size());
       uint32_t passes = 0;
       for (size_t f = 0; f < p.size(); ++f) {
