@@ -51,8 +51,7 @@ __device__ __forceinline__ void BarrierInit(uint64_t* bar) {
 
 __device__ __forceinline__ void ExpectBytes(uint64_t* bar, uint32_t bytes) {
   asm volatile(
-      "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
-          Smem(bar)),
+      "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(Smem(bar)),
       "r"(bytes));
 }
 
