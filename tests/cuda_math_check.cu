@@ -89,7 +89,8 @@ __device__ uint32_t Partner(uint32_t u) { return __brev(u) ^ 0x5a5a5a5au; }
 // The hardware's pair of block8 exp_avg codes against Block8Encode<true>,
 // the CPU's, for every float x paired with another (Partner(x)), in blocks
 // of three multipliers: the identity (x itself is the unit), one that
-// scales by less than 1, and a subnormal scale's (pre 2^64).
+// scales by less than 1, and a subnormal scale's (pre 2^64); and
+// EncodeSigned8x2Finite's for the finite pairs.
 struct Signed8Check {
   __device__ bool operator()(uint32_t u) const {
     const float x = __uint_as_float(u), y = __uint_as_float(Partner(u));
@@ -98,6 +99,19 @@ struct Signed8Check {
     for (const Block8Multiplier& k : ks) {
       const uint32_t pair = cuda::EncodeSigned8x2(x, y, k.pre, k.mul);
       if ((pair & 0xffu) != Block8Encode<true>(x, k) ||
+          (pair >> 8) != Block8Encode<true>(y, k)) {
+        return false;
+      }
+    }
+    // The finite form, for finite x and y in blocks of finite scales of
+    // 2^-64 and above (pre 1): the identity, 1.3's, and one whose
+    // multiplier sends most floats past 1.
+    if (!isfinite(x) || !isfinite(y)) return true;
+    const Block8Multiplier finite[3] = {
+        {1.0f, 1.0f}, Block8MultiplierOf(1.3f), Block8MultiplierOf(1e-19f)};
+    for (const Block8Multiplier& k : finite) {
+      const uint32_t pair = cuda::EncodeSigned8x2Finite(x, y, k.mul);
+      if (k.pre != 1.0f || (pair & 0xffu) != Block8Encode<true>(x, k) ||
           (pair >> 8) != Block8Encode<true>(y, k)) {
         return false;
       }

@@ -62,7 +62,8 @@ MathCheck CheckPackedPairs();
 
 // Compares EncodeSigned8x2 (kernels/cuda_math.cuh) with Block8Encode<true>
 // (core/block8.h) for every float x paired with another float y (a bit
-// permutation of x), both bytes, under three block multipliers.
+// permutation of x), both bytes, under three block multipliers, and
+// EncodeSigned8x2Finite for the finite pairs under three others.
 MathCheck CheckSigned8Pairs();
 
 }  // namespace testing

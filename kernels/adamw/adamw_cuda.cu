@@ -285,10 +285,11 @@ struct UpdateBlock8 : ItemBias {
   }
 
   // The codes of the lane's new moments under multipliers km and kv:
-  // Block8Encode's, exp_avg's two at a time by one conversion instruction;
-  // with kVNormal (VCodesNormal, and km.pre = kv.pre = 1) exp_avg_sq's by
-  // EncodeUnsigned8Normal.
-  template <bool kVNormal>
+  // Block8Encode's, exp_avg's two at a time by one conversion instruction.
+  // With kNormal (km.pre = kv.pre = 1, VCodesNormal, and the block's new
+  // exp_avg scale finite, so every exp_avg is) exp_avg's by
+  // EncodeSigned8x2Finite and exp_avg_sq's by EncodeUnsigned8Normal.
+  template <bool kNormal>
   __device__ __forceinline__ static void EncodeLane(const float* m,
                                                     const float* v,
                                                     Block8Multiplier km,
@@ -296,13 +297,15 @@ struct UpdateBlock8 : ItemBias {
                                                     uint8_t* mq, uint8_t* vq) {
 #pragma unroll
     for (int j = 0; j < 8; j += 2) {
-      const uint32_t pair = EncodeSigned8x2(m[j], m[j + 1], km.pre, km.mul);
+      const uint32_t pair =
+          kNormal ? EncodeSigned8x2Finite(m[j], m[j + 1], km.mul)
+                  : EncodeSigned8x2(m[j], m[j + 1], km.pre, km.mul);
       mq[j] = static_cast<uint8_t>(pair);
       mq[j + 1] = static_cast<uint8_t>(pair >> 8);
 #pragma unroll
       for (int i = j; i < j + 2; ++i) {
-        vq[i] = kVNormal ? EncodeUnsigned8Normal(__fmul_rn(v[i], kv.mul))
-                         : Block8Encode<false>(v[i], kv);
+        vq[i] = kNormal ? EncodeUnsigned8Normal(__fmul_rn(v[i], kv.mul))
+                        : Block8Encode<false>(v[i], kv);
       }
     }
   }
@@ -417,7 +420,7 @@ struct UpdateBlock8 : ItemBias {
     // but those of gradients near zero) take the codes without the
     // multiplication by pre = 1, which changes no bit.
     if (km.pre == 1.0f && kv.pre == 1.0f) {
-      if (w.codes_normal) {
+      if (w.codes_normal && isfinite(new_sm)) {
         EncodeLane<true>(m, v, {1.0f, km.mul}, {1.0f, kv.mul}, mq, vq);
       } else {
         EncodeLane<false>(m, v, {1.0f, km.mul}, {1.0f, kv.mul}, mq, vq);
