@@ -94,14 +94,15 @@ __device__ uint32_t Partner(uint32_t u) { return __brev(u) ^ 0x5a5a5a5au; }
 struct Signed8Check {
   __device__ bool operator()(uint32_t u) const {
     const float x = __uint_as_float(u), y = __uint_as_float(Partner(u));
+    // Both bytes of `pair` are the CPU's codes of x and y under k.
+    const auto same = [x, y](uint32_t pair, const Block8Multiplier& k) {
+      return (pair & 0xffu) == Block8Encode<true>(x, k) &&
+             (pair >> 8) == Block8Encode<true>(y, k);
+    };
     const Block8Multiplier ks[3] = {
         {1.0f, 1.0f}, Block8MultiplierOf(1.3f), Block8MultiplierOf(3e-39f)};
     for (const Block8Multiplier& k : ks) {
-      const uint32_t pair = cuda::EncodeSigned8x2(x, y, k.pre, k.mul);
-      if ((pair & 0xffu) != Block8Encode<true>(x, k) ||
-          (pair >> 8) != Block8Encode<true>(y, k)) {
-        return false;
-      }
+      if (!same(cuda::EncodeSigned8x2(x, y, k.pre, k.mul), k)) return false;
     }
     // The finite form, for finite x and y in blocks of finite scales of
     // 2^-64 and above (pre 1): the identity, 1.3's, and one whose
@@ -110,9 +111,7 @@ struct Signed8Check {
     const Block8Multiplier finite[3] = {
         {1.0f, 1.0f}, Block8MultiplierOf(1.3f), Block8MultiplierOf(1e-19f)};
     for (const Block8Multiplier& k : finite) {
-      const uint32_t pair = cuda::EncodeSigned8x2Finite(x, y, k.mul);
-      if (k.pre != 1.0f || (pair & 0xffu) != Block8Encode<true>(x, k) ||
-          (pair >> 8) != Block8Encode<true>(y, k)) {
+      if (k.pre != 1.0f || !same(cuda::EncodeSigned8x2Finite(x, y, k.mul), k)) {
         return false;
       }
     }
