@@ -79,6 +79,7 @@ std::vector<Entry> Entries(const std::vector<Group*>& groups) {
         // a terminated string that lives as long as the program.
         const absl::string_view kind = StateSlotName(l.optimizer, slot);
         add(kind.data(), absl::StrCat(".", kind), md, mb, t.state[slot].data());
+        if (l.block8()) out.back().block8_slot = slot;
       }
       if (l.block8() && n > 0) {
         // One fp32 scale per block and slot (core/block8.h), saved as the

@@ -40,6 +40,7 @@ struct Entry {
   uint32_t crc = 0;
   uint32_t group = 0;
   const char* kind = "";        // param, master, remainder, exp_avg, ...
+  int block8_slot = -1;         // the state slot of block8 codes; -1 otherwise
   std::string key;              // the safetensors tensor the piece belongs to
   std::vector<uint64_t> shape;  // the tensor's; empty: [numel]
 };

@@ -16,6 +16,8 @@
 #include "common/fault_guard.h"
 #include "common/status_macros.h"
 #include "common/unique_fd.h"
+#include "core/block8.h"
+#include "core/layout.h"
 
 namespace optimd {
 
@@ -34,8 +36,28 @@ double Seconds() {
       .count();
 }
 
-// Reads every file tensor's bytes once and checks its checksum, changing
-// nothing, so that a corrupt file is refused before any state changes.
+// INVALID_ARGUMENT when a piece of block8 codes (`done` bytes into entry
+// e) holds a code no encoder writes (Block8CodeIsValid): the CPU and the
+// GPU would read it differently, so the file is refused whole.
+absl::Status CheckBlock8Codes(const Entry& e, const uint8_t* codes, uint64_t n,
+                              uint64_t done, const std::string& path) {
+  if (e.block8_slot < 0) return absl::OkStatus();
+  const bool is_signed = Block8SlotIsSigned(e.block8_slot);
+  for (uint64_t i = 0; i < n; ++i) {
+    if (Block8CodeIsValid(is_signed, codes[i])) continue;
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor '", e.name, "' of ", path, " holds 8-bit moment code 0x",
+        absl::Hex(codes[i]), " at element ", done + i,
+        ", which no encoder writes (", is_signed ? "exp_avg" : "exp_avg_sq",
+        " codes have magnitudes up to 0x", is_signed ? "78" : "f8",
+        "): the file was not written by SaveState; nothing was loaded"));
+  }
+  return absl::OkStatus();
+}
+
+// Reads every file tensor's bytes once and checks its checksum and its
+// block8 codes, changing nothing, so that a corrupt file is refused before
+// any state changes.
 absl::Status VerifyChecksums(int fd, const std::vector<Entry>& entries,
                              uint64_t data_start, const std::string& path) {
   constexpr uint64_t kChunk = uint64_t{4} << 20;
@@ -50,6 +72,7 @@ absl::Status VerifyChecksums(int fd, const std::vector<Entry>& entries,
       OPTIMD_RETURN_IF_ERROR(
           ReadAll(fd, buffer.data(), n, data_start + e.offset + done, path));
       crc = Crc32cExtend(crc, buffer.data(), n);
+      OPTIMD_RETURN_IF_ERROR(CheckBlock8Codes(e, buffer.data(), n, done, path));
       done += n;
     }
     if (RunEnds(entries, i) && crc != e.crc) {

@@ -122,6 +122,14 @@ OPTIMD_HOST_DEVICE inline float DecodeUnsigned8(uint8_t c) {
   return block8::DecodeUnit<5>(c);
 }
 
+// True when c is a code the encoders can write: magnitudes up to 1
+// (0x78 signed, 0xf8 unsigned). Checkpoint loads refuse others: 0x7f and
+// 0xff of a signed slot are NaN where the GPU decodes e4m3fn in hardware
+// but +-1.875 in DecodeSigned8, and no writer produces any of them.
+OPTIMD_HOST_DEVICE inline bool Block8CodeIsValid(bool is_signed, uint8_t c) {
+  return is_signed ? (c & 0x7fu) <= 0x78u : c <= 0xf8u;
+}
+
 // The larger of a block's running maximum and |x|; NaN wins. Magnitudes
 // only, so the result is the same in any order of the block's elements
 // (NaNs are made canonical by Block8Scale).

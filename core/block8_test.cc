@@ -67,6 +67,21 @@ TEST(Block8Test, OutOfRangeAndNaNReadAsOne) {
   EXPECT_EQ(EncodeUnsigned8(-0.0f), 0);
 }
 
+// Every code an encoder writes, from any float under any block multiplier,
+// is one Block8CodeIsValid accepts (the checkpoint loader refuses others).
+TEST(Block8Test, EveryWrittenCodeIsValid) {
+  const Block8Multiplier ks[] = {Block8MultiplierOf(1.0f),
+                                 Block8MultiplierOf(0x1p-100f),
+                                 Block8MultiplierOf(0.0f)};
+  for (uint64_t u = 0; u <= 0xffffffffu; u += 65521) {
+    const float x = BitsToFloat(static_cast<uint32_t>(u));
+    for (const Block8Multiplier& k : ks) {
+      ASSERT_TRUE(Block8CodeIsValid(true, Block8Encode<true>(x, k))) << u;
+      ASSERT_TRUE(Block8CodeIsValid(false, Block8Encode<false>(x, k))) << u;
+    }
+  }
+}
+
 TEST(Block8Test, BlockScaleIsTheLargestMagnitude) {
   std::vector<float> x(200);
   for (size_t i = 0; i < x.size(); ++i) {

@@ -63,9 +63,11 @@ class OneTensorSession {
   // `aliases`: the tensor's other names (a tied weight's).
   // `place`: a shard's (whole shape, offset), TensorSpec::global_shape and
   // global_offset; none for a whole tensor.
+  // `moments`: the group's moment dtype.
   explicit OneTensorSession(
       std::vector<std::string> aliases = {},
-      std::pair<std::vector<uint64_t>, std::vector<uint64_t>> place = {})
+      std::pair<std::vector<uint64_t>, std::vector<uint64_t>> place = {},
+      DType moments = DType::kFloat32)
       : backend_(CpuBackend::Options{1, 1024}), budget_(0) {
     session_ = std::make_unique<Session>(SessionIdentity{"hdr", 0, 1, -1},
                                          &backend_, &budget_,
@@ -79,6 +81,7 @@ class OneTensorSession {
     GroupSpec spec;
     spec.id = "g";
     spec.hyper.lr = 1e-3;
+    spec.moment_dtype = moments;
     TensorSpec t;
     t.name = "w";
     t.numel = 100;
@@ -635,6 +638,62 @@ TEST(CheckpointTest, MalformedHeaderFieldsAreRefusedAndChangeNothing) {
   WriteFile(saved->path, good);
   EXPECT_TRUE(LoadSession(s.session(), dir.path(), CheckpointOptions()).ok());
   EXPECT_TRUE(s.session().Step({}).ok());
+}
+
+// Block8 moment codes that no encoder writes (an exp_avg magnitude past
+// 0x78, which the GPU's e4m3fn decode reads as NaN, or an exp_avg_sq code
+// past 0xf8) are refused with the tensor and element named, in both
+// formats, and nothing changes; the largest valid codes load.
+TEST(CheckpointTest, Block8CodesNoEncoderWritesAreRefused) {
+  for (const bool packed : {false, true}) {
+    SCOPED_TRACE(packed ? "packed" : "per tensor");
+    OneTensorSession s({}, {}, DType::kBlock8);
+    ScratchDir dir;
+    CheckpointOptions options;
+    options.packed_above_header_bytes = packed ? 0 : ~uint64_t{0};
+    auto saved = SaveSession(s.session(), dir.path(), options);
+    ASSERT_TRUE(saved.ok()) << saved.status();
+    const std::string good = ReadFile(saved->path);
+    ASSERT_TRUE(s.session().Step({}).ok());
+    const std::string before = s.Fingerprint();
+    struct Case {
+      const char* slot;
+      uint8_t code;
+      bool valid;
+    };
+    for (const Case& c :
+         {Case{"exp_avg", 0x7f, false}, Case{"exp_avg", 0xff, false},
+          Case{"exp_avg", 0x79, false}, Case{"exp_avg_sq", 0xf9, false},
+          Case{"exp_avg", 0xf8, true}, Case{"exp_avg_sq", 0xf8, true}}) {
+      SCOPED_TRACE(absl::StrCat(c.slot, " ", c.code));
+      HeaderParts p = SplitCheckpoint(good);
+      const std::string key = packed ? absl::StrCat("g0.", c.slot, ".U8")
+                                     : absl::StrCat("w.", c.slot);
+      ASSERT_TRUE(p.header.contains(key)) << p.header.dump();
+      const uint64_t at = p.header[key]["data_offsets"][0].get<uint64_t>() + 7;
+      const uint64_t end = p.header[key]["data_offsets"][1].get<uint64_t>();
+      p.data[at] = char(c.code);
+      p.meta["crc32c"][key] = absl::StrCat(
+          absl::Hex(Crc32cExtend(0, p.data.data() + at - 7, end - at + 7),
+                    absl::kZeroPad8));
+      WriteFile(saved->path, JoinCheckpoint(p));
+      auto loaded = LoadSession(s.session(), dir.path(), CheckpointOptions());
+      if (c.valid) {
+        EXPECT_TRUE(loaded.ok()) << loaded.status();
+        continue;
+      }
+      EXPECT_EQ(loaded.status().code(), absl::StatusCode::kInvalidArgument)
+          << loaded.status();
+      EXPECT_NE(loaded.status().message().find(
+                    absl::StrCat("tensor 'w.", c.slot, "'")),
+                std::string::npos)
+          << loaded.status();
+      EXPECT_NE(loaded.status().message().find("at element 7"),
+                std::string::npos)
+          << loaded.status();
+      EXPECT_EQ(s.Fingerprint(), before);
+    }
+  }
 }
 
 // A tied weight's aliases are written into its group's metadata in both
