@@ -127,6 +127,11 @@ class Block8Test(DaemonTestCase):
         self.assertEqual(block8_values(codes, scales, True).tolist(),
                          [2.0, -2.0, 2.0 ** -16, 0.0, 2.0 ** -13])
         self.assertEqual(block8_values(codes, scales, False)[1].item(), 2.0)
+        for code, signed in ((0x7F, True), (0xFF, True), (0x79, True),
+                             (0xF9, False)):
+            bad = torch.tensor([0x01, code], dtype=torch.uint8)
+            with self.assertRaisesRegex(ValueError, "at element 1"):
+                block8_values(bad, scales, signed)
 
     def test_refusals(self):
         with self.assertRaisesRegex(ValueError, "AdamW/Adam moments only"):

@@ -139,8 +139,6 @@ def _block8_table(signed):
         e, m = mag >> 3, mag & 7
         v = 2.0 ** (e - max_exp) * (1 + m / 8) if e else \
             m * 2.0 ** (1 - max_exp - 3)
-        if e > max_exp:
-            v = float("nan")  # not a code the daemon writes
         values.append(-v if signed and c & 0x80 else v)
     return torch.tensor(values, dtype=torch.float64).to(torch.float32)
 
@@ -152,6 +150,16 @@ def block8_values(codes, scales, signed):
     codes = codes.reshape(-1)
     if codes.numel() == 0:
         return torch.empty(0, dtype=torch.float32)
+    # Codes no encoder writes (magnitudes past 1.0), which the daemon's
+    # load refuses too.
+    bad = ((codes & 0x7F) > 0x78) if signed else (codes > 0xF8)
+    if bool(bad.any()):
+        at = int(bad.nonzero()[0])
+        raise ValueError(
+            "8-bit moment code 0x%02x at element %d is not one the daemon "
+            "writes (%s codes have magnitudes up to 0x%s)" % (
+                int(codes[at]), at, "exp_avg" if signed else "exp_avg_sq",
+                "78" if signed else "f8"))
     block = torch.arange(codes.numel()) // _BLOCK8_ELEMENTS
     return _block8_table(signed)[codes.long()] * scales.reshape(-1)[block]
 
