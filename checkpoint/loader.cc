@@ -37,8 +37,8 @@ double Seconds() {
 }
 
 // INVALID_ARGUMENT when a piece of block8 codes (`done` bytes into entry
-// e) holds a code no encoder writes (Block8CodeIsValid): the CPU and the
-// GPU would read it differently, so the file is refused whole.
+// e) holds a code no encoder writes (Block8CodeIsValid): a file SaveState
+// did not write, refused whole.
 absl::Status CheckBlock8Codes(const Entry& e, const uint8_t* codes, uint64_t n,
                               uint64_t done, const std::string& path) {
   if (e.block8_slot < 0) return absl::OkStatus();

@@ -123,9 +123,10 @@ OPTIMD_HOST_DEVICE inline float DecodeUnsigned8(uint8_t c) {
 }
 
 // True when c is a code the encoders can write: magnitudes up to 1
-// (0x78 signed, 0xf8 unsigned). Checkpoint loads refuse others: 0x7f and
-// 0xff of a signed slot are NaN where the GPU decodes e4m3fn in hardware
-// but +-1.875 in DecodeSigned8, and no writer produces any of them.
+// (0x78 signed, 0xf8 unsigned). Checkpoint loads refuse others: they
+// would read back above their block's scale, which the block rule keeps
+// the largest magnitude, and exp_avg's 0x7f and 0xff are NaN as e4m3fn
+// codes; no writer produces any of them.
 OPTIMD_HOST_DEVICE inline bool Block8CodeIsValid(bool is_signed, uint8_t c) {
   return is_signed ? (c & 0x7fu) <= 0x78u : c <= 0xf8u;
 }

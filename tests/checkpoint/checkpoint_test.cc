@@ -641,7 +641,7 @@ TEST(CheckpointTest, MalformedHeaderFieldsAreRefusedAndChangeNothing) {
 }
 
 // Block8 moment codes that no encoder writes (an exp_avg magnitude past
-// 0x78, which the GPU's e4m3fn decode reads as NaN, or an exp_avg_sq code
+// 0x78, whose 0x7f and 0xff are NaN as e4m3fn codes, or an exp_avg_sq code
 // past 0xf8) are refused with the tensor and element named, in both
 // formats, and nothing changes; the largest valid codes load.
 TEST(CheckpointTest, Block8CodesNoEncoderWritesAreRefused) {
