@@ -223,6 +223,14 @@ struct HeaderParts {
   std::string data;       // the data section
 };
 
+// Options that save in the packed format (format 2) or, whatever the
+// header's size, per tensor (format 1).
+CheckpointOptions InFormat(bool packed) {
+  CheckpointOptions options;
+  options.packed_above_header_bytes = packed ? 0 : ~uint64_t{0};
+  return options;
+}
+
 HeaderParts SplitCheckpoint(const std::string& file) {
   uint64_t hl = 0;
   for (int i = 0; i < 8; ++i) hl |= uint64_t{uint8_t(file[i])} << (8 * i);
@@ -649,9 +657,7 @@ TEST(CheckpointTest, Block8CodesNoEncoderWritesAreRefused) {
     SCOPED_TRACE(packed ? "packed" : "per tensor");
     OneTensorSession s({}, {}, DType::kBlock8);
     ScratchDir dir;
-    CheckpointOptions options;
-    options.packed_above_header_bytes = packed ? 0 : ~uint64_t{0};
-    auto saved = SaveSession(s.session(), dir.path(), options);
+    auto saved = SaveSession(s.session(), dir.path(), InFormat(packed));
     ASSERT_TRUE(saved.ok()) << saved.status();
     const std::string good = ReadFile(saved->path);
     ASSERT_TRUE(s.session().Step({}).ok());
@@ -670,11 +676,11 @@ TEST(CheckpointTest, Block8CodesNoEncoderWritesAreRefused) {
       const std::string key = packed ? absl::StrCat("g0.", c.slot, ".U8")
                                      : absl::StrCat("w.", c.slot);
       ASSERT_TRUE(p.header.contains(key)) << p.header.dump();
-      const uint64_t at = p.header[key]["data_offsets"][0].get<uint64_t>() + 7;
+      const uint64_t begin = p.header[key]["data_offsets"][0].get<uint64_t>();
       const uint64_t end = p.header[key]["data_offsets"][1].get<uint64_t>();
-      p.data[at] = char(c.code);
+      p.data[begin + 7] = char(c.code);
       p.meta["crc32c"][key] = absl::StrCat(
-          absl::Hex(Crc32cExtend(0, p.data.data() + at - 7, end - at + 7),
+          absl::Hex(Crc32cExtend(0, p.data.data() + begin, end - begin),
                     absl::kZeroPad8));
       WriteFile(saved->path, JoinCheckpoint(p));
       auto loaded = LoadSession(s.session(), dir.path(), CheckpointOptions());
@@ -705,9 +711,7 @@ TEST(CheckpointTest, AliasesRoundTripInBothFormats) {
     SCOPED_TRACE(packed ? "packed" : "per tensor");
     OneTensorSession s(aliases);
     ScratchDir dir;
-    CheckpointOptions options;
-    options.packed_above_header_bytes = packed ? 0 : ~uint64_t{0};
-    auto saved = SaveSession(s.session(), dir.path(), options);
+    auto saved = SaveSession(s.session(), dir.path(), InFormat(packed));
     ASSERT_TRUE(saved.ok()) << saved.status();
     const std::string good = ReadFile(saved->path);
     HeaderParts p = SplitCheckpoint(good);
@@ -805,9 +809,7 @@ TEST(CheckpointTest, ShardPlacesRoundTripInBothFormats) {
     SCOPED_TRACE(packed ? "packed" : "per tensor");
     OneTensorSession s({}, {{300}, {100}});
     ScratchDir dir;
-    CheckpointOptions options;
-    options.packed_above_header_bytes = packed ? 0 : ~uint64_t{0};
-    auto saved = SaveSession(s.session(), dir.path(), options);
+    auto saved = SaveSession(s.session(), dir.path(), InFormat(packed));
     ASSERT_TRUE(saved.ok()) << saved.status();
     HeaderParts p = SplitCheckpoint(ReadFile(saved->path));
     EXPECT_EQ(p.meta["groups"][0]["shards"],
