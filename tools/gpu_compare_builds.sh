@@ -4,34 +4,41 @@
 # the machine falls on all alike.
 #
 #   tools/gpu_compare_builds.sh [--reps=N] [--bench_args="..."] \
-#       [--tests="gtest filter"] NAME=REV [NAME=REV ...]
+#       [--tests="gtest filter"] [--bundle=REV] NAME=REV [NAME=REV ...]
 #
 # Here: builds the benchmark at each git revision REV (branch, tag or
 # commit; the working tree must be clean, and is left on the revision it
-# was on), then tools/gpu_bundle.sh of the current revision (its tests
-# check the bits of the current revision's kernels), and writes
+# was on), then tools/gpu_bundle.sh of revision --bundle (the current one
+# unless given; its tests check the bits of that revision's kernels), and
+# writes
 # .gpu/compare.sh. On the GPU machine, from the repository root:
 #
 #   bash .gpu/compare.sh
 #
-# runs the current revision's cuda_backend_test (--tests: a gtest filter;
+# runs the bundled revision's cuda_backend_test (--tests: a gtest filter;
 # empty skips it), then each build's benchmark with --bench_args, the
 # builds in the order given, N times over.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# All of it in one function, which bash reads whole before it runs: the
+# checkouts below may change or remove this file.
+compare_builds() {
 reps=2
 bench_args="--params=1e9 --modes=assume_finite"
 tests="*"
+bundle_rev=
 builds=()
 for arg in "$@"; do
   case "$arg" in
     --reps=*) reps=${arg#--reps=} ;;
     --bench_args=*) bench_args=${arg#--bench_args=} ;;
     --tests=*) tests=${arg#--tests=} ;;
+    --bundle=*) bundle_rev=${arg#--bundle=} ;;
     *=*) builds+=("$arg") ;;
     *)
       echo "usage: tools/gpu_compare_builds.sh [--reps=N]" \
-        "[--bench_args=\"...\"] [--tests=FILTER] NAME=REV..." >&2
+        "[--bench_args=\"...\"] [--tests=FILTER] [--bundle=REV] NAME=REV..." >&2
       exit 2
       ;;
   esac
@@ -61,8 +68,9 @@ for b in "${builds[@]}"; do
   echo "$name $(git rev-parse --short HEAD)" >>"$scratch/builds.txt"
   names+=("$name")
 done
-git checkout -q "$here"
+git checkout -q "${bundle_rev:-$here}"
 bash tools/gpu_bundle.sh --tests_only
+git checkout -q "$here"
 cp "$scratch"/cuda_step_bench_*.xz "$scratch/builds.txt" .gpu/
 {
   echo '#!/usr/bin/env bash'
@@ -85,3 +93,6 @@ cp "$scratch"/cuda_step_bench_*.xz "$scratch/builds.txt" .gpu/
 } >.gpu/compare.sh
 chmod +x .gpu/compare.sh
 echo "== .gpu/compare.sh times ${names[*]} ($(du -sh .gpu | cut -f1) to carry)"
+}
+compare_builds "$@"
+exit
