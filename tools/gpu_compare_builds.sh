@@ -21,58 +21,36 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# All of it in one function, which bash reads whole before it runs: the
-# checkouts below may change or remove this file.
-compare_builds() {
-reps=2
-bench_args="--params=1e9 --modes=assume_finite"
-tests="*"
-bundle_rev=
-builds=()
-for arg in "$@"; do
-  case "$arg" in
-    --reps=*) reps=${arg#--reps=} ;;
-    --bench_args=*) bench_args=${arg#--bench_args=} ;;
-    --tests=*) tests=${arg#--tests=} ;;
-    --bundle=*) bundle_rev=${arg#--bundle=} ;;
-    *=*) builds+=("$arg") ;;
-    *)
-      echo "usage: tools/gpu_compare_builds.sh [--reps=N]" \
-        "[--bench_args=\"...\"] [--tests=FILTER] [--bundle=REV] NAME=REV..." >&2
-      exit 2
-      ;;
-  esac
-done
-if [ ${#builds[@]} -eq 0 ]; then
-  echo "gpu_compare_builds: name at least one build as NAME=REV" >&2
+usage() {
+  echo "usage: tools/gpu_compare_builds.sh [--reps=N]" \
+    "[--bench_args=\"...\"] [--tests=FILTER] [--bundle=REV] NAME=REV..." >&2
   exit 2
-fi
-if [ -n "$(git status --porcelain --untracked-files=no)" ]; then
-  echo "gpu_compare_builds: commit or stash the tree's changes first" >&2
-  exit 1
-fi
-here=$(git symbolic-ref --quiet --short HEAD || git rev-parse HEAD)
-scratch=$(mktemp -d)
-trap 'git checkout -q "$here"; rm -rf "$scratch"' EXIT
-names=()
-for b in "${builds[@]}"; do
-  name=${b%%=*}
-  rev=${b#*=}
-  if ! [[ "$name" =~ ^[A-Za-z0-9_]+$ ]]; then
-    echo "gpu_compare_builds: build names are letters, digits and _" >&2
-    exit 2
-  fi
-  git checkout -q "$rev"
-  bazel build //bench:cuda_step_bench
-  xz -T0 -3 -c bazel-bin/bench/cuda_step_bench >"$scratch/cuda_step_bench_$name.xz"
-  echo "$name $(git rev-parse --short HEAD)" >>"$scratch/builds.txt"
-  names+=("$name")
-done
-git checkout -q "${bundle_rev:-$here}"
-bash tools/gpu_bundle.sh --tests_only
-git checkout -q "$here"
-cp "$scratch"/cuda_step_bench_*.xz "$scratch/builds.txt" .gpu/
-{
+}
+
+# Builds the benchmark at each of `builds` (NAME=REV) into $scratch as
+# cuda_step_bench_NAME.xz, and lists them in $scratch/builds.txt; sets
+# `names`.
+build_revisions() {
+  local b name
+  names=()
+  for b in "${builds[@]}"; do
+    name=${b%%=*}
+    if ! [[ "$name" =~ ^[A-Za-z0-9_]+$ ]]; then
+      echo "gpu_compare_builds: build names are letters, digits and _" >&2
+      exit 2
+    fi
+    git checkout -q "${b#*=}"
+    bazel build //bench:cuda_step_bench
+    xz -T0 -3 -c bazel-bin/bench/cuda_step_bench \
+      >"$scratch/cuda_step_bench_$name.xz"
+    echo "$name $(git rev-parse --short HEAD)" >>"$scratch/builds.txt"
+    names+=("$name")
+  done
+}
+
+# The GPU machine's script: unpack, the bundled tests, then the builds'
+# benchmarks in turn.
+write_compare_script() {
   echo '#!/usr/bin/env bash'
   echo '# Written by tools/gpu_compare_builds.sh; run from the repository root.'
   echo 'cd "$(dirname "$0")/.."'
@@ -90,9 +68,46 @@ cp "$scratch"/cuda_step_bench_*.xz "$scratch/builds.txt" .gpu/
   printf '  echo "== $b at $(($(date +%%s) - t0)) s"\n'
   printf '  timeout 120 .gpu/cuda_step_bench_$b %s 2>&1 | grep --line-buffered -E "RESULT|rror"\n' "$bench_args"
   echo 'done; done'
-} >.gpu/compare.sh
-chmod +x .gpu/compare.sh
-echo "== .gpu/compare.sh times ${names[*]} ($(du -sh .gpu | cut -f1) to carry)"
 }
-compare_builds "$@"
-exit
+
+# All of it in functions, which bash reads whole before it runs them: the
+# checkouts may change or remove this file.
+main() {
+  reps=2
+  bench_args="--params=1e9 --modes=assume_finite"
+  tests="*"
+  bundle_rev=
+  builds=()
+  local arg
+  for arg in "$@"; do
+    case "$arg" in
+      --reps=*) reps=${arg#--reps=} ;;
+      --bench_args=*) bench_args=${arg#--bench_args=} ;;
+      --tests=*) tests=${arg#--tests=} ;;
+      --bundle=*) bundle_rev=${arg#--bundle=} ;;
+      *=*) builds+=("$arg") ;;
+      *) usage ;;
+    esac
+  done
+  if [ ${#builds[@]} -eq 0 ]; then
+    echo "gpu_compare_builds: name at least one build as NAME=REV" >&2
+    exit 2
+  fi
+  if [ -n "$(git status --porcelain --untracked-files=no)" ]; then
+    echo "gpu_compare_builds: commit or stash the tree's changes first" >&2
+    exit 1
+  fi
+  here=$(git symbolic-ref --quiet --short HEAD || git rev-parse HEAD)
+  scratch=$(mktemp -d)
+  trap 'git checkout -q "$here"; rm -rf "$scratch"' EXIT
+  build_revisions
+  git checkout -q "${bundle_rev:-$here}"
+  bash tools/gpu_bundle.sh --tests_only
+  git checkout -q "$here"
+  cp "$scratch"/cuda_step_bench_*.xz "$scratch/builds.txt" .gpu/
+  write_compare_script >.gpu/compare.sh
+  chmod +x .gpu/compare.sh
+  echo "== .gpu/compare.sh times ${names[*]} ($(du -sh .gpu | cut -f1) to carry)"
+}
+
+main "$@"; exit
