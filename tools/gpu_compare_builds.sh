@@ -10,8 +10,7 @@
 # commit; the working tree must be clean, and is left on the revision it
 # was on), then tools/gpu_bundle.sh of revision --bundle (the current one
 # unless given; its tests check the bits of that revision's kernels), and
-# writes
-# .gpu/compare.sh. On the GPU machine, from the repository root:
+# writes .gpu/compare.sh. On the GPU machine, from the repository root:
 #
 #   bash .gpu/compare.sh
 #
@@ -56,10 +55,8 @@ write_compare_script() {
   echo 'cd "$(dirname "$0")/.."'
   echo 'nvidia-smi --query-gpu=name --format=csv,noheader; date -u; cat .gpu/builds.txt'
   echo 't0=$(date +%s)'
-  echo 'tar -xJf .gpu/bundle.tar.xz -C .gpu && rm .gpu/bundle.tar.xz'
+  echo 'source tools/gpu_env.sh'
   echo 'for f in .gpu/cuda_step_bench_*.xz; do xz -d "$f" && chmod +x "${f%.xz}"; done'
-  echo 'nccl_lib=$(python3 -c '"'"'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))'"'"' 2>/dev/null)'
-  echo 'export LD_LIBRARY_PATH=.gpu/lib${nccl_lib:+:$nccl_lib}'
   if [ -n "$tests" ]; then
     printf '.gpu/cuda_backend_test --gtest_filter=%q 2>&1 | grep -E "FAILED|PASSED|tests ran"\n' "$tests"
     echo 'echo "== tests done at $(($(date +%s) - t0)) s"'
@@ -71,7 +68,8 @@ write_compare_script() {
 }
 
 # All of it in functions, which bash reads whole before it runs them: the
-# checkouts may change or remove this file.
+# checkouts may change or remove this file. The exit trap takes the tree
+# back to the revision it was on.
 main() {
   reps=2
   bench_args="--params=1e9 --modes=assume_finite"
@@ -103,7 +101,6 @@ main() {
   build_revisions
   git checkout -q "${bundle_rev:-$here}"
   bash tools/gpu_bundle.sh --tests_only
-  git checkout -q "$here"
   cp "$scratch"/cuda_step_bench_*.xz "$scratch/builds.txt" .gpu/
   write_compare_script >.gpu/compare.sh
   chmod +x .gpu/compare.sh

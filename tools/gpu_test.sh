@@ -24,16 +24,8 @@ for arg in "$@"; do
       ;;
   esac
 done
-# tools/gpu_bundle.sh packs the bundle into one archive (the device
-# machine takes the tree and .gpu together up to 64 MiB).
-if [ -f .gpu/bundle.tar.xz ]; then
-  tar -xJf .gpu/bundle.tar.xz -C .gpu && rm .gpu/bundle.tar.xz
-fi
-# torch's NCCL (the bundle has none of its own).
-nccl_lib=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)
-export LD_LIBRARY_PATH=.gpu/lib${nccl_lib:+:$nccl_lib} OPTIMD_BINARY=.gpu/optimd
-export OPTIMD_STEP_CHANNEL_LIB=$PWD/.gpu/liboptimd_step_channel.so
-export PYTHONPATH=client/python
+# shellcheck source=tools/gpu_env.sh
+source tools/gpu_env.sh
 failed=0
 started=$(date +%s)
 run() {
